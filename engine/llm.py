@@ -1,0 +1,69 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, and a streaming iterator."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine, RequestOutput
+from .sampling_params import SamplingParams
+from .tokenizer import encode_chat, encode_prompt
+
+
+class LLM:
+    """Builds an engine through the start-up pipeline, then generates for batches of prompts.
+
+    Keyword arguments are EngineConfig fields (e.g. `max_model_len=2048`, `dtype="bfloat16"`), or a ready
+    `config=EngineConfig(...)`.
+    """
+
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        from .startup import build_engine
+
+        if config is None:
+            config = EngineConfig.from_flat(**({"model": model} if model else {}), **kwargs)
+        elif model is not None or kwargs:
+            raise ValueError("pass either config=EngineConfig(...) or keyword fields, not both")
+        self.config = config
+        self.startup = build_engine(config)
+        self.engine: LLMEngine = self.startup.engine
+        self.tokenizer = self.engine.tokenizer
+
+    def _add(self, prompts: Sequence[str] | str, params: SamplingParams | None, chat: bool) -> list[str]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        encoded = [encode_prompt(self.tokenizer, p, chat=chat) for p in prompts]
+        # Validate the whole batch first, so a bad prompt leaves no half-added batch behind.
+        for tokens in encoded:
+            self.engine.validate_length(len(tokens), params or SamplingParams())
+        return [
+            self.engine.add_request(p, params, prompt_token_ids=tokens).request_id for p, tokens in zip(prompts, encoded)
+        ]
+
+    def generate(
+        self, prompts: Sequence[str] | str, params: SamplingParams | None = None, *, chat: bool = False
+    ) -> list[RequestOutput]:
+        """Run all prompts to completion in one continuous batch; results come back in prompt order."""
+        order = self._add(prompts, params, chat)
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[r] for r in order]
+
+    def stream(
+        self, prompts: Sequence[str] | str, params: SamplingParams | None = None, *, chat: bool = False
+    ) -> Iterator[RequestOutput]:
+        """Yield partial outputs as tokens arrive; each output's `delta` is the newly streamable text."""
+        self._add(prompts, params, chat)
+        while self.engine.has_unfinished():
+            yield from self.engine.step()
+
+    def chat(self, messages: list[dict[str, str]], params: SamplingParams | None = None) -> RequestOutput:
+        tokens = encode_chat(self.tokenizer, messages)
+        rid = self.engine.add_request(None, params, prompt_token_ids=tokens).request_id
+        while True:
+            for out in self.engine.step():
+                if out.request_id == rid and out.finished:
+                    return out

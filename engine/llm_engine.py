@@ -1,0 +1,235 @@
+"""The engine loop: add requests, step (schedule -> run model -> sample -> detokenize -> finish), abort."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    delta: str = ""  # text that became safe to stream in this step
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finished_time: float | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.monotonic)
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        seed: int = 0,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.runner = runner
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+        # Unseeded requests draw their seeds from here, so a whole run is reproducible from the engine seed.
+        self._rng = torch.Generator().manual_seed(seed)
+        self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0
+
+    @property
+    def block_manager(self) -> Any:
+        return self.scheduler.block_manager
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def validate_length(self, prompt_len: int, params: SamplingParams) -> None:
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty; send at least one token")
+        if prompt_len + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt tokens ({prompt_len}) + max_tokens ({params.max_tokens}) = "
+                f"{prompt_len + params.max_tokens} exceeds max-model-len ({self.max_model_len}); "
+                f"shorten the prompt or lower max_tokens"
+            )
+
+    def add_request(
+        self,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> Request:
+        params = params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt or prompt_token_ids")
+            prompt_token_ids = list(self.tokenizer(prompt)["input_ids"])
+        self.validate_length(len(prompt_token_ids), params)
+        rid = request_id or f"req-{next(self._req_ids)}"
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        req = Request(rid, prompt, list(prompt_token_ids), params)
+        for i in range(params.n):
+            if params.seed is not None:
+                gen = torch.Generator().manual_seed(params.seed + i)
+            else:
+                gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._rng)))
+            seq = Sequence(
+                seq_id=next(self._seq_ids),
+                request_id=rid,
+                index=i,
+                prompt_token_ids=req.prompt_token_ids,
+                params=params,
+                detok=IncrementalDetokenizer(
+                    self.tokenizer,
+                    req.prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop,
+                ),
+                generator=gen,
+                arrival_time=req.arrival_time,
+            )
+            req.seqs.append(seq)
+        for seq in req.seqs:
+            self.scheduler.add(seq)
+        self.requests[rid] = req
+        self.num_prompt_tokens += len(prompt_token_ids)
+        return req
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its KV blocks are free when this returns."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.abort(seq)
+        return True
+
+    def _finish_reason(self, seq: Sequence, token: int, stopped_by_string: bool) -> str | None:
+        p = seq.params
+        if stopped_by_string or token in p.stop_token_ids:
+            return "stop"
+        if token in self.eos_token_ids and not p.ignore_eos:
+            return "stop"
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        results = self.runner.execute(out.scheduled)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for sched, sample in results:
+            seq = sched.seq
+            seq.num_computed_tokens += sched.num_new_tokens
+            self.scheduler.block_manager.commit(seq)
+            if sample is None:
+                continue
+            token = sample.token_id
+            seq.output_token_ids.append(token)
+            if sample.logprobs is not None:
+                seq.logprobs.append(sample.logprobs)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            self.num_generated_tokens += 1
+            is_terminal = token in seq.params.stop_token_ids or (
+                token in self.eos_token_ids and not seq.params.ignore_eos
+            )
+            stopped = False if is_terminal else seq.detok.append(token)
+            reason = self._finish_reason(seq, token, stopped)
+            if reason is not None:
+                if reason == "length":
+                    seq.detok.flush()
+                self.scheduler.finish(seq, reason)
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            if req.finished:
+                req.finished_time = now
+                del self.requests[req.request_id]
+            outputs.append(self.make_output(req))
+        return outputs
+
+    def make_output(self, req: Request) -> RequestOutput:
+        comps = [
+            CompletionOutput(
+                index=s.index,
+                text=s.text,
+                token_ids=list(s.output_token_ids),
+                finish_reason=s.finish_reason,
+                delta=s.detok.take_stream_delta(s.is_finished),
+                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+            )
+            for s in req.seqs
+        ]
+        first = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        sched = [s.first_scheduled_time for s in req.seqs if s.first_scheduled_time is not None]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=comps,
+            finished=req.finished,
+            num_cached_tokens=max((s.num_cached_tokens for s in req.seqs), default=0),
+            metrics=RequestMetrics(req.arrival_time, min(sched, default=None), min(first, default=None), req.finished_time),
+        )

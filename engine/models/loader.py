@@ -1,0 +1,137 @@
+"""Read a Hugging Face safetensors checkpoint by mmap and place it into a model built on the meta device.
+
+The model never holds random init weights, and weights already in the target dtype are used straight from the
+mmap (zero copy), so no second full copy of the weights is ever made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from .arch import ModelArch, ModelError
+from .llama import DecoderLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Tensors some exporters write that the model derives itself.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class CheckpointData:
+    state_dict: dict[str, torch.Tensor]
+    files: list[Path]
+    bytes_read: int
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelError(f"{index}: not a valid safetensors index ({exc}); re-export the model") from exc
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelError(f"{index}: lists shard(s) that do not exist: {', '.join(missing)}; copy them in")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if found:
+        return found
+    raise ModelError(
+        f"{model_dir}: no *.safetensors weights found. Save the model with save_pretrained(safe_serialization=True)."
+    )
+
+
+def read_checkpoint(model_dir: Path) -> CheckpointData:
+    """mmap every shard; raises ModelError naming the file when one is truncated or corrupt."""
+    sd: dict[str, torch.Tensor] = {}
+    files = checkpoint_files(model_dir)
+    total = 0
+    for f in files:
+        try:
+            part = load_file(str(f), device="cpu")
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise ModelError(
+                f"{f}: cannot read safetensors file ({exc}). The file is truncated or corrupt: "
+                f"re-download or re-export it."
+            ) from exc
+        sd.update(part)
+        total += os.path.getsize(f)
+    return CheckpointData(state_dict=sd, files=files, bytes_read=total)
+
+
+def resolve_dtype(name: str, arch: ModelArch, device: str) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    # fp32 on the CPU keeps exact parity with the reference implementation; bf16 on GPUs.
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+def build_meta_model(arch: ModelArch) -> DecoderLM:
+    with torch.device("meta"):
+        return DecoderLM(arch)
+
+
+def check_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    """Match checkpoint tensors to the model by name and shape; return only the tensors the model takes."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    tied = getattr(getattr(model, "arch", None), "tie_word_embeddings", False)
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ModelError(
+            f"{where}: checkpoint is missing tensor {missing[0]!r}{more}: "
+            f"{', '.join(missing[:5])}. The checkpoint does not match config.json; re-export it or fix config.json."
+        )
+    for name, shape in expected.items():
+        actual = tuple(sd[name].shape)
+        if actual != shape:
+            raise ModelError(
+                f"{where}: tensor {name!r} has shape {list(actual)}, expected {list(shape)} from config.json. "
+                f"The checkpoint and config.json disagree; use the config.json that came with these weights."
+            )
+    extra = [k for k in sd if k not in expected and not k.endswith(_IGNORED_SUFFIXES)]
+    if tied:
+        extra = [k for k in extra if k != "lm_head.weight"]
+    if extra:
+        raise ModelError(
+            f"{where}: checkpoint has tensor {extra[0]!r} that this {type(model).__name__} does not use "
+            f"({len(extra)} in all); the checkpoint's architecture does not match config.json."
+        )
+    return {k: sd[k] for k in expected}
+
+
+def materialize(
+    model: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: str, where: Path
+) -> None:
+    """Assign checkpoint tensors into the meta model; casts only the tensors not already in `dtype`."""
+    wanted = check_state_dict(model, sd, where)
+    for k, t in wanted.items():
+        if t.is_floating_point() and t.dtype != dtype:
+            wanted[k] = t.to(dtype)
+        if str(wanted[k].device) != device:
+            wanted[k] = wanted[k].to(device)
+    model.load_state_dict(wanted, strict=True, assign=True)
+    model.eval().requires_grad_(False)
+
+
+def load_model(
+    model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: str, max_positions: int
+) -> tuple[DecoderLM, CheckpointData]:
+    ckpt = read_checkpoint(model_dir)
+    model = build_meta_model(arch)
+    materialize(model, ckpt.state_dict, dtype, device, model_dir)
+    model.model.rotary_emb.build(max_positions, device)
+    return model, ckpt

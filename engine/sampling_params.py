@@ -1,0 +1,56 @@
+"""Sampling parameters: one validated schema shared by the offline API, the CLI and the HTTP server."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    n: int = Field(1, ge=1, le=16, description="Completions per prompt.")
+    temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 means greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0 disables.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    max_tokens: int = Field(16, ge=1, description="Most new tokens.")
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top-n logprobs per output token.")
+    skip_special_tokens: bool = True
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v: object) -> object:
+        if v is None:
+            return ()
+        if isinstance(v, str):
+            return (v,)
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_ok(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(v)})")
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @model_validator(mode="after")
+    def _greedy_seed(self) -> SamplingParams:
+        if self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

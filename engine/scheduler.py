@@ -1,0 +1,142 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Every step gets a token budget (`max_num_batched_tokens`). Running sequences are served first, in arrival order:
+one token each when decoding, the next chunk of the prompt when still prefilling. When the KV cache runs out, the
+most recently arrived running sequence is preempted: its blocks are freed and it goes back to the front of the
+waiting queue, to be recomputed later (FIFO fairness: the oldest requests keep making progress). Then waiting
+sequences are admitted in arrival order while budget, blocks and `max_num_seqs` allow.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from .config import CacheConfig, SchedulerConfig
+from .block_manager import BlockManager
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the end of the known tokens, so that it produces the next token?"""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int) -> None:
+        self.cfg = sched
+        self.max_model_len = max_model_len
+        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        need = self.block_manager.blocks_needed(min(seq.num_tokens + seq.params.max_tokens, self.max_model_len))
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request needs {need} KV blocks but the cache has {self.block_manager.num_blocks}; "
+                f"lower max_tokens or give the KV cache more memory"
+            )
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.block_manager.free_seq(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.cfg.max_num_batched_tokens
+        bm = self.block_manager
+        now = time.monotonic()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.allocate(seq, n):
+                victim = self.running.pop()  # the newest arrival
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+                i += 1
+                continue
+            break  # `seq` itself was preempted: nothing after it is left either
+
+        # After a preemption the cache is full: admitting newcomers now would only thrash.
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                bm.allocate_prefix(seq)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.cfg.enable_chunked_prefill:
+                break
+            if not bm.allocate(seq, n):
+                if not self.running and not out.scheduled:
+                    # Nothing else holds blocks; shrink the chunk to what fits rather than stall forever.
+                    fit = bm.num_free_blocks * bm.block_size + len(seq.block_table) * bm.block_size
+                    n = fit - seq.num_computed_tokens
+                    if n <= 0 or not bm.allocate(seq, n):
+                        bm.free_seq(seq)
+                        break
+                else:
+                    # Give back prefix blocks so waiting does not pin cache memory.
+                    bm.free_seq(seq)
+                    break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        return out
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free_seq(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq, "abort")

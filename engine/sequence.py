@@ -1,0 +1,64 @@
+"""One generated sequence: its tokens, its place in the KV cache and its progress through the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+@dataclass(eq=False)  # identity semantics: queues look sequences up with `in` and `remove`
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    generator: torch.Generator | None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of the full blocks so far
+    num_computed_tokens: int = 0  # tokens whose KV are in the cache
+    num_cached_tokens: int = 0  # of those, how many came from the prefix cache
+    finish_reason: str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    @property
+    def text(self) -> str:
+        return self.detok.output_text

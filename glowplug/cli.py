@@ -1,0 +1,143 @@
+"""The `glowplug` command. Heavy imports (torch, transformers) happen inside the commands, after the entry
+timestamp is taken, so the start-up table can show the interpreter start and the imports as rows of their own."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .flags import FlagError, add_model_flags, explain, load_config_file
+
+Command = Callable[[argparse.Namespace], int]
+
+GENERATE_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "max_tokens": 64}
+
+
+def _engine_parent() -> argparse.ArgumentParser:
+    from glowplug.engine.config import EngineConfig
+
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("engine (one flag per EngineConfig field)")
+    g.add_argument("--config", type=Path, help="A .json or .toml file of engine flags (flags given here win).")
+    add_model_flags(g, EngineConfig, exclude={"model"})
+    return p
+
+
+def _sampling_parent(defaults: dict[str, Any]) -> argparse.ArgumentParser:
+    from glowplug.engine.sampling_params import SamplingParams
+
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("sampling (one flag per SamplingParams field)")
+    # --seed belongs to the engine: it seeds every request that does not bring its own seed.
+    add_model_flags(g, SamplingParams, exclude={"seed"}, defaults=defaults)
+    return p
+
+
+def engine_config(args: argparse.Namespace) -> Any:
+    from glowplug.engine.config import EngineConfig, SchedulerConfig, CacheConfig, QuantConfig
+
+    fields: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        fields.update(load_config_file(args.config))
+    names = set(EngineConfig.model_fields) | set(SchedulerConfig.model_fields)
+    names |= set(CacheConfig.model_fields) | set(QuantConfig.model_fields)
+    fields.update({k: v for k, v in vars(args).items() if k in names})
+    if getattr(args, "model", None):
+        fields["model"] = args.model
+    unknown = set(fields) - names - {"scheduler", "cache", "quant"}
+    if unknown:
+        raise FlagError(f"unknown setting(s) {', '.join(sorted(unknown))}; see `glowplug startup --help`")
+    return EngineConfig.from_flat(**fields)
+
+
+def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
+    from glowplug.engine.sampling_params import SamplingParams
+
+    given = {k: v for k, v in vars(args).items() if k in SamplingParams.model_fields and k != "seed"}
+    fields = {**defaults, **given}
+    return SamplingParams(**fields)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from glowplug.engine.llm import LLM
+
+    config = engine_config(args)
+    params = sampling_params(args, GENERATE_DEFAULTS)
+    llm = LLM(config=config)
+    out = Console(soft_wrap=True, highlight=False)
+    if len(args.prompts) == 1 and params.n == 1:
+        out.print(args.prompts[0] if not args.chat else f"[dim]{args.prompts[0]}[/dim]\n", end="", style="bold")
+        last = None
+        for update in llm.stream(args.prompts, params, chat=args.chat):
+            out.print(update.outputs[0].delta, end="", markup=False)
+            last = update
+        reason = last.outputs[0].finish_reason if last else None
+        out.print(f"\n[dim](finish_reason={reason})[/dim]")
+        return 0
+    for res in llm.generate(args.prompts, params, chat=args.chat):
+        for c in res.outputs:
+            out.rule(f"prompt: {res.prompt!r}  completion {c.index}  finish_reason={c.finish_reason}")
+            out.print(c.text, markup=False)
+    return 0
+
+
+def cmd_models_prepare(args: argparse.Namespace) -> int:
+    from glowplug.engine.models.store import resolve_model
+
+    path = resolve_model(args.model)
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="glowplug", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    engine = _engine_parent()
+
+    gen = sub.add_parser(
+        "generate",
+        parents=[engine, _sampling_parent(GENERATE_DEFAULTS)],
+        help="Generate text for one or more prompts (offline, continuous batching).",
+    )
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--model", default="smollm2", help="'smollm2' (embedded default), a HF folder or a .gguf file.")
+    gen.add_argument("--chat", action="store_true", help="Wrap each prompt in the model's chat template.")
+    gen.set_defaults(func=cmd_generate)
+
+    models = sub.add_parser("models", help="Manage model files.")
+    msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+    prep = msub.add_parser("prepare", help="Convert the embedded default model into the cache (done on first use).")
+    prep.add_argument("model", nargs="?", default="smollm2")
+    prep.set_defaults(func=cmd_models_prepare)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    entry_time = time.time()  # the first moment our code runs: the end of the process_start row
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.entry_time = entry_time
+    from pydantic import ValidationError
+
+    from glowplug.engine.models.arch import ModelError
+
+    func: Command = args.func
+    try:
+        return func(args)
+    except ValidationError as exc:
+        print(f"glowplug: invalid setting:\n{explain(exc)}", file=sys.stderr)
+        return 2
+    except (FlagError, ModelError, ValueError) as exc:
+        print(f"glowplug: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Pure-torch oracles: dequantize to fp32 and multiply. Every fast kernel is tested against these.
+
+They are written for clarity, not speed, and follow the conventions documented in formats.py literally, so a
+bug in a packing helper or a fast path shows up as a mismatch here rather than being shared by both sides.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .formats import (
+    Int2Weight,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    W8A8Weight,
+    dequantize_kv,
+    quantize_per_token,
+)
+
+
+def _expand_groups(per_group: Tensor, k: int) -> Tensor:
+    """[N, G] -> [N, K] by repeating each group's value over its columns."""
+    return per_group.float().repeat_interleave(k // per_group.shape[1], dim=1)
+
+
+def dequantize(w: PackedWeight) -> Tensor:
+    """The fp32 [N, K] matrix a packed weight stands for (for w8a8: W * smooth, i.e. before un-smoothing)."""
+    n, k = w.shape
+    if isinstance(w, Int8Weight):
+        return w.qweight.float() * _expand_groups(w.scales, k)
+    if isinstance(w, W8A8Weight):
+        return w.qweight.float() * w.scales.float()[:, None]
+    if isinstance(w, Int4Weight):
+        codes = w.codes().float() - 8.0
+        zeros = 0.0 if w.zeros is None else _expand_groups(w.zeros, k)
+        return codes * _expand_groups(w.scales, k) + zeros
+    if isinstance(w, Int2Weight):
+        codes = w.codes().float() - 2.0
+        return codes * _expand_groups(w.scales, k) + _expand_groups(w.zeros, k)
+    raise TypeError(f"unknown packed weight type {type(w).__name__}")
+
+
+def linear(x: Tensor, w: PackedWeight, bias: Tensor | None = None) -> Tensor:
+    """y = x @ W^T (+ bias) in fp32 for x [..., K]; returns fp32 [..., N].
+
+    For w8a8 the oracle reproduces the integer pipeline exactly (smooth, per-token int8 activations, integer
+    dot products in float64, which is exact for |sum| < 2**53) so fast kernels can be held to a tight tolerance."""
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features, weight expects {k}")
+    x2 = x.reshape(-1, k).float()
+    if isinstance(w, W8A8Weight):
+        if w.smooth is not None:
+            x2 = x2 / w.smooth.float()[None, :]
+        xq, xs = quantize_per_token(x2)
+        acc = xq.double() @ w.qweight.double().t()
+        y = (acc * xs.double() * w.scales.double()[None, :]).float()
+    else:
+        y = x2 @ dequantize(w).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.reshape(*x.shape[:-1], n)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True) -> Tensor:
+    """Plain fp32 attention for one sequence: q [Tq, Hq, D], k/v [Tk, Hkv, D] (GQA: Hq % Hkv == 0).
+
+    With causal=True the last Tq queries attend to the Tk keys as if they were positions Tk-Tq .. Tk-1, which
+    covers both prefill (Tq == Tk) and decode against a cache (Tq < Tk)."""
+    tq, hq, d = q.shape
+    tk, hkv, _ = k.shape
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} not a multiple of kv heads {hkv}")
+    rep = hq // hkv
+    kf = k.float().repeat_interleave(rep, dim=1)
+    vf = v.float().repeat_interleave(rep, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kf) / math.sqrt(d)
+    if causal:
+        qpos = torch.arange(tk - tq, tk, device=q.device)[:, None]
+        kpos = torch.arange(tk, device=q.device)[None, :]
+        scores = scores.masked_fill(kpos > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), vf)
+
+
+def attention_int8_kv(
+    q: Tensor, k_q: Tensor, k_scale: Tensor, v_q: Tensor, v_scale: Tensor, *, causal: bool = True
+) -> Tensor:
+    """Attention over an int8 KV cache (quantize_kv layout): dequantize K/V, then `attention`."""
+    return attention(q, dequantize_kv(k_q, k_scale), dequantize_kv(v_q, v_scale), causal=causal)

@@ -1,0 +1,20 @@
+"""Triton kernels for GPUs (fused dequant GEMV for small M, dequant + tl.dot GEMM for larger M).
+
+Triton is an optional dependency: nothing here imports it at import time. `available()` says whether it can be
+used; `glowplug.kernels.triton.ops` holds the launchers and imports the kernels on first launch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def available() -> bool:
+    """True when the `triton` package is importable (it may still lack a GPU driver; see `interpreting`)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1, where kernels run on CPU tensors through Triton's numpy interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

@@ -1,0 +1,171 @@
+"""The one vocabulary of glowplug's observability: span names, attribute keys and phase-table rows.
+
+Logs, traces, the phase table, `/startup` and `/metrics` all use these strings, so a number can be followed from a
+table cell to the span it came from and to the log line written when that span ended. The row names deliberately
+match vLLM's start-up table (seed 004) where users already know them.
+
+Bump SCHEMA_VERSION whenever a name changes meaning or disappears: reports and dashboards key on these strings.
+This module only defines constants; importing it is free, so the CLI can use it before heavy imports.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+SCHEMA_VERSION: Final = "1"
+PREFIX: Final = "glowplug"
+
+# ---------------------------------------------------------------- spans
+STARTUP_SPAN: Final = "glowplug.startup"
+REQUEST_SPAN: Final = "glowplug.request"
+
+# Stage names: each is the suffix of its span name `glowplug.startup.<stage>`.
+TOKENIZER_INIT: Final = "tokenizer_init"
+LOAD_WEIGHTS: Final = "load_weights"
+MODEL_INIT: Final = "model_init"
+QUANTIZE_WEIGHTS: Final = "quantize_weights"
+DYNAMO_TRANSFORM: Final = "dynamo_transform"
+GRAPH_COMPILE: Final = "graph_compile"
+KV_CACHE_PROFILING: Final = "kv_cache_profiling"
+KV_CACHE_INIT: Final = "kv_cache_init"
+GRAPH_CAPTURE: Final = "graph_capture"
+WARMUP: Final = "warmup"
+
+# The default pipeline order. The engine owns the actual list; this tuple is the reference order for docs and tests.
+STAGES: Final[tuple[str, ...]] = (
+    TOKENIZER_INIT,
+    LOAD_WEIGHTS,
+    MODEL_INIT,
+    QUANTIZE_WEIGHTS,
+    DYNAMO_TRANSFORM,
+    GRAPH_COMPILE,
+    KV_CACHE_PROFILING,
+    KV_CACHE_INIT,
+    GRAPH_CAPTURE,
+    WARMUP,
+)
+
+# Pre-main phases: they happen before any stage can run, so they are recorded afterwards from timestamps
+# (process creation from the OS, then our own marks) as spans with explicit start and end times.
+PROCESS_START: Final = "process_start"  # OS process creation -> first line of our code
+IMPORTS: Final = "imports"  # first line of our code -> heavy imports done
+PRE_MAIN: Final[tuple[str, ...]] = (PROCESS_START, IMPORTS)
+
+
+def stage_span_name(stage: str) -> str:
+    """`glowplug.startup.<stage>`; pre-main phases use the same form so one prefix finds the whole start-up."""
+    return f"{STARTUP_SPAN}.{stage}"
+
+
+def stage_from_span_name(span_name: str) -> str | None:
+    """The stage of a `glowplug.startup.<stage>` span name, else None (root span, request spans, foreign spans)."""
+    prefix = STARTUP_SPAN + "."
+    if span_name.startswith(prefix) and len(span_name) > len(prefix):
+        return span_name[len(prefix) :]
+    return None
+
+
+# ---------------------------------------------------------------- attribute keys
+class Attr:
+    """Span attribute keys (also the keys of structured log fields and of the JSON report's `attributes`)."""
+
+    SCHEMA_VERSION: Final = "glowplug.schema_version"
+    STAGE: Final = "glowplug.stage"
+    # The table row a stage's time is booked to when it differs from the stage's default row.
+    ROW: Final = "glowplug.row"
+    BYTES_READ: Final = "glowplug.bytes_read"
+    READ_GBPS: Final = "glowplug.read_gbps"
+    PARAM_COUNT: Final = "glowplug.param_count"
+    DTYPE: Final = "glowplug.dtype"
+    QUANTIZATION: Final = "glowplug.quantization"
+    CACHE_HIT: Final = "glowplug.cache_hit"  # bool
+    CACHE_KEY: Final = "glowplug.cache_key"
+    CACHE_MISS_REASON: Final = "glowplug.cache_miss_reason"
+    PEAK_MEMORY_BYTES: Final = "glowplug.peak_memory_bytes"
+    KV_BLOCKS: Final = "glowplug.kv_blocks"
+    KV_TOKEN_CAPACITY: Final = "glowplug.kv_token_capacity"
+    MAX_CONCURRENCY: Final = "glowplug.max_concurrency"
+    MAX_MODEL_LEN: Final = "glowplug.max_model_len"
+    GRAPH_SIZES: Final = "glowplug.graph_sizes"  # list[int]
+    GRAPH_SIZE_TIMES_S: Final = "glowplug.graph_size_times_s"  # list[float], aligned with GRAPH_SIZES
+    SKIPPED_REASON: Final = "glowplug.skipped_reason"
+    ERROR: Final = "glowplug.error"
+    PID: Final = "glowplug.pid"
+    CLOCK_RESOLUTION_S: Final = "glowplug.clock_resolution_s"
+
+
+class ReqAttr:
+    """Attribute keys of `glowplug.request` spans."""
+
+    PROMPT_TOKENS: Final = "glowplug.prompt_tokens"
+    COMPLETION_TOKENS: Final = "glowplug.completion_tokens"
+    TTFT_S: Final = "glowplug.ttft_s"
+    QUEUE_TIME_S: Final = "glowplug.queue_time_s"
+    FINISH_REASON: Final = "glowplug.finish_reason"
+
+
+# ---------------------------------------------------------------- phase-table rows
+class Row:
+    """Row names of the phase table (vLLM's vocabulary where it has one)."""
+
+    PROCESS_START: Final = PROCESS_START
+    IMPORTS: Final = IMPORTS
+    TOKENIZER_INIT: Final = "tokenizer_init"
+    LOAD_WEIGHTS: Final = "load_weights"
+    MODEL_INIT: Final = "model_init"
+    QUANTIZE_WEIGHTS: Final = "quantize_weights"
+    MODEL_LOADING: Final = "model_loading"
+    DYNAMO_TRANSFORM_TIME: Final = "dynamo_transform_time"
+    GRAPH_COMPILE_GENERAL_SHAPE: Final = "graph_compile_general_shape"
+    GRAPH_COMPILE_CACHED: Final = "graph_compile_cached"
+    TORCH_COMPILE: Final = "torch.compile"
+    KV_CACHE_PROFILING: Final = "kv_cache_profiling"
+    KV_CACHE_INIT: Final = "kv_cache_init"
+    GRAPH_CAPTURING: Final = "graph_capturing"
+    WARMUP: Final = "warmup"
+    INIT_ENGINE: Final = "init_engine"
+    UNATTRIBUTED: Final = "unattributed"
+    TOTAL_TIME: Final = "total_time"
+    ACTUAL_TOTAL_TIME: Final = "actual_total_time"
+
+
+# Stages whose row name differs from the stage name. Any stage not listed books to a row named like the stage,
+# so a new stage shows up in the table without touching this module.
+STAGE_ROWS: Final[dict[str, str]] = {
+    DYNAMO_TRANSFORM: Row.DYNAMO_TRANSFORM_TIME,
+    GRAPH_COMPILE: Row.GRAPH_COMPILE_GENERAL_SHAPE,
+    GRAPH_CAPTURE: Row.GRAPH_CAPTURING,
+}
+
+# Stages that book to exactly one of several rows (the report's `row` picks it); the others get a reason.
+STAGE_ALTERNATIVE_ROWS: Final[dict[str, tuple[str, ...]]] = {
+    GRAPH_COMPILE: (Row.GRAPH_COMPILE_GENERAL_SHAPE, Row.GRAPH_COMPILE_CACHED),
+}
+
+# Leaves in display order (chronological for the default pipeline). Leaves plus `unattributed` add up to
+# actual_total_time exactly.
+LEAF_ROWS: Final[tuple[str, ...]] = (
+    Row.PROCESS_START,
+    Row.IMPORTS,
+    Row.TOKENIZER_INIT,
+    Row.LOAD_WEIGHTS,
+    Row.MODEL_INIT,
+    Row.QUANTIZE_WEIGHTS,
+    Row.DYNAMO_TRANSFORM_TIME,
+    Row.GRAPH_COMPILE_GENERAL_SHAPE,
+    Row.GRAPH_COMPILE_CACHED,
+    Row.KV_CACHE_PROFILING,
+    Row.KV_CACHE_INIT,
+    Row.GRAPH_CAPTURING,
+    Row.WARMUP,
+)
+
+# Aggregates: each is the sum of its leaves. Unlike vLLM's table, torch.compile includes the graph compile
+# (vLLM prints torch.compile == dynamo_transform_time). init_engine is the engine's own set-up after the model
+# exists and is compiled: profiling, KV allocation, capture and warm-up; compile is not in it because here it is
+# a stage of its own (in vLLM it runs inside the profiling pass, so its init_engine contains it).
+AGGREGATE_ROWS: Final[dict[str, tuple[str, ...]]] = {
+    Row.MODEL_LOADING: (Row.LOAD_WEIGHTS, Row.MODEL_INIT, Row.QUANTIZE_WEIGHTS),
+    Row.TORCH_COMPILE: (Row.DYNAMO_TRANSFORM_TIME, Row.GRAPH_COMPILE_GENERAL_SHAPE, Row.GRAPH_COMPILE_CACHED),
+    Row.INIT_ENGINE: (Row.KV_CACHE_PROFILING, Row.KV_CACHE_INIT, Row.GRAPH_CAPTURING, Row.WARMUP),
+}

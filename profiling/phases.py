@@ -1,0 +1,391 @@
+"""The start-up phase table, built from finished spans only, and its renderers (rich, Markdown, CSV, JSON).
+
+Row definitions (names from vLLM's start-up table where it has one; see `names.py`):
+  leaves       process_start, imports, then one row per stage span (`glowplug.startup.<stage>`); a stage books to
+               its default row or to the row its report chose (graph_compile: general_shape on a miss, cached on
+               a hit). A leaf whose phase did not run is None with a reason.
+  unattributed actual_total_time - sum(leaves): time between and around the spans that no phase claims.
+               Leaves + unattributed == actual_total_time exactly (computed in integer ns).
+  aggregates   model_loading = load_weights + model_init + quantize_weights
+               torch.compile = dynamo_transform_time + graph_compile_general_shape + graph_compile_cached
+               init_engine   = kv_cache_profiling + kv_cache_init + graph_capturing + warmup
+  totals       total_time = sum of all stage spans (pre-main excluded; skipped and failed stages included)
+               actual_total_time = process creation (the process_start span's start) -> READY
+A stage reported as skipped contributes no leaf time (its few µs fall into unattributed) and shows its reason.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import platform
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import StatusCode, format_trace_id
+from rich.table import Table
+
+from glowplug.profiling.names import (
+    AGGREGATE_ROWS,
+    LEAF_ROWS,
+    PRE_MAIN,
+    SCHEMA_VERSION,
+    STAGE_ALTERNATIVE_ROWS,
+    STAGE_ROWS,
+    STARTUP_SPAN,
+    Attr,
+    Row,
+    stage_from_span_name,
+)
+
+Kind = Literal["leaf", "aggregate", "total"]
+REPORT_SUFFIXES = (".md", ".csv", ".json")
+NOT_IN_PIPELINE = "not in pipeline"
+NO_PROCESS_MARKS = "no process marks (mark_main_entry() not used)"
+
+
+@dataclass(frozen=True)
+class PhaseRow:
+    name: str
+    kind: Kind
+    nanos: int | None
+    reason: str | None = None
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+    components: tuple[str, ...] = ()
+
+    @property
+    def seconds(self) -> float | None:
+        return None if self.nanos is None else self.nanos / 1e9
+
+
+@dataclass(frozen=True)
+class PhaseTable:
+    rows: tuple[PhaseRow, ...]
+    versions: Mapping[str, str]
+    trace_id: str | None = None
+    schema: str = SCHEMA_VERSION
+
+    def __getitem__(self, name: str) -> PhaseRow:
+        for row in self.rows:
+            if row.name == name:
+                return row
+        raise KeyError(f"no row {name!r}; rows are {', '.join(r.name for r in self.rows)}")
+
+    def seconds(self, name: str) -> float | None:
+        return self[name].seconds
+
+    @property
+    def leaves(self) -> tuple[PhaseRow, ...]:
+        """The leaf rows including unattributed: they add up to actual_total_time."""
+        return tuple(r for r in self.rows if r.kind == "leaf")
+
+    @property
+    def actual_total_time(self) -> float:
+        return self[Row.ACTUAL_TOTAL_TIME].nanos / 1e9  # type: ignore[operator]
+
+
+def current_versions() -> dict[str, str]:
+    """Versions that explain a start-up time; read from package metadata so torch is not imported for this."""
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "glowplug": version("glowplug"),
+        "schema": SCHEMA_VERSION,
+    }
+
+
+# ---------------------------------------------------------------- building
+
+
+def _is_startup(span: ReadableSpan) -> bool:
+    return span.name == STARTUP_SPAN or stage_from_span_name(span.name) is not None
+
+
+def _select_trace(spans: Sequence[ReadableSpan], trace_id: int | None) -> list[ReadableSpan]:
+    by_trace: dict[int, list[ReadableSpan]] = {}
+    for span in spans:
+        if _is_startup(span) and span.context is not None and span.end_time is not None:
+            by_trace.setdefault(span.context.trace_id, []).append(span)
+    if not by_trace:
+        raise ValueError(f"no finished {STARTUP_SPAN}* spans among the {len(spans)} given")
+    if trace_id is not None:
+        if trace_id not in by_trace:
+            raise ValueError(f"trace {format_trace_id(trace_id)} has no finished {STARTUP_SPAN}* spans")
+        return by_trace[trace_id]
+    # Several start-ups in one exporter (tests, benchmarks): the latest one is the one being asked about.
+    return max(by_trace.values(), key=lambda group: max(s.start_time or 0 for s in group))
+
+
+def _default_row(stage: str, attributes: Mapping[str, Any]) -> str:
+    alternatives = STAGE_ALTERNATIVE_ROWS.get(stage)
+    if alternatives and attributes.get(Attr.CACHE_HIT) is True:
+        return alternatives[-1]  # the cached variant is listed last
+    return STAGE_ROWS.get(stage, stage)
+
+
+def _alternative_reason(chosen: str, attributes: Mapping[str, Any]) -> str:
+    if chosen.endswith("_cached"):
+        return "cache hit"
+    miss = attributes.get(Attr.CACHE_MISS_REASON)
+    return f"cache miss: {miss}" if miss else "cache miss"
+
+
+def build_phase_table(
+    spans: Sequence[ReadableSpan],
+    *,
+    ready_time_ns: int | None = None,
+    trace_id: int | None = None,
+    versions: Mapping[str, str] | None = None,
+) -> PhaseTable:
+    """The phase table of one start-up (the latest in `spans` unless `trace_id` picks one).
+
+    ready_time_ns: wall-clock ns (same time line as the spans, e.g. `ProcessMarks.clock.now_ns()`) at READY;
+        default: the end of the root `glowplug.startup` span, else of the last stage span.
+    """
+    group = sorted(_select_trace(spans, trace_id), key=lambda s: (s.start_time or 0))
+    roots = [s for s in group if s.name == STARTUP_SPAN]
+    stage_spans = [s for s in group if s.name != STARTUP_SPAN]
+
+    leaf_ns: dict[str, int] = {}
+    reasons: dict[str, str] = {}
+    attributes: dict[str, dict[str, Any]] = {}
+    extra_rows: list[str] = []  # stages the vocabulary does not know yet, in order of appearance
+    total_ns = 0
+    for span in stage_spans:
+        stage = stage_from_span_name(span.name) or span.name
+        attrs = dict(span.attributes or {})
+        duration = (span.end_time or 0) - (span.start_time or 0)
+        row = stage if stage in PRE_MAIN else str(attrs.get(Attr.ROW) or _default_row(stage, attrs))
+        if stage not in PRE_MAIN:
+            total_ns += duration
+        if row not in LEAF_ROWS and row not in extra_rows:
+            extra_rows.append(row)
+        attributes.setdefault(row, {}).update(attrs)
+        skipped = attrs.get(Attr.SKIPPED_REASON)
+        if span.status.status_code is StatusCode.ERROR:
+            leaf_ns[row] = leaf_ns.get(row, 0) + duration
+            reasons[row] = f"failed: {span.status.description or attrs.get(Attr.ERROR, 'error')}"
+        elif skipped:
+            reasons[row] = str(skipped)
+        else:
+            leaf_ns[row] = leaf_ns.get(row, 0) + duration
+        for other in STAGE_ALTERNATIVE_ROWS.get(stage, ()):
+            if other != row:
+                reasons.setdefault(other, str(skipped) if skipped else _alternative_reason(row, attrs))
+
+    pre = [s for s in stage_spans if stage_from_span_name(s.name) == Row.PROCESS_START]
+    starts = [s.start_time or 0 for s in (pre or roots or stage_spans)]
+    start_ns = min(starts)
+    last_end = max(s.end_time or 0 for s in stage_spans) if stage_spans else start_ns
+    if ready_time_ns is None:
+        ready_time_ns = max(s.end_time or 0 for s in roots) if roots else last_end
+    if ready_time_ns < last_end:
+        raise ValueError(
+            f"ready_time_ns is {(last_end - ready_time_ns) / 1e9:.6f} s before the last start-up span ends; "
+            "pass a time taken at READY on the spans' clock"
+        )
+    actual_ns = ready_time_ns - start_ns
+
+    rows: list[PhaseRow] = []
+    for name in (*LEAF_ROWS, *extra_rows):
+        nanos = leaf_ns.get(name)
+        reason = reasons.get(name)
+        if nanos is None and reason is None:
+            reason = NO_PROCESS_MARKS if name in PRE_MAIN else NOT_IN_PIPELINE
+        rows.append(PhaseRow(name, "leaf", nanos, reason, attributes.get(name, {})))
+    unattributed = actual_ns - sum(r.nanos for r in rows if r.nanos is not None)
+    rows.append(PhaseRow(Row.UNATTRIBUTED, "leaf", unattributed))
+
+    by_name = {r.name: r for r in rows}
+    aggregates: list[PhaseRow] = []
+    for name, parts in AGGREGATE_ROWS.items():
+        values = [by_name[p].nanos for p in parts if by_name[p].nanos is not None]
+        if values:
+            aggregates.append(PhaseRow(name, "aggregate", sum(values), components=parts))
+        else:
+            part_reasons = {by_name[p].reason for p in parts}
+            reason = part_reasons.pop() if len(part_reasons) == 1 else "none of its phases ran"
+            aggregates.append(PhaseRow(name, "aggregate", None, reason, components=parts))
+    totals = [
+        PhaseRow(Row.TOTAL_TIME, "total", total_ns, "sum of stage spans"),
+        PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY"),
+    ]
+    trace_hex = format_trace_id(group[0].context.trace_id) if group[0].context is not None else None
+    return PhaseTable(
+        rows=tuple(_display_order(rows, aggregates) + totals),
+        versions=dict(versions) if versions is not None else current_versions(),
+        trace_id=trace_hex,
+    )
+
+
+def _display_order(leaves: list[PhaseRow], aggregates: list[PhaseRow]) -> list[PhaseRow]:
+    # Each aggregate goes right after its last component, so the table reads top to bottom like the start-up.
+    out: list[PhaseRow] = []
+    for leaf in leaves:
+        out.append(leaf)
+        out.extend(a for a in aggregates if a.components and a.components[-1] == leaf.name)
+    return out
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _fmt(seconds: float | None, digits: int = 3) -> str:
+    return "--" if seconds is None else f"{seconds:.{digits}f}"
+
+
+def _share(table: PhaseTable, row: PhaseRow) -> str:
+    actual = table.actual_total_time
+    if row.seconds is None or actual <= 0 or row.kind == "total":
+        return ""
+    return f"{100.0 * row.seconds / actual:.1f}%"
+
+
+def _note(row: PhaseRow) -> str:
+    if row.kind == "aggregate":
+        formula = "= " + " + ".join(row.components)
+        return f"{formula} ({row.reason})" if row.reason else formula
+    return row.reason or ""
+
+
+def to_rich(table: PhaseTable) -> Table:
+    """A rich Table: leaves plain, aggregates bold cyan, unattributed yellow, totals bold under a rule."""
+    out = Table(title="glowplug start-up phases", caption=_versions_line(table))
+    out.add_column("phase")
+    out.add_column("seconds", justify="right")
+    out.add_column("% of actual", justify="right")
+    out.add_column("note", overflow="fold")
+    rows = table.rows
+    for i, row in enumerate(rows):
+        style = {"aggregate": "bold cyan", "total": "bold"}.get(row.kind, "")
+        if row.name == Row.UNATTRIBUTED:
+            style = "yellow"
+        name = f"Σ {row.name}" if row.kind == "aggregate" else row.name
+        last_before_totals = row.kind != "total" and i + 1 < len(rows) and rows[i + 1].kind == "total"
+        out.add_row(
+            name, _fmt(row.seconds), _share(table, row), _note(row), style=style, end_section=last_before_totals
+        )
+    return out
+
+
+def _versions_line(table: PhaseTable) -> str:
+    parts = [f"{k} {v}" for k, v in table.versions.items()]
+    if table.trace_id:
+        parts.append(f"trace {table.trace_id}")
+    return ", ".join(parts)
+
+
+def to_markdown(table: PhaseTable) -> str:
+    lines = ["| phase | kind | seconds | % of actual | note |", "|:--|:--|--:|--:|:--|"]
+    for row in table.rows:
+        name = f"**{row.name}**" if row.kind != "leaf" else row.name
+        note = _note(row).replace("|", "\\|")
+        lines.append(f"| {name} | {row.kind} | {_fmt(row.seconds)} | {_share(table, row)} | {note} |")
+    lines += ["", f"_{_versions_line(table)}_", ""]
+    return "\n".join(lines)
+
+
+CSV_FIELDS = ("phase", "kind", "seconds", "reason")
+
+
+def to_csv(table: PhaseTable) -> str:
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(CSV_FIELDS)
+    for row in table.rows:
+        writer.writerow([row.name, row.kind, "" if row.seconds is None else f"{row.seconds:.9f}", row.reason or ""])
+    return buf.getvalue()
+
+
+def _jsonable(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def to_dict(table: PhaseTable) -> dict[str, Any]:
+    return {
+        "schema": table.schema,
+        "trace_id": table.trace_id,
+        "phases": {r.name: r.seconds for r in table.rows},
+        "actual_total_time": table.actual_total_time,
+        "kinds": {r.name: r.kind for r in table.rows},
+        "components": {r.name: list(r.components) for r in table.rows if r.components},
+        "reasons": {r.name: r.reason for r in table.rows if r.reason},
+        "attributes": {
+            r.name: {k: _jsonable(v) for k, v in r.attributes.items()} for r in table.rows if r.attributes
+        },
+        "versions": dict(table.versions),
+    }
+
+
+def to_json(table: PhaseTable) -> str:
+    return json.dumps(to_dict(table), indent=2) + "\n"
+
+
+def from_dict(data: Mapping[str, Any]) -> PhaseTable:
+    """Inverse of `to_dict` (seconds come back to the nanosecond)."""
+    rows = []
+    for name, seconds in data["phases"].items():
+        rows.append(
+            PhaseRow(
+                name=name,
+                kind=data["kinds"][name],
+                nanos=None if seconds is None else round(seconds * 1e9),
+                reason=data.get("reasons", {}).get(name),
+                attributes=data.get("attributes", {}).get(name, {}),
+                components=tuple(data.get("components", {}).get(name, ())),
+            )
+        )
+    return PhaseTable(
+        rows=tuple(rows), versions=data.get("versions", {}), trace_id=data.get("trace_id"), schema=data["schema"]
+    )
+
+
+def from_csv(text: str) -> PhaseTable:
+    """Inverse of `to_csv` (µs-exact; CSV carries no versions, attributes or trace id)."""
+    rows = []
+    for rec in csv.DictReader(io.StringIO(text)):
+        nanos = None if rec["seconds"] == "" else round(float(rec["seconds"]) * 1e9)
+        components = AGGREGATE_ROWS.get(rec["phase"], ()) if rec["kind"] == "aggregate" else ()
+        rows.append(PhaseRow(rec["phase"], rec["kind"], nanos, rec["reason"] or None, {}, components))  # type: ignore[arg-type]
+    return PhaseTable(rows=tuple(rows), versions={})
+
+
+def _renderer(path: Path) -> Callable[[PhaseTable], str]:
+    suffix = path.suffix.lower()
+    renderers: dict[str, Callable[[PhaseTable], str]] = {".md": to_markdown, ".csv": to_csv, ".json": to_json}
+    if suffix not in renderers:
+        raise ValueError(f"cannot write a phase table to {path.name!r}: use one of {', '.join(REPORT_SUFFIXES)}")
+    return renderers[suffix]
+
+
+def write_report(table: PhaseTable, path: str | Path) -> Path:
+    """Write the table as Markdown, CSV or JSON, chosen by the file suffix."""
+    path = Path(path)
+    text = _renderer(path)(table)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def read_report(path: str | Path) -> PhaseTable:
+    """Read back a `.json` or `.csv` report (Markdown is for people)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json":
+        return from_dict(json.loads(text))
+    if path.suffix.lower() == ".csv":
+        return from_csv(text)
+    raise ValueError(f"cannot read a phase table from {path.name!r}: use .json or .csv")

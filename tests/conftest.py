@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random checkpoints (made here, no network) and the real default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+from hypothesis import settings
+
+settings.register_profile("glowplug", deadline=None, max_examples=60, derandomize=True)
+settings.load_profile("glowplug")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """tiny_dir("qwen2") -> folder with a random HF checkpoint of that family (made once per session)."""
+    from glowplug.engine.models.tiny import make_tiny_checkpoint
+
+    made: dict[str, Path] = {}
+
+    def get(variant: str = "llama") -> Path:
+        if variant not in made:
+            made[variant] = make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{variant}"), variant)
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded default model, converted once into the glowplug cache (GLOWPLUG_CACHE_DIR)."""
+    from glowplug.engine.models.store import resolve_model
+
+    return resolve_model("smollm2", quiet=True)
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., object]]:
+    """Build LLMs; after the test, every engine's block manager must be back to all blocks free (no leaks)."""
+    from glowplug.engine.llm import LLM
+
+    built: list[LLM] = []
+
+    def make(model: str | os.PathLike[str], **kwargs: object) -> LLM:
+        llm = LLM(str(model), **kwargs)
+        built.append(llm)
+        return llm
+
+    yield make
+    for llm in built:
+        bm = llm.engine.block_manager
+        assert not llm.engine.has_unfinished(), "engine still has unfinished requests"
+        assert bm.num_free_blocks == bm.num_blocks, f"KV blocks leaked: {bm.num_blocks - bm.num_free_blocks}"

@@ -1,0 +1,74 @@
+"""Fake start-up stages: real Stage implementations that sleep instead of loading a model."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from opentelemetry import trace
+
+from glowplug.engine.stages.base import AttrValue, StageReport, StartupContext
+from glowplug.profiling.names import Attr
+
+
+@dataclass
+class SleepStage:
+    name: str
+    seconds: float = 0.005
+    attributes: dict[str, AttrValue] = field(default_factory=dict)
+    skipped_reason: str | None = None
+    row: str | None = None
+    error: BaseException | None = None
+    log_inside: bool = False
+    returns: Any = "report"
+    events: list[tuple[str, str]] | None = None  # shared call log: ("run", name)
+    seen_span: trace.SpanContext | None = None
+    busy: bool = False  # spin instead of sleeping, like a CPU-bound stage
+
+
+    def run(self, ctx: StartupContext) -> StageReport:
+        if self.events is not None:
+            self.events.append(("run", self.name))
+        self.seen_span = trace.get_current_span().get_span_context()
+        if self.log_inside:
+            structlog.get_logger("test").info("inside stage", stage=self.name)
+        if self.busy:
+            deadline = time.perf_counter() + self.seconds
+            while time.perf_counter() < deadline:
+                pass
+        else:
+            time.sleep(self.seconds)
+        ctx.put(self.name, True)
+        if self.error is not None:
+            raise self.error
+        if self.returns != "report":
+            return self.returns  # type: ignore[no-any-return]
+        return StageReport(attributes=dict(self.attributes), skipped_reason=self.skipped_reason, row=self.row)
+
+
+def default_pipeline(seconds: float = 0.005, *, busy: bool = False) -> list[SleepStage]:
+    """One fake per default stage, with the attributes the real ones report."""
+    stages = [
+        SleepStage("tokenizer_init", seconds),
+        SleepStage("load_weights", seconds, {Attr.BYTES_READ: 1 << 20, Attr.READ_GBPS: 1.5, Attr.DTYPE: "bfloat16"}),
+        SleepStage("model_init", seconds, {Attr.PARAM_COUNT: 135_000_000}),
+        SleepStage("quantize_weights", seconds, {Attr.QUANTIZATION: "int8"}),
+        SleepStage("dynamo_transform", seconds),
+        SleepStage(
+            "graph_compile",
+            seconds,
+            {Attr.CACHE_HIT: False, Attr.CACHE_KEY: "abc123", Attr.CACHE_MISS_REASON: "empty cache"},
+            row="graph_compile_general_shape",
+        ),
+        SleepStage("kv_cache_profiling", seconds, {Attr.PEAK_MEMORY_BYTES: 1 << 30}),
+        SleepStage("kv_cache_init", seconds, {Attr.KV_BLOCKS: 512, Attr.KV_TOKEN_CAPACITY: 8192}),
+        SleepStage("graph_capture", 0.0, skipped_reason="skipped: no CUDA"),
+        SleepStage(
+            "warmup", seconds, {Attr.GRAPH_SIZES: [1, 2, 4], Attr.GRAPH_SIZE_TIMES_S: [0.01, 0.02, 0.03]}
+        ),
+    ]
+    for stage in stages:
+        stage.busy = busy
+    return stages
