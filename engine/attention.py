@@ -1,13 +1,17 @@
-"""Attention over a paged KV cache, in plain torch.
+"""Attention over a paged KV cache, in plain torch, behind one custom op.
 
 One engine step carries a flattened batch: the prefill chunks come first (each sequence's new tokens), then one
 token per decoding sequence. Prefill chunks are attended one sequence at a time (their shapes differ); decodes are
 attended together, over keys gathered from each sequence's blocks and padded to the longest context.
+
+The cache write + attention is registered as the custom op `glowplug::paged_attention`. To torch.compile it is an
+opaque call that mutates the cache, so the compiled graph holds everything else (norms, projections, RoPE, MLP)
+and the data-dependent per-sequence work stays eager — the same split vLLM makes for piecewise graphs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,34 +20,29 @@ from .kv_cache import KVCache
 
 
 @dataclass
-class PrefillChunk:
-    q_start: int  # row of the chunk's first token in the flattened batch
-    q_len: int
-    ctx_len: int  # tokens in the cache for this sequence once this chunk is written
-    block_table: torch.Tensor | None  # [num_blocks] int64; None when there is no cache
-
-
-@dataclass
 class AttentionMetadata:
-    prefills: list[PrefillChunk] = field(default_factory=list)
-    num_prefill_tokens: int = 0
+    """Tensors only (plus the cache), so a compiled step can take it as input without recompiling per batch."""
+
+    # [P, 3] int64 rows of (first row in the batch, number of new tokens, context length after this step)
+    prefill_info: torch.Tensor
+    # [P, W] int64 block tables of the prefill sequences (padded); [P, 0] when there is no cache
+    prefill_block_tables: torch.Tensor
     kv_cache: KVCache | None = None
     slot_mapping: torch.Tensor | None = None  # [T] int64: cache slot for each new token
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int64, padded with block 0
+    decode_block_tables: torch.Tensor | None = None  # [B, W] int64, padded with the scratch block
     decode_ctx_lens: torch.Tensor | None = None  # [B] int64
-
-    @property
-    def num_decodes(self) -> int:
-        return 0 if self.decode_ctx_lens is None else int(self.decode_ctx_lens.shape[0])
 
     @classmethod
     def causal(cls, lengths: list[int]) -> AttentionMetadata:
         """Cache-less prefill of independent sequences (reference checks, perplexity, profiling runs)."""
-        chunks, start = [], 0
+        rows, start = [], 0
         for n in lengths:
-            chunks.append(PrefillChunk(q_start=start, q_len=n, ctx_len=n, block_table=None))
+            rows.append((start, n, n))
             start += n
-        return cls(prefills=chunks, num_prefill_tokens=start)
+        return cls(
+            prefill_info=torch.tensor(rows, dtype=torch.long).reshape(-1, 3),
+            prefill_block_tables=torch.zeros((len(rows), 0), dtype=torch.long),
+        )
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw: object) -> torch.Tensor:
@@ -51,38 +50,104 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw:
     return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **kw)
 
 
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    info: list[list[int]],
+    tables: torch.Tensor,
+    cache: KVCache | None,
+    layer: int,
+    scale: float,
+) -> None:
+    for i, (start, q_len, ctx_len) in enumerate(info):
+        rows = slice(start, start + q_len)
+        qs = q[rows].transpose(0, 1).unsqueeze(0)
+        if ctx_len == q_len or cache is None:
+            # Nothing cached before this chunk: the fresh keys are the whole context, plain causal attention.
+            ks, vs = k[rows], v[rows]
+            o = _sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), scale, is_causal=True)
+        else:
+            ks, vs = cache.gather(layer, tables[i], ctx_len, q.dtype)
+            # The chunk's queries sit at the end of the context: query i may see keys up to ctx - q_len + i.
+            qi = torch.arange(q_len, device=q.device)[:, None]
+            kj = torch.arange(ctx_len, device=q.device)[None, :]
+            mask = kj <= qi + (ctx_len - q_len)
+            o = _sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), scale, attn_mask=mask)
+        out[rows] = o.squeeze(0).transpose(0, 1)
+
+
+def _decode(
+    q: torch.Tensor, out: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor, cache: KVCache, layer: int, scale: float
+) -> None:
+    p = q.shape[0] - tables.shape[0]
+    qd = q[p:].unsqueeze(2)  # [B, H, 1, D]
+    kd, vd = cache.gather_batch(layer, tables, q.dtype)  # [B, L, Hkv, D]
+    L = kd.shape[1]
+    mask = (torch.arange(L, device=q.device)[None, :] < ctx_lens[:, None])[:, None, None, :]
+    o = _sdpa(qd, kd.transpose(1, 2), vd.transpose(1, 2), scale, attn_mask=mask)
+    out[p:] = o.squeeze(2)
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    cache = meta.kv_cache
+    if cache is not None and meta.slot_mapping is not None:
+        cache.store(layer, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    _prefill(q, k, v, out, meta.prefill_info.tolist(), meta.prefill_block_tables, cache, layer, scale)
+    if meta.decode_ctx_lens is not None and meta.decode_ctx_lens.numel():
+        assert cache is not None and meta.decode_block_tables is not None
+        _decode(q, out, meta.decode_block_tables, meta.decode_ctx_lens, cache, layer, scale)
+    return out
+
+
+@torch.library.custom_op("glowplug::paged_attention", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+def _paged_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    prefill_info: torch.Tensor,
+    prefill_block_tables: torch.Tensor,
+    decode_block_tables: torch.Tensor,
+    decode_ctx_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    cache = KVCache.wrap(k_cache, v_cache, k_scale, v_scale)
+    meta = AttentionMetadata(
+        prefill_info=prefill_info,
+        prefill_block_tables=prefill_block_tables,
+        kv_cache=cache,
+        slot_mapping=slot_mapping,
+        decode_block_tables=decode_block_tables,
+        decode_ctx_lens=decode_ctx_lens,
+    )
+    return _run(q, k, v, layer, meta, scale)
+
+
+@_paged_attention_op.register_fake
+def _paged_attention_fake(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
     cache = meta.kv_cache
-    if cache is not None and meta.slot_mapping is not None:
-        cache.store(layer, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
-    for chunk in meta.prefills:
-        rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-        qs = q[rows].transpose(0, 1).unsqueeze(0)
-        if chunk.ctx_len == chunk.q_len or cache is None:
-            # Nothing cached before this chunk: the fresh keys are the whole context, plain causal attention.
-            ks, vs = k[rows], v[rows]
-            o = _sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), scale, is_causal=True)
-        else:
-            assert chunk.block_table is not None
-            ks, vs = cache.gather(layer, chunk.block_table, chunk.ctx_len)
-            # The chunk's queries sit at the end of the context: query i may see keys up to ctx - q_len + i.
-            offset = chunk.ctx_len - chunk.q_len
-            qi = torch.arange(chunk.q_len, device=q.device)[:, None]
-            kj = torch.arange(chunk.ctx_len, device=q.device)[None, :]
-            mask = kj <= qi + offset
-            o = _sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), scale, attn_mask=mask)
-        out[rows] = o.squeeze(0).transpose(0, 1)
-    if meta.num_decodes:
-        assert cache is not None and meta.decode_block_tables is not None and meta.decode_ctx_lens is not None
-        p = meta.num_prefill_tokens
-        qd = q[p:].unsqueeze(2)  # [B, H, 1, D]
-        kd, vd = cache.gather_batch(layer, meta.decode_block_tables)  # [B, L, Hkv, D]
-        L = kd.shape[1]
-        mask = (torch.arange(L, device=q.device)[None, :] < meta.decode_ctx_lens[:, None])[:, None, None, :]
-        o = _sdpa(qd, kd.transpose(1, 2), vd.transpose(1, 2), scale, attn_mask=mask)
-        out[p:] = o.squeeze(2)
-    return out
+    if cache is None or meta.slot_mapping is None:
+        return _run(q, k, v, layer, meta, scale)
+    dtables = meta.decode_block_tables
+    dlens = meta.decode_ctx_lens
+    if dtables is None or dlens is None:
+        dtables, dlens = torch.zeros((0, 0), dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    return _paged_attention_op(
+        q, k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, layer, meta.slot_mapping,
+        meta.prefill_info, meta.prefill_block_tables, dtables, dlens, scale,
+    )  # fmt: skip

@@ -1,19 +1,26 @@
-"""Turn a scheduler decision into model inputs, run the model, and sample the next tokens."""
+"""Turn a scheduler decision into model inputs, run the model, and sample the next tokens.
+
+Decode-only batches can run through a compiled step (set by the compile stages). Those batches are padded up to
+the next captured batch size, so the compiled graphs only ever see the sizes warmed at start-up. Padding rows
+write their keys and values into a scratch block that the block manager never hands out.
+"""
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from .attention import AttentionMetadata, PrefillChunk
+from .attention import AttentionMetadata
 from .kv_cache import KVCache
 from .models.llama import DecoderLM
 from .sampler import SampleResult, sample
 from .scheduler import ScheduledSeq
 
-ForwardFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# (input_ids [B], positions [B], metadata) -> logits [B, vocab]
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
 @dataclass
@@ -23,6 +30,11 @@ class BatchInputs:
     meta: AttentionMetadata
     order: list[ScheduledSeq]  # prefill chunks first, then decodes: the row order of the batch
     sample_rows: list[int]  # last row of each sequence that samples this step
+    num_real_rows: int  # rows after this are padding
+
+
+def _pad_tables(tables: list[list[int]], width: int, fill: int) -> torch.Tensor:
+    return torch.tensor([t + [fill] * (width - len(t)) for t in tables], dtype=torch.long).reshape(len(tables), width)
 
 
 class ModelRunner:
@@ -30,11 +42,19 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
+        self.scratch_block = kv_cache.num_blocks - 1  # reserved: see module docstring
         self.device = torch.device(device)
-        # Swapped for a compiled callable by the compile stages; eager by default.
-        self.forward_fn: ForwardFn = model.forward
+        self.decode_fn: DecodeFn | None = None
+        self.decode_sizes: list[int] = []  # batch sizes the compiled decode step was warmed for
 
-    def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
+    def eager_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, meta))
+
+    def padded_size(self, batch: int) -> int | None:
+        i = bisect.bisect_left(self.decode_sizes, batch)
+        return self.decode_sizes[i] if i < len(self.decode_sizes) else None
+
+    def prepare(self, scheduled: list[ScheduledSeq], pad_to: int | None = None) -> BatchInputs:
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         order = prefills + decodes
@@ -42,54 +62,61 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        chunks: list[PrefillChunk] = []
+        info: list[tuple[int, int, int]] = []
         sample_rows: list[int] = []
         for s in order:
             seq, start, n = s.seq, s.start, s.num_new_tokens
-            tokens = seq.all_token_ids[start : start + n]
             table = seq.block_table
             if n > 1:
-                chunks.append(
-                    PrefillChunk(
-                        q_start=len(ids),
-                        q_len=n,
-                        ctx_len=start + n,
-                        block_table=torch.tensor(table, dtype=torch.long, device=self.device),
-                    )
-                )
-            ids.extend(tokens)
+                info.append((len(ids), n, start + n))
+            ids.extend(seq.all_token_ids[start : start + n])
             for p in range(start, start + n):
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
             if s.samples:
                 sample_rows.append(len(ids) - 1)
+        real = len(ids)
+        dtables = [s.seq.block_table for s in decodes]
+        dlens = [s.start + 1 for s in decodes]
+        for _ in range((pad_to or 0) - len(decodes)):
+            ids.append(0)
+            pos.append(0)
+            slots.append(self.scratch_block * bs)
+            dtables.append([self.scratch_block])
+            dlens.append(1)
+        ptables = [s.seq.block_table for s in prefills]
         meta = AttentionMetadata(
-            prefills=chunks,
-            num_prefill_tokens=sum(c.q_len for c in chunks),
+            prefill_info=torch.tensor(info, dtype=torch.long).reshape(-1, 3),
+            prefill_block_tables=_pad_tables(ptables, max(map(len, ptables), default=0), self.scratch_block),
             kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.long),
         )
-        if decodes:
-            width = max(len(s.seq.block_table) for s in decodes)
-            tables = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in decodes]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.long, device=self.device)
-            meta.decode_ctx_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long, device=self.device)
+        if dtables:
+            meta.decode_block_tables = _pad_tables(dtables, max(map(len, dtables)), self.scratch_block)
+            meta.decode_ctx_lens = torch.tensor(dlens, dtype=torch.long)
         return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(pos, dtype=torch.long, device=self.device),
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            positions=torch.tensor(pos, dtype=torch.long),
             meta=meta,
             order=order,
             sample_rows=sample_rows,
+            num_real_rows=real,
         )
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
-        batch = self.prepare(scheduled)
-        hidden = self.forward_fn(batch.input_ids, batch.positions, batch.meta)
+        decode_only = all(s.num_new_tokens == 1 for s in scheduled)
+        padded = self.padded_size(len(scheduled)) if decode_only and self.decode_fn is not None else None
+        batch = self.prepare(scheduled, pad_to=padded)
         samplers = [s for s in batch.order if s.samples]
+        if padded is not None:
+            assert self.decode_fn is not None
+            logits = self.decode_fn(batch.input_ids, batch.positions, batch.meta)[batch.sample_rows]
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+            logits = self.model.compute_logits(hidden[batch.sample_rows]) if samplers else None
         results: list[tuple[ScheduledSeq, SampleResult | None]] = [(s, None) for s in batch.order if not s.samples]
-        if samplers:
-            logits = self.model.compute_logits(hidden[batch.sample_rows])
+        if samplers and logits is not None:
             for s, r in zip(samplers, sample(logits, [s.seq for s in samplers])):
                 results.append((s, r))
         return results

@@ -41,7 +41,7 @@ def build_engine(config: EngineConfig) -> StartupResult:
     plan = plan_kv_cache(config, arch, model_dtype=dtype, device=device, weights_bytes=weights)
     cache = KVCache(
         num_layers=arch.num_hidden_layers,
-        num_blocks=plan.num_blocks,
+        num_blocks=plan.num_blocks + 1,  # +1: the runner's scratch block for padded rows
         block_size=plan.block_size,
         num_kv_heads=arch.num_key_value_heads,
         head_dim=arch.head_dim,

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from glowplug.engine.attention import AttentionMetadata, PrefillChunk, paged_attention
+from glowplug.engine.attention import AttentionMetadata, paged_attention
 from glowplug.engine.detokenizer import IncrementalDetokenizer
 from glowplug.engine.kv_cache import KVCache
 from glowplug.engine.sampler import apply_min_p, apply_top_k, apply_top_p
@@ -123,8 +123,8 @@ def test_paged_attention_matches_contiguous() -> None:
     cache.store(0, kb[:6], vb[:6], slots(tables["b"], range(6)))
     q = torch.randn(4, H, D, generator=g)
     meta = AttentionMetadata(
-        prefills=[PrefillChunk(0, 3, 13, torch.tensor(tables["a"]))],
-        num_prefill_tokens=3,
+        prefill_info=torch.tensor([[0, 3, 13]]),
+        prefill_block_tables=torch.tensor([tables["a"]]),
         kv_cache=cache,
         slot_mapping=torch.cat([slots(tables["a"], range(10, 13)), slots(tables["b"], range(6, 7))]),
         decode_block_tables=torch.tensor([tables["b"]]),
