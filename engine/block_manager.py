@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass
-
 from .sequence import Sequence
 
 
@@ -22,13 +20,6 @@ def block_hash(prev: bytes | None, tokens: list[int]) -> bytes:
     return h.digest()
 
 
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: bytes | None = None
-
-
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -36,9 +27,12 @@ class BlockManager:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Parallel lists rather than one object per block: a CPU cache can have 10^5+ blocks and start-up pays
+        # for every object made here.
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         # Insertion order = order of freeing, so popping from the front reuses the coldest block first.
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block: dict[bytes, int] = {}
         self.prefix_queries = 0  # full blocks looked up
         self.prefix_hits = 0  # full blocks found in the cache
@@ -56,12 +50,12 @@ class BlockManager:
 
     def _take_free(self) -> int:
         block_id, _ = self.free.popitem(last=False)
-        block = self.blocks[block_id]
-        if block.hash is not None:  # evict its cached content
-            if self.hash_to_block.get(block.hash) == block_id:
-                del self.hash_to_block[block.hash]
-            block.hash = None
-        block.ref_count = 1
+        h = self.block_hash[block_id]
+        if h is not None:  # evict its cached content
+            if self.hash_to_block.get(h) == block_id:
+                del self.hash_to_block[h]
+            self.block_hash[block_id] = None
+        self.ref_count[block_id] = 1
         return block_id
 
     def _extend_hashes(self, seq: Sequence, num_full: int) -> list[bytes]:
@@ -86,10 +80,9 @@ class BlockManager:
             if block_id is None:
                 break
             self.prefix_hits += 1
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
+            if self.ref_count[block_id] == 0:
                 del self.free[block_id]
-            block.ref_count += 1
+            self.ref_count[block_id] += 1
             seq.block_table.append(block_id)
         seq.num_computed_tokens = seq.num_cached_tokens = len(seq.block_table) * self.block_size
 
@@ -112,18 +105,17 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         for i, h in enumerate(self._extend_hashes(seq, num_full)):
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None:
-                block.hash = h
-                self.hash_to_block.setdefault(h, block.block_id)
+            block_id = seq.block_table[i]
+            if self.block_hash[block_id] is None:
+                self.block_hash[block_id] = h
+                self.hash_to_block.setdefault(h, block_id)
 
     def free_seq(self, seq: Sequence) -> None:
         # Free in reverse so the tail of a sequence (least likely to be shared) is reused first.
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
+            self.ref_count[block_id] -= 1
+            assert self.ref_count[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_count[block_id] == 0:
                 self.free[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0

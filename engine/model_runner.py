@@ -1,8 +1,10 @@
 """Turn a scheduler decision into model inputs, run the model, and sample the next tokens.
 
-Decode-only batches can run through a compiled step (set by the compile stages). Those batches are padded up to
-the next captured batch size, so the compiled graphs only ever see the sizes warmed at start-up. Padding rows
-write their keys and values into a scratch block that the block manager never hands out.
+Decode-only batches can run through a compiled step (set by the compile stages), for batch sizes up to the largest
+one warmed at start-up. With `pad_decode` (CUDA graphs: fixed shapes) a batch is padded up to the next captured
+size; the CPU graph has a symbolic batch size and needs no padding. Padding rows write their keys and values into
+a scratch block that the block manager never hands out. Block tables are at least two blocks wide, so a short
+context never hits a width-1 specialisation of the graph.
 """
 
 from __future__ import annotations
@@ -46,13 +48,20 @@ class ModelRunner:
         self.device = torch.device(device)
         self.decode_fn: DecodeFn | None = None
         self.decode_sizes: list[int] = []  # batch sizes the compiled decode step was warmed for
+        self.pad_decode = self.device.type == "cuda"
+        self.min_decode_batch = 1
 
     def eager_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model.compute_logits(self.model(input_ids, positions, meta))
 
     def padded_size(self, batch: int) -> int | None:
+        """The batch size to run a decode batch at through the compiled step, or None for eager."""
         i = bisect.bisect_left(self.decode_sizes, batch)
-        return self.decode_sizes[i] if i < len(self.decode_sizes) else None
+        if i == len(self.decode_sizes):
+            return None
+        # The CPU graph is traced at batch >= 2; a lone sequence gets one padding row rather than a second graph
+        # (decode is memory-bound: the extra row costs next to nothing).
+        return self.decode_sizes[i] if self.pad_decode else max(batch, self.min_decode_batch)
 
     def prepare(self, scheduled: list[ScheduledSeq], pad_to: int | None = None) -> BatchInputs:
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
@@ -92,7 +101,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long),
         )
         if dtables:
-            meta.decode_block_tables = _pad_tables(dtables, max(map(len, dtables)), self.scratch_block)
+            meta.decode_block_tables = _pad_tables(dtables, max(2, *map(len, dtables)), self.scratch_block)
             meta.decode_ctx_lens = torch.tensor(dlens, dtype=torch.long)
         return BatchInputs(
             input_ids=torch.tensor(ids, dtype=torch.long),

@@ -1,61 +1,140 @@
-"""Build an engine from a config (interim: a straight sequence of the start-up steps)."""
+"""Build an engine by running the start-up stages; the pipeline is a list, so phases are added, skipped or
+reordered by editing `default_stages`."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Callable, Sequence
 
-import torch
-
-from .config import EngineConfig
-from .kv_cache import KVCache
-from .kv_sizing import KVPlan, plan_kv_cache
+from ..profiling.names import STARTUP_SPAN
+from ..profiling.phases import PhaseTable, build_phase_table
+from ..profiling.process import Clock, ProcessMarks, open_startup_span
+from ..profiling.tracing import Tracing, setup_tracing
+from .config import EngineConfig, cache_dir_from_env
+from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
-from .model_runner import ModelRunner
-from .models.arch import ModelArch, load_arch
-from .models.loader import load_model, resolve_dtype
-from .models.store import resolve_model
-from .scheduler import Scheduler
-from .tokenizer import eos_token_ids, load_tokenizer
+from .models.arch import ModelArch
+from .stages.base import Stage, StageResult, StartupFailed, run_stages
+from .stages.context import EngineContext
+from .stages.dynamo_transform import DynamoTransform
+from .stages.graph_capture import GraphCapture
+from .stages.graph_compile import GraphCompile
+from .stages.kv_cache_init import KVCacheInit
+from .stages.kv_cache_profiling import KVCacheProfiling
+from .stages.load_weights import LoadWeights
+from .stages.model_init import ModelInit
+from .stages.model_prepare import ModelPrepare
+from .stages.quantize_weights import QuantizeWeights
+from .stages.tokenizer_init import TokenizerInit
+from .stages.warmup import Warmup
+
+__all__ = ["StartupFailed", "StartupResult", "build_engine", "default_stages", "expected_phase_durations"]
+
+
+def default_stages() -> list[Stage]:
+    return [
+        ModelPrepare(),
+        TokenizerInit(),
+        LoadWeights(),
+        QuantizeWeights(),
+        ModelInit(),
+        DynamoTransform(),
+        GraphCompile(),
+        KVCacheProfiling(),
+        KVCacheInit(),
+        GraphCapture(),
+        Warmup(),
+    ]
 
 
 @dataclass
 class StartupResult:
     engine: LLMEngine
-    model_dir: Path
-    arch: ModelArch
-    kv_plan: KVPlan
-    info: dict[str, Any]
+    context: EngineContext
+    stages: list[StageResult]
+    phase_table: PhaseTable
+    tracing: Tracing
+
+    @property
+    def kv_plan(self) -> KVPlan:
+        assert self.context.kv_plan is not None
+        return self.context.kv_plan
+
+    @property
+    def arch(self) -> ModelArch:
+        assert self.context.arch is not None
+        return self.context.arch
+
+    @property
+    def model_dir(self) -> Path:
+        assert self.context.model_dir is not None
+        return self.context.model_dir
 
 
-def build_engine(config: EngineConfig) -> StartupResult:
-    device = config.resolved_device()
-    model_dir = resolve_model(config.model)
-    arch = load_arch(model_dir)
-    tokenizer = load_tokenizer(model_dir)
-    dtype = resolve_dtype(config.dtype, arch, device)
-    max_pos = arch.max_position_embeddings
-    model, ckpt = load_model(model_dir, arch, dtype, device, max_pos)
-    weights = sum(t.nbytes for t in model.state_dict().values())
-    plan = plan_kv_cache(config, arch, model_dtype=dtype, device=device, weights_bytes=weights)
-    cache = KVCache(
-        num_layers=arch.num_hidden_layers,
-        num_blocks=plan.num_blocks + 1,  # +1: the runner's scratch block for padded rows
-        block_size=plan.block_size,
-        num_kv_heads=arch.num_key_value_heads,
-        head_dim=arch.head_dim,
-        dtype=dtype,
-        device=device,
+def _profile_path(cache_root: Path, config: EngineConfig) -> Path:
+    return cache_root / "profiles" / f"startup-{config.compute_hash()}.json"
+
+
+def expected_phase_durations(config: EngineConfig, cache_dir: Path | None = None) -> dict[str, float] | None:
+    """Seconds per stage from the last successful start of this config (for an ETA), or None."""
+    path = _profile_path(cache_dir or cache_dir_from_env(), config)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        return {str(k): float(v) for k, v in data["stages"].items()}
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return None
+
+
+def build_engine(
+    config: EngineConfig,
+    *,
+    on_phase: Callable[[str], None] | None = None,
+    tracing: Tracing | None = None,
+    marks: ProcessMarks | None = None,
+    stages: Sequence[Stage] | None = None,
+    cache_dir: Path | None = None,
+) -> StartupResult:
+    """Run the start-up pipeline to READY. Raises StartupFailed (stage + one-line cause) when a stage fails.
+
+    marks: the process's entry marks (`mark_main_entry()`); with them the root span starts at process creation and
+        the table has the process_start / imports rows. Without them (library use) it starts at this call.
+    """
+    tracing = tracing or setup_tracing(in_memory=True)
+    tracer = tracing.tracer()
+    ctx = EngineContext(config=config, cache_root=cache_dir or cache_dir_from_env(), device=config.resolved_device())
+    clock = marks.clock if marks is not None else Clock()
+    root = open_startup_span(tracer, marks) if marks is not None else None
+    try:
+        results = run_stages(
+            list(stages) if stages is not None else default_stages(),
+            ctx,
+            tracer=tracer,
+            on_phase=on_phase,
+            parent=root,
+            clock=clock,
+        )
+    except StartupFailed as failed:
+        if root is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            root.set_status(Status(StatusCode.ERROR, str(failed)))
+            root.end(end_time=clock.now_ns())
+        raise
+    ready_ns = clock.now_ns()
+    if root is not None:
+        root.end(end_time=ready_ns)
+    trace_id = results[0].span_context.trace_id if results else None
+    table = build_phase_table(
+        [s for s in tracing.finished_spans() if s.name.startswith(STARTUP_SPAN)],
+        ready_time_ns=ready_ns if root is not None else None,
+        trace_id=trace_id,
     )
-    runner = ModelRunner(model, cache, device)
-    scheduler = Scheduler(config.scheduler, config.cache, plan.num_blocks, plan.max_model_len)
-    engine = LLMEngine(
-        tokenizer=tokenizer,
-        runner=runner,
-        scheduler=scheduler,
-        eos_token_ids=eos_token_ids(tokenizer, arch, model_dir),
-        max_model_len=plan.max_model_len,
-        seed=config.seed,
-    )
-    return StartupResult(engine, model_dir, arch, plan, {"bytes_read": ckpt.bytes_read, "dtype": str(dtype)})
+    assert ctx.engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
+    path = _profile_path(ctx.cache_root, config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"stages": {r.name: r.seconds for r in results}}))
+    return StartupResult(engine=ctx.engine, context=ctx, stages=results, phase_table=table, tracing=tracing)

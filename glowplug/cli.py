@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -86,12 +85,68 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_startup(args: argparse.Namespace) -> int:
+    """Run the start-up pipeline to READY, print the phase table, write the requested reports, exit."""
+    from rich.console import Console
+
+    from glowplug.profiling.logs import configure_logging
+    from glowplug.profiling.tracing import setup_tracing
+
+    configure_logging(level=args.log_level)
+    config = engine_config(args)
+    from glowplug.engine.startup import StartupFailed, build_engine
+    from glowplug.profiling import export, phases
+    from glowplug.profiling.names import STARTUP_SPAN
+
+    args.marks.mark_imports_done()
+    tracing = setup_tracing()
+    failed: StartupFailed | None = None
+    try:
+        table = build_engine(config, tracing=tracing, marks=args.marks).phase_table
+    except StartupFailed as exc:
+        failed = exc
+        # The failed stage's span is finished too: the table and traces show how far the start got.
+        table = phases.build_phase_table([s for s in tracing.finished_spans() if s.name.startswith(STARTUP_SPAN)])
+    spans = list(tracing.finished_spans())
+    if args.report_out:
+        phases.write_report(table, args.report_out)
+    if args.trace_out:
+        export.write_otlp_json(spans, args.trace_out)
+    if args.chrome_trace:
+        export.write_chrome_trace(spans, args.chrome_trace)
+    tracing.shutdown()  # flushes any OTLP exporter
+    if failed is not None:
+        Console(stderr=True).print(f"glowplug: state FAILED: {failed}", markup=False, soft_wrap=True)
+        return 1
+    Console().print(phases.to_rich(table))
+    return 0
+
+
 def cmd_models_prepare(args: argparse.Namespace) -> int:
     from glowplug.engine.models.store import resolve_model
 
     path = resolve_model(args.model)
     print(path)
     return 0
+
+
+def _writable_file(suffixes: tuple[str, ...]) -> Callable[[str], Path]:
+    def check(value: str) -> Path:
+        path = Path(value)
+        if path.suffix not in suffixes:
+            raise argparse.ArgumentTypeError(f"{value}: use a file ending in {' or '.join(suffixes)}")
+        if not path.parent.exists():
+            raise argparse.ArgumentTypeError(f"{value}: folder {path.parent} does not exist; create it first")
+        return path
+
+    return check
+
+
+def _add_report_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--report-out", type=_writable_file((".md", ".csv", ".json")), help="Phase table (.md/.csv/.json).")
+    p.add_argument("--trace-out", type=_writable_file((".json",)), help="Spans as OTLP JSON.")
+    p.add_argument("--chrome-trace", type=_writable_file((".json",)), help="Chrome/Perfetto trace-event JSON.")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="Wrap each prompt in the model's chat template.")
     gen.set_defaults(func=cmd_generate)
 
+    start = sub.add_parser(
+        "startup", parents=[engine], help="Run the start-up pipeline to READY, print the phase table and exit."
+    )
+    start.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
+    _add_report_flags(start)
+    start.set_defaults(func=cmd_startup)
+
     models = sub.add_parser("models", help="Manage model files.")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     prep = msub.add_parser("prepare", help="Convert the embedded default model into the cache (done on first use).")
@@ -118,10 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    entry_time = time.time()  # the first moment our code runs: the end of the process_start row
+    from glowplug.profiling.process import mark_main_entry
+
+    marks = mark_main_entry()  # the first moment our code runs: the end of the process_start row
     parser = build_parser()
     args = parser.parse_args(argv)
-    args.entry_time = entry_time
+    args.marks = marks
     from pydantic import ValidationError
 
     from glowplug.engine.models.arch import ModelError

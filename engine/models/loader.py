@@ -114,12 +114,18 @@ def check_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], where:
 
 
 def materialize(
-    model: torch.nn.Module, sd: dict[str, torch.Tensor], dtype: torch.dtype, device: str, where: Path
+    model: torch.nn.Module,
+    sd: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: str,
+    where: Path,
+    keep_dtype: frozenset[str] = frozenset(),
 ) -> None:
-    """Assign checkpoint tensors into the meta model; casts only the tensors not already in `dtype`."""
+    """Assign checkpoint tensors into the meta model; casts only the floating tensors not already in `dtype`
+    (except `keep_dtype`: quantized layers' scales keep the precision their kernels expect)."""
     wanted = check_state_dict(model, sd, where)
     for k, t in wanted.items():
-        if t.is_floating_point() and t.dtype != dtype:
+        if t.is_floating_point() and t.dtype != dtype and k not in keep_dtype:
             wanted[k] = t.to(dtype)
         if str(wanted[k].device) != device:
             wanted[k] = wanted[k].to(device)

@@ -163,6 +163,18 @@ def prepare_gguf(source: Path, name: str, cache_dir: Path | None = None, *, quie
     return target
 
 
+def is_prepared(spec: str, cache_dir: Path | None = None) -> bool:
+    """False when resolving `spec` would convert a GGUF first (the default model's first use)."""
+    if spec in DEFAULT_ALIASES:
+        source, name = default_gguf_path(), DEFAULT_NAME
+    else:
+        path = Path(spec).expanduser()
+        if not (path.is_file() and path.suffix == ".gguf"):
+            return True
+        source, name = path.resolve(), path.stem
+    return _manifest_ok((cache_dir or cache_dir_from_env()) / "models" / name, source)[0]
+
+
 def resolve_model(spec: str, cache_dir: Path | None = None, *, quiet: bool = False) -> Path:
     """'smollm2' (or an alias) -> the converted default; a .gguf file -> converted; a folder -> itself."""
     if spec in DEFAULT_ALIASES:

@@ -131,8 +131,8 @@ def _run_one(stage: Stage, ctx: StartupContext, tracer: Tracer, parent: Span, cl
     with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
         try:
             report = stage.run(ctx)
-            if not isinstance(report, StageReport):
-                raise TypeError(f"{type(stage).__name__}.run returned {type(report).__name__}, not a StageReport")
+            if not isinstance(report, StageReport) or not isinstance(report.attributes, Mapping):
+                raise TypeError(f"{type(stage).__name__}.run returned {report!r:.200}, not a StageReport")
         except BaseException as exc:
             t1 = time.perf_counter_ns()
             reason = one_line(exc)
@@ -159,9 +159,7 @@ def _run_one(stage: Stage, ctx: StartupContext, tracer: Tracer, parent: Span, cl
         if report.skipped_reason is not None:
             fields[Attr.SKIPPED_REASON] = report.skipped_reason
         log.info(span_name, **fields)
-    return StageResult(
-        name=stage.name, row=row, seconds=seconds, report=report, span_context=span.get_span_context()
-    )
+    return StageResult(name=stage.name, row=row, seconds=seconds, report=report, span_context=span.get_span_context())
 
 
 def run_stages(
@@ -184,8 +182,10 @@ def run_stages(
     _check_names(stages)
     clock = clock or Clock()
     own_root = parent is None
-    root = parent or tracer.start_span(
-        STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION}
+    root = (
+        tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})
+        if parent is None
+        else parent
     )
     results: list[StageResult] = []
     try:

@@ -1,0 +1,49 @@
+"""The state the engine's start-up stages share, as typed fields (each filled by the stage named beside it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..compile import CompileCache, DeferredInductor
+from ..config import EngineConfig
+from ..kv_cache import KVCache
+from ..kv_sizing import KVPlan
+from ..llm_engine import LLMEngine
+from ..model_runner import ModelRunner
+from ..models.arch import ModelArch
+from ..models.llama import DecoderLM
+from .base import StartupContext
+
+
+class StageOrderError(RuntimeError):
+    pass
+
+
+@dataclass
+class EngineContext(StartupContext):
+    config: EngineConfig = field(default_factory=EngineConfig)
+    cache_root: Path = Path(".")
+    device: str = "cpu"
+    model_dir: Path | None = None  # model_prepare
+    arch: ModelArch | None = None  # model_prepare
+    dtype: torch.dtype = torch.float32  # model_prepare
+    tokenizer: Any = None  # tokenizer_init
+    state_dict: dict[str, torch.Tensor] | None = None  # load_weights (replaced by quantize_weights)
+    weights_bytes: int = 0  # load_weights / quantize_weights
+    model: DecoderLM | None = None  # model_init
+    backend: DeferredInductor | None = None  # dynamo_transform
+    decode_fn: Any = None  # dynamo_transform
+    compile_cache: CompileCache | None = None  # dynamo_transform
+    kv_plan: KVPlan | None = None  # kv_cache_profiling
+    kv_cache: KVCache | None = None  # kv_cache_init
+    runner: ModelRunner | None = None  # kv_cache_init
+    engine: LLMEngine | None = None  # kv_cache_init
+
+    def need(self, value: Any, what: str, stage: str) -> Any:
+        if value is None:
+            raise StageOrderError(f"{what} is not set: stage {stage!r} must run earlier in the pipeline")
+        return value

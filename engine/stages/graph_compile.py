@@ -1,0 +1,35 @@
+"""Compile the traced graphs with Inductor; a warm persistent cache makes this graph_compile_cached."""
+
+from __future__ import annotations
+
+from ...profiling.names import Attr, Row
+from ..compile import inductor_cache_counts
+from .base import StageReport
+from .context import EngineContext
+
+
+class GraphCompile:
+    name = "graph_compile"
+
+    def run(self, ctx: EngineContext) -> StageReport:
+        if ctx.config.compile == "off":
+            return StageReport.skipped("--compile off")
+        backend = ctx.need(ctx.backend, "the traced graphs", "dynamo_transform")
+        cache = ctx.need(ctx.compile_cache, "the compile cache", "dynamo_transform")
+        hits0, misses0 = inductor_cache_counts()
+        compiled = backend.compile_pending()
+        hits, misses = (a - b for a, b in zip(inductor_cache_counts(), (hits0, misses0)))
+        hit = misses == 0 and hits > 0
+        attrs: dict[str, object] = {
+            Attr.CACHE_HIT: hit,
+            Attr.CACHE_KEY: cache.key,
+            "glowplug.graphs_compiled": compiled,
+            "glowplug.inductor_cache_hits": hits,
+            "glowplug.inductor_cache_misses": misses,
+            "glowplug.compile_cache_dir": str(cache.path),
+        }
+        if not hit:
+            attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason or f"{misses} graph(s) not in the Inductor cache"
+        return StageReport(
+            attributes=attrs, row=Row.GRAPH_COMPILE_CACHED if hit else Row.GRAPH_COMPILE_GENERAL_SHAPE
+        )

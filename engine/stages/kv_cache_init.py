@@ -1,0 +1,49 @@
+"""Allocate the KV cache and assemble the engine (block manager, scheduler, runner)."""
+
+from __future__ import annotations
+
+from ...profiling.names import Attr
+from ..kv_cache import KVCache
+from ..llm_engine import LLMEngine
+from ..model_runner import ModelRunner
+from ..scheduler import Scheduler
+from ..tokenizer import eos_token_ids
+from .base import StageReport
+from .context import EngineContext
+
+
+class KVCacheInit:
+    name = "kv_cache_init"
+
+    def run(self, ctx: EngineContext) -> StageReport:
+        plan = ctx.need(ctx.kv_plan, "the KV plan", "kv_cache_profiling")
+        arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
+        model = ctx.need(ctx.model, "the model", "model_init")
+        ctx.kv_cache = KVCache(
+            num_layers=arch.num_hidden_layers,
+            num_blocks=plan.num_blocks + 1,  # +1: the runner's scratch block for padded rows
+            block_size=plan.block_size,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            dtype=ctx.dtype,
+            device=ctx.device,
+            int8=ctx.config.cache.kv_cache_dtype == "int8",
+        )
+        ctx.runner = ModelRunner(model, ctx.kv_cache, ctx.device)
+        scheduler = Scheduler(ctx.config.scheduler, ctx.config.cache, plan.num_blocks, plan.max_model_len)
+        assert ctx.model_dir is not None
+        ctx.engine = LLMEngine(
+            tokenizer=ctx.tokenizer,
+            runner=ctx.runner,
+            scheduler=scheduler,
+            eos_token_ids=eos_token_ids(ctx.tokenizer, arch, ctx.model_dir),
+            max_model_len=plan.max_model_len,
+            seed=ctx.config.seed,
+        )
+        return StageReport(
+            attributes={
+                Attr.KV_BLOCKS: plan.num_blocks,
+                "glowplug.kv_cache_bytes": ctx.kv_cache.nbytes,
+                "glowplug.kv_cache_dtype": ctx.config.cache.kv_cache_dtype,
+            }
+        )

@@ -1,0 +1,168 @@
+"""The staged start-up: span tree, phase table arithmetic, caches, KV sizing errors, failures, OTLP export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from opentelemetry.trace import StatusCode
+
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.startup import StartupFailed, build_engine
+from glowplug.profiling.names import STARTUP_SPAN, Attr, stage_from_span_name
+from glowplug.profiling.tracing import setup_tracing
+
+STAGE_ORDER = [
+    "model_prepare",
+    "tokenizer_init",
+    "load_weights",
+    "quantize_weights",
+    "model_init",
+    "dynamo_transform",
+    "graph_compile",
+    "kv_cache_profiling",
+    "kv_cache_init",
+    "graph_capture",
+    "warmup",
+]
+
+
+def _start(model: Path, cache: Path, **fields: object):
+    tracing = setup_tracing()
+    result = build_engine(EngineConfig.from_flat(model=str(model), **fields), tracing=tracing, cache_dir=cache)
+    return result, tracing
+
+
+def test_span_tree_order_parentage_and_attributes(tiny_dir, tmp_path: Path) -> None:
+    result, tracing = _start(tiny_dir("llama"), tmp_path, compile="off")
+    spans = tracing.finished_spans()
+    root = next(s for s in spans if s.name == STARTUP_SPAN)
+    stages = sorted((s for s in spans if stage_from_span_name(s.name)), key=lambda s: s.start_time)
+    assert [stage_from_span_name(s.name) for s in stages] == STAGE_ORDER
+    for a, b in zip(stages, stages[1:]):
+        assert a.end_time <= b.start_time
+    assert all(s.parent is not None and s.parent.span_id == root.context.span_id for s in stages)
+    attrs = {stage_from_span_name(s.name): dict(s.attributes) for s in stages}
+    assert attrs["load_weights"][Attr.BYTES_READ] > 0 and attrs["load_weights"][Attr.READ_GBPS] > 0
+    assert attrs["model_init"][Attr.PARAM_COUNT] == result.arch.num_params
+    assert attrs["model_init"][Attr.DTYPE] == "float32"
+    kv = attrs["kv_cache_profiling"]
+    assert kv[Attr.KV_BLOCKS] == result.kv_plan.num_blocks
+    assert kv[Attr.KV_TOKEN_CAPACITY] == result.kv_plan.num_blocks * 16
+    assert kv[Attr.MAX_CONCURRENCY] == pytest.approx(result.kv_plan.max_concurrency, rel=1e-2)
+    assert kv[Attr.PEAK_MEMORY_BYTES] >= 0 and kv[Attr.CACHE_HIT] is False
+    assert attrs["graph_capture"][Attr.SKIPPED_REASON] == "--compile off"
+    table = result.phase_table
+    assert table.seconds("graph_capturing") is None and "--compile off" in table["graph_capturing"].reason
+    # The engine works after READY and nothing is left allocated by the warm-up.
+    assert result.engine.block_manager.num_free_blocks == result.engine.block_manager.num_blocks
+
+
+def test_second_start_reads_profile_cache(tiny_dir, tmp_path: Path) -> None:
+    _start(tiny_dir("llama"), tmp_path, compile="off")
+    second, _ = _start(tiny_dir("llama"), tmp_path, compile="off")
+    row = second.phase_table["kv_cache_profiling"]
+    assert row.seconds is None and row.reason == "cache hit"
+
+
+def test_kv_too_small_fails_before_allocating(tiny_dir, tmp_path: Path) -> None:
+    tracing = setup_tracing()
+    cfg = EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off", kv_cache_memory=20_000, max_model_len=256)
+    with pytest.raises(StartupFailed) as e:
+        build_engine(cfg, tracing=tracing, cache_dir=tmp_path)
+    msg = str(e.value)
+    assert e.value.stage == "kv_cache_profiling"
+    # 2 layers x 2 kv heads x 16 dims x 2 (k, v) x 4 bytes = 512 bytes per token.
+    assert "needs 131,072 bytes" in msg and "20,000 bytes are available" in msg
+    assert "largest max-model-len that fits is 32" in msg  # 20000 // (512 * 16) = 2 blocks of 16 tokens
+    names = [stage_from_span_name(s.name) for s in tracing.finished_spans()]
+    assert "kv_cache_init" not in names
+    failed = next(s for s in tracing.finished_spans() if s.name.endswith("kv_cache_profiling"))
+    assert failed.status.status_code is StatusCode.ERROR
+    assert any(ev.name == "exception" for ev in failed.events)
+
+
+def test_max_model_len_auto_picks_largest_that_fits(tiny_dir, tmp_path: Path) -> None:
+    result, _ = _start(tiny_dir("llama"), tmp_path, compile="off", kv_cache_memory=512 * 16 * 7 + 100, max_model_len="auto")
+    assert result.kv_plan.num_blocks == 7 and result.engine.max_model_len == 7 * 16
+    roomy, _ = _start(tiny_dir("llama"), tmp_path, compile="off", kv_cache_memory=10_000_000, max_model_len="auto")
+    assert roomy.engine.max_model_len == 256  # the model's own limit
+
+
+def _glowplug(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "glowplug.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_cli_rows_sum_to_wall_time_and_reports(tiny_dir, tmp_path: Path) -> None:
+    report, trace, chrome = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "c.json"
+    t0 = time.time()
+    proc = _glowplug(
+        "startup", str(tiny_dir("qwen2")), "--compile", "off", "--report-out", str(report),
+        "--trace-out", str(trace), "--chrome-trace", str(chrome),
+        env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")},
+    )  # fmt: skip
+    wall = time.time() - t0
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(report.read_text())
+    phases = data["phases"]
+    leaves = [
+        "process_start", "imports", "model_prepare", "tokenizer_init", "load_weights", "quantize_weights",
+        "model_init", "dynamo_transform_time", "graph_compile_general_shape", "graph_compile_cached",
+        "kv_cache_profiling", "kv_cache_init", "graph_capturing", "warmup", "unattributed",
+    ]  # fmt: skip
+    total = sum(phases[k] or 0.0 for k in leaves)
+    actual = data["actual_total_time"]
+    assert total == pytest.approx(actual, rel=0.01)
+    assert abs(phases["unattributed"]) < 0.02 * actual
+    assert phases["process_start"] > 0 and phases["imports"] > 0
+    # process creation -> READY happens inside the subprocess's lifetime as the parent saw it.
+    assert 0.3 * wall < actual <= wall
+    assert phases["quantize_weights"] is None and phases["torch.compile"] is None
+    events = json.loads(chrome.read_text())["traceEvents"]
+    assert {e["name"] for e in events if e.get("ph") == "X"} >= {STARTUP_SPAN, "glowplug.startup.warmup"}
+    assert json.loads(trace.read_text().splitlines()[0])["resourceSpans"]
+
+
+def test_cli_failing_stage_exits_nonzero_with_one_line_cause(tiny_dir, tmp_path: Path) -> None:
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_dir("llama"), bad)
+    (bad / "model.safetensors").write_bytes(b"\x00" * 64)
+    proc = _glowplug("startup", str(bad), "--compile", "off", "--trace-out", str(tmp_path / "t.json"),
+                     env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("glowplug: state FAILED")]
+    assert len(lines) == 1 and "load_weights" in lines[0] and "truncated or corrupt" in lines[0]
+    from glowplug.profiling.export import read_otlp_json
+
+    spans = [s for req in read_otlp_json(tmp_path / "t.json") for rs in req.resource_spans
+             for ss in rs.scope_spans for s in ss.spans]  # fmt: skip
+    failed = next(s for s in spans if s.name == "glowplug.startup.load_weights")
+    assert failed.status.code == 2  # STATUS_CODE_ERROR
+
+
+def test_startup_spans_reach_a_real_otlp_receiver(tiny_dir, tmp_path: Path) -> None:
+    from otlp_receiver import OtlpHttpReceiver
+
+    with OtlpHttpReceiver() as rx:
+        proc = _glowplug("startup", str(tiny_dir("llama")), "--compile", "off",
+                         env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache"), "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint})  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        spans = rx.wait_for_spans(len(STAGE_ORDER) + 3)
+    by_name = {s.name: s for s in spans}
+    root = by_name[STARTUP_SPAN]
+    for stage in STAGE_ORDER + ["process_start", "imports"]:
+        span = by_name[f"glowplug.startup.{stage}"]
+        assert span.parent_span_id == root.span_id and span.trace_id == root.trace_id
