@@ -18,6 +18,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "int4", "int2", "w8a8"]
 KVCacheDType = Literal["auto", "int8"]
 OnOff = Literal["on", "off"]
+CompileMode = Literal["auto", "on", "off"]
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_CACHE_DIR = "~/.cache/glowplug"
@@ -100,7 +101,11 @@ class EngineConfig(FrozenModel):
         None, description="Longest prompt + output; None = min(model limit, 4096); 'auto' = largest that fits."
     )
     seed: int = 0
-    compile: OnOff = "off"
+    compile: CompileMode = Field(
+        "auto",
+        description="torch.compile the decode step; auto = on for CUDA, off on the CPU, where the compiled step "
+        "measured slower than eager for SmolLM2 (see reports/).",
+    )
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     quant: QuantConfig = QuantConfig()
@@ -140,6 +145,9 @@ class EngineConfig(FrozenModel):
             else:
                 top[key] = value
         return cls(**top, **{name: sections[name](**vals) for name, vals in nested.items() if vals})
+
+    def compile_enabled(self) -> bool:
+        return self.compile == "on" or (self.compile == "auto" and self.resolved_device() == "cuda")
 
     def resolved_device(self) -> str:
         if self.device != "auto":

@@ -35,7 +35,7 @@ class LLM:
         encoded = [encode_prompt(self.tokenizer, p, chat=chat) for p in prompts]
         # Validate the whole batch first, so a bad prompt leaves no half-added batch behind.
         for tokens in encoded:
-            self.engine.validate_length(len(tokens), params or SamplingParams())
+            self.engine.validate_request(tokens, params or SamplingParams())
         return [
             self.engine.add_request(p, params, prompt_token_ids=tokens).request_id for p, tokens in zip(prompts, encoded)
         ]

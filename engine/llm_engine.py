@@ -95,6 +95,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Everything that can be wrong with a request before it is queued (ValueError naming the problem).
+
+        A request that passes always fits the KV cache: start-up guarantees room for one max-model-len sequence.
+        """
+        vocab = len(self.tokenizer)
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        self.validate_length(len(prompt_token_ids), params)
+
     def validate_length(self, prompt_len: int, params: SamplingParams) -> None:
         if prompt_len == 0:
             raise ValueError("the prompt is empty; send at least one token")
@@ -118,7 +129,7 @@ class LLMEngine:
             if prompt is None:
                 raise ValueError("give a prompt or prompt_token_ids")
             prompt_token_ids = list(self.tokenizer(prompt)["input_ids"])
-        self.validate_length(len(prompt_token_ids), params)
+        self.validate_request(prompt_token_ids, params)
         rid = request_id or f"req-{next(self._req_ids)}"
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")

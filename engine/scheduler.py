@@ -57,12 +57,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        need = self.block_manager.blocks_needed(min(seq.num_tokens + seq.params.max_tokens, self.max_model_len))
-        if need > self.block_manager.num_blocks:
-            raise ValueError(
-                f"request needs {need} KV blocks but the cache has {self.block_manager.num_blocks}; "
-                f"lower max_tokens or give the KV cache more memory"
-            )
+        # LLMEngine.validate_request has checked the length; start-up guarantees one max-model-len sequence fits.
         self.waiting.append(seq)
 
     @property

@@ -122,6 +122,32 @@ def cmd_startup(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from glowplug.lifecycle.config import serve_config_from_args
+    from glowplug.lifecycle.server import serve
+
+    return serve(engine_config(args), serve_config_from_args(args), marks=args.marks)
+
+
+def _bench_config(model_cls: Any, args: argparse.Namespace) -> Any:
+    return model_cls(**{k: v for k, v in vars(args).items() if k in model_cls.model_fields})
+
+
+def cmd_bench_decode(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from glowplug.profiling.bench.decode import DecodeBenchConfig, render_markdown, run_decode_bench
+
+    cfg = _bench_config(DecodeBenchConfig, args)
+    rows, bandwidth = run_decode_bench(cfg)
+    text = render_markdown(rows, bandwidth, cfg, args.argv)
+    Console().print(Markdown(text))
+    if cfg.out is not None:
+        cfg.out.write_text(text)
+    return 0
+
+
 def cmd_models_prepare(args: argparse.Namespace) -> int:
     from glowplug.engine.models.store import resolve_model
 
@@ -171,6 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report_flags(start)
     start.set_defaults(func=cmd_startup)
 
+    from glowplug.lifecycle.config import add_serve_flags
+
+    srv = sub.add_parser("serve", parents=[engine], help="OpenAI-compatible HTTP server (starts through the stages).")
+    srv.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
+    add_serve_flags(srv.add_argument_group("serving (one flag per ServeConfig field)"))
+    srv.set_defaults(func=cmd_serve)
+
+    bench = sub.add_parser("bench", help="Benchmarks whose reports go to reports/.")
+    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    from glowplug.profiling.bench.decode import DecodeBenchConfig
+
+    dec = bsub.add_parser("decode", help="Decode tokens/s per batch size and quantization, vs transformers.")
+    dec.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
+    add_model_flags(dec, DecodeBenchConfig, exclude={"model"})
+    dec.set_defaults(func=cmd_bench_decode)
+
     models = sub.add_parser("models", help="Manage model files.")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     prep = msub.add_parser("prepare", help="Convert the embedded default model into the cache (done on first use).")
@@ -186,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.marks = marks
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     from pydantic import ValidationError
 
     from glowplug.engine.models.arch import ModelError

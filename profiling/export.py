@@ -29,8 +29,7 @@ _ID_KEYS: Final = frozenset({"traceId", "spanId", "parentSpanId"})
 def _convert_ids(node: Any, convert: Callable[[str], str]) -> Any:
     if isinstance(node, dict):
         return {
-            k: convert(v) if k in _ID_KEYS and isinstance(v, str) else _convert_ids(v, convert)
-            for k, v in node.items()
+            k: convert(v) if k in _ID_KEYS and isinstance(v, str) else _convert_ids(v, convert) for k, v in node.items()
         }
     if isinstance(node, list):
         return [_convert_ids(v, convert) for v in node]

@@ -36,9 +36,7 @@ def _level_number(level: int | str) -> int:
     return number
 
 
-def configure_logging(
-    *, level: int | str = "info", json: bool | None = None, stream: TextIO | None = None
-) -> None:
+def configure_logging(*, level: int | str = "info", json: bool | None = None, stream: TextIO | None = None) -> None:
     """Configure structlog for the process.
 
     json: None picks JSON lines unless `stream` (default stderr) is a terminal.

@@ -155,7 +155,7 @@ def build_phase_table(
     ready_time_ns: wall-clock ns (same time line as the spans, e.g. `ProcessMarks.clock.now_ns()`) at READY;
         default: the end of the root `glowplug.startup` span, else of the last stage span.
     """
-    group = sorted(_select_trace(spans, trace_id), key=lambda s: (s.start_time or 0))
+    group = sorted(_select_trace(spans, trace_id), key=lambda s: s.start_time or 0)
     roots = [s for s in group if s.name == STARTUP_SPAN]
     stage_spans = [s for s in group if s.name != STARTUP_SPAN]
 
@@ -212,7 +212,7 @@ def build_phase_table(
     by_name = {r.name: r for r in rows}
     aggregates: list[PhaseRow] = []
     for name, parts in AGGREGATE_ROWS.items():
-        values = [by_name[p].nanos for p in parts if by_name[p].nanos is not None]
+        values = [n for n in (by_name[p].nanos for p in parts) if n is not None]
         if values:
             aggregates.append(PhaseRow(name, "aggregate", sum(values), components=parts))
         else:
@@ -323,9 +323,7 @@ def to_dict(table: PhaseTable) -> dict[str, Any]:
         "kinds": {r.name: r.kind for r in table.rows},
         "components": {r.name: list(r.components) for r in table.rows if r.components},
         "reasons": {r.name: r.reason for r in table.rows if r.reason},
-        "attributes": {
-            r.name: {k: _jsonable(v) for k, v in r.attributes.items()} for r in table.rows if r.attributes
-        },
+        "attributes": {r.name: {k: _jsonable(v) for k, v in r.attributes.items()} for r in table.rows if r.attributes},
         "versions": dict(table.versions),
     }
 

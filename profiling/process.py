@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from glowplug.profiling.names import IMPORTS, PROCESS_START, STARTUP_SPAN, Attr, SCHEMA_VERSION, stage_span_name
+from glowplug.profiling.names import IMPORTS, PROCESS_START, SCHEMA_VERSION, STARTUP_SPAN, Attr, stage_span_name
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context

@@ -51,8 +51,8 @@ class DynamoTransform:
     name = "dynamo_transform"
 
     def run(self, ctx: EngineContext) -> StageReport:
-        if ctx.config.compile == "off":
-            return StageReport.skipped("--compile off")
+        if not ctx.config.compile_enabled():
+            return StageReport.skipped(f"--compile {ctx.config.compile}" + (" (CPU)" if ctx.config.compile == "auto" else ""))
         model = ctx.need(ctx.model, "the model", "model_init")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
         ctx.compile_cache = open_compile_cache(

@@ -31,8 +31,8 @@ class GraphCapture:
     name = "graph_capture"
 
     def run(self, ctx: EngineContext) -> StageReport:
-        if ctx.config.compile == "off":
-            return StageReport.skipped("--compile off")
+        if not ctx.config.compile_enabled():
+            return StageReport.skipped(f"--compile {ctx.config.compile}" + (" (CPU)" if ctx.config.compile == "auto" else ""))
         if ctx.device != "cpu":
             return StageReport.skipped("skipped: CUDA graph capture needs a capture-safe attention backend")
         runner = ctx.need(ctx.runner, "the model runner", "kv_cache_init")

@@ -12,8 +12,8 @@ class GraphCompile:
     name = "graph_compile"
 
     def run(self, ctx: EngineContext) -> StageReport:
-        if ctx.config.compile == "off":
-            return StageReport.skipped("--compile off")
+        if not ctx.config.compile_enabled():
+            return StageReport.skipped(f"--compile {ctx.config.compile}" + (" (CPU)" if ctx.config.compile == "auto" else ""))
         backend = ctx.need(ctx.backend, "the traced graphs", "dynamo_transform")
         cache = ctx.need(ctx.compile_cache, "the compile cache", "dynamo_transform")
         hits0, misses0 = inductor_cache_counts()

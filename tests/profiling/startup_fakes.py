@@ -27,7 +27,6 @@ class SleepStage:
     seen_span: trace.SpanContext | None = None
     busy: bool = False  # spin instead of sleeping, like a CPU-bound stage
 
-
     def run(self, ctx: StartupContext) -> StageReport:
         if self.events is not None:
             self.events.append(("run", self.name))
@@ -65,9 +64,7 @@ def default_pipeline(seconds: float = 0.005, *, busy: bool = False) -> list[Slee
         SleepStage("kv_cache_profiling", seconds, {Attr.PEAK_MEMORY_BYTES: 1 << 30}),
         SleepStage("kv_cache_init", seconds, {Attr.KV_BLOCKS: 512, Attr.KV_TOKEN_CAPACITY: 8192}),
         SleepStage("graph_capture", 0.0, skipped_reason="skipped: no CUDA"),
-        SleepStage(
-            "warmup", seconds, {Attr.GRAPH_SIZES: [1, 2, 4], Attr.GRAPH_SIZE_TIMES_S: [0.01, 0.02, 0.03]}
-        ),
+        SleepStage("warmup", seconds, {Attr.GRAPH_SIZES: [1, 2, 4], Attr.GRAPH_SIZE_TIMES_S: [0.01, 0.02, 0.03]}),
     ]
     for stage in stages:
         stage.busy = busy

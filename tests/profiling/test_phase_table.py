@@ -17,7 +17,7 @@ from startup_fakes import SleepStage, default_pipeline
 
 from glowplug.engine.stages.base import StartupContext, StartupFailed, run_stages
 from glowplug.profiling.logs import configure_logging
-from glowplug.profiling.names import AGGREGATE_ROWS, LEAF_ROWS, STAGES, Attr, Row, stage_span_name
+from glowplug.profiling.names import AGGREGATE_ROWS, LEAF_ROWS, STAGE_ROWS, STAGES, Attr, Row, stage_span_name
 from glowplug.profiling.phases import (
     PhaseTable,
     build_phase_table,
@@ -52,12 +52,15 @@ def _startup(tracing: Tracing, stages: list[SleepStage]) -> tuple[PhaseTable, fl
 
 def test_rows_add_up_and_match_measured_wall_time(tracing: Tracing) -> None:
     configure_logging(json=True, stream=io.StringIO())  # as the CLI does before start-up
-    # Long enough that the ~0.3 ms of bookkeeping between stages on this VM stays well under 1%.
-    stages = default_pipeline(0.06)
+    # Few, long stages: the runner's bookkeeping between two stages is ~0.1-0.3 ms, but a busy 2-core machine can
+    # preempt it for milliseconds, and that time rightly counts as unattributed, not as a stage.
+    keep = {"tokenizer_init", "load_weights", "graph_compile", "kv_cache_profiling", "warmup"}
+    stages = [s for s in default_pipeline(0.15) if s.name in keep]
     table, wall, ready = _startup(tracing, stages)
 
     leaves = table.leaves
     assert [r.name for r in leaves] == [*LEAF_ROWS, Row.UNATTRIBUTED]
+    assert table[Row.MODEL_INIT].reason == "not in pipeline"
     # Exact in ns, hence to float rounding in seconds.
     assert sum(r.nanos for r in leaves if r.nanos is not None) == table[Row.ACTUAL_TOTAL_TIME].nanos
     assert sum(r.seconds or 0.0 for r in leaves) == pytest.approx(table.actual_total_time, abs=1e-9)
@@ -68,7 +71,7 @@ def test_rows_add_up_and_match_measured_wall_time(tracing: Tracing) -> None:
     booked = sum(r.seconds or 0.0 for r in stage_rows)
     assert booked == pytest.approx(wall, rel=0.01)
     assert table.seconds(Row.TOTAL_TIME) == pytest.approx(wall, rel=0.01)
-    assert table.seconds(Row.LOAD_WEIGHTS) >= 0.02
+    assert table.seconds(Row.LOAD_WEIGHTS) >= 0.15
     assert table.seconds(Row.IMPORTS) >= 0.01
     # actual_total_time runs from the OS's process creation: cross-check against psutil (whole-second boot time).
     psutil_age = ready / 1e9 - psutil.Process().create_time()
@@ -213,8 +216,7 @@ def test_leaves_plus_unattributed_equal_actual_exactly(
     assert table[Row.UNATTRIBUTED].nanos >= tail
     assert table[Row.TOTAL_TIME].nanos == sum(d for _, _, d, _ in plan)
     for name, _, _, skipped in plan:
-        row = table[{"dynamo_transform": Row.DYNAMO_TRANSFORM_TIME, "graph_capture": Row.GRAPH_CAPTURING,
-                     "graph_compile": Row.GRAPH_COMPILE_GENERAL_SHAPE}.get(name, name)]
+        row = table[STAGE_ROWS.get(name, name)]
         assert row.nanos == (None if skipped else expected[name])
         assert (row.reason == "nothing to do") if skipped else row.reason is None
 
@@ -240,7 +242,7 @@ def test_json_has_the_documented_shape_and_round_trips(table: PhaseTable, tmp_pa
     assert [(r.name, r.kind, r.reason, r.components) for r in back.rows] == [
         (r.name, r.kind, r.reason, r.components) for r in table.rows
     ]
-    assert all(abs((a.nanos or 0) - (b.nanos or 0)) <= 1 for a, b in zip(back.rows, table.rows))
+    assert all(abs((a.nanos or 0) - (b.nanos or 0)) <= 1 for a, b in zip(back.rows, table.rows, strict=True))
     assert to_dict(from_dict(data)) == data
 
 
@@ -249,7 +251,7 @@ def test_csv_round_trips(table: PhaseTable, tmp_path: Path) -> None:
     records = list(csv.DictReader(io.StringIO(path.read_text())))
     assert [r["phase"] for r in records] == [r.name for r in table.rows]
     back = read_report(path)
-    for a, b in zip(back.rows, table.rows):
+    for a, b in zip(back.rows, table.rows, strict=True):
         assert (a.name, a.kind, a.reason) == (b.name, b.kind, b.reason)
         assert (a.seconds is None) == (b.seconds is None)
         if a.seconds is not None:

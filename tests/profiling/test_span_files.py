@@ -95,12 +95,13 @@ def test_overlapping_spans_get_separate_lanes(tracing: Tracing) -> None:
     tracer = tracing.tracer()
     t0 = 1_000_000_000
     a = tracer.start_span("glowplug.request", start_time=t0, context=trace.set_span_in_context(trace.INVALID_SPAN))
-    b = tracer.start_span("glowplug.request", start_time=t0 + 10, context=trace.set_span_in_context(trace.INVALID_SPAN))
+    no_parent = trace.set_span_in_context(trace.INVALID_SPAN)
+    b = tracer.start_span("glowplug.request", start_time=t0 + 10, context=no_parent)
     child = tracer.start_span("child", start_time=t0 + 20, context=trace.set_span_in_context(a))
     child.end(end_time=t0 + 30)
     a.end(end_time=t0 + 100)
     b.end(end_time=t0 + 200)  # overlaps a without nesting in it
-    c = tracer.start_span("glowplug.request", start_time=t0 + 300, context=trace.set_span_in_context(trace.INVALID_SPAN))
+    c = tracer.start_span("glowplug.request", start_time=t0 + 300, context=no_parent)
     c.end(end_time=t0 + 400)
     events = {}
     for e in chrome_trace(tracing.finished_spans())["traceEvents"]:

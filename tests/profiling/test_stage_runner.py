@@ -32,7 +32,7 @@ def test_span_tree_names_parentage_order_and_attributes(tracing: Tracing) -> Non
     assert all(c.parent is not None and c.parent.span_id == root.context.span_id for c in children)
     assert {c.context.trace_id for c in children} == {root.context.trace_id}
     # Sequential and inside the root.
-    for a, b in zip(children, children[1:]):
+    for a, b in zip(children, children[1:], strict=False):
         assert a.end_time <= b.start_time
     assert root.start_time <= children[0].start_time and children[-1].end_time <= root.end_time
     # on_phase fires right before each stage runs.
@@ -96,7 +96,7 @@ def test_failing_stage_gives_error_span_and_one_line_startup_failed(tracing: Tra
 def test_stage_returning_no_report_is_a_startup_failure(tracing: Tracing) -> None:
     with pytest.raises(StartupFailed) as info:
         run_stages([SleepStage("warmup", returns=None)], StartupContext(None), tracer=tracing.tracer())
-    assert info.value.reason.startswith("TypeError: SleepStage.run returned NoneType")
+    assert info.value.reason == "TypeError: SleepStage.run returned None, not a StageReport"
 
 
 def test_keyboard_interrupt_passes_through_but_is_recorded(tracing: Tracing) -> None:

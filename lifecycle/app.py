@@ -1,0 +1,121 @@
+"""The FastAPI application: health probes, `/startup`, `/metrics`, and the OpenAI routes.
+
+Probes:
+  GET /health/live   200 while the process serves HTTP at all (restart me only if this fails).
+  GET /health/ready  200 once the warm-up generation succeeded; 503 with the state and current phase while
+                     STARTING (with Retry-After = the start-up ETA), DRAINING, FAILED or STOPPED.
+  GET /startup       state, current phase, seconds per finished phase, ETA from the last start of this config,
+                     and the full phase table once READY.
+  GET /metrics       Prometheus text format, from the service's own registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import trace
+
+from .errors import ApiError
+from .observe import AccessLogMiddleware
+from .openai_api import make_router
+from .service import Service
+from .state import EngineState, StateSnapshot
+
+log = structlog.get_logger("glowplug.lifecycle.app")
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def startup_report(service: Service, snap: StateSnapshot | None = None) -> dict[str, Any]:
+    """The `/startup` body."""
+    snap = snap or service.snapshot()
+    report: dict[str, Any] = {
+        "state": snap.state.value,
+        "phase": snap.phase,
+        "phase_elapsed_s": _round(snap.phase_elapsed_s) if snap.phase else None,
+        "elapsed_s": _round(snap.startup_elapsed_s),
+        "phases": [{"name": p.name, "seconds": _round(p.seconds), "failed": p.failed} for p in snap.finished_phases],
+        "eta_s": _round(service.eta_s(snap)),
+        "expected_phases": service.expected_phase_seconds,
+        "reason": snap.reason,
+        "model": service.model_name,
+        "config_hash": service.config.compute_hash(),
+        "phase_table": None,
+    }
+    table = getattr(service.startup_result, "phase_table", None)
+    if table is not None:
+        from glowplug.profiling.phases import to_dict
+
+        report["phase_table"] = to_dict(table)
+    return report
+
+
+def _readiness(service: Service) -> JSONResponse:
+    snap = service.snapshot()
+    if snap.state is EngineState.READY:
+        return JSONResponse({"status": "ready"})
+    body = {"status": snap.state.value, "phase": snap.phase, "reason": snap.reason}
+    headers = {}
+    if snap.state is EngineState.STARTING:
+        eta = service.eta_s(snap)
+        headers["Retry-After"] = str(max(1, math.ceil(eta)) if eta is not None else 1)
+    return JSONResponse(body, status_code=503, headers=headers)
+
+
+def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastAPI:
+    """The app for `service`; its lifespan starts the service's start-up and closes the service at the end."""
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        try:
+            yield
+        finally:
+            # Joining the engine thread blocks; keep the event loop free while it does.
+            await asyncio.to_thread(service.close)
+
+    app = FastAPI(title="glowplug", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(AccessLogMiddleware)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> Response:
+        return ApiError(400, str(exc)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> Response:
+        log.error("unhandled error", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+        return ApiError(500, f"internal error: {type(exc).__name__}", type="server_error").response()
+
+    @app.get("/health/live")
+    async def live() -> dict[str, str]:
+        return {"status": "alive"}
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        return _readiness(service)
+
+    @app.get("/startup")
+    async def startup() -> dict[str, Any]:
+        return startup_report(service)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = service.metrics.render()
+        return Response(body, media_type=content_type)
+
+    app.include_router(make_router(service, tracer or trace.get_tracer("glowplug")))
+    return app

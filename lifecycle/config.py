@@ -1,0 +1,75 @@
+"""ServeConfig: the settings of the HTTP service around one engine (the engine's own live in EngineConfig).
+
+Frozen and validated like EngineConfig, so the CLI flags, a config file and tests all go through one schema; the
+flags are generated from the fields (`add_serve_flags`), so a new setting is a new flag with nothing to keep in sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+LogFormat = Literal["auto", "json", "console"]
+
+
+class ServeConfig(BaseModel):
+    """How `glowplug serve` listens, admits and shuts down.
+
+    Requests that arrive before the engine is READY are admitted (they count against `max_queue`) and wait up to
+    `ready_wait` seconds for the start-up to finish; past that they get 503 with a Retry-After of the start-up's
+    ETA. `ready_wait=0` answers 503 at once until READY.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0 for all interfaces).")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one (logged at start).")
+    max_queue: int = Field(
+        256,
+        ge=1,
+        description="Most requests admitted but not yet running in the engine; past it the server answers 429.",
+    )
+    drain_timeout: float = Field(
+        30.0, ge=0.0, description="Seconds in-flight requests may take to finish after SIGTERM/SIGINT."
+    )
+    ready_wait: float = Field(
+        30.0, ge=0.0, description="Seconds a request that arrives during start-up waits for READY before a 503."
+    )
+    served_model_name: str | None = Field(
+        None, description="The model id in /v1/models and responses (default: the --model value)."
+    )
+    log_level: str = Field("info", description="debug, info, warning, error or critical.")
+    log_format: LogFormat = Field("auto", description="json, console, or auto (JSON unless stderr is a terminal).")
+
+    @field_validator("host")
+    @classmethod
+    def _host_set(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("host must not be empty; use 127.0.0.1 or 0.0.0.0")
+        return v.strip()
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, v: str) -> str:
+        if not isinstance(logging.getLevelName(v.upper()), int):
+            raise ValueError(f"unknown log level {v!r}; use debug, info, warning, error or critical")
+        return v.lower()
+
+    def model_name(self, engine_model: str) -> str:
+        return self.served_model_name or engine_model
+
+
+def add_serve_flags(parser: argparse.ArgumentParser | Any) -> list[str]:
+    """One `--flag` per ServeConfig field (argparse group or parser); returns the field names added."""
+    from glowplug.flags import add_model_flags
+
+    return add_model_flags(parser, ServeConfig)
+
+
+def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig for parsed flags; unset flags keep the defaults (raises pydantic.ValidationError)."""
+    given = {k: v for k, v in vars(args).items() if k in ServeConfig.model_fields}
+    return ServeConfig(**given)

@@ -1,0 +1,218 @@
+"""The one thread that owns the LLMEngine: it adds, aborts and steps, and hands results to the asyncio side.
+
+LLMEngine is not thread-safe, so nothing else may touch it once the loop runs. Other threads talk to the loop
+through a command inbox (thread-safe queue) and hear back through per-request sinks: callables the loop calls with
+events, which on the asyncio side forward into an asyncio.Queue with `loop.call_soon_threadsafe`.
+
+Commands are handled before every step, so an abort frees the request's KV blocks before the next forward pass:
+a client that disconnects costs at most the step already running.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeAlias
+
+import structlog
+
+from glowplug.engine.sampling_params import SamplingParams
+
+from .metrics import ServiceMetrics
+
+if TYPE_CHECKING:
+    from glowplug.engine.llm_engine import LLMEngine, RequestOutput
+
+log = structlog.get_logger("glowplug.lifecycle.engine_loop")
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """The request's sequences have been scheduled for the first time: it has left the waiting queue."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The request ended without a final RequestOutput: aborted by the server, refused by the engine, or the engine
+    failed. `status` is the HTTP status a response that has not started yet should carry."""
+
+    request_id: str
+    finish_reason: str  # "abort" or "error"
+    message: str
+    status: int
+
+
+# What a sink receives: Scheduled (once), RequestOutput (each step it advanced; the last has finished=True), or Ended.
+EngineEvent: TypeAlias = "Scheduled | RequestOutput | Ended"
+Sink = Callable[[EngineEvent], None]
+
+
+@dataclass(frozen=True)
+class Submission:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+    notify: bool  # tell the sink (server-side aborts); a client that went away needs no answer
+
+
+@dataclass(frozen=True)
+class _AbortAll:
+    message: str
+
+
+@dataclass(frozen=True)
+class _Stop:
+    message: str
+
+
+class EngineLoop:
+    """`start()` it once the engine is built; `stop()` aborts what is left and joins the thread."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        metrics: ServiceMetrics,
+        on_crash: Callable[[BaseException], None],
+    ) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._on_crash = on_crash
+        self._inbox: queue.SimpleQueue[Submission | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._unscheduled: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="glowplug-engine-loop", daemon=True)
+        # Baselines: warm-up generations ran before the loop and are not traffic.
+        self._prompt_seen = engine.num_prompt_tokens
+        self._generated_seen = engine.num_generated_tokens
+
+    # ------------------------------------------------------------ any thread
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, submission: Submission) -> None:
+        self._inbox.put(submission)
+
+    def abort(self, request_id: str, *, notify: bool = False) -> None:
+        self._inbox.put(_Abort(request_id, notify))
+
+    def abort_all(self, message: str) -> None:
+        """Abort every request in the engine; each sink gets Ended("abort")."""
+        self._inbox.put(_AbortAll(message))
+
+    def stop(self, message: str = "the server is shutting down", timeout: float | None = 10.0) -> None:
+        """Abort whatever is still running, end the thread and wait for it (at most `timeout` seconds)."""
+        if self._thread.is_alive():
+            self._inbox.put(_Stop(message))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------ the loop thread
+
+    def _run(self) -> None:
+        try:
+            self._publish()
+            while self._handle_commands(block=not self._engine.has_unfinished()):
+                outputs = self._engine.step() if self._engine.has_unfinished() else []
+                self._note_scheduled()
+                # Gauges and counters before the outputs: a client that has its answer sees metrics that include it.
+                self._publish()
+                for out in outputs:
+                    self._deliver(out)
+        except BaseException as exc:
+            log.error("engine loop crashed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
+            # FAILED first: a client told "500" must find the server not ready when it looks.
+            self._on_crash(exc)
+            self._end_all("error", f"the engine failed: {type(exc).__name__}: {exc}", 500)
+
+    def _handle_commands(self, *, block: bool) -> bool:
+        """Apply queued commands; False once told to stop. Blocks for the first one only when the engine is idle."""
+        while True:
+            try:
+                cmd = self._inbox.get() if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(cmd, Submission):
+                self._add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd.request_id, "the request was aborted" if cmd.notify else None)
+            elif isinstance(cmd, _AbortAll):
+                self._end_all("abort", cmd.message, 503)
+            elif isinstance(cmd, _Stop):
+                self._end_all("abort", cmd.message, 503)
+                self._publish()
+                return False
+
+    def _add(self, sub: Submission) -> None:
+        try:
+            self._engine.add_request(None, sub.params, prompt_token_ids=sub.prompt_token_ids, request_id=sub.request_id)
+        except ValueError as exc:
+            # The engine's own checks (e.g. more KV blocks than the cache has) are the client's to fix.
+            sub.sink(Ended(sub.request_id, "error", str(exc), 400))
+            return
+        self._sinks[sub.request_id] = sub.sink
+        self._unscheduled.add(sub.request_id)
+
+    def _abort(self, request_id: str, notify_message: str | None) -> None:
+        self._engine.abort(request_id)
+        self._unscheduled.discard(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None and notify_message is not None:
+            sink(Ended(request_id, "abort", notify_message, 503))
+
+    def _end_all(self, finish_reason: str, message: str, status: int) -> None:
+        for request_id, sink in list(self._sinks.items()):
+            try:
+                self._engine.abort(request_id)
+            except Exception:
+                pass
+            sink(Ended(request_id, finish_reason, message, status))
+        self._sinks.clear()
+        self._unscheduled.clear()
+
+    def _note_scheduled(self) -> None:
+        for request_id in list(self._unscheduled):
+            req = self._engine.requests.get(request_id)
+            # Gone from `requests` means it finished within the step that first scheduled it.
+            if req is None or any(s.first_scheduled_time is not None for s in req.seqs):
+                self._unscheduled.discard(request_id)
+                sink = self._sinks.get(request_id)
+                if sink is not None:
+                    sink(Scheduled(request_id))
+
+    def _deliver(self, out: RequestOutput) -> None:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
+            return  # aborted by its client in the meantime
+        if out.finished:
+            del self._sinks[out.request_id]
+        sink(out)
+
+    def _publish(self) -> None:
+        eng = self._engine
+        bm = eng.block_manager
+        running = {s.request_id for s in eng.scheduler.running}
+        self._metrics.set_engine_gauges(
+            running=len(running), used_blocks=bm.num_blocks - bm.num_free_blocks, total_blocks=bm.num_blocks
+        )
+        prompt, generated = eng.num_prompt_tokens, eng.num_generated_tokens
+        if prompt > self._prompt_seen:
+            self._metrics.prompt_tokens.inc(prompt - self._prompt_seen)
+        if generated > self._generated_seen:
+            self._metrics.generation_tokens.inc(generated - self._generated_seen)
+        self._prompt_seen, self._generated_seen = prompt, generated

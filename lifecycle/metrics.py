@@ -1,0 +1,114 @@
+"""The service's Prometheus metrics, on a registry of its own so that two services in one process (tests) or a
+library user's own metrics never collide.
+
+Names follow vLLM's where one exists (with the `glowplug_` prefix), so existing dashboards need a rename only.
+prometheus_client metrics are thread-safe: the engine loop thread sets the engine gauges, the asyncio side
+observes the per-request histograms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .state import EngineState
+
+# Latency buckets from 1 ms to 5 min: tiny CPU models answer in milliseconds, big ones on a CPU in minutes.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServiceMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "glowplug_time_to_first_token_seconds",
+            "Request received -> first output token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "glowplug_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "glowplug_e2e_request_latency_seconds",
+            "Request received -> last token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "glowplug_request_queue_time_seconds",
+            "Request received -> first scheduled in the engine (includes waiting for READY).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.running = Gauge(
+            "glowplug_num_requests_running", "Requests with sequences in the engine batch.", registry=r
+        )
+        self.waiting = Gauge(
+            "glowplug_num_requests_waiting", "Requests admitted and not yet running (admission queue).", registry=r
+        )
+        self.kv_usage = Gauge("glowplug_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", registry=r)
+        self.kv_used_blocks = Gauge("glowplug_kv_cache_used_blocks", "KV-cache blocks in use.", registry=r)
+        self.kv_total_blocks = Gauge("glowplug_kv_cache_total_blocks", "KV-cache blocks in all.", registry=r)
+        self.prompt_tokens = Counter("glowplug_prompt_tokens", "Prompt tokens admitted to the engine.", registry=r)
+        self.generation_tokens = Counter("glowplug_generation_tokens", "Tokens generated.", registry=r)
+        self.finished = Counter(
+            "glowplug_request_finished",
+            "Requests finished, by finish reason (stop, length, abort, error).",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "glowplug_request_rejected",
+            "Requests turned away before generation, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.phase_duration = Gauge(
+            "glowplug_startup_phase_duration_seconds",
+            "Duration of each finished start-up phase of this process.",
+            ["phase"],
+            registry=r,
+        )
+        self.state = Enum(
+            "glowplug_engine_state", "The engine's life-cycle state.", states=[s.value for s in EngineState], registry=r
+        )
+        self.state.state(EngineState.STARTING.value)
+
+    def set_state(self, state: EngineState) -> None:
+        self.state.state(state.value)
+
+    def set_phase_durations(self, seconds: Mapping[str, float]) -> None:
+        for phase, value in seconds.items():
+            self.phase_duration.labels(phase=phase).set(value)
+
+    def set_engine_gauges(self, *, running: int, used_blocks: int, total_blocks: int) -> None:
+        self.running.set(running)
+        self.kv_used_blocks.set(used_blocks)
+        self.kv_total_blocks.set(total_blocks)
+        self.kv_usage.set(used_blocks / total_blocks if total_blocks else 0.0)
+
+    def observe_request(
+        self,
+        *,
+        finish_reason: str,
+        queue_s: float | None,
+        ttft_s: float | None,
+        e2e_s: float | None,
+        tpot_s: float | None,
+    ) -> None:
+        self.finished.labels(finish_reason=finish_reason).inc()
+        for hist, value in ((self.queue_time, queue_s), (self.ttft, ttft_s), (self.e2e, e2e_s), (self.tpot, tpot_s)):
+            if value is not None and value >= 0.0:
+                hist.observe(value)
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,166 @@
+"""`serve()`: run the service on uvicorn until a signal, then drain and exit.
+
+Shutdown: the first SIGTERM/SIGINT moves the engine to DRAINING (new requests and /health/ready get 503), lets
+in-flight requests finish for up to `drain_timeout` seconds, aborts whatever is left, stops uvicorn, flushes the
+trace exporters and returns 0. A second signal exits at once (status 128 + signal number), flushing nothing.
+
+uvicorn's own signal handling is replaced (not wrapped): it would stop serving at the first signal, so a
+draining server could not answer 503, and it re-raises the signal after shutdown, which would turn a clean
+drain into a "killed by SIGTERM" exit status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sys
+from types import FrameType
+
+import structlog
+import uvicorn
+
+from glowplug.engine.config import EngineConfig
+from glowplug.profiling.logs import configure_logging
+from glowplug.profiling.process import ProcessMarks
+from glowplug.profiling.tracing import Tracing, setup_tracing
+
+from .app import create_app
+from .config import ServeConfig
+from .service import Service
+from .startup_runner import EngineFactory
+
+log = structlog.get_logger("glowplug.lifecycle.server")
+
+# After the drain, how long uvicorn waits for connections to close before cancelling what is left.
+_GRACEFUL_CLOSE_S = 5.0
+
+
+class ServiceServer(uvicorn.Server):
+    """uvicorn.Server whose shutdown drains the service first; `request_shutdown()` is the thread-safe trigger."""
+
+    def __init__(self, config: uvicorn.Config, service: Service, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.service = service
+        self.drain_timeout = drain_timeout
+        self.bound_port: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shutdown_requested = False
+        self._drain_task: asyncio.Task[None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+        servers = getattr(self, "servers", [])
+        if servers and servers[0].sockets:
+            self.bound_port = int(servers[0].sockets[0].getsockname()[1])
+            log.info("listening", host=self.config.host, port=self.bound_port, model=self.service.model_name)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the main thread between bytecodes, i.e. possibly inside the event loop: only hand work over.
+        if self._shutdown_requested:
+            name = signal.Signals(sig).name
+            print(f"glowplug: second {name}, exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
+        log.info("shutdown signal", signal=signal.Signals(sig).name, drain_timeout_s=self.drain_timeout)
+        self.request_shutdown()
+
+    def request_shutdown(self) -> None:
+        """Drain, then stop serving. Safe from any thread; later calls do nothing."""
+        if self._shutdown_requested:
+            return
+        self._shutdown_requested = True
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            self.should_exit = True
+            return
+        loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain_then_exit())
+
+    async def _drain_then_exit(self) -> None:
+        try:
+            clean = await self.service.drain(self.drain_timeout)
+            log.info("drained", clean=clean)
+        finally:
+            self.should_exit = True
+
+
+def build_server(
+    config: EngineConfig,
+    serve_cfg: ServeConfig,
+    *,
+    tracing: Tracing | None = None,
+    request_tracing: Tracing | None = None,
+    marks: ProcessMarks | None = None,
+    engine_factory: EngineFactory | None = None,
+) -> ServiceServer:
+    """The server, not yet running: `.run()` blocks (signals handled when on the main thread)."""
+    service = Service(config, serve_cfg, tracing=tracing, marks=marks, engine_factory=engine_factory)
+    spans = request_tracing or tracing
+    app = create_app(service, tracer=spans.tracer() if spans is not None else None)
+    uv_config = uvicorn.Config(
+        app,
+        host=serve_cfg.host,
+        port=serve_cfg.port,
+        log_config=None,  # structlog owns the output; access lines come from our middleware
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=int(_GRACEFUL_CLOSE_S),
+    )
+    return ServiceServer(uv_config, service, serve_cfg.drain_timeout)
+
+
+def serve(
+    config: EngineConfig,
+    serve_cfg: ServeConfig,
+    *,
+    tracing: Tracing | None = None,
+    marks: ProcessMarks | None = None,
+    engine_factory: EngineFactory | None = None,
+    configure_logs: bool = True,
+) -> int:
+    """Serve `config`'s engine over HTTP until SIGTERM/SIGINT; returns the process exit status.
+
+    The port opens at once; the engine starts on a background thread (see /health/ready and /startup).
+    tracing: the provider for start-up and request spans; by default one is made here (OTLP export per the
+        standard OTEL_* variables) and shut down (flushed) on exit. A caller's own is only flushed.
+    marks: `mark_main_entry()` from the CLI's first line, so the phase table includes process start and imports.
+    """
+    if configure_logs:
+        json_logs = {"auto": None, "json": True, "console": False}[serve_cfg.log_format]
+        configure_logging(level=serve_cfg.log_level, json=json_logs)
+    own = tracing is None
+    # Start-up spans are kept in memory for the phase table; request spans are not (they would pile up forever).
+    startup_tracing = tracing or setup_tracing("glowplug", in_memory=True)
+    request_tracing = tracing or setup_tracing("glowplug", in_memory=False)
+    server = build_server(
+        config,
+        serve_cfg,
+        tracing=startup_tracing,
+        request_tracing=request_tracing,
+        marks=marks,
+        engine_factory=engine_factory,
+    )
+    code = 0
+    try:
+        server.run()
+    except SystemExit as exc:  # uvicorn exits this way when it cannot bind the port
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        _flush(startup_tracing, request_tracing, own)
+    log.info("stopped", exit_code=code)
+    return code
+
+
+def _flush(startup: Tracing, requests: Tracing, own: bool) -> None:
+    for t in {id(startup): startup, id(requests): requests}.values():
+        try:
+            if own:
+                t.shutdown()
+            else:
+                t.force_flush(10_000)
+        except Exception as exc:
+            log.warning("trace flush failed", error=f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,330 @@
+"""The service behind the HTTP routes: life cycle, admission, the start-up thread, the engine loop, draining.
+
+Threads: the start-up runs on `glowplug-startup`, then the engine is stepped on `glowplug-engine-loop`; everything
+in this class that is not marked otherwise runs on the asyncio event loop thread. State changes made by the other
+threads reach asyncio through `call_soon_threadsafe`, which wakes requests waiting for READY.
+
+Admission: a request holds one slot per prompt from arrival until the engine first schedules it (or it ends), so
+`max_queue` bounds the work that is accepted but not started, including requests waiting for READY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.sampling_params import SamplingParams
+from glowplug.profiling.process import ProcessMarks
+from glowplug.profiling.tracing import Tracing
+
+from .config import ServeConfig
+from .engine_loop import EngineLoop, Submission
+from .generation import Generation, Ticket
+from .metrics import ServiceMetrics
+from .startup_runner import EngineFactory, StartupRunner, phase_table_seconds
+from .state import EngineState, Lifecycle, StateSnapshot, estimate_remaining
+
+if TYPE_CHECKING:
+    from glowplug.engine.llm_engine import RequestOutput
+
+log = structlog.get_logger("glowplug.lifecycle.service")
+
+# After a drain gives up and aborts what is left, how long the responses get to send their last chunk.
+_ABORT_FLUSH_S = 5.0
+
+
+class Rejected(Exception):
+    """The request cannot be served now; `status` 503 (not ready, draining, failed) or 429 (queue full)."""
+
+    def __init__(self, status: int, message: str, reason: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.reason = reason  # the `reason` label of glowplug_request_rejected_total
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What request handling may read from the engine (all fixed once built; the engine itself is off limits)."""
+
+    tokenizer: Any
+    max_model_len: int
+    # The engine's own request check (vocabulary and length; reads only fixed state), so HTTP errors word it
+    # exactly as the engine does.
+    validate_request: Callable[[list[int], SamplingParams], None]
+
+
+class Service:
+    def __init__(
+        self,
+        config: EngineConfig,
+        serve_cfg: ServeConfig,
+        *,
+        tracing: Tracing | None = None,
+        marks: ProcessMarks | None = None,
+        engine_factory: EngineFactory | None = None,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.serve_cfg = serve_cfg
+        self.model_name = serve_cfg.model_name(config.model)
+        self.lifecycle = Lifecycle()
+        self.metrics = metrics or ServiceMetrics()
+        self.engine_info: EngineInfo | None = None
+        self.startup_result: Any = None
+        self._runner = StartupRunner(
+            config,
+            self.lifecycle,
+            on_ready=self._startup_done,
+            on_failed=self._startup_failed,
+            factory=engine_factory,
+            tracing=tracing,
+            marks=marks,
+        )
+        self._engine_loop: EngineLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
+        self._queued = 0
+        self._active: set[Generation] = set()
+        self._idle: asyncio.Event | None = None
+        self._unsubscribe: Callable[[], None] | None = None
+
+    # ------------------------------------------------------------ start and state
+
+    def start(self) -> None:
+        """Begin the start-up; call on the event loop that serves the requests."""
+        self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._unsubscribe = self.lifecycle.subscribe(self._state_changed)
+        self._runner.start()
+
+    def snapshot(self) -> StateSnapshot:
+        return self.lifecycle.snapshot()
+
+    def eta_s(self, snap: StateSnapshot | None = None) -> float | None:
+        return estimate_remaining(snap or self.snapshot(), self._runner.expected_phase_seconds)
+
+    @property
+    def expected_phase_seconds(self) -> dict[str, float] | None:
+        return self._runner.expected_phase_seconds
+
+    def _state_changed(self, snap: StateSnapshot) -> None:
+        # Any thread. Metrics are thread-safe; the asyncio wake-up is not, so it hops over.
+        self.metrics.set_state(snap.state)
+        if snap.state is not EngineState.STARTING:
+            self.metrics.set_phase_durations(snap.phase_seconds())
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._wake_waiters)
+            except RuntimeError:
+                pass  # the loop closed between the check and the call
+
+    def _wake_waiters(self) -> None:
+        old, self._changed = self._changed, asyncio.Event()
+        if old is not None:
+            old.set()
+
+    def _startup_done(self, result: Any) -> None:
+        # On the start-up thread.
+        engine = result.engine
+        self.engine_info = EngineInfo(engine.tokenizer, engine.max_model_len, engine.validate_request)
+        self.startup_result = result
+        loop = EngineLoop(engine, metrics=self.metrics, on_crash=self._engine_crashed)
+        loop.start()
+        self._engine_loop = loop
+        if not self.lifecycle.mark_ready():
+            loop.stop("the server stopped during start-up")
+            return
+        # The phase table (from spans) is the authoritative record once there is one.
+        self.metrics.set_phase_durations(phase_table_seconds(result))
+        snap = self.lifecycle.snapshot()
+        log.info("engine ready", startup_s=round(snap.startup_elapsed_s, 3), model=self.model_name)
+
+    def _startup_failed(self, reason: str, exc: BaseException) -> None:
+        self.lifecycle.mark_failed(reason)
+
+    def _engine_crashed(self, exc: BaseException) -> None:
+        self.lifecycle.mark_failed(f"engine loop: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------ admission
+
+    def _rejection_for_state(self, snap: StateSnapshot) -> Rejected | None:
+        if snap.state in (EngineState.DRAINING, EngineState.STOPPED):
+            return Rejected(503, "the server is shutting down and accepts no new requests", "draining")
+        if snap.state is EngineState.FAILED:
+            return Rejected(503, f"the engine failed to start: {snap.reason}", "failed")
+        return None
+
+    def _retry_after(self, snap: StateSnapshot) -> int:
+        eta = self.eta_s(snap)
+        return max(1, math.ceil(eta)) if eta is not None else 1
+
+    def admit(self, count: int) -> Ticket:
+        """Take `count` admission slots (one per prompt) or raise Rejected (503 / 429)."""
+        snap = self.snapshot()
+        rejection = self._rejection_for_state(snap)
+        if rejection is None and self._queued + count > self.serve_cfg.max_queue:
+            rejection = Rejected(
+                429,
+                f"the server is busy: {self._queued} requests are queued (max-queue {self.serve_cfg.max_queue}); "
+                "retry later",
+                "queue_full",
+                retry_after=1,
+            )
+        if rejection is not None:
+            self.metrics.rejected.labels(reason=rejection.reason).inc()
+            raise rejection
+        self._queued += count
+        self.metrics.waiting.set(self._queued)
+        return Ticket(count, self._release)
+
+    def _release(self, count: int) -> None:
+        self._queued -= count
+        self.metrics.waiting.set(self._queued)
+
+    async def wait_ready(self, timeout: float) -> EngineInfo:
+        """Wait (at most `timeout` s) until READY; Rejected(503) on timeout, failure or drain."""
+        deadline = time.monotonic() + timeout
+        while True:
+            snap = self.snapshot()
+            if snap.state is EngineState.READY and self.engine_info is not None:
+                return self.engine_info
+            rejection = self._rejection_for_state(snap)
+            remaining = deadline - time.monotonic()
+            if rejection is None and remaining <= 0:
+                phase = snap.phase or snap.state.value
+                rejection = Rejected(
+                    503,
+                    f"the engine is starting (phase: {phase}); not ready after waiting {timeout:g} s",
+                    "not_ready",
+                    retry_after=self._retry_after(snap),
+                )
+            if rejection is not None:
+                self.metrics.rejected.labels(reason=rejection.reason).inc()
+                raise rejection
+            assert self._changed is not None
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    # ------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        ticket: Ticket,
+        *,
+        received_at: float,
+        on_close: Callable[[Generation], None] | None = None,
+    ) -> Generation:
+        """Submit one engine request per prompt; the caller must `close()` the Generation it gets back."""
+        engine_loop = self._engine_loop
+        if engine_loop is None or not engine_loop.alive:
+            ticket.release_all()
+            raise Rejected(503, "the engine is not running", "failed")
+        base = uuid.uuid4().hex
+        request_ids = [f"{base}-{i}" for i in range(len(prompts))]
+
+        def observe(finish_reason: str, out: RequestOutput | None) -> None:
+            self._observe(finish_reason, out, received_at)
+
+        def closed(gen: Generation) -> None:
+            self._active.discard(gen)
+            if not self._active and self._idle is not None:
+                self._idle.set()
+            if on_close is not None:
+                on_close(gen)
+
+        gen = Generation(
+            request_ids=request_ids,
+            prompt_lengths=[len(p) for p in prompts],
+            received_at=received_at,
+            ticket=ticket,
+            loop=asyncio.get_running_loop(),
+            abort=engine_loop.abort,
+            observe=observe,
+            on_close=closed,
+        )
+        self._active.add(gen)
+        if self._idle is not None:
+            self._idle.clear()
+        for rid, tokens in zip(request_ids, prompts, strict=True):
+            engine_loop.submit(Submission(rid, tokens, params, gen.sink))
+        return gen
+
+    def _observe(self, finish_reason: str, out: RequestOutput | None, received_at: float) -> None:
+        m = out.metrics if out is not None else None
+        if m is None:
+            self.metrics.observe_request(
+                finish_reason=finish_reason, queue_s=None, ttft_s=None, e2e_s=None, tpot_s=None
+            )
+            return
+        finished = m.finished_time if m.finished_time is not None else time.monotonic()
+        longest = max((len(c.token_ids) for c in out.outputs), default=0) if out is not None else 0
+        tpot = None
+        if m.first_token_time is not None and longest > 1:
+            tpot = (finished - m.first_token_time) / (longest - 1)
+        self.metrics.observe_request(
+            finish_reason=finish_reason,
+            queue_s=None if m.first_scheduled_time is None else m.first_scheduled_time - received_at,
+            ttft_s=None if m.first_token_time is None else m.first_token_time - received_at,
+            e2e_s=finished - received_at,
+            tpot_s=tpot,
+        )
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    # ------------------------------------------------------------ shutdown
+
+    async def drain(self, timeout: float) -> bool:
+        """Stop admitting, give in-flight requests `timeout` s to finish, then abort the rest.
+
+        Returns True when everything finished in time. Requests waiting for READY are turned away at once.
+        """
+        self.lifecycle.begin_drain()
+        if self._idle is None:
+            return True
+        log.info("draining", in_flight=self.in_flight, timeout_s=timeout)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            pass
+        log.warning("drain timeout: aborting what is left", in_flight=self.in_flight)
+        if self._engine_loop is not None:
+            self._engine_loop.abort_all(f"the server shut down after a {timeout:g} s drain")
+        try:
+            await asyncio.wait_for(self._idle.wait(), _ABORT_FLUSH_S)
+        except asyncio.TimeoutError:
+            for gen in list(self._active):
+                gen.close()
+        return False
+
+    def close(self) -> None:
+        """Stop the engine loop and move to STOPPED; idempotent. Blocks up to a few seconds for the loop thread."""
+        if self._engine_loop is not None:
+            self._engine_loop.stop()
+        snap = self.snapshot()
+        if snap.state is not EngineState.STOPPED:
+            if snap.state in (EngineState.READY, EngineState.STARTING):
+                self.lifecycle.begin_drain()
+            self.lifecycle.mark_stopped()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+            self._unsubscribe = None

@@ -1,0 +1,121 @@
+"""Runs the engine's start-up on a background thread, so the HTTP port is open (and answering 503 with the
+current phase) for the whole start-up instead of after it.
+
+The heavy engine import (torch, transformers) happens on this thread too, booked as the `imports` phase. The
+factory is `glowplug.engine.startup.build_engine` unless one is injected (tests, embedders); it is called with
+whichever of `on_phase`, `tracing`, `marks` its signature accepts, so older and newer factories both work.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import structlog
+
+from glowplug.engine.config import EngineConfig
+from glowplug.profiling.names import IMPORTS
+from glowplug.profiling.process import ProcessMarks
+from glowplug.profiling.tracing import Tracing
+
+from .state import Lifecycle
+
+log = structlog.get_logger("glowplug.lifecycle.startup")
+
+EngineFactory = Callable[..., Any]  # (config, *, on_phase=, tracing=, marks=) -> StartupResult-like (has .engine)
+
+_STARTUP_MODULE = "glowplug.engine.startup"
+
+
+def factory_kwargs(factory: EngineFactory, offered: Mapping[str, Any]) -> dict[str, Any]:
+    """The subset of `offered` keyword arguments that `factory` accepts."""
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(offered)
+    return {k: v for k, v in offered.items() if k in params}
+
+
+def phase_table_seconds(result: Any) -> dict[str, float]:
+    """Leaf rows (with a time) of the result's phase table, if the factory made one; else empty."""
+    table = getattr(result, "phase_table", None)
+    rows = getattr(table, "rows", None)
+    if not rows:
+        return {}
+    return {r.name: r.seconds for r in rows if getattr(r, "kind", None) == "leaf" and r.seconds is not None}
+
+
+class StartupRunner:
+    """Start with `start()`; exactly one of `on_ready(result)` / `on_failed(reason, exc)` is called, on this thread."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        lifecycle: Lifecycle,
+        *,
+        on_ready: Callable[[Any], None],
+        on_failed: Callable[[str, BaseException], None],
+        factory: EngineFactory | None = None,
+        tracing: Tracing | None = None,
+        marks: ProcessMarks | None = None,
+    ) -> None:
+        self._config = config
+        self._lifecycle = lifecycle
+        self._on_ready = on_ready
+        self._on_failed = on_failed
+        self._factory = factory
+        self._tracing = tracing
+        self._marks = marks
+        self._expected: dict[str, float] | None = None
+        self._thread = threading.Thread(target=self._run, name="glowplug-startup", daemon=True)
+
+    @property
+    def expected_phase_seconds(self) -> dict[str, float] | None:
+        """The last start's phase times for this config (for the ETA); None until known or without a profile."""
+        return self._expected
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        self._lifecycle.enter_phase(IMPORTS)
+        try:
+            module = importlib.import_module(_STARTUP_MODULE)
+            if self._marks is not None:
+                self._marks.mark_imports_done()
+            self._expected = self._load_expected(module)
+            factory = self._factory or module.build_engine
+            offered = {"on_phase": self._lifecycle.enter_phase, "tracing": self._tracing, "marks": self._marks}
+            result = factory(self._config, **factory_kwargs(factory, offered))
+        except BaseException as exc:
+            reason = str(getattr(exc, "reason", "") or "") or f"{type(exc).__name__}: {exc}"
+            stage = getattr(exc, "stage", None)
+            if stage:
+                reason = f"{stage}: {reason}"
+            log.error("start-up failed", reason=reason, exc_info=exc)
+            self._on_failed(reason, exc)
+            return
+        self._on_ready(result)
+
+    def _load_expected(self, module: Any) -> dict[str, float] | None:
+        expected = getattr(module, "expected_phase_durations", None)
+        if expected is None:
+            return None  # the engine's start-up profile is not there yet: no ETA, nothing else changes
+        try:
+            got = expected(self._config)
+        except Exception as exc:
+            log.warning("no start-up ETA", error=f"{type(exc).__name__}: {exc}")
+            return None
+        return {str(k): float(v) for k, v in got.items()} if got else None

@@ -1,0 +1,131 @@
+"""The pieces without a server: life-cycle transitions and ETA, ServeConfig and its flags, error field paths."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from pydantic import ValidationError
+
+from glowplug.lifecycle.config import ServeConfig, add_serve_flags, serve_config_from_args
+from glowplug.lifecycle.errors import param_path
+from glowplug.lifecycle.state import EngineState, InvalidTransition, Lifecycle, estimate_remaining
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_phases_are_timed_from_on_phase_calls() -> None:
+    clock = FakeClock()
+    lc = Lifecycle(clock)
+    seen: list[EngineState] = []
+    lc.subscribe(lambda snap: seen.append(snap.state))
+    lc.enter_phase("load_weights")
+    clock.now += 2.0
+    lc.enter_phase("warmup")
+    clock.now += 0.5
+    snap = lc.snapshot()
+    assert snap.state is EngineState.STARTING and snap.phase == "warmup" and snap.phase_elapsed_s == 0.5
+    assert snap.phase_seconds() == {"load_weights": 2.0}
+    clock.now += 0.5
+    assert lc.mark_ready()
+    clock.now += 10.0
+    snap = lc.snapshot()
+    assert snap.state is EngineState.READY and snap.phase is None
+    assert snap.phase_seconds() == {"load_weights": 2.0, "warmup": 1.0}
+    assert snap.startup_elapsed_s == 3.0  # frozen at READY
+    assert lc.begin_drain() and not lc.begin_drain()
+    lc.mark_stopped()
+    assert seen == [
+        EngineState.STARTING,
+        EngineState.STARTING,
+        EngineState.READY,
+        EngineState.DRAINING,
+        EngineState.STOPPED,
+    ]
+
+
+def test_failure_and_late_transitions() -> None:
+    clock = FakeClock()
+    lc = Lifecycle(clock)
+    lc.enter_phase("load_weights")
+    clock.now += 1.0
+    assert lc.mark_failed("load_weights: OSError: disk gone")
+    snap = lc.snapshot()
+    assert snap.state is EngineState.FAILED and snap.reason == "load_weights: OSError: disk gone"
+    assert snap.finished_phases[-1].failed and snap.finished_phases[-1].seconds == 1.0
+    assert not lc.mark_ready() and not lc.begin_drain()
+    lc.mark_stopped()
+    assert not lc.mark_failed("again")
+
+    drained = Lifecycle(clock)
+    assert drained.begin_drain()
+    assert not drained.mark_ready()  # a start that finishes after the drain began never becomes READY
+    with pytest.raises(InvalidTransition):
+        Lifecycle(clock).mark_stopped()  # STARTING -> STOPPED skips the drain
+
+
+def test_eta_counts_what_is_left() -> None:
+    clock = FakeClock()
+    lc = Lifecycle(clock)
+    expected = {"tokenizer_init": 1.0, "load_weights": 4.0, "warmup": 2.0}
+    assert estimate_remaining(lc.snapshot(), None) is None
+    lc.enter_phase("tokenizer_init")
+    clock.now += 1.0
+    lc.enter_phase("load_weights")
+    clock.now += 1.5
+    assert estimate_remaining(lc.snapshot(), expected) == pytest.approx(2.5 + 2.0)
+    clock.now += 10.0  # overrunning the profile: "any moment", never negative
+    assert estimate_remaining(lc.snapshot(), expected) == pytest.approx(2.0)
+    lc.mark_ready()
+    assert estimate_remaining(lc.snapshot(), expected) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("fields", "bad"),
+    [
+        ({"port": 70000}, "port"),
+        ({"drain_timeout": -1}, "drain_timeout"),
+        ({"max_queue": 0}, "max_queue"),
+        ({"ready_wait": -0.5}, "ready_wait"),
+        ({"log_level": "loud"}, "log_level"),
+        ({"host": " "}, "host"),
+        ({"max_qeue": 3}, "max_qeue"),
+    ],
+)
+def test_serve_config_rejects(fields: dict, bad: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        ServeConfig(**fields)
+    assert info.value.errors()[0]["loc"][0] == bad
+
+
+def test_serve_flags_map_onto_the_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    args = parser.parse_args(["--port", "9001", "--max-queue", "5", "--drain-timeout", "2.5", "--log-level", "DEBUG"])
+    cfg = serve_config_from_args(args)
+    assert (cfg.port, cfg.max_queue, cfg.drain_timeout, cfg.log_level) == (9001, 5, 2.5, "debug")
+    assert cfg.host == "127.0.0.1" and cfg.ready_wait == ServeConfig().ready_wait
+    with pytest.raises(ValidationError):
+        cfg.port = 1  # frozen, like EngineConfig
+    assert cfg.model_name("smollm2") == "smollm2"
+    assert ServeConfig(served_model_name="x").model_name("smollm2") == "x"
+
+
+@pytest.mark.parametrize(
+    ("loc", "want"),
+    [
+        (("max_tokens",), "max_tokens"),
+        (("messages", 0, "content", "str"), "messages[0].content"),
+        (("messages", 2, "content", "list[TextPart]", 1, "text"), "messages[2].content[1].text"),
+        (("prompt", "list[int]", 3), "prompt[3]"),
+        ((), None),
+    ],
+)
+def test_param_paths_name_what_the_user_wrote(loc: tuple, want: str | None) -> None:
+    assert param_path(loc) == want
