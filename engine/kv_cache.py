@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..kernels.formats import dequantize_kv, quantize_kv
+
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Zeroed cache memory. Unused slots must hold finite values (a masked-out NaN still poisons attention's
@@ -20,18 +22,6 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = np.zeros(shape, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
     return torch.from_numpy(raw).view(dtype)
-
-
-def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., D] -> (int8 [..., D], fp32 scale [...]): symmetric, one scale per leading index (token, head)."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp(min=1e-8) / 127.0
-    q = torch.round(xf / scale.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale.unsqueeze(-1)).to(dtype)
 
 
 class KVCache:
@@ -90,7 +80,7 @@ class KVCache:
         kf = self.k[layer].view(-1, *self.k.shape[3:])
         vf = self.v[layer].view(-1, *self.v.shape[3:])
         if self.k_scale is not None and self.v_scale is not None:
-            (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
+            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
             kf.index_copy_(0, slots, kq)
             vf.index_copy_(0, slots, vq)
             self.k_scale[layer].view(-1, ks.shape[-1]).index_copy_(0, slots, ks)
@@ -102,7 +92,7 @@ class KVCache:
     def _read(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.k[layer][idx], self.v[layer][idx]
         if self.k_scale is not None and self.v_scale is not None:
-            return dequantize_int8(k, self.k_scale[layer][idx], dtype), dequantize_int8(v, self.v_scale[layer][idx], dtype)
+            return dequantize_kv(k, self.k_scale[layer][idx], dtype), dequantize_kv(v, self.v_scale[layer][idx], dtype)
         return k, v
 
     def gather(

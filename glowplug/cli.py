@@ -232,10 +232,14 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from glowplug.engine.models.arch import ModelError
+    from glowplug.engine.stages.base import StartupFailed
 
     func: Command = args.func
     try:
         return func(args)
+    except StartupFailed as exc:
+        print(f"glowplug: state FAILED: {exc}", file=sys.stderr)
+        return 1
     except ValidationError as exc:
         print(f"glowplug: invalid setting:\n{explain(exc)}", file=sys.stderr)
         return 2
