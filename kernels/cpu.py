@@ -1,14 +1,16 @@
 """CPU kernel paths: each is a `prepare(weight) -> state` run once at load time plus a `run(x, state, ws)`.
 
-Measured on the 2-core AVX-512 dev box (µs, weights streamed from DRAM, see bench.py), which shaped the set:
-- `torch._weight_int8pack_mm` and aten's int4 kernel are bandwidth-bound and best at M=1..8, but their cost grows
-  ~linearly in M, so by M=16..64 a plain bf16 GEMM on a freshly dequantized weight beats them.
-- Dequantizing into a *fresh* tensor costs 10x more than the arithmetic (page faults on a new multi-MB buffer), so
-  the dequant paths write into a reusable `Workspace`; that makes int8->bf16 ~1 ms for 16M weights instead of 12.
-- `torch._int_mm` (w8a8) is fast at M=1 and flat in M up to ~64, but 4x slower at M=2 than at M=1, so tiny
-  batches are run row by row.
-- Group-wise int8 has no aten kernel. It is run through the int4 kernel as two nibble planes of the same matrix,
-  which costs about what `_weight_int8pack_mm` does at M=1.
+Measured with bench.py on the 2-core AVX-512 dev box (weights streamed from DRAM; 4096x4096, µs), which shaped
+the set:
+- `torch._weight_int8pack_mm` (668 at M=1) and aten's int4 kernel (254) are bandwidth-bound at M=1, but their
+  cost grows ~linearly in M (int4: 1735 at M=16, 6914 at 64, 27350 at 256), while dequantize + bf16 GEMM costs
+  a fixed dequant (2 ms int8, 4 ms int4) plus a GEMM that barely grows (1427 at M=1, 10108 at M=256).
+- Dequantizing into a *fresh* tensor costs ~10x more than the arithmetic (page faults on a new multi-MB buffer),
+  so the dequant paths write into a reusable `Workspace`.
+- `torch._int_mm` (w8a8) has a fast M=1 path (547) but costs 4x more from M=2 (2133 at M=4), so tiny batches
+  can be run row by row.
+- Group-wise int8 has no aten kernel. It runs through the int4 kernel as two nibble planes of the same matrix,
+  about as fast as `_weight_int8pack_mm` at M=1 (502).
 
 Activations are cast to bf16: fp32 activations make the aten int8/int4 kernels 10-75x slower.
 """
@@ -22,7 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weight, quantize_per_token
+from .formats import (
+    Int2Weight,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    W8A8Weight,
+    quantize_per_token,
+)
 
 ATEN_INT4_GROUPS: tuple[int, ...] = (32, 64, 128, 256)
 _BF16 = torch.bfloat16
@@ -140,7 +149,9 @@ def prepare_aten_int4(w: PackedWeight) -> AtenInt4State:
 
 
 def run_aten_int4(x: Tensor, st: AtenInt4State, ws: Workspace | None = None) -> Tensor:
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_BF16), st.packed, st.group_size, st.scale_zeros)
+    # The aten kernel assumes a dense row-major x; a bf16 view of a transposed tensor would be misread.
+    out: Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_BF16).contiguous(), st.packed, st.group_size,
+                                                             st.scale_zeros)
     if st.halves:
         return out[:, : st.n] + out[:, st.n : 2 * st.n]
     return out[:, : st.n]
@@ -178,12 +189,13 @@ def run_int8pack(x: Tensor, st: Int8PackState, ws: Workspace | None = None) -> T
 # ------------------------------------------------------------------------------------ dequant + bf16 GEMM
 @dataclass(frozen=True)
 class DequantState:
-    """What the dequant path needs: the canonical codes plus bf16 scales [N, G, 1] and the additive term
-    [N, G, 1] of w = code * scale + offset (None when it is zero), precomputed so a call is copy, mul, add."""
+    """What the dequant path needs: canonical codes, their midpoint, bf16 scales [N, G, 1] (None when they are
+    applied to the output instead), fp32 zeros [N, G] or None, and per-channel output scales [1, N] or None."""
 
     weight: PackedWeight
-    scales: Tensor
-    offset: Tensor | None
+    mid: int
+    scales: Tensor | None
+    zeros: Tensor | None
     post_scale: Tensor | None
 
 
@@ -191,18 +203,18 @@ def prepare_dequant(w: PackedWeight) -> DequantState:
     if isinstance(w, Int8Weight):
         if w.group_size is None:
             # Per-channel scales commute with the GEMM: scale the [M, N] output instead of the [N, K] weight.
-            return DequantState(w, w.scales, None, w.scales.reshape(1, -1).to(_BF16))
-        return DequantState(w, w.scales[..., None].to(_BF16), None, None)
+            return DequantState(w, 0, None, None, w.scales.reshape(1, -1).to(_BF16))
+        return DequantState(w, 0, w.scales[..., None].to(_BF16), None, None)
     if isinstance(w, (Int4Weight, Int2Weight)):
-        mid = 8.0 if isinstance(w, Int4Weight) else 2.0
-        s = w.scales.float()
-        z = torch.zeros_like(s) if w.zeros is None else w.zeros.float()
-        return DequantState(w, s[..., None].to(_BF16), (z - mid * s)[..., None].to(_BF16), None)
+        mid = 8 if isinstance(w, Int4Weight) else 2
+        zeros = None if w.zeros is None else w.zeros.float().contiguous()
+        return DequantState(w, mid, w.scales[..., None].to(_BF16), zeros, None)
     raise TypeError(f"dequant path does not take {type(w).__name__}")
 
 
 def dequantize_bf16(st: DequantState, ws: Workspace | None = None) -> Tensor:
-    """The bf16 [N, K] weight, built in workspace memory with contiguous vector ops only."""
+    """The bf16 [N, K] matrix (q - mid) * scale, built in workspace memory. Zeros are not added here: they are
+    applied to the output by `run_dequant` (x's group sums times zeros), which saves a pass over the weight."""
     w = st.weight
     n, k = w.shape
     dev = w.qweight.device
@@ -210,32 +222,42 @@ def dequantize_bf16(st: DequantState, ws: Workspace | None = None) -> Tensor:
     if isinstance(w, Int8Weight):
         out.copy_(w.qweight)
     else:
+        assert isinstance(w, (Int4Weight, Int2Weight)), type(w).__name__
         bits = 4 if isinstance(w, Int4Weight) else 2
         per = 8 // bits
         gs = w.group_size
-        src = w.qweight.view(n, k // gs, 1, gs // per)
-        codes = _scratch(ws, (n, k // gs, per, gs // per), torch.uint8, dev)
+        mask = (1 << bits) - 1
+        # Shift/mask into contiguous planes, centre them on int8 (1 byte/element, cheaper than on bf16), then
+        # convert-copy each plane into its strided slots of the bf16 weight. Bitwise ops with a strided `out=`
+        # run ~300x slower than contiguous ones; strided copies do not.
+        planes = _scratch(ws, (per, n, k // per), torch.uint8, dev)
         for i in range(per):
-            plane = codes[:, :, i : i + 1, :]
             if i == 0:
-                torch.bitwise_and(src, (1 << bits) - 1, out=plane)
+                torch.bitwise_and(w.qweight, mask, out=planes[i])
             else:
-                torch.bitwise_right_shift(src, bits * i, out=plane)
+                torch.bitwise_right_shift(w.qweight, bits * i, out=planes[i])
                 if i < per - 1:
-                    plane.bitwise_and_((1 << bits) - 1)
-        out.copy_(codes.view(n, k))
-    if st.post_scale is None:
-        grouped = out.view(n, st.scales.shape[1], -1)
-        grouped.mul_(st.scales)
-        if st.offset is not None:
-            grouped.add_(st.offset)
+                    planes[i].bitwise_and_(mask)
+        centred = planes.view(torch.int8).sub_(st.mid)
+        slots = out.view(n, k // gs, per, gs // per)
+        for i in range(per):
+            slots[:, :, i, :].copy_(centred[i].view(n, k // gs, gs // per))
+    if st.scales is not None:
+        out.view(n, st.scales.shape[1], -1).mul_(st.scales)
     return out
 
 
 def run_dequant(x: Tensor, st: DequantState, ws: Workspace | None = None) -> Tensor:
-    y = F.linear(x.to(_BF16), dequantize_bf16(st, ws))
+    xb = x.to(_BF16)
+    y = F.linear(xb, dequantize_bf16(st, ws))
     if st.post_scale is not None:
         y.mul_(st.post_scale)
+    if st.zeros is not None:
+        # sum_k x[m,k] * zero[n, g(k)] = (group sums of x) @ zeros^T: an [M, G] x [G, N] product, in fp32 so the
+        # two partial sums are added without an extra bf16 rounding.
+        g = st.zeros.shape[1]
+        xsum = xb.float().view(xb.shape[0], g, -1).sum(-1)
+        return torch.addmm(y.float(), xsum, st.zeros.t())
     return y
 
 
@@ -270,7 +292,7 @@ def run_int_mm(x: Tensor, st: W8A8State, ws: Workspace | None = None) -> Tensor:
 
 
 def run_int_mm_rows(x: Tensor, st: W8A8State, ws: Workspace | None = None) -> Tensor:
-    """One _int_mm per token: M=1 takes a GEMV fast path that M>=2 misses (2 rows: 1.3 ms vs 2.4 ms, 4096^2)."""
+    """One _int_mm per token: M=1 takes a GEMV fast path that M>=2 misses (2 rows, 4096^2: 0.67 ms vs 1.4 ms)."""
     if x.shape[0] == 1:
         return run_int_mm(x, st)
     return torch.cat([run_int_mm(x[i : i + 1], st) for i in range(x.shape[0])])

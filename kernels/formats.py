@@ -17,7 +17,7 @@ it without any arithmetic conversion and int2 feeds it after adding 6 to each co
 Sub-byte packing is *planar within a group*: for bits b and p = 8 // b codes per byte, the group's codes are
 split into p contiguous planes of group_size // p; byte j of the group holds plane i's j-th code at bit b*i.
 Planar (not interleaved even/odd) packing makes CPU unpacking a few contiguous vector ops (interleaved writes
-measured 25x slower in eager torch) and lets a Triton tile of one group read each byte once.
+measured 25x slower in eager torch) and keeps a group's bytes contiguous for a Triton tile.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import torch
 from torch import Tensor
 
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
-INT2_GROUP_SIZES: tuple[int, ...] = (128,)
+# The config only offers 128 for int2; smaller groups exist for layers whose K is not a multiple of 128
+# (see effective_group_size), e.g. every K=576 projection of the default model.
+INT2_GROUP_SIZES: tuple[int, ...] = GROUP_SIZES
 INT8_QMAX = 127
 KV_QMAX = 127
 # Scales are clamped away from zero so all-zero groups quantize to code 0 instead of dividing by zero; any value
@@ -49,6 +51,17 @@ def _check_group(k: int, group_size: int, allowed: tuple[int, ...], what: str) -
         raise ValueError(f"{what}: group_size {group_size} not supported; use one of {list(allowed)}")
     if k % group_size:
         raise ValueError(f"{what}: in_features {k} is not a multiple of group_size {group_size}")
+
+
+def effective_group_size(k: int, requested: int, allowed: tuple[int, ...] = GROUP_SIZES) -> int:
+    """The largest allowed group size <= requested that divides K.
+
+    Lets one configured group size (say 128) serve layers whose K it does not divide (K=576 gets 64) instead of
+    refusing the model; it depends only on (K, requested), so quantization and module conversion agree."""
+    fits = [g for g in allowed if g <= requested and k % g == 0]
+    if not fits:
+        raise ValueError(f"in_features {k} is not a multiple of any group size <= {requested} in {list(allowed)}")
+    return max(fits)
 
 
 # ----------------------------------------------------------------------------------------------- bit packing
@@ -174,7 +187,7 @@ class Int2Weight:
 
 def _minmax_codes(weight: Tensor, bits: int, group_size: int) -> tuple[Tensor, Tensor, Tensor]:
     """Asymmetric min-max RTN: codes in [0, 2**bits - 1], scale, and zero = min + mid * scale."""
-    n, k = weight.shape
+    n, k = int(weight.shape[0]), int(weight.shape[1])
     levels = (1 << bits) - 1
     mid = 1 << (bits - 1)
     w = weight.detach().float().reshape(n, k // group_size, group_size)
@@ -201,7 +214,7 @@ def quantize_int4(weight: Tensor, group_size: int = 128, *, symmetric: bool = Fa
 
 
 def quantize_int2(weight: Tensor, group_size: int = 128) -> Int2Weight:
-    n, k = _check_2d(weight)
+    _, k = _check_2d(weight)
     _check_group(k, group_size, INT2_GROUP_SIZES, "int2")
     q, scales, zeros = _minmax_codes(weight, 2, group_size)
     return Int2Weight(pack_bits(q, 2, group_size), scales, zeros, group_size)
@@ -281,3 +294,27 @@ def dequantize_kv(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) 
 
 
 PackedWeight = Int8Weight | Int4Weight | Int2Weight | W8A8Weight
+
+
+def fit_spec(spec: str, k: int) -> str:
+    """The spec a layer with K inputs actually gets: its group size lowered as `effective_group_size` does."""
+    name, _, group = spec.partition("-g")
+    if not group:
+        return spec
+    return f"{name}-g{effective_group_size(k, int(group))}"
+
+
+def quantize(weight: Tensor, spec: str) -> PackedWeight:
+    """Quantize by format spec: 'int8' (per-channel), 'int8-g<G>', 'int4-g<G>' (asymmetric), 'int4s-g<G>'
+    (symmetric), 'int2-g128', 'w8a8'. Used by benchmarks and calibration, which speak in specs."""
+    name, _, group = spec.partition("-g")
+    gs = int(group) if group else None
+    if name == "int8":
+        return quantize_int8(weight, gs)
+    if name in ("int4", "int4s"):
+        return quantize_int4(weight, gs or 128, symmetric=name == "int4s")
+    if name == "int2":
+        return quantize_int2(weight, gs or 128)
+    if name == "w8a8" and gs is None:
+        return quantize_w8a8(weight)
+    raise ValueError(f"unknown format spec {spec!r}; e.g. int8, int8-g128, int4-g128, int4s-g64, int2-g128, w8a8")

@@ -29,7 +29,7 @@ def _expand_groups(per_group: Tensor, k: int) -> Tensor:
 
 def dequantize(w: PackedWeight) -> Tensor:
     """The fp32 [N, K] matrix a packed weight stands for (for w8a8: W * smooth, i.e. before un-smoothing)."""
-    n, k = w.shape
+    k = w.shape[1]
     if isinstance(w, Int8Weight):
         return w.qweight.float() * _expand_groups(w.scales, k)
     if isinstance(w, W8A8Weight):

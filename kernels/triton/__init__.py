@@ -12,7 +12,10 @@ import os
 
 def available() -> bool:
     """True when the `triton` package is importable (it may still lack a GPU driver; see `interpreting`)."""
-    return importlib.util.find_spec("triton") is not None
+    try:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # ValueError: a blocked/half-imported module whose __spec__ is None
+        return False
 
 
 def interpreting() -> bool:

@@ -7,11 +7,19 @@ TRITON_INTERPRET=1 (tests); the dispatcher picks them for CUDA tensors only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from ..formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weight, quantize_per_token
+from ..formats import (
+    Int2Weight,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    W8A8Weight,
+    quantize_per_token,
+)
 from . import available, interpreting
 
 # Block shapes: GEMV streams wide K tiles per row; GEMM uses tensor-core friendly 32x64x64 tiles. Tests pass
@@ -20,7 +28,7 @@ GEMV_BLOCKS = {"BLOCK_N": 64, "BLOCK_K": 128}
 GEMM_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}
 
 
-def _kernels():  # noqa: ANN202 - returns the module, typed loosely to keep triton out of import-time annotations
+def _kernels() -> ModuleType:
     if not available():
         raise RuntimeError("triton is not installed; `pip install triton` (GPU) or use the CPU paths")
     from . import kernels
@@ -52,7 +60,13 @@ class TritonW8A8:
 
 
 def supports(w: PackedWeight) -> bool:
-    return available() and (w.qweight.device.type == "cuda" or interpreting())
+    if not available():
+        return False
+    dev = w.qweight.device
+    if dev.type == "cuda":
+        # TF32 and int8 tl.dot need Ampere or newer; older GPUs take the dispatcher's reference fallback.
+        return torch.cuda.get_device_capability(dev) >= (8, 0)
+    return interpreting()
 
 
 def prepare(w: PackedWeight) -> TritonWeight | TritonW8A8:
@@ -80,7 +94,7 @@ def _out(x: Tensor, n: int) -> Tensor:
     return torch.empty(x.shape[0], n, dtype=dtype, device=x.device)
 
 
-def _wq_args(x: Tensor, st: TritonWeight, y: Tensor) -> tuple:
+def _wq_args(x: Tensor, st: TritonWeight, y: Tensor) -> tuple[object, ...]:
     zeros = st.zeros if st.zeros is not None else st.scales  # never read when HAS_ZERO is False
     return (x, st.qweight, st.scales, zeros, y, x.shape[0], st.n, st.k, x.stride(0), st.qweight.stride(0),
             y.stride(0), st.scales.shape[1], st.group)

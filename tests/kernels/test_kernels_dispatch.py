@@ -86,6 +86,10 @@ def test_calibration_caches_json_and_reuses_it(tmp_path: Path, monkeypatch: pyte
         for m, path in entries:
             assert timings[str(m)][path] == min(timings[str(m)].values())  # the winner is the fastest measured
 
+    # Layers whose K the configured group does not divide are calibrated at the group they will really use.
+    odd = D.calibrate([(32, 192)], tmp_path / "odd", formats=("int4-g128",), ms=(1,), repeats=1, stream_bytes=1 << 16)
+    assert list(odd.measured) == [D.shape_key("cpu", "int4", 64, 32, 192)]
+
     # Second call: served from the cache file, no benchmarking.
     def boom(*a: object, **k: object) -> None:
         raise AssertionError("re-benchmarked despite a cache hit")
@@ -120,5 +124,7 @@ def test_bench_rows_and_markdown() -> None:
     md = render_markdown(rows)
     assert md.startswith("| shape (NxK) | format | M | path |")
     assert md.count("\n") == len(rows) + 2
-    # int4 g128 does not divide K=192: skipped rather than failing.
-    assert bench_kernels([(16, 192)], ms=(1,), formats=("int4-g128",), repeats=1, stream_bytes=1 << 16) == []
+    # int4 g128 does not divide K=192: measured as the g64 layer the registry would build, and labelled so.
+    odd = bench_kernels([(16, 192)], ms=(1,), formats=("int4-g128", "int4-g64"), repeats=1, stream_bytes=1 << 16)
+    assert {r["format"] for r in odd} == {"int4-g64"}
+    assert len({r["path"] for r in odd}) == len(odd)  # the duplicate spec was measured once

@@ -93,8 +93,21 @@ def test_int2_rtn_error_and_codes() -> None:
     assert q.qweight.shape == (16, 64) and q.codes().max() <= 3
     err = (R.dequantize(q) - w).abs()
     assert (err <= _group_bound(q.scales, 256) * 0.5 + 1e-6).all()
+    assert F.quantize_int2(w, 64).scales.shape == (16, 4)  # for K not divisible by 128 (see registry)
     with pytest.raises(ValueError, match="group_size"):
-        F.quantize_int2(w, 64)
+        F.quantize_int2(w, 48)
+
+
+def test_effective_group_size() -> None:
+    assert F.effective_group_size(576, 128) == 64  # SmolLM2's hidden size
+    assert F.effective_group_size(1536, 128) == 128
+    assert F.effective_group_size(96, 256) == 32
+    assert F.effective_group_size(4096, 64) == 64
+    with pytest.raises(ValueError, match="not a multiple"):
+        F.effective_group_size(200, 128)
+    assert F.fit_spec("int4-g128", 576) == "int4-g64"
+    assert F.fit_spec("int2-g128", 1536) == "int2-g128"
+    assert F.fit_spec("w8a8", 576) == "w8a8"
 
 
 def test_zero_weights_quantize_to_zero_without_nans() -> None:

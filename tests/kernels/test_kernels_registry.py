@@ -202,3 +202,42 @@ def test_bits_per_weight_and_weight_bytes() -> None:
     w = Int4Weight(qsd["layers.0.mlp.up_proj.qweight"], qsd["layers.0.mlp.up_proj.scales"],
                    qsd["layers.0.mlp.up_proj.zeros"], 128)
     assert w.shape == (I, H)
+
+
+class OddShapes(nn.Module):
+    """K=96 is not a multiple of 128 (like SmolLM2's 576), K=256 is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(96, 64, bias=True)
+        self.down_proj = nn.Linear(256, 96, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.q_proj(self.down_proj(x))
+        return out
+
+
+@pytest.mark.parametrize(("scheme", "expected"), [("int4", {"q_proj": 32, "down_proj": 128}),
+                                                  ("int2", {"q_proj": 32, "down_proj": 128}),
+                                                  ("int8", {"q_proj": 32, "down_proj": 128})])
+def test_group_size_falls_back_per_layer_when_k_is_not_a_multiple(scheme: str, expected: dict[str, int]) -> None:
+    torch.manual_seed(0)
+    model = OddShapes().eval()
+    s = get_scheme(scheme)
+    qsd = s.quantize_state_dict(model.state_dict(), group_size=128, skip=lambda n: False)
+    assert qsd["q_proj.scales"].shape == (64, 96 // expected["q_proj"])
+    assert qsd["down_proj.scales"].shape == (96, 256 // expected["down_proj"])
+    with torch.device("meta"):
+        skeleton = OddShapes()
+    s.convert_for_runtime(skeleton, group_size=128)
+    skeleton.load_state_dict(qsd, assign=True, strict=True)
+    for name, gs in expected.items():
+        mod = skeleton.get_submodule(name)
+        assert isinstance(mod, QuantLinear) and getattr(mod, "group_size", None) == gs
+    x = torch.randn(3, 256)
+    with torch.inference_mode():
+        got = skeleton(x)
+        down, q = skeleton.get_submodule("down_proj"), skeleton.get_submodule("q_proj")
+        assert isinstance(down, QuantLinear) and isinstance(q, QuantLinear)
+        oracle = R.linear(R.linear(x, down.packed()), q.packed(), qsd["q_proj.bias"])
+    assert ((got - oracle).norm() / oracle.norm()) < 0.02

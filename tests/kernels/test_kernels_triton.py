@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from glowplug.kernels import triton as triton_pkg
 
-if importlib.util.find_spec("triton") is None:
+if not triton_pkg.available():
     pytest.skip("triton not installed", allow_module_level=True)
 
 _SCRIPT = Path(__file__).with_name("triton_cases.py")

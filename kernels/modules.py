@@ -1,0 +1,233 @@
+"""nn.Modules holding packed weights; forward(x[..., K]) goes through the dispatcher.
+
+The buffers are exactly the canonical tensors of formats.py (`qweight`, `scales`, optional `zeros`/`smooth`),
+so a quantized state dict loads with `load_state_dict(sd, assign=True, strict=True)` into modules built on the
+`meta` device. Kernel-specific layouts are derived after loading (a load_state_dict post-hook) and again after a
+device move, and are never part of the state dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .dispatch import Dispatcher, Runtime, default_dispatcher
+from .formats import (
+    Int2Weight,
+    Int4Weight,
+    Int8Weight,
+    PackedWeight,
+    W8A8Weight,
+)
+
+
+class QuantLinear(nn.Module):
+    """Base class: bias handling, shape plumbing, runtime preparation. Subclasses declare buffers and `packed()`.
+
+    Inference only: forward does not support autograd through the quantized weight."""
+
+    # Buffers registered by subclasses (declared here for type checkers; nn.Module stores them in _buffers).
+    qweight: Tensor
+    scales: Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
+                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
+                 dispatcher: Dispatcher | None = None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        if bias:
+            # A frozen Parameter, like nn.Linear's, so code that walks parameters() still sees it.
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device),
+                                     requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self._dispatcher = dispatcher
+        self._runtime: Runtime | None = None
+        self.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
+
+    # -- subclass interface -------------------------------------------------------------------------------
+    def packed(self) -> PackedWeight:
+        raise NotImplementedError
+
+    # -- runtime ------------------------------------------------------------------------------------------
+    @property
+    def dispatcher(self) -> Dispatcher:
+        if self._dispatcher is None:
+            # Resolved once and kept, so forward (and torch.compile tracing it) reads a plain attribute.
+            self._dispatcher = default_dispatcher()
+        return self._dispatcher
+
+    def prepare(self) -> None:
+        """Build the kernel states for the current device now (otherwise done on first forward)."""
+        self._runtime = None
+        if all(b.device.type != "meta" for b in self.buffers(recurse=False)):
+            self._runtime = self.dispatcher.prepare(self.packed())
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantLinear:
+        # Device/dtype moves invalidate the derived layouts; rebuild lazily on the next forward.
+        self._runtime = None
+        out: QuantLinear = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        return out
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}: expected {self.in_features} input features, got {x.shape[-1]}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:
+            return x.new_empty(*lead, self.out_features)
+        disp = self.dispatcher
+        rt = self._runtime
+        if rt is None or rt.table_version != disp.table_version or rt.device != x2.device:
+            self.prepare()
+            rt = self._runtime
+            assert rt is not None
+        y = disp.linear(x2, rt)
+        if y.dtype != x.dtype:  # skip no-op casts: this runs ~200 times per decoded token
+            y = y.to(x.dtype)
+        if self.bias is not None:
+            y = y + (self.bias if self.bias.dtype == x.dtype else self.bias.to(x.dtype))
+        return y.view(*lead, self.out_features) if y.is_contiguous() else y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    @classmethod
+    def from_packed(cls, w: PackedWeight, bias: Tensor | None = None, *,
+                    dispatcher: Dispatcher | None = None) -> QuantLinear:
+        """Build the module for an already-quantized weight (tests, benchmarks, ad-hoc use)."""
+        n, k = w.shape
+        common: dict[str, Any] = {"bias": bias is not None, "device": w.qweight.device, "dispatcher": dispatcher,
+                                  "bias_dtype": bias.dtype if bias is not None else torch.float32}
+        mod: QuantLinear
+        if isinstance(w, Int8Weight):
+            mod = Int8Linear(k, n, group_size=w.group_size, **common)
+        elif isinstance(w, Int4Weight):
+            mod = Int4Linear(k, n, group_size=w.group_size, symmetric=w.symmetric, **common)
+        elif isinstance(w, Int2Weight):
+            mod = Int2Linear(k, n, group_size=w.group_size, **common)
+        elif isinstance(w, W8A8Weight):
+            mod = W8A8Linear(k, n, **common)
+        else:
+            raise TypeError(f"unknown packed weight {type(w).__name__}")
+        state = dict(w.tensors())
+        if bias is not None:
+            state["bias"] = bias
+        mod.load_state_dict(state, assign=True, strict=True)
+        return mod
+
+
+def _after_load(module: nn.Module, incompatible: Any) -> None:
+    # `incompatible` covers the whole load, not this module, so judge readiness by this module's own buffers.
+    assert isinstance(module, QuantLinear)
+    if all(b.device.type != "meta" for b in module.buffers(recurse=False)):
+        module.prepare()
+
+
+def prepare_modules(model: nn.Module) -> int:
+    """Prepare every QuantLinear in `model` for its current device (call after `.to(device)`, before compiling,
+    so no kernel layout is built inside a traced forward). Returns how many were prepared."""
+    count = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.prepare()
+            count += 1
+    return count
+
+
+def _groups(k: int, group_size: int | None) -> int:
+    if group_size is not None and k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of group_size {group_size}")
+    return 1 if group_size is None else k // group_size
+
+
+class Int8Linear(QuantLinear):
+    """int8 weight-only; per-channel (group_size=None) or group-wise."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int | None = None,
+                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
+                 dispatcher: Dispatcher | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype,
+                         dispatcher=dispatcher)
+        self.group_size = group_size
+        g = _groups(in_features, group_size)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, g, dtype=torch.float32, device=device))
+
+    def packed(self) -> Int8Weight:
+        return Int8Weight(self.qweight, self.scales, self.group_size)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+class Int4Linear(QuantLinear):
+    """int4 weight-only, group-wise; `zeros` buffer only when asymmetric."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
+                 symmetric: bool = False, device: torch.device | str | None = None,
+                 bias_dtype: torch.dtype = torch.float32, dispatcher: Dispatcher | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype,
+                         dispatcher=dispatcher)
+        self.group_size = group_size
+        self.symmetric = symmetric
+        g = _groups(in_features, group_size)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
+                                                    device=device))
+        self.register_buffer("scales", torch.ones(out_features, g, dtype=torch.float32, device=device))
+        if symmetric:
+            self.zeros: Tensor | None = None
+        else:
+            self.register_buffer("zeros", torch.zeros(out_features, g, dtype=torch.float32, device=device))
+
+    def packed(self) -> Int4Weight:
+        return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}, symmetric={self.symmetric}"
+
+
+class Int2Linear(QuantLinear):
+    """int2 weight-only, group-wise asymmetric."""
+
+    zeros: Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
+                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
+                 dispatcher: Dispatcher | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype,
+                         dispatcher=dispatcher)
+        self.group_size = group_size
+        g = _groups(in_features, group_size)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 4, dtype=torch.uint8,
+                                                    device=device))
+        self.register_buffer("scales", torch.ones(out_features, g, dtype=torch.float32, device=device))
+        self.register_buffer("zeros", torch.zeros(out_features, g, dtype=torch.float32, device=device))
+
+    def packed(self) -> Int2Weight:
+        return Int2Weight(self.qweight, self.scales, self.zeros, self.group_size)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group_size={self.group_size}"
+
+
+class W8A8Linear(QuantLinear):
+    """int8 per-channel weights x per-token dynamic int8 activations; `smooth` is all ones without SmoothQuant."""
+
+    smooth: Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
+                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
+                 dispatcher: Dispatcher | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype,
+                         dispatcher=dispatcher)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("smooth", torch.ones(in_features, dtype=torch.float32, device=device))
+
+    def packed(self) -> W8A8Weight:
+        return W8A8Weight(self.qweight, self.scales, self.smooth)
