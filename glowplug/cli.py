@@ -148,6 +148,24 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report_command(config_cls: Any, run: Callable[[Any, list[str]], str]) -> Command:
+    """A bench command: validate flags into `config_cls`, run, print the Markdown, write it to --out."""
+
+    def command(args: argparse.Namespace) -> int:
+        from rich.console import Console
+        from rich.markdown import Markdown
+
+        cfg = _bench_config(config_cls, args)
+        text = run(cfg, args.argv)
+        Console().print(Markdown(text))
+        if cfg.out is not None:
+            Path(cfg.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(cfg.out).write_text(text)
+        return 0
+
+    return command
+
+
 def cmd_models_prepare(args: argparse.Namespace) -> int:
     from glowplug.engine.models.store import resolve_model
 
@@ -212,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
     add_model_flags(dec, DecodeBenchConfig, exclude={"model"})
     dec.set_defaults(func=cmd_bench_decode)
+
+    from glowplug.profiling.bench.accuracy import AccuracyConfig
+    from glowplug.profiling.bench.kernel_bench import KernelBenchConfig, run_accuracy_report, run_kernel_bench
+
+    for name, cls, run, text in (
+        ("kernels", KernelBenchConfig, run_kernel_bench, "Every quantized linear path per M on the model's shapes."),
+        ("accuracy", AccuracyConfig, run_accuracy_report, "Perplexity, KL and top-1 agreement of each scheme vs bf16."),
+    ):
+        p = bsub.add_parser(name, help=text)
+        p.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
+        add_model_flags(p, cls, exclude={"model"})
+        p.set_defaults(func=_report_command(cls, run))
 
     models = sub.add_parser("models", help="Manage model files.")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")

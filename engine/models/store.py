@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -161,6 +162,24 @@ def prepare_gguf(source: Path, name: str, cache_dir: Path | None = None, *, quie
                 shutil.rmtree(tmp, ignore_errors=True)
         console.print(f"glowplug: model ready in {time.perf_counter() - t0:.1f}s at {target}")
     return target
+
+
+_GGUF_BLOCK_32 = re.compile(r"\.(Q4_0|Q4_1|Q5_0|Q5_1|Q8_0)\.gguf$", re.IGNORECASE)
+
+
+def source_quant_block(model_dir: Path) -> int | None:
+    """Group size of the GGUF a converted folder came from (Q4_0/Q4_1/Q5_x/Q8_0 use blocks of 32), else None.
+
+    Its weights lie exactly on that grid, so re-quantizing int4 with the same groups loses nothing, while coarser
+    groups quantize twice."""
+    mpath = model_dir / MANIFEST
+    if not mpath.is_file():
+        return None
+    try:
+        source = json.loads(mpath.read_text())["source"]["path"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+    return 32 if _GGUF_BLOCK_32.search(str(source)) else None
 
 
 def is_prepared(spec: str, cache_dir: Path | None = None) -> bool:

@@ -43,6 +43,20 @@ class EngineContext(StartupContext):
     runner: ModelRunner | None = None  # kv_cache_init
     engine: LLMEngine | None = None  # kv_cache_init
 
+    def quant_group_size(self) -> tuple[int | None, str]:
+        """The group size to quantize with, and why: the configured one, else for int4 the block size of a GGUF
+        source (exact on its grid), else the scheme's default."""
+        q = self.config.quant
+        if q.group_size is not None:
+            return q.group_size, "configured"
+        if q.quantization == "int4" and self.model_dir is not None:
+            from ..models.store import source_quant_block
+
+            block = source_quant_block(self.model_dir)
+            if block is not None:
+                return block, f"matches the source GGUF's {block}-weight blocks"
+        return None, "scheme default"
+
     def need(self, value: Any, what: str, stage: str) -> Any:
         if value is None:
             raise StageOrderError(f"{what} is not set: stage {stage!r} must run earlier in the pipeline")

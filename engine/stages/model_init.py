@@ -8,6 +8,25 @@ from .base import StageReport
 from .context import EngineContext
 
 
+def layer_shapes(ctx: EngineContext) -> list[tuple[int, int]]:
+    a = ctx.need(ctx.arch, "the architecture", "model_prepare")
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    shapes = [(q, a.hidden_size), (kv, a.hidden_size), (a.hidden_size, q), (a.intermediate_size, a.hidden_size),
+              (a.hidden_size, a.intermediate_size)]  # fmt: skip
+    return list(dict.fromkeys(shapes))
+
+
+def kernel_dispatcher(ctx: EngineContext) -> tuple[object, str]:
+    """The dispatcher for the quantized layers: the table `glowplug bench kernels` calibrated on this machine for
+    these shapes when there is one, else the built-in rules (the measured facts in the kernel notes)."""
+    from glowplug.kernels.dispatch import DEFAULT_FORMATS, DEFAULT_MS, DispatchTable, Dispatcher, calibration_key
+
+    path = ctx.cache_root / "kernels" / f"dispatch-{calibration_key(layer_shapes(ctx), DEFAULT_FORMATS, DEFAULT_MS)}.json"
+    if path.is_file():
+        return Dispatcher(DispatchTable.from_json(path.read_text())), f"calibrated ({path.name})"
+    return Dispatcher(), "default rules (run `glowplug bench kernels` to calibrate)"
+
+
 class ModelInit:
     name = "model_init"
 
@@ -16,12 +35,15 @@ class ModelInit:
         sd = ctx.need(ctx.state_dict, "the checkpoint", "load_weights")
         model = build_meta_model(arch)
         keep: frozenset[str] = frozenset()
+        table_source = "n/a (not quantized)"
         q = ctx.config.quant
         if q.quantization != "none":
             from glowplug.kernels.modules import QuantLinear
             from glowplug.kernels.registry import get_scheme
 
-            get_scheme(q.quantization).convert_for_runtime(model, group_size=q.group_size)
+            dispatcher, table_source = kernel_dispatcher(ctx)
+            group_size, _ = ctx.quant_group_size()
+            get_scheme(q.quantization).convert_for_runtime(model, group_size=group_size, dispatcher=dispatcher)
             keep = frozenset(
                 f"{name}.{buf}"
                 for name, mod in model.named_modules()
@@ -35,6 +57,7 @@ class ModelInit:
         ctx.state_dict = None  # the model owns the tensors now; drop the extra references
         return StageReport(
             attributes={
+                "glowplug.kernel_dispatch": table_source,
                 Attr.PARAM_COUNT: arch.num_params,
                 Attr.DTYPE: str(ctx.dtype).removeprefix("torch."),
                 Attr.QUANTIZATION: q.quantization,

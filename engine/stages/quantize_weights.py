@@ -36,7 +36,7 @@ def quant_cache_key(ctx: EngineContext) -> tuple[str, dict[str, str]]:
         "checkpoint": ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files),
         "model_dir": str(ctx.model_dir),
         "scheme": ctx.config.quant.quantization,
-        "group_size": str(ctx.config.quant.group_size),
+        "group_size": str(ctx.quant_group_size()[0]),
         "torch": torch.__version__,
         "kernels_source": _kernels_source_hash(),
     }
@@ -55,6 +55,7 @@ class QuantizeWeights:
 
         sd = ctx.need(ctx.state_dict, "the checkpoint", "load_weights")
         scheme = get_scheme(q.quantization)
+        group_size, why = ctx.quant_group_size()
         key, factors = quant_cache_key(ctx)
         folder = ctx.cache_root / "quant" / key
         path = folder / "quantized.safetensors"
@@ -67,7 +68,7 @@ class QuantizeWeights:
             attrs[Attr.CACHE_HIT] = True
         else:
             # Quantize from fp32 so the result does not depend on the serving dtype's rounding.
-            merged = scheme.quantize_state_dict(sd, group_size=q.group_size)
+            merged = scheme.quantize_state_dict(sd, group_size=group_size)
             added = {k: v.contiguous() for k, v in merged.items() if k not in sd}
             folder.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp-{os.getpid()}")
@@ -78,5 +79,7 @@ class QuantizeWeights:
         ctx.state_dict = merged
         ctx.weights_bytes = sum(t.nbytes for t in merged.values())
         attrs["glowplug.quantized_bytes"] = scheme.weight_bytes(merged, only_linear=True)
-        attrs["glowplug.bits_per_weight"] = round(scheme.bits_per_weight(q.group_size), 3)
+        attrs["glowplug.bits_per_weight"] = round(scheme.bits_per_weight(group_size), 3)
+        attrs["glowplug.group_size"] = str(scheme.resolve_group_size(group_size))
+        attrs["glowplug.group_size_reason"] = why
         return StageReport(attributes=attrs)

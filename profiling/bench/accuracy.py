@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -66,6 +67,7 @@ class AccuracyConfig(BaseModel):
     group_size: int | None = None
     window: int = Field(256, ge=16, le=4096, description="Tokens per evaluation window.")
     continuation_tokens: int = Field(48, ge=0, le=512)
+    out: Path | None = None
 
 
 @dataclass

@@ -1,0 +1,75 @@
+"""`glowplug bench kernels` and `glowplug bench accuracy`: thin command wrappers over the kernel micro-benchmark
+(kernels/bench.py) on the model's real layer shapes, and over the quantization accuracy evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .machine import report_header
+
+
+class KernelBenchConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = "smollm2"
+    ms: tuple[int, ...] = Field((1, 4, 16, 64, 256), min_length=1, description="Tokens in the batch (M).")
+    formats: tuple[str, ...] | None = Field(None, description="Format specs (default: all, e.g. int4-g128).")
+    repeats: int = Field(10, ge=1, le=1000)
+    out: Path | None = None
+
+
+def model_layer_shapes(model: str) -> list[tuple[int, int]]:
+    """Distinct (N, K) of the model's projections: q, k/v, o, gate/up, down."""
+    from ...engine.config import cache_dir_from_env
+    from ...engine.models.arch import load_arch
+    from ...engine.models.store import resolve_model
+    from ...engine.stages.context import EngineContext
+    from ...engine.stages.model_init import layer_shapes
+
+    ctx = EngineContext(cache_root=cache_dir_from_env())
+    ctx.arch = load_arch(resolve_model(model, quiet=True))
+    return layer_shapes(ctx)
+
+
+def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
+    from ...engine.config import cache_dir_from_env
+    from ...kernels.bench import DEFAULT_BENCH_FORMATS, bench_kernels, render_markdown
+    from ...kernels.dispatch import Dispatcher, calibrate
+
+    shapes = model_layer_shapes(cfg.model)
+    # Calibrate first (cached per machine, torch and shapes): the engine's quantized layers then dispatch by the
+    # measured winners, and the "chosen" column below shows those picks.
+    table = calibrate(shapes, cache_dir_from_env() / "kernels", repeats=cfg.repeats)
+    rows = bench_kernels(
+        shapes, ms=cfg.ms, formats=cfg.formats or DEFAULT_BENCH_FORMATS, repeats=cfg.repeats,
+        dispatcher=Dispatcher(table),
+    )  # fmt: skip
+    shown = ", ".join(f"{n}x{k}" for n, k in shapes)
+    return "\n".join(
+        [
+            report_header("Quantized linear kernels", argv),
+            f"Layer shapes (N x K) of `{cfg.model}`: {shown}. Weights rotate through copies larger than the "
+            "last-level cache, as in a real decode step. `*` marks the dispatcher's pick for that M.",
+            "",
+            render_markdown(rows),
+        ]
+    )
+
+
+def run_accuracy_report(cfg: object, argv: list[str] | None) -> str:
+    from .accuracy import AccuracyConfig, render_markdown, run_accuracy
+
+    assert isinstance(cfg, AccuracyConfig)
+    rows = run_accuracy(cfg)
+    return "\n".join(
+        [
+            report_header("Quantization accuracy against bf16", argv),
+            f"Model `{cfg.model}`. Text: the project's own evaluation text plus greedy bf16 continuations of its "
+            f"own prompts ({rows[0].tokens} scored tokens, windows of {cfg.window}). Perplexity of each scheme, "
+            "mean KL(bf16 || scheme) of the next-token distributions, and top-1 agreement with bf16.",
+            "",
+            render_markdown(rows),
+        ]
+    )

@@ -1,0 +1,314 @@
+"""`glowplug bench latency`: prefill and decode latency per batch size, in the layout of TGI's
+`text-generation-benchmark` (seed 001), with its bugs fixed.
+
+Per batch size: `--warmups` untimed batches, then `--runs` timed ones (see `timing.time_batch`). Rows:
+  Prefill         one sample per run: requests added -> every sequence has its first token. The step token budget
+                  defaults to batch x sequence length, so the whole batch is prefilled in one forward, as in TGI.
+  Decode (token)  one sample per decode step, over all runs (decode-length - 1 steps a run).
+  Decode (total)  one sample per run: the sum of that run's decode steps.
+Throughput rows: prefill tokens/s = batch x sequence-length / prefill time; decode tokens/s = tokens generated after
+the prefill / decode total, one sample per run. Percentiles use the one method of `stats.py`. A batch size that
+cannot run (KV cache too small, an engine that does not start) gets the reason in every cell, never NaN or blank.
+Prefix caching is off: every run sends the same prompts, and a cache hit would time a prefill that never ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from ...engine.config import Quantization
+from .cli_support import (
+    AddModelFlags,
+    BenchEngineFields,
+    add_command,
+    prepare_out_dir,
+    quantization_label,
+    write_json,
+)
+from .stats import PERCENTILE_METHOD, Summary, summarize
+from .tables import Cell, Missing, fmt_num, markdown_table
+
+Progress = Callable[[str], None]
+
+
+class LatencyBenchConfig(BenchEngineFields):
+    quantization: tuple[Quantization, ...] = Field(("none",), min_length=1, description="Schemes to compare.")
+    batch_size: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32), min_length=1, description="Batch sizes.")
+    sequence_length: int = Field(256, ge=1, description="Prompt tokens per sequence.")
+    decode_length: int = Field(16, ge=2, description="New tokens per sequence (the first comes from the prefill).")
+    runs: int = Field(10, ge=1, description="Timed batches per batch size.")
+    warmups: int = Field(1, ge=0, description="Untimed batches before them.")
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 disables.")
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    out_dir: Path = Field(Path("reports/latency"), description="Where latency.md/.json/.png go.")
+    plots: bool = True
+
+    @model_validator(mode="after")
+    def _distinct(self) -> LatencyBenchConfig:
+        for name in ("quantization", "batch_size"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"--{name.replace('_', '-')} lists a value twice: {list(values)}")
+        if any(b < 1 for b in self.batch_size):
+            raise ValueError("batch sizes must be >= 1")
+        return self
+
+
+@dataclass
+class LatencyCell:
+    """One (quantization, batch size): the samples, or the reason there are none."""
+
+    quantization: str
+    batch: int
+    reason: str | None = None
+    prefill_s: list[float] = field(default_factory=list)
+    decode_token_s: list[float] = field(default_factory=list)
+    decode_total_s: list[float] = field(default_factory=list)
+    prefill_tokens_per_s: list[float] = field(default_factory=list)
+    decode_tokens_per_s: list[float] = field(default_factory=list)
+    prefill_steps: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+@dataclass
+class LatencyResult:
+    config: LatencyBenchConfig
+    cells: list[LatencyCell]
+    kv_blocks: dict[str, int] = field(default_factory=dict)  # per quantization that started
+
+
+def _sampling(cfg: LatencyBenchConfig) -> Any:
+    from ...engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        repetition_penalty=cfg.repetition_penalty,
+        max_tokens=cfg.decode_length,
+        ignore_eos=True,  # every run must generate exactly decode_length tokens, or runs are not comparable
+    )
+
+
+def engine_fields(cfg: LatencyBenchConfig, quant: str) -> dict[str, Any]:
+    largest = max(cfg.batch_size)
+    return cfg.engine_fields(
+        quantization=quant,
+        max_model_len=cfg.sequence_length + cfg.decode_length,
+        max_num_seqs=largest,
+        max_num_batched_tokens=cfg.max_num_batched_tokens or max(16, largest * cfg.sequence_length),
+        enable_prefix_caching=False,
+    )
+
+
+def _measure(engine: Any, cfg: LatencyBenchConfig, cell: LatencyCell, prompts: list[list[int]], params: Any) -> None:
+    from .timing import time_batch
+
+    for _ in range(cfg.warmups):
+        time_batch(engine, prompts, params)
+    for _ in range(cfg.runs):
+        t = time_batch(engine, prompts, params)
+        if t.generated_tokens != cell.batch * cfg.decode_length:
+            raise RuntimeError(f"generated {t.generated_tokens} tokens, expected {cell.batch * cfg.decode_length}")
+        cell.prefill_s.append(t.prefill_s)
+        cell.decode_token_s.extend(t.decode_step_s)
+        cell.decode_total_s.append(t.decode_s)
+        cell.prefill_tokens_per_s.append(t.prompt_tokens / t.prefill_s)
+        cell.decode_tokens_per_s.append(t.decode_tokens / t.decode_s)
+        cell.prefill_steps = t.prefill_steps
+
+
+def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None) -> LatencyResult:
+    import gc
+
+    from ...engine.stages.base import one_line
+    from .decode import make_prompts
+    from .timing import build_llm, why_cannot_run
+
+    say = progress or (lambda _msg: None)
+    result = LatencyResult(cfg, [])
+    params = _sampling(cfg)
+    for quant in cfg.quantization:
+        say(f"[{quant}] starting the engine")
+        llm, why = build_llm(engine_fields(cfg, quant))
+        if llm is None:
+            result.cells += [LatencyCell(quant, b, reason=why) for b in cfg.batch_size]
+            continue
+        result.kv_blocks[quant] = llm.engine.block_manager.num_blocks
+        for batch in cfg.batch_size:
+            cell = LatencyCell(quant, batch, reason=why_cannot_run(llm.engine, batch, cfg.sequence_length, cfg.decode_length))
+            result.cells.append(cell)
+            if not cell.ok:
+                say(f"[{quant}] batch {batch}: skipped ({cell.reason})")
+                continue
+            say(f"[{quant}] batch {batch}: {cfg.warmups} warm-up + {cfg.runs} runs")
+            prompts = make_prompts(llm.tokenizer, batch, cfg.sequence_length)
+            try:
+                _measure(llm.engine, cfg, cell, prompts, params)
+            except Exception as exc:  # a scheme still being wired may fail mid-run: the cell says how
+                cell.reason = f"failed: {one_line(exc)}"
+                for req_id in list(llm.engine.requests):
+                    llm.engine.abort(req_id)
+        llm = None
+        gc.collect()
+    return result
+
+
+# ---------------------------------------------------------------- rendering
+
+LATENCY_ROWS = (("Prefill", "prefill_s"), ("Decode (token)", "decode_token_s"), ("Decode (total)", "decode_total_s"))
+THROUGHPUT_ROWS = (("Prefill", "prefill_tokens_per_s"), ("Decode", "decode_tokens_per_s"))
+
+
+def _stat_cells(summary: Summary | None, names: tuple[str, ...], unit: str, reason: str | None) -> list[Cell]:
+    if summary is None:
+        return [Missing(reason or "no samples")] * len(names)
+    return [f"{fmt_num(getattr(summary, n))} {unit}" for n in names]
+
+
+def cell_summary(cell: LatencyCell, attr: str, scale: float = 1.0) -> Summary | None:
+    values = getattr(cell, attr)
+    return summarize(values).scaled(scale) if cell.ok and values else None
+
+
+def render_tables(result: LatencyResult, quant: str) -> str:
+    cells = [c for c in result.cells if c.quantization == quant]
+    stats = ("mean", "min", "max", "p50", "p90", "p99")
+    lat_rows: list[list[Cell]] = []
+    for label, attr in LATENCY_ROWS:
+        for c in cells:
+            lat_rows.append([label, c.batch, *_stat_cells(cell_summary(c, attr, 1000.0), stats, "ms", c.reason)])
+    tput_rows: list[list[Cell]] = []
+    for label, attr in THROUGHPUT_ROWS:
+        for c in cells:
+            tput_rows.append([label, c.batch, *_stat_cells(cell_summary(c, attr), stats[:3], "tokens/s", c.reason)])
+    head = ["Step", "Batch Size", "Average", "Lowest", "Highest", "p50", "p90", "p99"]
+    return "\n\n".join(
+        [markdown_table(head, lat_rows, ["l"] * 2 + ["r"] * 6), markdown_table(head[:5], tput_rows, ["l"] * 2 + ["r"] * 3)]
+    )
+
+
+def _arguments(result: LatencyResult) -> str:
+    cfg = result.config
+    sampled = cfg.temperature > 0
+    blocks = ", ".join(f"{q}: {n:,}" for q, n in result.kv_blocks.items()) or "no engine started"
+    rows: list[list[Cell]] = [
+        ["Model", cfg.model],
+        ["Quantization", ", ".join(cfg.quantization)],
+        ["Sequence Length", cfg.sequence_length],
+        ["Decode Length", cfg.decode_length],
+        ["N Runs", cfg.runs],
+        ["Warmups", cfg.warmups],
+        ["Do Sample", sampled],
+        ["Temperature", f"{cfg.temperature:g}" if sampled else "0 (greedy)"],
+        ["Top K", "disabled" if cfg.top_k <= 0 else cfg.top_k],
+        ["Top P", f"{cfg.top_p:g}"],
+        ["Repetition Penalty", f"{cfg.repetition_penalty:g}"],
+        ["Step token budget", engine_fields(cfg, "none")["max_num_batched_tokens"]],
+        ["KV blocks", f"{blocks} (block size {cfg.block_size})"],
+    ]
+    return markdown_table(["Parameter", "Value"], rows, ["l", "l"])
+
+
+def render_markdown(result: LatencyResult, argv: list[str] | None = None) -> str:
+    from .machine import report_header
+
+    parts = [report_header("Latency benchmark", argv), "## Experiment Generation Arguments", "", _arguments(result), ""]
+    for quant in result.config.quantization:
+        parts += [f"## {quantization_label(quant)}", "", render_tables(result, quant), ""]
+    steps = {c.prefill_steps for c in result.cells if c.ok}
+    parts += [
+        "## How these numbers are taken",
+        "",
+        "- Prefill: requests added -> every sequence of the batch has its first token (one sample per run"
+        + (f"; took {', '.join(map(str, sorted(steps)))} engine step(s))." if steps else ")."),
+        "- Decode (token): one sample per decode step across all runs; Decode (total): one sample per run.",
+        "- Throughput: prefill tokens/s = batch x sequence length / prefill; decode tokens/s = tokens generated after "
+        "the prefill / decode total.",
+        f"- Percentiles: {PERCENTILE_METHOD}; always min <= p50 <= p90 <= p99 <= max.",
+        "- Prefix caching is off, so every run prefills its prompts in full.",
+        "",
+    ]
+    return "\n".join(parts)
+
+
+def result_dict(result: LatencyResult) -> dict[str, Any]:
+    cells = []
+    for c in result.cells:
+        entry: dict[str, Any] = asdict(c)
+        entry["status"] = "ok" if c.ok else "skipped"
+        entry["summary"] = {
+            attr: s.as_dict()
+            for _, attr in (*LATENCY_ROWS, *THROUGHPUT_ROWS)
+            if (s := cell_summary(c, attr)) is not None
+        }
+        cells.append(entry)
+    return {
+        "config": result.config.model_dump(mode="json"),
+        "percentile_method": PERCENTILE_METHOD,
+        "units": {"*_s": "seconds", "*_per_s": "tokens per second"},
+        "kv_blocks": result.kv_blocks,
+        "cells": cells,
+    }
+
+
+def write_reports(result: LatencyResult, argv: list[str] | None = None) -> list[Path]:
+    out = prepare_out_dir(result.config.out_dir)
+    md, js = out / "latency.md", out / "latency.json"
+    md.write_text(render_markdown(result, argv))
+    write_json(js, result_dict(result))
+    written = [md, js]
+    if result.config.plots:
+        written.append(plot_latency(result, out / "latency.png"))
+    return written
+
+
+def plot_latency(result: LatencyResult, path: Path) -> Path:
+    """Prefill and per-token decode latency against batch size, one line per quantization."""
+    from .plots import plot_latency_vs_batch
+
+    panels: dict[str, dict[str, list[tuple[int, Summary]]]] = {}
+    for title, attr in (("Prefill", "prefill_s"), ("Decode (token)", "decode_token_s")):
+        panels[title] = {
+            q: [(c.batch, s) for c in result.cells if c.quantization == q and (s := cell_summary(c, attr, 1000.0))]
+            for q in result.config.quantization
+        }
+    return plot_latency_vs_batch(panels, path)
+
+
+def main(cfg: LatencyBenchConfig, argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from ..logs import configure_logging
+
+    configure_logging(level="warning")
+    err = Console(stderr=True)
+    result = run_latency_bench(cfg, progress=lambda msg: err.print(msg, markup=False))
+    paths = write_reports(result, argv)
+    Console().print(Markdown(render_markdown(result, argv)))
+    err.print("wrote " + ", ".join(map(str, paths)), markup=False)
+    return 0 if any(c.ok for c in result.cells) else 1
+
+
+def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
+    return add_command(
+        subparsers,
+        "latency",
+        help_text="Prefill/decode latency and throughput per batch size (TGI benchmark tables).",
+        description=__doc__,
+        config_cls=LatencyBenchConfig,
+        add_model_flags=add_model_flags,
+        runner=main,
+    )
+

@@ -1,0 +1,114 @@
+"""PNG charts for the benchmark reports (matplotlib's Agg renderer).
+
+Figures are made with `matplotlib.figure.Figure` and an Agg canvas rather than pyplot, so plotting changes no
+global backend state and works in a process without a display. The functions take plain data (labels, numbers),
+not the benchmark result classes, so each benchmark decides what to plot and this module only how.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .stats import Summary
+
+# A fixed, colour-blind-safe cycle (Okabe-Ito) with enough entries for every start-up phase.
+COLORS = (
+    "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000",
+    "#999999", "#8C564B", "#17BECF", "#BCBD22", "#7F7F7F", "#AEC7E8", "#FFBB78",
+)  # fmt: skip
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
+def plot_latency_vs_batch(
+    panels: Mapping[str, Mapping[str, Sequence[tuple[int, Summary]]]], path: Path, *, unit: str = "ms"
+) -> Path:
+    """One panel per metric (title -> series label -> [(batch size, summary)]): mean with a min-max bar."""
+    fig = _figure(5.0 * max(len(panels), 1), 4.0)
+    for i, (title, series) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, max(len(panels), 1), i + 1)
+        for j, (label, points) in enumerate(series.items()):
+            if not points:
+                continue
+            xs = [b for b, _ in points]
+            means = [s.mean for _, s in points]
+            lows = [s.mean - s.min for _, s in points]
+            highs = [s.max - s.mean for _, s in points]
+            ax.errorbar(xs, means, yerr=[lows, highs], marker="o", capsize=3, label=label, color=COLORS[j % len(COLORS)])
+        ax.set_xscale("log", base=2)
+        batches = sorted({b for points in series.values() for b, _ in points})
+        if batches:
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.minorticks_off()
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if any(series.values()):
+            ax.legend(fontsize=8)
+        else:  # an empty panel must not look like a chart of zeros
+            ax.text(0.5, 0.5, "no batch size ran (see the report)", transform=ax.transAxes, ha="center")
+    return _save(fig, path)
+
+
+def plot_ranking(
+    groups: Mapping[str, Sequence[tuple[str, float, float]]], path: Path, *, xlabel: str = "output tokens/s"
+) -> Path:
+    """One horizontal bar panel per group (config -> [(variant, mean, std)]), best at the top."""
+    n = max(len(groups), 1)
+    cols = min(n, 2)
+    rows = -(-n // cols)
+    fig = _figure(6.0 * cols, 0.6 + 0.9 * rows * max((len(v) for v in groups.values()), default=1))
+    for i, (title, entries) in enumerate(groups.items()):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        ranked = sorted(entries, key=lambda e: e[1])  # barh draws bottom-up: the best ends on top
+        ys = range(len(ranked))
+        ax.barh(list(ys), [e[1] for e in ranked], xerr=[e[2] for e in ranked], color=COLORS[0], capsize=3)
+        ax.set_yticks(list(ys), [e[0] for e in ranked], fontsize=8)
+        ax.set_xlabel(xlabel)
+        ax.set_title(title, fontsize=9)
+        ax.grid(True, axis="x", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_phase_stack(
+    columns: Sequence[str],
+    stacks: Mapping[str, Sequence[float | None]],
+    path: Path,
+    *,
+    title: str,
+    xlabel: str,
+) -> Path:
+    """Stacked bars: one bar per column (a run, a max-model-len), one segment per phase (None = did not run)."""
+    fig = _figure(max(6.0, 0.9 * len(columns) + 3.5), 4.8)
+    ax = fig.add_subplot(1, 1, 1)
+    xs = list(range(len(columns)))
+    bottoms = [0.0] * len(columns)
+    for j, (phase, values) in enumerate(stacks.items()):
+        heights = [v or 0.0 for v in values]
+        if not any(heights):
+            continue
+        ax.bar(xs, heights, bottom=bottoms, label=phase, color=COLORS[j % len(COLORS)], width=0.7)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_xticks(xs, list(columns), rotation=30 if len(columns) > 6 else 0, ha="right" if len(columns) > 6 else "center")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("seconds")
+    ax.set_title(title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)

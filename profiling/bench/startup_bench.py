@@ -1,0 +1,289 @@
+"""`glowplug bench startup`: N cold and N warm start-ups, each `glowplug startup` in a fresh process, with the
+per-phase Average, p50, p90, p99 and the time to READY.
+
+cold  every run gets its own empty cache directory: model conversion, compile cache and KV profile all miss.
+warm  every run reuses the cache directory the last cold run filled: whatever is cached, hits.
+The rows are the phase table's (see profiling/phases.py), unattributed included, so the phases add up to the time
+to READY (`actual_total_time`, process creation -> READY); seed 004 left ~15 s between its total_time and
+actual_total_time unexplained. A phase that did not run in a run (skipped, cache hit) has no sample from it; its
+row says why and over how many runs its statistics are taken.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from ...engine.config import Quantization
+from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
+from .startup_runs import READY_ROW, StartupRun, run_startup, short
+from .stats import PERCENTILE_METHOD, Summary, summarize
+from .tables import Cell, Missing, fmt_num, markdown_table
+
+Mode = Literal["cold", "warm"]
+MODES: tuple[Mode, ...] = ("cold", "warm")
+Progress = Callable[[str], None]
+
+
+class StartupBenchConfig(BenchEngineFields):
+    quantization: Quantization = "none"
+    max_model_len: int | Literal["auto"] | None = Field(None, description="Passed to every start; unset = the engine's default.")
+    max_num_seqs: int | None = Field(None, ge=1)
+    runs: int = Field(3, ge=1, description="Cold starts, and as many warm starts.")
+    timeout_s: float = Field(900.0, gt=0, description="Per start-up.")
+    keep_caches: bool = Field(False, description="Keep the temporary cache directories (their paths are printed).")
+    out_dir: Path = Field(Path("reports/startup"), description="Where startup.md/.json/.png go.")
+    plots: bool = True
+
+    def startup_args(self) -> list[str]:
+        return self.startup_argv(
+            quantization=self.quantization, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs
+        )
+
+
+@dataclass
+class StartupBenchResult:
+    config: StartupBenchConfig
+    runs: dict[Mode, list[StartupRun]]
+
+
+def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None) -> StartupBenchResult:
+    say = progress or (lambda _msg: None)
+    out = prepare_out_dir(cfg.out_dir)
+    root = Path(tempfile.mkdtemp(prefix="glowplug-startup-bench-"))
+    args = cfg.startup_args()
+    runs: dict[Mode, list[StartupRun]] = {"cold": [], "warm": []}
+    warm_dir: Path | None = None
+    try:
+        for i in range(1, cfg.runs + 1):
+            cache = root / f"cold-{i}"
+            cache.mkdir()
+            say(f"cold start {i}/{cfg.runs} (empty cache {cache})")
+            run = run_startup(f"cold {i}", args, out / f"cold-{i}.json", cache_dir=cache, timeout_s=cfg.timeout_s)
+            runs["cold"].append(run)
+            if run.ok:
+                if warm_dir is not None and not cfg.keep_caches:
+                    shutil.rmtree(warm_dir, ignore_errors=True)
+                warm_dir = cache  # the newest filled cache primes the warm runs
+            elif not cfg.keep_caches:
+                shutil.rmtree(cache, ignore_errors=True)
+        for i in range(1, cfg.runs + 1):
+            if warm_dir is None:
+                runs["warm"].append(StartupRun(f"warm {i}", -1, 0.0, error="no cold start succeeded to fill a cache"))
+                continue
+            say(f"warm start {i}/{cfg.runs} (cache {warm_dir})")
+            runs["warm"].append(
+                run_startup(f"warm {i}", args, out / f"warm-{i}.json", cache_dir=warm_dir, timeout_s=cfg.timeout_s)
+            )
+    finally:
+        if not cfg.keep_caches:
+            shutil.rmtree(root, ignore_errors=True)
+    return StartupBenchResult(cfg, runs)
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def row_names(result: StartupBenchResult) -> list[str]:
+    """Rows in the phase table's display order, as the reports wrote them (union over all runs)."""
+    names: list[str] = []
+    for mode in MODES:
+        for run in result.runs[mode]:
+            names += [n for n in run.phases if n not in names]
+    return names
+
+
+@dataclass(frozen=True)
+class PhaseStat:
+    """One phase over one mode's runs: statistics over the runs where it ran, and why it did not in the others."""
+
+    summary: Summary | None
+    reasons: tuple[str, ...]  # distinct reasons it has no value in some runs
+    missing: int  # successful runs without a value
+    ok_runs: int
+
+    @property
+    def why(self) -> str:
+        return "; ".join(self.reasons) if self.reasons else ("no successful start" if not self.ok_runs else "no samples")
+
+    @property
+    def note(self) -> str | None:
+        if not self.ok_runs:
+            return "no successful start"
+        return f"{self.why} in {self.missing} of {self.ok_runs} runs" if self.missing else None
+
+
+def phase_stat(runs: list[StartupRun], row: str) -> PhaseStat:
+    ok = [r for r in runs if r.ok]
+    values = [v for r in ok if (v := r.phases.get(row)) is not None]
+    reasons = tuple(sorted({r.reasons.get(row) or "not in the report" for r in ok if r.phases.get(row) is None}))
+    return PhaseStat(summarize(values) if values else None, reasons, len(ok) - len(values), len(ok))
+
+
+def cache_hit_counts(runs: list[StartupRun]) -> dict[str, tuple[int, int]]:
+    counts: dict[str, tuple[int, int]] = {}
+    for run in (r for r in runs if r.ok):
+        for row, hit in run.cache_hits().items():
+            hits, total = counts.get(row, (0, 0))
+            counts[row] = (hits + int(hit), total + 1)
+    return counts
+
+
+# ---------------------------------------------------------------- rendering
+
+
+STATS = ("mean", "p50", "p90", "p99")
+
+
+def _phase_table(result: StartupBenchResult) -> tuple[str, list[str]]:
+    """Phases as rows, cold and warm statistics side by side; also the phases that ran in neither (with why)."""
+    rows: list[list[Cell]] = []
+    never: list[str] = []
+    for row in row_names(result):
+        per_mode = {m: phase_stat(result.runs[m], row) for m in MODES}
+        if all(p.summary is None for p in per_mode.values()):
+            never.append(f"{row} ({'; '.join(sorted({p.why for p in per_mode.values()}))})")
+            continue
+        cells: list[Cell] = [f"**time to READY** ({row})" if row == READY_ROW else row]
+        notes = []
+        for mode, stat in per_mode.items():
+            if stat.summary is None:
+                cells += [Missing(stat.why)] * len(STATS)
+            else:
+                cells += [fmt_num(getattr(stat.summary, k), 3) for k in STATS]
+            if stat.note:
+                notes.append(f"{mode}: {stat.note}")
+        rows.append([*cells, "; ".join(notes) or "ran in every run"])
+    head = ["Phase", *(f"{m} {k.replace('mean', 'avg')} (s)" for m in MODES for k in STATS), "Note"]
+    return markdown_table(head, rows, ["l"] + ["r"] * 2 * len(STATS) + ["l"]), never
+
+
+def _runs_table(result: StartupBenchResult) -> str:
+    rows: list[list[Cell]] = []
+    for mode in MODES:
+        for run in result.runs[mode]:
+            if not run.ok:
+                rows.append([run.label, Missing(short(run.error or "failed")), Missing("failed"), Missing("failed"), "--"])
+                continue
+            p = run.phases
+            hits = run.cache_hits()
+            hit_text = ", ".join(f"{k} {'hit' if v else 'miss'}" for k, v in hits.items()) or "no cache rows"
+            rows.append([run.label, fmt_num(p[READY_ROW] or 0, 3), fmt_num(p.get("total_time") or 0, 3),
+                         fmt_num(p.get("unattributed") or 0, 3), hit_text])  # fmt: skip
+    return markdown_table(["Run", "time to READY (s)", "total_time (s)", "unattributed (s)", "Caches"], rows,
+                          ["l", "r", "r", "r", "l"])  # fmt: skip
+
+
+def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -> str:
+    from .machine import report_header
+
+    cfg = result.config
+    parts = [
+        report_header("Start-up benchmark: cold vs warm", argv),
+        f"Each start is `glowplug startup {' '.join(cfg.startup_args())}` in a fresh process. {cfg.runs} cold "
+        "start(s), each with an empty `GLOWPLUG_CACHE_DIR`; then as many warm starts reusing the cache the last cold "
+        f"start filled. Percentiles: {PERCENTILE_METHOD}.",
+        "",
+        "## Time to READY",
+        "",
+    ]
+    ready: list[list[Cell]] = []
+    for mode in MODES:
+        stat = phase_stat(result.runs[mode], READY_ROW)
+        cells: list[Cell] = (
+            [fmt_num(getattr(stat.summary, k), 3) for k in STATS] if stat.summary else [Missing(stat.why)] * len(STATS)
+        )
+        ready.append([mode, *cells, sum(r.ok for r in result.runs[mode]), len(result.runs[mode])])
+    parts += [markdown_table(["Start", "Average (s)", "p50 (s)", "p90 (s)", "p99 (s)", "OK", "Runs"], ready), ""]
+    table, never = _phase_table(result)
+    parts += ["## Phases", "", table, ""]
+    if never:
+        parts += ["Phases that ran in no start: " + ", ".join(never) + ".", ""]
+    parts += ["## Cache hits", ""]
+    counts = {m: cache_hit_counts(result.runs[m]) for m in MODES}
+    rows_with_cache = sorted(set(counts["cold"]) | set(counts["warm"]))
+    hit_rows: list[list[Cell]] = []
+    for row in rows_with_cache:
+        hit_rows.append([row, *(f"{h} of {n}" if (h, n) != (0, 0) else Missing("no run")
+                                for h, n in (counts[m].get(row, (0, 0)) for m in MODES))])  # fmt: skip
+    parts += [markdown_table(["Phase", "cold: hits", "warm: hits"], hit_rows) if hit_rows else "No phase reports a cache.", ""]
+    parts += ["## Runs", "", _runs_table(result), ""]
+    failed = [r for m in MODES for r in result.runs[m] if not r.ok]
+    if failed:
+        parts += ["Failures in full:", ""] + [f"- {r.label}: {r.error}" for r in failed] + [""]
+    return "\n".join(parts)
+
+
+def result_dict(result: StartupBenchResult) -> dict[str, Any]:
+    summary: dict[str, dict[str, Any]] = {}
+    for mode in MODES:
+        summary[mode] = {}
+        for row in row_names(result):
+            stat = phase_stat(result.runs[mode], row)
+            summary[mode][row] = {**(stat.summary.as_dict() if stat.summary else {}), "note": stat.note}
+    return {
+        "config": result.config.model_dump(mode="json"),
+        "percentile_method": PERCENTILE_METHOD,
+        "summary": summary,
+        "cache_hits": {m: {k: {"hits": h, "runs": n} for k, (h, n) in cache_hit_counts(result.runs[m]).items()} for m in MODES},
+        "runs": [
+            {"mode": m, "label": r.label, "ok": r.ok, "returncode": r.returncode, "wall_s": r.wall_s, "error": r.error,
+             "phases": r.phases, "reasons": r.reasons, "cache_hits": r.cache_hits()}
+            for m in MODES for r in result.runs[m]
+        ],  # fmt: skip
+    }
+
+
+def leaf_rows(runs: list[StartupRun]) -> list[str]:
+    """Leaf phases (they stack to the time to READY), in report order."""
+    names: list[str] = []
+    for run in runs:
+        kinds = run.report.get("kinds", {})
+        names += [n for n, k in kinds.items() if k == "leaf" and n not in names]
+    return names
+
+
+def write_reports(result: StartupBenchResult, argv: list[str] | None = None) -> list[Path]:
+    out = prepare_out_dir(result.config.out_dir)
+    md, js = out / "startup.md", out / "startup.json"
+    md.write_text(render_markdown(result, argv))
+    write_json(js, result_dict(result))
+    written = [md, js]
+    ok = [r for m in MODES for r in result.runs[m] if r.ok]
+    if result.config.plots and ok:
+        from .plots import plot_phase_stack
+
+        stacks = {row: [r.phases.get(row) for r in ok] for row in leaf_rows(ok)}
+        written.append(plot_phase_stack([r.label for r in ok], stacks, out / "startup_phases.png",
+                                        title="Start-up phases per run (stacked = time to READY)", xlabel="run"))  # fmt: skip
+    return written
+
+
+def main(cfg: StartupBenchConfig, argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    err = Console(stderr=True)
+    result = run_startup_bench(cfg, progress=lambda msg: err.print(msg, markup=False))
+    paths = write_reports(result, argv)
+    Console().print(Markdown(render_markdown(result, argv)))
+    err.print("wrote " + ", ".join(map(str, paths)), markup=False)
+    return 0 if all(r.ok for m in MODES for r in result.runs[m]) else 1
+
+
+def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
+    return add_command(
+        subparsers,
+        "startup",
+        help_text="N cold and N warm start-ups in fresh processes: per-phase statistics and time to READY.",
+        description=__doc__,
+        config_cls=StartupBenchConfig,
+        add_model_flags=add_model_flags,
+        runner=main,
+    )

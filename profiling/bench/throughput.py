@@ -1,0 +1,349 @@
+"""`glowplug bench throughput`: named batch shapes (seed 002's configurations) run for each quantization scheme,
+with end-to-end latency, three throughputs, one `results.jsonl` line per run, a Markdown summary and a ranking.
+
+A run is one batch of `batch` prompts of `input` tokens, each generating exactly `output` tokens (EOS ignored):
+  latency             requests added -> last sequence finished (seconds)
+  input throughput    prompt tokens / prefill time (requests added -> every sequence has its first token);
+                      seed 002 printed 0.00 here for every run because it never measured the prefill
+  output throughput   generated tokens / latency            overall throughput  (prompt + generated) / latency
+A configuration longer than the model allows keeps its output length and has its input clipped to fit, with a
+note. The engine uses its default chunked-prefill scheduling (step token budget: max(2048, longest input)), so a
+large batch is prefilled over several steps, as a server would. Prefix caching is off so that every run prefills.
+Run ids are `<quantization>_<config>_run<i>`, unique by construction (seed 002 listed a run twice).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from ...engine.config import Quantization
+from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
+from .stats import mean_std
+from .tables import Cell, Missing, fmt_num, markdown_table
+
+ConfigName = Literal[
+    "interactive", "decode_bound", "prefill_bound", "long_context", "medium_batch", "base", "high_concurrency"
+]
+# name -> (batch size, input tokens, output tokens)
+NAMED_CONFIGS: dict[str, tuple[int, int, int]] = {
+    "interactive": (1, 128, 64),
+    "decode_bound": (1, 256, 512),
+    "prefill_bound": (1, 2048, 32),
+    "long_context": (1, 16384, 32),
+    "medium_batch": (8, 256, 128),
+    "base": (32, 256, 32),
+    "high_concurrency": (64, 256, 128),
+}
+Progress = Callable[[str], None]
+
+
+class ThroughputBenchConfig(BenchEngineFields):
+    quantization: tuple[Quantization, ...] = Field(("none",), min_length=1, description="Schemes to compare.")
+    configs: tuple[ConfigName, ...] = Field(
+        tuple(NAMED_CONFIGS), min_length=1, description="Named shapes to run (all by default; they take long)."
+    )  # type: ignore[assignment]
+    runs: int = Field(3, ge=1, description="Timed runs per (scheme, configuration).")
+    warmups: int = Field(0, ge=0, description="Untimed runs before them (start-up already ran a warm-up).")
+    out_dir: Path = Field(Path("reports/throughput"), description="Where results.jsonl, summary.md, .png go.")
+    plots: bool = True
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ThroughputBenchConfig:
+        for name in ("quantization", "configs"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"--{name} lists a value twice: {list(values)}")
+        return self
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    input_len: int
+    output_len: int
+    note: str | None = None  # why the shape differs from its named definition
+    impossible: str | None = None  # why the shape cannot run on this model at all
+
+    @property
+    def title(self) -> str:
+        return f"batch_size={self.batch}, input_len={self.input_len}, output_len={self.output_len}"
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One line of results.jsonl: a timed run, or a (scheme, configuration) that could not run."""
+
+    run_id: str
+    status: Literal["ok", "skipped"]
+    config: str
+    quantization: str
+    run: int | None
+    batch_size: int
+    input_len: int
+    output_len: int
+    reason: str | None = None
+    latency_s: float | None = None
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    prompt_tokens: int | None = None
+    generated_tokens: int | None = None
+    input_throughput: float | None = None
+    output_throughput: float | None = None
+    overall_throughput: float | None = None
+
+
+def resolve_shapes(names: tuple[str, ...], limit: int) -> list[Shape]:
+    """The named shapes, with inputs clipped so that input + output fits the model's `limit` positions."""
+    shapes = []
+    for name in names:
+        batch, inp, out = NAMED_CONFIGS[name]
+        if inp + out <= limit:
+            shapes.append(Shape(name, batch, inp, out))
+            continue
+        clipped = limit - out
+        if clipped < 1:
+            shapes.append(Shape(name, batch, inp, out, impossible=f"{out} output tokens exceed the model's {limit} positions"))
+            continue
+        note = f"input clipped from {inp} to {clipped} tokens: the model allows {limit} positions"
+        shapes.append(Shape(name, batch, clipped, out, note=note))
+    return shapes
+
+
+def engine_fields(cfg: ThroughputBenchConfig, quant: str, shapes: list[Shape]) -> dict[str, Any]:
+    runnable = [s for s in shapes if s.impossible is None]
+    longest = max((s.input_len + s.output_len for s in runnable), default=1)
+    return cfg.engine_fields(
+        quantization=quant,
+        max_model_len=longest,
+        max_num_seqs=max(s.batch for s in shapes),
+        max_num_batched_tokens=cfg.max_num_batched_tokens or max(2048, *(s.input_len for s in runnable)),
+        enable_prefix_caching=False,
+    )
+
+
+def _record(quant: str, shape: Shape, i: int, t: Any) -> RunRecord:
+    return RunRecord(
+        run_id=f"{quant}_{shape.name}_run{i}",
+        status="ok",
+        config=shape.name,
+        quantization=quant,
+        run=i,
+        batch_size=shape.batch,
+        input_len=shape.input_len,
+        output_len=shape.output_len,
+        latency_s=t.latency_s,
+        prefill_s=t.prefill_s,
+        decode_s=t.decode_s,
+        prompt_tokens=t.prompt_tokens,
+        generated_tokens=t.generated_tokens,
+        input_throughput=t.prompt_tokens / t.prefill_s,
+        output_throughput=t.generated_tokens / t.latency_s,
+        overall_throughput=(t.prompt_tokens + t.generated_tokens) / t.latency_s,
+    )
+
+
+def _skipped(quant: str, shape: Shape, reason: str) -> RunRecord:
+    return RunRecord(
+        f"{quant}_{shape.name}", "skipped", shape.name, quant, None, shape.batch, shape.input_len, shape.output_len, reason
+    )
+
+
+class ResultsFile:
+    """results.jsonl, written line by line as runs finish (a long benchmark that is stopped keeps its runs)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[RunRecord] = []
+        path.write_text("")
+
+    def add(self, record: RunRecord) -> None:
+        if any(r.run_id == record.run_id for r in self.records):
+            raise ValueError(f"run id {record.run_id} recorded twice")
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(asdict(record)) + "\n")
+
+
+def run_throughput_bench(cfg: ThroughputBenchConfig, progress: Progress | None = None) -> tuple[list[Shape], list[RunRecord]]:
+    import gc
+
+    from ...engine.sampling_params import SamplingParams
+    from ...engine.stages.base import one_line
+    from .decode import make_prompts
+    from .timing import build_llm, model_position_limit, time_batch, why_cannot_run
+
+    say = progress or (lambda _msg: None)
+    shapes = resolve_shapes(cfg.configs, model_position_limit(cfg.model))
+    results = ResultsFile(prepare_out_dir(cfg.out_dir) / "results.jsonl")
+    for quant in cfg.quantization:
+        say(f"[{quant}] starting the engine")
+        llm, why = build_llm(engine_fields(cfg, quant, shapes))
+        for shape in shapes:
+            if llm is None:
+                reason = why
+            elif shape.impossible is not None:
+                reason = shape.impossible
+            else:
+                reason = why_cannot_run(llm.engine, shape.batch, shape.input_len, shape.output_len)
+            if reason is not None:
+                say(f"[{quant}] {shape.name}: skipped ({reason})")
+                results.add(_skipped(quant, shape, reason))
+                continue
+            params = SamplingParams(temperature=0.0, max_tokens=shape.output_len, ignore_eos=True)
+            prompts = make_prompts(llm.tokenizer, shape.batch, shape.input_len)
+            try:
+                for _ in range(cfg.warmups):
+                    time_batch(llm.engine, prompts, params)
+                for i in range(1, cfg.runs + 1):
+                    say(f"[{quant}] {shape.name}: run {i}/{cfg.runs}")
+                    results.add(_record(quant, shape, i, time_batch(llm.engine, prompts, params)))
+            except Exception as exc:  # a scheme still being wired may fail mid-run: the table says how
+                for req_id in list(llm.engine.requests):
+                    llm.engine.abort(req_id)
+                results.add(_skipped(quant, shape, f"failed: {one_line(exc)}"))
+        llm = None
+        gc.collect()
+    return shapes, results.records
+
+
+# ---------------------------------------------------------------- summary, ranking, rendering
+
+METRICS = (
+    ("latency_s", "Latency (s)"),
+    ("output_throughput", "Output Throughput (tok/s)"),
+    ("overall_throughput", "Overall Throughput (tok/s)"),
+    ("input_throughput", "Input Throughput (tok/s)"),
+)
+RANK_METRIC = "output_throughput"
+
+
+@dataclass(frozen=True)
+class VariantSummary:
+    config: str
+    quantization: str
+    runs: int
+    stats: dict[str, tuple[float, float]]  # metric -> (mean, std)
+    reason: str | None = None
+
+
+def summarize_runs(shapes: list[Shape], records: list[RunRecord], quants: tuple[str, ...]) -> list[VariantSummary]:
+    out = []
+    for shape in shapes:
+        for quant in quants:
+            ok = [r for r in records if r.config == shape.name and r.quantization == quant and r.status == "ok"]
+            skipped = [r for r in records if r.config == shape.name and r.quantization == quant and r.status != "ok"]
+            stats = {m: mean_std(getattr(r, m) for r in ok) for m, _ in METRICS} if ok else {}
+            reason = None if ok else (skipped[0].reason if skipped else "not run")
+            out.append(VariantSummary(shape.name, quant, len(ok), stats, reason))
+    return out
+
+
+def ranking(summaries: list[VariantSummary], config: str) -> list[VariantSummary]:
+    ran = [s for s in summaries if s.config == config and s.stats]
+    return sorted(ran, key=lambda s: s.stats[RANK_METRIC][0], reverse=True)
+
+
+def _pm(stat: tuple[float, float], digits: int) -> str:
+    return f"{fmt_num(stat[0], digits)} ± {fmt_num(stat[1], digits)}"
+
+
+def render_markdown(cfg: ThroughputBenchConfig, shapes: list[Shape], records: list[RunRecord], argv: list[str] | None) -> str:
+    from .machine import report_header
+
+    summaries = summarize_runs(shapes, records, cfg.quantization)
+    parts = [
+        report_header("Throughput benchmark", argv),
+        f"Model `{cfg.model}`, {cfg.runs} timed run(s) per configuration and scheme, {cfg.warmups} warm-up(s), "
+        f"greedy, EOS ignored. Values are mean ± sample std over runs. Raw runs: `results.jsonl`.",
+        "",
+    ]
+    for shape in shapes:
+        parts += [f"## Configuration: {shape.name} ({shape.title})", ""]
+        if shape.note:
+            parts += [f"> Note: {shape.note}.", ""]
+        rows: list[list[Cell]] = []
+        for s in (x for x in summaries if x.config == shape.name):
+            if not s.stats:
+                rows.append([f"`{s.quantization}`", 0, *[Missing(s.reason or "not run")] * len(METRICS)])
+                continue
+            rows.append([f"`{s.quantization}`", s.runs, *(_pm(s.stats[m], 3 if m == "latency_s" else 2) for m, _ in METRICS)])
+        parts += [markdown_table(["Scheme", "Runs", *(h for _, h in METRICS)], rows), ""]
+        runs = [r for r in records if r.config == shape.name and r.status == "ok"]
+        if runs:
+            detail = [
+                [f"`{r.run_id}`", fmt_num(r.latency_s or 0, 3), fmt_num(r.prefill_s or 0, 3),
+                 fmt_num(r.output_throughput or 0), fmt_num(r.overall_throughput or 0), fmt_num(r.input_throughput or 0)]
+                for r in runs
+            ]  # fmt: skip
+            head = ["Run", "Latency (s)", "Prefill (s)", "Output (tok/s)", "Overall (tok/s)", "Input (tok/s)"]
+            parts += ["<details><summary>Individual runs</summary>", "", markdown_table(head, detail), "", "</details>", ""]
+    parts += ["## Ranking by output throughput", ""]
+    for shape in shapes:
+        ranked = ranking(summaries, shape.name)
+        parts += [f"### {shape.name} ({shape.title})", ""]
+        if not ranked:
+            parts += ["No scheme ran this configuration (see its table for why).", ""]
+            continue
+        base = next((s for s in ranked if s.quantization == "none"), None)
+        for i, s in enumerate(ranked, 1):
+            mean, std = s.stats[RANK_METRIC]
+            vs = f" ({mean / base.stats[RANK_METRIC][0]:.2f}x vs none)" if base is not None and s is not base else ""
+            parts.append(f"{i}. **{s.quantization}**: {fmt_num(mean)} ± {fmt_num(std)} tok/s{vs}")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def write_reports(
+    cfg: ThroughputBenchConfig, shapes: list[Shape], records: list[RunRecord], argv: list[str] | None = None
+) -> list[Path]:
+    out = prepare_out_dir(cfg.out_dir)
+    md = out / "summary.md"
+    md.write_text(render_markdown(cfg, shapes, records, argv))
+    summaries = summarize_runs(shapes, records, cfg.quantization)
+    js = out / "summary.json"
+    write_json(js, {"config": cfg.model_dump(mode="json"), "shapes": [asdict(s) for s in shapes],
+                    "summaries": [asdict(s) for s in summaries]})  # fmt: skip
+    written = [out / "results.jsonl", md, js]
+    if cfg.plots:
+        from .plots import plot_ranking
+
+        groups = {
+            f"{s.name} ({s.title})": [(v.quantization, *v.stats[RANK_METRIC]) for v in ranking(summaries, s.name)]
+            for s in shapes
+        }
+        written.append(plot_ranking({k: v for k, v in groups.items() if v}, out / "ranking.png"))
+    return written
+
+
+def main(cfg: ThroughputBenchConfig, argv: list[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from ..logs import configure_logging
+
+    configure_logging(level="warning")
+    err = Console(stderr=True)
+    shapes, records = run_throughput_bench(cfg, progress=lambda msg: err.print(msg, markup=False))
+    paths = write_reports(cfg, shapes, records, argv)
+    Console().print(Markdown(render_markdown(cfg, shapes, records, argv)))
+    err.print("wrote " + ", ".join(map(str, paths)), markup=False)
+    return 0 if any(r.status == "ok" for r in records) else 1
+
+
+def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
+    return add_command(
+        subparsers,
+        "throughput",
+        help_text="Named batch shapes x quantization schemes: latency, throughputs, results.jsonl and a ranking.",
+        description=__doc__,
+        config_cls=ThroughputBenchConfig,
+        add_model_flags=add_model_flags,
+        runner=main,
+    )

@@ -1,0 +1,55 @@
+"""The benchmark modules plug into argparse through `register`, and importing them stays cheap."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from glowplug.flags import add_model_flags
+from glowplug.profiling.bench import latency, startup_bench, throughput, tune
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="glowplug")
+    sub = p.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench").add_subparsers(dest="bench_command", required=True)
+    for module in (latency, throughput, startup_bench):
+        module.register(bench, add_model_flags)
+    tune.register(sub.add_parser("tune").add_subparsers(dest="tune_command", required=True), add_model_flags)
+    return p
+
+
+def test_flags_build_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+
+    def fake_main(cfg: object, argv: list[str] | None = None) -> int:
+        seen["cfg"] = cfg
+        return 0
+
+    cases = {
+        ("bench", "latency", "--batch-size", "1", "4", "--quantization", "none", "int8", "--no-plots"): (latency, dict(batch_size=(1, 4), quantization=("none", "int8"), plots=False)),
+        ("bench", "throughput", "m", "--configs", "interactive", "base", "--runs", "2"): (throughput, dict(model="m", configs=("interactive", "base"), runs=2)),
+        ("bench", "startup", "--runs", "2", "--max-model-len", "auto", "--out-dir", "x"): (startup_bench, dict(runs=2, max_model_len="auto", out_dir=Path("x"))),
+        ("tune", "max-model-len", "--max-model-len", "256", "1024", "--min-concurrency", "4", "--plan"): (tune, dict(max_model_len=(256, 1024), min_concurrency=4, plan=True)),
+    }  # fmt: skip
+    for module in (latency, throughput, startup_bench, tune):
+        monkeypatch.setattr(module, "main", fake_main)  # `register` binds `main` when it is called
+    p = _parser()
+    for argv, (module, expected) in cases.items():
+        args = p.parse_args(list(argv))
+        assert args.func(args) == 0
+        assert type(seen["cfg"]).__module__ == module.__name__
+        assert {k: getattr(seen["cfg"], k) for k in expected} == expected
+
+
+def test_importing_the_modules_imports_no_torch() -> None:
+    code = (
+        "import sys; from glowplug.profiling.bench import latency, throughput, startup_bench, tune, plots, stats; "
+        "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -1,0 +1,71 @@
+"""`bench latency` on the tiny model: consistent TGI-style tables, and a batch that does not fit says why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import assert_no_blank_or_nan, markdown_cells
+
+from glowplug.profiling.bench.latency import LatencyBenchConfig, render_markdown, run_latency_bench, write_reports
+
+
+def test_latency_tables(tiny_model: str, tmp_path: Path) -> None:
+    cfg = LatencyBenchConfig(
+        model=tiny_model,
+        batch_size=(1, 2, 8),
+        sequence_length=32,
+        decode_length=6,
+        runs=2,
+        warmups=1,
+        num_gpu_blocks_override=20,  # 8 x ceil((32 + 6 - 1) / 16) = 24 blocks: batch 8 cannot run
+        out_dir=tmp_path / "out",
+    )
+    result = run_latency_bench(cfg)
+    by_batch = {c.batch: c for c in result.cells}
+    assert set(by_batch) == {1, 2, 8}
+    assert by_batch[8].reason == "KV cache: needs 24 blocks, has 20"
+    for batch in (1, 2):
+        cell = by_batch[batch]
+        assert cell.ok, cell.reason
+        assert len(cell.prefill_s) == len(cell.decode_total_s) == cfg.runs
+        assert len(cell.decode_token_s) == cfg.runs * (cfg.decode_length - 1)  # one sample per decode step
+        assert all(v > 0 for v in cell.prefill_tokens_per_s + cell.decode_tokens_per_s)
+        assert cell.prefill_steps == 1  # the default step budget prefills the whole batch in one forward
+        steps = cfg.decode_length - 1
+        for i, total in enumerate(cell.decode_total_s):  # Decode (total) is its run's decode steps, plus loop time
+            assert total >= sum(cell.decode_token_s[i * steps : (i + 1) * steps])
+
+    paths = write_reports(result, ["bench", "latency"])
+    md = (tmp_path / "out" / "latency.md").read_text()
+    assert md.startswith("# Latency benchmark") and "- command: `glowplug bench latency`" in md
+    assert_no_blank_or_nan(md)
+    rows = markdown_cells(md)
+    lat = [r for r in rows if r[0] in ("Prefill", "Decode (token)", "Decode (total)") and len(r) == 8]
+    assert len(lat) == 9
+    for r in lat:
+        if r[1] == "8":
+            assert all(c == "n/a (KV cache: needs 24 blocks, has 20)" for c in r[2:])
+            continue
+        avg, low, high, p50, p90, p99 = (float(c.split()[0].replace(",", "")) for c in r[2:])
+        assert low <= p50 <= p90 <= p99 <= high and low <= avg <= high
+    tput = [r for r in rows if r[0] in ("Prefill", "Decode") and len(r) == 5 and r[1] != "8"]
+    assert len(tput) == 4 and all(float(r[2].split()[0].replace(",", "")) > 0 for r in tput)
+
+    data = json.loads((tmp_path / "out" / "latency.json").read_text())
+    assert data["percentile_method"].startswith("linear interpolation")
+    statuses = {c["batch"]: c["status"] for c in data["cells"]}
+    assert statuses == {1: "ok", 2: "ok", 8: "skipped"}
+    png = tmp_path / "out" / "latency.png"
+    assert png in paths and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_engine_that_cannot_start_explains_every_cell(tiny_model: str, tmp_path: Path) -> None:
+    # 300 + 8 tokens exceed the tiny model's 256 positions: the engine refuses to start, every cell says so.
+    cfg = LatencyBenchConfig(model=tiny_model, batch_size=(1, 2), sequence_length=300, decode_length=8, runs=1,
+                             out_dir=tmp_path, plots=False)  # fmt: skip
+    result = run_latency_bench(cfg)
+    assert all(not c.ok and "exceeds the model's limit of 256" in (c.reason or "") for c in result.cells)
+    md = render_markdown(result, ["bench", "latency"])
+    assert_no_blank_or_nan(md)
+    assert "n/a (start-up failed in kv_cache_profiling" in md
