@@ -31,6 +31,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [T] int64: cache slot for each new token
     decode_block_tables: torch.Tensor | None = None  # [B, W] int64, padded with the scratch block
     decode_ctx_lens: torch.Tensor | None = None  # [B] int64
+    # Derived once per step and shared by every layer (set lazily by the eager path).
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, W * block_size] bool
 
     @classmethod
     def causal(cls, lengths: list[int]) -> AttentionMetadata:
@@ -78,15 +80,20 @@ def _prefill(
         out[rows] = o.squeeze(0).transpose(0, 1)
 
 
-def _decode(
-    q: torch.Tensor, out: torch.Tensor, tables: torch.Tensor, ctx_lens: torch.Tensor, cache: KVCache, layer: int, scale: float
-) -> None:
+def _decode_mask(tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    L = tables.shape[1] * block_size
+    return (torch.arange(L, device=ctx_lens.device)[None, :] < ctx_lens[:, None])[:, None, None, :]
+
+
+def _decode(q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, cache: KVCache, layer: int, scale: float) -> None:
+    tables, ctx_lens = meta.decode_block_tables, meta.decode_ctx_lens
+    assert tables is not None and ctx_lens is not None
     p = q.shape[0] - tables.shape[0]
     qd = q[p:].unsqueeze(2)  # [B, H, 1, D]
     kd, vd = cache.gather_batch(layer, tables, q.dtype)  # [B, L, Hkv, D]
-    L = kd.shape[1]
-    mask = (torch.arange(L, device=q.device)[None, :] < ctx_lens[:, None])[:, None, None, :]
-    o = _sdpa(qd, kd.transpose(1, 2), vd.transpose(1, 2), scale, attn_mask=mask)
+    if meta.decode_mask is None:
+        meta.decode_mask = _decode_mask(tables, ctx_lens, cache.block_size)
+    o = _sdpa(qd, kd.transpose(1, 2), vd.transpose(1, 2), scale, attn_mask=meta.decode_mask)
     out[p:] = o.squeeze(2)
 
 
@@ -97,8 +104,8 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: At
     out = torch.empty_like(q)
     _prefill(q, k, v, out, meta.prefill_info.tolist(), meta.prefill_block_tables, cache, layer, scale)
     if meta.decode_ctx_lens is not None and meta.decode_ctx_lens.numel():
-        assert cache is not None and meta.decode_block_tables is not None
-        _decode(q, out, meta.decode_block_tables, meta.decode_ctx_lens, cache, layer, scale)
+        assert cache is not None
+        _decode(q, out, meta, cache, layer, scale)
     return out
 
 
@@ -141,7 +148,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D], k/v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
     cache = meta.kv_cache
-    if cache is None or meta.slot_mapping is None:
+    if cache is None or meta.slot_mapping is None or not torch.compiler.is_compiling():
+        # Eager: call the implementation directly; the custom op's dispatch costs ~50 us a layer and only
+        # matters to the compiler, which must see the cache write as one opaque, mutating call.
         return _run(q, k, v, layer, meta, scale)
     dtables = meta.decode_block_tables
     dlens = meta.decode_ctx_lens

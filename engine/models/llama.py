@@ -68,10 +68,13 @@ class RotaryEmbedding(nn.Module):
         self.cos = emb.cos()
         self.sin = emb.sin()
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for `positions`, shaped to broadcast over heads; looked up once per forward."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, heads, D]; the rotate-half convention of HF checkpoints.
-        cos = self.cos[positions].to(x.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(x.dtype).unsqueeze(1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
@@ -94,16 +97,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
         self.scale = d**-0.5
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions), rope(k, positions)
+        q, k = RotaryEmbedding.apply(q, *rope), RotaryEmbedding.apply(k, *rope)
         o = paged_attention(q, k, v, self.layer, meta, self.scale)
         return self.o_proj(o.reshape(T, -1))
 
@@ -128,10 +129,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -145,8 +144,9 @@ class Backbone(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary_emb.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
 

@@ -68,7 +68,10 @@ def run_accuracy_report(cfg: object, argv: list[str] | None) -> str:
             report_header("Quantization accuracy against bf16", argv),
             f"Model `{cfg.model}`. Text: the project's own evaluation text plus greedy bf16 continuations of its "
             f"own prompts ({rows[0].tokens} scored tokens, windows of {cfg.window}). Perplexity of each scheme, "
-            "mean KL(bf16 || scheme) of the next-token distributions, and top-1 agreement with bf16.",
+            "mean KL(bf16 || scheme) of the next-token distributions, and top-1 agreement with bf16. Group sizes: "
+            f"{cfg.group_size or 'each scheme default'}; int4's default on a model converted from a Q4_0/Q4_1 GGUF is "
+            "the source's 32-weight block (exact on its grid); group-wise formats on K=576 layers use the largest "
+            "allowed group that divides K.",
             "",
             render_markdown(rows),
         ]

@@ -1,0 +1,71 @@
+"""The `glowplug` command as a user runs it: the README's main job, and flag validation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "glowplug.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_readme_main_job_continues_with_paris(smollm2_dir) -> None:
+    proc = _run("generate", "The capital of France is", "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("The capital of France is Paris")
+    assert "finish_reason=" in proc.stdout
+
+
+@pytest.mark.slow
+def test_chat_and_several_prompts(smollm2_dir) -> None:
+    proc = _run("generate", "--chat", "What is the capital of France?", "--max-tokens", "12")
+    assert proc.returncode == 0 and "Paris" in proc.stdout
+    proc = _run("generate", "One", "Two", "--max-tokens", "4", "--n", "2", "--temperature", "0.8")
+    assert proc.returncode == 0
+    assert proc.stdout.count("completion 0") == 2 and proc.stdout.count("completion 1") == 2
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--temperature", "-1"], "--temperature: Input should be greater than or equal to 0"),
+        (["--max-model-len", "abc"], "--max-model-len: Input should be a valid integer"),
+        (["--block-size", "12"], "--block-size: Value error, block_size must be a power of two"),
+        (["--quantization", "int3"], "--quantization: Input should be 'none', 'int8', 'int4', 'int2' or 'w8a8'"),
+        (["--top-p", "0"], "--top-p: Input should be greater than 0"),
+    ],
+)
+def test_bad_flags_name_the_flag_and_exit_2(flags: list[str], message: str) -> None:
+    proc = _run("generate", "hi", *flags, timeout=60)
+    assert proc.returncode == 2
+    assert message in proc.stderr, proc.stderr
+
+
+def test_config_file_is_validated_by_the_same_schema(tmp_path) -> None:
+    cfg = tmp_path / "engine.toml"
+    cfg.write_text('max_num_seqs = 0\n')
+    proc = _run("generate", "hi", "--config", str(cfg), timeout=60)
+    assert proc.returncode == 2 and "--max-num-seqs: Input should be greater than or equal to 1" in proc.stderr
+    bad = tmp_path / "engine.yaml"
+    bad.write_text("x: 1")
+    proc = _run("generate", "hi", "--config", str(bad), timeout=60)
+    assert proc.returncode == 2 and "use a .json or .toml file" in proc.stderr
+
+
+def test_report_flag_rejects_unknown_suffix(tmp_path) -> None:
+    proc = _run("startup", "--report-out", str(tmp_path / "table.xlsx"), timeout=60)
+    assert proc.returncode == 2 and "use a file ending in .md or .csv or .json" in proc.stderr
+
+
+def test_kernels_package_is_not_shadowed(tmp_path) -> None:
+    """Installed, our code lives under `glowplug.`: a bare `import kernels` must not find it."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import glowplug.kernels, importlib.util as u; print(u.find_spec('kernels'))"],
+        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""},
+    )  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "None"
