@@ -243,6 +243,15 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_flags(p, cls, exclude={"model"})
         p.set_defaults(func=_report_command(cls, run))
 
+    from glowplug.profiling.bench import latency, startup_bench, throughput, tune
+
+    for module in (latency, throughput, startup_bench):
+        module.register(bsub, add_model_flags)
+    tsub = sub.add_parser("tune", help="Tune start-up settings (max-model-len sweeps).").add_subparsers(
+        dest="tune_command", required=True, metavar="TUNE"
+    )
+    tune.register(tsub, add_model_flags)
+
     models = sub.add_parser("models", help="Manage model files.")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     prep = msub.add_parser("prepare", help="Convert the embedded default model into the cache (done on first use).")

@@ -32,7 +32,9 @@ class BenchEngineFields(BaseModel):
     dtype: DType = "auto"
     compile: CompileMode = "auto"
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block.")
-    kv_cache_memory: int | None = Field(None, ge=1, description="KV-cache budget in bytes; unset = the engine's own sizing.")
+    kv_cache_memory: int | None = Field(
+        None, ge=1, description="KV-cache budget in bytes; unset = the engine's own sizing."
+    )
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="Force the number of KV blocks.")
     max_num_batched_tokens: int | None = Field(
         None, ge=16, description="Token budget of one engine step; unset = the benchmark's choice (see its doc)."

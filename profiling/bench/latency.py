@@ -146,7 +146,8 @@ def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None)
             continue
         result.kv_blocks[quant] = llm.engine.block_manager.num_blocks
         for batch in cfg.batch_size:
-            cell = LatencyCell(quant, batch, reason=why_cannot_run(llm.engine, batch, cfg.sequence_length, cfg.decode_length))
+            why_not = why_cannot_run(llm.engine, batch, cfg.sequence_length, cfg.decode_length)
+            cell = LatencyCell(quant, batch, reason=why_not)
             result.cells.append(cell)
             if not cell.ok:
                 say(f"[{quant}] batch {batch}: skipped ({cell.reason})")
@@ -193,9 +194,8 @@ def render_tables(result: LatencyResult, quant: str) -> str:
         for c in cells:
             tput_rows.append([label, c.batch, *_stat_cells(cell_summary(c, attr), stats[:3], "tokens/s", c.reason)])
     head = ["Step", "Batch Size", "Average", "Lowest", "Highest", "p50", "p90", "p99"]
-    return "\n\n".join(
-        [markdown_table(head, lat_rows, ["l"] * 2 + ["r"] * 6), markdown_table(head[:5], tput_rows, ["l"] * 2 + ["r"] * 3)]
-    )
+    latency_table = markdown_table(head, lat_rows, ["l"] * 2 + ["r"] * 6)
+    return latency_table + "\n\n" + markdown_table(head[:5], tput_rows, ["l"] * 2 + ["r"] * 3)
 
 
 def _arguments(result: LatencyResult) -> str:
@@ -288,7 +288,6 @@ def plot_latency(result: LatencyResult, path: Path) -> Path:
 
 def main(cfg: LatencyBenchConfig, argv: list[str] | None = None) -> int:
     from rich.console import Console
-    from rich.markdown import Markdown
 
     from ..logs import configure_logging
 
@@ -296,7 +295,7 @@ def main(cfg: LatencyBenchConfig, argv: list[str] | None = None) -> int:
     err = Console(stderr=True)
     result = run_latency_bench(cfg, progress=lambda msg: err.print(msg, markup=False))
     paths = write_reports(result, argv)
-    Console().print(Markdown(render_markdown(result, argv)))
+    print(render_markdown(result, argv))  # plain Markdown: a terminal-fitted table would truncate numbers
     err.print("wrote " + ", ".join(map(str, paths)), markup=False)
     return 0 if any(c.ok for c in result.cells) else 1
 

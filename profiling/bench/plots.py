@@ -49,7 +49,8 @@ def plot_latency_vs_batch(
             means = [s.mean for _, s in points]
             lows = [s.mean - s.min for _, s in points]
             highs = [s.max - s.mean for _, s in points]
-            ax.errorbar(xs, means, yerr=[lows, highs], marker="o", capsize=3, label=label, color=COLORS[j % len(COLORS)])
+            color = COLORS[j % len(COLORS)]
+            ax.errorbar(xs, means, yerr=[lows, highs], marker="o", capsize=3, label=label, color=color)
         ax.set_xscale("log", base=2)
         batches = sorted({b for points in series.values() for b, _ in points})
         if batches:
@@ -105,7 +106,8 @@ def plot_phase_stack(
             continue
         ax.bar(xs, heights, bottom=bottoms, label=phase, color=COLORS[j % len(COLORS)], width=0.7)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.set_xticks(xs, list(columns), rotation=30 if len(columns) > 6 else 0, ha="right" if len(columns) > 6 else "center")
+    crowded = len(columns) > 6
+    ax.set_xticks(xs, list(columns), rotation=30 if crowded else 0, ha="right" if crowded else "center")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("seconds")
     ax.set_title(title)

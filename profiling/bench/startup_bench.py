@@ -33,7 +33,9 @@ Progress = Callable[[str], None]
 
 class StartupBenchConfig(BenchEngineFields):
     quantization: Quantization = "none"
-    max_model_len: int | Literal["auto"] | None = Field(None, description="Passed to every start; unset = the engine's default.")
+    max_model_len: int | Literal["auto"] | None = Field(
+        None, description="Passed to every start; unset = the engine's default."
+    )
     max_num_seqs: int | None = Field(None, ge=1)
     runs: int = Field(3, ge=1, description="Cold starts, and as many warm starts.")
     timeout_s: float = Field(900.0, gt=0, description="Per start-up.")
@@ -110,7 +112,9 @@ class PhaseStat:
 
     @property
     def why(self) -> str:
-        return "; ".join(self.reasons) if self.reasons else ("no successful start" if not self.ok_runs else "no samples")
+        if self.reasons:
+            return "; ".join(self.reasons)
+        return "no samples" if self.ok_runs else "no successful start"
 
     @property
     def note(self) -> str | None:
@@ -169,7 +173,8 @@ def _runs_table(result: StartupBenchResult) -> str:
     for mode in MODES:
         for run in result.runs[mode]:
             if not run.ok:
-                rows.append([run.label, Missing(short(run.error or "failed")), Missing("failed"), Missing("failed"), "--"])
+                failed = Missing("start failed")
+                rows.append([run.label, Missing(short(run.error or "failed")), failed, failed, failed])
                 continue
             p = run.phases
             hits = run.cache_hits()
@@ -212,7 +217,8 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
     for row in rows_with_cache:
         hit_rows.append([row, *(f"{h} of {n}" if (h, n) != (0, 0) else Missing("no run")
                                 for h, n in (counts[m].get(row, (0, 0)) for m in MODES))])  # fmt: skip
-    parts += [markdown_table(["Phase", "cold: hits", "warm: hits"], hit_rows) if hit_rows else "No phase reports a cache.", ""]
+    hits_table = markdown_table(["Phase", "cold: hits", "warm: hits"], hit_rows) if hit_rows else "No phase caches."
+    parts += [hits_table, ""]
     parts += ["## Runs", "", _runs_table(result), ""]
     failed = [r for m in MODES for r in result.runs[m] if not r.ok]
     if failed:
@@ -231,7 +237,9 @@ def result_dict(result: StartupBenchResult) -> dict[str, Any]:
         "config": result.config.model_dump(mode="json"),
         "percentile_method": PERCENTILE_METHOD,
         "summary": summary,
-        "cache_hits": {m: {k: {"hits": h, "runs": n} for k, (h, n) in cache_hit_counts(result.runs[m]).items()} for m in MODES},
+        "cache_hits": {
+            m: {k: {"hits": h, "runs": n} for k, (h, n) in cache_hit_counts(result.runs[m]).items()} for m in MODES
+        },
         "runs": [
             {"mode": m, "label": r.label, "ok": r.ok, "returncode": r.returncode, "wall_s": r.wall_s, "error": r.error,
              "phases": r.phases, "reasons": r.reasons, "cache_hits": r.cache_hits()}
@@ -260,19 +268,19 @@ def write_reports(result: StartupBenchResult, argv: list[str] | None = None) -> 
         from .plots import plot_phase_stack
 
         stacks = {row: [r.phases.get(row) for r in ok] for row in leaf_rows(ok)}
-        written.append(plot_phase_stack([r.label for r in ok], stacks, out / "startup_phases.png",
-                                        title="Start-up phases per run (stacked = time to READY)", xlabel="run"))  # fmt: skip
+        title = "Start-up phases per run (stacked = time to READY)"
+        written.append(plot_phase_stack([r.label for r in ok], stacks, out / "startup_phases.png", title=title,
+                                        xlabel="run"))  # fmt: skip
     return written
 
 
 def main(cfg: StartupBenchConfig, argv: list[str] | None = None) -> int:
     from rich.console import Console
-    from rich.markdown import Markdown
 
     err = Console(stderr=True)
     result = run_startup_bench(cfg, progress=lambda msg: err.print(msg, markup=False))
     paths = write_reports(result, argv)
-    Console().print(Markdown(render_markdown(result, argv)))
+    print(render_markdown(result, argv))  # plain Markdown: a terminal-fitted table would truncate numbers
     err.print("wrote " + ", ".join(map(str, paths)), markup=False)
     return 0 if all(r.ok for m in MODES for r in result.runs[m]) else 1
 

@@ -109,7 +109,8 @@ def resolve_shapes(names: tuple[str, ...], limit: int) -> list[Shape]:
             continue
         clipped = limit - out
         if clipped < 1:
-            shapes.append(Shape(name, batch, inp, out, impossible=f"{out} output tokens exceed the model's {limit} positions"))
+            why = f"{out} output tokens exceed the model's {limit} positions"
+            shapes.append(Shape(name, batch, inp, out, impossible=why))
             continue
         note = f"input clipped from {inp} to {clipped} tokens: the model allows {limit} positions"
         shapes.append(Shape(name, batch, clipped, out, note=note))
@@ -151,7 +152,15 @@ def _record(quant: str, shape: Shape, i: int, t: Any) -> RunRecord:
 
 def _skipped(quant: str, shape: Shape, reason: str) -> RunRecord:
     return RunRecord(
-        f"{quant}_{shape.name}", "skipped", shape.name, quant, None, shape.batch, shape.input_len, shape.output_len, reason
+        run_id=f"{quant}_{shape.name}",
+        status="skipped",
+        config=shape.name,
+        quantization=quant,
+        run=None,
+        batch_size=shape.batch,
+        input_len=shape.input_len,
+        output_len=shape.output_len,
+        reason=reason,
     )
 
 
@@ -171,7 +180,9 @@ class ResultsFile:
             f.write(json.dumps(asdict(record)) + "\n")
 
 
-def run_throughput_bench(cfg: ThroughputBenchConfig, progress: Progress | None = None) -> tuple[list[Shape], list[RunRecord]]:
+def run_throughput_bench(
+    cfg: ThroughputBenchConfig, progress: Progress | None = None
+) -> tuple[list[Shape], list[RunRecord]]:
     import gc
 
     from ...engine.sampling_params import SamplingParams
@@ -254,7 +265,9 @@ def _pm(stat: tuple[float, float], digits: int) -> str:
     return f"{fmt_num(stat[0], digits)} ± {fmt_num(stat[1], digits)}"
 
 
-def render_markdown(cfg: ThroughputBenchConfig, shapes: list[Shape], records: list[RunRecord], argv: list[str] | None) -> str:
+def render_markdown(
+    cfg: ThroughputBenchConfig, shapes: list[Shape], records: list[RunRecord], argv: list[str] | None
+) -> str:
     from .machine import report_header
 
     summaries = summarize_runs(shapes, records, cfg.quantization)
@@ -273,17 +286,20 @@ def render_markdown(cfg: ThroughputBenchConfig, shapes: list[Shape], records: li
             if not s.stats:
                 rows.append([f"`{s.quantization}`", 0, *[Missing(s.reason or "not run")] * len(METRICS)])
                 continue
-            rows.append([f"`{s.quantization}`", s.runs, *(_pm(s.stats[m], 3 if m == "latency_s" else 2) for m, _ in METRICS)])
+            stats = [_pm(s.stats[m], 3 if m == "latency_s" else 2) for m, _ in METRICS]
+            rows.append([f"`{s.quantization}`", s.runs, *stats])
         parts += [markdown_table(["Scheme", "Runs", *(h for _, h in METRICS)], rows), ""]
         runs = [r for r in records if r.config == shape.name and r.status == "ok"]
         if runs:
-            detail = [
+            detail: list[list[Cell]] = [
                 [f"`{r.run_id}`", fmt_num(r.latency_s or 0, 3), fmt_num(r.prefill_s or 0, 3),
-                 fmt_num(r.output_throughput or 0), fmt_num(r.overall_throughput or 0), fmt_num(r.input_throughput or 0)]
+                 fmt_num(r.output_throughput or 0), fmt_num(r.overall_throughput or 0),
+                 fmt_num(r.input_throughput or 0)]
                 for r in runs
             ]  # fmt: skip
             head = ["Run", "Latency (s)", "Prefill (s)", "Output (tok/s)", "Overall (tok/s)", "Input (tok/s)"]
-            parts += ["<details><summary>Individual runs</summary>", "", markdown_table(head, detail), "", "</details>", ""]
+            table = markdown_table(head, detail)
+            parts += ["<details><summary>Individual runs</summary>", "", table, "", "</details>", ""]
     parts += ["## Ranking by output throughput", ""]
     for shape in shapes:
         ranked = ranking(summaries, shape.name)
@@ -324,7 +340,6 @@ def write_reports(
 
 def main(cfg: ThroughputBenchConfig, argv: list[str] | None = None) -> int:
     from rich.console import Console
-    from rich.markdown import Markdown
 
     from ..logs import configure_logging
 
@@ -332,7 +347,7 @@ def main(cfg: ThroughputBenchConfig, argv: list[str] | None = None) -> int:
     err = Console(stderr=True)
     shapes, records = run_throughput_bench(cfg, progress=lambda msg: err.print(msg, markup=False))
     paths = write_reports(cfg, shapes, records, argv)
-    Console().print(Markdown(render_markdown(cfg, shapes, records, argv)))
+    print(render_markdown(cfg, shapes, records, argv))  # plain Markdown: a terminal-fitted table would truncate numbers
     err.print("wrote " + ", ".join(map(str, paths)), markup=False)
     return 0 if any(r.status == "ok" for r in records) else 1
 

@@ -290,7 +290,8 @@ def render_markdown(result: TuneResult, argv: list[str] | None = None) -> str:
             "`plan_kv_cache` (engine/kv_sizing.py) per length"
         )
         if result.budget_bytes is not None:
-            how += f" with the measured budget of {result.budget_bytes:,} bytes and {result.bytes_per_token:,} bytes/token"
+            how += f" with the measured budget of {result.budget_bytes:,} bytes"
+            how += f" and {result.bytes_per_token:,} bytes/token"
         how += (
             f" (blocks = budget // (bytes/token x {cfg.block_size})). Phases: copied from that start, since no stage's "
             f"work depends on max-model-len. The model allows {result.limit} positions."
@@ -305,7 +306,8 @@ def render_markdown(result: TuneResult, argv: list[str] | None = None) -> str:
     if failed:
         parts += ["Lengths that cannot start:", ""] + [f"- {c.length}: {c.error}" for c in failed] + [""]
     parts += [
-        "max concurrency = KV blocks / ceil(max-model-len / block size): full-length sequences the cache holds at once.",
+        "max concurrency = KV blocks / ceil(max-model-len / block size): full-length sequences the cache holds "
+        "at once.",
         "",
     ]
     rec = recommend(result)
@@ -354,12 +356,11 @@ def write_reports(result: TuneResult, argv: list[str] | None = None) -> list[Pat
 
 def main(cfg: TuneMaxModelLenConfig, argv: list[str] | None = None) -> int:
     from rich.console import Console
-    from rich.markdown import Markdown
 
     err = Console(stderr=True)
     result = run_tune(cfg, progress=lambda msg: err.print(msg, markup=False))
     paths = write_reports(result, argv)
-    Console().print(Markdown(render_markdown(result, argv)))
+    print(render_markdown(result, argv))  # plain Markdown: a terminal-fitted table would truncate numbers
     rec = recommend(result)
     if rec is not None and rec.flags:
         print(" ".join(rec.flags))  # last line: the flags alone, for scripts

@@ -28,22 +28,38 @@ def test_flags_build_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def fake_main(cfg: object, argv: list[str] | None = None) -> int:
         seen["cfg"] = cfg
+        seen["argv"] = argv
         return 0
 
     cases = {
-        ("bench", "latency", "--batch-size", "1", "4", "--quantization", "none", "int8", "--no-plots"): (latency, dict(batch_size=(1, 4), quantization=("none", "int8"), plots=False)),
-        ("bench", "throughput", "m", "--configs", "interactive", "base", "--runs", "2"): (throughput, dict(model="m", configs=("interactive", "base"), runs=2)),
-        ("bench", "startup", "--runs", "2", "--max-model-len", "auto", "--out-dir", "x"): (startup_bench, dict(runs=2, max_model_len="auto", out_dir=Path("x"))),
-        ("tune", "max-model-len", "--max-model-len", "256", "1024", "--min-concurrency", "4", "--plan"): (tune, dict(max_model_len=(256, 1024), min_concurrency=4, plan=True)),
+        ("bench", "latency", "--batch-size", "1", "4", "--quantization", "none", "int8", "--no-plots"):
+            (latency, dict(batch_size=(1, 4), quantization=("none", "int8"), plots=False)),
+        ("bench", "throughput", "m", "--configs", "interactive", "base", "--runs", "2"):
+            (throughput, dict(model="m", configs=("interactive", "base"), runs=2)),
+        ("bench", "startup", "--runs", "2", "--max-model-len", "auto", "--out-dir", "x"):
+            (startup_bench, dict(runs=2, max_model_len="auto", out_dir=Path("x"))),
+        ("tune", "max-model-len", "--max-model-len", "256", "1024", "--min-concurrency", "4", "--plan"):
+            (tune, dict(max_model_len=(256, 1024), min_concurrency=4, plan=True)),
     }  # fmt: skip
     for module in (latency, throughput, startup_bench, tune):
         monkeypatch.setattr(module, "main", fake_main)  # `register` binds `main` when it is called
     p = _parser()
     for argv, (module, expected) in cases.items():
         args = p.parse_args(list(argv))
+        args.argv = list(argv)  # glowplug.cli.main sets this for every command
         assert args.func(args) == 0
         assert type(seen["cfg"]).__module__ == module.__name__
         assert {k: getattr(seen["cfg"], k) for k in expected} == expected
+        assert seen["argv"] == list(argv)
+
+
+def test_bad_values_are_refused_by_the_schema() -> None:
+    with pytest.raises(ValueError, match="lists a value twice"):
+        latency.LatencyBenchConfig(batch_size=(1, 1))
+    with pytest.raises(ValueError):
+        throughput.ThroughputBenchConfig(configs=("no_such_config",))  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        latency.LatencyBenchConfig(decode_length=1)  # no decode step to time
 
 
 def test_importing_the_modules_imports_no_torch() -> None:
