@@ -94,6 +94,8 @@ def cmd_startup(args: argparse.Namespace) -> int:
 
     configure_logging(level=args.log_level)
     config = engine_config(args)
+    from transformers import AutoTokenizer  # noqa: F401  (its import belongs to the imports row, not to a stage)
+
     from glowplug.engine.startup import StartupFailed, build_engine
     from glowplug.profiling import export, phases
     from glowplug.profiling.names import STARTUP_SPAN
