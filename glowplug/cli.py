@@ -64,7 +64,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from glowplug.engine.llm import LLM
+    from glowplug.profiling.logs import configure_logging
 
+    # Start-up stage logs would interleave with the generated text; warnings and errors still show.
+    configure_logging(level="warning")
     config = engine_config(args)
     params = sampling_params(args, GENERATE_DEFAULTS)
     llm = LLM(config=config)
