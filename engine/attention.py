@@ -89,12 +89,14 @@ def _decode(q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, cache: 
     tables, ctx_lens = meta.decode_block_tables, meta.decode_ctx_lens
     assert tables is not None and ctx_lens is not None
     p = q.shape[0] - tables.shape[0]
-    qd = q[p:].unsqueeze(2)  # [B, H, 1, D]
-    kd, vd = cache.gather_batch(layer, tables, q.dtype)  # [B, L, Hkv, D]
+    # Decode attention runs in fp32: the CPU's masked SDPA is ~6x slower in bf16 than in fp32 at these shapes
+    # (409 vs 67 us for 16 sequences here), and the extra precision is free.
+    qd = q[p:].unsqueeze(2).float()  # [B, H, 1, D]
+    kd, vd = cache.gather_batch(layer, tables, torch.float32)  # [B, L, Hkv, D]
     if meta.decode_mask is None:
         meta.decode_mask = _decode_mask(tables, ctx_lens, cache.block_size)
-    o = _sdpa(qd, kd.transpose(1, 2), vd.transpose(1, 2), scale, attn_mask=meta.decode_mask)
-    out[p:] = o.squeeze(2)
+    o = _sdpa(qd, kd.float().transpose(1, 2), vd.float().transpose(1, 2), scale, attn_mask=meta.decode_mask)
+    out[p:] = o.squeeze(2).to(out.dtype)
 
 
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
