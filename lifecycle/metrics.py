@@ -48,6 +48,12 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.engine_step = Histogram(
+            "glowplug_engine_step_duration_seconds",
+            "Wall time of one engine step (schedule, forward, sample, detokenize) on the engine loop thread.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge(
             "glowplug_num_requests_running", "Requests with sequences in the engine batch.", registry=r
         )
