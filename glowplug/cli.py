@@ -129,9 +129,9 @@ def cmd_startup(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from glowplug.lifecycle.config import serve_config_from_args
-    from glowplug.lifecycle.server import serve
+    from glowplug.lifecycle.server import exit_process, serve
 
-    return serve(engine_config(args), serve_config_from_args(args), marks=args.marks)
+    exit_process(serve(engine_config(args), serve_config_from_args(args), marks=args.marks))
 
 
 def _bench_config(model_cls: Any, args: argparse.Namespace) -> Any:
