@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from glowplug.profiling.names import DRAIN_SPAN, DrainAttr
 
@@ -17,16 +18,25 @@ from otlp_receiver import OtlpHttpReceiver
 from test_signals import StreamReader
 
 STREAMS = 32
-DRAIN_S = 3.0
-SHORT_TOKENS = 16  # finishes within the drain timeout on any machine that runs the tests at all
-LONG_TOKENS = 900  # cannot: 900 steps of a batch of 16+ take far longer than 3 s
+DRAIN_S = 4.0
+SHORT_TOKENS = 4  # finishes within the drain timeout on any machine that runs the tests at all (3 more steps)
+LONG_TOKENS = 8000  # cannot, on any machine: 8000 steps of a batch of 16+ in 4 s would be 0.5 ms a step
+LONG_CONTEXT = 8192
 
 
-def test_sigterm_with_32_streams_in_flight(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from glowplug.engine.models.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-long"), "llama", max_position_embeddings=LONG_CONTEXT)
+
+
+def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> None:
     with OtlpHttpReceiver() as rx:
         env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": rx.traces_endpoint}
-        args = ["--drain-timeout", str(DRAIN_S), "--max-num-seqs", "64"]
-        srv = ProcessServer(tiny_model, tmp_path / "server.log", env=env, args=args)
+        # KV room for every stream's progress during the drain: no preemption slows the short ones down.
+        args = ["--drain-timeout", str(DRAIN_S), "--max-num-seqs", "64", "--num-gpu-blocks-override", "8192"]
+        srv = ProcessServer(long_model, tmp_path / "server.log", env=env, args=args)
         try:
             wait_ready(srv.base_url, timeout=90)
             readers = []

@@ -2,7 +2,7 @@
 
 1. capacity: request throughput at a closed loop of max-num-seqs clients (skipped with --sustainable-rate)
 2. sustainable rate = --sustainable-load x capacity; Poisson arrivals at that rate give the baseline TTFT p99
-3. a server whose admission limit (--max-queue-wait) is that baseline p99 (or the value given), warmed up so that it
+3. a server whose admission limit (--max-queue-wait) is half that baseline p99 (or the value given), warmed up so it
    knows its finish rate, then Poisson arrivals at --overload-factor x the sustainable rate for as long as the
    baseline ran
 Pass: the overloaded server answered some requests 429, every 429 carried Retry-After, nothing else failed, and the
@@ -99,7 +99,8 @@ def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Ca
             overload, raw = _overload_phase(cfg, base_url, tokenizer, model, sustainable, say)
     if cfg.base_url is None:
         ttft = baseline.spread("ttft_p99")
-        limit = cfg.max_queue_wait if cfg.max_queue_wait is not None else (ttft.median / 1e3 if ttft else None)
+        # Half the baseline p99: the other half is left for the prefill and the error of the wait estimate.
+        limit = cfg.max_queue_wait if cfg.max_queue_wait is not None else (ttft.median / 2e3 if ttft else None)
         overrides = {"max_queue_wait": limit} if limit is not None else {}
         say(f"overload: restarting the server with --max-queue-wait {limit}")
         with server_for(cfg, **overrides) as (base_url, _pid):
