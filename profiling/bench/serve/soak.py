@@ -307,8 +307,13 @@ def soak_mode(
 
     out = prepare_out_dir(cfg.out_dir)
     with server_for(cfg) as (base_url, _pid):
+        # Room for the longest prompt of the mix (a chat template around 40 words: under 160 tokens).
+        room = _max_model_len(base_url) - 160
+        if room < 32:
+            raise ValueError(f"the soak needs a max-model-len of at least 192 (the server has {room + 160})")
         plan = SoakPlan(
             streams=cfg.soak_streams, duration_s=cfg.soak_duration, hangup_fraction=cfg.hangup_fraction,
+            max_tokens=(16, min(64, room)), hangup_max_tokens=min(512, room),
             model=cfg.served_model_name or served_model(base_url), request_timeout=cfg.request_timeout,
         )  # fmt: skip
         result = run_soak(base_url, plan, say)
@@ -319,6 +324,11 @@ def soak_mode(
                                    "metrics": point.as_dict()})  # fmt: skip
     print(text)
     return result.passed, [out / "soak.md", out / "soak.json"]
+
+
+def _max_model_len(base_url: str) -> int:
+    card = httpx.get(base_url + "/v1/models", timeout=10.0, trust_env=False).json()["data"][0]
+    return int(card.get("max_model_len") or 2048)
 
 
 def latency_table_all(point: Any, latency_table: Callable[[Any, str], str]) -> str:
