@@ -26,6 +26,7 @@ from opentelemetry import trace
 from .errors import ApiError
 from .observe import AccessLogMiddleware
 from .openai_api import make_router
+from .openapi import install_openapi
 from .service import Service
 from .state import EngineState, StateSnapshot
 
@@ -118,4 +119,5 @@ def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastA
         return Response(body, media_type=content_type)
 
     app.include_router(make_router(service, tracer or trace.get_tracer("glowplug")))
+    install_openapi(app, service.model_name)
     return app

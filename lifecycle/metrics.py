@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .state import EngineState
@@ -48,6 +48,12 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.engine_step = Histogram(
+            "glowplug_engine_step_duration_seconds",
+            "Wall time of one engine step (schedule, forward, sample, detokenize) on the engine loop thread.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge(
             "glowplug_num_requests_running", "Requests with sequences in the engine batch.", registry=r
         )
@@ -59,6 +65,14 @@ class ServiceMetrics:
         self.kv_total_blocks = Gauge("glowplug_kv_cache_total_blocks", "KV-cache blocks in all.", registry=r)
         self.prompt_tokens = Counter("glowplug_prompt_tokens", "Prompt tokens admitted to the engine.", registry=r)
         self.generation_tokens = Counter("glowplug_generation_tokens", "Tokens generated.", registry=r)
+        self.aborted_generation_tokens = Counter(
+            "glowplug_aborted_generation_tokens",
+            "Tokens generated for requests that were then aborted (client gone, drain): work nobody received.",
+            registry=r,
+        )
+        # process_resident_memory_bytes, CPU seconds, open fds: what a soak watches for leaks (Linux only;
+        # elsewhere the collector exports nothing).
+        ProcessCollector(registry=r)
         self.finished = Counter(
             "glowplug_request_finished",
             "Requests finished, by finish reason (stop, length, abort, error).",
