@@ -5,8 +5,9 @@ Events (the SSE `event:` field; `data:` is one JSON object):
                history is the recent `metrics` ticks (oldest first) so charts open with the last minutes
   phase_start  {stage, start_s}                                   a stage span started
   phase_end    {stage, row, start_s, end_s, seconds, outcome, note}  a stage span ended; outcome ran|skipped|failed
-  state        {state, reason, failed_stage, cause, elapsed_s, eta_s, trace_id, phase_table_rows}
-               the life-cycle state changed (phase_table_rows once READY, failed_stage/cause when FAILED)
+  state        {state, reason, failed_stage, cause, elapsed_s, eta_s, end_s, trace_id, phase_table_rows}
+               the life-cycle state changed (phase_table_rows once READY, failed_stage/cause when FAILED; end_s:
+               where the start-up span ended, once it has)
   metrics      about once a second: {t_unix, state, phase, phase_elapsed_s, elapsed_s, now_s, eta_s, running,
                waiting, kv_usage, kv_used_blocks, kv_total_blocks, tokens_per_s, prompt_tokens_per_s,
                ttft: {p50, p90, p99, n}, tpot: {...}, window_s}
@@ -154,6 +155,7 @@ class StartupEvents:
             "cause": None,
             "elapsed_s": snap.startup_elapsed_s,
             "eta_s": service.eta_s(snap),
+            "end_s": service.timeline.snapshot()["end_s"],
             "trace_id": None,
             "phase_table_rows": None,
         }
