@@ -8,7 +8,8 @@ Events (the SSE `event:` field; `data:` is one JSON object):
   state        {state, reason, failed_stage, cause, elapsed_s, eta_s, end_s, trace_id, phase_table_rows}
                the life-cycle state changed (phase_table_rows once READY, failed_stage/cause when FAILED; end_s:
                where the start-up span ended, once it has)
-  metrics      about once a second: {t_unix, state, phase, phase_elapsed_s, elapsed_s, now_s, eta_s, running,
+  metrics      about once a second: {t_unix, state, phase, phase_elapsed_s, elapsed_s, now_s, eta_s,
+               expected_phases (while STARTING), running,
                waiting, kv_usage, kv_used_blocks, kv_total_blocks, tokens_per_s, prompt_tokens_per_s,
                ttft: {p50, p90, p99, n}, tpot: {...}, window_s}
 Offsets (`*_s` of phases, `now_s`) are seconds from the start-up's root span (see `timeline.py`).
@@ -219,6 +220,8 @@ class StartupEvents:
             "elapsed_s": snap.startup_elapsed_s,
             "now_s": self._service.timeline.now_s(),
             "eta_s": self._service.eta_s(snap),
+            # Known only once the engine is imported (after hello, for a page opened early): the ghosts need it.
+            "expected_phases": self._service.expected_phase_seconds if snap.state is EngineState.STARTING else None,
         }
         tick.update(self._sampler.sample())
         with self._lock:
