@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("glowplug.lifecycle.events")
 
+HELLO = "hello"
+STATE = "state"
+METRICS = "metrics"
 RETRY_MS = 1000
 KEEPALIVE_S = 15.0
 TICK_S = 1.0
@@ -145,7 +148,7 @@ class StartupEvents:
             if snap.state.value == self._last_state:
                 return
             self._last_state = snap.state.value
-            self._append("state", data)
+            self._append(STATE, data)
 
     def state_data(self, snap: StateSnapshot) -> dict[str, Any]:
         service = self._service
@@ -156,7 +159,7 @@ class StartupEvents:
             "cause": None,
             "elapsed_s": snap.startup_elapsed_s,
             "eta_s": service.eta_s(snap),
-            "end_s": service.timeline.snapshot()["end_s"],
+            "end_s": service.timeline.end_s(),
             "trace_id": None,
             "phase_table_rows": None,
         }
@@ -239,7 +242,7 @@ class StartupEvents:
             except Exception as exc:  # a broken sample must not end the stream for everyone
                 log.warning("metrics tick failed", error=f"{type(exc).__name__}: {exc}")
             else:
-                self._fan_out(Event("metrics", tick))
+                self._fan_out(Event(METRICS, tick))
             await asyncio.sleep(self._tick_s)
 
     # ------------------------------------------------------------ consuming (event loop)
@@ -276,7 +279,7 @@ class StartupEvents:
             state = self._last_state
         try:
             yield f"retry: {RETRY_MS}\n\n".encode()
-            yield Event("hello", self.hello(resumed=resume is not None)).encode()
+            yield Event(HELLO, self.hello(resumed=resume is not None)).encode()
             for event in replay:
                 yield event.encode()
             if state in _ENDING:
@@ -290,7 +293,7 @@ class StartupEvents:
                 if event is None:
                     return
                 yield event.encode()
-                if event.kind == "state" and event.data["state"] in _ENDING:
+                if event.kind == STATE and event.data["state"] in _ENDING:
                     return
         finally:
             with self._lock:

@@ -128,6 +128,11 @@ class StartupTimeline(SpanProcessor):
         with self._lock:
             return next((p for p in reversed(self._finished) if p.outcome == "failed"), None)
 
+    def end_s(self) -> float | None:
+        """Where the root start-up span ended (READY, or the failure), once it has."""
+        with self._lock:
+            return None if self._end_ns is None else self._offset_locked(self._end_ns)
+
     def now_s(self) -> float | None:
         """Seconds from the origin to now, on the spans' time line; None before the start-up span exists."""
         with self._lock:
