@@ -30,7 +30,7 @@ import structlog
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.profiling.process import ProcessMarks
-from glowplug.profiling.tracing import Tracing
+from glowplug.profiling.tracing import Tracing, setup_tracing
 
 from .config import ServeConfig
 from .engine_loop import EngineLoop, Submission
@@ -38,6 +38,7 @@ from .generation import Generation, Ticket
 from .metrics import ServiceMetrics
 from .startup_runner import EngineFactory, StartupRunner, phase_table_seconds
 from .state import EngineState, Lifecycle, StateSnapshot, estimate_remaining
+from .timeline import StartupTimeline
 
 if TYPE_CHECKING:
     from glowplug.engine.llm_engine import RequestOutput
@@ -105,15 +106,22 @@ class Service:
         self.metrics = metrics or ServiceMetrics()
         self.engine_info: EngineInfo | None = None
         self.startup_result: Any = None
+        # Made here rather than by the engine's start-up, so that the live timeline can watch its spans.
+        self.tracing = tracing or setup_tracing("glowplug", in_memory=True)
         self._runner = StartupRunner(
             config,
             self.lifecycle,
             on_ready=self._startup_done,
             on_failed=self._startup_failed,
             factory=engine_factory,
-            tracing=tracing,
+            tracing=self.tracing,
             marks=marks,
         )
+        # The start-up's phases as its spans start and end (the page, /startup/events and /startup read it).
+        self.timeline = StartupTimeline(
+            accept=self._runner.on_startup_thread, origin_ns=marks.process_start_ns if marks is not None else None
+        )
+        self.tracing.provider.add_span_processor(self.timeline)
         self._engine_loop: EngineLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None

@@ -143,6 +143,64 @@ def _alternative_reason(chosen: str, attributes: Mapping[str, Any]) -> str:
     return f"cache miss: {miss}" if miss else "cache miss"
 
 
+Outcome = Literal["ran", "skipped", "failed"]
+
+
+@dataclass(frozen=True)
+class SpanPhase:
+    """One finished stage span as the phase table reads it: the row it books to, what happened, and why.
+
+    The table and the live start-up page (`glowplug.lifecycle.events`) both go through `span_phase`, so a bar on
+    the page and a cell of the table can never disagree about a span.
+    """
+
+    stage: str
+    row: str
+    start_ns: int
+    end_ns: int
+    outcome: Outcome
+    reason: str | None  # the table's note for `row`: "failed: ...", the skip reason, else None
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def nanos(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def booked_nanos(self) -> int | None:
+        """What the span adds to its row: nothing when skipped (its few µs fall into unattributed)."""
+        return None if self.outcome == "skipped" else self.nanos
+
+    @property
+    def note(self) -> str | None:
+        """The reason, else the cache outcome ("cache hit", "cache miss: <why>") for stages that report one."""
+        if self.reason is not None:
+            return self.reason
+        hit = self.attributes.get(Attr.CACHE_HIT)
+        if hit is True:
+            return "cache hit"
+        if hit is False:
+            miss = self.attributes.get(Attr.CACHE_MISS_REASON)
+            return f"cache miss: {miss}" if miss else "cache miss"
+        return None
+
+
+def span_phase(span: ReadableSpan) -> SpanPhase:
+    """How the phase table books one finished `glowplug.startup.<stage>` span."""
+    stage = stage_from_span_name(span.name) or span.name
+    attrs = dict(span.attributes or {})
+    row = stage if stage in PRE_MAIN else str(attrs.get(Attr.ROW) or _default_row(stage, attrs))
+    skipped = attrs.get(Attr.SKIPPED_REASON)
+    outcome: Outcome
+    if span.status.status_code is StatusCode.ERROR:
+        outcome, reason = "failed", f"failed: {span.status.description or attrs.get(Attr.ERROR, 'error')}"
+    elif skipped:
+        outcome, reason = "skipped", str(skipped)
+    else:
+        outcome, reason = "ran", None
+    return SpanPhase(stage, row, span.start_time or 0, span.end_time or 0, outcome, reason, attrs)
+
+
 def build_phase_table(
     spans: Sequence[ReadableSpan],
     *,
@@ -165,26 +223,20 @@ def build_phase_table(
     extra_rows: list[str] = []  # stages the vocabulary does not know yet, in order of appearance
     total_ns = 0
     for span in stage_spans:
-        stage = stage_from_span_name(span.name) or span.name
-        attrs = dict(span.attributes or {})
-        duration = (span.end_time or 0) - (span.start_time or 0)
-        row = stage if stage in PRE_MAIN else str(attrs.get(Attr.ROW) or _default_row(stage, attrs))
+        phase = span_phase(span)
+        stage, row, attrs = phase.stage, phase.row, phase.attributes
         if stage not in PRE_MAIN:
-            total_ns += duration
+            total_ns += phase.nanos
         if row not in LEAF_ROWS and row not in extra_rows:
             extra_rows.append(row)
         attributes.setdefault(row, {}).update(attrs)
-        skipped = attrs.get(Attr.SKIPPED_REASON)
-        if span.status.status_code is StatusCode.ERROR:
-            leaf_ns[row] = leaf_ns.get(row, 0) + duration
-            reasons[row] = f"failed: {span.status.description or attrs.get(Attr.ERROR, 'error')}"
-        elif skipped:
-            reasons[row] = str(skipped)
-        else:
-            leaf_ns[row] = leaf_ns.get(row, 0) + duration
+        if phase.booked_nanos is not None:
+            leaf_ns[row] = leaf_ns.get(row, 0) + phase.booked_nanos
+        if phase.reason is not None:
+            reasons[row] = phase.reason
         for other in STAGE_ALTERNATIVE_ROWS.get(stage, ()):
             if other != row:
-                reasons.setdefault(other, str(skipped) if skipped else _alternative_reason(row, attrs))
+                reasons.setdefault(other, phase.reason if phase.outcome == "skipped" else _alternative_reason(row, attrs))
 
     pre = [s for s in stage_spans if stage_from_span_name(s.name) == Row.PROCESS_START]
     starts = [s.start_time or 0 for s in (pre or roots or stage_spans)]
@@ -261,6 +313,32 @@ def _note(row: PhaseRow) -> str:
     return row.reason or ""
 
 
+@dataclass(frozen=True)
+class DisplayRow:
+    """The text of one table row exactly as every renderer prints it (the CLI, Markdown, the start-up page)."""
+
+    name: str
+    label: str  # `Σ name` for aggregates
+    kind: Kind
+    seconds: str
+    share: str
+    note: str
+
+
+def display_rows(table: PhaseTable) -> list[DisplayRow]:
+    return [
+        DisplayRow(
+            name=row.name,
+            label=f"Σ {row.name}" if row.kind == "aggregate" else row.name,
+            kind=row.kind,
+            seconds=_fmt(row.seconds),
+            share=_share(table, row),
+            note=_note(row),
+        )
+        for row in table.rows
+    ]
+
+
 def to_rich(table: PhaseTable) -> Table:
     """A rich Table: leaves plain, aggregates bold cyan, unattributed yellow, totals bold under a rule."""
     out = Table(title="glowplug start-up phases", caption=_versions_line(table))
@@ -268,16 +346,13 @@ def to_rich(table: PhaseTable) -> Table:
     out.add_column("seconds", justify="right")
     out.add_column("% of actual", justify="right")
     out.add_column("note", overflow="fold")
-    rows = table.rows
+    rows = display_rows(table)
     for i, row in enumerate(rows):
         style = {"aggregate": "bold cyan", "total": "bold"}.get(row.kind, "")
         if row.name == Row.UNATTRIBUTED:
             style = "yellow"
-        name = f"Σ {row.name}" if row.kind == "aggregate" else row.name
         last_before_totals = row.kind != "total" and i + 1 < len(rows) and rows[i + 1].kind == "total"
-        out.add_row(
-            name, _fmt(row.seconds), _share(table, row), _note(row), style=style, end_section=last_before_totals
-        )
+        out.add_row(row.label, row.seconds, row.share, row.note, style=style, end_section=last_before_totals)
     return out
 
 
@@ -290,10 +365,10 @@ def _versions_line(table: PhaseTable) -> str:
 
 def to_markdown(table: PhaseTable) -> str:
     lines = ["| phase | kind | seconds | % of actual | note |", "|:--|:--|--:|--:|:--|"]
-    for row in table.rows:
+    for row in display_rows(table):
         name = f"**{row.name}**" if row.kind != "leaf" else row.name
-        note = _note(row).replace("|", "\\|")
-        lines.append(f"| {name} | {row.kind} | {_fmt(row.seconds)} | {_share(table, row)} | {note} |")
+        note = row.note.replace("|", "\\|")
+        lines.append(f"| {name} | {row.kind} | {row.seconds} | {row.share} | {note} |")
     lines += ["", f"_{_versions_line(table)}_", ""]
     return "\n".join(lines)
 
