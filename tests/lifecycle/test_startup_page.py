@@ -222,7 +222,7 @@ def test_polling_fallback_and_serving_charts(page: Any, tiny_model: Path) -> Non
         client = srv.client()
         for i in range(3):
             out = client.completions.create(
-                model="x", prompt=f"charts {i}", max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}
+                model=client.models.list().data[0].id, prompt=f"charts {i}", max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}
             )
             assert out.usage.completion_tokens == 8
         # Each chart states its latest values in text; TTFT and TPOT percentiles appear once requests finished.
