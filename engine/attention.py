@@ -1,12 +1,14 @@
-"""Attention over a paged KV cache, in plain torch, behind one custom op.
+"""Attention over the paged KV cache, in plain torch: an eager path for any batch and a decode path for the graph.
 
-One engine step carries a flattened batch: the prefill chunks come first (each sequence's new tokens), then one
-token per decoding sequence. Prefill chunks are attended one sequence at a time (their shapes differ); decodes are
-attended together, over keys gathered from each sequence's blocks and padded to the longest context.
+Eager (`paged_attention`, used for prefill chunks and mixed batches): one engine step carries a flattened batch, the
+prefill chunks first (each sequence's new tokens), then one token per decoding sequence. Prefill chunks are attended
+one sequence at a time (their shapes differ); decodes are attended together over keys gathered from each sequence's
+blocks, padded to the longest context.
 
-The cache write + attention is registered as the custom op `glowplug::paged_attention`. To torch.compile it is an
-opaque call that mutates the cache, so the compiled graph holds everything else (norms, projections, RoPE, MLP)
-and the data-dependent per-sequence work stays eager — the same split vLLM makes for piecewise graphs.
+Decode (`decode_attention`, traced into the compiled decode step): every row is one sequence's one new token. The
+step's inputs come as one int64 tensor per step (see `DecodeBatch`), so the graph has no host synchronisation: the
+KV write is an in-graph scatter into the layer's cache tensors, the keys and values are gathered by block table and
+masked by context length, and the softmax and weighted sum are reductions Inductor fuses with the gather.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .kv_cache import KVCache
+from .kv_cache import KVCache, LayerKV
+
+# Columns of the decode step's packed input [B, DECODE_COLS + W]: token id, position, cache slot, context length
+# (including the new token), then the block table padded to W blocks.
+TOKEN, POSITION, SLOT, CONTEXT = 0, 1, 2, 3
+DECODE_COLS = 4
 
 
 @dataclass
 class AttentionMetadata:
-    """Tensors only (plus the cache), so a compiled step can take it as input without recompiling per batch."""
+    """Eager-path metadata for one engine step (tensors only; built once per step, shared by every layer)."""
 
     # [P, 3] int64 rows of (first row in the batch, number of new tokens, context length after this step)
     prefill_info: torch.Tensor
@@ -31,19 +38,21 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [T] int64: cache slot for each new token
     decode_block_tables: torch.Tensor | None = None  # [B, W] int64, padded with the scratch block
     decode_ctx_lens: torch.Tensor | None = None  # [B] int64
-    # Derived once per step and shared by every layer (set lazily by the eager path).
+    # Derived once per step on first use and shared by every layer.
+    prefill_rows: list[list[int]] | None = None
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, W * block_size] bool
 
     @classmethod
-    def causal(cls, lengths: list[int]) -> AttentionMetadata:
+    def causal(cls, lengths: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
         """Cache-less prefill of independent sequences (reference checks, perplexity, profiling runs)."""
         rows, start = [], 0
         for n in lengths:
             rows.append((start, n, n))
             start += n
         return cls(
-            prefill_info=torch.tensor(rows, dtype=torch.long).reshape(-1, 3),
-            prefill_block_tables=torch.zeros((len(rows), 0), dtype=torch.long),
+            prefill_info=torch.tensor(rows, dtype=torch.long, device=device).reshape(-1, 3),
+            prefill_block_tables=torch.zeros((len(rows), 0), dtype=torch.long, device=device),
+            prefill_rows=[list(r) for r in rows],
         )
 
 
@@ -53,17 +62,13 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw:
 
 
 def _prefill(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    info: list[list[int]],
-    tables: torch.Tensor,
-    cache: KVCache | None,
-    layer: int,
-    scale: float,
-) -> None:
-    for i, (start, q_len, ctx_len) in enumerate(info):
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
+    cache: LayerKV | None, block_size: int, scale: float,
+) -> None:  # fmt: skip
+    if meta.prefill_rows is None:
+        meta.prefill_rows = meta.prefill_info.tolist()  # once per step, not per layer
+    tables = meta.prefill_block_tables
+    for i, (start, q_len, ctx_len) in enumerate(meta.prefill_rows):
         rows = slice(start, start + q_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)
         if ctx_len == q_len or cache is None:
@@ -71,7 +76,9 @@ def _prefill(
             ks, vs = k[rows], v[rows]
             o = _sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), scale, is_causal=True)
         else:
-            ks, vs = cache.gather(layer, tables[i], ctx_len, q.dtype)
+            nb = -(-ctx_len // block_size)
+            kb, vb = cache.read(tables[i, :nb], q.dtype)
+            ks, vs = kb.flatten(0, 1)[:ctx_len], vb.flatten(0, 1)[:ctx_len]
             # The chunk's queries sit at the end of the context: query i may see keys up to ctx - q_len + i.
             qi = torch.arange(q_len, device=q.device)[:, None]
             kj = torch.arange(ctx_len, device=q.device)[None, :]
@@ -80,85 +87,60 @@ def _prefill(
         out[rows] = o.squeeze(0).transpose(0, 1)
 
 
-def _decode_mask(tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    L = tables.shape[1] * block_size
-    return (torch.arange(L, device=ctx_lens.device)[None, :] < ctx_lens[:, None])[:, None, None, :]
-
-
-def _decode(q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, cache: KVCache, layer: int, scale: float) -> None:
+def _decode_eager(q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, cache: LayerKV, block_size: int,
+                  scale: float) -> None:
     tables, ctx_lens = meta.decode_block_tables, meta.decode_ctx_lens
     assert tables is not None and ctx_lens is not None
     p = q.shape[0] - tables.shape[0]
-    # Decode attention runs in fp32: the CPU's masked SDPA is ~6x slower in bf16 than in fp32 at these shapes
-    # (409 vs 67 us for 16 sequences here), and the extra precision is free.
+    # fp32: the CPU's masked SDPA is ~6x slower in bf16 than in fp32 at these shapes, and the precision is free.
     qd = q[p:].unsqueeze(2).float()  # [B, H, 1, D]
-    kd, vd = cache.gather_batch(layer, tables, torch.float32)  # [B, L, Hkv, D]
+    kd, vd = cache.read(tables, torch.float32)  # [B, W, bs, Hkv, D]
     if meta.decode_mask is None:
-        meta.decode_mask = _decode_mask(tables, ctx_lens, cache.block_size)
-    o = _sdpa(qd, kd.float().transpose(1, 2), vd.float().transpose(1, 2), scale, attn_mask=meta.decode_mask)
+        width = tables.shape[1] * block_size
+        meta.decode_mask = (torch.arange(width, device=q.device)[None, :] < ctx_lens[:, None])[:, None, None, :]
+    o = _sdpa(qd, kd.flatten(1, 2).transpose(1, 2), vd.flatten(1, 2).transpose(1, 2), scale, attn_mask=meta.decode_mask)
     out[p:] = o.squeeze(2).to(out.dtype)
-
-
-def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    cache = meta.kv_cache
-    if cache is not None and meta.slot_mapping is not None:
-        cache.store(layer, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
-    _prefill(q, k, v, out, meta.prefill_info.tolist(), meta.prefill_block_tables, cache, layer, scale)
-    if meta.decode_ctx_lens is not None and meta.decode_ctx_lens.numel():
-        assert cache is not None
-        _decode(q, out, meta, cache, layer, scale)
-    return out
-
-
-@torch.library.custom_op("glowplug::paged_attention", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
-def _paged_attention_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_scale: torch.Tensor | None,
-    v_scale: torch.Tensor | None,
-    layer: int,
-    slot_mapping: torch.Tensor,
-    prefill_info: torch.Tensor,
-    prefill_block_tables: torch.Tensor,
-    decode_block_tables: torch.Tensor,
-    decode_ctx_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    cache = KVCache.wrap(k_cache, v_cache, k_scale, v_scale)
-    meta = AttentionMetadata(
-        prefill_info=prefill_info,
-        prefill_block_tables=prefill_block_tables,
-        kv_cache=cache,
-        slot_mapping=slot_mapping,
-        decode_block_tables=decode_block_tables,
-        decode_ctx_lens=decode_ctx_lens,
-    )
-    return _run(q, k, v, layer, meta, scale)
-
-
-@_paged_attention_op.register_fake
-def _paged_attention_fake(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-    return torch.empty_like(q)
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
+    """Eager attention for a mixed step. q: [T, H, D], k/v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
     cache = meta.kv_cache
-    if cache is None or meta.slot_mapping is None or not torch.compiler.is_compiling():
-        # Eager: call the implementation directly; the custom op's dispatch costs ~50 us a layer and only
-        # matters to the compiler, which must see the cache write as one opaque, mutating call.
-        return _run(q, k, v, layer, meta, scale)
-    dtables = meta.decode_block_tables
-    dlens = meta.decode_ctx_lens
-    if dtables is None or dlens is None:
-        dtables, dlens = torch.zeros((0, 0), dtype=torch.long), torch.zeros(0, dtype=torch.long)
-    return _paged_attention_op(
-        q, k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, layer, meta.slot_mapping,
-        meta.prefill_info, meta.prefill_block_tables, dtables, dlens, scale,
-    )  # fmt: skip
+    lk = cache[layer] if cache is not None else None
+    if lk is not None and meta.slot_mapping is not None:
+        lk.store(k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    bs = cache.block_size if cache is not None else 1
+    _prefill(q, k, v, out, meta, lk, bs, scale)
+    if meta.decode_ctx_lens is not None and meta.decode_ctx_lens.numel():
+        assert lk is not None
+        _decode_eager(q, out, meta, lk, bs, scale)
+    return out
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, packed: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One decode step for B sequences, traceable with no host synchronisation.
+
+    q [B, H, D], k/v [B, Hkv, D] are the new tokens; `packed` is the step's [B, DECODE_COLS + W] input. The new k/v
+    are written first, so each row attends to its own key too. Returns [B, H, D] in q's dtype."""
+    slots = packed[:, SLOT]
+    lens = packed[:, CONTEXT]
+    tables = packed[:, DECODE_COLS:]
+    cache.store(k, v, slots)
+    b, heads, d = q.shape
+    kv_heads = k.shape[1]
+    block = cache.k.shape[1]
+    width = tables.shape[1] * block
+    keys, values = cache.read(tables, torch.float32)  # [B, W, bs, Hkv, D], gathered by block table
+    keys = keys.reshape(b, width, kv_heads, 1, d)
+    values = values.reshape(b, width, kv_heads, 1, d)
+    qg = q.float().reshape(b, 1, kv_heads, heads // kv_heads, d)
+    scores = (qg * keys).sum(-1) * scale  # [B, T, Hkv, G]; a reduction Inductor fuses with the gather
+    visible = torch.arange(width, device=q.device)[None, :] < lens[:, None]
+    scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
+    probs = scores.softmax(dim=1)
+    out = (probs[..., None] * values).sum(1)  # [B, Hkv, G, D]
+    return out.reshape(b, heads, d).to(q.dtype)

@@ -60,11 +60,11 @@ class BlockManager:
 
     def _extend_hashes(self, seq: Sequence, num_full: int) -> list[bytes]:
         """Hashes of the first `num_full` blocks, computed incrementally and kept on the sequence."""
-        tokens = seq.all_token_ids
         hashes = seq.block_hashes
+        bs = self.block_size
         for i in range(len(hashes), num_full):
             prev = hashes[-1] if hashes else None
-            hashes.append(block_hash(prev, tokens[i * self.block_size : (i + 1) * self.block_size]))
+            hashes.append(block_hash(prev, seq.token_slice(i * bs, (i + 1) * bs)))
         return hashes[:num_full]
 
     def allocate_prefix(self, seq: Sequence) -> None:
@@ -104,11 +104,15 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         num_full = seq.num_computed_tokens // self.block_size
-        for i, h in enumerate(self._extend_hashes(seq, num_full)):
+        if num_full <= seq.num_committed_blocks:  # the common decode step: no block filled up
+            return
+        hashes = self._extend_hashes(seq, num_full)
+        for i in range(seq.num_committed_blocks, num_full):
             block_id = seq.block_table[i]
             if self.block_hash[block_id] is None:
-                self.block_hash[block_id] = h
-                self.hash_to_block.setdefault(h, block_id)
+                self.block_hash[block_id] = hashes[i]
+                self.hash_to_block.setdefault(hashes[i], block_id)
+        seq.num_committed_blocks = num_full
 
     def free_seq(self, seq: Sequence) -> None:
         # Free in reverse so the tail of a sequence (least likely to be shared) is reused first.
@@ -119,3 +123,4 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0

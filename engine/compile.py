@@ -1,13 +1,19 @@
 """torch.compile of the decode step, split into Dynamo tracing and Inductor compilation, with a persistent cache.
 
-`torch.compile` does both halves lazily inside the first call, so its time cannot be attributed. The backend here
-only records each graph Dynamo hands it (running it eagerly meanwhile); a later call compiles the recorded graphs
-with Inductor inside the tracing context Dynamo left behind. That gives two honest stages: dynamo_transform and
-graph_compile. Graphs that appear later (new batch-size specialisations during capture) compile at once.
+The decode step is `DecoderLM.decode(packed, caches)`: one int64 input tensor per step and the per-layer cache
+tensors, no host synchronisation. It is traced once: the batch dimension is *unbacked* (Dynamo never specialises it,
+so batch 1 runs unpadded on the same graph as batch 64) and the block-table width and cache sizes are dynamic, so no
+request can trigger a compile. Each decoder layer is a nested compile region: Inductor compiles one layer and reuses it
+for all, which is what keeps a cold compile of the 30-layer model short.
+
+`torch.compile` does tracing and compiling lazily inside the first call, so its time cannot be attributed. The
+backend here only records each graph Dynamo hands it (running it eagerly meanwhile); a later call compiles the
+recorded graphs with Inductor inside the tracing context Dynamo left behind. That gives two honest stages:
+dynamo_transform and graph_compile.
 
 The Inductor cache lives under the glowplug cache dir, one folder per key; the key hashes a manifest of factors
-(model config, engine config, quantization, torch version, glowplug source, device), and on a miss the last
-manifest for the same model says which factor changed.
+(model config, engine config, quantization, torch version, glowplug source, device, Inductor settings), and on a miss
+the last manifest for the same model says which factor changed.
 """
 
 from __future__ import annotations
@@ -16,27 +22,61 @@ import hashlib
 import json
 import os
 import platform
-from dataclasses import dataclass, field
+import types
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from .attention import AttentionMetadata
 from .config import EngineConfig
+from .kv_cache import LayerKV
 from .models.arch import ModelArch
 from .models.llama import DecoderLM
 
 MANIFEST = "manifest.json"
 
 
+@dataclass(frozen=True)
+class InductorSettings:
+    """The Inductor options of the decode graph, chosen by measurement on the 2-core CPU (reports/decode.md):
+    - cpp_wrapper off: Inductor 2.13 cannot emit nested compile regions (invoke_subgraph) in the C++ wrapper, and
+      without regions a 30-layer graph took 121 s to compile cold instead of ~30 s.
+    - freezing off: the projections are glowplug's native ops, which freezing cannot fold, and frozen graphs carry
+      every weight inside the FX-graph cache entry (hundreds of MB).
+    - max_autotune off: no matmul is left to Inductor's GEMM templates (the GEMVs are native ops).
+    - vec_isa_ok on once the native kernels built with this compiler and -march=native: that proves the toolchain,
+      and it skips Inductor's own ISA probe, which compiles and dlopens test programs in child Pythons (14 s cold,
+      5 s even with a warm cache, here).
+    - runtime asserts off: the Python wrapper checks every input's size and stride on every layer of every step
+      (about 20 calls a layer); the runner builds those inputs itself, with fixed dtypes and layouts."""
+
+    cpp_wrapper: bool = False
+    freezing: bool = False
+    max_autotune: bool = False
+    vec_isa_ok: bool | None = None
+    runtime_asserts: bool = False
+    threads: int = 0
+
+    def patch(self) -> Any:
+        import torch._inductor.config as ic
+
+        return ic.patch(
+            {"cpp_wrapper": self.cpp_wrapper, "freezing": self.freezing, "max_autotune": self.max_autotune,
+             "cpp.vec_isa_ok": self.vec_isa_ok, "size_asserts": self.runtime_asserts,
+             "scalar_asserts": self.runtime_asserts, "alignment_asserts": self.runtime_asserts}  # fmt: skip
+        )
+
+
 class _Graph:
     """One Dynamo graph: eager until compiled, then the Inductor-compiled callable."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], tracing_ctx: Any) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], tracing_ctx: Any,
+                 settings: InductorSettings) -> None:  # fmt: skip
         self.gm = gm
         self.example_inputs = example_inputs
         self.tracing_ctx = tracing_ctx
+        self.settings = settings
         self.fn: Callable[..., Any] = gm.forward
         self.compiled = False
 
@@ -44,7 +84,7 @@ class _Graph:
         from torch._guards import tracing
         from torch._inductor.compile_fx import compile_fx
 
-        with tracing(self.tracing_ctx):
+        with tracing(self.tracing_ctx), self.settings.patch():
             self.fn = compile_fx(self.gm, self.example_inputs)
         self.compiled = True
 
@@ -56,13 +96,14 @@ class _Graph:
 class DeferredInductor:
     """A torch.compile backend that separates tracing from compiling (see module docstring)."""
 
+    settings: InductorSettings = field(default_factory=InductorSettings)
     graphs: list[_Graph] = field(default_factory=list)
     compile_immediately: bool = False
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> _Graph:
         from torch._guards import TracingContext
 
-        graph = _Graph(gm, example_inputs, TracingContext.try_get())
+        graph = _Graph(gm, example_inputs, TracingContext.try_get(), self.settings)
         if self.compile_immediately:
             graph.compile()
         self.graphs.append(graph)
@@ -76,23 +117,67 @@ class DeferredInductor:
         return len(pending)
 
 
-def make_decode_fn(model: DecoderLM, backend: DeferredInductor) -> Callable[..., torch.Tensor]:
-    def decode_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return model.compute_logits(model(input_ids, positions, meta))
+DecodeCallable = Callable[[torch.Tensor, list[LayerKV]], torch.Tensor]
 
-    # The tracing inputs mark batch, context width and cache size dynamic, so one graph serves every batch >= 2
-    # and every context, capture only warms it, and no request ever triggers a compile. fullgraph=True: a graph
-    # break would be a silent slowdown.
-    compiled = torch.compile(decode_step, backend=backend, fullgraph=True)
 
-    def run(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # Python floats (eps, softmax scale) must stay constants: symbolic floats make AOTAutograd ask Dynamo to
-        # restart tracing, which only works inside torch.compile's own loop, not in our deferred compile. Scoped
-        # to the call so that no process-wide flag changes.
+class CompiledDecode:
+    """The compiled decode step: (packed [B, DECODE_COLS + W], per-layer caches) -> logits [B, vocab].
+
+    Calls go through torch.compile (tracing on the first, guard checks after) until `serving()` hands out the
+    guard-free entry point for steady-state use."""
+
+    def __init__(self, model: DecoderLM, backend: Callable[..., Any]) -> None:
+        def decode_step(packed: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
+                        kss: list[torch.Tensor | None], vss: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
+            return model.decode(packed, [LayerKV(*c) for c in zip(ks, vs, kss, vss)])
+
+        self._step = decode_step
+        # fullgraph: a graph break would be a silent slowdown (and a host sync).
+        self._compiled = torch.compile(decode_step, backend=backend, fullgraph=True)
+
+    @staticmethod
+    def _split(caches: list[LayerKV]) -> tuple[list[Any], ...]:
+        return [c.k for c in caches], [c.v for c in caches], [c.k_scale for c in caches], [c.v_scale for c in caches]
+
+    def __call__(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
+        # Python floats (eps, softmax scale) stay constants: symbolic floats make AOTAutograd ask Dynamo to restart
+        # tracing, which only works inside torch.compile's own loop, not in the deferred compile. Scoped to the call
+        # so that no process-wide flag changes.
         with torch._dynamo.config.patch(specialize_float=True):
-            return compiled(input_ids, positions, meta)
+            return self._compiled(packed, *self._split(caches))
 
-    return run
+    def serving(self, caches: list[LayerKV]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The step for serving, bound to the real cache: Dynamo's guard evaluation skipped. Guards cost 0.8 ms a step
+        for a bf16 model's ~400 input tensors, 1.7 ms with int8's aliased buffers. Safe here because there is exactly
+        one compiled graph (capture proved that no batch size or width retraces) and the runner builds every input
+        with the same dtypes, layouts and devices. With exactly one cache entry the entry's own code (what Dynamo
+        runs after its guards pass) is called directly; otherwise guard evaluation is merely skipped."""
+        split = self._split(caches)
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        entries = _debug_get_cache_entry_list(self._step.__code__)
+        if len(entries) == 1:
+            step = self._step
+            direct = types.FunctionType(entries[0].code, step.__globals__, step.__name__, step.__defaults__,
+                                        step.__closure__)  # fmt: skip
+            return lambda packed: direct(packed, *split)  # type: ignore[no-any-return]
+
+        def guarded(packed: torch.Tensor) -> torch.Tensor:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._compiled(packed, *split)  # type: ignore[no-any-return]
+
+        return guarded
+
+
+def mark_decode_dynamic(packed: torch.Tensor, caches: list[LayerKV]) -> None:
+    """Declare the dimensions that vary between steps: the batch (unbacked: never specialised, so batch 1 shares the
+    graph), the block-table width, and the number of cache blocks (a scratch cache is traced, the real one runs)."""
+    torch._dynamo.decorators.mark_unbacked(packed, 0)
+    torch._dynamo.mark_dynamic(packed, 1)
+    for c in caches:
+        for t in (c.k, c.v, c.k_scale, c.v_scale):
+            if t is not None:
+                torch._dynamo.mark_dynamic(t, 0)
 
 
 def glowplug_source_hash() -> str:
@@ -111,9 +196,11 @@ def glowplug_source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def compile_factors(config: EngineConfig, arch: ModelArch, device: str) -> dict[str, str]:
+def compile_factors(config: EngineConfig, arch: ModelArch, device: str,
+                    settings: InductorSettings | None = None) -> dict[str, str]:  # fmt: skip
     cpu = platform.processor() or platform.machine()
     return {
+        "inductor": json.dumps(asdict(settings or InductorSettings()), sort_keys=True),
         "model_config": arch.compute_hash(),
         "engine_config": config.compute_hash(),
         "quantization": f"{config.quant.quantization}/g{config.quant.group_size}/kv-{config.cache.kv_cache_dtype}",

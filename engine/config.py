@@ -74,6 +74,11 @@ class QuantConfig(FrozenModel):
     group_size: int | None = Field(
         None, description="Group size for int8/int4/int2 (None = the scheme's default: per-channel int8, 128 else)."
     )
+    quantize_lm_head: bool = Field(
+        True,
+        description="Quantize the output projection with the layers (a tied head gets a quantized copy of the "
+        "embedding matrix; the embedding lookup stays in the model dtype).",
+    )
 
     @model_validator(mode="after")
     def _check_group(self) -> QuantConfig:
@@ -95,7 +100,11 @@ class EngineConfig(FrozenModel):
     """Everything that shapes one engine instance."""
 
     model: str = Field(DEFAULT_MODEL, description="'smollm2' (the embedded default) or a local HF folder.")
-    dtype: DType = "auto"
+    dtype: DType = Field(
+        "auto",
+        description="Model dtype; auto follows the checkpoint (bfloat16 for a quantized GGUF source), but float32 on "
+        "a CPU without hardware bf16 (AVX512-BF16 or AMX).",
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | Literal["auto"] | None = Field(
         None, description="Longest prompt + output; None = min(model limit, 4096); 'auto' = largest that fits."
@@ -103,8 +112,8 @@ class EngineConfig(FrozenModel):
     seed: int = 0
     compile: CompileMode = Field(
         "auto",
-        description="torch.compile the decode step; auto = on for CUDA, off on the CPU, where the compiled step "
-        "measured slower than eager for SmolLM2 (see reports/).",
+        description="Compile the decode step (Dynamo + Inductor, glowplug's native kernels on the CPU, CUDA graphs "
+        "on a GPU); auto = on. off runs every step eagerly with stock torch ops.",
     )
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
@@ -147,7 +156,7 @@ class EngineConfig(FrozenModel):
         return cls(**top, **{name: sections[name](**vals) for name, vals in nested.items() if vals})
 
     def compile_enabled(self) -> bool:
-        return self.compile == "on" or (self.compile == "auto" and self.resolved_device() == "cuda")
+        return self.compile != "off"
 
     def resolved_device(self) -> str:
         if self.device != "auto":

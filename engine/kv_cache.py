@@ -1,10 +1,14 @@
-"""The preallocated paged KV cache: one tensor pair for all layers, addressed by (block, offset-in-block).
+"""The preallocated paged KV cache: one key and one value tensor per layer, addressed by (block, offset-in-block).
 
-With `kv_cache_dtype=int8` each token's key and value are stored as int8 with one fp32 scale per (token, head),
+Per-layer tensors (not one [layers, ...] tensor): the compiled decode step takes each layer's cache as its own graph
+input, and slices of one big tensor would be aliased inputs, which torch.compile handles with a slow synthetic-base
+path. With `kv_cache_dtype=int8` each token's key and value are stored as int8 with one fp32 scale per (token, head),
 which halves (bf16) or quarters (fp32) the cache and the bytes attention reads per decode step.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,12 +28,47 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     return torch.from_numpy(raw).view(dtype)
 
 
-class KVCache:
-    """Keys and values for `num_blocks` blocks of `block_size` tokens, for every layer.
+@dataclass(frozen=True)
+class LayerKV:
+    """One layer's cache tensors: k/v [blocks, block_size, kv_heads, head_dim] (int8 when scaled), and for an int8
+    cache the fp32 scales [blocks, block_size, kv_heads]."""
 
-    Layout [layers, blocks, block_size, kv_heads, head_dim] keeps one block of one layer contiguous, so a
-    sequence's context is gathered with one index per layer.
-    """
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def is_int8(self) -> bool:
+        return self.k_scale is not None
+
+    def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write the new tokens' k/v [T, kv_heads, head_dim] at cache slots [T] (block * block_size + offset).
+
+        Plain tensor ops, so the same code runs eagerly and inside the compiled decode graph (as an in-place
+        scatter into the cache input)."""
+        kf = self.k.view(-1, *self.k.shape[2:])
+        vf = self.v.view(-1, *self.v.shape[2:])
+        if self.k_scale is not None and self.v_scale is not None:
+            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            kf.index_copy_(0, slots, kq)
+            vf.index_copy_(0, slots, vq)
+            self.k_scale.view(-1, ks.shape[-1]).index_copy_(0, slots, ks)
+            self.v_scale.view(-1, vs.shape[-1]).index_copy_(0, slots, vs)
+            return
+        kf.index_copy_(0, slots, k.to(kf.dtype))
+        vf.index_copy_(0, slots, v.to(vf.dtype))
+
+    def read(self, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks `idx` (any index shape) as [*idx.shape, block_size, kv_heads, head_dim] in `dtype`."""
+        k, v = self.k[idx], self.v[idx]
+        if self.k_scale is not None and self.v_scale is not None:
+            return dequantize_kv(k, self.k_scale[idx], dtype), dequantize_kv(v, self.v_scale[idx], dtype)
+        return k.to(dtype), v.to(dtype)
+
+
+class KVCache:
+    """Keys and values for `num_blocks` blocks of `block_size` tokens, for every layer."""
 
     def __init__(
         self,
@@ -43,69 +82,53 @@ class KVCache:
         device: torch.device | str = "cpu",
         int8: bool = False,
     ) -> None:
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
         store = torch.int8 if int8 else dtype
-        self.k = zeros(shape, store, device)
-        self.v = zeros(shape, store, device)
-        self.k_scale: torch.Tensor | None = zeros(shape[:-1], torch.float32, device) if int8 else None
-        self.v_scale: torch.Tensor | None = zeros(shape[:-1], torch.float32, device) if int8 else None
+        self.layers: list[LayerKV] = [
+            LayerKV(
+                zeros(shape, store, device),
+                zeros(shape, store, device),
+                zeros(shape[:-1], torch.float32, device) if int8 else None,
+                zeros(shape[:-1], torch.float32, device) if int8 else None,
+            )
+            for _ in range(num_layers)
+        ]
+        self.dtype = dtype
 
-    @classmethod
-    def wrap(
-        cls, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
-    ) -> KVCache:
-        """A view over existing cache tensors (the custom op receives tensors, not this object)."""
-        self = cls.__new__(cls)
-        self.k, self.v, self.k_scale, self.v_scale = k, v, k_scale, v_scale
-        return self
+    def __getitem__(self, layer: int) -> LayerKV:
+        return self.layers[layer]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
 
     @property
     def num_blocks(self) -> int:
-        return int(self.k.shape[1])
+        return int(self.layers[0].k.shape[0])
 
     @property
     def block_size(self) -> int:
-        return int(self.k.shape[2])
+        return int(self.layers[0].k.shape[1])
 
     @property
     def is_int8(self) -> bool:
-        return self.k_scale is not None
+        return self.layers[0].is_int8
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0].k.device
 
     @property
     def nbytes(self) -> int:
-        scales = 0 if self.k_scale is None or self.v_scale is None else self.k_scale.nbytes + self.v_scale.nbytes
-        return self.k.nbytes + self.v.nbytes + scales
+        total = 0
+        for lk in self.layers:
+            total += lk.k.nbytes + lk.v.nbytes
+            if lk.k_scale is not None and lk.v_scale is not None:
+                total += lk.k_scale.nbytes + lk.v_scale.nbytes
+        return total
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        kf = self.k[layer].view(-1, *self.k.shape[3:])
-        vf = self.v[layer].view(-1, *self.v.shape[3:])
-        if self.k_scale is not None and self.v_scale is not None:
-            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-            kf.index_copy_(0, slots, kq)
-            vf.index_copy_(0, slots, vq)
-            self.k_scale[layer].view(-1, ks.shape[-1]).index_copy_(0, slots, ks)
-            self.v_scale[layer].view(-1, vs.shape[-1]).index_copy_(0, slots, vs)
-            return
-        kf.index_copy_(0, slots, k.to(kf.dtype))
-        vf.index_copy_(0, slots, v.to(vf.dtype))
-
-    def _read(self, layer: int, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.k[layer][idx], self.v[layer][idx]
-        if self.k_scale is not None and self.v_scale is not None:
-            return dequantize_kv(k, self.k_scale[layer][idx], dtype), dequantize_kv(v, self.v_scale[layer][idx], dtype)
-        return k, v
-
-    def gather(
-        self, layer: int, block_table: torch.Tensor, ctx_len: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, block_table: torch.Tensor, ctx_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `ctx_len` keys and values: [ctx_len, kv_heads, head_dim] each."""
         nb = -(-ctx_len // self.block_size)
-        k, v = self._read(layer, block_table[:nb], dtype)
+        k, v = self.layers[layer].read(block_table[:nb], dtype)
         return k.flatten(0, 1)[:ctx_len], v.flatten(0, 1)[:ctx_len]
-
-    def gather_batch(
-        self, layer: int, block_tables: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values for a padded batch of block tables: [B, max_blocks * block_size, kv_heads, head_dim]."""
-        k, v = self._read(layer, block_tables, dtype)
-        return k.flatten(1, 2), v.flatten(1, 2)

@@ -135,10 +135,9 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, prompt, list(prompt_token_ids), params)
         for i in range(params.n):
-            if params.seed is not None:
-                gen = torch.Generator().manual_seed(params.seed + i)
-            else:
-                gen = torch.Generator().manual_seed(int(torch.randint(0, 2**62, (1,), generator=self._rng)))
+            # On the engine's device: the sampler draws each sequence's noise there.
+            seed = params.seed + i if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+            gen = torch.Generator(device=self.runner.device).manual_seed(seed)
             seq = Sequence(
                 seq_id=next(self._seq_ids),
                 request_id=rid,

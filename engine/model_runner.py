@@ -1,10 +1,13 @@
 """Turn a scheduler decision into model inputs, run the model, and sample the next tokens.
 
-Decode-only batches can run through a compiled step (set by the compile stages), for batch sizes up to the largest
-one warmed at start-up. With `pad_decode` (CUDA graphs: fixed shapes) a batch is padded up to the next captured
-size; the CPU graph has a symbolic batch size and needs no padding. Padding rows write their keys and values into
-a scratch block that the block manager never hands out. Block tables are at least two blocks wide, so a short
-context never hits a width-1 specialisation of the graph.
+Decode-only batches run through the compiled decode step when one is installed (by the compile stages): the runner
+writes the whole step's input into one persistent int64 buffer on the engine's device, [max_num_seqs, DECODE_COLS +
+max_blocks] (token, position, cache slot, context length, block table per row; engine/attention.py), and the step is
+one call with no host synchronisation until the sampler's single one. The batch runs at its own size on the CPU,
+whose graph has a symbolic batch dimension; captured CUDA graphs have fixed shapes, so there a batch is padded up to
+the next captured size with rows that write into the scratch block the block manager never hands out.
+
+Everything else (prefill chunks, mixed batches, or no compiled step) runs the eager forward over AttentionMetadata.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ from typing import Callable
 
 import torch
 
-from .attention import AttentionMetadata
+from .attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN, AttentionMetadata
 from .kv_cache import KVCache
 from .models.llama import DecoderLM
 from .sampler import SampleResult, sample
 from .scheduler import ScheduledSeq
 
-# (input_ids [B], positions [B], metadata) -> logits [B, vocab]
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
+# packed [B, DECODE_COLS + W] -> logits [B, vocab]
+DecodeFn = Callable[[torch.Tensor], torch.Tensor]
+
+# Block tables are at least this wide: a width of 1 is a size-1 dimension the traced graph would specialise on.
+MIN_TABLE_WIDTH = 2
 
 
 @dataclass
@@ -32,38 +38,93 @@ class BatchInputs:
     meta: AttentionMetadata
     order: list[ScheduledSeq]  # prefill chunks first, then decodes: the row order of the batch
     sample_rows: list[int]  # last row of each sequence that samples this step
-    num_real_rows: int  # rows after this are padding
 
 
-def _pad_tables(tables: list[list[int]], width: int, fill: int) -> torch.Tensor:
-    return torch.tensor([t + [fill] * (width - len(t)) for t in tables], dtype=torch.long).reshape(len(tables), width)
+def _pad_tables(tables: list[list[int]], width: int, fill: int, device: torch.device) -> torch.Tensor:
+    rows = [t + [fill] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(tables), width)
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, kv_cache: KVCache, device: str = "cpu") -> None:
+    def __init__(
+        self, model: DecoderLM, kv_cache: KVCache, device: str = "cpu", *, max_num_seqs: int = 1,
+        max_blocks_per_seq: int = MIN_TABLE_WIDTH,
+    ) -> None:  # fmt: skip
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.scratch_block = kv_cache.num_blocks - 1  # reserved: see module docstring
         self.device = torch.device(device)
         self.decode_fn: DecodeFn | None = None
-        self.decode_sizes: list[int] = []  # batch sizes the compiled decode step was warmed for
-        self.pad_decode = self.device.type == "cuda"
-        self.min_decode_batch = 1
+        self.decode_sizes: list[int] = []  # batch sizes the compiled step was captured / warmed for
+        self.pad_decode = self.device.type == "cuda"  # fixed-shape CUDA graphs
+        self._max_batch = max_num_seqs
+        self._max_width = max(MIN_TABLE_WIDTH, max_blocks_per_seq)
+        # Flat host staging: each step views its first rows * cols elements as a contiguous [rows, cols] tensor (the
+        # graph is traced for contiguous inputs); numpy views make the per-row writes cheap. A GPU gets a twin.
+        size = max_num_seqs * (DECODE_COLS + self._max_width)
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._device_buf = self._host if self.device.type == "cpu" else self._host.to(self.device)
 
-    def eager_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, meta))
+    @property
+    def max_decode_batch(self) -> int:
+        return self._max_batch
+
+    @property
+    def max_table_width(self) -> int:
+        return self._max_width
+
+    def eager_decode(self, packed: torch.Tensor) -> torch.Tensor:
+        """The uncompiled decode step (same math as the compiled one): the reference the tests compare against."""
+        return self.model.decode(packed, self.kv_cache.layers)
 
     def padded_size(self, batch: int) -> int | None:
         """The batch size to run a decode batch at through the compiled step, or None for eager."""
-        i = bisect.bisect_left(self.decode_sizes, batch)
-        if i == len(self.decode_sizes):
+        if self.decode_fn is None or batch > self.max_decode_batch:
             return None
-        # The CPU graph is traced at batch >= 2; a lone sequence gets one padding row rather than a second graph
-        # (decode is memory-bound: the extra row costs next to nothing).
-        return self.decode_sizes[i] if self.pad_decode else max(batch, self.min_decode_batch)
+        if not self.pad_decode:
+            return batch
+        i = bisect.bisect_left(self.decode_sizes, batch)
+        return self.decode_sizes[i] if i < len(self.decode_sizes) else None
 
-    def prepare(self, scheduled: list[ScheduledSeq], pad_to: int | None = None) -> BatchInputs:
+    # ------------------------------------------------------------------------------------------ decode path
+    def prepare_decode(self, decodes: list[ScheduledSeq], pad_to: int | None = None) -> torch.Tensor:
+        """Fill the persistent buffer for a decode-only batch; returns the [B, DECODE_COLS + W] view to run."""
+        bs = self.block_size
+        rows = pad_to or len(decodes)
+        width = MIN_TABLE_WIDTH
+        for s in decodes:
+            width = max(width, len(s.seq.block_table))
+        if self.pad_decode:  # captured graphs read every column: keep the full width
+            width = self.max_table_width
+        if width > self.max_table_width:
+            raise ValueError(f"a sequence needs {width} KV blocks, more than the {self.max_table_width} planned")
+        cols = DECODE_COLS + width
+        buf = self._host_np[: rows * cols].reshape(rows, cols)
+        buf[:, DECODE_COLS:] = self.scratch_block
+        for i, s in enumerate(decodes):
+            seq = s.seq
+            pos = s.start
+            table = seq.block_table
+            buf[i, TOKEN] = seq.last_token_id
+            buf[i, POSITION] = pos
+            buf[i, SLOT] = table[pos // bs] * bs + pos % bs
+            buf[i, CONTEXT] = pos + 1
+            buf[i, DECODE_COLS : DECODE_COLS + len(table)] = table
+        for i in range(len(decodes), rows):  # padding rows write into the scratch block and see one token
+            buf[i, TOKEN] = 0
+            buf[i, POSITION] = 0
+            buf[i, SLOT] = self.scratch_block * bs
+            buf[i, CONTEXT] = 1
+        n = rows * cols
+        if self.device.type == "cpu":
+            return self._host[:n].view(rows, cols)
+        self._device_buf[:n].copy_(self._host[:n], non_blocking=True)
+        return self._device_buf[:n].view(rows, cols)
+
+    # ------------------------------------------------------------------------------------------- eager path
+    def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         order = prefills + decodes
@@ -78,54 +139,61 @@ class ModelRunner:
             table = seq.block_table
             if n > 1:
                 info.append((len(ids), n, start + n))
-            ids.extend(seq.all_token_ids[start : start + n])
+            ids.extend(seq.token_slice(start, start + n))
             for p in range(start, start + n):
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
             if s.samples:
                 sample_rows.append(len(ids) - 1)
-        real = len(ids)
-        dtables = [s.seq.block_table for s in decodes]
-        dlens = [s.start + 1 for s in decodes]
-        for _ in range((pad_to or 0) - len(decodes)):
-            ids.append(0)
-            pos.append(0)
-            slots.append(self.scratch_block * bs)
-            dtables.append([self.scratch_block])
-            dlens.append(1)
+        dev = self.device
         ptables = [s.seq.block_table for s in prefills]
         meta = AttentionMetadata(
-            prefill_info=torch.tensor(info, dtype=torch.long).reshape(-1, 3),
-            prefill_block_tables=_pad_tables(ptables, max(map(len, ptables), default=0), self.scratch_block),
+            prefill_info=torch.tensor(info, dtype=torch.long, device=dev).reshape(-1, 3),
+            prefill_block_tables=_pad_tables(ptables, max(map(len, ptables), default=0), self.scratch_block, dev),
             kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            prefill_rows=[list(r) for r in info],
         )
-        if dtables:
-            meta.decode_block_tables = _pad_tables(dtables, max(2, *map(len, dtables)), self.scratch_block)
-            meta.decode_ctx_lens = torch.tensor(dlens, dtype=torch.long)
+        if decodes:
+            dtables = [s.seq.block_table for s in decodes]
+            meta.decode_block_tables = _pad_tables(dtables, max(2, *map(len, dtables)), self.scratch_block, dev)
+            meta.decode_ctx_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long, device=dev)
         return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long),
-            positions=torch.tensor(pos, dtype=torch.long),
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(pos, dtype=torch.long, device=dev),
             meta=meta,
             order=order,
             sample_rows=sample_rows,
-            num_real_rows=real,
         )
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
         decode_only = all(s.num_new_tokens == 1 for s in scheduled)
-        padded = self.padded_size(len(scheduled)) if decode_only and self.decode_fn is not None else None
-        batch = self.prepare(scheduled, pad_to=padded)
-        samplers = [s for s in batch.order if s.samples]
+        padded = self.padded_size(len(scheduled)) if decode_only else None
         if padded is not None:
             assert self.decode_fn is not None
-            logits = self.decode_fn(batch.input_ids, batch.positions, batch.meta)[batch.sample_rows]
+            logits = self.decode_fn(self.prepare_decode(scheduled, padded))[: len(scheduled)]
+            order = scheduled
         else:
+            batch = self.prepare(scheduled)
+            order = batch.order
             hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-            logits = self.model.compute_logits(hidden[batch.sample_rows]) if samplers else None
-        results: list[tuple[ScheduledSeq, SampleResult | None]] = [(s, None) for s in batch.order if not s.samples]
+            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+            logits = self.model.compute_logits(hidden[rows]) if batch.sample_rows else None
+        samplers = [s for s in order if s.samples]
+        results: list[tuple[ScheduledSeq, SampleResult | None]] = [(s, None) for s in order if not s.samples]
         if samplers and logits is not None:
-            for s, r in zip(samplers, sample(logits, [s.seq for s in samplers])):
-                results.append((s, r))
+            results.extend(zip(samplers, sample(logits, [s.seq for s in samplers])))
         return results
+
+
+def dummy_decode_batch(
+    batch: int, block: int, block_size: int, device: torch.device | str, width: int = MIN_TABLE_WIDTH + 1
+) -> torch.Tensor:
+    """A decode batch whose every row reads and writes only `block` (start-up traces and warm-ups). The default
+    width differs from the minimum so that tracing never meets a dimension equal to another by accident."""
+    buf = torch.zeros((batch, DECODE_COLS + width), dtype=torch.long, device=device)
+    buf[:, SLOT] = block * block_size
+    buf[:, CONTEXT] = 1
+    buf[:, DECODE_COLS:] = block
+    return buf

@@ -1,6 +1,10 @@
-"""Turn a batch of next-token logits into tokens, each row with its own sampling parameters.
+"""Turn a batch of next-token logits into tokens, each row with its own sampling parameters, in batched tensor ops.
 
-Each sequence owns its torch.Generator, so a seeded request samples the same tokens whatever else shares its batch.
+Greedy rows take one argmax over the batch. Sampled rows are scaled by their temperatures and filtered by top-k,
+top-p and min-p as batch operations (per-row thresholds as tensors), then drawn by the exponential race
+argmax(p / E) with E ~ Exp(1): equivalent to drawing from p, and the noise for each row comes from its sequence's own
+torch.Generator, so a seeded request samples the same tokens whatever else shares its batch. All results reach the
+host in one transfer per step.
 """
 
 from __future__ import annotations
@@ -12,46 +16,63 @@ import torch
 from .sequence import Sequence, TokenLogprobs
 
 
-def apply_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits (ties at the k-th value are kept too); the rest become -inf."""
-    if k <= 0 or k >= logits.shape[-1]:
+def _as_rows(v: torch.Tensor | float | int, logits: torch.Tensor) -> torch.Tensor:
+    t = torch.as_tensor(v, device=logits.device)
+    return t.reshape(-1, 1) if t.dim() else t.reshape(1, 1).expand(logits.shape[0] if logits.dim() > 1 else 1, 1)
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
+    """Keep each row's k largest logits (ties at the k-th value are kept too); the rest become -inf. k <= 0 or
+    k >= vocab disables it for that row. `logits` is [V] or [B, V]; `k` an int or one per row."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    vocab = rows.shape[-1]
+    kk = _as_rows(k, rows).long()
+    off = (kk <= 0) | (kk >= vocab)
+    if bool(off.all()):
         return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
-    return logits.masked_fill(logits < kth, float("-inf"))
+    kk = torch.where(off, torch.ones_like(kk), kk)
+    kth = torch.topk(rows, int(kk.max()), dim=-1).values.gather(-1, kk - 1)
+    kth = kth.masked_fill(off, float("-inf"))  # rows without a top-k keep everything
+    return rows.masked_fill(rows < kth, float("-inf")).reshape(logits.shape)
 
 
-def apply_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor | float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability mass reaches p (always at least one)."""
-    if p >= 1.0:
+    rows = logits.reshape(-1, logits.shape[-1])
+    pp = _as_rows(p, rows).float()
+    if bool((pp >= 1.0).all()):
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    sorted_logits, order = torch.sort(rows, dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     # A token is dropped when the mass strictly before it already reaches p.
     mass_before = probs.cumsum(dim=-1) - probs
-    drop_sorted = mass_before >= p
+    drop_sorted = (mass_before >= pp) & (pp < 1.0)
     drop_sorted[..., 0] = False
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-    return logits.masked_fill(drop, float("-inf"))
+    return rows.masked_fill(drop, float("-inf")).reshape(logits.shape)
 
 
-def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the top token's probability."""
-    if min_p <= 0.0:
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | float) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's top token's probability."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    mp = _as_rows(min_p, rows).float()
+    if bool((mp <= 0.0).all()):
         return logits
-    probs = logits.softmax(dim=-1)
-    threshold = probs.max(dim=-1, keepdim=True).values * min_p
-    return logits.masked_fill(probs < threshold, float("-inf"))
+    probs = rows.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * mp
+    return rows.masked_fill(probs < threshold, float("-inf")).reshape(logits.shape)
 
 
 def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """One row's repetition (CTRL-style, over prompt and output, as transformers) and presence/frequency
+    (OpenAI-style, over output) penalties, in place."""
     p = seq.params
     if p.repetition_penalty != 1.0:
-        # CTRL-style, as in transformers: over prompt and output tokens, shrink positive logits, grow negative.
-        ids = torch.tensor(sorted(set(seq.all_token_ids)), dtype=torch.long, device=logits.device)
+        ids = torch.tensor(sorted(set(seq.prompt_token_ids) | set(seq.output_token_ids)), dtype=torch.long,
+                           device=logits.device)  # fmt: skip
         vals = logits[ids]
         logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-        # OpenAI-style, over output tokens only.
         out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
         counts = torch.bincount(out, minlength=logits.shape[-1]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
@@ -64,33 +85,59 @@ class SampleResult:
     logprobs: TokenLogprobs | None
 
 
+def _has_penalty(seq: Sequence) -> bool:
+    p = seq.params
+    return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     """logits: [len(seqs), vocab] float32, one row per sequence that produces a token this step."""
-    results: list[SampleResult] = []
-    raw_logprobs = None
-    if any(s.params.logprobs is not None for s in seqs):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        row = logits[i]
-        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
-            row = apply_penalties(row.clone(), seq)
-        if p.greedy:
-            token = int(torch.argmax(row))
-        else:
-            row = row / p.temperature
-            row = apply_top_k(row, p.top_k)
-            row = apply_top_p(row, p.top_p)
-            row = apply_min_p(row, p.min_p)
-            probs = row.softmax(dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=seq.generator))
+    params = [s.params for s in seqs]
+    raw = logits
+    want_lp = [p.logprobs for p in params]
+    lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
+    logprobs = torch.log_softmax(raw, dim=-1) if lp_rows else None
+    penal = [i for i, s in enumerate(seqs) if _has_penalty(s)]
+    if penal:
+        logits = raw.clone()
+        for i in penal:
+            apply_penalties(logits[i], seqs[i])
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        dev = logits.device
+        idx = torch.tensor(sampled, dtype=torch.long, device=dev)
+        sub = logits[idx] / torch.tensor([params[i].temperature for i in sampled], device=dev)[:, None]
+        sub = apply_top_k(sub, torch.tensor([params[i].top_k for i in sampled], device=dev))
+        sub = apply_top_p(sub, torch.tensor([params[i].top_p for i in sampled], device=dev))
+        sub = apply_min_p(sub, torch.tensor([params[i].min_p for i in sampled], device=dev))
+        probs = sub.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        for row, i in enumerate(sampled):
+            noise[row].exponential_(generator=seqs[i].generator)
+        tokens = tokens.index_copy(0, idx, (probs / noise).argmax(dim=-1))
+    # Everything the host needs, in one transfer: tokens, their logprobs, and the top-n of the rows that ask.
+    parts = [tokens.double()]
+    kmax = max((n for n in want_lp if n), default=0)
+    if logprobs is not None:
+        parts.append(logprobs.gather(-1, tokens[:, None]).squeeze(-1).double())
+        if kmax:
+            top_vals, top_ids = torch.topk(logprobs, kmax, dim=-1)
+            parts += [top_ids.double().flatten(), top_vals.double().flatten()]
+    host = torch.cat(parts).tolist()
+    n = len(seqs)
+    toks = [int(t) for t in host[:n]]
+    results = []
+    for i, tok in enumerate(toks):
         lp = None
-        if raw_logprobs is not None and p.logprobs is not None:
-            lrow = raw_logprobs[i]
-            top = {}
-            if p.logprobs:
-                vals, ids = torch.topk(lrow, p.logprobs)
+        if logprobs is not None and want_lp[i] is not None:
+            chosen = host[n + i]
+            top: dict[int, float] = {}
+            if want_lp[i]:
+                base = 2 * n
+                ids = host[base + i * kmax : base + i * kmax + want_lp[i]]
+                vals = host[base + n * kmax + i * kmax : base + n * kmax + i * kmax + want_lp[i]]
                 top = {int(t): float(v) for t, v in zip(ids, vals)}
-            lp = TokenLogprobs(token_id=token, logprob=float(lrow[token]), top=top)
-        results.append(SampleResult(token, lp))
+            lp = TokenLogprobs(token_id=tok, logprob=float(chosen), top=top)
+        results.append(SampleResult(tok, lp))
     return results

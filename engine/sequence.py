@@ -46,10 +46,25 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
+    num_committed_blocks: int = 0  # leading full blocks whose hashes the block manager has published
 
     @property
     def all_token_ids(self) -> list[int]:
+        """A new list of every token (O(length): not for per-step paths; see token_slice / last_token_id)."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) without building the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p : stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def num_tokens(self) -> int:

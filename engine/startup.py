@@ -26,6 +26,7 @@ from .stages.kv_cache_profiling import KVCacheProfiling
 from .stages.load_weights import LoadWeights
 from .stages.model_init import ModelInit
 from .stages.model_prepare import ModelPrepare
+from .stages.native_kernels import NativeKernels
 from .stages.quantize_weights import QuantizeWeights
 from .stages.tokenizer_init import TokenizerInit
 from .stages.warmup import Warmup
@@ -40,6 +41,7 @@ def default_stages() -> list[Stage]:
         LoadWeights(),
         QuantizeWeights(),
         ModelInit(),
+        NativeKernels(),
         DynamoTransform(),
         GraphCompile(),
         KVCacheProfiling(),

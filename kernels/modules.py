@@ -1,9 +1,14 @@
-"""nn.Modules holding packed weights; forward(x[..., K]) goes through the dispatcher.
+"""The linear layers of the model: dense (`DenseLinear`) and quantized (`QuantLinear` and its formats).
 
-The buffers are exactly the canonical tensors of formats.py (`qweight`, `scales`, optional `zeros`/`smooth`),
-so a quantized state dict loads with `load_state_dict(sd, assign=True, strict=True)` into modules built on the
-`meta` device. Kernel-specific layouts are derived after loading (a load_state_dict post-hook) and again after a
-device move, and are never part of the state dict.
+Eager calls go through stock torch: `F.linear` for dense weights, the dispatcher (kernels/dispatch.py) for packed
+ones. Inside the compiled decode step (`torch.compiler.is_compiling()`, decided once at trace time) a layer whose
+native decode kernel was enabled by `enable_native_decode` calls glowplug's native GEMV instead
+(kernels/native.py), so the graph holds one opaque op per layer and no Python dispatch runs per step.
+
+The quantized modules' buffers are exactly the canonical tensors of formats.py (`qweight`, `scales`, optional
+`zeros`/`smooth`), so a quantized state dict loads with `load_state_dict(sd, assign=True, strict=True)` into modules
+built on the `meta` device. Kernel-specific layouts are derived after loading (a load_state_dict post-hook, and
+`enable_native_decode`) and again after a device move, and are never part of the state dict.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .dispatch import Dispatcher, Runtime, default_dispatcher
@@ -22,6 +28,23 @@ from .formats import (
     PackedWeight,
     W8A8Weight,
 )
+
+
+class DenseLinear(nn.Linear):
+    """nn.Linear (same parameters, same state dict) whose compiled decode step can run the native dense GEMV."""
+
+    native_small_m: int | None = None  # set by enable_native_decode; None: stock F.linear everywhere
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.project(x, self.weight, self.bias, self.native_small_m)
+
+    @staticmethod
+    def project(x: Tensor, weight: Tensor, bias: Tensor | None, small_m: int | None) -> Tensor:
+        """x @ weight^T (+ bias): the native op inside a compiled decode step when enabled, else F.linear."""
+        if small_m is not None and torch.compiler.is_compiling() and x.dim() == 2:
+            y: Tensor = torch.ops.glowplug_native.dense_linear(x, weight, small_m)
+            return y if bias is None else y + bias
+        return F.linear(x, weight, bias)
 
 
 class QuantLinear(nn.Module):
@@ -47,6 +70,9 @@ class QuantLinear(nn.Module):
             self.register_parameter("bias", None)
         self._dispatcher = dispatcher
         self._runtime: Runtime | None = None
+        self._native: Any = None  # kernels.native.NativeState once enable_native_decode ran; its tensors are buffers
+        # The M a compiled graph plans its (non-native) kernel for: a traced batch size is symbolic, not an int.
+        self.trace_m = 1
         self.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
 
     # -- subclass interface -------------------------------------------------------------------------------
@@ -68,8 +94,10 @@ class QuantLinear(nn.Module):
             self._runtime = self.dispatcher.prepare(self.packed())
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantLinear:
-        # Device/dtype moves invalidate the derived layouts; rebuild lazily on the next forward.
+        # Device/dtype moves invalidate the derived layouts; rebuild lazily on the next forward (the native layout
+        # is CPU-only: it is dropped, and enable_native_decode must run again).
         self._runtime = None
+        self._native = None
         out: QuantLinear = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         return out
 
@@ -78,7 +106,13 @@ class QuantLinear(nn.Module):
             raise ValueError(f"{type(self).__name__}: expected {self.in_features} input features, got {x.shape[-1]}")
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] == 0:
+        compiling = torch.compiler.is_compiling()
+        if compiling and self._native is not None:
+            from .native import native_linear
+
+            y = native_linear(x2, self._native, self.native_tensors())
+            return self._finish(y, x, lead)
+        if not compiling and x2.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
         disp = self.dispatcher
         rt = self._runtime
@@ -86,7 +120,31 @@ class QuantLinear(nn.Module):
             self.prepare()
             rt = self._runtime
             assert rt is not None
-        y = disp.linear(x2, rt)
+        if compiling:
+            # A traced batch size is symbolic (the decode graph's is unbacked): plan for trace_m then; a static one
+            # is a plain int and picks its own kernel.
+            m = x2.shape[0]
+            y = disp.run_path(disp.choose(rt, m if isinstance(m, int) else self.trace_m), x2, rt)
+        else:
+            y = disp.linear(x2, rt)
+        return self._finish(y, x, lead)
+
+    def native_tensors(self) -> tuple[Tensor, ...]:
+        assert self._native is not None
+        return tuple(getattr(self, f"native_{i}") for i in range(len(self._native.tensors)))
+
+    def enable_native(self) -> int:
+        """Derive this layer's native-kernel layout (kernels/native.py) and register it as non-persistent buffers, so
+        a compiled graph takes them as inputs. Returns the bytes a decode step reads through it."""
+        from .native import native_weight_bytes, prepare_native
+
+        st = prepare_native(self.packed())
+        for i, t in enumerate(st.tensors):
+            self.register_buffer(f"native_{i}", t, persistent=False)
+        self._native = st
+        return native_weight_bytes(st)
+
+    def _finish(self, y: Tensor, x: Tensor, lead: torch.Size) -> Tensor:
         if y.dtype != x.dtype:  # skip no-op casts: this runs ~200 times per decoded token
             y = y.to(x.dtype)
         if self.bias is not None:
@@ -126,6 +184,31 @@ def _after_load(module: nn.Module, incompatible: Any) -> None:
     assert isinstance(module, QuantLinear)
     if all(b.device.type != "meta" for b in module.buffers(recurse=False)):
         module.prepare()
+
+
+def enable_native_decode(model: nn.Module, small_m: int) -> dict[str, int]:
+    """Switch every linear layer of `model` to the native decode kernels (call after loading, once
+    `kernels.native.load_native` succeeded). Dense layers run natively in bf16/fp32 only. Returns counts and the
+    bytes one decode step reads through them (the weight traffic per token at batch 1)."""
+    from .native import native_weight_bytes  # noqa: F401 - imported for its side effect of failing early
+
+    dense = quant = 0
+    nbytes = 0
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            nbytes += mod.enable_native()
+            quant += 1
+        elif isinstance(mod, DenseLinear) and mod.weight.dtype in (torch.bfloat16, torch.float32):
+            mod.native_small_m = small_m
+            nbytes += mod.weight.nbytes
+            dense += 1
+        elif hasattr(mod, "native_small_m") and not isinstance(mod, DenseLinear):
+            weight = getattr(mod, "_embedding").weight  # TiedHead: the shared embedding matrix
+            if weight.dtype in (torch.bfloat16, torch.float32):
+                mod.native_small_m = small_m
+                nbytes += weight.nbytes
+                dense += 1
+    return {"dense": dense, "quantized": quant, "bytes_per_token": nbytes}
 
 
 def prepare_modules(model: nn.Module) -> int:

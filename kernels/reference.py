@@ -91,3 +91,37 @@ def attention_int8_kv(
 ) -> Tensor:
     """Attention over an int8 KV cache (quantize_kv layout): dequantize K/V, then `attention`."""
     return attention(q, dequantize_kv(k_q, k_scale), dequantize_kv(v_q, v_scale), causal=causal)
+
+
+def dequantize_intn_rows(rows: Tensor, n: int, k: int, bits: int, group_size: int) -> Tensor:
+    """The fp32 [N, K] matrix stored in the native kernels' fused int4/int2 rows (kernels.native.pack_intn_rows):
+    codes planar within each group, then G fp16 scales and G fp16 mins, w = q * scale + min."""
+    per = 8 // bits
+    g = k // group_size
+    code_bytes = k * bits // 8
+    body = rows[:n]
+    codes = body[:, :code_bytes].reshape(n, g, 1, group_size // per)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=rows.device).view(1, 1, per, 1)
+    q = ((codes >> shifts) & ((1 << bits) - 1)).reshape(n, k).float()
+    scales = body[:, code_bytes : code_bytes + 2 * g].contiguous().view(torch.float16).float()
+    mins = body[:, code_bytes + 2 * g : code_bytes + 4 * g].contiguous().view(torch.float16).float()
+    return q * scales.repeat_interleave(group_size, dim=1) + mins.repeat_interleave(group_size, dim=1)
+
+
+def native_linear(x: Tensor, kind: str, tensors: tuple[Tensor, ...], n: int, k: int, bits: int = 0,
+                  group_size: int = 0) -> Tensor:
+    """fp32 oracle for each native op (kernels/native.py), from the same operands the op receives."""
+    xf = x.float()
+    if kind == "dense":
+        return xf @ tensors[0].float().t()
+    if kind == "int8":
+        q, scales = tensors
+        gs = k // scales.shape[1]
+        return linear(xf, Int8Weight(q, scales, None if scales.shape[1] == 1 else gs))
+    if kind == "intn":
+        return xf @ dequantize_intn_rows(tensors[0], n, k, bits, group_size).t()
+    if kind == "w8a8":
+        q, wscale, _, inv = tensors
+        smooth = None if inv.numel() == 0 else 1.0 / inv
+        return linear(xf, W8A8Weight(q, wscale, smooth))
+    raise ValueError(f"unknown native kernel kind {kind!r}")

@@ -7,7 +7,8 @@ with QuantLinears whose buffers have exactly those names, so that
 works. Only the attention/MLP projections are quantized; embeddings, norms, biases and lm_head stay as they are.
 
 `skip` callbacks receive the *module* name (the state-dict key without ".weight"), in both functions, so the
-same callback selects the same layers on both sides.
+same callback selects the same layers on both sides. `quantize_head=True` adds the output projection (`lm_head`):
+it is a quarter of SmolLM2's bytes per decoded token.
 
 The group size is per layer: the configured one where it divides K, else the largest smaller allowed one that
 does (formats.effective_group_size); SmolLM2's K=576 projections get 64 under a configured 128.
@@ -34,12 +35,16 @@ from .formats import (
 )
 from .modules import Int2Linear, Int4Linear, Int8Linear, QuantLinear, W8A8Linear
 
-LINEAR_NAMES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The decoder's projections: glowplug's fused names and the Hugging Face ones (state dicts straight from a checkpoint).
+LINEAR_NAMES: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+                                 "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # fmt: skip
+HEAD_NAME = "lm_head"
 SkipFn = Callable[[str], bool]
 
 
-def is_target_module(name: str) -> bool:
-    return name.rsplit(".", 1)[-1] in LINEAR_NAMES
+def is_target_module(name: str, *, quantize_head: bool = False) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf in LINEAR_NAMES or (quantize_head and name == HEAD_NAME)
 
 
 def _never(_: str) -> bool:
@@ -83,14 +88,15 @@ class QuantScheme:
         return effective_group_size(k, group_size, GROUP_SIZES)
 
     def quantize_state_dict(self, sd: Mapping[str, Tensor], *, group_size: int | None = None,
-                            skip: SkipFn | None = None) -> dict[str, Tensor]:
+                            skip: SkipFn | None = None, quantize_head: bool = False) -> dict[str, Tensor]:
         """Quantize the 2-D `.weight` of every target projection not skipped; pass all else through unchanged."""
         gs = self.resolve_group_size(group_size)
         skip = skip or _never
         out: dict[str, Tensor] = {}
         for key, tensor in sd.items():
             module = key[: -len(".weight")] if key.endswith(".weight") else None
-            if module is None or tensor.ndim != 2 or not is_target_module(module) or skip(module):
+            if (module is None or tensor.ndim != 2 or not is_target_module(module, quantize_head=quantize_head)
+                    or skip(module)):
                 out[key] = tensor
                 continue
             packed = self.quantize_weight(tensor, self.layer_group_size(int(tensor.shape[1]), gs), module)
@@ -99,13 +105,15 @@ class QuantScheme:
         return out
 
     def convert_for_runtime(self, model: nn.Module, *, group_size: int | None = None,
-                            skip: SkipFn | None = None, dispatcher: Dispatcher | None = None) -> nn.Module:
+                            skip: SkipFn | None = None, dispatcher: Dispatcher | None = None,
+                            quantize_head: bool = False) -> nn.Module:
         """Swap target nn.Linear modules in place for this scheme's QuantLinear (on the Linear's device, with
         its bias dtype). Returns `model` for chaining."""
         gs = self.resolve_group_size(group_size)
         skip = skip or _never
         targets = [(name, mod) for name, mod in model.named_modules()
-                   if isinstance(mod, nn.Linear) and is_target_module(name) and not skip(name)]
+                   if isinstance(mod, nn.Linear) and is_target_module(name, quantize_head=quantize_head)
+                   and not skip(name)]
         for name, linear in targets:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -130,7 +138,7 @@ class QuantScheme:
         total = 0
         for key, t in sd.items():
             module, _, leaf = key.rpartition(".")
-            if is_target_module(module) and leaf != "bias":
+            if is_target_module(module, quantize_head=True) and leaf != "bias":
                 total += t.numel() * t.element_size()
         return total
 
@@ -151,12 +159,13 @@ class NoQuant(QuantScheme):
         return None
 
     def quantize_state_dict(self, sd: Mapping[str, Tensor], *, group_size: int | None = None,
-                            skip: SkipFn | None = None) -> dict[str, Tensor]:
+                            skip: SkipFn | None = None, quantize_head: bool = False) -> dict[str, Tensor]:
         self.resolve_group_size(group_size)
         return dict(sd)
 
     def convert_for_runtime(self, model: nn.Module, *, group_size: int | None = None,
-                            skip: SkipFn | None = None, dispatcher: Dispatcher | None = None) -> nn.Module:
+                            skip: SkipFn | None = None, dispatcher: Dispatcher | None = None,
+                            quantize_head: bool = False) -> nn.Module:
         self.resolve_group_size(group_size)
         return model
 

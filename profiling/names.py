@@ -26,6 +26,7 @@ TOKENIZER_INIT: Final = "tokenizer_init"
 LOAD_WEIGHTS: Final = "load_weights"
 MODEL_INIT: Final = "model_init"
 QUANTIZE_WEIGHTS: Final = "quantize_weights"
+NATIVE_KERNELS: Final = "native_kernels"
 DYNAMO_TRANSFORM: Final = "dynamo_transform"
 GRAPH_COMPILE: Final = "graph_compile"
 KV_CACHE_PROFILING: Final = "kv_cache_profiling"
@@ -39,6 +40,7 @@ STAGES: Final[tuple[str, ...]] = (
     LOAD_WEIGHTS,
     MODEL_INIT,
     QUANTIZE_WEIGHTS,
+    NATIVE_KERNELS,
     DYNAMO_TRANSFORM,
     GRAPH_COMPILE,
     KV_CACHE_PROFILING,
@@ -90,6 +92,8 @@ class Attr:
     MAX_MODEL_LEN: Final = "glowplug.max_model_len"
     GRAPH_SIZES: Final = "glowplug.graph_sizes"  # list[int]
     GRAPH_SIZE_TIMES_S: Final = "glowplug.graph_size_times_s"  # list[float], aligned with GRAPH_SIZES
+    BYTES_PER_TOKEN: Final = "glowplug.bytes_per_token"  # weight bytes one decode step streams at batch 1
+    RECOMPILES: Final = "glowplug.recompiles"
     SKIPPED_REASON: Final = "glowplug.skipped_reason"
     ERROR: Final = "glowplug.error"
     PID: Final = "glowplug.pid"
@@ -126,6 +130,7 @@ class Row:
     LOAD_WEIGHTS: Final = "load_weights"
     MODEL_INIT: Final = "model_init"
     QUANTIZE_WEIGHTS: Final = "quantize_weights"
+    NATIVE_KERNELS: Final = "native_kernels"
     MODEL_LOADING: Final = "model_loading"
     DYNAMO_TRANSFORM_TIME: Final = "dynamo_transform_time"
     GRAPH_COMPILE_GENERAL_SHAPE: Final = "graph_compile_general_shape"
@@ -163,6 +168,7 @@ LEAF_ROWS: Final[tuple[str, ...]] = (
     Row.LOAD_WEIGHTS,
     Row.MODEL_INIT,
     Row.QUANTIZE_WEIGHTS,
+    Row.NATIVE_KERNELS,
     Row.DYNAMO_TRANSFORM_TIME,
     Row.GRAPH_COMPILE_GENERAL_SHAPE,
     Row.GRAPH_COMPILE_CACHED,
@@ -173,11 +179,12 @@ LEAF_ROWS: Final[tuple[str, ...]] = (
 )
 
 # Aggregates: each is the sum of its leaves. Unlike vLLM's table, torch.compile includes the graph compile
-# (vLLM prints torch.compile == dynamo_transform_time). init_engine is the engine's own set-up after the model
+# (vLLM prints torch.compile == dynamo_transform_time) and the build of the native kernels the graph calls. init_engine is the engine's own set-up after the model
 # exists and is compiled: profiling, KV allocation, capture and warm-up; compile is not in it because here it is
 # a stage of its own (in vLLM it runs inside the profiling pass, so its init_engine contains it).
 AGGREGATE_ROWS: Final[dict[str, tuple[str, ...]]] = {
     Row.MODEL_LOADING: (Row.LOAD_WEIGHTS, Row.MODEL_INIT, Row.QUANTIZE_WEIGHTS),
-    Row.TORCH_COMPILE: (Row.DYNAMO_TRANSFORM_TIME, Row.GRAPH_COMPILE_GENERAL_SHAPE, Row.GRAPH_COMPILE_CACHED),
+    Row.TORCH_COMPILE: (Row.NATIVE_KERNELS, Row.DYNAMO_TRANSFORM_TIME, Row.GRAPH_COMPILE_GENERAL_SHAPE,
+                        Row.GRAPH_COMPILE_CACHED),
     Row.INIT_ENGINE: (Row.KV_CACHE_PROFILING, Row.KV_CACHE_INIT, Row.GRAPH_CAPTURING, Row.WARMUP),
 }

@@ -1,8 +1,14 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch.
 
-Module and parameter names mirror Hugging Face's, so a checkpoint's state dict loads with no renaming and the
-quantizers can find linear layers by their usual names. The forward pass takes a flattened batch of tokens and an
-`AttentionMetadata` describing which sequence each token belongs to, as paged-attention engines do.
+Two forward paths share the modules:
+- `forward(input_ids, positions, meta)`: any batch (prefill chunks and decodes mixed), eager, over `AttentionMetadata`.
+- `decode(packed, caches)`: a decode-only batch as one traceable function of one int64 input tensor (see
+  engine/attention.py), which engine/compile.py compiles. Each layer's body is a nested compile region, so Inductor
+  compiles one layer and stamps it out for the others.
+
+The projections are fused at load time: q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (one weight read and one
+kernel call each instead of three and two). Checkpoints keep Hugging Face's names; `checkpoint_shapes` lists what a
+checkpoint must hold and `engine/models/loader.py` fuses on load. The quantizers see the fused names.
 """
 
 from __future__ import annotations
@@ -13,8 +19,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, paged_attention
+from ...kernels.modules import DenseLinear
+from ..attention import AttentionMetadata, decode_attention, paged_attention
+from ..kv_cache import LayerKV
 from .arch import ModelArch, RopeScaling
+
+# fused module (suffix within a layer) -> the checkpoint modules it concatenates, in row order
+FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fused_rows(arch: ModelArch) -> dict[str, tuple[int, ...]]:
+    """Rows each part contributes to its fused module."""
+    q, kv, i = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim, arch.intermediate_size
+    return {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (i, i)}
 
 
 class RMSNorm(nn.Module):
@@ -51,7 +71,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, max_pos: in
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, built once the model leaves the meta device."""
+    """cos/sin tables for every position, built once the model leaves the meta device and indexed by position."""
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -88,37 +108,43 @@ class Attention(nn.Module):
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
         h, d = arch.hidden_size, arch.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=arch.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=arch.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=arch.o_bias)
+        self.qkv_proj = DenseLinear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=arch.qkv_bias)
+        self.o_proj = DenseLinear(self.num_heads * d, h, bias=arch.o_bias)
         if arch.qk_norm:
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
         self.scale = d**-0.5
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t, d = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        q, k, v = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, self.num_kv_heads, d)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, *rope), RotaryEmbedding.apply(k, *rope)
+        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self._qkv(x, *rope)
         o = paged_attention(q, k, v, self.layer, meta, self.scale)
-        return self.o_proj(o.reshape(T, -1))
+        return self.o_proj(o.reshape(x.shape[0], -1))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV, packed: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(x, cos, sin)
+        o = decode_attention(q, k, v, cache, packed, self.scale)
+        return self.o_proj(o.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         h, i = arch.hidden_size, arch.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=arch.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=arch.mlp_bias)
+        self.intermediate_size = i
+        self.gate_up_proj = DenseLinear(h, 2 * i, bias=arch.mlp_bias)
+        self.down_proj = DenseLinear(i, h, bias=arch.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -131,6 +157,17 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    @torch.compiler.nested_compile_region
+    def decode(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, packed: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """One layer of the decode step. A nested compile region: traced and compiled once, reused by every layer
+        (the cache tensors come in one by one so that the regions' inputs never alias)."""
+        cache = LayerKV(k_cache, v_cache, k_scale, v_scale)
+        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, packed)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -150,6 +187,19 @@ class Backbone(nn.Module):
         return self.norm(x)
 
 
+class TiedHead(nn.Module):
+    """The output projection of a model whose head shares the embedding matrix. The embedding is referenced, not
+    registered, so the state dict holds the matrix once (as `model.embed_tokens.weight`)."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        object.__setattr__(self, "_embedding", embedding)
+        self.native_small_m: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return DenseLinear.project(x, self._embedding.weight, None, self.native_small_m)
+
+
 class DecoderLM(nn.Module):
     """input_ids [T] + positions [T] + metadata -> hidden states [T, hidden]; `compute_logits` on chosen rows."""
 
@@ -157,15 +207,47 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = Backbone(arch)
-        if not arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head: nn.Module = (
+            TiedHead(self.model.embed_tokens)
+            if arch.tie_word_embeddings
+            else DenseLinear(arch.hidden_size, arch.vocab_size, bias=False)
+        )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.arch.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
-    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(t.shape) for name, t in self.state_dict().items()}
+    def decode(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
+        """Logits [B, vocab] (fp32) for a decode-only batch given as the packed [B, DECODE_COLS + W] step input."""
+        from ..attention import POSITION, TOKEN
+
+        m = self.model
+        x = m.embed_tokens(packed[:, TOKEN])
+        cos, sin = m.rotary_emb.tables(packed[:, POSITION], x.dtype)
+        for layer, c in zip(m.layers, caches):
+            x = layer.decode(x, cos, sin, c.k, c.v, c.k_scale, c.v_scale, packed)
+        return self.compute_logits(m.norm(x))
+
+    def untie_head_for_quantization(self) -> None:
+        """Give a tied model a head of its own (on meta) so that the quantizer can convert it; the quantized head is
+        then loaded from the quantized state dict, made from the embedding matrix."""
+        if isinstance(self.lm_head, TiedHead):
+            with torch.device("meta"):
+                self.lm_head = DenseLinear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Tensor names and shapes a Hugging Face checkpoint of this model holds (unfused names)."""
+        rows = fused_rows(self.arch)
+        out: dict[str, tuple[int, ...]] = {}
+        for name, t in self.state_dict().items():
+            prefix, _, leaf = name.rpartition(".")
+            fused = next((f for f in FUSED_MODULES if prefix.endswith("." + f)), None)
+            if fused is None:
+                out[name] = tuple(t.shape)
+                continue
+            base = prefix[: -len(fused)]
+            for part, n in zip(FUSED_MODULES[fused], rows[fused]):
+                out[f"{base}{part}.{leaf}"] = (n, *t.shape[1:])
+        return out

@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .arch import ModelArch, ModelError
-from .llama import DecoderLM
+from .llama import FUSED_MODULES, DecoderLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,11 +72,21 @@ def read_checkpoint(model_dir: Path) -> CheckpointData:
     return CheckpointData(state_dict=sd, files=files, bytes_read=total)
 
 
-def resolve_dtype(name: str, arch: ModelArch, device: str) -> torch.dtype:
+def resolve_dtype(name: str, arch: ModelArch, device: str, *, quantized_source: bool = False) -> torch.dtype:
+    """`--dtype auto` follows the checkpoint's dtype, as vLLM does (a float32 checkpoint runs in float32; bfloat16 and
+    float16 ones run in bfloat16 on a CPU), except on a CPU without hardware bf16 (AVX512-BF16 or AMX), where bf16
+    arithmetic is emulated and float32 is the faster choice. A block-quantized source (a Q4/Q8 GGUF) has no float
+    dtype of its own; it counts as bfloat16, the dtype such models are trained and published in."""
     if name != "auto":
         return DTYPES[name]
-    # fp32 on the CPU keeps exact parity with the reference implementation; bf16 on GPUs.
-    return torch.float32 if device == "cpu" else torch.bfloat16
+    declared = torch.bfloat16 if quantized_source else DTYPES.get(arch.torch_dtype or "", torch.bfloat16)
+    if device != "cpu":
+        return declared
+    from ...kernels.native import cpu_has_native_bf16
+
+    if declared == torch.float32 or not cpu_has_native_bf16():
+        return torch.float32
+    return torch.bfloat16
 
 
 def build_meta_model(arch: ModelArch) -> DecoderLM:
@@ -84,10 +94,10 @@ def build_meta_model(arch: ModelArch) -> DecoderLM:
         return DecoderLM(arch)
 
 
-def check_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
-    """Match checkpoint tensors to the model by name and shape; return only the tensors the model takes."""
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    tied = getattr(getattr(model, "arch", None), "tie_word_embeddings", False)
+def check_state_dict(model: DecoderLM, sd: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
+    """Match checkpoint tensors (Hugging Face names) to the model by name and shape; return only those it takes."""
+    expected = model.checkpoint_shapes()
+    tied = model.arch.tie_word_embeddings
     missing = [k for k in expected if k not in sd]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -113,6 +123,36 @@ def check_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor], where:
     return {k: sd[k] for k in expected}
 
 
+def fuse_checkpoint(sd: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> model names: q/k/v rows concatenated into qkv_proj, gate/up into gate_up_proj (weights and
+    biases). Floating tensors are cast to `dtype` on the way (the fused ones in the same pass as the copy); tensors
+    that need neither stay the checkpoint's own (mmap'd, no copy)."""
+    out: dict[str, torch.Tensor] = {}
+    consumed: set[str] = set()
+    for name in sd:
+        for fused, parts in FUSED_MODULES.items():
+            head = "." + parts[0] + "."
+            if head not in name:
+                continue
+            base, leaf = name.split(head)
+            keys = [f"{base}.{p}.{leaf}" for p in parts]
+            tensors = [sd[k] for k in keys]
+            target = dtype if dtype is not None and tensors[0].is_floating_point() else tensors[0].dtype
+            rows = sum(int(t.shape[0]) for t in tensors)
+            joined = torch.empty((rows, *tensors[0].shape[1:]), dtype=target, device=tensors[0].device)
+            start = 0
+            for t in tensors:
+                joined[start : start + t.shape[0]].copy_(t)
+                start += int(t.shape[0])
+            out[f"{base}.{fused}.{leaf}"] = joined
+            consumed.update(keys)
+    for name, t in sd.items():
+        if name in consumed:
+            continue
+        out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
+    return out
+
+
 def materialize(
     model: torch.nn.Module,
     sd: dict[str, torch.Tensor],
@@ -121,10 +161,16 @@ def materialize(
     where: Path,
     keep_dtype: frozenset[str] = frozenset(),
 ) -> None:
-    """Assign checkpoint tensors into the meta model; casts only the floating tensors not already in `dtype`
-    (except `keep_dtype`: quantized layers' scales keep the precision their kernels expect)."""
-    wanted = check_state_dict(model, sd, where)
+    """Assign tensors (model names, see fuse_checkpoint) into the meta model; casts only the floating tensors not
+    already in `dtype` (except `keep_dtype`: quantized layers' scales keep the precision their kernels expect)."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise ModelError(f"{where}: no tensor for {missing[0]!r} ({len(missing)} missing) after loading; re-export it")
+    wanted = {k: sd[k] for k in expected}
     for k, t in wanted.items():
+        if tuple(t.shape) != expected[k]:
+            raise ModelError(f"{where}: tensor {k!r} has shape {list(t.shape)}, expected {list(expected[k])}")
         if t.is_floating_point() and t.dtype != dtype and k not in keep_dtype:
             wanted[k] = t.to(dtype)
         if str(wanted[k].device) != device:
@@ -138,6 +184,7 @@ def load_model(
 ) -> tuple[DecoderLM, CheckpointData]:
     ckpt = read_checkpoint(model_dir)
     model = build_meta_model(arch)
-    materialize(model, ckpt.state_dict, dtype, device, model_dir)
+    sd = fuse_checkpoint(check_state_dict(model, ckpt.state_dict, model_dir), dtype)
+    materialize(model, sd, dtype, device, model_dir)
     model.model.rotary_emb.build(max_positions, device)
     return model, ckpt

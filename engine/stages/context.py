@@ -35,6 +35,7 @@ class EngineContext(StartupContext):
     state_dict: dict[str, torch.Tensor] | None = None  # load_weights (replaced by quantize_weights)
     weights_bytes: int = 0  # load_weights / quantize_weights
     model: DecoderLM | None = None  # model_init
+    native: Any = None  # native_kernels (kernels.native.NativeBuild)
     backend: DeferredInductor | None = None  # dynamo_transform
     decode_fn: Any = None  # dynamo_transform
     compile_cache: CompileCache | None = None  # dynamo_transform

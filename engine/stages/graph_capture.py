@@ -1,9 +1,10 @@
-"""Warm the compiled decode step for every captured batch size, so that no request pays a compile.
+"""Capture (CUDA) or warm (CPU) the compiled decode step for each batch size, so no request pays a compile.
 
-On the CPU the decode graph is traced with a symbolic batch size (>= 2), so the sizes warmed here cover every batch
-up to the largest one and batch 1 runs padded to 2 (a size-1 dimension would be a second graph to compile). CUDA-graph capture is the GPU
-counterpart; it needs a capture-safe attention (no host syncs) that this torch attention backend is not, so on
-CUDA the stage reports that instead of pretending.
+CPU: the graph has an unbacked batch dimension, so one compiled graph serves every batch size; the stage runs it at
+each capture size against the real cache (first-call set-up, allocator warm-up) and checks that none of them made
+Dynamo trace again. CUDA: a `torch.cuda.CUDAGraph` is captured per size over the runner's persistent input buffer;
+a batch is padded up to the next captured size (engine/model_runner.py), and replay needs no host work beyond
+writing that buffer.
 """
 
 from __future__ import annotations
@@ -13,18 +14,52 @@ import time
 import torch
 
 from ...profiling.names import Attr
+from ..model_runner import ModelRunner
 from .base import StageReport
 from .context import EngineContext
-from .dynamo_transform import TRACE_BATCH, dummy_decode_inputs
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def capture_sizes(ctx: EngineContext) -> list[int]:
-    sizes = ctx.config.cudagraph_capture_sizes or DEFAULT_SIZES
+    """Batch sizes to capture (CUDA) or warm (CPU), up to --max-num-seqs. CUDA also captures --max-num-seqs itself,
+    so every batch has a captured size to pad up to."""
     limit = ctx.config.scheduler.max_num_seqs
-    picked = sorted({s for s in sizes if 1 <= s <= limit})
-    return picked or [1]
+    picked = {s for s in ctx.config.cudagraph_capture_sizes or DEFAULT_SIZES if 1 <= s <= limit}
+    if ctx.device == "cuda":
+        picked.add(limit)
+    return sorted(picked) or [1]
+
+
+class CudaGraphDecode:
+    """The decode step replayed from CUDA graphs captured per batch size over the runner's input buffer."""
+
+    def __init__(self, runner: ModelRunner, decode_fn: object, sizes: list[int]) -> None:
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.times: list[float] = []
+        caches = runner.kv_cache.layers
+        pool = None
+        for size in sorted(sizes, reverse=True):  # largest first: later graphs reuse its memory pool
+            packed = runner.prepare_decode([], pad_to=size)  # every row padding: reads/writes the scratch block
+            t0 = time.perf_counter()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up outside the capture (allocations, lazy inits)
+                    decode_fn(packed, caches)  # type: ignore[operator]
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = decode_fn(packed, caches)  # type: ignore[operator]
+            pool = graph.pool()
+            torch.cuda.synchronize()
+            self.graphs[size] = (graph, out)
+            self.times.append(round(time.perf_counter() - t0, 4))
+
+    def __call__(self, packed: torch.Tensor) -> torch.Tensor:
+        graph, out = self.graphs[int(packed.shape[0])]
+        graph.replay()
+        return out
 
 
 class GraphCapture:
@@ -32,28 +67,34 @@ class GraphCapture:
 
     def run(self, ctx: EngineContext) -> StageReport:
         if not ctx.config.compile_enabled():
-            return StageReport.skipped(f"--compile {ctx.config.compile}" + (" (CPU)" if ctx.config.compile == "auto" else ""))
-        if ctx.device != "cpu":
-            return StageReport.skipped("skipped: CUDA graph capture needs a capture-safe attention backend")
+            return StageReport.skipped(f"--compile {ctx.config.compile}")
         runner = ctx.need(ctx.runner, "the model runner", "kv_cache_init")
         decode_fn = ctx.need(ctx.decode_fn, "the traced decode step", "dynamo_transform")
-        sizes = capture_sizes(ctx)
-        if ctx.device == "cpu":
-            runner.min_decode_batch = TRACE_BATCH
-            sizes = sorted({max(s, TRACE_BATCH) for s in sizes})
-        times: list[float] = []
-        with torch.inference_mode():
-            for size in sizes:
-                t0 = time.perf_counter()
-                decode_fn(*dummy_decode_inputs(runner.kv_cache, size, runner.scratch_block))
-                times.append(round(time.perf_counter() - t0, 4))
-        runner.decode_fn = decode_fn
+        backend = ctx.need(ctx.backend, "the traced graphs", "dynamo_transform")
+        sizes = [s for s in capture_sizes(ctx) if s <= runner.max_decode_batch]
+        traced = len(backend.graphs)
+        caches = runner.kv_cache.layers
+        if ctx.device == "cuda":
+            captured = CudaGraphDecode(runner, decode_fn, sizes)
+            runner.decode_fn = captured
+            times = captured.times
+        else:
+            times = []
+            with torch.inference_mode():
+                for size in sizes:
+                    packed = runner.prepare_decode([], pad_to=size)
+                    t0 = time.perf_counter()
+                    decode_fn(packed, caches)
+                    times.append(round(time.perf_counter() - t0, 4))
+            runner.decode_fn = decode_fn.serving(caches)
         runner.decode_sizes = sizes
-        backend = ctx.backend
+        recompiles = len(backend.graphs) - traced
+        if recompiles:
+            raise RuntimeError(
+                f"the decode step was traced again {recompiles} time(s) while warming batch sizes {sizes}: a request "
+                f"would pay a compile. This is a bug in the decode graph's dynamic shapes."
+            )
         return StageReport(
-            attributes={
-                Attr.GRAPH_SIZES: sizes,
-                Attr.GRAPH_SIZE_TIMES_S: times,
-                "glowplug.graphs_total": len(backend.graphs) if backend is not None else 0,
-            }
+            attributes={Attr.GRAPH_SIZES: sizes, Attr.GRAPH_SIZE_TIMES_S: times, Attr.RECOMPILES: recompiles,
+                        "glowplug.graphs_total": len(backend.graphs)}  # fmt: skip
         )

@@ -13,7 +13,7 @@ class GraphCompile:
 
     def run(self, ctx: EngineContext) -> StageReport:
         if not ctx.config.compile_enabled():
-            return StageReport.skipped(f"--compile {ctx.config.compile}" + (" (CPU)" if ctx.config.compile == "auto" else ""))
+            return StageReport.skipped(f"--compile {ctx.config.compile}")
         backend = ctx.need(ctx.backend, "the traced graphs", "dynamo_transform")
         cache = ctx.need(ctx.compile_cache, "the compile cache", "dynamo_transform")
         hits0, misses0 = inductor_cache_counts()

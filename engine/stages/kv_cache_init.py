@@ -29,7 +29,10 @@ class KVCacheInit:
             device=ctx.device,
             int8=ctx.config.cache.kv_cache_dtype == "int8",
         )
-        ctx.runner = ModelRunner(model, ctx.kv_cache, ctx.device)
+        ctx.runner = ModelRunner(
+            model, ctx.kv_cache, ctx.device, max_num_seqs=ctx.config.scheduler.max_num_seqs,
+            max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
+        )  # fmt: skip
         scheduler = Scheduler(ctx.config.scheduler, ctx.config.cache, plan.num_blocks, plan.max_model_len)
         assert ctx.model_dir is not None
         ctx.engine = LLMEngine(

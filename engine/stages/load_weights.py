@@ -1,11 +1,15 @@
-"""Map the safetensors shards and read every page once, so the I/O is booked here and not to a later stage."""
+"""Map the safetensors shards, check them against the architecture, and fuse the projections.
+
+Every page is read once here, so the I/O is booked to this stage and not to a later one. q/k/v and gate/up are
+concatenated into the model's fused projections (a copy, made in the run dtype unless the weights are about to be
+quantized, which starts from the checkpoint's own precision); the other tensors stay mapped from the file."""
 
 from __future__ import annotations
 
 import torch
 
 from ...profiling.names import Attr
-from ..models.loader import read_checkpoint
+from ..models.loader import build_meta_model, check_state_dict, fuse_checkpoint, read_checkpoint
 from .base import StageReport
 from .context import EngineContext
 
@@ -30,10 +34,14 @@ class LoadWeights:
         import time
 
         t0 = time.perf_counter()
-        ckpt = read_checkpoint(ctx.need(ctx.model_dir, "the model folder", "model_prepare"))
+        model_dir = ctx.need(ctx.model_dir, "the model folder", "model_prepare")
+        arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
+        ckpt = read_checkpoint(model_dir)
         touched = touch_pages(ckpt.state_dict)
         seconds = time.perf_counter() - t0
-        ctx.state_dict = ckpt.state_dict
+        checked = check_state_dict(build_meta_model(arch), ckpt.state_dict, model_dir)
+        quantizing = ctx.config.quant.quantization != "none"
+        ctx.state_dict = fuse_checkpoint(checked, None if quantizing else ctx.dtype)
         ctx.weights_bytes = touched
         return StageReport(
             attributes={

@@ -9,10 +9,13 @@ from .context import EngineContext
 
 
 def layer_shapes(ctx: EngineContext) -> list[tuple[int, int]]:
+    """(N, K) of every distinct projection the quantizer converts: the fused layer projections and the head."""
     a = ctx.need(ctx.arch, "the architecture", "model_prepare")
     q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    shapes = [(q, a.hidden_size), (kv, a.hidden_size), (a.hidden_size, q), (a.intermediate_size, a.hidden_size),
+    shapes = [(q + 2 * kv, a.hidden_size), (a.hidden_size, q), (2 * a.intermediate_size, a.hidden_size),
               (a.hidden_size, a.intermediate_size)]  # fmt: skip
+    if ctx.config.quant.quantize_lm_head:
+        shapes.append((a.vocab_size, a.hidden_size))
     return list(dict.fromkeys(shapes))
 
 
@@ -43,7 +46,11 @@ class ModelInit:
 
             dispatcher, table_source = kernel_dispatcher(ctx)
             group_size, _ = ctx.quant_group_size()
-            get_scheme(q.quantization).convert_for_runtime(model, group_size=group_size, dispatcher=dispatcher)
+            if q.quantize_lm_head:
+                model.untie_head_for_quantization()
+            get_scheme(q.quantization).convert_for_runtime(
+                model, group_size=group_size, dispatcher=dispatcher, quantize_head=q.quantize_lm_head
+            )
             keep = frozenset(
                 f"{name}.{buf}"
                 for name, mod in model.named_modules()

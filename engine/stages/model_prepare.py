@@ -5,7 +5,7 @@ from __future__ import annotations
 from ...profiling.names import Attr
 from ..models.arch import load_arch
 from ..models.loader import resolve_dtype
-from ..models.store import is_prepared, resolve_model
+from ..models.store import is_prepared, resolve_model, source_quant_block
 from .base import StageReport
 from .context import EngineContext
 
@@ -17,7 +17,9 @@ class ModelPrepare:
         hit = is_prepared(ctx.config.model, ctx.cache_root)
         ctx.model_dir = resolve_model(ctx.config.model, ctx.cache_root, quiet=True)
         ctx.arch = load_arch(ctx.model_dir)
-        ctx.dtype = resolve_dtype(ctx.config.dtype, ctx.arch, ctx.device)
+        ctx.dtype = resolve_dtype(
+            ctx.config.dtype, ctx.arch, ctx.device, quantized_source=source_quant_block(ctx.model_dir) is not None
+        )
         return StageReport(
             attributes={
                 "glowplug.model_dir": str(ctx.model_dir),

@@ -37,6 +37,9 @@ def quant_cache_key(ctx: EngineContext) -> tuple[str, dict[str, str]]:
         "model_dir": str(ctx.model_dir),
         "scheme": ctx.config.quant.quantization,
         "group_size": str(ctx.quant_group_size()[0]),
+        "quantize_lm_head": str(ctx.config.quant.quantize_lm_head),
+        # The state dict quantized is the fused one (engine/models/llama.py FUSED_MODULES).
+        "layout": "fused:qkv_proj,gate_up_proj",
         "torch": torch.__version__,
         "kernels_source": _kernels_source_hash(),
     }
@@ -60,6 +63,10 @@ class QuantizeWeights:
         folder = ctx.cache_root / "quant" / key
         path = folder / "quantized.safetensors"
         attrs: dict[str, object] = {Attr.QUANTIZATION: q.quantization, Attr.CACHE_KEY: key}
+        head = q.quantize_lm_head
+        if head and "lm_head.weight" not in sd:
+            # A tied head: its quantized copy is made from the embedding matrix (which stays for the lookup).
+            sd = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]}
         if path.is_file():
             added = load_file(str(path))
             replaced = {k.rsplit(".", 1)[0] for k in added}
@@ -68,7 +75,7 @@ class QuantizeWeights:
             attrs[Attr.CACHE_HIT] = True
         else:
             # Quantize from fp32 so the result does not depend on the serving dtype's rounding.
-            merged = scheme.quantize_state_dict(sd, group_size=group_size)
+            merged = scheme.quantize_state_dict(sd, group_size=group_size, quantize_head=head)
             added = {k: v.contiguous() for k, v in merged.items() if k not in sd}
             folder.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp-{os.getpid()}")
@@ -82,4 +89,5 @@ class QuantizeWeights:
         attrs["glowplug.bits_per_weight"] = round(scheme.bits_per_weight(group_size), 3)
         attrs["glowplug.group_size"] = str(scheme.resolve_group_size(group_size))
         attrs["glowplug.group_size_reason"] = why
+        attrs["glowplug.quantize_lm_head"] = head
         return StageReport(attributes=attrs)

@@ -7,7 +7,7 @@ import torch
 from glowplug.kernels import reference as R
 from glowplug.kernels.formats import Int4Weight
 from glowplug.kernels.modules import Int4Linear, QuantLinear, W8A8Linear
-from glowplug.kernels.registry import LINEAR_NAMES, SCHEMES, get_scheme
+from glowplug.kernels.registry import LINEAR_NAMES, SCHEMES, get_scheme, is_target_module
 from torch import nn
 
 H, I, KV = 128, 256, 64
@@ -119,7 +119,9 @@ def test_quantize_convert_load_forward(scheme: str, group_size: int | None, tol:
     skeleton.load_state_dict(qsd, assign=True, strict=True)
     skeleton.eval()
     n_quant = sum(isinstance(m, QuantLinear) for m in skeleton.modules())
-    assert n_quant == (0 if scheme == "none" else 2 * len(LINEAR_NAMES))
+    targets = sum(isinstance(m, nn.Linear) and is_target_module(n) for n, m in TinyLM().named_modules())
+    assert targets == 14  # 7 Hugging Face-named projections in each of the 2 layers
+    assert n_quant == (0 if scheme == "none" else targets)
     assert isinstance(skeleton.lm_head, nn.Linear) and not isinstance(skeleton.lm_head, QuantLinear)
 
     ids = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(1))

@@ -1,0 +1,44 @@
+"""Build (or load from the cache) glowplug's native CPU kernels and switch the model's linear layers to them.
+
+The compiled decode step's projections run these GEMV kernels (kernels/native.py); a stock torch build of the same
+step streams weights at about half the speed at batch 1 (reports/kernels.md). Without a C++ compiler, or off the CPU,
+the stage reports why and the decode step compiles around the stock ops instead.
+"""
+
+from __future__ import annotations
+
+from ...profiling.names import Attr
+from .base import StageReport
+from .context import EngineContext
+
+# Decode batches up to this size run the native dense GEMV; larger ones go to aten's GEMM (oneDNN), which measured
+# faster from about 32 rows here (reports/kernels.md).
+DENSE_SMALL_M = 16
+
+
+class NativeKernels:
+    name = "native_kernels"
+
+    def run(self, ctx: EngineContext) -> StageReport:
+        if not ctx.config.compile_enabled():
+            return StageReport.skipped(f"--compile {ctx.config.compile}")
+        if ctx.device != "cpu":
+            return StageReport.skipped(f"native kernels are CPU kernels (device {ctx.device})")
+        model = ctx.need(ctx.model, "the model", "model_init")
+        from glowplug.kernels.modules import enable_native_decode
+        from glowplug.kernels.native import load_native
+
+        build = load_native(ctx.cache_root)
+        ctx.native = build
+        attrs: dict[str, object] = {Attr.CACHE_HIT: build.cache_hit, "glowplug.native_build": build.reason}
+        if build.path is not None:
+            attrs["glowplug.native_library"] = str(build.path)
+        if not build.available:
+            return StageReport.skipped(f"native kernels unavailable: {build.reason}", attrs)  # type: ignore[arg-type]
+        counts = enable_native_decode(model, DENSE_SMALL_M)
+        attrs.update({
+            "glowplug.native_dense_layers": counts["dense"],
+            "glowplug.native_quantized_layers": counts["quantized"],
+            Attr.BYTES_PER_TOKEN: counts["bytes_per_token"],
+        })  # fmt: skip
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]
