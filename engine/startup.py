@@ -6,12 +6,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
+
+import structlog
 
 from ..profiling.names import STARTUP_SPAN
 from ..profiling.phases import PhaseTable, build_phase_table
 from ..profiling.process import Clock, ProcessMarks, open_startup_span
 from ..profiling.tracing import Tracing, setup_tracing
+from .artifacts import ArtifactStore
+from .artifacts.caches import STARTUP_PROFILE
 from .config import EngineConfig, cache_dir_from_env
 from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
@@ -73,20 +77,34 @@ class StartupResult:
         return self.context.model_dir
 
 
-def _profile_path(cache_root: Path, config: EngineConfig) -> Path:
-    return cache_root / "profiles" / f"startup-{config.compute_hash()}.json"
+PHASES = "phases.json"
+
+
+def _profile_factors(config: EngineConfig) -> dict[str, Any]:
+    return {"engine_config": config.hash_factors(), "device": config.resolved_device()}
 
 
 def expected_phase_durations(config: EngineConfig, cache_dir: Path | None = None) -> dict[str, float] | None:
     """Seconds per stage from the last successful start of this config (for an ETA), or None."""
-    path = _profile_path(cache_dir or cache_dir_from_env(), config)
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
+
+    def load(folder: Path) -> dict[str, float]:
+        data = json.loads((folder / PHASES).read_text())
         return {str(k): float(v) for k, v in data["stages"].items()}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return None
+
+    store = ArtifactStore(cache_dir or cache_dir_from_env())
+    return store.lookup(STARTUP_PROFILE, _profile_factors(config), group=config.model, load=load).value
+
+
+def _record_phase_durations(ctx: EngineContext, results: list[StageResult]) -> None:
+    def build(folder: Path | None) -> None:
+        if folder is not None:
+            (folder / PHASES).write_text(json.dumps({"stages": {r.name: r.seconds for r in results}}))
+
+    try:
+        ArtifactStore(ctx.cache_root).put(STARTUP_PROFILE, _profile_factors(ctx.config), group=ctx.config.model,
+                                          build=build)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the engine is READY; a lost ETA record must not undo that
+        structlog.get_logger("glowplug.startup").warning("start-up profile not recorded", error=repr(exc))
 
 
 def build_engine(
@@ -134,7 +152,7 @@ def build_engine(
         trace_id=trace_id,
     )
     assert ctx.engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
-    path = _profile_path(ctx.cache_root, config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"stages": {r.name: r.seconds for r in results}}))
+    _record_phase_durations(ctx, results)
+    if ctx.compile_cache is not None:
+        ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache
     return StartupResult(engine=ctx.engine, context=ctx, stages=results, phase_table=table, tracing=tracing)

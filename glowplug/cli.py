@@ -257,6 +257,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tune.register(tsub, add_model_flags)
 
+    from glowplug import cache_cli
+
+    cache_cli.register(sub)
+
     models = sub.add_parser("models", help="Manage model files.")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
     prep = msub.add_parser("prepare", help="Convert the embedded default model into the cache (done on first use).")
@@ -275,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     from pydantic import ValidationError
 
+    from glowplug.engine.artifacts import CacheDirUnusable
     from glowplug.engine.models.arch import ModelError
     from glowplug.engine.stages.base import StartupFailed
 
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"glowplug: invalid setting:\n{explain(exc)}", file=sys.stderr)
         return 2
-    except (FlagError, ModelError, ValueError) as exc:
+    except (FlagError, ModelError, ValueError, CacheDirUnusable) as exc:
         print(f"glowplug: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

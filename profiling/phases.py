@@ -33,6 +33,7 @@ from rich.table import Table
 from glowplug.profiling.names import (
     AGGREGATE_ROWS,
     LEAF_ROWS,
+    NOTED_EVENTS,
     PRE_MAIN,
     SCHEMA_VERSION,
     STAGE_ALTERNATIVE_ROWS,
@@ -57,6 +58,7 @@ class PhaseRow:
     reason: str | None = None
     attributes: Mapping[str, Any] = field(default_factory=dict)
     components: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # cache events and miss reasons of the stage(s) booked here
 
     @property
     def seconds(self) -> float | None:
@@ -143,6 +145,23 @@ def _alternative_reason(chosen: str, attributes: Mapping[str, Any]) -> str:
     return f"cache miss: {miss}" if miss else "cache miss"
 
 
+def _stage_notes(span: ReadableSpan, stage: str, attrs: Mapping[str, Any], skipped: Any) -> list[str]:
+    """Cache events on the span, and the cache-miss reason of a stage that ran (graph_compile says its own on
+    the alternative row)."""
+    out = []
+    for ev in span.events:
+        if ev.name in NOTED_EVENTS:
+            a = ev.attributes or {}
+            action = str(a.get(Attr.CACHE_ACTION, "")).split(";")[-1].strip()
+            out.append(f"{ev.name} ({a.get(Attr.CACHE_NAME, '?')}): {a.get(Attr.CACHE_REASON, '')}"
+                       + (f" -> {action}" if action else ""))  # fmt: skip
+    miss = attrs.get(Attr.CACHE_MISS_REASON)
+    # A damaged or unusable cache explains the miss already; the miss reason would only repeat it.
+    if miss and not out and not skipped and stage not in STAGE_ALTERNATIVE_ROWS and attrs.get(Attr.CACHE_HIT) is False:
+        out.append(f"cache miss: {miss}")
+    return out
+
+
 def build_phase_table(
     spans: Sequence[ReadableSpan],
     *,
@@ -161,6 +180,7 @@ def build_phase_table(
 
     leaf_ns: dict[str, int] = {}
     reasons: dict[str, str] = {}
+    notes: dict[str, list[str]] = {}
     attributes: dict[str, dict[str, Any]] = {}
     extra_rows: list[str] = []  # stages the vocabulary does not know yet, in order of appearance
     total_ns = 0
@@ -175,6 +195,7 @@ def build_phase_table(
             extra_rows.append(row)
         attributes.setdefault(row, {}).update(attrs)
         skipped = attrs.get(Attr.SKIPPED_REASON)
+        notes.setdefault(row, []).extend(_stage_notes(span, stage, attrs, skipped))
         if span.status.status_code is StatusCode.ERROR:
             leaf_ns[row] = leaf_ns.get(row, 0) + duration
             reasons[row] = f"failed: {span.status.description or attrs.get(Attr.ERROR, 'error')}"
@@ -205,7 +226,7 @@ def build_phase_table(
         reason = reasons.get(name)
         if nanos is None and reason is None:
             reason = NO_PROCESS_MARKS if name in PRE_MAIN else NOT_IN_PIPELINE
-        rows.append(PhaseRow(name, "leaf", nanos, reason, attributes.get(name, {})))
+        rows.append(PhaseRow(name, "leaf", nanos, reason, attributes.get(name, {}), notes=tuple(notes.get(name, ()))))
     unattributed = actual_ns - sum(r.nanos for r in rows if r.nanos is not None)
     rows.append(PhaseRow(Row.UNATTRIBUTED, "leaf", unattributed))
 
@@ -258,7 +279,7 @@ def _note(row: PhaseRow) -> str:
     if row.kind == "aggregate":
         formula = "= " + " + ".join(row.components)
         return f"{formula} ({row.reason})" if row.reason else formula
-    return row.reason or ""
+    return "; ".join([row.reason] * bool(row.reason) + list(row.notes))
 
 
 def to_rich(table: PhaseTable) -> Table:
@@ -323,6 +344,7 @@ def to_dict(table: PhaseTable) -> dict[str, Any]:
         "kinds": {r.name: r.kind for r in table.rows},
         "components": {r.name: list(r.components) for r in table.rows if r.components},
         "reasons": {r.name: r.reason for r in table.rows if r.reason},
+        "notes": {r.name: list(r.notes) for r in table.rows if r.notes},
         "attributes": {r.name: {k: _jsonable(v) for k, v in r.attributes.items()} for r in table.rows if r.attributes},
         "versions": dict(table.versions),
     }
@@ -344,6 +366,7 @@ def from_dict(data: Mapping[str, Any]) -> PhaseTable:
                 reason=data.get("reasons", {}).get(name),
                 attributes=data.get("attributes", {}).get(name, {}),
                 components=tuple(data.get("components", {}).get(name, ())),
+                notes=tuple(data.get("notes", {}).get(name, ())),
             )
         )
     return PhaseTable(

@@ -6,7 +6,8 @@ import torch
 
 from ...profiling.names import Attr
 from ..attention import AttentionMetadata
-from ..compile import DeferredInductor, compile_factors, make_decode_fn, open_compile_cache
+from ..compile import DeferredInductor, make_decode_fn
+from ..compile_cache import open_compile_cache
 from ..kv_cache import KVCache
 from .base import StageReport
 from .context import EngineContext
@@ -55,9 +56,7 @@ class DynamoTransform:
             return StageReport.skipped(f"--compile {ctx.config.compile}" + (" (CPU)" if ctx.config.compile == "auto" else ""))
         model = ctx.need(ctx.model, "the model", "model_init")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
-        ctx.compile_cache = open_compile_cache(
-            ctx.cache_root, compile_factors(ctx.config, arch, ctx.device), ctx.config
-        )
+        ctx.compile_cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device)
         ctx.backend = DeferredInductor()
         ctx.decode_fn = make_decode_fn(model, ctx.backend)
         # A small scratch cache stands in for the real one (not allocated yet); its sizes are symbolic in the
