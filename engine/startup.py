@@ -10,7 +10,9 @@ from typing import Any, Callable, Sequence
 
 import structlog
 
-from ..profiling.names import STARTUP_SPAN
+from opentelemetry import trace
+
+from ..profiling.names import SCHEMA_VERSION, STARTUP_SPAN, Attr
 from ..profiling.phases import PhaseTable, build_phase_table
 from ..profiling.process import Clock, ProcessMarks, open_startup_span
 from ..profiling.tracing import Tracing, setup_tracing
@@ -125,7 +127,13 @@ def build_engine(
     tracer = tracing.tracer()
     ctx = EngineContext(config=config, cache_root=cache_dir or cache_dir_from_env(), device=config.resolved_device())
     clock = marks.clock if marks is not None else Clock()
-    root = open_startup_span(tracer, marks) if marks is not None else None
+    # The root span is ours in both modes so that work after READY (the start-up profile, sealing the compile
+    # cache) still has a span to report cache events on.
+    root = (
+        open_startup_span(tracer, marks)
+        if marks is not None
+        else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})
+    )
     try:
         results = run_stages(
             list(stages) if stages is not None else default_stages(),
@@ -136,23 +144,23 @@ def build_engine(
             clock=clock,
         )
     except StartupFailed as failed:
-        if root is not None:
-            from opentelemetry.trace import Status, StatusCode
+        from opentelemetry.trace import Status, StatusCode
 
-            root.set_status(Status(StatusCode.ERROR, str(failed)))
-            root.end(end_time=clock.now_ns())
+        root.set_status(Status(StatusCode.ERROR, str(failed)))
+        root.set_attribute(Attr.ERROR, str(failed))
+        root.end(end_time=clock.now_ns())
         raise
     ready_ns = clock.now_ns()
-    if root is not None:
-        root.end(end_time=ready_ns)
+    assert ctx.engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
+    with trace.use_span(root, end_on_exit=False):
+        _record_phase_durations(ctx, results)
+        if ctx.compile_cache is not None:
+            ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache
+    root.end(end_time=ready_ns)
     trace_id = results[0].span_context.trace_id if results else None
     table = build_phase_table(
         [s for s in tracing.finished_spans() if s.name.startswith(STARTUP_SPAN)],
-        ready_time_ns=ready_ns if root is not None else None,
+        ready_time_ns=ready_ns,
         trace_id=trace_id,
     )
-    assert ctx.engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
-    _record_phase_durations(ctx, results)
-    if ctx.compile_cache is not None:
-        ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache
     return StartupResult(engine=ctx.engine, context=ctx, stages=results, phase_table=table, tracing=tracing)

@@ -237,11 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     dec.set_defaults(func=cmd_bench_decode)
 
     from glowplug.profiling.bench.accuracy import AccuracyConfig
+    from glowplug.profiling.bench.cache_verify import CacheVerifyConfig, run_cache_verify_bench
     from glowplug.profiling.bench.kernel_bench import KernelBenchConfig, run_accuracy_report, run_kernel_bench
 
     for name, cls, run, text in (
         ("kernels", KernelBenchConfig, run_kernel_bench, "Every quantized linear path per M on the model's shapes."),
         ("accuracy", AccuracyConfig, run_accuracy_report, "Perplexity, KL and top-1 agreement of each scheme vs bf16."),
+        ("cache-verify", CacheVerifyConfig, run_cache_verify_bench, "Cost of verifying a warm cache hit, quick vs full."),
     ):
         p = bsub.add_parser(name, help=text)
         p.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")

@@ -240,9 +240,11 @@ def build_phase_table(
             part_reasons = {by_name[p].reason for p in parts}
             reason = part_reasons.pop() if len(part_reasons) == 1 else "none of its phases ran"
             aggregates.append(PhaseRow(name, "aggregate", None, reason, components=parts))
+    # Cache events of the work around the stages (e.g. the start-up profile written at READY) are on the root.
+    root_notes = [n for r in roots for n in _stage_notes(r, STARTUP_SPAN, {}, None)]
     totals = [
         PhaseRow(Row.TOTAL_TIME, "total", total_ns, "sum of stage spans"),
-        PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY"),
+        PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY", notes=tuple(root_notes)),
     ]
     trace_hex = format_trace_id(group[0].context.trace_id) if group[0].context is not None else None
     return PhaseTable(

@@ -55,6 +55,7 @@ STARTUP_PROFILE = CacheSpec(
 KERNEL_DISPATCH = CacheSpec(
     "kernel_dispatch", 1, "quantized-kernel dispatch table calibrated on this machine", "bypass",
     "quantized layers use the built-in dispatch rules and a calibration is not kept",
+    first="not calibrated on this machine yet",
 )
 
 ALL: tuple[CacheSpec, ...] = (MODEL, QUANT, COMPILE, INDUCTOR, KV_PROFILE, STARTUP_PROFILE, KERNEL_DISPATCH)

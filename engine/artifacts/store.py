@@ -79,6 +79,7 @@ class CacheSpec:
     holds: str
     on_unusable: Literal["bypass", "fail"]
     without: str
+    first: str = FIRST_START  # the miss reason when no entry for the same model was ever made
 
 
 class CacheDirUnusable(OSError):
@@ -208,9 +209,12 @@ class ArtifactStore:
         message = f"{problem}. Running without the {spec.name} cache: {spec.without}"
         report_event(Event.CACHE_UNUSABLE, cache=spec.name, path=self.root, reason=problem.problem,
                      action=f"running without the {spec.name} cache")  # fmt: skip
-        if str(problem) not in _WARNED:
+        if str(problem) not in _WARNED:  # one line per process; each stage's span still records its own event
             _WARNED.add(str(problem))
-            log.warning(message)
+            from .caches import ALL
+
+            skipped = ", ".join(s.name for s in ALL if s.on_unusable == "bypass")
+            log.warning(f"{problem}. Meanwhile glowplug runs without caching ({skipped}: recomputed on every start)")
         return message
 
     # ------------------------------------------------------------ locking, quarantine, install
@@ -228,8 +232,9 @@ class ArtifactStore:
         finally:
             lock.release()
 
-    def quarantine(self, spec: CacheSpec, path: Path, reason: str) -> str:
-        """Move a damaged entry (or file) aside, report it, and return the one-line reason."""
+    def quarantine(self, spec: CacheSpec, path: Path, reason: str, *, report: bool = True) -> str:
+        """Move a damaged entry (or file) aside, report it (unless the caller reports a batch), and return the
+        one-line reason."""
         dest = self.root / QUARANTINE / f"{spec.name}-{path.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -242,7 +247,8 @@ class ArtifactStore:
                 action = "removed; rebuilding"
             except OSError as exc:
                 action = f"left in place (cannot move or remove it: {exc.strerror}); not using it"
-        report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=reason, action=action)
+        if report:
+            report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=reason, action=action)
         return f"{spec.name} {path.name}: {reason}"
 
     def _trim_quarantine(self, spec: CacheSpec) -> None:
@@ -330,7 +336,7 @@ class ArtifactStore:
         """Why `key` is not in the cache: what changed since the last entry for the same model (old -> new)."""
         last = self.latest(spec, group, exclude=key)
         if last is None:
-            return FIRST_START
+            return spec.first
         changes = describe_changes(last.factors, factors)
         if last.version != spec.version:
             changes.insert(0, f"{spec.name} entry format v{last.version} -> v{spec.version}")
@@ -414,12 +420,18 @@ class ArtifactStore:
             build: Callable[[Path | None], T]) -> Fetched[T]:  # fmt: skip
         """Write (or replace) the entry for `factors` unconditionally, e.g. a profile refreshed by every start."""
         key = self.key(spec, factors)
+        path = self.entry_path(spec, key)
         problem = self.write_problem(spec)
         if problem is None:
             try:
+                corrupt = []
                 with self._lock(spec, key):
+                    if path.exists():  # being replaced, but a damaged one is still reported and kept aside
+                        _, bad = self.check_entry(path, spec, key, factors)
+                        if bad is not None:
+                            corrupt.append(self.quarantine(spec, path, bad))
                     value = self._write(spec, key, factors, group, build)
-                return Fetched(value, key, False, self.entry_path(spec, key))
+                return Fetched(value, key, False, path, corrupt=corrupt)
             except Exception as exc:
                 problem = self._as_unusable(exc)
                 if problem is None:
@@ -487,18 +499,22 @@ class ArtifactStore:
                                              f"/ torch {m.producer.torch} for other factors"))  # fmt: skip
             return
         kept = dict(m.files)
+        bad: list[str] = []
         for rel, rec in m.files.items():
             why = check_file(ws.path / rel, rec, self.verify)
             if why is None:
                 continue
             del kept[rel]
+            bad.append(why)
             if (ws.path / rel).exists():
-                ws.healed.append(self.quarantine(ws.spec, ws.path / rel, why))
-            else:
-                report_event(Event.CACHE_CORRUPT, cache=ws.spec.name, path=ws.path / rel, reason=why,
-                             action="dropped from the manifest; rebuilt on demand")  # fmt: skip
-                ws.healed.append(f"{ws.spec.name} {rel}: {why}")
-        if len(kept) != len(m.files):
+                self.quarantine(ws.spec, ws.path / rel, why, report=False)
+        if bad:
+            # One event for the lot: a damaged cache tends to be damaged in many files at once.
+            more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+            reason = f"{len(bad)} of {len(m.files)} files damaged: {bad[0]}{more}"
+            report_event(Event.CACHE_CORRUPT, cache=ws.spec.name, path=ws.path, reason=reason,
+                         action=f"damaged files moved to {self.root / QUARANTINE}; rebuilt on demand")  # fmt: skip
+            ws.healed.append(f"{ws.spec.name}: {reason}")
             write_manifest(ws.path, m.model_copy(update={"files": kept}))
 
     def renew(self, ws: Workspace, reason: str) -> Workspace:

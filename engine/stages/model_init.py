@@ -25,7 +25,7 @@ def kernel_dispatcher(ctx: EngineContext) -> tuple[object, str]:
     found = lookup_table(ctx.cache_root, calibration_factors(layer_shapes(ctx), DEFAULT_FORMATS, DEFAULT_MS))
     if found.value is not None:
         return Dispatcher(found.value), f"calibrated (kernel_dispatch {found.key})"
-    return Dispatcher(), "default rules (run `glowplug bench kernels` to calibrate)"
+    return Dispatcher(), f"default rules ({found.miss_reason}; `glowplug bench kernels` calibrates)"
 
 
 class ModelInit:
