@@ -1,6 +1,6 @@
 """An artifact entry's manifest: its factors, its files with sizes and checksums, who wrote it; and the checks.
 
-Checksums (measured on the real SmolLM2 files, see `engine/artifacts/__init__.py` for the figures): a warm hit
+Checksums (measured on the real SmolLM2 files: the figures are in `engine/artifacts/__init__.py`): a warm hit
 checks every file's size, hashes small files whole, and for a large file hashes only what a cheap read can cover:
 the header of a safetensors file (8-byte length + JSON: every tensor's name, dtype, shape and offsets), else the
 first and last MiB. `full` verification hashes every byte of every file (sha256), which is what the manifest also

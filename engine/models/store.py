@@ -48,7 +48,7 @@ def default_gguf_path() -> Path:
 
 def model_factors(source: Path) -> dict[str, object]:
     """What the converted folder depends on. The GGUF is identified by name, size and mtime rather than by a
-    sha256 of its bytes, which would add ~70 ms to every start of the default model (98 MB)."""
+    sha256 of its bytes, which would add ~100 ms to every start of the default model (reports/cache-verify.md)."""
     st = source.stat()
     return {
         "source": {"file": source.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns},
