@@ -25,6 +25,7 @@ import torch
 
 from .artifacts import ArtifactStore, Workspace
 from .artifacts.caches import COMPILE, INDUCTOR, source_digest
+from .artifacts.workspace import open_workspace, renew, seal
 from .config import EngineConfig
 from .models.arch import ModelArch
 from .stages.base import one_line
@@ -81,7 +82,7 @@ class CompileCache:
         except Exception as exc:
             log = structlog.get_logger("glowplug.compile")
             log.warning("compile failed; retrying once in a fresh Inductor cache", error=one_line(exc))
-            self.store.renew(self.workspace, f"compile failed with these cached artifacts ({one_line(exc)})")
+            renew(self.store, self.workspace, f"compile failed with these cached artifacts ({one_line(exc)})")
             _point_inductor_at(self.workspace.path)
             _clear_inductor_memory()
             result = compile_fn()
@@ -96,7 +97,7 @@ class CompileCache:
         self.seal()
 
     def seal(self) -> None:
-        self.store.seal(self.workspace, skip=_INDUCTOR_SKIP)
+        seal(self.store, self.workspace, skip=_INDUCTOR_SKIP)
 
 
 def _point_inductor_at(path: Path) -> None:
@@ -125,7 +126,7 @@ def open_compile_cache(cache_root: Path, config: EngineConfig, arch: ModelArch, 
     factors = compile_factors(config, arch, dtype, device)
     index = store.lookup(COMPILE, factors, group=config.model, load=lambda folder: True)
     label = device_label(device)
-    workspace = store.workspace(INDUCTOR, {"torch": torch.__version__, "device": label}, group=label)
+    workspace = open_workspace(store, INDUCTOR, {"torch": torch.__version__, "device": label}, group=label)
     _point_inductor_at(workspace.path)
     reason = index.miss_reason if not index.hit else None
     if reason is None and workspace.healed:

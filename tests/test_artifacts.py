@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from glowplug.engine.artifacts import ArtifactStore, CacheDirUnusable, CacheSpec
 from glowplug.engine.artifacts import manifest as mf
+from glowplug.engine.artifacts.workspace import open_workspace, seal
 from glowplug.profiling.names import Attr, Event
 from glowplug.profiling.tracing import setup_tracing
 
@@ -155,23 +156,23 @@ def test_put_replaces_and_reports_a_damaged_previous_entry(tmp_path: Path) -> No
 
 def test_workspace_heals_damaged_files_and_stale_manifests(tmp_path: Path) -> None:
     store = ArtifactStore(tmp_path)
-    ws = store.workspace(SPEC, {"torch": "t"}, group="cpu")
+    ws = open_workspace(store, SPEC, {"torch": "t"}, group="cpu")
     (ws.path / "a").mkdir()
     (ws.path / "a" / "k.so").write_bytes(b"\x7fELF" + b"x" * 1000)
     (ws.path / "b.py").write_text("print('hi')")
-    store.seal(ws)
+    seal(store, ws)
     assert set(mf.read_manifest(ws.path).files) == {"a/k.so", "b.py"}
     (ws.path / "a" / "k.so").write_bytes(b"\x7fELF")  # truncated
     tracing, span = _traced()
     with trace.use_span(span, end_on_exit=True):
-        again = store.workspace(SPEC, {"torch": "t"}, group="cpu")
+        again = open_workspace(store, SPEC, {"torch": "t"}, group="cpu")
     assert again.path == ws.path and not (ws.path / "a" / "k.so").exists() and (ws.path / "b.py").exists()
     assert again.healed and "1 of 2 files damaged: k.so is 4 bytes" in again.healed[0]
     assert set(mf.read_manifest(ws.path).files) == {"b.py"}
     (ev,) = [e for s in tracing.finished_spans() for e in s.events]  # type: ignore[attr-defined]
     assert ev.name == Event.CACHE_CORRUPT and ev.attributes[Attr.CACHE_PATH] == str(ws.path)
     (ws.path / "manifest.json").write_text("{}")
-    fresh = store.workspace(SPEC, {"torch": "t"}, group="cpu")
+    fresh = open_workspace(store, SPEC, {"torch": "t"}, group="cpu")
     assert fresh.healed and "malformed" in fresh.healed[0] and list(fresh.path.iterdir()) == []
 
 

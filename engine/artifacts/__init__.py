@@ -1,6 +1,7 @@
-"""One artifact store for every glowplug cache: store.py (layout, atomic writes, self-healing, miss explanations,
-unusable cache dir), manifest.py (manifests and checksums), caches.py (the caches, their factors and their
-unusable-dir choices), admin.py (`glowplug cache ls | verify | prune`).
+"""One artifact store for every glowplug cache: store.py (layout, atomic writes, self-healing, miss explanations),
+workspace.py (entries another tool fills in place), cachedir.py (an unusable cache dir, cache events),
+manifest.py (manifests and checksums), caches.py (the caches, their factors and their unusable-dir choices),
+admin.py (`glowplug cache ls | verify | prune`).
 
 The checksum choice, measured on the real SmolLM2 files (reports/cache-verify.md, `glowplug bench cache-verify`;
 2-core AMD EPYC, page cache warm, median of 7 runs):
@@ -20,6 +21,8 @@ hashes every byte. The GGUF source of the model cache is keyed by name, size and
 takes 102 ms per start (same report).
 """
 
-from .store import ArtifactStore, CacheDirUnusable, CacheSpec, Fetched, Workspace
+from .cachedir import CacheDirUnusable
+from .store import ArtifactStore, CacheSpec, Fetched
+from .workspace import Workspace
 
 __all__ = ["ArtifactStore", "CacheDirUnusable", "CacheSpec", "Fetched", "Workspace"]

@@ -7,7 +7,7 @@ Layout under the cache root (GLOWPLUG_CACHE_DIR):
     .quarantine/<cache>-<key>-<time>   entries (or workspace files) that failed verification, moved aside
 
 Entries are immutable once renamed into place, so readers take no lock: a reader sees a whole entry or none.
-A workspace (`workspace`/`seal`) is the one exception: a folder another tool fills in place (Inductor's cache),
+A workspace (workspace.py) is the one exception: a folder another tool fills in place (Inductor's cache),
 verified against the manifest of the files it held when last sealed.
 
 Failures never stop a start: an entry that fails verification or whose `load` raises is moved aside, reported as
@@ -18,8 +18,6 @@ a `cache_corrupt` event on the current span (the stage's) and rebuilt. When the 
 
 from __future__ import annotations
 
-import atexit
-import errno
 import hashlib
 import json
 import os
@@ -34,11 +32,12 @@ from typing import Any, Generic, Literal, TypeVar
 
 import structlog
 from filelock import FileLock, Timeout
-from opentelemetry import trace
 
 from ...profiling.names import Attr, Event
 from ..config import cache_dir_from_env
+from .cachedir import CacheDirUnusable, classify, read_problem, report_event, warn_once, write_problem
 from .manifest import (
+    FORMAT,
     Manifest,
     VerifyMode,
     check_file,
@@ -54,6 +53,7 @@ from .manifest import (
 
 T = TypeVar("T")
 log = structlog.get_logger("glowplug.artifacts")
+__all__ = ["ArtifactStore", "CacheDirUnusable", "CacheSpec", "Fetched"]
 
 QUARANTINE = ".quarantine"
 LOCKS = ".locks"
@@ -61,8 +61,6 @@ TMP_PREFIX = ".tmp-"
 KEEP_QUARANTINED = 2  # per cache: enough to look at what went wrong, bounded so a flapping disk cannot fill up
 FIRST_START = "first start for this model"
 
-FIX_FOLDER = "point GLOWPLUG_CACHE_DIR at a writable folder (default ~/.cache/glowplug)"
-_WARNED: set[str] = set()  # one warning per process and problem, however many caches meet it
 
 
 @dataclass(frozen=True)
@@ -80,17 +78,6 @@ class CacheSpec:
     on_unusable: Literal["bypass", "fail"]
     without: str
     first: str = FIRST_START  # the miss reason when no entry for the same model was ever made
-
-
-class CacheDirUnusable(OSError):
-    """GLOWPLUG_CACHE_DIR cannot be used; str() is one line naming the variable, the problem and the fix."""
-
-    def __init__(self, root: Path, problem: str, fix: str = FIX_FOLDER) -> None:
-        self.root, self.problem, self.fix = root, problem, fix
-        super().__init__(f"GLOWPLUG_CACHE_DIR={root} {problem}; fix: {fix}")
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 @dataclass
@@ -111,36 +98,6 @@ class Fetched(Generic[T]):
         if not self.hit and self.miss_reason:
             attrs[Attr.CACHE_MISS_REASON] = self.miss_reason
         return attrs
-
-
-@dataclass
-class Workspace:
-    """A folder another tool writes in place (see module docstring). persistent=False: a private temporary
-    folder used because the cache dir is unusable; nothing in it outlives the process's use of it."""
-
-    spec: CacheSpec
-    key: str
-    path: Path
-    group: str
-    factors: dict[str, Any]
-    persistent: bool
-    healed: list[str] = field(default_factory=list)
-
-
-def report_event(event: str, *, cache: str, path: Path, reason: str, action: str) -> None:
-    """Put a cache event on the current span (the running stage's) and log it."""
-    attrs = {Attr.CACHE_NAME: cache, Attr.CACHE_PATH: str(path), Attr.CACHE_REASON: reason, Attr.CACHE_ACTION: action}
-    trace.get_current_span().add_event(event, attrs)
-    if event == Event.CACHE_CORRUPT:
-        log.warning(f"{cache} cache entry is damaged: {reason}; {action}", path=str(path), cache=cache)
-
-
-def _disk_full(exc: BaseException) -> bool:
-    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    # safetensors and torch wrap the OS error in their own exception types; the text is what survives.
-    text = str(exc)
-    return "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text
 
 
 class ArtifactStore:
@@ -164,63 +121,28 @@ class ArtifactStore:
     # ------------------------------------------------------------ the cache dir itself
 
     def read_problem(self) -> CacheDirUnusable | None:
-        """Why nothing can even be read from the root (it is not a folder), else None."""
-        if self.root.exists() and not self.root.is_dir():
-            return CacheDirUnusable(self.root, "is a file, not a folder", f"{FIX_FOLDER}, or move the file away")
-        return None
+        return read_problem(self.root)
 
     def write_problem(self, spec: CacheSpec) -> CacheDirUnusable | None:
-        """Why `spec`'s entries cannot be written (checked by really creating a file), else None."""
-        problem = self.read_problem()
-        if problem is not None:
-            return problem
-        try:
-            locks = self.folder(spec) / LOCKS
-            locks.mkdir(parents=True, exist_ok=True)
-            fd, probe = tempfile.mkstemp(dir=locks, prefix=".probe-")
-            os.close(fd)
-            os.unlink(probe)
-        except OSError as exc:
-            return self._as_unusable(exc) or CacheDirUnusable(self.root, f"cannot be written ({exc.strerror})")
-        return None
+        """Why `spec`'s entries cannot be written, else None."""
+        return write_problem(self.root, self.folder(spec) / LOCKS)
 
-    def _as_unusable(self, exc: BaseException) -> CacheDirUnusable | None:
-        if _disk_full(exc):
-            return CacheDirUnusable(
-                self.root,
-                "is on a full disk (no space left)",
-                f"free space (`glowplug cache prune --older-than 7d`) or {FIX_FOLDER} on a disk with room",
-            )
-        if isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM) and self._inside(exc):
-            return CacheDirUnusable(self.root, f"is read-only ({exc.strerror})", f"make it writable or {FIX_FOLDER}")
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOTDIR, errno.EEXIST) and self.read_problem():
-            return self.read_problem()
-        return None
-
-    def _inside(self, exc: OSError) -> bool:
-        # A permission error on some other file (the model's own folder, say) is not the cache dir's problem.
-        name = exc.filename if isinstance(exc.filename, str) else None
-        return name is not None and os.path.abspath(name).startswith(os.path.abspath(self.root))
-
-    def _bypass(self, spec: CacheSpec, problem: CacheDirUnusable) -> str:
-        """Say (once per process) that `spec` runs without storing; raise instead when it must not."""
+    def bypass(self, spec: CacheSpec, problem: CacheDirUnusable) -> str:
+        """Say that `spec` runs without storing (an event, and one warning per process); raise instead when the
+        cache must not run without the dir."""
         if spec.on_unusable == "fail":
             raise problem
-        message = f"{problem}. Running without the {spec.name} cache: {spec.without}"
         report_event(Event.CACHE_UNUSABLE, cache=spec.name, path=self.root, reason=problem.problem,
                      action=f"running without the {spec.name} cache")  # fmt: skip
-        if str(problem) not in _WARNED:  # one line per process; each stage's span still records its own event
-            _WARNED.add(str(problem))
-            from .caches import ALL
+        from .caches import ALL
 
-            skipped = ", ".join(s.name for s in ALL if s.on_unusable == "bypass")
-            log.warning(f"{problem}. Meanwhile glowplug runs without caching ({skipped}: recomputed on every start)")
-        return message
+        warn_once(problem, [s.name for s in ALL if s.on_unusable == "bypass"])
+        return f"{problem}. Running without the {spec.name} cache: {spec.without}"
 
     # ------------------------------------------------------------ locking, quarantine, install
 
     @contextmanager
-    def _lock(self, spec: CacheSpec, key: str) -> Iterator[None]:
+    def lock(self, spec: CacheSpec, key: str) -> Iterator[None]:
         lock = FileLock(str(self.folder(spec) / LOCKS / f"{key}.lock"))
         try:
             lock.acquire(timeout=2)
@@ -370,10 +292,10 @@ class ArtifactStore:
                 report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=bad,
                              action="left in place (the cache dir is unusable); not using it")  # fmt: skip
                 corrupt.append(f"{spec.name} {key}: {bad}")
-            message = self._bypass(spec, problem)
+            message = self.bypass(spec, problem)
             return Fetched(build(None), key, False, None, f"cache dir unusable: {problem.problem}", corrupt, message)
         try:
-            with self._lock(spec, key):
+            with self.lock(spec, key):
                 found, value, bad = self._open(spec, key, factors, load)  # another process may have built it
                 if found:
                     return Fetched(value, key, True, path, corrupt=corrupt)  # type: ignore[arg-type]
@@ -383,10 +305,10 @@ class ArtifactStore:
                 value = self._write(spec, key, factors, group, build)
                 return Fetched(value, key, False, path, reason, corrupt)
         except Exception as exc:
-            unusable = self._as_unusable(exc)
+            unusable = classify(self.root, exc)
             if unusable is None:
                 raise
-            message = self._bypass(spec, unusable)
+            message = self.bypass(spec, unusable)
             return Fetched(build(None), key, False, None, f"cache dir unusable: {unusable.problem}", corrupt, message)
 
     def lookup(self, spec: CacheSpec, factors: dict[str, Any], *, group: str,
@@ -403,7 +325,7 @@ class ArtifactStore:
         corrupt: list[str] = []
         if bad is not None:
             if self.write_problem(spec) is None:
-                with self._lock(spec, key):
+                with self.lock(spec, key):
                     found, value, bad = self._open(spec, key, factors, load)
                     if found:
                         return Fetched(value, key, True, path)
@@ -425,7 +347,7 @@ class ArtifactStore:
         if problem is None:
             try:
                 corrupt = []
-                with self._lock(spec, key):
+                with self.lock(spec, key):
                     if path.exists():  # being replaced, but a damaged one is still reported and kept aside
                         _, bad = self.check_entry(path, spec, key, factors)
                         if bad is not None:
@@ -433,10 +355,10 @@ class ArtifactStore:
                     value = self._write(spec, key, factors, group, build)
                 return Fetched(value, key, False, path, corrupt=corrupt)
             except Exception as exc:
-                problem = self._as_unusable(exc)
+                problem = classify(self.root, exc)
                 if problem is None:
                     raise
-        message = self._bypass(spec, problem)
+        message = self.bypass(spec, problem)
         return Fetched(build(None), key, False, None, f"cache dir unusable: {problem.problem}", [], message)
 
     def _write(self, spec: CacheSpec, key: str, factors: dict[str, Any], group: str,
@@ -447,7 +369,7 @@ class ArtifactStore:
         try:
             value = build(tmp)
             files = {rel: record_file(tmp / rel) for rel in list_files(tmp)}
-            manifest = Manifest(format="glowplug-artifact/1", cache=spec.name, version=spec.version, key=key,
+            manifest = Manifest(format=FORMAT, cache=spec.name, version=spec.version, key=key,
                                 group=group, factors=factors, files=files, created=now_iso(), producer=producer())  # fmt: skip
             write_manifest(tmp, manifest)
             self._install(tmp, self.entry_path(spec, key))
@@ -455,106 +377,3 @@ class ArtifactStore:
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
-
-    # ------------------------------------------------------------ workspaces
-
-    def _private_workspace(self, spec: CacheSpec, key: str, factors: dict[str, Any], group: str) -> Workspace:
-        path = Path(tempfile.mkdtemp(prefix=f"glowplug-{spec.name}-"))
-        atexit.register(shutil.rmtree, path, True)  # "without caching": nothing is left behind
-        return Workspace(spec, key, path, group, factors, False)
-
-    def workspace(self, spec: CacheSpec, factors: dict[str, Any], *, group: str) -> Workspace:
-        """The verified in-place folder for `factors`: files that fail their check are moved aside (one event
-        each), a workspace whose manifest is damaged or stale is moved aside whole; unusable dir -> a temp one."""
-        key = self.key(spec, factors)
-        path = self.entry_path(spec, key)
-        problem = self.write_problem(spec)
-        if problem is not None:
-            self._bypass(spec, problem)
-            return self._private_workspace(spec, key, factors, group)
-        ws = Workspace(spec, key, path, group, factors, True)
-        try:
-            with self._lock(spec, key):
-                if path.is_dir():
-                    self._heal(ws)
-                path.mkdir(parents=True, exist_ok=True)
-        except Exception as exc:
-            unusable = self._as_unusable(exc)
-            if unusable is None:
-                raise
-            self._bypass(spec, unusable)
-            return self._private_workspace(spec, key, factors, group)
-        return ws
-
-    def _heal(self, ws: Workspace) -> None:
-        try:
-            m = read_manifest(ws.path)
-        except ValueError as exc:
-            if str(exc).startswith("no manifest"):
-                return  # never sealed yet (its first fill may be running in another process): nothing to check
-            ws.healed.append(self.quarantine(ws.spec, ws.path, str(exc)))
-            return
-        if (m.cache, m.version, m.key, m.factors) != (ws.spec.name, ws.spec.version, ws.key, ws.factors):
-            ws.healed.append(self.quarantine(ws.spec, ws.path, f"stale: written by glowplug {m.producer.glowplug} "
-                                             f"/ torch {m.producer.torch} for other factors"))  # fmt: skip
-            return
-        kept = dict(m.files)
-        bad: list[str] = []
-        for rel, rec in m.files.items():
-            why = check_file(ws.path / rel, rec, self.verify)
-            if why is None:
-                continue
-            del kept[rel]
-            bad.append(why)
-            if (ws.path / rel).exists():
-                self.quarantine(ws.spec, ws.path / rel, why, report=False)
-        if bad:
-            # One event for the lot: a damaged cache tends to be damaged in many files at once.
-            more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
-            reason = f"{len(bad)} of {len(m.files)} files damaged: {bad[0]}{more}"
-            report_event(Event.CACHE_CORRUPT, cache=ws.spec.name, path=ws.path, reason=reason,
-                         action=f"damaged files moved to {self.root / QUARANTINE}; rebuilt on demand")  # fmt: skip
-            ws.healed.append(f"{ws.spec.name}: {reason}")
-            write_manifest(ws.path, m.model_copy(update={"files": kept}))
-
-    def renew(self, ws: Workspace, reason: str) -> Workspace:
-        """Move the whole workspace aside (reported) and start an empty one at the same place."""
-        if not ws.persistent:
-            shutil.rmtree(ws.path, ignore_errors=True)
-            ws.path.mkdir(parents=True)
-            return ws
-        with self._lock(ws.spec, ws.key):
-            if ws.path.exists():
-                ws.healed.append(self.quarantine(ws.spec, ws.path, reason))
-            ws.path.mkdir(parents=True, exist_ok=True)
-        return ws
-
-    def seal(self, ws: Workspace, *, skip: tuple[str, ...] = ()) -> None:
-        """Record the workspace's current files (re-hashing only new or changed ones) in its manifest."""
-        if not ws.persistent:
-            return
-        try:
-            with self._lock(ws.spec, ws.key):
-                try:
-                    old = read_manifest(ws.path).files
-                except ValueError:
-                    old = {}
-                files = {}
-                for rel in list_files(ws.path, skip=skip):
-                    if rel.endswith(".tmp"):
-                        continue  # another writer's file in flight
-                    st = (ws.path / rel).stat()
-                    prev = old.get(rel)
-                    if prev is not None and (prev.size, prev.mtime_ns) == (st.st_size, st.st_mtime_ns):
-                        files[rel] = prev
-                    else:
-                        files[rel] = record_file(ws.path / rel, with_mtime=True)
-                manifest = Manifest(format="glowplug-artifact/1", cache=ws.spec.name, version=ws.spec.version,
-                                    key=ws.key, group=ws.group, factors=ws.factors, files=files, created=now_iso(),
-                                    producer=producer())  # fmt: skip
-                write_manifest(ws.path, manifest)
-        except OSError as exc:
-            unusable = self._as_unusable(exc)
-            if unusable is None:
-                raise
-            self._bypass(ws.spec, unusable)
