@@ -89,6 +89,11 @@ class CompileCache:
         self.record()
         return result
 
+    def served_from_cache(self, hits: int, misses: int) -> bool:
+        """Whether the compile was a cache hit: every Inductor lookup hit, and no damaged kernel had to be rebuilt
+        (a healed folder still hits its FX graphs, but recompiles the kernels that were moved aside)."""
+        return misses == 0 and hits > 0 and not self.workspace.healed
+
     def record(self) -> None:
         """After a successful compile: the index entry (once per configuration) and the Inductor file list."""
         if not self.indexed:

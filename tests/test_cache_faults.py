@@ -200,8 +200,11 @@ def warm_compiled(tiny_dir, tmp_path_factory: pytest.TempPathFactory) -> dict[st
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", [*util.DAMAGES, "two_writers"])
+@pytest.mark.parametrize("damage", [*util.DAMAGES, "two_writers", "truncated_unverified"])
 def test_compile_cache_faults_reach_ready(warm_compiled, tmp_path: Path, damage: str) -> None:
+    """truncated_unverified: the kernels are truncated in an Inductor folder with no manifest (an older glowplug's,
+    or one whose manifest was deleted), so nothing catches it before Inductor: the compile fails
+    (CppCompileError) and is retried once in a fresh folder."""
     model = warm_compiled["model"]
     if damage == "two_writers":
         cache = tmp_path / "cache"
@@ -224,6 +227,10 @@ def test_compile_cache_faults_reach_ready(warm_compiled, tmp_path: Path, damage:
     elif damage.startswith("stale"):
         util.make_stale(index, damage)
         util.make_stale(ws, damage)
+    elif damage == "truncated_unverified":
+        (ws / "manifest.json").unlink()
+        for so in ws.rglob("*.so"):
+            util.damage_file(so, "truncated")
     else:
         for so in ws.rglob("*.so"):  # every compiled kernel, as in the issue's report
             util.damage_file(so, damage)
@@ -239,6 +246,11 @@ def test_compile_cache_faults_reach_ready(warm_compiled, tmp_path: Path, damage:
     events = [e for e in res["events"] if e["event"] == "cache_corrupt"]
     assert events and {e[Attr.CACHE_NAME] for e in events} <= {"compile", "inductor"}, res["events"]
     assert all(e[Attr.CACHE_PATH] and e[Attr.CACHE_REASON] for e in events)
-    assert any(n.startswith("cache_corrupt (") for n in res["notes"]["dynamo_transform_time"])
+    if damage == "truncated_unverified":
+        (ev,) = events
+        assert ev["stage"] == "graph_compile" and "compile failed with these cached artifacts" in ev[Attr.CACHE_REASON]
+        assert any(n.startswith("cache_corrupt (inductor)") for n in res["notes"]["graph_compile_general_shape"])
+    else:
+        assert any(n.startswith("cache_corrupt (") for n in res["notes"]["dynamo_transform_time"])
     (ws,) = util.entries(cache, "inductor")
     assert ArtifactStore(cache).check_entry(ws, by_name("inductor"), mode="full")[1] is None

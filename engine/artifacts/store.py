@@ -58,7 +58,9 @@ __all__ = ["ArtifactStore", "CacheDirUnusable", "CacheSpec", "Fetched"]
 QUARANTINE = ".quarantine"
 LOCKS = ".locks"
 TMP_PREFIX = ".tmp-"
-KEEP_QUARANTINED = 2  # per cache: enough to look at what went wrong, bounded so a flapping disk cannot fill up
+# Per cache: the latest is kept to look at what went wrong (a model entry is ~0.5 GB, so no more than that);
+# `glowplug cache prune` removes it.
+KEEP_QUARANTINED = 1
 FIRST_START = "first start for this model"
 
 

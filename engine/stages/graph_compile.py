@@ -19,7 +19,7 @@ class GraphCompile:
         hits0, misses0 = inductor_cache_counts()
         compiled = cache.run(backend.compile_pending)  # retried once in a fresh Inductor cache if it fails
         hits, misses = (a - b for a, b in zip(inductor_cache_counts(), (hits0, misses0)))
-        hit = misses == 0 and hits > 0
+        hit = cache.served_from_cache(hits, misses)
         attrs: dict[str, object] = {
             Attr.CACHE_HIT: hit,
             Attr.CACHE_KEY: cache.key,
