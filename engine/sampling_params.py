@@ -6,6 +6,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+# Below this a temperature samples greedily: dividing float32 logits by ~1e-38 overflows to inf, and the softmax of
+# inf is NaN, which crashed the sampler (and with it every request in the batch). vLLM uses the same threshold.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParams(BaseModel):
@@ -16,7 +19,8 @@ class SamplingParams(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 or 0 disables.")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    # At least 0.01: a near-zero penalty divides logits into inf (the same NaN crash as a near-zero temperature).
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
@@ -53,4 +57,4 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

@@ -129,9 +129,9 @@ def cmd_startup(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from glowplug.lifecycle.config import serve_config_from_args
-    from glowplug.lifecycle.server import serve
+    from glowplug.lifecycle.server import exit_process, serve
 
-    return serve(engine_config(args), serve_config_from_args(args), marks=args.marks)
+    exit_process(serve(engine_config(args), serve_config_from_args(args), marks=args.marks))
 
 
 def _bench_config(model_cls: Any, args: argparse.Namespace) -> Any:
@@ -251,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=_report_command(cls, run))
 
     from glowplug.profiling.bench import latency, startup_bench, throughput, tune
+    from glowplug.profiling.bench import serve as serve_bench
 
-    for module in (latency, throughput, startup_bench):
+    for module in (latency, throughput, startup_bench, serve_bench):
         module.register(bsub, add_model_flags)
     tsub = sub.add_parser("tune", help="Tune start-up settings (max-model-len sweeps).").add_subparsers(
         dest="tune_command", required=True, metavar="TUNE"

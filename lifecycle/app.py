@@ -7,6 +7,8 @@ Probes:
   GET /startup       state, current phase, seconds per finished phase, ETA from the last start of this config,
                      and the full phase table once READY.
   GET /metrics       Prometheus text format, from the service's own registry.
+
+The live start-up page (`GET /`), its event stream and the trace downloads are in page.py.
 """
 
 from __future__ import annotations
@@ -24,8 +26,11 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import trace
 
 from .errors import ApiError
+from .events import StartupEvents
 from .observe import AccessLogMiddleware
 from .openai_api import make_router
+from .openapi import install_openapi
+from .page import add_page_routes, startup_fields
 from .service import Service
 from .state import EngineState, StateSnapshot
 
@@ -44,7 +49,7 @@ def startup_report(service: Service, snap: StateSnapshot | None = None) -> dict[
         "phase": snap.phase,
         "phase_elapsed_s": _round(snap.phase_elapsed_s) if snap.phase else None,
         "elapsed_s": _round(snap.startup_elapsed_s),
-        "phases": [{"name": p.name, "seconds": _round(p.seconds), "failed": p.failed} for p in snap.finished_phases],
+        "phases": _finished_phases(service, snap),
         "eta_s": _round(service.eta_s(snap)),
         "expected_phases": service.expected_phase_seconds,
         "reason": snap.reason,
@@ -57,7 +62,18 @@ def startup_report(service: Service, snap: StateSnapshot | None = None) -> dict[
         from glowplug.profiling.phases import to_dict
 
         report["phase_table"] = to_dict(table)
+    report.update(startup_fields(service))
     return report
+
+
+def _finished_phases(service: Service, snap: StateSnapshot) -> list[dict[str, Any]]:
+    # A phase with a span reports the span's duration (the phase table's number); the life cycle's own timing is
+    # only for what has no span (the engine import when the process marks are not taken).
+    spans = {p.stage: p.nanos / 1e9 for p in service.timeline.finished()}
+    return [
+        {"name": p.name, "seconds": _round(spans.get(p.name, p.seconds)), "failed": p.failed}
+        for p in snap.finished_phases
+    ]
 
 
 def _readiness(service: Service) -> JSONResponse:
@@ -75,12 +91,16 @@ def _readiness(service: Service) -> JSONResponse:
 def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastAPI:
     """The app for `service`; its lifespan starts the service's start-up and closes the service at the end."""
 
+    events = StartupEvents(service)
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         service.start()
+        events.start()
         try:
             yield
         finally:
+            await events.stop()
             # Joining the engine thread blocks; keep the event loop free while it does.
             await asyncio.to_thread(service.close)
 
@@ -110,7 +130,7 @@ def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastA
 
     @app.get("/startup")
     async def startup() -> dict[str, Any]:
-        return startup_report(service)
+        return {**startup_report(service), **events.startup_extras()}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -118,4 +138,6 @@ def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastA
         return Response(body, media_type=content_type)
 
     app.include_router(make_router(service, tracer or trace.get_tracer("glowplug")))
+    install_openapi(app, service.model_name)
+    add_page_routes(app, service, events)
     return app

@@ -32,6 +32,13 @@ class ServeConfig(BaseModel):
         ge=1,
         description="Most requests admitted but not yet running in the engine; past it the server answers 429.",
     )
+    max_queue_wait: float | None = Field(
+        30.0,
+        ge=0.0,
+        description="Admission by expected wait: answer 429 (Retry-After: the expected wait) when a new request "
+        "would wait longer than this many seconds for the engine to take it (set it from your TTFT SLO); "
+        "unset = admit up to --max-queue only.",
+    )
     drain_timeout: float = Field(
         30.0, ge=0.0, description="Seconds in-flight requests may take to finish after SIGTERM/SIGINT."
     )

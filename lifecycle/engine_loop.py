@@ -1,8 +1,14 @@
 """The one thread that owns the LLMEngine: it adds, aborts and steps, and hands results to the asyncio side.
 
 LLMEngine is not thread-safe, so nothing else may touch it once the loop runs. Other threads talk to the loop
-through a command inbox (thread-safe queue) and hear back through per-request sinks: callables the loop calls with
-events, which on the asyncio side forward into an asyncio.Queue with `loop.call_soon_threadsafe`.
+through a command inbox (thread-safe queue) and hear back through per-request sinks: callables that run on the
+asyncio side with the loop's events.
+
+Events are handed over in one batch per engine step (one `post`, i.e. one `call_soon_threadsafe`, however many
+streams advanced), not one hop per request: each hop wakes the event loop, and a loop that wakes 64 times per step
+keeps taking the GIL back from this thread between the step's torch calls (each re-acquisition can wait out the
+interpreter's 5 ms switch interval). One wake-up per step lets the event loop write every stream's chunk in one
+burst and go back to sleep while the next step runs.
 
 Commands are handled before every step, so an abort frees the request's KV blocks before the next forward pass:
 a client that disconnects costs at most the step already running.
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias
@@ -48,7 +55,28 @@ class Ended:
 
 # What a sink receives: Scheduled (once), RequestOutput (each step it advanced; the last has finished=True), or Ended.
 EngineEvent: TypeAlias = "Scheduled | RequestOutput | Ended"
+# Called on the asyncio side (inside a `post`ed batch), never on the engine loop thread.
 Sink = Callable[[EngineEvent], None]
+# Runs a callable on the asyncio side: `loop.call_soon_threadsafe` of the serving event loop.
+Post = Callable[[Callable[[], None]], object]
+
+
+@dataclass(frozen=True)
+class LoadSnapshot:
+    """The engine's load as of the last step, for admission control (read from any thread; replaced whole)."""
+
+    running_seqs: int
+    waiting_seqs: int
+    max_num_seqs: int
+
+    @property
+    def free_seq_slots(self) -> int:
+        return max(0, self.max_num_seqs - self.running_seqs - self.waiting_seqs)
+
+
+def _dispatch(batch: list[tuple[Sink, EngineEvent]]) -> None:
+    for sink, event in batch:
+        sink(event)
 
 
 @dataclass(frozen=True)
@@ -84,10 +112,14 @@ class EngineLoop:
         *,
         metrics: ServiceMetrics,
         on_crash: Callable[[BaseException], None],
+        post: Post,
     ) -> None:
         self._engine = engine
         self._metrics = metrics
         self._on_crash = on_crash
+        self._post = post
+        self._outbox: list[tuple[Sink, EngineEvent]] = []
+        self.load = LoadSnapshot(0, 0, engine.scheduler.cfg.max_num_seqs)
         self._inbox: queue.SimpleQueue[Submission | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._unscheduled: set[str] = set()
@@ -127,17 +159,41 @@ class EngineLoop:
         try:
             self._publish()
             while self._handle_commands(block=not self._engine.has_unfinished()):
-                outputs = self._engine.step() if self._engine.has_unfinished() else []
+                self._flush()  # what the commands ended (aborts, refused requests) before the next step
+                outputs = self._step() if self._engine.has_unfinished() else []
                 self._note_scheduled()
                 # Gauges and counters before the outputs: a client that has its answer sees metrics that include it.
                 self._publish()
                 for out in outputs:
                     self._deliver(out)
+                self._flush()
+            self._flush()
         except BaseException as exc:
             log.error("engine loop crashed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
             # FAILED first: a client told "500" must find the server not ready when it looks.
             self._on_crash(exc)
             self._end_all("error", f"the engine failed: {type(exc).__name__}: {exc}", 500)
+            self._flush()
+
+    def _step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs = self._engine.step()
+        # Compared with the same step offline, this shows what serving costs the engine (GIL, CPU contention).
+        self._metrics.engine_step.observe(time.perf_counter() - t0)
+        return outputs
+
+    def _emit(self, sink: Sink, event: EngineEvent) -> None:
+        self._outbox.append((sink, event))
+
+    def _flush(self) -> None:
+        """Hand this step's events to the asyncio side in one hop."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        try:
+            self._post(lambda: _dispatch(batch))
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is left to tell
 
     def _handle_commands(self, *, block: bool) -> bool:
         """Apply queued commands; False once told to stop. Blocks for the first one only when the engine is idle."""
@@ -163,25 +219,34 @@ class EngineLoop:
             self._engine.add_request(None, sub.params, prompt_token_ids=sub.prompt_token_ids, request_id=sub.request_id)
         except ValueError as exc:
             # The engine's own checks (e.g. more KV blocks than the cache has) are the client's to fix.
-            sub.sink(Ended(sub.request_id, "error", str(exc), 400))
+            self._emit(sub.sink, Ended(sub.request_id, "error", str(exc), 400))
             return
         self._sinks[sub.request_id] = sub.sink
         self._unscheduled.add(sub.request_id)
 
+    def _count_aborted_tokens(self, request_id: str) -> None:
+        req = self._engine.requests.get(request_id)
+        if req is not None:
+            tokens = sum(len(s.output_token_ids) for s in req.seqs)
+            if tokens:
+                self._metrics.aborted_generation_tokens.inc(tokens)
+
     def _abort(self, request_id: str, notify_message: str | None) -> None:
+        self._count_aborted_tokens(request_id)
         self._engine.abort(request_id)
         self._unscheduled.discard(request_id)
         sink = self._sinks.pop(request_id, None)
         if sink is not None and notify_message is not None:
-            sink(Ended(request_id, "abort", notify_message, 503))
+            self._emit(sink, Ended(request_id, "abort", notify_message, 503))
 
     def _end_all(self, finish_reason: str, message: str, status: int) -> None:
         for request_id, sink in list(self._sinks.items()):
             try:
+                self._count_aborted_tokens(request_id)
                 self._engine.abort(request_id)
             except Exception:
                 pass
-            sink(Ended(request_id, finish_reason, message, status))
+            self._emit(sink, Ended(request_id, finish_reason, message, status))
         self._sinks.clear()
         self._unscheduled.clear()
 
@@ -193,7 +258,7 @@ class EngineLoop:
                 self._unscheduled.discard(request_id)
                 sink = self._sinks.get(request_id)
                 if sink is not None:
-                    sink(Scheduled(request_id))
+                    self._emit(sink, Scheduled(request_id))
 
     def _deliver(self, out: RequestOutput) -> None:
         sink = self._sinks.get(out.request_id)
@@ -201,12 +266,14 @@ class EngineLoop:
             return  # aborted by its client in the meantime
         if out.finished:
             del self._sinks[out.request_id]
-        sink(out)
+        self._emit(sink, out)
 
     def _publish(self) -> None:
         eng = self._engine
         bm = eng.block_manager
-        running = {s.request_id for s in eng.scheduler.running}
+        sched = eng.scheduler
+        running = {s.request_id for s in sched.running}
+        self.load = LoadSnapshot(len(sched.running), len(sched.waiting), sched.cfg.max_num_seqs)
         self._metrics.set_engine_gauges(
             running=len(running), used_blocks=bm.num_blocks - bm.num_free_blocks, total_blocks=bm.num_blocks
         )

@@ -79,7 +79,6 @@ class Generation:
         prompt_lengths: list[int],
         received_at: float,
         ticket: Ticket,
-        loop: asyncio.AbstractEventLoop,
         abort: Callable[[str], None],
         observe: Callable[[str, RequestOutput | None], None],
         on_close: Callable[[Generation], None],
@@ -90,7 +89,6 @@ class Generation:
         self._index = {rid: i for i, rid in enumerate(request_ids)}
         self._open = set(request_ids)
         self._ticket = ticket
-        self._loop = loop
         self._abort = abort
         self._observe = observe
         self._on_close = on_close
@@ -98,11 +96,13 @@ class Generation:
         self._closed = False
 
     def sink(self, event: EngineEvent) -> None:
-        """Called on the engine loop thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
-        except RuntimeError:
-            pass  # the event loop is closed: nobody is left to tell
+        """Called on the event loop, in the engine loop's per-step batch."""
+        self._queue.put_nowait(event)
+
+    @property
+    def has_pending(self) -> bool:
+        """Events have arrived that `events()` has not yielded yet."""
+        return not self._queue.empty()
 
     @property
     def done(self) -> bool:

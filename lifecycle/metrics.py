@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .live_metrics import RecentRequests
 from .state import EngineState
 
 # Latency buckets from 1 ms to 5 min: tiny CPU models answer in milliseconds, big ones on a CPU in minutes.
@@ -48,6 +49,12 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.engine_step = Histogram(
+            "glowplug_engine_step_duration_seconds",
+            "Wall time of one engine step (schedule, forward, sample, detokenize) on the engine loop thread.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge(
             "glowplug_num_requests_running", "Requests with sequences in the engine batch.", registry=r
         )
@@ -59,6 +66,14 @@ class ServiceMetrics:
         self.kv_total_blocks = Gauge("glowplug_kv_cache_total_blocks", "KV-cache blocks in all.", registry=r)
         self.prompt_tokens = Counter("glowplug_prompt_tokens", "Prompt tokens admitted to the engine.", registry=r)
         self.generation_tokens = Counter("glowplug_generation_tokens", "Tokens generated.", registry=r)
+        self.aborted_generation_tokens = Counter(
+            "glowplug_aborted_generation_tokens",
+            "Tokens generated for requests that were then aborted (client gone, drain): work nobody received.",
+            registry=r,
+        )
+        # process_resident_memory_bytes, CPU seconds, open fds: what a soak watches for leaks (Linux only;
+        # elsewhere the collector exports nothing).
+        ProcessCollector(registry=r)
         self.finished = Counter(
             "glowplug_request_finished",
             "Requests finished, by finish reason (stop, length, abort, error).",
@@ -81,6 +96,8 @@ class ServiceMetrics:
             "glowplug_engine_state", "The engine's life-cycle state.", states=[s.value for s in EngineState], registry=r
         )
         self.state.state(EngineState.STARTING.value)
+        # Exact latency percentiles of the last minute for the live page (the histograms above keep buckets only).
+        self.recent = RecentRequests()
 
     def set_state(self, state: EngineState) -> None:
         self.state.state(state.value)
@@ -105,10 +122,30 @@ class ServiceMetrics:
         tpot_s: float | None,
     ) -> None:
         self.finished.labels(finish_reason=finish_reason).inc()
+        self.recent.add(ttft_s, tpot_s)
         for hist, value in ((self.queue_time, queue_s), (self.ttft, ttft_s), (self.e2e, e2e_s), (self.tpot, tpot_s)):
             if value is not None and value >= 0.0:
                 hist.observe(value)
 
+    def current(self) -> dict[str, float]:
+        """The engine gauges and token counters as /metrics would show them now."""
+        return {
+            "running": _value(self.running),
+            "waiting": _value(self.waiting),
+            "kv_usage": _value(self.kv_usage),
+            "kv_used_blocks": _value(self.kv_used_blocks),
+            "kv_total_blocks": _value(self.kv_total_blocks),
+            "generation_tokens": _value(self.generation_tokens),
+            "prompt_tokens": _value(self.prompt_tokens),
+        }
+
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _value(metric: Gauge | Counter) -> float:
+    """The value of an unlabelled gauge or counter, through the public collect() API."""
+    family = metric.collect()[0]
+    wanted = family.name + "_total" if family.type == "counter" else family.name
+    return next((s.value for s in family.samples if s.name == wanted), 0.0)

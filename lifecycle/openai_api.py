@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -24,7 +24,7 @@ from glowplug.engine.tokenizer import encode_chat
 
 from .engine_loop import Ended
 from .errors import ApiError, bad_request
-from .generation import Generation
+from .generation import Generation, PromptEvent
 from .observe import RequestTrace, access_fields, request_id
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from .responses import (
@@ -98,6 +98,17 @@ def _rejected(r: Rejected) -> ApiError:
     return ApiError(r.status, r.message, type=kind, code=r.reason, headers=headers)
 
 
+def _check_model(service: Service, model: str | None) -> None:
+    """404 `model_not_found` for a model this server does not serve (OpenAI's and vLLM's answer); none = ours."""
+    if model is not None and model != service.model_name:
+        raise ApiError(
+            404,
+            f"the model `{model}` does not exist on this server; it serves `{service.model_name}` (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+
+
 def _check_prompt(info: EngineInfo, tokens: list[int], params: SamplingParams, param: str) -> None:
     try:
         info.validate_request(tokens, params)
@@ -167,10 +178,8 @@ async def _stream(
     done: set[int] = set()
     sent_lps: dict[int, int] = {}
     offsets: dict[int, int] = {}
-    if header.kind == "chat":
-        for idx in range(total):
-            yield sse(header.chunk(idx, delta="", finish_reason=None, role=True, with_usage_field=include_usage))
-    async for pe in gen.events():
+
+    def chunks(pe: PromptEvent) -> Iterator[bytes]:
         event = pe.event
         if isinstance(event, Ended):
             if event.finish_reason == "error":
@@ -179,11 +188,9 @@ async def _stream(
                 idx = pe.index * n + c
                 if idx not in done:
                     done.add(idx)
-                    end = header.chunk(
-                        idx, delta=None, finish_reason=event.finish_reason, with_usage_field=include_usage
-                    )
-                    yield sse(end)
-            continue
+                    yield sse(header.chunk(idx, delta=None, finish_reason=event.finish_reason,
+                                           with_usage_field=include_usage))  # fmt: skip
+            return
         for c in event.outputs:
             idx = pe.index * n + c.index
             if idx in done:
@@ -201,13 +208,26 @@ async def _stream(
             if c.finish_reason:
                 done.add(idx)
             delta = c.delta if (c.delta or header.kind == "completion") else None
-            chunk = header.chunk(
-                idx, delta=delta, finish_reason=c.finish_reason, logprobs=lp, with_usage_field=include_usage
-            )
-            yield sse(chunk)
+            yield sse(header.chunk(idx, delta=delta, finish_reason=c.finish_reason, logprobs=lp,
+                                   with_usage_field=include_usage))  # fmt: skip
+
+    out: list[bytes] = []
+    if header.kind == "chat":
+        out += [sse(header.chunk(i, delta="", finish_reason=None, role=True, with_usage_field=include_usage))
+                for i in range(total)]  # fmt: skip
+        yield b"".join(out)
+        out.clear()
+    async for pe in gen.events():
+        out.extend(chunks(pe))
+        # Chunks of events that arrived together (one engine step, or several once this stream fell behind) go
+        # out as one write: one send through the ASGI server per batch rather than one per chunk.
+        if out and not gen.has_pending:
+            yield b"".join(out)
+            out.clear()
     if include_usage:
-        yield sse(header.usage_chunk(gen.stats.prompt_tokens, gen.stats.completion_tokens))
-    yield SSE_DONE
+        out.append(sse(header.usage_chunk(gen.stats.prompt_tokens, gen.stats.completion_tokens)))
+    out.append(SSE_DONE)
+    yield b"".join(out)
 
 
 async def _prepare(
@@ -250,6 +270,7 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
         try:
             model = CompletionRequest if kind == "completion" else ChatCompletionRequest
             req = parse_body(model, await request.body())
+            _check_model(service, req.model)
             req.sampling_params()  # range checks now, before the request waits for anything
             gen, info, params = await _prepare(
                 service, request, req, received, lambda g: rtrace.finish(g.stats, outcome["status"])
@@ -259,8 +280,9 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
             rtrace.fail(err.status, err.message)
             return err.response()
         except ApiError as err:
-            if err.status == 400:
-                service.metrics.rejected.labels(reason="invalid_request").inc()
+            if err.status in (400, 404):
+                reason = "model_not_found" if err.code == "model_not_found" else "invalid_request"
+                service.metrics.rejected.labels(reason=reason).inc()
             rtrace.fail(err.status, err.message)
             return err.response()
         except ClientGone:

@@ -142,6 +142,14 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self._common_checks()
+        for i, message in enumerate(self.messages):
+            # OpenAI lets only an assistant turn (one that made tool calls) go without content.
+            if message.content is None and message.role != "assistant":
+                raise bad_request(
+                    f"messages[{i}].content: a {message.role} message needs content (a string or text parts)",
+                    f"messages[{i}].content",
+                    code="missing",
+                )
         if self.tools:
             raise bad_request("tools: tool calling is not supported by this server", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":

@@ -5,7 +5,13 @@ in this class that is not marked otherwise runs on the asyncio event loop thread
 threads reach asyncio through `call_soon_threadsafe`, which wakes requests waiting for READY.
 
 Admission: a request holds one slot per prompt from arrival until the engine first schedules it (or it ends), so
-`max_queue` bounds the work that is accepted but not started, including requests waiting for READY.
+`max_queue` bounds the work that is accepted but not started, including requests waiting for READY. On top of that
+count, admission is by expected wait (`max_queue_wait`): when the prompts ahead of a new request (plus its own) fit
+the engine's free sequence slots it waits about one step; otherwise it waits for that many requests to finish, at
+the rate requests have been finishing lately (Little's law). A request whose expected wait exceeds the limit gets
+429 with that wait as Retry-After, so the requests that are admitted keep their time to first token under overload
+instead of queueing without bound. With no finish seen yet (a fresh server) the wait is unknown and only the count
+applies.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import asyncio
 import math
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,7 +30,7 @@ import structlog
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.profiling.process import ProcessMarks
-from glowplug.profiling.tracing import Tracing
+from glowplug.profiling.tracing import Tracing, setup_tracing
 
 from .config import ServeConfig
 from .engine_loop import EngineLoop, Submission
@@ -31,6 +38,7 @@ from .generation import Generation, Ticket
 from .metrics import ServiceMetrics
 from .startup_runner import EngineFactory, StartupRunner, phase_table_seconds
 from .state import EngineState, Lifecycle, StateSnapshot, estimate_remaining
+from .timeline import StartupTimeline
 
 if TYPE_CHECKING:
     from glowplug.engine.llm_engine import RequestOutput
@@ -39,6 +47,9 @@ log = structlog.get_logger("glowplug.lifecycle.service")
 
 # After a drain gives up and aborts what is left, how long the responses get to send their last chunk.
 _ABORT_FLUSH_S = 5.0
+# The finish rate behind the expected wait: requests ended within this many seconds (at most _RATE_SAMPLES).
+_RATE_WINDOW_S = 10.0
+_RATE_SAMPLES = 512
 
 
 class Rejected(Exception):
@@ -50,6 +61,20 @@ class Rejected(Exception):
         self.message = message
         self.reason = reason  # the `reason` label of glowplug_request_rejected_total
         self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
+class DrainReport:
+    """How a drain went: of the requests in flight when it began, how many finished and how many were aborted."""
+
+    timeout_s: float
+    in_flight: int
+    finished: int
+    aborted: int
+
+    @property
+    def clean(self) -> bool:
+        return self.aborted == 0
 
 
 @dataclass(frozen=True)
@@ -81,15 +106,22 @@ class Service:
         self.metrics = metrics or ServiceMetrics()
         self.engine_info: EngineInfo | None = None
         self.startup_result: Any = None
+        # Made here rather than by the engine's start-up, so that the live timeline can watch its spans.
+        self.tracing = tracing or setup_tracing("glowplug", in_memory=True)
         self._runner = StartupRunner(
             config,
             self.lifecycle,
             on_ready=self._startup_done,
             on_failed=self._startup_failed,
             factory=engine_factory,
-            tracing=tracing,
+            tracing=self.tracing,
             marks=marks,
         )
+        # The start-up's phases as its spans start and end (the page, /startup/events and /startup read it).
+        self.timeline = StartupTimeline(
+            accept=self._runner.on_startup_thread, origin_ns=marks.process_start_ns if marks is not None else None
+        )
+        self.tracing.provider.add_span_processor(self.timeline)
         self._engine_loop: EngineLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
@@ -97,6 +129,7 @@ class Service:
         self._active: set[Generation] = set()
         self._idle: asyncio.Event | None = None
         self._unsubscribe: Callable[[], None] | None = None
+        self._finishes: deque[float] = deque(maxlen=_RATE_SAMPLES)  # monotonic end times of engine requests
 
     # ------------------------------------------------------------ start and state
 
@@ -141,7 +174,10 @@ class Service:
         engine = result.engine
         self.engine_info = EngineInfo(engine.tokenizer, engine.max_model_len, engine.validate_request)
         self.startup_result = result
-        loop = EngineLoop(engine, metrics=self.metrics, on_crash=self._engine_crashed)
+        assert self._loop is not None
+        loop = EngineLoop(
+            engine, metrics=self.metrics, on_crash=self._engine_crashed, post=self._loop.call_soon_threadsafe
+        )
         loop.start()
         self._engine_loop = loop
         if not self.lifecycle.mark_ready():
@@ -171,17 +207,49 @@ class Service:
         eta = self.eta_s(snap)
         return max(1, math.ceil(eta)) if eta is not None else 1
 
+    def finish_rate(self, now: float | None = None) -> float | None:
+        """Engine requests ended per second over the last few seconds; None before two have ended."""
+        now = time.monotonic() if now is None else now
+        recent = [t for t in self._finishes if t >= now - _RATE_WINDOW_S]
+        if len(recent) < 2:
+            return None
+        # Up to now, not to the last end: a stall since then must lower the rate.
+        return len(recent) / max(now - recent[0], 1e-3)
+
+    def expected_wait_s(self, count: int) -> float | None:
+        """Seconds a new request of `count` prompts would wait for the engine to take it; None when unknown."""
+        engine_loop = self._engine_loop
+        if engine_loop is None:
+            return None
+        load = engine_loop.load
+        free = max(0, load.max_num_seqs - load.running_seqs)
+        ahead = self._queued + count
+        if ahead <= free:
+            return 0.0
+        rate = self.finish_rate()
+        return None if rate is None else (ahead - free) / rate
+
     def admit(self, count: int) -> Ticket:
         """Take `count` admission slots (one per prompt) or raise Rejected (503 / 429)."""
         snap = self.snapshot()
         rejection = self._rejection_for_state(snap)
+        limit = self.serve_cfg.max_queue_wait
+        wait = self.expected_wait_s(count) if rejection is None and limit is not None else None
         if rejection is None and self._queued + count > self.serve_cfg.max_queue:
             rejection = Rejected(
                 429,
                 f"the server is busy: {self._queued} requests are queued (max-queue {self.serve_cfg.max_queue}); "
                 "retry later",
                 "queue_full",
-                retry_after=1,
+                retry_after=max(1, math.ceil(wait)) if wait is not None else 1,
+            )
+        elif rejection is None and wait is not None and limit is not None and wait > limit:
+            rejection = Rejected(
+                429,
+                f"the server is busy: a new request would wait about {wait:.1f} s for the engine "
+                f"(max-queue-wait {limit:g} s); retry later",
+                "queue_wait",
+                retry_after=max(1, math.ceil(wait)),
             )
         if rejection is not None:
             self.metrics.rejected.labels(reason=rejection.reason).inc()
@@ -254,7 +322,6 @@ class Service:
             prompt_lengths=[len(p) for p in prompts],
             received_at=received_at,
             ticket=ticket,
-            loop=asyncio.get_running_loop(),
             abort=engine_loop.abort,
             observe=observe,
             on_close=closed,
@@ -267,6 +334,7 @@ class Service:
         return gen
 
     def _observe(self, finish_reason: str, out: RequestOutput | None, received_at: float) -> None:
+        self._finishes.append(time.monotonic())
         m = out.metrics if out is not None else None
         if m is None:
             self.metrics.observe_request(
@@ -292,21 +360,24 @@ class Service:
 
     # ------------------------------------------------------------ shutdown
 
-    async def drain(self, timeout: float) -> bool:
+    async def drain(self, timeout: float) -> DrainReport:
         """Stop admitting, give in-flight requests `timeout` s to finish, then abort the rest.
 
-        Returns True when everything finished in time. Requests waiting for READY are turned away at once.
+        Requests waiting for READY are turned away at once. Aborted streams get a last chunk with finish_reason
+        "abort" (and `[DONE]`) before their connection closes.
         """
         self.lifecycle.begin_drain()
+        started = len(self._active)
         if self._idle is None:
-            return True
-        log.info("draining", in_flight=self.in_flight, timeout_s=timeout)
+            return DrainReport(timeout, started, started, 0)
+        log.info("draining", in_flight=started, timeout_s=timeout)
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-            return True
+            return DrainReport(timeout, started, started, 0)
         except asyncio.TimeoutError:
             pass
-        log.warning("drain timeout: aborting what is left", in_flight=self.in_flight)
+        left = len(self._active)
+        log.warning("drain timeout: aborting what is left", in_flight=left)
         if self._engine_loop is not None:
             self._engine_loop.abort_all(f"the server shut down after a {timeout:g} s drain")
         try:
@@ -314,7 +385,7 @@ class Service:
         except asyncio.TimeoutError:
             for gen in list(self._active):
                 gen.close()
-        return False
+        return DrainReport(timeout, started, started - left, left)
 
     def close(self) -> None:
         """Stop the engine loop and move to STOPPED; idempotent. Blocks up to a few seconds for the loop thread."""

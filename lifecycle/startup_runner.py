@@ -86,6 +86,11 @@ class StartupRunner:
     def start(self) -> None:
         self._thread.start()
 
+    def on_startup_thread(self) -> bool:
+        """True when called on this runner's start-up thread (tells its spans from other start-ups' in a shared
+        tracer provider)."""
+        return threading.current_thread() is self._thread
+
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 

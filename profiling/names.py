@@ -18,6 +18,8 @@ PREFIX: Final = "glowplug"
 # ---------------------------------------------------------------- spans
 STARTUP_SPAN: Final = "glowplug.startup"
 REQUEST_SPAN: Final = "glowplug.request"
+# The shutdown drain: from the signal until every in-flight request finished or was aborted.
+DRAIN_SPAN: Final = "glowplug.drain"
 
 # Stage names: each is the suffix of its span name `glowplug.startup.<stage>`.
 TOKENIZER_INIT: Final = "tokenizer_init"
@@ -120,6 +122,16 @@ class ReqAttr:
     TTFT_S: Final = "glowplug.ttft_s"
     QUEUE_TIME_S: Final = "glowplug.queue_time_s"
     FINISH_REASON: Final = "glowplug.finish_reason"
+
+
+class DrainAttr:
+    """Attribute keys of the `glowplug.drain` span."""
+
+    TIMEOUT_S: Final = "glowplug.drain.timeout_s"
+    IN_FLIGHT: Final = "glowplug.drain.in_flight"  # HTTP requests generating when the drain began
+    FINISHED: Final = "glowplug.drain.finished"  # of those, finished within the timeout
+    ABORTED: Final = "glowplug.drain.aborted"  # of those, aborted at the timeout
+    CLEAN: Final = "glowplug.drain.clean"  # bool: nothing had to be aborted
 
 
 # ---------------------------------------------------------------- phase-table rows

@@ -145,9 +145,69 @@ def _alternative_reason(chosen: str, attributes: Mapping[str, Any]) -> str:
     return f"cache miss: {miss}" if miss else "cache miss"
 
 
-def _stage_notes(span: ReadableSpan, stage: str, attrs: Mapping[str, Any], skipped: Any) -> list[str]:
-    """Cache events on the span, and the cache-miss reason of a stage that ran (graph_compile says its own on
-    the alternative row)."""
+Outcome = Literal["ran", "skipped", "failed"]
+
+
+@dataclass(frozen=True)
+class SpanPhase:
+    """One finished stage span as the phase table reads it: the row it books to, what happened, and why.
+
+    The table and the live start-up page (`glowplug.lifecycle.events`) both go through `span_phase`, so a bar on
+    the page and a cell of the table can never disagree about a span.
+    """
+
+    stage: str
+    row: str
+    start_ns: int
+    end_ns: int
+    outcome: Outcome
+    reason: str | None  # the table's note for `row`: "failed: ...", the skip reason, else None
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+    events: tuple[str, ...] = ()  # cache events on the span (`cache_corrupt`, `cache_unusable`), one line each
+
+    @property
+    def nanos(self) -> int:
+        return self.end_ns - self.start_ns
+
+    @property
+    def booked_nanos(self) -> int | None:
+        """What the span adds to its row: nothing when skipped (its few µs fall into unattributed)."""
+        return None if self.outcome == "skipped" else self.nanos
+
+    @property
+    def note(self) -> str | None:
+        """The reason, else the cache events, else the cache outcome ("cache hit", "cache miss: <why>")."""
+        if self.reason is not None:
+            return self.reason
+        if self.events:
+            return "; ".join(self.events)
+        hit = self.attributes.get(Attr.CACHE_HIT)
+        if hit is True:
+            return "cache hit"
+        if hit is False:
+            miss = self.attributes.get(Attr.CACHE_MISS_REASON)
+            return f"cache miss: {miss}" if miss else "cache miss"
+        return None
+
+
+def span_phase(span: ReadableSpan) -> SpanPhase:
+    """How the phase table books one finished `glowplug.startup.<stage>` span."""
+    stage = stage_from_span_name(span.name) or span.name
+    attrs = dict(span.attributes or {})
+    row = stage if stage in PRE_MAIN else str(attrs.get(Attr.ROW) or _default_row(stage, attrs))
+    skipped = attrs.get(Attr.SKIPPED_REASON)
+    outcome: Outcome
+    if span.status.status_code is StatusCode.ERROR:
+        outcome, reason = "failed", f"failed: {span.status.description or attrs.get(Attr.ERROR, 'error')}"
+    elif skipped:
+        outcome, reason = "skipped", str(skipped)
+    else:
+        outcome, reason = "ran", None
+    return SpanPhase(stage, row, span.start_time or 0, span.end_time or 0, outcome, reason, attrs, event_notes(span))
+
+
+def event_notes(span: ReadableSpan) -> tuple[str, ...]:
+    """One line per cache event on the span: `cache_corrupt (quant): <reason> -> rebuilding`."""
     out = []
     for ev in span.events:
         if ev.name in NOTED_EVENTS:
@@ -155,11 +215,16 @@ def _stage_notes(span: ReadableSpan, stage: str, attrs: Mapping[str, Any], skipp
             action = str(a.get(Attr.CACHE_ACTION, "")).split(";")[-1].strip()
             out.append(f"{ev.name} ({a.get(Attr.CACHE_NAME, '?')}): {a.get(Attr.CACHE_REASON, '')}"
                        + (f" -> {action}" if action else ""))  # fmt: skip
-    miss = attrs.get(Attr.CACHE_MISS_REASON)
-    # A damaged or unusable cache explains the miss already; the miss reason would only repeat it.
-    if miss and not out and not skipped and stage not in STAGE_ALTERNATIVE_ROWS and attrs.get(Attr.CACHE_HIT) is False:
-        out.append(f"cache miss: {miss}")
-    return out
+    return tuple(out)
+
+
+def _row_notes(phase: SpanPhase) -> list[str]:
+    """A row's notes: the stage's cache events, else the miss reason of a stage that ran (graph_compile says its
+    own on the alternative row; a cache event already explains its miss)."""
+    if phase.events or phase.outcome != "ran" or phase.stage in STAGE_ALTERNATIVE_ROWS:
+        return list(phase.events)
+    miss = phase.attributes.get(Attr.CACHE_MISS_REASON)
+    return [f"cache miss: {miss}"] if miss and phase.attributes.get(Attr.CACHE_HIT) is False else []
 
 
 def build_phase_table(
@@ -185,27 +250,21 @@ def build_phase_table(
     extra_rows: list[str] = []  # stages the vocabulary does not know yet, in order of appearance
     total_ns = 0
     for span in stage_spans:
-        stage = stage_from_span_name(span.name) or span.name
-        attrs = dict(span.attributes or {})
-        duration = (span.end_time or 0) - (span.start_time or 0)
-        row = stage if stage in PRE_MAIN else str(attrs.get(Attr.ROW) or _default_row(stage, attrs))
+        phase = span_phase(span)
+        stage, row, attrs = phase.stage, phase.row, phase.attributes
         if stage not in PRE_MAIN:
-            total_ns += duration
+            total_ns += phase.nanos
         if row not in LEAF_ROWS and row not in extra_rows:
             extra_rows.append(row)
         attributes.setdefault(row, {}).update(attrs)
-        skipped = attrs.get(Attr.SKIPPED_REASON)
-        notes.setdefault(row, []).extend(_stage_notes(span, stage, attrs, skipped))
-        if span.status.status_code is StatusCode.ERROR:
-            leaf_ns[row] = leaf_ns.get(row, 0) + duration
-            reasons[row] = f"failed: {span.status.description or attrs.get(Attr.ERROR, 'error')}"
-        elif skipped:
-            reasons[row] = str(skipped)
-        else:
-            leaf_ns[row] = leaf_ns.get(row, 0) + duration
+        notes.setdefault(row, []).extend(_row_notes(phase))
+        if phase.booked_nanos is not None:
+            leaf_ns[row] = leaf_ns.get(row, 0) + phase.booked_nanos
+        if phase.reason is not None:
+            reasons[row] = phase.reason
         for other in STAGE_ALTERNATIVE_ROWS.get(stage, ()):
             if other != row:
-                reasons.setdefault(other, str(skipped) if skipped else _alternative_reason(row, attrs))
+                reasons.setdefault(other, phase.reason if phase.outcome == "skipped" else _alternative_reason(row, attrs))
 
     pre = [s for s in stage_spans if stage_from_span_name(s.name) == Row.PROCESS_START]
     starts = [s.start_time or 0 for s in (pre or roots or stage_spans)]
@@ -241,10 +300,10 @@ def build_phase_table(
             reason = part_reasons.pop() if len(part_reasons) == 1 else "none of its phases ran"
             aggregates.append(PhaseRow(name, "aggregate", None, reason, components=parts))
     # Cache events of the work around the stages (e.g. the start-up profile written at READY) are on the root.
-    root_notes = [n for r in roots for n in _stage_notes(r, STARTUP_SPAN, {}, None)]
+    root_notes = tuple(n for r in roots for n in event_notes(r))
     totals = [
         PhaseRow(Row.TOTAL_TIME, "total", total_ns, "sum of stage spans"),
-        PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY", notes=tuple(root_notes)),
+        PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY", notes=root_notes),
     ]
     trace_hex = format_trace_id(group[0].context.trace_id) if group[0].context is not None else None
     return PhaseTable(
@@ -284,6 +343,32 @@ def _note(row: PhaseRow) -> str:
     return "; ".join([row.reason] * bool(row.reason) + list(row.notes))
 
 
+@dataclass(frozen=True)
+class DisplayRow:
+    """The text of one table row exactly as every renderer prints it (the CLI, Markdown, the start-up page)."""
+
+    name: str
+    label: str  # `Σ name` for aggregates
+    kind: Kind
+    seconds: str
+    share: str
+    note: str
+
+
+def display_rows(table: PhaseTable) -> list[DisplayRow]:
+    return [
+        DisplayRow(
+            name=row.name,
+            label=f"Σ {row.name}" if row.kind == "aggregate" else row.name,
+            kind=row.kind,
+            seconds=_fmt(row.seconds),
+            share=_share(table, row),
+            note=_note(row),
+        )
+        for row in table.rows
+    ]
+
+
 def to_rich(table: PhaseTable) -> Table:
     """A rich Table: leaves plain, aggregates bold cyan, unattributed yellow, totals bold under a rule."""
     out = Table(title="glowplug start-up phases", caption=_versions_line(table))
@@ -291,16 +376,13 @@ def to_rich(table: PhaseTable) -> Table:
     out.add_column("seconds", justify="right")
     out.add_column("% of actual", justify="right")
     out.add_column("note", overflow="fold")
-    rows = table.rows
+    rows = display_rows(table)
     for i, row in enumerate(rows):
         style = {"aggregate": "bold cyan", "total": "bold"}.get(row.kind, "")
         if row.name == Row.UNATTRIBUTED:
             style = "yellow"
-        name = f"Σ {row.name}" if row.kind == "aggregate" else row.name
         last_before_totals = row.kind != "total" and i + 1 < len(rows) and rows[i + 1].kind == "total"
-        out.add_row(
-            name, _fmt(row.seconds), _share(table, row), _note(row), style=style, end_section=last_before_totals
-        )
+        out.add_row(row.label, row.seconds, row.share, row.note, style=style, end_section=last_before_totals)
     return out
 
 
@@ -313,10 +395,10 @@ def _versions_line(table: PhaseTable) -> str:
 
 def to_markdown(table: PhaseTable) -> str:
     lines = ["| phase | kind | seconds | % of actual | note |", "|:--|:--|--:|--:|:--|"]
-    for row in table.rows:
+    for row in display_rows(table):
         name = f"**{row.name}**" if row.kind != "leaf" else row.name
-        note = _note(row).replace("|", "\\|")
-        lines.append(f"| {name} | {row.kind} | {_fmt(row.seconds)} | {_share(table, row)} | {note} |")
+        note = row.note.replace("|", "\\|")
+        lines.append(f"| {name} | {row.kind} | {row.seconds} | {row.share} | {note} |")
     lines += ["", f"_{_versions_line(table)}_", ""]
     return "\n".join(lines)
 

@@ -114,3 +114,38 @@ def plot_phase_stack(
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
+
+
+def plot_latency_vs_load(
+    panels: Mapping[str, Mapping[str, Sequence[tuple[float, float, float, float, str]]]],
+    path: Path,
+    *,
+    xlabel: str,
+    unit: str = "ms",
+) -> Path:
+    """One panel per metric (title -> series -> [(load, median, run min, run max, point label)]), each point
+    annotated with its label (e.g. "concurrency 8"), so a closed-loop and an open-loop point read the same way."""
+    fig = _figure(5.0 * max(len(panels), 1), 4.2)
+    for i, (title, series) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, max(len(panels), 1), i + 1)
+        for j, (label, points) in enumerate(series.items()):
+            if not points:
+                continue
+            pts = sorted(points)
+            xs = [p[0] for p in pts]
+            ys = [p[1] for p in pts]
+            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label, color=COLORS[j % len(COLORS)])
+            if j == 0:
+                for x, y, *_rest, name in pts:
+                    ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(unit)
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        if any(series.values()):
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no load point completed (see the report)", transform=ax.transAxes, ha="center")
+    return _save(fig, path)

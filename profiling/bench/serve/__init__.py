@@ -1,0 +1,136 @@
+"""`glowplug bench serve`: load against an OpenAI-compatible server, in the spirit of vLLM's serving benchmark.
+
+Modes (the sweep when none is given; several may be combined):
+  (sweep)       each --concurrency (closed loop), then each --request-rate (open loop: --arrival poisson, burst or
+                constant), --runs times: TTFT, TPOT, ITL and E2E p50/p90/p99, request and token throughput,
+                goodput under --slo-ttft-ms/--slo-tpot-ms, failures by type -> serve.{json,md}, serve_latency.png
+  --soak        --soak-streams clients for --soak-duration s mixing n>1, logprobs, stop strings, chat and
+                completions, --hangup-fraction of them hanging up mid-stream; then the server must show 0 errors,
+                tokens = usage per stream, generation counter = sum of usages (+ aborted tokens), no KV blocks or
+                running requests left, RSS within 1.05x of its value after the first wave -> soak.{json,md}
+  --efficiency  one request set over HTTP at --efficiency-concurrency and offline through LLM.generate, in one
+                run: server / offline token throughput (target >= 0.85) -> efficiency.{json,md}
+  --overload    capacity (closed loop at max-num-seqs), the sustainable rate (--sustainable-load x capacity), then
+                --overload-factor x that rate against a server with admission by expected wait: 429s with
+                Retry-After, p99 TTFT of admitted requests vs the sustainable rate -> overload.{json,md,png}
+  --fuzz        schemathesis over the server's own OpenAPI document, --fuzz-cases per generation endpoint:
+                5xx and schema violations by check -> fuzz.{json,md}
+Without --base-url the benchmark starts `python -m glowplug.lifecycle` on 127.0.0.1 with the engine flags given
+here and stops it (SIGTERM) at the end. All traffic goes to that one address; every loop is bounded in requests
+and in time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..cli_support import AddModelFlags, add_command, prepare_out_dir, write_json
+from .config import ServeBenchConfig
+
+Progress = Callable[[str], None]
+
+
+@contextmanager
+def server_for(cfg: ServeBenchConfig, **serve_overrides: Any) -> Iterator[tuple[str, int | None]]:
+    """(base URL, server pid or None): --base-url as given, else a server started here for the duration."""
+    if cfg.base_url is not None:
+        yield cfg.base_url.rstrip("/"), None
+        return
+    from .server import StartedServer
+
+    with StartedServer(cfg, **serve_overrides) as srv:
+        yield srv.base_url, srv.pid
+
+
+def load_bench_tokenizer(model: str) -> Any:
+    from ....engine.models.store import resolve_model
+    from ....engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(resolve_model(model, quiet=True))
+
+
+def sweep_mode(cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Progress) -> list[Path]:
+    from ..machine import report_header
+    from .report import plot_sweep, render_sweep, sweep_json, workload_lines
+    from .server import served_model
+    from .sweep import run_sweep
+    from .workload import build_requests, length_summary
+
+    out = prepare_out_dir(cfg.out_dir)
+    with server_for(cfg) as (base_url, _pid):
+        model = cfg.served_model_name or served_model(base_url)
+        points = run_sweep(cfg, base_url, tokenizer, model, say)
+    lengths = length_summary(build_requests(cfg, tokenizer, max(cfg.num_prompts, 2 * max(cfg.concurrency, default=1))))
+    head = report_header("Serving benchmark: latency and throughput under load", argv)
+    text = render_sweep(cfg, points, head, workload_lines(cfg, lengths, model, base_url, cfg.base_url is None))
+    (out / "serve.md").write_text(text)
+    write_json(out / "serve.json", sweep_json(cfg, points, lengths, model))
+    written = [out / "serve.md", out / "serve.json"]
+    if cfg.plots:
+        written.append(plot_sweep(points, out / "serve_latency.png"))
+    print(text)
+    return written
+
+
+def main(cfg: ServeBenchConfig, argv: list[str] | None = None) -> int:
+    from rich.console import Console
+
+    from ...logs import configure_logging
+
+    configure_logging(level="warning")
+    err = Console(stderr=True)
+
+    def say(msg: str) -> None:
+        err.print(msg, markup=False)
+
+    tokenizer = load_bench_tokenizer(cfg.model)
+    written: list[Path] = []
+    ok = True
+    for mode in cfg.modes:
+        if mode == "sweep":
+            written += sweep_mode(cfg, tokenizer, argv, say)
+        elif mode == "soak":
+            from .soak import soak_mode
+
+            passed, paths = soak_mode(cfg, tokenizer, argv, say, server_for)
+            ok &= passed
+            written += paths
+        elif mode == "efficiency":
+            from .efficiency import efficiency_mode
+
+            passed, paths = efficiency_mode(cfg, tokenizer, argv, say, server_for)
+            ok &= passed
+            written += paths
+        elif mode == "overload":
+            from .overload import overload_mode
+
+            passed, paths = overload_mode(cfg, tokenizer, argv, say, server_for)
+            ok &= passed
+            written += paths
+        elif mode == "fuzz":
+            from .fuzz import fuzz_mode
+
+            passed, paths = fuzz_mode(cfg, argv, say, server_for)
+            ok &= passed
+            written += paths
+    say("wrote " + ", ".join(map(str, written)))
+    return 0 if ok else 1
+
+
+def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
+    return add_command(
+        subparsers,
+        "serve",
+        help_text="Load against the HTTP server: latency percentiles, throughput, goodput; soak, efficiency, "
+        "overload and fuzz modes.",
+        description=__doc__,
+        config_cls=ServeBenchConfig,
+        add_model_flags=add_model_flags,
+        runner=main,
+    )
+
+
+__all__ = ["ServeBenchConfig", "main", "register", "write_json"]

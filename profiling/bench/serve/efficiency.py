@@ -1,0 +1,212 @@
+"""Server efficiency: one request set served over HTTP at high concurrency and run offline through `LLM.generate`,
+in one command, with the same engine settings. Target: server output-token throughput / offline >= 0.85.
+
+Order: the server (its own process) runs the set `runs` times after a warm-up and is stopped; then the offline
+engine is built in this process and runs the same set `runs` times through LLM.generate. The two never run at
+the same time, so neither steals the other's cores. Figures are medians over runs, with the spread.
+
+Where the difference goes: the server's `glowplug_engine_step_duration_seconds` (sum, count) over its runs against
+the offline engine's own steps (one more offline pass, stepping the engine as LLM.generate does, with a clock
+around each step) separates "the steps got slower" (GIL or CPU contention with the event loop) from "the engine
+sat idle between steps" (waiting on the event loop for new requests).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .client import request_body
+from .config import ServeBenchConfig
+from .load import api_path, run_closed
+from .server import engine_fields, scrape, served_model
+from .workload import RequestSpec, build_requests
+
+TARGET_RATIO = 0.85
+STEP_METRIC = "glowplug_engine_step_duration_seconds"
+
+
+@dataclass
+class ServerRun:
+    wall_s: float
+    output_tokens: int
+    failed: int
+    steps: float
+    step_time_s: float
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+@dataclass
+class OfflineRun:
+    wall_s: float
+    output_tokens: int
+
+    @property
+    def throughput(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+@dataclass
+class EfficiencyResult:
+    requests: int
+    input_len: int
+    output_len: int
+    concurrency: int
+    server: list[ServerRun]
+    offline: list[OfflineRun]
+    offline_steps: int
+    offline_step_time_s: float
+
+    @property
+    def server_tps(self) -> float:
+        return statistics.median(r.throughput for r in self.server)
+
+    @property
+    def offline_tps(self) -> float:
+        return statistics.median(r.throughput for r in self.offline)
+
+    @property
+    def ratio(self) -> float:
+        return self.server_tps / self.offline_tps
+
+    @property
+    def passed(self) -> bool:
+        return self.ratio >= TARGET_RATIO and all(r.failed == 0 for r in self.server)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **{k: v for k, v in asdict(self).items() if k not in ("server", "offline")},
+            "server_runs": [{**asdict(r), "throughput": r.throughput} for r in self.server],
+            "offline_runs": [{**asdict(r), "throughput": r.throughput} for r in self.offline],
+            "server_tokens_per_s": self.server_tps,
+            "offline_tokens_per_s": self.offline_tps,
+            "ratio": self.ratio,
+            "target": TARGET_RATIO,
+            "passed": self.passed,
+        }
+
+
+def _server_runs(cfg: ServeBenchConfig, base_url: str, bodies: list[dict[str, Any]], say: Callable[[str], None]) -> list[ServerRun]:
+    path = api_path(cfg.endpoint)
+    run_closed(base_url, path, bodies[: min(len(bodies), 4)], 4, max_duration=cfg.max_duration,
+               timeout=cfg.request_timeout)  # warm-up  # fmt: skip
+    runs = []
+    for i in range(cfg.runs):
+        say(f"efficiency: server run {i + 1}/{cfg.runs} ({len(bodies)} requests, concurrency {cfg.efficiency_concurrency})")
+        before = scrape(base_url)
+        t0 = time.perf_counter()
+        results = run_closed(base_url, path, bodies, cfg.efficiency_concurrency, max_duration=cfg.max_duration,
+                             timeout=cfg.request_timeout)  # fmt: skip
+        wall = time.perf_counter() - t0
+        after = scrape(base_url)
+        runs.append(ServerRun(
+            wall_s=wall,
+            output_tokens=sum(r.output_tokens or 0 for r in results if r.ok),
+            failed=sum(1 for r in results if not r.ok),
+            steps=after.get(f"{STEP_METRIC}_count", 0.0) - before.get(f"{STEP_METRIC}_count", 0.0),
+            step_time_s=after.get(f"{STEP_METRIC}_sum", 0.0) - before.get(f"{STEP_METRIC}_sum", 0.0),
+        ))  # fmt: skip
+    return runs
+
+
+def _offline_runs(cfg: ServeBenchConfig, specs: list[RequestSpec], say: Callable[[str], None]) -> tuple[list[OfflineRun], int, float]:
+    import gc
+
+    from ....engine.config import EngineConfig
+    from ....engine.llm import LLM
+    from ....engine.sampling_params import SamplingParams
+
+    say("efficiency: building the offline engine")
+    llm = LLM(config=EngineConfig.from_flat(**engine_fields(cfg)))
+    params = SamplingParams(max_tokens=cfg.output_len, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos)
+    prompts = [s.prompt or "" for s in specs]
+    llm.generate(prompts[:4], params)  # warm-up, like the server's
+    runs = []
+    for i in range(cfg.runs):
+        say(f"efficiency: offline run {i + 1}/{cfg.runs} (LLM.generate, {len(prompts)} prompts)")
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        runs.append(OfflineRun(wall, sum(len(c.token_ids) for o in outs for c in o.outputs)))
+    # The same work once more, stepping the engine the way LLM.generate does, with a clock on each step.
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request(p, params)
+    steps, busy = 0, 0.0
+    while engine.has_unfinished():
+        t0 = time.perf_counter()
+        engine.step()
+        busy += time.perf_counter() - t0
+        steps += 1
+    del llm, engine
+    gc.collect()
+    return runs, steps, busy
+
+
+def run_efficiency(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Callable[[str], None]) -> EfficiencyResult:
+    if cfg.endpoint != "completions" or cfg.dataset is not None or cfg.len_distribution != "fixed":
+        raise ValueError("--efficiency runs the synthetic set of fixed lengths on /v1/completions (LLM.generate "
+                         "takes one SamplingParams); drop --dataset/--endpoint chat/--len-distribution")  # fmt: skip
+    count = max(cfg.num_prompts, cfg.efficiency_concurrency)
+    specs = build_requests(cfg, tokenizer, count, seed=0)
+    with server_for(cfg) as (base_url, _pid):
+        model = cfg.served_model_name or served_model(base_url)
+        bodies = [request_body(s, model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos) for s in specs]
+        server = _server_runs(cfg, base_url, bodies, say)
+    offline, steps, busy = _offline_runs(cfg, specs, say)
+    return EfficiencyResult(count, cfg.input_len, cfg.output_len, cfg.efficiency_concurrency, server, offline,
+                            steps, busy)  # fmt: skip
+
+
+def render_efficiency(r: EfficiencyResult, head: str) -> str:
+    from ..tables import fmt_num, markdown_table
+
+    def spread(values: list[float]) -> str:
+        return f"{fmt_num(statistics.median(values), 1)} ({fmt_num(min(values), 1)}–{fmt_num(max(values), 1)})"
+
+    server_step = [s.step_time_s / s.steps * 1e3 for s in r.server if s.steps]
+    server_busy = [s.step_time_s / s.wall_s for s in r.server]
+    offline_step = r.offline_step_time_s / max(r.offline_steps, 1) * 1e3
+    rows = [
+        ["Output tokens/s", spread([s.throughput for s in r.server]), spread([o.throughput for o in r.offline])],
+        ["Wall time (s)", spread([s.wall_s for s in r.server]), spread([o.wall_s for o in r.offline])],
+        ["Engine steps", spread([s.steps for s in r.server]), str(r.offline_steps)],
+        ["Mean step (ms)", spread(server_step) if server_step else "no step recorded", fmt_num(offline_step, 2)],
+        ["Engine busy (step time / wall)", spread([b * 100 for b in server_busy]) + " %", "100 % (by construction)"],
+    ]
+    verdict = "PASS" if r.passed else "FAIL"
+    return "\n".join([
+        head,
+        f"- request set: {r.requests} synthetic prompts of {r.input_len} tokens, {r.output_len} output tokens each "
+        f"(EOS ignored), greedy; server: streaming /v1/completions at concurrency {r.concurrency}; offline: "
+        "LLM.generate over the same prompts; medians over runs (min–max)",
+        f"- **server / offline output-token throughput: {r.ratio:.3f}** (target >= {TARGET_RATIO}): **{verdict}**",
+        "",
+        markdown_table(["", "Server (HTTP)", "Offline (LLM.generate)"], rows),
+        "",
+        "Mean step: a server step slower than the offline one means the engine thread lost time to the event loop "
+        "(GIL or CPU); busy below 100 % means it sat idle between steps waiting for work.",
+        "",
+    ])  # fmt: skip
+
+
+def efficiency_mode(
+    cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
+) -> tuple[bool, list[Path]]:
+    from ..cli_support import prepare_out_dir, write_json
+    from ..machine import report_header
+
+    out = prepare_out_dir(cfg.out_dir)
+    result = run_efficiency(cfg, tokenizer, server_for, say)
+    text = render_efficiency(result, report_header("Serving efficiency: HTTP server vs offline", argv))
+    (out / "efficiency.md").write_text(text)
+    write_json(out / "efficiency.json", {"config": cfg.model_dump(mode="json"), **result.as_dict()})
+    print(text)
+    return result.passed, [out / "efficiency.md", out / "efficiency.json"]

@@ -1,0 +1,77 @@
+"""The load-point sweep: each concurrency (closed loop), then each request rate (open loop), `runs` times each.
+
+A concurrency point sends max(num_prompts, 2 x concurrency) requests, so that the server spends most of the run at
+that concurrency rather than ramping up and down. Each run uses a fresh request set (seeded by the run number), so
+runs do not replay each other's prompts into the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .client import request_body
+from .config import ServeBenchConfig
+from .load import api_path, run_closed, run_open
+from .results import LoadPoint, Slo, run_metrics
+from .workload import RequestSpec, arrival_times, build_requests
+
+Progress = Callable[[str], None]
+
+
+def bodies_for(cfg: ServeBenchConfig, specs: list[RequestSpec], model: str | None) -> list[dict[str, Any]]:
+    return [request_body(s, model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos) for s in specs]
+
+
+def warm_up(cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | None) -> None:
+    if cfg.warmup_requests:
+        specs = build_requests(cfg, tokenizer, cfg.warmup_requests, seed=10_000)
+        run_closed(base_url, api_path(cfg.endpoint), bodies_for(cfg, specs, model), cfg.warmup_requests,
+                   max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+
+
+def concurrency_point(
+    cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | None, concurrency: int, say: Progress
+) -> LoadPoint:
+    count = max(cfg.num_prompts, 2 * concurrency)
+    slo = Slo(cfg.slo_ttft_ms, cfg.slo_tpot_ms)
+    runs = []
+    for run in range(cfg.runs):
+        say(f"concurrency {concurrency}: run {run + 1}/{cfg.runs} ({count} requests)")
+        specs = build_requests(cfg, tokenizer, count, seed=run)
+        results = run_closed(base_url, api_path(cfg.endpoint), bodies_for(cfg, specs, model), concurrency,
+                             max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+        runs.append(run_metrics(results, slo))
+    return LoadPoint("concurrency", concurrency, None, runs)
+
+
+def rate_point(
+    cfg: ServeBenchConfig,
+    base_url: str,
+    tokenizer: Any,
+    model: str | None,
+    rate: float,
+    say: Progress,
+    *,
+    count: int | None = None,
+) -> tuple[LoadPoint, list[list[Any]]]:
+    """One open-loop point; also returns each run's raw results (the overload mode reads their Retry-After)."""
+    count = count or cfg.num_prompts
+    slo = Slo(cfg.slo_ttft_ms, cfg.slo_tpot_ms)
+    runs, raw = [], []
+    for run in range(cfg.runs):
+        say(f"{rate:g} req/s ({cfg.arrival}): run {run + 1}/{cfg.runs} ({count} requests)")
+        specs = build_requests(cfg, tokenizer, count, seed=run)
+        offsets = arrival_times(count, rate, cfg.arrival, cfg.burst_size, seed=run)
+        results = run_open(base_url, api_path(cfg.endpoint), bodies_for(cfg, specs, model), offsets,
+                           max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+        runs.append(run_metrics(results, slo))
+        raw.append(results)
+    return LoadPoint("rate", rate, cfg.arrival, runs), raw
+
+
+def run_sweep(cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | None, say: Progress) -> list[LoadPoint]:
+    warm_up(cfg, base_url, tokenizer, model)
+    points = [concurrency_point(cfg, base_url, tokenizer, model, c, say) for c in cfg.concurrency]
+    points += [rate_point(cfg, base_url, tokenizer, model, r, say)[0] for r in cfg.request_rate]
+    return points
