@@ -11,30 +11,20 @@ backend here only records each graph Dynamo hands it (running it eagerly meanwhi
 recorded graphs with Inductor inside the tracing context Dynamo left behind. That gives two honest stages:
 dynamo_transform and graph_compile.
 
-The Inductor cache lives under the glowplug cache dir, one folder per key; the key hashes a manifest of factors
-(model config, engine config, quantization, torch version, glowplug source, device, Inductor settings), and on a miss
-the last manifest for the same model says which factor changed.
+The Inductor cache and the explanation of compile-cache misses live in compile_cache.py (the artifact store); the
+Inductor settings below are one of the compile cache's factors.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import platform
 import types
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from .config import EngineConfig
 from .kv_cache import LayerKV
-from .models.arch import ModelArch
 from .models.llama import DecoderLM
-
-MANIFEST = "manifest.json"
 
 
 @dataclass(frozen=True)
@@ -178,96 +168,6 @@ def mark_decode_dynamic(packed: torch.Tensor, caches: list[LayerKV]) -> None:
         for t in (c.k, c.v, c.k_scale, c.v_scale):
             if t is not None:
                 torch._dynamo.mark_dynamic(t, 0)
-
-
-def glowplug_source_hash() -> str:
-    """Hash of the installed glowplug sources: a code change must never reuse a stale compiled graph."""
-    import glowplug
-
-    h = hashlib.sha256()
-    roots = {Path(p) for p in glowplug.__path__}
-    for sub in ("engine", "kernels"):
-        mod = __import__(f"glowplug.{sub}", fromlist=["__path__"])
-        roots |= {Path(p) for p in mod.__path__}
-    for root in sorted(roots):
-        for f in sorted(root.rglob("*.py")):
-            h.update(str(f.relative_to(root)).encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def compile_factors(config: EngineConfig, arch: ModelArch, device: str,
-                    settings: InductorSettings | None = None) -> dict[str, str]:  # fmt: skip
-    cpu = platform.processor() or platform.machine()
-    return {
-        "inductor": json.dumps(asdict(settings or InductorSettings()), sort_keys=True),
-        "model_config": arch.compute_hash(),
-        "engine_config": config.compute_hash(),
-        "quantization": f"{config.quant.quantization}/g{config.quant.group_size}/kv-{config.cache.kv_cache_dtype}",
-        "torch": torch.__version__,
-        "glowplug_source": glowplug_source_hash(),
-        "device": device if device != "cpu" else f"cpu/{cpu}",
-    }
-
-
-@dataclass(frozen=True)
-class CompileCache:
-    key: str
-    path: Path
-    factors: dict[str, str]
-    miss_reason: str | None  # None when a manifest for this key already exists
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _what_changed(last: dict[str, Any], factors: dict[str, str], fields: dict[str, Any]) -> str:
-    old_factors = last.get("factors") if isinstance(last.get("factors"), dict) else {}
-    changed = [k for k in factors if old_factors.get(k) != factors[k]]
-    if not changed:
-        return "cache folder missing"
-    parts = []
-    for name in changed:
-        if name == "engine_config":
-            old = last.get("engine_config") if isinstance(last.get("engine_config"), dict) else {}
-            diffs = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in fields.items() if old.get(k) != v]
-            parts.append("engine_config (" + ", ".join(diffs) + ")" if diffs else name)
-        else:
-            parts.append(name)
-    return "changed: " + "; ".join(parts)
-
-
-def open_compile_cache(cache_root: Path, factors: dict[str, str], config: EngineConfig) -> CompileCache:
-    """Record this start's manifest; say what changed when its key is new; point Inductor at the cache.
-
-    One Inductor folder serves every key: Inductor keys its own entries by graph and options, and a fresh folder
-    would pay the one-time C++ toolchain probe (15-20 s here) again for every config.
-    """
-    key = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
-    base = cache_root / "compile"
-    path = base / key
-    last_path = base / f"last-{factors['model_config']}.json"
-    fields = _flatten(config.hash_factors())
-    reason: str | None = None
-    if not (path / MANIFEST).is_file():
-        if last_path.is_file():
-            reason = _what_changed(json.loads(last_path.read_text()), factors, fields)
-        else:
-            reason = "first start for this model"
-    path.mkdir(parents=True, exist_ok=True)
-    manifest = json.dumps({"factors": factors, "engine_config": fields}, indent=2, sort_keys=True, default=str)
-    (path / MANIFEST).write_text(manifest)
-    last_path.write_text(manifest)
-    # Inductor reads this on every cache lookup; set here (not at import) so only a compiling engine changes it.
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(base / "inductor")
-    return CompileCache(key=key, path=path, factors=factors, miss_reason=reason)
 
 
 def inductor_cache_counts() -> tuple[int, int]:

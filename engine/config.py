@@ -1,7 +1,7 @@
 """The one pydantic schema for everything a user can set: CLI flags, HTTP fields and config files map onto these.
 
-Configs are frozen so that `compute_hash()` is stable for the lifetime of an engine; the hash keys the compile
-cache and the KV-profile cache, so only fields that change what is compiled or profiled take part in it.
+Configs are frozen so that `compute_hash()` is stable for the lifetime of an engine (it identifies the config in
+`/startup`). The caches do not use it: each declares the fields it depends on as artifact-store factors.
 """
 
 from __future__ import annotations

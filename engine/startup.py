@@ -6,12 +6,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
-from ..profiling.names import STARTUP_SPAN
+import structlog
+
+from opentelemetry import trace
+
+from ..profiling.names import SCHEMA_VERSION, STARTUP_SPAN, Attr
 from ..profiling.phases import PhaseTable, build_phase_table
 from ..profiling.process import Clock, ProcessMarks, open_startup_span
 from ..profiling.tracing import Tracing, setup_tracing
+from .artifacts import ArtifactStore
+from .artifacts.caches import STARTUP_PROFILE
 from .config import EngineConfig, cache_dir_from_env
 from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
@@ -75,20 +81,34 @@ class StartupResult:
         return self.context.model_dir
 
 
-def _profile_path(cache_root: Path, config: EngineConfig) -> Path:
-    return cache_root / "profiles" / f"startup-{config.compute_hash()}.json"
+PHASES = "phases.json"
+
+
+def _profile_factors(config: EngineConfig) -> dict[str, Any]:
+    return {"engine_config": config.hash_factors(), "device": config.resolved_device()}
 
 
 def expected_phase_durations(config: EngineConfig, cache_dir: Path | None = None) -> dict[str, float] | None:
     """Seconds per stage from the last successful start of this config (for an ETA), or None."""
-    path = _profile_path(cache_dir or cache_dir_from_env(), config)
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
+
+    def load(folder: Path) -> dict[str, float]:
+        data = json.loads((folder / PHASES).read_text())
         return {str(k): float(v) for k, v in data["stages"].items()}
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-        return None
+
+    store = ArtifactStore(cache_dir or cache_dir_from_env())
+    return store.lookup(STARTUP_PROFILE, _profile_factors(config), group=config.model, load=load).value
+
+
+def _record_phase_durations(ctx: EngineContext, results: list[StageResult]) -> None:
+    def build(folder: Path | None) -> None:
+        if folder is not None:
+            (folder / PHASES).write_text(json.dumps({"stages": {r.name: r.seconds for r in results}}))
+
+    try:
+        ArtifactStore(ctx.cache_root).put(STARTUP_PROFILE, _profile_factors(ctx.config), group=ctx.config.model,
+                                          build=build)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the engine is READY; a lost ETA record must not undo that
+        structlog.get_logger("glowplug.startup").warning("start-up profile not recorded", error=repr(exc))
 
 
 def build_engine(
@@ -109,7 +129,13 @@ def build_engine(
     tracer = tracing.tracer()
     ctx = EngineContext(config=config, cache_root=cache_dir or cache_dir_from_env(), device=config.resolved_device())
     clock = marks.clock if marks is not None else Clock()
-    root = open_startup_span(tracer, marks) if marks is not None else None
+    # The root span is ours in both modes so that work after READY (the start-up profile, sealing the compile
+    # cache) still has a span to report cache events on.
+    root = (
+        open_startup_span(tracer, marks)
+        if marks is not None
+        else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})
+    )
     try:
         results = run_stages(
             list(stages) if stages is not None else default_stages(),
@@ -120,23 +146,23 @@ def build_engine(
             clock=clock,
         )
     except StartupFailed as failed:
-        if root is not None:
-            from opentelemetry.trace import Status, StatusCode
+        from opentelemetry.trace import Status, StatusCode
 
-            root.set_status(Status(StatusCode.ERROR, str(failed)))
-            root.end(end_time=clock.now_ns())
+        root.set_status(Status(StatusCode.ERROR, str(failed)))
+        root.set_attribute(Attr.ERROR, str(failed))
+        root.end(end_time=clock.now_ns())
         raise
     ready_ns = clock.now_ns()
-    if root is not None:
-        root.end(end_time=ready_ns)
+    assert ctx.engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
+    with trace.use_span(root, end_on_exit=False):
+        _record_phase_durations(ctx, results)
+        if ctx.compile_cache is not None:
+            ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache
+    root.end(end_time=ready_ns)
     trace_id = results[0].span_context.trace_id if results else None
     table = build_phase_table(
         [s for s in tracing.finished_spans() if s.name.startswith(STARTUP_SPAN)],
-        ready_time_ns=ready_ns if root is not None else None,
+        ready_time_ns=ready_ns,
         trace_id=trace_id,
     )
-    assert ctx.engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
-    path = _profile_path(ctx.cache_root, config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"stages": {r.name: r.seconds for r in results}}))
     return StartupResult(engine=ctx.engine, context=ctx, stages=results, phase_table=table, tracing=tracing)

@@ -237,11 +237,13 @@ def build_parser() -> argparse.ArgumentParser:
     dec.set_defaults(func=cmd_bench_decode)
 
     from glowplug.profiling.bench.accuracy import AccuracyConfig
+    from glowplug.profiling.bench.cache_verify import CacheVerifyConfig, run_cache_verify_bench
     from glowplug.profiling.bench.kernel_bench import KernelBenchConfig, run_accuracy_report, run_kernel_bench
 
     for name, cls, run, text in (
         ("kernels", KernelBenchConfig, run_kernel_bench, "Every quantized linear path per M on the model's shapes."),
         ("accuracy", AccuracyConfig, run_accuracy_report, "Perplexity, KL and top-1 agreement of each scheme vs bf16."),
+        ("cache-verify", CacheVerifyConfig, run_cache_verify_bench, "Cost of verifying a warm cache hit, quick vs full."),
     ):
         p = bsub.add_parser(name, help=text)
         p.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
@@ -257,6 +259,10 @@ def build_parser() -> argparse.ArgumentParser:
         dest="tune_command", required=True, metavar="TUNE"
     )
     tune.register(tsub, add_model_flags)
+
+    from glowplug import cache_cli
+
+    cache_cli.register(sub)
 
     models = sub.add_parser("models", help="Manage model files.")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
@@ -276,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     from pydantic import ValidationError
 
+    from glowplug.engine.artifacts import CacheDirUnusable
     from glowplug.engine.models.arch import ModelError
     from glowplug.engine.stages.base import StartupFailed
 
@@ -288,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"glowplug: invalid setting:\n{explain(exc)}", file=sys.stderr)
         return 2
-    except (FlagError, ModelError, ValueError) as exc:
+    except (FlagError, ModelError, ValueError, CacheDirUnusable) as exc:
         print(f"glowplug: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -85,7 +85,9 @@ def explain(exc: ValidationError) -> str:
     """pydantic's error, phrased in terms of flags: one line per problem, naming the flag and the bad value."""
     lines = []
     for err in exc.errors():
-        loc = [str(p) for p in err["loc"] if not str(p).isdigit() and p not in ("scheduler", "cache", "quant")]
+        parts = [str(p) for p in err["loc"] if not str(p).isdigit()]
+        # Drop the config section names (scheduler.max_num_seqs -> --max-num-seqs), not a field of that name.
+        loc = [p for i, p in enumerate(parts) if not (i < len(parts) - 1 and p in ("scheduler", "cache", "quant"))]
         field = loc[0] if loc else "?"
         given = err.get("input")
         shown = "" if isinstance(given, dict) else f" (got {given!r})"

@@ -12,22 +12,20 @@ nearest in log2; else the default rules for (device, format); else the device's 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import math
 import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import cpu, reference
+from .dispatch_cache import lookup_table, save_table
 from .formats import PackedWeight, fit_spec, quantize
 from .triton import ops as triton_ops
 
@@ -306,11 +304,12 @@ def _clone(w: PackedWeight) -> PackedWeight:
                                      if isinstance(getattr(w, f.name), Tensor)})
 
 
-def calibration_key(shapes: Sequence[tuple[int, int]], formats: Sequence[str], ms: Sequence[int]) -> str:
-    payload = {"torch": torch.__version__, "cpu": cpu_model(), "threads": torch.get_num_threads(),
-               "shapes": sorted([list(s) for s in shapes]), "formats": list(formats), "ms": list(ms),
-               "table_version": TABLE_VERSION}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+def calibration_factors(shapes: Sequence[tuple[int, int]], formats: Sequence[str], ms: Sequence[int]
+                        ) -> dict[str, Any]:
+    """What a calibration depends on: the artifact-store key factors of the `kernel_dispatch` cache."""
+    return {"torch": torch.__version__, "cpu": cpu_model(), "threads": torch.get_num_threads(),
+            "shapes": sorted([list(s) for s in shapes]), "formats": list(formats), "ms": list(ms),
+            "table_version": TABLE_VERSION}
 
 
 def calibrate(shapes: Sequence[tuple[int, int]], cache_dir: str | os.PathLike[str], *,
@@ -318,12 +317,13 @@ def calibrate(shapes: Sequence[tuple[int, int]], cache_dir: str | os.PathLike[st
               force: bool = False, stream_bytes: int = 96 << 20) -> DispatchTable:
     """Benchmark every valid CPU path for each (N, K) shape, format and M; cache the winners as JSON.
 
-    The cache file is keyed by torch version, CPU model, thread count and the arguments, so a different
-    machine or torch build re-calibrates instead of trusting stale timings. Returns the default rules plus the
-    measured per-shape winners."""
-    path = Path(cache_dir) / f"dispatch-{calibration_key(shapes, formats, ms)}.json"
-    if path.exists() and not force:
-        return DispatchTable.from_json(path.read_text(encoding="utf-8"))
+    The table is an artifact-store entry under `cache_dir` (the cache root) keyed by torch version, CPU model,
+    thread count and the arguments, so a different machine or torch build re-calibrates instead of trusting
+    stale timings. Returns the default rules plus the measured per-shape winners."""
+    factors = calibration_factors(shapes, formats, ms)
+    cached = None if force else lookup_table(cache_dir, factors).value
+    if cached is not None:
+        return cached
     table = DispatchTable(meta={"torch": torch.__version__, "cpu": cpu_model(), "threads": torch.get_num_threads(),
                                 "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "timings_us": {}})
     dispatcher = Dispatcher(table)
@@ -338,9 +338,5 @@ def calibrate(shapes: Sequence[tuple[int, int]], cache_dir: str | os.PathLike[st
             table.measured[key] = [(m, min(t, key=t.__getitem__)) for m, t in timings.items() if t]
             table.meta["timings_us"][key] = {str(m): {p: round(v, 1) for p, v in t.items()}
                                              for m, t in timings.items()}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write-then-rename so a concurrent reader never sees half a file.
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp", encoding="utf-8") as f:
-        f.write(table.to_json())
-    os.replace(f.name, path)
+    save_table(cache_dir, factors, table)
     return table

@@ -98,6 +98,24 @@ class Attr:
     ERROR: Final = "glowplug.error"
     PID: Final = "glowplug.pid"
     CLOCK_RESOLUTION_S: Final = "glowplug.clock_resolution_s"
+    # Attributes of the cache events below.
+    CACHE_NAME: Final = "glowplug.cache"
+    CACHE_PATH: Final = "glowplug.cache_path"
+    CACHE_REASON: Final = "glowplug.cache_reason"
+    CACHE_ACTION: Final = "glowplug.cache_action"
+
+
+class Event:
+    """Span event names. A stage's span carries them; the phase table shows them in the stage row's note."""
+
+    # An artifact-store entry failed verification or could not be loaded; it was moved aside and rebuilt.
+    CACHE_CORRUPT: Final = "cache_corrupt"
+    # GLOWPLUG_CACHE_DIR cannot be used (a file, read-only, disk full); the cache ran without it.
+    CACHE_UNUSABLE: Final = "cache_unusable"
+
+
+# Events the phase table puts into the note of their stage's row.
+NOTED_EVENTS: Final[tuple[str, ...]] = (Event.CACHE_CORRUPT, Event.CACHE_UNUSABLE)
 
 
 class ReqAttr:

@@ -33,6 +33,7 @@ from rich.table import Table
 from glowplug.profiling.names import (
     AGGREGATE_ROWS,
     LEAF_ROWS,
+    NOTED_EVENTS,
     PRE_MAIN,
     SCHEMA_VERSION,
     STAGE_ALTERNATIVE_ROWS,
@@ -57,6 +58,7 @@ class PhaseRow:
     reason: str | None = None
     attributes: Mapping[str, Any] = field(default_factory=dict)
     components: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # cache events and miss reasons of the stage(s) booked here
 
     @property
     def seconds(self) -> float | None:
@@ -161,6 +163,7 @@ class SpanPhase:
     outcome: Outcome
     reason: str | None  # the table's note for `row`: "failed: ...", the skip reason, else None
     attributes: Mapping[str, Any] = field(default_factory=dict)
+    events: tuple[str, ...] = ()  # cache events on the span (`cache_corrupt`, `cache_unusable`), one line each
 
     @property
     def nanos(self) -> int:
@@ -173,9 +176,11 @@ class SpanPhase:
 
     @property
     def note(self) -> str | None:
-        """The reason, else the cache outcome ("cache hit", "cache miss: <why>") for stages that report one."""
+        """The reason, else the cache events, else the cache outcome ("cache hit", "cache miss: <why>")."""
         if self.reason is not None:
             return self.reason
+        if self.events:
+            return "; ".join(self.events)
         hit = self.attributes.get(Attr.CACHE_HIT)
         if hit is True:
             return "cache hit"
@@ -198,7 +203,28 @@ def span_phase(span: ReadableSpan) -> SpanPhase:
         outcome, reason = "skipped", str(skipped)
     else:
         outcome, reason = "ran", None
-    return SpanPhase(stage, row, span.start_time or 0, span.end_time or 0, outcome, reason, attrs)
+    return SpanPhase(stage, row, span.start_time or 0, span.end_time or 0, outcome, reason, attrs, event_notes(span))
+
+
+def event_notes(span: ReadableSpan) -> tuple[str, ...]:
+    """One line per cache event on the span: `cache_corrupt (quant): <reason> -> rebuilding`."""
+    out = []
+    for ev in span.events:
+        if ev.name in NOTED_EVENTS:
+            a = ev.attributes or {}
+            action = str(a.get(Attr.CACHE_ACTION, "")).split(";")[-1].strip()
+            out.append(f"{ev.name} ({a.get(Attr.CACHE_NAME, '?')}): {a.get(Attr.CACHE_REASON, '')}"
+                       + (f" -> {action}" if action else ""))  # fmt: skip
+    return tuple(out)
+
+
+def _row_notes(phase: SpanPhase) -> list[str]:
+    """A row's notes: the stage's cache events, else the miss reason of a stage that ran (graph_compile says its
+    own on the alternative row; a cache event already explains its miss)."""
+    if phase.events or phase.outcome != "ran" or phase.stage in STAGE_ALTERNATIVE_ROWS:
+        return list(phase.events)
+    miss = phase.attributes.get(Attr.CACHE_MISS_REASON)
+    return [f"cache miss: {miss}"] if miss and phase.attributes.get(Attr.CACHE_HIT) is False else []
 
 
 def build_phase_table(
@@ -219,6 +245,7 @@ def build_phase_table(
 
     leaf_ns: dict[str, int] = {}
     reasons: dict[str, str] = {}
+    notes: dict[str, list[str]] = {}
     attributes: dict[str, dict[str, Any]] = {}
     extra_rows: list[str] = []  # stages the vocabulary does not know yet, in order of appearance
     total_ns = 0
@@ -230,6 +257,7 @@ def build_phase_table(
         if row not in LEAF_ROWS and row not in extra_rows:
             extra_rows.append(row)
         attributes.setdefault(row, {}).update(attrs)
+        notes.setdefault(row, []).extend(_row_notes(phase))
         if phase.booked_nanos is not None:
             leaf_ns[row] = leaf_ns.get(row, 0) + phase.booked_nanos
         if phase.reason is not None:
@@ -257,7 +285,7 @@ def build_phase_table(
         reason = reasons.get(name)
         if nanos is None and reason is None:
             reason = NO_PROCESS_MARKS if name in PRE_MAIN else NOT_IN_PIPELINE
-        rows.append(PhaseRow(name, "leaf", nanos, reason, attributes.get(name, {})))
+        rows.append(PhaseRow(name, "leaf", nanos, reason, attributes.get(name, {}), notes=tuple(notes.get(name, ()))))
     unattributed = actual_ns - sum(r.nanos for r in rows if r.nanos is not None)
     rows.append(PhaseRow(Row.UNATTRIBUTED, "leaf", unattributed))
 
@@ -271,9 +299,11 @@ def build_phase_table(
             part_reasons = {by_name[p].reason for p in parts}
             reason = part_reasons.pop() if len(part_reasons) == 1 else "none of its phases ran"
             aggregates.append(PhaseRow(name, "aggregate", None, reason, components=parts))
+    # Cache events of the work around the stages (e.g. the start-up profile written at READY) are on the root.
+    root_notes = tuple(n for r in roots for n in event_notes(r))
     totals = [
         PhaseRow(Row.TOTAL_TIME, "total", total_ns, "sum of stage spans"),
-        PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY"),
+        PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY", notes=root_notes),
     ]
     trace_hex = format_trace_id(group[0].context.trace_id) if group[0].context is not None else None
     return PhaseTable(
@@ -310,7 +340,7 @@ def _note(row: PhaseRow) -> str:
     if row.kind == "aggregate":
         formula = "= " + " + ".join(row.components)
         return f"{formula} ({row.reason})" if row.reason else formula
-    return row.reason or ""
+    return "; ".join([row.reason] * bool(row.reason) + list(row.notes))
 
 
 @dataclass(frozen=True)
@@ -398,6 +428,7 @@ def to_dict(table: PhaseTable) -> dict[str, Any]:
         "kinds": {r.name: r.kind for r in table.rows},
         "components": {r.name: list(r.components) for r in table.rows if r.components},
         "reasons": {r.name: r.reason for r in table.rows if r.reason},
+        "notes": {r.name: list(r.notes) for r in table.rows if r.notes},
         "attributes": {r.name: {k: _jsonable(v) for k, v in r.attributes.items()} for r in table.rows if r.attributes},
         "versions": dict(table.versions),
     }
@@ -419,6 +450,7 @@ def from_dict(data: Mapping[str, Any]) -> PhaseTable:
                 reason=data.get("reasons", {}).get(name),
                 attributes=data.get("attributes", {}).get(name, {}),
                 components=tuple(data.get("components", {}).get(name, ())),
+                notes=tuple(data.get("notes", {}).get(name, ())),
             )
         )
     return PhaseTable(

@@ -1,8 +1,7 @@
-"""The default model's one-time conversion: manifest, atomic rename, locking, rebuild of broken caches."""
+"""The default model's one-time conversion through the artifact store: manifest, atomic rename, locking, rebuilds."""
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import time
 from pathlib import Path
@@ -10,6 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from glowplug.engine.artifacts import ArtifactStore
+from glowplug.engine.artifacts.caches import MODEL
+from glowplug.engine.artifacts.manifest import read_manifest, sha256_file
 from glowplug.engine.models import store
 
 
@@ -24,12 +26,12 @@ def _fake_convert(source: Path, out: Path, console: Console) -> None:
 
 def _prepare_in_child(source: str, cache: str, q: "mp.Queue[str]") -> None:
     store._convert_gguf = _fake_convert  # type: ignore[assignment]
-    q.put(str(store.prepare_gguf(Path(source), "fake", Path(cache), quiet=True)))
+    q.put(str(store.prepare_gguf(Path(source), "fake", Path(cache), quiet=True).value))
 
 
 @pytest.fixture
 def fake_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    src = tmp_path / "src" / "fake.gguf"
+    src = tmp_path / "src" / "fake.Q4_1.gguf"
     src.parent.mkdir()
     src.write_bytes(b"GGUF" + bytes(range(256)) * 4)
     monkeypatch.setattr(store, "_convert_gguf", _fake_convert)
@@ -41,14 +43,20 @@ def _runs(src: Path) -> int:
     return len(log.read_text().splitlines()) if log.exists() else 0
 
 
-def test_manifest_records_source_sha256(fake_source: Path, tmp_path: Path) -> None:
-    out = store.prepare_gguf(fake_source, "fake", tmp_path / "cache", quiet=True)
-    manifest = json.loads((out / store.MANIFEST).read_text())
-    assert manifest["source"]["sha256"] == store.sha256_file(fake_source)
-    assert manifest["files"]["model.safetensors"] == (out / "model.safetensors").stat().st_size
-    # A second call reuses the cache.
-    assert store.prepare_gguf(fake_source, "fake", tmp_path / "cache", quiet=True) == out
-    assert _runs(fake_source) == 1
+def test_manifest_records_factors_and_files(fake_source: Path, tmp_path: Path) -> None:
+    got = store.prepare_gguf(fake_source, "fake", tmp_path / "cache", quiet=True)
+    out = got.value
+    assert not got.hit and got.miss_reason == "first start for this model"
+    assert out.parent == tmp_path / "cache" / "model"
+    m = read_manifest(out)
+    assert m.factors["source"] == {"file": fake_source.name, "size": fake_source.stat().st_size,
+                                   "mtime_ns": fake_source.stat().st_mtime_ns}  # fmt: skip
+    rec = m.files["model.safetensors"]
+    assert rec.size == (out / "model.safetensors").stat().st_size
+    assert rec.sha256 == sha256_file(out / "model.safetensors")
+    assert store.source_quant_block(out) == 32  # a Q4_1 source: int4 keeps its 32-weight blocks
+    again = store.prepare_gguf(fake_source, "fake", tmp_path / "cache", quiet=True)
+    assert again.hit and again.value == out and _runs(fake_source) == 1
 
 
 def test_two_processes_prepare_at_once(fake_source: Path, tmp_path: Path) -> None:
@@ -63,42 +71,44 @@ def test_two_processes_prepare_at_once(fake_source: Path, tmp_path: Path) -> Non
     paths = {q.get(timeout=5), q.get(timeout=5)}
     assert len(paths) == 1
     assert _runs(fake_source) == 1, "the second process must wait for and reuse the first one's conversion"
-    root = tmp_path / "cache" / "models"
-    assert not [p for p in root.iterdir() if ".tmp-" in p.name], "temporary folders left behind"
-    ok, why = store._manifest_ok(Path(paths.pop()), fake_source)
-    assert ok, why
+    root = tmp_path / "cache" / "model"
+    assert [p.name for p in root.iterdir() if not p.name.startswith(".locks")] == [Path(paths.pop()).name]
 
 
 @pytest.mark.parametrize("damage", ["no_manifest", "truncated_file", "source_changed"])
 def test_broken_cache_is_detected_and_rebuilt(fake_source: Path, tmp_path: Path, damage: str) -> None:
     cache = tmp_path / "cache"
-    out = store.prepare_gguf(fake_source, "fake", cache, quiet=True)
+    out = store.prepare_gguf(fake_source, "fake", cache, quiet=True).value
     if damage == "no_manifest":
-        (out / store.MANIFEST).unlink()  # what an interrupted copy or an older tool leaves
+        (out / "manifest.json").unlink()  # what an interrupted copy or an older tool leaves
     elif damage == "truncated_file":
         f = out / "model.safetensors"
         f.write_bytes(f.read_bytes()[:10])
     else:
         fake_source.write_bytes(b"GGUF-other-content")
-    ok, _ = store._manifest_ok(out, fake_source)
-    assert not ok
     again = store.prepare_gguf(fake_source, "fake", cache, quiet=True)
-    assert again == out and _runs(fake_source) == 2
-    assert store._manifest_ok(out, fake_source)[0]
+    assert not again.hit and _runs(fake_source) == 2
+    if damage == "source_changed":
+        assert again.value != out and "source.size" in (again.miss_reason or "")
+    else:
+        assert again.value == out and again.corrupt
+    assert ArtifactStore(cache).check_entry(again.value, MODEL)[1] is None
 
 
 def test_cache_dir_comes_from_env(fake_source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GLOWPLUG_CACHE_DIR", str(tmp_path / "envcache"))
-    out = store.prepare_gguf(fake_source, "fake", quiet=True)
-    assert out == tmp_path / "envcache" / "models" / "fake"
+    out = store.prepare_gguf(fake_source, "fake", quiet=True).value
+    assert out.parent == tmp_path / "envcache" / "model"
 
 
 @pytest.mark.slow
 def test_default_model_is_converted_for_real(smollm2_dir: Path) -> None:
-    manifest = json.loads((smollm2_dir / store.MANIFEST).read_text())
-    assert manifest["source"]["sha256"] == store.sha256_file(store.default_gguf_path())
+    m = read_manifest(smollm2_dir)
+    assert m.factors["source"]["file"] == store.default_gguf_path().name
     for f in ("model.safetensors", "config.json", "tokenizer.json"):
-        assert (smollm2_dir / f).is_file()
+        assert (smollm2_dir / f).is_file() and f in m.files
+    import json
+
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     assert cfg["model_type"] == "llama" and "quantization_config" not in cfg
     from transformers import AutoTokenizer

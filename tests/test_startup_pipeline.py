@@ -70,6 +70,19 @@ def test_second_start_reads_profile_cache(tiny_dir, tmp_path: Path) -> None:
     assert row.seconds is None and row.reason == "cache hit"
 
 
+def test_kv_profile_ignores_max_model_len_and_names_what_changed(tiny_dir, tmp_path: Path) -> None:
+    """The activation peak does not depend on max_model_len (the profiling forward has no KV cache), so changing
+    it re-plans the cache from the stored profile; changing the batch the forward runs re-profiles, and says so."""
+    _start(tiny_dir("llama"), tmp_path, compile="off", max_model_len=128)
+    other_len, _ = _start(tiny_dir("llama"), tmp_path, compile="off", max_model_len=256)
+    assert other_len.phase_table["kv_cache_profiling"].reason == "cache hit"
+    assert other_len.kv_plan.max_model_len == 256
+    other_batch, tracing = _start(tiny_dir("llama"), tmp_path, compile="off", max_num_batched_tokens=1024)
+    span = next(s for s in tracing.finished_spans() if s.name == "glowplug.startup.kv_cache_profiling")
+    assert span.attributes[Attr.CACHE_MISS_REASON] == "changed: max_num_batched_tokens 2048 -> 1024"
+    assert other_batch.phase_table["kv_cache_profiling"].notes == ("cache miss: changed: max_num_batched_tokens 2048 -> 1024",)
+
+
 def test_kv_too_small_fails_before_allocating(tiny_dir, tmp_path: Path) -> None:
     tracing = setup_tracing()
     cfg = EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off", kv_cache_memory=20_000, max_model_len=256)

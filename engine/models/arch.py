@@ -6,7 +6,6 @@ one decoder and this module turns each `model_type` into those switches.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -54,9 +53,6 @@ class ModelArch(BaseModel):
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
-
-    def compute_hash(self) -> str:
-        return hashlib.sha256(self.model_dump_json().encode()).hexdigest()[:16]
 
     @property
     def num_params(self) -> int:

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from ..compile import CompileCache, DeferredInductor
+from ..compile import DeferredInductor
+from ..compile_cache import CompileCache
 from ..config import EngineConfig
 from ..kv_cache import KVCache
 from ..kv_sizing import KVPlan

@@ -5,14 +5,8 @@ from __future__ import annotations
 import torch
 
 from ...profiling.names import Attr
-from ..compile import (
-    CompiledDecode,
-    DeferredInductor,
-    InductorSettings,
-    compile_factors,
-    mark_decode_dynamic,
-    open_compile_cache,
-)
+from ..compile import CompiledDecode, DeferredInductor, InductorSettings, mark_decode_dynamic
+from ..compile_cache import open_compile_cache
 from ..kv_cache import KVCache
 from ..model_runner import dummy_decode_batch
 from .base import StageReport
@@ -41,9 +35,7 @@ class DynamoTransform:
         model = ctx.need(ctx.model, "the model", "model_init")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
         settings = inductor_settings(ctx)
-        ctx.compile_cache = open_compile_cache(
-            ctx.cache_root, compile_factors(ctx.config, arch, ctx.device, settings), ctx.config
-        )
+        ctx.compile_cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device, settings)
         ctx.backend = DeferredInductor(settings)
         ctx.decode_fn = CompiledDecode(model, ctx.backend)
         scratch = KVCache(

@@ -17,9 +17,9 @@ class GraphCompile:
         backend = ctx.need(ctx.backend, "the traced graphs", "dynamo_transform")
         cache = ctx.need(ctx.compile_cache, "the compile cache", "dynamo_transform")
         hits0, misses0 = inductor_cache_counts()
-        compiled = backend.compile_pending()
+        compiled = cache.run(backend.compile_pending)  # retried once in a fresh Inductor cache if it fails
         hits, misses = (a - b for a, b in zip(inductor_cache_counts(), (hits0, misses0)))
-        hit = misses == 0 and hits > 0
+        hit = cache.served_from_cache(hits, misses)
         attrs: dict[str, object] = {
             Attr.CACHE_HIT: hit,
             Attr.CACHE_KEY: cache.key,

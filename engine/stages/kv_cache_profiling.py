@@ -2,55 +2,91 @@
 
 CUDA: torch's allocator peak. CPU: the RSS high-water mark (VmHWM, reset through /proc/self/clear_refs) over the
 run, minus the RSS before it. On the CPU the budget's "device memory" is the RAM still available after the weights
-were loaded, so the weights are not subtracted a second time. The result is cached by config hash: a warm start
-reads it and skips the dummy run.
+were loaded, so the weights are not subtracted a second time. The measured peak is an artifact-store entry (cache
+`kv_profile`): a warm start reads it and skips the dummy run. It does not depend on max_model_len or the KV-cache
+settings (the forward runs without a KV cache), so changing those re-plans the cache without re-profiling.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+from pathlib import Path
+from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from ...profiling.memory import PeakMemory
 from ...profiling.names import Attr
+from ..artifacts import ArtifactStore
+from ..artifacts.caches import KV_PROFILE
+from ..artifacts.manifest import package_version
 from ..attention import AttentionMetadata
 from ..kv_sizing import plan_kv_cache
 from .base import StageReport
 from .context import EngineContext
 
+PROFILE = "profile.json"
 
-def _profile_key(ctx: EngineContext) -> str:
-    assert ctx.arch is not None
-    parts = [ctx.config.compute_hash(), ctx.arch.compute_hash(), ctx.device, str(ctx.dtype), torch.__version__]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+class KVProfile(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    activation_peak_bytes: int
+    method: str
+    tokens: int
+
+
+def profile_factors(ctx: EngineContext) -> dict[str, Any]:
+    """Only what changes the profiled forward: the model, its dtype and quantization, the batch it runs
+    (max_num_batched_tokens tokens, logits for max_num_seqs rows), where, and the code running it."""
+    arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
+    q = ctx.config.quant
+    return {
+        "model": arch.model_dump(mode="json"),
+        "dtype": str(ctx.dtype).removeprefix("torch."),
+        "quantization": {"scheme": q.quantization, "group_size": ctx.quant_group_size()[0]},
+        "max_num_batched_tokens": ctx.config.scheduler.max_num_batched_tokens,
+        "max_num_seqs": ctx.config.scheduler.max_num_seqs,
+        "device": ctx.device,
+        "torch": torch.__version__,
+        "glowplug": package_version("glowplug"),
+    }
+
+
+def _measure(ctx: EngineContext) -> KVProfile:
+    model = ctx.need(ctx.model, "the model", "model_init")
+    arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
+    tokens = min(ctx.config.scheduler.max_num_batched_tokens, arch.max_position_embeddings)
+    ids = torch.zeros(tokens, dtype=torch.long, device=ctx.device)
+    pos = torch.arange(tokens, device=ctx.device)
+    rows = min(ctx.config.scheduler.max_num_seqs, tokens)
+    with torch.inference_mode(), PeakMemory(ctx.device) as window:
+        hidden = model(ids, pos, AttentionMetadata.causal([tokens]))
+        model.compute_logits(hidden[-rows:])
+        del hidden
+    assert window.snapshot is not None
+    return KVProfile(activation_peak_bytes=window.snapshot.peak_increase_bytes, method=window.snapshot.method,
+                     tokens=tokens)  # fmt: skip
 
 
 class KVCacheProfiling:
     name = "kv_cache_profiling"
 
     def run(self, ctx: EngineContext) -> StageReport:
-        model = ctx.need(ctx.model, "the model", "model_init")
+        ctx.need(ctx.model, "the model", "model_init")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
-        key = _profile_key(ctx)
-        path = ctx.cache_root / "profiles" / f"kv-{key}.json"
-        cached = json.loads(path.read_text()) if path.is_file() else None
-        if cached is not None:
-            peak, method = int(cached["activation_peak_bytes"]), str(cached["method"])
-        else:
-            tokens = min(ctx.config.scheduler.max_num_batched_tokens, arch.max_position_embeddings)
-            ids = torch.zeros(tokens, dtype=torch.long, device=ctx.device)
-            pos = torch.arange(tokens, device=ctx.device)
-            rows = min(ctx.config.scheduler.max_num_seqs, tokens)
-            with torch.inference_mode(), PeakMemory(ctx.device) as window:
-                hidden = model(ids, pos, AttentionMetadata.causal([tokens]))
-                model.compute_logits(hidden[-rows:])
-                del hidden
-            assert window.snapshot is not None
-            peak, method = window.snapshot.peak_increase_bytes, window.snapshot.method
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"activation_peak_bytes": peak, "method": method, "tokens": tokens}))
+
+        def build(folder: Path | None) -> KVProfile:
+            profile = _measure(ctx)
+            if folder is not None:
+                (folder / PROFILE).write_text(profile.model_dump_json())
+            return profile
+
+        fetched = ArtifactStore(ctx.cache_root).fetch(
+            KV_PROFILE, profile_factors(ctx), group=ctx.config.model, build=build,
+            load=lambda folder: KVProfile.model_validate_json((folder / PROFILE).read_text()),
+        )  # fmt: skip
+        peak, method = fetched.value.activation_peak_bytes, fetched.value.method
         weights = 0 if ctx.device == "cpu" else ctx.weights_bytes
         plan = plan_kv_cache(
             ctx.config, arch, model_dtype=ctx.dtype, device=ctx.device, weights_bytes=weights, activation_peak_bytes=peak
@@ -65,7 +101,6 @@ class KVCacheProfiling:
             Attr.MAX_MODEL_LEN: plan.max_model_len,
             "glowplug.kv_budget_bytes": plan.budget_bytes,
             "glowplug.kv_budget_source": plan.budget_source,
-            Attr.CACHE_HIT: cached is not None,
-            Attr.CACHE_KEY: key,
+            **fetched.attributes(),
         }
-        return StageReport(attributes=attrs, skipped_reason="cache hit" if cached is not None else None)
+        return StageReport(attributes=attrs, skipped_reason="cache hit" if fetched.hit else None)

@@ -22,12 +22,13 @@ def layer_shapes(ctx: EngineContext) -> list[tuple[int, int]]:
 def kernel_dispatcher(ctx: EngineContext) -> tuple[object, str]:
     """The dispatcher for the quantized layers: the table `glowplug bench kernels` calibrated on this machine for
     these shapes when there is one, else the built-in rules (the measured facts in the kernel notes)."""
-    from glowplug.kernels.dispatch import DEFAULT_FORMATS, DEFAULT_MS, DispatchTable, Dispatcher, calibration_key
+    from glowplug.kernels.dispatch import DEFAULT_FORMATS, DEFAULT_MS, Dispatcher, calibration_factors
+    from glowplug.kernels.dispatch_cache import lookup_table
 
-    path = ctx.cache_root / "kernels" / f"dispatch-{calibration_key(layer_shapes(ctx), DEFAULT_FORMATS, DEFAULT_MS)}.json"
-    if path.is_file():
-        return Dispatcher(DispatchTable.from_json(path.read_text())), f"calibrated ({path.name})"
-    return Dispatcher(), "default rules (run `glowplug bench kernels` to calibrate)"
+    found = lookup_table(ctx.cache_root, calibration_factors(layer_shapes(ctx), DEFAULT_FORMATS, DEFAULT_MS))
+    if found.value is not None:
+        return Dispatcher(found.value), f"calibrated (kernel_dispatch {found.key})"
+    return Dispatcher(), f"default rules ({found.miss_reason}; `glowplug bench kernels` calibrates)"
 
 
 class ModelInit:

@@ -1,4 +1,4 @@
-"""Quantize the checkpoint's projections (round to nearest) for the configured scheme, cached by hash.
+"""Quantize the checkpoint's projections (round to nearest) for the configured scheme, cached in the artifact store.
 
 A warm start maps the cached quantized tensors instead of quantizing again. Only the tensors the scheme adds are
 cached; everything it leaves alone (embeddings, norms) still comes from the checkpoint.
@@ -6,45 +6,36 @@ cached; everything it leaves alone (embeddings, norms) still comes from the chec
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from ...profiling.names import Attr
+from ..artifacts import ArtifactStore
+from ..artifacts.caches import QUANT, file_stamps, source_digest
+from ..models.loader import checkpoint_files
 from .base import StageReport
 from .context import EngineContext
 
-
-def _kernels_source_hash() -> str:
-    import glowplug.kernels as k
-
-    h = hashlib.sha256()
-    for root in k.__path__:
-        for f in sorted(Path(root).rglob("*.py")):
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+QUANTIZED = "quantized.safetensors"
 
 
-def quant_cache_key(ctx: EngineContext) -> tuple[str, dict[str, str]]:
-    assert ctx.model_dir is not None
-    files = sorted(ctx.model_dir.glob("*.safetensors"))
-    factors = {
-        "checkpoint": ";".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files),
-        "model_dir": str(ctx.model_dir),
+def quant_factors(ctx: EngineContext) -> dict[str, Any]:
+    """What the quantized tensors depend on: the checkpoint's bytes, the scheme and its grouping, and the code and
+    torch build that pack them (packed int4 layouts are torch-version specific)."""
+    model_dir = ctx.need(ctx.model_dir, "the model folder", "model_prepare")
+    return {
+        "checkpoint": file_stamps(checkpoint_files(model_dir)),
         "scheme": ctx.config.quant.quantization,
-        "group_size": str(ctx.quant_group_size()[0]),
-        "quantize_lm_head": str(ctx.config.quant.quantize_lm_head),
+        "group_size": ctx.quant_group_size()[0],
+        "quantize_lm_head": ctx.config.quant.quantize_lm_head,
         # The state dict quantized is the fused one (engine/models/llama.py FUSED_MODULES).
         "layout": "fused:qkv_proj,gate_up_proj",
         "torch": torch.__version__,
-        "kernels_source": _kernels_source_hash(),
+        "kernels_source": source_digest(["kernels"]),
     }
-    key = hashlib.sha256(json.dumps(factors, sort_keys=True).encode()).hexdigest()[:16]
-    return key, factors
 
 
 class QuantizeWeights:
@@ -59,32 +50,30 @@ class QuantizeWeights:
         sd = ctx.need(ctx.state_dict, "the checkpoint", "load_weights")
         scheme = get_scheme(q.quantization)
         group_size, why = ctx.quant_group_size()
-        key, factors = quant_cache_key(ctx)
-        folder = ctx.cache_root / "quant" / key
-        path = folder / "quantized.safetensors"
-        attrs: dict[str, object] = {Attr.QUANTIZATION: q.quantization, Attr.CACHE_KEY: key}
         head = q.quantize_lm_head
         if head and "lm_head.weight" not in sd:
             # A tied head: its quantized copy is made from the embedding matrix (which stays for the lookup).
             sd = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]}
-        if path.is_file():
-            added = load_file(str(path))
-            replaced = {k.rsplit(".", 1)[0] for k in added}
-            merged = {k: v for k, v in sd.items() if not (k.endswith(".weight") and k[: -len(".weight")] in replaced)}
-            merged.update(added)
-            attrs[Attr.CACHE_HIT] = True
-        else:
+
+        def build(folder: Path | None) -> dict[str, torch.Tensor]:
             # Quantize from fp32 so the result does not depend on the serving dtype's rounding.
             merged = scheme.quantize_state_dict(sd, group_size=group_size, quantize_head=head)
             added = {k: v.contiguous() for k, v in merged.items() if k not in sd}
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp-{os.getpid()}")
-            save_file(added, str(tmp))
-            (folder / "manifest.json").write_text(json.dumps(factors, indent=2, sort_keys=True))
-            os.replace(tmp, path)  # atomic: a crashed start never leaves a half-written cache entry
-            attrs[Attr.CACHE_HIT] = False
+            if folder is not None:
+                save_file(added, str(folder / QUANTIZED))
+            return added
+
+        fetched = ArtifactStore(ctx.cache_root).fetch(
+            QUANT, quant_factors(ctx), group=ctx.config.model, build=build,
+            load=lambda folder: load_file(str(folder / QUANTIZED)),
+        )  # fmt: skip
+        added = fetched.value
+        replaced = {k.rsplit(".", 1)[0] for k in added}
+        merged = {k: v for k, v in sd.items() if not (k.endswith(".weight") and k[: -len(".weight")] in replaced)}
+        merged.update(added)
         ctx.state_dict = merged
         ctx.weights_bytes = sum(t.nbytes for t in merged.values())
+        attrs: dict[str, object] = {Attr.QUANTIZATION: q.quantization, **fetched.attributes()}
         attrs["glowplug.quantized_bytes"] = scheme.weight_bytes(merged, only_linear=True)
         attrs["glowplug.bits_per_weight"] = round(scheme.bits_per_weight(group_size), 3)
         attrs["glowplug.group_size"] = str(scheme.resolve_group_size(group_size))

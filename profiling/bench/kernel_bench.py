@@ -41,7 +41,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
     shapes = model_layer_shapes(cfg.model)
     # Calibrate first (cached per machine, torch and shapes): the engine's quantized layers then dispatch by the
     # measured winners, and the "chosen" column below shows those picks.
-    table = calibrate(shapes, cache_dir_from_env() / "kernels", repeats=cfg.repeats)
+    table = calibrate(shapes, cache_dir_from_env(), repeats=cfg.repeats)
     rows = bench_kernels(
         shapes, ms=cfg.ms, formats=cfg.formats or DEFAULT_BENCH_FORMATS, repeats=cfg.repeats,
         dispatcher=Dispatcher(table),

@@ -74,9 +74,10 @@ def test_calibration_caches_json_and_reuses_it(tmp_path: Path, monkeypatch: pyte
     shapes = [(64, 256), (48, 128)]
     kwargs = {"formats": ("int8", "int4-g64", "w8a8"), "ms": (1, 16), "repeats": 2, "stream_bytes": 1 << 20}
     table = D.calibrate(shapes, tmp_path, **kwargs)
-    files = list(tmp_path.glob("dispatch-*.json"))
+    files = list((tmp_path / "kernel_dispatch").glob("*/table.json"))
     assert len(files) == 1
-    assert D.calibration_key(shapes, kwargs["formats"], kwargs["ms"]) in files[0].name
+    manifest = json.loads((files[0].parent / "manifest.json").read_text())
+    assert manifest["factors"] == D.calibration_factors(shapes, kwargs["formats"], kwargs["ms"])
     meta = json.loads(files[0].read_text())["meta"]
     assert meta["torch"] == torch.__version__ and meta["cpu"] == D.cpu_model()
     assert len(table.measured) == len(shapes) * 3
@@ -105,7 +106,11 @@ def test_calibration_caches_json_and_reuses_it(tmp_path: Path, monkeypatch: pyte
     expected = dict(again.measured[D.shape_key("cpu", "int4", 64, 64, 256)])
     assert disp.choose(rt, 1) == expected[1] and disp.choose(rt, 16) == expected[16]
     # A different shape list is a different cache key.
-    assert D.calibration_key([(64, 256)], kwargs["formats"], kwargs["ms"]) != files[0].name[9:25]
+    from glowplug.engine.artifacts import ArtifactStore
+    from glowplug.engine.artifacts.caches import KERNEL_DISPATCH
+
+    other = ArtifactStore.key(KERNEL_DISPATCH, D.calibration_factors([(64, 256)], kwargs["formats"], kwargs["ms"]))
+    assert other != files[0].parent.name
 
 
 def test_bench_rows_and_markdown() -> None:

@@ -1,0 +1,94 @@
+"""Every cache glowplug keeps, declared in one place, with what it does when GLOWPLUG_CACHE_DIR is unusable.
+
+| cache            | key factors                                                                 | unusable dir |
+|------------------|-----------------------------------------------------------------------------|--------------|
+| model            | GGUF file (name, size, mtime), converter version, transformers version      | fail         |
+| quant            | checkpoint shards (name, size, mtime), scheme, group size, torch, kernels source | bypass  |
+| compile          | model config, dtype, quant + KV-cache fields, torch, glowplug source, device | bypass      |
+| inductor         | torch, device (CPU model)                                                   | bypass       |
+| kv_profile       | model config, dtype, quantization, max_num_batched_tokens, max_num_seqs, device, torch, glowplug | bypass |
+| startup_profile  | the engine config (all fields but the seed), device                         | bypass       |
+| kernel_dispatch  | torch, CPU model, threads, layer shapes, formats, Ms, table version         | bypass       |
+
+Why `model` fails: the engine maps the converted safetensors from disk, so a conversion with nowhere to go would
+have to write ~0.5 GB (SmolLM2) to some other disk on every start and take ~25 s each time; a clear error asking
+for a usable GLOWPLUG_CACHE_DIR serves the user better. A read-only cache dir that already holds the converted
+model still works (reads need no write access). Every other cache only saves time, so the start goes on without
+it, recomputing what it would have held, with one warning.
+
+A new cache is a spec here plus, where it is used, its factors and a build/load pair:
+`ArtifactStore().fetch(SPEC, factors, group=model, build=..., load=...)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from .store import CacheSpec
+
+MODEL = CacheSpec(
+    "model", 1, "GGUF checkpoints converted to Hugging Face folders (safetensors, config, tokenizer)", "fail",
+    "the converted model must be written to disk before the engine can map it",
+)
+QUANT = CacheSpec(
+    "quant", 1, "quantized projection weights of one checkpoint for one scheme and group size", "bypass",
+    "every start quantizes the weights again",
+)
+COMPILE = CacheSpec(
+    "compile", 1, "compiled decode configurations (factors only: explains every compile-cache miss)", "bypass",
+    "compile-cache misses are not explained",
+)
+INDUCTOR = CacheSpec(
+    "inductor", 1, "Inductor's cache folder: generated code, compiled kernels (.so), FX graphs, CPU probes", "bypass",
+    "Inductor compiles into a private temporary folder, so every start compiles cold",
+)
+KV_PROFILE = CacheSpec(
+    "kv_profile", 1, "activation peak of one forward at max_num_batched_tokens (sizes the KV cache)", "bypass",
+    "every start runs the profiling forward again",
+)
+STARTUP_PROFILE = CacheSpec(
+    "startup_profile", 1, "seconds per start-up stage of the last successful start (the ETA)", "bypass",
+    "no start-up ETA is shown and none is recorded",
+)
+KERNEL_DISPATCH = CacheSpec(
+    "kernel_dispatch", 1, "quantized-kernel dispatch table calibrated on this machine", "bypass",
+    "quantized layers use the built-in dispatch rules and a calibration is not kept",
+    first="not calibrated on this machine yet",
+)
+
+ALL: tuple[CacheSpec, ...] = (MODEL, QUANT, COMPILE, INDUCTOR, KV_PROFILE, STARTUP_PROFILE, KERNEL_DISPATCH)
+
+
+def by_name(name: str) -> CacheSpec:
+    for spec in ALL:
+        if spec.name == name:
+            return spec
+    raise ValueError(f"no cache named {name!r}; the caches are {', '.join(s.name for s in ALL)}")
+
+
+def source_digest(packages: Iterable[str]) -> str:
+    """Hash of the .py files of glowplug subpackages (e.g. ["engine", "kernels"]): a code change must never
+    reuse an artifact the old code made."""
+    import importlib
+
+    h = hashlib.sha256()
+    roots: set[Path] = set()
+    for sub in packages:
+        mod = importlib.import_module(f"glowplug.{sub}" if sub else "glowplug")
+        roots |= {Path(p) for p in mod.__path__}
+    for root in sorted(roots):
+        for f in sorted(root.rglob("*.py")):
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def file_stamps(files: Iterable[Path]) -> dict[str, str]:
+    """`{name: "size:mtime_ns"}`: identifies checkpoint files without reading them (a rewrite changes mtime)."""
+    out = {}
+    for f in files:
+        st = f.stat()
+        out[f.name] = f"{st.st_size}:{st.st_mtime_ns}"
+    return out

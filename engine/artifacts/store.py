@@ -1,0 +1,381 @@
+"""The artifact store: every cache of glowplug keeps its entries here, with one key, manifest and failure behaviour.
+
+Layout under the cache root (GLOWPLUG_CACHE_DIR):
+    <cache>/<key>/            one entry: its files and manifest.json (written last, inside the temporary folder)
+    <cache>/.locks/<key>.lock the lock writers of that entry take
+    <cache>/.tmp-<key>-*      an entry being written; renamed to <cache>/<key> when complete
+    .quarantine/<cache>-<key>-<time>   entries (or workspace files) that failed verification, moved aside
+
+Entries are immutable once renamed into place, so readers take no lock: a reader sees a whole entry or none.
+A workspace (workspace.py) is the one exception: a folder another tool fills in place (Inductor's cache),
+verified against the manifest of the files it held when last sealed.
+
+Failures never stop a start: an entry that fails verification or whose `load` raises is moved aside, reported as
+a `cache_corrupt` event on the current span (the stage's) and rebuilt. When the cache dir cannot be written
+(a file, read-only, disk full), a cache declared `bypass` builds without storing and warns once; one declared
+`fail` raises CacheDirUnusable, one line naming GLOWPLUG_CACHE_DIR and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+import structlog
+from filelock import FileLock, Timeout
+
+from ...profiling.names import Attr, Event
+from ..config import cache_dir_from_env
+from .cachedir import CacheDirUnusable, classify, read_problem, report_event, warn_once, write_problem
+from .manifest import (
+    FORMAT,
+    Manifest,
+    VerifyMode,
+    check_file,
+    describe_changes,
+    list_files,
+    now_iso,
+    producer,
+    read_manifest,
+    record_file,
+    verify_mode_from_env,
+    write_manifest,
+)
+
+T = TypeVar("T")
+log = structlog.get_logger("glowplug.artifacts")
+__all__ = ["ArtifactStore", "CacheDirUnusable", "CacheSpec", "Fetched"]
+
+QUARANTINE = ".quarantine"
+LOCKS = ".locks"
+TMP_PREFIX = ".tmp-"
+# Per cache: the latest is kept to look at what went wrong (a model entry is ~0.5 GB, so no more than that);
+# `glowplug cache prune` removes it.
+KEEP_QUARANTINED = 1
+FIRST_START = "first start for this model"
+
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache: its folder name, entry format version, and what a start does when the cache dir is unusable.
+
+    version: bump when what an entry holds changes meaning; older entries then become misses, explained.
+    on_unusable: "bypass" builds without storing (with a warning); "fail" raises CacheDirUnusable.
+    without: what running without this cache costs, for the warning and `glowplug cache ls`.
+    """
+
+    name: str
+    version: int
+    holds: str
+    on_unusable: Literal["bypass", "fail"]
+    without: str
+    first: str = FIRST_START  # the miss reason when no entry for the same model was ever made
+
+
+@dataclass
+class Fetched(Generic[T]):
+    """What a fetch found or built. `corrupt` lists the entries moved aside on the way (one line each)."""
+
+    value: T
+    key: str
+    hit: bool
+    path: Path | None = None
+    miss_reason: str | None = None
+    corrupt: list[str] = field(default_factory=list)
+    bypassed: str | None = None  # the warning when the cache dir was unusable and nothing was stored
+
+    def attributes(self) -> dict[str, Any]:
+        """The stage-span attributes every cache reports the same way."""
+        attrs: dict[str, Any] = {Attr.CACHE_HIT: self.hit, Attr.CACHE_KEY: self.key}
+        if not self.hit and self.miss_reason:
+            attrs[Attr.CACHE_MISS_REASON] = self.miss_reason
+        return attrs
+
+
+class ArtifactStore:
+    def __init__(self, root: Path | str | None = None, *, verify: VerifyMode | None = None) -> None:
+        self.root = Path(root) if root is not None else cache_dir_from_env()
+        self.verify: VerifyMode = verify or verify_mode_from_env()
+
+    # ------------------------------------------------------------ keys and paths
+
+    @staticmethod
+    def key(spec: CacheSpec, factors: dict[str, Any]) -> str:
+        payload = json.dumps({"cache": spec.name, "version": spec.version, "factors": factors}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def folder(self, spec: CacheSpec) -> Path:
+        return self.root / spec.name
+
+    def entry_path(self, spec: CacheSpec, key: str) -> Path:
+        return self.folder(spec) / key
+
+    # ------------------------------------------------------------ the cache dir itself
+
+    def read_problem(self) -> CacheDirUnusable | None:
+        return read_problem(self.root)
+
+    def write_problem(self, spec: CacheSpec) -> CacheDirUnusable | None:
+        """Why `spec`'s entries cannot be written, else None."""
+        return write_problem(self.root, self.folder(spec) / LOCKS)
+
+    def bypass(self, spec: CacheSpec, problem: CacheDirUnusable) -> str:
+        """Say that `spec` runs without storing (an event, and one warning per process); raise instead when the
+        cache must not run without the dir."""
+        if spec.on_unusable == "fail":
+            raise problem
+        report_event(Event.CACHE_UNUSABLE, cache=spec.name, path=self.root, reason=problem.problem,
+                     action=f"running without the {spec.name} cache")  # fmt: skip
+        from .caches import ALL
+
+        warn_once(problem, [s.name for s in ALL if s.on_unusable == "bypass"])
+        return f"{problem}. Running without the {spec.name} cache: {spec.without}"
+
+    # ------------------------------------------------------------ locking, quarantine, install
+
+    @contextmanager
+    def lock(self, spec: CacheSpec, key: str) -> Iterator[None]:
+        lock = FileLock(str(self.folder(spec) / LOCKS / f"{key}.lock"))
+        try:
+            lock.acquire(timeout=2)
+        except Timeout:
+            log.info(f"waiting for another glowplug process to finish {spec.name} entry {key}")
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
+
+    def quarantine(self, spec: CacheSpec, path: Path, reason: str, *, report: bool = True) -> str:
+        """Move a damaged entry (or file) aside, report it (unless the caller reports a batch), and return the
+        one-line reason."""
+        dest = self.root / QUARANTINE / f"{spec.name}-{path.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(path, dest)
+            action = f"moved aside to {dest}; rebuilding"
+            self._trim_quarantine(spec)
+        except OSError:
+            try:
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
+                action = "removed; rebuilding"
+            except OSError as exc:
+                action = f"left in place (cannot move or remove it: {exc.strerror}); not using it"
+        if report:
+            report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=reason, action=action)
+        return f"{spec.name} {path.name}: {reason}"
+
+    def _trim_quarantine(self, spec: CacheSpec) -> None:
+        mine = sorted((p for p in (self.root / QUARANTINE).glob(f"{spec.name}-*")), key=lambda p: p.stat().st_mtime)
+        for old in mine[:-KEEP_QUARANTINED]:
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+
+    def _remove_leftovers(self, spec: CacheSpec, key: str) -> None:
+        # Called under the entry's lock: a temporary folder for this key is then a crashed writer's.
+        for tmp in self.folder(spec).glob(f"{TMP_PREFIX}{key}-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def _install(tmp: Path, final: Path) -> None:
+        if final.exists():  # only `put` replaces a live entry; readers then miss for an instant, never see half
+            old = final.with_name(f"{TMP_PREFIX}{final.name}-old-{os.getpid()}")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+
+    # ------------------------------------------------------------ reading entries
+
+    def check_entry(self, path: Path, spec: CacheSpec | None = None, key: str | None = None,
+                    factors: dict[str, Any] | None = None, mode: VerifyMode | None = None) -> tuple[Manifest | None, str | None]:  # fmt: skip
+        """(manifest, None) for a sound entry, else (manifest or None, why it is damaged or stale)."""
+        try:
+            m = read_manifest(path)
+        except ValueError as exc:
+            return None, str(exc)
+        if spec is not None and (m.cache, m.version) != (spec.name, spec.version):
+            return m, f"stale: made for {m.cache} v{m.version}, expected {spec.name} v{spec.version}"
+        if key is not None and m.key != key:
+            return m, f"stale: manifest key {m.key} does not match its folder {key}"
+        if factors is not None and m.factors != factors:
+            changed = describe_changes(m.factors, factors)
+            return m, "stale: written by glowplug {} / torch {} for other factors ({})".format(
+                m.producer.glowplug, m.producer.torch, "; ".join(changed[:3]) or "same factors, other encoding"
+            )
+        for rel, rec in m.files.items():
+            why = check_file(path / rel, rec, mode or self.verify)
+            if why is not None:
+                return m, why
+        return m, None
+
+    def _open(self, spec: CacheSpec, key: str, factors: dict[str, Any], load: Callable[[Path], T]
+              ) -> tuple[bool, T | None, str | None]:  # fmt: skip
+        """(found, value, damage): found with its loaded value, or not, with why when an entry was there."""
+        path = self.entry_path(spec, key)
+        if not path.exists():
+            return False, None, None
+        _, bad = self.check_entry(path, spec, key, factors)
+        if bad is not None:
+            return False, None, bad
+        try:
+            value = load(path)
+        except Exception as exc:  # noqa: BLE001 - any failure to load a cached entry makes it a miss
+            return False, None, f"cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        try:
+            os.utime(path / "manifest.json")  # last use, for `cache ls` and `prune --older-than`
+        except OSError:
+            pass
+        return True, value, None
+
+    def latest(self, spec: CacheSpec, group: str, *, exclude: str | None = None) -> Manifest | None:
+        """The most recently used readable entry of `spec` for `group` (the same model), if any."""
+        best: tuple[float, Manifest] | None = None
+        folder = self.folder(spec)
+        if not folder.is_dir():
+            return None
+        for entry in folder.iterdir():
+            if entry.name.startswith(".") or entry.name == exclude or not entry.is_dir():
+                continue
+            try:
+                m = read_manifest(entry)
+                used = (entry / "manifest.json").stat().st_mtime
+            except (ValueError, OSError):
+                continue
+            if m.cache == spec.name and m.group == group and (best is None or used > best[0]):
+                best = (used, m)
+        return best[1] if best else None
+
+    def explain(self, spec: CacheSpec, key: str, factors: dict[str, Any], group: str) -> str:
+        """Why `key` is not in the cache: what changed since the last entry for the same model (old -> new)."""
+        last = self.latest(spec, group, exclude=key)
+        if last is None:
+            return spec.first
+        changes = describe_changes(last.factors, factors)
+        if last.version != spec.version:
+            changes.insert(0, f"{spec.name} entry format v{last.version} -> v{spec.version}")
+        if not changes:
+            return "entry removed since the last start (pruned or moved aside)"
+        return "changed: " + "; ".join(changes)
+
+    # ------------------------------------------------------------ the operations caches use
+
+    def fetch(self, spec: CacheSpec, factors: dict[str, Any], *, group: str,
+              build: Callable[[Path | None], T], load: Callable[[Path], T]) -> Fetched[T]:  # fmt: skip
+        """The entry for `factors`, loaded; built (and stored) first when missing or damaged.
+
+        build(folder) computes the value and writes the entry's files into `folder` (a temporary folder renamed
+        into place afterwards), or only computes it when `folder` is None (the cache dir is unusable).
+        load(folder) reads a stored entry; if it raises, the entry counts as damaged and is rebuilt.
+        """
+        key = self.key(spec, factors)
+        path = self.entry_path(spec, key)
+        corrupt: list[str] = []
+        problem = self.read_problem()
+        if problem is None:
+            found, value, bad = self._open(spec, key, factors, load)
+            if found:
+                return Fetched(value, key, True, path)  # type: ignore[arg-type]
+        else:
+            bad = None
+        problem = problem or self.write_problem(spec)
+        if problem is not None:
+            if bad is not None:  # cannot move it aside; say so and do without it
+                report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=bad,
+                             action="left in place (the cache dir is unusable); not using it")  # fmt: skip
+                corrupt.append(f"{spec.name} {key}: {bad}")
+            message = self.bypass(spec, problem)
+            return Fetched(build(None), key, False, None, f"cache dir unusable: {problem.problem}", corrupt, message)
+        try:
+            with self.lock(spec, key):
+                found, value, bad = self._open(spec, key, factors, load)  # another process may have built it
+                if found:
+                    return Fetched(value, key, True, path, corrupt=corrupt)  # type: ignore[arg-type]
+                if bad is not None:
+                    corrupt.append(self.quarantine(spec, path, bad))
+                reason = f"entry was damaged ({bad}); rebuilt" if bad else self.explain(spec, key, factors, group)
+                value = self._write(spec, key, factors, group, build)
+                return Fetched(value, key, False, path, reason, corrupt)
+        except Exception as exc:
+            unusable = classify(self.root, exc)
+            if unusable is None:
+                raise
+            message = self.bypass(spec, unusable)
+            return Fetched(build(None), key, False, None, f"cache dir unusable: {unusable.problem}", corrupt, message)
+
+    def lookup(self, spec: CacheSpec, factors: dict[str, Any], *, group: str,
+               load: Callable[[Path], T]) -> Fetched[T | None]:  # fmt: skip
+        """Read-only fetch: the loaded entry, or value None with the miss explained (damaged entries moved aside)."""
+        key = self.key(spec, factors)
+        path = self.entry_path(spec, key)
+        problem = self.read_problem()
+        if problem is not None:
+            return Fetched(None, key, False, None, f"cache dir unusable: {problem.problem}")
+        found, value, bad = self._open(spec, key, factors, load)
+        if found:
+            return Fetched(value, key, True, path)
+        corrupt: list[str] = []
+        if bad is not None:
+            if self.write_problem(spec) is None:
+                with self.lock(spec, key):
+                    found, value, bad = self._open(spec, key, factors, load)
+                    if found:
+                        return Fetched(value, key, True, path)
+                    if bad is not None:
+                        corrupt.append(self.quarantine(spec, path, bad))
+            else:
+                report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=bad,
+                             action="left in place (the cache dir is unusable); not using it")  # fmt: skip
+                corrupt.append(f"{spec.name} {key}: {bad}")
+        reason = f"entry was damaged ({bad})" if bad else self.explain(spec, key, factors, group)
+        return Fetched(None, key, False, None, reason, corrupt)
+
+    def put(self, spec: CacheSpec, factors: dict[str, Any], *, group: str,
+            build: Callable[[Path | None], T]) -> Fetched[T]:  # fmt: skip
+        """Write (or replace) the entry for `factors` unconditionally, e.g. a profile refreshed by every start."""
+        key = self.key(spec, factors)
+        path = self.entry_path(spec, key)
+        problem = self.write_problem(spec)
+        if problem is None:
+            try:
+                corrupt = []
+                with self.lock(spec, key):
+                    if path.exists():  # being replaced, but a damaged one is still reported and kept aside
+                        _, bad = self.check_entry(path, spec, key, factors)
+                        if bad is not None:
+                            corrupt.append(self.quarantine(spec, path, bad))
+                    value = self._write(spec, key, factors, group, build)
+                return Fetched(value, key, False, path, corrupt=corrupt)
+            except Exception as exc:
+                problem = classify(self.root, exc)
+                if problem is None:
+                    raise
+        message = self.bypass(spec, problem)
+        return Fetched(build(None), key, False, None, f"cache dir unusable: {problem.problem}", [], message)
+
+    def _write(self, spec: CacheSpec, key: str, factors: dict[str, Any], group: str,
+               build: Callable[[Path | None], T]) -> T:  # fmt: skip
+        """Build into a temporary folder, add the manifest, rename into place (the caller holds the lock)."""
+        self._remove_leftovers(spec, key)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{key}-", dir=self.folder(spec)))
+        try:
+            value = build(tmp)
+            files = {rel: record_file(tmp / rel) for rel in list_files(tmp)}
+            manifest = Manifest(format=FORMAT, cache=spec.name, version=spec.version, key=key,
+                                group=group, factors=factors, files=files, created=now_iso(), producer=producer())  # fmt: skip
+            write_manifest(tmp, manifest)
+            self._install(tmp, self.entry_path(spec, key))
+            return value
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)

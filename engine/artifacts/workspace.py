@@ -1,0 +1,138 @@
+"""Workspaces: store entries another tool fills in place (Inductor's cache folder), so they cannot be written
+through a temporary folder and a rename like other entries.
+
+The store seals a workspace after each use (its manifest records every file with size, mtime and checksum, re-
+hashing only new or changed files) and verifies it before the next: a file that fails its check is moved aside
+and dropped from the manifest (the tool rebuilds it on demand), one `cache_corrupt` event for the lot; a workspace
+whose manifest is damaged or was written for other factors is moved aside whole. Files the tool wrote since the
+last seal are not checked (a first fill may still be running in another process).
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...profiling.names import Event
+from .cachedir import classify, report_event
+from .manifest import FORMAT, Manifest, check_file, list_files, now_iso, producer, read_manifest, record_file, write_manifest
+from .store import QUARANTINE, ArtifactStore, CacheSpec
+
+
+@dataclass
+class Workspace:
+    """persistent=False: a private temporary folder, used because the cache dir is unusable; removed at exit."""
+
+    spec: CacheSpec
+    key: str
+    path: Path
+    group: str
+    factors: dict[str, Any]
+    persistent: bool
+    healed: list[str] = field(default_factory=list)
+
+
+def _private(store: ArtifactStore, spec: CacheSpec, key: str, factors: dict[str, Any], group: str) -> Workspace:
+    path = Path(tempfile.mkdtemp(prefix=f"glowplug-{spec.name}-"))
+    atexit.register(shutil.rmtree, path, True)  # "without caching": nothing is left behind
+    return Workspace(spec, key, path, group, factors, False)
+
+
+def open_workspace(store: ArtifactStore, spec: CacheSpec, factors: dict[str, Any], *, group: str) -> Workspace:
+    """The verified workspace for `factors` (see module docstring); a temporary one when the dir is unusable."""
+    key = store.key(spec, factors)
+    problem = store.write_problem(spec)
+    if problem is not None:
+        store.bypass(spec, problem)
+        return _private(store, spec, key, factors, group)
+    ws = Workspace(spec, key, store.entry_path(spec, key), group, factors, True)
+    try:
+        with store.lock(spec, key):
+            if ws.path.is_dir():
+                _heal(store, ws)
+            ws.path.mkdir(parents=True, exist_ok=True)
+    except Exception as exc:
+        unusable = classify(store.root, exc)
+        if unusable is None:
+            raise
+        store.bypass(spec, unusable)
+        return _private(store, spec, key, factors, group)
+    return ws
+
+
+def _heal(store: ArtifactStore, ws: Workspace) -> None:
+    try:
+        m = read_manifest(ws.path)
+    except ValueError as exc:
+        if str(exc).startswith("no manifest"):
+            return  # never sealed yet (its first fill may be running in another process): nothing to check
+        ws.healed.append(store.quarantine(ws.spec, ws.path, str(exc)))
+        return
+    if (m.cache, m.version, m.key, m.factors) != (ws.spec.name, ws.spec.version, ws.key, ws.factors):
+        why = f"stale: written by glowplug {m.producer.glowplug} / torch {m.producer.torch} for other factors"
+        ws.healed.append(store.quarantine(ws.spec, ws.path, why))
+        return
+    kept = dict(m.files)
+    bad: list[str] = []
+    for rel, rec in m.files.items():
+        why = check_file(ws.path / rel, rec, store.verify)
+        if why is None:
+            continue
+        del kept[rel]
+        bad.append(why)
+        if (ws.path / rel).exists():
+            store.quarantine(ws.spec, ws.path / rel, why, report=False)
+    if bad:
+        # One event for the lot: a damaged cache tends to be damaged in many files at once.
+        more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
+        reason = f"{len(bad)} of {len(m.files)} files damaged: {bad[0]}{more}"
+        report_event(Event.CACHE_CORRUPT, cache=ws.spec.name, path=ws.path, reason=reason,
+                     action=f"damaged files moved to {store.root / QUARANTINE}; rebuilt on demand")  # fmt: skip
+        ws.healed.append(f"{ws.spec.name}: {reason}")
+        write_manifest(ws.path, m.model_copy(update={"files": kept}))
+
+
+def renew(store: ArtifactStore, ws: Workspace, reason: str) -> None:
+    """Move the whole workspace aside (reported) and start an empty one at the same place."""
+    if not ws.persistent:
+        shutil.rmtree(ws.path, ignore_errors=True)
+        ws.path.mkdir(parents=True)
+        return
+    with store.lock(ws.spec, ws.key):
+        if ws.path.exists():
+            ws.healed.append(store.quarantine(ws.spec, ws.path, reason))
+        ws.path.mkdir(parents=True, exist_ok=True)
+
+
+def seal(store: ArtifactStore, ws: Workspace, *, skip: tuple[str, ...] = ()) -> None:
+    """Record the workspace's current files in its manifest (`skip`: path prefixes that are not artifacts)."""
+    if not ws.persistent:
+        return
+    try:
+        with store.lock(ws.spec, ws.key):
+            try:
+                old = read_manifest(ws.path).files
+            except ValueError:
+                old = {}
+            files = {}
+            for rel in list_files(ws.path, skip=skip):
+                if rel.endswith(".tmp"):
+                    continue  # another writer's file in flight
+                st = (ws.path / rel).stat()
+                prev = old.get(rel)
+                if prev is not None and (prev.size, prev.mtime_ns) == (st.st_size, st.st_mtime_ns):
+                    files[rel] = prev
+                else:
+                    files[rel] = record_file(ws.path / rel, with_mtime=True)
+            write_manifest(ws.path, Manifest(format=FORMAT, cache=ws.spec.name, version=ws.spec.version, key=ws.key,
+                                             group=ws.group, factors=ws.factors, files=files, created=now_iso(),
+                                             producer=producer()))  # fmt: skip
+    except OSError as exc:
+        unusable = classify(store.root, exc)
+        if unusable is None:
+            raise
+        store.bypass(ws.spec, unusable)

@@ -1,0 +1,144 @@
+"""The compile cache, in the artifact store: an index of compiled decode configurations and Inductor's own folder.
+
+- cache `compile`: one factors-only entry per compiled configuration (model config, dtype, the quantization and
+  KV-cache fields that shape the graph, torch, glowplug source, device). It exists so every miss is explained the
+  same way as any other cache's: which factor changed since the last compile of the same model, old -> new.
+- cache `inductor`: the TORCHINDUCTOR_CACHE_DIR, a workspace shared by every configuration (Inductor keys its own
+  entries by graph and options, and a fresh folder would pay the one-time C++ toolchain probe, 15-20 s here,
+  again). Inductor writes it in place; the store seals its file list after each compile and verifies it at the
+  next start. A damaged file (a truncated kernel .so, say) is moved aside and Inductor rebuilds it.
+- If the compile still fails, the cached artifacts are suspected: the Inductor folder is moved aside (a
+  `cache_corrupt` event), Inductor's in-memory caches are cleared and the compile runs once more, cold, in a
+  fresh folder. A second failure is a real compile error and fails the stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import structlog
+import torch
+
+from .artifacts import ArtifactStore, Workspace
+from .artifacts.caches import COMPILE, INDUCTOR, source_digest
+from .artifacts.workspace import open_workspace, renew, seal
+from .compile import InductorSettings
+from .config import EngineConfig
+from .models.arch import ModelArch
+from .stages.base import one_line
+
+T = TypeVar("T")
+INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+_INDUCTOR_SKIP = ("locks/",)  # Inductor's lock files: not artifacts
+
+
+def device_label(device: str) -> str:
+    """The device as compiled code depends on it: on the CPU, the CPU model (Inductor builds with -march=native)."""
+    if device != "cpu":
+        return device
+    from glowplug.kernels.dispatch import cpu_model
+
+    return f"cpu/{cpu_model()}"
+
+
+def compile_factors(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: str,
+                    settings: InductorSettings) -> dict[str, Any]:  # fmt: skip
+    """What the compiled decode step depends on. Scheduler sizes, max_model_len and capture sizes are not here:
+    the graph is traced with dynamic batch, context and cache sizes, so they change no compiled code."""
+    return {
+        "inductor": dataclasses.asdict(settings),
+        "model_config": arch.model_dump(mode="json"),
+        "dtype": str(dtype).removeprefix("torch."),
+        "engine_config": {
+            "quant": {"quantization": config.quant.quantization, "group_size": config.quant.group_size,
+                      "quantize_lm_head": config.quant.quantize_lm_head},
+            "cache": {"kv_cache_dtype": config.cache.kv_cache_dtype, "block_size": config.cache.block_size},
+        },
+        "torch": torch.__version__,
+        "glowplug_source": source_digest(["", "engine", "kernels"]),
+        "device": device_label(device),
+    }
+
+
+@dataclass
+class CompileCache:
+    store: ArtifactStore
+    key: str
+    factors: dict[str, Any]
+    group: str
+    miss_reason: str | None  # None when this configuration was compiled before and its artifacts are sound
+    workspace: Workspace
+    indexed: bool
+
+    @property
+    def path(self) -> Path:
+        """The Inductor cache folder in use."""
+        return self.workspace.path
+
+    def run(self, compile_fn: Callable[[], T]) -> T:
+        """Run `compile_fn` (the pending Inductor compiles); on failure retry once in a fresh Inductor folder."""
+        try:
+            result = compile_fn()
+        except Exception as exc:
+            log = structlog.get_logger("glowplug.compile")
+            log.warning("compile failed; retrying once in a fresh Inductor cache", error=one_line(exc))
+            renew(self.store, self.workspace, f"compile failed with these cached artifacts ({one_line(exc)})")
+            _point_inductor_at(self.workspace.path)
+            _clear_inductor_memory()
+            result = compile_fn()
+        self.record()
+        return result
+
+    def served_from_cache(self, hits: int, misses: int) -> bool:
+        """Whether the compile was a cache hit: every Inductor lookup hit, and no damaged kernel had to be rebuilt
+        (a healed folder still hits its FX graphs, but recompiles the kernels that were moved aside)."""
+        return misses == 0 and hits > 0 and not self.workspace.healed
+
+    def record(self) -> None:
+        """After a successful compile: the index entry (once per configuration) and the Inductor file list."""
+        if not self.indexed:
+            self.store.put(COMPILE, self.factors, group=self.group, build=lambda folder: None)
+            self.indexed = True
+        self.seal()
+
+    def seal(self) -> None:
+        seal(self.store, self.workspace, skip=_INDUCTOR_SKIP)
+
+
+def _point_inductor_at(path: Path) -> None:
+    # Inductor reads this on every cache lookup; set here (not at import) so only a compiling engine changes it.
+    os.environ[INDUCTOR_ENV] = str(path)
+
+
+def _clear_inductor_memory() -> None:
+    """Forget what Inductor loaded or concluded from the old folder: compiled modules, and the CPU-feature probe
+    results (a truncated probe .so makes the probe fail, and a cached "no AVX" would leave the retry with scalar
+    kernels for the life of the process)."""
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.utils import clear_caches
+
+    clear_caches()
+    for obj in vars(cpu_vec_isa).values():
+        for member in (obj, *vars(obj).values()) if isinstance(obj, type) else (obj,):
+            if callable(getattr(member, "cache_clear", None)):
+                member.cache_clear()
+
+
+def open_compile_cache(cache_root: Path, config: EngineConfig, arch: ModelArch, dtype: torch.dtype,
+                       device: str, settings: InductorSettings) -> CompileCache:  # fmt: skip
+    """Look this configuration up (explaining a miss), verify the Inductor folder and point Inductor at it."""
+    store = ArtifactStore(cache_root)
+    factors = compile_factors(config, arch, dtype, device, settings)
+    index = store.lookup(COMPILE, factors, group=config.model, load=lambda folder: True)
+    label = device_label(device)
+    workspace = open_workspace(store, INDUCTOR, {"torch": torch.__version__, "device": label}, group=label)
+    _point_inductor_at(workspace.path)
+    reason = index.miss_reason if not index.hit else None
+    if reason is None and workspace.healed:
+        reason = f"damaged Inductor artifacts moved aside and rebuilt ({workspace.healed[0]})"
+    return CompileCache(store, index.key, factors, config.model, reason, workspace, index.hit)
