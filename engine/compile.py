@@ -17,6 +17,7 @@ Inductor settings below are one of the compile cache's factors.
 
 from __future__ import annotations
 
+import itertools
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -108,6 +109,7 @@ class DeferredInductor:
 
 
 DecodeCallable = Callable[[torch.Tensor, list[LayerKV]], torch.Tensor]
+_STEP_IDS = itertools.count()
 
 
 class CompiledDecode:
@@ -121,9 +123,13 @@ class CompiledDecode:
                         kss: list[torch.Tensor | None], vss: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
             return model.decode(packed, [LayerKV(*c) for c in zip(ks, vs, kss, vss)])
 
-        self._step = decode_step
+        # Dynamo caches compiled code per code object, and every engine's closure shares one: engines built in the
+        # same process (tests, benchmarks) would pile up entries until the recompile limit. A copy per engine keeps
+        # each engine's graph its own.
+        code = decode_step.__code__.replace(co_name=f"decode_step_{next(_STEP_IDS)}")
+        self._step = types.FunctionType(code, decode_step.__globals__, code.co_name, None, decode_step.__closure__)
         # fullgraph: a graph break would be a silent slowdown (and a host sync).
-        self._compiled = torch.compile(decode_step, backend=backend, fullgraph=True)
+        self._compiled = torch.compile(self._step, backend=backend, fullgraph=True)
 
     @staticmethod
     def _split(caches: list[LayerKV]) -> tuple[list[Any], ...]:

@@ -31,6 +31,7 @@ from torch import Tensor
 from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weight
 
 NAMESPACE = "glowplug_native"
+LIBRARY = "glowplug_native.so"
 SOURCES: tuple[str, ...] = ("linear.cpp",)
 _SOURCE_DIR = Path(__file__).parent / "native"
 
@@ -73,16 +74,18 @@ def _torch_dirs() -> tuple[Path, Path]:
     return root / "include", root / "lib"
 
 
-def build_key(compiler: str) -> str:
-    """Every input that changes the binary; nothing else (a new key rebuilds)."""
+def build_factors(compiler: str) -> dict[str, str]:
+    """Every input that changes the binary, and nothing else (any change rebuilds)."""
     h = hashlib.sha256()
     for name in SOURCES:
         h.update((_SOURCE_DIR / name).read_bytes())
-    h.update(torch.__version__.encode())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    h.update(version.splitlines()[0].encode() if version else compiler.encode())
-    h.update(" ".join(sorted(cpu_flags())).encode())
-    return h.hexdigest()[:16]
+    return {
+        "sources": h.hexdigest()[:16],
+        "torch": torch.__version__,
+        "compiler": version.splitlines()[0] if version else compiler,
+        "cpu_flags": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
+    }
 
 
 def _compile(compiler: str, out: Path) -> None:
@@ -127,10 +130,11 @@ def _register_fakes() -> None:
 
 
 def load_native(cache_dir: Path) -> NativeBuild:
-    """Make the native ops callable in this process, building them into `cache_dir/native/<key>/` when needed.
+    """Make the native ops callable in this process, building them into the artifact store (cache `native`) when
+    needed: a library that will not load is a damaged entry, moved aside and rebuilt.
 
-    Never raises for an environment problem (no compiler, a failed build, an unusable cache): the answer says why the
-    kernels are unavailable, and callers fall back to the stock torch paths."""
+    Never raises for an environment problem (no compiler, a failed build): the answer says why the kernels are
+    unavailable, and callers fall back to the stock torch paths."""
     t0 = time.perf_counter()
     if _loaded():
         return NativeBuild(True, None, True, time.perf_counter() - t0, "already loaded in this process")
@@ -139,33 +143,31 @@ def load_native(cache_dir: Path) -> NativeBuild:
     compiler = _compiler()
     if compiler is None:
         return NativeBuild(False, None, False, 0.0, "no C++ compiler (g++, or $CXX) on PATH")
-    from filelock import FileLock
+    from glowplug.engine.artifacts import ArtifactStore
+    from glowplug.engine.artifacts.caches import NATIVE
 
-    folder = cache_dir / "native" / build_key(compiler)
-    path = folder / "glowplug_native.so"
+    def build(folder: Path | None) -> Path:
+        # Without a usable cache dir the library still has to live in a file to be loaded: a temporary folder.
+        target = (folder or Path(tempfile.mkdtemp(prefix="glowplug-native-"))) / LIBRARY
+        _compile(compiler, target)
+        return target
+
+    def load(folder: Path) -> Path:
+        torch.ops.load_library(str(folder / LIBRARY))  # OSError for a damaged file: the store rebuilds it
+        return folder / LIBRARY
+
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(folder / ".lock")):
-            hit = path.is_file()
-            reason = "cached"
-            if hit:
-                try:
-                    torch.ops.load_library(str(path))
-                except OSError as exc:  # damaged entry: a miss, rebuilt below
-                    reason = f"rebuilt: cached library would not load ({exc})"
-                    path.unlink(missing_ok=True)
-                    hit = False
-            if not hit:
-                with tempfile.TemporaryDirectory(dir=folder) as tmp:
-                    out = Path(tmp) / path.name
-                    _compile(compiler, out)
-                    os.replace(out, path)
-                torch.ops.load_library(str(path))
-                reason = reason if reason != "cached" else "built"
+        fetched = ArtifactStore(cache_dir).fetch(NATIVE, build_factors(compiler), group="native", build=build,
+                                                 load=load)  # fmt: skip
+        # A build returns its temporary path; the stored entry is where it was renamed to (None: not stored).
+        path = fetched.value if fetched.hit or fetched.path is None else fetched.path / LIBRARY
+        if not fetched.hit:
+            torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as exc:
-        return NativeBuild(False, path, False, time.perf_counter() - t0, str(exc).splitlines()[0])
+        return NativeBuild(False, None, False, time.perf_counter() - t0, str(exc).splitlines()[0])
     _register_fakes()
-    return NativeBuild(True, path, hit, time.perf_counter() - t0, reason)
+    reason = "cached" if fetched.hit else f"built ({fetched.miss_reason or 'new'})"
+    return NativeBuild(True, path, fetched.hit, time.perf_counter() - t0, reason)
 
 
 def ops() -> object:

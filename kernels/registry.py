@@ -138,7 +138,8 @@ class QuantScheme:
         total = 0
         for key, t in sd.items():
             module, _, leaf = key.rpartition(".")
-            if is_target_module(module, quantize_head=True) and leaf != "bias":
+            # the head counts once it is quantized (its tensors are then qweight/scales/...; a plain `weight` is not)
+            if is_target_module(module, quantize_head=leaf != "weight") and leaf != "bias":
                 total += t.numel() * t.element_size()
         return total
 

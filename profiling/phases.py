@@ -296,7 +296,8 @@ def build_phase_table(
         if values:
             aggregates.append(PhaseRow(name, "aggregate", sum(values), components=parts))
         else:
-            part_reasons = {by_name[p].reason for p in parts}
+            # Phases a custom pipeline leaves out say nothing about why the others did not run.
+            part_reasons = {by_name[p].reason for p in parts} - {NOT_IN_PIPELINE} or {NOT_IN_PIPELINE}
             reason = part_reasons.pop() if len(part_reasons) == 1 else "none of its phases ran"
             aggregates.append(PhaseRow(name, "aggregate", None, reason, components=parts))
     # Cache events of the work around the stages (e.g. the start-up profile written at READY) are on the root.

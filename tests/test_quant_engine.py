@@ -10,7 +10,7 @@ import torch
 from glowplug.engine.attention import AttentionMetadata
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.models.arch import load_arch
-from glowplug.engine.models.loader import build_meta_model, materialize, read_checkpoint
+from glowplug.engine.models.loader import build_meta_model, check_state_dict, fuse_checkpoint, materialize, read_checkpoint
 from glowplug.engine.startup import build_engine
 from glowplug.kernels import reference
 from glowplug.kernels.registry import get_scheme, is_target_module
@@ -19,16 +19,20 @@ from glowplug.profiling.tracing import setup_tracing
 
 
 def _oracle(model_dir: Path, scheme: str, group_size: int | None):
-    """fp32 model whose projection weights are the reference de-quantization of the scheme's packed weights."""
+    """fp32 model whose projection weights (and output head, quantized by default) are the reference
+    de-quantization of the scheme's packed weights; the embedding lookup stays exact."""
     arch = load_arch(model_dir)
-    sd = dict(read_checkpoint(model_dir).state_dict)
+    model = build_meta_model(arch)
+    sd = fuse_checkpoint(check_state_dict(model, dict(read_checkpoint(model_dir).state_dict), model_dir))
+    if "lm_head.weight" not in sd:  # a tied head gets a quantized copy of the embedding
+        sd["lm_head.weight"] = sd["model.embed_tokens.weight"]
+        model.untie_head_for_quantization()
     s = get_scheme(scheme)
     gs = s.resolve_group_size(group_size)
     for key in list(sd):
         module = key.removesuffix(".weight")
-        if key.endswith(".weight") and sd[key].ndim == 2 and is_target_module(module):
-            sd[key] = reference.dequantize(s.quantize_weight(sd[key], gs, module))
-    model = build_meta_model(arch)
+        if key.endswith(".weight") and sd[key].ndim == 2 and is_target_module(module, quantize_head=True):
+            sd[key] = reference.dequantize(s.quantize_weight(sd[key], s.layer_group_size(sd[key].shape[1], gs), module))
     materialize(model, sd, torch.float32, "cpu", model_dir)
     model.model.rotary_emb.build(arch.max_position_embeddings, "cpu")
     return model

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from glowplug.engine.attention import AttentionMetadata, paged_attention
+from glowplug.engine.attention import DECODE_COLS, AttentionMetadata, decode_attention, paged_attention
 from glowplug.engine.detokenizer import IncrementalDetokenizer
 from glowplug.engine.kv_cache import KVCache
 from glowplug.engine.sampler import apply_min_p, apply_top_k, apply_top_p
@@ -119,8 +119,8 @@ def test_paged_attention_matches_contiguous() -> None:
     def slots(table: list[int], positions: range) -> torch.Tensor:
         return torch.tensor([table[p // bs] * bs + p % bs for p in positions])
 
-    cache.store(0, ka[:10], va[:10], slots(tables["a"], range(10)))
-    cache.store(0, kb[:6], vb[:6], slots(tables["b"], range(6)))
+    cache[0].store(ka[:10], va[:10], slots(tables["a"], range(10)))
+    cache[0].store(kb[:6], vb[:6], slots(tables["b"], range(6)))
     q = torch.randn(4, H, D, generator=g)
     meta = AttentionMetadata(
         prefill_info=torch.tensor([[0, 3, 13]]),
@@ -143,3 +143,15 @@ def test_paged_attention_matches_contiguous() -> None:
 
     torch.testing.assert_close(out[:3], ref(q[:3], ka, va, 10), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[3:], ref(q[3:], kb, vb, 6), atol=1e-5, rtol=1e-5)
+
+    # The compiled decode step's attention (plain ops over the packed step input) on sequence B's last token, in a
+    # fresh cache holding its first 6 tokens: same output, and the new token's k/v written at its slot.
+    fresh = KVCache(num_layers=1, num_blocks=16, block_size=bs, num_kv_heads=Hkv, head_dim=D, dtype=torch.float32)
+    fresh[0].store(kb[:6], vb[:6], slots(tables["b"], range(6)))
+    slot = int(slots(tables["b"], range(6, 7))[0])
+    width = 3  # padded past the sequence's 2 blocks with a block it must not see
+    packed = torch.tensor([[0, 6, slot, 7, *tables["b"], 0][: DECODE_COLS + width]])
+    got = decode_attention(q[3:], kb[6:], vb[6:], fresh[0], packed, D**-0.5)
+    torch.testing.assert_close(got, ref(q[3:], kb, vb, 6), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fresh[0].k.view(-1, Hkv, D)[slot], kb[6])
+    torch.testing.assert_close(fresh[0].v.view(-1, Hkv, D)[slot], vb[6])

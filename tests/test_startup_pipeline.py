@@ -23,6 +23,7 @@ STAGE_ORDER = [
     "load_weights",
     "quantize_weights",
     "model_init",
+    "native_kernels",
     "dynamo_transform",
     "graph_compile",
     "kv_cache_profiling",
@@ -131,7 +132,7 @@ def test_cli_rows_sum_to_wall_time_and_reports(tiny_dir, tmp_path: Path) -> None
     phases = data["phases"]
     leaves = [
         "process_start", "imports", "model_prepare", "tokenizer_init", "load_weights", "quantize_weights",
-        "model_init", "dynamo_transform_time", "graph_compile_general_shape", "graph_compile_cached",
+        "model_init", "native_kernels", "dynamo_transform_time", "graph_compile_general_shape", "graph_compile_cached",
         "kv_cache_profiling", "kv_cache_init", "graph_capturing", "warmup", "unattributed",
     ]  # fmt: skip
     total = sum(phases[k] or 0.0 for k in leaves)

@@ -9,6 +9,7 @@
 | kv_profile       | model config, dtype, quantization, max_num_batched_tokens, max_num_seqs, device, torch, glowplug | bypass |
 | startup_profile  | the engine config (all fields but the seed), device                         | bypass       |
 | kernel_dispatch  | torch, CPU model, threads, layer shapes, formats, Ms, table version         | bypass       |
+| native           | kernel sources, torch, compiler version, CPU feature flags                  | bypass       |
 
 Why `model` fails: the engine maps the converted safetensors from disk, so a conversion with nowhere to go would
 have to write ~0.5 GB (SmolLM2) to some other disk on every start and take ~25 s each time; a clear error asking
@@ -58,7 +59,12 @@ KERNEL_DISPATCH = CacheSpec(
     first="not calibrated on this machine yet",
 )
 
-ALL: tuple[CacheSpec, ...] = (MODEL, QUANT, COMPILE, INDUCTOR, KV_PROFILE, STARTUP_PROFILE, KERNEL_DISPATCH)
+NATIVE = CacheSpec(
+    "native", 1, "glowplug's native CPU kernels, built with -march=native for this CPU (.so)", "bypass",
+    "the kernels are built again (a few seconds) into a temporary folder at every start",
+)
+
+ALL: tuple[CacheSpec, ...] = (MODEL, QUANT, COMPILE, INDUCTOR, KV_PROFILE, STARTUP_PROFILE, KERNEL_DISPATCH, NATIVE)
 
 
 def by_name(name: str) -> CacheSpec:

@@ -54,6 +54,7 @@ def default_pipeline(seconds: float = 0.005, *, busy: bool = False) -> list[Slee
         SleepStage("load_weights", seconds, {Attr.BYTES_READ: 1 << 20, Attr.READ_GBPS: 1.5, Attr.DTYPE: "bfloat16"}),
         SleepStage("model_init", seconds, {Attr.PARAM_COUNT: 135_000_000}),
         SleepStage("quantize_weights", seconds, {Attr.QUANTIZATION: "int8"}),
+        SleepStage("native_kernels", seconds, {Attr.CACHE_HIT: True}),
         SleepStage("dynamo_transform", seconds),
         SleepStage(
             "graph_compile",
