@@ -16,32 +16,37 @@ import torch
 from .sequence import Sequence, TokenLogprobs
 
 
-def _as_rows(v: torch.Tensor | float | int, logits: torch.Tensor) -> torch.Tensor:
-    t = torch.as_tensor(v, device=logits.device)
-    return t.reshape(-1, 1) if t.dim() else t.reshape(1, 1).expand(logits.shape[0] if logits.dim() > 1 else 1, 1)
+PerRow = list[float] | list[int] | tuple[float, ...] | tuple[int, ...]
 
 
-def apply_top_k(logits: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
+def _per_row(v: PerRow | float, rows: int) -> list[float]:
+    return [float(x) for x in v] if isinstance(v, (list, tuple)) else [float(v)] * rows
+
+
+def apply_top_k(logits: torch.Tensor, k: PerRow | int) -> torch.Tensor:
     """Keep each row's k largest logits (ties at the k-th value are kept too); the rest become -inf. k <= 0 or
-    k >= vocab disables it for that row. `logits` is [V] or [B, V]; `k` an int or one per row."""
+    k >= vocab disables it for that row. `logits` is [V] or [B, V]; `k` an int or one per row. The decisions are
+    made on the host-side parameters, so no device value is read back."""
     rows = logits.reshape(-1, logits.shape[-1])
     vocab = rows.shape[-1]
-    kk = _as_rows(k, rows).long()
-    off = (kk <= 0) | (kk >= vocab)
-    if bool(off.all()):
+    ks = [int(x) for x in _per_row(k, rows.shape[0])]
+    off = [x <= 0 or x >= vocab for x in ks]
+    if all(off):
         return logits
-    kk = torch.where(off, torch.ones_like(kk), kk)
-    kth = torch.topk(rows, int(kk.max()), dim=-1).values.gather(-1, kk - 1)
-    kth = kth.masked_fill(off, float("-inf"))  # rows without a top-k keep everything
+    eff = [1 if o else x for x, o in zip(ks, off)]
+    kk = torch.tensor(eff, device=rows.device)[:, None]
+    kth = torch.topk(rows, max(eff), dim=-1).values.gather(-1, kk - 1)
+    kth = kth.masked_fill(torch.tensor(off, device=rows.device)[:, None], float("-inf"))  # rows without top-k
     return rows.masked_fill(rows < kth, float("-inf")).reshape(logits.shape)
 
 
-def apply_top_p(logits: torch.Tensor, p: torch.Tensor | float) -> torch.Tensor:
+def apply_top_p(logits: torch.Tensor, p: PerRow | float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose probability mass reaches p (always at least one)."""
     rows = logits.reshape(-1, logits.shape[-1])
-    pp = _as_rows(p, rows).float()
-    if bool((pp >= 1.0).all()):
+    ps = _per_row(p, rows.shape[0])
+    if all(x >= 1.0 for x in ps):
         return logits
+    pp = torch.tensor(ps, device=rows.device)[:, None]
     sorted_logits, order = torch.sort(rows, dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     # A token is dropped when the mass strictly before it already reaches p.
@@ -52,12 +57,13 @@ def apply_top_p(logits: torch.Tensor, p: torch.Tensor | float) -> torch.Tensor:
     return rows.masked_fill(drop, float("-inf")).reshape(logits.shape)
 
 
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor | float) -> torch.Tensor:
+def apply_min_p(logits: torch.Tensor, min_p: PerRow | float) -> torch.Tensor:
     """Drop tokens whose probability is below min_p times the row's top token's probability."""
     rows = logits.reshape(-1, logits.shape[-1])
-    mp = _as_rows(min_p, rows).float()
-    if bool((mp <= 0.0).all()):
+    ms = _per_row(min_p, rows.shape[0])
+    if all(x <= 0.0 for x in ms):
         return logits
+    mp = torch.tensor(ms, device=rows.device)[:, None]
     probs = rows.softmax(dim=-1)
     threshold = probs.max(dim=-1, keepdim=True).values * mp
     return rows.masked_fill(probs < threshold, float("-inf")).reshape(logits.shape)
@@ -108,9 +114,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         dev = logits.device
         idx = torch.tensor(sampled, dtype=torch.long, device=dev)
         sub = logits[idx] / torch.tensor([params[i].temperature for i in sampled], device=dev)[:, None]
-        sub = apply_top_k(sub, torch.tensor([params[i].top_k for i in sampled], device=dev))
-        sub = apply_top_p(sub, torch.tensor([params[i].top_p for i in sampled], device=dev))
-        sub = apply_min_p(sub, torch.tensor([params[i].min_p for i in sampled], device=dev))
+        sub = apply_top_k(sub, [params[i].top_k for i in sampled])
+        sub = apply_top_p(sub, [params[i].top_p for i in sampled])
+        sub = apply_min_p(sub, [params[i].min_p for i in sampled])
         probs = sub.softmax(dim=-1)
         noise = torch.empty_like(probs)
         for row, i in enumerate(sampled):

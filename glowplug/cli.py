@@ -142,14 +142,18 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.markdown import Markdown
 
-    from glowplug.profiling.bench.decode import DecodeBenchConfig, render_markdown, run_decode_bench
+    from glowplug.profiling.bench.decode import DecodeBenchConfig, render_markdown, rows_as_dicts, run_decode_bench
 
     cfg = _bench_config(DecodeBenchConfig, args)
-    rows, bandwidth = run_decode_bench(cfg)
-    text = render_markdown(rows, bandwidth, cfg, args.argv)
+    rows = run_decode_bench(cfg)
+    text = render_markdown(rows, cfg, args.argv)
     Console().print(Markdown(text))
     if cfg.out is not None:
+        import json
+
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(text)
+        cfg.out.with_suffix(".json").write_text(json.dumps(rows_as_dicts(rows), indent=1))
     return 0
 
 
@@ -231,7 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     from glowplug.profiling.bench.decode import DecodeBenchConfig
 
-    dec = bsub.add_parser("decode", help="Decode tokens/s per batch size and quantization, vs transformers.")
+    dec = bsub.add_parser(
+        "decode", help="Decode tokens/s per compile mode, dtype, quantization and batch size, vs transformers."
+    )
     dec.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
     add_model_flags(dec, DecodeBenchConfig, exclude={"model"})
     dec.set_defaults(func=cmd_bench_decode)

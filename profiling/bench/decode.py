@@ -1,22 +1,32 @@
-"""`glowplug bench decode`: decode tokens/s of the engine per batch size and quantization, against transformers'
-`generate` on the same model and prompts, with the weight traffic set against the machine's measured bandwidth.
+"""`glowplug bench decode`: decode tokens/s per compile mode, dtype, quantization and batch size, against transformers'
+`generate` on the same model and prompts, with the weight traffic set against a streaming-read probe.
 
-Only decode steps are timed: the clock starts once every sequence of the batch has its first token (prefill done)
-and stops when the batch finishes. transformers' decode time is generate(N tokens) minus generate(1 token) on the
-same inputs, so its prefill is excluded the same way.
+Definitions (the report prints them under its table):
+- decode tok/s: tokens produced after every sequence of the batch has its first token (prefill excluded), divided
+  by the time from then to the end of the batch. transformers' decode time is generate(N tokens) minus
+  generate(1 token) on the same inputs, so its prefill is excluded the same way.
+- MB/token: the weight bytes one decode step reads through the kernels this path runs: glowplug's native layouts
+  when compiled (kernels.native), the eager dispatcher's chosen layouts otherwise, the LM head included (an
+  embedding lookup reads a few rows only, so it is left out).
+- % of probe: achieved GB/s (MB/token x steps/s) over a streaming-read probe (torch `sum` over 1 GiB fp32, the
+  fastest of 5) measured immediately before the same repeat. The host's memory bandwidth changes from minute to
+  minute on shared machines, so every repeat carries its own probe.
+- step / batch-1: this cell's ms per step over the batch-1 cell's of the same configuration.
+Each cell is run `repeats` times (fresh requests each time); the table shows the median and the min-max spread.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ...engine.config import EngineConfig
-from .machine import measure_memory_bandwidth, report_header
+from .machine import PROBE_REPEATS, measure_probe, report_header
 
 PROMPT_WORDS = (
     "glowplug", "schedules", "prefill", "chunks", "while", "decode", "steps", "stream", "tokens", "from", "a",
@@ -28,25 +38,54 @@ class DecodeBenchConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str = "smollm2"
-    batch_sizes: tuple[int, ...] = Field((1, 8, 32), min_length=1)
+    batch_sizes: tuple[int, ...] = Field((1, 16, 64), min_length=1)
     quantization: tuple[Literal["none", "int8", "int4", "int2", "w8a8"], ...] = ("none",)
+    compile: tuple[Literal["on", "off"], ...] = Field(("on", "off"), min_length=1)
+    dtype: tuple[Literal["auto", "float32", "bfloat16", "float16"], ...] = Field(
+        ("auto",), min_length=1,
+        description="Model dtypes: unquantized runs in each; quantized formats run in the first one only.",
+    )  # fmt: skip
     prompt_tokens: int = Field(64, ge=1, le=4096)
-    new_tokens: int = Field(32, ge=4, le=4096)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    compare_hf: bool = True
+    new_tokens: int = Field(128, ge=4, le=4096)
+    repeats: int = Field(3, ge=1, le=50, description="Timed runs per cell (median and min-max are reported).")
+    quantize_lm_head: bool = True
+    compare_hf: bool = Field(True, description="Time transformers' fp32 generate on the same prompts.")
     out: Path | None = None
 
 
 @dataclass
 class DecodeRow:
-    engine: str
+    engine: str  # "glowplug" | "transformers"
+    compile: str  # "on" | "off" | "-"
+    dtype: str
     quantization: str
     batch: int
-    tokens_per_s: float
-    step_ms: float
-    weight_mb_per_step: float | None = None
-    achieved_gbps: float | None = None
-    bandwidth_fraction: float | None = None
+    tokens_per_s: list[float]
+    step_ms: list[float]
+    probe_gbps: list[float]
+    mb_per_token: float | None = None
+    hf_tokens_per_s: float | None = None  # median of transformers at the same batch (set after the run)
+    batch1_step_ms: float | None = None  # median step of the same configuration at batch 1
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tps(self) -> float:
+        return statistics.median(self.tokens_per_s)
+
+    @property
+    def ms(self) -> float:
+        return statistics.median(self.step_ms)
+
+    @property
+    def shares(self) -> list[float]:
+        if self.mb_per_token is None:
+            return []
+        return [self.mb_per_token / 1e3 / (ms / 1e3) / p for ms, p in zip(self.step_ms, self.probe_gbps)]
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(median_tokens_per_s=self.tps, median_step_ms=self.ms, probe_share=self.shares)
+        return d
 
 
 def make_prompts(tokenizer: Any, batch: int, prompt_tokens: int) -> list[list[int]]:
@@ -59,14 +98,43 @@ def make_prompts(tokenizer: Any, batch: int, prompt_tokens: int) -> list[list[in
     return prompts
 
 
-def weight_bytes_per_step(model: Any) -> int:
-    """Bytes of weights a decode step streams: every parameter/buffer except the embedding rows it does not read
-    (a tied embedding is read in full once, as the LM head)."""
+def _tensor_bytes(obj: Any) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(_tensor_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
+    if isinstance(obj, (tuple, list)):
+        return sum(_tensor_bytes(o) for o in obj)
+    return 0
+
+
+def weight_bytes_per_token(model: Any, compiled: bool) -> int:
+    """Bytes of weights one batch-1 decode step reads through its kernels (see module docstring)."""
+    from ...kernels.modules import DenseLinear, QuantLinear
+    from ...kernels.native import native_weight_bytes
+
     total = 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if name.endswith("rotary_emb.cos") or name.endswith("rotary_emb.sin"):
-            continue
-        total += t.numel() * t.element_size()
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            if compiled and mod._native is not None:
+                total += native_weight_bytes(mod._native)
+            else:
+                rt = mod._runtime
+                if rt is None:
+                    mod.prepare()
+                    rt = mod._runtime
+                assert rt is not None
+                total += _tensor_bytes(rt.states[mod.dispatcher.choose(rt, 1)])
+            if mod.bias is not None:
+                total += _tensor_bytes(mod.bias)
+        elif isinstance(mod, DenseLinear):
+            total += _tensor_bytes(mod.weight) + (_tensor_bytes(mod.bias) if mod.bias is not None else 0)
+        elif type(mod).__name__ == "TiedHead":
+            total += _tensor_bytes(mod._embedding.weight)
+        elif type(mod).__name__ == "RMSNorm":
+            total += _tensor_bytes(mod.weight)
     return total
 
 
@@ -107,74 +175,123 @@ def time_hf_decode(model: Any, prompts: list[list[int]], new_tokens: int, pad_id
     return len(prompts) * steps / decode, decode / steps * 1000
 
 
-def run_decode_bench(cfg: DecodeBenchConfig) -> tuple[list[DecodeRow], float]:
+def _cells(cfg: DecodeBenchConfig) -> list[tuple[str, str, str]]:
+    """(compile, dtype, quantization) in run order: unquantized in every dtype, quantized in the first dtype."""
+    out = []
+    for mode in cfg.compile:
+        for dtype in cfg.dtype:
+            out.append((mode, dtype, "none"))
+        out += [(mode, cfg.dtype[0], q) for q in cfg.quantization if q != "none"]
+    if "none" not in cfg.quantization:
+        out = [c for c in out if c[2] != "none"]
+    return out
+
+
+def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
     from ...engine.llm import LLM
 
-    bandwidth = measure_memory_bandwidth()
     rows: list[DecodeRow] = []
     model_dir = None
     longest = cfg.prompt_tokens + cfg.new_tokens
-    for quant in cfg.quantization:
+    for mode, dtype, quant in _cells(cfg):
         llm = LLM(
             config=EngineConfig.from_flat(
-                model=cfg.model,
-                dtype=cfg.dtype,
-                quantization=quant,
-                max_model_len=longest,
-                max_num_seqs=max(cfg.batch_sizes),
-                max_num_batched_tokens=max(2048, cfg.prompt_tokens),
+                model=cfg.model, dtype=dtype, quantization=quant, compile=mode, max_model_len=longest,
+                max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=max(2048, cfg.prompt_tokens),
+                quantize_lm_head=cfg.quantize_lm_head,
             )
-        )
+        )  # fmt: skip
         model_dir = llm.startup.model_dir
-        wbytes = weight_bytes_per_step(llm.startup.context.model)  # type: ignore[arg-type]
+        resolved = str(llm.startup.context.dtype).removeprefix("torch.")
+        compiled = llm.engine.runner.decode_fn is not None
+        wbytes = weight_bytes_per_token(llm.startup.context.model, compiled)
+        base: float | None = None
         for batch in cfg.batch_sizes:
             prompts = make_prompts(llm.tokenizer, batch, cfg.prompt_tokens)
-            tps, step_ms = time_engine_decode(llm.engine, prompts, cfg.new_tokens)
-            gbps = wbytes / (step_ms / 1000) / 1e9
-            rows.append(DecodeRow("glowplug", quant, batch, tps, step_ms, wbytes / 1e6, gbps, gbps / bandwidth))
+            row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6)
+            if batch > llm.engine.runner.max_decode_batch and compiled:
+                row.notes.append("above the compiled batch sizes: eager steps")
+            time_engine_decode(llm.engine, prompts[: min(batch, 2)], 8)  # warm this batch shape's allocations
+            for _ in range(cfg.repeats):
+                row.probe_gbps.append(measure_probe())
+                tps, step_ms = time_engine_decode(llm.engine, prompts, cfg.new_tokens)
+                row.tokens_per_s.append(tps)
+                row.step_ms.append(step_ms)
+            base = row.ms if batch == 1 else base
+            row.batch1_step_ms = base
+            rows.append(row)
         del llm
     if cfg.compare_hf and model_dir is not None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        dtype = torch.float32 if cfg.dtype in ("auto", "float32") else getattr(torch, cfg.dtype)
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         for batch in cfg.batch_sizes:
-            tps, step_ms = time_hf_decode(hf, make_prompts(tok, batch, cfg.prompt_tokens), cfg.new_tokens, pad)
-            rows.append(DecodeRow("transformers", "none", batch, tps, step_ms))
-    return rows, bandwidth
+            row = DecodeRow("transformers", "-", "float32", "none", batch, [], [], [])
+            prompts = make_prompts(tok, batch, cfg.prompt_tokens)
+            time_hf_decode(hf, prompts[:1], 4, pad)
+            for _ in range(cfg.repeats):
+                row.probe_gbps.append(measure_probe())
+                tps, step_ms = time_hf_decode(hf, prompts, cfg.new_tokens, pad)
+                row.tokens_per_s.append(tps)
+                row.step_ms.append(step_ms)
+            rows.append(row)
+        hf_tps = {r.batch: r.tps for r in rows if r.engine == "transformers"}
+        for r in rows:
+            if r.engine == "glowplug":
+                r.hf_tokens_per_s = hf_tps.get(r.batch)
+    return rows
 
 
-def render_markdown(rows: list[DecodeRow], bandwidth: float, cfg: DecodeBenchConfig, argv: list[str] | None) -> str:
-    hf = {r.batch: r.tokens_per_s for r in rows if r.engine == "transformers"}
+def _spread(values: list[float], fmt: str) -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:{fmt}} (n=1)"
+    return f"{med:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[str] | None) -> str:
+    probes = [p for r in rows for p in r.probe_gbps]
     lines = [
         report_header("Decode throughput", argv),
-        f"Model `{cfg.model}`, dtype {cfg.dtype}, {cfg.prompt_tokens} prompt tokens, {cfg.new_tokens} new tokens "
-        f"per sequence, greedy. Measured streaming-read bandwidth in the same run: **{bandwidth:.1f} GB/s**.",
+        f"Model `{cfg.model}`, {cfg.prompt_tokens} prompt tokens, {cfg.new_tokens} new tokens per sequence, greedy, "
+        f"{cfg.repeats} runs per cell. Streaming-read probe in this run (fastest of {PROBE_REPEATS} sums over 1 GiB, "
+        f"re-measured before every run): median {statistics.median(probes):.1f} GB/s, "
+        f"{min(probes):.1f}-{max(probes):.1f}.",
         "",
-        "| engine | quantization | batch | decode tok/s | ms / step | weight MB / step | achieved GB/s "
-        "| % of bandwidth | vs transformers |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| engine | compile | dtype | quantization | batch | decode tok/s | ms / step | MB / token | % of probe "
+        "| vs transformers fp32 | step / batch-1 step |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        ratio = f"{r.tokens_per_s / hf[r.batch]:.2f}x" if r.engine == "glowplug" and r.batch in hf else ""
-        mb = f"{r.weight_mb_per_step:.0f}" if r.weight_mb_per_step is not None else ""
-        gb = f"{r.achieved_gbps:.1f}" if r.achieved_gbps is not None else ""
-        frac = f"{100 * r.bandwidth_fraction:.0f}%" if r.bandwidth_fraction is not None else ""
+        mb = f"{r.mb_per_token:.0f}" if r.mb_per_token is not None else ""
+        share = _spread([100 * s for s in r.shares], ".0f") + "%" if r.shares else ""
+        hf = f"{r.tps / r.hf_tokens_per_s:.2f}x" if r.hf_tokens_per_s else ""
+        scale = f"{r.ms / r.batch1_step_ms:.2f}x" if r.batch1_step_ms and r.batch != 1 else ""
+        note = f" ({'; '.join(r.notes)})" if r.notes else ""
         lines.append(
-            f"| {r.engine} | {r.quantization} | {r.batch} | {r.tokens_per_s:.1f} | {r.step_ms:.1f} | {mb} | {gb} "
-            f"| {frac} | {ratio} |"
+            f"| {r.engine} | {r.compile} | {r.dtype} | {r.quantization} | {r.batch} | {_spread(r.tokens_per_s, '.1f')} "
+            f"| {_spread(r.step_ms, '.2f')} | {mb} | {share} | {hf} | {scale}{note} |"
         )
-    lines += [
-        "",
-        "Decode time excludes prefill for both engines (see `profiling/bench/decode.py`). Achieved GB/s counts "
-        "the weight bytes one decode step streams (KV-cache reads not included).",
-        "",
-    ]
+    lines += ["", *[f"- {line}" for line in DEFINITIONS], ""]
     return "\n".join(lines)
 
 
+DEFINITIONS = (
+    "decode tok/s: tokens after every sequence's first token, over the time from then to the batch's end (prefill "
+    "excluded, for both engines); median over the runs, min-max in brackets.",
+    "ms / step: decode time over decode steps; one step produces one token per sequence.",
+    "MB / token: weight bytes one batch-1 decode step reads through the kernels the path runs (compile on: "
+    "glowplug's native layouts; off: the eager dispatcher's), LM head included.",
+    "% of probe: MB/token x steps/s over the streaming-read probe measured right before the same run.",
+    "vs transformers fp32: decode tok/s over transformers' fp32 `generate` at the same batch on the same prompts.",
+    "step / batch-1 step: this cell's ms per step over the batch-1 cell of the same configuration.",
+    "compile on: the decode step as one graph (Dynamo + Inductor, glowplug's native GEMV kernels); compile off: "
+    "every step eager with stock torch kernels (F.linear, the aten packed int8/int4 kernels through the dispatcher).",
+)
+
+
 def rows_as_dicts(rows: list[DecodeRow]) -> list[dict[str, Any]]:
-    return [asdict(r) for r in rows]
+    return [r.as_dict() for r in rows]

@@ -49,8 +49,13 @@ def report_header(title: str, argv: list[str] | None = None) -> str:
     )
 
 
-def measure_memory_bandwidth(size_bytes: int = 1 << 30, repeats: int = 3) -> float:
-    """Streaming-read bandwidth in GB/s (best of `repeats` sums over a buffer far larger than the caches)."""
+PROBE_BYTES = 1 << 30
+PROBE_REPEATS = 5
+
+
+def measure_probe(repeats: int = PROBE_REPEATS, size_bytes: int = PROBE_BYTES) -> float:
+    """Streaming-read bandwidth in GB/s: the fastest of `repeats` torch sums over `size_bytes` of fp32 (far larger
+    than the caches), with torch's own threads: the decode step's memory ceiling."""
     import torch
 
     buf = torch.ones(size_bytes // 4, dtype=torch.float32)
