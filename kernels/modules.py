@@ -31,20 +31,41 @@ from .formats import (
 
 
 class DenseLinear(nn.Linear):
-    """nn.Linear (same parameters, same state dict) whose compiled decode step can run the native dense GEMV."""
+    """nn.Linear (same parameters, same state dict) whose compiled decode step can run a native GEMV."""
 
-    native_small_m: int | None = None  # set by enable_native_decode; None: stock F.linear everywhere
+    native_small_m: int | None = None  # set by enable_native: None means stock F.linear everywhere
+    # enable_native may also register `native_blocked`: the bf16 weight in kernels.native.pack_blocked's layout
 
     def forward(self, x: Tensor) -> Tensor:
+        if "native_blocked" in self._buffers and torch.compiler.is_compiling() and x.dim() == 2:
+            y: Tensor = torch.ops.glowplug_native.dense_blocked(x, self.native_blocked, self.out_features)
+            return y if self.bias is None else y + self.bias
         return self.project(x, self.weight, self.bias, self.native_small_m)
 
     @staticmethod
     def project(x: Tensor, weight: Tensor, bias: Tensor | None, small_m: int | None) -> Tensor:
-        """x @ weight^T (+ bias): the native op inside a compiled decode step when enabled, else F.linear."""
+        """x @ weight^T (+ bias): the row-major native op inside a compiled decode step when enabled, else
+        F.linear."""
         if small_m is not None and torch.compiler.is_compiling() and x.dim() == 2:
             y: Tensor = torch.ops.glowplug_native.dense_linear(x, weight, small_m)
             return y if bias is None else y + bias
         return F.linear(x, weight, bias)
+
+    def enable_native(self, small_m: int) -> int:
+        """bf16 on an AVX512-BF16 CPU: the blocked kernel, on a packed copy (batches stay near the batch-1 cost);
+        fp32 (or bf16 without AVX512-BF16): the row-major kernel on the weight itself. Returns the bytes a decode step
+        reads through it, 0 if no native kernel serves this dtype."""
+        from .native import blocked_supported, pack_blocked
+
+        w = self.weight
+        if w.dtype == torch.bfloat16 and blocked_supported() and w.shape[1] % 2 == 0:
+            packed, _ = pack_blocked(w)
+            self.register_buffer("native_blocked", packed, persistent=False)
+            return packed.numel() * packed.element_size()
+        if w.dtype in (torch.bfloat16, torch.float32):
+            self.native_small_m = small_m
+            return w.numel() * w.element_size()
+        return 0
 
 
 class QuantLinear(nn.Module):
@@ -133,16 +154,19 @@ class QuantLinear(nn.Module):
         assert self._native is not None
         return tuple(getattr(self, f"native_{i}") for i in range(len(self._native.tensors)))
 
-    def enable_native(self) -> int:
-        """Derive this layer's native-kernel layout (kernels/native.py) and register it as non-persistent buffers, so
-        a compiled graph takes them as inputs. Returns the bytes a decode step reads through it."""
-        from .native import native_weight_bytes, prepare_native
+    def enable_native(self, activation_dtype: torch.dtype) -> int:
+        """Derive this layer's native-kernel layout (kernels/native.py) for activations of `activation_dtype` and
+        register it as non-persistent buffers, so a compiled graph takes them as inputs. Returns the bytes a decode
+        step reads through it, 0 when no native kernel serves this combination (the dispatcher's kernels stay)."""
+        from .native import prepare_native
 
-        st = prepare_native(self.packed())
+        st = prepare_native(self.packed(), activation_dtype)
+        if st is None:
+            return 0
         for i, t in enumerate(st.tensors):
             self.register_buffer(f"native_{i}", t, persistent=False)
         self._native = st
-        return native_weight_bytes(st)
+        return st.nbytes
 
     def _finish(self, y: Tensor, x: Tensor, lead: torch.Size) -> Tensor:
         if y.dtype != x.dtype:  # skip no-op casts: this runs ~200 times per decoded token
@@ -186,28 +210,27 @@ def _after_load(module: nn.Module, incompatible: Any) -> None:
         module.prepare()
 
 
-def enable_native_decode(model: nn.Module, small_m: int) -> dict[str, int]:
-    """Switch every linear layer of `model` to the native decode kernels (call after loading, once
-    `kernels.native.load_native` succeeded). Dense layers run natively in bf16/fp32 only. Returns counts and the
-    bytes one decode step reads through them (the weight traffic per token at batch 1)."""
-    from .native import native_weight_bytes  # noqa: F401 - imported for its side effect of failing early
-
+def enable_native_decode(model: nn.Module, small_m: int, activation_dtype: torch.dtype) -> dict[str, int]:
+    """Switch the linear layers of `model` to the native decode kernels where one serves them (call after loading,
+    once `kernels.native.load_native` succeeded). Returns how many layers switched and the bytes one batch-1 decode
+    step reads through them."""
     dense = quant = 0
     nbytes = 0
     for mod in model.modules():
+        got = 0
         if isinstance(mod, QuantLinear):
-            nbytes += mod.enable_native()
-            quant += 1
-        elif isinstance(mod, DenseLinear) and mod.weight.dtype in (torch.bfloat16, torch.float32):
-            mod.native_small_m = small_m
-            nbytes += mod.weight.nbytes
-            dense += 1
-        elif hasattr(mod, "native_small_m") and not isinstance(mod, DenseLinear):
-            weight = getattr(mod, "_embedding").weight  # TiedHead: the shared embedding matrix
+            got = mod.enable_native(activation_dtype)
+            quant += got > 0
+        elif isinstance(mod, DenseLinear):
+            got = mod.enable_native(small_m)
+            dense += got > 0
+        elif hasattr(mod, "native_small_m"):  # the tied head: row-major kernel on the shared embedding, no copy
+            weight = getattr(mod, "_embedding").weight
             if weight.dtype in (torch.bfloat16, torch.float32):
                 mod.native_small_m = small_m
-                nbytes += weight.nbytes
+                got = weight.numel() * weight.element_size()
                 dense += 1
+        nbytes += got
     return {"dense": dense, "quantized": quant, "bytes_per_token": nbytes}
 
 

@@ -5,12 +5,15 @@ torch's headers, takes about a second, and never pulls in the heavy ATen headers
 `-march=native` (the binary is for this CPU) into the glowplug cache, keyed by everything that changes the binary:
 the sources, the torch version, the compiler and the CPU's feature flags. A damaged cached library is rebuilt.
 
-Ops (namespace `glowplug_native`, shapes: x [M, K] bf16|fp32 contiguous, y [M, N] in x's dtype):
-  dense_linear(x, w, small_m)                   w [N, K] in x's dtype; M > small_m goes to aten's GEMM
-  int8_linear(x, q, scales)                     q int8 [N, K], scales fp32 [N, G]
-  intn_linear(x, rows, N, K, bits, group_size)  fused int4/int2 rows from `pack_intn_rows`
-  w8a8_linear(x, q, wscale, wsum, inv_smooth)   per-token int8 activations, VNNI dot products
-Each has a pure-torch reference in kernels/reference.py (`native_reference`), which the tests compare against.
+Ops (namespace `glowplug_native`; x [M, K] contiguous, y [M, N] in x's dtype):
+  dense_blocked(x, wp, N)                 bf16 x and weights in the blocked layout of `pack_blocked`
+  intn_blocked(x, wp, N, bits, gs)        bf16 x, int4/int2 weights (w = q * scale + min per group), blocked
+  int8_blocked(x, wp, N, gs)              bf16 x, int8 weights (per channel: gs = K), blocked
+  dense_linear(x, w, small_m)             fp32 (or bf16 without AVX512-BF16) x and row-major weights; M > small_m
+                                          goes to aten's GEMM
+  w8a8_linear(x, q, wscale, wsum, inv)    per-token int8 activations, VNNI dot products
+The blocked ones (blocked.cpp) need AVX512-BF16. Each op has a pure-torch reference in kernels/reference.py
+(`native_linear`), which tests/kernels compare against.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weigh
 
 NAMESPACE = "glowplug_native"
 LIBRARY = "glowplug_native.so"
-SOURCES: tuple[str, ...] = ("linear.cpp",)
+SOURCES: tuple[str, ...] = ("linear.cpp", "blocked.cpp")
+HEADERS: tuple[str, ...] = ("common.h",)
 _SOURCE_DIR = Path(__file__).parent / "native"
 
 
@@ -77,7 +81,7 @@ def _torch_dirs() -> tuple[Path, Path]:
 def build_factors(compiler: str) -> dict[str, str]:
     """Every input that changes the binary, and nothing else (any change rebuilds)."""
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in (*SOURCES, *HEADERS):
         h.update((_SOURCE_DIR / name).read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     return {
@@ -116,17 +120,21 @@ def _register_fakes() -> None:
     def _dense(x: Tensor, w: Tensor, small_m: int) -> Tensor:
         return x.new_empty((x.shape[0], w.shape[0]))
 
-    @torch.library.register_fake(lib + "int8_linear")
-    def _int8(x: Tensor, q: Tensor, scales: Tensor) -> Tensor:
-        return x.new_empty((x.shape[0], q.shape[0]))
-
-    @torch.library.register_fake(lib + "intn_linear")
-    def _intn(x: Tensor, rows: Tensor, n: int, k: int, bits: int, group_size: int) -> Tensor:
-        return x.new_empty((x.shape[0], n))
-
     @torch.library.register_fake(lib + "w8a8_linear")
     def _w8a8(x: Tensor, q: Tensor, wscale: Tensor, wsum: Tensor, inv_smooth: Tensor) -> Tensor:
         return x.new_empty((x.shape[0], q.shape[0]))
+
+    @torch.library.register_fake(lib + "dense_blocked")
+    def _dense_blocked(x: Tensor, wp: Tensor, n: int) -> Tensor:
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake(lib + "intn_blocked")
+    def _intn_blocked(x: Tensor, wp: Tensor, n: int, bits: int, group_size: int) -> Tensor:
+        return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake(lib + "int8_blocked")
+    def _int8_blocked(x: Tensor, wp: Tensor, n: int, group_size: int) -> Tensor:
+        return x.new_empty((x.shape[0], n))
 
 
 def load_native(cache_dir: Path) -> NativeBuild:
@@ -176,18 +184,69 @@ def ops() -> object:
 
 
 # ------------------------------------------------------------------------------------------- weight layouts
-def pack_intn_rows(w: Int4Weight | Int2Weight) -> Tensor:
-    """Fused rows for intn_linear: each row's planar codes, then G fp16 scales and G fp16 mins, where
-    w = q * scale + min (min = zero - mid * scale), plus zero rows at the end so vector loads may run past the last
-    row. fp16 keeps a GGUF source's fp16 block scales exact."""
-    mid = 8 if isinstance(w, Int4Weight) else 2
-    scales = w.scales.float()
-    zeros = torch.zeros_like(scales) if w.zeros is None else w.zeros.float()
-    s16 = scales.to(torch.float16)
-    m16 = (zeros - mid * scales).to(torch.float16)
-    rows = torch.cat([w.qweight, s16.view(torch.uint8), m16.view(torch.uint8)], dim=1)
-    pad = -(-64 // rows.shape[1])
-    return torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]).contiguous()
+BLOCK = 16  # rows per N-block of the blocked layouts
+
+
+def _blocks(t: Tensor) -> Tensor:
+    """[N, ...] -> [NB, 16, ...], padding N with zero rows."""
+    n = t.shape[0]
+    pad = -n % BLOCK
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.reshape(-1, BLOCK, *t.shape[1:])
+
+
+def _plane_words(codes: Tensor, bits: int) -> Tensor:
+    """codes [N, K] (unsigned, < 2**bits) -> uint8 [NB, K * bits * 2] chunk words (blocked.cpp's layout): plane p of
+    word 2j + e of a chunk is row j's code at k0 + 2p + e."""
+    planes = 16 // bits
+    kc = 2 * planes
+    b = _blocks(codes.to(torch.int32))  # [NB, 16, K]
+    nb, _, k = b.shape
+    t = b.reshape(nb, BLOCK, k // kc, planes, 2)  # [..., p, e]: k = k0 + 2p + e
+    words = torch.zeros(nb, BLOCK, k // kc, 2, dtype=torch.int32)
+    for p in range(planes):
+        words |= t[:, :, :, p, :] << (bits * p)
+    words = words.permute(0, 2, 1, 3).contiguous()  # [NB, chunk, 16 rows, e] = word 2j + e of each chunk
+    return words.to(torch.int16).view(torch.uint8).reshape(nb, -1)
+
+
+def _per_block(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """[N, G] -> bytes [NB, G * 16 * itemsize] laid out [G][16]."""
+    b = _blocks(values.to(dtype))  # [NB, 16, G]
+    return b.permute(0, 2, 1).contiguous().view(torch.uint8).reshape(b.shape[0], -1)
+
+
+def pack_blocked(w: PackedWeight | Tensor) -> tuple[Tensor, int]:
+    """The blocked layout of blocked.cpp for a dense bf16 matrix [N, K] or a packed int8/int4/int2 weight, and the
+    group size the kernel reads it with (K for per-channel int8, 0 for dense)."""
+    if isinstance(w, Tensor):
+        b = _blocks(w.to(torch.bfloat16))  # [NB, 16, K]
+        nb, _, k = b.shape
+        return b.view(torch.int16).reshape(nb, BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous(), 0
+    n, k = w.shape
+    if isinstance(w, (Int4Weight, Int2Weight)):
+        bits = 4 if isinstance(w, Int4Weight) else 2
+        mid = 1 << (bits - 1)
+        scales = w.scales.float()
+        zeros = torch.zeros_like(scales) if w.zeros is None else w.zeros.float()
+        # w = q * scale + min, min = zero - mid * scale; fp16 keeps a GGUF source's fp16 block scales exact.
+        parts = [_plane_words(w.codes(), bits), _per_block(scales, torch.float16),
+                 _per_block(zeros - mid * scales, torch.float16)]  # fmt: skip
+        return torch.cat(parts, dim=1).contiguous(), w.group_size
+    if isinstance(w, Int8Weight):
+        u = (w.qweight.to(torch.int32) + 128).to(torch.int32)  # 0..255: two nibble planes per byte
+        # A chunk holds 4 codes of each row: word 2j + e = u(j, k0 + e) | u(j, k0 + 2 + e) << 8, so its four nibble
+        # planes are the pairs (k0, k0 + 1) low, high, then (k0 + 2, k0 + 3) low, high.
+        b = _blocks(u)
+        nb, _, kk = b.shape
+        t = b.reshape(nb, BLOCK, kk // 4, 2, 2)  # [..., byte, e]: k = k0 + 2 * byte + e
+        words = (t[..., 0, :] | (t[..., 1, :] << 8)).permute(0, 2, 1, 3).contiguous()
+        codes = words.to(torch.int16).view(torch.uint8).reshape(nb, -1)
+        gs = k if w.group_size is None else w.group_size
+        scales = w.scales.float().reshape(n, -1)
+        return torch.cat([codes, _per_block(scales, torch.float32)], dim=1).contiguous(), gs
+    raise TypeError(f"no blocked layout for {type(w).__name__}")
 
 
 @dataclass(frozen=True)
@@ -200,38 +259,45 @@ class NativeState:
     k: int
     bits: int = 0
     group_size: int = 0
+    nbytes: int = 0  # what a decode step reads through it
 
 
-def prepare_native(w: PackedWeight) -> NativeState:
+def blocked_supported() -> bool:
+    """The blocked kernels need AVX512-BF16 (the library is built for this CPU with -march=native)."""
+    return cpu_has_native_bf16()
+
+
+def prepare_native(w: PackedWeight, activation_dtype: torch.dtype) -> NativeState | None:
+    """The native state for a packed weight with activations of `activation_dtype`, or None when no native
+    kernel serves that combination (the layer then keeps the dispatcher's kernels)."""
     n, k = w.shape
-    if isinstance(w, Int8Weight):
-        return NativeState("int8", (w.qweight.contiguous(), w.scales.float().contiguous()), n, k)
-    if isinstance(w, (Int4Weight, Int2Weight)):
-        bits = 4 if isinstance(w, Int4Weight) else 2
-        return NativeState("intn", (pack_intn_rows(w),), n, k, bits, w.group_size)
     if isinstance(w, W8A8Weight):
         inv = torch.empty(0)
         if w.smooth is not None and not bool(torch.all(w.smooth == 1)):
             inv = (1.0 / w.smooth.float()).contiguous()
         wsum = w.qweight.to(torch.int32).sum(dim=1).to(torch.int32).contiguous()
-        return NativeState("w8a8", (w.qweight.contiguous(), w.scales.float().reshape(-1).contiguous(), wsum, inv), n, k)
-    raise TypeError(f"no native kernel for {type(w).__name__}")
+        tensors = (w.qweight.contiguous(), w.scales.float().reshape(-1).contiguous(), wsum, inv)
+        return NativeState("w8a8", tensors, n, k, nbytes=sum(t.numel() * t.element_size() for t in tensors))
+    if activation_dtype != torch.bfloat16 or not blocked_supported() or k % 32:
+        return None
+    packed, gs = pack_blocked(w)
+    bits = 4 if isinstance(w, Int4Weight) else 2 if isinstance(w, Int2Weight) else 8
+    kind = "int8" if bits == 8 else "intn"
+    return NativeState(kind, (packed,), n, k, bits, gs, nbytes=packed.numel() * packed.element_size())
 
 
 def native_linear(x: Tensor, st: NativeState, tensors: tuple[Tensor, ...] | None = None) -> Tensor:
-    """y = x @ W^T through the native op for `st` (x [M, K] bf16|fp32). `tensors` overrides st.tensors (a module
-    passes its registered buffers, so a traced graph takes them as inputs)."""
+    """y = x @ W^T through the native op for `st` (x [M, K]). `tensors` overrides st.tensors (a module passes its
+    registered buffers, so a traced graph takes them as inputs)."""
     t = st.tensors if tensors is None else tensors
     o = ops()
     if st.kind == "int8":
-        return o.int8_linear(x, t[0], t[1])  # type: ignore[attr-defined,no-any-return]
+        return o.int8_blocked(x, t[0], st.n, st.group_size)  # type: ignore[attr-defined,no-any-return]
     if st.kind == "intn":
-        return o.intn_linear(x, t[0], st.n, st.k, st.bits, st.group_size)  # type: ignore[attr-defined,no-any-return]
+        return o.intn_blocked(x, t[0], st.n, st.bits, st.group_size)  # type: ignore[attr-defined,no-any-return]
     return o.w8a8_linear(x, t[0], t[1], t[2], t[3])  # type: ignore[attr-defined,no-any-return]
 
 
 def native_weight_bytes(st: NativeState) -> int:
-    """Bytes one decode step reads for this layer through the native kernel (padding rows excluded)."""
-    if st.kind == "intn":
-        return int(st.tensors[0].shape[1]) * st.n
-    return sum(t.numel() * t.element_size() for t in st.tensors)
+    """Bytes one decode step reads through this layer's native kernel."""
+    return st.nbytes

@@ -93,33 +93,56 @@ def attention_int8_kv(
     return attention(q, dequantize_kv(k_q, k_scale), dequantize_kv(v_q, v_scale), causal=causal)
 
 
-def dequantize_intn_rows(rows: Tensor, n: int, k: int, bits: int, group_size: int) -> Tensor:
-    """The fp32 [N, K] matrix stored in the native kernels' fused int4/int2 rows (kernels.native.pack_intn_rows):
-    codes planar within each group, then G fp16 scales and G fp16 mins, w = q * scale + min."""
-    per = 8 // bits
+def _unblock(t: Tensor, n: int) -> Tensor:
+    """[NB, 16, ...] -> [n, ...] (drops the padding rows)."""
+    return t.reshape(-1, *t.shape[2:])[:n]
+
+
+def dequantize_blocked(wp: Tensor, n: int, k: int, bits: int, group_size: int) -> Tensor:
+    """The fp32 [N, K] matrix in kernels.native.pack_blocked's layout (see blocked.cpp), decoded step by step from
+    the layout's definition: bits 16 = dense bf16; 4/2: plane p of chunk word 2j + e is row j's code at
+    k0 + 2p + e, then per-group fp16 scales and mins (w = q * scale + min); 8: bytes (offset by 128) at k0 + e and
+    k0 + 2 + e, then per-group fp32 scales."""
+    nb = wp.shape[0]
+    if bits == 16:
+        w = wp.view(torch.bfloat16).reshape(nb, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(nb, 16, k)
+        return _unblock(w.float(), n)
+    raw = wp.reshape(nb, -1)
     g = k // group_size
-    code_bytes = k * bits // 8
-    body = rows[:n]
-    codes = body[:, :code_bytes].reshape(n, g, 1, group_size // per)
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=rows.device).view(1, 1, per, 1)
-    q = ((codes >> shifts) & ((1 << bits) - 1)).reshape(n, k).float()
-    scales = body[:, code_bytes : code_bytes + 2 * g].contiguous().view(torch.float16).float()
-    mins = body[:, code_bytes + 2 * g : code_bytes + 4 * g].contiguous().view(torch.float16).float()
-    return q * scales.repeat_interleave(group_size, dim=1) + mins.repeat_interleave(group_size, dim=1)
+    if bits in (4, 2):
+        planes = 16 // bits
+        code_bytes = k * bits * 2
+        words = raw[:, :code_bytes].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        words = words.reshape(nb, k // (2 * planes), 16, 2)  # [NB, chunk, row j, e]
+        codes = torch.stack([(words >> (bits * p)) & ((1 << bits) - 1) for p in range(planes)], dim=3)
+        codes = codes.permute(0, 2, 1, 3, 4).reshape(nb, 16, k).float()  # k = chunk * 2 * planes + 2p + e
+        scales = raw[:, code_bytes : code_bytes + 32 * g].contiguous().view(torch.float16).reshape(nb, g, 16)
+        mins = raw[:, code_bytes + 32 * g :].contiguous().view(torch.float16).reshape(nb, g, 16)
+        s = scales.float().permute(0, 2, 1).repeat_interleave(group_size, dim=2)
+        m = mins.float().permute(0, 2, 1).repeat_interleave(group_size, dim=2)
+        return _unblock(codes * s + m, n)
+    if bits == 8:
+        code_bytes = k * 16
+        words = raw[:, :code_bytes].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+        words = words.reshape(nb, k // 4, 16, 2)  # [NB, chunk, row j, e]
+        u = torch.stack([words & 0xFF, words >> 8], dim=3)  # [..., byte, e]: k = k0 + 2 * byte + e
+        q = u.permute(0, 2, 1, 3, 4).reshape(nb, 16, k).float() - 128
+        scales = raw[:, code_bytes:].contiguous().view(torch.float32).reshape(nb, g, 16)
+        return _unblock(q * scales.permute(0, 2, 1).repeat_interleave(group_size, dim=2), n)
+    raise ValueError(f"no blocked layout with {bits} bits")
 
 
 def native_linear(x: Tensor, kind: str, tensors: tuple[Tensor, ...], n: int, k: int, bits: int = 0,
                   group_size: int = 0) -> Tensor:
-    """fp32 oracle for each native op (kernels/native.py), from the same operands the op receives."""
+    """fp32 oracle for each native op (kernels/native.py), from the same operands the op receives: kind "dense"
+    (row-major weight), "dense_blocked", "intn"/"int8" (blocked layouts) or "w8a8"."""
     xf = x.float()
     if kind == "dense":
         return xf @ tensors[0].float().t()
-    if kind == "int8":
-        q, scales = tensors
-        gs = k // scales.shape[1]
-        return linear(xf, Int8Weight(q, scales, None if scales.shape[1] == 1 else gs))
-    if kind == "intn":
-        return xf @ dequantize_intn_rows(tensors[0], n, k, bits, group_size).t()
+    if kind == "dense_blocked":
+        return xf @ dequantize_blocked(tensors[0], n, k, 16, 0).t()
+    if kind in ("intn", "int8"):
+        return xf @ dequantize_blocked(tensors[0], n, k, 8 if kind == "int8" else bits, group_size).t()
     if kind == "w8a8":
         q, wscale, _, inv = tensors
         smooth = None if inv.numel() == 0 else 1.0 / inv

@@ -11,8 +11,9 @@ from ...profiling.names import Attr
 from .base import StageReport
 from .context import EngineContext
 
-# Decode batches up to this size run the native dense GEMV; larger ones go to aten's GEMM (oneDNN), which measured
-# faster from about 32 rows here (reports/kernels.md).
+# The row-major dense kernel (fp32 layers, and the tied LM head, which is not copied into a blocked layout) serves
+# decode batches up to this size; larger ones go to aten's GEMM (oneDNN). The blocked bf16 and packed kernels serve
+# every batch size.
 DENSE_SMALL_M = 16
 
 
@@ -35,7 +36,7 @@ class NativeKernels:
             attrs["glowplug.native_library"] = str(build.path)
         if not build.available:
             return StageReport.skipped(f"native kernels unavailable: {build.reason}", attrs)  # type: ignore[arg-type]
-        counts = enable_native_decode(model, DENSE_SMALL_M)
+        counts = enable_native_decode(model, DENSE_SMALL_M, ctx.dtype)
         attrs.update({
             "glowplug.native_dense_layers": counts["dense"],
             "glowplug.native_quantized_layers": counts["quantized"],
