@@ -92,8 +92,9 @@ class QuantLinear(nn.Module):
         self._dispatcher = dispatcher
         self._runtime: Runtime | None = None
         self._native: Any = None  # kernels.native.NativeState once enable_native_decode ran; its tensors are buffers
-        # The M a compiled graph plans its (non-native) kernel for: a traced batch size is symbolic, not an int.
-        self.trace_m = 1
+        # The M a compiled graph with a symbolic batch plans its (non-native) kernel for; set by whoever traces such a
+        # graph (engine/stages/dynamo_transform.py). None: a traced graph has static shapes and plans for its own M.
+        self.trace_m: int | None = None
         self.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
 
     # -- subclass interface -------------------------------------------------------------------------------
@@ -144,8 +145,7 @@ class QuantLinear(nn.Module):
         if compiling:
             # A traced batch size is symbolic (the decode graph's is unbacked): plan for trace_m then; a static one
             # is a plain int and picks its own kernel.
-            m = x2.shape[0]
-            y = disp.run_path(disp.choose(rt, m if isinstance(m, int) else self.trace_m), x2, rt)
+            y = disp.run_path(disp.choose(rt, self.trace_m if self.trace_m is not None else int(x2.shape[0])), x2, rt)
         else:
             y = disp.linear(x2, rt)
         return self._finish(y, x, lead)

@@ -278,7 +278,8 @@ def prepare_native(w: PackedWeight, activation_dtype: torch.dtype) -> NativeStat
         wsum = w.qweight.to(torch.int32).sum(dim=1).to(torch.int32).contiguous()
         tensors = (w.qweight.contiguous(), w.scales.float().reshape(-1).contiguous(), wsum, inv)
         return NativeState("w8a8", tensors, n, k, nbytes=sum(t.numel() * t.element_size() for t in tensors))
-    if activation_dtype != torch.bfloat16 or not blocked_supported() or k % 32:
+    # fp32 activations are rounded to bf16 for these kernels, as the eager dispatcher's packed kernels do too.
+    if activation_dtype not in (torch.bfloat16, torch.float32) or not blocked_supported() or k % 32:
         return None
     packed, gs = pack_blocked(w)
     bits = 4 if isinstance(w, Int4Weight) else 2 if isinstance(w, Int2Weight) else 8
@@ -291,11 +292,14 @@ def native_linear(x: Tensor, st: NativeState, tensors: tuple[Tensor, ...] | None
     registered buffers, so a traced graph takes them as inputs)."""
     t = st.tensors if tensors is None else tensors
     o = ops()
+    if st.kind == "w8a8":
+        return o.w8a8_linear(x, t[0], t[1], t[2], t[3])  # type: ignore[attr-defined,no-any-return]
+    xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
     if st.kind == "int8":
-        return o.int8_blocked(x, t[0], st.n, st.group_size)  # type: ignore[attr-defined,no-any-return]
-    if st.kind == "intn":
-        return o.intn_blocked(x, t[0], st.n, st.bits, st.group_size)  # type: ignore[attr-defined,no-any-return]
-    return o.w8a8_linear(x, t[0], t[1], t[2], t[3])  # type: ignore[attr-defined,no-any-return]
+        y = o.int8_blocked(xb, t[0], st.n, st.group_size)  # type: ignore[attr-defined]
+    else:
+        y = o.intn_blocked(xb, t[0], st.n, st.bits, st.group_size)  # type: ignore[attr-defined]
+    return y if y.dtype == x.dtype else y.to(x.dtype)  # type: ignore[no-any-return]
 
 
 def native_weight_bytes(st: NativeState) -> int:

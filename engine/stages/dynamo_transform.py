@@ -22,7 +22,19 @@ def inductor_settings(ctx: EngineContext) -> InductorSettings:
 
 
 def skipped_reason(ctx: EngineContext) -> str | None:
-    return None if ctx.config.compile_enabled() else f"--compile {ctx.config.compile}"
+    """Why the decode step is not compiled, or None. Quantized layers need their native kernels in the graph: the
+    stock packed kernels (aten int4/int8) do not trace with a symbolic batch."""
+    if not ctx.config.compile_enabled():
+        return f"--compile {ctx.config.compile}"
+    if ctx.config.quant.quantization != "none" and ctx.model is not None:
+        from glowplug.kernels.modules import QuantLinear
+
+        missing = sum(isinstance(m, QuantLinear) and m._native is None for m in ctx.model.modules())
+        if missing:
+            why = ctx.native.reason if ctx.native is not None and not ctx.native.available else (
+                "they need AVX512-BF16 and an input size that is a multiple of 32")  # fmt: skip
+            return f"eager: {missing} quantized layers have no native decode kernel ({why})"
+    return None
 
 
 class DynamoTransform:

@@ -16,6 +16,7 @@ import torch
 from ...profiling.names import Attr
 from ..model_runner import ModelRunner
 from .base import StageReport
+from .dynamo_transform import skipped_reason
 from .context import EngineContext
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -66,8 +67,9 @@ class GraphCapture:
     name = "graph_capture"
 
     def run(self, ctx: EngineContext) -> StageReport:
-        if not ctx.config.compile_enabled():
-            return StageReport.skipped(f"--compile {ctx.config.compile}")
+        reason = skipped_reason(ctx)
+        if reason is not None:
+            return StageReport.skipped(reason)
         runner = ctx.need(ctx.runner, "the model runner", "kv_cache_init")
         decode_fn = ctx.need(ctx.decode_fn, "the traced decode step", "dynamo_transform")
         backend = ctx.need(ctx.backend, "the traced graphs", "dynamo_transform")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...profiling.names import Attr, Row
 from ..compile import inductor_cache_counts
 from .base import StageReport
+from .dynamo_transform import skipped_reason
 from .context import EngineContext
 
 
@@ -12,8 +13,9 @@ class GraphCompile:
     name = "graph_compile"
 
     def run(self, ctx: EngineContext) -> StageReport:
-        if not ctx.config.compile_enabled():
-            return StageReport.skipped(f"--compile {ctx.config.compile}")
+        reason = skipped_reason(ctx)
+        if reason is not None:
+            return StageReport.skipped(reason)
         backend = ctx.need(ctx.backend, "the traced graphs", "dynamo_transform")
         cache = ctx.need(ctx.compile_cache, "the compile cache", "dynamo_transform")
         hits0, misses0 = inductor_cache_counts()
