@@ -290,7 +290,8 @@ def _generation_operation(request: str, response: str, summary: str) -> dict[str
                 "step and `data: [DONE]`.",
                 "content": {
                     "application/json": {"schema": _ref(response)},
-                    "text/event-stream": {"schema": {"type": "string"}},
+                    # One server-sent event (what an SSE client parses): `data` is a JSON chunk or `[DONE]`.
+                    "text/event-stream": {"schema": SSE_EVENT},
                 },
             },
             "400": _error("Invalid request: the message names the field, `param` holds its path."),
@@ -300,6 +301,18 @@ def _generation_operation(request: str, response: str, summary: str) -> dict[str
             "503": _error("Not ready yet (Retry-After: start-up ETA), draining, or failed."),
         },
     }
+
+
+SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "data": {"type": "string", "description": "a JSON chunk of the response, or [DONE] after the last one"},
+        "event": {"type": "string"},
+        "id": {"type": "string"},
+        "retry": {"type": "integer"},
+    },
+}
 
 
 def _refine_document(doc: dict[str, Any], model_name: str) -> None:
