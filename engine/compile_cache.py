@@ -26,10 +26,13 @@ import torch
 
 from .artifacts import ArtifactStore, Workspace
 from .artifacts.caches import COMPILE, INDUCTOR, source_digest
+from .artifacts.cachedir import report_event
+from .artifacts.manifest import list_files
 from .artifacts.workspace import open_workspace, renew, seal
 from .compile import InductorSettings
 from .config import EngineConfig
 from .models.arch import ModelArch
+from ..profiling.names import Event
 from .stages.base import one_line
 
 T = TypeVar("T")
@@ -74,6 +77,7 @@ class CompileCache:
     miss_reason: str | None  # None when this configuration was compiled before and its artifacts are sound
     workspace: Workspace
     indexed: bool
+    rebuilt_kernels: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def path(self) -> Path:
@@ -81,7 +85,11 @@ class CompileCache:
         return self.workspace.path
 
     def run(self, compile_fn: Callable[[], T]) -> T:
-        """Run `compile_fn` (the pending Inductor compiles); on failure retry once in a fresh Inductor folder."""
+        """Run `compile_fn` (the pending Inductor compiles); on failure retry once in a fresh Inductor folder.
+
+        Kernel libraries that appear during the compile are remembered (`rebuilt_kernels`): when every graph
+        lookup hit, a new library means Inductor could not load a cached one and compiled it again."""
+        before = set(self._kernels())
         try:
             result = compile_fn()
         except Exception as exc:
@@ -91,13 +99,31 @@ class CompileCache:
             _point_inductor_at(self.workspace.path)
             _clear_inductor_memory()
             result = compile_fn()
+            before = set()
+        self.rebuilt_kernels = sorted(set(self._kernels()) - before)
         self.record()
         return result
+
+    def _kernels(self) -> list[str]:
+        return [rel for rel in list_files(self.path, skip=_INDUCTOR_SKIP) if rel.endswith(".so")]
 
     def served_from_cache(self, hits: int, misses: int) -> bool:
         """Whether the compile was a cache hit: every Inductor lookup hit, and no damaged kernel had to be rebuilt
         (a healed folder still hits its FX graphs, but recompiles the kernels that were moved aside)."""
-        return misses == 0 and hits > 0 and not self.workspace.healed
+        return misses == 0 and hits > 0 and not self.workspace.healed and not self.rebuilt_kernels
+
+    def explain_rebuilt(self, hits: int, misses: int) -> str | None:
+        """A hit whose kernels were nonetheless rebuilt: the cached libraries were missing or would not load (in
+        a folder the store had not sealed, so nothing was verified before Inductor read it). Reported as a
+        `cache_corrupt` event; the reason, or None when nothing was rebuilt behind a hit."""
+        if misses or not hits or not self.rebuilt_kernels:
+            return None
+        n = len(self.rebuilt_kernels)
+        reason = (f"Inductor rebuilt {n} compiled kernel librar{'y' if n == 1 else 'ies'} behind a graph cache hit "
+                  f"(the cached ones were missing or would not load), e.g. {self.rebuilt_kernels[0]}")
+        report_event(Event.CACHE_CORRUPT, cache=INDUCTOR.name, path=self.path, reason=reason,
+                     action="rebuilt by Inductor in place; the folder is sealed again")
+        return reason
 
     def record(self) -> None:
         """After a successful compile: the index entry (once per configuration) and the Inductor file list."""

@@ -160,10 +160,15 @@ class ResponseHeader:
         }
 
 
+# Code points that JSON may leave raw but that line splitters built on Python's str.splitlines (httpx's
+# iter_lines, for one) take as line ends, cutting an event's JSON in two; escaped, they are still valid JSON.
+_LINE_BREAKERS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(data: dict[str, Any] | str) -> bytes:
-    """One server-sent event: `data: <json>` and a blank line."""
+    """One server-sent event: `data: <json>` and a blank line (non-ASCII text stays UTF-8, not escaped)."""
     payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {payload}\n\n".encode()
+    return f"data: {payload.translate(_LINE_BREAKERS)}\n\n".encode()
 
 
 SSE_DONE = sse("[DONE]")

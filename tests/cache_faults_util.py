@@ -22,16 +22,23 @@ DATA_FILE = {
 }
 
 
-def install_fake_converter(tiny: Path) -> None:
-    """Stand in for the GGUF -> HF conversion (25 s for SmolLM2): "convert" by copying a tiny HF checkpoint."""
-    from glowplug.engine.models import store
+def fake_converter(tiny: Path) -> Any:
+    """A stand-in for the GGUF -> HF conversion (25 s for SmolLM2): "convert" by copying a tiny HF checkpoint."""
 
     def convert(source: Path, out: Path, console: Any) -> None:
         for f in tiny.iterdir():
             if f.is_file():
                 shutil.copy2(f, out / f.name)
 
-    store._convert_gguf = convert  # type: ignore[assignment]
+    return convert
+
+
+def install_fake_converter(tiny: Path) -> None:
+    """Install the stand-in for good: only for worker processes, which run one start and exit (in-process tests
+    use `monkeypatch.setattr(store, "_convert_gguf", fake_converter(tiny))`, so later tests convert for real)."""
+    from glowplug.engine.models import store
+
+    store._convert_gguf = fake_converter(tiny)  # type: ignore[assignment]
 
 
 def start(model: str, cache: Path, config: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ The compile cases run each start in a fresh process, since Inductor keeps what i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 import json
 import os
 import shutil
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import cache_faults_util as util
 from glowplug.engine.artifacts import ArtifactStore
@@ -63,11 +65,14 @@ def gguf(tiny_dir, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
 
 
 @pytest.fixture(scope="module")
-def warm(gguf, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def warm(gguf, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A warm cache holding an entry of each of the five caches, and the greedy output of clean starts:
     without a calibrated dispatch table (`default`) and with one (`calibrated`)."""
     src, tiny = gguf
-    util.install_fake_converter(tiny)
+    from glowplug.engine.models import store
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(store, "_convert_gguf", util.fake_converter(tiny))
     cache = tmp_path_factory.mktemp("warm")
     cold = util.start(str(src), cache, CONFIG)
     from glowplug.engine.models.arch import load_arch
@@ -83,7 +88,8 @@ def warm(gguf, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for stage in ("model_prepare", "quantize_weights", "kv_cache_profiling"):
         assert again["attrs"][stage][Attr.CACHE_HIT] is True, stage
     assert all(len(util.entries(cache, c)) == 1 for c in CACHES)
-    return {"cache": cache, "default": cold["tokens"], "calibrated": again["tokens"], "src": src, "tiny": tiny}
+    yield {"cache": cache, "default": cold["tokens"], "calibrated": again["tokens"], "src": src, "tiny": tiny}
+    patch.undo()
 
 
 def _copy(warm: dict[str, Any], tmp_path: Path) -> Path:
@@ -98,8 +104,12 @@ def _corrupt_events(res: dict[str, Any], cache: str) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("damage", util.DAMAGES)
 @pytest.mark.parametrize("cache_name", CACHES)
-def test_damaged_entry_is_a_miss_rebuilt_and_reported(warm, tmp_path: Path, cache_name: str, damage: str) -> None:
-    util.install_fake_converter(warm["tiny"])
+def test_damaged_entry_is_a_miss_rebuilt_and_reported(
+    warm, tmp_path: Path, cache_name: str, damage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from glowplug.engine.models import store
+
+    monkeypatch.setattr(store, "_convert_gguf", util.fake_converter(warm["tiny"]))
     cache = _copy(warm, tmp_path)
     (entry,) = util.entries(cache, cache_name)
     if damage == "garbage_manifest":
@@ -203,8 +213,8 @@ def warm_compiled(tiny_dir, tmp_path_factory: pytest.TempPathFactory) -> dict[st
 @pytest.mark.parametrize("damage", [*util.DAMAGES, "two_writers", "truncated_unverified"])
 def test_compile_cache_faults_reach_ready(warm_compiled, tmp_path: Path, damage: str) -> None:
     """truncated_unverified: the kernels are truncated in an Inductor folder with no manifest (an older glowplug's,
-    or one whose manifest was deleted), so nothing catches it before Inductor: the compile fails
-    (CppCompileError) and is retried once in a fresh folder."""
+    or one whose manifest was deleted), so nothing catches them before Inductor, which hits its graph cache and
+    then compiles the kernels it cannot load again: the start books that as a miss and reports it."""
     model = warm_compiled["model"]
     if damage == "two_writers":
         cache = tmp_path / "cache"
@@ -217,8 +227,20 @@ def test_compile_cache_faults_reach_ready(warm_compiled, tmp_path: Path, damage:
             assert ArtifactStore(cache).check_entry(entry, by_name(name), mode="full")[1] is None
         assert util.leftovers(cache) == []
         return
-    cache = tmp_path / "cache"
-    shutil.copytree(warm_compiled["cache"], cache, symlinks=True)
+    # Damage the warm cache where it was written, and put it back afterwards: Inductor keys compiled kernels by
+    # their build command, which names the cache folder, so in a copy the damaged kernels would never be read.
+    cache = warm_compiled["cache"]
+    pristine = tmp_path / "pristine"
+    shutil.copytree(cache, pristine, symlinks=True)
+    try:
+        _damage_compile_cache_and_start(warm_compiled, cache, damage)
+    finally:
+        shutil.rmtree(cache)
+        shutil.copytree(pristine, cache, symlinks=True)
+
+
+def _damage_compile_cache_and_start(warm_compiled: dict[str, Any], cache: Path, damage: str) -> None:
+    model = warm_compiled["model"]
     (index,) = util.entries(cache, "compile")
     (ws,) = util.entries(cache, "inductor")
     if damage == "garbage_manifest":
@@ -248,9 +270,47 @@ def test_compile_cache_faults_reach_ready(warm_compiled, tmp_path: Path, damage:
     assert all(e[Attr.CACHE_PATH] and e[Attr.CACHE_REASON] for e in events)
     if damage == "truncated_unverified":
         (ev,) = events
-        assert ev["stage"] == "graph_compile" and "compile failed with these cached artifacts" in ev[Attr.CACHE_REASON]
+        assert ev["stage"] == "graph_compile" and "Inductor rebuilt" in ev[Attr.CACHE_REASON]
+        assert res["attrs"]["graph_compile"][Attr.CACHE_HIT] is False
         assert any(n.startswith("cache_corrupt (inductor)") for n in res["notes"]["graph_compile_general_shape"])
     else:
         assert any(n.startswith("cache_corrupt (") for n in res["notes"]["dynamo_transform_time"])
     (ws,) = util.entries(cache, "inductor")
     assert ArtifactStore(cache).check_entry(ws, by_name("inductor"), mode="full")[1] is None
+
+
+def test_failed_compile_is_retried_once_in_a_fresh_inductor_folder(tiny_dir, tmp_path: Path) -> None:
+    """A compile that fails with the cached artifacts is retried cold in a new folder (the old one quarantined,
+    one cache_corrupt event); a second failure is a real compile error and is raised."""
+    from glowplug.engine.compile import InductorSettings
+    from glowplug.engine.compile_cache import open_compile_cache
+    from glowplug.engine.config import EngineConfig
+    from glowplug.engine.models.arch import load_arch
+    from glowplug.profiling.tracing import setup_tracing
+
+    tracing = setup_tracing(in_memory=True)
+    model = tiny_dir("llama")
+    args = (EngineConfig.from_flat(model=str(model)), load_arch(model), torch.float32, "cpu", InductorSettings())
+    cache = open_compile_cache(tmp_path, *args)
+    (cache.path / "stale.so").write_bytes(b"not a library")
+    calls: list[Path] = []
+
+    def flaky() -> str:
+        calls.append(cache.path)
+        if len(calls) == 1:
+            raise RuntimeError("CppCompileError: cannot load stale.so")
+        return "compiled"
+
+    with tracing.provider.get_tracer("test").start_as_current_span("glowplug.startup.graph_compile"):
+        assert cache.run(flaky) == "compiled"
+    assert len(calls) == 2 and not (cache.path / "stale.so").exists()
+    (span,) = [s for s in tracing.finished_spans() if s.name == "glowplug.startup.graph_compile"]
+    (ev,) = [e for e in span.events if e.name == "cache_corrupt"]
+    assert "compile failed with these cached artifacts" in ev.attributes[Attr.CACHE_REASON]
+    assert list((tmp_path / ".quarantine").iterdir()), "the old folder is kept aside, not deleted"
+
+    def broken() -> str:
+        raise RuntimeError("a real compile error")
+
+    with pytest.raises(RuntimeError, match="a real compile error"):
+        open_compile_cache(tmp_path, *args).run(broken)

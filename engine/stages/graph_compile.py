@@ -21,6 +21,7 @@ class GraphCompile:
         hits0, misses0 = inductor_cache_counts()
         compiled = cache.run(backend.compile_pending)  # retried once in a fresh Inductor cache if it fails
         hits, misses = (a - b for a, b in zip(inductor_cache_counts(), (hits0, misses0)))
+        rebuilt = cache.explain_rebuilt(hits, misses)
         hit = cache.served_from_cache(hits, misses)
         attrs: dict[str, object] = {
             Attr.CACHE_HIT: hit,
@@ -31,7 +32,8 @@ class GraphCompile:
             "glowplug.compile_cache_dir": str(cache.path),
         }
         if not hit:
-            attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason or f"{misses} graph(s) not in the Inductor cache"
+            attrs[Attr.CACHE_MISS_REASON] = (cache.miss_reason or rebuilt
+                                             or f"{misses} graph(s) not in the Inductor cache")  # fmt: skip
         return StageReport(
             attributes=attrs, row=Row.GRAPH_COMPILE_CACHED if hit else Row.GRAPH_COMPILE_GENERAL_SHAPE
         )

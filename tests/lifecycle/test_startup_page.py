@@ -27,6 +27,7 @@ PIPELINE = (
     "load_weights",
     "quantize_weights",
     "model_init",
+    "native_kernels",
     "dynamo_transform",
     "graph_compile",
     "kv_cache_profiling",

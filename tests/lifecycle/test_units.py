@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from glowplug.lifecycle.config import ServeConfig, add_serve_flags, serve_config_from_args
@@ -129,3 +132,15 @@ def test_serve_flags_map_onto_the_config() -> None:
 )
 def test_param_paths_name_what_the_user_wrote(loc: tuple, want: str | None) -> None:
     assert param_path(loc) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_an_sse_event_is_one_line_for_any_line_splitter(text: str) -> None:
+    """Generated text can hold U+2028, U+0085 and the like: an event must still be one `data:` line to splitters
+    that cut on them (httpx's iter_lines uses str.splitlines), and its JSON must give the text back."""
+    from glowplug.lifecycle.responses import sse
+
+    lines = sse({"text": text}).decode().splitlines()
+    assert lines[1:] == [""] and lines[0].startswith("data: ")
+    assert json.loads(lines[0][6:]) == {"text": text}
