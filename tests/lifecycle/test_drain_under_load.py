@@ -92,7 +92,12 @@ def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> 
             drains = [s for s in spans if s.name == DRAIN_SPAN]
             assert len(drains) == 1, [s.name for s in spans]
             attrs = drains[0].attributes
-            assert attrs[DrainAttr.IN_FLIGHT] >= len(in_flight) - 2  # a short one may end before the signal lands
+            # A short stream may end between the alive check and the signal landing, so the count taken before the
+            # signal is an upper bound; streams whose final chunk arrived after the drain span began were certainly
+            # in flight when it began (one chunk per stream may still be on the wire: a tolerance of 2).
+            still_running = [r for r in readers if r.last_chunk_ns > drains[0].start_ns]
+            assert len(still_running) - 2 <= attrs[DrainAttr.IN_FLIGHT] <= len(in_flight)
+            assert len(still_running) >= len(aborted)
             assert attrs[DrainAttr.ABORTED] == len(aborted)
             assert attrs[DrainAttr.FINISHED] + attrs[DrainAttr.ABORTED] == attrs[DrainAttr.IN_FLIGHT]
             assert attrs[DrainAttr.CLEAN] is False and attrs[DrainAttr.TIMEOUT_S] == DRAIN_S

@@ -29,6 +29,7 @@ class StreamReader(threading.Thread):
         self.chunks: list[dict] = []
         self.done_marker = False
         self.error: BaseException | None = None
+        self.last_chunk_ns = 0  # wall clock (epoch ns, as OTLP spans carry) of the last JSON chunk
 
     def run(self) -> None:
         try:
@@ -41,6 +42,7 @@ class StreamReader(threading.Thread):
                             self.done_marker = True
                             continue
                         self.chunks.append(json.loads(line[6:]))
+                        self.last_chunk_ns = time.time_ns()
                         self.first.set()
         except BaseException as exc:
             self.error = exc
