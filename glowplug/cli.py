@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_flags(srv.add_argument_group("serving (one flag per ServeConfig field)"))
     srv.set_defaults(func=cmd_serve)
 
-    bench = sub.add_parser("bench", help="Benchmarks whose reports go to reports/.")
+    bench = sub.add_parser("bench", help="Benchmarks; reports go where --out/--out-dir says (default: ./<command>/).")
     bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
     from glowplug.profiling.bench.decode import DecodeBenchConfig
 

@@ -47,7 +47,8 @@ class LatencyBenchConfig(BenchEngineFields):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 disables.")
     repetition_penalty: float = Field(1.0, gt=0.0)
-    out_dir: Path = Field(Path("reports/latency"), description="Where latency.md/.json/.png go.")
+    # Under the working directory, named after the command: never the checkout's reports/ unless asked.
+    out_dir: Path = Field(Path("latency"), description="Where latency.md/.json/.png go.")
     plots: bool = True
 
     @model_validator(mode="after")

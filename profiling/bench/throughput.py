@@ -50,7 +50,8 @@ class ThroughputBenchConfig(BenchEngineFields):
     )  # type: ignore[assignment]
     runs: int = Field(3, ge=1, description="Timed runs per (scheme, configuration).")
     warmups: int = Field(0, ge=0, description="Untimed runs before them (start-up already ran a warm-up).")
-    out_dir: Path = Field(Path("reports/throughput"), description="Where results.jsonl, summary.md, .png go.")
+    # Under the working directory, named after the command: never the checkout's reports/ unless asked.
+    out_dir: Path = Field(Path("throughput"), description="Where results.jsonl, summary.md, .png go.")
     plots: bool = True
 
     @model_validator(mode="after")

@@ -11,7 +11,10 @@ KV blocks, token capacity and max concurrency (how many full-length sequences fi
              (the budget is budget_bytes; blocks = budget // (bytes/token x block size)), so the prediction is
              the engine's own arithmetic, not a copy of it.
   phases     copied from that start: no stage here does work that scales with max-model-len (the profiling pass
-             runs max-num-batched-tokens tokens; the cache size follows the budget, not L).
+             runs max-num-batched-tokens tokens; the cache size follows the budget, not L). The KV profile is an
+             artifact keyed without max-model-len (engine/stages/kv_cache_profiling.py), so a sweep profiles once,
+             at its first length on a cold cache, and hits at every other length: the plan claims no re-profile.
+             No phase plot is drawn for a plan: its columns are copies of one start (identical bars).
   failures   a length the sizing rejects (over the model's limit, or one sequence does not fit) says why, as the
              engine would at start-up.
 --min-concurrency K recommends the largest length whose max concurrency is >= K and prints the flags to use.
@@ -49,7 +52,9 @@ class TuneMaxModelLenConfig(BenchEngineFields):
     plan: bool = Field(False, description="Predict from one start-up instead of one start-up per length.")
     cache_dir: Path | None = Field(None, description="GLOWPLUG_CACHE_DIR for the starts; unset = the environment's.")
     timeout_s: float = Field(900.0, gt=0, description="Per start-up.")
-    out_dir: Path = Field(Path("reports/tune-max-model-len"), description="Where tune.md/.json/.png go.")
+    # Relative to the working directory and named after the command, so running it from a checkout never
+    # rewrites the committed reports/ unless --out-dir says so.
+    out_dir: Path = Field(Path("tune-max-model-len"), description="Where tune.md/.json/.png go.")
     plots: bool = True
 
     @model_validator(mode="after")
@@ -294,7 +299,9 @@ def render_markdown(result: TuneResult, argv: list[str] | None = None) -> str:
             how += f" and {result.bytes_per_token:,} bytes/token"
         how += (
             f" (blocks = budget // (bytes/token x {cfg.block_size})). Phases: copied from that start, since no stage's "
-            f"work depends on max-model-len. The model allows {result.limit} positions."
+            "work depends on max-model-len; in particular the KV profile is keyed without max-model-len, so a sweep "
+            "profiles once (its first length, on a cold cache) and hits at every other length. "
+            f"The model allows {result.limit} positions."
         )
         parts.append(how)
     parts += ["", render_table(result), ""]
@@ -343,7 +350,8 @@ def write_reports(result: TuneResult, argv: list[str] | None = None) -> list[Pat
     write_json(js, result_dict(result))
     written = [md, js]
     ok = [c for c in result.columns if c.ok]
-    if result.config.plots and ok:
+    # A plan's phase columns are copies of one start: a stacked plot of them would be identical bars.
+    if result.config.plots and ok and result.mode == "sweep":
         from .plots import plot_phase_stack
 
         leaves = list(dict.fromkeys(n for c in ok for n in c.leaves))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from conftest import assert_no_blank_or_nan, markdown_cells
 
 from glowplug.profiling.bench.tune import (
@@ -57,3 +59,24 @@ def test_plan_matches_sweep(tiny_model: str, tmp_path: Path) -> None:
     assert data["recommendation"]["max_model_len"] == 128
     assert [c["max_model_len"] for c in data["columns"]] == [128, 256]
     assert (tmp_path / "sweep" / "tune_phases.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_writes_only_under_its_own_folder_in_the_cwd(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`glowplug tune max-model-len --plan` from some cwd writes ./tune-max-model-len/ and nothing else (it used to
+    write ./reports/, i.e. the checkout's committed reports), and draws no plot of identical copied bars."""
+    from glowplug.cli import main
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    argv = ["tune", "max-model-len", tiny_model, "--plan", "--max-model-len", "128", "256",
+            "--kv-cache-memory", str(BUDGET), "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    assert main(argv) == 0
+    written = sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*") if p.is_file())
+    assert written and all(p.startswith("tune-max-model-len/") for p in written), written
+    assert "tune-max-model-len/tune-plan.md" in written
+    assert not any(p.endswith("_phases.png") for p in written)
+    md = (cwd / "tune-max-model-len" / "tune-plan.md").read_text()
+    assert "profiles once" in md

@@ -73,7 +73,8 @@ class ServeBenchConfig(BenchEngineFields):
     fuzz: bool = Field(False, description="schemathesis against the server's OpenAPI document.")
     fuzz_cases: int = Field(500, ge=1, description="Generated cases per fuzzed endpoint.")
     # ---- output
-    out_dir: Path = Field(Path("reports/serve"), description="Where the JSON, Markdown and PNG go.")
+    # Under the working directory, named after the command: never the checkout's reports/ unless asked.
+    out_dir: Path = Field(Path("serve"), description="Where the JSON, Markdown and PNG go.")
     plots: bool = True
 
     @model_validator(mode="after")
