@@ -68,21 +68,32 @@ def plot_latency_vs_batch(
 
 
 def plot_ranking(
-    groups: Mapping[str, Sequence[tuple[str, float, float]]], path: Path, *, xlabel: str = "output tokens/s"
+    groups: Mapping[str, Sequence[tuple[str, float, float]]],
+    path: Path,
+    *,
+    xlabel: str = "output tokens/s",
+    title: str | None = None,
 ) -> Path:
-    """One horizontal bar panel per group (config -> [(variant, mean, std)]), best at the top."""
+    """One horizontal bar panel per group (config -> [(variant, mean, std)]), best at the top. A std of 0 draws no
+    error bar (a single run has no spread to show, and a zero-width bar would claim one)."""
     n = max(len(groups), 1)
     cols = min(n, 2)
     rows = -(-n // cols)
-    fig = _figure(6.0 * cols, 0.6 + 0.9 * rows * max((len(v) for v in groups.values()), default=1))
-    for i, (title, entries) in enumerate(groups.items()):
+    fig = _figure(6.0 * cols, 1.0 + 0.9 * rows * max((len(v) for v in groups.values()), default=1))
+    if title:
+        fig.suptitle(title, fontsize=10)
+    for i, (panel, entries) in enumerate(groups.items()):
         ax = fig.add_subplot(rows, cols, i + 1)
         ranked = sorted(entries, key=lambda e: e[1])  # barh draws bottom-up: the best ends on top
-        ys = range(len(ranked))
-        ax.barh(list(ys), [e[1] for e in ranked], xerr=[e[2] for e in ranked], color=COLORS[0], capsize=3)
-        ax.set_yticks(list(ys), [e[0] for e in ranked], fontsize=8)
+        ys = list(range(len(ranked)))
+        ax.barh(ys, [e[1] for e in ranked], color=COLORS[0])
+        spread = [(y, e) for y, e in zip(ys, ranked) if e[2] > 0]
+        if spread:
+            ax.errorbar([e[1] for _, e in spread], [y for y, _ in spread], xerr=[e[2] for _, e in spread],
+                        fmt="none", ecolor="black", capsize=3)  # fmt: skip
+        ax.set_yticks(ys, [e[0] for e in ranked], fontsize=8)
         ax.set_xlabel(xlabel)
-        ax.set_title(title, fontsize=9)
+        ax.set_title(panel, fontsize=9)
         ax.grid(True, axis="x", alpha=0.3)
     return _save(fig, path)
 

@@ -5,7 +5,12 @@ A run is one batch of `batch` prompts of `input` tokens, each generating exactly
   latency             requests added -> last sequence finished (seconds)
   input throughput    prompt tokens / prefill time (requests added -> every sequence has its first token);
                       seed 002 printed 0.00 here for every run because it never measured the prefill
-  output throughput   generated tokens / latency            overall throughput  (prompt + generated) / latency
+  output throughput   seed 002's definition: output tokens / decode time, prefill excluded (its prefill_bound
+                      row is 32 tokens over the decode seconds, not over the end-to-end latency)
+  e2e output tput     glowplug's own column: output tokens / latency (prefill included)
+  overall throughput  (prompt + output tokens) / latency
+Each table states the engine's resolved dtype and compile mode; a scheme is compared with `none` only at the same
+dtype and compile mode (else the ratio would mix the activation dtype into the quantization effect).
 A configuration longer than the model allows keeps its output length and has its input clipped to fit, with a
 note. The engine uses its default chunked-prefill scheduling (step token budget: max(2048, longest input)), so a
 large batch is prefilled over several steps, as a server would. Prefix caching is off so that every run prefills.
@@ -96,8 +101,11 @@ class RunRecord:
     prompt_tokens: int | None = None
     generated_tokens: int | None = None
     input_throughput: float | None = None
-    output_throughput: float | None = None
+    output_throughput: float | None = None  # seed 002: output tokens / decode time (prefill excluded)
     overall_throughput: float | None = None
+    e2e_output_throughput: float | None = None  # glowplug's own: output tokens / end-to-end latency
+    dtype: str | None = None  # the engine's resolved model dtype
+    compile: str | None = None  # "on" when the decode step ran as a compiled graph, else "off"
 
 
 def resolve_shapes(names: tuple[str, ...], limit: int) -> list[Shape]:
@@ -130,7 +138,14 @@ def engine_fields(cfg: ThroughputBenchConfig, quant: str, shapes: list[Shape]) -
     )
 
 
-def _record(quant: str, shape: Shape, i: int, t: Any) -> RunRecord:
+def seed_output_throughput(generated_tokens: int, decode_s: float) -> float | None:
+    """Seed 002's Output Throughput: output tokens over the decode time (prefill excluded); None when the run had
+    no decode phase to divide by (one output token per sequence)."""
+    return generated_tokens / decode_s if decode_s > 0 else None
+
+
+def _record(quant: str, shape: Shape, i: int, t: Any, dtype: str | None = None, compile: str | None = None
+            ) -> RunRecord:
     return RunRecord(
         run_id=f"{quant}_{shape.name}_run{i}",
         status="ok",
@@ -146,8 +161,11 @@ def _record(quant: str, shape: Shape, i: int, t: Any) -> RunRecord:
         prompt_tokens=t.prompt_tokens,
         generated_tokens=t.generated_tokens,
         input_throughput=t.prompt_tokens / t.prefill_s,
-        output_throughput=t.generated_tokens / t.latency_s,
+        output_throughput=seed_output_throughput(t.generated_tokens, t.decode_s),
         overall_throughput=(t.prompt_tokens + t.generated_tokens) / t.latency_s,
+        e2e_output_throughput=t.generated_tokens / t.latency_s,
+        dtype=dtype,
+        compile=compile,
     )
 
 
@@ -209,13 +227,15 @@ def run_throughput_bench(
                 results.add(_skipped(quant, shape, reason))
                 continue
             params = SamplingParams(temperature=0.0, max_tokens=shape.output_len, ignore_eos=True)
+            dtype = str(llm.startup.context.dtype).removeprefix("torch.")
+            mode = "on" if llm.engine.runner.decode_fn is not None else "off"
             prompts = make_prompts(llm.tokenizer, shape.batch, shape.input_len)
             try:
                 for _ in range(cfg.warmups):
                     time_batch(llm.engine, prompts, params)
                 for i in range(1, cfg.runs + 1):
                     say(f"[{quant}] {shape.name}: run {i}/{cfg.runs}")
-                    results.add(_record(quant, shape, i, time_batch(llm.engine, prompts, params)))
+                    results.add(_record(quant, shape, i, time_batch(llm.engine, prompts, params), dtype, mode))
             except Exception as exc:  # a scheme still being wired may fail mid-run: the table says how
                 for req_id in list(llm.engine.requests):
                     llm.engine.abort(req_id)
@@ -232,6 +252,14 @@ METRICS = (
     ("output_throughput", "Output Throughput (tok/s)"),
     ("overall_throughput", "Overall Throughput (tok/s)"),
     ("input_throughput", "Input Throughput (tok/s)"),
+    ("e2e_output_throughput", "glowplug E2E Output Throughput (tok/s)"),
+)
+# One line under every table: the seed's columns under the seed's definitions, glowplug's own column named apart.
+DEFINITIONS = (
+    "Latency: requests added -> last sequence finished. Output Throughput (seed 002's definition): output tokens / "
+    "decode time, prefill excluded. Overall Throughput: (prompt + output tokens) / latency. Input Throughput: "
+    "prompt tokens / prefill time. glowplug E2E Output Throughput (not in the seed): output tokens / latency. "
+    "Mean ± sample std over the runs; a single run is marked n=1."
 )
 RANK_METRIC = "output_throughput"
 
@@ -243,6 +271,8 @@ class VariantSummary:
     runs: int
     stats: dict[str, tuple[float, float]]  # metric -> (mean, std)
     reason: str | None = None
+    dtype: str | None = None
+    compile: str | None = None
 
 
 def summarize_runs(shapes: list[Shape], records: list[RunRecord], quants: tuple[str, ...]) -> list[VariantSummary]:
@@ -251,19 +281,34 @@ def summarize_runs(shapes: list[Shape], records: list[RunRecord], quants: tuple[
         for quant in quants:
             ok = [r for r in records if r.config == shape.name and r.quantization == quant and r.status == "ok"]
             skipped = [r for r in records if r.config == shape.name and r.quantization == quant and r.status != "ok"]
-            stats = {m: mean_std(getattr(r, m) for r in ok) for m, _ in METRICS} if ok else {}
+            stats = {}
+            for m, _ in METRICS:
+                values = [getattr(r, m) for r in ok if getattr(r, m) is not None]
+                if values:
+                    stats[m] = mean_std(values)
             reason = None if ok else (skipped[0].reason if skipped else "not run")
-            out.append(VariantSummary(shape.name, quant, len(ok), stats, reason))
+            dtype = ok[0].dtype if ok else None
+            mode = ok[0].compile if ok else None
+            out.append(VariantSummary(shape.name, quant, len(ok), stats, reason, dtype, mode))
     return out
 
 
 def ranking(summaries: list[VariantSummary], config: str) -> list[VariantSummary]:
-    ran = [s for s in summaries if s.config == config and s.stats]
+    ran = [s for s in summaries if s.config == config and RANK_METRIC in s.stats]
     return sorted(ran, key=lambda s: s.stats[RANK_METRIC][0], reverse=True)
 
 
-def _pm(stat: tuple[float, float], digits: int) -> str:
+def mean_pm(stat: tuple[float, float], runs: int, digits: int = 2) -> str:
+    """"mean ± std", or "value (n=1)" for one run: a spread of one sample is unknown, not zero."""
+    if runs == 1:
+        return f"{fmt_num(stat[0], digits)} (n=1)"
     return f"{fmt_num(stat[0], digits)} ± {fmt_num(stat[1], digits)}"
+
+
+def baseline_for(s: VariantSummary, ranked: list[VariantSummary]) -> VariantSummary | None:
+    """The unquantized run at the same dtype and compile mode as `s` (None when there is none to compare with)."""
+    return next((b for b in ranked if b.quantization == "none" and (b.dtype, b.compile) == (s.dtype, s.compile)),
+                None)  # fmt: skip
 
 
 def render_markdown(
@@ -275,7 +320,8 @@ def render_markdown(
     parts = [
         report_header("Throughput benchmark", argv),
         f"Model `{cfg.model}`, {cfg.runs} timed run(s) per configuration and scheme, {cfg.warmups} warm-up(s), "
-        f"greedy, EOS ignored. Values are mean ± sample std over runs. Raw runs: `results.jsonl`.",
+        f"greedy, EOS ignored, requested dtype `{cfg.dtype}`, compile `{cfg.compile}` (each row shows what the "
+        "engine resolved them to). Values are mean ± sample std over runs. Raw runs: `results.jsonl`.",
         "",
     ]
     for shape in shapes:
@@ -285,34 +331,48 @@ def render_markdown(
         rows: list[list[Cell]] = []
         for s in (x for x in summaries if x.config == shape.name):
             if not s.stats:
-                rows.append([f"`{s.quantization}`", 0, *[Missing(s.reason or "not run")] * len(METRICS)])
+                why = Missing(s.reason or "not run")
+                rows.append([f"`{s.quantization}`", why, why, 0, *[why] * len(METRICS)])
                 continue
-            stats = [_pm(s.stats[m], 3 if m == "latency_s" else 2) for m, _ in METRICS]
-            rows.append([f"`{s.quantization}`", s.runs, *stats])
-        parts += [markdown_table(["Scheme", "Runs", *(h for _, h in METRICS)], rows), ""]
+            stats: list[Cell] = [
+                mean_pm(s.stats[m], s.runs, 3 if m == "latency_s" else 2) if m in s.stats
+                else Missing("no decode phase: one output token") for m, _ in METRICS
+            ]  # fmt: skip
+            rows.append([f"`{s.quantization}`", s.dtype or "?", s.compile or "?", s.runs, *stats])
+        head = ["Scheme", "dtype", "compile", "Runs", *(h for _, h in METRICS)]
+        parts += [markdown_table(head, rows), "", DEFINITIONS, ""]
         runs = [r for r in records if r.config == shape.name and r.status == "ok"]
         if runs:
             detail: list[list[Cell]] = [
                 [f"`{r.run_id}`", fmt_num(r.latency_s or 0, 3), fmt_num(r.prefill_s or 0, 3),
-                 fmt_num(r.output_throughput or 0), fmt_num(r.overall_throughput or 0),
-                 fmt_num(r.input_throughput or 0)]
+                 fmt_num(r.decode_s or 0, 3),
+                 fmt_num(r.output_throughput) if r.output_throughput is not None else Missing("no decode phase"),
+                 fmt_num(r.overall_throughput or 0), fmt_num(r.input_throughput or 0),
+                 fmt_num(r.e2e_output_throughput or 0)]
                 for r in runs
             ]  # fmt: skip
-            head = ["Run", "Latency (s)", "Prefill (s)", "Output (tok/s)", "Overall (tok/s)", "Input (tok/s)"]
+            head = ["Run", "Latency (s)", "Prefill (s)", "Decode (s)", "Output (tok/s)", "Overall (tok/s)",
+                    "Input (tok/s)", "E2E Output (tok/s)"]  # fmt: skip
             table = markdown_table(head, detail)
             parts += ["<details><summary>Individual runs</summary>", "", table, "", "</details>", ""]
-    parts += ["## Ranking by output throughput", ""]
+    parts += ["## Ranking by output throughput", "",
+              "Output Throughput as seed 002 defines it (decode time, prefill excluded). A scheme is compared with "
+              "`none` at the same dtype and compile mode only.", ""]  # fmt: skip
     for shape in shapes:
         ranked = ranking(summaries, shape.name)
         parts += [f"### {shape.name} ({shape.title})", ""]
         if not ranked:
             parts += ["No scheme ran this configuration (see its table for why).", ""]
             continue
-        base = next((s for s in ranked if s.quantization == "none"), None)
         for i, s in enumerate(ranked, 1):
-            mean, std = s.stats[RANK_METRIC]
-            vs = f" ({mean / base.stats[RANK_METRIC][0]:.2f}x vs none)" if base is not None and s is not base else ""
-            parts.append(f"{i}. **{s.quantization}**: {fmt_num(mean)} ± {fmt_num(std)} tok/s{vs}")
+            mean = s.stats[RANK_METRIC][0]
+            base = baseline_for(s, ranked)
+            vs = ""
+            if s.quantization != "none":
+                vs = (f" ({mean / base.stats[RANK_METRIC][0]:.2f}x vs none at {s.dtype}, compile {s.compile})"
+                      if base is not None else f" (no `none` run at {s.dtype}, compile {s.compile} to compare with)")
+            parts.append(f"{i}. **{s.quantization}** ({s.dtype}, compile {s.compile}): "
+                         f"{mean_pm(s.stats[RANK_METRIC], s.runs)} tok/s{vs}")  # fmt: skip
         parts.append("")
     return "\n".join(parts)
 
@@ -331,11 +391,22 @@ def write_reports(
     if cfg.plots:
         from .plots import plot_ranking
 
+        # One run has no spread: its bar gets no error bar rather than a zero-width one.
         groups = {
-            f"{s.name} ({s.title})": [(v.quantization, *v.stats[RANK_METRIC]) for v in ranking(summaries, s.name)]
+            f"{s.name} ({s.title})": [
+                (f"{v.quantization} (n={v.runs})", v.stats[RANK_METRIC][0], v.stats[RANK_METRIC][1] if v.runs > 1 else 0.0)
+                for v in ranking(summaries, s.name)
+            ]
             for s in shapes
         }
-        written.append(plot_ranking({k: v for k, v in groups.items() if v}, out / "ranking.png"))
+        groups = {k: v for k, v in groups.items() if v}
+        if groups:
+            dtypes = sorted({f"{v.dtype}, compile {v.compile}" for v in summaries if v.stats})
+            written.append(plot_ranking(
+                groups, out / "ranking.png",
+                xlabel="Output Throughput, tok/s (seed 002: output tokens / decode time, prefill excluded)",
+                title=f"Throughput per configuration ({'; '.join(dtypes)}); error bars: ± sample std over runs",
+            ))  # fmt: skip
     return written
 
 

@@ -12,6 +12,9 @@ from conftest import assert_no_blank_or_nan
 from glowplug.profiling.bench import timing
 from glowplug.profiling.bench.throughput import (
     ThroughputBenchConfig,
+    RunRecord,
+    Shape,
+    mean_pm,
     ranking,
     render_markdown,
     resolve_shapes,
@@ -60,7 +63,11 @@ def test_throughput_runs(tiny_model: str, tmp_path: Path, monkeypatch: pytest.Mo
         assert ln["input_throughput"] == pytest.approx(ln["prompt_tokens"] / ln["prefill_s"])
         assert ln["generated_tokens"] == ln["batch_size"] * ln["output_len"]
         assert ln["latency_s"] == pytest.approx(ln["prefill_s"] + ln["decode_s"])
-        assert ln["overall_throughput"] > ln["output_throughput"] > 0
+        assert ln["overall_throughput"] > ln["e2e_output_throughput"] > 0
+        # seed 002's Output Throughput: output tokens over the decode time only (prefill excluded)
+        assert ln["output_throughput"] == pytest.approx(ln["generated_tokens"] / ln["decode_s"])
+        assert ln["output_throughput"] > ln["e2e_output_throughput"]
+        assert ln["dtype"] and ln["compile"] in ("on", "off")
     skipped = {ln["run_id"]: ln["reason"] for ln in lines if ln["status"] == "skipped"}
     assert skipped["none_high_concurrency"] == "KV cache: needs 1024 blocks, has 200"
     assert all("int4 is not wired" in skipped[f"int4_{c}"] for c in ("interactive", "long_context", "high_concurrency"))
@@ -77,3 +84,40 @@ def test_throughput_runs(tiny_model: str, tmp_path: Path, monkeypatch: pytest.Mo
     assert "## Ranking by output throughput" in md and "1. **none**" in md
     paths = write_reports(cfg, shapes, records, ["bench", "throughput"])
     assert (tmp_path / "ranking.png") in paths and (tmp_path / "summary.md").is_file()
+
+
+def _synthetic(quant: str, i: int, prefill_s: float, decode_s: float, dtype: str = "bfloat16") -> RunRecord:
+    from glowplug.profiling.bench.throughput import _record
+    from glowplug.profiling.bench.timing import BatchTiming
+
+    t = BatchTiming(batch=1, prompt_tokens=2048, generated_tokens=32, prefill_s=prefill_s, decode_s=decode_s,
+                    prefill_steps=1, decode_step_s=())  # fmt: skip
+    return _record(quant, Shape("prefill_bound", 1, 2048, 32), i, t, dtype, "off")
+
+
+def test_seed_002_output_throughput_excludes_prefill() -> None:
+    """Seed 002 divides the output tokens by the decode time: 32 tokens, 4 s prefill + 2 s decode -> 16 tok/s, not
+    32 / 6 s (glowplug's end-to-end figure, kept as its own column)."""
+    r = _synthetic("none", 1, prefill_s=4.0, decode_s=2.0)
+    assert r.output_throughput == pytest.approx(16.0)
+    assert r.e2e_output_throughput == pytest.approx(32 / 6.0)
+    assert r.input_throughput == pytest.approx(2048 / 4.0)
+    assert r.overall_throughput == pytest.approx((2048 + 32) / 6.0)
+    assert _synthetic("none", 1, prefill_s=4.0, decode_s=0.0).output_throughput is None  # no decode phase
+
+
+def test_single_run_is_marked_n1_never_pm_zero() -> None:
+    assert mean_pm((5.0, 0.0), 1) == "5.00 (n=1)"
+    assert mean_pm((5.0, 0.25), 3) == "5.00 ± 0.25"
+    shapes = [Shape("prefill_bound", 1, 2048, 32)]
+    records = [_synthetic("none", 1, 4.0, 2.0), _synthetic("int8", 1, 3.0, 1.0),
+               _synthetic("int4", 1, 3.0, 1.0, dtype="float32")]  # fmt: skip
+    cfg = ThroughputBenchConfig(quantization=("none", "int8", "int4"), configs=("prefill_bound",), runs=1)
+    md = render_markdown(cfg, shapes, records, ["bench", "throughput"])
+    assert "± 0.00" not in md and "16.00 (n=1)" in md
+    assert "| `none` | bfloat16 | off | 1 |" in md
+    assert "Output Throughput (seed 002's definition): output tokens / decode time, prefill excluded" in md
+    assert "glowplug E2E Output Throughput (tok/s)" in md
+    # quantization is compared with none at the same dtype and compile mode, never across dtypes
+    assert "**int8** (bfloat16, compile off): 32.00 (n=1) tok/s (2.00x vs none at bfloat16, compile off)" in md
+    assert "**int4** (float32, compile off): 32.00 (n=1) tok/s (no `none` run at float32, compile off" in md
