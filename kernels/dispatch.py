@@ -31,7 +31,9 @@ from .triton import ops as triton_ops
 
 TABLE_VERSION = 1
 DEFAULT_MS: tuple[int, ...] = (1, 4, 16, 64, 256)
-DEFAULT_FORMATS: tuple[str, ...] = ("int8", "int8-g128", "int4-g128", "int2-g128", "w8a8")
+# Every format and group the engine quantizes to: int4-g32 is the default model's (the 32-weight blocks of its
+# Q4 GGUF source); the -g128 specs become g64 on K=576 layers (fit_spec), as the engine's layers do.
+DEFAULT_FORMATS: tuple[str, ...] = ("int8", "int8-g128", "int4-g32", "int4-g128", "int2-g128", "w8a8")
 
 # Packed aten kernels while they are bandwidth-bound, dequant + bf16 GEMM (or one _int_mm) once M makes them
 # compute-bound. (max_m, path); max_m None = any M. Crossovers measured with bench.py on the 2-core AVX-512 box

@@ -155,14 +155,30 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
     return rows
 
 
+def quality(rows: list[AccuracyRow]) -> dict[str, Any]:
+    """The perplexities the speed reports read their quality flags from (see profiling/bench/quality.py)."""
+    from .quality import quality_dict
+
+    ref = rows[0].perplexity  # the bf16 reference row comes first
+    return quality_dict({r.quantization: r.perplexity for r in rows[1:]}, ref)
+
+
 def render_markdown(rows: list[AccuracyRow]) -> str:
+    from .quality import flag_note
+
+    flags = quality(rows)["flags"]
     lines = [
         "| quantization | perplexity | vs bf16 | mean KL (nats) | top-1 agreement | tokens |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        mark = f" {flags[r.quantization]}" if r.quantization in flags else ""
         lines.append(
-            f"| {r.quantization} | {r.perplexity:.3f} | {r.ppl_change_pct:+.2f}% | {r.mean_kl:.4f} "
+            f"| {r.quantization}{mark} | {r.perplexity:.3f} | {r.ppl_change_pct:+.2f}% | {r.mean_kl:.4f} "
             f"| {100 * r.top1_agreement:.1f}% | {r.tokens} |"
         )
+    lines += ["", "All schemes in bfloat16 activations, compile off (eager), against the bf16 model in the same "
+              "dtype and compile mode."]  # fmt: skip
+    if flags:
+        lines += ["", flag_note(flags)]
     return "\n".join(lines) + "\n"

@@ -50,6 +50,7 @@ class DecodeBenchConfig(BaseModel):
     repeats: int = Field(3, ge=1, le=50, description="Timed runs per cell (median and min-max are reported).")
     quantize_lm_head: bool = True
     compare_hf: bool = Field(True, description="Time transformers' fp32 generate on the same prompts.")
+    quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
     out: Path | None = None
 
 
@@ -253,6 +254,9 @@ def _spread(values: list[float], fmt: str) -> str:
 
 
 def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[str] | None) -> str:
+    from .quality import flag_note, load_flags
+
+    flags = load_flags(cfg.quality_from)
     probes = [p for r in rows for p in r.probe_gbps]
     lines = [
         report_header("Decode throughput", argv),
@@ -272,10 +276,10 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
         scale = f"{r.ms / r.batch1_step_ms:.2f}x" if r.batch1_step_ms and r.batch != 1 else ""
         note = f" ({'; '.join(r.notes)})" if r.notes else ""
         lines.append(
-            f"| {r.engine} | {r.compile} | {r.dtype} | {r.quantization} | {r.batch} | {_spread(r.tokens_per_s, '.1f')} "
+            f"| {r.engine} | {r.compile} | {r.dtype} | {r.quantization}{' ' + flags[r.quantization] if r.quantization in flags else ''} | {r.batch} | {_spread(r.tokens_per_s, '.1f')} "
             f"| {_spread(r.step_ms, '.2f')} | {mb} | {share} | {hf} | {scale}{note} |"
         )
-    lines += ["", *[f"- {line}" for line in DEFINITIONS], ""]
+    lines += ["", *[f"- {line}" for line in DEFINITIONS], *([f"- {flag_note(flags)}"] if flags else []), ""]
     return "\n".join(lines)
 
 

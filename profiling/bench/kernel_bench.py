@@ -17,6 +17,8 @@ class KernelBenchConfig(BaseModel):
     ms: tuple[int, ...] = Field((1, 4, 16, 64, 256), min_length=1, description="Tokens in the batch (M).")
     formats: tuple[str, ...] | None = Field(None, description="Format specs (default: all, e.g. int4-g128).")
     repeats: int = Field(10, ge=1, le=1000)
+    native: bool = Field(True, description="Also time glowplug's native kernels (the compiled decode step's).")
+    quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
     out: Path | None = None
 
 
@@ -42,27 +44,47 @@ def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
     # Calibrate first (cached per machine, torch and shapes): the engine's quantized layers then dispatch by the
     # measured winners, and the "chosen" column below shows those picks.
     table = calibrate(shapes, cache_dir_from_env(), repeats=cfg.repeats)
+    from ...kernels.bench import native_available
+    from .quality import flag_note, load_flags
+
+    native, why = native_available(cache_dir_from_env()) if cfg.native else (False, "--no-native")
     rows = bench_kernels(
         shapes, ms=cfg.ms, formats=cfg.formats or DEFAULT_BENCH_FORMATS, repeats=cfg.repeats,
-        dispatcher=Dispatcher(table),
+        dispatcher=Dispatcher(table), native=native,
     )  # fmt: skip
+    flags = load_flags(cfg.quality_from)
     shown = ", ".join(f"{n}x{k}" for n, k in shapes)
+    calibrated = ", ".join(sorted({k.split("/")[1] + "-" + k.split("/")[2] for k in table.measured}))
     return "\n".join(
         [
             report_header("Quantized linear kernels", argv),
             f"Layer shapes (N x K) of `{cfg.model}`: {shown}. Weights rotate through copies larger than the "
-            "last-level cache, as in a real decode step. `*` marks the dispatcher's pick for that M.",
+            "last-level cache, as in a real decode step. `*` marks the dispatcher's pick for that M. bf16 "
+            "activations; each kernel called on its own (no graph). µs: the fastest of "
+            f"{cfg.repeats} calls (preemption only adds time). Dispatcher calibrated for: {calibrated}. "
+            f"native rows (glowplug's kernels, what the compiled decode step runs): "
+            f"{'included' if native else 'not measured: ' + why}.",
             "",
-            render_markdown(rows),
+            render_markdown(rows, flags),
+            "- KiB read: bytes of the layout the path really reads per call (int2 through `aten_int4` reads "
+            "4-bit codes: its 2-bit codes are widened for that kernel); KiB stored: the format's canonical bytes. "
+            "GB/s read = KiB read / µs.",
+            *([f"- {flag_note(flags)}"] if flags else []),
+            "",
         ]
     )
 
 
 def run_accuracy_report(cfg: object, argv: list[str] | None) -> str:
-    from .accuracy import AccuracyConfig, render_markdown, run_accuracy
+    from .accuracy import AccuracyConfig, quality, render_markdown, run_accuracy
+    from .cli_support import write_json
 
     assert isinstance(cfg, AccuracyConfig)
     rows = run_accuracy(cfg)
+    if cfg.out is not None:
+        # The perplexities next to the report: the speed reports flag unusable formats from it (--quality-from).
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        write_json(cfg.out.with_suffix(".json"), quality(rows))
     return "\n".join(
         [
             report_header("Quantization accuracy against bf16", argv),

@@ -55,6 +55,7 @@ class ThroughputBenchConfig(BenchEngineFields):
     )  # type: ignore[assignment]
     runs: int = Field(3, ge=1, description="Timed runs per (scheme, configuration).")
     warmups: int = Field(0, ge=0, description="Untimed runs before them (start-up already ran a warm-up).")
+    quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
     # Under the working directory, named after the command: never the checkout's reports/ unless asked.
     out_dir: Path = Field(Path("throughput"), description="Where results.jsonl, summary.md, .png go.")
     plots: bool = True
@@ -316,6 +317,13 @@ def render_markdown(
 ) -> str:
     from .machine import report_header
 
+    from .quality import flag_note, load_flags
+
+    flags = load_flags(cfg.quality_from)
+
+    def scheme(q: str) -> str:
+        return f"`{q}` {flags[q]}" if q in flags else f"`{q}`"
+
     summaries = summarize_runs(shapes, records, cfg.quantization)
     parts = [
         report_header("Throughput benchmark", argv),
@@ -332,15 +340,17 @@ def render_markdown(
         for s in (x for x in summaries if x.config == shape.name):
             if not s.stats:
                 why = Missing(s.reason or "not run")
-                rows.append([f"`{s.quantization}`", why, why, 0, *[why] * len(METRICS)])
+                rows.append([scheme(s.quantization), why, why, 0, *[why] * len(METRICS)])
                 continue
             stats: list[Cell] = [
                 mean_pm(s.stats[m], s.runs, 3 if m == "latency_s" else 2) if m in s.stats
                 else Missing("no decode phase: one output token") for m, _ in METRICS
             ]  # fmt: skip
-            rows.append([f"`{s.quantization}`", s.dtype or "?", s.compile or "?", s.runs, *stats])
+            rows.append([scheme(s.quantization), s.dtype or "?", s.compile or "?", s.runs, *stats])
         head = ["Scheme", "dtype", "compile", "Runs", *(h for _, h in METRICS)]
         parts += [markdown_table(head, rows), "", DEFINITIONS, ""]
+        if any(s.quantization in flags for s in summaries if s.config == shape.name):
+            parts += [flag_note(flags), ""]
         runs = [r for r in records if r.config == shape.name and r.status == "ok"]
         if runs:
             detail: list[list[Cell]] = [
@@ -371,7 +381,8 @@ def render_markdown(
             if s.quantization != "none":
                 vs = (f" ({mean / base.stats[RANK_METRIC][0]:.2f}x vs none at {s.dtype}, compile {s.compile})"
                       if base is not None else f" (no `none` run at {s.dtype}, compile {s.compile} to compare with)")
-            parts.append(f"{i}. **{s.quantization}** ({s.dtype}, compile {s.compile}): "
+            mark = f" {flags[s.quantization]}" if s.quantization in flags else ""
+            parts.append(f"{i}. **{s.quantization}**{mark} ({s.dtype}, compile {s.compile}): "
                          f"{mean_pm(s.stats[RANK_METRIC], s.runs)} tok/s{vs}")  # fmt: skip
         parts.append("")
     return "\n".join(parts)

@@ -1,0 +1,35 @@
+"""Report hygiene shared by the benchmarks: what the kernel rows count, quality flags, `bench all`'s orchestration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from glowplug.kernels.bench import DEFAULT_BENCH_FORMATS, bench_kernels, render_markdown
+from glowplug.kernels.dispatch import DEFAULT_FORMATS
+from glowplug.profiling.bench.quality import flags_from_perplexity, load_flags
+
+
+def test_calibration_covers_the_default_models_int4_g32() -> None:
+    assert "int4-g32" in DEFAULT_FORMATS and "int4-g32" in DEFAULT_BENCH_FORMATS
+
+
+def test_int2_rows_count_the_bytes_the_int4_kernel_reads() -> None:
+    rows = bench_kernels([(64, 256)], ms=(1,), formats=("int4-g64", "int2-g64"), repeats=1, stream_bytes=1 << 16)
+    aten = {r["format"]: r for r in rows if r["path"] == "aten_int4"}
+    # int2 is widened to 4-bit codes for aten's int4 kernel: it reads int4's bytes, although it stores half the codes
+    assert aten["int2-g64"]["read_bytes"] == aten["int4-g64"]["read_bytes"]
+    assert aten["int2-g64"]["canonical_bytes"] < aten["int2-g64"]["read_bytes"]
+    assert aten["int2-g64"]["gbps"] == aten["int2-g64"]["read_bytes"] / aten["int2-g64"]["us"] / 1e3
+    md = render_markdown(rows, {"int2": "⚠ unusable: perplexity 5e+05 = 2e+04x bf16's"})
+    assert all("⚠" in line for line in md.splitlines() if "| int2-g64 |" in line or "int2-g64 ⚠" in line)
+    assert sum("int2-g64 ⚠" in line for line in md.splitlines()) == sum(r["format"] == "int2-g64" for r in rows)
+
+
+def test_quality_flags_mark_formats_over_twice_bf16_perplexity(tmp_path: Path) -> None:
+    flags = flags_from_perplexity({"int8": 10.5, "int4": 19.9, "int2": 5e5}, reference=10.0)
+    assert set(flags) == {"int2"} and "5e+05" in flags["int2"]
+    path = tmp_path / "accuracy.json"
+    path.write_text(json.dumps({"reference_perplexity": 10.0, "perplexity": {"int4": 20.5}}))
+    assert set(load_flags(path)) == {"int4"}
+    assert load_flags(None) == {}
