@@ -256,10 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
         add_model_flags(p, cls, exclude={"model"})
         p.set_defaults(func=_report_command(cls, run))
 
+    from glowplug.profiling.bench import all as bench_all
     from glowplug.profiling.bench import latency, startup_bench, throughput, tune
     from glowplug.profiling.bench import serve as serve_bench
 
-    for module in (latency, throughput, startup_bench, serve_bench):
+    for module in (latency, throughput, startup_bench, serve_bench, bench_all):
         module.register(bsub, add_model_flags)
     tsub = sub.add_parser("tune", help="Tune start-up settings (max-model-len sweeps).").add_subparsers(
         dest="tune_command", required=True, metavar="TUNE"

@@ -45,6 +45,9 @@ class DecodeBenchConfig(BaseModel):
         ("auto",), min_length=1,
         description="Model dtypes: unquantized runs in each; quantized formats run in the first one only.",
     )  # fmt: skip
+    kv_cache_dtype: tuple[Literal["auto", "int8"], ...] = Field(
+        ("auto",), min_length=1, description="KV-cache dtypes (int8: quantized KV, seed 003's kv_quant rows)."
+    )
     prompt_tokens: int = Field(64, ge=1, le=4096)
     new_tokens: int = Field(128, ge=4, le=4096)
     repeats: int = Field(3, ge=1, le=50, description="Timed runs per cell (median and min-max are reported).")
@@ -65,6 +68,10 @@ class DecodeRow:
     step_ms: list[float]
     probe_gbps: list[float]
     mb_per_token: float | None = None
+    kv_cache_dtype: str = "auto"
+    group_size: str = "-"  # the quantized layers' group sizes ("channel" = per output channel)
+    prefill_ms: list[float] = field(default_factory=list)  # whole batch: requests added -> every first token
+    peak_gb: list[float] = field(default_factory=list)  # process RSS high-water mark during each timed run
     hf_tokens_per_s: float | None = None  # median of transformers at the same batch (set after the run)
     batch1_step_ms: float | None = None  # median step of the same configuration at batch 1
     notes: list[str] = field(default_factory=list)
@@ -139,15 +146,17 @@ def weight_bytes_per_token(model: Any, compiled: bool) -> int:
     return total
 
 
-def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
-    """(decode tokens/s, ms per decode step) for one batch run to completion."""
+def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, float]:
+    """(decode tokens/s, ms per decode step, prefill ms) for one batch run to completion."""
     from ...engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    p0 = time.perf_counter()
     reqs = [engine.add_request(None, params, prompt_token_ids=p) for p in prompts]
     seqs = [s for r in reqs for s in r.seqs]
     while engine.has_unfinished() and not all(s.output_token_ids for s in seqs):
         engine.step()
+    prefill_ms = (time.perf_counter() - p0) * 1000
     tokens0 = sum(len(s.output_token_ids) for s in seqs)
     steps = 0
     t0 = time.perf_counter()
@@ -156,7 +165,7 @@ def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -
         steps += 1
     elapsed = time.perf_counter() - t0
     generated = sum(len(s.output_token_ids) for s in seqs) - tokens0
-    return generated / elapsed, elapsed / max(steps, 1) * 1000
+    return generated / elapsed, elapsed / max(steps, 1) * 1000, prefill_ms
 
 
 def time_hf_decode(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> tuple[float, float]:
@@ -176,48 +185,66 @@ def time_hf_decode(model: Any, prompts: list[list[int]], new_tokens: int, pad_id
     return len(prompts) * steps / decode, decode / steps * 1000
 
 
-def _cells(cfg: DecodeBenchConfig) -> list[tuple[str, str, str]]:
-    """(compile, dtype, quantization) in run order: unquantized in every dtype, quantized in the first dtype."""
+def _cells(cfg: DecodeBenchConfig) -> list[tuple[str, str, str, str]]:
+    """(compile, dtype, quantization, kv-cache dtype) in run order: unquantized in every dtype, quantized in the
+    first dtype (so each quantized row has its bf16 baseline at the same dtype and compile mode), each KV dtype."""
     out = []
     for mode in cfg.compile:
-        for dtype in cfg.dtype:
-            out.append((mode, dtype, "none"))
-        out += [(mode, cfg.dtype[0], q) for q in cfg.quantization if q != "none"]
+        for kv in cfg.kv_cache_dtype:
+            for dtype in cfg.dtype:
+                out.append((mode, dtype, "none", kv))
+            out += [(mode, cfg.dtype[0], q, kv) for q in cfg.quantization if q != "none"]
     if "none" not in cfg.quantization:
         out = [c for c in out if c[2] != "none"]
     return out
 
 
+def group_sizes(model: Any) -> str:
+    """The distinct group sizes of the model's quantized layers ("-" unquantized, "channel" per output row)."""
+    from ...kernels.modules import QuantLinear
+
+    seen = {getattr(m, "group_size", None) for m in model.modules() if isinstance(m, QuantLinear)}
+    if not seen:
+        return "-"
+    return "/".join(sorted(("channel" if g is None else f"g{g}") for g in seen))
+
+
 def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
     from ...engine.llm import LLM
+    from ..memory import PeakMemory
 
     rows: list[DecodeRow] = []
     model_dir = None
     longest = cfg.prompt_tokens + cfg.new_tokens
-    for mode, dtype, quant in _cells(cfg):
+    for mode, dtype, quant, kv in _cells(cfg):
         llm = LLM(
             config=EngineConfig.from_flat(
                 model=cfg.model, dtype=dtype, quantization=quant, compile=mode, max_model_len=longest,
                 max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=max(2048, cfg.prompt_tokens),
-                quantize_lm_head=cfg.quantize_lm_head,
+                quantize_lm_head=cfg.quantize_lm_head, kv_cache_dtype=kv,
             )
         )  # fmt: skip
         model_dir = llm.startup.model_dir
         resolved = str(llm.startup.context.dtype).removeprefix("torch.")
         compiled = llm.engine.runner.decode_fn is not None
         wbytes = weight_bytes_per_token(llm.startup.context.model, compiled)
+        groups = group_sizes(llm.startup.context.model)
         base: float | None = None
         for batch in cfg.batch_sizes:
             prompts = make_prompts(llm.tokenizer, batch, cfg.prompt_tokens)
-            row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6)
+            row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6, kv, groups)
             if batch > llm.engine.runner.max_decode_batch and compiled:
                 row.notes.append("above the compiled batch sizes: eager steps")
             time_engine_decode(llm.engine, prompts[: min(batch, 2)], 8)  # warm this batch shape's allocations
             for _ in range(cfg.repeats):
                 row.probe_gbps.append(measure_probe())
-                tps, step_ms = time_engine_decode(llm.engine, prompts, cfg.new_tokens)
+                with PeakMemory("cpu") as window:
+                    tps, step_ms, prefill_ms = time_engine_decode(llm.engine, prompts, cfg.new_tokens)
+                assert window.snapshot is not None
+                row.peak_gb.append(window.snapshot.peak_bytes / 1e9)
                 row.tokens_per_s.append(tps)
                 row.step_ms.append(step_ms)
+                row.prefill_ms.append(prefill_ms)
             base = row.ms if batch == 1 else base
             row.batch1_step_ms = base
             rows.append(row)
@@ -265,19 +292,29 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
         f"re-measured before every run): median {statistics.median(probes):.1f} GB/s, "
         f"{min(probes):.1f}-{max(probes):.1f}.",
         "",
-        "| engine | compile | dtype | quantization | batch | decode tok/s | ms / step | MB / token | % of probe "
-        "| vs transformers fp32 | step / batch-1 step |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| engine | compile | dtype | quantization | group | KV cache | batch | decode tok/s | ms / step "
+        "| prefill ms | peak mem GB | MB / token | GB/s | % of probe | vs bf16 (same dtype, compile) | vs transformers fp32 "
+        "| step / batch-1 step |",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         mb = f"{r.mb_per_token:.0f}" if r.mb_per_token is not None else ""
         share = _spread([100 * s for s in r.shares], ".0f") + "%" if r.shares else ""
-        hf = f"{r.tps / r.hf_tokens_per_s:.2f}x" if r.hf_tokens_per_s else ""
+        hf = f"{r.tps / r.hf_tokens_per_s:.2f}x" if r.hf_tokens_per_s else "-"
+        gbps = _spread([r.mb_per_token / ms for ms in r.step_ms], ".1f") if r.mb_per_token is not None else "-"
+        base = next((b for b in rows if b.engine == r.engine and b.quantization == "none" and b.dtype == r.dtype
+                     and b.compile == r.compile and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch),
+                    None)  # fmt: skip
+        vs_bf16 = f"{r.tps / base.tps:.2f}x" if base is not None and r.quantization != "none" else "-"
+        prefill = _spread(r.prefill_ms, ".1f") if r.prefill_ms else "-"
+        peak = _spread(r.peak_gb, ".2f") if r.peak_gb else "-"
         scale = f"{r.ms / r.batch1_step_ms:.2f}x" if r.batch1_step_ms and r.batch != 1 else ""
         note = f" ({'; '.join(r.notes)})" if r.notes else ""
         lines.append(
-            f"| {r.engine} | {r.compile} | {r.dtype} | {r.quantization}{' ' + flags[r.quantization] if r.quantization in flags else ''} | {r.batch} | {_spread(r.tokens_per_s, '.1f')} "
-            f"| {_spread(r.step_ms, '.2f')} | {mb} | {share} | {hf} | {scale}{note} |"
+            f"| {r.engine} | {r.compile} | {r.dtype} | {r.quantization}"
+            f"{' ' + flags[r.quantization] if r.quantization in flags else ''} | {r.group_size} | {r.kv_cache_dtype} "
+            f"| {r.batch} | {_spread(r.tokens_per_s, '.1f')} | {_spread(r.step_ms, '.2f')} | {prefill} | {peak} | {mb or '-'} "
+            f"| {gbps} | {share or '-'} | {vs_bf16} | {hf} | {scale or '-'}{note} |"
         )
     lines += ["", *[f"- {line}" for line in DEFINITIONS], *([f"- {flag_note(flags)}"] if flags else []), ""]
     return "\n".join(lines)
@@ -287,6 +324,11 @@ DEFINITIONS = (
     "decode tok/s: tokens after every sequence's first token, over the time from then to the batch's end (prefill "
     "excluded, for both engines); median over the runs, min-max in brackets.",
     "ms / step: decode time over decode steps; one step produces one token per sequence.",
+    "prefill ms: requests added -> every sequence of the batch has its first token (seed 000's prefill column).",
+    "peak mem GB: the process's RSS high-water mark during the run (seed 003's peak_mem; VmHWM reset per run).",
+    "GB/s: MB / token over ms / step, the weight bandwidth achieved (seed 003's mem/s; KV reads not included).",
+    "group: the quantized layers' group sizes (channel = one scale per output row); KV cache int8: quantized KV.",
+    "vs bf16: decode tok/s over the unquantized row at the same dtype, compile mode, KV dtype and batch.",
     "MB / token: weight bytes one batch-1 decode step reads through the kernels the path runs (compile on: "
     "glowplug's native layouts; off: the eager dispatcher's), LM head included.",
     "% of probe: MB/token x steps/s over the streaming-read probe measured right before the same run.",
