@@ -124,6 +124,7 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
     from ...engine.config import EngineConfig
     from ...engine.llm import LLM
     from ...engine.sampling_params import SamplingParams
+    from .timing import model_position_limit
 
     def build(quant: str) -> Any:
         # Eager (compile off): this measures the quantization's error, and every prompt here is a prefill; the
@@ -132,7 +133,9 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
                                   "quantize_lm_head": cfg.quantize_lm_head}  # fmt: skip
         if quant != "none" and cfg.group_size is not None and quant in ("int8", "int4"):
             fields["group_size"] = cfg.group_size
-        return LLM(config=EngineConfig.from_flat(**fields, max_model_len=max(cfg.window, 1024)))
+        # 1024 leaves room for the chat-templated continuations; a smaller model (the tests' tiny one) gets its limit.
+        length = min(max(cfg.window, 1024), model_position_limit(cfg.model))
+        return LLM(config=EngineConfig.from_flat(**fields, max_model_len=length))
 
     ref_llm = build("none")
 

@@ -33,3 +33,29 @@ def test_quality_flags_mark_formats_over_twice_bf16_perplexity(tmp_path: Path) -
     path.write_text(json.dumps({"reference_perplexity": 10.0, "perplexity": {"int4": 20.5}}))
     assert set(load_flags(path)) == {"int4"}
     assert load_flags(None) == {}
+
+
+def test_bench_all_quick_subset_writes_readme_and_reports(tiny_model: str, tmp_path: Path) -> None:
+    """The orchestration on the tiny model: reports land under --out only, in the stated order, and the README names
+    each command, the commit, the machine with its probe, and says the run is a --quick smoke test."""
+    from glowplug.profiling.bench.all import STEP_NAMES, BenchAllConfig, plan_steps, run_all
+
+    out = tmp_path / "out"
+    cfg = BenchAllConfig(model=tiny_model, out=out, quick=True, only=("decode-quantized", "accuracy"),
+                         quantization=("int4",))  # fmt: skip
+    steps = plan_steps(cfg)
+    assert [s.name for s in steps] == ["accuracy", "decode-quantized"]  # the fixed order, whatever --only said
+    assert "--quality-from" in steps[1].argv  # later tables flag formats from the accuracy report
+    full = plan_steps(BenchAllConfig(out=out))
+    assert [s.name for s in full] == list(STEP_NAMES)
+    assert all(any(str(out) in a for a in s.argv) for s in full)  # every report writes under --out
+    results = run_all(cfg, ["bench", "all", "--quick"])
+    assert [r.returncode for r in results] == [0, 0], [(out / "logs" / f"{r.step.name}.log").read_text()[-2000:]
+                                                       for r in results]  # fmt: skip
+    readme = (out / "README.md").read_text()
+    assert "QUICK SMOKE TEST, NOT MEASUREMENTS" in readme
+    assert "- commit: `" in readme and "GB/s" in readme and "- date: " in readme
+    assert "`glowplug bench accuracy " in readme and "[decode-quantized.md](decode-quantized.md)" in readme
+    assert (out / "accuracy.json").is_file()
+    decode = (out / "decode-quantized.md").read_text()
+    assert "| bfloat16 | int4" in decode and "(n=1)" in decode and "± 0" not in decode
