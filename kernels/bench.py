@@ -132,7 +132,7 @@ def native_available(cache_dir: Any = None) -> tuple[bool, str]:
     from .native import blocked_supported, load_native
 
     build = load_native(Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "glowplug")
-    if not build.ok:
+    if not build.available:
         return False, build.reason
     if not blocked_supported():
         return False, "the blocked kernels need AVX512-BF16"
