@@ -1,33 +1,41 @@
-"""torch.compile of the decode step, split into Dynamo tracing and Inductor compilation, with a persistent cache.
+"""The decode step compiled ahead of time: Dynamo tracing and Inductor compilation as two honest stages, and a
+serialized artifact that lets a warm start skip both.
 
-The decode step is `DecoderLM.decode(packed, caches)`: one int64 input tensor per step and the per-layer cache
-tensors, no host synchronisation. It is traced once: the batch dimension is *unbacked* (Dynamo never specialises it,
-so batch 1 runs unpadded on the same graph as batch 64) and the block-table width and cache sizes are dynamic, so no
-request can trigger a compile. Each decoder layer is a nested compile region: Inductor compiles one layer and reuses it
-for all, which is what keeps a cold compile of the 30-layer model short.
+The decode step is `decode_step(model, packed, ks, vs, kss, vss)`: one int64 input tensor per step and the per-layer
+cache tensors, no host synchronisation. It is traced once: the batch dimension is *unbacked* (Dynamo never
+specialises it, so batch 1 runs unpadded on the same graph as batch 64) and the block-table width and cache sizes
+are dynamic, so no request can trigger a compile. Each decoder layer is a nested compile region: Inductor compiles
+one layer and reuses it for all, which is what keeps a cold compile of the 30-layer model short.
 
-`torch.compile` does tracing and compiling lazily inside the first call, so its time cannot be attributed. The
-backend here only records each graph Dynamo hands it (running it eagerly meanwhile); a later call compiles the
-recorded graphs with Inductor inside the tracing context Dynamo left behind. That gives two honest stages:
-dynamo_transform and graph_compile.
+Why torch 2.13's AOT compile (`torch._dynamo.aot_compile`) and not the alternatives, from trying each on the 2-core
+CPU with SmolLM2 (the current warm and cold rows are in reports/startup/, made by `glowplug bench startup`):
+- `torch.compile` with a warm Inductor cache (what glowplug did before) re-traces with Dynamo on every start and
+  then looks the FX graph up in Inductor's cache: both rows cost seconds on every warm start.
+- Dynamo's "caching precompile" (`torch._dynamo.config.caching_precompile`) is tied to `torch.compile`'s lazy
+  first call, so tracing and compiling cannot be timed apart, and its cache is keyed by code objects and inlined
+  sources that glowplug's artifact store cannot explain a miss of.
+- AOT compile serializes the traced bytecode, the guards and the bundled Inductor output in one ~1.3 MB
+  artifact. Loading it runs no Dynamo at all; most of its time is importing Inductor's runtime modules.
+torch.compile(...).aot_compile() does capture and compile in one call; the two halves are called separately here
+(`trace_decode`, `TracedDecode.compile`) so the start-up table books them to dynamo_transform and graph_compile.
 
-The Inductor cache and the explanation of compile-cache misses live in compile_cache.py (the artifact store); the
-Inductor settings below are one of the compile cache's factors.
+The artifact and Inductor's kernel folder live in the artifact store (compile_cache.py); the Inductor settings
+below are one of the compile cache's factors.
 """
 
 from __future__ import annotations
 
-import itertools
-import types
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import contextlib
+import dataclasses
+import io
+from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from .kv_cache import LayerKV
 from .models.llama import DecoderLM
-
-
 @dataclass(frozen=True)
 class InductorSettings:
     """The Inductor options of the decode graph, chosen by measurement on the 2-core CPU (reports/decode.md):
@@ -59,110 +67,195 @@ class InductorSettings:
         )
 
 
-class _Graph:
-    """One Dynamo graph: eager until compiled, then the Inductor-compiled callable."""
+def decode_step(model: DecoderLM, packed: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
+                kss: list[torch.Tensor | None], vss: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
+    """The traced function. Module level with the model as an argument: a serialized artifact can only refer to
+    its function's globals and arguments, not to a closure over one engine's model."""
+    return model.decode(packed, [LayerKV(*c) for c in zip(ks, vs, kss, vss)])
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], tracing_ctx: Any,
-                 settings: InductorSettings) -> None:  # fmt: skip
-        self.gm = gm
-        self.example_inputs = example_inputs
-        self.tracing_ctx = tracing_ctx
-        self.settings = settings
-        self.fn: Callable[..., Any] = gm.forward
-        self.compiled = False
 
-    def compile(self) -> None:
-        from torch._guards import tracing
-        from torch._inductor.compile_fx import compile_fx
+def split_caches(caches: list[LayerKV]) -> tuple[list[Any], ...]:
+    return [c.k for c in caches], [c.v for c in caches], [c.k_scale for c in caches], [c.v_scale for c in caches]
 
-        with tracing(self.tracing_ctx), self.settings.patch():
-            self.fn = compile_fx(self.gm, self.example_inputs)
-        self.compiled = True
 
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args)
+def _trace_config() -> Any:
+    """Scoped so that no process-wide flag changes:
+    - Python floats (eps, softmax scale) stay constants: symbolic floats make AOTAutograd ask Dynamo to restart
+      tracing, which a separated capture cannot do.
+    - No automatic dynamic shapes: exactly the dimensions mark_decode_dynamic names vary. Dynamo otherwise keeps
+      per-code-object memory of earlier traces of decode_step in this process (other engines, other block sizes)
+      and makes more dimensions symbolic, which broke the reuse of the nested layer regions."""
+    return torch._dynamo.config.patch(specialize_float=True, automatic_dynamic_shapes=False)
+
+
+# What torch's own AOT compile sets while compiling, so that the Inductor output is bundled into the artifact.
+_BUNDLE_AUTOGRAD = {"strict_autograd_cache": True, "bypass_autograd_cache_key": True, "bundled_autograd_cache": True,
+                    "force_non_lazy_backward_lowering": True, "force_autograd_cache": True}  # fmt: skip
 
 
 @dataclass
-class DeferredInductor:
-    """A torch.compile backend that separates tracing from compiling (see module docstring)."""
+class TracedDecode:
+    """dynamo_transform's cold result: the captured graph, waiting for Inductor."""
 
-    settings: InductorSettings = field(default_factory=InductorSettings)
-    graphs: list[_Graph] = field(default_factory=list)
-    compile_immediately: bool = False
+    capture: Any  # torch._dynamo.convert_frame.CaptureOutput
+    model: DecoderLM
+    nodes: int
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> _Graph:
-        from torch._guards import TracingContext
+    def compile(self, settings: InductorSettings) -> "CompiledDecode":
+        """Inductor on the captured graph, then the guards: what graph_compile does on a cold start."""
+        from torch._dynamo.aot_compile import AOTCompiledFunction, CompileArtifacts
+        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
+        from torch._dynamo.convert_frame import _get_signature, get_traced_fn
+        from torch._dynamo.graph_utils import _graph_device_type
+        from torch._dynamo.guards import CheckFunctionManager
+        from torch._dynamo.hooks import Hooks
+        from torch._dynamo.package import SourceInfo
+        from torch._dynamo.utils import dynamo_timed, get_metrics_context
+        from torch._guards import TracingContext, tracing
 
-        graph = _Graph(gm, example_inputs, TracingContext.try_get(), self.settings)
-        if self.compile_immediately:
-            graph.compile()
-        self.graphs.append(graph)
-        return graph
+        graph_out, backend_in = self.capture.graph_capture_output, self.capture.backend_input
+        gm = backend_in.graph_module
+        gm._backend_id = backend_in.backend_id
+        ctx = TracingContext(backend_in.fake_mode)
+        ctx.tensor_to_context = backend_in.tensor_to_context
+        backend = torch._TorchCompileInductorWrapper(None, None, None)
 
-    def compile_pending(self) -> int:
-        pending = [g for g in self.graphs if not g.compiled]
-        for g in pending:
-            g.compile()
-        self.compile_immediately = True
-        return len(pending)
+        def serializable(entries: Any) -> list[bool]:
+            # Globals are not the artifact's to guard (they are re-bound at load), nor are guard kinds that cannot
+            # be serialized: the same filter torch's own AOT compile applies.
+            unsupported = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+            return [not (g.is_global or g.guard_type in unsupported) for g in entries]
+
+        fn, _ = get_traced_fn(decode_step)
+        # Inductor and the guard builder book their timings into Dynamo's metrics context, which torch.compile would
+        # have opened. The guards include the global grad state, built as it was while tracing (inference mode):
+        # so is every call.
+        with (_trace_config(), get_metrics_context(), dynamo_timed("glowplug_graph_compile"),
+              torch.inference_mode()):  # fmt: skip
+            with settings.patch(), tracing(ctx), torch._functorch.config.patch(_BUNDLE_AUTOGRAD):
+                compiled = BundledAOTAutogradSerializableCallable(backend(gm, backend_in.example_inputs))
+            check = graph_out.build_guards(fn.__code__, hooks=Hooks(guard_filter_fn=serializable), save=True,
+                                           strict_error=True)  # fmt: skip
+        source_info = SourceInfo(inlined_sources=set())
+        for code in graph_out.traced_code:
+            source_info.add_code(code)
+        artifacts = CompileArtifacts(
+            signature=_get_signature(fn), guard_manager=_load_guards(check.guards_state, fn.__code__, {}),
+            guards_state=check.guards_state,
+            backend_id=backend_in.backend_id, compiled_fn=compiled, original_code=fn.__code__,
+            runtime_env=graph_out.get_runtime_env(), source_info=source_info,
+            device_type=_graph_device_type(gm.graph), backend_name="inductor",
+        )  # fmt: skip
+        return CompiledDecode(AOTCompiledFunction(_artifacts=artifacts, _extra_globals=fn.__globals__), self.model)
+
+
+def trace_decode(model: DecoderLM, packed: torch.Tensor, caches: list[LayerKV]) -> TracedDecode:
+    """Dynamo's full-graph capture of one decode step over example inputs (dims marked by mark_decode_dynamic)."""
+    from torch._dynamo.convert_frame import fullgraph_capture
+    from torch._dynamo.utils import dynamo_timed, get_metrics_context
+
+    with (_trace_config(), get_metrics_context(), dynamo_timed("glowplug_fullgraph_capture"),
+          torch._functorch.config.patch(strict_autograd_cache=True)):  # fmt: skip
+        capture = fullgraph_capture(decode_step, (model, packed, *split_caches(caches)), {})
+    nodes = len(capture.backend_input.graph_module.graph.nodes)
+    return TracedDecode(capture, model, nodes)
+
+
+def _load_guards(guards_state: bytes, code: Any, used_globals: dict[str, Any]) -> Any:
+    """A guard manager from serialized guards. A cold compile uses one too, rebuilt from what it is about to store,
+    rather than the one Dynamo built in memory: the two read tensors' dispatch keys differently (the in-memory one
+    net of inference mode's excluded keys, the loaded one not), and a start must behave the same cold or warm."""
+    from torch._dynamo.package import load_guard_manager, load_guards_state
+
+    return load_guard_manager(load_guards_state(guards_state), code, {**decode_step.__globals__, **used_globals})
+
+
+@contextlib.contextmanager
+def _guard_mode() -> Iterator[None]:
+    """Where the guards are checked: grad off, as when traced, but outside inference mode, whose excluded keys a
+    loaded guard manager does not subtract (see _load_guards). The runner's own inputs are inference tensors;
+    serving() skips the guards, which graph_capture checked on inputs built here."""
+    with torch.inference_mode(False), torch.no_grad():
+        yield
+
+
+@dataclass
+class LoadedDecode:
+    """dynamo_transform's warm result: the artifact unpickled and its guards rebuilt; Inductor's part not yet
+    loaded (that is graph_compile's time)."""
+
+    state: dict[str, Any]
+    model: DecoderLM
+
+    @classmethod
+    def read(cls, data: bytes, model: DecoderLM) -> "LoadedDecode":
+        from torch._dynamo.aot_compile import AOTCompileUnpickler
+        from torch._dynamo.package import SerializedCode
+
+        state = AOTCompileUnpickler({}, io.BytesIO(data)).load()
+        state["runtime_env"] = dataclasses.replace(
+            state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode))
+        state["original_code"] = SerializedCode.to_code_object(state["original_code"])
+        state["guard_manager"] = _load_guards(state["guards_state"], state["original_code"],
+                                              state["runtime_env"].used_globals)  # fmt: skip
+        return cls(state, model)
+
+    def compile(self, settings: InductorSettings) -> "CompiledDecode":
+        """Load Inductor's compiled module from the artifact (kernels from the Inductor folder, built if absent)."""
+        from torch._dynamo.aot_compile import AOTCompiledFunction, CompileArtifacts
+
+        state = dict(self.state)
+        deserializer, compiled_state = state["compiled_fn"]
+        with settings.patch(), torch._inductor.config.patch(enable_autograd_for_aot=True):
+            state["compiled_fn"] = deserializer(compiled_state)
+        fn = AOTCompiledFunction(CompileArtifacts(**state), _extra_globals=decode_step.__globals__)
+        return CompiledDecode(fn, self.model)
 
 
 DecodeCallable = Callable[[torch.Tensor, list[LayerKV]], torch.Tensor]
-_STEP_IDS = itertools.count()
 
 
 class CompiledDecode:
     """The compiled decode step: (packed [B, DECODE_COLS + W], per-layer caches) -> logits [B, vocab].
 
-    Calls go through torch.compile (tracing on the first, guard checks after) until `serving()` hands out the
-    guard-free entry point for steady-state use."""
+    `__call__` checks the guards first (capture, tests); `serving()` hands out the guard-free entry point."""
 
-    def __init__(self, model: DecoderLM, backend: Callable[..., Any]) -> None:
-        def decode_step(packed: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
-                        kss: list[torch.Tensor | None], vss: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
-            return model.decode(packed, [LayerKV(*c) for c in zip(ks, vs, kss, vss)])
+    def __init__(self, fn: Any, model: DecoderLM) -> None:
+        self.fn = fn  # torch._dynamo.aot_compile.AOTCompiledFunction
+        self.model = model
 
-        # Dynamo caches compiled code per code object, and every engine's closure shares one: engines built in the
-        # same process (tests, benchmarks) would pile up entries until the recompile limit. A copy per engine keeps
-        # each engine's graph its own.
-        code = decode_step.__code__.replace(co_name=f"decode_step_{next(_STEP_IDS)}")
-        self._step = types.FunctionType(code, decode_step.__globals__, code.co_name, None, decode_step.__closure__)
-        # fullgraph: a graph break would be a silent slowdown (and a host sync).
-        self._compiled = torch.compile(self._step, backend=backend, fullgraph=True)
+    def guards_pass(self, packed: torch.Tensor, caches: list[LayerKV]) -> bool:
+        with _guard_mode():
+            return bool(self.fn.guard_check(self.model, packed, *split_caches(caches)))
 
-    @staticmethod
-    def _split(caches: list[LayerKV]) -> tuple[list[Any], ...]:
-        return [c.k for c in caches], [c.v for c in caches], [c.k_scale for c in caches], [c.v_scale for c in caches]
+    def guard_failure(self, packed: torch.Tensor, caches: list[LayerKV]) -> str:
+        with _guard_mode():
+            f_locals = self.fn.prepare_f_locals(self.model, packed, *split_caches(caches))
+            return str(self.fn._artifacts.guard_manager.check_verbose(f_locals))
 
     def __call__(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
-        # Python floats (eps, softmax scale) stay constants: symbolic floats make AOTAutograd ask Dynamo to restart
-        # tracing, which only works inside torch.compile's own loop, not in the deferred compile. Scoped to the call
-        # so that no process-wide flag changes.
-        with torch._dynamo.config.patch(specialize_float=True):
-            return self._compiled(packed, *self._split(caches))
+        """One step, after checking the guards (a failure names the guard)."""
+        if not self.guards_pass(packed, caches):
+            raise RuntimeError(f"the compiled decode step's guards reject these inputs: "
+                               f"{self.guard_failure(packed, caches)}")  # fmt: skip
+        return self.unguarded(packed, caches)
+
+    def unguarded(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
+        """One step without the guard check: for inputs the runner built (see serving())."""
+        return self.fn.fn(self.model, packed, *split_caches(caches))  # type: ignore[no-any-return]
 
     def serving(self, caches: list[LayerKV]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The step for serving, bound to the real cache: Dynamo's guard evaluation skipped. Guards cost 0.8 ms a step
-        for a bf16 model's ~400 input tensors, 1.7 ms with int8's aliased buffers. Safe here because there is exactly
-        one compiled graph (capture proved that no batch size or width retraces) and the runner builds every input
-        with the same dtypes, layouts and devices. With exactly one cache entry the entry's own code (what Dynamo
-        runs after its guards pass) is called directly; otherwise guard evaluation is merely skipped."""
-        split = self._split(caches)
-        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+        """The step for serving, bound to the real cache, without guard evaluation, which would check each of the
+        model's hundreds of input tensors on every step. Safe because graph_capture checked the guards at every
+        batch size against this cache, and the runner builds every input with the same dtypes, layouts and
+        devices."""
+        split, model, step = split_caches(caches), self.model, self.fn.fn
+        return lambda packed: step(model, packed, *split)  # type: ignore[no-any-return]
 
-        entries = _debug_get_cache_entry_list(self._step.__code__)
-        if len(entries) == 1:
-            step = self._step
-            direct = types.FunctionType(entries[0].code, step.__globals__, step.__name__, step.__defaults__,
-                                        step.__closure__)  # fmt: skip
-            return lambda packed: direct(packed, *split)  # type: ignore[no-any-return]
+    def serialize(self) -> bytes:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
 
-        def guarded(packed: torch.Tensor) -> torch.Tensor:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self._compiled(packed, *split)  # type: ignore[no-any-return]
-
-        return guarded
+        return AOTCompiledFunction.serialize(self.fn).serialized_data
 
 
 def mark_decode_dynamic(packed: torch.Tensor, caches: list[LayerKV]) -> None:

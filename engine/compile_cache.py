@@ -1,8 +1,10 @@
-"""The compile cache, in the artifact store: an index of compiled decode configurations and Inductor's own folder.
+"""The compile cache, in the artifact store: the AOT-compiled decode step per configuration, and Inductor's folder.
 
-- cache `compile`: one factors-only entry per compiled configuration (model config, dtype, the quantization and
-  KV-cache fields that shape the graph, torch, glowplug source, device). It exists so every miss is explained the
-  same way as any other cache's: which factor changed since the last compile of the same model, old -> new.
+- cache `compile`: one entry per compiled configuration (model config, dtype, the quantization and KV-cache fields
+  that shape the graph, torch, glowplug source, device) holding the serialized AOT artifact (engine/compile.py):
+  a warm start loads it instead of tracing and compiling. A miss is explained like any other cache's (which factor
+  changed since the last compile of the same model, old -> new); an entry that will not unpickle or whose guards
+  will not load is damaged: moved aside, reported, and the step is traced and compiled again.
 - cache `inductor`: the TORCHINDUCTOR_CACHE_DIR, a workspace shared by every configuration (Inductor keys its own
   entries by graph and options, and a fresh folder would pay the one-time C++ toolchain probe, 15-20 s here,
   again). Inductor writes it in place; the store seals its file list after each compile and verifies it at the
@@ -29,14 +31,16 @@ from .artifacts.caches import COMPILE, INDUCTOR, source_digest
 from .artifacts.cachedir import report_event
 from .artifacts.manifest import list_files
 from .artifacts.workspace import open_workspace, renew, seal
-from .compile import InductorSettings
+from .compile import CompiledDecode, InductorSettings, LoadedDecode
 from .config import EngineConfig
 from .models.arch import ModelArch
+from .models.llama import DecoderLM
 from ..profiling.names import Event
 from .stages.base import one_line
 
 T = TypeVar("T")
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+ARTIFACT = "decode.aot"
 _INDUCTOR_SKIP = ("locks/",)  # Inductor's lock files: not artifacts
 
 
@@ -76,7 +80,7 @@ class CompileCache:
     group: str
     miss_reason: str | None  # None when this configuration was compiled before and its artifacts are sound
     workspace: Workspace
-    indexed: bool
+    loaded: LoadedDecode | None  # the stored artifact, unpickled with its guards: a warm start
     rebuilt_kernels: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -101,36 +105,51 @@ class CompileCache:
             result = compile_fn()
             before = set()
         self.rebuilt_kernels = sorted(set(self._kernels()) - before)
-        self.record()
         return result
 
     def _kernels(self) -> list[str]:
         return [rel for rel in list_files(self.path, skip=_INDUCTOR_SKIP) if rel.endswith(".so")]
 
-    def served_from_cache(self, hits: int, misses: int) -> bool:
-        """Whether the compile was a cache hit: every Inductor lookup hit, and no damaged kernel had to be rebuilt
-        (a healed folder still hits its FX graphs, but recompiles the kernels that were moved aside)."""
-        return misses == 0 and hits > 0 and not self.workspace.healed and not self.rebuilt_kernels
+    def served_from_cache(self) -> bool:
+        """Whether graph_compile was a cache hit: the artifact loaded, and no damaged kernel had to be rebuilt
+        (a healed folder still loads, but recompiles the kernels that were moved aside)."""
+        return self.loaded is not None and not self.workspace.healed and not self.rebuilt_kernels
 
-    def explain_rebuilt(self, hits: int, misses: int) -> str | None:
-        """A hit whose kernels were nonetheless rebuilt: the cached libraries were missing or would not load (in
-        a folder the store had not sealed, so nothing was verified before Inductor read it). Reported as a
-        `cache_corrupt` event; the reason, or None when nothing was rebuilt behind a hit."""
-        if misses or not hits or not self.rebuilt_kernels:
+    def explain_rebuilt(self) -> str | None:
+        """A loaded artifact whose kernels were nonetheless rebuilt: the cached libraries were missing or would not
+        load (in a folder the store had not sealed, so nothing was verified before Inductor read it). Reported as
+        a `cache_corrupt` event; the reason, or None when nothing was rebuilt behind a hit."""
+        if self.loaded is None or not self.rebuilt_kernels:
             return None
         n = len(self.rebuilt_kernels)
-        reason = (f"Inductor rebuilt {n} compiled kernel librar{'y' if n == 1 else 'ies'} behind a graph cache hit "
+        reason = (f"Inductor rebuilt {n} compiled kernel librar{'y' if n == 1 else 'ies'} behind a compile-cache hit "
                   f"(the cached ones were missing or would not load), e.g. {self.rebuilt_kernels[0]}")
         report_event(Event.CACHE_CORRUPT, cache=INDUCTOR.name, path=self.path, reason=reason,
                      action="rebuilt by Inductor in place; the folder is sealed again")
         return reason
 
-    def record(self) -> None:
-        """After a successful compile: the index entry (once per configuration) and the Inductor file list."""
-        if not self.indexed:
-            self.store.put(COMPILE, self.factors, group=self.group, build=lambda folder: None)
-            self.indexed = True
+    def record(self, step: CompiledDecode | None) -> None:
+        """After a successful compile: the artifact (when `step` was compiled from a trace) and the Inductor file
+        list. A failure to serialize costs the next start a compile, never this one."""
+        if step is not None:
+            try:
+                data = step.serialize()
+            except Exception as exc:  # noqa: BLE001 - the cache is an optimisation
+                structlog.get_logger("glowplug.compile").warning(
+                    "the compiled decode step could not be serialized; the next start compiles again",
+                    error=one_line(exc))  # fmt: skip
+            else:
+                self.store.put(COMPILE, self.factors, group=self.group,
+                               build=lambda folder: folder is not None and (folder / ARTIFACT).write_bytes(data))  # fmt: skip
         self.seal()
+
+    def drop_artifact(self, reason: str) -> None:
+        """The stored artifact loaded but would not run: moved aside (a `cache_corrupt` event); compile again."""
+        path = self.store.entry_path(COMPILE, self.key)
+        self.loaded = None
+        self.miss_reason = f"entry was damaged ({reason})"
+        if path.exists():
+            self.store.quarantine(COMPILE, path, reason)
 
     def seal(self) -> None:
         seal(self.store, self.workspace, skip=_INDUCTOR_SKIP)
@@ -156,15 +175,17 @@ def _clear_inductor_memory() -> None:
 
 
 def open_compile_cache(cache_root: Path, config: EngineConfig, arch: ModelArch, dtype: torch.dtype,
-                       device: str, settings: InductorSettings) -> CompileCache:  # fmt: skip
-    """Look this configuration up (explaining a miss), verify the Inductor folder and point Inductor at it."""
+                       device: str, settings: InductorSettings, model: DecoderLM) -> CompileCache:  # fmt: skip
+    """Look this configuration up, loading its artifact and guards (or explaining the miss), verify the Inductor
+    folder and point Inductor at it."""
     store = ArtifactStore(cache_root)
     factors = compile_factors(config, arch, dtype, device, settings)
-    index = store.lookup(COMPILE, factors, group=config.model, load=lambda folder: True)
     label = device_label(device)
     workspace = open_workspace(store, INDUCTOR, {"torch": torch.__version__, "device": label}, group=label)
     _point_inductor_at(workspace.path)
+    index = store.lookup(COMPILE, factors, group=config.model,
+                         load=lambda folder: LoadedDecode.read((folder / ARTIFACT).read_bytes(), model))  # fmt: skip
     reason = index.miss_reason if not index.hit else None
     if reason is None and workspace.healed:
         reason = f"damaged Inductor artifacts moved aside and rebuilt ({workspace.healed[0]})"
-    return CompileCache(store, index.key, factors, config.model, reason, workspace, index.hit)
+    return CompileCache(store, index.key, factors, config.model, reason, workspace, index.value)

@@ -290,7 +290,9 @@ def test_failed_compile_is_retried_once_in_a_fresh_inductor_folder(tiny_dir, tmp
 
     tracing = setup_tracing(in_memory=True)
     model = tiny_dir("llama")
-    args = (EngineConfig.from_flat(model=str(model)), load_arch(model), torch.float32, "cpu", InductorSettings())
+    # No model: with no stored artifact in this fresh cache, nothing is loaded for one.
+    args = (EngineConfig.from_flat(model=str(model)), load_arch(model), torch.float32, "cpu", InductorSettings(),
+            None)  # fmt: skip
     cache = open_compile_cache(tmp_path, *args)
     (cache.path / "stale.so").write_bytes(b"not a library")
     calls: list[Path] = []

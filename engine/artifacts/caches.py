@@ -38,8 +38,8 @@ QUANT = CacheSpec(
     "every start quantizes the weights again",
 )
 COMPILE = CacheSpec(
-    "compile", 1, "compiled decode configurations (factors only: explains every compile-cache miss)", "bypass",
-    "compile-cache misses are not explained",
+    "compile", 2, "the AOT-compiled decode step (traced bytecode, guards, bundled Inductor output)", "bypass",
+    "every start traces the decode step with Dynamo and compiles it with Inductor again",
 )
 INDUCTOR = CacheSpec(
     "inductor", 1, "Inductor's cache folder: generated code, compiled kernels (.so), FX graphs, CPU probes", "bypass",

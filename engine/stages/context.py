@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..compile import DeferredInductor
+from ..compile import CompiledDecode, LoadedDecode, TracedDecode
 from ..compile_cache import CompileCache
 from ..config import EngineConfig
 from ..kv_cache import KVCache
@@ -37,8 +37,8 @@ class EngineContext(StartupContext):
     weights_bytes: int = 0  # load_weights / quantize_weights
     model: DecoderLM | None = None  # model_init
     native: Any = None  # native_kernels (kernels.native.NativeBuild)
-    backend: DeferredInductor | None = None  # dynamo_transform
-    decode_fn: Any = None  # dynamo_transform
+    traced: TracedDecode | LoadedDecode | None = None  # dynamo_transform (a trace, or the stored artifact)
+    decode_fn: CompiledDecode | None = None  # graph_compile
     compile_cache: CompileCache | None = None  # dynamo_transform
     kv_plan: KVPlan | None = None  # kv_cache_profiling
     kv_cache: KVCache | None = None  # kv_cache_init

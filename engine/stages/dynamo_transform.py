@@ -1,11 +1,12 @@
-"""Trace the decode step with Dynamo (no Inductor yet: that is graph_compile's time)."""
+"""Trace the decode step with Dynamo (no Inductor yet: that is graph_compile's time), or, on a warm start, load
+the stored AOT artifact's traced code and guards instead: the row then says "cache hit" with the load's time."""
 
 from __future__ import annotations
 
 import torch
 
 from ...profiling.names import Attr
-from ..compile import CompiledDecode, DeferredInductor, InductorSettings, mark_decode_dynamic
+from ..compile import InductorSettings, TracedDecode, mark_decode_dynamic, trace_decode
 from ..compile_cache import open_compile_cache
 from ..kv_cache import KVCache
 from ..model_runner import dummy_decode_batch
@@ -37,6 +38,26 @@ def skipped_reason(ctx: EngineContext) -> str | None:
     return None
 
 
+def trace(ctx: EngineContext) -> TracedDecode:
+    """Dynamo's capture of one decode step over a scratch cache, with the varying dimensions marked dynamic."""
+    model = ctx.need(ctx.model, "the model", "model_init")
+    arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
+    scratch = KVCache(
+        num_layers=arch.num_hidden_layers,
+        num_blocks=TRACE_BLOCKS,
+        block_size=ctx.config.cache.block_size,
+        num_kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        dtype=ctx.dtype,
+        device=ctx.device,
+        int8=ctx.config.cache.kv_cache_dtype == "int8",
+    )
+    packed = dummy_decode_batch(TRACE_BATCH, TRACE_BLOCKS - 1, scratch.block_size, ctx.device)
+    mark_decode_dynamic(packed, scratch.layers)
+    with torch.inference_mode():
+        return trace_decode(model, packed, scratch.layers)
+
+
 class DynamoTransform:
     name = "dynamo_transform"
 
@@ -46,28 +67,15 @@ class DynamoTransform:
             return StageReport.skipped(reason)
         model = ctx.need(ctx.model, "the model", "model_init")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
-        settings = inductor_settings(ctx)
-        ctx.compile_cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device, settings)
-        ctx.backend = DeferredInductor(settings)
-        ctx.decode_fn = CompiledDecode(model, ctx.backend)
-        scratch = KVCache(
-            num_layers=arch.num_hidden_layers,
-            num_blocks=TRACE_BLOCKS,
-            block_size=ctx.config.cache.block_size,
-            num_kv_heads=arch.num_key_value_heads,
-            head_dim=arch.head_dim,
-            dtype=ctx.dtype,
-            device=ctx.device,
-            int8=ctx.config.cache.kv_cache_dtype == "int8",
-        )
-        packed = dummy_decode_batch(TRACE_BATCH, TRACE_BLOCKS - 1, scratch.block_size, ctx.device)
-        mark_decode_dynamic(packed, scratch.layers)
-        with torch.inference_mode():
-            ctx.decode_fn(packed, scratch.layers)
-        return StageReport(
-            attributes={
-                "glowplug.graphs_traced": len(ctx.backend.graphs),
-                "glowplug.graph_nodes": sum(len(g.gm.graph.nodes) for g in ctx.backend.graphs),
-                Attr.CACHE_KEY: ctx.compile_cache.key,
-            }
-        )
+        cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx),
+                                   model)  # fmt: skip
+        ctx.compile_cache = cache
+        attrs: dict[str, object] = {Attr.CACHE_KEY: cache.key, Attr.CACHE_HIT: cache.loaded is not None}
+        if cache.loaded is not None:
+            ctx.traced = cache.loaded  # the stored trace and its guards: nothing to trace
+            return StageReport(attributes=attrs)
+        ctx.traced = trace(ctx)
+        attrs["glowplug.graph_nodes"] = ctx.traced.nodes
+        if cache.miss_reason:
+            attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason
+        return StageReport(attributes=attrs)
