@@ -39,6 +39,8 @@ def skipped_reason(ctx: EngineContext) -> str | None:
 
 class DynamoTransform:
     name = "dynamo_transform"
+    needs: tuple[str, ...] = ("model", "native", "arch", "dtype")
+    provides: tuple[str, ...] = ("backend", "decode_fn", "compile_cache")
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx)

@@ -11,6 +11,8 @@ from .context import EngineContext
 
 class GraphCompile:
     name = "graph_compile"
+    needs: tuple[str, ...] = ("backend", "compile_cache")
+    provides: tuple[str, ...] = ("compiled_graphs",)
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx)

@@ -71,6 +71,10 @@ def _measure(ctx: EngineContext) -> KVProfile:
 
 class KVCacheProfiling:
     name = "kv_cache_profiling"
+    # Not the compile stages': the profiling forward runs eagerly and its tensor tracking is per thread, so it
+    # runs alongside Dynamo tracing and the Inductor compile.
+    needs: tuple[str, ...] = ("model", "arch", "dtype", "weights_bytes")
+    provides: tuple[str, ...] = ("kv_plan",)
 
     def run(self, ctx: EngineContext) -> StageReport:
         ctx.need(ctx.model, "the model", "model_init")
