@@ -349,6 +349,17 @@ def build_phase_table(
     )
 
 
+def with_row_note(table: PhaseTable, name: str, note: str, attributes: Mapping[str, Any] | None = None) -> PhaseTable:
+    """The table with one more note (and attributes) on row `name`, e.g. the import costs on `imports`."""
+    from dataclasses import replace
+
+    rows = tuple(
+        replace(r, notes=(*r.notes, note), attributes={**r.attributes, **(attributes or {})}) if r.name == name else r
+        for r in table.rows
+    )
+    return replace(table, rows=rows)
+
+
 def _union_ns(intervals: Sequence[tuple[int, int]]) -> int:
     """The length of the union of [start, end) intervals."""
     covered, reach = 0, None
