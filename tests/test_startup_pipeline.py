@@ -123,34 +123,47 @@ def _glowplug(*args: str, env: dict[str, str] | None = None, timeout: int = 300)
     )
 
 
-def test_cli_rows_sum_to_wall_time_and_reports(tiny_dir, tmp_path: Path) -> None:
+def test_cli_actual_total_time_against_a_clock_outside_the_process(tiny_dir, tmp_path: Path) -> None:
+    """The oracle is outside the process: this test starts `glowplug startup` and times it until the child says
+    READY. The child's actual_total_time (process creation -> READY, from its own spans) must fit inside that, and
+    not be a small part of it (the child cannot have missed most of its own start)."""
     report, trace, chrome = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "c.json"
-    t0 = time.time()
-    proc = _glowplug(
-        "startup", str(tiny_dir("qwen2")), "--compile", "off", "--report-out", str(report),
-        "--trace-out", str(trace), "--chrome-trace", str(chrome),
-        env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")},
-    )  # fmt: skip
-    wall = time.time() - t0
-    assert proc.returncode == 0, proc.stderr
+    cmd = [sys.executable, "-m", "glowplug.cli", "startup", str(tiny_dir("qwen2")), "--compile", "off",
+           "--report-out", str(report), "--trace-out", str(trace), "--chrome-trace", str(chrome)]  # fmt: skip
+    env = {**os.environ, "GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    assert proc.stderr is not None
+    ready_outside = None
+    for line in proc.stderr:
+        if line.startswith("glowplug: READY"):
+            ready_outside = time.perf_counter() - t0
+    assert proc.wait(timeout=300) == 0
+    exit_outside = time.perf_counter() - t0
+    assert ready_outside is not None, "no READY line"
     data = json.loads(report.read_text())
-    phases = data["phases"]
-    leaves = [
-        "process_start", "imports", "model_prepare", "tokenizer_init", "load_weights", "quantize_weights",
-        "model_init", "native_kernels", "dynamo_transform_time", "graph_compile_general_shape", "graph_compile_cached",
-        "kv_cache_profiling", "kv_cache_init", "graph_capturing", "warmup", "unattributed",
-    ]  # fmt: skip
-    total = sum(phases[k] or 0.0 for k in leaves)
-    actual = data["actual_total_time"]
-    assert total == pytest.approx(actual, rel=0.01)
-    assert abs(phases["unattributed"]) < 0.02 * actual
+    actual, phases = data["actual_total_time"], data["phases"]
+    # READY is printed after the child took its READY time; the child was created after t0.
+    assert actual <= ready_outside <= exit_outside
+    # The READY line follows the floor probe (~0.1-0.3 s after READY); pipes and the exec add a little more.
+    assert actual >= 0.7 * ready_outside - 0.5
     assert phases["process_start"] > 0 and phases["imports"] > 0
-    # process creation -> READY happens inside the subprocess's lifetime as the parent saw it.
-    assert 0.3 * wall < actual <= wall
     assert phases["quantize_weights"] is None and phases["torch.compile"] is None
+    assert phases["floor"] > 0 and data["attributes"]["floor"]["actual/floor"] > 0
     events = json.loads(chrome.read_text())["traceEvents"]
     assert {e["name"] for e in events if e.get("ph") == "X"} >= {STARTUP_SPAN, "glowplug.startup.warmup"}
     assert json.loads(trace.read_text().splitlines()[0])["resourceSpans"]
+
+
+def test_cli_import_times_names_the_costliest_packages(tiny_dir, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    proc = _glowplug("startup", str(tiny_dir("llama")), "--compile", "off", "--import-times", "--report-out",
+                     str(report), env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(report.read_text())
+    top = data["attributes"]["imports"][Attr.IMPORT_TOP]
+    assert len(top) == 5 and top[0].split()[0] == "torch"  # torch is the costliest import of the start
+    assert any("-X importtime" in n for n in data["notes"]["imports"])
 
 
 def test_cli_failing_stage_exits_nonzero_with_one_line_cause(tiny_dir, tmp_path: Path) -> None:
