@@ -132,8 +132,9 @@ class TracingOverhead:
 
     @property
     def resolvable(self) -> bool:
-        """Whether the difference stands out of the run-to-run spread (else the runs cannot tell)."""
-        return abs(self.on_p50 - self.off_p50) > max(self.off_spread, self.on_spread)
+        """Whether the difference stands out of the run-to-run spread (else the runs cannot tell); one run per side
+        has no spread to compare with."""
+        return self.runs >= 2 and abs(self.on_p50 - self.off_p50) > max(self.off_spread, self.on_spread)
 
 
 def tracing_overhead(result: StartupBenchResult) -> TracingOverhead | None:
