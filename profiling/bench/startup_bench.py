@@ -363,7 +363,7 @@ def write_reports(result: StartupBenchResult, argv: list[str] | None = None) -> 
         from .plots import plot_phase_stack
 
         stacks = {row: [r.phases.get(row) for r in ok] for row in leaf_rows(ok)}
-        title = f"glowplug start-up, {result.config.model}: own time per phase (pipeline order)"
+        title = f"glowplug start-up, {Path(str(result.config.model)).name}: own time per phase (s), pipeline order"
         ready = [r.phases.get(READY_ROW) or 0.0 for r in ok]
         written.append(plot_phase_stack([r.label for r in ok], stacks, out / "startup_phases.png", title=title,
                                         xlabel="run", totals=ready, totals_label="time to READY"))  # fmt: skip
