@@ -13,7 +13,7 @@ import structlog
 from opentelemetry import trace
 
 from ..profiling.names import SCHEMA_VERSION, STARTUP_SPAN, Attr
-from ..profiling.phases import PhaseTable, build_phase_table
+from ..profiling.phases import Floor, PhaseTable, build_phase_table
 from ..profiling.process import Clock, ProcessMarks, open_startup_span
 from ..profiling.tracing import Tracing, setup_tracing
 from .artifacts import ArtifactStore
@@ -111,6 +111,18 @@ def _record_phase_durations(ctx: EngineContext, results: list[StageResult]) -> N
         structlog.get_logger("glowplug.startup").warning("start-up profile not recorded", error=repr(exc))
 
 
+FLOOR_PROBE_BYTES = 256 << 20  # larger than the caches, small enough to add ~0.1 s after READY
+FLOOR_PROBE_REPEATS = 3
+
+
+def measure_floor(weights_bytes: int, import_torch_s: float) -> Floor:
+    """The floor of this config: its weights read once at the measured read bandwidth, plus `import torch`."""
+    from ..profiling.bench.machine import measure_probe
+
+    gbps = measure_probe(FLOOR_PROBE_REPEATS, FLOOR_PROBE_BYTES)
+    return Floor(weights_bytes=weights_bytes, read_gbps=round(gbps, 3), import_torch_s=import_torch_s)
+
+
 def build_engine(
     config: EngineConfig,
     *,
@@ -160,9 +172,13 @@ def build_engine(
             ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache
     root.end(end_time=ready_ns)
     trace_id = results[0].span_context.trace_id if results else None
+    # After READY, so it costs the start nothing: the floor needs the import time the CLI measured.
+    floor = (measure_floor(ctx.weights_bytes, marks.import_torch_s)
+             if marks is not None and marks.import_torch_s is not None else None)  # fmt: skip
     table = build_phase_table(
         [s for s in tracing.finished_spans() if s.name.startswith(STARTUP_SPAN)],
         ready_time_ns=ready_ns,
         trace_id=trace_id,
+        floor=floor,
     )
     return StartupResult(engine=ctx.engine, context=ctx, stages=results, phase_table=table, tracing=tracing)

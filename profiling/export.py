@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import format_span_id, format_trace_id
 
-from glowplug.profiling.names import STARTUP_SPAN
+from glowplug.profiling.names import STARTUP_SPAN, Attr
 
 _ID_KEYS: Final = frozenset({"traceId", "spanId", "parentSpanId"})
 
@@ -95,6 +95,35 @@ def _lanes(spans: Sequence[ReadableSpan]) -> list[int]:
     return lane_of
 
 
+def _thread(span: ReadableSpan) -> str | None:
+    value = (span.attributes or {}).get(Attr.THREAD_NAME)
+    return None if value is None else str(value)
+
+
+def _thread_lanes(spans: Sequence[ReadableSpan]) -> tuple[list[int], dict[int, str]]:
+    """Lanes where spans that say which thread ran them (start-up stages run concurrently) get one lane per
+    thread, named after it; the thread of the start-up span shares its lane (its stages nest inside it). Every
+    other span goes through `_lanes`."""
+    main = {t for s in spans if s.name == STARTUP_SPAN and (t := _thread(s)) is not None}
+    plain = [i for i, s in enumerate(spans) if _thread(s) is None or s.name == STARTUP_SPAN or _thread(s) in main]
+    lane_of = [0] * len(spans)
+    for i, lane in zip(plain, _lanes([spans[i] for i in plain]), strict=True):
+        lane_of[i] = lane
+    names: dict[int, str] = {}  # the start-up span's own lane keeps its name, "startup"
+    next_lane = max((lane_of[i] for i in plain), default=-1) + 1
+    own: dict[str, int] = {}
+    for i, span in enumerate(spans):
+        thread = _thread(span)
+        if i in plain or thread is None:
+            continue
+        if thread not in own:
+            own[thread] = next_lane
+            names[next_lane] = thread
+            next_lane += 1
+        lane_of[i] = own[thread]
+    return lane_of, names
+
+
 def _args(span: ReadableSpan) -> dict[str, Any]:
     args: dict[str, Any] = {k: list(v) if isinstance(v, tuple) else v for k, v in (span.attributes or {}).items()}
     ctx = span.context
@@ -115,12 +144,13 @@ def chrome_trace(spans: Iterable[ReadableSpan]) -> dict[str, Any]:
     origin = min((s.start_time or 0 for s in finished), default=0)
     services: dict[str, int] = {}
     events: list[dict[str, Any]] = []
-    lanes = _lanes(finished)
+    lanes, thread_names = _thread_lanes(finished)
     lane_names: dict[tuple[int, int], str] = {}
     for span, lane in zip(finished, lanes, strict=True):
         service = str(span.resource.attributes.get("service.name", "unknown"))
         pid = services.setdefault(service, len(services) + 1)
-        lane_names.setdefault((pid, lane), "startup" if span.name.startswith(STARTUP_SPAN) else span.name)
+        default = "startup" if span.name.startswith(STARTUP_SPAN) else span.name
+        lane_names.setdefault((pid, lane), thread_names.get(lane, default))
         events.append(
             {
                 "name": span.name,

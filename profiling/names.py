@@ -22,6 +22,7 @@ REQUEST_SPAN: Final = "glowplug.request"
 DRAIN_SPAN: Final = "glowplug.drain"
 
 # Stage names: each is the suffix of its span name `glowplug.startup.<stage>`.
+MODEL_PREPARE: Final = "model_prepare"
 TOKENIZER_INIT: Final = "tokenizer_init"
 LOAD_WEIGHTS: Final = "load_weights"
 MODEL_INIT: Final = "model_init"
@@ -36,6 +37,7 @@ WARMUP: Final = "warmup"
 
 # The default pipeline order. The engine owns the actual list; this tuple is the reference order for docs and tests.
 STAGES: Final[tuple[str, ...]] = (
+    MODEL_PREPARE,
     TOKENIZER_INIT,
     LOAD_WEIGHTS,
     MODEL_INIT,
@@ -103,6 +105,18 @@ class Attr:
     CACHE_PATH: Final = "glowplug.cache_path"
     CACHE_REASON: Final = "glowplug.cache_reason"
     CACHE_ACTION: Final = "glowplug.cache_action"
+    # The stages a stage waited for (its declared dependencies in the pipeline): the critical path comes from these.
+    WAITS_FOR: Final = "glowplug.waits_for"  # list[str]
+    # OpenTelemetry's semantic-convention keys for the thread a span ran on (one trace-viewer lane per thread).
+    THREAD_NAME: Final = "thread.name"
+    THREAD_ID: Final = "thread.id"
+    # The imports row: the costliest top-level imports (`--import-times`), "module seconds" strings, costliest first.
+    IMPORT_TOP: Final = "glowplug.import_top"
+    IMPORT_METHOD: Final = "glowplug.import_method"
+    # The floor: weights bytes / read bandwidth + `import torch`.
+    FLOOR_WEIGHTS_BYTES: Final = "glowplug.floor.weights_bytes"
+    FLOOR_READ_GBPS: Final = "glowplug.floor.read_gbps"
+    FLOOR_IMPORT_TORCH_S: Final = "glowplug.floor.import_torch_s"
 
 
 class Event:
@@ -144,6 +158,7 @@ class Row:
 
     PROCESS_START: Final = PROCESS_START
     IMPORTS: Final = IMPORTS
+    MODEL_PREPARE: Final = "model_prepare"
     TOKENIZER_INIT: Final = "tokenizer_init"
     LOAD_WEIGHTS: Final = "load_weights"
     MODEL_INIT: Final = "model_init"
@@ -160,8 +175,14 @@ class Row:
     WARMUP: Final = "warmup"
     INIT_ENGINE: Final = "init_engine"
     UNATTRIBUTED: Final = "unattributed"
+    # Derived rows (not leaves): how the stage times relate to the wall time when stages ran at once.
+    OVERLAP: Final = "overlap"  # sum of the stages' own times - the wall time they covered together
+    CRITICAL_PATH: Final = "critical_path"  # the longest chain of stages that waited on each other
     TOTAL_TIME: Final = "total_time"
     ACTUAL_TOTAL_TIME: Final = "actual_total_time"
+    # The floor for this config (after the totals): weights bytes / read bandwidth + import torch, and actual/floor.
+    FLOOR: Final = "floor"
+    ACTUAL_OVER_FLOOR: Final = "actual/floor"
 
 
 # Stages whose row name differs from the stage name. Any stage not listed books to a row named like the stage,
@@ -177,11 +198,12 @@ STAGE_ALTERNATIVE_ROWS: Final[dict[str, tuple[str, ...]]] = {
     GRAPH_COMPILE: (Row.GRAPH_COMPILE_GENERAL_SHAPE, Row.GRAPH_COMPILE_CACHED),
 }
 
-# Leaves in display order (chronological for the default pipeline). Leaves plus `unattributed` add up to
-# actual_total_time exactly.
+# Leaves in display order (the default pipeline's list order). Leaves plus `unattributed` minus `overlap` add up to
+# actual_total_time exactly (overlap is 0 when no two stages ran at once).
 LEAF_ROWS: Final[tuple[str, ...]] = (
     Row.PROCESS_START,
     Row.IMPORTS,
+    Row.MODEL_PREPARE,
     Row.TOKENIZER_INIT,
     Row.LOAD_WEIGHTS,
     Row.MODEL_INIT,
@@ -200,8 +222,9 @@ LEAF_ROWS: Final[tuple[str, ...]] = (
 # (vLLM prints torch.compile == dynamo_transform_time) and the build of the native kernels the graph calls. init_engine is the engine's own set-up after the model
 # exists and is compiled: profiling, KV allocation, capture and warm-up; compile is not in it because here it is
 # a stage of its own (in vLLM it runs inside the profiling pass, so its init_engine contains it).
+# model_loading includes model_prepare: finding (cold: converting) the checkpoint is the first step of loading it.
 AGGREGATE_ROWS: Final[dict[str, tuple[str, ...]]] = {
-    Row.MODEL_LOADING: (Row.LOAD_WEIGHTS, Row.MODEL_INIT, Row.QUANTIZE_WEIGHTS),
+    Row.MODEL_LOADING: (Row.MODEL_PREPARE, Row.LOAD_WEIGHTS, Row.MODEL_INIT, Row.QUANTIZE_WEIGHTS),
     Row.TORCH_COMPILE: (Row.NATIVE_KERNELS, Row.DYNAMO_TRANSFORM_TIME, Row.GRAPH_COMPILE_GENERAL_SHAPE,
                         Row.GRAPH_COMPILE_CACHED),
     Row.INIT_ENGINE: (Row.KV_CACHE_PROFILING, Row.KV_CACHE_INIT, Row.GRAPH_CAPTURING, Row.WARMUP),

@@ -4,14 +4,25 @@ Row definitions (names from vLLM's start-up table where it has one; see `names.p
   leaves       process_start, imports, then one row per stage span (`glowplug.startup.<stage>`); a stage books to
                its default row or to the row its report chose (graph_compile: general_shape on a miss, cached on
                a hit). A leaf whose phase did not run is None with a reason.
-  unattributed actual_total_time - sum(leaves): time between and around the spans that no phase claims.
-               Leaves + unattributed == actual_total_time exactly (computed in integer ns).
-  aggregates   model_loading = load_weights + model_init + quantize_weights
-               torch.compile = dynamo_transform_time + graph_compile_general_shape + graph_compile_cached
+  unattributed actual_total_time - (sum(leaves) - overlap): wall time no phase claims.
+               Leaves + unattributed - overlap == actual_total_time exactly (computed in integer ns).
+  aggregates   model_loading = model_prepare + load_weights + model_init + quantize_weights
+               torch.compile = native_kernels + dynamo_transform_time + graph_compile_general_shape
+                               + graph_compile_cached
                init_engine   = kv_cache_profiling + kv_cache_init + graph_capturing + warmup
+               An aggregate is a sum of own times: when its stages overlapped, it is more than the wall time they
+               took. Never add aggregates to leaves (or to each other): each leaf is in exactly one aggregate.
+  derived      overlap       = sum of the booked stage times - the wall time those stages covered together (the
+                               union of their intervals): the seconds saved by running stages at once. 0 when
+                               the pipeline ran one stage at a time.
+               critical_path = the longest chain of stages that waited on each other (own times, from each span's
+                               `glowplug.waits_for`): no amount of overlap makes the stages faster than this.
   totals       total_time = sum of all stage spans (pre-main excluded; skipped and failed stages included)
-               actual_total_time = process creation (the process_start span's start) -> READY
-A stage reported as skipped contributes no leaf time (its few µs fall into unattributed) and shows its reason.
+               actual_total_time = process creation (the process_start span's start) -> READY (wall time)
+  floor        weights bytes / a read-bandwidth probe + `import torch`, when the caller measured it; its note
+               gives actual/floor.
+A stage reported as skipped contributes no leaf time (its few µs fall into unattributed) and shows its reason; a
+stage that hit its cache ran (it read the cache): its time is booked to its row, with the note "cache hit".
 """
 
 from __future__ import annotations
@@ -44,7 +55,8 @@ from glowplug.profiling.names import (
     stage_from_span_name,
 )
 
-Kind = Literal["leaf", "aggregate", "total"]
+Kind = Literal["leaf", "aggregate", "derived", "total", "floor"]
+CACHE_HIT_NOTE = "cache hit"
 REPORT_SUFFIXES = (".md", ".csv", ".json")
 NOT_IN_PIPELINE = "not in pipeline"
 NO_PROCESS_MARKS = "no process marks (mark_main_entry() not used)"
@@ -199,6 +211,10 @@ def span_phase(span: ReadableSpan) -> SpanPhase:
     outcome: Outcome
     if span.status.status_code is StatusCode.ERROR:
         outcome, reason = "failed", f"failed: {span.status.description or attrs.get(Attr.ERROR, 'error')}"
+    elif skipped == CACHE_HIT_NOTE:
+        # Reading a cache is work of the stage's own: its time belongs to its row, not to unattributed.
+        outcome, reason = "ran", None
+        attrs.setdefault(Attr.CACHE_HIT, True)
     elif skipped:
         outcome, reason = "skipped", str(skipped)
     else:
@@ -223,6 +239,8 @@ def _row_notes(phase: SpanPhase) -> list[str]:
     own on the alternative row; a cache event already explains its miss)."""
     if phase.events or phase.outcome != "ran" or phase.stage in STAGE_ALTERNATIVE_ROWS:
         return list(phase.events)
+    if phase.attributes.get(Attr.CACHE_HIT) is True:
+        return [CACHE_HIT_NOTE]
     miss = phase.attributes.get(Attr.CACHE_MISS_REASON)
     return [f"cache miss: {miss}"] if miss and phase.attributes.get(Attr.CACHE_HIT) is False else []
 
@@ -233,8 +251,11 @@ def build_phase_table(
     ready_time_ns: int | None = None,
     trace_id: int | None = None,
     versions: Mapping[str, str] | None = None,
+    floor: Floor | None = None,
 ) -> PhaseTable:
     """The phase table of one start-up (the latest in `spans` unless `trace_id` picks one).
+
+    floor: the measured floor for this config (see `Floor`); the table then ends with it and actual/floor.
 
     ready_time_ns: wall-clock ns (same time line as the spans, e.g. `ProcessMarks.clock.now_ns()`) at READY;
         default: the end of the root `glowplug.startup` span, else of the last stage span.
@@ -249,11 +270,16 @@ def build_phase_table(
     attributes: dict[str, dict[str, Any]] = {}
     extra_rows: list[str] = []  # stages the vocabulary does not know yet, in order of appearance
     total_ns = 0
+    booked: list[tuple[int, int]] = []  # intervals of the stage spans whose time is booked to a leaf
+    chain_spans: list[SpanPhase] = []
     for span in stage_spans:
         phase = span_phase(span)
         stage, row, attrs = phase.stage, phase.row, phase.attributes
         if stage not in PRE_MAIN:
             total_ns += phase.nanos
+            chain_spans.append(phase)
+            if phase.booked_nanos is not None:
+                booked.append((phase.start_ns, phase.end_ns))
         if row not in LEAF_ROWS and row not in extra_rows:
             extra_rows.append(row)
         attributes.setdefault(row, {}).update(attrs)
@@ -286,7 +312,8 @@ def build_phase_table(
         if nanos is None and reason is None:
             reason = NO_PROCESS_MARKS if name in PRE_MAIN else NOT_IN_PIPELINE
         rows.append(PhaseRow(name, "leaf", nanos, reason, attributes.get(name, {}), notes=tuple(notes.get(name, ()))))
-    unattributed = actual_ns - sum(r.nanos for r in rows if r.nanos is not None)
+    overlap_ns = sum(e - b for b, e in booked) - _union_ns(booked)
+    unattributed = actual_ns - sum(r.nanos for r in rows if r.nanos is not None) + overlap_ns
     rows.append(PhaseRow(Row.UNATTRIBUTED, "leaf", unattributed))
 
     by_name = {r.name: r for r in rows}
@@ -302,16 +329,85 @@ def build_phase_table(
             aggregates.append(PhaseRow(name, "aggregate", None, reason, components=parts))
     # Cache events of the work around the stages (e.g. the start-up profile written at READY) are on the root.
     root_notes = tuple(n for r in roots for n in event_notes(r))
+    path_ns, path = _critical_path(chain_spans)
+    derived = [
+        PhaseRow(Row.OVERLAP, "derived", overlap_ns, "stages that ran at once: sum of their own times - the wall "
+                 "time they covered; leaves + unattributed - overlap = actual_total_time"),
+        PhaseRow(Row.CRITICAL_PATH, "derived", path_ns, " -> ".join(path) if path else "no stages"),
+    ]
     totals = [
         PhaseRow(Row.TOTAL_TIME, "total", total_ns, "sum of stage spans"),
         PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY", notes=root_notes),
     ]
+    if floor is not None:
+        totals.append(floor.row(actual_ns))
     trace_hex = format_trace_id(group[0].context.trace_id) if group[0].context is not None else None
     return PhaseTable(
-        rows=tuple(_display_order(rows, aggregates) + totals),
+        rows=tuple(_display_order(rows, aggregates) + derived + totals),
         versions=dict(versions) if versions is not None else current_versions(),
         trace_id=trace_hex,
     )
+
+
+def with_row_note(table: PhaseTable, name: str, note: str, attributes: Mapping[str, Any] | None = None) -> PhaseTable:
+    """The table with one more note (and attributes) on row `name`, e.g. the import costs on `imports`."""
+    from dataclasses import replace
+
+    rows = tuple(
+        replace(r, notes=(*r.notes, note), attributes={**r.attributes, **(attributes or {})}) if r.name == name else r
+        for r in table.rows
+    )
+    return replace(table, rows=rows)
+
+
+def _union_ns(intervals: Sequence[tuple[int, int]]) -> int:
+    """The length of the union of [start, end) intervals."""
+    covered, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            covered += end - start
+            reach = end
+        elif end > reach:
+            covered += end - reach
+            reach = end
+    return covered
+
+
+def _critical_path(phases: Sequence[SpanPhase]) -> tuple[int, list[str]]:
+    """The chain of stages (through `glowplug.waits_for`) with the largest sum of own times, and that sum. A span
+    without the attribute (a table built from older spans) waits for the stage before it."""
+    by_stage = {p.stage: p for p in phases}
+    best: dict[str, tuple[int, list[str]]] = {}
+    previous: str | None = None
+    for phase in sorted(phases, key=lambda p: p.start_ns):
+        waits = phase.attributes.get(Attr.WAITS_FOR)
+        parents = [str(w) for w in waits] if waits is not None else ([previous] if previous else [])
+        before = max((best[w] for w in parents if w in best and w in by_stage), default=(0, []), key=lambda b: b[0])
+        best[phase.stage] = (before[0] + phase.nanos, [*before[1], phase.stage])
+        previous = phase.stage
+    return max(best.values(), default=(0, []), key=lambda b: b[0])
+
+
+@dataclass(frozen=True)
+class Floor:
+    """The least a start of this config can take: read the weights once at the measured bandwidth, and import
+    torch (measured in this process). Everything else the start-up does is above the floor."""
+
+    weights_bytes: int
+    read_gbps: float
+    import_torch_s: float
+
+    @property
+    def nanos(self) -> int:
+        return round((self.weights_bytes / (self.read_gbps * 1e9) + self.import_torch_s) * 1e9)
+
+    def row(self, actual_ns: int) -> PhaseRow:
+        ratio = actual_ns / self.nanos if self.nanos > 0 else float("inf")
+        note = (f"weights {self.weights_bytes / 1e9:.3f} GB / {self.read_gbps:.1f} GB/s read probe + import torch "
+                f"{self.import_torch_s:.3f} s; actual/floor = {ratio:.2f}x")  # fmt: skip
+        attrs = {Attr.FLOOR_WEIGHTS_BYTES: self.weights_bytes, Attr.FLOOR_READ_GBPS: self.read_gbps,
+                 Attr.FLOOR_IMPORT_TORCH_S: self.import_torch_s, Row.ACTUAL_OVER_FLOOR: round(ratio, 3)}  # fmt: skip
+        return PhaseRow(Row.FLOOR, "floor", self.nanos, note, attrs)
 
 
 def _display_order(leaves: list[PhaseRow], aggregates: list[PhaseRow]) -> list[PhaseRow]:
@@ -332,7 +428,7 @@ def _fmt(seconds: float | None, digits: int = 3) -> str:
 
 def _share(table: PhaseTable, row: PhaseRow) -> str:
     actual = table.actual_total_time
-    if row.seconds is None or actual <= 0 or row.kind == "total":
+    if row.seconds is None or actual <= 0 or row.kind in ("total", "floor"):
         return ""
     return f"{100.0 * row.seconds / actual:.1f}%"
 
@@ -379,10 +475,11 @@ def to_rich(table: PhaseTable) -> Table:
     out.add_column("note", overflow="fold")
     rows = display_rows(table)
     for i, row in enumerate(rows):
-        style = {"aggregate": "bold cyan", "total": "bold"}.get(row.kind, "")
+        style = {"aggregate": "bold cyan", "derived": "magenta", "total": "bold", "floor": "green"}.get(row.kind, "")
         if row.name == Row.UNATTRIBUTED:
             style = "yellow"
-        last_before_totals = row.kind != "total" and i + 1 < len(rows) and rows[i + 1].kind == "total"
+        last_before_totals = (row.kind not in ("total", "floor") and i + 1 < len(rows)
+                              and rows[i + 1].kind in ("total", "derived") and row.kind != rows[i + 1].kind)  # fmt: skip
         out.add_row(row.label, row.seconds, row.share, row.note, style=style, end_section=last_before_totals)
     return out
 
@@ -397,7 +494,7 @@ def _versions_line(table: PhaseTable) -> str:
 def to_markdown(table: PhaseTable) -> str:
     lines = ["| phase | kind | seconds | % of actual | note |", "|:--|:--|--:|--:|:--|"]
     for row in display_rows(table):
-        name = f"**{row.name}**" if row.kind != "leaf" else row.name
+        name = f"**{row.name}**" if row.kind not in ("leaf", "derived") else row.name
         note = row.note.replace("|", "\\|")
         lines.append(f"| {name} | {row.kind} | {row.seconds} | {row.share} | {note} |")
     lines += ["", f"_{_versions_line(table)}_", ""]

@@ -92,6 +92,8 @@ class ProcessMarks:
     resolution_s: float
     method: str
     imports_done_ns: int | None = None
+    # Seconds `import torch` took in this process (the floor's import term), when the caller measured it.
+    import_torch_s: float | None = None
 
     def mark_imports_done(self) -> int:
         """Call once the heavy imports (torch, transformers, ...) are done; the first call wins."""

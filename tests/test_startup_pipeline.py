@@ -44,9 +44,13 @@ def test_span_tree_order_parentage_and_attributes(tiny_dir, tmp_path: Path) -> N
     spans = tracing.finished_spans()
     root = next(s for s in spans if s.name == STARTUP_SPAN)
     stages = sorted((s for s in spans if stage_from_span_name(s.name)), key=lambda s: s.start_time)
-    assert [stage_from_span_name(s.name) for s in stages] == STAGE_ORDER
-    for a, b in zip(stages, stages[1:]):
-        assert a.end_time <= b.start_time
+    assert sorted(stage_from_span_name(s.name) for s in stages) == sorted(STAGE_ORDER)
+    # Each stage starts after every stage it declared it waits for has ended (the others may overlap it).
+    by_stage = {stage_from_span_name(s.name): s for s in stages}
+    for span in stages:
+        for dep in span.attributes[Attr.WAITS_FOR]:
+            assert by_stage[dep].end_time <= span.start_time
+    assert list(by_stage["tokenizer_init"].attributes[Attr.WAITS_FOR]) == ["model_prepare"]
     assert all(s.parent is not None and s.parent.span_id == root.context.span_id for s in stages)
     attrs = {stage_from_span_name(s.name): dict(s.attributes) for s in stages}
     assert attrs["load_weights"][Attr.BYTES_READ] > 0 and attrs["load_weights"][Attr.READ_GBPS] > 0
@@ -68,7 +72,8 @@ def test_second_start_reads_profile_cache(tiny_dir, tmp_path: Path) -> None:
     _start(tiny_dir("llama"), tmp_path, compile="off")
     second, _ = _start(tiny_dir("llama"), tmp_path, compile="off")
     row = second.phase_table["kv_cache_profiling"]
-    assert row.seconds is None and row.reason == "cache hit"
+    # Reading the profile is the stage's own work: booked to its row, with the note.
+    assert row.seconds is not None and row.seconds > 0 and row.reason is None and row.notes == ("cache hit",)
 
 
 def test_kv_profile_ignores_max_model_len_and_names_what_changed(tiny_dir, tmp_path: Path) -> None:
@@ -76,7 +81,7 @@ def test_kv_profile_ignores_max_model_len_and_names_what_changed(tiny_dir, tmp_p
     it re-plans the cache from the stored profile; changing the batch the forward runs re-profiles, and says so."""
     _start(tiny_dir("llama"), tmp_path, compile="off", max_model_len=128)
     other_len, _ = _start(tiny_dir("llama"), tmp_path, compile="off", max_model_len=256)
-    assert other_len.phase_table["kv_cache_profiling"].reason == "cache hit"
+    assert other_len.phase_table["kv_cache_profiling"].notes == ("cache hit",)
     assert other_len.kv_plan.max_model_len == 256
     other_batch, tracing = _start(tiny_dir("llama"), tmp_path, compile="off", max_num_batched_tokens=1024)
     span = next(s for s in tracing.finished_spans() if s.name == "glowplug.startup.kv_cache_profiling")
@@ -118,34 +123,47 @@ def _glowplug(*args: str, env: dict[str, str] | None = None, timeout: int = 300)
     )
 
 
-def test_cli_rows_sum_to_wall_time_and_reports(tiny_dir, tmp_path: Path) -> None:
+def test_cli_actual_total_time_against_a_clock_outside_the_process(tiny_dir, tmp_path: Path) -> None:
+    """The oracle is outside the process: this test starts `glowplug startup` and times it until the child says
+    READY. The child's actual_total_time (process creation -> READY, from its own spans) must fit inside that, and
+    not be a small part of it (the child cannot have missed most of its own start)."""
     report, trace, chrome = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "c.json"
-    t0 = time.time()
-    proc = _glowplug(
-        "startup", str(tiny_dir("qwen2")), "--compile", "off", "--report-out", str(report),
-        "--trace-out", str(trace), "--chrome-trace", str(chrome),
-        env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")},
-    )  # fmt: skip
-    wall = time.time() - t0
-    assert proc.returncode == 0, proc.stderr
+    cmd = [sys.executable, "-m", "glowplug.cli", "startup", str(tiny_dir("qwen2")), "--compile", "off",
+           "--report-out", str(report), "--trace-out", str(trace), "--chrome-trace", str(chrome)]  # fmt: skip
+    env = {**os.environ, "GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    assert proc.stderr is not None
+    ready_outside = None
+    for line in proc.stderr:
+        if line.startswith("glowplug: READY"):
+            ready_outside = time.perf_counter() - t0
+    assert proc.wait(timeout=300) == 0
+    exit_outside = time.perf_counter() - t0
+    assert ready_outside is not None, "no READY line"
     data = json.loads(report.read_text())
-    phases = data["phases"]
-    leaves = [
-        "process_start", "imports", "model_prepare", "tokenizer_init", "load_weights", "quantize_weights",
-        "model_init", "native_kernels", "dynamo_transform_time", "graph_compile_general_shape", "graph_compile_cached",
-        "kv_cache_profiling", "kv_cache_init", "graph_capturing", "warmup", "unattributed",
-    ]  # fmt: skip
-    total = sum(phases[k] or 0.0 for k in leaves)
-    actual = data["actual_total_time"]
-    assert total == pytest.approx(actual, rel=0.01)
-    assert abs(phases["unattributed"]) < 0.02 * actual
+    actual, phases = data["actual_total_time"], data["phases"]
+    # READY is printed after the child took its READY time; the child was created after t0.
+    assert actual <= ready_outside <= exit_outside
+    # The READY line follows the floor probe (~0.1-0.3 s after READY); pipes and the exec add a little more.
+    assert actual >= 0.7 * ready_outside - 0.5
     assert phases["process_start"] > 0 and phases["imports"] > 0
-    # process creation -> READY happens inside the subprocess's lifetime as the parent saw it.
-    assert 0.3 * wall < actual <= wall
     assert phases["quantize_weights"] is None and phases["torch.compile"] is None
+    assert phases["floor"] > 0 and data["attributes"]["floor"]["actual/floor"] > 0
     events = json.loads(chrome.read_text())["traceEvents"]
     assert {e["name"] for e in events if e.get("ph") == "X"} >= {STARTUP_SPAN, "glowplug.startup.warmup"}
     assert json.loads(trace.read_text().splitlines()[0])["resourceSpans"]
+
+
+def test_cli_import_times_names_the_costliest_packages(tiny_dir, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    proc = _glowplug("startup", str(tiny_dir("llama")), "--compile", "off", "--import-times", "--report-out",
+                     str(report), env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(report.read_text())
+    top = data["attributes"]["imports"][Attr.IMPORT_TOP]
+    assert len(top) == 5 and top[0].split()[0] == "torch"  # torch is the costliest import of the start
+    assert any("-X importtime" in n for n in data["notes"]["imports"])
 
 
 def test_cli_failing_stage_exits_nonzero_with_one_line_cause(tiny_dir, tmp_path: Path) -> None:
@@ -180,3 +198,23 @@ def test_startup_spans_reach_a_real_otlp_receiver(tiny_dir, tmp_path: Path) -> N
     for stage in STAGE_ORDER + ["process_start", "imports"]:
         span = by_name[f"glowplug.startup.{stage}"]
         assert span.parent_span_id == root.span_id and span.trace_id == root.trace_id
+
+
+def test_kv_profile_peak_is_at_least_the_largest_intermediate_and_repeatable(tiny_dir, tmp_path: Path) -> None:
+    """Oracle: the forward's largest intermediates must be live at once, whatever the heap did before. The fused
+    gate/up projection's output is tokens x 2*intermediate_size, the logits rows x vocab, in the run dtype (fp32)."""
+    first, tracing = _start(tiny_dir("llama"), tmp_path / "a", compile="off")
+    arch = first.arch
+    span = next(s for s in tracing.finished_spans() if s.name == "glowplug.startup.kv_cache_profiling")
+    peak = span.attributes[Attr.PEAK_MEMORY_BYTES]
+    tokens = min(2048, arch.max_position_embeddings)
+    rows = min(EngineConfig().scheduler.max_num_seqs, tokens)
+    bound = max(tokens * 2 * arch.intermediate_size * 4, rows * arch.vocab_size * 4, tokens * arch.hidden_size * 4)
+    assert span.attributes["glowplug.memory_method"] == "live_tensor_bytes"
+    assert peak >= bound
+    assert peak <= 50 * bound  # and not the whole process's memory
+    # An RSS reading depends on the heap the process touched before; this does not: a second cold profile in the
+    # same (now well-used) process gives the same number.
+    second, tracing2 = _start(tiny_dir("llama"), tmp_path / "b", compile="off")
+    span2 = next(s for s in tracing2.finished_spans() if s.name == "glowplug.startup.kv_cache_profiling")
+    assert span2.attributes[Attr.CACHE_HIT] is False and span2.attributes[Attr.PEAK_MEMORY_BYTES] == peak

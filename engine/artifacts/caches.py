@@ -6,7 +6,7 @@
 | quant            | checkpoint shards (name, size, mtime), scheme, group size, torch, kernels source | bypass  |
 | compile          | model config, dtype, quant + KV-cache fields, torch, glowplug source, device | bypass      |
 | inductor         | torch, device (CPU model)                                                   | bypass       |
-| kv_profile       | model config, dtype, quantization, max_num_batched_tokens, max_num_seqs, device, torch, glowplug | bypass |
+| kv_profile       | model config, dtype, quantization, max_num_batched_tokens, max_num_seqs, device | bypass       |
 | startup_profile  | the engine config (all fields but the seed), device                         | bypass       |
 | kernel_dispatch  | torch, CPU model, threads, layer shapes, formats, Ms, table version         | bypass       |
 | native           | kernel sources, torch, compiler version, CPU feature flags                  | bypass       |
@@ -45,8 +45,9 @@ INDUCTOR = CacheSpec(
     "inductor", 1, "Inductor's cache folder: generated code, compiled kernels (.so), FX graphs, CPU probes", "bypass",
     "Inductor compiles into a private temporary folder, so every start compiles cold",
 )
+# v2: the CPU peak is live tensor bytes (profiling/memory.py LiveTensorPeak), no longer RSS growth.
 KV_PROFILE = CacheSpec(
-    "kv_profile", 1, "activation peak of one forward at max_num_batched_tokens (sizes the KV cache)", "bypass",
+    "kv_profile", 2, "activation peak of one forward at max_num_batched_tokens (sizes the KV cache)", "bypass",
     "every start runs the profiling forward again",
 )
 STARTUP_PROFILE = CacheSpec(

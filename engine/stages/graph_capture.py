@@ -65,6 +65,8 @@ class CudaGraphDecode:
 
 class GraphCapture:
     name = "graph_capture"
+    needs: tuple[str, ...] = ("runner", "decode_fn", "backend", "compiled_graphs")
+    provides: tuple[str, ...] = ("runner",)
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx)

@@ -14,6 +14,8 @@ from .context import EngineContext
 
 class KVCacheInit:
     name = "kv_cache_init"
+    needs: tuple[str, ...] = ("kv_plan", "arch", "model", "tokenizer", "model_dir")
+    provides: tuple[str, ...] = ("kv_cache", "runner", "engine")
 
     def run(self, ctx: EngineContext) -> StageReport:
         plan = ctx.need(ctx.kv_plan, "the KV plan", "kv_cache_profiling")

@@ -29,6 +29,8 @@ def touch_pages(sd: dict[str, torch.Tensor]) -> int:
 
 class LoadWeights:
     name = "load_weights"
+    needs: tuple[str, ...] = ("model_dir", "arch", "dtype")
+    provides: tuple[str, ...] = ("state_dict", "weights_bytes")
 
     def run(self, ctx: EngineContext) -> StageReport:
         import time

@@ -12,6 +12,8 @@ from .context import EngineContext
 
 class ModelPrepare:
     name = "model_prepare"
+    needs: tuple[str, ...] = ()
+    provides: tuple[str, ...] = ("model_dir", "arch", "dtype")
 
     def run(self, ctx: EngineContext) -> StageReport:
         ctx.model_dir, fetched = prepare_model(ctx.config.model, ctx.cache_root, quiet=True)

@@ -19,6 +19,9 @@ DENSE_SMALL_M = 16
 
 class NativeKernels:
     name = "native_kernels"
+    # It switches the model's layers to native kernels in place: later readers of the model wait for it.
+    needs: tuple[str, ...] = ("model", "dtype")
+    provides: tuple[str, ...] = ("native", "model")
 
     def run(self, ctx: EngineContext) -> StageReport:
         if not ctx.config.compile_enabled():

@@ -40,6 +40,8 @@ def quant_factors(ctx: EngineContext) -> dict[str, Any]:
 
 class QuantizeWeights:
     name = "quantize_weights"
+    needs: tuple[str, ...] = ("model_dir", "state_dict")
+    provides: tuple[str, ...] = ("state_dict", "weights_bytes")
 
     def run(self, ctx: EngineContext) -> StageReport:
         q = ctx.config.quant

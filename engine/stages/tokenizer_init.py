@@ -9,6 +9,9 @@ from .context import EngineContext
 
 class TokenizerInit:
     name = "tokenizer_init"
+    # Only the model folder: the tokenizer loads alongside the weights.
+    needs: tuple[str, ...] = ("model_dir",)
+    provides: tuple[str, ...] = ("tokenizer",)
 
     def run(self, ctx: EngineContext) -> StageReport:
         ctx.tokenizer = load_tokenizer(ctx.need(ctx.model_dir, "the model folder", "model_prepare"))

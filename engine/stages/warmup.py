@@ -11,6 +11,8 @@ WARMUP_TOKENS = 4
 
 class Warmup:
     name = "warmup"
+    needs: tuple[str, ...] = ("engine", "runner")
+    provides: tuple[str, ...] = ()
 
     def run(self, ctx: EngineContext) -> StageReport:
         engine = ctx.need(ctx.engine, "the engine", "kv_cache_init")

@@ -105,8 +105,12 @@ def plot_phase_stack(
     *,
     title: str,
     xlabel: str,
+    totals: Sequence[float] | None = None,
+    totals_label: str = "total",
 ) -> Path:
-    """Stacked bars: one bar per column (a run, a max-model-len), one segment per phase (None = did not run)."""
+    """Stacked bars: one bar per column (a run, a max-model-len), one segment per phase (None = did not run), in
+    the order of `stacks`. totals: a black tick per column (e.g. the wall time, below the stack when phases
+    overlapped)."""
     fig = _figure(max(6.0, 0.9 * len(columns) + 3.5), 4.8)
     ax = fig.add_subplot(1, 1, 1)
     xs = list(range(len(columns)))
@@ -117,6 +121,8 @@ def plot_phase_stack(
             continue
         ax.bar(xs, heights, bottom=bottoms, label=phase, color=COLORS[j % len(COLORS)], width=0.7)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
+    if totals is not None:
+        ax.scatter(xs, list(totals), marker="_", s=900, linewidths=2.5, color="black", label=totals_label, zorder=3)
     crowded = len(columns) > 6
     ax.set_xticks(xs, list(columns), rotation=30 if crowded else 0, ha="right" if crowded else "center")
     ax.set_xlabel(xlabel)

@@ -1,12 +1,14 @@
 """`glowplug bench startup`: N cold and N warm start-ups, each `glowplug startup` in a fresh process, with the
-per-phase Average, p50, p90, p99 and the time to READY.
+per-phase median and spread (min-max) and the time to READY, a stacked plot in pipeline order, and the cost of
+tracing (the same warm start exporting spans to a real OTLP receiver, and exporting nothing).
 
 cold  every run gets its own empty cache directory: model conversion, compile cache and KV profile all miss.
 warm  every run reuses the cache directory the last cold run filled: whatever is cached, hits.
-The rows are the phase table's (see profiling/phases.py), unattributed included, so the phases add up to the time
-to READY (`actual_total_time`, process creation -> READY); seed 004 left ~15 s between its total_time and
-actual_total_time unexplained. A phase that did not run in a run (skipped, cache hit) has no sample from it; its
-row says why and over how many runs its statistics are taken.
+otlp  N more warm starts with OTEL_EXPORTER_OTLP_ENDPOINT set to a receiver in this process, alternated with N
+      warm starts without it, so drift of the machine hits both alike.
+The rows are the phase table's (see profiling/phases.py). Stages may overlap: leaves + unattributed - overlap is
+the time to READY (`actual_total_time`, process creation -> READY). A phase that did not run in a run (skipped)
+has no sample from it; its row says why and over how many runs its statistics are taken.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from pydantic import Field
 
 from ...engine.config import Quantization
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
-from .startup_runs import READY_ROW, StartupRun, run_startup, short
+from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, run_startup, short
 from .stats import PERCENTILE_METHOD, Summary, summarize
 from .tables import Cell, Missing, fmt_num, markdown_table
 
-Mode = Literal["cold", "warm"]
-MODES: tuple[Mode, ...] = ("cold", "warm")
+Mode = Literal["cold", "warm", "otlp_off", "otlp_on"]
+MODES: tuple[Mode, ...] = ("cold", "warm")  # the phase statistics
+TRACING_MODES: tuple[Mode, ...] = ("otlp_off", "otlp_on")  # the tracing-overhead comparison
+TRACING_TARGET = 0.01  # the issue's target: exporting spans costs at most 1% of the time to READY
 Progress = Callable[[str], None]
 
 
@@ -40,8 +44,9 @@ class StartupBenchConfig(BenchEngineFields):
     runs: int = Field(3, ge=1, description="Cold starts, and as many warm starts.")
     timeout_s: float = Field(900.0, gt=0, description="Per start-up.")
     keep_caches: bool = Field(False, description="Keep the temporary cache directories (their paths are printed).")
-    out_dir: Path = Field(Path("reports/startup"), description="Where startup.md/.json/.png go.")
+    out_dir: Path = Field(Path("bench-startup"), description="Where startup.md/.json/.png go (relative to the cwd).")
     plots: bool = True
+    tracing_overhead: bool = Field(True, description="Also run N warm starts with and N without OTLP export.")
 
     def startup_args(self) -> list[str]:
         return self.startup_argv(
@@ -60,7 +65,7 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
     out = prepare_out_dir(cfg.out_dir)
     root = Path(tempfile.mkdtemp(prefix="glowplug-startup-bench-"))
     args = cfg.startup_args()
-    runs: dict[Mode, list[StartupRun]] = {"cold": [], "warm": []}
+    runs: dict[Mode, list[StartupRun]] = {"cold": [], "warm": [], "otlp_off": [], "otlp_on": []}
     warm_dir: Path | None = None
     try:
         for i in range(1, cfg.runs + 1):
@@ -83,10 +88,61 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
             runs["warm"].append(
                 run_startup(f"warm {i}", args, out / f"warm-{i}.json", cache_dir=warm_dir, timeout_s=cfg.timeout_s)
             )
+        if cfg.tracing_overhead and warm_dir is not None:
+            _tracing_runs(cfg, args, out, warm_dir, runs, say)
     finally:
         if not cfg.keep_caches:
             shutil.rmtree(root, ignore_errors=True)
     return StartupBenchResult(cfg, runs)
+
+
+def _tracing_runs(cfg: StartupBenchConfig, args: list[str], out: Path, cache: Path, runs: dict[Mode, list[StartupRun]],
+                  say: Progress) -> None:  # fmt: skip
+    """Alternate warm starts without and with OTLP export to a receiver that decodes every request."""
+    import os
+
+    from .otlp_sink import OtlpSink
+
+    quiet = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    with OtlpSink() as sink:
+        exporting = {**quiet, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+                     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}  # fmt: skip
+        for i in range(1, cfg.runs + 1):
+            for mode, env in (("otlp_off", quiet), ("otlp_on", exporting)):
+                say(f"{mode} start {i}/{cfg.runs}")
+                before = sink.spans
+                run = run_startup(f"{mode} {i}", args, out / f"{mode}-{i}.json", cache_dir=cache,
+                                  timeout_s=cfg.timeout_s, env={**env, CACHE_ENV: str(cache)})  # fmt: skip
+                if mode == "otlp_on" and run.ok and sink.spans == before:
+                    run.error = "the OTLP receiver got no spans from this start"
+                runs[mode].append(run)  # type: ignore[index]
+
+
+@dataclass(frozen=True)
+class TracingOverhead:
+    off_p50: float
+    on_p50: float
+    off_spread: float
+    on_spread: float
+    runs: int
+
+    @property
+    def relative(self) -> float:
+        return (self.on_p50 - self.off_p50) / self.off_p50
+
+    @property
+    def resolvable(self) -> bool:
+        """Whether the difference stands out of the run-to-run spread (else the runs cannot tell); one run per side
+        has no spread to compare with."""
+        return self.runs >= 2 and abs(self.on_p50 - self.off_p50) > max(self.off_spread, self.on_spread)
+
+
+def tracing_overhead(result: StartupBenchResult) -> TracingOverhead | None:
+    stats = [phase_stat(result.runs.get(m, []), READY_ROW).summary for m in TRACING_MODES]
+    off, on = stats
+    if off is None or on is None:
+        return None
+    return TracingOverhead(off.p50, on.p50, off.max - off.min, on.max - on.min, min(off.n, on.n))
 
 
 # ---------------------------------------------------------------- statistics
@@ -142,7 +198,7 @@ def cache_hit_counts(runs: list[StartupRun]) -> dict[str, tuple[int, int]]:
 # ---------------------------------------------------------------- rendering
 
 
-STATS = ("mean", "p50", "p90", "p99")
+STATS = ("p50", "min", "max")  # median and spread: with N = 3 a p90 or p99 is only the largest run again
 
 
 def _phase_table(result: StartupBenchResult) -> tuple[str, list[str]]:
@@ -164,14 +220,50 @@ def _phase_table(result: StartupBenchResult) -> tuple[str, list[str]]:
             if stat.note:
                 notes.append(f"{mode}: {stat.note}")
         rows.append([*cells, "; ".join(notes) or "ran in every run"])
-    head = ["Phase", *(f"{m} {k.replace('mean', 'avg')} (s)" for m in MODES for k in STATS), "Note"]
+    head = ["Phase", *(f"{m} {k.replace('p50', 'median')} (s)" for m in MODES for k in STATS), "Note"]
     return markdown_table(head, rows, ["l"] + ["r"] * 2 * len(STATS) + ["l"]), never
+
+
+AGGREGATES_TEXT = """How to read the rows (do not add them up blindly):
+
+- **Leaves** (process_start, imports, one row per stage, unattributed) are each stage's own time, from its span.
+- **Aggregates** (shown as `Σ`: model_loading, torch.compile, init_engine) are sums of leaves listed in their note.
+  Every leaf is in at most one aggregate. Never add an aggregate to its leaves or to another aggregate.
+- **overlap** is how much of the stages' own time ran at the same time as another stage. It is the sum of their
+  own times minus the wall time they covered. Leaves + unattributed - overlap = actual_total_time.
+- **critical_path** is the longest chain of stages that waited on each other. No overlap makes a start faster than
+  that. It is not a part of the sum.
+- **total_time** is the sum of the stage spans. It is more than the wall time when stages overlap.
+  **actual_total_time** is the wall time from process creation to READY: the time to READY.
+- **floor** is the weights bytes divided by a read-bandwidth probe, plus `import torch`. Its note gives actual/floor.
+- In the plot, each bar stacks the leaves in pipeline order. Where stages overlapped, the stack is taller than the
+  black tick, which marks the time to READY."""
+
+
+def _tracing_text(result: StartupBenchResult) -> str:
+    if not result.config.tracing_overhead:
+        return "Not measured (--no-tracing-overhead)."
+    overhead = tracing_overhead(result)
+    if overhead is None:
+        return "Not measured: a warm start with or without export failed (see Runs)."
+    verdict = "within" if overhead.relative <= TRACING_TARGET else "over"
+    resolvable = ("" if overhead.resolvable else " The difference is inside the run-to-run spread, so these runs "
+                  "cannot resolve it. Use more runs (--runs) for a finer answer.")  # fmt: skip
+    table = markdown_table(
+        ["Export", "median time to READY (s)", "spread max-min (s)", "runs"],
+        [["none", fmt_num(overhead.off_p50, 3), fmt_num(overhead.off_spread, 3), overhead.runs],
+         ["OTLP/HTTP to a local receiver", fmt_num(overhead.on_p50, 3), fmt_num(overhead.on_spread, 3),
+          overhead.runs]],
+    )  # fmt: skip
+    return (f"Warm starts alternated without and with span export to a real OTLP/HTTP receiver in the benchmark "
+            f"process. Export adds {100 * overhead.relative:+.2f}% to the median time to READY. That is {verdict} "
+            f"the {100 * TRACING_TARGET:.0f}% target.{resolvable}\n\n{table}")  # fmt: skip
 
 
 def _runs_table(result: StartupBenchResult) -> str:
     rows: list[list[Cell]] = []
-    for mode in MODES:
-        for run in result.runs[mode]:
+    for mode in (*MODES, *TRACING_MODES):
+        for run in result.runs.get(mode, []):
             if not run.ok:
                 failed = Missing("start failed")
                 rows.append([run.label, Missing(short(run.error or "failed")), failed, failed, failed])
@@ -205,9 +297,9 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
             [fmt_num(getattr(stat.summary, k), 3) for k in STATS] if stat.summary else [Missing(stat.why)] * len(STATS)
         )
         ready.append([mode, *cells, sum(r.ok for r in result.runs[mode]), len(result.runs[mode])])
-    parts += [markdown_table(["Start", "Average (s)", "p50 (s)", "p90 (s)", "p99 (s)", "OK", "Runs"], ready), ""]
+    parts += [markdown_table(["Start", "median (s)", "min (s)", "max (s)", "OK", "Runs"], ready), ""]
     table, never = _phase_table(result)
-    parts += ["## Phases", "", table, ""]
+    parts += ["## Phases", "", AGGREGATES_TEXT, "", table, ""]
     if never:
         parts += ["Phases that ran in no start: " + ", ".join(never) + ".", ""]
     parts += ["## Cache hits", ""]
@@ -219,8 +311,9 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
                                 for h, n in (counts[m].get(row, (0, 0)) for m in MODES))])  # fmt: skip
     hits_table = markdown_table(["Phase", "cold: hits", "warm: hits"], hit_rows) if hit_rows else "No phase caches."
     parts += [hits_table, ""]
+    parts += ["## Tracing overhead", "", _tracing_text(result), ""]
     parts += ["## Runs", "", _runs_table(result), ""]
-    failed = [r for m in MODES for r in result.runs[m] if not r.ok]
+    failed = [r for m in (*MODES, *TRACING_MODES) for r in result.runs.get(m, []) if not r.ok]
     if failed:
         parts += ["Failures in full:", ""] + [f"- {r.label}: {r.error}" for r in failed] + [""]
     return "\n".join(parts)
@@ -233,7 +326,9 @@ def result_dict(result: StartupBenchResult) -> dict[str, Any]:
         for row in row_names(result):
             stat = phase_stat(result.runs[mode], row)
             summary[mode][row] = {**(stat.summary.as_dict() if stat.summary else {}), "note": stat.note}
+    overhead = tracing_overhead(result)
     return {
+        "tracing_overhead": None if overhead is None else {**overhead.__dict__, "relative": overhead.relative},
         "config": result.config.model_dump(mode="json"),
         "percentile_method": PERCENTILE_METHOD,
         "summary": summary,
@@ -243,13 +338,13 @@ def result_dict(result: StartupBenchResult) -> dict[str, Any]:
         "runs": [
             {"mode": m, "label": r.label, "ok": r.ok, "returncode": r.returncode, "wall_s": r.wall_s, "error": r.error,
              "phases": r.phases, "reasons": r.reasons, "cache_hits": r.cache_hits()}
-            for m in MODES for r in result.runs[m]
+            for m in (*MODES, *TRACING_MODES) for r in result.runs.get(m, [])
         ],  # fmt: skip
     }
 
 
 def leaf_rows(runs: list[StartupRun]) -> list[str]:
-    """Leaf phases (they stack to the time to READY), in report order."""
+    """Leaf phases in report order (pipeline order); with the overlap subtracted they make the time to READY."""
     names: list[str] = []
     for run in runs:
         kinds = run.report.get("kinds", {})
@@ -263,14 +358,15 @@ def write_reports(result: StartupBenchResult, argv: list[str] | None = None) -> 
     md.write_text(render_markdown(result, argv))
     write_json(js, result_dict(result))
     written = [md, js]
-    ok = [r for m in MODES for r in result.runs[m] if r.ok]
+    ok = [r for m in MODES for r in result.runs[m] if r.ok]  # the plot: cold and warm only
     if result.config.plots and ok:
         from .plots import plot_phase_stack
 
         stacks = {row: [r.phases.get(row) for r in ok] for row in leaf_rows(ok)}
-        title = "Start-up phases per run (stacked = time to READY)"
+        title = f"glowplug start-up, {Path(str(result.config.model)).name}: own time per phase (s), pipeline order"
+        ready = [r.phases.get(READY_ROW) or 0.0 for r in ok]
         written.append(plot_phase_stack([r.label for r in ok], stacks, out / "startup_phases.png", title=title,
-                                        xlabel="run"))  # fmt: skip
+                                        xlabel="run", totals=ready, totals_label="time to READY"))  # fmt: skip
     return written
 
 
@@ -282,7 +378,7 @@ def main(cfg: StartupBenchConfig, argv: list[str] | None = None) -> int:
     paths = write_reports(result, argv)
     print(render_markdown(result, argv))  # plain Markdown: a terminal-fitted table would truncate numbers
     err.print("wrote " + ", ".join(map(str, paths)), markup=False)
-    return 0 if all(r.ok for m in MODES for r in result.runs[m]) else 1
+    return 0 if all(r.ok for m in (*MODES, *TRACING_MODES) for r in result.runs.get(m, [])) else 1
 
 
 def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:

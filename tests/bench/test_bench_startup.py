@@ -14,6 +14,7 @@ from glowplug.profiling.bench.startup_bench import (
     phase_stat,
     render_markdown,
     run_startup_bench,
+    tracing_overhead,
     write_reports,
 )
 
@@ -27,22 +28,34 @@ def test_cold_then_warm(tiny_model: str, tmp_path: Path) -> None:
     assert cold.cache_hits()["kv_cache_profiling"] is False
     assert warm.cache_hits()["kv_cache_profiling"] is True
     assert cold.phases["kv_cache_profiling"] is not None and cold.phases["kv_cache_profiling"] > 0
-    assert warm.phases["kv_cache_profiling"] is None and warm.reasons["kv_cache_profiling"] == "cache hit"
+    # A hit reads its cache: that time is booked to the row, and the row says it was a hit.
+    assert warm.phases["kv_cache_profiling"] is not None
+    assert warm.report["notes"]["kv_cache_profiling"] == ["cache hit"]
     for run in (cold, warm):
-        leaves = [v for k, v in run.phases.items() if run.report["kinds"][k] == "leaf" and v is not None]
-        assert sum(leaves) == pytest.approx(run.phases["actual_total_time"], abs=1e-6)  # unattributed closes it
+        # The oracle is the parent's clock: the child's process creation -> READY is inside the child's lifetime.
+        assert 0.3 * run.wall_s < run.phases["actual_total_time"] <= run.wall_s
     assert cache_hit_counts(result.runs["warm"])["kv_cache_profiling"] == (1, 1)
 
     ready = phase_stat(result.runs["cold"], "actual_total_time")
     assert ready.summary is not None and ready.summary.p50 == pytest.approx(cold.phases["actual_total_time"])
-    missing = phase_stat(result.runs["warm"], "kv_cache_profiling")
-    assert missing.summary is None and missing.why == "cache hit"
+
+    # Tracing overhead: one start without and one with export, the receiver really got the spans.
+    (off,), (on,) = result.runs["otlp_off"], result.runs["otlp_on"]
+    assert off.ok and on.ok, (off.error, on.error)
+    overhead = tracing_overhead(result)
+    assert overhead is not None and overhead.runs == 1
 
     md = render_markdown(result, ["bench", "startup", "--runs", "1"])
     assert_no_blank_or_nan(md)
-    assert "n/a (cache hit)" in md and "| kv_cache_profiling | 0 of 1 | 1 of 1 |" in md
+    assert "| kv_cache_profiling | 0 of 1 | 1 of 1 |" in md
+    assert "## Tracing overhead" in md and "Never add an aggregate" in md
     write_reports(result)
     data = json.loads((tmp_path / "out" / "startup.json").read_text())
-    assert [r["mode"] for r in data["runs"]] == ["cold", "warm"]
-    assert data["summary"]["warm"]["kv_cache_profiling"]["note"] == "cache hit in 1 of 1 runs"
+    assert [r["mode"] for r in data["runs"]] == ["cold", "warm", "otlp_off", "otlp_on"]
+    assert data["tracing_overhead"]["runs"] == 1
     assert (tmp_path / "out" / "startup_phases.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_default_out_dir_is_under_the_cwd() -> None:
+    assert not StartupBenchConfig().out_dir.is_absolute()
+    assert StartupBenchConfig().out_dir.parts[0] == "bench-startup"

@@ -50,6 +50,7 @@ class SleepStage:
 def default_pipeline(seconds: float = 0.005, *, busy: bool = False) -> list[SleepStage]:
     """One fake per default stage, with the attributes the real ones report."""
     stages = [
+        SleepStage("model_prepare", seconds, {Attr.CACHE_HIT: True}),
         SleepStage("tokenizer_init", seconds),
         SleepStage("load_weights", seconds, {Attr.BYTES_READ: 1 << 20, Attr.READ_GBPS: 1.5, Attr.DTYPE: "bfloat16"}),
         SleepStage("model_init", seconds, {Attr.PARAM_COUNT: 135_000_000}),

@@ -71,3 +71,40 @@ def test_cuda_allocator_peak() -> None:
     assert snap is not None and snap.method == "cuda_allocator"
     assert snap.peak_increase_bytes >= 256 * MIB
     assert snap.total_bytes >= snap.available_bytes > 0
+
+
+def test_live_tensor_peak_sees_reused_heap_and_ignores_views_of_old_memory() -> None:
+    import torch
+
+    from glowplug.profiling.memory import LiveTensorPeak
+
+    n = 8 << 20  # 8 Mi floats = 32 MiB
+    warm = torch.ones(n)  # heap the allocator will hand out again: RSS would not grow a second time
+    del warm
+    weight = torch.ones(1024, 1024)
+    with LiveTensorPeak() as live:
+        a = torch.ones(n)  # 32 MiB
+        b = a * 2  # +32 MiB -> 64 MiB live
+        del a
+        c = b + 1  # 32 + 32 -> still 64 MiB
+        del b, c
+        view = weight.t()  # a view of memory from before the window: not new
+        view.sum()
+    assert live.peak_bytes >= 2 * n * 4
+    assert live.peak_bytes < 2 * n * 4 + (1 << 20)  # the view and the small sum are not 4 MiB of new memory
+    assert live.live_bytes <= 1024  # everything made inside was released (the sum's scalar at most)
+
+
+def test_live_tensor_peak_is_per_thread() -> None:
+    import threading
+
+    import torch
+
+    from glowplug.profiling.memory import LiveTensorPeak
+
+    other = threading.Thread(target=lambda: torch.ones(16 << 20).sum())
+    with LiveTensorPeak() as live:
+        other.start()
+        other.join()
+        torch.ones(1024).sum()
+    assert live.peak_bytes < 1 << 20  # the other thread's 64 MiB is not this window's

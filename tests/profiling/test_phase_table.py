@@ -61,11 +61,8 @@ def test_rows_add_up_and_match_measured_wall_time(tracing: Tracing) -> None:
     leaves = table.leaves
     assert [r.name for r in leaves] == [*LEAF_ROWS, Row.UNATTRIBUTED]
     assert table[Row.MODEL_INIT].reason == "not in pipeline"
-    # Exact in ns, hence to float rounding in seconds.
-    assert sum(r.nanos for r in leaves if r.nanos is not None) == table[Row.ACTUAL_TOTAL_TIME].nanos
-    assert sum(r.seconds or 0.0 for r in leaves) == pytest.approx(table.actual_total_time, abs=1e-9)
-    for name, parts in AGGREGATE_ROWS.items():
-        assert table.seconds(name) == pytest.approx(sum(table.seconds(p) or 0.0 for p in parts), abs=1e-9)
+    # (No "leaves add up to the total" here: unattributed is the residual, so that would be true by construction.
+    # The oracles are outside the table: the wall time measured around run_stages, and psutil's process age.)
     # The stage rows account for the measured wall time of the pipeline within 1%.
     stage_rows = [r for r in leaves if r.name not in (Row.PROCESS_START, Row.IMPORTS, Row.UNATTRIBUTED)]
     booked = sum(r.seconds or 0.0 for r in stage_rows)
@@ -212,8 +209,10 @@ def test_leaves_plus_unattributed_equal_actual_exactly(
     t.shutdown()
 
     assert table[Row.ACTUAL_TOTAL_TIME].nanos == ready - t0
-    assert sum(r.nanos or 0 for r in table.leaves) == ready - t0
-    assert table[Row.UNATTRIBUTED].nanos >= tail
+    # Oracle from the plan, not from the table: unattributed is exactly the gaps, the tail and the skipped stages.
+    gaps = sum(g for _, g, _, _ in plan) + tail + sum(d for _, _, d, skipped in plan if skipped)
+    assert table[Row.UNATTRIBUTED].nanos == gaps
+    assert table[Row.OVERLAP].nanos == 0  # one stage at a time
     assert table[Row.TOTAL_TIME].nanos == sum(d for _, _, d, _ in plan)
     for name, _, _, skipped in plan:
         row = table[STAGE_ROWS.get(name, name)]

@@ -1,0 +1,134 @@
+"""Stages that declare needs/provides run at the same time: spans under the start-up span on their own threads,
+a phase table that accounts for the overlap against the measured wall time, one trace lane per thread, and the
+same failure whichever thread fails first."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+from startup_fakes import SleepStage
+
+from glowplug.engine.stages.base import StageReport, StartupContext, StartupFailed, run_stages, stage_dependencies
+from glowplug.profiling.export import chrome_trace
+from glowplug.profiling.names import STARTUP_SPAN, Attr, Row, stage_from_span_name
+from glowplug.profiling.phases import build_phase_table
+from glowplug.profiling.process import mark_main_entry, open_startup_span
+from glowplug.profiling.tracing import Tracing
+
+
+@dataclass
+class Declared(SleepStage):
+    needs: tuple[str, ...] = ()
+    provides: tuple[str, ...] = ()
+
+
+def _pipeline(seconds: float = 0.2) -> list[Declared]:
+    # prepare -> {tokenizer, weights -> model} -> engine: the tokenizer overlaps weights + model.
+    return [
+        Declared("model_prepare", 0.02, needs=(), provides=("model_dir",)),
+        Declared("tokenizer_init", seconds, needs=("model_dir",), provides=("tokenizer",)),
+        Declared("load_weights", seconds, needs=("model_dir",), provides=("state_dict",)),
+        Declared("model_init", seconds, needs=("state_dict",), provides=("model",)),
+        Declared("kv_cache_init", 0.02, needs=("model", "tokenizer"), provides=("engine",)),
+    ]
+
+
+def _run(tracing: Tracing, stages: list[Declared]) -> tuple[object, float, int]:
+    marks = mark_main_entry()
+    tracer = tracing.tracer()
+    root = open_startup_span(tracer, marks)
+    t0 = time.perf_counter()
+    try:
+        run_stages(stages, StartupContext(None), tracer=tracer, parent=root, clock=marks.clock)
+    finally:
+        wall = time.perf_counter() - t0
+        ready = marks.clock.now_ns()
+        root.end(end_time=ready)
+    return build_phase_table(tracing.finished_spans(), ready_time_ns=ready), wall, ready
+
+
+def test_dependencies_follow_the_latest_provider_and_barriers() -> None:
+    stages = [*_pipeline(), SleepStage("undeclared"), Declared("after", needs=("tokenizer",))]
+    deps = stage_dependencies(stages)
+    assert deps["tokenizer_init"] == ("model_prepare",) and deps["load_weights"] == ("model_prepare",)
+    assert deps["model_init"] == ("load_weights",)
+    assert set(deps["kv_cache_init"]) == {"model_init", "tokenizer_init"}
+    # An undeclared stage waits for everything since the last barrier; everything after waits for it.
+    assert set(deps["undeclared"]) == set(s.name for s in _pipeline())
+    assert deps["after"] == ("undeclared",)
+
+
+def test_independent_stages_overlap_and_spans_nest_under_the_startup_span(tracing: Tracing) -> None:
+    table, wall, _ = _run(tracing, _pipeline())
+    spans = {s.name: s for s in tracing.finished_spans()}
+    root = spans[STARTUP_SPAN]
+    stages = {stage_from_span_name(n): s for n, s in spans.items() if stage_from_span_name(n)}
+    for name in ("model_prepare", "tokenizer_init", "load_weights", "model_init", "kv_cache_init"):
+        assert stages[name].parent.span_id == root.context.span_id
+        assert stages[name].context.trace_id == root.context.trace_id
+    tok, weights, model = stages["tokenizer_init"], stages["load_weights"], stages["model_init"]
+    assert tok.start_time < weights.end_time and weights.start_time < tok.end_time  # ran at the same time
+    assert tok.attributes[Attr.THREAD_NAME] != weights.attributes[Attr.THREAD_NAME]
+    assert model.start_time >= weights.end_time  # it needs the weights
+    assert stages["kv_cache_init"].start_time >= max(model.end_time, tok.end_time)
+    # Measured outside the runner: the sequential sum would be 0.64 s; the wall time is the critical path.
+    assert 0.43 < wall < 0.62
+    own = sum(table.seconds(r) for r in ("model_prepare", "tokenizer_init", "load_weights", "model_init",
+                                         "kv_cache_init"))  # fmt: skip
+    overlap = table.seconds(Row.OVERLAP)
+    assert overlap == pytest.approx(0.2, abs=0.05)  # the tokenizer's time, hidden behind weights + model
+    assert own - overlap == pytest.approx(wall, abs=0.03)
+    assert table.seconds(Row.CRITICAL_PATH) == pytest.approx(0.44, abs=0.05)
+    assert table[Row.CRITICAL_PATH].reason == "model_prepare -> load_weights -> model_init -> kv_cache_init"
+    assert table.actual_total_time <= wall + table.seconds("process_start") + table.seconds("imports") + 0.05
+    assert table.seconds(Row.UNATTRIBUTED) >= 0
+
+
+def test_chrome_trace_has_one_lane_per_thread(tracing: Tracing) -> None:
+    _run(tracing, _pipeline(0.05))
+    trace = chrome_trace(tracing.finished_spans())
+    lanes = {e["name"]: e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
+    assert lanes["glowplug.startup.tokenizer_init"] != lanes["glowplug.startup.load_weights"]
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+    root = next(e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] == STARTUP_SPAN)
+    assert names[root["tid"]] == "startup"
+    threaded = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].startswith(STARTUP_SPAN + ".")
+                and e["args"].get(Attr.THREAD_NAME) not in (None, root["args"][Attr.THREAD_NAME])]  # fmt: skip
+    assert threaded
+    for event in threaded:
+        assert names[event["tid"]] == event["args"][Attr.THREAD_NAME]
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_first_failure_in_pipeline_order_wins_and_running_stages_are_joined(tracing: Tracing) -> None:
+    finished: list[str] = []
+
+    @dataclass
+    class Recording(Declared):
+        def run(self, ctx: StartupContext) -> StageReport:
+            report = super().run(ctx)
+            finished.append(self.name)
+            return report
+
+    stages = [
+        Declared("model_prepare", 0.0, needs=(), provides=("model_dir",)),
+        # tokenizer fails *later* than weights but comes first in the list: it is the one reported.
+        Declared("tokenizer_init", 0.15, needs=("model_dir",), provides=("tokenizer",), error=Boom("tok")),
+        Declared("load_weights", 0.02, needs=("model_dir",), provides=("state_dict",), error=Boom("weights")),
+        Recording("slow_side", 0.3, needs=("model_dir",), provides=("other",)),
+        Declared("model_init", 0.0, needs=("state_dict",), provides=("model",)),
+    ]
+    before = threading.active_count()
+    with pytest.raises(StartupFailed) as err:
+        run_stages(stages, StartupContext(None), tracer=tracing.tracer())
+    assert err.value.stage == "tokenizer_init" and "tok" in err.value.reason
+    assert finished == ["slow_side"]  # joined, not abandoned
+    assert threading.active_count() == before
+    names = {stage_from_span_name(s.name) for s in tracing.finished_spans()}
+    assert "model_init" not in names  # nothing starts after a failure
