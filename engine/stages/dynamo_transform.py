@@ -61,7 +61,7 @@ def trace(ctx: EngineContext) -> TracedDecode:
 class DynamoTransform:
     name = "dynamo_transform"
     needs: tuple[str, ...] = ("model", "native", "arch", "dtype")
-    provides: tuple[str, ...] = ("backend", "decode_fn", "compile_cache")
+    provides: tuple[str, ...] = ("traced", "compile_cache")
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx)

@@ -2,9 +2,9 @@
 
 CPU: the graph has an unbacked batch dimension, so one compiled graph serves every batch size; the stage runs it at
 each capture size against the real cache (first-call set-up, allocator warm-up) after checking that the compiled
-step's guards accept that size (a guard failure would mean a request needs another compile). CUDA: a `torch.cuda.CUDAGraph` is captured per size over the runner's persistent input buffer;
-a batch is padded up to the next captured size (engine/model_runner.py), and replay needs no host work beyond
-writing that buffer.
+step's guards accept that size (a guard failure would mean a request needs another compile). CUDA: a
+`torch.cuda.CUDAGraph` is captured per size over the runner's persistent input buffer; a batch is padded up to the
+next captured size (engine/model_runner.py), and replay needs no host work beyond writing that buffer.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class CudaGraphDecode:
 
 class GraphCapture:
     name = "graph_capture"
-    needs: tuple[str, ...] = ("runner", "decode_fn", "backend", "compiled_graphs")
+    needs: tuple[str, ...] = ("runner", "decode_fn")
     provides: tuple[str, ...] = ("runner",)
 
     def run(self, ctx: EngineContext) -> StageReport:

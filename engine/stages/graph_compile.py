@@ -15,8 +15,8 @@ from .dynamo_transform import inductor_settings, skipped_reason, trace
 
 class GraphCompile:
     name = "graph_compile"
-    needs: tuple[str, ...] = ("backend", "compile_cache")
-    provides: tuple[str, ...] = ("compiled_graphs",)
+    needs: tuple[str, ...] = ("traced", "compile_cache")
+    provides: tuple[str, ...] = ("decode_fn",)
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx)
