@@ -18,8 +18,8 @@ from .results import LoadPoint, Spread
 def spread_cell(s: Spread | None, digits: int = 1, why: str = "no completed request") -> Cell:
     if s is None:
         return Missing(why)
-    if s.runs == 1 or s.min == s.max:
-        return fmt_num(s.median, digits)
+    if s.runs == 1:  # one run has no measured spread: say so rather than print a bare figure that looks like a median
+        return f"{fmt_num(s.median, digits)} (n=1)"
     return f"{fmt_num(s.median, digits)} ({fmt_num(s.min, digits)}–{fmt_num(s.max, digits)})"
 
 
