@@ -36,29 +36,39 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def plot_latency_vs_batch(
-    panels: Mapping[str, Mapping[str, Sequence[tuple[int, Summary]]]], path: Path, *, unit: str = "ms"
+    panels: Mapping[str, Mapping[str, Sequence[tuple[int, Summary]]]],
+    path: Path,
+    *,
+    title: str,
+    unit: str = "ms",
 ) -> Path:
-    """One panel per metric (title -> series label -> [(batch size, summary)]): mean with a min-max bar."""
-    fig = _figure(5.0 * max(len(panels), 1), 4.0)
-    for i, (title, series) in enumerate(panels.items()):
+    """One panel per metric (panel title -> series label -> [(batch size, summary)]): the mean with a min-max
+    error bar. A point of one sample gets no bar (its spread is unknown, and a zero-width bar would claim one).
+    `title` must say what was measured (model, lengths, dtype); the error-bar meaning is added below it."""
+    fig = _figure(5.0 * max(len(panels), 1), 4.4)
+    fig.suptitle(f"{title}\nmarker: mean; error bars: min–max over the samples (none where n=1)", fontsize=9)
+    for i, (panel, series) in enumerate(panels.items()):
         ax = fig.add_subplot(1, max(len(panels), 1), i + 1)
         for j, (label, points) in enumerate(series.items()):
             if not points:
                 continue
             xs = [b for b, _ in points]
             means = [s.mean for _, s in points]
-            lows = [s.mean - s.min for _, s in points]
-            highs = [s.max - s.mean for _, s in points]
+            lows = [s.mean - s.min if s.n > 1 else 0.0 for _, s in points]
+            highs = [s.max - s.mean if s.n > 1 else 0.0 for _, s in points]
             color = COLORS[j % len(COLORS)]
-            ax.errorbar(xs, means, yerr=[lows, highs], marker="o", capsize=3, label=label, color=color)
+            if any(s.n > 1 for _, s in points):
+                ax.errorbar(xs, means, yerr=[lows, highs], marker="o", capsize=3, label=label, color=color)
+            else:
+                ax.plot(xs, means, marker="o", label=f"{label} (n=1)", color=color)
         ax.set_xscale("log", base=2)
         batches = sorted({b for points in series.values() for b, _ in points})
         if batches:
             ax.set_xticks(batches, [str(b) for b in batches])
             ax.minorticks_off()
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(unit)
-        ax.set_title(title)
+        ax.set_xlabel("batch size (sequences)")
+        ax.set_ylabel(f"{panel} latency ({unit})")
+        ax.set_title(panel, fontsize=9)
         ax.grid(True, alpha=0.3)
         if any(series.values()):
             ax.legend(fontsize=8)
