@@ -81,7 +81,7 @@ def plan_steps(cfg: BenchAllConfig) -> list[Step]:
                                       *(["--window", "64", "--continuation-tokens", "0"] if q else []),
                                       "--out", str(o / "accuracy.md")],
                          ["accuracy.md"], "perplexity, KL and top-1 agreement of each scheme vs bf16"),
-        "kernels": Step("kernels", ["bench", "kernels", m, "--repeats", "2" if q else "10",
+        "kernels": Step("kernels", ["bench", "kernels", m, "--repeats", "3" if q else "10",
                                     *(["--ms", "1", "--formats", "bf16", "int4-g32", "int2-g128"] if q else []),
                                     *quality, "--out", str(o / "kernels.md")],
                         ["kernels.md"], "every quantized linear path and native kernel per M; calibrates dispatch"),

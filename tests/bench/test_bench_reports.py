@@ -26,6 +26,19 @@ def test_int2_rows_count_the_bytes_the_int4_kernel_reads() -> None:
     assert sum("int2-g64 ⚠" in line for line in md.splitlines()) == sum(r["format"] == "int2-g64" for r in rows)
 
 
+def test_kernel_rows_show_median_and_spread_over_at_least_three_calls() -> None:
+    rows = bench_kernels([(64, 256)], ms=(1,), formats=("bf16", "int8"), repeats=5, stream_bytes=1 << 16)
+    assert rows
+    for r in rows:
+        assert 3 <= r["samples"] <= 5
+        assert r["us_min"] <= r["us"] <= r["us_max"]  # "us" is the median, not the fastest call
+        assert r["gbps"] == r["read_bytes"] / r["us"] / 1e3
+    md = render_markdown(rows)
+    assert "µs, median (min–max)" in md.splitlines()[0]
+    body = [line for line in md.splitlines()[2:] if line]
+    assert len(body) == len(rows) and all("(n=1)" not in line and "–" in line for line in body)
+
+
 def test_quality_flags_mark_formats_over_twice_bf16_perplexity(tmp_path: Path) -> None:
     flags = flags_from_perplexity({"int8": 10.5, "int4": 19.9, "int2": 5e5}, reference=10.0)
     assert set(flags) == {"int2"} and "5e+05" in flags["int2"]
