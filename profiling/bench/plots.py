@@ -138,16 +138,20 @@ def plot_phase_stack(
 
 
 def plot_latency_vs_load(
-    panels: Mapping[str, Mapping[str, Sequence[tuple[float, float, float, float, str]]]],
+    panels: Mapping[str, Mapping[str, Sequence[tuple[float, float, float, float, str, int]]]],
     path: Path,
     *,
     xlabel: str,
+    title: str,
     unit: str = "ms",
 ) -> Path:
-    """One panel per metric (title -> series -> [(load, median, run min, run max, point label)]), each point
-    annotated with its label (e.g. "concurrency 8"), so a closed-loop and an open-loop point read the same way."""
-    fig = _figure(5.0 * max(len(panels), 1), 4.2)
-    for i, (title, series) in enumerate(panels.items()):
+    """One panel per metric (panel title -> series -> [(load, median, run min, run max, point label, runs)]), each
+    point annotated with its label (e.g. "concurrency 8"), so a closed-loop and an open-loop point read the same
+    way. Markers are medians over runs, error bars the min-max over runs; a point of one run gets no bar (its
+    spread is unknown, and a zero-width bar would claim one). `title` says what was measured."""
+    fig = _figure(5.0 * max(len(panels), 1), 4.6)
+    fig.suptitle(f"{title}\nmarker: median over runs; error bars: min–max over runs (none where n=1)", fontsize=9)
+    for i, (panel, series) in enumerate(panels.items()):
         ax = fig.add_subplot(1, max(len(panels), 1), i + 1)
         for j, (label, points) in enumerate(series.items()):
             if not points:
@@ -155,15 +159,19 @@ def plot_latency_vs_load(
             pts = sorted(points)
             xs = [p[0] for p in pts]
             ys = [p[1] for p in pts]
-            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label, color=COLORS[j % len(COLORS)])
+            err = [[p[1] - p[2] if p[5] > 1 else 0.0 for p in pts], [p[3] - p[1] if p[5] > 1 else 0.0 for p in pts]]
+            color = COLORS[j % len(COLORS)]
+            if any(p[5] > 1 for p in pts):
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label, color=color)
+            else:
+                ax.plot(xs, ys, marker="o", label=f"{label} (n=1)", color=color)
             if j == 0:
-                for x, y, *_rest, name in pts:
+                for x, y, *_rest, name, _runs in pts:
                     ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(unit)
+        ax.set_ylabel(f"latency ({unit}, log scale)")
         ax.set_yscale("log")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(panel, fontsize=9)
         ax.grid(True, alpha=0.3)
         if any(series.values()):
             ax.legend(fontsize=8)
