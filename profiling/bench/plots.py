@@ -131,7 +131,7 @@ def plot_phase_stack(
     ax.set_xticks(xs, list(columns), rotation=30 if crowded else 0, ha="right" if crowded else "center")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("seconds")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)

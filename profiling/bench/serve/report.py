@@ -127,5 +127,5 @@ def plot_sweep(cfg: ServeBenchConfig, points: Sequence[LoadPoint], path: Path) -
         panels[LATENCY_TITLES[metric]] = series
     title = (f"glowplug serve latency vs load: {cfg.model}, --dtype {cfg.dtype}, --compile {cfg.compile}, "
              f"{cfg.input_len} prompt / {cfg.output_len} output tokens ({cfg.len_distribution}), "
-             f"up to {cfg.runs} runs per load point")
+             f"runs per load point: {cfg.runs}")
     return plot_latency_vs_load(panels, path, xlabel="achieved requests/s", title=title)
