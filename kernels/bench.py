@@ -12,6 +12,7 @@ kernels (kernels/native.py: blocked int8/int4/int2 and VNNI w8a8) gets a `native
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,9 +23,9 @@ from .dispatch import (
     DEFAULT_MS,
     Dispatcher,
     default_dispatcher,
-    measure_paths,
+    measure_path_samples,
     streamed_copies,
-    time_us,
+    time_samples_us,
 )
 from .formats import fit_spec, quantize
 
@@ -63,14 +64,14 @@ def path_read_bytes(state: Any) -> int:
 
 
 def _bf16_row_timings(n: int, k: int, ms: Sequence[int], repeats: int, stream_bytes: int, seed: int
-                      ) -> dict[int, float]:
+                      ) -> dict[int, list[float]]:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     copies = [w] + [w.clone() for _ in range(streamed_copies(w.numel() * 2, stream_bytes) - 1)]
-    out: dict[int, float] = {}
+    out: dict[int, list[float]] = {}
     for m in ms:
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-        out[m] = time_us(_rotating_bf16(x, copies), repeats=repeats)
+        out[m] = time_samples_us(_rotating_bf16(x, copies), repeats=repeats)
     return out
 
 
@@ -88,10 +89,11 @@ def bench_kernels(shapes: list[tuple[int, int]], ms: Sequence[int] = DEFAULT_MS,
                   formats: Sequence[str] = DEFAULT_BENCH_FORMATS, repeats: int = 10, *,
                   dispatcher: Dispatcher | None = None, stream_bytes: int = 96 << 20, seed: int = 0,
                   native: bool = False) -> list[dict[str, Any]]:
-    """One row per (shape (N, K), format spec, M, path): us, gbps (bytes the path reads / us), read_bytes,
-    canonical_bytes, gflops, chosen (the dispatcher's pick for that M) and dispatch (the picked path's name). A group size that does not divide K is lowered the way the
-    registry lowers it per layer, and the row is labelled with the group actually used (int4-g128 on K=576 is
-    reported as int4-g64). 'bf16' is the unquantized baseline (path 'bf16_linear')."""
+    """One row per (shape (N, K), format spec, M, path): us (the median call), us_min, us_max, samples (calls
+    timed), gbps and gflops (at the median), read_bytes, canonical_bytes, chosen (the dispatcher's pick for that M,
+    which ranks paths by their fastest call) and dispatch (the picked path's name). A group size that does not
+    divide K is lowered the way the registry lowers it per layer, and the row is labelled with the group actually
+    used (int4-g128 on K=576 is reported as int4-g64). 'bf16' is the unquantized baseline (path 'bf16_linear')."""
     disp = dispatcher if dispatcher is not None else default_dispatcher()
     rows: list[dict[str, Any]] = []
     for n, k in shapes:
@@ -106,20 +108,22 @@ def bench_kernels(shapes: list[tuple[int, int]], ms: Sequence[int] = DEFAULT_MS,
             else:
                 w = quantize(weight, spec)
                 nbytes = sum(t.numel() * t.element_size() for t in w.tensors().values())
-                timings = measure_paths(disp, w, ms, repeats=repeats, stream_bytes=stream_bytes, seed=seed)
+                timings = measure_path_samples(disp, w, ms, repeats=repeats, stream_bytes=stream_bytes, seed=seed)
                 rt = disp.prepare(w, disp.valid_paths(w))
                 read = {name: path_read_bytes(state) for name, state in rt.states.items()}
                 picks = {m: disp.choose(disp.prepare(w), m) for m in ms}
                 if native:
-                    for m, us, nb in _native_timings(w, ms, repeats, stream_bytes, seed):
-                        timings.setdefault(m, {})["native"] = us
+                    for m, samples, nb in _native_timings(w, ms, repeats, stream_bytes, seed):
+                        timings.setdefault(m, {})["native"] = samples
                         read["native"] = nb
             for m, per_path in timings.items():
-                for path, us in per_path.items():
+                for path, samples in per_path.items():
                     rb = read.get(path, nbytes)
+                    us = statistics.median(samples)
                     rows.append({
                         "shape": f"{n}x{k}", "n": n, "k": k, "format": spec, "m": m, "path": path,
-                        "us": us, "gbps": rb / us / 1e3, "read_bytes": rb, "canonical_bytes": nbytes,
+                        "us": us, "us_min": min(samples), "us_max": max(samples), "samples": len(samples),
+                        "gbps": rb / us / 1e3, "read_bytes": rb, "canonical_bytes": nbytes,
                         "gflops": 2 * m * n * k / us / 1e3, "chosen": path == picks[m], "dispatch": picks[m],
                     })
     return rows
@@ -140,8 +144,8 @@ def native_available(cache_dir: Any = None) -> tuple[bool, str]:
 
 
 def _native_timings(w: Any, ms: Sequence[int], repeats: int, stream_bytes: int, seed: int
-                    ) -> list[tuple[int, float, int]]:
-    """(M, µs, bytes read) of the native kernel the compiled decode step uses for this weight (none: [])."""
+                    ) -> list[tuple[int, list[float], int]]:
+    """(M, every call's µs, bytes read) of the native kernel the compiled decode step uses for this weight (none: [])."""
     from .native import native_linear, prepare_native
 
     state = prepare_native(w, torch.bfloat16)
@@ -161,7 +165,7 @@ def _native_timings(w: Any, ms: Sequence[int], repeats: int, stream_bytes: int, 
             assert st is not None
             return native_linear(x, st)
 
-        out.append((m, time_us(call, repeats=repeats), state.nbytes))
+        out.append((m, time_samples_us(call, repeats=repeats), state.nbytes))
     return out
 
 
@@ -172,16 +176,25 @@ def _clone_weight(w: Any) -> Any:
                                      if isinstance(getattr(w, f.name), torch.Tensor)})
 
 
+def _us_cell(r: dict[str, Any]) -> str:
+    """Median µs with the min–max of the calls, or n=1 (rows from older JSON have "us" alone)."""
+    if r.get("samples", 1) <= 1 or "us_min" not in r:
+        return f"{r['us']:.1f} (n=1)"
+    return f"{r['us']:.1f} ({r['us_min']:.1f}–{r['us_max']:.1f})"
+
+
 def render_markdown(rows: list[dict[str, Any]], flags: dict[str, str] | None = None) -> str:
     """A markdown table, one line per measured path, the dispatcher's choice marked with '*'."""
-    head = ("| shape (NxK) | format | M | path | µs (min) | KiB read | KiB stored | GB/s read | GFLOP/s | chosen |"
-            "\n|---|---|---:|---|---:|---:|---:|---:|---:|---|")
+    head = ("| shape (NxK) | format | M | path | µs, median (min–max) | calls | KiB read | KiB stored "
+            "| GB/s read (median) | GFLOP/s (median) | chosen |"
+            "\n|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
     lines = [head]
     for r in sorted(rows, key=lambda r: (r["n"] * r["k"], r["shape"], r["format"], r["m"], r["us"])):
         mark = "*" if r["chosen"] else ""
         scheme = r["format"].split("-")[0]  # "int2-g64" -> the scheme the accuracy report judged, "int2"
         flag = (" " + flags[scheme]) if flags and scheme in flags else ""
         rb, cb = r.get("read_bytes", r.get("canonical_bytes", 0)), r.get("canonical_bytes", 0)
-        lines.append(f"| {r['shape']} | {r['format']}{flag} | {r['m']} | {r['path']} | {r['us']:.1f} | {rb / 1024:.0f} "
-                     f"| {cb / 1024:.0f} | {r['gbps']:.3g} | {r['gflops']:.3g} | {mark} |")
+        lines.append(f"| {r['shape']} | {r['format']}{flag} | {r['m']} | {r['path']} | {_us_cell(r)} "
+                     f"| {r.get('samples', 1)} | {rb / 1024:.0f} | {cb / 1024:.0f} | {r['gbps']:.3g} | {r['gflops']:.3g} "
+                     f"| {mark} |")
     return "\n".join(lines) + "\n"

@@ -17,12 +17,24 @@ Order, and why:
   8. tune              max-model-len sweep and plan
   9. startup           N cold and N warm starts (`glowplug bench startup`)
   10. cache-verify     cost of verifying a warm cache hit
+  11. serve            HTTP serving sweep (closed loop at 1, 8 and 32 clients): TTFT/TPOT/ITL/E2E, throughput
+  12. serve-efficiency the same requests over HTTP and offline: server / offline throughput
+  13. serve-overload   capacity, the sustainable rate, then 4x that rate: 429s and admitted p99 TTFT
+  14. serve-fuzz       schemathesis over the server's OpenAPI document
+  15. serve-soak       a minute of mixed streams with hang-ups, then leak and counter checks
+The serve reports come last: each starts its own server, and none of the in-process tables above should share
+the cores with one.
 `--quick` shrinks repeats and sizes to a smoke test: the README and every command line say so, and its numbers
 are not measurements.
+
+`--only NAME...` / `--skip NAME...` run a subset (in the fixed order), so the full set can be run in chunks. Each
+report's outcome is kept in DIR/bench-all.json; README.md is regenerated from it after every report, so a chunk
+adds to the README instead of replacing it, and every report's command is listed, run or not yet.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -36,8 +48,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 STEP_NAMES: tuple[str, ...] = (
     "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "throughput", "latency", "tune", "startup",
-    "cache-verify",
+    "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak",
 )  # fmt: skip
+SIDECAR = "bench-all.json"  # every report's last outcome in DIR; README.md is rendered from it
 
 
 class BenchAllConfig(BaseModel):
@@ -48,16 +61,20 @@ class BenchAllConfig(BaseModel):
     out: Path = Field(Path("bench-all"), description="Folder of every report and its README.md.")
     quick: bool = Field(False, description="Smoke test only: tiny repeats and sizes, marked as such everywhere.")
     only: tuple[str, ...] | None = Field(None, description=f"Run these reports only, in the fixed order: {STEP_NAMES}.")
+    skip: tuple[str, ...] = Field((), description="Run every report but these (combines with --only).")
     quantization: tuple[str, ...] = Field(("int8", "int4", "int2", "w8a8"), description="Schemes besides none.")
     timeout_s: float = Field(3600.0, gt=0, description="Per report.")
 
     def steps(self) -> list[str]:
-        if self.only is None:
-            return list(STEP_NAMES)
-        unknown = set(self.only) - set(STEP_NAMES)
-        if unknown:
-            raise ValueError(f"--only: unknown report(s) {sorted(unknown)}; choose from {list(STEP_NAMES)}")
-        return [s for s in STEP_NAMES if s in self.only]
+        """The selected reports, in the fixed order (an unknown name fails: a typo must not silently skip one)."""
+        for flag, names in (("--only", self.only or ()), ("--skip", self.skip)):
+            unknown = set(names) - set(STEP_NAMES)
+            if unknown:
+                raise ValueError(f"{flag}: unknown report(s) {sorted(unknown)}; choose from {list(STEP_NAMES)}")
+        chosen = [s for s in STEP_NAMES if (self.only is None or s in self.only) and s not in self.skip]
+        if not chosen:
+            raise ValueError("--only/--skip leave no report to run")
+        return chosen
 
 
 @dataclass(frozen=True)
@@ -68,20 +85,27 @@ class Step:
     what: str
 
 
-def plan_steps(cfg: BenchAllConfig) -> list[Step]:
-    """The commands of every selected report, with the repeats and sizes of a full or a --quick run."""
+def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step]:
+    """The commands of the selected reports (`names`, default: cfg.steps()), with the repeats and sizes of a full
+    or a --quick run."""
     q = cfg.quick
     o = cfg.out
     m = cfg.model
     schemes = list(cfg.quantization)
-    quality = ["--quality-from", str(o / "accuracy.json")] if "accuracy" in cfg.steps() else []
-    reps = "1" if q else "3"
+    # The flags come from accuracy.json when this run makes it, or when an earlier chunk already did.
+    has_accuracy = "accuracy" in cfg.steps() or (o / "accuracy.json").is_file()
+    quality = ["--quality-from", str(o / "accuracy.json")] if has_accuracy else []
+    serve_dir = str(o / "serve")
+    # Every serve report: one bf16 server started by the benchmark, the same request shape unless a mode needs less.
+    serve_common = ["bench", "serve", m, "--dtype", "bfloat16", "--runs", reps_of(q),
+                    "--input-len", "16" if q else "128", "--output-len", "4" if q else "64"]  # fmt: skip
+    reps = reps_of(q)
     steps = {
         "accuracy": Step("accuracy", ["bench", "accuracy", m, "--quantization", *schemes,
                                       *(["--window", "64", "--continuation-tokens", "0"] if q else []),
                                       "--out", str(o / "accuracy.md")],
                          ["accuracy.md"], "perplexity, KL and top-1 agreement of each scheme vs bf16"),
-        "kernels": Step("kernels", ["bench", "kernels", m, "--repeats", "2" if q else "10",
+        "kernels": Step("kernels", ["bench", "kernels", m, "--repeats", "3" if q else "10",
                                     *(["--ms", "1", "--formats", "bf16", "int4-g32", "int2-g128"] if q else []),
                                     *quality, "--out", str(o / "kernels.md")],
                         ["kernels.md"], "every quantized linear path and native kernel per M; calibrates dispatch"),
@@ -124,8 +148,31 @@ def plan_steps(cfg: BenchAllConfig) -> list[Step]:
                         ["startup/startup.md"], "cold and warm starts: per-phase statistics and time to READY"),
         "cache-verify": Step("cache-verify", ["bench", "cache-verify", m, "--out", str(o / "cache-verify.md")],
                              ["cache-verify.md"], "cost of verifying a warm cache hit, quick vs full"),
+        # Sizes chosen for about 6 minutes on 2 cores: concurrency 1 dominates (32 requests one after another).
+        "serve": Step("serve", [*serve_common, "--concurrency", *(["1", "2"] if q else ["1", "8", "32"]),
+                                "--num-prompts", "2" if q else "32", "--out-dir", serve_dir],
+                      ["serve/serve.md"], "HTTP sweep: TTFT, TPOT, ITL, E2E percentiles, throughput per load"),
+        "serve-efficiency": Step("serve-efficiency", [
+            *serve_common, "--efficiency", "--efficiency-concurrency", "2" if q else "8",
+            "--num-prompts", "2" if q else "32", "--out-dir", serve_dir],
+            ["serve/efficiency.md"], "server vs offline (LLM.generate) token throughput on one request set"),
+        "serve-overload": Step("serve-overload", [
+            *serve_common, "--overload", "--max-num-seqs", "2" if q else "8", "--num-prompts", "4" if q else "16",
+            "--out-dir", serve_dir],
+            ["serve/overload.md"], "capacity, sustainable rate, 4x overload: 429s and admitted p99 TTFT"),
+        "serve-fuzz": Step("serve-fuzz", [*serve_common, "--fuzz", "--fuzz-cases", "5" if q else "100",
+                                          "--out-dir", serve_dir],
+                           ["serve/fuzz.md"], "schemathesis over the OpenAPI document: 5xx and schema violations"),
+        "serve-soak": Step("serve-soak", [*serve_common, "--soak", "--soak-duration", "10" if q else "60",
+                                          "--soak-streams", "2" if q else "16", "--out-dir", serve_dir],
+                           ["serve/soak.md"], "mixed streams with hang-ups; leaks, counters and RSS checked after"),
     }  # fmt: skip
-    return [steps[name] for name in cfg.steps()]
+    return [steps[name] for name in (cfg.steps() if names is None else names)]
+
+
+def reps_of(quick: bool) -> str:
+    """Runs per cell: 3 (the least that has a median and a spread), 1 for a --quick smoke test."""
+    return "1" if quick else "3"
 
 
 def _startup_out(folder: Path) -> list[str]:
@@ -145,10 +192,11 @@ class StepResult:
     error: str | None = None
 
 
-def run_step(step: Step, timeout_s: float, log: Path) -> StepResult:
+def run_step(step: Step, timeout_s: float, log: Path, out: Path) -> StepResult:
     """Run one report command in a fresh process; its peak RSS comes from the kernel's accounting of that child."""
     cmd = [sys.executable, "-m", "glowplug.cli", *step.argv]
     t0 = time.perf_counter()
+    started = time.time() - 1.0  # file mtimes are wall-clock; 1 s of slack for coarse filesystem timestamps
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         deadline = t0 + timeout_s
@@ -165,7 +213,13 @@ def run_step(step: Step, timeout_s: float, log: Path) -> StepResult:
     proc.returncode = os.waitstatus_to_exitcode(status)
     # ru_maxrss is in KiB on Linux; it is the child's own high-water mark (its children are not included).
     rss = usage.ru_maxrss * 1024 / 1e9 if usage.ru_maxrss else None
-    err = None if proc.returncode == 0 else f"exit {proc.returncode}: see {log.name}"
+    err = None
+    if proc.returncode != 0:
+        # A serve mode exits 1 when its own check fails (overload, soak, efficiency) after writing its report:
+        # say the report exists, so a FAIL verdict is not mistaken for a crash.
+        written = all((out / o).is_file() and (out / o).stat().st_mtime >= started for o in step.outputs)
+        err = (f"report written, exit {proc.returncode} (a check in it failed; see the report and logs/{log.name})"
+               if written else f"exit {proc.returncode}: see logs/{log.name}")
     return StepResult(step, proc.returncode, time.perf_counter() - t0, rss, err)
 
 
@@ -182,41 +236,71 @@ def git_commit() -> str:
     return rev.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
-def render_readme(cfg: BenchAllConfig, results: list[StepResult], argv: list[str] | None, probe_gbps: float,
-                  started: str) -> str:
-    from .machine import command_line, machine_summary
+def entry_of(r: StepResult, quick: bool, finished: str) -> dict[str, Any]:
+    """One report's outcome as stored in the sidecar (what README.md is rendered from)."""
+    return {
+        "argv": r.step.argv, "outputs": r.step.outputs, "what": r.step.what, "returncode": r.returncode,
+        "wall_s": r.wall_s, "peak_rss_gb": r.peak_rss_gb, "error": r.error, "quick": quick, "finished": finished,
+        "commit": git_commit(),
+    }  # fmt: skip
 
-    lines = [
-        "# Reports" + (" — QUICK SMOKE TEST, NOT MEASUREMENTS" if cfg.quick else ""),
-        "",
-        f"- command: `{command_line(argv)}`",
-        f"- commit: `{git_commit()}`",
-        f"- machine: {machine_summary()}; streaming-read bandwidth probe {probe_gbps:.1f} GB/s (torch sum over "
-        f"{'64 MiB fp32, fastest of 2 (--quick)' if cfg.quick else '1 GiB fp32, fastest of 5'}, measured before the "
-        "first report)",
-        f"- date: {started}",
-        f"- model: `{cfg.model}`",
-        "",
-    ]
-    if cfg.quick:
-        lines += ["> **--quick**: one repeat, tiny sizes. These files test that every report still renders; "
-                  "they are not benchmark results. Run without --quick for the real reports.", ""]
+
+def load_sidecar(out: Path) -> dict[str, Any]:
+    """The outcomes of earlier chunks in `out` ({} for a fresh folder). A sidecar that does not parse is a bug
+    or a hand edit: fail loudly rather than drop every earlier report from the README."""
+    path = out / SIDECAR
+    if not path.is_file():
+        return {"invocations": [], "entries": {}}
+    data: dict[str, Any] = json.loads(path.read_text())
+    data.setdefault("invocations", [])
+    data.setdefault("entries", {})
+    return data
+
+
+def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
+    """README.md from the sidecar: every report in the fixed order, the ones not run yet with the command that
+    would make them, and every `bench all` invocation (chunk) that contributed, with its commit, probe and date."""
+    from .machine import machine_summary
+
+    entries: dict[str, Any] = sidecar["entries"]
+    quick = any(e.get("quick") for e in entries.values())
+    lines = ["# Reports" + (" — INCLUDES QUICK SMOKE TESTS, NOT MEASUREMENTS" if quick else ""), ""]
+    lines += [f"- machine: {machine_summary()}", f"- model: `{cfg.model}`", "", "Runs (`bench all` chunks) that "
+              "wrote these reports, oldest first:", ""]  # fmt: skip
+    for inv in sidecar["invocations"]:
+        lines.append(f"- {inv['date']}: `{inv['command']}` at commit `{inv['commit']}`; streaming-read bandwidth "
+                     f"probe {inv['probe_gbps']:.1f} GB/s ({inv['probe']}, measured before its first report)")
+    lines.append("")
+    if quick:
+        lines += ["> **--quick** rows: one repeat, tiny sizes. They test that the report still renders; they are "
+                  "not benchmark results. Run without --quick for the real reports.", ""]
     lines += [
         "Every report ran in its own process in the order below (the order is part of the method: "
         "accuracy first, so later tables flag unusable formats; kernels second, so later engines dispatch "
-        "by this machine's calibration). Each report opens with its own command, machine, versions and date.",
+        "by this machine's calibration; the serve reports last, each with its own server). Each report opens "
+        "with its own command, machine, versions and date.",
         "",
-        "| # | report | what it shows | command | status | wall (s) | peak RSS (GB) |",
-        "|--:|:--|:--|:--|:--|--:|--:|",
+        "| # | report | what it shows | command | status | finished (UTC), commit | wall (s) | peak RSS (GB) |",
+        "|--:|:--|:--|:--|:--|:--|--:|--:|",
     ]
-    for i, r in enumerate(results, 1):
-        links = ", ".join(f"[{p}]({p})" for p in r.step.outputs)
-        status = "ok" if r.returncode == 0 else (r.error or f"exit {r.returncode}")
-        rss = f"{r.peak_rss_gb:.2f}" if r.peak_rss_gb is not None else "n/a (not measured)"
-        cmd = "glowplug " + " ".join(shlex.quote(a) for a in r.step.argv)
-        lines.append(f"| {i} | {links} | {r.step.what} | `{cmd}` | {status} | {r.wall_s:.0f} | {rss} |")
-    lines += ["", "Logs of every command: `logs/<report>.log`. Peak RSS: the child process's high-water mark "
-              "(getrusage of that process alone).", ""]
+    planned = {s.name: s for s in plan_steps(cfg, list(STEP_NAMES))}
+    for i, name in enumerate(STEP_NAMES, 1):
+        e = entries.get(name)
+        if e is None:
+            step = planned[name]
+            cmd = "glowplug " + " ".join(shlex.quote(a) for a in step.argv)
+            lines.append(f"| {i} | {name} | {step.what} | `{cmd}` | not run yet | - | - | - |")
+            continue
+        links = ", ".join(f"[{p}]({p})" for p in e["outputs"])
+        status = ("ok" if e["returncode"] == 0 else (e["error"] or f"exit {e['returncode']}")) + (
+            " (--quick)" if e.get("quick") else "")
+        rss = f"{e['peak_rss_gb']:.2f}" if e.get("peak_rss_gb") is not None else "n/a (not measured)"
+        cmd = "glowplug " + " ".join(shlex.quote(a) for a in e["argv"])
+        lines.append(f"| {i} | {links} | {e['what']} | `{cmd}` | {status} | {e['finished']}, "
+                     f"`{str(e['commit'])[:12]}` | {e['wall_s']:.0f} | {rss} |")
+    lines += ["", "Logs of every command: `logs/<report>.log`. Peak RSS: the high-water mark of the largest single "
+              f"process of that report (getrusage of the child and the children it waited for, such as a serve "
+              f"report's server). Outcomes are kept in `{SIDECAR}`; this file is regenerated from it.", ""]
     pngs = sorted(p.relative_to(cfg.out) for p in cfg.out.rglob("*.png"))
     if pngs:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in pngs] + [""]
@@ -224,21 +308,29 @@ def render_readme(cfg: BenchAllConfig, results: list[StepResult], argv: list[str
 
 
 def run_all(cfg: BenchAllConfig, argv: list[str] | None = None, progress: Any = None) -> list[StepResult]:
-    from .machine import measure_probe
+    from .machine import command_line, measure_probe
 
     say = progress or (lambda _msg: None)
     cfg.out.mkdir(parents=True, exist_ok=True)
     logs = cfg.out / "logs"
     logs.mkdir(exist_ok=True)
+    sidecar = load_sidecar(cfg.out)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     probe = measure_probe(repeats=2 if cfg.quick else 5, size_bytes=(64 << 20) if cfg.quick else (1 << 30))
+    sidecar["invocations"].append({
+        "command": command_line(argv), "commit": git_commit(), "date": started, "probe_gbps": probe,
+        "probe": "torch sum over " + ("64 MiB fp32, fastest of 2 (--quick)" if cfg.quick else "1 GiB fp32, fastest of 5"),
+    })  # fmt: skip
     results = []
     for step in plan_steps(cfg):
         say(f"[{len(results) + 1}] {step.name}: glowplug {' '.join(step.argv)}")
-        results.append(run_step(step, cfg.timeout_s, logs / f"{step.name}.log"))
+        results.append(run_step(step, cfg.timeout_s, logs / f"{step.name}.log", cfg.out))
         say(f"    {'ok' if results[-1].returncode == 0 else results[-1].error} in {results[-1].wall_s:.0f} s")
-        # The README is rewritten after every report: a stopped run still says what it has.
-        (cfg.out / "README.md").write_text(render_readme(cfg, results, argv, probe, started))
+        finished = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+        sidecar["entries"][step.name] = entry_of(results[-1], cfg.quick, finished)
+        # Both files are rewritten after every report: a stopped run still says what it has.
+        (cfg.out / SIDECAR).write_text(json.dumps(sidecar, indent=2) + "\n")
+        (cfg.out / "README.md").write_text(render_readme(cfg, sidecar))
     return results
 
 

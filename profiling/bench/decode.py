@@ -5,10 +5,10 @@ Definitions (the report prints them under its table):
 - decode tok/s: tokens produced after every sequence of the batch has its first token (prefill excluded), divided
   by the time from then to the end of the batch. transformers' decode time is generate(N tokens) minus
   generate(1 token) on the same inputs, so its prefill is excluded the same way.
-- MB/token: the weight bytes one decode step reads through the kernels this path runs: glowplug's native layouts
-  when compiled (kernels.native), the eager dispatcher's chosen layouts otherwise, the LM head included (an
-  embedding lookup reads a few rows only, so it is left out).
-- % of probe: achieved GB/s (MB/token x steps/s) over a streaming-read probe (torch `sum` over 1 GiB fp32, the
+- model_size MB (seed 003's model_size): the weight bytes one decode step reads through the kernels this path
+  runs: glowplug's native layouts when compiled (kernels.native), the eager dispatcher's chosen layouts otherwise,
+  the LM head included (an embedding lookup reads a few rows only, so it is left out).
+- % of probe: achieved GB/s (model_size x steps/s) over a streaming-read probe (torch `sum` over 1 GiB fp32, the
   fastest of 5) measured immediately before the same repeat. The host's memory bandwidth changes from minute to
   minute on shared machines, so every repeat carries its own probe.
 - step / batch-1: this cell's ms per step over the batch-1 cell's of the same configuration.
@@ -92,7 +92,8 @@ class DecodeRow:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(median_tokens_per_s=self.tps, median_step_ms=self.ms, probe_share=self.shares)
+        d.update(median_tokens_per_s=self.tps, median_step_ms=self.ms, probe_share=self.shares,
+                 model_size_mb=self.mb_per_token)
         return d
 
 
@@ -273,15 +274,9 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
     return rows
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    med = statistics.median(values)
-    if len(values) == 1:
-        return f"{med:{fmt}} (n=1)"
-    return f"{med:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
-
-
 def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[str] | None) -> str:
     from .quality import flag_note, load_flags
+    from .tables import fmt_spread
 
     flags = load_flags(cfg.quality_from)
     probes = [p for r in rows for p in r.probe_gbps]
@@ -293,27 +288,27 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
         f"{min(probes):.1f}-{max(probes):.1f}.",
         "",
         "| engine | compile | dtype | quantization | group | KV cache | batch | decode tok/s | ms / step "
-        "| prefill ms | peak mem GB | MB / token | GB/s | % of probe | vs bf16 (same dtype, compile) | vs transformers fp32 "
+        "| prefill ms | peak mem GB | model_size MB | GB/s | % of probe | vs bf16 (same dtype, compile) | vs transformers fp32 "
         "| step / batch-1 step |",
         "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        mb = f"{r.mb_per_token:.0f}" if r.mb_per_token is not None else ""
-        share = _spread([100 * s for s in r.shares], ".0f") + "%" if r.shares else ""
+        mb = f"{r.mb_per_token:.1f}" if r.mb_per_token is not None else ""
+        share = fmt_spread([100 * s for s in r.shares], 1) if r.shares else ""
         hf = f"{r.tps / r.hf_tokens_per_s:.2f}x" if r.hf_tokens_per_s else "-"
-        gbps = _spread([r.mb_per_token / ms for ms in r.step_ms], ".1f") if r.mb_per_token is not None else "-"
+        gbps = fmt_spread([r.mb_per_token / ms for ms in r.step_ms], 1) if r.mb_per_token is not None else "-"
         base = next((b for b in rows if b.engine == r.engine and b.quantization == "none" and b.dtype == r.dtype
                      and b.compile == r.compile and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch),
                     None)  # fmt: skip
         vs_bf16 = f"{r.tps / base.tps:.2f}x" if base is not None and r.quantization != "none" else "-"
-        prefill = _spread(r.prefill_ms, ".1f") if r.prefill_ms else "-"
-        peak = _spread(r.peak_gb, ".2f") if r.peak_gb else "-"
+        prefill = fmt_spread(r.prefill_ms, 1) if r.prefill_ms else "-"
+        peak = fmt_spread(r.peak_gb, 2) if r.peak_gb else "-"
         scale = f"{r.ms / r.batch1_step_ms:.2f}x" if r.batch1_step_ms and r.batch != 1 else ""
         note = f" ({'; '.join(r.notes)})" if r.notes else ""
         lines.append(
             f"| {r.engine} | {r.compile} | {r.dtype} | {r.quantization}"
             f"{' ' + flags[r.quantization] if r.quantization in flags else ''} | {r.group_size} | {r.kv_cache_dtype} "
-            f"| {r.batch} | {_spread(r.tokens_per_s, '.1f')} | {_spread(r.step_ms, '.2f')} | {prefill} | {peak} | {mb or '-'} "
+            f"| {r.batch} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(r.step_ms, 2)} | {prefill} | {peak} | {mb or '-'} "
             f"| {gbps} | {share or '-'} | {vs_bf16} | {hf} | {scale or '-'}{note} |"
         )
     lines += ["", *[f"- {line}" for line in DEFINITIONS], *([f"- {flag_note(flags)}"] if flags else []), ""]
@@ -322,16 +317,16 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
 
 DEFINITIONS = (
     "decode tok/s: tokens after every sequence's first token, over the time from then to the batch's end (prefill "
-    "excluded, for both engines); median over the runs, min-max in brackets.",
+    "excluded, for both engines). Every cell with a spread: median over the runs (min–max); one run is marked n=1.",
     "ms / step: decode time over decode steps; one step produces one token per sequence.",
     "prefill ms: requests added -> every sequence of the batch has its first token (seed 000's prefill column).",
     "peak mem GB: the process's RSS high-water mark during the run (seed 003's peak_mem; VmHWM reset per run).",
-    "GB/s: MB / token over ms / step, the weight bandwidth achieved (seed 003's mem/s; KV reads not included).",
+    "GB/s: model_size over ms / step, the weight bandwidth achieved (seed 003's mem/s; KV reads not included).",
     "group: the quantized layers' group sizes (channel = one scale per output row); KV cache int8: quantized KV.",
     "vs bf16: decode tok/s over the unquantized row at the same dtype, compile mode, KV dtype and batch.",
-    "MB / token: weight bytes one batch-1 decode step reads through the kernels the path runs (compile on: "
+    "model_size MB: seed 003's model_size, the weight bytes one batch-1 decode step reads through the kernels the path runs (compile on: "
     "glowplug's native layouts; off: the eager dispatcher's), LM head included.",
-    "% of probe: MB/token x steps/s over the streaming-read probe measured right before the same run.",
+    "% of probe: GB/s as a percentage of the streaming-read probe measured right before the same run.",
     "vs transformers fp32: decode tok/s over transformers' fp32 `generate` at the same batch on the same prompts.",
     "step / batch-1 step: this cell's ms per step over the batch-1 cell of the same configuration.",
     "compile on: the decode step as one graph (Dynamo + Inductor, glowplug's native GEMV kernels); compile off: "

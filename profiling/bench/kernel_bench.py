@@ -16,7 +16,8 @@ class KernelBenchConfig(BaseModel):
     model: str = "smollm2"
     ms: tuple[int, ...] = Field((1, 4, 16, 64, 256), min_length=1, description="Tokens in the batch (M).")
     formats: tuple[str, ...] | None = Field(None, description="Format specs (default: all, e.g. int4-g128).")
-    repeats: int = Field(10, ge=1, le=1000)
+    # At least 3: the table shows a median and a spread, which one or two calls cannot give.
+    repeats: int = Field(10, ge=3, le=1000, description="Timed calls per path and M (median and min–max shown).")
     native: bool = Field(True, description="Also time glowplug's native kernels (the compiled decode step's).")
     quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
     out: Path | None = None
@@ -60,8 +61,11 @@ def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
             report_header("Quantized linear kernels", argv),
             f"Layer shapes (N x K) of `{cfg.model}`: {shown}. Weights rotate through copies larger than the "
             "last-level cache, as in a real decode step. `*` marks the dispatcher's pick for that M. bf16 "
-            "activations; each kernel called on its own (no graph). µs: the fastest of "
-            f"{cfg.repeats} calls (preemption only adds time). Dispatcher calibrated for: {calibrated}. "
+            "activations; each kernel called on its own (no graph). µs: the median of "
+            f"{cfg.repeats} timed calls (fewer, never under 3, once a path has used 2 s; the calls column says how "
+            "many), with the fastest and slowest call in brackets. GB/s and GFLOP/s are at the median. The "
+            "dispatcher ranks paths by their fastest call (on a shared machine preemption only adds time), so `*` "
+            f"can mark a path whose median is not the lowest. Dispatcher calibrated for: {calibrated}. "
             f"native rows (glowplug's kernels, what the compiled decode step runs): "
             f"{'included' if native else 'not measured: ' + why}.",
             "",

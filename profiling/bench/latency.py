@@ -86,6 +86,15 @@ class LatencyResult:
     config: LatencyBenchConfig
     cells: list[LatencyCell]
     kv_blocks: dict[str, int] = field(default_factory=dict)  # per quantization that started
+    # What each started engine resolved `--dtype auto` / `--compile auto` to: the tables state these, not the flags.
+    resolved: dict[str, tuple[str, str]] = field(default_factory=dict)  # quantization -> (dtype, "on" | "off")
+
+    def setting(self, quant: str) -> str:
+        """"dtype bfloat16, compile off" for a quantization that started; the requested flags otherwise."""
+        if quant in self.resolved:
+            dtype, mode = self.resolved[quant]
+            return f"dtype {dtype}, compile {mode}"
+        return f"dtype {self.config.dtype} (requested), compile {self.config.compile} (requested; engine did not start)"
 
 
 def _sampling(cfg: LatencyBenchConfig) -> Any:
@@ -146,6 +155,10 @@ def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None)
             result.cells += [LatencyCell(quant, b, reason=why) for b in cfg.batch_size]
             continue
         result.kv_blocks[quant] = llm.engine.block_manager.num_blocks
+        result.resolved[quant] = (
+            str(llm.startup.context.dtype).removeprefix("torch."),
+            "on" if llm.engine.runner.decode_fn is not None else "off",
+        )
         for batch in cfg.batch_size:
             why_not = why_cannot_run(llm.engine, batch, cfg.sequence_length, cfg.decode_length)
             cell = LatencyCell(quant, batch, reason=why_not)
@@ -173,8 +186,12 @@ THROUGHPUT_ROWS = (("Prefill", "prefill_tokens_per_s"), ("Decode", "decode_token
 
 
 def _stat_cells(summary: Summary | None, names: tuple[str, ...], unit: str, reason: str | None) -> list[Cell]:
+    """TGI's cells (value and unit, as in seed 001). One sample has no lowest, highest or percentiles apart from
+    itself: those cells say n=1 instead of repeating the value as if it were a distribution."""
     if summary is None:
         return [Missing(reason or "no samples")] * len(names)
+    if summary.n == 1:
+        return [f"{fmt_num(summary.mean)} {unit} (n=1)", *(["n=1"] * (len(names) - 1))]
     return [f"{fmt_num(getattr(summary, n))} {unit}" for n in names]
 
 
@@ -196,7 +213,11 @@ def render_tables(result: LatencyResult, quant: str) -> str:
             tput_rows.append([label, c.batch, *_stat_cells(cell_summary(c, attr), stats[:3], "tokens/s", c.reason)])
     head = ["Step", "Batch Size", "Average", "Lowest", "Highest", "p50", "p90", "p99"]
     latency_table = markdown_table(head, lat_rows, ["l"] * 2 + ["r"] * 6)
-    return latency_table + "\n\n" + markdown_table(head[:5], tput_rows, ["l"] * 2 + ["r"] * 3)
+    # Each table carries its own caption: a reader who copies one table keeps the settings it was measured at.
+    setting = result.setting(quant)
+    return (f"Latency ({setting}, sequence length {result.config.sequence_length}, decode length "
+            f"{result.config.decode_length}):\n\n" + latency_table
+            + f"\n\nThroughput ({setting}):\n\n" + markdown_table(head[:5], tput_rows, ["l"] * 2 + ["r"] * 3))
 
 
 def _arguments(result: LatencyResult) -> str:
@@ -206,6 +227,7 @@ def _arguments(result: LatencyResult) -> str:
     rows: list[list[Cell]] = [
         ["Model", cfg.model],
         ["Quantization", ", ".join(cfg.quantization)],
+        ["dtype / compile", "; ".join(f"{q}: {result.setting(q)}" for q in cfg.quantization)],
         ["Sequence Length", cfg.sequence_length],
         ["Decode Length", cfg.decode_length],
         ["N Runs", cfg.runs],
@@ -236,7 +258,10 @@ def render_markdown(result: LatencyResult, argv: list[str] | None = None) -> str
         "- Decode (token): one sample per decode step across all runs; Decode (total): one sample per run.",
         "- Throughput: prefill tokens/s = batch x sequence length / prefill; decode tokens/s = tokens generated after "
         "the prefill / decode total.",
-        f"- Percentiles: {PERCENTILE_METHOD}; always min <= p50 <= p90 <= p99 <= max.",
+        f"- Percentiles: {PERCENTILE_METHOD}; always min <= p50 <= p90 <= p99 <= max. A row of one sample shows "
+        "its value once and n=1 where a spread would be (one run has no lowest, highest or percentiles).",
+        "- Each table's caption states the dtype and compile mode the engine resolved (compile on: the decode step "
+        "as one compiled graph; off: eager).",
         "- Prefix caching is off, so every run prefills its prompts in full.",
         "",
     ]
@@ -275,16 +300,22 @@ def write_reports(result: LatencyResult, argv: list[str] | None = None) -> list[
 
 
 def plot_latency(result: LatencyResult, path: Path) -> Path:
-    """Prefill and per-token decode latency against batch size, one line per quantization."""
+    """Prefill and per-token decode latency against batch size, one line per quantization (with its dtype and
+    compile mode in the legend, so two lines never differ by an unstated setting)."""
     from .plots import plot_latency_vs_batch
 
+    cfg = result.config
     panels: dict[str, dict[str, list[tuple[int, Summary]]]] = {}
     for title, attr in (("Prefill", "prefill_s"), ("Decode (token)", "decode_token_s")):
         panels[title] = {
-            q: [(c.batch, s) for c in result.cells if c.quantization == q and (s := cell_summary(c, attr, 1000.0))]
-            for q in result.config.quantization
+            f"{q} ({result.setting(q)})": [
+                (c.batch, s) for c in result.cells if c.quantization == q and (s := cell_summary(c, attr, 1000.0))
+            ]
+            for q in cfg.quantization
         }
-    return plot_latency_vs_batch(panels, path)
+    title = (f"glowplug latency vs batch size: {cfg.model}, sequence length {cfg.sequence_length} prompt tokens, "
+             f"decode length {cfg.decode_length} tokens, {cfg.runs} runs per batch size")
+    return plot_latency_vs_batch(panels, path, title=title)
 
 
 def main(cfg: LatencyBenchConfig, argv: list[str] | None = None) -> int:

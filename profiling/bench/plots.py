@@ -36,29 +36,39 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def plot_latency_vs_batch(
-    panels: Mapping[str, Mapping[str, Sequence[tuple[int, Summary]]]], path: Path, *, unit: str = "ms"
+    panels: Mapping[str, Mapping[str, Sequence[tuple[int, Summary]]]],
+    path: Path,
+    *,
+    title: str,
+    unit: str = "ms",
 ) -> Path:
-    """One panel per metric (title -> series label -> [(batch size, summary)]): mean with a min-max bar."""
-    fig = _figure(5.0 * max(len(panels), 1), 4.0)
-    for i, (title, series) in enumerate(panels.items()):
+    """One panel per metric (panel title -> series label -> [(batch size, summary)]): the mean with a min-max
+    error bar. A point of one sample gets no bar (its spread is unknown, and a zero-width bar would claim one).
+    `title` must say what was measured (model, lengths, dtype); the error-bar meaning is added below it."""
+    fig = _figure(5.0 * max(len(panels), 1), 4.4)
+    fig.suptitle(f"{title}\nmarker: mean; error bars: min–max over the samples (none where n=1)", fontsize=9)
+    for i, (panel, series) in enumerate(panels.items()):
         ax = fig.add_subplot(1, max(len(panels), 1), i + 1)
         for j, (label, points) in enumerate(series.items()):
             if not points:
                 continue
             xs = [b for b, _ in points]
             means = [s.mean for _, s in points]
-            lows = [s.mean - s.min for _, s in points]
-            highs = [s.max - s.mean for _, s in points]
+            lows = [s.mean - s.min if s.n > 1 else 0.0 for _, s in points]
+            highs = [s.max - s.mean if s.n > 1 else 0.0 for _, s in points]
             color = COLORS[j % len(COLORS)]
-            ax.errorbar(xs, means, yerr=[lows, highs], marker="o", capsize=3, label=label, color=color)
+            if any(s.n > 1 for _, s in points):
+                ax.errorbar(xs, means, yerr=[lows, highs], marker="o", capsize=3, label=label, color=color)
+            else:
+                ax.plot(xs, means, marker="o", label=f"{label} (n=1)", color=color)
         ax.set_xscale("log", base=2)
         batches = sorted({b for points in series.values() for b, _ in points})
         if batches:
             ax.set_xticks(batches, [str(b) for b in batches])
             ax.minorticks_off()
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(unit)
-        ax.set_title(title)
+        ax.set_xlabel("batch size (sequences)")
+        ax.set_ylabel(f"{panel} latency ({unit})")
+        ax.set_title(panel, fontsize=9)
         ax.grid(True, alpha=0.3)
         if any(series.values()):
             ax.legend(fontsize=8)
@@ -127,23 +137,27 @@ def plot_phase_stack(
     ax.set_xticks(xs, list(columns), rotation=30 if crowded else 0, ha="right" if crowded else "center")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("seconds")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
 
 def plot_latency_vs_load(
-    panels: Mapping[str, Mapping[str, Sequence[tuple[float, float, float, float, str]]]],
+    panels: Mapping[str, Mapping[str, Sequence[tuple[float, float, float, float, str, int]]]],
     path: Path,
     *,
     xlabel: str,
+    title: str,
     unit: str = "ms",
 ) -> Path:
-    """One panel per metric (title -> series -> [(load, median, run min, run max, point label)]), each point
-    annotated with its label (e.g. "concurrency 8"), so a closed-loop and an open-loop point read the same way."""
-    fig = _figure(5.0 * max(len(panels), 1), 4.2)
-    for i, (title, series) in enumerate(panels.items()):
+    """One panel per metric (panel title -> series -> [(load, median, run min, run max, point label, runs)]), each
+    point annotated with its label (e.g. "concurrency 8"), so a closed-loop and an open-loop point read the same
+    way. Markers are medians over runs, error bars the min-max over runs; a point of one run gets no bar (its
+    spread is unknown, and a zero-width bar would claim one). `title` says what was measured."""
+    fig = _figure(5.0 * max(len(panels), 1), 4.6)
+    fig.suptitle(f"{title}\nmarker: median over runs; error bars: min–max over runs (none where n=1)", fontsize=9)
+    for i, (panel, series) in enumerate(panels.items()):
         ax = fig.add_subplot(1, max(len(panels), 1), i + 1)
         for j, (label, points) in enumerate(series.items()):
             if not points:
@@ -151,15 +165,19 @@ def plot_latency_vs_load(
             pts = sorted(points)
             xs = [p[0] for p in pts]
             ys = [p[1] for p in pts]
-            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
-            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label, color=COLORS[j % len(COLORS)])
+            err = [[p[1] - p[2] if p[5] > 1 else 0.0 for p in pts], [p[3] - p[1] if p[5] > 1 else 0.0 for p in pts]]
+            color = COLORS[j % len(COLORS)]
+            if any(p[5] > 1 for p in pts):
+                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label, color=color)
+            else:
+                ax.plot(xs, ys, marker="o", label=f"{label} (n=1)", color=color)
             if j == 0:
-                for x, y, *_rest, name in pts:
+                for x, y, *_rest, name, _runs in pts:
                     ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         ax.set_xlabel(xlabel)
-        ax.set_ylabel(unit)
+        ax.set_ylabel(f"latency ({unit}, log scale)")
         ax.set_yscale("log")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(panel, fontsize=9)
         ax.grid(True, alpha=0.3)
         if any(series.values()):
             ax.legend(fontsize=8)

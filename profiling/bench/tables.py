@@ -33,6 +33,20 @@ def fmt_num(value: float, digits: int = 2) -> str:
     return f"{value:,.{digits}f}"
 
 
+def fmt_spread(values: Sequence[float], digits: int = 2) -> str:
+    """"median (min–max)" over repeats, or "value (n=1)" for one sample: one sample has no measured spread, and
+    "± 0" or "x (x–x)" would claim one. No unit: the unit belongs in the column header, so a cell never reads
+    like "0 (n=1)%"."""
+    if not values:
+        raise ValueError("no samples; give the cell a Missing(reason)")
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    if len(ordered) == 1:
+        return f"{fmt_num(median, digits)} (n=1)"
+    return f"{fmt_num(median, digits)} ({fmt_num(ordered[0], digits)}–{fmt_num(ordered[-1], digits)})"
+
+
 def fmt_seconds(value: float | None, digits: int = 2, reason: str = "did not run") -> str:
     return str(Missing(reason)) if value is None else fmt_num(value, digits)
 

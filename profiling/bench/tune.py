@@ -356,7 +356,10 @@ def write_reports(result: TuneResult, argv: list[str] | None = None) -> list[Pat
 
         leaves = list(dict.fromkeys(n for c in ok for n in c.leaves))
         stacks = {n: [c.phases.get(n) for c in ok] for n in leaves}
-        title = "Start-up phases per max-model-len" + (" (predicted)" if result.mode == "plan" else "")
+        cfg = result.config
+        # One warm-model start per length: a bar is one sample, so the title says so instead of drawing no spread.
+        title = (f"Start-up phases per max-model-len: {cfg.model}, quantization {cfg.quantization}, --dtype "
+                 f"{cfg.dtype}; one warm-model start per length (n=1, no spread)")
         written.append(plot_phase_stack([str(c.length) for c in ok], stacks, out / f"{stem}_phases.png",
                                         title=title, xlabel="max-model-len"))  # fmt: skip
     return written

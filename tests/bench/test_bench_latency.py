@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from conftest import assert_no_blank_or_nan, markdown_cells
@@ -40,6 +41,9 @@ def test_latency_tables(tiny_model: str, tmp_path: Path) -> None:
     md = (tmp_path / "out" / "latency.md").read_text()
     assert md.startswith("# Latency benchmark") and "- command: `glowplug bench latency`" in md
     assert_no_blank_or_nan(md)
+    # Both tables of the quantization state the dtype and compile mode the engine resolved "auto" to.
+    assert len(re.findall(r"Latency \(dtype (float32|bfloat16), compile (on|off), sequence length 32, decode", md)) == 1
+    assert len(re.findall(r"Throughput \(dtype (float32|bfloat16), compile (on|off)\)", md)) == 1
     rows = markdown_cells(md)
     lat = [r for r in rows if r[0] in ("Prefill", "Decode (token)", "Decode (total)") and len(r) == 8]
     assert len(lat) == 9
@@ -69,3 +73,24 @@ def test_engine_that_cannot_start_explains_every_cell(tiny_model: str, tmp_path:
     md = render_markdown(result, ["bench", "latency"])
     assert_no_blank_or_nan(md)
     assert "n/a (start-up failed in kv_cache_profiling" in md
+
+
+def test_single_run_cells_say_n1_and_plot_renders(tmp_path: Path) -> None:
+    """One run: the Average cell carries its value and n=1, every spread cell says n=1 (never a fake distribution)."""
+    from glowplug.profiling.bench.latency import LatencyCell, LatencyResult
+
+    cfg = LatencyBenchConfig(batch_size=(1, 4), runs=1, sequence_length=16, decode_length=3, out_dir=tmp_path)
+    cells = [LatencyCell("none", 1, prefill_s=[0.010], decode_token_s=[0.002, 0.003], decode_total_s=[0.005],
+                         prefill_tokens_per_s=[1600.0], decode_tokens_per_s=[400.0], prefill_steps=1),
+             LatencyCell("none", 4, reason="KV cache: needs 8 blocks, has 4")]  # fmt: skip
+    result = LatencyResult(cfg, cells, {"none": 4}, {"none": ("bfloat16", "off")})
+    md = render_markdown(result, ["bench", "latency"])
+    assert_no_blank_or_nan(md)
+    assert "Latency (dtype bfloat16, compile off, sequence length 16, decode length 3)" in md
+    prefill = next(r for r in markdown_cells(md) if r[:2] == ["Prefill", "1"] and len(r) == 8)
+    assert prefill[2:] == ["10.00 ms (n=1)", "n=1", "n=1", "n=1", "n=1", "n=1"]
+    token = next(r for r in markdown_cells(md) if r[:2] == ["Decode (token)", "1"])
+    assert token[2] == "2.50 ms" and token[3] == "2.00 ms"  # two step samples: a real spread
+    assert "± 0" not in md
+    paths = write_reports(result)
+    assert (tmp_path / "latency.png") in paths

@@ -26,6 +26,19 @@ def test_int2_rows_count_the_bytes_the_int4_kernel_reads() -> None:
     assert sum("int2-g64 ⚠" in line for line in md.splitlines()) == sum(r["format"] == "int2-g64" for r in rows)
 
 
+def test_kernel_rows_show_median_and_spread_over_at_least_three_calls() -> None:
+    rows = bench_kernels([(64, 256)], ms=(1,), formats=("bf16", "int8"), repeats=5, stream_bytes=1 << 16)
+    assert rows
+    for r in rows:
+        assert 3 <= r["samples"] <= 5
+        assert r["us_min"] <= r["us"] <= r["us_max"]  # "us" is the median, not the fastest call
+        assert r["gbps"] == r["read_bytes"] / r["us"] / 1e3
+    md = render_markdown(rows)
+    assert "µs, median (min–max)" in md.splitlines()[0]
+    body = [line for line in md.splitlines()[2:] if line]
+    assert len(body) == len(rows) and all("(n=1)" not in line and "–" in line for line in body)
+
+
 def test_quality_flags_mark_formats_over_twice_bf16_perplexity(tmp_path: Path) -> None:
     flags = flags_from_perplexity({"int8": 10.5, "int4": 19.9, "int2": 5e5}, reference=10.0)
     assert set(flags) == {"int2"} and "5e+05" in flags["int2"]
@@ -37,8 +50,9 @@ def test_quality_flags_mark_formats_over_twice_bf16_perplexity(tmp_path: Path) -
 
 def test_bench_all_quick_subset_writes_readme_and_reports(tiny_model: str, tmp_path: Path) -> None:
     """The orchestration on the tiny model: reports land under --out only, in the stated order, and the README names
-    each command, the commit, the machine with its probe, and says the run is a --quick smoke test."""
-    from glowplug.profiling.bench.all import STEP_NAMES, BenchAllConfig, plan_steps, run_all
+    each command, the commit, the machine with its probe, and says the run is a --quick smoke test. A second chunk
+    (--only) adds to the README instead of replacing it."""
+    from glowplug.profiling.bench.all import SIDECAR, STEP_NAMES, BenchAllConfig, plan_steps, run_all
 
     out = tmp_path / "out"
     cfg = BenchAllConfig(model=tiny_model, out=out, quick=True, only=("decode-quantized", "accuracy"),
@@ -49,13 +63,30 @@ def test_bench_all_quick_subset_writes_readme_and_reports(tiny_model: str, tmp_p
     full = plan_steps(BenchAllConfig(out=out))
     assert [s.name for s in full] == list(STEP_NAMES)
     assert all(any(str(out) in a for a in s.argv) for s in full)  # every report writes under --out
+    assert [s.name for s in plan_steps(BenchAllConfig(out=out, skip=("accuracy", "serve-fuzz")))] == [
+        n for n in STEP_NAMES if n not in ("accuracy", "serve-fuzz")]  # fmt: skip
     results = run_all(cfg, ["bench", "all", "--quick"])
     assert [r.returncode for r in results] == [0, 0], [(out / "logs" / f"{r.step.name}.log").read_text()[-2000:]
                                                        for r in results]  # fmt: skip
     readme = (out / "README.md").read_text()
-    assert "QUICK SMOKE TEST, NOT MEASUREMENTS" in readme
-    assert "- commit: `" in readme and "GB/s" in readme and "- date: " in readme
+    assert "QUICK SMOKE TESTS, NOT MEASUREMENTS" in readme
+    assert "at commit `" in readme and "GB/s" in readme and "`glowplug bench all --quick`" in readme
     assert "`glowplug bench accuracy " in readme and "[decode-quantized.md](decode-quantized.md)" in readme
+    # Reports not run yet are still listed with the command that makes them (the serve reports included).
+    assert readme.count("| not run yet |") == len(STEP_NAMES) - 2 and "`glowplug bench serve " in readme
     assert (out / "accuracy.json").is_file()
     decode = (out / "decode-quantized.md").read_text()
     assert "| bfloat16 | int4" in decode and "(n=1)" in decode and "± 0" not in decode
+
+    # Second chunk: only kernels. The first chunk's rows stay, the new one joins them, both invocations are listed,
+    # and the kernel table still flags formats from the first chunk's accuracy.json.
+    second = BenchAllConfig(model=tiny_model, out=out, quick=True, only=("kernels",), quantization=("int4",))
+    assert "--quality-from" in plan_steps(second)[0].argv
+    assert [r.returncode for r in run_all(second, ["bench", "all", "--quick", "--only", "kernels"])] == [0]
+    merged = (out / "README.md").read_text()
+    assert "[decode-quantized.md](decode-quantized.md)" in merged and "[kernels.md](kernels.md)" in merged
+    assert merged.count("| not run yet |") == len(STEP_NAMES) - 3
+    assert "`glowplug bench all --quick --only kernels`" in merged and "`glowplug bench all --quick`" in merged
+    entries = json.loads((out / SIDECAR).read_text())["entries"]
+    assert set(entries) == {"accuracy", "decode-quantized", "kernels"}
+    assert all(e["returncode"] == 0 and e["quick"] for e in entries.values())

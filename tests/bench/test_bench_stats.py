@@ -68,3 +68,13 @@ def test_tables_refuse_blank_and_nan_cells_and_show_reasons() -> None:
         markdown_table(["a", "b"], [["x", " "]])
     with pytest.raises(ValueError, match="non-finite"):
         markdown_table(["a", "b"], [["x", float("nan")]])
+
+
+def test_fmt_spread_puts_the_unit_nowhere_and_marks_a_single_run() -> None:
+    from glowplug.profiling.bench.tables import fmt_spread
+
+    assert fmt_spread([0.04], 1) == "0.0 (n=1)"
+    assert fmt_spread([3.0, 1.0, 2.0, 10.0], 1) == "2.5 (1.0–10.0)"  # median of an even count: the mid-pair mean
+    assert "±" not in fmt_spread([5.0, 5.0, 5.0]) and "%" not in fmt_spread([5.0])
+    with pytest.raises(ValueError):
+        fmt_spread([])

@@ -70,7 +70,7 @@ def sweep_mode(cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, sa
     write_json(out / "serve.json", sweep_json(cfg, points, lengths, model))
     written = [out / "serve.md", out / "serve.json"]
     if cfg.plots:
-        written.append(plot_sweep(points, out / "serve_latency.png"))
+        written.append(plot_sweep(cfg, points, out / "serve_latency.png"))
     print(text)
     return written
 

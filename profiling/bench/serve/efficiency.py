@@ -166,10 +166,10 @@ def run_efficiency(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: 
 
 
 def render_efficiency(r: EfficiencyResult, head: str) -> str:
-    from ..tables import fmt_num, markdown_table
+    from ..tables import fmt_num, fmt_spread, markdown_table
 
     def spread(values: list[float]) -> str:
-        return f"{fmt_num(statistics.median(values), 1)} ({fmt_num(min(values), 1)}–{fmt_num(max(values), 1)})"
+        return fmt_spread(values, 1)
 
     server_step = [s.step_time_s / s.steps * 1e3 for s in r.server if s.steps]
     server_busy = [s.step_time_s / s.wall_s for s in r.server]
@@ -179,7 +179,7 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
         ["Wall time (s)", spread([s.wall_s for s in r.server]), spread([o.wall_s for o in r.offline])],
         ["Engine steps", spread([s.steps for s in r.server]), str(r.offline_steps)],
         ["Mean step (ms)", spread(server_step) if server_step else "no step recorded", fmt_num(offline_step, 2)],
-        ["Engine busy (step time / wall)", spread([b * 100 for b in server_busy]) + " %", "100 % (by construction)"],
+        ["Engine busy, % (step time / wall)", spread([b * 100 for b in server_busy]), "100 (by construction)"],
     ]
     verdict = "PASS" if r.passed else "FAIL"
     return "\n".join([

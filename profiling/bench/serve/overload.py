@@ -160,22 +160,24 @@ def render_overload(r: OverloadResult, head: str) -> str:
     ])  # fmt: skip
 
 
-def plot_overload(r: OverloadResult, path: Path) -> Path:
+def plot_overload(r: OverloadResult, cfg: ServeBenchConfig, path: Path) -> Path:
     from ..plots import plot_latency_vs_load
 
-    panels: dict[str, dict[str, list[tuple[float, float, float, float, str]]]] = {}
+    panels: dict[str, dict[str, list[tuple[float, float, float, float, str, int]]]] = {}
     for metric, title in (("ttft", "Time to first token (ms)"), ("e2e", "End-to-end latency (ms)")):
-        series: dict[str, list[tuple[float, float, float, float, str]]] = {}
+        series: dict[str, list[tuple[float, float, float, float, str, int]]] = {}
         for stat in ("p50", "p99"):
             pts = []
             for name, p, rate in (("sustainable", r.baseline, r.sustainable_rps),
                                   ("overload, admitted", r.overload, r.overload_rps)):  # fmt: skip
                 s = p.spread(f"{metric}_{stat}")
                 if s is not None:
-                    pts.append((rate, s.median, s.min, s.max, name))
+                    pts.append((rate, s.median, s.min, s.max, name, s.runs))
             series[stat] = pts
         panels[title] = series
-    return plot_latency_vs_load(panels, path, xlabel="offered requests/s")
+    head = (f"glowplug under overload: {cfg.model}, --dtype {cfg.dtype}, {cfg.input_len} prompt / {cfg.output_len} "
+            f"output tokens, sustainable rate then {cfg.overload_factor:g}x it (admitted requests only)")
+    return plot_latency_vs_load(panels, path, xlabel="offered requests/s", title=head)
 
 
 def overload_mode(
@@ -191,6 +193,6 @@ def overload_mode(
     write_json(out / "overload.json", {"config": cfg.model_dump(mode="json"), **result.as_dict()})
     written = [out / "overload.md", out / "overload.json"]
     if cfg.plots:
-        written.append(plot_overload(result, out / "overload.png"))
+        written.append(plot_overload(result, cfg, out / "overload.png"))
     print(text)
     return result.passed, written

@@ -18,8 +18,8 @@ from .results import LoadPoint, Spread
 def spread_cell(s: Spread | None, digits: int = 1, why: str = "no completed request") -> Cell:
     if s is None:
         return Missing(why)
-    if s.runs == 1 or s.min == s.max:
-        return fmt_num(s.median, digits)
+    if s.runs == 1:  # one run has no measured spread: say so rather than print a bare figure that looks like a median
+        return f"{fmt_num(s.median, digits)} (n=1)"
     return f"{fmt_num(s.median, digits)} ({fmt_num(s.min, digits)}–{fmt_num(s.max, digits)})"
 
 
@@ -110,19 +110,22 @@ def sweep_json(cfg: ServeBenchConfig, points: Sequence[LoadPoint], lengths: dict
     }
 
 
-def plot_sweep(points: Sequence[LoadPoint], path: Path) -> Path:
+def plot_sweep(cfg: ServeBenchConfig, points: Sequence[LoadPoint], path: Path) -> Path:
     from ..plots import plot_latency_vs_load
 
-    panels: dict[str, dict[str, list[tuple[float, float, float, float, str]]]] = {}
+    panels: dict[str, dict[str, list[tuple[float, float, float, float, str, int]]]] = {}
     for metric in ("ttft", "tpot", "e2e"):
-        series: dict[str, list[tuple[float, float, float, float, str]]] = {}
+        series: dict[str, list[tuple[float, float, float, float, str, int]]] = {}
         for stat in ("p50", "p99"):
             pts = []
             for p in points:
                 x = p.spread("request_throughput")
                 y = p.spread(f"{metric}_{stat}")
                 if x is not None and y is not None:
-                    pts.append((x.median, y.median, y.min, y.max, p.label))
+                    pts.append((x.median, y.median, y.min, y.max, p.label, y.runs))
             series[stat] = pts
         panels[LATENCY_TITLES[metric]] = series
-    return plot_latency_vs_load(panels, path, xlabel="achieved requests/s")
+    title = (f"glowplug serve latency vs load: {cfg.model}, --dtype {cfg.dtype}, --compile {cfg.compile}, "
+             f"{cfg.input_len} prompt / {cfg.output_len} output tokens ({cfg.len_distribution}), "
+             f"runs per load point: {cfg.runs}")
+    return plot_latency_vs_load(panels, path, xlabel="achieved requests/s", title=title)

@@ -1,0 +1,34 @@
+"""The decode report's rendering (no engine): seed 003's model_size column, units in headers, n=1 cells."""
+
+from __future__ import annotations
+
+from conftest import assert_no_blank_or_nan, markdown_cells
+
+from glowplug.profiling.bench.decode import DecodeBenchConfig, DecodeRow, render_markdown
+
+
+def _row(quant: str, runs: int) -> DecodeRow:
+    row = DecodeRow("glowplug", "off", "bfloat16", quant, 1, [], [], [], 80.0 if quant == "none" else 25.0)
+    for i in range(runs):
+        row.tokens_per_s.append(100.0 + i)
+        row.step_ms.append(10.0 - i * 0.1)
+        row.probe_gbps.append(20.0)
+        row.prefill_ms.append(5.0)
+        row.peak_gb.append(1.0)
+    return row
+
+
+def test_decode_table_has_model_size_and_percent_of_probe_without_unit_in_cells() -> None:
+    rows = [_row("none", 3), _row("int4", 1)]
+    text = render_markdown(rows, DecodeBenchConfig(compare_hf=False), None)
+    assert_no_blank_or_nan(text)
+    table = [r for r in markdown_cells(text) if r[0] in ("engine", "glowplug")]
+    head = table[0]
+    by_name = {name: [r[i] for r in table[1:]] for i, name in enumerate(head)}
+    assert by_name["model_size MB"] == ["80.0", "25.0"]
+    # bf16: 80 MB per token at 10 ms per step (median of 10.0, 9.9, 9.8 ms = 9.9 ms) -> 8.1 GB/s = 40 % of 20 GB/s
+    assert by_name["GB/s"][0].startswith("8.1 (")
+    assert by_name["% of probe"][0].startswith("40.4 (")
+    single = by_name["% of probe"][1]
+    assert single.endswith("(n=1)") and "%" not in single  # never "0 (n=1)%"
+    assert "± 0" not in text
