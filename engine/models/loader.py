@@ -94,9 +94,23 @@ def build_meta_model(arch: ModelArch) -> DecoderLM:
         return DecoderLM(arch)
 
 
-def check_state_dict(model: DecoderLM, sd: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
-    """Match checkpoint tensors (Hugging Face names) to the model by name and shape; return only those it takes."""
+def check_state_dict(
+    model: DecoderLM,
+    sd: dict[str, torch.Tensor],
+    where: Path,
+    logical: dict[str, tuple[int, ...]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Match checkpoint tensors (Hugging Face names) to the model by name and shape; return only those it takes.
+
+    logical: each weight's shape before packing, for a state dict whose layers are already quantized
+    (`<layer>.qweight`, ... in place of `<layer>.weight`, from a GGUF); the packed tensors of the layers the
+    model takes are returned with the rest."""
     expected = model.checkpoint_shapes()
+    if logical is not None:
+        checked = check_state_dict(model, {k: torch.empty(v, device="meta") for k, v in logical.items()}, where)
+        modules = {k.rsplit(".", 1)[0] for k in checked}
+        return {k: v for k, v in sd.items() if k in checked or (k.rsplit(".", 1)[0] in modules
+                                                                 and not k.endswith((".weight", ".bias")))}
     tied = model.arch.tie_word_embeddings
     missing = [k for k in expected if k not in sd]
     if missing:
