@@ -60,10 +60,14 @@ class TensorEntry(BaseModel):
 
 
 class TensorTable(BaseModel):
+    """`source`: where the GGUF was when it was prepared, a hint for tools (tests, benchmarks) only; the engine
+    reads the file its model spec names."""
+
     model_config = ConfigDict(frozen=True)
 
     file_size: int
     tensors: tuple[TensorEntry, ...]
+    source: str = ""
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -93,7 +97,7 @@ def read_table(reader: Any, path: Path) -> TensorTable:
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
         entries.append(TensorEntry(name=t.name, type=kind, shape=shape, offset=int(t.data_offset),
                                    nbytes=int(t.n_bytes)))  # fmt: skip
-    return TensorTable(file_size=path.stat().st_size, tensors=tuple(entries))
+    return TensorTable(file_size=path.stat().st_size, tensors=tuple(entries), source=str(path.resolve()))
 
 
 def map_file(path: Path, table: TensorTable) -> torch.Tensor:

@@ -196,8 +196,17 @@ def materialize(
 def load_model(
     model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: str, max_positions: int
 ) -> tuple[DecoderLM, CheckpointData]:
-    ckpt = read_checkpoint(model_dir)
+    from .store import gguf_file_for, gguf_table
+
     model = build_meta_model(arch)
+    table, source = gguf_table(model_dir), gguf_file_for(model_dir)
+    if table is not None and source is not None:
+        from .gguf_tensors import load_gguf_weights
+
+        w = load_gguf_weights(source, table, arch, dtype)
+        ckpt = CheckpointData(state_dict=w.state_dict, files=[source], bytes_read=w.bytes_read)
+    else:
+        ckpt = read_checkpoint(model_dir)
     sd = fuse_checkpoint(check_state_dict(model, ckpt.state_dict, model_dir), dtype)
     materialize(model, sd, dtype, device, model_dir)
     model.model.rotary_emb.build(max_positions, device)

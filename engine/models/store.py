@@ -104,6 +104,24 @@ def gguf_table(model_dir: Path) -> "TensorTable | None":
         raise ModelError(f"{path}: unreadable tensor table ({exc}); `glowplug cache prune` and start again") from exc
 
 
+def gguf_file_for(model_dir: Path) -> Path | None:
+    """The GGUF a prepared folder reads its weights from, for tools that have a folder and no model spec."""
+    table = gguf_table(model_dir)
+    if table is None:
+        return None
+    if table.source and Path(table.source).is_file():
+        return Path(table.source)
+    default = default_gguf_path()
+    return default if default.name == read_manifest(model_dir).factors["source"]["file"] else None
+
+
+def transformers_args(model_dir: Path) -> tuple[str, dict[str, str]]:
+    """(path, kwargs) for transformers' from_pretrained, the oracle of tests and benchmarks: the folder itself,
+    or the GGUF a prepared folder came from (transformers then de-quantizes it)."""
+    source = gguf_file_for(model_dir)
+    return (str(model_dir), {}) if source is None else (str(source.parent), {"gguf_file": source.name})
+
+
 def gguf_source(spec: str) -> Path | None:
     """The GGUF file a model spec names (the embedded default or a .gguf path), else None."""
     if spec in DEFAULT_ALIASES:
