@@ -120,3 +120,16 @@ def test_default_model_is_prepared_for_real(smollm2_dir: Path) -> None:
 
     tok = load_tokenizer(smollm2_dir)
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
+
+
+@pytest.mark.slow
+def test_real_entry_damaged_is_rebuilt(tmp_path: Path) -> None:
+    src = store.default_gguf_path()
+    first = store.prepare_gguf(src, store.DEFAULT_NAME, tmp_path, quiet=True)
+    tok = first.value / "tokenizer.json"
+    tok.write_text(tok.read_text()[:100])
+    again = store.prepare_gguf(src, store.DEFAULT_NAME, tmp_path, quiet=True)
+    assert not again.hit and again.corrupt
+    from glowplug.engine.tokenizer import load_tokenizer
+
+    assert len(load_tokenizer(again.value)) == 49152
