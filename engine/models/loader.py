@@ -137,6 +137,23 @@ def check_state_dict(
     return {k: sd[k] for k in expected}
 
 
+def _adjacent(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+    """The fused tensor without a copy when the parts already lie back to back in one buffer (the GGUF loader
+    de-quantizes them so), else None."""
+    first = tensors[0]
+    if any(t.dtype != dtype or not t.is_contiguous() or t.shape[1:] != first.shape[1:] for t in tensors):
+        return None
+    if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for t in tensors):
+        return None
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(int(t.shape[0]) for t in tensors)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+
+
 def fuse_checkpoint(sd: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Checkpoint names -> model names: q/k/v rows concatenated into qkv_proj, gate/up into gate_up_proj (weights and
     biases). Floating tensors are cast to `dtype` on the way (the fused ones in the same pass as the copy); tensors
@@ -153,6 +170,11 @@ def fuse_checkpoint(sd: dict[str, torch.Tensor], dtype: torch.dtype | None = Non
             tensors = [sd[k] for k in keys]
             target = dtype if dtype is not None and tensors[0].is_floating_point() else tensors[0].dtype
             rows = sum(int(t.shape[0]) for t in tensors)
+            adjacent = _adjacent(tensors, target)
+            if adjacent is not None:
+                out[f"{base}.{fused}.{leaf}"] = adjacent
+                consumed.update(keys)
+                continue
             joined = torch.empty((rows, *tensors[0].shape[1:]), dtype=target, device=tensors[0].device)
             start = 0
             for t in tensors:
