@@ -122,3 +122,24 @@ def test_changed_file_is_refused(gguf_file: Path) -> None:
         f.write(b"\0" * 64)
     with pytest.raises(ModelError, match="changed after it was prepared"):
         gt.map_file(gguf_file, table)
+
+
+def test_fast_reader_reads_what_the_stock_reader_reads(gguf_file: Path) -> None:
+    from glowplug.engine.models.gguf_meta import open_reader
+
+    fast, stock = open_reader(gguf_file), gguf.GGUFReader(gguf_file)
+    assert list(fast.fields) == list(stock.fields)
+    for key, field in stock.fields.items():
+        assert fast.fields[key].contents() == field.contents(), key
+    assert [t.name for t in fast.tensors] == [t.name for t in stock.tensors]
+    for a, b in zip(fast.tensors, stock.tensors):
+        assert a.data_offset == b.data_offset and np.array_equal(a.data, b.data)
+
+
+def test_not_a_gguf_is_a_model_error(tmp_path: Path) -> None:
+    from glowplug.engine.models.gguf_meta import open_reader
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ModelError, match="not a readable GGUF"):
+        open_reader(bad)

@@ -19,6 +19,28 @@ _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 _CONTROL, _USER_DEFINED = 3, 4
 
 
+def open_reader(path: Path) -> Any:
+    """A `gguf.GGUFReader` over the file (mmap), parsing its metadata about 2.5x faster than the stock one.
+
+    The reader slices its np.memmap once per field part (~1M slices for a 49k-token vocabulary), and every memmap
+    slice runs memmap's Python-level __array_finalize__; slicing a plain ndarray view of the same mapping does
+    not. The parsed values and tensors are the same bytes either way."""
+    import gguf
+    import numpy as np
+
+    class _Reader(gguf.GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            if type(self.data) is np.memmap:
+                # The view keeps the mapping alive through its base.
+                self.data = self.data.view(np.ndarray)
+            return super()._get(offset, dtype, count, override_order)
+
+    try:
+        return _Reader(path, "r")
+    except (ValueError, OSError) as exc:
+        raise ModelError(f"{path}: not a readable GGUF file ({exc}); re-download or re-export it") from exc
+
+
 def metadata(reader: Any, *keys: str) -> dict[str, Any]:
     """The named fields that exist in the file, as Python values."""
     return {k: reader.fields[k].contents() for k in keys if k in reader.fields}

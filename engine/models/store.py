@@ -70,13 +70,11 @@ def model_factors(source: Path) -> dict[str, object]:
 
 
 def _convert_gguf(source: Path, out: Path, console: Console) -> None:
-    import gguf
-
-    from .gguf_meta import build_config, build_tokenizer
+    from .gguf_meta import build_config, build_tokenizer, open_reader
     from .gguf_tensors import read_table
 
     with console.status(f"reading {source.name}"):
-        reader = gguf.GGUFReader(source, "r")
+        reader = open_reader(source)
         table = read_table(reader, source)
         tied = not any(e.name == "output.weight" for e in table.tensors)
         cfg = build_config(reader, source, tied)
