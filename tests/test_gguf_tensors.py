@@ -143,3 +143,13 @@ def test_not_a_gguf_is_a_model_error(tmp_path: Path) -> None:
     bad.write_bytes(b"NOPE" + bytes(64))
     with pytest.raises(ModelError, match="not a readable GGUF"):
         open_reader(bad)
+
+
+def test_float_tensors_are_mapped_apart_and_exact(gguf_file: Path) -> None:
+    table, data, _ = _table(gguf_file)
+    floats = [e for e in table.tensors if e.type in (gt.F32, gt.F16, gt.BF16)]
+    mapped = [gt.map_float(gguf_file, e) for e in floats]
+    for e, t in zip(floats, mapped):
+        assert torch.equal(t.float(), gt.dequantize(gt.raw_bytes(data, e), e))
+    # One storage each: torch.compile refuses graph inputs that alias (views of one mapping would).
+    assert len({t.untyped_storage().data_ptr() for t in mapped}) == len(mapped)

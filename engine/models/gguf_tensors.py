@@ -113,6 +113,16 @@ def raw_bytes(data: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     return data[e.offset : e.offset + e.nbytes]
 
 
+_NUMPY_FLOAT = {F32: np.float32, F16: np.float16, BF16: np.uint16}
+
+
+def map_float(path: Path, e: TensorEntry) -> torch.Tensor:
+    """A float tensor mapped on its own (zero copy, copy-on-write). Views of one mapping would all share a storage,
+    and torch.compile refuses graph inputs that alias each other (two norm weights would)."""
+    t = torch.from_numpy(np.memmap(path, dtype=_NUMPY_FLOAT[e.type], mode="c", offset=e.offset, shape=e.shape))
+    return t.view(torch.bfloat16) if e.type == BF16 else t
+
+
 def _blocks(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     """[rows, K // 32, block bytes] view of a block-quantized tensor."""
     k = e.shape[-1]
@@ -287,6 +297,9 @@ def load_gguf_weights(
             parts = repack_int4(raw, e) if plan is not None and plan.scheme == "int4" else repack_int8(raw, e)
             for suffix, t in parts.items():
                 sd[f"{module}.{suffix}"] = t[order] if order is not None else t
+            continue
+        if e.type in _FLOAT and order is None and name not in into:
+            sd[name] = map_float(path, e).to(target)
             continue
         sd[name] = dequantize(raw, e, target, order, into.get(name))
     return GGUFWeights(state_dict=sd, shapes=shapes, packed=packed, bytes_read=total)
