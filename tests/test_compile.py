@@ -248,8 +248,11 @@ def test_smollm2_compiled_greedy_equals_transformers_fp32(smollm2_dir: Path, mak
     assert llm.startup.phase_table.seconds("dynamo_transform_time") is not None
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    ref = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    from glowplug.engine.models.store import transformers_args
+
+    where, kw = transformers_args(smollm2_dir)  # transformers reads the GGUF itself
+    tok = AutoTokenizer.from_pretrained(where, **kw)
+    ref = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw).eval()
     for p, got in zip(prompts, ours):
         ids = tok(p, return_tensors="pt")["input_ids"]
         with torch.inference_mode():

@@ -159,7 +159,10 @@ def test_smollm2_batch_of_8_matches_transformers(smollm2_dir: Path, make_llm) ->
     assert batched == alone
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    from glowplug.engine.models.store import transformers_args
+
+    where, kw = transformers_args(smollm2_dir)  # transformers reads the GGUF itself
+    hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw).eval()
     with torch.inference_mode():
         for q, toks in zip(prompts, batched):
             ids = llm.tokenizer(q)["input_ids"]

@@ -22,7 +22,10 @@ def _ours(model_dir: Path, dtype: torch.dtype = torch.float32):
 def _hf(model_dir: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+    from glowplug.engine.models.store import transformers_args
+
+    where, kw = transformers_args(model_dir)  # a folder prepared from a GGUF: transformers reads the GGUF itself
+    return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).eval()
 
 
 @torch.inference_mode()
@@ -107,7 +110,10 @@ def test_smollm2_prefill_logits_match_transformers(smollm2_dir: Path) -> None:
     ours, ref = _ours(smollm2_dir), _hf(smollm2_dir)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    from glowplug.engine.models.store import transformers_args
+
+    where, kw = transformers_args(smollm2_dir)
+    tok = AutoTokenizer.from_pretrained(where, **kw)
     ids = [tok("The capital of France is")["input_ids"], tok("glowplug accounts for every second of start-up.")["input_ids"]]
     got = _our_logits(ours, ids)
     with torch.inference_mode():

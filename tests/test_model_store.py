@@ -102,16 +102,34 @@ def test_cache_dir_comes_from_env(fake_source: Path, tmp_path: Path, monkeypatch
 
 
 @pytest.mark.slow
-def test_default_model_is_converted_for_real(smollm2_dir: Path) -> None:
+def test_default_model_is_prepared_for_real(smollm2_dir: Path) -> None:
     m = read_manifest(smollm2_dir)
     assert m.factors["source"]["file"] == store.default_gguf_path().name
-    for f in ("model.safetensors", "config.json", "tokenizer.json"):
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", store.TENSOR_TABLE):
         assert (smollm2_dir / f).is_file() and f in m.files
+    # The weights stay in the GGUF: the entry is a few MB, not a de-quantized copy.
+    assert not list(smollm2_dir.glob("*.safetensors"))
     import json
 
     cfg = json.loads((smollm2_dir / "config.json").read_text())
     assert cfg["model_type"] == "llama" and "quantization_config" not in cfg
-    from transformers import AutoTokenizer
+    table = store.gguf_table(smollm2_dir)
+    assert table is not None and len(table.tensors) == 272
+    assert store.source_quant_block(smollm2_dir) == 32  # Q4_1 projections
+    from glowplug.engine.tokenizer import load_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    tok = load_tokenizer(smollm2_dir)
     assert tok.chat_template and "<|im_start|>" in tok.chat_template
+
+
+@pytest.mark.slow
+def test_real_entry_damaged_is_rebuilt(tmp_path: Path) -> None:
+    src = store.default_gguf_path()
+    first = store.prepare_gguf(src, store.DEFAULT_NAME, tmp_path, quiet=True)
+    tok = first.value / "tokenizer.json"
+    tok.write_text(tok.read_text()[:100])
+    again = store.prepare_gguf(src, store.DEFAULT_NAME, tmp_path, quiet=True)
+    assert not again.hit and again.corrupt
+    from glowplug.engine.tokenizer import load_tokenizer
+
+    assert len(load_tokenizer(again.value)) == 49152

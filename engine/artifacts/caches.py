@@ -2,7 +2,7 @@
 
 | cache            | key factors                                                                 | unusable dir |
 |------------------|-----------------------------------------------------------------------------|--------------|
-| model            | GGUF file (name, size, mtime), converter version, transformers version      | fail         |
+| model            | GGUF file (name, size, mtime), converter version, tokenizers + gguf versions | fail        |
 | quant            | checkpoint shards (name, size, mtime), scheme, group size, torch, kernels source | bypass  |
 | compile          | model config, dtype, quant + KV-cache fields, torch, glowplug source, device | bypass      |
 | inductor         | torch, device (CPU model)                                                   | bypass       |
@@ -11,9 +11,9 @@
 | kernel_dispatch  | torch, CPU model, threads, layer shapes, formats, Ms, table version         | bypass       |
 | native           | kernel sources, torch, compiler version, CPU feature flags                  | bypass       |
 
-Why `model` fails: the engine maps the converted safetensors from disk, so a conversion with nowhere to go would
-have to write ~0.5 GB (SmolLM2) to some other disk on every start and take ~25 s each time; a clear error asking
-for a usable GLOWPLUG_CACHE_DIR serves the user better. A read-only cache dir that already holds the converted
+Why `model` fails: the engine reads the prepared folder (config, tokenizer, the GGUF's tensor table) from disk, and
+a folder written somewhere else on every start would hide a broken cache dir behind a slower start each time; a
+clear error asking for a usable GLOWPLUG_CACHE_DIR serves the user better. A read-only cache dir that already holds the converted
 model still works (reads need no write access). Every other cache only saves time, so the start goes on without
 it, recomputing what it would have held, with one warning.
 
@@ -30,8 +30,8 @@ from pathlib import Path
 from .store import CacheSpec
 
 MODEL = CacheSpec(
-    "model", 1, "GGUF checkpoints converted to Hugging Face folders (safetensors, config, tokenizer)", "fail",
-    "the converted model must be written to disk before the engine can map it",
+    "model", 2, "GGUF checkpoints prepared as folders (config, tokenizer, tensor table; weights stay in the GGUF)",
+    "fail", "the prepared model must be written to disk before the engine can read it",
 )
 QUANT = CacheSpec(
     "quant", 1, "quantized projection weights of one checkpoint for one scheme and group size", "bypass",

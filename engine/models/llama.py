@@ -174,7 +174,10 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # Given its (uninitialized) weight, Embedding skips its random init: the checkpoint replaces it anyway, and
+        # the first normal_ on a meta tensor imports torch's decompositions (~1 s) that an eager start never uses.
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
+                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(arch)

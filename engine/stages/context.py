@@ -30,6 +30,7 @@ class EngineContext(StartupContext):
     cache_root: Path = Path(".")
     device: str = "cpu"
     model_dir: Path | None = None  # model_prepare
+    gguf_path: Path | None = None  # model_prepare (weights are read from it when model_dir has its tensor table)
     arch: ModelArch | None = None  # model_prepare
     dtype: torch.dtype = torch.float32  # model_prepare
     tokenizer: Any = None  # tokenizer_init

@@ -1,4 +1,8 @@
-"""Map the safetensors shards, check them against the architecture, and fuse the projections.
+"""Map the safetensors shards (or the GGUF), check them against the architecture, and fuse the projections.
+
+A folder prepared from a GGUF reads its weights from the GGUF itself (engine/models/gguf_tensors.py): blocks on the
+grid of the requested int4/int8 layout are repacked as they are, the others de-quantized to the run dtype (fp32
+when a quantizer follows).
 
 Every page is read once here, so the I/O is booked to this stage and not to a later one. q/k/v and gate/up are
 concatenated into the model's fused projections (a copy, made in the run dtype unless the weights are about to be
@@ -9,7 +13,9 @@ from __future__ import annotations
 import torch
 
 from ...profiling.names import Attr
+from ..models.gguf_tensors import PackPlan, TensorTable, load_gguf_weights
 from ..models.loader import build_meta_model, check_state_dict, fuse_checkpoint, read_checkpoint
+from ..models.store import gguf_table
 from .base import StageReport
 from .context import EngineContext
 
@@ -38,11 +44,14 @@ class LoadWeights:
         t0 = time.perf_counter()
         model_dir = ctx.need(ctx.model_dir, "the model folder", "model_prepare")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
+        quantizing = ctx.config.quant.quantization != "none"
+        table = gguf_table(model_dir) if ctx.gguf_path is not None else None
+        if table is not None:
+            return self._from_gguf(ctx, table, quantizing, t0)
         ckpt = read_checkpoint(model_dir)
         touched = touch_pages(ckpt.state_dict)
         seconds = time.perf_counter() - t0
         checked = check_state_dict(build_meta_model(arch), ckpt.state_dict, model_dir)
-        quantizing = ctx.config.quant.quantization != "none"
         ctx.state_dict = fuse_checkpoint(checked, None if quantizing else ctx.dtype)
         ctx.weights_bytes = touched
         return StageReport(
@@ -52,5 +61,27 @@ class LoadWeights:
                 Attr.READ_GBPS: round(ckpt.bytes_read / max(seconds, 1e-9) / 1e9, 3),
                 "glowplug.files": [str(f) for f in ckpt.files],
                 "glowplug.tensors": len(ckpt.state_dict),
+            }
+        )
+
+    def _from_gguf(self, ctx: EngineContext, table: TensorTable, quantizing: bool, t0: float) -> StageReport:
+        import time
+
+        assert ctx.gguf_path is not None and ctx.arch is not None and ctx.model_dir is not None
+        q = ctx.config.quant
+        plan = PackPlan(q.quantization, ctx.quant_group_size()[0]) if quantizing else None
+        w = load_gguf_weights(ctx.gguf_path, table, ctx.arch, None if quantizing else ctx.dtype, plan)
+        seconds = time.perf_counter() - t0
+        checked = check_state_dict(build_meta_model(ctx.arch), w.state_dict, ctx.model_dir, logical=w.shapes)
+        ctx.state_dict = fuse_checkpoint(checked, None if quantizing else ctx.dtype)
+        ctx.weights_bytes = sum(t.nbytes for t in ctx.state_dict.values())
+        return StageReport(
+            attributes={
+                Attr.BYTES_READ: w.bytes_read,
+                Attr.READ_GBPS: round(w.bytes_read / max(seconds, 1e-9) / 1e9, 3),
+                "glowplug.files": [str(ctx.gguf_path)],
+                "glowplug.tensors": len(table.tensors),
+                # Layers taken on the GGUF's own grid (no de-quantize, no re-rounding).
+                "glowplug.gguf_repacked_layers": len(w.packed),
             }
         )

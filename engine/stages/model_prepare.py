@@ -1,11 +1,11 @@
-"""Find the model folder; the embedded default is converted from GGUF once (a cache hit afterwards)."""
+"""Find the model folder; a GGUF (the embedded default) is prepared once (config, tokenizer, tensor table)."""
 
 from __future__ import annotations
 
 from ...profiling.names import Attr
 from ..models.arch import load_arch
 from ..models.loader import resolve_dtype
-from ..models.store import prepare_model, source_quant_block
+from ..models.store import gguf_source, prepare_model, source_quant_block
 from .base import StageReport
 from .context import EngineContext
 
@@ -18,6 +18,7 @@ class ModelPrepare:
     def run(self, ctx: EngineContext) -> StageReport:
         ctx.model_dir, fetched = prepare_model(ctx.config.model, ctx.cache_root, quiet=True)
         ctx.arch = load_arch(ctx.model_dir)
+        ctx.gguf_path = gguf_source(ctx.config.model) if fetched is not None else None
         ctx.dtype = resolve_dtype(
             ctx.config.dtype, ctx.arch, ctx.device, quantized_source=source_quant_block(ctx.model_dir) is not None
         )

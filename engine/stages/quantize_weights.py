@@ -16,6 +16,7 @@ from ...profiling.names import Attr
 from ..artifacts import ArtifactStore
 from ..artifacts.caches import QUANT, file_stamps, source_digest
 from ..models.loader import checkpoint_files
+from ..models.store import gguf_table
 from .base import StageReport
 from .context import EngineContext
 
@@ -26,8 +27,9 @@ def quant_factors(ctx: EngineContext) -> dict[str, Any]:
     """What the quantized tensors depend on: the checkpoint's bytes, the scheme and its grouping, and the code and
     torch build that pack them (packed int4 layouts are torch-version specific)."""
     model_dir = ctx.need(ctx.model_dir, "the model folder", "model_prepare")
+    from_gguf = ctx.gguf_path is not None and gguf_table(model_dir) is not None
     return {
-        "checkpoint": file_stamps(checkpoint_files(model_dir)),
+        "checkpoint": file_stamps([ctx.gguf_path] if from_gguf else checkpoint_files(model_dir)),
         "scheme": ctx.config.quant.quantization,
         "group_size": ctx.quant_group_size()[0],
         "quantize_lm_head": ctx.config.quant.quantize_lm_head,
@@ -47,7 +49,7 @@ class QuantizeWeights:
         q = ctx.config.quant
         if q.quantization == "none":
             return StageReport.skipped("quantization none", {Attr.QUANTIZATION: "none"})
-        from glowplug.kernels.registry import get_scheme
+        from glowplug.kernels.registry import get_scheme, is_target_module
 
         sd = ctx.need(ctx.state_dict, "the checkpoint", "load_weights")
         scheme = get_scheme(q.quantization)
@@ -56,6 +58,17 @@ class QuantizeWeights:
         if head and "lm_head.weight" not in sd:
             # A tied head: its quantized copy is made from the embedding matrix (which stays for the lookup).
             sd = {**sd, "lm_head.weight": sd["model.embed_tokens.weight"]}
+
+        if not any(k.endswith(".weight") and is_target_module(k[: -len(".weight")], quantize_head=head) for k in sd):
+            # Every projection came repacked from the GGUF's blocks (load_weights): nothing to quantize or cache.
+            ctx.weights_bytes = sum(t.nbytes for t in sd.values())
+            return StageReport(attributes={
+                Attr.QUANTIZATION: q.quantization,
+                "glowplug.quantized_bytes": scheme.weight_bytes(sd, only_linear=True),
+                "glowplug.group_size": str(scheme.resolve_group_size(group_size)),
+                "glowplug.group_size_reason": why, "glowplug.quantize_lm_head": head,
+                "glowplug.quantized_from": "GGUF blocks, repacked on their own grid",
+            })  # fmt: skip
 
         def build(folder: Path | None) -> dict[str, torch.Tensor]:
             # Quantize from fp32 so the result does not depend on the serving dtype's rounding.

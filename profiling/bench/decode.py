@@ -254,8 +254,11 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        from ...engine.models.store import transformers_args
+
+        where, kw = transformers_args(model_dir)  # a folder prepared from a GGUF: transformers reads the GGUF
+        hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw).eval()
+        tok = AutoTokenizer.from_pretrained(where, **kw)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         for batch in cfg.batch_sizes:
             row = DecodeRow("transformers", "-", "float32", "none", batch, [], [], [])

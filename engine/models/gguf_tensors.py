@@ -1,0 +1,305 @@
+"""GGUF weights straight from the file: a tensor table, block unpacking, and repacking into the int4/int8 layouts.
+
+The table (name, type, shape, byte offset) is read once with `gguf.GGUFReader` when the model is prepared and kept
+in the model cache entry: the reader parses every metadata field (49k tokens for SmolLM2, ~2 s here), which a warm
+start does not need. A warm start maps the file and slices each tensor's bytes by offset.
+
+Block formats (32 weights per block, fp16 scales):
+- Q4_0: d, 16 bytes of nibbles; w = d * (q - 8)
+- Q4_1: d, m, 16 bytes of nibbles; w = d * q + m
+- Q8_0: d, 32 int8; w = d * q
+The nibble byte j holds weight j (low) and weight j + 16 (high): exactly the planar group-32 packing of
+kernels/formats.py, so an int4 g32 layer takes the nibble bytes as they are, with scale d and zero m + 8d (the
+formats' w = (q - 8) * scale + zero); Q8_0 is int8 g32 with scale d. No weight is re-rounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from .arch import ModelArch, ModelError
+
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+_FLOAT = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
+# Bytes per 32-weight block, and where the codes start in it.
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+_CODES_AT = {Q4_0: 2, Q4_1: 4, Q8_0: 2}
+BLOCK = 32
+SUPPORTED = ", ".join(TYPE_NAMES.values())
+
+# GGUF name -> Hugging Face name; "{i}" is the layer index.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}  # fmt: skip
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Tensors llama.cpp writes that the model derives itself.
+_IGNORED = ("rope_freqs.weight",)
+
+
+class TensorEntry(BaseModel):
+    """One tensor of the file: `shape` in torch order ([N, K] for a weight), `offset` absolute in the file."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    type: int
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class TensorTable(BaseModel):
+    """`source`: where the GGUF was when it was prepared, a hint for tools (tests, benchmarks) only; the engine
+    reads the file its model spec names."""
+
+    model_config = ConfigDict(frozen=True)
+
+    file_size: int
+    tensors: tuple[TensorEntry, ...]
+    source: str = ""
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor, or None when the model does not take it."""
+    if gguf_name in _IGNORED:
+        return None
+    stem, _, leaf = gguf_name.rpartition(".")
+    if stem.startswith("blk."):
+        _, index, part = stem.split(".", 2)
+        mapped = _LAYER_NAMES.get(part)
+        return f"model.layers.{index}.{mapped}.{leaf}" if mapped else gguf_name
+    mapped = _GLOBAL_NAMES.get(stem)
+    return f"{mapped}.{leaf}" if mapped else gguf_name
+
+
+def read_table(reader: Any, path: Path) -> TensorTable:
+    """The tensor table of an open `gguf.GGUFReader`; an unsupported type is refused here, at prepare time."""
+    entries = []
+    for t in reader.tensors:
+        kind = int(t.tensor_type)
+        if kind not in TYPE_NAMES:
+            raise ModelError(
+                f"{path}: tensor {t.name!r} is stored as {t.tensor_type.name}, which glowplug does not read "
+                f"(it reads {SUPPORTED}). Re-quantize the file with llama.cpp's llama-quantize to Q4_0, Q4_1 or "
+                f"Q8_0, or pass a Hugging Face folder."
+            )
+        shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
+        entries.append(TensorEntry(name=t.name, type=kind, shape=shape, offset=int(t.data_offset),
+                                   nbytes=int(t.n_bytes)))  # fmt: skip
+    return TensorTable(file_size=path.stat().st_size, tensors=tuple(entries), source=str(path.resolve()))
+
+
+def map_file(path: Path, table: TensorTable) -> torch.Tensor:
+    """The file's bytes as a uint8 tensor backed by a private (copy-on-write) mapping: nothing is read yet."""
+    size = path.stat().st_size
+    if size != table.file_size:
+        raise ModelError(f"{path}: the file is {size} bytes, the prepared table says {table.file_size}; "
+                         f"the GGUF changed after it was prepared: start again to re-prepare it")  # fmt: skip
+    return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
+
+
+def raw_bytes(data: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    return data[e.offset : e.offset + e.nbytes]
+
+
+_NUMPY_FLOAT = {F32: np.float32, F16: np.float16, BF16: np.uint16}
+
+
+def map_float(path: Path, e: TensorEntry) -> torch.Tensor:
+    """A float tensor mapped on its own (zero copy, copy-on-write). Views of one mapping would all share a storage,
+    and torch.compile refuses graph inputs that alias each other (two norm weights would)."""
+    t = torch.from_numpy(np.memmap(path, dtype=_NUMPY_FLOAT[e.type], mode="c", offset=e.offset, shape=e.shape))
+    return t.view(torch.bfloat16) if e.type == BF16 else t
+
+
+def _blocks(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:
+    """[rows, K // 32, block bytes] view of a block-quantized tensor."""
+    k = e.shape[-1]
+    if k % BLOCK:
+        raise ModelError(f"tensor {e.name!r}: row length {k} is not a multiple of the {BLOCK}-weight block")
+    rows = e.nbytes // (k // BLOCK * _BLOCK_BYTES[e.type])
+    return raw.view(rows, k // BLOCK, _BLOCK_BYTES[e.type])
+
+
+def _fp16(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """The fp16 field at byte `at` of every block, as fp32 [rows, G]."""
+    return blocks[..., at : at + 2].contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    """Codes [rows, G, 32] of a 4-bit block: byte j's low nibble is weight j, its high nibble weight j + 16."""
+    qs = blocks[..., at : at + 16]
+    return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+
+
+# Rows per de-quantization step: ~128k weights, so the fp32 intermediates of one step stay in L2 instead of
+# streaming each of the ~6 passes over the whole tensor through memory (3-4x faster on SmolLM2's 135M weights).
+_CHUNK_WEIGHTS = 1 << 17
+
+
+def _dequantize_blocks(blocks: torch.Tensor, kind: int) -> torch.Tensor:
+    """fp32 weights [rows, G, 32] of a block-quantized row range (the arithmetic of gguf.quants.dequantize)."""
+    d = _fp16(blocks, 0)[..., None]
+    if kind == Q8_0:
+        return blocks[..., 2:].contiguous().view(torch.int8).float() * d
+    if kind == Q4_0:
+        return (_nibbles(blocks, 2).float() - 8.0) * d
+    return _nibbles(blocks, 4).float() * d + _fp16(blocks, 2)[..., None]
+
+
+def dequantize(raw: torch.Tensor, e: TensorEntry, dtype: torch.dtype = torch.float32,
+               order: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A tensor's weights in `dtype` (computed in fp32, as gguf.quants.dequantize does, then rounded once).
+
+    order: a row order to apply (un-permuting q/k), taken on the packed bytes, before expanding them.
+    out: where to write (a slice of a fused projection), so the weights are written once."""
+    if e.type in _FLOAT:
+        t = raw.view(_FLOAT[e.type]).view(e.shape)
+        t = t[order] if order is not None else t
+        return out.copy_(t) if out is not None else t.to(dtype)
+    blocks = _blocks(raw, e)
+    if order is not None:
+        blocks = blocks[order]
+    rows = blocks.shape[0]
+    out = torch.empty((rows, e.shape[-1]), dtype=dtype) if out is None else out
+    step = max(1, _CHUNK_WEIGHTS // e.shape[-1])
+    for r in range(0, rows, step):
+        out[r : r + step].copy_(_dequantize_blocks(blocks[r : r + step], e.type).reshape(-1, e.shape[-1]))
+    return out.view(e.shape)
+
+
+def repack_int4(raw: torch.Tensor, e: TensorEntry) -> dict[str, torch.Tensor]:
+    """Q4_0/Q4_1 -> the int4 g32 canonical tensors (qweight, scales, zeros) on the same grid: codes unchanged."""
+    blocks = _blocks(raw, e)
+    at = _CODES_AT[e.type]
+    qweight = blocks[..., at : at + 16].reshape(blocks.shape[0], -1).contiguous()
+    d = _fp16(blocks, 0)
+    # Q4_0 is centred at 8 already (zero 0); Q4_1's offset m becomes the formats' zero at code 8.
+    zeros = torch.zeros_like(d) if e.type == Q4_0 else _fp16(blocks, 2) + 8.0 * d
+    return {"qweight": qweight, "scales": d.contiguous(), "zeros": zeros.contiguous()}
+
+
+def repack_int8(raw: torch.Tensor, e: TensorEntry) -> dict[str, torch.Tensor]:
+    """Q8_0 -> int8 g32 (qweight, scales): the same codes and scales."""
+    blocks = _blocks(raw, e)
+    qweight = blocks[..., 2:].contiguous().view(torch.int8).reshape(blocks.shape[0], -1)
+    return {"qweight": qweight, "scales": _fp16(blocks, 0).contiguous()}
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's q/k permutation (it interleaves each head's two rotary halves)."""
+    half = n_rows // n_head // 2
+    return torch.arange(n_rows).reshape(n_head, half, 2).transpose(1, 2).reshape(n_rows)
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Which layers to repack without de-quantizing: `scheme` int4 (from Q4_0/Q4_1) or int8 (from Q8_0), only
+    when the layer's group size is 32 (the block)."""
+
+    scheme: str
+    group_size: int | None
+
+
+_PACKS = {"int4": (Q4_0, Q4_1), "int8": (Q8_0,)}
+_FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+
+
+def _packable(entries: Mapping[str, TensorEntry], plan: PackPlan | None) -> set[str]:
+    """HF module names to repack. Members of one fused projection (q/k/v, gate/up) go together or not at all."""
+    if plan is None or plan.scheme not in _PACKS:
+        return set()
+    from glowplug.kernels.formats import effective_group_size
+
+    def fits(module: str) -> bool:
+        e = entries.get(f"{module}.weight")
+        return (e is not None and e.type in _PACKS[plan.scheme] and plan.group_size is not None
+                and effective_group_size(e.shape[-1], plan.group_size) == BLOCK)  # fmt: skip
+
+    layers = {n.rsplit(".", 3)[0] for n in entries if n.startswith("model.layers.")}
+    out: set[str] = set()
+    for layer in layers:
+        for group in (*_FUSED_GROUPS, ("self_attn.o_proj",), ("mlp.down_proj",)):
+            modules = [f"{layer}.{p}" for p in group]
+            if all(fits(m) for m in modules):
+                out.update(modules)
+    return out
+
+
+@dataclass
+class GGUFWeights:
+    state_dict: dict[str, torch.Tensor]
+    shapes: dict[str, tuple[int, ...]]  # every HF weight's logical shape (packed ones included)
+    packed: set[str]  # HF module names repacked into the quantized layout
+    bytes_read: int
+
+
+def _fused_buffers(entries: Mapping[str, TensorEntry], packed: set[str], dtype: torch.dtype
+                   ) -> dict[str, torch.Tensor]:
+    """One buffer per fused projection (q/k/v, gate/up) that is de-quantized, with each member's rows a slice of
+    it, so fuse_checkpoint finds them adjacent and joins them without a second copy."""
+    out: dict[str, torch.Tensor] = {}
+    layers = {n.rsplit(".", 3)[0] for n in entries if n.startswith("model.layers.")}
+    for layer in layers:
+        for group in _FUSED_GROUPS:
+            names = [f"{layer}.{p}.weight" for p in group]
+            parts = [entries.get(n) for n in names]
+            if any(e is None or len(e.shape) != 2 for e in parts) or f"{layer}.{group[0]}" in packed:
+                continue
+            k = {e.shape[1] for e in parts if e is not None}
+            if len(k) != 1:
+                continue
+            joined = torch.empty((sum(e.shape[0] for e in parts if e is not None), k.pop()), dtype=dtype)
+            start = 0
+            for n, e in zip(names, parts):
+                assert e is not None
+                out[n] = joined[start : start + e.shape[0]]
+                start += e.shape[0]
+    return out
+
+
+def load_gguf_weights(
+    path: Path, table: TensorTable, arch: ModelArch, dtype: torch.dtype | None, plan: PackPlan | None = None
+) -> GGUFWeights:
+    """The state dict (HF names) of a GGUF: repacked per `plan`, floats in `dtype` (fp32 when None, the precision
+    the quantizer starts from), q/k rows back in Hugging Face order."""
+    data = map_file(path, table)
+    entries = {name: e for e in table.tensors if (name := hf_name(e.name)) is not None}
+    packed = _packable(entries, plan)
+    target = dtype or torch.float32
+    into = _fused_buffers(entries, packed, target)
+    # llama.cpp permutes q/k rows for its rotary kernel only for llama-family files (not qwen2/qwen3).
+    permute = arch.model_type in ("llama", "mistral")
+    sd: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    total = 0
+    for name, e in entries.items():
+        raw = raw_bytes(data, e)
+        total += e.nbytes
+        shapes[name] = e.shape
+        module, _, leaf = name.rpartition(".")
+        order = None
+        if permute and module.endswith((".q_proj", ".k_proj")):
+            heads = arch.num_attention_heads if module.endswith(".q_proj") else arch.num_key_value_heads
+            order = unpermute_rows(e.shape[0], heads)
+        if module in packed:
+            parts = repack_int4(raw, e) if plan is not None and plan.scheme == "int4" else repack_int8(raw, e)
+            for suffix, t in parts.items():
+                sd[f"{module}.{suffix}"] = t[order] if order is not None else t
+            continue
+        if e.type in _FLOAT and order is None and name not in into:
+            sd[name] = map_float(path, e).to(target)
+            continue
+        sd[name] = dequantize(raw, e, target, order, into.get(name))
+    return GGUFWeights(state_dict=sd, shapes=shapes, packed=packed, bytes_read=total)
