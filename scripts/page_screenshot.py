@@ -6,7 +6,9 @@ Starts `glowplug serve` (the default model unless SERVE ARGS name another) on a 
 headless chromium (Debian's, driven by Playwright) as soon as the port answers, saves `page-starting.png` while a
 phase is running, then `page.png` (1280 px wide) and `page-phone.png` (390 px) once READY, and stops the server
 with SIGTERM. Run it twice in a row to see the ETA and the ghosts of the phases still to come: they come from
-the previous start of the same config.
+the previous start of the same config. With `--under-load N`, after READY it runs `glowplug bench serve
+--base-url` against the same server (N concurrent clients) and saves `page-serving.png` while that load runs, so
+the serving charts show real traffic.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("reports/startup"))
     parser.add_argument("--chromium", default=os.environ.get("GLOWPLUG_CHROMIUM") or shutil.which("chromium"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for READY")
+    parser.add_argument("--under-load", type=int, default=0, metavar="N",
+                        help="after READY, screenshot the serving view under `glowplug bench serve` with N clients")
     parser.add_argument("serve_args", nargs="*", help="passed to `glowplug serve` (after --)")
     args = parser.parse_args()
     if not args.chromium:
@@ -97,6 +101,24 @@ def main() -> int:
             page.wait_for_selector("#phase-table tbody tr[data-row=actual_total_time]", timeout=timeout_ms)
             page.wait_for_timeout(3000)  # a few metrics ticks for the serving charts
             page.screenshot(path=str(args.out / "page.png"), full_page=True)
+            if args.under_load:
+                load_out = Path(tempfile.mkdtemp(prefix="glowplug-page-load-"))
+                load = subprocess.Popen(
+                    [str(glowplug), "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+                     "--concurrency", str(args.under_load), "--num-prompts", str(args.under_load * 8),
+                     "--runs", "1", "--input-len", "128", "--output-len", "128", "--out-dir", str(load_out)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+                try:
+                    # Running requests on the chart: the load has reached the engine, plus a few metrics ticks.
+                    page.wait_for_function(
+                        "Number((document.querySelector('#chart-requests .now')?.textContent.match("
+                        "/running \\(solid\\) (\\d+)/) || [0, 0])[1]) > 0",
+                        timeout=120_000,
+                    )
+                    page.wait_for_timeout(8000)
+                    page.screenshot(path=str(args.out / "page-serving.png"), full_page=True)
+                finally:
+                    load.wait(600)
             page.set_viewport_size({"width": 390, "height": 844})
             page.wait_for_timeout(500)
             page.screenshot(path=str(args.out / "page-phone.png"), full_page=True)

@@ -223,12 +223,15 @@ def run_step(step: Step, timeout_s: float, log: Path, out: Path) -> StepResult:
     return StepResult(step, proc.returncode, time.perf_counter() - t0, rss, err)
 
 
-def git_commit() -> str:
+def git_commit(out: Path | None = None) -> str:
+    """HEAD, flagged when the code differs from it. The reports being regenerated (under `out`) do not count: a
+    run in chunks rewrites committed reports before the later chunks start."""
     here = Path(__file__).resolve().parent
+    exclude = [f":(exclude){out.resolve()}"] if out is not None else []
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, timeout=10)  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", *exclude],
+                               cwd=here, capture_output=True, text=True, timeout=10)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return "unknown (git not available)"
     if rev.returncode != 0:
@@ -236,12 +239,12 @@ def git_commit() -> str:
     return rev.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
 
 
-def entry_of(r: StepResult, quick: bool, finished: str) -> dict[str, Any]:
+def entry_of(r: StepResult, quick: bool, finished: str, out: Path | None = None) -> dict[str, Any]:
     """One report's outcome as stored in the sidecar (what README.md is rendered from)."""
     return {
         "argv": r.step.argv, "outputs": r.step.outputs, "what": r.step.what, "returncode": r.returncode,
         "wall_s": r.wall_s, "peak_rss_gb": r.peak_rss_gb, "error": r.error, "quick": quick, "finished": finished,
-        "commit": git_commit(),
+        "commit": git_commit(out),
     }  # fmt: skip
 
 
@@ -318,7 +321,7 @@ def run_all(cfg: BenchAllConfig, argv: list[str] | None = None, progress: Any = 
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     probe = measure_probe(repeats=2 if cfg.quick else 5, size_bytes=(64 << 20) if cfg.quick else (1 << 30))
     sidecar["invocations"].append({
-        "command": command_line(argv), "commit": git_commit(), "date": started, "probe_gbps": probe,
+        "command": command_line(argv), "commit": git_commit(cfg.out), "date": started, "probe_gbps": probe,
         "probe": "torch sum over " + ("64 MiB fp32, fastest of 2 (--quick)" if cfg.quick else "1 GiB fp32, fastest of 5"),
     })  # fmt: skip
     results = []
@@ -327,7 +330,7 @@ def run_all(cfg: BenchAllConfig, argv: list[str] | None = None, progress: Any = 
         results.append(run_step(step, cfg.timeout_s, logs / f"{step.name}.log", cfg.out))
         say(f"    {'ok' if results[-1].returncode == 0 else results[-1].error} in {results[-1].wall_s:.0f} s")
         finished = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-        sidecar["entries"][step.name] = entry_of(results[-1], cfg.quick, finished)
+        sidecar["entries"][step.name] = entry_of(results[-1], cfg.quick, finished, cfg.out)
         # Both files are rewritten after every report: a stopped run still says what it has.
         (cfg.out / SIDECAR).write_text(json.dumps(sidecar, indent=2) + "\n")
         (cfg.out / "README.md").write_text(render_readme(cfg, sidecar))
