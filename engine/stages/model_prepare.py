@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from ...profiling.names import Attr
-from ..models.arch import load_arch
+from ..models.arch import ModelError, load_arch
 from ..models.loader import resolve_dtype
-from ..models.store import gguf_source, prepare_model, source_quant_block
+from ..models.store import gguf_file_for, gguf_source, gguf_table, prepare_model, source_quant_block
 from .base import StageReport
 from .context import EngineContext
 
@@ -18,7 +18,11 @@ class ModelPrepare:
     def run(self, ctx: EngineContext) -> StageReport:
         ctx.model_dir, fetched = prepare_model(ctx.config.model, ctx.cache_root, quiet=True)
         ctx.arch = load_arch(ctx.model_dir)
-        ctx.gguf_path = gguf_source(ctx.config.model) if fetched is not None else None
+        # A folder glowplug prepared from a GGUF, passed as a path (tools and tests do), reads the same GGUF.
+        ctx.gguf_path = gguf_source(ctx.config.model) if fetched is not None else gguf_file_for(ctx.model_dir)
+        if ctx.gguf_path is None and gguf_table(ctx.model_dir) is not None:
+            raise ModelError(f"{ctx.model_dir} was prepared from a GGUF file that is no longer there; pass the "
+                             f".gguf file (or `smollm2`) instead of this folder")  # fmt: skip
         ctx.dtype = resolve_dtype(
             ctx.config.dtype, ctx.arch, ctx.device, quantized_source=source_quant_block(ctx.model_dir) is not None
         )
