@@ -133,3 +133,29 @@ def test_real_entry_damaged_is_rebuilt(tmp_path: Path) -> None:
     from glowplug.engine.tokenizer import load_tokenizer
 
     assert len(load_tokenizer(again.value)) == 49152
+
+
+@pytest.mark.slow
+def test_prepared_folder_as_a_path_reads_its_gguf_or_says_it_is_gone(smollm2_dir: Path, tmp_path: Path) -> None:
+    """The prepared folder itself is a valid MODEL (it reads the GGUF it was made from, with no safetensors); a copy
+    whose GGUF cannot be found fails in model_prepare with the fix, not later with a missing-weights error."""
+    import json
+    import shutil
+
+    from glowplug.engine.config import EngineConfig
+    from glowplug.engine.stages.base import StartupFailed
+    from glowplug.engine.startup import build_engine
+
+    cfg = EngineConfig.from_flat(model=str(smollm2_dir), compile="off", max_num_seqs=2, max_model_len=256)
+    result = build_engine(cfg, cache_dir=tmp_path / "cache")
+    assert result.context.gguf_path is not None and result.context.gguf_path.suffix == ".gguf"
+
+    orphan = tmp_path / "orphan"
+    shutil.copytree(smollm2_dir, orphan)
+    (orphan / "manifest.json").unlink()
+    table = json.loads((orphan / store.TENSOR_TABLE).read_text())
+    table["source"] = str(tmp_path / "gone.gguf")
+    (orphan / store.TENSOR_TABLE).write_text(json.dumps(table))
+    cfg = EngineConfig.from_flat(model=str(orphan), compile="off", max_num_seqs=2, max_model_len=256)
+    with pytest.raises(StartupFailed, match="model_prepare.*no longer there.*pass the .gguf file"):
+        build_engine(cfg, cache_dir=tmp_path / "cache")

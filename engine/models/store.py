@@ -110,7 +110,11 @@ def gguf_file_for(model_dir: Path) -> Path | None:
     if table.source and Path(table.source).is_file():
         return Path(table.source)
     default = default_gguf_path()
-    return default if default.name == read_manifest(model_dir).factors["source"]["file"] else None
+    try:  # a copied folder has no manifest to say which file it came from
+        made_from = read_manifest(model_dir).factors["source"]["file"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return default if default.name == made_from else None
 
 
 def transformers_args(model_dir: Path) -> tuple[str, dict[str, str]]:
