@@ -153,7 +153,9 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                                 "--num-prompts", "2" if q else "32", "--out-dir", serve_dir],
                       ["serve/serve.md"], "HTTP sweep: TTFT, TPOT, ITL, E2E percentiles, throughput per load"),
         "serve-efficiency": Step("serve-efficiency", [
-            *serve_common, "--efficiency", "--efficiency-concurrency", "2" if q else "8",
+            # Concurrency = the request count: the offline side runs them as one batch, so the server must be
+            # offered the same batch, else the ratio measures batch size rather than serving overhead.
+            *serve_common, "--efficiency", "--efficiency-concurrency", "2" if q else "32",
             "--num-prompts", "2" if q else "32", "--out-dir", serve_dir],
             ["serve/efficiency.md"], "server vs offline (LLM.generate) token throughput on one request set"),
         "serve-overload": Step("serve-overload", [
@@ -163,8 +165,9 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
         "serve-fuzz": Step("serve-fuzz", [*serve_common, "--fuzz", "--fuzz-cases", "5" if q else "100",
                                           "--out-dir", serve_dir],
                            ["serve/fuzz.md"], "schemathesis over the OpenAPI document: 5xx and schema violations"),
-        "serve-soak": Step("serve-soak", [*serve_common, "--soak", "--soak-duration", "10" if q else "60",
-                                          "--soak-streams", "2" if q else "16", "--out-dir", serve_dir],
+        "serve-soak": Step("serve-soak", [*serve_common, "--soak", "--soak-duration", "10" if q else "120",
+                                          "--soak-streams", "2" if q else "64", "--hangup-fraction", "0.1",
+                                          "--max-num-seqs", "4" if q else "128", "--out-dir", serve_dir],
                            ["serve/soak.md"], "mixed streams with hang-ups; leaks, counters and RSS checked after"),
     }  # fmt: skip
     return [steps[name] for name in (cfg.steps() if names is None else names)]
