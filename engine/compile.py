@@ -212,9 +212,6 @@ class LoadedDecode:
         return CompiledDecode(fn, self.model)
 
 
-DecodeCallable = Callable[[torch.Tensor, list[LayerKV]], torch.Tensor]
-
-
 class CompiledDecode:
     """The compiled decode step: (packed [B, DECODE_COLS + W], per-layer caches) -> logits [B, vocab].
 
@@ -267,10 +264,3 @@ def mark_decode_dynamic(packed: torch.Tensor, caches: list[LayerKV]) -> None:
         for t in (c.k, c.v, c.k_scale, c.v_scale):
             if t is not None:
                 torch._dynamo.mark_dynamic(t, 0)
-
-
-def inductor_cache_counts() -> tuple[int, int]:
-    from torch._dynamo.utils import counters
-
-    c = counters["inductor"]
-    return int(c["fxgraph_cache_hit"]), int(c["fxgraph_cache_miss"])

@@ -71,3 +71,25 @@ def default_pipeline(seconds: float = 0.005, *, busy: bool = False) -> list[Slee
     for stage in stages:
         stage.busy = busy
     return stages
+
+
+def run_startup(tracing: Any, stages: list[Any], *, imports_s: float = 0.0) -> tuple[Any, float, int]:
+    """Run a start-up the way the engine does (process marks, root span, the stage runner, READY): returns (phase
+    table, wall seconds of run_stages, ready ns). `imports_s` sleeps first, standing in for the heavy imports."""
+    from glowplug.engine.stages.base import run_stages
+    from glowplug.profiling.phases import build_phase_table
+    from glowplug.profiling.process import mark_main_entry, open_startup_span
+
+    marks = mark_main_entry()
+    if imports_s:
+        time.sleep(imports_s)
+    tracer = tracing.tracer()
+    root = open_startup_span(tracer, marks)
+    t0 = time.perf_counter()
+    try:
+        run_stages(stages, StartupContext(None), tracer=tracer, parent=root, clock=marks.clock)
+    finally:
+        wall = time.perf_counter() - t0
+        ready = marks.clock.now_ns()
+        root.end(end_time=ready)
+    return build_phase_table(tracing.finished_spans(), ready_time_ns=ready), wall, ready

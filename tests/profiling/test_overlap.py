@@ -5,17 +5,14 @@ same failure whichever thread fails first."""
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 
 import pytest
-from startup_fakes import SleepStage
+from startup_fakes import SleepStage, run_startup
 
 from glowplug.engine.stages.base import StageReport, StartupContext, StartupFailed, run_stages, stage_dependencies
 from glowplug.profiling.export import chrome_trace
 from glowplug.profiling.names import STARTUP_SPAN, Attr, Row, stage_from_span_name
-from glowplug.profiling.phases import build_phase_table
-from glowplug.profiling.process import mark_main_entry, open_startup_span
 from glowplug.profiling.tracing import Tracing
 
 
@@ -36,20 +33,6 @@ def _pipeline(seconds: float = 0.2) -> list[Declared]:
     ]
 
 
-def _run(tracing: Tracing, stages: list[Declared]) -> tuple[object, float, int]:
-    marks = mark_main_entry()
-    tracer = tracing.tracer()
-    root = open_startup_span(tracer, marks)
-    t0 = time.perf_counter()
-    try:
-        run_stages(stages, StartupContext(None), tracer=tracer, parent=root, clock=marks.clock)
-    finally:
-        wall = time.perf_counter() - t0
-        ready = marks.clock.now_ns()
-        root.end(end_time=ready)
-    return build_phase_table(tracing.finished_spans(), ready_time_ns=ready), wall, ready
-
-
 def test_dependencies_follow_the_latest_provider_and_barriers() -> None:
     stages = [*_pipeline(), SleepStage("undeclared"), Declared("after", needs=("tokenizer",))]
     deps = stage_dependencies(stages)
@@ -62,7 +45,7 @@ def test_dependencies_follow_the_latest_provider_and_barriers() -> None:
 
 
 def test_independent_stages_overlap_and_spans_nest_under_the_startup_span(tracing: Tracing) -> None:
-    table, wall, _ = _run(tracing, _pipeline())
+    table, wall, _ = run_startup(tracing, _pipeline())
     spans = {s.name: s for s in tracing.finished_spans()}
     root = spans[STARTUP_SPAN]
     stages = {stage_from_span_name(n): s for n, s in spans.items() if stage_from_span_name(n)}
@@ -88,7 +71,7 @@ def test_independent_stages_overlap_and_spans_nest_under_the_startup_span(tracin
 
 
 def test_chrome_trace_has_one_lane_per_thread(tracing: Tracing) -> None:
-    _run(tracing, _pipeline(0.05))
+    run_startup(tracing, _pipeline(0.05))
     trace = chrome_trace(tracing.finished_spans())
     lanes = {e["name"]: e["tid"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert lanes["glowplug.startup.tokenizer_init"] != lanes["glowplug.startup.load_weights"]

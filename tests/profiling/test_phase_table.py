@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
-from startup_fakes import SleepStage, default_pipeline
+from startup_fakes import SleepStage, default_pipeline, run_startup
 
 from glowplug.engine.stages.base import StartupContext, StartupFailed, run_stages
 from glowplug.profiling.logs import configure_logging
-from glowplug.profiling.names import AGGREGATE_ROWS, LEAF_ROWS, STAGE_ROWS, STAGES, Attr, Row, stage_span_name
+from glowplug.profiling.names import LEAF_ROWS, STAGE_ROWS, STAGES, Attr, Row, stage_span_name
 from glowplug.profiling.phases import (
     PhaseTable,
     build_phase_table,
@@ -30,24 +30,8 @@ from glowplug.profiling.phases import (
     to_rich,
     write_report,
 )
-from glowplug.profiling.process import Clock, mark_main_entry, open_startup_span
+from glowplug.profiling.process import Clock
 from glowplug.profiling.tracing import Tracing, setup_tracing
-
-
-def _startup(tracing: Tracing, stages: list[SleepStage]) -> tuple[PhaseTable, float, int]:
-    """Run a full start-up the way the engine will; returns (table, wall seconds of run_stages, ready ns)."""
-    marks = mark_main_entry()
-    time.sleep(0.01)  # stands in for the heavy imports
-    tracer = tracing.tracer()
-    root = open_startup_span(tracer, marks)
-    t0 = time.perf_counter()
-    try:
-        run_stages(stages, StartupContext(None), tracer=tracer, parent=root, clock=marks.clock)
-    finally:
-        wall = time.perf_counter() - t0
-        ready = marks.clock.now_ns()
-        root.end(end_time=ready)
-    return build_phase_table(tracing.finished_spans(), ready_time_ns=ready), wall, ready
 
 
 def test_rows_add_up_and_match_measured_wall_time(tracing: Tracing) -> None:
@@ -56,7 +40,7 @@ def test_rows_add_up_and_match_measured_wall_time(tracing: Tracing) -> None:
     # preempt it for milliseconds, and that time rightly counts as unattributed, not as a stage.
     keep = {"tokenizer_init", "load_weights", "graph_compile", "kv_cache_profiling", "warmup"}
     stages = [s for s in default_pipeline(0.15) if s.name in keep]
-    table, wall, ready = _startup(tracing, stages)
+    table, wall, ready = run_startup(tracing, stages, imports_s=0.01)
 
     leaves = table.leaves
     assert [r.name for r in leaves] == [*LEAF_ROWS, Row.UNATTRIBUTED]
@@ -225,7 +209,7 @@ def test_leaves_plus_unattributed_equal_actual_exactly(
 
 @pytest.fixture
 def table(tracing: Tracing) -> PhaseTable:
-    return _startup(tracing, default_pipeline(0.002))[0]
+    return run_startup(tracing, default_pipeline(0.002), imports_s=0.01)[0]
 
 
 def test_json_has_the_documented_shape_and_round_trips(table: PhaseTable, tmp_path: Path) -> None:
