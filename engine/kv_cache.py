@@ -8,24 +8,23 @@ which halves (bf16) or quarters (fp32) the cache and the bytes attention reads p
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from ..kernels.formats import dequantize_kv, quantize_kv
+from .host_memory import commit, huge_page_empty
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Zeroed cache memory. Unused slots must hold finite values (a masked-out NaN still poisons attention's
-    weighted sum), but on the CPU torch.zeros writes every page up front (~1.5 s per GiB here). numpy's calloc
-    maps large blocks as copy-on-write zero pages, so the cost moves to first use and the memory is committed
-    only as the cache fills."""
+    weighted sum). On the CPU each tensor is its own huge-page mapping, committed later by `KVCache.commit`
+    (engine/host_memory.py says why)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[itemsize])
-    return torch.from_numpy(raw).view(dtype)
+    return huge_page_empty(math.prod(shape) * itemsize).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -118,14 +117,19 @@ class KVCache:
     def device(self) -> torch.device:
         return self.layers[0].k.device
 
+    def tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for lk in self.layers:
+            out += [t for t in (lk.k, lk.v, lk.k_scale, lk.v_scale) if t is not None]
+        return out
+
+    def commit(self) -> bool:
+        """Make the whole cache resident now (CPU); False where the host cannot, and pages commit on first use."""
+        return self.device.type == "cpu" and commit(self.tensors())
+
     @property
     def nbytes(self) -> int:
-        total = 0
-        for lk in self.layers:
-            total += lk.k.nbytes + lk.v.nbytes
-            if lk.k_scale is not None and lk.v_scale is not None:
-                total += lk.k_scale.nbytes + lk.v_scale.nbytes
-        return total
+        return sum(t.nbytes for t in self.tensors())
 
     def gather(self, layer: int, block_table: torch.Tensor, ctx_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `ctx_len` keys and values: [ctx_len, kv_heads, head_dim] each."""

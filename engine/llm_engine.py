@@ -95,6 +95,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def commit_kv_cache(self) -> bool:
+        """Make the KV pool resident now (engine/host_memory.py); False where the host cannot."""
+        return self.runner.kv_cache.commit()
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Everything that can be wrong with a request before it is queued (ValueError naming the problem).
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, TypeAlias
 
 import structlog
 
+from glowplug.engine.host_memory import release_free_heap
 from glowplug.engine.sampling_params import SamplingParams
 
 from .metrics import ServiceMetrics
@@ -33,6 +34,10 @@ if TYPE_CHECKING:
     from glowplug.engine.llm_engine import LLMEngine, RequestOutput
 
 log = structlog.get_logger("glowplug.lifecycle.engine_loop")
+
+# After this long without a step the engine counts as idle and trims the heap (malloc_trim walks every arena, so it
+# waits for a lull rather than running between two closely spaced requests).
+IDLE_TRIM_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,7 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue[Submission | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._unscheduled: set[str] = set()
+        self._trim_pending = False
         self._thread = threading.Thread(target=self._run, name="glowplug-engine-loop", daemon=True)
         # Baselines: warm-up generations ran before the loop and are not traffic.
         self._prompt_seen = engine.num_prompt_tokens
@@ -177,6 +183,7 @@ class EngineLoop:
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self._trim_pending = True
         outputs = self._engine.step()
         # Compared with the same step offline, this shows what serving costs the engine (GIL, CPU contention).
         self._metrics.engine_step.observe(time.perf_counter() - t0)
@@ -195,11 +202,24 @@ class EngineLoop:
         except RuntimeError:
             pass  # the event loop is closed: nobody is left to tell
 
+    def _next_command(self, block: bool) -> Submission | _Abort | _AbortAll | _Stop:
+        """The next command (queue.Empty when there is none and `block` is False). An engine that has been idle for
+        IDLE_TRIM_S since it last stepped gives the heap's free pages back to the OS, then sleeps on the inbox."""
+        if not block:
+            return self._inbox.get_nowait()
+        if self._trim_pending:
+            try:
+                return self._inbox.get(timeout=IDLE_TRIM_S)
+            except queue.Empty:
+                self._trim_pending = False
+                release_free_heap()
+        return self._inbox.get()
+
     def _handle_commands(self, *, block: bool) -> bool:
         """Apply queued commands; False once told to stop. Blocks for the first one only when the engine is idle."""
         while True:
             try:
-                cmd = self._inbox.get() if block else self._inbox.get_nowait()
+                cmd = self._next_command(block)
             except queue.Empty:
                 return True
             block = False

@@ -25,6 +25,7 @@ import uvicorn
 from opentelemetry import trace
 
 from glowplug.engine.config import EngineConfig
+from glowplug.engine.host_memory import limit_native_caches
 from glowplug.profiling.logs import configure_logging
 from glowplug.profiling.names import DRAIN_SPAN, DrainAttr
 from glowplug.profiling.process import ProcessMarks
@@ -156,6 +157,7 @@ def serve(
         json_logs = {"auto": None, "json": True, "console": False}[serve_cfg.log_format]
         configure_logging(level=serve_cfg.log_level, json=json_logs)
     own = tracing is None
+    limit_native_caches()  # a long-lived process: bound oneDNN's per-shape cache before the first GEMM
     # Start-up spans are kept in memory for the phase table; request spans are not (they would pile up forever).
     startup_tracing = tracing or setup_tracing("glowplug", in_memory=True)
     request_tracing = tracing or setup_tracing("glowplug", in_memory=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 import uuid
 from collections import deque
@@ -187,6 +188,16 @@ class Service:
         self.metrics.set_phase_durations(phase_table_seconds(result))
         snap = self.lifecycle.snapshot()
         log.info("engine ready", startup_s=round(snap.startup_elapsed_s, 3), model=self.model_name)
+        # After READY, not in the start-up: commit the KV pool on a thread (the kernel call releases the GIL), so
+        # the server's footprint stops growing within seconds of READY instead of creeping up as the block
+        # manager first walks the pool, and requests stop paying page faults.
+        threading.Thread(target=self._commit_kv_cache, args=(engine,), name="kv-commit", daemon=True).start()
+
+    def _commit_kv_cache(self, engine: Any) -> None:
+        t0 = time.perf_counter()
+        committed = engine.commit_kv_cache()
+        log.info("kv cache committed" if committed else "kv cache commits on first use (the host cannot prefault)",
+                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
 
     def _startup_failed(self, reason: str, exc: BaseException) -> None:
         self.lifecycle.mark_failed(reason)

@@ -148,9 +148,10 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                         ["startup/startup.md"], "cold and warm starts: per-phase statistics and time to READY"),
         "cache-verify": Step("cache-verify", ["bench", "cache-verify", m, "--out", str(o / "cache-verify.md")],
                              ["cache-verify.md"], "cost of verifying a warm cache hit, quick vs full"),
-        # Sizes chosen for about 6 minutes on 2 cores: concurrency 1 dominates (32 requests one after another).
-        "serve": Step("serve", [*serve_common, "--concurrency", *(["1", "2"] if q else ["1", "8", "32"]),
-                                "--num-prompts", "2" if q else "32", "--out-dir", serve_dir],
+        # The loads (1, 8, 32, 64); 64 prompts, so that concurrency 64 has that many in flight. About 5
+        # minutes on 2 cores: concurrency 1 dominates (64 requests one after another).
+        "serve": Step("serve", [*serve_common, "--concurrency", *(["1", "2"] if q else ["1", "8", "32", "64"]),
+                                "--num-prompts", "2" if q else "64", "--out-dir", serve_dir],
                       ["serve/serve.md"], "HTTP sweep: TTFT, TPOT, ITL, E2E percentiles, throughput per load"),
         "serve-efficiency": Step("serve-efficiency", [
             # Concurrency = the request count: the offline side runs them as one batch, so the server must be
@@ -163,8 +164,9 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             "--out-dir", serve_dir],
             ["serve/overload.md"], "capacity, sustainable rate, 4x overload: 429s and admitted p99 TTFT"),
         # A short max-model-len bounds what a generated case may ask for (max_tokens, n): with the model's 8192,
-        # single cases ran for minutes and 100 cases per endpoint did not finish in 14 minutes.
-        "serve-fuzz": Step("serve-fuzz", [*serve_common, "--fuzz", "--fuzz-cases", "5" if q else "100",
+        # single cases ran for minutes and 100 cases per endpoint did not finish in 14 minutes. With 256, 500 cases
+        # per endpoint (the count) take about 8 minutes.
+        "serve-fuzz": Step("serve-fuzz", [*serve_common, "--fuzz", "--fuzz-cases", "5" if q else "500",
                                           "--max-model-len", "256", "--out-dir", serve_dir],
                            ["serve/fuzz.md"], "schemathesis over the OpenAPI document: 5xx and schema violations"),
         "serve-soak": Step("serve-soak", [*serve_common, "--soak", "--soak-duration", "10" if q else "120",
