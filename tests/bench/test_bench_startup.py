@@ -59,3 +59,19 @@ def test_cold_then_warm(tiny_model: str, tmp_path: Path) -> None:
 def test_default_out_dir_is_under_the_cwd() -> None:
     assert not StartupBenchConfig().out_dir.is_absolute()
     assert StartupBenchConfig().out_dir.parts[0] == "bench-startup"
+
+
+def test_paired_interval_brackets_the_median_and_narrows_with_pairs() -> None:
+    from glowplug.profiling.bench.startup_bench import paired_median_ci
+
+    assert paired_median_ci([0.01, 0.02]) is None  # two pairs: nothing to resample
+    assert paired_median_ci([0.03] * 5) == (0.03, 0.03)
+    import random
+
+    rng = random.Random(0)
+    few = [0.02 + rng.gauss(0, 0.05) for _ in range(5)]
+    many = [0.02 + rng.gauss(0, 0.05) for _ in range(200)]
+    lo_few, hi_few = paired_median_ci(few)  # type: ignore[misc]
+    lo, hi = paired_median_ci(many)  # type: ignore[misc]
+    assert lo_few <= sorted(few)[2] <= hi_few
+    assert lo < 0.02 < hi and hi - lo < hi_few - lo_few
