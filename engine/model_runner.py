@@ -7,7 +7,8 @@ one call with no host synchronisation until the sampler's single one. The batch 
 whose graph has a symbolic batch dimension; captured CUDA graphs have fixed shapes, so there a batch is padded up to
 the next captured size with rows that write into the scratch block the block manager never hands out.
 
-Everything else (prefill chunks, mixed batches, or no compiled step) runs the eager forward over AttentionMetadata.
+Prefill chunks (or everything, when there is no compiled step or the batch is too big for it) run the eager forward
+over AttentionMetadata; in a mixed step the decode rows still take the compiled step.
 """
 
 from __future__ import annotations
@@ -168,20 +169,32 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
-        decode_only = all(s.num_new_tokens == 1 for s in scheduled)
-        padded = self.padded_size(len(scheduled)) if decode_only else None
-        if padded is not None:
-            assert self.decode_fn is not None
-            logits = self.decode_fn(self.prepare_decode(scheduled, padded))[: len(scheduled)]
-            order = scheduled
-        else:
-            batch = self.prepare(scheduled)
-            order = batch.order
-            hidden = self.model(batch.input_ids, batch.positions, batch.meta)
-            rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
-            logits = self.model.compute_logits(hidden[rows]) if batch.sample_rows else None
-        samplers = [s for s in order if s.samples]
-        results: list[tuple[ScheduledSeq, SampleResult | None]] = [(s, None) for s in order if not s.samples]
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        padded = self.padded_size(len(decodes)) if decodes else None
+        if padded is None:
+            return self._run_eager(scheduled)
+        if len(decodes) == len(scheduled):
+            return self._run_compiled(decodes, padded)
+        # A mixed step (a new prompt arrived while others decode): the prompt chunks run eagerly on their own and
+        # the decode rows stay on the compiled step, rather than every running sequence dropping to the eager path
+        # whenever a request arrives (eager decode attention is the slow part of a mixed step; reports/serve/serve.md
+        # at concurrency 32 and 64 runs mostly such steps). Disjoint sequences and KV slots, so the two calls are
+        # independent.
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        return self._run_eager(prefills) + self._run_compiled(decodes, padded)
+
+    def _run_compiled(self, decodes: list[ScheduledSeq], padded: int) -> list[tuple[ScheduledSeq, SampleResult | None]]:
+        assert self.decode_fn is not None
+        logits = self.decode_fn(self.prepare_decode(decodes, padded))[: len(decodes)]
+        return list(zip(decodes, sample(logits, [s.seq for s in decodes])))
+
+    def _run_eager(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
+        batch = self.prepare(scheduled)
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta)
+        rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows]) if batch.sample_rows else None
+        samplers = [s for s in batch.order if s.samples]
+        results: list[tuple[ScheduledSeq, SampleResult | None]] = [(s, None) for s in batch.order if not s.samples]
         if samplers and logits is not None:
             results.extend(zip(samplers, sample(logits, [s.seq for s in samplers])))
         return results

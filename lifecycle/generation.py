@@ -82,6 +82,7 @@ class Generation:
         abort: Callable[[str], None],
         observe: Callable[[str, RequestOutput | None], None],
         on_close: Callable[[Generation], None],
+        undelivered: Callable[[int], None] = lambda _n: None,
     ) -> None:
         self.request_ids = request_ids
         self.received_at = received_at
@@ -92,12 +93,26 @@ class Generation:
         self._abort = abort
         self._observe = observe
         self._on_close = on_close
+        self._undelivered = undelivered
         self._queue: asyncio.Queue[EngineEvent] = asyncio.Queue()
         self._closed = False
+        # Aborted on close, but the engine may have finished them first (its final output still on the way):
+        # such an output's tokens were generated for nobody, and are reported through `undelivered`.
+        self._abandoned: set[str] = set()
 
     def sink(self, event: EngineEvent) -> None:
         """Called on the event loop, in the engine loop's per-step batch."""
+        if self._closed:
+            self._count_if_abandoned(event)
+            return
         self._queue.put_nowait(event)
+
+    def _count_if_abandoned(self, event: EngineEvent) -> None:
+        if isinstance(event, (Scheduled, Ended)) or not event.finished:
+            return
+        if event.request_id in self._abandoned:
+            self._abandoned.discard(event.request_id)
+            self._undelivered(sum(len(c.token_ids) for c in event.outputs))
 
     @property
     def has_pending(self) -> bool:
@@ -155,6 +170,9 @@ class Generation:
         self._closed = True
         if self._open:
             self.stats.client_aborted = True
+            self._abandoned = set(self._open)
+            while not self._queue.empty():  # outputs that arrived but were never read
+                self._count_if_abandoned(self._queue.get_nowait())
             for rid in self._open:
                 self._abort(rid)
                 self._observe("abort", None)

@@ -68,7 +68,8 @@ class ServiceMetrics:
         self.generation_tokens = Counter("glowplug_generation_tokens", "Tokens generated.", registry=r)
         self.aborted_generation_tokens = Counter(
             "glowplug_aborted_generation_tokens",
-            "Tokens generated for requests that were then aborted (client gone, drain): work nobody received.",
+            "Tokens generated for requests whose client was gone before their end arrived (hung up, drained), "
+            "whether the engine aborted them or had just finished them: work nobody received.",
             registry=r,
         )
         # process_resident_memory_bytes, CPU seconds, open fds: what a soak watches for leaks (Linux only;

@@ -336,6 +336,7 @@ class Service:
             abort=engine_loop.abort,
             observe=observe,
             on_close=closed,
+            undelivered=self.metrics.aborted_generation_tokens.inc,
         )
         self._active.add(gen)
         if self._idle is not None:

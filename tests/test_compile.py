@@ -146,6 +146,39 @@ def test_serving_never_compiles_and_matches_eager(tiny_dir, cache: Path, make_ll
         assert outs[p] == out.outputs[0].token_ids
 
 
+def test_arrivals_during_decoding_split_the_step_and_keep_eager_tokens(tiny_dir, cache: Path, make_llm) -> None:
+    """A prompt arriving while others decode: the step's decode rows still go through the compiled step (the
+    prompt alone runs eagerly), and every request's greedy tokens are those of an eager engine."""
+    model = tiny_dir("llama")
+    compiled, _ = _start(model, cache, block_size=4)
+    eng = compiled.engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    seen = {"mixed_steps": 0, "eager_decode_rows": 0}
+    runner = eng.runner
+    run_eager = runner._run_eager
+
+    def eager_rows(scheduled: list[Any]) -> Any:
+        seen["eager_decode_rows"] += sum(1 for s in scheduled if s.num_new_tokens == 1)
+        return run_eager(scheduled)
+
+    runner._run_eager = eager_rows
+    outs: dict[str, list[int]] = {}
+    pending = list(PROMPTS[:6])
+    eng.add_request(pending.pop(0), params)
+    while eng.has_unfinished() or pending:
+        if pending and any(s.num_computed_tokens > 0 for s in eng.scheduler.running):
+            eng.add_request(pending.pop(0), params)  # arrives while others decode: a mixed step
+            seen["mixed_steps"] += 1
+        for o in eng.step():
+            if o.finished:
+                outs[o.prompt] = o.outputs[0].token_ids
+    assert seen["mixed_steps"] == 5
+    assert seen["eager_decode_rows"] == 0, "decode rows of a mixed step ran eagerly"
+    eager = make_llm(model, compile="off", block_size=4)
+    for p, out in zip(PROMPTS[:6], eager.generate(PROMPTS[:6], params)):
+        assert outs[p] == out.outputs[0].token_ids
+
+
 @pytest.mark.parametrize("fields", [{"quantization": "int8"}, {"quantization": "int4"}, {"quantization": "w8a8"},
                                     {"kv_cache_dtype": "int8"}])  # fmt: skip
 def test_quantized_and_int8_kv_compiled_match_eager(tiny_dir, cache: Path, fields: dict[str, str]) -> None:

@@ -144,3 +144,33 @@ def test_an_sse_event_is_one_line_for_any_line_splitter(text: str) -> None:
     lines = sse({"text": text}).decode().splitlines()
     assert lines[1:] == [""] and lines[0].startswith("data: ")
     assert json.loads(lines[0][6:]) == {"text": text}
+
+
+def test_tokens_finished_for_a_client_that_left_are_counted_once() -> None:
+    """The race the soak found: the engine finishes a request just as its client hangs up. Its final output is
+    either already queued (unread) when the response closes, or still on its way; either way its tokens count as
+    undelivered, once, and a request the engine still had is left to the engine loop's own count."""
+    import asyncio
+
+    from glowplug.engine.llm_engine import CompletionOutput, RequestOutput
+    from glowplug.lifecycle.generation import Generation, Ticket
+
+    def finished(rid: str, n: int) -> RequestOutput:
+        return RequestOutput(rid, None, [1, 2], [CompletionOutput(0, "x" * n, list(range(n)), "length")], True)
+
+    async def scenario() -> tuple[list[int], list[str]]:
+        undelivered: list[int] = []
+        aborted: list[str] = []
+        gen = Generation(request_ids=["queued", "late", "running"], prompt_lengths=[2, 2, 2], received_at=0.0,
+                         ticket=Ticket(3, lambda _n: None), abort=aborted.append, observe=lambda *_a: None,
+                         on_close=lambda _g: None, undelivered=undelivered.append)  # fmt: skip
+        gen.sink(finished("queued", 7))  # arrived, never read: the client left first
+        gen.close()
+        gen.sink(finished("late", 5))  # the engine finished it before the abort reached it
+        gen.sink(finished("late", 5))  # (a repeat must not count twice)
+        gen.close()
+        return undelivered, aborted
+
+    undelivered, aborted = asyncio.run(scenario())
+    assert sorted(undelivered) == [5, 7]
+    assert sorted(aborted) == ["late", "queued", "running"]  # the engine loop counts what it still held
