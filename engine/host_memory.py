@@ -1,6 +1,6 @@
 """Large, long-lived host buffers (the CPU KV pool), and the native-memory settings of a long-lived server process.
 
-The KV pool is one anonymous mapping per tensor, advised to use transparent huge pages, and committed on request:
+The KV pool is one anonymous mapping per tensor, committed (on transparent huge pages) on request:
 - torch.zeros would write every 4 KiB page at allocation, on the start-up's critical path.
 - Left to commit on first use (numpy's calloc, as before), the pool fills in slowly: the block manager hands out
   the least recently freed block first (so prefix-cached content lives longest), which walks the whole pool. The
@@ -9,7 +9,8 @@ The KV pool is one anonymous mapping per tensor, advised to use transparent huge
   is OOM-killed long after READY instead of at start.
 - `commit` asks the kernel to populate the pages (MADV_POPULATE_WRITE) in one foreign call per tensor, which
   releases the GIL. The server runs it on a thread right after READY (lifecycle/service.py), so it costs the
-  start-up nothing; huge pages need 512x fewer faults than 4 KiB ones.
+  start-up nothing; huge pages need 512x fewer faults than 4 KiB ones. The offline LLM does not commit: its
+  pool commits 4 KiB at a time as blocks are first written (see `anonymous_zeros` for why not huge pages then).
 
 A server's heap also holds what oneDNN caches per matmul shape and what glibc keeps after frees;
 `limit_native_caches` and `release_free_heap` bound those (their comments say by how much).
@@ -23,7 +24,8 @@ import os
 
 import torch
 
-# Linux 5.14+; older kernels answer EINVAL and the buffer stays commit-on-first-use.
+# Linux values. MADV_POPULATE_WRITE needs 5.14+; older kernels answer EINVAL and the buffer stays commit-on-first-use.
+MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23
 
 
@@ -34,25 +36,23 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def huge_page_empty(nbytes: int) -> torch.Tensor:
-    """A zero-filled uint8 tensor of `nbytes` in its own anonymous mapping, advised to use transparent huge pages.
+def anonymous_zeros(nbytes: int) -> torch.Tensor:
+    """A zero-filled uint8 tensor of `nbytes` in its own anonymous mapping, with no page committed yet.
 
-    The pages are not committed yet (see `commit`). The tensor keeps the mapping alive; it is unmapped when the
-    last view of the tensor is freed."""
+    Pages commit on first write, 4 KiB at a time, until `commit` makes them all resident (on huge pages). Huge
+    pages are not asked for before that: a first write into an uncommitted huge page zeroes all 2 MiB of it, so
+    an engine that writes its KV pool a block at a time (the offline LLM) would pay a 2 MiB fault for every 6 KiB
+    block that lands in a fresh one. The tensor keeps the mapping alive; it is unmapped with the last view."""
     if nbytes <= 0:
         return torch.zeros(0, dtype=torch.uint8)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP disabled ("never"): 4 KiB pages, still correct
-            pass
     return torch.frombuffer(buf, dtype=torch.uint8)
 
 
 def commit(tensors: list[torch.Tensor]) -> bool:
-    """Make every page of these CPU tensors resident now. True when the kernel populated them; False when it cannot
-    (not Linux, or a kernel before 5.14), in which case they stay commit-on-first-use."""
+    """Make every page of these CPU tensors resident now, on transparent huge pages where the host allows. True
+    when the kernel populated them; False when it cannot (not Linux, or a kernel before 5.14), in which case they
+    stay commit-on-first-use."""
     if os.name != "posix":
         return False
     try:
@@ -65,6 +65,7 @@ def commit(tensors: list[torch.Tensor]) -> bool:
             continue
         start = t.data_ptr() // page * page
         length = t.data_ptr() + t.nbytes - start
+        libc.madvise(start, length, MADV_HUGEPAGE)  # best effort: THP may be off ("never")
         if libc.madvise(start, length, MADV_POPULATE_WRITE) != 0:
             return False
     return True

@@ -14,17 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.formats import dequantize_kv, quantize_kv
-from .host_memory import commit, huge_page_empty
+from .host_memory import commit, anonymous_zeros
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Zeroed cache memory. Unused slots must hold finite values (a masked-out NaN still poisons attention's
-    weighted sum). On the CPU each tensor is its own huge-page mapping, committed later by `KVCache.commit`
-    (engine/host_memory.py says why)."""
+    weighted sum). On the CPU each tensor is its own anonymous mapping: pages commit on first write, or all at
+    once (on huge pages) by `KVCache.commit`, which the server calls after READY (engine/host_memory.py says why)."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return huge_page_empty(math.prod(shape) * itemsize).view(dtype).view(shape)
+    return anonymous_zeros(math.prod(shape) * itemsize).view(dtype).view(shape)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from glowplug.engine.host_memory import commit, huge_page_empty, limit_native_caches, release_free_heap
+from glowplug.engine.host_memory import commit, anonymous_zeros, limit_native_caches, release_free_heap
 from glowplug.engine.kv_cache import KVCache
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
@@ -29,9 +29,9 @@ def resident_kib(t: torch.Tensor) -> int:
 
 
 @linux_only
-def test_a_huge_page_buffer_is_zero_and_commits_only_when_asked() -> None:
+def test_an_anonymous_buffer_is_zero_and_commits_only_when_asked() -> None:
     nbytes = 48 << 20
-    t = huge_page_empty(nbytes)
+    t = anonymous_zeros(nbytes)
     assert t.numel() == nbytes and t.dtype == torch.uint8
     assert resident_kib(t) < 8 << 10  # nothing touched yet
     assert commit([t]) is True
