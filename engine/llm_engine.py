@@ -5,14 +5,16 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
+from .sampler import SampleResult
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence, TokenLogprobs
 
 
@@ -47,6 +49,17 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computed: prompt tokens (rows of more than one new token), single-token decode rows, and the
+    seconds the part with the prompt tokens took (the runner's eager call). The server's admission control learns
+    the cost of a prompt token from these."""
+
+    prefill_tokens: int = 0
+    decode_rows: int = 0
+    prefill_s: float = 0.0
 
 
 @dataclass
@@ -87,6 +100,7 @@ class LLMEngine:
         self._rng = torch.Generator().manual_seed(seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        self.last_step = StepShape()
 
     @property
     def block_manager(self) -> Any:
@@ -184,13 +198,34 @@ class LLMEngine:
             return "length"
         return None
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_partial: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
+        """Schedule and run one step; the outputs of the requests it advanced.
+
+        `on_partial`: a mixed step (new prompts beside decode rows) runs in two parts, and the outputs of the prompt
+        part are handed to it before the decode part runs, so a server streams the new requests' first tokens a
+        decode pass earlier. Those requests are then not in the returned list, unless the decode part advanced
+        them too. Without it, one output per request, as always.
+        """
         out = self.scheduler.schedule()
         if out.empty:
+            self.last_step = StepShape()
             return []
-        results = self.runner.execute(out.scheduled)
-        now = time.monotonic()
+        decode_rows = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
         touched: dict[str, Request] = {}
+        now = time.monotonic()
+        for results, last in self.runner.execute_parts(out.scheduled):
+            now = time.monotonic()
+            self._advance(results, touched, now)
+            if on_partial is not None and touched and not last:
+                on_partial(self._outputs(touched, now))
+                touched = {}
+        self.last_step = StepShape(out.num_tokens - decode_rows, decode_rows, self.runner.last_prefill_s)
+        return self._outputs(touched, now)
+
+    def _advance(
+        self, results: list[tuple[ScheduledSeq, SampleResult | None]], touched: dict[str, Request], now: float
+    ) -> None:
+        """Book one part's results: computed tokens, the sampled token, detokenization, finishing."""
         for sched, sample in results:
             seq = sched.seq
             seq.num_computed_tokens += sched.num_new_tokens
@@ -216,6 +251,8 @@ class LLMEngine:
             req = self.requests.get(seq.request_id)
             if req is not None:
                 touched[req.request_id] = req
+
+    def _outputs(self, touched: dict[str, Request], now: float) -> list[RequestOutput]:
         outputs = []
         for req in touched.values():
             if req.finished:

@@ -14,7 +14,9 @@ over AttentionMetadata; in a mixed step the decode rows still take the compiled 
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
@@ -56,6 +58,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.scratch_block = kv_cache.num_blocks - 1  # reserved: see module docstring
         self.device = torch.device(device)
+        self.last_prefill_s = 0.0  # wall time of the last step's eager part when it had prompt tokens
         self.decode_fn: DecodeFn | None = None
         self.decode_sizes: list[int] = []  # batch sizes the compiled step was captured / warmed for
         self.pad_decode = self.device.type == "cuda"  # fixed-shape CUDA graphs
@@ -167,28 +170,56 @@ class ModelRunner:
             sample_rows=sample_rows,
         )
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
+        """Run one scheduled step; the results of all its parts."""
+        return [r for part, _last in self.execute_parts(scheduled) for r in part]
+
+    def execute_parts(
+        self, scheduled: list[ScheduledSeq]
+    ) -> Iterator[tuple[list[tuple[ScheduledSeq, SampleResult | None]], bool]]:
+        """Run one scheduled step, yielding each part's results (and whether it is the last part) as soon as it has
+        them: one part, or two for a mixed step (the prompt chunks, then the decode rows), so that the caller can
+        deliver the new prompts' first tokens before the decode rows have run."""
         decodes = [s for s in scheduled if s.num_new_tokens == 1]
         padded = self.padded_size(len(decodes)) if decodes else None
+        self.last_prefill_s = 0.0
         if padded is None:
-            return self._run_eager(scheduled)
+            # Timed only when it holds prompts alone: decode rows run eagerly here (a batch past the compiled
+            # sizes, or no compiled step), and their attention would be booked to the prompt tokens.
+            yield self._run_eager(scheduled, timed=not decodes), True
+            return
         if len(decodes) == len(scheduled):
-            return self._run_compiled(decodes, padded)
+            yield self._run_compiled(decodes, padded), True
+            return
         # A mixed step (a new prompt arrived while others decode): the prompt chunks run eagerly on their own and
         # the decode rows stay on the compiled step, rather than every running sequence dropping to the eager path
         # whenever a request arrives (eager decode attention is the slow part of a mixed step; reports/serve/serve.md
         # at concurrency 32 and 64 runs mostly such steps). Disjoint sequences and KV slots, so the two calls are
         # independent.
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        return self._run_eager(prefills) + self._run_compiled(decodes, padded)
+        yield self._run_eager(prefills, timed=True), False
+        yield self._run_compiled(decodes, padded), True
 
+    @torch.inference_mode()
     def _run_compiled(self, decodes: list[ScheduledSeq], padded: int) -> list[tuple[ScheduledSeq, SampleResult | None]]:
         assert self.decode_fn is not None
         logits = self.decode_fn(self.prepare_decode(decodes, padded))[: len(decodes)]
         return list(zip(decodes, sample(logits, [s.seq for s in decodes])))
 
-    def _run_eager(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
+    @torch.inference_mode()
+    def _run_eager(
+        self, scheduled: list[ScheduledSeq], *, timed: bool = False
+    ) -> list[tuple[ScheduledSeq, SampleResult | None]]:
+        """`timed`: record the wall time in `last_prefill_s` (a step with prompt tokens; what the server's admission
+        learns a prompt token's cost from). On a GPU it ends at the sampler's host sync, or at the launches when
+        the chunk samples nothing, so it can read low there."""
+        t0 = time.perf_counter() if timed else 0.0
+        results = self._eager(scheduled)
+        if timed:
+            self.last_prefill_s = time.perf_counter() - t0
+        return results
+
+    def _eager(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
         batch = self.prepare(scheduled)
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)

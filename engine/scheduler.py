@@ -64,6 +64,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def prefill_backlog(self) -> int:
+        """Prompt tokens still to compute for sequences already started: the rest of chunked prompts, and
+        preempted sequences that will be recomputed. (Never-scheduled arrivals are the caller's to count.)"""
+        running = sum(max(0, s.num_tokens - s.num_computed_tokens - 1) for s in self.running)
+        resumed = sum(s.num_tokens - s.num_computed_tokens for s in self.waiting if s.first_scheduled_time is not None)
+        return running + resumed
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.block_manager.free_seq(seq)
         seq.status = SeqStatus.WAITING

@@ -28,6 +28,7 @@ import structlog
 from glowplug.engine.host_memory import release_free_heap
 from glowplug.engine.sampling_params import SamplingParams
 
+from .admission import PrefillCost
 from .metrics import ServiceMetrics
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class LoadSnapshot:
     running_seqs: int
     waiting_seqs: int
     max_num_seqs: int
+    # Prompt tokens still to compute for sequences the engine has started (chunked or preempted prompts).
+    prefill_backlog: int = 0
 
     @property
     def free_seq_slots(self) -> int:
@@ -125,6 +128,7 @@ class EngineLoop:
         self._post = post
         self._outbox: list[tuple[Sink, EngineEvent]] = []
         self.load = LoadSnapshot(0, 0, engine.scheduler.cfg.max_num_seqs)
+        self.prefill_cost = PrefillCost()
         self._inbox: queue.SimpleQueue[Submission | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._unscheduled: set[str] = set()
@@ -167,12 +171,7 @@ class EngineLoop:
             while self._handle_commands(block=not self._engine.has_unfinished()):
                 self._flush()  # what the commands ended (aborts, refused requests) before the next step
                 outputs = self._step() if self._engine.has_unfinished() else []
-                self._note_scheduled()
-                # Gauges and counters before the outputs: a client that has its answer sees metrics that include it.
-                self._publish()
-                for out in outputs:
-                    self._deliver(out)
-                self._flush()
+                self._hand_out(outputs)
             self._flush()
         except BaseException as exc:
             log.error("engine loop crashed", error=f"{type(exc).__name__}: {exc}", exc_info=exc)
@@ -184,10 +183,23 @@ class EngineLoop:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self._trim_pending = True
-        outputs = self._engine.step()
+        # A mixed step hands out the new prompts' first tokens before its decode part runs (LLMEngine.step).
+        outputs = self._engine.step(on_partial=self._hand_out)
+        seconds = time.perf_counter() - t0
         # Compared with the same step offline, this shows what serving costs the engine (GIL, CPU contention).
-        self._metrics.engine_step.observe(time.perf_counter() - t0)
+        self._metrics.engine_step.observe(seconds)
+        shape = self._engine.last_step
+        self.prefill_cost.observe(shape.prefill_s, shape.prefill_tokens)
         return outputs
+
+    def _hand_out(self, outputs: list[RequestOutput]) -> None:
+        """Send what a step (or the first part of one) produced to the asyncio side, in one hop."""
+        self._note_scheduled()
+        # Gauges and counters before the outputs: a client that has its answer sees metrics that include it.
+        self._publish()
+        for out in outputs:
+            self._deliver(out)
+        self._flush()
 
     def _emit(self, sink: Sink, event: EngineEvent) -> None:
         self._outbox.append((sink, event))
@@ -293,7 +305,9 @@ class EngineLoop:
         bm = eng.block_manager
         sched = eng.scheduler
         running = {s.request_id for s in sched.running}
-        self.load = LoadSnapshot(len(sched.running), len(sched.waiting), sched.cfg.max_num_seqs)
+        self.load = LoadSnapshot(
+            len(sched.running), len(sched.waiting), sched.cfg.max_num_seqs, prefill_backlog=sched.prefill_backlog()
+        )
         self._metrics.set_engine_gauges(
             running=len(running), used_blocks=bm.num_blocks - bm.num_free_blocks, total_blocks=bm.num_blocks
         )

@@ -20,21 +20,30 @@ if TYPE_CHECKING:
 
 
 class Ticket:
-    """Admission slots held by one HTTP request: one per engine request until it is first scheduled."""
+    """Admission slots held by one HTTP request: one per engine request until it is first scheduled, with that
+    prompt's token count once it is known (`hold_tokens`), so the service knows the prompt work queued ahead."""
 
-    def __init__(self, count: int, on_release: Callable[[int], None]) -> None:
+    def __init__(self, count: int, on_release: Callable[[int, int], None]) -> None:
         self._held = count
+        self._tokens: list[int] = []  # prompt tokens of the held slots, once tokenized
         self._on_release = on_release
 
     @property
     def held(self) -> int:
         return self._held
 
+    def hold_tokens(self, lengths: list[int]) -> None:
+        self._tokens = list(lengths[: self._held])
+
     def release(self, count: int = 1) -> None:
+        """Give back `count` slots. Which prompt's tokens go with them does not matter: the prompts of one request
+        are scheduled together, and the service only keeps the total."""
         n = min(count, self._held)
         if n > 0:
             self._held -= n
-            self._on_release(n)
+            tokens = sum(self._tokens[:n])
+            del self._tokens[:n]
+            self._on_release(n, tokens)
 
     def release_all(self) -> None:
         self.release(self._held)

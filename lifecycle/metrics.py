@@ -61,6 +61,11 @@ class ServiceMetrics:
         self.waiting = Gauge(
             "glowplug_num_requests_waiting", "Requests admitted and not yet running (admission queue).", registry=r
         )
+        self.waiting_prompt_tokens = Gauge(
+            "glowplug_num_prompt_tokens_waiting",
+            "Prompt tokens of the admitted requests not yet running (what admission's expected wait counts).",
+            registry=r,
+        )
         self.kv_usage = Gauge("glowplug_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", registry=r)
         self.kv_used_blocks = Gauge("glowplug_kv_cache_used_blocks", "KV-cache blocks in use.", registry=r)
         self.kv_total_blocks = Gauge("glowplug_kv_cache_total_blocks", "KV-cache blocks in all.", registry=r)

@@ -247,6 +247,7 @@ async def _prepare(
             prompts = await asyncio.to_thread(_completion_prompts, info, req, params)
         else:
             prompts, params = await asyncio.to_thread(_chat_prompt, info, req)
+        service.admit_prompts(ticket, [len(p) for p in prompts])
     except BaseException:
         ticket.release_all()
         raise

@@ -6,12 +6,12 @@ threads reach asyncio through `call_soon_threadsafe`, which wakes requests waiti
 
 Admission: a request holds one slot per prompt from arrival until the engine first schedules it (or it ends), so
 `max_queue` bounds the work that is accepted but not started, including requests waiting for READY. On top of that
-count, admission is by expected wait (`max_queue_wait`): when the prompts ahead of a new request (plus its own) fit
-the engine's free sequence slots it waits about one step; otherwise it waits for that many requests to finish, at
-the rate requests have been finishing lately (Little's law). A request whose expected wait exceeds the limit gets
-429 with that wait as Retry-After, so the requests that are admitted keep their time to first token under overload
-instead of queueing without bound. With no finish seen yet (a fresh server) the wait is unknown and only the count
-applies.
+count, admission is by expected wait (`max_queue_wait`, lifecycle/admission.py), checked twice: on arrival for a
+sequence slot (when the prompts ahead fit the free slots there is no slot wait; otherwise it waits for that many
+requests to finish, at the rate requests have been finishing lately), and once the prompt is tokenized for the
+prompt tokens admitted ahead of it, at the per-token cost recent steps showed. A request whose expected wait exceeds
+the limit gets 429 with that wait as Retry-After, so the requests that are admitted keep their time to first token
+under overload instead of queueing without bound. What is not known yet (a fresh server) counts as no wait.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import math
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from glowplug.engine.sampling_params import SamplingParams
 from glowplug.profiling.process import ProcessMarks
 from glowplug.profiling.tracing import Tracing, setup_tracing
 
+from .admission import FinishRate, expected_wait_s
 from .config import ServeConfig
 from .engine_loop import EngineLoop, Submission
 from .generation import Generation, Ticket
@@ -48,9 +48,6 @@ log = structlog.get_logger("glowplug.lifecycle.service")
 
 # After a drain gives up and aborts what is left, how long the responses get to send their last chunk.
 _ABORT_FLUSH_S = 5.0
-# The finish rate behind the expected wait: requests ended within this many seconds (at most _RATE_SAMPLES).
-_RATE_WINDOW_S = 10.0
-_RATE_SAMPLES = 512
 
 
 class Rejected(Exception):
@@ -127,10 +124,12 @@ class Service:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._queued = 0
+        self._queued_prompt_tokens = 0  # of the admitted requests not yet scheduled whose prompts are tokenized
+        self._wait_basis = ""  # what the last expected wait was made of, for the 429 message
         self._active: set[Generation] = set()
         self._idle: asyncio.Event | None = None
         self._unsubscribe: Callable[[], None] | None = None
-        self._finishes: deque[float] = deque(maxlen=_RATE_SAMPLES)  # monotonic end times of engine requests
+        self._finish_rate = FinishRate()  # of engine requests
 
     # ------------------------------------------------------------ start and state
 
@@ -220,25 +219,43 @@ class Service:
 
     def finish_rate(self, now: float | None = None) -> float | None:
         """Engine requests ended per second over the last few seconds; None before two have ended."""
-        now = time.monotonic() if now is None else now
-        recent = [t for t in self._finishes if t >= now - _RATE_WINDOW_S]
-        if len(recent) < 2:
-            return None
-        # Up to now, not to the last end: a stall since then must lower the rate.
-        return len(recent) / max(now - recent[0], 1e-3)
+        return self._finish_rate.per_second(now)
 
-    def expected_wait_s(self, count: int) -> float | None:
-        """Seconds a new request of `count` prompts would wait for the engine to take it; None when unknown."""
+    def expected_wait_s(self, count: int, *, prompt_tokens: bool = False) -> float | None:
+        """Seconds a new request of `count` more prompts would wait for its own prompt to start computing; None when
+        unknown. `prompt_tokens`: also wait for the tokenized prompts admitted ahead (and the engine's backlog)."""
         engine_loop = self._engine_loop
         if engine_loop is None:
             return None
         load = engine_loop.load
-        free = max(0, load.max_num_seqs - load.running_seqs)
-        ahead = self._queued + count
-        if ahead <= free:
-            return 0.0
-        rate = self.finish_rate()
-        return None if rate is None else (ahead - free) / rate
+        ahead_tokens = self._queued_prompt_tokens + load.prefill_backlog if prompt_tokens else 0
+        self._wait_basis = (
+            f"{self._queued + count} requests for {max(0, load.max_num_seqs - load.running_seqs)} free slots, "
+            f"{ahead_tokens} prompt tokens ahead"
+        )
+        return expected_wait_s(
+            ahead_seqs=self._queued + count,
+            free_slots=max(0, load.max_num_seqs - load.running_seqs),
+            finish_rate=self.finish_rate(),
+            ahead_prompt_tokens=ahead_tokens,
+            prompt_token_s=engine_loop.prefill_cost.token_s,
+        )
+
+    def _over_wait_limit(self, wait: float | None) -> Rejected | None:
+        limit = self.serve_cfg.max_queue_wait
+        if wait is None or limit is None or wait <= limit:
+            return None
+        return Rejected(
+            429,
+            f"the server is busy: a new request would wait about {wait:.1f} s for the engine "
+            f"({self._wait_basis}; max-queue-wait {limit:g} s); retry later",
+            "queue_wait",
+            retry_after=max(1, math.ceil(wait)),
+        )
+
+    def _reject(self, rejection: Rejected) -> Rejected:
+        self.metrics.rejected.labels(reason=rejection.reason).inc()
+        return rejection
 
     def admit(self, count: int) -> Ticket:
         """Take `count` admission slots (one per prompt) or raise Rejected (503 / 429)."""
@@ -254,24 +271,33 @@ class Service:
                 "queue_full",
                 retry_after=max(1, math.ceil(wait)) if wait is not None else 1,
             )
-        elif rejection is None and wait is not None and limit is not None and wait > limit:
-            rejection = Rejected(
-                429,
-                f"the server is busy: a new request would wait about {wait:.1f} s for the engine "
-                f"(max-queue-wait {limit:g} s); retry later",
-                "queue_wait",
-                retry_after=max(1, math.ceil(wait)),
-            )
+        elif rejection is None:
+            rejection = self._over_wait_limit(wait)
         if rejection is not None:
-            self.metrics.rejected.labels(reason=rejection.reason).inc()
-            raise rejection
+            raise self._reject(rejection)
         self._queued += count
         self.metrics.waiting.set(self._queued)
         return Ticket(count, self._release)
 
-    def _release(self, count: int) -> None:
+    def admit_prompts(self, ticket: Ticket, lengths: list[int]) -> None:
+        """The second admission check, once the prompts are tokenized: the prompt tokens admitted ahead must be
+        computed within the wait limit. Raises Rejected (429) and gives the ticket back, or holds the tokens on it
+        until the engine schedules them."""
+        if self.serve_cfg.max_queue_wait is not None:
+            # The ticket's own slots are already in `_queued`.
+            rejection = self._over_wait_limit(self.expected_wait_s(0, prompt_tokens=True))
+            if rejection is not None:
+                ticket.release_all()
+                raise self._reject(rejection)
+        ticket.hold_tokens(lengths)
+        self._queued_prompt_tokens += sum(lengths[: ticket.held])
+        self.metrics.waiting_prompt_tokens.set(self._queued_prompt_tokens)
+
+    def _release(self, count: int, prompt_tokens: int) -> None:
         self._queued -= count
+        self._queued_prompt_tokens -= prompt_tokens
         self.metrics.waiting.set(self._queued)
+        self.metrics.waiting_prompt_tokens.set(self._queued_prompt_tokens)
 
     async def wait_ready(self, timeout: float) -> EngineInfo:
         """Wait (at most `timeout` s) until READY; Rejected(503) on timeout, failure or drain."""
@@ -346,7 +372,7 @@ class Service:
         return gen
 
     def _observe(self, finish_reason: str, out: RequestOutput | None, received_at: float) -> None:
-        self._finishes.append(time.monotonic())
+        self._finish_rate.note()
         m = out.metrics if out is not None else None
         if m is None:
             self.metrics.observe_request(

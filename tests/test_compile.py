@@ -148,7 +148,8 @@ def test_serving_never_compiles_and_matches_eager(tiny_dir, cache: Path, make_ll
 
 def test_arrivals_during_decoding_split_the_step_and_keep_eager_tokens(tiny_dir, cache: Path, make_llm) -> None:
     """A prompt arriving while others decode: the step's decode rows still go through the compiled step (the
-    prompt alone runs eagerly), and every request's greedy tokens are those of an eager engine."""
+    prompt alone runs eagerly), the new request's first token is handed out before the decode part runs, and every
+    request's greedy tokens are those of an eager engine."""
     model = tiny_dir("llama")
     compiled, _ = _start(model, cache, block_size=4)
     eng = compiled.engine
@@ -157,9 +158,9 @@ def test_arrivals_during_decoding_split_the_step_and_keep_eager_tokens(tiny_dir,
     runner = eng.runner
     run_eager = runner._run_eager
 
-    def eager_rows(scheduled: list[Any]) -> Any:
+    def eager_rows(scheduled: list[Any], **kw: Any) -> Any:
         seen["eager_decode_rows"] += sum(1 for s in scheduled if s.num_new_tokens == 1)
-        return run_eager(scheduled)
+        return run_eager(scheduled, **kw)
 
     runner._run_eager = eager_rows
     outs: dict[str, list[int]] = {}
@@ -169,10 +170,16 @@ def test_arrivals_during_decoding_split_the_step_and_keep_eager_tokens(tiny_dir,
         if pending and any(s.num_computed_tokens > 0 for s in eng.scheduler.running):
             eng.add_request(pending.pop(0), params)  # arrives while others decode: a mixed step
             seen["mixed_steps"] += 1
-        for o in eng.step():
+        early: list[Any] = []
+        for o in eng.step(on_partial=early.extend) + early:
             if o.finished:
                 outs[o.prompt] = o.outputs[0].token_ids
-    assert seen["mixed_steps"] == 5
+        # The prompt part's outputs come first, before the decode rows ran: the new request with its first token.
+        assert all(len(o.outputs[0].token_ids) == 1 for o in early)
+        mixed = eng.last_step.prefill_tokens > 0 and eng.last_step.decode_rows > 0
+        assert len(early) == (1 if mixed else 0)
+        seen["early"] = seen.get("early", 0) + len(early)
+    assert seen["mixed_steps"] == 5 and seen["early"] >= 4
     assert seen["eager_decode_rows"] == 0, "decode rows of a mixed step ran eagerly"
     eager = make_llm(model, compile="off", block_size=4)
     for p, out in zip(PROMPTS[:6], eager.generate(PROMPTS[:6], params)):

@@ -140,3 +140,30 @@ def test_traces_as_one_graph_under_torch_compile(spec: str) -> None:
     for m in (1, 64):  # a packed-kernel bucket and a dequant/int_mm bucket
         x = torch.randn(m, K).to(torch.bfloat16)
         assert torch.equal(compiled(x), mod(x))  # type: ignore[no-untyped-call]
+
+
+def test_padded_rows_bounds_the_gemm_shapes_and_the_waste() -> None:
+    """Eager bf16 GEMMs are padded to a few row counts (kernels/modules.py: oneDNN keeps native memory per distinct
+    M): never fewer rows, at most 15 more up to 128 rows and a quarter more past that, and few distinct sizes up to a 2048-token step."""
+    from glowplug.kernels.modules import padded_rows
+
+    assert padded_rows(1) == 1
+    for m in range(2, 4097):
+        p = padded_rows(m)
+        assert m <= p and p - m <= max(15, m // 4), m
+        assert padded_rows(p) == p  # a padded size is its own bucket
+    assert len({padded_rows(m) for m in range(2, 2049)}) <= 24
+
+
+@pytest.mark.parametrize("m", [3, 17, 129, 300])
+def test_dense_bf16_eager_rows_match_stock_linear(m: int) -> None:
+    """The padded eager path returns exactly M rows, each equal to stock F.linear's (the padding rows never leak)."""
+    from glowplug.kernels.modules import DenseLinear
+
+    torch.manual_seed(0)
+    layer = DenseLinear(576, 960, bias=True).to(torch.bfloat16)
+    x = torch.randn(m, 576, dtype=torch.bfloat16)
+    y = layer(x)
+    assert y.shape == (m, 960)
+    ref = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)

@@ -189,11 +189,11 @@ def test_engine_crash_fails_requests_and_readiness(tiny_model: Path) -> None:
         real_step = result.engine.step
         calls = {"n": 0}
 
-        def step() -> Any:
+        def step(**kw: Any) -> Any:
             calls["n"] += 1
             if calls["n"] > 3:
                 raise RuntimeError("simulated device fault")
-            return real_step()
+            return real_step(**kw)
 
         result.engine.step = step
         return result

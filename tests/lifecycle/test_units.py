@@ -162,7 +162,7 @@ def test_tokens_finished_for_a_client_that_left_are_counted_once() -> None:
         undelivered: list[int] = []
         aborted: list[str] = []
         gen = Generation(request_ids=["queued", "late", "running"], prompt_lengths=[2, 2, 2], received_at=0.0,
-                         ticket=Ticket(3, lambda _n: None), abort=aborted.append, observe=lambda *_a: None,
+                         ticket=Ticket(3, lambda _n, _t: None), abort=aborted.append, observe=lambda *_a: None,
                          on_close=lambda _g: None, undelivered=undelivered.append)  # fmt: skip
         gen.sink(finished("queued", 7))  # arrived, never read: the client left first
         gen.close()
