@@ -189,7 +189,8 @@ class EngineLoop:
         # Compared with the same step offline, this shows what serving costs the engine (GIL, CPU contention).
         self._metrics.engine_step.observe(seconds)
         shape = self._engine.last_step
-        self.prefill_cost.observe(shape.prefill_s, shape.prefill_tokens)
+        if self.prefill_cost.observe(shape.prefill_s, shape.prefill_tokens) and self.prefill_cost.fit is not None:
+            self._metrics.set_prompt_cost(self.prefill_cost.fit.fixed_s, self.prefill_cost.fit.token_s)
         return outputs
 
     def _hand_out(self, outputs: list[RequestOutput]) -> None:

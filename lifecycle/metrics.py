@@ -61,6 +61,12 @@ class ServiceMetrics:
         self.waiting = Gauge(
             "glowplug_num_requests_waiting", "Requests admitted and not yet running (admission queue).", registry=r
         )
+        self.prompt_cost = Gauge(
+            "glowplug_prompt_cost_seconds",
+            "Admission's fit of a step's prompt part: seconds = fixed + per_token * tokens (0 until fitted).",
+            ["part"],
+            registry=r,
+        )
         self.waiting_prompt_tokens = Gauge(
             "glowplug_num_prompt_tokens_waiting",
             "Prompt tokens of the admitted requests not yet running (what admission's expected wait counts).",
@@ -111,6 +117,10 @@ class ServiceMetrics:
     def set_phase_durations(self, seconds: Mapping[str, float]) -> None:
         for phase, value in seconds.items():
             self.phase_duration.labels(phase=phase).set(value)
+
+    def set_prompt_cost(self, fixed_s: float, token_s: float) -> None:
+        self.prompt_cost.labels(part="fixed").set(fixed_s)
+        self.prompt_cost.labels(part="per_token").set(token_s)
 
     def set_engine_gauges(self, *, running: int, used_blocks: int, total_blocks: int) -> None:
         self.running.set(running)

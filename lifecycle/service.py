@@ -237,8 +237,7 @@ class Service:
             ahead_seqs=self._queued + count,
             free_slots=max(0, load.max_num_seqs - load.running_seqs),
             finish_rate=self.finish_rate(),
-            ahead_prompt_tokens=ahead_tokens,
-            prompt_token_s=engine_loop.prefill_cost.token_s,
+            prompt_wait_s=engine_loop.prefill_cost.seconds(ahead_tokens),
         )
 
     def _over_wait_limit(self, wait: float | None) -> Rejected | None:

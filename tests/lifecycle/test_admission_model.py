@@ -10,31 +10,39 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from glowplug.lifecycle.admission import FinishRate, PrefillCost, expected_wait_s
+from glowplug.lifecycle.admission import FinishRate, PrefillCost, expected_wait_s, theil_sen
 from glowplug.lifecycle.generation import Ticket
 
 from lifecycle_harness import engine_config
 
 
-def test_prefill_cost_follows_the_timed_prompt_part() -> None:
+def test_prefill_cost_separates_the_fixed_part_from_the_per_token_part() -> None:
+    """Steps of mixed sizes on a line (60 ms fixed + 0.6 ms a token, the shape measured on the 2-core CPU): the fit
+    recovers both, so ten tokens after a cached prefix are not priced at 6 ms each."""
     cost = PrefillCost()
-    for _ in range(40):
-        cost.observe(128 * 0.0003, 128)
-    assert cost.token_s == pytest.approx(0.0003)
-    cost.observe(64 * 0.05, 64)  # one step that stalled: the estimate does not move
-    assert cost.token_s == pytest.approx(0.0003)
-    for _ in range(40):  # the machine got slower: the estimate follows within a few dozen steps
-        cost.observe(256 * 0.0006, 256)
-    assert cost.token_s == pytest.approx(0.0006)
+    for n in (10, 332, 40, 302, 10, 332, 30, 312, 128, 2048):
+        cost.observe(0.060 + 0.0006 * n, n)
+    assert cost.fit is not None
+    assert cost.fit.fixed_s == pytest.approx(0.060) and cost.fit.token_s == pytest.approx(0.0006)
+    assert cost.seconds(1000) == pytest.approx(0.66)
+    assert cost.seconds(0) == 0.0
 
 
-def test_prefill_cost_ignores_steps_with_few_prompt_tokens() -> None:
+def test_prefill_cost_shrugs_off_slow_steps_and_waits_for_enough_of_them() -> None:
     cost = PrefillCost()
-    cost.observe(0.5, 3)  # a 3-token prompt: the call's fixed cost would read as 0.17 s per token
-    cost.observe(0.0, 0)  # a decode-only step
-    assert cost.token_s is None
-    cost.observe(0.032, 64)
-    assert cost.token_s == pytest.approx(0.0005)
+    cost.observe(4.5, 488)  # the first step after READY, beside the KV pool's commit
+    for n in (100, 200, 300, 400, 500, 600):
+        cost.observe(0.030 + 0.0005 * n, n)
+    assert cost.fit is None and cost.seconds(100) is None  # 7 steps: too few to trust
+    cost.observe(0.030 + 0.0005 * 700, 700)
+    cost.observe(2.0, 64)  # a stall
+    assert cost.fit is not None
+    assert cost.fit.token_s == pytest.approx(0.0005, rel=0.05) and cost.fit.fixed_s == pytest.approx(0.030, rel=0.2)
+
+
+def test_prefill_cost_with_one_prompt_size_charges_it_all_per_token() -> None:
+    fit = theil_sen([(128, 0.040)] * 8)
+    assert fit.fixed_s == 0.0 and fit.seconds(256) == pytest.approx(0.080)
 
 
 def test_engine_times_the_prompt_part_of_a_mixed_step(tiny_model: Path) -> None:
@@ -64,20 +72,15 @@ def test_finish_rate_counts_up_to_now() -> None:
 
 
 def test_wait_is_the_slot_wait_plus_the_prompt_work_ahead() -> None:
-    # Free slot, nothing ahead: no wait, whatever the per-token cost.
-    assert expected_wait_s(ahead_seqs=1, free_slots=1, finish_rate=None, ahead_prompt_tokens=0,
-                           prompt_token_s=0.001) == 0.0  # fmt: skip
-    # Free slot, but 256 prompt tokens admitted ahead at 0.3 ms each.
-    assert expected_wait_s(ahead_seqs=1, free_slots=4, finish_rate=5.0, ahead_prompt_tokens=256,
-                           prompt_token_s=0.0003) == pytest.approx(0.0768)  # fmt: skip
+    # Free slot, nothing ahead: no wait.
+    assert expected_wait_s(ahead_seqs=1, free_slots=1, finish_rate=None, prompt_wait_s=0.0) == 0.0
+    # Free slot, but prompt work ahead.
+    assert expected_wait_s(ahead_seqs=1, free_slots=4, finish_rate=5.0, prompt_wait_s=0.077) == pytest.approx(0.077)
     # No free slot: 3 sequences must finish first at 5 per second, then the prompt work.
-    assert expected_wait_s(ahead_seqs=3, free_slots=0, finish_rate=5.0, ahead_prompt_tokens=100,
-                           prompt_token_s=0.001) == pytest.approx(0.6 + 0.1)  # fmt: skip
+    assert expected_wait_s(ahead_seqs=3, free_slots=0, finish_rate=5.0, prompt_wait_s=0.1) == pytest.approx(0.7)
     # The slot wait unknown (no finish yet): the prompt work alone is still a lower bound worth checking.
-    assert expected_wait_s(ahead_seqs=3, free_slots=0, finish_rate=None, ahead_prompt_tokens=100,
-                           prompt_token_s=0.001) == pytest.approx(0.1)  # fmt: skip
-    assert expected_wait_s(ahead_seqs=3, free_slots=0, finish_rate=None, ahead_prompt_tokens=0,
-                           prompt_token_s=None) is None  # fmt: skip
+    assert expected_wait_s(ahead_seqs=3, free_slots=0, finish_rate=None, prompt_wait_s=0.1) == pytest.approx(0.1)
+    assert expected_wait_s(ahead_seqs=3, free_slots=0, finish_rate=None, prompt_wait_s=None) is None
 
 
 @given(
