@@ -14,7 +14,7 @@ from opentelemetry import trace
 
 from ..profiling.names import SCHEMA_VERSION, STARTUP_SPAN, Attr
 from ..profiling.phases import Floor, PhaseTable, build_phase_table
-from ..profiling.process import Clock, ProcessMarks, open_startup_span
+from ..profiling.process import Clock, FullGcDeferral, ProcessMarks, open_startup_span
 from ..profiling.tracing import Tracing, setup_tracing
 from .artifacts import ArtifactStore
 from .artifacts.caches import STARTUP_PROFILE
@@ -148,6 +148,7 @@ def build_engine(
         if marks is not None
         else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})
     )
+    deferral = FullGcDeferral.start()  # see FullGcDeferral; the process entry may have started one already
     try:
         results = run_stages(
             list(stages) if stages is not None else default_stages(),
@@ -164,6 +165,10 @@ def build_engine(
         root.set_attribute(Attr.ERROR, str(failed))
         root.end(end_time=clock.now_ns())
         raise
+    finally:
+        deferral.resume()
+        if marks is not None and marks.gc_deferral is not None:
+            marks.gc_deferral.resume(freeze=ctx.engine is not None)
     ready_ns = clock.now_ns()
     assert ctx.engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
     with trace.use_span(root, end_on_exit=False):

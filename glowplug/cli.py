@@ -309,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.marks = marks
+    if args.func in (cmd_startup, cmd_serve):  # one engine per process: see FullGcDeferral
+        marks.defer_full_gc()
     args.argv = list(sys.argv[1:] if argv is None else argv)
     from pydantic import ValidationError
 

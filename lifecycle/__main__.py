@@ -46,6 +46,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def main(argv: list[str] | None = None) -> int:
     marks = mark_main_entry()  # first: the phase table's process_start ends here
     args = build_parser().parse_args(argv)
+    marks.defer_full_gc()  # this process serves one engine: see FullGcDeferral
     from pydantic import ValidationError
 
     from glowplug.flags import explain

@@ -218,3 +218,99 @@ def test_kv_profile_peak_is_at_least_the_largest_intermediate_and_repeatable(tin
     second, tracing2 = _start(tiny_dir("llama"), tmp_path / "b", compile="off")
     span2 = next(s for s in tracing2.finished_spans() if s.name == "glowplug.startup.kv_cache_profiling")
     assert span2.attributes[Attr.CACHE_HIT] is False and span2.attributes[Attr.PEAK_MEMORY_BYTES] == peak
+
+
+class _Collections:
+    """The collector's own report of every collection (gc.callbacks), by generation."""
+
+    def __init__(self) -> None:
+        self.generations: list[int] = []
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "stop":
+            self.generations.append(info["generation"])
+
+    def __enter__(self) -> "_Collections":
+        import gc
+
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import gc
+
+        gc.callbacks.remove(self)
+
+
+def _heap_churn() -> None:
+    """Grow the heap as imports do (objects that survive young collections), by more than a quarter of what the
+    test process holds: full collections follow under the default thresholds."""
+    kept = [[] for _ in range(len(__import__("gc").get_objects()))]
+    del kept
+
+
+def test_a_start_defers_full_collections_and_restores_the_thresholds(tiny_dir, tmp_path: Path) -> None:
+    import gc
+
+    from glowplug.engine.stages.base import StageReport
+
+    before = gc.get_threshold()
+    with _Collections() as baseline:
+        _heap_churn()
+    assert 2 in baseline.generations, "the churn should trigger a full collection under the default thresholds"
+
+    class Churn:  # a stage that allocates like Dynamo's and Inductor's imports do
+        name = "churn"
+        needs: tuple[str, ...] = ()
+        provides: tuple[str, ...] = ()
+
+        def run(self, ctx: object) -> StageReport:
+            _heap_churn()
+            return StageReport()
+
+    class AtReady:  # the last stage: what the collector did up to READY
+        name = "at_ready"
+        needs: tuple[str, ...] = ("engine",)
+        provides: tuple[str, ...] = ()
+        seen: list[int] = []
+
+        def run(self, ctx: object) -> StageReport:
+            AtReady.seen = list(during.generations)
+            return StageReport()
+
+    from glowplug.engine.startup import default_stages
+
+    stages = [Churn(), *default_stages(), AtReady()]
+    cfg = EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off")
+    with _Collections() as during:
+        build_engine(cfg, tracing=setup_tracing(), cache_dir=tmp_path, stages=stages)
+    assert 0 in AtReady.seen and 2 not in AtReady.seen  # young collections ran up to READY, no full one
+    assert gc.get_threshold() == before
+    # A failed start restores them too.
+    bad = EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off", kv_cache_memory=20_000, max_model_len=256)
+    with pytest.raises(StartupFailed):
+        build_engine(bad, tracing=setup_tracing(), cache_dir=tmp_path)
+    assert gc.get_threshold() == before
+
+
+def test_a_process_start_freezes_what_it_built_at_ready(tiny_dir, tmp_path: Path) -> None:
+    """The CLI defers from its entry (before the imports) and build_engine ends that at READY, freezing the start's
+    objects out of later collections; nested deferrals unwind in order."""
+    import gc
+
+    from glowplug.profiling.process import mark_main_entry
+
+    before = gc.get_threshold()
+    marks = mark_main_entry()
+    marks.defer_full_gc()
+    assert gc.get_threshold()[:2] == before[:2] and gc.get_threshold()[2] > before[2]
+    assert gc.get_freeze_count() == 0
+    try:
+        cfg = EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off")
+        build_engine(cfg, tracing=setup_tracing(), cache_dir=tmp_path, marks=marks)
+        assert gc.get_threshold() == before
+        assert gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()  # the test process builds more engines: hand their objects back to the collector
+    marks.gc_deferral.resume(freeze=True)  # idempotent: nothing more frozen, thresholds unchanged
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
