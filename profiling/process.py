@@ -91,10 +91,9 @@ class FullGcDeferral:
     """Python's full (oldest-generation) garbage collections deferred until `resume()`; young ones keep running.
 
     Why: a start creates about 650k long-lived objects (torch, Dynamo's and Inductor's runtime modules, the model),
-    and every full collection walks all of them again, while the young collections that free start-up's short-lived
-    cycles cost little. Importing torch, Dynamo and Inductor's runtime on the 2-core Xeon took 2.6 s with the default
-    thresholds (6 full collections) and 2.2 s with full collections deferred. The warm-start effect is in
-    reports/startup/ (`glowplug bench startup`)."""
+    and every full collection walks all of them again (importing torch, Dynamo and Inductor's runtime alone triggers
+    six), while the young collections that free start-up's short-lived cycles cost little. The warm start with the
+    deferral: reports/startup/ (`glowplug bench startup`)."""
 
     saved: tuple[int, int, int] | None
 
@@ -109,9 +108,9 @@ class FullGcDeferral:
     def resume(self, *, freeze: bool = False) -> None:
         """Restore the thresholds (idempotent). freeze: first move every object alive now out of all future
         collections (`gc.freeze`). Only for a process that built its one engine: otherwise the first full
-        collection after READY would walk the whole start-up heap (0.15 s warm, 0.3 s cold, here) while requests
-        wait. The price is start-up's uncollected cycles, pinned: 198 objects after a warm start, 96k after a cold
-        one (Dynamo's and Inductor's compile-time garbage), measured with gc.collect() at READY."""
+        collection after READY would walk the whole start-up heap while requests wait. The price is start-up's
+        uncollected cycles, pinned: gc.collect() at READY found 198 unreachable objects after a warm start of the
+        default model and 96k after a cold one (Dynamo's and Inductor's compile-time garbage)."""
         if self.saved is None:
             return
         if freeze:

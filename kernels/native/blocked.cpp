@@ -161,8 +161,8 @@ void int8_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, co
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) _Pragma("GCC unroll 4") for (int a = 0; a < NA; ++a)
       lo[m][a] = hi[m][a] = _mm512_setzero_ps();
     // NA chunks per iteration, chunk a into accumulator a: the accumulator index must be a compile-time constant,
-    // or the arrays live on the stack and every multiply-add waits on a store and a reload (measured on a Xeon:
-    // the int8 step ran at half the speed of the register version; Zen 5 forwards such stores fast enough to hide it).
+    // or the arrays live on the stack and every multiply-add waits on a store and a reload (Zen 5 forwards such
+    // stores fast enough to hide it; an Intel Xeon did not). Speed per shape: reports/kernels.md.
     int64_t c = 0;
     for (; c + NA <= chunks_per_group; c += NA, chunk += 64 * NA) {
       _Pragma("GCC unroll 4") for (int a = 0; a < NA; ++a) int8_chunk<MB, NA>(chunk + 64 * a,
