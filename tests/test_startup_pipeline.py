@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -231,27 +232,21 @@ class _Collections:
             self.generations.append(info["generation"])
 
     def __enter__(self) -> "_Collections":
-        import gc
-
         gc.callbacks.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        import gc
-
         gc.callbacks.remove(self)
 
 
 def _heap_churn() -> None:
     """Grow the heap as imports do (objects that survive young collections), by more than a quarter of what the
     test process holds: full collections follow under the default thresholds."""
-    kept = [[] for _ in range(len(__import__("gc").get_objects()))]
+    kept = [[] for _ in range(len(gc.get_objects()))]
     del kept
 
 
 def test_a_start_defers_full_collections_and_restores_the_thresholds(tiny_dir, tmp_path: Path) -> None:
-    import gc
-
     from glowplug.engine.stages.base import StageReport
 
     before = gc.get_threshold()
@@ -296,8 +291,6 @@ def test_a_start_defers_full_collections_and_restores_the_thresholds(tiny_dir, t
 def test_a_process_start_freezes_what_it_built_at_ready(tiny_dir, tmp_path: Path) -> None:
     """The CLI defers from its entry (before the imports) and build_engine ends that at READY, freezing the start's
     objects out of later collections; nested deferrals unwind in order."""
-    import gc
-
     from glowplug.profiling.process import mark_main_entry
 
     before = gc.get_threshold()
