@@ -15,7 +15,9 @@ CPU with SmolLM2 (the current warm and cold rows are in reports/startup/, made b
   first call, so tracing and compiling cannot be timed apart, and its cache is keyed by code objects and inlined
   sources that glowplug's artifact store cannot explain a miss of.
 - AOT compile serializes the traced bytecode, the guards and the bundled Inductor output in one ~1.3 MB
-  artifact. Loading it runs no Dynamo at all; most of its time is importing Inductor's runtime modules.
+  artifact. Loading it runs no Dynamo tracing, but it imports `torch._dynamo` and Inductor's runtime modules, which
+  is most of its time; so a warm start loads the replay plan stored beside it instead (engine/compile_replay.py),
+  and this artifact is the fallback.
 torch.compile(...).aot_compile() does capture and compile in one call; the two halves are called separately here
 (`trace_decode`, `TracedDecode.compile`) so the start-up table books them to dynamo_transform and graph_compile.
 

@@ -2,7 +2,9 @@
 
 - cache `compile`: one entry per compiled configuration (model config, dtype, the quantization and KV-cache fields
   that shape the graph, torch, glowplug source, device) holding the serialized AOT artifact (engine/compile.py):
-  a warm start loads it instead of tracing and compiling. A miss is explained like any other cache's (which factor
+  a warm start loads it instead of tracing and compiling. Beside it, when one could be made and proven, the replay
+  plan (engine/compile_replay.py), which a warm start loads first: it runs the same compiled kernels without
+  importing Dynamo or Inductor, and falls back to the AOT artifact if it will not load. A miss is explained like any other cache's (which factor
   changed since the last compile of the same model, old -> new); an entry that will not unpickle or whose guards
   will not load is damaged: moved aside, reported, and the step is traced and compiled again.
 - cache `inductor`: the TORCHINDUCTOR_CACHE_DIR, a workspace shared by every configuration (Inductor keys its own
@@ -32,6 +34,7 @@ from .artifacts.cachedir import report_event
 from .artifacts.manifest import list_files
 from .artifacts.workspace import open_workspace, renew, seal
 from .compile import CompiledDecode, InductorSettings, LoadedDecode
+from .compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable
 from .config import EngineConfig
 from .models.arch import ModelArch
 from .models.llama import DecoderLM
@@ -73,6 +76,34 @@ def compile_factors(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, d
 
 
 @dataclass
+class StoredReplay:
+    """dynamo_transform's warm result when the entry has a replay plan: the plan, not yet bound (graph_compile
+    loads its kernels), and the way back to the full AOT artifact."""
+
+    plan: ReplayPlan
+    folder: Path
+    model: DecoderLM
+
+    def load(self, inductor_dir: Path) -> ReplayDecode:
+        return ReplayDecode.load(self.plan, inductor_dir, self.model)
+
+    def full(self) -> LoadedDecode:
+        return LoadedDecode.read((self.folder / ARTIFACT).read_bytes(), self.model)
+
+
+def read_entry(folder: Path, model: DecoderLM) -> StoredReplay | LoadedDecode:
+    """A stored entry: its replay plan when it has a usable one, else the AOT artifact with its guards."""
+    plan_path = folder / PLAN_FILE
+    if plan_path.is_file():
+        try:
+            return StoredReplay(ReplayPlan.from_json(plan_path.read_bytes()), folder, model)
+        except ReplayUnavailable as exc:
+            structlog.get_logger("glowplug.compile").info("replay plan not used; loading the AOT artifact",
+                                                          reason=str(exc))  # fmt: skip
+    return LoadedDecode.read((folder / ARTIFACT).read_bytes(), model)
+
+
+@dataclass
 class CompileCache:
     store: ArtifactStore
     key: str
@@ -80,7 +111,7 @@ class CompileCache:
     group: str
     miss_reason: str | None  # None when this configuration was compiled before and its artifacts are sound
     workspace: Workspace
-    loaded: LoadedDecode | None  # the stored artifact, unpickled with its guards: a warm start
+    loaded: StoredReplay | LoadedDecode | None  # the stored entry: a warm start
     rebuilt_kernels: list[str] = dataclasses.field(default_factory=list)
 
     @property
@@ -128,9 +159,9 @@ class CompileCache:
                      action="rebuilt by Inductor in place; the folder is sealed again")
         return reason
 
-    def record(self, step: CompiledDecode | None) -> None:
-        """After a successful compile: the artifact (when `step` was compiled from a trace) and the Inductor file
-        list. A failure to serialize costs the next start a compile, never this one."""
+    def record(self, step: CompiledDecode | None, plan: ReplayPlan | None = None) -> None:
+        """After a successful compile: the artifact and its replay plan (when `step` was compiled from a trace) and
+        the Inductor file list. A failure to serialize costs the next start a compile, never this one."""
         if step is not None:
             try:
                 data = step.serialize()
@@ -139,8 +170,13 @@ class CompileCache:
                     "the compiled decode step could not be serialized; the next start compiles again",
                     error=one_line(exc))  # fmt: skip
             else:
-                self.store.put(COMPILE, self.factors, group=self.group,
-                               build=lambda folder: folder is not None and (folder / ARTIFACT).write_bytes(data))  # fmt: skip
+                def build(folder: Path | None) -> None:
+                    if folder is not None:
+                        (folder / ARTIFACT).write_bytes(data)
+                        if plan is not None:
+                            (folder / PLAN_FILE).write_bytes(plan.to_json())
+
+                self.store.put(COMPILE, self.factors, group=self.group, build=build)
         self.seal()
 
     def drop_artifact(self, reason: str) -> None:
@@ -184,7 +220,7 @@ def open_compile_cache(cache_root: Path, config: EngineConfig, arch: ModelArch, 
     workspace = open_workspace(store, INDUCTOR, {"torch": torch.__version__, "device": label}, group=label)
     _point_inductor_at(workspace.path)
     index = store.lookup(COMPILE, factors, group=config.model,
-                         load=lambda folder: LoadedDecode.read((folder / ARTIFACT).read_bytes(), model))  # fmt: skip
+                         load=lambda folder: read_entry(folder, model))  # fmt: skip
     reason = index.miss_reason if not index.hit else None
     if reason is None and workspace.healed:
         reason = f"damaged Inductor artifacts moved aside and rebuilt ({workspace.healed[0]})"

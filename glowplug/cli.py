@@ -222,7 +222,45 @@ def _add_report_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_bench_commands(bench: argparse.ArgumentParser, tune_parser: argparse.ArgumentParser) -> None:
+    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
+    from glowplug.profiling.bench.decode import DecodeBenchConfig
+
+    dec = bsub.add_parser(
+        "decode", help="Decode tokens/s per compile mode, dtype, quantization and batch size, vs transformers."
+    )
+    dec.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
+    add_model_flags(dec, DecodeBenchConfig, exclude={"model"})
+    dec.set_defaults(func=cmd_bench_decode)
+
+    from glowplug.profiling.bench.accuracy import AccuracyConfig
+    from glowplug.profiling.bench.cache_verify import CacheVerifyConfig, run_cache_verify_bench
+    from glowplug.profiling.bench.kernel_bench import KernelBenchConfig, run_accuracy_report, run_kernel_bench
+
+    for name, cls, run, text in (
+        ("kernels", KernelBenchConfig, run_kernel_bench, "Every quantized linear path per M on the model's shapes."),
+        ("accuracy", AccuracyConfig, run_accuracy_report, "Perplexity, KL and top-1 agreement of each scheme vs bf16."),
+        ("cache-verify", CacheVerifyConfig, run_cache_verify_bench, "Cost of verifying a warm cache hit, quick vs full."),
+    ):
+        p = bsub.add_parser(name, help=text)
+        p.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
+        add_model_flags(p, cls, exclude={"model"})
+        p.set_defaults(func=_report_command(cls, run))
+
+    from glowplug.profiling.bench import all as bench_all
+    from glowplug.profiling.bench import latency, startup_bench, throughput, tune
+    from glowplug.profiling.bench import serve as serve_bench
+
+    for module in (latency, throughput, startup_bench, serve_bench, bench_all):
+        module.register(bsub, add_model_flags)
+    tsub = tune_parser.add_subparsers(dest="tune_command", required=True, metavar="TUNE")
+    tune.register(tsub, add_model_flags)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The CLI. `command` (the first word of the command line) skips building the bench and tune commands'
+    flags when another command runs: they import every benchmark's config, a visible share of `glowplug startup`'s
+    imports row. None builds everything (help, docs, tests)."""
     parser = argparse.ArgumentParser(prog="glowplug", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     engine = _engine_parent()
@@ -255,40 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="Benchmarks; reports go where --out/--out-dir says (default: ./<command>/).")
-    bsub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCH")
-    from glowplug.profiling.bench.decode import DecodeBenchConfig
-
-    dec = bsub.add_parser(
-        "decode", help="Decode tokens/s per compile mode, dtype, quantization and batch size, vs transformers."
-    )
-    dec.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
-    add_model_flags(dec, DecodeBenchConfig, exclude={"model"})
-    dec.set_defaults(func=cmd_bench_decode)
-
-    from glowplug.profiling.bench.accuracy import AccuracyConfig
-    from glowplug.profiling.bench.cache_verify import CacheVerifyConfig, run_cache_verify_bench
-    from glowplug.profiling.bench.kernel_bench import KernelBenchConfig, run_accuracy_report, run_kernel_bench
-
-    for name, cls, run, text in (
-        ("kernels", KernelBenchConfig, run_kernel_bench, "Every quantized linear path per M on the model's shapes."),
-        ("accuracy", AccuracyConfig, run_accuracy_report, "Perplexity, KL and top-1 agreement of each scheme vs bf16."),
-        ("cache-verify", CacheVerifyConfig, run_cache_verify_bench, "Cost of verifying a warm cache hit, quick vs full."),
-    ):
-        p = bsub.add_parser(name, help=text)
-        p.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
-        add_model_flags(p, cls, exclude={"model"})
-        p.set_defaults(func=_report_command(cls, run))
-
-    from glowplug.profiling.bench import all as bench_all
-    from glowplug.profiling.bench import latency, startup_bench, throughput, tune
-    from glowplug.profiling.bench import serve as serve_bench
-
-    for module in (latency, throughput, startup_bench, serve_bench, bench_all):
-        module.register(bsub, add_model_flags)
-    tsub = sub.add_parser("tune", help="Tune start-up settings (max-model-len sweeps).").add_subparsers(
-        dest="tune_command", required=True, metavar="TUNE"
-    )
-    tune.register(tsub, add_model_flags)
+    tune = sub.add_parser("tune", help="Tune start-up settings (max-model-len sweeps).")
+    if command in (None, "bench", "tune"):  # their flags come from the benchmarks' configs: imported only for them
+        _add_bench_commands(bench, tune)
 
     from glowplug import cache_cli
 
@@ -306,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     from glowplug.profiling.process import mark_main_entry
 
     marks = mark_main_entry()  # the first moment our code runs: the end of the process_start row
-    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((w for w in words if not w.startswith("-")), None))
     args = parser.parse_args(argv)
     args.marks = marks
     if args.func in (cmd_startup, cmd_serve):  # one engine per process: see FullGcDeferral

@@ -15,7 +15,8 @@ With neither endpoint set no exporter, thread or connection is created.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Final
@@ -23,7 +24,7 @@ from typing import Final
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 INSTRUMENTATION_NAME: Final = "glowplug"
@@ -80,6 +81,34 @@ def _otlp_exporter(target: OtlpTarget) -> SpanExporter:
     return HttpExporter()
 
 
+class DeferredOtlpExporter(SpanExporter):
+    """The OTLP exporter, built on its first export rather than at set-up. Importing an exporter (protobuf, plus
+    requests or grpc) is a visible share of a warm start (the tracing-overhead section of reports/startup/), and the
+    batch processor's first export comes from its own thread after the spans are queued, at the latest when the
+    provider shuts down: so the import leaves the path to READY and no span is lost."""
+
+    def __init__(self, target: OtlpTarget) -> None:
+        self._target = target
+        self._real: SpanExporter | None = None
+        self._lock = threading.Lock()
+
+    def _exporter(self) -> SpanExporter:
+        with self._lock:
+            if self._real is None:
+                self._real = _otlp_exporter(self._target)
+            return self._real
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self._exporter().export(spans)
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._real.force_flush(timeout_millis) if self._real is not None else True
+
+    def shutdown(self) -> None:
+        if self._real is not None:
+            self._real.shutdown()
+
+
 @dataclass
 class Tracing:
     """A TracerProvider plus the exporters attached to it."""
@@ -126,5 +155,5 @@ def setup_tracing(service_name: str = "glowplug", *, in_memory: bool = True) -> 
     target = otlp_target_from_env()
     if target is not None:
         # Batched: a slow or absent collector must never stall a stage or a request.
-        provider.add_span_processor(BatchSpanProcessor(_otlp_exporter(target)))
+        provider.add_span_processor(BatchSpanProcessor(DeferredOtlpExporter(target)))
     return Tracing(provider=provider, memory=memory, otlp=target)

@@ -4,7 +4,10 @@ and the ways an entry gets damaged."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,8 @@ def start(model: str, cache: Path, config: dict[str, Any]) -> dict[str, Any]:
 
     tracing = setup_tracing(in_memory=True)
     result = build_engine(EngineConfig.from_flat(model=model, **config), tracing=tracing, cache_dir=cache)
+    # What the start imported by READY (a warm compiled start replays its step without Dynamo or Inductor).
+    compiler_modules = sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor")))
     eng = result.engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     out: dict[str, list[int]] = {}
@@ -69,7 +74,24 @@ def start(model: str, cache: Path, config: dict[str, Any]) -> dict[str, Any]:
             if ev.name in (Event.CACHE_CORRUPT, Event.CACHE_UNUSABLE):
                 events.append({"stage": stage, "event": ev.name, **dict(ev.attributes or {})})
     notes = {r.name: list(r.notes) for r in result.phase_table.rows if r.notes}
-    return {"tokens": [out[p] for p in PROMPTS], "events": events, "attrs": attrs, "notes": notes}
+    return {"tokens": [out[p] for p in PROMPTS], "events": events, "attrs": attrs, "notes": notes,
+            "compiler_modules_at_ready": compiler_modules}
+
+
+WORKER = Path(__file__).with_name("cache_fault_worker.py")
+
+
+def run_worker(args: dict[str, Any]) -> subprocess.Popen[str]:
+    """One start-up in a fresh process (tests/cache_fault_worker.py); its result with worker_result()."""
+    return subprocess.Popen([sys.executable, str(WORKER), json.dumps(args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ})  # fmt: skip
+
+
+def worker_result(proc: subprocess.Popen[str], timeout: int = 600) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{err[-4000:]}"
+    line = next(ln for ln in out.splitlines()[::-1] if ln.startswith("RESULT:"))
+    return json.loads(line[len("RESULT:"):])  # type: ignore[no-any-return]
 
 
 def entries(cache: Path, name: str) -> list[Path]:

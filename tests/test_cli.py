@@ -69,3 +69,16 @@ def test_kernels_package_is_not_shadowed(tmp_path) -> None:
         capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""},
     )  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip() == "None"
+
+
+def test_other_commands_do_not_build_the_benchmark_flags() -> None:
+    """`glowplug startup` and `serve` skip importing every benchmark's config (a share of their imports row);
+    `bench` and `tune` still get every flag, and help still lists every command."""
+    code = ("import sys; from glowplug import cli; cli.build_parser('startup'); "
+            "print(sorted(m for m in sys.modules if m.startswith('glowplug.profiling.bench.')))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+    listed = _run("--help").stdout
+    assert "bench" in listed and "tune" in listed
+    assert "--batch-sizes" in _run("bench", "decode", "--help").stdout
+    assert "max-model-len" in _run("tune", "--help").stdout

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from ..compile import CompiledDecode, LoadedDecode, TracedDecode
-from ..compile_cache import CompileCache
+from ..compile_cache import CompileCache, StoredReplay
+from ..compile_replay import ReplayDecode
 from ..config import EngineConfig
 from ..kv_cache import KVCache
 from ..kv_sizing import KVPlan
@@ -38,8 +39,8 @@ class EngineContext(StartupContext):
     weights_bytes: int = 0  # load_weights / quantize_weights
     model: DecoderLM | None = None  # model_init
     native: Any = None  # native_kernels (kernels.native.NativeBuild)
-    traced: TracedDecode | LoadedDecode | None = None  # dynamo_transform (a trace, or the stored artifact)
-    decode_fn: CompiledDecode | None = None  # graph_compile
+    traced: TracedDecode | LoadedDecode | StoredReplay | None = None  # dynamo_transform (a trace, or the stored entry)
+    decode_fn: CompiledDecode | ReplayDecode | None = None  # graph_compile
     compile_cache: CompileCache | None = None  # dynamo_transform
     kv_plan: KVPlan | None = None  # kv_cache_profiling
     kv_cache: KVCache | None = None  # kv_cache_init

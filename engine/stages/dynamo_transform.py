@@ -1,5 +1,6 @@
 """Trace the decode step with Dynamo (no Inductor yet: that is graph_compile's time), or, on a warm start, load
-the stored AOT artifact's traced code and guards instead: the row then says "cache hit" with the load's time."""
+the stored entry instead (its replay plan, or else the AOT artifact's traced code and guards): the row then says
+"cache hit" with the load's time."""
 
 from __future__ import annotations
 
@@ -38,13 +39,12 @@ def skipped_reason(ctx: EngineContext) -> str | None:
     return None
 
 
-def trace(ctx: EngineContext) -> TracedDecode:
-    """Dynamo's capture of one decode step over a scratch cache, with the varying dimensions marked dynamic."""
-    model = ctx.need(ctx.model, "the model", "model_init")
+def scratch_cache(ctx: EngineContext, blocks: int) -> KVCache:
+    """A small cache shaped like the real one (which is not allocated yet; its size is symbolic in the graph)."""
     arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
-    scratch = KVCache(
+    return KVCache(
         num_layers=arch.num_hidden_layers,
-        num_blocks=TRACE_BLOCKS,
+        num_blocks=blocks,
         block_size=ctx.config.cache.block_size,
         num_kv_heads=arch.num_key_value_heads,
         head_dim=arch.head_dim,
@@ -52,6 +52,12 @@ def trace(ctx: EngineContext) -> TracedDecode:
         device=ctx.device,
         int8=ctx.config.cache.kv_cache_dtype == "int8",
     )
+
+
+def trace(ctx: EngineContext) -> TracedDecode:
+    """Dynamo's capture of one decode step over a scratch cache, with the varying dimensions marked dynamic."""
+    model = ctx.need(ctx.model, "the model", "model_init")
+    scratch = scratch_cache(ctx, TRACE_BLOCKS)
     packed = dummy_decode_batch(TRACE_BATCH, TRACE_BLOCKS - 1, scratch.block_size, ctx.device)
     mark_decode_dynamic(packed, scratch.layers)
     with torch.inference_mode():

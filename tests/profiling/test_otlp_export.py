@@ -140,3 +140,24 @@ def test_unsupported_protocol_is_a_clear_error() -> None:
         otlp_target_from_env(
             {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}
         )
+
+
+def test_exporter_is_built_off_the_start_up_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Importing an OTLP exporter is not on the way to READY: it is built on the first export, from the batch
+    processor's thread, and every span of the start still reaches the receiver."""
+    import glowplug.profiling.tracing as tracing_module
+
+    built_on: list[str] = []
+    real = tracing_module._otlp_exporter
+
+    def recording(target: object) -> object:
+        built_on.append(threading.current_thread().name)
+        return real(target)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tracing_module, "_otlp_exporter", recording)
+    with OtlpHttpReceiver() as rx:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", rx.traces_endpoint)
+        names = _run_startup_and_flush()
+        received = rx.wait_for_spans(len(names))
+    _assert_startup_tree(received)
+    assert len(built_on) == 1 and built_on[0] != threading.main_thread().name, built_on

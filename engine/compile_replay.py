@@ -1,0 +1,428 @@
+"""Replaying the compiled decode step on a warm start without importing Dynamo or Inductor.
+
+A warm start that loads torch's AOT artifact (engine/compile.py) pays for importing `torch._dynamo` and Inductor's
+runtime modules: about 1.5 s of the ~4 s warm start on the 2-core CPU, and nothing in it is the decode step's own
+work (reports/startup/). What actually runs on every step is small: Inductor's generated Python wrapper (`call(args)`),
+which calls compiled C++ kernels (`.so` libraries in the Inductor folder) on a flat list of tensors and sizes.
+
+So a cold compile also writes a *replay plan* next to the AOT artifact:
+- the wrapper's source, with its kernel definitions replaced by references to the compiled libraries (no C++ is
+  recompiled or even hashed at load) and its Inductor imports deferred until first use (the CPU wrapper uses none);
+- where each of `call`'s arguments comes from: a model tensor (by module path and attribute), the step's packed
+  input, a cache tensor, or a size of one of those;
+- each model tensor's dtype, shape and stride, checked when the plan is bound to a freshly loaded model.
+
+The plan is only written after it has been proven on the compiled step itself: the arguments it rebuilds are the very
+objects Dynamo passed, and the replayed step's logits equal the compiled step's bit for bit at two batch sizes and
+two table widths. A plan that cannot be made (a wrapper with kernels other than the CPU's C++ ones, as on CUDA, or a
+torch whose internals moved) is not written, and the warm start loads the full AOT artifact as before. A plan that
+will not load (a kernel library missing or damaged) falls back the same way, and says so.
+
+Guards: the runner builds every input itself (engine/model_runner.py), and the plan checks what Dynamo's guards
+would: the packed input's dtype, rank and layout, and each cache tensor's dtype, trailing shape and layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import re
+import struct
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .attention import DECODE_COLS
+from .kv_cache import LayerKV
+
+PLAN_FILE = "decode.replay.json"
+PLAN_VERSION = 1
+CACHE_FIELDS = ("k", "v", "k_scale", "v_scale")
+# The wrapper's only non-standard names: kernel definitions, deferred imports and the (inert) compile pool.
+_KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\[[^\]]*\], r'''.*?'''\)$", re.S | re.M)
+_IMPORT = re.compile(r"^from (torch\._(?:inductor|dynamo)[\w.]*) import (\w+)(?: as (\w+))?$", re.M)
+_HEAVY = re.compile(r"^(?:from|import) torch\._(?:inductor|dynamo)", re.M)
+_POOL_USE = re.compile(r"\basync_compile\.(\w+)")
+
+
+class ReplayUnavailable(Exception):
+    """Why no replay plan can be made or loaded; the warm start then uses the full AOT artifact."""
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    source: str  # the wrapper, kernels as references
+    kernels: dict[str, list[str]]  # wrapper name -> [module name, library path relative to the Inductor folder]
+    args: list[list[Any]]  # where each of call()'s arguments comes from (see _arg_sources)
+    model_meta: dict[str, list[Any]]  # "module:attr" -> [dtype, shape, stride]
+    cache_meta: dict[str, list[Any] | None]  # field -> [dtype, shape without the block dim, stride] or None
+    layers: int
+    torch_version: str
+
+    def to_json(self) -> bytes:
+        return json.dumps({"version": PLAN_VERSION, **self.__dict__}).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> "ReplayPlan":
+        raw = json.loads(data)
+        if raw.pop("version", None) != PLAN_VERSION:
+            raise ReplayUnavailable(f"replay plan version is not {PLAN_VERSION}")
+        plan = cls(**raw)
+        if plan.torch_version != torch.__version__:
+            raise ReplayUnavailable(f"replay plan made by torch {plan.torch_version}, running {torch.__version__}")
+        return plan
+
+
+# ------------------------------------------------------------------ loading and running a plan
+
+
+class _Deferred:
+    """An Inductor import of the wrapper, imported on first use (the CPU decode wrapper never uses them)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self._where = (module, name)
+
+    def _resolve(self) -> Any:
+        return getattr(importlib.import_module(self._where[0]), self._where[1])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._resolve()(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._resolve(), name)
+
+
+class _InertPool:
+    """Stands in for Inductor's AsyncCompile: the kernels are already compiled, so there is nothing to wait for."""
+
+    def wait(self, scope: dict[str, Any]) -> None:
+        return None
+
+
+def _truncation(path: Path) -> str | None:
+    """Why a kernel library is cut short, or None. dlopen maps a library's segments without checking that the file
+    holds them, and touching a page past the end of the file kills the process (SIGBUS): so every loadable segment
+    is checked against the file's size first (ELF64 little-endian, what Inductor builds on the CPU)."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4:6] != b"\x02\x01":
+            return f"{path.name} is not a 64-bit little-endian ELF library ({size} bytes)"
+        phoff, phentsize, phnum = struct.unpack_from("<Q", head, 32)[0], *struct.unpack_from("<HH", head, 54)
+        if phoff + phentsize * phnum > size:
+            return f"{path.name} is cut short ({size} bytes) before its program headers"
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+    for i in range(phnum):
+        kind, _, offset, _, _, filesz = struct.unpack_from("<IIQQQQ", table, i * phentsize)
+        if kind == 1 and offset + filesz > size:  # PT_LOAD
+            return f"{path.name} is cut short ({size} bytes) inside a segment ending at byte {offset + filesz}"
+    return None
+
+
+def _load_kernel(module_name: str, path: Path) -> Callable[..., Any]:
+    """A compiled kernel library, loaded the way Inductor loads it (same module name, so a process that later loads
+    Inductor's module shares it)."""
+    # The libraries find torch's tensor-pointer helper through this variable (Inductor sets it the same way).
+    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
+        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr  # type: ignore[attr-defined]
+    )
+    module = sys.modules.get(module_name)
+    if module is None:
+        if not path.is_file():
+            raise ReplayUnavailable(f"compiled kernel library {path} is missing")
+        damage = _truncation(path)
+        if damage is not None:
+            raise ReplayUnavailable(f"compiled kernel library damaged: {damage}")
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise ReplayUnavailable(f"compiled kernel library {path} cannot be loaded")
+        try:  # an extension module is dlopened by module_from_spec, and initialised by exec_module
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+        except (ImportError, OSError) as exc:
+            raise ReplayUnavailable(f"compiled kernel library {path} would not load: {exc}") from exc
+        sys.modules[module_name] = module
+    return module.kernel  # type: ignore[no-any-return]
+
+
+def _exec_wrapper(plan: ReplayPlan, inductor_dir: Path) -> Callable[[list[Any]], Any]:
+    def kernel(name: str) -> Callable[..., Any]:
+        module_name, rel = plan.kernels[name]
+        return _load_kernel(module_name, inductor_dir / rel)
+
+    scope: dict[str, Any] = {"__name__": "glowplug_decode_replay", "__glowplug_kernel__": kernel,
+                             "__glowplug_deferred__": _Deferred, "__glowplug_pool__": _InertPool}  # fmt: skip
+    exec(compile(plan.source, "<glowplug decode replay>", "exec"), scope)  # noqa: S102 - our own cached wrapper
+    return scope["call"]  # type: ignore[no-any-return]
+
+
+def _tensor_meta(t: torch.Tensor, skip_first: bool = False) -> list[Any]:
+    shape, stride = list(t.shape), list(t.stride())
+    return [str(t.dtype).removeprefix("torch."), shape[1:] if skip_first else shape, stride[1:] if skip_first else stride]
+
+
+def _model_tensor(model: torch.nn.Module, where: str) -> torch.Tensor:
+    path, attr = where.rsplit(":", 1)
+    value = getattr(model.get_submodule(path) if path else model, attr)
+    if not isinstance(value, torch.Tensor):
+        raise ReplayUnavailable(f"model attribute {where} is not a tensor")
+    return value
+
+
+class ReplayDecode:
+    """The decode step as the plan replays it; the same interface as CompiledDecode (engine/compile.py)."""
+
+    def __init__(self, plan: ReplayPlan, call: Callable[[list[Any]], Any], model: torch.nn.Module) -> None:
+        self.plan = plan
+        self.call = call
+        self.model = model
+        self.statics: dict[int, torch.Tensor] = {}
+        for i, src in enumerate(plan.args):
+            if src[0] == "model":
+                t = _model_tensor(model, src[1])
+                if _tensor_meta(t) != plan.model_meta[src[1]]:
+                    raise ReplayUnavailable(f"model tensor {src[1]} is {_tensor_meta(t)}, the plan was made for "
+                                            f"{plan.model_meta[src[1]]}")  # fmt: skip
+                self.statics[i] = t
+
+    @classmethod
+    def load(cls, plan: ReplayPlan, inductor_dir: Path, model: torch.nn.Module) -> "ReplayDecode":
+        return cls(plan, _exec_wrapper(plan, inductor_dir), model)
+
+    def guard_failure(self, packed: torch.Tensor, caches: list[LayerKV]) -> str:
+        """Why these inputs differ from what the step was compiled for, or "" when they match."""
+        if packed.dtype != torch.int64 or packed.dim() != 2 or packed.size(1) <= DECODE_COLS:
+            return f"packed input is {packed.dtype} {list(packed.shape)}, expected int64 [B, >{DECODE_COLS}]"
+        if not packed.is_contiguous() or packed.device.type != "cpu":
+            return "packed input must be a contiguous CPU tensor"
+        if len(caches) != self.plan.layers:
+            return f"{len(caches)} cache layers, the step was compiled for {self.plan.layers}"
+        for layer, c in enumerate(caches):
+            for field in CACHE_FIELDS:
+                t, want = getattr(c, field), self.plan.cache_meta[field]
+                got = None if t is None else _tensor_meta(t, skip_first=True)
+                if got != want or (t is not None and not t.is_contiguous()):
+                    return f"cache layer {layer} {field} is {got}, the step was compiled for {want} (contiguous)"
+        return ""
+
+    def guards_pass(self, packed: torch.Tensor, caches: list[LayerKV]) -> bool:
+        return not self.guard_failure(packed, caches)
+
+    def __call__(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
+        why = self.guard_failure(packed, caches)
+        if why:
+            raise RuntimeError(f"the compiled decode step rejects these inputs: {why}")
+        return self.unguarded(packed, caches)
+
+    def arguments(self, packed: torch.Tensor, caches: list[LayerKV]) -> list[Any]:
+        """call()'s argument list for one step."""
+        return [self._arg(i, src, packed, caches) for i, src in enumerate(self.plan.args)]
+
+    def _arg(self, i: int, src: list[Any], packed: torch.Tensor, caches: list[LayerKV]) -> Any:
+        kind = src[0]
+        if kind == "model":
+            return self.statics[i]
+        if kind == "packed":
+            return packed
+        if kind == "cache":
+            return getattr(caches[src[1]], src[2])
+        if kind == "packed_size":
+            return packed.size(src[1])
+        if kind == "cache_size":
+            return getattr(caches[0], src[1]).size(src[2])
+        if kind == "const":
+            return src[1]
+        raise ReplayUnavailable(f"unknown argument source {src}")
+
+    def unguarded(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
+        return self.call(self.arguments(packed, caches))[0]  # type: ignore[no-any-return]
+
+    def serving(self, caches: list[LayerKV]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The step bound to the real cache: everything but the packed input and its two sizes is fixed, so a step
+        copies one prepared list and fills three slots."""
+        dummy = torch.zeros((1, DECODE_COLS + 1), dtype=torch.int64)
+        template = self.arguments(dummy, caches)
+        at = {kind: [i for i, s in enumerate(self.plan.args) if s[:2] == list(kind)] for kind in
+              (("packed",), ("packed_size", 0), ("packed_size", 1))}  # fmt: skip
+        packed_at, rows_at, cols_at = at[("packed",)], at[("packed_size", 0)], at[("packed_size", 1)]
+        call = self.call
+
+        def step(packed: torch.Tensor) -> torch.Tensor:
+            args = template.copy()
+            rows, cols = packed.shape
+            for i in packed_at:
+                args[i] = packed
+            for i in rows_at:
+                args[i] = rows
+            for i in cols_at:
+                args[i] = cols
+            return call(args)[0]  # type: ignore[no-any-return]
+
+        return step
+
+
+# ------------------------------------------------------------------ making a plan from a compiled step
+
+
+def _find_graphs(step: Any) -> list[Any]:
+    """Inductor's compiled graph (a CompiledFxGraph: its `source_code` and `current_callable`) behind the
+    AOT-compiled step, found through the wrappers torch puts around it. (The wrappers are functions that copy the
+    graph's attributes, so the class name is what tells them apart.) The bundled cache entry holds a second one;
+    which of them runs is found by calling the step."""
+    fn = step.fn.fn
+    roots = [v for k, v in fn.__globals__.items() if k.startswith("__compiled_fn")]
+    seen: set[int] = set()
+    found: list[Any] = []
+    frontier = roots
+    for _ in range(8):
+        nxt: list[Any] = []
+        for obj in frontier:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if type(obj).__name__ == "CompiledFxGraph" and isinstance(getattr(obj, "source_code", None), str):
+                found.append(obj)
+                continue
+            for cell in getattr(obj, "__closure__", None) or ():
+                try:
+                    nxt.append(cell.cell_contents)
+                except ValueError:
+                    pass
+            if hasattr(obj, "__dict__") and not isinstance(obj, (type, ModuleType, torch.Tensor)):
+                nxt.extend(v for v in vars(obj).values() if callable(v) or hasattr(v, "__dict__"))
+        frontier = nxt
+    if not found:
+        raise ReplayUnavailable("found no Inductor graph behind the compiled step")
+    return found
+
+
+def _rewrite(source: str, live: ModuleType, inductor_dir: Path) -> tuple[str, dict[str, list[str]]]:
+    kernels: dict[str, list[str]] = {}
+
+    def kernel(m: re.Match[str]) -> str:
+        name = m.group(1)
+        lib = getattr(getattr(live, name, None), "__self__", None)
+        path = Path(getattr(lib, "__file__", "") or "")
+        if not isinstance(lib, ModuleType) or not path.is_relative_to(inductor_dir):
+            raise ReplayUnavailable(f"kernel {name} is not a library in the Inductor folder")
+        kernels[name] = [lib.__name__, str(path.relative_to(inductor_dir))]
+        return f"{name} = __glowplug_kernel__({name!r})"
+
+    def deferred(m: re.Match[str]) -> str:
+        module, name, alias = m.group(1), m.group(2), m.group(3) or m.group(2)
+        if name == "AsyncCompile":
+            return f"{alias} = __glowplug_pool__"
+        return f"{alias} = __glowplug_deferred__({module!r}, {name!r})"
+
+    out = _IMPORT.sub(deferred, _KERNEL_DEF.sub(kernel, source))
+    if _HEAVY.search(out):
+        raise ReplayUnavailable("the wrapper imports Inductor or Dynamo in a form the replay does not defer")
+    uses = set(_POOL_USE.findall(out)) - {"wait"}
+    if uses:
+        raise ReplayUnavailable(f"the wrapper defines kernels the replay cannot load ({', '.join(sorted(uses))})")
+    return out, kernels
+
+
+def _arg_sources(args: list[Any], model: torch.nn.Module, packed: torch.Tensor,
+                 caches: list[LayerKV]) -> tuple[list[list[Any]], dict[str, list[Any]]]:  # fmt: skip
+    """Where each argument Dynamo passed to the compiled graph came from. Sizes are matched by value, so the
+    recording inputs' varying sizes are chosen unlike any fixed size (see record_inputs); a size that matches no
+    varying size is a constant of the graph."""
+    where: dict[int, list[Any]] = {id(packed): ["packed"]}
+    for layer, c in enumerate(caches):
+        for field in CACHE_FIELDS:
+            t = getattr(c, field)
+            if t is not None:
+                where.setdefault(id(t), ["cache", layer, field])
+    model_meta: dict[str, list[Any]] = {}
+    for path, module in model.named_modules():
+        for attr, value in module.__dict__.items():
+            items = value.items() if attr in ("_parameters", "_buffers") else [(attr, value)]
+            for name, t in items:
+                if isinstance(t, torch.Tensor) and id(t) not in where:
+                    where[id(t)] = ["model", f"{path}:{name}"]
+    sizes: dict[int, list[Any]] = {packed.size(0): ["packed_size", 0], packed.size(1): ["packed_size", 1]}
+    sizes.setdefault(caches[0].k.size(0), ["cache_size", "k", 0])
+    out: list[list[Any]] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            src = where.get(id(a))
+            if src is None:
+                raise ReplayUnavailable(f"a graph input {list(a.shape)} {a.dtype} is none of the model's or step's tensors")
+            if src[0] == "model":
+                model_meta[src[1]] = _tensor_meta(a)
+            out.append(src)
+        elif isinstance(a, int) and not isinstance(a, bool):
+            out.append(sizes.get(a, ["const", a]))
+        else:
+            raise ReplayUnavailable(f"a graph input of type {type(a).__name__}")
+    return out, model_meta
+
+
+def make_plan(step: Any, model: torch.nn.Module, inputs: Callable[[int, int], tuple[torch.Tensor, list[LayerKV]]],
+              inductor_dir: Path) -> ReplayPlan:  # fmt: skip
+    """Record one compiled step's graph arguments, build the plan, and prove it: the replay must rebuild the same
+    arguments and produce bit-identical logits at two batch sizes and table widths. `inputs(batch, width)` gives a
+    step input over a scratch cache (the same cache object every call)."""
+    graphs = _find_graphs(step)
+    originals = [g.current_callable for g in graphs]
+    seen: dict[str, Any] = {}
+
+    def spy(graph: Any, original: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+        def record(args: list[Any]) -> Any:
+            seen["graph"], seen["args"] = graph, list(args)
+            seen["out"] = original(args)
+            return seen["out"]
+
+        return record
+
+    runs: list[tuple[torch.Tensor, list[LayerKV], list[Any], torch.Tensor]] = []
+    for g, original in zip(graphs, originals):
+        g.current_callable = spy(g, original)
+    try:
+        with torch.inference_mode():
+            for batch, width in ((3, 6), (5, 7)):
+                packed, caches = inputs(batch, width)
+                logits = step.unguarded(packed, caches)
+                if not (isinstance(seen.get("out"), (tuple, list)) and seen["out"][0] is logits):
+                    raise ReplayUnavailable("the compiled step's output is not the graph's first output")
+                runs.append((packed, caches, seen.pop("args"), logits.clone()))
+    finally:
+        for g, original in zip(graphs, originals):
+            g.current_callable = original
+    graph = seen["graph"]
+    live = sys.modules.get(getattr(originals[graphs.index(graph)], "__module__", "") or "")
+    if live is None:
+        raise ReplayUnavailable("the compiled graph's wrapper module is not loaded")
+    packed, caches, args, _ = runs[0]
+    sources, model_meta = _arg_sources(args, model, packed, caches)
+    source, kernels = _rewrite(graph.source_code, live, inductor_dir)
+    cache_meta = {f: None if getattr(caches[0], f) is None else _tensor_meta(getattr(caches[0], f), skip_first=True)
+                  for f in CACHE_FIELDS}  # fmt: skip
+    plan = ReplayPlan(source, kernels, sources, model_meta, cache_meta, len(caches), torch.__version__)
+    replay = ReplayDecode.load(plan, inductor_dir, model)
+    with torch.inference_mode():
+        for packed, caches, args, logits in runs:
+            rebuilt = replay.arguments(packed, caches)
+            same = len(rebuilt) == len(args) and all(
+                (r is a) if isinstance(a, torch.Tensor) else (r == a) for r, a in zip(rebuilt, args))  # fmt: skip
+            if not same:
+                raise ReplayUnavailable("the plan does not rebuild the arguments Dynamo passed")
+            if replay.guard_failure(packed, caches):
+                raise ReplayUnavailable(f"the plan rejects its own inputs: {replay.guard_failure(packed, caches)}")
+            if not torch.equal(replay.unguarded(packed, caches), logits):
+                raise ReplayUnavailable("the replayed step's logits differ from the compiled step's")
+    return plan
+
+
+def plan_digest(plan: ReplayPlan) -> str:
+    return hashlib.sha256(plan.to_json()).hexdigest()[:16]

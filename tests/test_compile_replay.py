@@ -1,0 +1,98 @@
+"""The replayed decode step (engine/compile_replay.py): a warm start runs the compiled kernels without Dynamo or
+Inductor, bit for bit what torch's own AOT-compiled step computes, and falls back to that step when it cannot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import cache_faults_util as util
+from glowplug.engine.compile import CompiledDecode
+from glowplug.engine.compile_cache import _clear_inductor_memory
+from glowplug.engine.compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable, _rewrite
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.sampling_params import SamplingParams
+from glowplug.engine.startup import build_engine
+from glowplug.engine.stages.graph_compile import ATTR_REPLAY
+from glowplug.profiling.names import Attr
+from glowplug.profiling.tracing import setup_tracing
+
+COMPILE = {"compile": "on", "max_num_seqs": 4}
+
+
+@pytest.mark.slow
+def test_warm_start_replays_without_dynamo_or_inductor_and_falls_back(tiny_dir, tmp_path: Path) -> None:
+    """Fresh processes (a process that compiled keeps Inductor's modules loaded): cold writes the plan; warm loads
+    it, imports neither Dynamo nor Inductor by READY, and generates the cold start's tokens. With a kernel library
+    the plan names deleted, the start falls back to the AOT artifact and still generates the same tokens."""
+    model, cache = str(tiny_dir("llama")), tmp_path / "cache"
+    args = {"model": model, "cache": str(cache), "config": COMPILE}
+    cold = util.worker_result(util.run_worker(args), timeout=900)
+    assert cold["attrs"]["graph_compile"][ATTR_REPLAY] == "written"
+    assert any(m.startswith("torch._inductor") for m in cold["compiler_modules_at_ready"])
+
+    warm = util.worker_result(util.run_worker(args))
+    assert warm["attrs"]["graph_compile"][ATTR_REPLAY] == "loaded"
+    assert warm["attrs"]["graph_compile"][Attr.CACHE_HIT] is True
+    assert warm["attrs"]["dynamo_transform"][Attr.CACHE_HIT] is True
+    assert warm["compiler_modules_at_ready"] == []
+    assert warm["tokens"] == cold["tokens"]
+
+    (entry,) = util.entries(cache, "compile")
+    (ws,) = util.entries(cache, "inductor")
+    plan = ReplayPlan.from_json((entry / PLAN_FILE).read_bytes())
+    (ws / next(iter(plan.kernels.values()))[1]).unlink()
+    healed = util.worker_result(util.run_worker(args), timeout=900)
+    assert healed["attrs"]["graph_compile"][ATTR_REPLAY].startswith("would not load")
+    assert healed["tokens"] == cold["tokens"]
+    again = util.worker_result(util.run_worker(args))  # Inductor rebuilt the library where the plan expects it
+    assert again["attrs"]["graph_compile"][ATTR_REPLAY] == "loaded" and again["tokens"] == cold["tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fields", [{"dtype": "float32"}, {"quantization": "int4", "kv_cache_dtype": "int8"}])
+def test_replay_equals_the_aot_step_bit_for_bit(tiny_dir, tmp_path: Path, fields: dict[str, str]) -> None:
+    """Against torch's own compiled step (the oracle), on the real cache at every batch size 1..8, sequences at
+    different lengths crossing 4-token blocks: the same logits and the same cache writes, bit for bit."""
+    cfg = EngineConfig.from_flat(model=str(tiny_dir("llama")), block_size=4, **{**COMPILE, "max_num_seqs": 8, **fields})
+    # Inductor would reuse kernels this process loaded from another test's cache folder; a plan can only name
+    # libraries in its own folder (a start in a fresh process, the product's case, never meets this).
+    _clear_inductor_memory()
+    tracing = setup_tracing()
+    result = build_engine(cfg, cache_dir=tmp_path, tracing=tracing)
+    ctx, eng = result.context, result.engine
+    assert isinstance(ctx.decode_fn, CompiledDecode)  # a cold start serves the AOT-compiled step
+    (span,) = [s for s in tracing.finished_spans() if s.name == "glowplug.startup.graph_compile"]
+    assert span.attributes[ATTR_REPLAY] == "written", span.attributes[ATTR_REPLAY]
+    (entry,) = util.entries(tmp_path, "compile")
+    replay = ReplayDecode.load(ReplayPlan.from_json((entry / PLAN_FILE).read_bytes()), ctx.compile_cache.path,
+                               ctx.model)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for n in (3, 4, 7, 8, 11, 2, 5, 9):
+        eng.add_request(None, params, prompt_token_ids=list(range(5, 5 + n)))
+    eng.step()  # the prefills
+    scheduled = eng.scheduler.schedule().scheduled
+    caches = eng.runner.kv_cache.layers
+    serve = replay.serving(caches)
+    with torch.inference_mode():
+        for batch in range(1, len(scheduled) + 1):
+            packed = eng.runner.prepare_decode(scheduled[:batch]).clone()
+            want = ctx.decode_fn.unguarded(packed, caches).clone()
+            written = [(c.k.clone(), c.v.clone()) for c in caches]
+            assert replay.guards_pass(packed, caches), replay.guard_failure(packed, caches)
+            assert torch.equal(serve(packed), want), batch
+            assert all(torch.equal(c.k, k) and torch.equal(c.v, v) for c, (k, v) in zip(caches, written))
+    assert "int64" in replay.guard_failure(packed.to(torch.int32), caches)
+    for s in scheduled:
+        eng.abort(s.seq.request_id)
+
+
+def test_a_wrapper_with_other_kernels_gets_no_plan(tmp_path: Path) -> None:
+    """A GPU wrapper defines Triton kernels, which the replay cannot load: no plan (warm starts use the AOT
+    artifact), with the reason named."""
+    source = "from torch._inductor.async_compile import AsyncCompile\nasync_compile = AsyncCompile()\n" \
+             "triton_poi_0 = async_compile.triton('triton_poi_0', '''\\n@triton.jit\\ndef k(): pass\\n''')\n"
+    with pytest.raises(ReplayUnavailable, match="triton"):
+        _rewrite(source, torch, tmp_path)
