@@ -1,9 +1,10 @@
 """Replaying the compiled decode step on a warm start without importing Dynamo or Inductor.
 
 A warm start that loads torch's AOT artifact (engine/compile.py) pays for importing `torch._dynamo` and Inductor's
-runtime modules: about 1.5 s of the ~4 s warm start on the 2-core CPU, and nothing in it is the decode step's own
-work (reports/startup/). What actually runs on every step is small: Inductor's generated Python wrapper (`call(args)`),
-which calls compiled C++ kernels (`.so` libraries in the Inductor folder) on a flat list of tensors and sizes.
+runtime modules, which was half of a warm start (reports/startup/startup.md as of commit 7ee52f2) and none of it the
+decode step's own work. What actually runs on every step is small: Inductor's generated Python wrapper
+(`call(args)`), which calls compiled C++ kernels (`.so` libraries in the Inductor folder) on a flat list of tensors
+and sizes.
 
 So a cold compile also writes a *replay plan* next to the AOT artifact:
 - the wrapper's source, with its kernel definitions replaced by references to the compiled libraries (no C++ is
@@ -24,7 +25,6 @@ would: the packed input's dtype, rank and layout, and each cache tensor's dtype,
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -423,6 +423,3 @@ def make_plan(step: Any, model: torch.nn.Module, inputs: Callable[[int, int], tu
                 raise ReplayUnavailable("the replayed step's logits differ from the compiled step's")
     return plan
 
-
-def plan_digest(plan: ReplayPlan) -> str:
-    return hashlib.sha256(plan.to_json()).hexdigest()[:16]
