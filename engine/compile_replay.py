@@ -131,10 +131,6 @@ def _truncation(path: Path) -> str | None:
 def _load_kernel(module_name: str, path: Path) -> Callable[..., Any]:
     """A compiled kernel library, loaded the way Inductor loads it (same module name, so a process that later loads
     Inductor's module shares it)."""
-    # The libraries find torch's tensor-pointer helper through this variable (Inductor sets it the same way).
-    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
-        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr  # type: ignore[attr-defined]
-    )
     module = sys.modules.get(module_name)
     if module is None:
         if not path.is_file():
@@ -158,6 +154,11 @@ def _exec_wrapper(plan: ReplayPlan, inductor_dir: Path) -> Callable[[list[Any]],
     def kernel(name: str) -> Callable[..., Any]:
         module_name, rel = plan.kernels[name]
         return _load_kernel(module_name, inductor_dir / rel)
+
+    # The libraries find torch's tensor-pointer helper through this variable (Inductor sets it the same way).
+    os.environ["_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR"] = str(
+        torch._C._dynamo.guards._torchinductor_pyobject_tensor_data_ptr  # type: ignore[attr-defined]
+    )
 
     scope: dict[str, Any] = {"__name__": "glowplug_decode_replay", "__glowplug_kernel__": kernel,
                              "__glowplug_deferred__": _Deferred, "__glowplug_pool__": _InertPool}  # fmt: skip
@@ -251,9 +252,8 @@ class ReplayDecode:
         copies one prepared list and fills three slots."""
         dummy = torch.zeros((1, DECODE_COLS + 1), dtype=torch.int64)
         template = self.arguments(dummy, caches)
-        at = {kind: [i for i, s in enumerate(self.plan.args) if s[:2] == list(kind)] for kind in
-              (("packed",), ("packed_size", 0), ("packed_size", 1))}  # fmt: skip
-        packed_at, rows_at, cols_at = at[("packed",)], at[("packed_size", 0)], at[("packed_size", 1)]
+        packed_at, rows_at, cols_at = ([i for i, s in enumerate(self.plan.args) if s == want]
+                                       for want in (["packed"], ["packed_size", 0], ["packed_size", 1]))  # fmt: skip
         call = self.call
 
         def step(packed: torch.Tensor) -> torch.Tensor:

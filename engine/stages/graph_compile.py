@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from ...profiling.names import Attr, Row
-from ..compile import CompiledDecode, LoadedDecode
+from ..compile import CompiledDecode, LoadedDecode, TracedDecode
 from ..compile_cache import StoredReplay
 from ..compile_replay import ReplayPlan, make_plan
 from ..kv_cache import LayerKV
@@ -71,8 +71,9 @@ class GraphCompile:
                             error=one_line(exc))  # fmt: skip
                 cache.drop_artifact(f"the compiled module would not load: {one_line(exc)}")
                 traced = ctx.traced = trace(ctx)
+        step: CompiledDecode | None = None  # compiled here from a trace: stored, with its plan
         plan: ReplayPlan | None = None
-        if not isinstance(traced, (LoadedDecode, StoredReplay)):
+        if isinstance(traced, TracedDecode):
             step = ctx.decode_fn = cache.run(lambda: traced.compile(settings))  # retried once in a fresh folder
             try:
                 plan = make_plan(step, step.model, _plan_inputs(ctx), cache.path)
@@ -83,8 +84,7 @@ class GraphCompile:
                          reason=one_line(exc))  # fmt: skip
         rebuilt = cache.explain_rebuilt()
         hit = cache.served_from_cache()
-        compiled = isinstance(ctx.decode_fn, CompiledDecode) and not isinstance(traced, (LoadedDecode, StoredReplay))
-        cache.record(ctx.decode_fn if compiled else None, plan)
+        cache.record(step, plan)
         attrs: dict[str, object] = {
             Attr.CACHE_HIT: hit,
             Attr.CACHE_KEY: cache.key,
