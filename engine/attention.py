@@ -120,16 +120,30 @@ def paged_attention(
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, packed: torch.Tensor, scale: float
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, packed: torch.Tensor, scale: float,
+    native: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """One decode step for B sequences, traceable with no host synchronisation.
 
     q [B, H, D], k/v [B, Hkv, D] are the new tokens; `packed` is the step's [B, DECODE_COLS + W] input. The new k/v
-    are written first, so each row attends to its own key too. Returns [B, H, D] in q's dtype."""
+    are written first, so each row attends to its own key too. Returns [B, H, D] in q's dtype.
+
+    `native` (set by the native_kernels stage for the compiled step on the CPU) reads the cache with glowplug's
+    native op (kernels/native/attention.cpp) instead of the tensor ops below, which are its reference: at batch 1 the
+    Inductor kernel those ops compile to spent its time in fork/join barriers (reports/decode-quantized.md measures
+    the step with it)."""
     slots = packed[:, SLOT]
+    cache.store(k, v, slots)
+    if native:
+        ops = torch.ops.glowplug_native
+        if cache.k_scale is not None and cache.v_scale is not None:
+            out: torch.Tensor = ops.decode_attention_int8(q.contiguous(), cache.k, cache.v, cache.k_scale,
+                                                          cache.v_scale, packed, scale)  # fmt: skip
+        else:
+            out = ops.decode_attention(q.contiguous(), cache.k, cache.v, packed, scale)
+        return out
     lens = packed[:, CONTEXT]
     tables = packed[:, DECODE_COLS:]
-    cache.store(k, v, slots)
     b, heads, d = q.shape
     kv_heads = k.shape[1]
     block = cache.k.shape[1]

@@ -57,15 +57,17 @@ class DenseLinear(nn.Linear):
     # enable_native may also register `native_blocked`: the bf16 weight in kernels.native.pack_blocked's layout
 
     def forward(self, x: Tensor) -> Tensor:
-        if "native_blocked" in self._buffers and torch.compiler.is_compiling() and x.dim() == 2:
-            y: Tensor = torch.ops.glowplug_native.dense_blocked(x, self.native_blocked, self.out_features)
-            return y if self.bias is None else y + self.bias
-        return self.project(x, self.weight, self.bias, self.native_small_m)
+        blocked = self.native_blocked if "native_blocked" in self._buffers else None
+        return self.project(x, self.weight, self.bias, self.native_small_m, blocked)
 
     @staticmethod
-    def project(x: Tensor, weight: Tensor, bias: Tensor | None, small_m: int | None) -> Tensor:
-        """x @ weight^T (+ bias): the row-major native op inside a compiled decode step when enabled, else
-        F.linear."""
+    def project(x: Tensor, weight: Tensor, bias: Tensor | None, small_m: int | None,
+                blocked: Tensor | None = None) -> Tensor:
+        """x @ weight^T (+ bias): inside a compiled decode step the blocked native op (`blocked`, the weight in
+        kernels.native.pack_blocked's layout) or the row-major one when enabled, else F.linear."""
+        if blocked is not None and torch.compiler.is_compiling() and x.dim() == 2:
+            yb: Tensor = torch.ops.glowplug_native.dense_blocked(x, blocked, weight.shape[0])
+            return yb if bias is None else yb + bias
         if small_m is not None and torch.compiler.is_compiling() and x.dim() == 2:
             y: Tensor = torch.ops.glowplug_native.dense_linear(x, weight, small_m)
             return y if bias is None else y + bias
@@ -77,20 +79,25 @@ class DenseLinear(nn.Linear):
         return F.linear(x, weight, bias)
 
     def enable_native(self, small_m: int) -> int:
-        """bf16 on an AVX512-BF16 CPU: the blocked kernel, on a packed copy (batches stay near the batch-1 cost);
-        fp32 (or bf16 without AVX512-BF16): the row-major kernel on the weight itself. Returns the bytes a decode step
-        reads through it, 0 if no native kernel serves this dtype."""
-        from .native import blocked_supported, pack_blocked
+        """Switch this layer's compiled decode to a native kernel (see `enable_dense_native`)."""
+        return enable_dense_native(self, self.weight, small_m)
 
-        w = self.weight
-        if w.dtype == torch.bfloat16 and blocked_supported() and w.shape[1] % 2 == 0:
-            packed, _ = pack_blocked(w)
-            self.register_buffer("native_blocked", packed, persistent=False)
-            return packed.numel() * packed.element_size()
-        if w.dtype in (torch.bfloat16, torch.float32):
-            self.native_small_m = small_m
-            return w.numel() * w.element_size()
-        return 0
+
+def enable_dense_native(module: nn.Module, weight: Tensor, small_m: int) -> int:
+    """bf16 on an AVX512-BF16 CPU: the blocked kernel, on a packed copy registered as `module.native_blocked`
+    (batches stay near the batch-1 cost); fp32 (or bf16 without AVX512-BF16): the row-major kernel on the weight
+    itself (`module.native_small_m`). Returns the bytes a decode step reads through it, 0 if no native kernel serves
+    this dtype."""
+    from .native import blocked_supported, pack_blocked
+
+    if weight.dtype == torch.bfloat16 and blocked_supported() and weight.shape[1] % 2 == 0:
+        packed, _ = pack_blocked(weight)
+        module.register_buffer("native_blocked", packed, persistent=False)
+        return packed.numel() * packed.element_size()
+    if weight.dtype in (torch.bfloat16, torch.float32):
+        setattr(module, "native_small_m", small_m)
+        return weight.numel() * weight.element_size()
+    return 0
 
 
 class QuantLinear(nn.Module):
@@ -236,27 +243,31 @@ def _after_load(module: nn.Module, incompatible: Any) -> None:
 
 
 def enable_native_decode(model: nn.Module, small_m: int, activation_dtype: torch.dtype) -> dict[str, int]:
-    """Switch the linear layers of `model` to the native decode kernels where one serves them (call after loading,
-    once `kernels.native.load_native` succeeded). Returns how many layers switched and the bytes one batch-1 decode
-    step reads through them."""
-    dense = quant = 0
+    """Switch the linear layers of `model`, and its attention layers' decode, to the native kernels where one serves
+    them (call after loading, once `kernels.native.load_native` succeeded). Returns how many layers switched and the
+    bytes one batch-1 decode step reads through the linear ones."""
+    from .native import attention_supported
+
+    dense = quant = attention = 0
     nbytes = 0
     for mod in model.modules():
         got = 0
-        if isinstance(mod, QuantLinear):
+        if hasattr(mod, "native_attention"):  # engine/models/llama.Attention: decode attention's native op
+            mod.native_attention = attention_supported(getattr(mod, "head_dim"))
+            attention += mod.native_attention
+        elif isinstance(mod, QuantLinear):
             got = mod.enable_native(activation_dtype)
             quant += got > 0
         elif isinstance(mod, DenseLinear):
             got = mod.enable_native(small_m)
             dense += got > 0
-        elif hasattr(mod, "native_small_m"):  # the tied head: row-major kernel on the shared embedding, no copy
-            weight = getattr(mod, "_embedding").weight
-            if weight.dtype in (torch.bfloat16, torch.float32):
-                mod.native_small_m = small_m
-                got = weight.numel() * weight.element_size()
-                dense += 1
+        elif hasattr(mod, "native_small_m"):
+            # The tied head: in bf16 a blocked copy of the shared embedding (+57 MB for SmolLM2), because the
+            # row-major kernel streamed it 25% slower (2.85 vs 2.14 ms per batch-1 step, measured in one run).
+            got = enable_dense_native(mod, getattr(mod, "_embedding").weight, small_m)
+            dense += got > 0
         nbytes += got
-    return {"dense": dense, "quantized": quant, "bytes_per_token": nbytes}
+    return {"dense": dense, "quantized": quant, "attention": attention, "bytes_per_token": nbytes}
 
 
 def prepare_modules(model: nn.Module) -> int:

@@ -12,8 +12,12 @@ Ops (namespace `glowplug_native`; x [M, K] contiguous, y [M, N] in x's dtype):
   dense_linear(x, w, small_m)             fp32 (or bf16 without AVX512-BF16) x and row-major weights; M > small_m
                                           goes to aten's GEMM
   w8a8_linear(x, q, wscale, wsum, inv)    per-token int8 activations, VNNI dot products
-The blocked ones (blocked.cpp) need AVX512-BF16. Each op has a pure-torch reference in kernels/reference.py
-(`native_linear`), which tests/kernels compare against.
+  decode_attention(q, k_cache, v_cache, packed, scale)
+  decode_attention_int8(q, k_cache, v_cache, k_scale, v_scale, packed, scale)
+                                          one decode token per sequence over the paged cache (attention.cpp)
+The blocked ones (blocked.cpp) need AVX512-BF16, the attention ones AVX512F. Each linear op has a pure-torch
+reference in kernels/reference.py (`native_linear`), which tests/kernels compare against; the attention ops' reference
+is the torch path of engine/attention.decode_attention.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weigh
 
 NAMESPACE = "glowplug_native"
 LIBRARY = "glowplug_native.so"
-SOURCES: tuple[str, ...] = ("linear.cpp", "blocked.cpp")
+SOURCES: tuple[str, ...] = ("linear.cpp", "blocked.cpp", "attention.cpp")
 HEADERS: tuple[str, ...] = ("common.h",)
 _SOURCE_DIR = Path(__file__).parent / "native"
 
@@ -135,6 +139,15 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "int8_blocked")
     def _int8_blocked(x: Tensor, wp: Tensor, n: int, group_size: int) -> Tensor:
         return x.new_empty((x.shape[0], n))
+
+    @torch.library.register_fake(lib + "decode_attention")
+    def _attention(q: Tensor, k: Tensor, v: Tensor, packed: Tensor, scale: float) -> Tensor:
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake(lib + "decode_attention_int8")
+    def _attention_int8(q: Tensor, k: Tensor, v: Tensor, ks: Tensor, vs: Tensor, packed: Tensor,
+                        scale: float) -> Tensor:
+        return q.new_empty(q.shape)
 
 
 def load_native(cache_dir: Path) -> NativeBuild:
@@ -265,6 +278,11 @@ class NativeState:
 def blocked_supported() -> bool:
     """The blocked kernels need AVX512-BF16 (the library is built for this CPU with -march=native)."""
     return cpu_has_native_bf16()
+
+
+def attention_supported(head_dim: int) -> bool:
+    """The decode attention op needs AVX512F and a head_dim that is a multiple of 16."""
+    return "avx512f" in cpu_flags() and head_dim % 16 == 0
 
 
 def prepare_native(w: PackedWeight, activation_dtype: torch.dtype) -> NativeState | None:

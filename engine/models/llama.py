@@ -114,6 +114,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
         self.scale = d**-0.5
+        # The compiled decode step's attention through the native op (set by kernels.modules.enable_native_decode).
+        self.native_attention = False
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t, d = x.shape[0], self.head_dim
@@ -130,7 +132,7 @@ class Attention(nn.Module):
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV, packed: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, cos, sin)
-        o = decode_attention(q, k, v, cache, packed, self.scale)
+        o = decode_attention(q, k, v, cache, packed, self.scale, self.native_attention)
         return self.o_proj(o.reshape(x.shape[0], -1))
 
 
@@ -200,7 +202,8 @@ class TiedHead(nn.Module):
         self.native_small_m: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return DenseLinear.project(x, self._embedding.weight, None, self.native_small_m)
+        blocked = self.native_blocked if "native_blocked" in self._buffers else None
+        return DenseLinear.project(x, self._embedding.weight, None, self.native_small_m, blocked)
 
 
 class DecoderLM(nn.Module):

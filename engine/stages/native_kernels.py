@@ -43,6 +43,7 @@ class NativeKernels:
         attrs.update({
             "glowplug.native_dense_layers": counts["dense"],
             "glowplug.native_quantized_layers": counts["quantized"],
+            "glowplug.native_attention_layers": counts["attention"],
             Attr.BYTES_PER_TOKEN: counts["bytes_per_token"],
         })  # fmt: skip
         return StageReport(attributes=attrs)  # type: ignore[arg-type]

@@ -1,0 +1,209 @@
+// Decode attention over the paged KV cache for the compiled decode step: one query token per sequence, keys and
+// values read in place by block table (no gathered copy), softmax and weighted sum in fp32.
+//
+// Why native: the same computation as plain tensor ops (engine/attention.py, `decode_attention`'s torch path, which
+// is this op's reference) compiles into one Inductor kernel with a dozen parallel loops over a dynamic batch and
+// width; at batch 1 its fork/join barriers, not its arithmetic, took ~30-40 us per layer on 2 cores. Here one
+// parallel region splits the (sequence, kv head) pairs, and each pair runs its G = heads / kv_heads queries in one
+// pass over its keys and one over its values.
+//
+// The cache write stays a torch scatter before this op (the graph's in-place update of the cache input), so this op
+// only reads. The packed step input is engine/attention.py's: [B, 4 + W] int64 with the context length in column 3
+// (the new token included) and the block table from column 4.
+#include "common.h"
+
+namespace glowplug {
+namespace {
+
+constexpr int64_t kDecodeCols = 4, kContextCol = 3;  // engine/attention.py: DECODE_COLS, CONTEXT
+
+#if defined(__AVX512F__)  // the Python side enables this op only on AVX512 CPUs (kernels.native.attention_supported)
+// e^x for x <= 0 (scores minus their maximum), within ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor
+// polynomial for e^r, and vscalefps for the 2^n (which flushes to 0 below the fp32 range, as expf does).
+inline __m512 exp_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Element i of a cache row (bf16, fp32 or int8 times its scale) as fp32, D values into dst (D % 16 == 0).
+inline void row_f32(const void* base, ScalarType st, int64_t offset, float scale, int64_t D, float* dst) {
+  if (st == ScalarType::Float) {
+    std::memcpy(dst, static_cast<const float*>(base) + offset, static_cast<size_t>(D) * 4);
+  } else if (st == ScalarType::BFloat16) {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + d, load_bf16x16(p + d));
+  } else {  // int8 with one fp32 scale per (token, head): kernels/formats.dequantize_kv
+    const int8_t* p = static_cast<const int8_t*>(base) + offset;
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512i w = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + d)));
+      _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(w), s));
+    }
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+void check_cache(const Tensor& c, const char* what, int64_t D) {
+  STD_TORCH_CHECK(c.dim() == 4 && c.is_contiguous() && c.size(3) == D, "decode_attention: ", what,
+                  " must be a contiguous [blocks, block_size, kv_heads, ", D, "] tensor");
+}
+
+Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor* ks, const Tensor* vs,
+              const Tensor& packed, double scale) {
+  STD_TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
+                      (q.scalar_type() == ScalarType::BFloat16 || q.scalar_type() == ScalarType::Float),
+                  "decode_attention: q must be a contiguous bfloat16 or float32 [B, heads, head_dim] tensor");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  STD_TORCH_CHECK(D % 16 == 0, "decode_attention: head_dim ", D, " is not a multiple of 16");
+  check_cache(kc, "k_cache", D);
+  check_cache(vc, "v_cache", D);
+  const int64_t NBLK = kc.size(0), BS = kc.size(1), HKV = kc.size(2);
+  STD_TORCH_CHECK(vc.size(0) == NBLK && vc.size(1) == BS && vc.size(2) == HKV && vc.scalar_type() == kc.scalar_type(),
+                  "decode_attention: k_cache and v_cache differ in shape or dtype");
+  STD_TORCH_CHECK(H % HKV == 0, "decode_attention: ", H, " query heads do not divide into ", HKV, " kv heads");
+  const ScalarType st = kc.scalar_type();
+  if (ks != nullptr) {
+    STD_TORCH_CHECK(st == ScalarType::Char, "decode_attention_int8: the cache must be int8");
+    for (const Tensor* s : {ks, vs})
+      STD_TORCH_CHECK(s->dim() == 3 && s->is_contiguous() && s->scalar_type() == ScalarType::Float &&
+                          s->size(0) == NBLK && s->size(1) == BS && s->size(2) == HKV,
+                      "decode_attention_int8: scales must be contiguous float32 [blocks, block_size, kv_heads]");
+  } else {
+    STD_TORCH_CHECK(st == ScalarType::BFloat16 || st == ScalarType::Float,
+                    "decode_attention: the cache must be bfloat16 or float32 (int8: decode_attention_int8)");
+  }
+  STD_TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == ScalarType::Long &&
+                      packed.size(0) == B && packed.size(1) > kDecodeCols,
+                  "decode_attention: packed must be the contiguous int64 [B, 4 + W] decode step input");
+  const int64_t cols = packed.size(1), W = cols - kDecodeCols, G = H / HKV;
+  const int64_t* pk = static_cast<const int64_t*>(packed.const_data_ptr());
+  const float* ksp = ks ? static_cast<const float*>(ks->const_data_ptr()) : nullptr;
+  const float* vsp = vs ? static_cast<const float*>(vs->const_data_ptr()) : nullptr;
+  const void* kp = kc.const_data_ptr();
+  const void* vp = vc.const_data_ptr();
+  const bool out_bf16 = q.scalar_type() == ScalarType::BFloat16;
+  const void* qp = q.const_data_ptr();
+  Tensor y = torch::stable::new_empty(q, {B, H, D});
+  void* yp = y.mutable_data_ptr();
+  const float fscale = static_cast<float>(scale);
+
+  torch::stable::parallel_for(0, B * HKV, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> qf(static_cast<size_t>(G * D)), acc(static_cast<size_t>(G * D)), row(static_cast<size_t>(D));
+    std::vector<float> probs;
+    for (int64_t task = t0; task < t1; ++task) {
+      const int64_t b = task / HKV, h = task % HKV;
+      const int64_t* in = pk + b * cols;
+      // A row past its table's capacity, or a padding row (length 0), attends to nothing.
+      const int64_t len = std::min<int64_t>(std::max<int64_t>(in[kContextCol], 0), W * BS);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at = (b * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d)
+          qf[g * D + d] = out_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(qp)[at + d])
+                                   : static_cast<const float*>(qp)[at + d];
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      probs.assign(static_cast<size_t>(G * len), 0.f);
+      std::vector<float> peak(static_cast<size_t>(G), -INFINITY);
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t blk = in[kDecodeCols + t / BS];
+        if (blk < 0 || blk >= NBLK) continue;  // the engine never sends one; never read outside the cache
+        const int64_t cell = (blk * BS + t % BS) * HKV + h;
+        row_f32(kp, st, cell * D, ksp ? ksp[cell] : 1.f, D, row.data());
+        for (int64_t g = 0; g < G; ++g) {
+          const float s = dot(qf.data() + g * D, row.data(), D) * fscale;
+          probs[g * len + t] = s;
+          peak[g] = std::max(peak[g], s);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* p = probs.data() + g * len;
+        const __m512 mx = _mm512_set1_ps(peak[g]);
+        __m512 sum = _mm512_setzero_ps();
+        int64_t t = 0;
+        for (; t + 16 <= len; t += 16) {
+          const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(p + t), mx));
+          _mm512_storeu_ps(p + t, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        if (t < len) {
+          const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
+          const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + t), mx)));
+          _mm512_mask_storeu_ps(p + t, m, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        const float inv = 1.f / _mm512_reduce_add_ps(sum);
+        for (int64_t i = 0; i < len; ++i) p[i] *= inv;
+      }
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t blk = in[kDecodeCols + t / BS];
+        if (blk < 0 || blk >= NBLK) continue;
+        const int64_t cell = (blk * BS + t % BS) * HKV + h;
+        row_f32(vp, st, cell * D, vsp ? vsp[cell] : 1.f, D, row.data());
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 pw = _mm512_set1_ps(probs[g * len + t]);
+          float* a = acc.data() + g * D;
+          for (int64_t d = 0; d < D; d += 16)
+            _mm512_storeu_ps(a + d, _mm512_fmadd_ps(pw, _mm512_loadu_ps(row.data() + d), _mm512_loadu_ps(a + d)));
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t at = (b * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          if (out_bf16)
+            static_cast<uint16_t*>(yp)[at + d] = f32_to_bf16(acc[g * D + d]);
+          else
+            static_cast<float*>(yp)[at + d] = acc[g * D + d];
+        }
+      }
+    }
+  });
+  return y;
+}
+
+#else
+
+Tensor attend(const Tensor&, const Tensor&, const Tensor&, const Tensor*, const Tensor*, const Tensor&, double) {
+  STD_TORCH_CHECK(false, "decode_attention: this CPU has no AVX512; the engine uses the torch path instead");
+  return Tensor();
+}
+
+#endif
+
+Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor packed, double scale) {
+  return attend(q, k_cache, v_cache, nullptr, nullptr, packed, scale);
+}
+
+Tensor decode_attention_int8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, Tensor packed,
+                             double scale) {
+  return attend(q, k_cache, v_cache, &k_scale, &v_scale, packed, scale);
+}
+
+}  // namespace
+}  // namespace glowplug
+
+STABLE_TORCH_LIBRARY_FRAGMENT(glowplug_native, m) {
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor packed, float scale) -> Tensor");
+  m.def("decode_attention_int8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, "
+        "Tensor packed, float scale) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(glowplug_native, CPU, m) {
+  m.impl("decode_attention", TORCH_BOX(&glowplug::decode_attention));
+  m.impl("decode_attention_int8", TORCH_BOX(&glowplug::decode_attention_int8));
+}

@@ -1,0 +1,73 @@
+"""The native decode attention op against its reference, the torch path of engine/attention.decode_attention."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from glowplug.engine.attention import CONTEXT, DECODE_COLS, POSITION, SLOT, decode_attention
+from glowplug.engine.kv_cache import KVCache
+from glowplug.kernels.native import attention_supported, load_native
+
+BLOCK, HEADS, KV_HEADS, HEAD_DIM, BLOCKS = 4, 9, 3, 64, 64
+CONTEXTS = [1, 4, 5, 17, 40]  # one token, a whole block, crossing blocks, ten blocks
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory: pytest.TempPathFactory) -> None:
+    build = load_native(tmp_path_factory.mktemp("native-cache"))
+    if not build.available or not attention_supported(HEAD_DIM):
+        pytest.skip(f"native decode attention unavailable here: {build.reason}")
+
+
+def _filled_cache(dtype: torch.dtype, int8: bool, g: torch.Generator) -> KVCache:
+    cache = KVCache(num_layers=1, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                    dtype=dtype, int8=int8)  # fmt: skip
+    slots = BLOCKS * BLOCK
+    cache[0].store(torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
+                   torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g).to(dtype), torch.arange(slots))  # fmt: skip
+    return cache
+
+
+def _packed(g: torch.Generator, width: int) -> torch.Tensor:
+    """One row per context length, each with its own shuffled blocks (block 0 left as the scratch block)."""
+    blocks = torch.randperm(BLOCKS - 1, generator=g) + 1
+    packed = torch.zeros(len(CONTEXTS), DECODE_COLS + width, dtype=torch.long)
+    for b, ctx in enumerate(CONTEXTS):
+        packed[b, CONTEXT], packed[b, POSITION] = ctx, ctx - 1
+        packed[b, DECODE_COLS:] = blocks[b * width:(b + 1) * width]
+        packed[b, SLOT] = packed[b, DECODE_COLS + (ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK
+    return packed
+
+
+@pytest.mark.parametrize(("dtype", "int8"), [(torch.float32, False), (torch.bfloat16, False),
+                                             (torch.bfloat16, True), (torch.float32, True)])  # fmt: skip
+def test_native_decode_attention_matches_torch_path(native: None, dtype: torch.dtype, int8: bool) -> None:
+    g = torch.Generator().manual_seed(7 + int8)
+    ref_cache = _filled_cache(dtype, int8, g)
+    got_cache = KVCache(num_layers=1, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=KV_HEADS,
+                        head_dim=HEAD_DIM, dtype=dtype, int8=int8)  # fmt: skip
+    for src, dst in zip(ref_cache.tensors(), got_cache.tensors()):
+        dst.copy_(src)
+    packed = _packed(g, width=11)
+    q = torch.randn(len(CONTEXTS), HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(len(CONTEXTS), KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(len(CONTEXTS), KV_HEADS, HEAD_DIM, generator=g).to(dtype)
+    want = decode_attention(q, k, v, ref_cache[0], packed, HEAD_DIM**-0.5)
+    got = decode_attention(q, k, v, got_cache[0], packed, HEAD_DIM**-0.5, native=True)
+    assert got.shape == want.shape and got.dtype == dtype
+    # fp32: summation order only; bf16: one rounding of the output
+    tol = 2e-6 if dtype == torch.float32 else 8e-3
+    assert float((got.float() - want.float()).abs().max()) < tol
+    # the new tokens were written exactly as the torch path writes them, and nothing else changed
+    assert all(torch.equal(a, b) for a, b in zip(ref_cache.tensors(), got_cache.tensors()))
+
+
+def test_native_decode_attention_rejects_a_bad_cache(native: None) -> None:
+    q = torch.randn(1, HEADS, HEAD_DIM)
+    packed = torch.tensor([[0, 0, 0, 1, 0]])
+    wrong = torch.zeros(4, BLOCK, KV_HEADS, 32)
+    with pytest.raises(RuntimeError, match="k_cache must be a contiguous"):
+        torch.ops.glowplug_native.decode_attention(q, wrong, wrong, packed, 0.125)
