@@ -8,7 +8,8 @@ the sources, the torch version, the compiler and the CPU's feature flags. A dama
 Ops (namespace `glowplug_native`; x [M, K] contiguous, y [M, N] in x's dtype):
   dense_blocked(x, wp, N)                 bf16 x and weights in the blocked layout of `pack_blocked`
   intn_blocked(x, wp, N, bits, gs)        bf16 x, int4/int2 weights (w = q * scale + min per group), blocked
-  int8_blocked(x, wp, N, gs)              bf16 x, int8 weights (per channel: gs = K), blocked
+  int8_blocked(x, wp, N, gs)              bf16 x taken to 16-bit fixed point per 32 inputs, int8 weights (per
+                                          channel: gs = K), blocked, VNNI
   dense_linear(x, w, small_m)             fp32 (or bf16 without AVX512-BF16) x and row-major weights; M > small_m
                                           goes to aten's GEMM
   w8a8_linear(x, q, wscale, wsum, inv)    per-token int8 activations, VNNI dot products
@@ -248,14 +249,10 @@ def pack_blocked(w: PackedWeight | Tensor) -> tuple[Tensor, int]:
                  _per_block(zeros - mid * scales, torch.float16)]  # fmt: skip
         return torch.cat(parts, dim=1).contiguous(), w.group_size
     if isinstance(w, Int8Weight):
-        u = (w.qweight.to(torch.int32) + 128).to(torch.int32)  # 0..255: two nibble planes per byte
-        # A chunk holds 4 codes of each row: word 2j + e = u(j, k0 + e) | u(j, k0 + 2 + e) << 8, so its four nibble
-        # planes are the pairs (k0, k0 + 1) low, high, then (k0 + 2, k0 + 3) low, high.
-        b = _blocks(u)
+        # A chunk holds 4 codes of each row: dword j = row j's codes at k0..k0 + 3 as unsigned bytes q + 128.
+        b = _blocks((w.qweight.to(torch.int32) + 128).to(torch.uint8))  # padding rows: code 0, scale 0
         nb, _, kk = b.shape
-        t = b.reshape(nb, BLOCK, kk // 4, 2, 2)  # [..., byte, e]: k = k0 + 2 * byte + e
-        words = (t[..., 0, :] | (t[..., 1, :] << 8)).permute(0, 2, 1, 3).contiguous()
-        codes = words.to(torch.int16).view(torch.uint8).reshape(nb, -1)
+        codes = b.reshape(nb, BLOCK, kk // 4, 4).permute(0, 2, 1, 3).contiguous().reshape(nb, -1)
         gs = k if w.group_size is None else w.group_size
         scales = w.scales.float().reshape(n, -1)
         return torch.cat([codes, _per_block(scales, torch.float32)], dim=1).contiguous(), gs
@@ -276,8 +273,8 @@ class NativeState:
 
 
 def blocked_supported() -> bool:
-    """The blocked kernels need AVX512-BF16 (the library is built for this CPU with -march=native)."""
-    return cpu_has_native_bf16()
+    """The blocked kernels need AVX512-BF16 and AVX512-VNNI (the library is built for this CPU with -march=native)."""
+    return cpu_has_native_bf16() and "avx512_vnni" in cpu_flags()
 
 
 def attention_supported(head_dim: int) -> bool:
@@ -299,6 +296,8 @@ def prepare_native(w: PackedWeight, activation_dtype: torch.dtype) -> NativeStat
     # fp32 activations are rounded to bf16 for these kernels, as the eager dispatcher's packed kernels do too.
     if activation_dtype not in (torch.bfloat16, torch.float32) or not blocked_supported() or k % 32:
         return None
+    if isinstance(w, Int8Weight) and w.group_size is not None and w.group_size % 32:
+        return None  # the int8 kernel scales activations per 32 inputs, inside each weight group
     packed, gs = pack_blocked(w)
     bits = 4 if isinstance(w, Int4Weight) else 2 if isinstance(w, Int2Weight) else 8
     kind = "int8" if bits == 8 else "intn"

@@ -101,8 +101,8 @@ def _unblock(t: Tensor, n: int) -> Tensor:
 def dequantize_blocked(wp: Tensor, n: int, k: int, bits: int, group_size: int) -> Tensor:
     """The fp32 [N, K] matrix in kernels.native.pack_blocked's layout (see blocked.cpp), decoded step by step from
     the layout's definition: bits 16 = dense bf16; 4/2: plane p of chunk word 2j + e is row j's code at
-    k0 + 2p + e, then per-group fp16 scales and mins (w = q * scale + min); 8: bytes (offset by 128) at k0 + e and
-    k0 + 2 + e, then per-group fp32 scales."""
+    k0 + 2p + e, then per-group fp16 scales and mins (w = q * scale + min); 8: dword j of a chunk is row j's bytes
+    (offset by 128) at k0..k0 + 3, then per-group fp32 scales."""
     nb = wp.shape[0]
     if bits == 16:
         w = wp.view(torch.bfloat16).reshape(nb, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(nb, 16, k)
@@ -123,13 +123,20 @@ def dequantize_blocked(wp: Tensor, n: int, k: int, bits: int, group_size: int) -
         return _unblock(codes * s + m, n)
     if bits == 8:
         code_bytes = k * 16
-        words = raw[:, :code_bytes].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
-        words = words.reshape(nb, k // 4, 16, 2)  # [NB, chunk, row j, e]
-        u = torch.stack([words & 0xFF, words >> 8], dim=3)  # [..., byte, e]: k = k0 + 2 * byte + e
-        q = u.permute(0, 2, 1, 3, 4).reshape(nb, 16, k).float() - 128
+        u = raw[:, :code_bytes].reshape(nb, k // 4, 16, 4)  # [NB, chunk, row j, i]: k = 4 * chunk + i
+        q = u.permute(0, 2, 1, 3).reshape(nb, 16, k).float() - 128
         scales = raw[:, code_bytes:].contiguous().view(torch.float32).reshape(nb, g, 16)
         return _unblock(q * scales.permute(0, 2, 1).repeat_interleave(group_size, dim=2), n)
     raise ValueError(f"no blocked layout with {bits} bits")
+
+
+def quantize_x16(x: Tensor, block: int = 32) -> Tensor:
+    """The activations the native int8 kernel multiplies, as fp32: per row and per `block` inputs, x rounded to
+    multiples of s = max|x| / 32639 (half to even), the 16-bit fixed point the kernel splits into two signed bytes."""
+    xf = x.float().reshape(x.shape[0], -1, block)
+    s = xf.abs().amax(-1, keepdim=True) / 32639
+    q = torch.where(s > 0, torch.round(xf / torch.where(s > 0, s, 1)), 0)
+    return (q * s).reshape(x.shape[0], -1)
 
 
 def native_linear(x: Tensor, kind: str, tensors: tuple[Tensor, ...], n: int, k: int, bits: int = 0,
@@ -141,8 +148,10 @@ def native_linear(x: Tensor, kind: str, tensors: tuple[Tensor, ...], n: int, k: 
         return xf @ tensors[0].float().t()
     if kind == "dense_blocked":
         return xf @ dequantize_blocked(tensors[0], n, k, 16, 0).t()
-    if kind in ("intn", "int8"):
-        return xf @ dequantize_blocked(tensors[0], n, k, 8 if kind == "int8" else bits, group_size).t()
+    if kind == "int8":
+        return quantize_x16(x) @ dequantize_blocked(tensors[0], n, k, 8, group_size).t()
+    if kind == "intn":
+        return xf @ dequantize_blocked(tensors[0], n, k, bits, group_size).t()
     if kind == "w8a8":
         q, wscale, _, inv = tensors
         smooth = None if inv.numel() == 0 else 1.0 / inv

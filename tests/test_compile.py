@@ -219,7 +219,10 @@ def test_quantized_and_int8_kv_compiled_match_eager(tiny_dir, cache: Path, field
     assert len(errors) >= 15
     # int4: the eager aten kernel keeps scales and zeros in bf16 (kernels/cpu.py), the native layout in fp16, so the
     # two differ by the eager side's coarser scale rounding, about 1-3% of the logits' range here.
-    tolerance = 0.05 if fields.get("quantization") == "int4" else 0.02
+    # int8: the native kernel multiplies 16-bit fixed-point activations (kernels/native/blocked.cpp), the eager one
+    # the bf16 values; on this random bf16 model that moved the worst step from 1.9% to 2.2% (mean 1.27% -> 1.34%),
+    # both mostly the bf16 roundings every layer repeats in a different order.
+    tolerance = {"int4": 0.05, "int8": 0.03}.get(fields.get("quantization", ""), 0.02)
     assert max(errors) < tolerance, errors
     assert sum(agree) / len(agree) >= 0.95, agree
 

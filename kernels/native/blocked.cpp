@@ -10,8 +10,8 @@
 //   scales  per group, the 16 rows' scales (fp16 for int4/int2, fp32 for int8), then for int4/int2 the 16 mins.
 // Codes become bf16 without a conversion: with the exponent of 128 OR-ed in, the bits (0x4300 | q) are exactly the
 // bf16 number 128 + q (q < 128), so the dot product is sum (128 + q) x = 128 * sum(x) + sum(q x), and the 128 * xsum
-// term is taken back with the group's activation sum. int8 codes (offset to 0..255) are split into two nibble planes,
-// low and high, with the high half scaled by 16.
+// term is taken back with the group's activation sum. int8 codes (offset to 0..255) are multiplied as bytes with
+// 16-bit fixed-point activations by VNNI instead (see the int8 section).
 //
 // Batches: a chunk's planes are decoded once and used for every activation row of the block (up to 8 at a time), so
 // the step's cost grows with the batch only by the multiply-adds, which is what keeps a batch-16 step near the
@@ -31,7 +31,7 @@ template <int DIST>
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + DIST, _MM_HINT_T0); }
 constexpr int kPackedAhead = 8192, kDenseAhead = 2048;
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 
 inline __m512i bcast_pair(const uint16_t* x) {  // (x[k], x[k+1]) in every 32-bit lane
   uint32_t v;
@@ -127,62 +127,99 @@ void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, co
 }
 
 // -------------------------------------------------------------------------------------------------------- int8
-// A block is [K / 4 chunks of 64 bytes][G x 16 fp32 scales]; word 2j + e of a chunk holds row j's codes (offset by
-// 128) at k0 + e (low byte) and k0 + 2 + e (high byte). Each byte is split into its low and high nibble planes:
-// sum (q + 128) x = sum lo x + 16 sum hi x, and with the 128-exponent trick on both, sum q x = dp_lo + 16 dp_hi -
-// 2304 sum x (2304 = 128 * 17 + 128).
-// One 64-byte chunk of an int8 block into accumulator `a` of every activation row (xr: row m0's codes' k0).
-template <int MB, int NA>
-__attribute__((always_inline)) inline void int8_chunk(const uint8_t* chunk, const uint16_t* xr, int64_t K, __m512i mask, __m512i expo,
-                       __m512 (&lo)[MB][NA], __m512 (&hi)[MB][NA], int a) {
-  prefetch<kPackedAhead>(chunk);
-  const __m512i v = _mm512_loadu_si512(chunk);
-  const __m512i p0 = _mm512_ternarylogic_epi32(v, mask, expo, 0xEA);
-  const __m512i p1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), mask, expo, 0xEA);
-  const __m512i p2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), mask, expo, 0xEA);
-  const __m512i p3 = _mm512_or_si512(_mm512_srli_epi16(v, 12), expo);
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
-    const __m512i x01 = bcast_pair(xr + m * K), x23 = bcast_pair(xr + m * K + 2);
-    lo[m][a] = dp(dp(lo[m][a], p0, x01), p2, x23);
-    hi[m][a] = dp(dp(hi[m][a], p1, x01), p3, x23);
-  }
+// A block is [K / 4 chunks of 64 bytes][G x 16 fp32 scales]; dword j of a chunk holds row j's codes at k0..k0 + 3 as
+// unsigned bytes u = q + 128. vpdpbusd multiplies those with 4 signed activation bytes broadcast to every lane, so a
+// chunk costs two multiply-adds and no decoding.
+//
+// The activations are taken to 16-bit fixed point first (`x16_digits`, reference kernels/reference.quantize_x16):
+// per row and per 32 inputs, xq = round(x / s) with s = max|x| / 32639, split into two signed bytes xq = 256 hi + lo.
+// Its error (at most s / 2, 2^-16 of the block's largest input) is far below the bf16 rounding the inputs already
+// carry (2^-9 of each value), and it is what takes the decoding off the critical path: the previous nibble-plane
+// kernel needed four bf16 dot products per chunk and ran compute-bound at ~16 GB/s per core with the weights in cache,
+// streaming a decode step's int8 weights at a third of the read probe. Per 32-input block the integer sum
+// sum u xq - 128 sum xq = sum q xq is exact in int32 (|.| < 2^28) and is scaled by s in fp32.
+constexpr int64_t kXBlock = 32;
+
+struct X16 {
+  std::vector<int8_t> hi, lo;  // [M, K]
+  std::vector<float> scale;    // [M, K / 32]
+  std::vector<int32_t> sum;    // [M, K / 32]: 128 * sum xq, the offset of the unsigned weight bytes
+};
+
+X16 x16_digits(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t KB = K / kXBlock;
+  X16 d{std::vector<int8_t>(static_cast<size_t>(M * K)), std::vector<int8_t>(static_cast<size_t>(M * K)),
+        std::vector<float>(static_cast<size_t>(M * KB)), std::vector<int32_t>(static_cast<size_t>(M * KB))};
+  const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < KB; ++b) {
+      const int64_t at = m * K + b * kXBlock;
+      const __m512 x0 = load_bf16x16(x + at), x1 = load_bf16x16(x + at + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const float s = amax / 32639.f;
+      d.scale[m * KB + b] = s;
+      if (s == 0.f) continue;  // all zero (the vectors start zeroed); NaN/inf inputs give NaN outputs via s
+      const __m512 sv = _mm512_set1_ps(s);
+      int32_t total = 0;
+      for (int h = 0; h < 2; ++h) {
+        const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(h ? x1 : x0, sv));  // round half to even
+        const __m512i t = _mm512_add_epi32(q, c128);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d.hi.data() + at + 16 * h), _mm512_cvtepi32_epi8(_mm512_srai_epi32(t, 8)));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d.lo.data() + at + 16 * h),
+                         _mm512_cvtepi32_epi8(_mm512_sub_epi32(_mm512_and_si512(t, c255), c128)));
+        total += _mm512_reduce_add_epi32(q);
+      }
+      d.sum[m * KB + b] = 128 * total;
+    }
+  return d;
+}
+
+inline __m512i bcast_quad(const int8_t* p) {  // (p[0..3]) in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
 }
 
 template <int MB, int NA>
-void int8_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, const float* xsum, int64_t m0,
-                int64_t nb, int64_t N, const OutWriter& out) {
-  const int64_t G = K / gs, chunks_per_group = gs / 4;
+void int8_block(const uint8_t* blk, int64_t K, int64_t gs, const X16& xd, int64_t m0, int64_t nb, int64_t N,
+                const OutWriter& out) {
+  const int64_t G = K / gs, KB = K / kXBlock, blocks_per_group = gs / kXBlock;
   const float* scales = reinterpret_cast<const float*>(blk + K * 16);
-  const __m512i mask = _mm512_set1_epi16(15);
-  const __m512i expo = _mm512_set1_epi16(0x4300);
   __m512 tot[MB];
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] = _mm512_setzero_ps();
   const uint8_t* chunk = blk;
   for (int64_t g = 0; g < G; ++g) {
-    __m512 lo[MB][NA], hi[MB][NA];
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) _Pragma("GCC unroll 4") for (int a = 0; a < NA; ++a)
-      lo[m][a] = hi[m][a] = _mm512_setzero_ps();
-    // NA chunks per iteration, chunk a into accumulator a: the accumulator index must be a compile-time constant,
-    // or the arrays live on the stack and every multiply-add waits on a store and a reload (Zen 5 forwards such
-    // stores fast enough to hide it; an Intel Xeon did not). Speed per shape: reports/kernels.md.
-    int64_t c = 0;
-    for (; c + NA <= chunks_per_group; c += NA, chunk += 64 * NA) {
-      _Pragma("GCC unroll 4") for (int a = 0; a < NA; ++a) int8_chunk<MB, NA>(chunk + 64 * a,
-          x + m0 * K + (g * chunks_per_group + c + a) * 4, K, mask, expo, lo, hi, a);
-    }
-    for (; c < chunks_per_group; ++c, chunk += 64)
-      int8_chunk<MB, NA>(chunk, x + m0 * K + (g * chunks_per_group + c) * 4, K, mask, expo, lo, hi, 0);
-    const __m512 s = _mm512_loadu_ps(scales + g * 16);
-    const __m512 adj = _mm512_mul_ps(_mm512_set1_ps(-2304.f), s);
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
-      __m512 l = lo[m][0], h = hi[m][0];
-      _Pragma("GCC unroll 4") for (int i = 1; i < NA; ++i) {
-        l = _mm512_add_ps(l, lo[m][i]);
-        h = _mm512_add_ps(h, hi[m][i]);
+    __m512 gacc[MB];
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) gacc[m] = _mm512_setzero_ps();
+    for (int64_t bb = 0; bb < blocks_per_group; ++bb) {
+      const int64_t b = g * blocks_per_group + bb, k0 = b * kXBlock;
+      __m512i hi[MB][NA], lo[MB][NA];
+      _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) _Pragma("GCC unroll 4") for (int a = 0; a < NA; ++a)
+        hi[m][a] = lo[m][a] = _mm512_setzero_si512();
+      // 8 chunks of 4 inputs; chunk c into accumulator c % NA (a compile-time index once unrolled: an accumulator
+      // array indexed at run time lives on the stack, and an Intel Xeon stalled on its store-reload).
+      _Pragma("GCC unroll 8") for (int c = 0; c < kXBlock / 4; ++c, chunk += 64) {
+        prefetch<kPackedAhead>(chunk);
+        const __m512i v = _mm512_loadu_si512(chunk);
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+          const int64_t at = (m0 + m) * K + k0 + 4 * c;
+          hi[m][c % NA] = _mm512_dpbusd_epi32(hi[m][c % NA], v, bcast_quad(xd.hi.data() + at));
+          lo[m][c % NA] = _mm512_dpbusd_epi32(lo[m][c % NA], v, bcast_quad(xd.lo.data() + at));
+        }
       }
-      tot[m] = _mm512_fmadd_ps(_mm512_fmadd_ps(h, _mm512_set1_ps(16.f), l), s, tot[m]);
-      tot[m] = _mm512_fmadd_ps(adj, _mm512_set1_ps(xsum[(m0 + m) * G + g]), tot[m]);
+      _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+        __m512i h = hi[m][0], l = lo[m][0];
+        _Pragma("GCC unroll 4") for (int a = 1; a < NA; ++a) {
+          h = _mm512_add_epi32(h, hi[m][a]);
+          l = _mm512_add_epi32(l, lo[m][a]);
+        }
+        const int64_t xb = (m0 + m) * KB + b;
+        const __m512i exact = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(h, 8), l), _mm512_set1_epi32(xd.sum[xb]));
+        gacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(xd.scale[xb]), gacc[m]);
+      }
     }
+    const __m512 s = _mm512_loadu_ps(scales + g * 16);
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] = _mm512_fmadd_ps(gacc[m], s, tot[m]);
   }
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, tot[m]);
 }
@@ -279,25 +316,23 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
 
 Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
   const int64_t K = x.size(1), M = x.size(0);
-  STD_TORCH_CHECK(group_size % 4 == 0 && K % group_size == 0, "int8_blocked: group_size ", group_size,
-                  " must divide K=", K, " and be a multiple of 4");
+  STD_TORCH_CHECK(group_size % kXBlock == 0 && K % group_size == 0, "int8_blocked: group_size ", group_size,
+                  " must divide K=", K, " and be a multiple of ", kXBlock);
   const int64_t block_bytes = K * 16 + (K / group_size) * 64;
   check_blocked(x, wp, N, K, block_bytes, "int8_blocked");
   Tensor y = torch::stable::new_empty(x, {M, N});
   OutWriter out{y.mutable_data_ptr(), true, N};
   const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
-  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
-  const std::vector<float> xs = group_sums(xp, M, K, group_size);
-  const float* xsum = xs.data();
+  const X16 xd = x16_digits(static_cast<const uint16_t*>(x.const_data_ptr()), M, K);
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
-#define CALL(MB_, NA_) int8_block<MB_, NA_>(w + nb * block_bytes, K, group_size, xp, xsum, m0, nb, N, out)
+#define CALL(MB_, NA_) int8_block<MB_, NA_>(w + nb * block_bytes, K, group_size, xd, m0, nb, N, out)
     GLOWPLUG_MB_SWITCH(mb, CALL)
 #undef CALL
   });
   return y;
 }
 
-#else  // no AVX512-BF16: the Python side never enables these (kernels.native.blocked_supported)
+#else  // no AVX512-BF16 / VNNI: the Python side never enables these (kernels.native.blocked_supported)
 
 Tensor unsupported(const char* op) {
   STD_TORCH_CHECK(false, op, ": this CPU has no AVX512-BF16; the engine uses the stock kernels instead");

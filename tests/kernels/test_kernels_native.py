@@ -108,3 +108,23 @@ def test_a_damaged_library_is_rebuilt(tmp_path: Path) -> None:
     available, hit, _ = run()
     assert available == "True" and hit == "False"
     assert run()[:2] == ["True", "True"]
+
+
+@needs_bf16
+def test_int8_fixed_point_activations_stay_below_bf16_rounding(native: Path) -> None:
+    """The int8 kernel multiplies 16-bit fixed-point activations (per 32 inputs): with an outlier 1000x the rest in
+    every block, the result still matches the exact product of the bf16 inputs to bf16 output rounding, and matches
+    its oracle (`reference.quantize_x16`) closer still."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 576, 1536
+    packed = formats.quantize(torch.randn(n, k, generator=g) * 0.05, "int8")
+    st = prepare_native(packed, torch.bfloat16)
+    assert st is not None
+    x = torch.randn(4, k, generator=g) * 0.05
+    x[:, ::32] = 50.0
+    x = x.bfloat16()
+    got = native_linear(x, st).float()
+    exact = x.float() @ reference.dequantize(packed).t()
+    assert _rel_err(got, exact) < 8e-3
+    oracle = reference.native_linear(x, st.kind, st.tensors, n, k, st.bits, st.group_size)
+    assert float((got - oracle).abs().max()) <= float(oracle.abs().max()) * 2**-8
