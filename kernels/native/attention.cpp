@@ -53,15 +53,151 @@ inline void row_f32(const void* base, ScalarType st, int64_t offset, float scale
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t D) {
+inline __m512 dot_lanes(const float* a, const float* b, int64_t D) {  // 16 partial sums of a . b
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-  return _mm512_reduce_add_ps(acc);
+  return acc;
+}
+
+// Element i of the result = the sum of v[i]'s 16 lanes: 16 horizontal sums in 45 shuffles and adds, where one
+// reduce_add each took ~10 dependent steps (the scores' pass was most of the op's time).
+inline __m512 hsum16(__m512 (&v)[16]) {
+  __m512 w[8], u[4], z[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: that lane's sums of v[4i..4i+3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // lanes pairwise: [u0 (L0+L1), u0 (L2+L3), u1 (L0+L1), u1 (L2+L3)]
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
 
 void check_cache(const Tensor& c, const char* what, int64_t D) {
   STD_TORCH_CHECK(c.dim() == 4 && c.is_contiguous() && c.size(3) == D, "decode_attention: ", what,
                   " must be a contiguous [blocks, block_size, kv_heads, ", D, "] tensor");
+}
+
+// Everything one (sequence, kv head) task reads, fixed for the call.
+struct Job {
+  const int64_t* pk;
+  int64_t cols, W, B, H, D, G, HKV, NBLK, BS;
+  const void *qp, *kp, *vp;
+  const float *ksp, *vsp;
+  ScalarType st;
+  bool out_bf16;
+  float fscale;
+  void* yp;
+};
+
+// Tasks [t0, t1) of a call. DC = head_dim / 16 when it is 4 or 8 (64 and 128, compile-time so the row loops
+// unroll: with a run-time head_dim the loop control was a fifth of the op's time), else 0 (any multiple of 16).
+template <int DC>
+void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
+  const int64_t D = DC > 0 ? DC * 16 : j.D;
+  const int64_t G = j.G, HKV = j.HKV, H = j.H, W = j.W, BS = j.BS, NBLK = j.NBLK, cols = j.cols;
+  const int64_t* pk = j.pk;
+  const void *qp = j.qp, *kp = j.kp, *vp = j.vp;
+  const float *ksp = j.ksp, *vsp = j.vsp;
+  const ScalarType st = j.st;
+  const bool out_bf16 = j.out_bf16;
+  const float fscale = j.fscale;
+  void* yp = j.yp;
+  std::vector<float> qf(static_cast<size_t>(G * D)), acc(static_cast<size_t>(G * D));
+  std::vector<float> probs, keys(static_cast<size_t>(16 * D));
+  std::vector<int64_t> cells;
+  for (int64_t task = t0; task < t1; ++task) {
+    const int64_t b = task / HKV, h = task % HKV;
+    const int64_t* in = pk + b * cols;
+    // A row past its table's capacity, or a padding row (length 0), attends to nothing.
+    const int64_t len = std::min<int64_t>(std::max<int64_t>(in[kContextCol], 0), W * BS);
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t at = (b * H + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d)
+        qf[g * D + d] = out_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(qp)[at + d])
+                                 : static_cast<const float*>(qp)[at + d];
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    probs.assign(static_cast<size_t>(G * len), 0.f);
+    // Each position's (token, head) cell in the cache, or -1 for a block the engine never sends (never read
+    // outside the cache). Walked block by block: a 64-bit division per position cost more than its dot products.
+    cells.resize(static_cast<size_t>(len));
+    for (int64_t j = 0, t = 0; t < len; ++j) {
+      const int64_t blk = in[kDecodeCols + j];
+      const bool ok = blk >= 0 && blk < NBLK;
+      for (int64_t o = 0; o < BS && t < len; ++o, ++t) cells[t] = ok ? (blk * BS + o) * HKV + h : -1;
+    }
+    // Scores, 16 keys at a time: the tile's keys as fp32 rows, then per query head 16 dot products at once.
+    const __m512 vscale = _mm512_set1_ps(fscale);
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - t0);
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t cell = i < n ? cells[t0 + i] : -1;
+        if (cell < 0) {  // past the tile's end, or a block the engine never sends: never read it
+          std::fill_n(keys.data() + i * D, D, 0.f);
+          continue;
+        }
+        row_f32(kp, st, cell * D, ksp ? ksp[cell] : 1.f, D, keys.data() + i * D);
+      }
+      const __mmask16 live = n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 parts[16];
+        for (int i = 0; i < 16; ++i) parts[i] = dot_lanes(qf.data() + g * D, keys.data() + i * D, D);
+        // dot then scale, as the torch path does (sum first, then * scale)
+        _mm512_mask_storeu_ps(probs.data() + g * len + t0, live, _mm512_mul_ps(hsum16(parts), vscale));
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* p = probs.data() + g * len;
+      float top = -INFINITY;
+      for (int64_t i = 0; i < len; ++i) top = std::max(top, p[i]);
+      const __m512 mx = _mm512_set1_ps(top);
+      __m512 sum = _mm512_setzero_ps();
+      int64_t t = 0;
+      for (; t + 16 <= len; t += 16) {
+        const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(p + t), mx));
+        _mm512_storeu_ps(p + t, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      if (t < len) {
+        const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + t), mx)));
+        _mm512_mask_storeu_ps(p + t, m, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      const float inv = 1.f / _mm512_reduce_add_ps(sum);
+      for (int64_t i = 0; i < len; ++i) p[i] *= inv;
+    }
+    // Weighted values, 16 at a time: the tile's rows as fp32, then each accumulator chunk read and written once
+    // per tile (updating it in memory per value stalled on store forwarding).
+    for (int64_t t0 = 0; t0 < len; t0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - t0);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t cell = cells[t0 + i];
+        if (cell < 0)
+          std::fill_n(keys.data() + i * D, D, 0.f);
+        else
+          row_f32(vp, st, cell * D, vsp ? vsp[cell] : 1.f, D, keys.data() + i * D);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float* pg = probs.data() + g * len + t0;
+        for (int64_t d = 0; d < D; d += 16) {
+          __m512 a = _mm512_loadu_ps(acc.data() + g * D + d);
+          for (int64_t i = 0; i < n; ++i)
+            a = _mm512_fmadd_ps(_mm512_set1_ps(pg[i]), _mm512_loadu_ps(keys.data() + i * D + d), a);
+          _mm512_storeu_ps(acc.data() + g * D + d, a);
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t at = (b * H + h * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) {
+        if (out_bf16)
+          static_cast<uint16_t*>(yp)[at + d] = f32_to_bf16(acc[g * D + d]);
+        else
+          static_cast<float*>(yp)[at + d] = acc[g * D + d];
+      }
+    }
+  }
 }
 
 Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor* ks, const Tensor* vs,
@@ -95,83 +231,16 @@ Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor*
   const int64_t* pk = static_cast<const int64_t*>(packed.const_data_ptr());
   const float* ksp = ks ? static_cast<const float*>(ks->const_data_ptr()) : nullptr;
   const float* vsp = vs ? static_cast<const float*>(vs->const_data_ptr()) : nullptr;
-  const void* kp = kc.const_data_ptr();
-  const void* vp = vc.const_data_ptr();
-  const bool out_bf16 = q.scalar_type() == ScalarType::BFloat16;
-  const void* qp = q.const_data_ptr();
   Tensor y = torch::stable::new_empty(q, {B, H, D});
-  void* yp = y.mutable_data_ptr();
-  const float fscale = static_cast<float>(scale);
-
+  const Job job{pk, cols, W, B, H, D, G, HKV, NBLK, BS, q.const_data_ptr(), kc.const_data_ptr(), vc.const_data_ptr(),
+                ksp, vsp, st, q.scalar_type() == ScalarType::BFloat16, static_cast<float>(scale), y.mutable_data_ptr()};
   torch::stable::parallel_for(0, B * HKV, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(static_cast<size_t>(G * D)), acc(static_cast<size_t>(G * D)), row(static_cast<size_t>(D));
-    std::vector<float> probs;
-    for (int64_t task = t0; task < t1; ++task) {
-      const int64_t b = task / HKV, h = task % HKV;
-      const int64_t* in = pk + b * cols;
-      // A row past its table's capacity, or a padding row (length 0), attends to nothing.
-      const int64_t len = std::min<int64_t>(std::max<int64_t>(in[kContextCol], 0), W * BS);
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t at = (b * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = out_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(qp)[at + d])
-                                   : static_cast<const float*>(qp)[at + d];
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      probs.assign(static_cast<size_t>(G * len), 0.f);
-      std::vector<float> peak(static_cast<size_t>(G), -INFINITY);
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t blk = in[kDecodeCols + t / BS];
-        if (blk < 0 || blk >= NBLK) continue;  // the engine never sends one; never read outside the cache
-        const int64_t cell = (blk * BS + t % BS) * HKV + h;
-        row_f32(kp, st, cell * D, ksp ? ksp[cell] : 1.f, D, row.data());
-        for (int64_t g = 0; g < G; ++g) {
-          const float s = dot(qf.data() + g * D, row.data(), D) * fscale;
-          probs[g * len + t] = s;
-          peak[g] = std::max(peak[g], s);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        float* p = probs.data() + g * len;
-        const __m512 mx = _mm512_set1_ps(peak[g]);
-        __m512 sum = _mm512_setzero_ps();
-        int64_t t = 0;
-        for (; t + 16 <= len; t += 16) {
-          const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(p + t), mx));
-          _mm512_storeu_ps(p + t, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        if (t < len) {
-          const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
-          const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p + t), mx)));
-          _mm512_mask_storeu_ps(p + t, m, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        const float inv = 1.f / _mm512_reduce_add_ps(sum);
-        for (int64_t i = 0; i < len; ++i) p[i] *= inv;
-      }
-      for (int64_t t = 0; t < len; ++t) {
-        const int64_t blk = in[kDecodeCols + t / BS];
-        if (blk < 0 || blk >= NBLK) continue;
-        const int64_t cell = (blk * BS + t % BS) * HKV + h;
-        row_f32(vp, st, cell * D, vsp ? vsp[cell] : 1.f, D, row.data());
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512 pw = _mm512_set1_ps(probs[g * len + t]);
-          float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; d += 16)
-            _mm512_storeu_ps(a + d, _mm512_fmadd_ps(pw, _mm512_loadu_ps(row.data() + d), _mm512_loadu_ps(a + d)));
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t at = (b * H + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          if (out_bf16)
-            static_cast<uint16_t*>(yp)[at + d] = f32_to_bf16(acc[g * D + d]);
-          else
-            static_cast<float*>(yp)[at + d] = acc[g * D + d];
-        }
-      }
-    }
+    if (D == 64)
+      attend_tasks<4>(job, t0, t1);
+    else if (D == 128)
+      attend_tasks<8>(job, t0, t1);
+    else
+      attend_tasks<0>(job, t0, t1);
   });
   return y;
 }
