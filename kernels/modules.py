@@ -263,7 +263,7 @@ def enable_native_decode(model: nn.Module, small_m: int, activation_dtype: torch
             dense += got > 0
         elif hasattr(mod, "native_small_m"):
             # The tied head: in bf16 a blocked copy of the shared embedding (+57 MB for SmolLM2), because the
-            # row-major kernel streamed it 25% slower (2.85 vs 2.14 ms per batch-1 step, measured in one run).
+            # row-major kernel streamed it slower than the blocked one in a side-by-side run of a step's GEMVs.
             got = enable_dense_native(mod, getattr(mod, "_embedding").weight, small_m)
             dense += got > 0
         nbytes += got

@@ -3,9 +3,9 @@
 //
 // Why native: the same computation as plain tensor ops (engine/attention.py, `decode_attention`'s torch path, which
 // is this op's reference) compiles into one Inductor kernel with a dozen parallel loops over a dynamic batch and
-// width; at batch 1 its fork/join barriers, not its arithmetic, took ~30-40 us per layer on 2 cores. Here one
-// parallel region splits the (sequence, kv head) pairs, and each pair runs its G = heads / kv_heads queries in one
-// pass over its keys and one over its values.
+// width, and at batch 1 its fork/join barriers, not its arithmetic, were most of its time. Here one parallel region
+// splits the (sequence, kv head) pairs, and each pair runs its G = heads / kv_heads queries in one pass over its keys
+// and one over its values. The decode step it is part of: reports/decode-quantized.md and reports/decode-kv.md.
 //
 // The cache write stays a torch scatter before this op (the graph's in-place update of the cache input), so this op
 // only reads. The packed step input is engine/attention.py's: [B, 4 + W] int64 with the context length in column 3
@@ -59,8 +59,8 @@ inline __m512 dot_lanes(const float* a, const float* b, int64_t D) {  // 16 part
   return acc;
 }
 
-// Element i of the result = the sum of v[i]'s 16 lanes: 16 horizontal sums in 45 shuffles and adds, where one
-// reduce_add each took ~10 dependent steps (the scores' pass was most of the op's time).
+// Element i of the result = the sum of v[i]'s 16 lanes: 16 horizontal sums in 45 shuffles and adds, where a
+// reduce_add per sum is about 10 dependent steps each.
 inline __m512 hsum16(__m512 (&v)[16]) {
   __m512 w[8], u[4], z[2];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
@@ -90,7 +90,7 @@ struct Job {
 };
 
 // Tasks [t0, t1) of a call. DC = head_dim / 16 when it is 4 or 8 (64 and 128, compile-time so the row loops
-// unroll: with a run-time head_dim the loop control was a fifth of the op's time), else 0 (any multiple of 16).
+// unroll: with a run-time head_dim their loop control led the op's profile), else 0 (any multiple of 16).
 template <int DC>
 void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
   const int64_t D = DC > 0 ? DC * 16 : j.D;
@@ -119,7 +119,7 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
     std::fill(acc.begin(), acc.end(), 0.f);
     probs.assign(static_cast<size_t>(G * len), 0.f);
     // Each position's (token, head) cell in the cache, or -1 for a block the engine never sends (never read
-    // outside the cache). Walked block by block: a 64-bit division per position cost more than its dot products.
+    // outside the cache), walked block by block once so both passes index a flat list.
     cells.resize(static_cast<size_t>(len));
     for (int64_t j = 0, t = 0; t < len; ++j) {
       const int64_t blk = in[kDecodeCols + j];

@@ -24,9 +24,9 @@ namespace {
 // Software prefetch, this many bytes ahead in the weight stream. The packed formats do several operations per cache
 // line, and at that pace the hardware prefetcher fell behind: the int4 kernel stalled on its weight loads (8.6 GB/s
 // single-threaded without prefetch, 15.7 at 4 KiB ahead; two threads 15 -> 26 GB/s). Distances measured on the
-// 2-core EPYC: 3-6 KiB for the packed formats, 2 KiB for dense bf16. On the 2-core Intel Xeon (a whole decode step's
-// GEMVs, distinct weights, batch 1) int4 took 5.85 / 5.10 / 4.76 / 4.93 ms at 2 / 4 / 8 / 16 KiB ahead and dense
-// bf16 did not move; 8 KiB suits both machines' packed kernels.
+// 2-core EPYC: 3-6 KiB for the packed formats, 2 KiB for dense bf16. On the 2-core Intel Xeon a sweep over a whole
+// decode step's GEMVs (distinct weights, batch 1; 2, 4, 8 and 16 KiB ahead) was fastest at 8 KiB for int4 and flat
+// for dense bf16, so the packed formats use 8 KiB. Per-shape speeds: reports/kernels.md.
 template <int DIST>
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + DIST, _MM_HINT_T0); }
 constexpr int kPackedAhead = 8192, kDenseAhead = 2048;
@@ -135,9 +135,9 @@ void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, co
 // per row and per 32 inputs, xq = round(x / s) with s = max|x| / 32639, split into two signed bytes xq = 256 hi + lo.
 // Its error (at most s / 2, 2^-16 of the block's largest input) is far below the bf16 rounding the inputs already
 // carry (2^-9 of each value), and it is what takes the decoding off the critical path: the previous nibble-plane
-// kernel needed four bf16 dot products per chunk and ran compute-bound at ~16 GB/s per core with the weights in cache,
-// streaming a decode step's int8 weights at a third of the read probe. Per 32-input block the integer sum
-// sum u xq - 128 sum xq = sum q xq is exact in int32 (|.| < 2^28) and is scaled by s in fp32.
+// kernel split each chunk into four planes for four bf16 dot products, and that arithmetic, not the weight stream,
+// bounded it (speeds per shape: reports/kernels.md; the decode step: reports/decode-quantized.md). Per 32-input block
+// the integer sum u xq - 128 sum xq = sum q xq is exact in int32 (|.| < 2^28) and is scaled by s in fp32.
 constexpr int64_t kXBlock = 32;
 
 struct X16 {
