@@ -53,6 +53,19 @@ inline void row_f32(const void* base, ScalarType st, int64_t offset, float scale
   }
 }
 
+// Rows t0..t0 + 15 of a cache tensor (k or v, with its scales for int8) as fp32 into tile [16, D]; a row past the
+// context's end, or in a block the engine never sends (cell -1), is zeros and is never read from the cache.
+inline void load_tile(const void* base, const float* scales, ScalarType st, const int64_t* cells, int64_t t0,
+                      int64_t n, int64_t D, float* tile) {
+  for (int64_t i = 0; i < 16; ++i) {
+    const int64_t cell = i < n ? cells[t0 + i] : -1;
+    if (cell < 0)
+      std::fill_n(tile + i * D, D, 0.f);
+    else
+      row_f32(base, st, cell * D, scales ? scales[cell] : 1.f, D, tile + i * D);
+  }
+}
+
 inline __m512 dot_lanes(const float* a, const float* b, int64_t D) {  // 16 partial sums of a . b
   __m512 acc = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
@@ -103,7 +116,7 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
   const float fscale = j.fscale;
   void* yp = j.yp;
   std::vector<float> qf(static_cast<size_t>(G * D)), acc(static_cast<size_t>(G * D));
-  std::vector<float> probs, keys(static_cast<size_t>(16 * D));
+  std::vector<float> probs, tile(static_cast<size_t>(16 * D));
   std::vector<int64_t> cells;
   for (int64_t task = t0; task < t1; ++task) {
     const int64_t b = task / HKV, h = task % HKV;
@@ -117,7 +130,7 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
                                  : static_cast<const float*>(qp)[at + d];
     }
     std::fill(acc.begin(), acc.end(), 0.f);
-    probs.assign(static_cast<size_t>(G * len), 0.f);
+    probs.resize(static_cast<size_t>(G * len));  // every entry is written below
     // Each position's (token, head) cell in the cache, or -1 for a block the engine never sends (never read
     // outside the cache), walked block by block once so both passes index a flat list.
     cells.resize(static_cast<size_t>(len));
@@ -130,18 +143,11 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
     const __m512 vscale = _mm512_set1_ps(fscale);
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - t0);
-      for (int64_t i = 0; i < 16; ++i) {
-        const int64_t cell = i < n ? cells[t0 + i] : -1;
-        if (cell < 0) {  // past the tile's end, or a block the engine never sends: never read it
-          std::fill_n(keys.data() + i * D, D, 0.f);
-          continue;
-        }
-        row_f32(kp, st, cell * D, ksp ? ksp[cell] : 1.f, D, keys.data() + i * D);
-      }
+      load_tile(kp, ksp, st, cells.data(), t0, n, D, tile.data());
       const __mmask16 live = n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1);
       for (int64_t g = 0; g < G; ++g) {
         __m512 parts[16];
-        for (int i = 0; i < 16; ++i) parts[i] = dot_lanes(qf.data() + g * D, keys.data() + i * D, D);
+        for (int i = 0; i < 16; ++i) parts[i] = dot_lanes(qf.data() + g * D, tile.data() + i * D, D);
         // dot then scale, as the torch path does (sum first, then * scale)
         _mm512_mask_storeu_ps(probs.data() + g * len + t0, live, _mm512_mul_ps(hsum16(parts), vscale));
       }
@@ -171,19 +177,13 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
     // per tile (updating it in memory per value stalled on store forwarding).
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - t0);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t cell = cells[t0 + i];
-        if (cell < 0)
-          std::fill_n(keys.data() + i * D, D, 0.f);
-        else
-          row_f32(vp, st, cell * D, vsp ? vsp[cell] : 1.f, D, keys.data() + i * D);
-      }
+      load_tile(vp, vsp, st, cells.data(), t0, n, D, tile.data());
       for (int64_t g = 0; g < G; ++g) {
         const float* pg = probs.data() + g * len + t0;
         for (int64_t d = 0; d < D; d += 16) {
           __m512 a = _mm512_loadu_ps(acc.data() + g * D + d);
           for (int64_t i = 0; i < n; ++i)
-            a = _mm512_fmadd_ps(_mm512_set1_ps(pg[i]), _mm512_loadu_ps(keys.data() + i * D + d), a);
+            a = _mm512_fmadd_ps(_mm512_set1_ps(pg[i]), _mm512_loadu_ps(tile.data() + i * D + d), a);
           _mm512_storeu_ps(acc.data() + g * D + d, a);
         }
       }
