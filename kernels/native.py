@@ -16,7 +16,8 @@ Ops (namespace `glowplug_native`; x [M, K] contiguous, y [M, N] in x's dtype):
   decode_attention(q, k_cache, v_cache, packed, scale)
   decode_attention_int8(q, k_cache, v_cache, k_scale, v_scale, packed, scale)
                                           one decode token per sequence over the paged cache (attention.cpp)
-The blocked ones (blocked.cpp) need AVX512-BF16, the attention ones AVX512F. Each linear op has a pure-torch
+The blocked ones (blocked.cpp) need AVX512-BF16, the attention ones AVX512F. On a CPU with AMX the blocked ones
+run batches of several rows on AMX tiles (amx.h; the library asks Linux for the tile state at first use). Each linear op has a pure-torch
 reference in kernels/reference.py (`native_linear`), which tests/kernels compare against; the attention ops' reference
 is the torch path of engine/attention.decode_attention.
 """
@@ -41,7 +42,7 @@ from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weigh
 NAMESPACE = "glowplug_native"
 LIBRARY = "glowplug_native.so"
 SOURCES: tuple[str, ...] = ("linear.cpp", "blocked.cpp", "attention.cpp")
-HEADERS: tuple[str, ...] = ("common.h",)
+HEADERS: tuple[str, ...] = ("common.h", "amx.h")
 _SOURCE_DIR = Path(__file__).parent / "native"
 
 

@@ -14,9 +14,12 @@
 // 16-bit fixed-point activations by VNNI instead (see the int8 section).
 //
 // Batches: a chunk's planes are decoded once and used for every activation row of the block (up to 8 at a time), so
-// the step's cost grows with the batch only by the multiply-adds, which is what keeps a batch-16 step near the
-// batch-1 one.
+// the cost grows with the batch only by the multiply-adds. Those grow one instruction per row, and from a few rows on
+// (amx::kMinRows*) the AMX tile kernels of amx.h take over, where one instruction covers 16 rows.
+#include "amx.h"
 #include "common.h"
+
+#include <type_traits>
 
 namespace glowplug {
 namespace {
@@ -257,6 +260,20 @@ void check_blocked(const Tensor& x, const Tensor& wp, int64_t N, int64_t K, int6
                   op, ": the packed weight does not match N=", N, ", K=", K, "; pack it with kernels.native.pack_blocked");
 }
 
+#ifdef GLOWPLUG_AMX
+// Batches of min_rows rows or more go to the AMX tile kernels (amx.h) where the OS grants the tile state.
+bool use_amx(int64_t M, int64_t K, int64_t min_rows) { return M >= min_rows && K % 32 == 0 && amx::available(); }
+
+// x with its rows padded by zeros to amx::padded_rows(M): tiles read whole 16-row tiles. Empty when no padding.
+std::vector<uint16_t> padded_x(const uint16_t* x, int64_t M, int64_t K) {
+  const int64_t Mp = amx::padded_rows(M);
+  if (Mp == M) return {};
+  std::vector<uint16_t> out(static_cast<size_t>(Mp * K), 0);
+  std::memcpy(out.data(), x, static_cast<size_t>(M * K) * 2);
+  return out;
+}
+#endif
+
 #define GLOWPLUG_MB_SWITCH(mb, CALL)                                                                       \
   switch (mb) {                                                                                            \
     case 1: CALL(1, 4); break;                                                                             \
@@ -277,6 +294,19 @@ Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
   OutWriter out{y.mutable_data_ptr(), true, N};
   const uint16_t* w = static_cast<const uint16_t*>(wp.const_data_ptr());
   const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+#ifdef GLOWPLUG_AMX
+  if (use_amx(M, K, amx::kMinRowsDense)) {
+    const std::vector<uint16_t> xpad = padded_x(xp, M, K);
+    const uint16_t* xa = xpad.empty() ? xp : xpad.data();
+    amx::for_blocks(M, (N + 15) / 16, 64, [&](int64_t nb) {
+      const auto st = [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); };
+      amx::for_rows(M, [&](int64_t m0, int valid) {
+        amx::dense_block<kDenseAhead>(w + nb * K * 16, K, xa, m0, valid, st);
+      });
+    });
+    return y;
+  }
+#endif
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
 #define CALL(MB_, NA_) dense_block<MB_>(w + nb * K * 16, K, xp, m0, nb, N, out)
     GLOWPLUG_MB_SWITCH(mb, CALL)
@@ -297,6 +327,36 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
   OutWriter out{y.mutable_data_ptr(), true, N};
   const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
   const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+#ifdef GLOWPLUG_AMX
+  if (use_amx(M, K, amx::kMinRowsIntN) && group_size % 32 == 0) {
+    const std::vector<uint16_t> xpad = padded_x(xp, M, K);
+    const uint16_t* xa = xpad.empty() ? xp : xpad.data();
+    const std::vector<float> xs = group_sums(xa, amx::padded_rows(M), K, group_size);
+    const int64_t G = K / group_size;
+    amx::for_blocks(M, (N + 15) / 16, 64, [&](int64_t nb) {
+      thread_local std::vector<uint16_t> scratch;  // the decoded block, reused across blocks and calls
+      if (scratch.size() < static_cast<size_t>(K * 16)) scratch.resize(static_cast<size_t>(K * 16));
+      const uint8_t* blk = w + nb * block_bytes;
+      const auto st = [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); };
+      const auto run = [&](auto bits_c) {
+        constexpr int B = decltype(bits_c)::value;
+        const auto decode = [&](int64_t t) { amx::intn_decode<B, kPackedAhead>(blk, t, scratch.data()); };
+        const auto scale = [&](int64_t g, __m512& s, __m512& adj) { amx::intn_scale<B>(blk, K, G, g, s, adj); };
+        // one 16-row tile: decode as it goes; more: decode the block once, then every tile reads it
+        if (M > 16)
+          for (int64_t t = 0; t < K / 32; ++t) decode(t);
+        amx::for_rows(M, [&](int64_t m0, int valid) {
+          amx::grouped_multiply(K, G, scratch.data(), decode, M > 16, xa, xs.data(), m0, valid, scale, st);
+        });
+      };
+      if (bits == 4)
+        run(std::integral_constant<int, 4>{});
+      else
+        run(std::integral_constant<int, 2>{});
+    });
+    return y;
+  }
+#endif
   const std::vector<float> xs = group_sums(xp, M, K, group_size);
   const float* xsum = xs.data();
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
@@ -323,7 +383,22 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
   Tensor y = torch::stable::new_empty(x, {M, N});
   OutWriter out{y.mutable_data_ptr(), true, N};
   const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
-  const X16 xd = x16_digits(static_cast<const uint16_t*>(x.const_data_ptr()), M, K);
+  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+#ifdef GLOWPLUG_AMX
+  if (use_amx(M, K, amx::kMinRowsInt8)) {
+    const std::vector<uint16_t> xpad = padded_x(xp, M, K);
+    const X16 xa = x16_digits(xpad.empty() ? xp : xpad.data(), amx::padded_rows(M), K);
+    amx::for_blocks(M, (N + 15) / 16, 32, [&](int64_t nb) {
+      const auto st = [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); };
+      amx::for_rows(M, [&](int64_t m0, int valid) {
+        amx::int8_block<kPackedAhead>(w + nb * block_bytes, K, group_size, xa.hi.data(), xa.lo.data(),
+                                      xa.scale.data(), xa.sum.data(), m0, valid, st);
+      });
+    });
+    return y;
+  }
+#endif
+  const X16 xd = x16_digits(xp, M, K);
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
 #define CALL(MB_, NA_) int8_block<MB_, NA_>(w + nb * block_bytes, K, group_size, xd, m0, nb, N, out)
     GLOWPLUG_MB_SWITCH(mb, CALL)

@@ -116,7 +116,7 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                        ["decode.md"], "decode tok/s vs transformers' generate on the same prompts"),
         "decode-quantized": Step("decode-quantized", [
             "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none", *schemes,
-            "--batch-sizes", *(["1"] if q else ["1", "16"]), "--compile", *(["off"] if q else ["on", "off"]),
+            "--batch-sizes", *(["1"] if q else ["1", "16", "64"]), "--compile", *(["off"] if q else ["on", "off"]),
             "--repeats", reps, "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64",
             "--no-compare-hf", *quality, "--out", str(o / "decode-quantized.md")],
             ["decode-quantized.md"], "seed 000: decode and prefill per format, batch and group size"),
