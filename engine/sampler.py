@@ -108,7 +108,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         logits = raw.clone()
         for i in penal:
             apply_penalties(logits[i], seqs[i])
-    tokens = logits.argmax(dim=-1)
+    # max(dim).indices rather than argmax: the same first maximum's index, and in torch 2.13 on the CPU argmax's
+    # reduction over a batch of vocabulary rows took several times as long (it led a batch-16 step's profile).
+    tokens = logits.max(dim=-1).indices
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         dev = logits.device
@@ -121,7 +123,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         noise = torch.empty_like(probs)
         for row, i in enumerate(sampled):
             noise[row].exponential_(generator=seqs[i].generator)
-        tokens = tokens.index_copy(0, idx, (probs / noise).argmax(dim=-1))
+        tokens = tokens.index_copy(0, idx, (probs / noise).max(dim=-1).indices)
     # Everything the host needs, in one transfer: tokens, their logprobs, and the top-n of the rows that ask.
     parts = [tokens.double()]
     kmax = max((n for n in want_lp if n), default=0)

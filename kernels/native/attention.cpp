@@ -118,6 +118,13 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
   std::vector<float> qf(static_cast<size_t>(G * D)), acc(static_cast<size_t>(G * D));
   std::vector<float> probs, tile(static_cast<size_t>(16 * D));
   std::vector<int64_t> cells;
+  std::vector<__m512> top;
+#if defined(__AVX512BF16__)
+  const bool bf16_pairs = st == ScalarType::BFloat16 && out_bf16 && D % 32 == 0;
+#else
+  const bool bf16_pairs = false;
+#endif
+  const std::vector<uint16_t> zeros(bf16_pairs ? static_cast<size_t>(D) : 0, 0);
   for (int64_t task = t0; task < t1; ++task) {
     const int64_t b = task / HKV, h = task % HKV;
     const int64_t* in = pk + b * cols;
@@ -139,24 +146,51 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
       const bool ok = blk >= 0 && blk < NBLK;
       for (int64_t o = 0; o < BS && t < len; ++o, ++t) cells[t] = ok ? (blk * BS + o) * HKV + h : -1;
     }
-    // Scores, 16 keys at a time: the tile's keys as fp32 rows, then per query head 16 dot products at once.
+    // Scores, 16 keys at a time: per query head 16 dot products at once, over the keys as fp32 rows (a tile
+    // converted once for all G heads) or, for a bf16 cache, over the cache rows themselves.
     const __m512 vscale = _mm512_set1_ps(fscale);
+    // Each head's running maximum score, kept in vectors as the scores are made: a scalar pass over the stored
+    // scores waited on the masked stores before it (no store forwarding) and led the op's profile at batch 16.
+    top.assign(static_cast<size_t>(G), _mm512_set1_ps(-INFINITY));
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - t0);
-      load_tile(kp, ksp, st, cells.data(), t0, n, D, tile.data());
       const __mmask16 live = n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+      if (bf16_pairs) {
+        // bf16 keys and query: vdpbf16ps multiplies the cache rows in place, in pairs (bf16 products are exact in
+        // fp32, summed in fp32 as the fp32 path does); a row the context does not reach reads zeros.
+        const uint16_t* rows[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t cell = i < n ? cells[t0 + i] : -1;
+          rows[i] = cell < 0 ? zeros.data() : static_cast<const uint16_t*>(kp) + cell * D;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          const uint16_t* qg = static_cast<const uint16_t*>(qp) + (b * H + h * G + g) * D;
+          __m512 parts[16];
+          for (int i = 0; i < 16; ++i) {
+            __m512 a = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 32)
+              a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(rows[i] + d), (__m512bh)_mm512_loadu_si512(qg + d));
+            parts[i] = a;
+          }
+          const __m512 sc = _mm512_mul_ps(hsum16(parts), vscale);
+          _mm512_mask_storeu_ps(probs.data() + g * len + t0, live, sc);
+          top[g] = _mm512_mask_max_ps(top[g], live, top[g], sc);
+        }
+        continue;
+      }
+      load_tile(kp, ksp, st, cells.data(), t0, n, D, tile.data());
       for (int64_t g = 0; g < G; ++g) {
         __m512 parts[16];
         for (int i = 0; i < 16; ++i) parts[i] = dot_lanes(qf.data() + g * D, tile.data() + i * D, D);
         // dot then scale, as the torch path does (sum first, then * scale)
-        _mm512_mask_storeu_ps(probs.data() + g * len + t0, live, _mm512_mul_ps(hsum16(parts), vscale));
+        const __m512 sc = _mm512_mul_ps(hsum16(parts), vscale);
+        _mm512_mask_storeu_ps(probs.data() + g * len + t0, live, sc);
+        top[g] = _mm512_mask_max_ps(top[g], live, top[g], sc);
       }
     }
     for (int64_t g = 0; g < G; ++g) {
       float* p = probs.data() + g * len;
-      float top = -INFINITY;
-      for (int64_t i = 0; i < len; ++i) top = std::max(top, p[i]);
-      const __m512 mx = _mm512_set1_ps(top);
+      const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));
       __m512 sum = _mm512_setzero_ps();
       int64_t t = 0;
       for (; t + 16 <= len; t += 16) {
@@ -170,8 +204,12 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
         _mm512_mask_storeu_ps(p + t, m, e);
         sum = _mm512_add_ps(sum, e);
       }
-      const float inv = 1.f / _mm512_reduce_add_ps(sum);
-      for (int64_t i = 0; i < len; ++i) p[i] *= inv;
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+      for (t = 0; t + 16 <= len; t += 16) _mm512_storeu_ps(p + t, _mm512_mul_ps(_mm512_loadu_ps(p + t), inv));
+      if (t < len) {
+        const __mmask16 m = static_cast<__mmask16>((1u << (len - t)) - 1);
+        _mm512_mask_storeu_ps(p + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + t), inv));
+      }
     }
     // Weighted values, 16 at a time: the tile's rows as fp32, then each accumulator chunk read and written once
     // per tile (updating it in memory per value stalled on store forwarding).
@@ -180,6 +218,16 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
       load_tile(vp, vsp, st, cells.data(), t0, n, D, tile.data());
       for (int64_t g = 0; g < G; ++g) {
         const float* pg = probs.data() + g * len + t0;
+        if constexpr (DC > 0) {  // all of the head's chunks at once: DC independent FMA chains, not one at a time
+          __m512 a[DC];
+          for (int c = 0; c < DC; ++c) a[c] = _mm512_loadu_ps(acc.data() + g * D + c * 16);
+          for (int64_t i = 0; i < n; ++i) {
+            const __m512 pi = _mm512_set1_ps(pg[i]);
+            for (int c = 0; c < DC; ++c) a[c] = _mm512_fmadd_ps(pi, _mm512_loadu_ps(tile.data() + i * D + c * 16), a[c]);
+          }
+          for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc.data() + g * D + c * 16, a[c]);
+          continue;
+        }
         for (int64_t d = 0; d < D; d += 16) {
           __m512 a = _mm512_loadu_ps(acc.data() + g * D + d);
           for (int64_t i = 0; i < n; ++i)

@@ -19,6 +19,8 @@
 #include "amx.h"
 #include "common.h"
 
+#include <cstdlib>
+#include <memory>
 #include <type_traits>
 
 namespace glowplug {
@@ -272,6 +274,21 @@ std::vector<uint16_t> padded_x(const uint16_t* x, int64_t M, int64_t K) {
   std::memcpy(out.data(), x, static_cast<size_t>(M * K) * 2);
   return out;
 }
+
+// Per thread, one N-block's dequantized B tiles (K / 32 tiles of 512 bf16, 64-byte aligned), reused across blocks
+// and calls.
+uint16_t* amx_scratch(int64_t K) {
+  struct Free {
+    void operator()(uint16_t* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<uint16_t, Free> buf;
+  thread_local int64_t have = 0;
+  if (have < K) {
+    buf.reset(static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * 32)));
+    have = K;
+  }
+  return buf.get();
+}
 #endif
 
 #define GLOWPLUG_MB_SWITCH(mb, CALL)                                                                       \
@@ -298,11 +315,13 @@ Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
   if (use_amx(M, K, amx::kMinRowsDense)) {
     const std::vector<uint16_t> xpad = padded_x(xp, M, K);
     const uint16_t* xa = xpad.empty() ? xp : xpad.data();
-    amx::for_blocks(M, (N + 15) / 16, 64, [&](int64_t nb) {
-      const auto st = [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); };
-      amx::for_rows(M, [&](int64_t m0, int valid) {
-        amx::dense_block<kDenseAhead>(w + nb * K * 16, K, xa, m0, valid, st);
-      });
+    amx::for_blocks(M, (N + 15) / 16, [&](int64_t nb) {
+      const uint16_t* wb = w + nb * K * 16;
+      const auto tile = [&](int64_t t, bool) {
+        amx::prefetch_span<kDenseAhead, 1024>(wb + t * 512);
+        return wb + t * 512;
+      };
+      amx::block_rows(M, K, xa, tile, [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); });
     });
     return y;
   }
@@ -331,23 +350,20 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
   if (use_amx(M, K, amx::kMinRowsIntN) && group_size % 32 == 0) {
     const std::vector<uint16_t> xpad = padded_x(xp, M, K);
     const uint16_t* xa = xpad.empty() ? xp : xpad.data();
-    const std::vector<float> xs = group_sums(xa, amx::padded_rows(M), K, group_size);
-    const int64_t G = K / group_size;
-    amx::for_blocks(M, (N + 15) / 16, 64, [&](int64_t nb) {
-      thread_local std::vector<uint16_t> scratch;  // the decoded block, reused across blocks and calls
-      if (scratch.size() < static_cast<size_t>(K * 16)) scratch.resize(static_cast<size_t>(K * 16));
+    amx::for_blocks(M, (N + 15) / 16, [&](int64_t nb) {
       const uint8_t* blk = w + nb * block_bytes;
+      uint16_t* scratch = amx_scratch(K);
       const auto st = [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); };
       const auto run = [&](auto bits_c) {
         constexpr int B = decltype(bits_c)::value;
-        const auto decode = [&](int64_t t) { amx::intn_decode<B, kPackedAhead>(blk, t, scratch.data()); };
-        const auto scale = [&](int64_t g, __m512& s, __m512& adj) { amx::intn_scale<B>(blk, K, G, g, s, adj); };
-        // one 16-row tile: decode as it goes; more: decode the block once, then every tile reads it
-        if (M > 16)
-          for (int64_t t = 0; t < K / 32; ++t) decode(t);
-        amx::for_rows(M, [&](int64_t m0, int valid) {
-          amx::grouped_multiply(K, G, scratch.data(), decode, M > 16, xa, xs.data(), m0, valid, scale, st);
-        });
+        const auto tile = [&](int64_t t, bool first) {
+          if (first) {
+            if (t == 0) amx::intn_dequant<B, kPackedAhead>(blk, K, group_size, 0, scratch);
+            if ((t + 1) * 32 < K) amx::intn_dequant<B, kPackedAhead>(blk, K, group_size, t + 1, scratch);
+          }
+          return static_cast<const uint16_t*>(scratch + t * 512);
+        };
+        amx::block_rows(M, K, xa, tile, st);
       };
       if (bits == 4)
         run(std::integral_constant<int, 4>{});
@@ -387,13 +403,20 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
 #ifdef GLOWPLUG_AMX
   if (use_amx(M, K, amx::kMinRowsInt8)) {
     const std::vector<uint16_t> xpad = padded_x(xp, M, K);
-    const X16 xa = x16_digits(xpad.empty() ? xp : xpad.data(), amx::padded_rows(M), K);
-    amx::for_blocks(M, (N + 15) / 16, 32, [&](int64_t nb) {
-      const auto st = [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); };
-      amx::for_rows(M, [&](int64_t m0, int valid) {
-        amx::int8_block<kPackedAhead>(w + nb * block_bytes, K, group_size, xa.hi.data(), xa.lo.data(),
-                                      xa.scale.data(), xa.sum.data(), m0, valid, st);
-      });
+    const uint16_t* xa = xpad.empty() ? xp : xpad.data();
+    const bool grouped = group_size < K;  // else the codes stay exact and the sums take the per-output scales
+    amx::for_blocks(M, (N + 15) / 16, [&](int64_t nb) {
+      const uint8_t* blk = w + nb * block_bytes;
+      uint16_t* scratch = amx_scratch(K);
+      const __m512 s = grouped ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(reinterpret_cast<const float*>(blk + K * 16));
+      const auto tile = [&](int64_t t, bool first) {
+        if (first) {
+          if (t == 0) amx::int8_dequant<kPackedAhead>(blk, K, group_size, 0, scratch);
+          if ((t + 1) * 32 < K) amx::int8_dequant<kPackedAhead>(blk, K, group_size, t + 1, scratch);
+        }
+        return static_cast<const uint16_t*>(scratch + t * 512);
+      };
+      amx::block_rows(M, K, xa, tile, [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, _mm512_mul_ps(v, s)); });
     });
     return y;
   }
