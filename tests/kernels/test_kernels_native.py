@@ -17,7 +17,9 @@ from glowplug.kernels.native import (
 )
 
 SHAPES = [(960, 576), (576, 1536), (100, 96), (37, 64)]  # SmolLM2's, and N not a multiple of the 16-row block
-BATCHES = [1, 3, 4, 8, 11, 16, 20, 64]  # single rows, partial and whole 8-row blocks, AMX tiles (4+ rows) partial and padded
+# single rows, partial and whole 8-row blocks; AMX tiles (4+ rows): partial, padded, four 16-row tiles at once (64),
+# and a fifth tile that reuses the block the first four dequantized (72)
+BATCHES = [1, 3, 4, 8, 11, 16, 20, 64, 72]
 
 
 @pytest.fixture(scope="module")
