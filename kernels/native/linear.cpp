@@ -5,7 +5,9 @@
 //
 // dense_linear streams each weight row once, in address order, and reuses it for all M activation rows (16 rows at a
 // time, so later activation blocks re-read the tile from L1/L2); M > small_m goes to aten's GEMM (oneDNN).
-// w8a8_linear quantizes x per row exactly as kernels/formats.quantize_per_token does and multiplies with VNNI.
+// w8a8_linear quantizes x per row exactly as kernels/formats.quantize_per_token does and multiplies with VNNI, or,
+// for batches on a CPU with AMX, with int8 tile multiplies (the weight rows are the A tiles as stored).
+#include "amx.h"
 #include "common.h"
 
 namespace glowplug {
@@ -154,7 +156,150 @@ Tensor dense_linear(Tensor x, Tensor w, int64_t small_m) {
 
 // -------------------------------------------------------------------------------------------------- w8a8
 // x is quantized per row exactly as kernels/formats.quantize_per_token does (scale = max|x| / 127, round half to
-// even, clamp), shifted to uint8 for vpdpbusd (u8 x s8), and the shift is taken back with the weight row sums.
+// even, clamp), shifted to uint8 for vpdpbusd / tdpbsud (u8 x s8), and the shift is taken back with the weight row
+// sums. Rows from M up to `rows` are zero inputs (128) for whole AMX tiles. Vectorized: the scalar loop was most of
+// a batch-64 step's w8a8 time (reports/decode-quantized.md).
+void quantize_rows(const float* xf, int64_t M, int64_t K, int64_t rows, uint8_t* xq, float* xs) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* r = xf + m * K;
+    uint8_t* o = xq + m * K;
+    float amax = 0.f;
+    int64_t k = 0;
+#if defined(__AVX512F__)
+    __m512 va = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) va = _mm512_max_ps(va, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
+    amax = _mm512_reduce_max_ps(va);
+#endif
+    for (; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
+    const float scale = std::max(amax / 127.f, 1e-10f);
+    xs[m] = scale;
+    k = 0;
+#if defined(__AVX512F__)
+    const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (; k + 16 <= K; k += 16) {  // x / scale, rounded half to even as nearbyint does, then clamped
+      __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(r + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+      const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k), _mm512_cvtepi32_epi8(q));
+    }
+#endif
+    for (; k < K; ++k) {
+      float v = std::nearbyint(r[k] / scale);
+      v = std::min(127.f, std::max(-127.f, v));
+      o[k] = static_cast<uint8_t>(static_cast<int>(v) + 128);
+    }
+  }
+  std::fill(xq + M * K, xq + rows * K, uint8_t{128});
+}
+
+#ifdef GLOWPLUG_AMX
+// r[i] <- column i of the 16 x 16 dword matrix whose rows were r[0..15].
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[4g + c], per 128-bit lane L: rows 4g..4g+3 of column c + 4L
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+    r[c + 4] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[c + 12] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+  }
+}
+
+// Batches from this many rows take the AMX path: measured one-threaded on SmolLM2's 3072 x 576 weight
+// (reports/kernels.md has per-shape speeds).
+constexpr int64_t kMinRowsW8A8 = 4;
+
+// y^T = W x^T on tiles: A = 16 weight rows x 64 inputs (signed, straight from the row-major weight), B = 64 inputs
+// of 16 activation rows (unsigned, transposed once per call into `xt`), C = 16 outputs x 16 rows in int32, exact.
+// Up to four activation tiles share each weight tile. xt: [row tile][K / 64][16 input quads][16 rows][4].
+template <int R>
+inline void w8a8_tiles(const int8_t* a, int64_t K, const uint8_t* xt, int64_t KT, int32_t (*c)[256]) {
+  _tile_zero(0);
+  if constexpr (R > 1) _tile_zero(1);
+  if constexpr (R > 2) _tile_zero(2);
+  if constexpr (R > 3) _tile_zero(3);
+  for (int64_t t = 0; t < KT; ++t) {
+    _tile_loadd(4, a + t * 64, K);
+    _tile_loadd(6, xt + t * 1024, 64);
+    _tile_dpbsud(0, 4, 6);
+    if constexpr (R > 1) { _tile_loadd(7, xt + (KT + t) * 1024, 64); _tile_dpbsud(1, 4, 7); }
+    if constexpr (R > 2) { _tile_loadd(6, xt + (2 * KT + t) * 1024, 64); _tile_dpbsud(2, 4, 6); }
+    if constexpr (R > 3) { _tile_loadd(7, xt + (3 * KT + t) * 1024, 64); _tile_dpbsud(3, 4, 7); }
+  }
+  _tile_stored(0, c[0], 64);
+  if constexpr (R > 1) _tile_stored(1, c[1], 64);
+  if constexpr (R > 2) _tile_stored(2, c[2], 64);
+  if constexpr (R > 3) _tile_stored(3, c[3], 64);
+}
+
+void w8a8_amx(const uint8_t* xq, const float* xs, const int8_t* qp, const float* ws, const int32_t* wsm, int64_t M,
+              int64_t N, int64_t K, const OutWriter& out) {
+  const int64_t MT = (M + 15) / 16, KT = K / 64, NT = (N + 15) / 16;
+  std::vector<uint8_t> xt(static_cast<size_t>(MT * KT * 1024));
+  for (int64_t j = 0; j < MT; ++j)
+    for (int64_t t = 0; t < KT; ++t) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(xq + (j * 16 + i) * K + t * 64);
+      transpose16(r);
+      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(xt.data() + ((j * KT + t) * 16 + i) * 64, r[i]);
+    }
+  torch::stable::parallel_for(0, NT, 1, [&](int64_t b0, int64_t b1) {
+    amx::configure(16);
+    alignas(64) int32_t c[4][256];
+    std::vector<int8_t> tail;  // the last 16 weight rows, zero-padded, when N is not a multiple of 16
+    for (int64_t nt = b0; nt < b1; ++nt) {
+      const int64_t n0 = nt * 16, nv = std::min<int64_t>(16, N - n0);
+      const int8_t* a = qp + n0 * K;
+      if (nv < 16) {
+        tail.assign(static_cast<size_t>(16 * K), 0);
+        std::memcpy(tail.data(), a, static_cast<size_t>(nv * K));
+        a = tail.data();
+      }
+      const __mmask16 live = nv >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << nv) - 1);
+      const __m512i shift = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(live, wsm + n0), _mm512_set1_epi32(128));
+      const __m512 wsv = _mm512_maskz_loadu_ps(live, ws + n0);
+      for (int64_t j0 = 0; j0 < MT; j0 += 4) {
+        const int64_t R = std::min<int64_t>(4, MT - j0);
+        const uint8_t* xj = xt.data() + j0 * KT * 1024;
+        switch (R) {
+          case 1: w8a8_tiles<1>(a, K, xj, KT, c); break;
+          case 2: w8a8_tiles<2>(a, K, xj, KT, c); break;
+          case 3: w8a8_tiles<3>(a, K, xj, KT, c); break;
+          default: w8a8_tiles<4>(a, K, xj, KT, c); break;
+        }
+        for (int64_t r = 0; r < R; ++r) {
+          __m512i rows[16];  // c[r] is [output][activation row]: transposed, row i is activation row i's outputs
+          for (int i = 0; i < 16; ++i) rows[i] = _mm512_load_si512(c[r] + 16 * i);
+          transpose16(rows);
+          const int64_t m0 = (j0 + r) * 16, valid = std::min<int64_t>(16, M - m0);
+          for (int64_t i = 0; i < valid; ++i) {
+            const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(rows[i], shift)), wsv),
+                                           _mm512_set1_ps(xs[m0 + i]));
+            if (out.bf16)
+              _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.base) + (m0 + i) * out.ld + n0, live,
+                                       (__m256i)_mm512_cvtneps_pbh(v));
+            else
+              _mm512_mask_storeu_ps(static_cast<float*>(out.base) + (m0 + i) * out.ld + n0, live, v);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 Tensor w8a8_linear(Tensor x, Tensor q, Tensor wscale, Tensor wsum, Tensor inv_smooth) {
   STD_TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == ScalarType::Char,
                   "w8a8_linear: q must be a contiguous int8 [N, K] tensor");
@@ -172,24 +317,24 @@ Tensor w8a8_linear(Tensor x, Tensor q, Tensor wscale, Tensor wsum, Tensor inv_sm
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; ++k) xf[m * K + k] *= is[k];
   }
-  std::vector<uint8_t> xq(static_cast<size_t>(M * K));
-  std::vector<float> xs(static_cast<size_t>(M));
-  for (int64_t m = 0; m < M; ++m) {
-    float amax = 0.f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(xf[m * K + k]));
-    const float scale = std::max(amax / 127.f, 1e-10f);
-    xs[m] = scale;
-    for (int64_t k = 0; k < K; ++k) {
-      float v = std::nearbyint(xf[m * K + k] / scale);
-      v = std::min(127.f, std::max(-127.f, v));
-      xq[m * K + k] = static_cast<uint8_t>(static_cast<int>(v) + 128);
-    }
-  }
   const int8_t* qp = static_cast<const int8_t*>(q.const_data_ptr());
   const float* ws = static_cast<const float*>(wscale.const_data_ptr());
   const int32_t* wsm = static_cast<const int32_t*>(wsum.const_data_ptr());
   Tensor y = new_out(x, M, N);
   OutWriter out{y.mutable_data_ptr(), x.scalar_type() == ScalarType::BFloat16, N};
+#ifdef GLOWPLUG_AMX
+  if (M >= kMinRowsW8A8 && K % 64 == 0 && amx::available()) {
+    const int64_t rows = (M + 15) / 16 * 16;
+    std::vector<uint8_t> xq(static_cast<size_t>(rows * K));
+    std::vector<float> xs(static_cast<size_t>(M));
+    quantize_rows(xf.data(), M, K, rows, xq.data(), xs.data());
+    w8a8_amx(xq.data(), xs.data(), qp, ws, wsm, M, N, K, out);
+    return y;
+  }
+#endif
+  std::vector<uint8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> xs(static_cast<size_t>(M));
+  quantize_rows(xf.data(), M, K, M, xq.data(), xs.data());
   torch::stable::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* qr = qp + n * K;
