@@ -130,12 +130,11 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
     const int64_t* in = pk + b * cols;
     // A row past its table's capacity, or a padding row (length 0), attends to nothing.
     const int64_t len = std::min<int64_t>(std::max<int64_t>(in[kContextCol], 0), W * BS);
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t at = (b * H + h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d)
-        qf[g * D + d] = out_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(qp)[at + d])
-                                 : static_cast<const float*>(qp)[at + d];
-    }
+    const int64_t q0 = (b * H + h * G) * D;  // the task's G query heads, and their outputs, are contiguous
+    if (!bf16_pairs)  // the bf16 path reads the query as it is
+      for (int64_t i = 0; i < G * D; i += 16)
+        _mm512_storeu_ps(qf.data() + i, out_bf16 ? load_bf16x16(static_cast<const uint16_t*>(qp) + q0 + i)
+                                                 : _mm512_loadu_ps(static_cast<const float*>(qp) + q0 + i));
     std::fill(acc.begin(), acc.end(), 0.f);
     probs.resize(static_cast<size_t>(G * len));  // every entry is written below
     // Each position's (token, head) cell in the cache, or -1 for a block the engine never sends (never read
@@ -164,7 +163,7 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
           rows[i] = cell < 0 ? zeros.data() : static_cast<const uint16_t*>(kp) + cell * D;
         }
         for (int64_t g = 0; g < G; ++g) {
-          const uint16_t* qg = static_cast<const uint16_t*>(qp) + (b * H + h * G + g) * D;
+          const uint16_t* qg = static_cast<const uint16_t*>(qp) + q0 + g * D;
           __m512 parts[16];
           for (int i = 0; i < 16; ++i) {
             __m512 a = _mm512_setzero_ps();
@@ -236,14 +235,18 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
         }
       }
     }
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t at = (b * H + h * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) {
-        if (out_bf16)
-          static_cast<uint16_t*>(yp)[at + d] = f32_to_bf16(acc[g * D + d]);
-        else
-          static_cast<float*>(yp)[at + d] = acc[g * D + d];
+    for (int64_t i = 0; i < G * D; i += 16) {  // round to nearest even, as f32_to_bf16 and torch do
+      const __m512 v = _mm512_loadu_ps(acc.data() + i);
+      if (!out_bf16) {
+        _mm512_storeu_ps(static_cast<float*>(yp) + q0 + i, v);
+        continue;
       }
+      uint16_t* y = static_cast<uint16_t*>(yp) + q0 + i;
+#if defined(__AVX512BF16__)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+      for (int e = 0; e < 16; ++e) y[e] = f32_to_bf16(acc[i + e]);
+#endif
     }
   }
 }
