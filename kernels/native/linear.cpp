@@ -216,9 +216,10 @@ inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
-// Batches from this many rows take the AMX path: measured one-threaded on SmolLM2's 3072 x 576 weight
-// (reports/kernels.md has per-shape speeds).
-constexpr int64_t kMinRowsW8A8 = 4;
+// Batches from this many rows take the AMX path. Measured one-threaded on SmolLM2's 3072 x 576 weight: at 2 rows
+// 38 us on tiles against 58 on VNNI (3 rows: 43 against 94), at 1 row about even (reports/kernels.md has per-shape
+// speeds).
+constexpr int64_t kMinRowsW8A8 = 2;
 
 // y^T = W x^T on tiles: A = 16 weight rows x 64 inputs (signed, straight from the row-major weight), B = 64 inputs
 // of 16 activation rows (unsigned, transposed once per call into `xt`), C = 16 outputs x 16 rows in int32, exact.
