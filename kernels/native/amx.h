@@ -203,6 +203,47 @@ inline void int8_dequant(const uint8_t* blk, int64_t K, int64_t gs, int64_t t, u
   }
 }
 
+// ---------------------------------------------------------------------------------- int8, per-output scales
+// With one scale per output the weight bytes need no dequantizing: the activations are taken to 24-bit fixed point
+// per row and split into three signed bytes (blocked.cpp `x24_digits`), and each digit row multiplies the unsigned
+// weight bytes straight from the packed layout (16 consecutive chunks = inputs k..k+63 = one 16 x 64-byte B tile)
+// with tdpbsud, into its own exact int32 accumulator over the whole K: three tile multiplies per weight tile and no
+// vector work. Its three accumulators and three activation tiles leave room for one row tile, so it serves batches
+// of up to 16 rows; above that, the bf16 path shares each dequantized tile among four row tiles. Measured on a
+// simulated decode step (all 121 int8 GEMVs on distinct weights, 2 threads): 10.7-10.9 ms at 16 rows against
+// 11.7 on the bf16 path, and even at 64 rows. d2/d1/d0: [*, K] digit rows; c: the three 16 x 16 int32 results.
+template <int AHEAD>
+inline void int8_digits_block(const uint8_t* blk, int64_t K, const int8_t* d2, const int8_t* d1, const int8_t* d0,
+                              int32_t (*c)[256]) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  for (int64_t t = 0; t < K / 64; ++t) {
+    prefetch_span<AHEAD, 1024>(blk + t * 1024);
+    // tile numbers are literals (pasted into the instruction), hence the two spelled-out halves
+    if (t & 1) {
+      _tile_loadd(7, blk + t * 1024, 64);
+      _tile_loadd(3, d2 + t * 64, K);
+      _tile_dpbsud(0, 3, 7);
+      _tile_loadd(4, d1 + t * 64, K);
+      _tile_dpbsud(1, 4, 7);
+      _tile_loadd(5, d0 + t * 64, K);
+      _tile_dpbsud(2, 5, 7);
+    } else {
+      _tile_loadd(6, blk + t * 1024, 64);
+      _tile_loadd(3, d2 + t * 64, K);
+      _tile_dpbsud(0, 3, 6);
+      _tile_loadd(4, d1 + t * 64, K);
+      _tile_dpbsud(1, 4, 6);
+      _tile_loadd(5, d0 + t * 64, K);
+      _tile_dpbsud(2, 5, 6);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  _tile_stored(2, c[2], 64);
+}
+
 // Run `block(nb)` over every N-block in parallel, each thread configuring its tiles once (rows from rows_for(M)) and
 // giving the tile state back at the end.
 template <class F>

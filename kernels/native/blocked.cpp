@@ -179,6 +179,53 @@ X16 x16_digits(const uint16_t* x, int64_t M, int64_t K) {
   return d;
 }
 
+#ifdef GLOWPLUG_AMX
+// For the AMX int8 kernel with per-output scales (amx::int8_digits_block): per row, x24 = round(x / s) with
+// s = max|x| / 8355000 (a little under 127 * 65793 = 8355711, the most three balanced signed-byte digits hold, so
+// the row maximum stays inside after x / s rounds), x24 = 65536 d2 + 256 d1 + d0.
+// Its error, at most s / 2 = 2^-24 of the row's largest input, is far below the bf16 rounding the inputs carry; per
+// row rather than per 32 inputs, so the integer sums run over the whole K with no rescaling. off: 128 * each
+// digit's row sum, the unsigned weight bytes' offset (u = q + 128), so every digit's sum of q d is exact in int32.
+struct X24 {
+  std::vector<int8_t> d[3];     // [M, K]: d2, d1, d0
+  std::vector<float> scale;     // [M]
+  std::vector<int32_t> off[3];  // [M]
+};
+
+X24 x24_digits(const uint16_t* x, int64_t M, int64_t K) {
+  X24 r;
+  for (int i = 0; i < 3; ++i) {
+    r.d[i].assign(static_cast<size_t>(M * K), 0);
+    r.off[i].assign(static_cast<size_t>(M), 0);
+  }
+  r.scale.assign(static_cast<size_t>(M), 0.f);
+  const __m512i c128 = _mm512_set1_epi32(128), c255 = _mm512_set1_epi32(255);
+  const auto digit = [&](__m512i v) { return _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, c128), c255), c128); };
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* xr = x + m * K;
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(load_bf16x16(xr + k)));
+    const float s = _mm512_reduce_max_ps(amax) / 8355000.f;
+    r.scale[static_cast<size_t>(m)] = s;
+    if (s == 0.f) continue;  // all zero; NaN/inf inputs give NaN outputs via s
+    const __m512 sv = _mm512_set1_ps(s);
+    __m512i sum[3] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(load_bf16x16(xr + k), sv));  // round half to even
+      const __m512i d0 = digit(q), q1 = _mm512_srai_epi32(_mm512_sub_epi32(q, d0), 8);
+      const __m512i d1 = digit(q1), d2 = _mm512_srai_epi32(_mm512_sub_epi32(q1, d1), 8);
+      const __m512i ds[3] = {d2, d1, d0};
+      for (int i = 0; i < 3; ++i) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(r.d[i].data() + m * K + k), _mm512_cvtepi32_epi8(ds[i]));
+        sum[i] = _mm512_add_epi32(sum[i], ds[i]);
+      }
+    }
+    for (int i = 0; i < 3; ++i) r.off[i][static_cast<size_t>(m)] = 128 * _mm512_reduce_add_epi32(sum[i]);
+  }
+  return r;
+}
+#endif
+
 inline __m512i bcast_quad(const int8_t* p) {  // (p[0..3]) in every 32-bit lane
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -401,6 +448,24 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
   const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
   const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
 #ifdef GLOWPLUG_AMX
+  if (M <= 16 && group_size == K && K % 64 == 0 && use_amx(M, K, amx::kMinRowsInt8)) {
+    const X24 xd = x24_digits(xp, M, K);
+    amx::for_blocks(M, (N + 15) / 16, [&](int64_t nb) {
+      const uint8_t* blk = w + nb * block_bytes;
+      const __m512 ws = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + K * 16));
+      alignas(64) int32_t c[3][256];
+      amx::int8_digits_block<kPackedAhead>(blk, K, xd.d[0].data(), xd.d[1].data(), xd.d[2].data(), c);
+      for (int64_t m = 0; m < M; ++m) {  // each digit's sum of q d, then 65536 d2 + 256 d1 + d0, then the scales
+        const size_t r = static_cast<size_t>(m);
+        __m512 part[3];
+        for (int i = 0; i < 3; ++i)
+          part[i] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(c[i] + 16 * m), _mm512_set1_epi32(xd.off[i][r])));
+        const __m512 v = _mm512_fmadd_ps(part[0], _mm512_set1_ps(65536.f), _mm512_fmadd_ps(part[1], _mm512_set1_ps(256.f), part[2]));
+        store16(out, m, nb * 16, N, _mm512_mul_ps(v, _mm512_mul_ps(ws, _mm512_set1_ps(xd.scale[r]))));
+      }
+    });
+    return y;
+  }
   if (use_amx(M, K, amx::kMinRowsInt8)) {
     const std::vector<uint16_t> xpad = padded_x(xp, M, K);
     const uint16_t* xa = xpad.empty() ? xp : xpad.data();
