@@ -218,27 +218,26 @@ inline void int8_digits_block(const uint8_t* blk, int64_t K, const int8_t* d2, c
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
+  // GCC's tile intrinsics take tile numbers as literals (pasted into the instruction), hence a macro; the weight
+  // tile alternates between 6 and 7 so the next load need not wait for the multiplies reading the last one.
+#define GLOWPLUG_DIGITS_STEP(BT)             \
+  do {                                       \
+    _tile_loadd(BT, blk + t * 1024, 64);     \
+    _tile_loadd(3, d2 + t * 64, K);          \
+    _tile_dpbsud(0, 3, BT);                  \
+    _tile_loadd(4, d1 + t * 64, K);          \
+    _tile_dpbsud(1, 4, BT);                  \
+    _tile_loadd(5, d0 + t * 64, K);          \
+    _tile_dpbsud(2, 5, BT);                  \
+  } while (0)
   for (int64_t t = 0; t < K / 64; ++t) {
     prefetch_span<AHEAD, 1024>(blk + t * 1024);
-    // tile numbers are literals (pasted into the instruction), hence the two spelled-out halves
-    if (t & 1) {
-      _tile_loadd(7, blk + t * 1024, 64);
-      _tile_loadd(3, d2 + t * 64, K);
-      _tile_dpbsud(0, 3, 7);
-      _tile_loadd(4, d1 + t * 64, K);
-      _tile_dpbsud(1, 4, 7);
-      _tile_loadd(5, d0 + t * 64, K);
-      _tile_dpbsud(2, 5, 7);
-    } else {
-      _tile_loadd(6, blk + t * 1024, 64);
-      _tile_loadd(3, d2 + t * 64, K);
-      _tile_dpbsud(0, 3, 6);
-      _tile_loadd(4, d1 + t * 64, K);
-      _tile_dpbsud(1, 4, 6);
-      _tile_loadd(5, d0 + t * 64, K);
-      _tile_dpbsud(2, 5, 6);
-    }
+    if (t & 1)
+      GLOWPLUG_DIGITS_STEP(7);
+    else
+      GLOWPLUG_DIGITS_STEP(6);
   }
+#undef GLOWPLUG_DIGITS_STEP
   _tile_stored(0, c[0], 64);
   _tile_stored(1, c[1], 64);
   _tile_stored(2, c[2], 64);
