@@ -323,19 +323,20 @@ Tensor w8a8_linear(Tensor x, Tensor q, Tensor wscale, Tensor wsum, Tensor inv_sm
   const int32_t* wsm = static_cast<const int32_t*>(wsum.const_data_ptr());
   Tensor y = new_out(x, M, N);
   OutWriter out{y.mutable_data_ptr(), x.scalar_type() == ScalarType::BFloat16, N};
+  bool tiles = false;  // AMX, which reads whole 16-row activation tiles
 #ifdef GLOWPLUG_AMX
-  if (M >= kMinRowsW8A8 && K % 64 == 0 && amx::available()) {
-    const int64_t rows = (M + 15) / 16 * 16;
-    std::vector<uint8_t> xq(static_cast<size_t>(rows * K));
-    std::vector<float> xs(static_cast<size_t>(M));
-    quantize_rows(xf.data(), M, K, rows, xq.data(), xs.data());
+  tiles = M >= kMinRowsW8A8 && K % 64 == 0 && amx::available();
+#endif
+  const int64_t rows = tiles ? (M + 15) / 16 * 16 : M;
+  std::vector<uint8_t> xq(static_cast<size_t>(rows * K));
+  std::vector<float> xs(static_cast<size_t>(M));
+  quantize_rows(xf.data(), M, K, rows, xq.data(), xs.data());
+#ifdef GLOWPLUG_AMX
+  if (tiles) {
     w8a8_amx(xq.data(), xs.data(), qp, ws, wsm, M, N, K, out);
     return y;
   }
 #endif
-  std::vector<uint8_t> xq(static_cast<size_t>(M * K));
-  std::vector<float> xs(static_cast<size_t>(M));
-  quantize_rows(xf.data(), M, K, M, xq.data(), xs.data());
   torch::stable::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* qr = qp + n * K;
