@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.native import first_max_indices
 from .sequence import Sequence, TokenLogprobs
 
 
@@ -108,9 +109,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         logits = raw.clone()
         for i in penal:
             apply_penalties(logits[i], seqs[i])
-    # max(dim).indices rather than argmax: the same first maximum's index, and in torch 2.13 on the CPU argmax's
-    # reduction over a batch of vocabulary rows took several times as long (it led a batch-16 step's profile).
-    tokens = logits.max(dim=-1).indices
+    # Each row's first maximum (torch's max(dim).indices; argmax's CPU reduction took several times as long), on
+    # the native op where it is loaded: kernels/native.first_max_indices says why.
+    tokens = first_max_indices(logits)
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     if sampled:
         dev = logits.device

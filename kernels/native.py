@@ -16,6 +16,8 @@ Ops (namespace `glowplug_native`; x [M, K] contiguous, y [M, N] in x's dtype):
   decode_attention(q, k_cache, v_cache, packed, scale)
   decode_attention_int8(q, k_cache, v_cache, k_scale, v_scale, packed, scale)
                                           one decode token per sequence over the paged cache (attention.cpp)
+  argmax_rows(x)                          fp32 x [rows, n] -> int64 [rows]: each row's first maximum, as torch's
+                                          max(dim=-1).indices (rows.cpp; the sampler's greedy tokens)
 The blocked ones (blocked.cpp) need AVX512-BF16, the attention ones AVX512F. On a CPU with AMX the blocked ones
 run batches of several rows on AMX tiles (amx.h; the library asks Linux for the tile state at first use). Each linear op has a pure-torch
 reference in kernels/reference.py (`native_linear`), which tests/kernels compare against; the attention ops' reference
@@ -41,7 +43,7 @@ from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weigh
 
 NAMESPACE = "glowplug_native"
 LIBRARY = "glowplug_native.so"
-SOURCES: tuple[str, ...] = ("linear.cpp", "blocked.cpp", "attention.cpp")
+SOURCES: tuple[str, ...] = ("linear.cpp", "blocked.cpp", "attention.cpp", "rows.cpp")
 HEADERS: tuple[str, ...] = ("common.h", "amx.h")
 _SOURCE_DIR = Path(__file__).parent / "native"
 
@@ -151,6 +153,10 @@ def _register_fakes() -> None:
                         scale: float) -> Tensor:
         return q.new_empty(q.shape)
 
+    @torch.library.register_fake(lib + "argmax_rows")
+    def _argmax_rows(x: Tensor) -> Tensor:
+        return x.new_empty((x.shape[0],), dtype=torch.long)
+
 
 def load_native(cache_dir: Path) -> NativeBuild:
     """Make the native ops callable in this process, building them into the artifact store (cache `native`) when
@@ -196,6 +202,20 @@ def load_native(cache_dir: Path) -> NativeBuild:
 def ops() -> object:
     """The loaded op namespace (`torch.ops.glowplug_native`); call `load_native` first."""
     return getattr(torch.ops, NAMESPACE)
+
+
+def first_max_indices(x: Tensor) -> Tensor:
+    """Each row's index of its first maximum, as `x.max(dim=-1).indices` gives it: with the native op where the
+    library is loaded and x is a float32 [rows, n] CPU tensor (torch's reduction tracks the index in a scalar loop
+    and led a batch-64 decode step's sampling; the op is one vector pass per row), else torch's."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+        try:
+            op = getattr(torch.ops, NAMESPACE).argmax_rows
+        except (AttributeError, RuntimeError):  # not loaded in this process (or an older build without the op)
+            return x.max(dim=-1).indices
+        result: Tensor = op(x.contiguous())
+        return result
+    return x.max(dim=-1).indices
 
 
 # ------------------------------------------------------------------------------------------- weight layouts

@@ -1,0 +1,61 @@
+"""The native greedy-token op (argmax_rows) against its oracle, torch's max(dim=-1).indices."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import cast
+
+import pytest
+import torch
+
+from glowplug.engine.sampler import sample
+from glowplug.engine.sampling_params import SamplingParams
+from glowplug.engine.sequence import Sequence
+from glowplug.kernels.native import first_max_indices, load_native
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory: pytest.TempPathFactory) -> None:
+    build = load_native(tmp_path_factory.mktemp("native-cache"))
+    if not build.available:
+        pytest.skip(f"native kernels unavailable here: {build.reason}")
+
+
+# widths below one vector, one vector, a vector and a tail, and SmolLM2's vocabulary
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 33, 1000, 49152])
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_argmax_rows_matches_torch(native: None, n: int, rows: int) -> None:
+    g = torch.Generator().manual_seed(n * 100 + rows)
+    cases = {
+        "random": torch.randn(rows, n, generator=g),
+        # ties everywhere: the first maximum's index, as torch gives it
+        "ties": torch.randint(0, 4, (rows, n), generator=g).float(),
+        "all -inf": torch.full((rows, n), float("-inf")),
+    }
+    nan = torch.randn(rows, n, generator=g)
+    nan[:, n // 2] = float("nan")  # torch propagates NaN: its index is the answer
+    if n > 2:
+        nan[:, -1] = float("nan")
+    cases["nan"] = nan
+    op = torch.ops.glowplug_native.argmax_rows
+    for name, x in cases.items():
+        assert torch.equal(op(x), x.max(dim=-1).indices), name
+
+
+def test_argmax_rows_rejects_bad_input(native: None) -> None:
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        torch.ops.glowplug_native.argmax_rows(torch.zeros(2, 8, dtype=torch.bfloat16))
+    # the sampler's entry point serves what the op does not (other dtypes, strided rows) with torch
+    x = torch.randn(4, 40, dtype=torch.float64)
+    assert torch.equal(first_max_indices(x), x.max(dim=-1).indices)
+    y = torch.randn(40, 4).t()
+    assert torch.equal(first_max_indices(y), y.max(dim=-1).indices)
+
+
+def test_greedy_sampling_takes_the_native_tokens(native: None) -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 49152, generator=g)
+    # greedy rows read nothing of a sequence but its sampling parameters
+    seqs = [cast(Sequence, SimpleNamespace(params=SamplingParams(temperature=0.0))) for _ in range(8)]
+    got = [r.token_id for r in sample(logits, seqs)]
+    assert got == logits.max(dim=-1).indices.tolist()
