@@ -206,8 +206,8 @@ def ops() -> object:
 
 def first_max_indices(x: Tensor) -> Tensor:
     """Each row's index of its first maximum, as `x.max(dim=-1).indices` gives it: with the native op where the
-    library is loaded and x is a float32 [rows, n] CPU tensor (torch's reduction tracks the index in a scalar loop
-    and led a batch-64 decode step's sampling; the op is one vector pass per row), else torch's."""
+    library is loaded and x is a float32 [rows, n] CPU tensor (torch's reduction tracks the index in a scalar loop;
+    the op is one vector pass per row, rows split across the threads), else torch's."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
         try:
             op = getattr(torch.ops, NAMESPACE).argmax_rows

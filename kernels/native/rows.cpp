@@ -1,8 +1,9 @@
 // Row reductions for the sampler: each row's index of its first maximum (greedy decoding's token).
 //
-// Why native: torch 2.13's max(dim=-1).indices over a batch of vocabulary rows runs a scalar index-tracking loop,
-// about 4x the time of the same rows' amax; at batch 64 it took ~1.8 ms of each decode step (the profile in the
-// closing note of issue 10). Here each row is one pass of 16-lane compares, rows split across the threads.
+// Why native: torch 2.13's max(dim=-1).indices over a batch of vocabulary rows tracks the index in a scalar loop,
+// and it led the sampling part of a batch-64 decode step's profile. Here each row is one pass of 16-lane compares
+// (a lane keeps its first strict maximum; the lanes' minimum index among the maximum breaks ties), rows split
+// across the threads. The step it is part of: reports/decode-quantized.md.
 #include "common.h"
 
 namespace glowplug {
