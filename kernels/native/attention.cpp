@@ -7,15 +7,26 @@
 // splits the (sequence, kv head) pairs, and each pair runs its G = heads / kv_heads queries in one pass over its keys
 // and one over its values. The decode step it is part of: reports/decode-quantized.md and reports/decode-kv.md.
 //
+// On a CPU with AMX, a bf16 cache with blocks of a multiple of 16 tokens takes `attend_amx` instead (scores as tile
+// products, below), for every batch of two or more sequences and for one sequence over a long context; the vector
+// path stays for the int8 and fp32 caches, other CPUs, and one short sequence, where AMX's per-call set-up is
+// more than it saves. Both read each task's cache rows while the task before it computes (software prefetch).
+//
 // The cache write stays a torch scatter before this op (the graph's in-place update of the cache input), so this op
 // only reads. The packed step input is engine/attention.py's: [B, 4 + W] int64 with the context length in column 3
 // (the new token included) and the block table from column 4.
-#include "common.h"
+#include "amx.h"
+
+#include <array>
 
 namespace glowplug {
 namespace {
 
 constexpr int64_t kDecodeCols = 4, kContextCol = 3;  // engine/attention.py: DECODE_COLS, CONTEXT
+// One sequence runs on AMX tiles from this context length. The tiles' set-up per call and task (the tile
+// configuration, the query's B tiles) is fixed, and for one short sequence it outweighed what the tiles saved; the
+// crossover was measured with the op alone on cold caches (issue 10's closing note has the figures).
+constexpr int64_t kAmxMinContext = 256;
 
 #if defined(__AVX512F__)  // the Python side enables this op only on AVX512 CPUs (kernels.native.attention_supported)
 // e^x for x <= 0 (scores minus their maximum), within ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor
@@ -145,6 +156,24 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
       const bool ok = blk >= 0 && blk < NBLK;
       for (int64_t o = 0; o < BS && t < len; ++o, ++t) cells[t] = ok ? (blk * BS + o) * HKV + h : -1;
     }
+    // The next task's cache rows, fetched while this one computes (distance one task): blocks sit anywhere in the
+    // cache, so the hardware prefetcher does not follow them, and without this the op waited on every key and
+    // value row it read. always_inline: GCC judged a lambda that only prefetches to be pure and deleted its calls.
+    const int64_t nb = (task + 1) / HKV, nh = (task + 1) % HKV;
+    const int64_t nlen = task + 1 < t1 ? std::min<int64_t>(std::max<int64_t>(pk[nb * cols + kContextCol], 0), W * BS) : 0;
+    auto prefetch_next = [&](const void* base, int64_t t0) __attribute__((always_inline)) {
+      if (t0 >= nlen) return;
+      const int64_t blk = pk[nb * cols + kDecodeCols + t0 / BS];
+      if (blk < 0 || blk >= NBLK) return;
+      const int64_t n = std::min<int64_t>(16, nlen - t0);
+      const size_t rowb = static_cast<size_t>(D) * (st == ScalarType::Float ? 4 : st == ScalarType::Char ? 1 : 2);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t t = t0 + i;
+        const int64_t cell = (pk[nb * cols + kDecodeCols + t / BS] * BS + t % BS) * HKV + nh;
+        const char* r = static_cast<const char*>(base) + cell * rowb;
+        for (size_t o = 0; o < rowb; o += 64) _mm_prefetch(r + o, _MM_HINT_T0);
+      }
+    };
     // Scores, 16 keys at a time: per query head 16 dot products at once, over the keys as fp32 rows (a tile
     // converted once for all G heads) or, for a bf16 cache, over the cache rows themselves.
     const __m512 vscale = _mm512_set1_ps(fscale);
@@ -154,6 +183,7 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - t0);
       const __mmask16 live = n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+      prefetch_next(kp, t0);
       if (bf16_pairs) {
         // bf16 keys and query: vdpbf16ps multiplies the cache rows in place, in pairs (bf16 products are exact in
         // fp32, summed in fp32 as the fp32 path does); a row the context does not reach reads zeros.
@@ -214,6 +244,7 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
     // per tile (updating it in memory per value stalled on store forwarding).
     for (int64_t t0 = 0; t0 < len; t0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - t0);
+      prefetch_next(vp, t0);
       load_tile(vp, vsp, st, cells.data(), t0, n, D, tile.data());
       for (int64_t g = 0; g < G; ++g) {
         const float* pg = probs.data() + g * len + t0;
@@ -251,6 +282,167 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
   }
 }
 
+#if defined(GLOWPLUG_AMX)
+// The bf16 path on AMX (bf16 cache and queries, blocks of a multiple of 16 tokens, head_dim a multiple of 32 up to
+// 128, at most 16 query heads). Why: the vector path's scores are 16 dot products per key tile per query head, each
+// reduced across its lanes, and with its value pass that kept it at ~4x its arithmetic (230 us per layer, batch 64,
+// 110 tokens, warm), too slow to hide the cache reads behind. Here a 16-token tile of one kv head's keys is an A
+// tile straight from the cache (rows a head's stride apart), and the queries are B tiles with one column per query
+// head, so one tile multiply per 32 dimensions gives 16 tokens x every query head at once: scores land as rows of 16
+// heads, and the softmax and the weighted values run across heads in whole vectors.
+//
+// Tasks: one per sequence, or per (sequence, kv head) when the batch is too small to keep every thread busy. Each
+// task prefetches the next task's rows while it computes, so the cache stream overlaps the arithmetic (blocks sit
+// anywhere in the cache, and the hardware prefetcher does not follow them).
+// The weighted values of NG query heads n0.. of one kv head (offset hd in a cache row), over a task's context:
+// each value row is converted once for the NG heads, which accumulate in NG x DC registers; out: the heads' rows.
+template <int DC, int NG, class Rows, class Ahead>
+inline void weigh_values(const Rows& rows_at, const Ahead& ahead, const float* s, int64_t len, int64_t hd, int64_t n0,
+                         const float* inv, uint16_t* out, int64_t row) {
+  __m512 a[NG][DC];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < DC; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i * 16 < len; ++i) {
+    const uint16_t* vr = rows_at(i);
+    if (vr == nullptr) continue;  // zero values add nothing
+    const int64_t n = std::min<int64_t>(16, len - i * 16);
+    for (int64_t t = 0; t < n; ++t) {
+      ahead(i, t);
+      const uint16_t* v = vr + t * row + hd;
+      const float* p = s + (i * 16 + t) * 16 + n0;
+      __m512 x[DC];
+      for (int c = 0; c < DC; ++c) x[c] = load_bf16x16(v + c * 16);
+      for (int g = 0; g < NG; ++g) {
+        const __m512 pg = _mm512_set1_ps(p[g]);
+        for (int c = 0; c < DC; ++c) a[g][c] = _mm512_fmadd_ps(pg, x[c], a[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m512 sc = _mm512_set1_ps(inv[n0 + g]);
+    for (int c = 0; c < DC; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + g * DC * 16 + c * 16),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(a[g][c], sc)));
+  }
+}
+
+template <int DC>
+void attend_amx(const Job& j, int64_t split, int64_t t0, int64_t t1) {
+  constexpr int64_t D = DC * 16, CH = DC / 2;  // CH: 32-dimension chunks, one A tile each
+  constexpr int GB = DC == 4 ? 4 : 2;         // query heads per value pass: GB x DC accumulators in registers
+  const int64_t G = j.G, HKV = j.HKV, H = j.H, W = j.W, BS = j.BS, NBLK = j.NBLK, cols = j.cols;
+  const int64_t hper = HKV / split, row = HKV * D;  // kv heads per task; elements between consecutive tokens
+  const int64_t* pk = j.pk;
+  const uint16_t* kp = static_cast<const uint16_t*>(j.kp);
+  const uint16_t* vp = static_cast<const uint16_t*>(j.vp);
+  const uint32_t* qp = static_cast<const uint32_t*>(j.qp);  // bf16 pairs
+  uint16_t* yp = static_cast<uint16_t*>(j.yp);
+  amx::configure(16);
+  std::vector<uint32_t> qt(static_cast<size_t>(HKV * CH * 256));          // B tiles: [h][chunk][16 pairs][16 heads]
+  std::vector<float> s(static_cast<size_t>((W * BS + 16) * 16));          // scores, then weights: [token][16 heads]
+  auto span = [&](int64_t task) __attribute__((always_inline)) {            // (b, first kv head, context length)
+    const int64_t b = task / split, len = std::min<int64_t>(std::max<int64_t>(pk[b * cols + kContextCol], 0), W * BS);
+    return std::array<int64_t, 3>{b, task % split * hper, len};
+  };
+  // Rows of tile i (tokens 16i..16i+15) of a task, for heads [h0, h0 + hper): the block's address, or null.
+  auto rows_at = [&](const uint16_t* base, int64_t b, int64_t i) __attribute__((always_inline)) -> const uint16_t* {
+    const int64_t blk = pk[b * cols + kDecodeCols + i * 16 / BS];
+    return blk < 0 || blk >= NBLK ? nullptr : base + (blk * BS + i * 16 % BS) * row;
+  };
+  for (int64_t task = t0; task < t1; ++task) {
+    const auto [b, h0, len] = span(task);
+    const std::array<int64_t, 3> nx = task + 1 < t1 ? span(task + 1) : std::array<int64_t, 3>{0, 0, 0};
+    const int64_t tiles = (len + 15) / 16;
+    if (len == 0) {  // a padding row attends to nothing
+      for (int64_t h = h0; h < h0 + hper; ++h) std::fill_n(yp + (b * H + h * G) * D, G * D, uint16_t{0});
+      continue;
+    }
+    // B tiles: row r of chunk c holds, in column n, query head n's dimension pair (32c + 2r, 32c + 2r + 1).
+    for (int64_t h = h0; h < h0 + hper; ++h)
+      for (int64_t c = 0; c < CH; ++c) {
+        uint32_t* t = qt.data() + (h * CH + c) * 256;
+        std::fill_n(t, 256, 0u);
+        for (int64_t n = h * G; n < (h + 1) * G; ++n)
+          for (int64_t r = 0; r < 16; ++r) t[r * 16 + n] = qp[(b * H + n) * (D / 2) + c * 16 + r];
+      }
+    // Scores: per 16-token tile, every (kv head, chunk) multiply into one accumulator of [16 tokens][16 heads].
+    for (int64_t i = 0; i < tiles; ++i) {
+      float* si = s.data() + i * 256;
+      const uint16_t* kr = rows_at(kp, b, i);
+      if (kr == nullptr) {  // a block the engine never sends: zero keys, as the reference reads them
+        std::fill_n(si, 256, 0.f);
+        continue;
+      }
+      _tile_zero(0);
+      for (int64_t h = h0; h < h0 + hper; ++h)
+        for (int64_t c = 0; c < CH; ++c) {
+          if (c & 1) {
+            _tile_loadd(3, kr + h * D + c * 32, row * 2);
+            _tile_loadd(4, qt.data() + (h * CH + c) * 256, 64);
+            _tile_dpbf16ps(0, 3, 4);
+          } else {
+            _tile_loadd(1, kr + h * D + c * 32, row * 2);
+            _tile_loadd(2, qt.data() + (h * CH + c) * 256, 64);
+            _tile_dpbf16ps(0, 1, 2);
+          }
+        }
+      _tile_stored(0, si, 64);
+    }
+    // Softmax per head (lane), over the context's tokens: dot then scale, as the reference does.
+    const __m512 vscale = _mm512_set1_ps(j.fscale);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < len; ++t) {
+      const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s.data() + t * 16), vscale);
+      _mm512_storeu_ps(s.data() + t * 16, v);
+      mx = _mm512_max_ps(mx, v);
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s.data() + t * 16), mx));
+      _mm512_storeu_ps(s.data() + t * 16, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    alignas(64) float inv[16];
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+    // Weighted values: per kv head, GB query heads at a time, each value row converted once for them.
+    for (int64_t h = h0; h < h0 + hper; ++h)
+      for (int64_t g0 = 0; g0 < G; g0 += GB) {
+        const int64_t gc = std::min<int64_t>(GB, G - g0), n0 = h * G + g0;
+        // The next task's keys and values, for the same token and head position, prefetched as this task's values
+        // are weighed: a few lines per row, so the cache stream overlaps the arithmetic (a burst per tile filled the
+        // core's miss buffers and stalled it).
+        const bool first = g0 == 0 && nx[2] > 0;
+        const int64_t nh = nx[1] + h - h0;
+        const uint16_t *nk = nullptr, *nv = nullptr;
+        int64_t ni = -1;
+        const auto ahead = [&](int64_t i, int64_t t) __attribute__((always_inline)) {
+          if (!first) return;
+          if (i != ni) {
+            ni = i;
+            nk = i * 16 < nx[2] ? rows_at(kp, nx[0], i) : nullptr;
+            nv = i * 16 < nx[2] ? rows_at(vp, nx[0], i) : nullptr;
+          }
+          if (nk == nullptr) return;
+          const char* kr = reinterpret_cast<const char*>(nk + t * row + nh * D);
+          const char* vr = reinterpret_cast<const char*>(nv + t * row + nh * D);
+          for (int64_t o = 0; o < D * 2; o += 64) {
+            _mm_prefetch(kr + o, _MM_HINT_T0);
+            _mm_prefetch(vr + o, _MM_HINT_T0);
+          }
+        };
+        const auto vr_at = [&](int64_t i) __attribute__((always_inline)) { return rows_at(vp, b, i); };
+        switch (gc) {
+          case 1: weigh_values<DC, 1>(vr_at, ahead, s.data(), len, h * D, n0, inv, yp + (b * H + n0) * D, row); break;
+          case 2: weigh_values<DC, 2>(vr_at, ahead, s.data(), len, h * D, n0, inv, yp + (b * H + n0) * D, row); break;
+          case 3: weigh_values<DC, 3>(vr_at, ahead, s.data(), len, h * D, n0, inv, yp + (b * H + n0) * D, row); break;
+          default: weigh_values<DC, GB>(vr_at, ahead, s.data(), len, h * D, n0, inv, yp + (b * H + n0) * D, row); break;
+        }
+      }
+  }
+  _tile_release();
+}
+#endif
+
 Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor* ks, const Tensor* vs,
               const Tensor& packed, double scale) {
   STD_TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
@@ -285,6 +477,22 @@ Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor*
   Tensor y = torch::stable::new_empty(q, {B, H, D});
   const Job job{pk, cols, W, B, H, D, G, HKV, NBLK, BS, q.const_data_ptr(), kc.const_data_ptr(), vc.const_data_ptr(),
                 ksp, vsp, st, q.scalar_type() == ScalarType::BFloat16, static_cast<float>(scale), y.mutable_data_ptr()};
+#if defined(GLOWPLUG_AMX)
+  int64_t longest = 0;  // one sequence goes to tiles only over a long context (see the top of the file)
+  for (int64_t b = 0; b < B && B == 1; ++b) longest = std::max(longest, pk[b * cols + kContextCol]);
+  if (st == ScalarType::BFloat16 && job.out_bf16 && BS % 16 == 0 && (D == 64 || D == 128) && H <= 16 &&
+      (B >= 2 || longest >= kAmxMinContext) && amx::available()) {
+    // per sequence once the batch fills the threads several times over, else per (sequence, kv head)
+    const int64_t split = B >= 4 * torch::stable::get_num_threads() ? 1 : HKV;
+    torch::stable::parallel_for(0, B * split, 1, [&](int64_t t0, int64_t t1) {
+      if (D == 64)
+        attend_amx<4>(job, split, t0, t1);
+      else
+        attend_amx<8>(job, split, t0, t1);
+    });
+    return y;
+  }
+#endif
   torch::stable::parallel_for(0, B * HKV, 1, [&](int64_t t0, int64_t t1) {
     if (D == 64)
       attend_tasks<4>(job, t0, t1);

@@ -71,3 +71,34 @@ def test_native_decode_attention_rejects_a_bad_cache(native: None) -> None:
     wrong = torch.zeros(4, BLOCK, KV_HEADS, 32)
     with pytest.raises(RuntimeError, match="k_cache must be a contiguous"):
         torch.ops.glowplug_native.decode_attention(q, wrong, wrong, packed, 0.125)
+
+
+# On a CPU with AMX, bf16 caches in blocks of 16 take the tile path: every batch of two or more, and one sequence
+# from 256 tokens; batches of 2 split per kv head, 12 per sequence (at 2 threads). Elsewhere these run the vector
+# path, against the same reference.
+@pytest.mark.parametrize(
+    ("contexts", "head_dim"),
+    [([1, 15, 16, 17, 40, 100, 3, 33, 64, 2, 200, 90], 64), ([17, 130], 64), ([300], 64), ([5, 47, 260], 128)],
+)
+def test_native_decode_attention_tiles_match_torch_path(native: None, contexts: list[int], head_dim: int) -> None:
+    block, blocks, width = 16, 400, 20  # every row its own blocks
+    g = torch.Generator().manual_seed(len(contexts) + head_dim)
+    caches = [KVCache(num_layers=1, num_blocks=blocks, block_size=block, num_kv_heads=KV_HEADS, head_dim=head_dim,
+                      dtype=torch.bfloat16) for _ in range(2)]  # fmt: skip
+    slots = blocks * block
+    kv = [torch.randn(slots, KV_HEADS, head_dim, generator=g).bfloat16() for _ in range(2)]
+    for cache in caches:
+        cache[0].store(kv[0], kv[1], torch.arange(slots))
+    table = torch.randperm(blocks - 1, generator=g) + 1
+    packed = torch.zeros(len(contexts), DECODE_COLS + width, dtype=torch.long)
+    for b, ctx in enumerate(contexts):
+        packed[b, CONTEXT], packed[b, POSITION] = ctx, ctx - 1
+        packed[b, DECODE_COLS:] = table[b * width:(b + 1) * width]
+        packed[b, SLOT] = packed[b, DECODE_COLS + (ctx - 1) // block] * block + (ctx - 1) % block
+    q = torch.randn(len(contexts), HEADS, head_dim, generator=g).bfloat16()
+    k = torch.randn(len(contexts), KV_HEADS, head_dim, generator=g).bfloat16()
+    v = torch.randn(len(contexts), KV_HEADS, head_dim, generator=g).bfloat16()
+    want = decode_attention(q, k, v, caches[0][0], packed, head_dim**-0.5)
+    got = decode_attention(q, k, v, caches[1][0], packed, head_dim**-0.5, native=True)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert float((got.float() - want.float()).abs().max()) < 8e-3  # one rounding of the output
