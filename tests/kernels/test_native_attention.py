@@ -31,14 +31,15 @@ def _filled_cache(dtype: torch.dtype, int8: bool, g: torch.Generator) -> KVCache
     return cache
 
 
-def _packed(g: torch.Generator, width: int) -> torch.Tensor:
+def _packed(g: torch.Generator, width: int, contexts: list[int] = CONTEXTS, block: int = BLOCK,
+            blocks: int = BLOCKS) -> torch.Tensor:  # fmt: skip
     """One row per context length, each with its own shuffled blocks (block 0 left as the scratch block)."""
-    blocks = torch.randperm(BLOCKS - 1, generator=g) + 1
-    packed = torch.zeros(len(CONTEXTS), DECODE_COLS + width, dtype=torch.long)
-    for b, ctx in enumerate(CONTEXTS):
+    table = torch.randperm(blocks - 1, generator=g) + 1
+    packed = torch.zeros(len(contexts), DECODE_COLS + width, dtype=torch.long)
+    for b, ctx in enumerate(contexts):
         packed[b, CONTEXT], packed[b, POSITION] = ctx, ctx - 1
-        packed[b, DECODE_COLS:] = blocks[b * width:(b + 1) * width]
-        packed[b, SLOT] = packed[b, DECODE_COLS + (ctx - 1) // BLOCK] * BLOCK + (ctx - 1) % BLOCK
+        packed[b, DECODE_COLS:] = table[b * width:(b + 1) * width]
+        packed[b, SLOT] = packed[b, DECODE_COLS + (ctx - 1) // block] * block + (ctx - 1) % block
     return packed
 
 
@@ -89,12 +90,7 @@ def test_native_decode_attention_tiles_match_torch_path(native: None, contexts: 
     kv = [torch.randn(slots, KV_HEADS, head_dim, generator=g).bfloat16() for _ in range(2)]
     for cache in caches:
         cache[0].store(kv[0], kv[1], torch.arange(slots))
-    table = torch.randperm(blocks - 1, generator=g) + 1
-    packed = torch.zeros(len(contexts), DECODE_COLS + width, dtype=torch.long)
-    for b, ctx in enumerate(contexts):
-        packed[b, CONTEXT], packed[b, POSITION] = ctx, ctx - 1
-        packed[b, DECODE_COLS:] = table[b * width:(b + 1) * width]
-        packed[b, SLOT] = packed[b, DECODE_COLS + (ctx - 1) // block] * block + (ctx - 1) % block
+    packed = _packed(g, width, contexts, block, blocks)
     q = torch.randn(len(contexts), HEADS, head_dim, generator=g).bfloat16()
     k = torch.randn(len(contexts), KV_HEADS, head_dim, generator=g).bfloat16()
     v = torch.randn(len(contexts), KV_HEADS, head_dim, generator=g).bfloat16()
