@@ -161,12 +161,12 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
     // value row it read. always_inline: GCC judged a lambda that only prefetches to be pure and deleted its calls.
     const int64_t nb = (task + 1) / HKV, nh = (task + 1) % HKV;
     const int64_t nlen = task + 1 < t1 ? std::min<int64_t>(std::max<int64_t>(pk[nb * cols + kContextCol], 0), W * BS) : 0;
+    const size_t rowb = static_cast<size_t>(D) * (st == ScalarType::Float ? 4 : st == ScalarType::Char ? 1 : 2);
     auto prefetch_next = [&](const void* base, int64_t t0) __attribute__((always_inline)) {
       if (t0 >= nlen) return;
       const int64_t blk = pk[nb * cols + kDecodeCols + t0 / BS];
       if (blk < 0 || blk >= NBLK) return;
       const int64_t n = std::min<int64_t>(16, nlen - t0);
-      const size_t rowb = static_cast<size_t>(D) * (st == ScalarType::Float ? 4 : st == ScalarType::Char ? 1 : 2);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = t0 + i;
         const int64_t cell = (pk[nb * cols + kDecodeCols + t / BS] * BS + t % BS) * HKV + nh;
@@ -478,10 +478,10 @@ Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor*
   const Job job{pk, cols, W, B, H, D, G, HKV, NBLK, BS, q.const_data_ptr(), kc.const_data_ptr(), vc.const_data_ptr(),
                 ksp, vsp, st, q.scalar_type() == ScalarType::BFloat16, static_cast<float>(scale), y.mutable_data_ptr()};
 #if defined(GLOWPLUG_AMX)
-  int64_t longest = 0;  // one sequence goes to tiles only over a long context (see the top of the file)
-  for (int64_t b = 0; b < B && B == 1; ++b) longest = std::max(longest, pk[b * cols + kContextCol]);
-  if (st == ScalarType::BFloat16 && job.out_bf16 && BS % 16 == 0 && (D == 64 || D == 128) && H <= 16 &&
-      (B >= 2 || longest >= kAmxMinContext) && amx::available()) {
+  // one sequence goes to tiles only over a long context (see the top of the file)
+  const bool enough = B >= 2 || (B == 1 && pk[kContextCol] >= kAmxMinContext);
+  if (st == ScalarType::BFloat16 && job.out_bf16 && BS % 16 == 0 && (D == 64 || D == 128) && H <= 16 && enough &&
+      amx::available()) {
     // per sequence once the batch fills the threads several times over, else per (sequence, kv head)
     const int64_t split = B >= 4 * torch::stable::get_num_threads() ? 1 : HKV;
     torch::stable::parallel_for(0, B * split, 1, [&](int64_t t0, int64_t t1) {
