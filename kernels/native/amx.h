@@ -4,7 +4,8 @@
 // they are bound by arithmetic, not by the weight stream (reports/decode-quantized.md, "step / batch-1 step"). One
 // AMX tile multiply takes a 16-row activation tile against 1 KiB of weights, and the step goes back to streaming.
 //
-// Every format runs the same bf16 tile product (`block_rows`); only where its B tiles come from differs:
+// Every format runs the same bf16 tile product (`block_rows`, two N-blocks at a time in `block_rows_pair`); only
+// where its B tiles come from differs:
 //   dense bf16  the blocked layout is already AMX's "VNNI" B-tile layout: 16 consecutive chunks (pairs k..k+31 of
 //               the block's 16 rows) are one 16 x 64-byte B tile, loaded straight from the packed weight;
 //   int4/int2   a chunk's bit-planes and int8's bytes are dequantized to bf16 B tiles in a per-thread scratch block
@@ -135,6 +136,66 @@ inline void block_rows(int64_t M, int64_t K, const uint16_t* x, const Tile& tile
   }
 }
 
+// Two N-blocks (A and B) against one or two row tiles: accumulators 0, 1 are block A's row tiles, 2, 3 block B's.
+// Each activation tile load feeds two multiplies. Why: at 64 rows, one N-block at a time re-reads the whole batch's
+// activations (64 x K bf16, more than L1 holds) from L2 for every 16 outputs, and that traffic, not the tile
+// multiplies or the dequantization, bounded the step; pairing the blocks halves it (per-shape speeds:
+// reports/kernels.md, rows M=16 and M=64; the decode step: reports/decode-quantized.md).
+template <int R, class TileA, class TileB>
+inline void multiply_pair(int64_t K, const TileA& ta, const TileB& tb, const uint16_t* xa, float (*c)[256]) {
+  const int64_t T = K / 32, ld = K * 2;
+  _tile_zero(0);
+  _tile_zero(2);
+  if constexpr (R > 1) {
+    _tile_zero(1);
+    _tile_zero(3);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    _tile_loadd(6, ta(t), 64);
+    _tile_loadd(7, tb(t), 64);
+    _tile_loadd(4, xa + t * 32, ld);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    if constexpr (R > 1) {
+      _tile_loadd(5, xa + 16 * K + t * 32, ld);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(2, c[2], 64);
+  if constexpr (R > 1) {
+    _tile_stored(1, c[1], 64);
+    _tile_stored(3, c[3], 64);
+  }
+}
+
+// block_rows for two N-blocks at once, in groups of up to 2 row tiles.
+template <class TileA, class TileB, class StoreA, class StoreB>
+inline void block_rows_pair(int64_t M, int64_t K, const uint16_t* x, const TileA& ta, const TileB& tb,
+                            const StoreA& sa, const StoreB& sb) {
+  const int64_t tiles = M <= 16 ? 1 : (M + 15) / 16;
+  alignas(64) float c[4][256];
+  for (int64_t r0 = 0; r0 < tiles; r0 += 2) {
+    const int64_t R = std::min<int64_t>(2, tiles - r0);
+    const bool first = r0 == 0;
+    const auto la = [&](int64_t t) { return ta(t, first); };
+    const auto lb = [&](int64_t t) { return tb(t, first); };
+    const uint16_t* xa = x + r0 * 16 * K;
+    if (R == 1)
+      multiply_pair<1>(K, la, lb, xa, c);
+    else
+      multiply_pair<2>(K, la, lb, xa, c);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t m0 = (r0 + r) * 16, valid = std::min<int64_t>(16, M - m0);
+      for (int64_t m = 0; m < valid; ++m) {
+        sa(m0 + m, _mm512_load_ps(c[r] + 16 * m));
+        sb(m0 + m, _mm512_load_ps(c[2 + r] + 16 * m));
+      }
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------- dequantization
 // The packed formats become real bf16 weights, one B tile at a time, in a per-thread scratch block: a B tile row is
 // 16 lanes of (even input, odd input) bf16 pairs. Both halves are computed in fp32 and rounded to bf16 together
@@ -243,8 +304,38 @@ inline void int8_digits_block(const uint8_t* blk, int64_t K, const int8_t* d2, c
   _tile_stored(2, c[2], 64);
 }
 
-// Run `block(nb)` over every N-block in parallel, each thread configuring its tiles once (rows from rows_for(M)) and
-// giving the tile state back at the end.
+// What a format gives the driver for one N-block: its B tiles (tile(t, first), as block_rows takes them) and where
+// its outputs go (store(m, v)).
+template <class Tile, class Store>
+struct Block {
+  Tile tile;
+  Store store;
+};
+template <class Tile, class Store>
+Block<Tile, Store> block(Tile tile, Store store) { return {tile, store}; }
+
+// Run every N-block in parallel, two at a time (block_rows_pair; an odd last block alone), each thread configuring
+// its tiles once (rows from rows_for(M)) and giving the tile state back at the end. source(nb, slot) returns N-block
+// nb's Block; slot (0 or 1) is its place in the pair, so a decoding source keeps the two in separate scratch.
+template <class Source>
+void for_block_pairs(int64_t M, int64_t K, const uint16_t* x, int64_t NB, const Source& source) {
+  torch::stable::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
+    configure(rows_for(M));
+    for (int64_t p = p0; p < p1; ++p) {
+      const auto a = source(2 * p, 0);
+      if (2 * p + 1 < NB) {
+        const auto b = source(2 * p + 1, 1);
+        block_rows_pair(M, K, x, a.tile, b.tile, a.store, b.store);
+      } else {
+        block_rows(M, K, x, a.tile, a.store);
+      }
+    }
+    _tile_release();
+  });
+}
+
+// Run `block(nb)` over every N-block in parallel (for kernels with their own tile product), each thread configuring
+// its tiles once and giving the tile state back at the end.
 template <class F>
 void for_blocks(int64_t M, int64_t NB, const F& block) {
   torch::stable::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {

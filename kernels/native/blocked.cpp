@@ -322,8 +322,8 @@ std::vector<uint16_t> padded_x(const uint16_t* x, int64_t M, int64_t K) {
   return out;
 }
 
-// Per thread, one N-block's dequantized B tiles (K / 32 tiles of 512 bf16, 64-byte aligned), reused across blocks
-// and calls.
+// Per thread, dequantized B tiles (K / 32 tiles of 512 bf16 per N-block, 64-byte aligned; a pair of blocks asks for
+// 2K), reused across blocks and calls.
 uint16_t* amx_scratch(int64_t K) {
   struct Free {
     void operator()(uint16_t* p) const { std::free(p); }
@@ -362,13 +362,14 @@ Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
   if (use_amx(M, K, amx::kMinRowsDense)) {
     const std::vector<uint16_t> xpad = padded_x(xp, M, K);
     const uint16_t* xa = xpad.empty() ? xp : xpad.data();
-    amx::for_blocks(M, (N + 15) / 16, [&](int64_t nb) {
+    amx::for_block_pairs(M, K, xa, (N + 15) / 16, [&](int64_t nb, int) {
       const uint16_t* wb = w + nb * K * 16;
-      const auto tile = [&](int64_t t, bool) {
-        amx::prefetch_span<kDenseAhead, 1024>(wb + t * 512);
-        return wb + t * 512;
-      };
-      amx::block_rows(M, K, xa, tile, [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); });
+      return amx::block(
+          [wb](int64_t t, bool) {
+            amx::prefetch_span<kDenseAhead, 1024>(wb + t * 512);
+            return wb + t * 512;
+          },
+          [&out, nb, N](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); });
     });
     return y;
   }
@@ -397,26 +398,26 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
   if (use_amx(M, K, amx::kMinRowsIntN) && group_size % 32 == 0) {
     const std::vector<uint16_t> xpad = padded_x(xp, M, K);
     const uint16_t* xa = xpad.empty() ? xp : xpad.data();
-    amx::for_blocks(M, (N + 15) / 16, [&](int64_t nb) {
-      const uint8_t* blk = w + nb * block_bytes;
-      uint16_t* scratch = amx_scratch(K);
-      const auto st = [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); };
-      const auto run = [&](auto bits_c) {
-        constexpr int B = decltype(bits_c)::value;
-        const auto tile = [&](int64_t t, bool first) {
-          if (first) {
-            if (t == 0) amx::intn_dequant<B, kPackedAhead>(blk, K, group_size, 0, scratch);
-            if ((t + 1) * 32 < K) amx::intn_dequant<B, kPackedAhead>(blk, K, group_size, t + 1, scratch);
-          }
-          return static_cast<const uint16_t*>(scratch + t * 512);
-        };
-        amx::block_rows(M, K, xa, tile, st);
-      };
-      if (bits == 4)
-        run(std::integral_constant<int, 4>{});
-      else
-        run(std::integral_constant<int, 2>{});
-    });
+    const auto run = [&](auto bits_c) {
+      constexpr int B = decltype(bits_c)::value;
+      amx::for_block_pairs(M, K, xa, (N + 15) / 16, [&](int64_t nb, int slot) {
+        const uint8_t* blk = w + nb * block_bytes;
+        uint16_t* scratch = amx_scratch(2 * K) + slot * K * 16;
+        return amx::block(
+            [blk, scratch, K, group_size](int64_t t, bool first) {
+              if (first) {
+                if (t == 0) amx::intn_dequant<B, kPackedAhead>(blk, K, group_size, 0, scratch);
+                if ((t + 1) * 32 < K) amx::intn_dequant<B, kPackedAhead>(blk, K, group_size, t + 1, scratch);
+              }
+              return static_cast<const uint16_t*>(scratch + t * 512);
+            },
+            [&out, nb, N](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); });
+      });
+    };
+    if (bits == 4)
+      run(std::integral_constant<int, 4>{});
+    else
+      run(std::integral_constant<int, 2>{});
     return y;
   }
 #endif
@@ -470,18 +471,19 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
     const std::vector<uint16_t> xpad = padded_x(xp, M, K);
     const uint16_t* xa = xpad.empty() ? xp : xpad.data();
     const bool grouped = group_size < K;  // else the codes stay exact and the sums take the per-output scales
-    amx::for_blocks(M, (N + 15) / 16, [&](int64_t nb) {
+    amx::for_block_pairs(M, K, xa, (N + 15) / 16, [&](int64_t nb, int slot) {
       const uint8_t* blk = w + nb * block_bytes;
-      uint16_t* scratch = amx_scratch(K);
+      uint16_t* scratch = amx_scratch(2 * K) + slot * K * 16;
       const __m512 s = grouped ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(reinterpret_cast<const float*>(blk + K * 16));
-      const auto tile = [&](int64_t t, bool first) {
-        if (first) {
-          if (t == 0) amx::int8_dequant<kPackedAhead>(blk, K, group_size, 0, scratch);
-          if ((t + 1) * 32 < K) amx::int8_dequant<kPackedAhead>(blk, K, group_size, t + 1, scratch);
-        }
-        return static_cast<const uint16_t*>(scratch + t * 512);
-      };
-      amx::block_rows(M, K, xa, tile, [&](int64_t m, __m512 v) { store16(out, m, nb * 16, N, _mm512_mul_ps(v, s)); });
+      return amx::block(
+          [blk, scratch, K, group_size](int64_t t, bool first) {
+            if (first) {
+              if (t == 0) amx::int8_dequant<kPackedAhead>(blk, K, group_size, 0, scratch);
+              if ((t + 1) * 32 < K) amx::int8_dequant<kPackedAhead>(blk, K, group_size, t + 1, scratch);
+            }
+            return static_cast<const uint16_t*>(scratch + t * 512);
+          },
+          [&out, nb, N, s](int64_t m, __m512 v) { store16(out, m, nb * 16, N, _mm512_mul_ps(v, s)); });
     });
     return y;
   }

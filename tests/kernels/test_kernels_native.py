@@ -18,7 +18,8 @@ from glowplug.kernels.native import (
 
 SHAPES = [(960, 576), (576, 1536), (100, 96), (37, 64)]  # SmolLM2's, and N not a multiple of the 16-row block
 # single rows, partial and whole 8-row blocks; AMX tiles (4+ rows): partial, padded, four 16-row tiles at once (64),
-# and a fifth tile that reuses the block the first four dequantized (72)
+# and a fifth tile that reuses the block the first four dequantized (72); N-blocks run in pairs, so the odd block
+# counts of N=100 and N=37 also take the single-block path
 BATCHES = [1, 3, 4, 8, 11, 16, 20, 64, 72]
 
 
