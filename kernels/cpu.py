@@ -42,17 +42,18 @@ class Workspace:
 
     Buffers are handed out as views and are only valid until the next call that asks for the same dtype on the
     same thread, which is how the dequant paths use them (dequantize, multiply, done). Keying by thread keeps
-    two engine threads from clobbering each other's weights mid-GEMM."""
+    two engine threads from clobbering each other's weights mid-GEMM. Keying by inference mode: a buffer made
+    under `torch.inference_mode()` is an inference tensor, which torch refuses to update in place outside it."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[int, str, torch.dtype], Tensor] = {}
+        self._buffers: dict[tuple[int, str, torch.dtype, bool], Tensor] = {}
         self._lock = threading.Lock()
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
         numel = 1
         for s in shape:
             numel *= s
-        key = (threading.get_ident(), str(device), dtype)
+        key = (threading.get_ident(), str(device), dtype, torch.is_inference_mode_enabled())
         with self._lock:
             buf = self._buffers.get(key)
             if buf is None or buf.numel() < numel:

@@ -54,22 +54,6 @@ inline __m512 load_bf16x16(const uint16_t* p) {
 }
 #endif
 
-// x [M, K] in bf16 or fp32 -> fp32 copy (rows contiguous).
-inline std::vector<float> x_as_f32(const Tensor& x, int64_t M, int64_t K) {
-  std::vector<float> out(static_cast<size_t>(M * K));
-  if (x.scalar_type() == ScalarType::Float) {
-    std::memcpy(out.data(), x.const_data_ptr(), out.size() * 4);
-  } else {
-    const uint16_t* p = static_cast<const uint16_t*>(x.const_data_ptr());
-    size_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= out.size(); i += 16) _mm512_storeu_ps(out.data() + i, load_bf16x16(p + i));
-#endif
-    for (; i < out.size(); ++i) out[i] = bf16_to_f32(p[i]);
-  }
-  return out;
-}
-
 // Write one fp32 result into y (bf16 or fp32).
 struct OutWriter {
   void* base;

@@ -157,39 +157,52 @@ Tensor dense_linear(Tensor x, Tensor w, int64_t small_m) {
 // -------------------------------------------------------------------------------------------------- w8a8
 // x is quantized per row exactly as kernels/formats.quantize_per_token does (scale = max|x| / 127, round half to
 // even, clamp), shifted to uint8 for vpdpbusd / tdpbsud (u8 x s8), and the shift is taken back with the weight row
-// sums. Rows from M up to `rows` are zero inputs (128) for whole AMX tiles. Vectorized: the scalar loop was most of
-// a batch-64 step's w8a8 time (reports/decode-quantized.md).
-void quantize_rows(const float* xf, int64_t M, int64_t K, int64_t rows, uint8_t* xq, float* xs) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* r = xf + m * K;
-    uint8_t* o = xq + m * K;
-    float amax = 0.f;
-    int64_t k = 0;
-#if defined(__AVX512F__)
-    __m512 va = _mm512_setzero_ps();
-    for (; k + 16 <= K; k += 16) va = _mm512_max_ps(va, _mm512_abs_ps(_mm512_loadu_ps(r + k)));
-    amax = _mm512_reduce_max_ps(va);
-#endif
-    for (; k < K; ++k) amax = std::max(amax, std::fabs(r[k]));
-    const float scale = std::max(amax / 127.f, 1e-10f);
-    xs[m] = scale;
-    k = 0;
-#if defined(__AVX512F__)
-    const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-    for (; k + 16 <= K; k += 16) {  // x / scale, rounded half to even as nearbyint does, then clamped
-      __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(r + k), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
-      const __m512i q = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + k), _mm512_cvtepi32_epi8(q));
-    }
-#endif
-    for (; k < K; ++k) {
-      float v = std::nearbyint(r[k] / scale);
-      v = std::min(127.f, std::max(-127.f, v));
-      o[k] = static_cast<uint8_t>(static_cast<int>(v) + 128);
-    }
+// sums. With SmoothQuant, x is multiplied by 1 / smooth first (`inv`, or null). Reads x (bf16 or fp32) as it is:
+// an fp32 copy per call cost page faults and a pass over memory.
+struct XRows {
+  const void* x;
+  bool bf16;
+  const float* inv;
+  int64_t K;
+  float at(int64_t m, int64_t k) const {
+    const float v = bf16 ? bf16_to_f32(static_cast<const uint16_t*>(x)[m * K + k]) : static_cast<const float*>(x)[m * K + k];
+    return inv ? v * inv[k] : v;
   }
-  std::fill(xq + M * K, xq + rows * K, uint8_t{128});
+#if defined(__AVX512F__)
+  __m512 load(int64_t m, int64_t k, __mmask16 live) const {  // inputs k .. k+15 of row m (lanes off `live`: 0)
+    __m512 v = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                          live, static_cast<const uint16_t*>(x) + m * K + k)), 16))
+                    : _mm512_maskz_loadu_ps(live, static_cast<const float*>(x) + m * K + k);
+    return inv ? _mm512_mul_ps(v, _mm512_maskz_loadu_ps(live, inv + k)) : v;
+  }
+#endif
+};
+
+// Row m of x quantized into o[0..K); returns its scale.
+inline float quantize_row(const XRows& x, int64_t m, uint8_t* o) {
+  const int64_t K = x.K;
+#if defined(__AVX512F__)
+  auto live = [K](int64_t k) { return K - k >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (K - k)) - 1); };
+  __m512 va = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) va = _mm512_max_ps(va, _mm512_abs_ps(x.load(m, k, live(k))));
+  const float scale = std::max(_mm512_reduce_max_ps(va) / 127.f, 1e-10f);
+  const __m512 vs = _mm512_set1_ps(scale), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (int64_t k = 0; k < K; k += 16) {  // x / scale, rounded half to even as nearbyint does, then clamped
+    const __mmask16 l = live(k);
+    __m512 v = _mm512_roundscale_ps(_mm512_div_ps(x.load(m, k, l), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(hi, _mm512_max_ps(lo, v));
+    _mm_mask_storeu_epi8(o + k, l, _mm512_cvtepi32_epi8(_mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128))));
+  }
+#else
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(x.at(m, k)));
+  const float scale = std::max(amax / 127.f, 1e-10f);
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x.at(m, k) / scale)));
+    o[k] = static_cast<uint8_t>(static_cast<int>(v) + 128);
+  }
+#endif
+  return scale;
 }
 
 #ifdef GLOWPLUG_AMX
@@ -223,75 +236,119 @@ constexpr int64_t kMinRowsW8A8 = 2;
 
 // y^T = W x^T on tiles: A = 16 weight rows x 64 inputs (signed, straight from the row-major weight), B = 64 inputs
 // of 16 activation rows (unsigned, transposed once per call into `xt`), C = 16 outputs x 16 rows in int32, exact.
-// Up to four activation tiles share each weight tile. xt: [row tile][K / 64][16 input quads][16 rows][4].
-template <int R>
-inline void w8a8_tiles(const int8_t* a, int64_t K, const uint8_t* xt, int64_t KT, int32_t (*c)[256]) {
+// A pass takes up to two blocks of 16 outputs against up to two tiles of 16 rows (four accumulators), so every tile
+// it loads feeds two multiplies. Tile registers are not renamed: a load into a tile waits until the multiplies that
+// read its last contents are done, and with one weight tile feeding four row tiles each load waited on that chain
+// (about 130 cycles per row tile and 64 inputs at 64 rows, against the 16 a multiply takes).
+// `next` (or null): the next pair's 32 weight rows, fetched into L2 over this pass (2 KiB per 64 inputs). The weight
+// tiles are 16 rows K bytes apart, a pattern the hardware prefetcher does not follow; without this the loads of the
+// weight tiles were most of the kernel's time at 64 rows (per-shape speeds: reports/kernels.md, w8a8 rows).
+// xt: [row tile][K / 64][16 input quads][16 rows][4]. c[2n + j]: output block n, row tile j.
+template <int RN, int RJ>
+inline void w8a8_tiles(const int8_t* a0, const int8_t* a1, int64_t K, const uint8_t* x0, const uint8_t* x1, int64_t KT,
+                       int32_t (*c)[256], const int8_t* next) {
   _tile_zero(0);
-  if constexpr (R > 1) _tile_zero(1);
-  if constexpr (R > 2) _tile_zero(2);
-  if constexpr (R > 3) _tile_zero(3);
+  if constexpr (RJ > 1) _tile_zero(1);
+  if constexpr (RN > 1) _tile_zero(2);
+  if constexpr (RN > 1 && RJ > 1) _tile_zero(3);
   for (int64_t t = 0; t < KT; ++t) {
-    _tile_loadd(4, a + t * 64, K);
-    _tile_loadd(6, xt + t * 1024, 64);
+    if (next)
+      for (int i = 0; i < 32; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + t * 2048 + i * 64), _MM_HINT_T1);
+    _tile_loadd(4, a0 + t * 64, K);
+    _tile_loadd(6, x0 + t * 1024, 64);
     _tile_dpbsud(0, 4, 6);
-    if constexpr (R > 1) { _tile_loadd(7, xt + (KT + t) * 1024, 64); _tile_dpbsud(1, 4, 7); }
-    if constexpr (R > 2) { _tile_loadd(6, xt + (2 * KT + t) * 1024, 64); _tile_dpbsud(2, 4, 6); }
-    if constexpr (R > 3) { _tile_loadd(7, xt + (3 * KT + t) * 1024, 64); _tile_dpbsud(3, 4, 7); }
+    if constexpr (RN > 1) { _tile_loadd(5, a1 + t * 64, K); _tile_dpbsud(2, 5, 6); }
+    if constexpr (RJ > 1) {
+      _tile_loadd(7, x1 + t * 1024, 64);
+      _tile_dpbsud(1, 4, 7);
+      if constexpr (RN > 1) _tile_dpbsud(3, 5, 7);
+    }
   }
   _tile_stored(0, c[0], 64);
-  if constexpr (R > 1) _tile_stored(1, c[1], 64);
-  if constexpr (R > 2) _tile_stored(2, c[2], 64);
-  if constexpr (R > 3) _tile_stored(3, c[3], 64);
+  if constexpr (RJ > 1) _tile_stored(1, c[1], 64);
+  if constexpr (RN > 1) _tile_stored(2, c[2], 64);
+  if constexpr (RN > 1 && RJ > 1) _tile_stored(3, c[3], 64);
 }
 
-void w8a8_amx(const uint8_t* xq, const float* xs, const int8_t* qp, const float* ws, const int32_t* wsm, int64_t M,
-              int64_t N, int64_t K, const OutWriter& out) {
+// Rows j*16 .. j*16+15 of x (rows from M on are zero inputs, 128) quantized, then transposed into this tile's part
+// of xt. K % 64 == 0. `buf` holds the tile's 16 quantized rows. One task per tile, so a batch's tiles quantize on
+// all threads (on one, the quantization was about half the call at 64 rows and 576 inputs).
+void quantize_tile(const XRows& x, int64_t M, int64_t j, uint8_t* buf, uint8_t* xt, float* xs) {
+  const int64_t K = x.K;
+  for (int64_t i = 0; i < 16; ++i) {
+    const int64_t m = j * 16 + i;
+    if (m < M)
+      xs[m] = quantize_row(x, m, buf + i * K);
+    else
+      std::memset(buf + i * K, 128, static_cast<size_t>(K));
+  }
+  for (int64_t t = 0; t < K / 64; ++t) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(buf + i * K + t * 64);
+    transpose16(r);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(xt + (t * 16 + i) * 64, r[i]);
+  }
+}
+
+void w8a8_amx(const XRows& x, const int8_t* qp, const float* ws, const int32_t* wsm,
+              int64_t M, int64_t N, int64_t K, const OutWriter& out) {
   const int64_t MT = (M + 15) / 16, KT = K / 64, NT = (N + 15) / 16;
-  std::vector<uint8_t> xt(static_cast<size_t>(MT * KT * 1024));
-  for (int64_t j = 0; j < MT; ++j)
-    for (int64_t t = 0; t < KT; ++t) {
-      __m512i r[16];
-      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(xq + (j * 16 + i) * K + t * 64);
-      transpose16(r);
-      for (int i = 0; i < 16; ++i) _mm512_storeu_si512(xt.data() + ((j * KT + t) * 16 + i) * 64, r[i]);
-    }
-  torch::stable::parallel_for(0, NT, 1, [&](int64_t b0, int64_t b1) {
+  // Scratch reused across calls (the calling thread's, and each worker's): fresh vectors cost page faults and
+  // zero-fills on every call.
+  thread_local std::vector<uint8_t> xt_store;
+  thread_local std::vector<float> xs_store;
+  xt_store.resize(static_cast<size_t>(MT * KT * 1024));
+  xs_store.resize(static_cast<size_t>(M));
+  uint8_t* xtp = xt_store.data();
+  float* xs = xs_store.data();
+  torch::stable::parallel_for(0, MT, 1, [&](int64_t j0, int64_t j1) {
+    thread_local std::vector<uint8_t> buf;
+    buf.resize(static_cast<size_t>(16 * K));
+    for (int64_t j = j0; j < j1; ++j) quantize_tile(x, M, j, buf.data(), xtp + j * KT * 1024, xs);
+  });
+  torch::stable::parallel_for(0, (NT + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     amx::configure(16);
     alignas(64) int32_t c[4][256];
     std::vector<int8_t> tail;  // the last 16 weight rows, zero-padded, when N is not a multiple of 16
-    for (int64_t nt = b0; nt < b1; ++nt) {
-      const int64_t n0 = nt * 16, nv = std::min<int64_t>(16, N - n0);
-      const int8_t* a = qp + n0 * K;
-      if (nv < 16) {
-        tail.assign(static_cast<size_t>(16 * K), 0);
-        std::memcpy(tail.data(), a, static_cast<size_t>(nv * K));
-        a = tail.data();
-      }
-      const __mmask16 live = nv >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << nv) - 1);
-      const __m512i shift = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(live, wsm + n0), _mm512_set1_epi32(128));
-      const __m512 wsv = _mm512_maskz_loadu_ps(live, ws + n0);
-      for (int64_t j0 = 0; j0 < MT; j0 += 4) {
-        const int64_t R = std::min<int64_t>(4, MT - j0);
-        const uint8_t* xj = xt.data() + j0 * KT * 1024;
-        switch (R) {
-          case 1: w8a8_tiles<1>(a, K, xj, KT, c); break;
-          case 2: w8a8_tiles<2>(a, K, xj, KT, c); break;
-          case 3: w8a8_tiles<3>(a, K, xj, KT, c); break;
-          default: w8a8_tiles<4>(a, K, xj, KT, c); break;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t nb0 = 2 * p, RN = std::min<int64_t>(2, NT - nb0);
+      const int8_t* a[2] = {qp + nb0 * 16 * K, qp + (nb0 + 1) * 16 * K};
+      for (int64_t n = 0; n < RN; ++n) {
+        const int64_t nv = std::min<int64_t>(16, N - (nb0 + n) * 16);
+        if (nv < 16) {
+          tail.assign(static_cast<size_t>(16 * K), 0);
+          std::memcpy(tail.data(), a[n], static_cast<size_t>(nv * K));
+          a[n] = tail.data();
         }
-        for (int64_t r = 0; r < R; ++r) {
-          __m512i rows[16];  // c[r] is [output][activation row]: transposed, row i is activation row i's outputs
-          for (int i = 0; i < 16; ++i) rows[i] = _mm512_load_si512(c[r] + 16 * i);
-          transpose16(rows);
-          const int64_t m0 = (j0 + r) * 16, valid = std::min<int64_t>(16, M - m0);
-          for (int64_t i = 0; i < valid; ++i) {
-            const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(rows[i], shift)), wsv),
-                                           _mm512_set1_ps(xs[m0 + i]));
-            if (out.bf16)
-              _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.base) + (m0 + i) * out.ld + n0, live,
-                                       (__m256i)_mm512_cvtneps_pbh(v));
-            else
-              _mm512_mask_storeu_ps(static_cast<float*>(out.base) + (m0 + i) * out.ld + n0, live, v);
+      }
+      for (int64_t j0 = 0; j0 < MT; j0 += 2) {
+        const int64_t RJ = std::min<int64_t>(2, MT - j0);
+        const int8_t* next = (j0 == 0 && (nb0 + 4) * 16 <= N) ? qp + (nb0 + 2) * 16 * K : nullptr;
+        const uint8_t* x0 = xtp + j0 * KT * 1024;
+        const uint8_t* x1 = x0 + KT * 1024;
+        if (RN == 2 && RJ == 2) w8a8_tiles<2, 2>(a[0], a[1], K, x0, x1, KT, c, next);
+        else if (RN == 2) w8a8_tiles<2, 1>(a[0], a[1], K, x0, x1, KT, c, next);
+        else if (RJ == 2) w8a8_tiles<1, 2>(a[0], a[1], K, x0, x1, KT, c, next);
+        else w8a8_tiles<1, 1>(a[0], a[1], K, x0, x1, KT, c, next);
+        for (int64_t n = 0; n < RN; ++n) {
+          const int64_t n0 = (nb0 + n) * 16, nv = std::min<int64_t>(16, N - n0);
+          const __mmask16 live = nv >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << nv) - 1);
+          const __m512i shift = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(live, wsm + n0), _mm512_set1_epi32(128));
+          const __m512 wsv = _mm512_maskz_loadu_ps(live, ws + n0);
+          for (int64_t r = 0; r < RJ; ++r) {
+            __m512i rows[16];  // c[2n + r] is [output][activation row]: transposed, row i is activation row i's outputs
+            for (int i = 0; i < 16; ++i) rows[i] = _mm512_load_si512(c[2 * n + r] + 16 * i);
+            transpose16(rows);
+            const int64_t m0 = (j0 + r) * 16, valid = std::min<int64_t>(16, M - m0);
+            for (int64_t i = 0; i < valid; ++i) {
+              const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(rows[i], shift)), wsv),
+                                             _mm512_set1_ps(xs[m0 + i]));
+              if (out.bf16)
+                _mm256_mask_storeu_epi16(static_cast<uint16_t*>(out.base) + (m0 + i) * out.ld + n0, live,
+                                         (__m256i)_mm512_cvtneps_pbh(v));
+              else
+                _mm512_mask_storeu_ps(static_cast<float*>(out.base) + (m0 + i) * out.ld + n0, live, v);
+            }
           }
         }
       }
@@ -312,31 +369,22 @@ Tensor w8a8_linear(Tensor x, Tensor q, Tensor wscale, Tensor wsum, Tensor inv_sm
                   "w8a8_linear: wsum must be contiguous int32 [N]");
   STD_TORCH_CHECK(inv_smooth.numel() == 0 || (inv_smooth.numel() == K && inv_smooth.scalar_type() == ScalarType::Float),
                   "w8a8_linear: inv_smooth must be empty or float32 [K]");
-  std::vector<float> xf = x_as_f32(x, M, K);
-  if (inv_smooth.numel()) {
-    const float* is = static_cast<const float*>(inv_smooth.const_data_ptr());
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xf[m * K + k] *= is[k];
-  }
   const int8_t* qp = static_cast<const int8_t*>(q.const_data_ptr());
   const float* ws = static_cast<const float*>(wscale.const_data_ptr());
   const int32_t* wsm = static_cast<const int32_t*>(wsum.const_data_ptr());
+  const float* is = inv_smooth.numel() ? static_cast<const float*>(inv_smooth.const_data_ptr()) : nullptr;
   Tensor y = new_out(x, M, N);
   OutWriter out{y.mutable_data_ptr(), x.scalar_type() == ScalarType::BFloat16, N};
-  bool tiles = false;  // AMX, which reads whole 16-row activation tiles
+  const XRows xin{x.const_data_ptr(), out.bf16, is, K};
 #ifdef GLOWPLUG_AMX
-  tiles = M >= kMinRowsW8A8 && K % 64 == 0 && amx::available();
-#endif
-  const int64_t rows = tiles ? (M + 15) / 16 * 16 : M;
-  std::vector<uint8_t> xq(static_cast<size_t>(rows * K));
-  std::vector<float> xs(static_cast<size_t>(M));
-  quantize_rows(xf.data(), M, K, rows, xq.data(), xs.data());
-#ifdef GLOWPLUG_AMX
-  if (tiles) {
-    w8a8_amx(xq.data(), xs.data(), qp, ws, wsm, M, N, K, out);
+  if (M >= kMinRowsW8A8 && K % 64 == 0 && amx::available()) {  // AMX, which reads whole 16-row activation tiles
+    w8a8_amx(xin, qp, ws, wsm, M, N, K, out);
     return y;
   }
 #endif
+  std::vector<uint8_t> xq(static_cast<size_t>(M * K));
+  std::vector<float> xs(static_cast<size_t>(M));
+  for (int64_t m = 0; m < M; ++m) xs[m] = quantize_row(xin, m, xq.data() + m * K);
   torch::stable::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* qr = qp + n * K;

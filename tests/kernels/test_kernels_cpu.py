@@ -82,6 +82,20 @@ def test_workspace_shared_between_layers_of_different_shapes() -> None:
     assert torch.equal(cpu.run_dequant(xa, st, None), disp.run_path("dequant_bf16", xa, ra))
 
 
+def test_workspace_path_runs_outside_inference_mode_after_running_inside() -> None:
+    # The engine runs under torch.inference_mode(), benchmarks and callers may not: a scratch buffer first made
+    # inside is an inference tensor, and reusing it outside raised "Inplace update to inference tensor".
+    disp = Dispatcher()
+    a = F.quantize(_weight(64, 256, seed=3), "int4-g64")
+    ra = disp.prepare(a, ["dequant_bf16"])
+    x = _x(5, 256)
+    with torch.inference_mode():
+        inside = disp.run_path("dequant_bf16", x, ra)
+    outside = disp.run_path("dequant_bf16", x, ra)
+    assert torch.equal(inside, outside)
+    assert_matches(outside, R.linear(x, a), **tol_for("int4"), what="outside")
+
+
 def test_fp32_activations_are_cast_for_the_aten_kernels() -> None:
     w = F.quantize(_weight(64, 128), "int4-g32")
     x = torch.randn(2, 128)

@@ -86,6 +86,26 @@ def test_row_major_fp32_and_w8a8_match_reference(native: Path, m: int, n: int, k
     torch.testing.assert_close(native_linear(x, st), reference.linear(x, q), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 3, 20, 64])
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (37, 64), (100, 96)])
+def test_w8a8_with_smoothing_and_bf16_activations_matches_reference(native: Path, m: int, n: int, k: int) -> None:
+    """The engine's w8a8 case: bf16 activations, SmoothQuant's per-input factors folded into the kernel's
+    quantization of x (the AMX path from 2 rows when K % 64 == 0, VNNI otherwise)."""
+    g = torch.Generator().manual_seed(7 * m + n)
+    smooth = torch.rand(k, generator=g) * 4 + 0.25
+    q = formats.quantize_w8a8(torch.randn(n, k, generator=g) * 0.05, smooth)
+    x = (torch.randn(m, k, generator=g) * 3).to(torch.bfloat16)
+    st = prepare_native(q, torch.bfloat16)
+    assert st is not None and st.tensors[3].numel() == k
+    got = native_linear(x, st)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    ref = reference.linear(x, q)
+    # x * (1 / smooth) against the reference's x / smooth can move an activation by one int8 step; then bf16 output.
+    err = (got.float() - ref).norm() / ref.norm()
+    assert err < 1e-2, f"relative Frobenius error {err:.2e}"
+    torch.testing.assert_close(got.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=2e-2)
+
+
 def test_a_damaged_library_is_rebuilt(tmp_path: Path) -> None:
     """The library is an artifact-store entry: truncate the cached .so and a new process rebuilds it (a process
     that already loaded the library keeps it, so the check runs in a fresh interpreter)."""
