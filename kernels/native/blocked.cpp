@@ -455,7 +455,7 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
       const uint8_t* blk = w + nb * block_bytes;
       const __m512 ws = _mm512_loadu_ps(reinterpret_cast<const float*>(blk + K * 16));
       alignas(64) int32_t c[3][256];
-      amx::int8_digits_block<kPackedAhead>(blk, K, xd.d[0].data(), xd.d[1].data(), xd.d[2].data(), c);
+      amx::int8_digits_block(blk, K, xd.d[0].data(), xd.d[1].data(), xd.d[2].data(), c);
       for (int64_t m = 0; m < M; ++m) {  // each digit's sum of q d, then 65536 d2 + 256 d1 + d0, then the scales
         const size_t r = static_cast<size_t>(m);
         __m512 part[3];
