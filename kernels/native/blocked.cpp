@@ -32,14 +32,12 @@ namespace {
 // 2-core EPYC: 3-6 KiB for the packed formats, 2 KiB for dense bf16. On the 2-core Intel Xeon a sweep over a whole
 // decode step's GEMVs (distinct weights, batch 1; 2, 4, 8 and 16 KiB ahead) was fastest at 8 KiB for int4 and flat
 // for dense bf16, so the packed formats use 8 KiB. Per-shape speeds: reports/kernels.md.
-// A second prefetch, 16 KiB ahead into L2 (`prefetch_l2`), keeps more lines in flight than the L1 one alone: a core
+// A second prefetch, 16 KiB ahead into L2 (hint T1), keeps more lines in flight than the L1 one alone: a core
 // has few L1 fill buffers, and L2 prefetches do not hold them. On a simulated batch-1 decode step (all 121 GEMVs on
 // distinct weights, 2 threads, three runs each, Intel Xeon): dense bf16 11.0-11.4 ms -> 9.7-10.0, int4 2.93-3.00 ->
 // 2.71-2.89, int8 3.77-4.15 -> 3.41-3.79 (the decode step: reports/decode-quantized.md).
-template <int DIST>
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + DIST, _MM_HINT_T0); }
-template <int DIST>
-inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p) + DIST, _MM_HINT_T1); }
+template <int DIST, int HINT = _MM_HINT_T0>
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + DIST, static_cast<_mm_hint>(HINT)); }
 constexpr int kPackedAhead = 8192, kDenseAhead = 2048, kL2Ahead = 16384;
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -78,8 +76,8 @@ void dense_block(const uint16_t* wb, int64_t K, const uint16_t* x, int64_t m0, i
   for (; p + 2 <= pairs; p += 2) {
     prefetch<kDenseAhead>(wb + p * 32);
     prefetch<kDenseAhead>(wb + p * 32 + 32);
-    prefetch_l2<kL2Ahead>(wb + p * 32);
-    prefetch_l2<kL2Ahead>(wb + p * 32 + 32);
+    prefetch<kL2Ahead, _MM_HINT_T1>(wb + p * 32);
+    prefetch<kL2Ahead, _MM_HINT_T1>(wb + p * 32 + 32);
     const __m512i w0 = _mm512_loadu_si512(wb + p * 32), w1 = _mm512_loadu_si512(wb + p * 32 + 32);
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
       const uint16_t* xr = x + (m0 + m) * K + 2 * p;
@@ -116,7 +114,7 @@ void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, co
       acc[m][a] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks_per_group; ++c, chunk += 64) {
       prefetch<kPackedAhead>(chunk);
-      prefetch_l2<kL2Ahead>(chunk);
+      prefetch<kL2Ahead, _MM_HINT_T1>(chunk);
       const __m512i v = _mm512_loadu_si512(chunk);
       const int64_t k0 = (g * chunks_per_group + c) * KC;
       _Pragma("GCC unroll 16") for (int p = 0; p < PLANES; ++p) {
@@ -261,7 +259,7 @@ void int8_block(const uint8_t* blk, int64_t K, int64_t gs, const X16& xd, int64_
       // array indexed at run time lives on the stack, and an Intel Xeon stalled on its store-reload).
       _Pragma("GCC unroll 8") for (int c = 0; c < kXBlock / 4; ++c, chunk += 64) {
         prefetch<kPackedAhead>(chunk);
-        prefetch_l2<kL2Ahead>(chunk);
+        prefetch<kL2Ahead, _MM_HINT_T1>(chunk);
         const __m512i v = _mm512_loadu_si512(chunk);
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
           const int64_t at = (m0 + m) * K + k0 + 4 * c;

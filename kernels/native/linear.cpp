@@ -252,8 +252,7 @@ inline void w8a8_tiles(const int8_t* a0, const int8_t* a1, int64_t K, const uint
   if constexpr (RN > 1) _tile_zero(2);
   if constexpr (RN > 1 && RJ > 1) _tile_zero(3);
   for (int64_t t = 0; t < KT; ++t) {
-    if (next)
-      for (int i = 0; i < 32; ++i) _mm_prefetch(reinterpret_cast<const char*>(next + t * 2048 + i * 64), _MM_HINT_T1);
+    if (next) amx::prefetch_span<0, 2048, _MM_HINT_T1>(next + t * 2048);
     _tile_loadd(4, a0 + t * 64, K);
     _tile_loadd(6, x0 + t * 1024, 64);
     _tile_dpbsud(0, 4, 6);
