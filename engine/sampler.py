@@ -98,13 +98,15 @@ def _has_penalty(seq: Sequence) -> bool:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-    """logits: [len(seqs), vocab] float32, one row per sequence that produces a token this step."""
+    """logits: [len(seqs), vocab] in the model's dtype (float32 or bfloat16), one row per sequence that produces a
+    token this step. Arithmetic on them runs in float32: the batch is widened when a row asks for logprobs or
+    penalties, and the sampled rows are; greedy rows take their argmax from the logits as they are."""
     params = [s.params for s in seqs]
-    raw = logits
     want_lp = [p.logprobs for p in params]
     lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
-    logprobs = torch.log_softmax(raw, dim=-1) if lp_rows else None
     penal = [i for i, s in enumerate(seqs) if _has_penalty(s)]
+    raw = logits.float() if lp_rows or penal else logits
+    logprobs = torch.log_softmax(raw, dim=-1) if lp_rows else None
     if penal:
         logits = raw.clone()
         for i in penal:
@@ -116,7 +118,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     if sampled:
         dev = logits.device
         idx = torch.tensor(sampled, dtype=torch.long, device=dev)
-        sub = logits[idx] / torch.tensor([params[i].temperature for i in sampled], device=dev)[:, None]
+        sub = logits[idx].float() / torch.tensor([params[i].temperature for i in sampled], device=dev)[:, None]
         sub = apply_top_k(sub, [params[i].top_k for i in sampled])
         sub = apply_top_p(sub, [params[i].top_p for i in sampled])
         sub = apply_min_p(sub, [params[i].min_p for i in sampled])

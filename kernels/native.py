@@ -16,8 +16,8 @@ Ops (namespace `glowplug_native`; x [M, K] contiguous, y [M, N] in x's dtype):
   decode_attention(q, k_cache, v_cache, packed, scale)
   decode_attention_int8(q, k_cache, v_cache, k_scale, v_scale, packed, scale)
                                           one decode token per sequence over the paged cache (attention.cpp)
-  argmax_rows(x)                          fp32 x [rows, n] -> int64 [rows]: each row's first maximum, as torch's
-                                          max(dim=-1).indices (rows.cpp; the sampler's greedy tokens)
+  argmax_rows(x)                          fp32 or bf16 x [rows, n] -> int64 [rows]: each row's first maximum, as
+                                          torch's max(dim=-1).indices (rows.cpp; the sampler's greedy tokens)
 The blocked ones (blocked.cpp) need AVX512-BF16, the attention ones AVX512F. On a CPU with AMX the blocked ones
 run batches of several rows on AMX tiles (amx.h; the library asks Linux for the tile state at first use). Each linear op has a pure-torch
 reference in kernels/reference.py (`native_linear`), which tests/kernels compare against; the attention ops' reference
@@ -206,9 +206,9 @@ def ops() -> object:
 
 def first_max_indices(x: Tensor) -> Tensor:
     """Each row's index of its first maximum, as `x.max(dim=-1).indices` gives it: with the native op where the
-    library is loaded and x is a float32 [rows, n] CPU tensor (torch's reduction tracks the index in a scalar loop;
-    the op is one vector pass per row, rows split across the threads), else torch's."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+    library is loaded and x is a float32 or bfloat16 [rows, n] CPU tensor (torch's reduction tracks the index in a
+    scalar loop; the op is one vector pass per row, rows split across the threads), else torch's."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.shape[1] > 0:
         try:
             op = getattr(torch.ops, NAMESPACE).argmax_rows
         except (AttributeError, RuntimeError):  # not loaded in this process (or an older build without the op)

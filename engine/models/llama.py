@@ -223,10 +223,14 @@ class DecoderLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits in the model's dtype, as vLLM returns them: the sampler widens to fp32 only what its arithmetic
+        needs (temperature, penalties, logprobs). A greedy row's argmax is the same either way (bf16 widens
+        exactly), so a greedy batch no longer writes and re-reads an fp32 copy of its [B, vocab] logits."""
+        return self.lm_head(hidden)
 
     def decode(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
-        """Logits [B, vocab] (fp32) for a decode-only batch given as the packed [B, DECODE_COLS + W] step input."""
+        """Logits [B, vocab] (the model's dtype) for a decode-only batch given as the packed [B, DECODE_COLS + W]
+        step input."""
         from ..attention import POSITION, TOKEN
 
         m = self.model

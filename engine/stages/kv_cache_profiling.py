@@ -67,7 +67,7 @@ def _measure(ctx: EngineContext) -> KVProfile:
 
     def forward() -> None:
         hidden = model(ids, pos, AttentionMetadata.causal([tokens]))
-        model.compute_logits(hidden[-rows:])
+        model.compute_logits(hidden[-rows:]).float()  # the sampler's fp32 copy (logprobs, penalties) counts too
         del hidden
 
     if ctx.device.startswith("cuda"):

@@ -102,7 +102,7 @@ def next_token_logprobs(model: Any, windows: list[list[int]]) -> list[Any]:
         for w in windows:
             ids = torch.tensor(w)
             hidden = model(ids, torch.arange(len(w)), AttentionMetadata.causal([len(w)]))
-            out.append(torch.log_softmax(model.compute_logits(hidden[:-1]), dim=-1))
+            out.append(torch.log_softmax(model.compute_logits(hidden[:-1]).float(), dim=-1))
     return out
 
 
