@@ -11,8 +11,7 @@
 namespace glowplug {
 namespace {
 
-// The index of the first maximum of x[0..n), as torch's max(dim).indices gives it; a NaN is the maximum (torch
-// propagates it), so the first NaN's index when there is one.
+// Element i, and 16 elements, of fp32 or bf16 (uint16_t) logits as fp32.
 inline float value(const float* x, int64_t i) { return x[i]; }
 inline float value(const uint16_t* x, int64_t i) { return bf16_to_f32(x[i]); }
 #if defined(__AVX512F__)
@@ -20,6 +19,8 @@ inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
 inline __m512 load16(const uint16_t* x) { return load_bf16x16(x); }
 #endif
 
+// The index of the first maximum of x[0..n), as torch's max(dim).indices gives it; a NaN is the maximum (torch
+// propagates it), so the first NaN's index when there is one.
 template <class T>
 int64_t first_max(const T* x, int64_t n) {
 #if defined(__AVX512F__)
