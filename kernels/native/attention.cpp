@@ -410,9 +410,9 @@ void attend_amx(const Job& j, int64_t split, int64_t t0, int64_t t1) {
         const int64_t gc = std::min<int64_t>(GB, G - g0), n0 = h * G + g0;
         // The next task's keys and values, for the same token and head position, prefetched as this task's values
         // are weighed: a few lines per row, so the cache stream overlaps the arithmetic (a burst per tile filled the
-        // core's miss buffers and stalled it). Into L2 (T1), not L1: a task's rows are more than L1 holds, and an L1
-        // prefetch holds one of the core's few fill buffers until its line arrives (the op alone, 30 layers at batch
-        // 64 and 90 tokens, cache evicted between runs: 9% faster; issue 10's closing note has the figures).
+        // core's miss buffers and stalled it). Into L2 (T1): a task's rows are more than L1 holds. Against T0 the op
+        // alone (30 layers at batch 64 and 90 tokens, cache evicted between runs) measured the same within this
+        // machine's noise, on huge pages and on 4 KiB ones; issue 10's closing note at stop 29 has the figures.
         const bool first = g0 == 0 && nx[2] > 0;
         const int64_t nh = nx[1] + h - h0;
         const uint16_t *nk = nullptr, *nv = nullptr;
