@@ -28,18 +28,18 @@ from typing import Any, TypeVar
 import structlog
 import torch
 
-from .artifacts import ArtifactStore, Workspace
-from .artifacts.caches import COMPILE, INDUCTOR, source_digest
-from .artifacts.cachedir import report_event
-from .artifacts.manifest import list_files
-from .artifacts.workspace import open_workspace, renew, seal
+from glowplug.base.artifacts import ArtifactStore, Workspace
+from glowplug.base.artifacts.caches import COMPILE, INDUCTOR, source_digest
+from glowplug.base.artifacts.cachedir import report_event
+from glowplug.base.artifacts.manifest import list_files
+from glowplug.base.artifacts.workspace import open_workspace, renew, seal
 from .compile import CompiledDecode, InductorSettings, LoadedDecode
 from .compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable
 from .config import EngineConfig
 from .models.arch import ModelArch
 from .models.llama import DecoderLM
 from ..profiling.names import Event
-from .stages.base import one_line
+from glowplug.base.errors import one_line
 
 T = TypeVar("T")
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -51,7 +51,7 @@ def device_label(device: str) -> str:
     """The device as compiled code depends on it: on the CPU, the CPU model (Inductor builds with -march=native)."""
     if device != "cpu":
         return device
-    from glowplug.kernels.dispatch import cpu_model
+    from glowplug.base.machine import cpu_model
 
     return f"cpu/{cpu_model()}"
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -21,7 +19,6 @@ OnOff = Literal["on", "off"]
 CompileMode = Literal["auto", "on", "off"]
 
 DEFAULT_MODEL = "smollm2"
-DEFAULT_CACHE_DIR = "~/.cache/glowplug"
 
 
 class FrozenModel(BaseModel):
@@ -34,11 +31,6 @@ class FrozenModel(BaseModel):
 
     def hash_factors(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
-
-
-def cache_dir_from_env() -> Path:
-    """`GLOWPLUG_CACHE_DIR` wins; the default lives under the user's cache."""
-    return Path(os.environ.get("GLOWPLUG_CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
 
 
 class SchedulerConfig(FrozenModel):

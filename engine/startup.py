@@ -16,9 +16,11 @@ from ..profiling.names import SCHEMA_VERSION, STARTUP_SPAN, Attr
 from ..profiling.phases import Floor, PhaseTable, build_phase_table
 from ..profiling.process import Clock, FullGcDeferral, ProcessMarks, open_startup_span
 from ..profiling.tracing import Tracing, setup_tracing
-from .artifacts import ArtifactStore
-from .artifacts.caches import STARTUP_PROFILE
-from .config import EngineConfig, cache_dir_from_env
+from glowplug.base.artifacts import ArtifactStore
+from glowplug.base.artifacts.caches import STARTUP_PROFILE
+from glowplug.base.artifacts.cachedir import cache_dir_from_env
+
+from .config import EngineConfig
 from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
 from .models.arch import ModelArch
@@ -117,7 +119,7 @@ FLOOR_PROBE_REPEATS = 3
 
 def measure_floor(weights_bytes: int, import_torch_s: float) -> Floor:
     """The floor of this config: its weights read once at the measured read bandwidth, plus `import torch`."""
-    from ..profiling.bench.machine import measure_probe
+    from glowplug.base.machine import measure_probe
 
     gbps = measure_probe(FLOOR_PROBE_REPEATS, FLOOR_PROBE_BYTES)
     return Floor(weights_bytes=weights_bytes, read_gbps=round(gbps, 3), import_torch_s=import_torch_s)

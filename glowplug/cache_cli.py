@@ -28,7 +28,7 @@ class CacheFlags(BaseModel):
     @classmethod
     def _known(cls, v: str | None) -> str | None:
         if v is not None:
-            from glowplug.engine.artifacts.caches import by_name
+            from glowplug.base.artifacts.caches import by_name
 
             by_name(v)  # raises, naming the caches there are
         return v
@@ -101,7 +101,7 @@ def _table(title: str, items: list[Any], *, result: bool = False) -> Any:
 
 
 def _store() -> Any:
-    from glowplug.engine.artifacts import ArtifactStore
+    from glowplug.base.artifacts import ArtifactStore
 
     return ArtifactStore()
 
@@ -109,7 +109,7 @@ def _store() -> Any:
 def _run(args: argparse.Namespace, flags_cls: type[CacheFlags], body: Any) -> int:
     from rich.console import Console
 
-    from glowplug.engine.artifacts import CacheDirUnusable
+    from glowplug.base.artifacts import CacheDirUnusable
 
     flags = flags_cls.model_validate({k: v for k, v in vars(args).items() if k in _FLAG_NAMES})
     try:
@@ -122,7 +122,7 @@ def _run(args: argparse.Namespace, flags_cls: type[CacheFlags], body: Any) -> in
 
 
 def _ls(flags: CacheFlags, store: Any, out: Any) -> int:
-    from glowplug.engine.artifacts.admin import scan
+    from glowplug.base.artifacts.admin import scan
 
     items = scan(store, flags.cache)
     if flags.as_json:
@@ -134,7 +134,7 @@ def _ls(flags: CacheFlags, store: Any, out: Any) -> int:
 
 
 def _verify(flags: VerifyFlags, store: Any, out: Any) -> int:
-    from glowplug.engine.artifacts.admin import scan, verify
+    from glowplug.base.artifacts.admin import scan, verify
 
     items = [i for i in verify(store, scan(store, flags.cache), "full" if flags.full else "quick")
              if i.kind in ("entry", "damaged")]  # fmt: skip
@@ -151,7 +151,7 @@ def _verify(flags: VerifyFlags, store: Any, out: Any) -> int:
 
 
 def _prune(flags: PruneFlags, store: Any, out: Any) -> int:
-    from glowplug.engine.artifacts.admin import prune_plan, remove, scan, verify
+    from glowplug.base.artifacts.admin import prune_plan, remove, scan, verify
 
     items = scan(store, flags.cache)
     if flags.corrupt:

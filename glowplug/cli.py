@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from .flags import FlagError, add_model_flags, explain, load_config_file
+from .base.flags import FlagError, add_model_flags, explain, load_config_file
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(sys.argv[1:] if argv is None else argv)
     from pydantic import ValidationError
 
-    from glowplug.engine.artifacts import CacheDirUnusable
+    from glowplug.base.artifacts import CacheDirUnusable
     from glowplug.engine.models.arch import ModelError
     from glowplug.engine.stages.base import StartupFailed
 

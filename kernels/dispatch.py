@@ -15,17 +15,20 @@ import functools
 import json
 import math
 import os
-import platform
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from glowplug.base.artifacts import ArtifactStore, Fetched
+from glowplug.base.artifacts.caches import KERNEL_DISPATCH
+from glowplug.base.machine import cpu_model
+
 from . import cpu, reference
-from .dispatch_cache import lookup_table, save_table
 from .formats import PackedWeight, fit_spec, quantize
 from .triton import ops as triton_ops
 
@@ -230,17 +233,6 @@ def default_dispatcher() -> Dispatcher:
 
 
 # ---------------------------------------------------------------------------------------------- calibration
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def time_samples_us(fn: Callable[[], Any], repeats: int = 10, warmup: int = 2, budget_s: float = 2.0) -> list[float]:
     """Every timed call of fn, in µs: `repeats` calls, or fewer (never under 3 when repeats >= 3) once budget_s of
     wall time is spent, so a slow path cannot stall a calibration."""
@@ -357,3 +349,26 @@ def calibrate(shapes: Sequence[tuple[int, int]], cache_dir: str | os.PathLike[st
                                              for m, t in timings.items()}
     save_table(cache_dir, factors, table)
     return table
+
+
+# ---------------------------------------------------------------------------------------------- the stored table
+# The calibrated table is an artifact-store entry (cache `kernel_dispatch`): written by `calibrate` (`glowplug
+# bench kernels`), read by the engine's model_init. A damaged table is moved aside and the engine falls back to
+# the built-in rules until the next calibration.
+TABLE = "table.json"
+
+
+def _load_table(folder: Path) -> DispatchTable:
+    return DispatchTable.from_json((folder / TABLE).read_text(encoding="utf-8"))
+
+
+def lookup_table(cache_dir: str | os.PathLike[str] | None, factors: dict[str, Any]) -> Fetched[DispatchTable | None]:
+    return ArtifactStore(cache_dir).lookup(KERNEL_DISPATCH, factors, group=str(factors["cpu"]), load=_load_table)
+
+
+def save_table(cache_dir: str | os.PathLike[str] | None, factors: dict[str, Any], table: DispatchTable) -> None:
+    def build(folder: Path | None) -> None:
+        if folder is not None:
+            (folder / TABLE).write_text(table.to_json(), encoding="utf-8")
+
+    ArtifactStore(cache_dir).put(KERNEL_DISPATCH, factors, group=str(factors["cpu"]), build=build)

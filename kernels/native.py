@@ -172,8 +172,8 @@ def load_native(cache_dir: Path) -> NativeBuild:
     compiler = _compiler()
     if compiler is None:
         return NativeBuild(False, None, False, 0.0, "no C++ compiler (g++, or $CXX) on PATH")
-    from glowplug.engine.artifacts import ArtifactStore
-    from glowplug.engine.artifacts.caches import NATIVE
+    from glowplug.base.artifacts import ArtifactStore
+    from glowplug.base.artifacts.caches import NATIVE
 
     def build(folder: Path | None) -> Path:
         # Without a usable cache dir the library still has to live in a file to be loaded: a temporary folder.

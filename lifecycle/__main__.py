@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def build_parser() -> argparse.ArgumentParser:
     from glowplug.engine.config import EngineConfig
-    from glowplug.flags import add_model_flags
+    from glowplug.base.flags import add_model_flags
 
     from .config import add_serve_flags
 
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     marks.defer_full_gc()  # this process serves one engine: see FullGcDeferral
     from pydantic import ValidationError
 
-    from glowplug.flags import explain
+    from glowplug.base.flags import explain
 
     from .config import serve_config_from_args
     from .server import serve

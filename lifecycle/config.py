@@ -71,7 +71,7 @@ class ServeConfig(BaseModel):
 
 def add_serve_flags(parser: argparse.ArgumentParser | Any) -> list[str]:
     """One `--flag` per ServeConfig field (argparse group or parser); returns the field names added."""
-    from glowplug.flags import add_model_flags
+    from glowplug.base.flags import add_model_flags
 
     return add_model_flags(parser, ServeConfig)
 

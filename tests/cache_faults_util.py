@@ -127,8 +127,8 @@ def make_stale(entry: Path, how: str) -> Path:
     """stale_glowplug: the entry at this key was written by another glowplug, in another entry format.
     stale_torch: the entry was made under another torch version (moved to the key it would have had there).
     Returns where the entry now is."""
-    from glowplug.engine.artifacts import ArtifactStore
-    from glowplug.engine.artifacts.caches import by_name
+    from glowplug.base.artifacts import ArtifactStore
+    from glowplug.base.artifacts.caches import by_name
 
     m = json.loads((entry / "manifest.json").read_text())
     m["producer"].update(glowplug="0.0.1", torch="2.0.0")

@@ -15,9 +15,9 @@ import torch
 from opentelemetry import trace
 from safetensors.torch import save_file
 
-from glowplug.engine.artifacts import ArtifactStore, CacheDirUnusable, CacheSpec
-from glowplug.engine.artifacts import manifest as mf
-from glowplug.engine.artifacts.workspace import open_workspace, seal
+from glowplug.base.artifacts import ArtifactStore, CacheDirUnusable, CacheSpec
+from glowplug.base.artifacts import manifest as mf
+from glowplug.base.artifacts.workspace import open_workspace, seal
 from glowplug.profiling.names import Attr, Event
 from glowplug.profiling.tracing import setup_tracing
 

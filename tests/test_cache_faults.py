@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import cache_faults_util as util
-from glowplug.engine.artifacts import ArtifactStore
-from glowplug.engine.artifacts.caches import by_name
+from glowplug.base.artifacts import ArtifactStore
+from glowplug.base.artifacts.caches import by_name
 from glowplug.engine.stages.graph_compile import ATTR_REPLAY
 from glowplug.profiling.names import Attr
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from glowplug.engine.artifacts import ArtifactStore
-from glowplug.engine.artifacts.caches import MODEL
-from glowplug.engine.artifacts.manifest import read_manifest, sha256_file
+from glowplug.base.artifacts import ArtifactStore
+from glowplug.base.artifacts.caches import MODEL
+from glowplug.base.artifacts.manifest import read_manifest, sha256_file
 from glowplug.engine.models import store
 
 

@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from ..artifacts import ArtifactStore, Fetched
-from ..artifacts.caches import MODEL
-from ..artifacts.manifest import package_version, read_manifest
+from glowplug.base.artifacts import ArtifactStore, Fetched
+from glowplug.base.artifacts.caches import MODEL
+from glowplug.base.artifacts.manifest import package_version, read_manifest
 from ..config import DEFAULT_MODEL
 from .arch import ModelError
 

@@ -30,6 +30,7 @@ import structlog
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanContext, Status, StatusCode, Tracer
 
+from glowplug.base.errors import one_line
 from glowplug.profiling.names import SCHEMA_VERSION, STAGE_ROWS, STARTUP_SPAN, Attr, stage_span_name
 from glowplug.profiling.process import Clock
 
@@ -136,14 +137,6 @@ class StageResult:
     start_ns: int = 0  # perf_counter_ns at the stage's start and end (critical path, overlap)
     end_ns: int = 0
     thread: str = ""
-
-
-def one_line(exc: BaseException) -> str:
-    """`TypeName: first line of the message`, short enough for a status line and a span status."""
-    text = str(exc).strip().splitlines()
-    first = text[0] if text else ""
-    summary = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return summary if len(summary) <= 300 else summary[:297] + "..."
 
 
 class StartupFailed(RuntimeError):

@@ -16,7 +16,9 @@ from ..compile_cache import StoredReplay
 from ..compile_replay import ReplayPlan, make_plan
 from ..kv_cache import LayerKV
 from ..model_runner import dummy_decode_batch
-from .base import StageReport, one_line
+from glowplug.base.errors import one_line
+
+from .base import StageReport
 from .context import EngineContext
 from .dynamo_transform import inductor_settings, scratch_cache, skipped_reason, trace
 

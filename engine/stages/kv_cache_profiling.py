@@ -22,8 +22,8 @@ from pydantic import BaseModel, ConfigDict
 
 from ...profiling.memory import LiveTensorPeak, PeakMemory
 from ...profiling.names import Attr
-from ..artifacts import ArtifactStore
-from ..artifacts.caches import KV_PROFILE
+from glowplug.base.artifacts import ArtifactStore
+from glowplug.base.artifacts.caches import KV_PROFILE
 from ..attention import AttentionMetadata
 from ..kv_sizing import plan_kv_cache
 from .base import StageReport

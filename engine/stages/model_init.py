@@ -22,8 +22,7 @@ def layer_shapes(ctx: EngineContext) -> list[tuple[int, int]]:
 def kernel_dispatcher(ctx: EngineContext) -> tuple[object, str]:
     """The dispatcher for the quantized layers: the table `glowplug bench kernels` calibrated on this machine for
     these shapes when there is one, else the built-in rules (the measured facts in the kernel notes)."""
-    from glowplug.kernels.dispatch import DEFAULT_FORMATS, DEFAULT_MS, Dispatcher, calibration_factors
-    from glowplug.kernels.dispatch_cache import lookup_table
+    from glowplug.kernels.dispatch import DEFAULT_FORMATS, DEFAULT_MS, Dispatcher, calibration_factors, lookup_table
 
     found = lookup_table(ctx.cache_root, calibration_factors(layer_shapes(ctx), DEFAULT_FORMATS, DEFAULT_MS))
     if found.value is not None:

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ...profiling.names import Attr
-from ..artifacts import ArtifactStore
-from ..artifacts.caches import QUANT, file_stamps, source_digest
+from glowplug.base.artifacts import ArtifactStore
+from glowplug.base.artifacts.caches import QUANT, file_stamps, source_digest
 from ..models.loader import checkpoint_files
 from ..models.store import gguf_table
 from .base import StageReport

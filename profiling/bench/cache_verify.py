@@ -41,9 +41,9 @@ def _mb(n: int) -> str:
 
 
 def run_cache_verify_bench(cfg: CacheVerifyConfig, argv: list[str] | None) -> str:
-    from ...engine.artifacts import ArtifactStore
-    from ...engine.artifacts.caches import INDUCTOR, MODEL
-    from ...engine.artifacts.manifest import check_file, read_manifest, sha256_file
+    from glowplug.base.artifacts import ArtifactStore
+    from glowplug.base.artifacts.caches import INDUCTOR, MODEL
+    from glowplug.base.artifacts.manifest import check_file, read_manifest, sha256_file
     from ...engine.models.store import DEFAULT_ALIASES, default_gguf_path, prepare_model
 
     model_dir, fetched = prepare_model(cfg.model, quiet=True)

@@ -25,7 +25,7 @@ class KernelBenchConfig(BaseModel):
 
 def model_layer_shapes(model: str) -> list[tuple[int, int]]:
     """Distinct (N, K) of the model's projections: q, k/v, o, gate/up, down."""
-    from ...engine.config import cache_dir_from_env
+    from glowplug.base.artifacts.cachedir import cache_dir_from_env
     from ...engine.models.arch import load_arch
     from ...engine.models.store import resolve_model
     from ...engine.stages.context import EngineContext
@@ -37,7 +37,7 @@ def model_layer_shapes(model: str) -> list[tuple[int, int]]:
 
 
 def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
-    from ...engine.config import cache_dir_from_env
+    from glowplug.base.artifacts.cachedir import cache_dir_from_env
     from ...kernels.bench import DEFAULT_BENCH_FORMATS, bench_kernels, render_markdown
     from ...kernels.dispatch import Dispatcher, calibrate
 

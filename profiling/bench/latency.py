@@ -141,7 +141,7 @@ def _measure(engine: Any, cfg: LatencyBenchConfig, cell: LatencyCell, prompts: l
 def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None) -> LatencyResult:
     import gc
 
-    from ...engine.stages.base import one_line
+    from ...base.errors import one_line
     from .decode import make_prompts
     from .timing import build_llm, why_cannot_run
 

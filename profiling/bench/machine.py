@@ -11,17 +11,11 @@ from pathlib import Path
 
 import psutil
 
+from ...base.machine import PROBE_BYTES, PROBE_REPEATS, cpu_model, measure_probe
 from ..phases import current_versions
 
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+__all__ = ["PROBE_BYTES", "PROBE_REPEATS", "command_line", "cpu_model", "machine_summary", "measure_probe",
+           "report_header"]
 
 
 def machine_summary() -> str:
@@ -47,21 +41,3 @@ def report_header(title: str, argv: list[str] | None = None) -> str:
             "",
         ]
     )
-
-
-PROBE_BYTES = 1 << 30
-PROBE_REPEATS = 5
-
-
-def measure_probe(repeats: int = PROBE_REPEATS, size_bytes: int = PROBE_BYTES) -> float:
-    """Streaming-read bandwidth in GB/s: the fastest of `repeats` torch sums over `size_bytes` of fp32 (far larger
-    than the caches), with torch's own threads: the decode step's memory ceiling."""
-    import torch
-
-    buf = torch.ones(size_bytes // 4, dtype=torch.float32)
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = max(best, size_bytes / (time.perf_counter() - t0) / 1e9)
-    return best

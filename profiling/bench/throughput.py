@@ -206,7 +206,7 @@ def run_throughput_bench(
     import gc
 
     from ...engine.sampling_params import SamplingParams
-    from ...engine.stages.base import one_line
+    from ...base.errors import one_line
     from .decode import make_prompts
     from .timing import build_llm, model_position_limit, time_batch, why_cannot_run
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from glowplug.flags import add_model_flags
+from glowplug.base.flags import add_model_flags
 from glowplug.profiling.bench import latency, startup_bench, throughput, tune
 
 

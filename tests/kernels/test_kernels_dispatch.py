@@ -106,8 +106,8 @@ def test_calibration_caches_json_and_reuses_it(tmp_path: Path, monkeypatch: pyte
     expected = dict(again.measured[D.shape_key("cpu", "int4", 64, 64, 256)])
     assert disp.choose(rt, 1) == expected[1] and disp.choose(rt, 16) == expected[16]
     # A different shape list is a different cache key.
-    from glowplug.engine.artifacts import ArtifactStore
-    from glowplug.engine.artifacts.caches import KERNEL_DISPATCH
+    from glowplug.base.artifacts import ArtifactStore
+    from glowplug.base.artifacts.caches import KERNEL_DISPATCH
 
     other = ArtifactStore.key(KERNEL_DISPATCH, D.calibration_factors([(64, 256)], kwargs["formats"], kwargs["ms"]))
     assert other != files[0].parent.name

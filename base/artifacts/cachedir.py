@@ -11,9 +11,17 @@ from pathlib import Path
 import structlog
 from opentelemetry import trace
 
-from ...profiling.names import Attr, Event
+from glowplug.profiling.names import Attr, Event
 
 log = structlog.get_logger("glowplug.artifacts")
+
+DEFAULT_CACHE_DIR = "~/.cache/glowplug"
+
+
+def cache_dir_from_env() -> Path:
+    """`GLOWPLUG_CACHE_DIR` wins; the default lives under the user's cache."""
+    return Path(os.environ.get("GLOWPLUG_CACHE_DIR") or DEFAULT_CACHE_DIR).expanduser()
+
 
 FIX_FOLDER = "point GLOWPLUG_CACHE_DIR at a writable folder (default ~/.cache/glowplug)"
 _WARNED: set[str] = set()  # one warning per process and problem, however many caches meet it

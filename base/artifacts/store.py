@@ -33,9 +33,9 @@ from typing import Any, Generic, Literal, TypeVar
 import structlog
 from filelock import FileLock, Timeout
 
-from ...profiling.names import Attr, Event
-from ..config import cache_dir_from_env
-from .cachedir import CacheDirUnusable, classify, read_problem, report_event, warn_once, write_problem
+from glowplug.profiling.names import Attr, Event
+from .caches import ALL, CacheSpec
+from .cachedir import CacheDirUnusable, cache_dir_from_env, classify, read_problem, report_event, warn_once, write_problem
 from .manifest import (
     FORMAT,
     Manifest,
@@ -61,25 +61,6 @@ TMP_PREFIX = ".tmp-"
 # Per cache: the latest is kept to look at what went wrong (a model entry is ~0.5 GB, so no more than that);
 # `glowplug cache prune` removes it.
 KEEP_QUARANTINED = 1
-FIRST_START = "first start for this model"
-
-
-
-@dataclass(frozen=True)
-class CacheSpec:
-    """One cache: its folder name, entry format version, and what a start does when the cache dir is unusable.
-
-    version: bump when what an entry holds changes meaning; older entries then become misses, explained.
-    on_unusable: "bypass" builds without storing (with a warning); "fail" raises CacheDirUnusable.
-    without: what running without this cache costs, for the warning and `glowplug cache ls`.
-    """
-
-    name: str
-    version: int
-    holds: str
-    on_unusable: Literal["bypass", "fail"]
-    without: str
-    first: str = FIRST_START  # the miss reason when no entry for the same model was ever made
 
 
 @dataclass
@@ -136,8 +117,6 @@ class ArtifactStore:
             raise problem
         report_event(Event.CACHE_UNUSABLE, cache=spec.name, path=self.root, reason=problem.problem,
                      action=f"running without the {spec.name} cache")  # fmt: skip
-        from .caches import ALL
-
         warn_once(problem, [s.name for s in ALL if s.on_unusable == "bypass"])
         return f"{problem}. Running without the {spec.name} cache: {spec.without}"
 

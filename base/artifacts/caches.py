@@ -25,9 +25,29 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from .store import CacheSpec
+FIRST_START = "first start for this model"
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One cache: its folder name, entry format version, and what a start does when the cache dir is unusable.
+
+    version: bump when what an entry holds changes meaning; older entries then become misses, explained.
+    on_unusable: "bypass" builds without storing (with a warning); "fail" raises CacheDirUnusable.
+    without: what running without this cache costs, for the warning and `glowplug cache ls`.
+    """
+
+    name: str
+    version: int
+    holds: str
+    on_unusable: Literal["bypass", "fail"]
+    without: str
+    first: str = FIRST_START  # the miss reason when no entry for the same model was ever made
+
 
 MODEL = CacheSpec(
     "model", 2, "GGUF checkpoints prepared as folders (config, tokenizer, tensor table; weights stay in the GGUF)",

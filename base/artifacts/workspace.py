@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ...profiling.names import Event
+from glowplug.profiling.names import Event
 from .cachedir import classify, report_event
 from .manifest import FORMAT, Manifest, check_file, list_files, now_iso, producer, read_manifest, record_file, write_manifest
 from .store import QUARANTINE, ArtifactStore, CacheSpec
