@@ -133,3 +133,24 @@ def test_sweep_end_to_end_against_a_started_server(tiny_model: str, tmp_path: Pa
     text = (out / "serve.md").read_text()
     assert "glowplug bench serve" in text and "| concurrency 4 |" in text and "Goodput" in text
     assert (out / "serve_latency.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_efficiency_verdict_reads_the_worst_pair_not_a_median_over_medians() -> None:
+    """The seed-style median(server) / median(offline) of these runs is 1.0 and would pass; paired by run, the third
+    server run came out at 0.84 of its own offline run, so the verdict must fail on the worst pair."""
+    from glowplug.profiling.bench.serve.efficiency import EfficiencyResult, OfflineRun, ServerRun
+
+    def result(server_tps: list[float], offline_tps: list[float]) -> EfficiencyResult:
+        server = [ServerRun(wall_s=1000 / t, output_tokens=1000, failed=0, steps=10, step_time_s=1.0) for t in server_tps]
+        offline = [OfflineRun(wall_s=1000 / t, output_tokens=1000) for t in offline_tps]
+        return EfficiencyResult(8, 16, 16, 8, server, offline, 10, 1.0)
+
+    skewed = result([1000, 950, 840], [950, 1000, 1000])
+    assert skewed.server_tps / skewed.offline_tps == pytest.approx(0.95)
+    assert skewed.pair_ratios == pytest.approx([1000 / 950, 0.95, 0.84])
+    assert skewed.ratio == pytest.approx(0.95) and skewed.worst_ratio == pytest.approx(0.84)
+    assert not skewed.passed
+    steady = result([960, 955, 990], [1000, 1000, 1000])
+    assert steady.passed and steady.worst_ratio == pytest.approx(0.955)
+    with pytest.raises(ValueError):  # a run without its pair is a bug in the driver, never silently dropped
+        result([1000, 1000], [1000, 1000, 1000]).pair_ratios

@@ -9,7 +9,8 @@ Modes (the sweep when none is given; several may be combined):
                 tokens = usage per stream, generation counter = sum of usages (+ aborted tokens), no KV blocks or
                 running requests left, RSS within 1.05x of its value after the first wave -> soak.{json,md}
   --efficiency  one request set over HTTP at --efficiency-concurrency and offline through LLM.generate, in one
-                run: server / offline token throughput (target >= 0.85) -> efficiency.{json,md}
+                run, paired by run: server / offline token throughput (median >= 0.95, worst pair >= 0.90)
+                -> efficiency.{json,md}
   --overload    capacity (closed loop at max-num-seqs), the sustainable rate (--sustainable-load x capacity), then
                 --overload-factor x that rate against a server with admission by expected wait: 429s with
                 Retry-After, p99 TTFT of admitted requests vs the sustainable rate -> overload.{json,md,png}
