@@ -12,6 +12,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
+from .models.llama import DecoderLM
 from .sampler import SampleResult
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler
@@ -105,6 +106,11 @@ class LLMEngine:
     @property
     def block_manager(self) -> Any:
         return self.scheduler.block_manager
+
+    @property
+    def model(self) -> DecoderLM:
+        """The served model, for tools that evaluate it directly (the accuracy and decode benches)."""
+        return self.runner.model
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import structlog
+import torch
 
 from opentelemetry import trace
 
@@ -24,7 +25,7 @@ from .config import EngineConfig
 from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
 from .models.arch import ModelArch
-from .stages.base import Stage, StageResult, StartupFailed, run_stages
+from .stages.base import Stage, StageResult, StartupFailed, check_pipeline, run_stages
 from .stages.context import EngineContext
 from .stages.dynamo_transform import DynamoTransform
 from .stages.graph_capture import GraphCapture
@@ -61,26 +62,20 @@ def default_stages() -> list[Stage]:
 
 @dataclass
 class StartupResult:
+    """What a start leaves once READY: the engine, the record of the start, and a few plain facts about the model.
+
+    The start-up context is not kept: what it held for the stages (the state dict, the trace, the compile cache,
+    the scratch state of each stage) is released at READY. The model itself is `engine.model`.
+    """
+
     engine: LLMEngine
-    context: EngineContext
     stages: list[StageResult]
     phase_table: PhaseTable
     tracing: Tracing
-
-    @property
-    def kv_plan(self) -> KVPlan:
-        assert self.context.kv_plan is not None
-        return self.context.kv_plan
-
-    @property
-    def arch(self) -> ModelArch:
-        assert self.context.arch is not None
-        return self.context.arch
-
-    @property
-    def model_dir(self) -> Path:
-        assert self.context.model_dir is not None
-        return self.context.model_dir
+    kv_plan: KVPlan
+    arch: ModelArch
+    model_dir: Path
+    dtype: torch.dtype
 
 
 PHASES = "phases.json"
@@ -139,6 +134,8 @@ def build_engine(
     marks: the process's entry marks (`mark_main_entry()`); with them the root span starts at process creation and
         the table has the process_start / imports rows. Without them (library use) it starts at this call.
     """
+    pipeline = list(stages) if stages is not None else default_stages()
+    check_pipeline(pipeline, EngineContext)  # a bad declaration fails here, before the start-up span opens
     tracing = tracing or setup_tracing(in_memory=True)
     tracer = tracing.tracer()
     ctx = EngineContext(config=config, cache_root=cache_dir or cache_dir_from_env(), device=config.resolved_device())
@@ -153,7 +150,7 @@ def build_engine(
     deferral = FullGcDeferral.start()  # see FullGcDeferral; the process entry may have started one already
     try:
         results = run_stages(
-            list(stages) if stages is not None else default_stages(),
+            pipeline,
             ctx,
             tracer=tracer,
             on_phase=on_phase,
@@ -172,7 +169,9 @@ def build_engine(
         if marks is not None and marks.gc_deferral is not None:
             marks.gc_deferral.resume(freeze=ctx.engine is not None)
     ready_ns = clock.now_ns()
-    assert ctx.engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
+    engine = ctx.engine
+    assert engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
+    assert ctx.kv_plan is not None and ctx.arch is not None and ctx.model_dir is not None
     with trace.use_span(root, end_on_exit=False):
         _record_phase_durations(ctx, results)
         if ctx.compile_cache is not None:
@@ -188,4 +187,7 @@ def build_engine(
         trace_id=trace_id,
         floor=floor,
     )
-    return StartupResult(engine=ctx.engine, context=ctx, stages=results, phase_table=table, tracing=tracing)
+    # The context ends here: the result takes the engine and plain facts, so nothing the stages held (the state
+    # dict's extra references, the trace, the compile cache) outlives the start-up through it.
+    return StartupResult(engine=engine, stages=results, phase_table=table, tracing=tracing, kv_plan=ctx.kv_plan,
+                         arch=ctx.arch, model_dir=ctx.model_dir, dtype=ctx.dtype)  # fmt: skip

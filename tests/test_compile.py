@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 import torch
+from startup_probe import SlotProbe
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from glowplug.engine.attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.sampling_params import SamplingParams
-from glowplug.engine.startup import build_engine
+from glowplug.engine.startup import build_engine, default_stages
 from glowplug.profiling.names import Attr
 from glowplug.profiling.tracing import setup_tracing
 
@@ -26,11 +27,11 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("compile-cache")
 
 
-def _start(model: Path, cache: Path, **fields: object) -> tuple[Any, Any]:
+def _start(model: Path, cache: Path, stages: list[Any] | None = None, **fields: object) -> tuple[Any, Any]:
     fields = {"compile": "on", "max_num_seqs": 8, **fields}
     cfg = EngineConfig.from_flat(model=str(model), **fields)
     tracing = setup_tracing()
-    return build_engine(cfg, tracing=tracing, cache_dir=cache), tracing
+    return build_engine(cfg, tracing=tracing, cache_dir=cache, stages=stages), tracing
 
 
 def _span_attrs(tracing: Any, stage: str) -> dict[str, Any]:
@@ -111,12 +112,13 @@ def test_serving_never_compiles_and_matches_eager(tiny_dir, cache: Path, make_ll
     """Batches of every size 1..8, contexts crossing block boundaries (block size 4): no request traces or
     compiles anything, and the greedy tokens are eager's."""
     model = tiny_dir("llama")
-    compiled, _ = _start(model, cache, block_size=4)
+    probe = SlotProbe(("decode_fn",))  # the guarded step (serving runs the guard-free one)
+    compiled, _ = _start(model, cache, stages=[*default_stages(), probe], block_size=4)
     capture = compiled.phase_table["graph_capturing"].attributes
     assert list(capture[Attr.GRAPH_SIZES]) == [1, 2, 4, 8] and len(capture[Attr.GRAPH_SIZE_TIMES_S]) == 4
     assert capture[Attr.RECOMPILES] == 0
     unique = _unique_graphs()
-    step = compiled.context.decode_fn
+    step = probe.seen["decode_fn"]
     caches = compiled.engine.runner.kv_cache.layers
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     eng = compiled.engine

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 import cache_faults_util as util
+from startup_probe import SlotProbe
 from glowplug.engine.compile import CompiledDecode
 from glowplug.engine.compile_cache import _clear_inductor_memory
 from glowplug.engine.compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable, _rewrite
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.sampling_params import SamplingParams
-from glowplug.engine.startup import build_engine
+from glowplug.engine.startup import build_engine, default_stages
 from glowplug.engine.stages.graph_compile import ATTR_REPLAY
 from glowplug.profiling.names import Attr
 from glowplug.profiling.tracing import setup_tracing
@@ -61,14 +62,15 @@ def test_replay_equals_the_aot_step_bit_for_bit(tiny_dir, tmp_path: Path, fields
     # libraries in its own folder (a start in a fresh process, the product's case, never meets this).
     _clear_inductor_memory()
     tracing = setup_tracing()
-    result = build_engine(cfg, cache_dir=tmp_path, tracing=tracing)
-    ctx, eng = result.context, result.engine
-    assert isinstance(ctx.decode_fn, CompiledDecode)  # a cold start serves the AOT-compiled step
+    probe = SlotProbe(("decode_fn", "compile_cache"))
+    result = build_engine(cfg, cache_dir=tmp_path, tracing=tracing, stages=[*default_stages(), probe])
+    eng, decode_fn, compile_cache = result.engine, probe.seen["decode_fn"], probe.seen["compile_cache"]
+    assert isinstance(decode_fn, CompiledDecode)  # a cold start serves the AOT-compiled step
     (span,) = [s for s in tracing.finished_spans() if s.name == "glowplug.startup.graph_compile"]
     assert span.attributes[ATTR_REPLAY] == "written", span.attributes[ATTR_REPLAY]
     (entry,) = util.entries(tmp_path, "compile")
-    replay = ReplayDecode.load(ReplayPlan.from_json((entry / PLAN_FILE).read_bytes()), ctx.compile_cache.path,
-                               ctx.model)  # fmt: skip
+    replay = ReplayDecode.load(ReplayPlan.from_json((entry / PLAN_FILE).read_bytes()), compile_cache.path,
+                               eng.model)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for n in (3, 4, 7, 8, 11, 2, 5, 9):
         eng.add_request(None, params, prompt_token_ids=list(range(5, 5 + n)))
@@ -79,7 +81,7 @@ def test_replay_equals_the_aot_step_bit_for_bit(tiny_dir, tmp_path: Path, fields
     with torch.inference_mode():
         for batch in range(1, len(scheduled) + 1):
             packed = eng.runner.prepare_decode(scheduled[:batch]).clone()
-            want = ctx.decode_fn.unguarded(packed, caches).clone()
+            want = decode_fn.unguarded(packed, caches).clone()
             written = [(c.k.clone(), c.v.clone()) for c in caches]
             assert replay.guards_pass(packed, caches), replay.guard_failure(packed, caches)
             assert torch.equal(serve(packed), want), batch

@@ -148,7 +148,8 @@ def test_prepared_folder_as_a_path_reads_its_gguf_or_says_it_is_gone(smollm2_dir
 
     cfg = EngineConfig.from_flat(model=str(smollm2_dir), compile="off", max_num_seqs=2, max_model_len=256)
     result = build_engine(cfg, cache_dir=tmp_path / "cache")
-    assert result.context.gguf_path is not None and result.context.gguf_path.suffix == ".gguf"
+    (weights,) = result.phase_table["load_weights"].attributes["glowplug.files"]
+    assert Path(weights).suffix == ".gguf"  # load_weights read the GGUF, not the folder
 
     orphan = tmp_path / "orphan"
     shutil.copytree(smollm2_dir, orphan)

@@ -51,7 +51,7 @@ def test_weight_only_engine_matches_dequantized_oracle(tiny_dir, tmp_path: Path,
     tracing = setup_tracing()
     result = build_engine(cfg, tracing=tracing, cache_dir=tmp_path)
     ids = list(range(3, 60))
-    got = _logits(result.context.model, ids)
+    got = _logits(result.engine.model, ids)
     want = _logits(_oracle(d, scheme, group_size), ids)
     # The fast kernels may run activations in bf16; the oracle is fp32 throughout.
     assert (got - want).abs().max() / want.abs().max() < 0.06

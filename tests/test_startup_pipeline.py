@@ -14,24 +14,11 @@ import pytest
 from opentelemetry.trace import StatusCode
 
 from glowplug.engine.config import EngineConfig
-from glowplug.engine.startup import StartupFailed, build_engine
+from glowplug.engine.startup import StartupFailed, build_engine, default_stages
 from glowplug.profiling.names import STARTUP_SPAN, Attr, stage_from_span_name
 from glowplug.profiling.tracing import setup_tracing
 
-STAGE_ORDER = [
-    "model_prepare",
-    "tokenizer_init",
-    "load_weights",
-    "quantize_weights",
-    "model_init",
-    "native_kernels",
-    "dynamo_transform",
-    "graph_compile",
-    "kv_cache_profiling",
-    "kv_cache_init",
-    "graph_capture",
-    "warmup",
-]
+STAGE_ORDER = [stage.name for stage in default_stages()]
 
 
 def _start(model: Path, cache: Path, **fields: object):

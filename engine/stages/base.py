@@ -4,12 +4,20 @@ A stage does its work and returns a StageReport; it never times itself. `run_sta
 `glowplug.startup.<stage>` around each one, so the span is the single record the phase table, the logs and the
 server's `/startup` read. Adding, skipping or reordering phases is an edit of the list passed in.
 
-Overlap: a stage may declare `needs` and `provides` (names of context slots). A stage then waits only for the
-latest earlier stages that provide what it needs (and for the latest earlier stage that provides a slot it also
-provides, so two writers of one slot keep their list order); independent stages run at the same time, each on its
-own thread, with the OpenTelemetry context (and every other contextvar) copied in so its span still hangs off the
-start-up span. A stage without declarations is a barrier: it waits for everything before it and everything after
-it waits for it, which is the plain sequential pipeline.
+Contracts: every stage declares `needs` (the context slots it reads) and `provides` (the slots it writes), and
+gets a `ContextView` of the context instead of the context itself. The view lets the stage read only the slots it
+needs (and those it has already written itself) plus the context's INPUTS, and write only the slots it provides;
+anything else raises StageContractError naming the stage, the slot and its declarations. Methods of the context
+are bound to the view, so they read under the same rules. The declared names are checked against the context's
+fields before any stage runs, so a typo fails the pipeline at once.
+
+Overlap: a stage waits only for the latest earlier stages that provide what it needs (and for the latest earlier
+stage that provides a slot it also provides, so two writers of one slot keep their list order); independent
+stages run at the same time, each on its own thread, with the OpenTelemetry context (and every other contextvar)
+copied in so its span still hangs off the start-up span. The schedule comes from the declarations alone. A stage
+that must run alone sets `barrier = True`: it waits for everything before it and everything after it waits for
+it (its view still holds it to its declarations). No engine stage is one; test harnesses that pace a start-up one
+stage at a time are.
 
 Failure: the first stage in pipeline order among those that failed is the one reported (so two stages failing at
 once always give the same answer); no stage starts after a failure, and the ones already running are joined
@@ -19,12 +27,14 @@ before `StartupFailed` is raised, so no thread outlives the start-up.
 from __future__ import annotations
 
 import contextvars
+import difflib
+import inspect
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from dataclasses import dataclass, field, fields as dataclass_fields
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import structlog
 from opentelemetry import trace
@@ -36,8 +46,6 @@ from glowplug.profiling.process import Clock
 
 # What OpenTelemetry accepts as an attribute value (homogeneous sequences only).
 AttrValue = str | bool | int | float | Sequence[str] | Sequence[bool] | Sequence[int] | Sequence[float]
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -60,47 +68,92 @@ class StageReport:
         return cls(attributes=dict(attributes or {}), skipped_reason=reason)
 
 
+class StageContractError(RuntimeError):
+    """A stage declared, read or wrote a context slot against its contract (see the module docstring)."""
+
+
 @dataclass
 class StartupContext:
-    """State the stages share: the config plus named slots the stages fill (tokenizer, model, kv cache, ...).
+    """State the stages share. The engine subclasses this with typed fields; every field is either an input or a
+    slot.
 
-    The engine may subclass this with typed fields; `state` keeps the runner independent of what those are.
+    INPUTS: the fields set before the first stage runs (the config, and in subclasses such things as the cache
+        folder and the device). Every stage may read them without declaring them; no stage may write them.
+    Slots: every other field. A stage reads a slot only when it declares it in `needs`, and writes it only when it
+        declares it in `provides`.
     """
 
+    INPUTS: ClassVar[frozenset[str]] = frozenset({"config"})
+
     config: Any
-    state: dict[str, Any] = field(default_factory=dict)
 
-    def put(self, key: str, value: Any) -> None:
-        self.state[key] = value
-
-    def require(self, key: str, kind: type[T] | None = None) -> T:
-        """The value an earlier stage stored under `key`; a clear error when the pipeline order is wrong."""
-        if key not in self.state:
-            have = ", ".join(sorted(self.state)) or "nothing"
-            raise KeyError(f"no {key!r} in the start-up context (have: {have}); is the stage that makes it earlier?")
-        value = self.state[key]
-        if kind is not None and not isinstance(value, kind):
-            raise TypeError(f"start-up context {key!r} is {type(value).__name__}, expected {kind.__name__}")
-        return value  # type: ignore[no-any-return]
+    @classmethod
+    def slot_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclass_fields(cls)) - cls.INPUTS
 
 
 @runtime_checkable
 class Stage(Protocol):
-    """One start-up phase. `name` is the span-name suffix and (unless the report overrides it) the table row."""
+    """One start-up phase. `name` is the span-name suffix and (unless the report overrides it) the table row.
+
+    needs: the context slots `run` reads (written by earlier stages); `()` for none.
+    provides: the context slots `run` writes; `()` for none. A stage that does its work (its report is not
+        skipped) writes each of them, unless a comment at the declaration names the path that writes it; one that
+        changes a slot's object in place stores it back, so the write is what the contract and the schedule see.
+    An optional `barrier = True` makes the stage run alone (see the module docstring).
+    `run` gets a ContextView of the context, which has the context's attributes.
+    """
 
     name: str
+    needs: tuple[str, ...]
+    provides: tuple[str, ...]
 
-    def run(self, ctx: StartupContext) -> StageReport: ...
-
-
-def stage_needs(stage: Stage) -> tuple[str, ...] | None:
-    """The context slots `stage` reads, or None when it does not say (then it runs as a barrier)."""
-    needs = getattr(stage, "needs", None)
-    return None if needs is None else tuple(needs)
+    def run(self, ctx: Any) -> StageReport: ...
 
 
-def stage_provides(stage: Stage) -> tuple[str, ...]:
-    return tuple(getattr(stage, "provides", ()) or ())
+def declarations(stage: Stage) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(needs, provides) of `stage`; StageContractError when it does not declare both as slot-name tuples."""
+    declared: list[tuple[str, ...]] = []
+    for kind in ("needs", "provides"):
+        value = getattr(stage, kind, None)
+        if value is None:
+            raise StageContractError(f"stage {stage.name!r} declares no `{kind}`: every stage declares the context "
+                                     f"slots it reads (needs) and writes (provides), `()` for none")  # fmt: skip
+        if isinstance(value, str) or not all(isinstance(slot, str) for slot in value):
+            raise StageContractError(f"stage {stage.name!r}: `{kind}` must be a tuple of slot names, not {value!r}")
+        declared.append(tuple(value))
+    return declared[0], declared[1]
+
+
+def is_barrier(stage: Stage) -> bool:
+    barrier = getattr(stage, "barrier", False)
+    if not isinstance(barrier, bool):
+        raise StageContractError(f"stage {stage.name!r}: `barrier` must be True or False, not {barrier!r}")
+    return barrier
+
+
+def check_pipeline(stages: Sequence[Stage], context_type: type[StartupContext]) -> None:
+    """Before anything runs: unique names, and every stage's declarations naming slots of `context_type`."""
+    _check_names(stages)
+    slots = context_type.slot_names()
+    for stage in stages:
+        is_barrier(stage)
+        for kind, declared in zip(("needs", "provides"), declarations(stage), strict=True):
+            for slot in declared:
+                if slot in context_type.INPUTS:
+                    raise StageContractError(
+                        f"stage {stage.name!r} declares {slot!r} in {kind}, but it is an input: every stage reads "
+                        f"the inputs ({_names(context_type.INPUTS)}) without declaring them, and none writes them")
+                if slot not in slots:
+                    close = difflib.get_close_matches(slot, sorted(slots), n=1)
+                    hint = f"; did you mean {close[0]!r}?" if close else ""
+                    raise StageContractError(
+                        f"stage {stage.name!r} declares {slot!r} in {kind}, which is not a slot of "
+                        f"{context_type.__name__}{hint} (slots: {_names(slots)})")
+
+
+def _names(names: Sequence[str] | frozenset[str]) -> str:
+    return ", ".join(sorted(names) if isinstance(names, frozenset) else names) or "none"
 
 
 def stage_dependencies(stages: Sequence[Stage]) -> dict[str, tuple[str, ...]]:
@@ -110,21 +163,99 @@ def stage_dependencies(stages: Sequence[Stage]) -> dict[str, tuple[str, ...]]:
     barrier: str | None = None
     since_barrier: list[str] = []
     for stage in stages:
-        needs = stage_needs(stage)
-        if needs is None:
+        needs, provides = declarations(stage)
+        if is_barrier(stage):
             wait = list(since_barrier) if since_barrier else ([barrier] if barrier else [])
             deps[stage.name] = tuple(wait)
             barrier, since_barrier = stage.name, []
             last_provider = {}
             continue
-        wanted = [last_provider[slot] for slot in (*needs, *stage_provides(stage)) if slot in last_provider]
+        wanted = [last_provider[slot] for slot in (*needs, *provides) if slot in last_provider]
         if barrier is not None:
             wanted.append(barrier)
         deps[stage.name] = tuple(dict.fromkeys(wanted))
-        for slot in stage_provides(stage):
+        for slot in provides:
             last_provider[slot] = stage.name
         since_barrier.append(stage.name)
     return deps
+
+
+class ContextView:
+    """What a stage's `run` gets instead of the context: the context's attributes, under the stage's contract.
+
+    Reading a slot needs it in `needs` (or that this stage wrote it already: its own output); writing one needs it
+    in `provides`; the context's INPUTS are readable by all and writable by none. Methods and properties of the
+    context run bound to the view, so what they read is checked too. Every violation raises StageContractError and
+    is also kept, so the runner fails the stage even when its code caught the error. `reads` (slots read from
+    earlier stages) and `writes` are recorded for the StageResult. After the stage the view is closed: it lets go
+    of the context, and a reference that outlived the stage fails loudly instead of keeping the context alive.
+    """
+
+    __slots__ = ("_ctx", "_stage", "_needs", "_provides", "_slots", "_inputs", "_reads", "_writes", "_violations")
+
+    def __init__(self, ctx: StartupContext, stage: str, needs: tuple[str, ...], provides: tuple[str, ...]) -> None:
+        init = object.__setattr__  # this class's own __setattr__ is the context's write path
+        init(self, "_ctx", ctx)
+        init(self, "_stage", stage)
+        init(self, "_needs", needs)
+        init(self, "_provides", provides)
+        init(self, "_slots", type(ctx).slot_names())
+        init(self, "_inputs", type(ctx).INPUTS)
+        init(self, "_reads", set())
+        init(self, "_writes", set())
+        init(self, "_violations", [])
+
+    def _context(self, name: str) -> StartupContext:
+        if self._ctx is None:
+            raise StageContractError(f"stage {self._stage!r}'s view of the start-up context was used for {name!r} "
+                                     f"after the stage ended; keep the values, not the context")  # fmt: skip
+        return cast(StartupContext, self._ctx)
+
+    def _violate(self, message: str) -> StageContractError:
+        self._violations.append(message)
+        return StageContractError(message)
+
+    def __getattr__(self, name: str) -> Any:
+        ctx = self._context(name)
+        if name in self._slots:
+            if name not in self._writes:
+                if name not in self._needs:
+                    raise self._violate(f"stage {self._stage!r} read {name!r}, which it does not declare in needs "
+                                        f"(needs: {_names(self._needs)})")  # fmt: skip
+                self._reads.add(name)
+            return getattr(ctx, name)
+        if name in self._inputs:
+            return getattr(ctx, name)
+        try:
+            attr = inspect.getattr_static(type(ctx), name)
+        except AttributeError:
+            raise AttributeError(f"{type(ctx).__name__} has no attribute {name!r}") from None
+        # Bound to the view, not the context: a method reads slots under the stage's contract (no back door).
+        bind = getattr(type(attr), "__get__", None)
+        return bind(attr, self, type(ctx)) if bind is not None else attr
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        ctx = self._context(name)
+        if name in self._inputs:
+            raise self._violate(f"stage {self._stage!r} wrote {name!r}, an input of the start-up: inputs are "
+                                f"read-only")  # fmt: skip
+        if name not in self._slots:
+            raise self._violate(f"stage {self._stage!r} wrote {name!r}, which is not a slot of "
+                                f"{type(ctx).__name__} (slots: {_names(self._slots)})")  # fmt: skip
+        if name not in self._provides:
+            raise self._violate(f"stage {self._stage!r} wrote {name!r}, which it does not declare in provides "
+                                f"(provides: {_names(self._provides)})")  # fmt: skip
+        self._writes.add(name)
+        setattr(ctx, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise self._violate(f"stage {self._stage!r} deleted {name!r}: slots are written, never deleted")
+
+    def _close(self) -> None:
+        object.__setattr__(self, "_ctx", None)
+
+    def __repr__(self) -> str:
+        return f"<ContextView of stage {self._stage!r}>"
 
 
 @dataclass(frozen=True)
@@ -137,6 +268,8 @@ class StageResult:
     start_ns: int = 0  # perf_counter_ns at the stage's start and end (critical path, overlap)
     end_ns: int = 0
     thread: str = ""
+    reads: frozenset[str] = frozenset()  # the slots it read from earlier stages (see ContextView)
+    writes: frozenset[str] = frozenset()  # the slots it wrote
 
 
 class StartupFailed(RuntimeError):
@@ -177,13 +310,24 @@ def _run_one(
         attributes={Attr.STAGE: stage.name, Attr.WAITS_FOR: list(waits_for), Attr.THREAD_NAME: thread.name,
                     Attr.THREAD_ID: thread.native_id or 0},  # fmt: skip
     )
+    needs, provides = declarations(stage)
+    view = ContextView(ctx, stage.name, needs, provides)
     # Current for the stage's duration so the stage's own log lines and child spans hang off it.
     with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
         try:
-            report = stage.run(ctx)
+            # The view stands in for the context: it has the same attributes, under the stage's contract.
+            report = stage.run(cast(StartupContext, view))
+            if view._violations:  # the stage caught the error (a broad `except Exception` fallback): still a bug
+                raise StageContractError(view._violations[0])
             if not isinstance(report, StageReport) or not isinstance(report.attributes, Mapping):
                 raise TypeError(f"{type(stage).__name__}.run returned {report!r:.200}, not a StageReport")
         except BaseException as exc:
+            view._close()
+            if isinstance(exc, Exception) and view._violations and not isinstance(exc, StageContractError):
+                # The stage caught a violation and failed further on: the violation is what to report and fix.
+                contract = StageContractError(view._violations[0])
+                contract.__context__ = exc
+                exc = contract
             t1 = time.perf_counter_ns()
             reason = one_line(exc)
             span.record_exception(exc, escaped=True)
@@ -195,6 +339,7 @@ def _run_one(
                 raise StartupFailed(stage.name, exc) from exc
             raise  # KeyboardInterrupt / SystemExit stay what they are; the span already says where they hit
         t1 = time.perf_counter_ns()
+        view._close()
         row = report.row or STAGE_ROWS.get(stage.name, stage.name)
         span.set_attributes(report.attributes)
         if report.skipped_reason is not None:
@@ -210,7 +355,8 @@ def _run_one(
             fields[Attr.SKIPPED_REASON] = report.skipped_reason
         log.info(span_name, **fields)
     return StageResult(name=stage.name, row=row, seconds=seconds, report=report, span_context=span.get_span_context(),
-                       start_ns=t0, end_ns=t1, thread=thread.name)  # fmt: skip
+                       start_ns=t0, end_ns=t1, thread=thread.name, reads=frozenset(view._reads),
+                       writes=frozenset(view._writes))  # fmt: skip
 
 
 def run_stages(
@@ -229,9 +375,11 @@ def run_stages(
     clock: pass `ProcessMarks.clock` so stage spans share a time line with the pre-main spans.
     on_phase: called with each stage's name just before it runs (the server shows the current phase); from the
         thread that runs the stage.
-    Raises StartupFailed when a stage raises; that stage's span has status ERROR and the exception event.
+    Raises StartupFailed when a stage raises (a contract violation included: StageContractError as its cause);
+    that stage's span has status ERROR and the exception event. Raises StageContractError before anything runs
+    when a declaration is missing or names no slot of `ctx` (see check_pipeline).
     """
-    _check_names(stages)
+    check_pipeline(stages, type(ctx))
     clock = clock or Clock()
     own_root = parent is None
     root = (

@@ -1,10 +1,11 @@
-"""The state the engine's start-up stages share, as typed fields (each filled by the stage named beside it)."""
+"""The state the engine's start-up stages share, as typed fields: the inputs, then the slots (each written by the
+stage named beside it, and read only by the stages that declare it in `needs`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -27,6 +28,15 @@ class StageOrderError(RuntimeError):
 
 @dataclass
 class EngineContext(StartupContext):
+    """The start-up's state; it lives until READY, when build_engine keeps what serving needs and drops the rest.
+
+    Stages see it through a ContextView (engine/stages/base.py), which also binds the methods below to the view,
+    so `quant_group_size` reads `model_dir` only for a stage that needs it.
+    """
+
+    # Set by build_engine before the first stage: every stage reads them, none writes them.
+    INPUTS: ClassVar[frozenset[str]] = frozenset({"config", "cache_root", "device"})
+
     config: EngineConfig = field(default_factory=EngineConfig)
     cache_root: Path = Path(".")
     device: str = "cpu"
@@ -35,16 +45,18 @@ class EngineContext(StartupContext):
     arch: ModelArch | None = None  # model_prepare
     dtype: torch.dtype = torch.float32  # model_prepare
     tokenizer: Any = None  # tokenizer_init
-    state_dict: dict[str, torch.Tensor] | None = None  # load_weights (replaced by quantize_weights)
+    # load_weights (replaced by quantize_weights; model_init drops it once the model owns the tensors)
+    state_dict: dict[str, torch.Tensor] | None = None
     weights_bytes: int = 0  # load_weights / quantize_weights
-    model: DecoderLM | None = None  # model_init
+    model: DecoderLM | None = None  # model_init (its layers switched in place by native_kernels)
     native: Any = None  # native_kernels (kernels.native.NativeBuild)
-    traced: TracedDecode | LoadedDecode | StoredReplay | None = None  # dynamo_transform (a trace, or the stored entry)
+    # dynamo_transform (a trace, or the stored entry); graph_compile replaces it when the stored entry will not load
+    traced: TracedDecode | LoadedDecode | StoredReplay | None = None
     decode_fn: CompiledDecode | ReplayDecode | None = None  # graph_compile
     compile_cache: CompileCache | None = None  # dynamo_transform
     kv_plan: KVPlan | None = None  # kv_cache_profiling
     kv_cache: KVCache | None = None  # kv_cache_init
-    runner: ModelRunner | None = None  # kv_cache_init
+    runner: ModelRunner | None = None  # kv_cache_init (its decode step set in place by graph_capture)
     engine: LLMEngine | None = None  # kv_cache_init
 
     def quant_group_size(self) -> tuple[int | None, str]:

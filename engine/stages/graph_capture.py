@@ -65,7 +65,9 @@ class CudaGraphDecode:
 
 class GraphCapture:
     name = "graph_capture"
-    needs: tuple[str, ...] = ("runner", "decode_fn")
+    # model, native: skipped_reason looks for quantized layers without native kernels.
+    needs: tuple[str, ...] = ("runner", "decode_fn", "model", "native")
+    # It sets the runner's decode step in place (and stores the runner back, see run): warmup waits for it.
     provides: tuple[str, ...] = ("runner",)
 
     def run(self, ctx: EngineContext) -> StageReport:
@@ -98,6 +100,7 @@ class GraphCapture:
                     times.append(round(time.perf_counter() - t0, 4))
             runner.decode_fn = decode_fn.serving(caches)
         runner.decode_sizes = sizes
+        ctx.runner = runner  # the same object, changed in place: the write is what the stage contract sees
         return StageReport(
             attributes={Attr.GRAPH_SIZES: sizes, Attr.GRAPH_SIZE_TIMES_S: times, Attr.RECOMPILES: 0}  # a loaded step never compiles; guards were checked above
         )

@@ -41,8 +41,10 @@ def _plan_inputs(ctx: EngineContext) -> Callable[[int, int], tuple[torch.Tensor,
 
 class GraphCompile:
     name = "graph_compile"
-    needs: tuple[str, ...] = ("traced", "compile_cache")
-    provides: tuple[str, ...] = ("decode_fn",)
+    # model, native, arch, dtype: skipped_reason, inductor_settings, the replay plan's scratch cache, a re-trace.
+    needs: tuple[str, ...] = ("traced", "compile_cache", "model", "native", "arch", "dtype")
+    # traced: replaced only when the stored entry will not load (the one provide not written on every path).
+    provides: tuple[str, ...] = ("decode_fn", "traced")
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx)

@@ -14,7 +14,7 @@ from .context import EngineContext
 
 class KVCacheInit:
     name = "kv_cache_init"
-    needs: tuple[str, ...] = ("kv_plan", "arch", "model", "tokenizer", "model_dir")
+    needs: tuple[str, ...] = ("kv_plan", "arch", "model", "tokenizer", "model_dir", "dtype")
     provides: tuple[str, ...] = ("kv_cache", "runner", "engine")
 
     def run(self, ctx: EngineContext) -> StageReport:

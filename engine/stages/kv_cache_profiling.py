@@ -85,7 +85,8 @@ class KVCacheProfiling:
     name = "kv_cache_profiling"
     # Not the compile stages': the profiling forward runs eagerly and its tensor tracking is per thread, so it
     # runs alongside Dynamo tracing and the Inductor compile.
-    needs: tuple[str, ...] = ("model", "arch", "dtype", "weights_bytes")
+    # model_dir: the quantization group size it keys the profile on can come from the source GGUF.
+    needs: tuple[str, ...] = ("model", "arch", "dtype", "weights_bytes", "model_dir")
     provides: tuple[str, ...] = ("kv_plan",)
 
     def run(self, ctx: EngineContext) -> StageReport:

@@ -35,7 +35,7 @@ def touch_pages(sd: dict[str, torch.Tensor]) -> int:
 
 class LoadWeights:
     name = "load_weights"
-    needs: tuple[str, ...] = ("model_dir", "arch", "dtype")
+    needs: tuple[str, ...] = ("model_dir", "gguf_path", "arch", "dtype")
     provides: tuple[str, ...] = ("state_dict", "weights_bytes")
 
     def run(self, ctx: EngineContext) -> StageReport:

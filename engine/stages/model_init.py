@@ -33,7 +33,8 @@ def kernel_dispatcher(ctx: EngineContext) -> tuple[object, str]:
 class ModelInit:
     name = "model_init"
     needs: tuple[str, ...] = ("arch", "dtype", "model_dir", "state_dict")
-    provides: tuple[str, ...] = ("model",)
+    # It drops the state dict once the model owns the tensors.
+    provides: tuple[str, ...] = ("model", "state_dict")
 
     def run(self, ctx: EngineContext) -> StageReport:
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")

@@ -13,7 +13,7 @@ from .context import EngineContext
 class ModelPrepare:
     name = "model_prepare"
     needs: tuple[str, ...] = ()
-    provides: tuple[str, ...] = ("model_dir", "arch", "dtype")
+    provides: tuple[str, ...] = ("model_dir", "gguf_path", "arch", "dtype")
 
     def run(self, ctx: EngineContext) -> StageReport:
         ctx.model_dir, fetched = prepare_model(ctx.config.model, ctx.cache_root, quiet=True)

@@ -19,7 +19,8 @@ DENSE_SMALL_M = 16
 
 class NativeKernels:
     name = "native_kernels"
-    # It switches the model's layers to native kernels in place: later readers of the model wait for it.
+    # It switches the model's layers to native kernels in place (and stores the model back, see run): later
+    # readers of the model wait for it.
     needs: tuple[str, ...] = ("model", "dtype")
     provides: tuple[str, ...] = ("native", "model")
 
@@ -40,6 +41,7 @@ class NativeKernels:
         if not build.available:
             return StageReport.skipped(f"native kernels unavailable: {build.reason}", attrs)  # type: ignore[arg-type]
         counts = enable_native_decode(model, DENSE_SMALL_M, ctx.dtype)
+        ctx.model = model  # the same object, changed in place: the write is what the stage contract sees
         attrs.update({
             "glowplug.native_dense_layers": counts["dense"],
             "glowplug.native_quantized_layers": counts["quantized"],

@@ -42,7 +42,7 @@ def quant_factors(ctx: EngineContext) -> dict[str, Any]:
 
 class QuantizeWeights:
     name = "quantize_weights"
-    needs: tuple[str, ...] = ("model_dir", "state_dict")
+    needs: tuple[str, ...] = ("model_dir", "gguf_path", "state_dict")
     provides: tuple[str, ...] = ("state_dict", "weights_bytes")
 
     def run(self, ctx: EngineContext) -> StageReport:
@@ -61,6 +61,9 @@ class QuantizeWeights:
 
         if not any(k.endswith(".weight") and is_target_module(k[: -len(".weight")], quantize_head=head) for k in sd):
             # Every projection came repacked from the GGUF's blocks (load_weights): nothing to quantize or cache.
+            # The state dict goes on unchanged (`sd` is still load_weights' dict: adding a tied head would have left
+            # the head to quantize); stored back, since a stage writes every slot it provides.
+            ctx.state_dict = sd
             ctx.weights_bytes = sum(t.nbytes for t in sd.values())
             return StageReport(attributes={
                 Attr.QUANTIZATION: q.quantization,

@@ -145,13 +145,13 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
         return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
 
     windows = eval_token_windows(ref_llm.tokenizer, continuations, cfg.window, cfg.continuation_tokens)
-    ref = next_token_logprobs(ref_llm.startup.context.model, windows)
+    ref = next_token_logprobs(ref_llm.engine.model, windows)
     ref_ppl, _, _, n = compare(ref, ref, windows)
     rows = [AccuracyRow("none (bf16)", ref_ppl, 0.0, 0.0, 1.0, n)]
     del ref_llm
     for quant in cfg.quantization:
         llm = build(quant)
-        got = next_token_logprobs(llm.startup.context.model, windows)
+        got = next_token_logprobs(llm.engine.model, windows)
         ppl, kl, top1, n = compare(ref, got, windows)
         rows.append(AccuracyRow(quant, ppl, 100 * (ppl / ref_ppl - 1), kl, top1, n))
         del llm

@@ -231,10 +231,10 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
         # state (engine/host_memory.py says why the offline LLM does not commit on its own).
         llm.engine.commit_kv_cache()
         model_dir = llm.startup.model_dir
-        resolved = str(llm.startup.context.dtype).removeprefix("torch.")
+        resolved = str(llm.startup.dtype).removeprefix("torch.")
         compiled = llm.engine.runner.decode_fn is not None
-        wbytes = weight_bytes_per_token(llm.startup.context.model, compiled)
-        groups = group_sizes(llm.startup.context.model)
+        wbytes = weight_bytes_per_token(llm.engine.model, compiled)
+        groups = group_sizes(llm.engine.model)
         base: float | None = None
         for batch in cfg.batch_sizes:
             prompts = make_prompts(llm.tokenizer, batch, cfg.prompt_tokens)

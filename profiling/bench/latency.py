@@ -156,7 +156,7 @@ def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None)
             continue
         result.kv_blocks[quant] = llm.engine.block_manager.num_blocks
         result.resolved[quant] = (
-            str(llm.startup.context.dtype).removeprefix("torch."),
+            str(llm.startup.dtype).removeprefix("torch."),
             "on" if llm.engine.runner.decode_fn is not None else "off",
         )
         for batch in cfg.batch_size:

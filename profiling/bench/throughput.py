@@ -228,7 +228,7 @@ def run_throughput_bench(
                 results.add(_skipped(quant, shape, reason))
                 continue
             params = SamplingParams(temperature=0.0, max_tokens=shape.output_len, ignore_eos=True)
-            dtype = str(llm.startup.context.dtype).removeprefix("torch.")
+            dtype = str(llm.startup.dtype).removeprefix("torch.")
             mode = "on" if llm.engine.runner.decode_fn is not None else "off"
             prompts = make_prompts(llm.tokenizer, shape.batch, shape.input_len)
             try:

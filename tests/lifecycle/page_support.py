@@ -38,9 +38,14 @@ LAUNCH_ARGS = [
 
 
 class PacedStage:
+    # One stage at a time: what the page shows then follows the pipeline's order.
+    barrier = True
+
     def __init__(self, inner: Any, startup: PacedStartup) -> None:
         self.inner = inner
         self.name: str = inner.name
+        self.needs: tuple[str, ...] = inner.needs
+        self.provides: tuple[str, ...] = inner.provides
         self._startup = startup
 
     def run(self, ctx: Any) -> Any:

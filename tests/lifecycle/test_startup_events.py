@@ -15,6 +15,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
+from glowplug.engine.startup import default_stages
 from glowplug.lifecycle.config import ServeConfig
 from glowplug.lifecycle.live_metrics import RecentRequests, ServingSampler, percentile
 from glowplug.lifecycle.metrics import ServiceMetrics
@@ -24,20 +25,7 @@ from glowplug.profiling.names import STARTUP_SPAN, stage_span_name
 from lifecycle_harness import ThreadServer, engine_config, free_port
 from page_support import PacedStartup
 
-PIPELINE = (
-    "model_prepare",
-    "tokenizer_init",
-    "load_weights",
-    "quantize_weights",
-    "model_init",
-    "native_kernels",
-    "dynamo_transform",
-    "graph_compile",
-    "kv_cache_profiling",
-    "kv_cache_init",
-    "graph_capture",
-    "warmup",
-)
+PIPELINE = tuple(stage.name for stage in default_stages())
 LOGGED = ("phase_start", "phase_end", "state")
 
 
@@ -45,7 +33,6 @@ def assert_pipeline_order(events: list[tuple[str, str]]) -> None:
     """(phase_start|phase_end, stage) in stream order: every stage once, started after the stages it waits for
     ended (independent stages overlap, so their relative order is free)."""
     from glowplug.engine.stages.base import stage_dependencies
-    from glowplug.engine.startup import default_stages
 
     pos = {ev: i for i, ev in enumerate(events)}
     assert len(pos) == len(events) == 2 * len(PIPELINE)

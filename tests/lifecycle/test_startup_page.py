@@ -15,26 +15,14 @@ from typing import Any
 import httpx
 import pytest
 
+from glowplug.engine.startup import default_stages
 from glowplug.lifecycle.config import ServeConfig
 from glowplug.profiling.names import Row
 
 from lifecycle_harness import ThreadServer, engine_config, free_port
 from page_support import PacedStartup, artifacts_dir, browser  # noqa: F401 - the fixture
 
-PIPELINE = (
-    "model_prepare",
-    "tokenizer_init",
-    "load_weights",
-    "quantize_weights",
-    "model_init",
-    "native_kernels",
-    "dynamo_transform",
-    "graph_compile",
-    "kv_cache_profiling",
-    "kv_cache_init",
-    "graph_capture",
-    "warmup",
-)
+PIPELINE = tuple(stage.name for stage in default_stages())
 WAIT_MS = 60_000
 
 # Records, in order, every phase-list item whose status changes to a done state (finished / skipped / failed).

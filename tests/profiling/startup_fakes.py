@@ -1,4 +1,7 @@
-"""Fake start-up stages: real Stage implementations that sleep instead of loading a model."""
+"""Fake start-up stages: real Stage implementations that sleep instead of loading a model.
+
+A SleepStage is an explicit barrier by default (the fakes then run one after another, the plain sequential
+pipeline); one that declares slots and sets `barrier=False` is scheduled by them, over a FakeContext."""
 
 from __future__ import annotations
 
@@ -14,6 +17,19 @@ from glowplug.profiling.names import Attr
 
 
 @dataclass
+class FakeContext(StartupContext):
+    """The slots the fakes declare (the real stages' names, untyped)."""
+
+    config: Any = None
+    model_dir: Any = None
+    tokenizer: Any = None
+    state_dict: Any = None
+    model: Any = None
+    engine: Any = None
+    other: Any = None
+
+
+@dataclass
 class SleepStage:
     name: str
     seconds: float = 0.005
@@ -26,6 +42,9 @@ class SleepStage:
     events: list[tuple[str, str]] | None = None  # shared call log: ("run", name)
     seen_span: trace.SpanContext | None = None
     busy: bool = False  # spin instead of sleeping, like a CPU-bound stage
+    needs: tuple[str, ...] = ()
+    provides: tuple[str, ...] = ()
+    barrier: bool = True
 
     def run(self, ctx: StartupContext) -> StageReport:
         if self.events is not None:
@@ -39,7 +58,8 @@ class SleepStage:
                 pass
         else:
             time.sleep(self.seconds)
-        ctx.put(self.name, True)
+        for slot in self.provides:
+            setattr(ctx, slot, self.name)
         if self.error is not None:
             raise self.error
         if self.returns != "report":
@@ -87,7 +107,7 @@ def run_startup(tracing: Any, stages: list[Any], *, imports_s: float = 0.0) -> t
     root = open_startup_span(tracer, marks)
     t0 = time.perf_counter()
     try:
-        run_stages(stages, StartupContext(None), tracer=tracer, parent=root, clock=marks.clock)
+        run_stages(stages, FakeContext(), tracer=tracer, parent=root, clock=marks.clock)
     finally:
         wall = time.perf_counter() - t0
         ready = marks.clock.now_ns()

@@ -8,7 +8,7 @@ import threading
 from dataclasses import dataclass
 
 import pytest
-from startup_fakes import SleepStage, run_startup
+from startup_fakes import FakeContext, SleepStage, run_startup
 
 from glowplug.engine.stages.base import StageReport, StartupContext, StartupFailed, run_stages, stage_dependencies
 from glowplug.profiling.export import chrome_trace
@@ -18,8 +18,7 @@ from glowplug.profiling.tracing import Tracing
 
 @dataclass
 class Declared(SleepStage):
-    needs: tuple[str, ...] = ()
-    provides: tuple[str, ...] = ()
+    barrier: bool = False
 
 
 def _pipeline(seconds: float = 0.2) -> list[Declared]:
@@ -34,14 +33,14 @@ def _pipeline(seconds: float = 0.2) -> list[Declared]:
 
 
 def test_dependencies_follow_the_latest_provider_and_barriers() -> None:
-    stages = [*_pipeline(), SleepStage("undeclared"), Declared("after", needs=("tokenizer",))]
+    stages = [*_pipeline(), SleepStage("barrier"), Declared("after", needs=("tokenizer",))]
     deps = stage_dependencies(stages)
     assert deps["tokenizer_init"] == ("model_prepare",) and deps["load_weights"] == ("model_prepare",)
     assert deps["model_init"] == ("load_weights",)
     assert set(deps["kv_cache_init"]) == {"model_init", "tokenizer_init"}
-    # An undeclared stage waits for everything since the last barrier; everything after waits for it.
-    assert set(deps["undeclared"]) == set(s.name for s in _pipeline())
-    assert deps["after"] == ("undeclared",)
+    # A barrier waits for everything since the last barrier; everything after waits for it.
+    assert set(deps["barrier"]) == set(s.name for s in _pipeline())
+    assert deps["after"] == ("barrier",)
 
 
 def test_independent_stages_overlap_and_spans_nest_under_the_startup_span(tracing: Tracing) -> None:
@@ -109,7 +108,7 @@ def test_first_failure_in_pipeline_order_wins_and_running_stages_are_joined(trac
     ]
     before = threading.active_count()
     with pytest.raises(StartupFailed) as err:
-        run_stages(stages, StartupContext(None), tracer=tracing.tracer())
+        run_stages(stages, FakeContext(), tracer=tracing.tracer())
     assert err.value.stage == "tokenizer_init" and "tok" in err.value.reason
     assert finished == ["slow_side"]  # joined, not abandoned
     assert threading.active_count() == before

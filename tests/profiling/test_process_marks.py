@@ -29,6 +29,8 @@ from glowplug.engine.stages.base import StageReport, StartupContext, run_stages
 
 class Tokenizer:
     name = "tokenizer_init"
+    needs = ()
+    provides = ()
     def run(self, ctx):
         time.sleep(0.05)
         return StageReport()

@@ -44,11 +44,10 @@ def test_span_tree_names_parentage_order_and_attributes(tracing: Tracing) -> Non
     assert named["glowplug.startup.graph_compile"].attributes[Attr.ROW] == "graph_compile_general_shape"
     assert named["glowplug.startup.graph_capture"].attributes[Attr.SKIPPED_REASON] == "skipped: no CUDA"
     assert all(c.attributes[Attr.STAGE] == c.name.rsplit(".", 1)[1] for c in children)
-    # Results mirror the spans; stages shared the context.
+    # Results mirror the spans.
     assert [r.name for r in results] == list(STAGES)
     rows = {r.name: r.row for r in results}
     assert rows["load_weights"] == "load_weights" and rows["graph_capture"] == "graph_capturing"
-    assert all(ctx.state[n] is True for n in STAGES)
 
 
 def test_span_duration_is_the_perf_counter_duration(tracing: Tracing) -> None:
@@ -129,11 +128,3 @@ def test_given_parent_is_used_and_left_open(tracing: Tracing) -> None:
         assert spans[f"glowplug.startup.{name}"].parent.span_id == root_id  # type: ignore[attr-defined]
     assert spans[STARTUP_SPAN].start_time == marks.process_start_ns  # type: ignore[attr-defined]
 
-
-def test_context_require_explains_missing_and_mistyped_slots() -> None:
-    ctx = StartupContext(config=None, state={"model": 3})
-    assert ctx.require("model", int) == 3
-    with pytest.raises(KeyError, match="no 'tokenizer'.*have: model"):
-        ctx.require("tokenizer")
-    with pytest.raises(TypeError, match="expected str"):
-        ctx.require("model", str)
