@@ -206,9 +206,15 @@ def group_sizes(model: Any) -> str:
 
 
 def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
+    from glowplug.base.errors import require_extra
+
     from ...engine.llm import LLM
     from ..memory import PeakMemory
 
+    if cfg.compare_hf:
+        # transformers is an extra: say so now, not after the glowplug rows' minutes. It is imported only where the
+        # peer runs, after them, so that the glowplug rows run in a process without it, as the server does.
+        require_extra(("transformers",), "bench decode's transformers peer (--no-compare-hf skips it)", "bench")
     rows: list[DecodeRow] = []
     model_dir = None
     longest = cfg.prompt_tokens + cfg.new_tokens
