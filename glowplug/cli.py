@@ -323,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from glowplug.base.artifacts import CacheDirUnusable
+    from glowplug.base.errors import MissingExtra
     from glowplug.engine.models.arch import ModelError
     from glowplug.engine.stages.base import StartupFailed
 
@@ -335,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"glowplug: invalid setting:\n{explain(exc)}", file=sys.stderr)
         return 2
-    except (FlagError, ModelError, ValueError, CacheDirUnusable) as exc:
+    except (FlagError, ModelError, ValueError, CacheDirUnusable, MissingExtra) as exc:
         print(f"glowplug: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -13,8 +13,10 @@ built on the `meta` device. Kernel-specific layouts are derived after loading (a
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +30,38 @@ from .formats import (
     PackedWeight,
     W8A8Weight,
 )
+
+if TYPE_CHECKING:
+    from .native import NativeState
+
+
+class DecodeKernel(enum.Enum):
+    """What a layer's compiled decode step runs (eager calls always take the stock path)."""
+
+    STOCK = "stock"  # F.linear for a dense layer, the dispatcher's kernels (kernels/dispatch.py) for a quantized one
+    NATIVE = "native"  # glowplug's native op (kernels/native.py), switched on by `enable_native_decode`
+
+
+@dataclass(frozen=True)
+class NativeSwitch:
+    """What one layer's `enable_native` did: the kind of layer (how `enable_native_decode` counts it), whether a
+    native kernel now serves its compiled decode, and the bytes a batch-1 decode step reads through it (0 if none)."""
+
+    kind: Literal["dense", "quantized", "attention"]
+    switched: bool
+    nbytes: int = 0
+
+
+@runtime_checkable
+class NativeDecodeLayer(Protocol):
+    """A layer whose compiled decode step can run a native op. The linear layers here implement it, and so do the
+    model's own layers that need one (its attention, a tied head): each knows its own attributes, so
+    `enable_native_decode` walks any model without knowing how the model is laid out."""
+
+    def enable_native(self, small_m: int, activation_dtype: torch.dtype) -> NativeSwitch:
+        """Switch this layer's compiled decode to a native kernel where one serves it (`small_m`: the largest batch
+        the row-major dense kernel takes; `activation_dtype`: the model's dtype)."""
+        ...
 
 
 def padded_rows(m: int) -> int:
@@ -78,9 +112,11 @@ class DenseLinear(nn.Linear):
                 return F.linear(F.pad(x, (0, 0, 0, rows - m)), weight, bias)[:m]
         return F.linear(x, weight, bias)
 
-    def enable_native(self, small_m: int) -> int:
-        """Switch this layer's compiled decode to a native kernel (see `enable_dense_native`)."""
-        return enable_dense_native(self, self.weight, small_m)
+    def enable_native(self, small_m: int, activation_dtype: torch.dtype) -> NativeSwitch:
+        """Switch this layer's compiled decode to a native kernel (see `enable_dense_native`); the weight's own
+        dtype decides which one, so `activation_dtype` is not needed here."""
+        nbytes = enable_dense_native(self, self.weight, small_m)
+        return NativeSwitch("dense", nbytes > 0, nbytes)
 
 
 def enable_dense_native(module: nn.Module, weight: Tensor, small_m: int) -> int:
@@ -123,7 +159,7 @@ class QuantLinear(nn.Module):
             self.register_parameter("bias", None)
         self._dispatcher = dispatcher
         self._runtime: Runtime | None = None
-        self._native: Any = None  # kernels.native.NativeState once enable_native_decode ran; its tensors are buffers
+        self._native: NativeState | None = None  # once enable_native found a kernel; its tensors are buffers
         # The M a compiled graph with a symbolic batch plans its (non-native) kernel for; set by whoever traces such a
         # graph (engine/stages/dynamo_transform.py). None: a traced graph has static shapes and plans for its own M.
         self.trace_m: int | None = None
@@ -134,6 +170,26 @@ class QuantLinear(nn.Module):
         raise NotImplementedError
 
     # -- runtime ------------------------------------------------------------------------------------------
+    @property
+    def kernel(self) -> DecodeKernel:
+        """What this layer's compiled decode step runs: the native op once `enable_native` found one for it."""
+        return DecodeKernel.STOCK if self._native is None else DecodeKernel.NATIVE
+
+    @property
+    def native(self) -> NativeState | None:
+        """The native kernel's state (its layout and the bytes a decode step reads), None while `kernel` is STOCK."""
+        return self._native
+
+    @property
+    def runtime(self) -> Runtime:
+        """The dispatcher's prepared kernel states for this layer's current device, prepared now if they were not
+        (as the first eager forward would)."""
+        if self._runtime is None:
+            self.prepare()
+        if self._runtime is None:
+            raise RuntimeError(f"{type(self).__name__} is still on the meta device: load its weights first")
+        return self._runtime
+
     @property
     def dispatcher(self) -> Dispatcher:
         if self._dispatcher is None:
@@ -186,19 +242,20 @@ class QuantLinear(nn.Module):
         assert self._native is not None
         return tuple(getattr(self, f"native_{i}") for i in range(len(self._native.tensors)))
 
-    def enable_native(self, activation_dtype: torch.dtype) -> int:
+    def enable_native(self, small_m: int, activation_dtype: torch.dtype) -> NativeSwitch:
         """Derive this layer's native-kernel layout (kernels/native.py) for activations of `activation_dtype` and
-        register it as non-persistent buffers, so a compiled graph takes them as inputs. Returns the bytes a decode
-        step reads through it, 0 when no native kernel serves this combination (the dispatcher's kernels stay)."""
+        register it as non-persistent buffers, so a compiled graph takes them as inputs. Not switched when no native
+        kernel serves this combination (the dispatcher's kernels stay). The packed kernels serve every batch size,
+        so `small_m` (the dense row-major kernel's limit) does not apply."""
         from .native import prepare_native
 
         st = prepare_native(self.packed(), activation_dtype)
         if st is None:
-            return 0
+            return NativeSwitch("quantized", False)
         for i, t in enumerate(st.tensors):
             self.register_buffer(f"native_{i}", t, persistent=False)
         self._native = st
-        return st.nbytes
+        return NativeSwitch("quantized", st.nbytes > 0, st.nbytes)
 
     def _finish(self, y: Tensor, x: Tensor, lead: torch.Size) -> Tensor:
         if y.dtype != x.dtype:  # skip no-op casts: this runs ~200 times per decoded token
@@ -243,31 +300,18 @@ def _after_load(module: nn.Module, incompatible: Any) -> None:
 
 
 def enable_native_decode(model: nn.Module, small_m: int, activation_dtype: torch.dtype) -> dict[str, int]:
-    """Switch the linear layers of `model`, and its attention layers' decode, to the native kernels where one serves
-    them (call after loading, once `kernels.native.load_native` succeeded). Returns how many layers switched and the
-    bytes one batch-1 decode step reads through the linear ones."""
-    from .native import attention_supported
-
-    dense = quant = attention = 0
+    """Switch every layer of `model` that can run a native op in its compiled decode step (a `NativeDecodeLayer`:
+    the linear layers, the model's attention) to it where one serves it (call after loading, once
+    `kernels.native.load_native` succeeded). Returns how many layers of each kind switched and the bytes one
+    batch-1 decode step reads through the linear ones."""
+    counts = {"dense": 0, "quantized": 0, "attention": 0}
     nbytes = 0
     for mod in model.modules():
-        got = 0
-        if hasattr(mod, "native_attention"):  # engine/models/llama.Attention: decode attention's native op
-            mod.native_attention = attention_supported(getattr(mod, "head_dim"))
-            attention += mod.native_attention
-        elif isinstance(mod, QuantLinear):
-            got = mod.enable_native(activation_dtype)
-            quant += got > 0
-        elif isinstance(mod, DenseLinear):
-            got = mod.enable_native(small_m)
-            dense += got > 0
-        elif hasattr(mod, "native_small_m"):
-            # The tied head: in bf16 a blocked copy of the shared embedding (+57 MB for SmolLM2), because the
-            # row-major kernel streamed it slower than the blocked one in a side-by-side run of a step's GEMVs.
-            got = enable_dense_native(mod, getattr(mod, "_embedding").weight, small_m)
-            dense += got > 0
-        nbytes += got
-    return {"dense": dense, "quantized": quant, "attention": attention, "bytes_per_token": nbytes}
+        if isinstance(mod, NativeDecodeLayer):
+            switch = mod.enable_native(small_m, activation_dtype)
+            counts[switch.kind] += switch.switched
+            nbytes += switch.nbytes
+    return {**counts, "bytes_per_token": nbytes}
 
 
 def prepare_modules(model: nn.Module) -> int:
@@ -307,18 +351,25 @@ class Int8Linear(QuantLinear):
         return f"{super().extra_repr()}, group_size={self.group_size}"
 
 
-class Int4Linear(QuantLinear):
-    """int4 weight-only, group-wise; `zeros` buffer only when asymmetric."""
+class SubByteLinear(QuantLinear):
+    """Weight-only, group-wise, `bits`-bit codes packed 8 // bits to a byte (formats.pack_bits): the buffers and
+    constructor Int4Linear and Int2Linear share; `zeros` only when asymmetric. Subclasses set `bits`, whether their
+    format has a symmetric variant, and `packed()`."""
+
+    bits: int
+    has_symmetric: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
                  symmetric: bool = False, device: torch.device | str | None = None,
                  bias_dtype: torch.dtype = torch.float32, dispatcher: Dispatcher | None = None) -> None:
+        if symmetric and not self.has_symmetric:
+            raise ValueError(f"{type(self).__name__} has no symmetric layout (its format always has zeros)")
         super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype,
                          dispatcher=dispatcher)
         self.group_size = group_size
         self.symmetric = symmetric
         g = _groups(in_features, group_size)
-        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8,
+        self.register_buffer("qweight", torch.zeros(out_features, in_features * self.bits // 8, dtype=torch.uint8,
                                                     device=device))
         self.register_buffer("scales", torch.ones(out_features, g, dtype=torch.float32, device=device))
         if symmetric:
@@ -326,35 +377,29 @@ class Int4Linear(QuantLinear):
         else:
             self.register_buffer("zeros", torch.zeros(out_features, g, dtype=torch.float32, device=device))
 
+    def extra_repr(self) -> str:
+        symmetric = f", symmetric={self.symmetric}" if self.has_symmetric else ""
+        return f"{super().extra_repr()}, group_size={self.group_size}{symmetric}"
+
+
+class Int4Linear(SubByteLinear):
+    """int4 weight-only, group-wise; `zeros` buffer only when asymmetric."""
+
+    bits = 4
+    has_symmetric = True
+
     def packed(self) -> Int4Weight:
         return Int4Weight(self.qweight, self.scales, self.zeros, self.group_size)
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, group_size={self.group_size}, symmetric={self.symmetric}"
 
-
-class Int2Linear(QuantLinear):
+class Int2Linear(SubByteLinear):
     """int2 weight-only, group-wise asymmetric."""
 
-    zeros: Tensor
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
-                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
-                 dispatcher: Dispatcher | None = None) -> None:
-        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype,
-                         dispatcher=dispatcher)
-        self.group_size = group_size
-        g = _groups(in_features, group_size)
-        self.register_buffer("qweight", torch.zeros(out_features, in_features // 4, dtype=torch.uint8,
-                                                    device=device))
-        self.register_buffer("scales", torch.ones(out_features, g, dtype=torch.float32, device=device))
-        self.register_buffer("zeros", torch.zeros(out_features, g, dtype=torch.float32, device=device))
+    bits = 2
 
     def packed(self) -> Int2Weight:
+        assert self.zeros is not None  # int2 is always asymmetric: the constructor registers zeros
         return Int2Weight(self.qweight, self.scales, self.zeros, self.group_size)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, group_size={self.group_size}"
 
 
 class W8A8Linear(QuantLinear):

@@ -115,10 +115,8 @@ class QuantScheme:
                    if isinstance(mod, nn.Linear) and is_target_module(name, quantize_head=quantize_head)
                    and not skip(name)]
         for name, linear in targets:
-            parent_name, _, child = name.rpartition(".")
-            parent = model.get_submodule(parent_name) if parent_name else model
             layer_gs = self.layer_group_size(linear.in_features, gs)
-            setattr(parent, child, self.make_module(linear, layer_gs, dispatcher))
+            model.set_submodule(name, self.make_module(linear, layer_gs, dispatcher))
         return model
 
     def bits_per_weight(self, group_size: int | None = None, *, in_features: int | None = None) -> float:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from glowplug.profiling.names import PRE_MAIN
 
+from .subscribers import Subscribers
+
 
 class EngineState(str, enum.Enum):
     STARTING = "starting"
@@ -79,19 +81,11 @@ class Lifecycle:
         self._ready_at: float | None = None
         self._reason: str | None = None
         self._finished: list[PhaseTiming] = []
-        self._listeners: list[Callable[[StateSnapshot], None]] = []
+        self._listeners: Subscribers[Callable[[StateSnapshot], None]] = Subscribers()
 
     def subscribe(self, listener: Callable[[StateSnapshot], None]) -> Callable[[], None]:
         """Call `listener` after every change; returns the unsubscribe function."""
-        with self._lock:
-            self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if listener in self._listeners:
-                    self._listeners.remove(listener)
-
-        return unsubscribe
+        return self._listeners.subscribe(listener)
 
     def snapshot(self) -> StateSnapshot:
         with self._lock:
@@ -131,7 +125,7 @@ class Lifecycle:
         with self._lock:
             changed = mutate(self._clock())
             snap = self._snapshot_locked(self._clock())
-            listeners = list(self._listeners)
+            listeners = self._listeners.snapshot()
         # Outside the lock: a listener may read the state again.
         if changed:
             for listener in listeners:

@@ -28,6 +28,8 @@ from opentelemetry.trace import format_trace_id
 from glowplug.profiling.names import STARTUP_SPAN, stage_from_span_name
 from glowplug.profiling.phases import SpanPhase, span_phase
 
+from .subscribers import Subscribers
+
 PhaseListener = Callable[[str, dict[str, Any]], None]  # (event kind, data)
 
 PHASE_START = "phase_start"
@@ -53,19 +55,11 @@ class StartupTimeline(SpanProcessor):
         self._end_ns: int | None = None
         self._running: dict[str, int] = {}  # stage -> span start (ns); insertion order is start order
         self._finished: list[SpanPhase] = []  # in the order the spans ended
-        self._listeners: list[PhaseListener] = []
+        self._listeners: Subscribers[PhaseListener] = Subscribers()
 
     def subscribe(self, listener: PhaseListener) -> Callable[[], None]:
         """Call `listener(kind, data)` after each phase start and end (on the span's thread)."""
-        with self._lock:
-            self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            with self._lock:
-                if listener in self._listeners:
-                    self._listeners.remove(listener)
-
-        return unsubscribe
+        return self._listeners.subscribe(listener)
 
     # ------------------------------------------------------------ SpanProcessor
 
@@ -85,7 +79,7 @@ class StartupTimeline(SpanProcessor):
                 return
             self._running[stage] = span.start_time
             data = self._started_locked(stage, span.start_time)
-            listeners = list(self._listeners)
+            listeners = self._listeners.snapshot()
         for listener in listeners:
             listener(PHASE_START, data)
 
@@ -102,7 +96,7 @@ class StartupTimeline(SpanProcessor):
             self._running.pop(phase.stage, None)
             self._finished.append(phase)
             data = self._finished_locked(phase)
-            listeners = list(self._listeners)
+            listeners = self._listeners.snapshot()
         for listener in listeners:
             listener(PHASE_END, data)
 

@@ -14,8 +14,6 @@ the serving charts show real traffic.
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,16 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-LAUNCH_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+from glowplug.lifecycle.browser import CHROMIUM_FLAGS, chromium_path
 
 
 def free_port() -> int:
@@ -58,7 +47,7 @@ def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("reports/startup"))
-    parser.add_argument("--chromium", default=os.environ.get("GLOWPLUG_CHROMIUM") or shutil.which("chromium"))
+    parser.add_argument("--chromium", default=chromium_path())
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for READY")
     parser.add_argument("--under-load", type=int, default=0, metavar="N",
                         help="after READY, screenshot the serving view under `glowplug bench serve` with N clients")
@@ -78,7 +67,7 @@ def main() -> int:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
             wait_port(port, proc, 120.0)
-            browser = pw.chromium.launch(executable_path=args.chromium, headless=True, args=LAUNCH_ARGS)
+            browser = pw.chromium.launch(executable_path=args.chromium, headless=True, args=list(CHROMIUM_FLAGS))
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto(f"http://127.0.0.1:{port}/")
             timeout_ms = args.timeout * 1000

@@ -1,7 +1,9 @@
 """Tiny in-process OTLP trace receivers for tests: OTLP/HTTP (protobuf) and OTLP/gRPC on 127.0.0.1.
 
 Both decode real `ExportTraceServiceRequest`s with the opentelemetry-proto classes, so a test that points the
-standard OTEL_EXPORTER_OTLP_* variables at one checks the whole path a collector would see.
+standard OTEL_EXPORTER_OTLP_* variables at one checks the whole path a collector would see. The HTTP one is the
+package's own receiver (glowplug.profiling.bench.otlp_sink, the tracing benchmark's collector), keeping every
+request it decodes.
 
     with OtlpHttpReceiver() as rx:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", rx.traces_endpoint)
@@ -11,19 +13,18 @@ standard OTEL_EXPORTER_OTLP_* variables at one checks the whole path a collector
 
 from __future__ import annotations
 
-import gzip
 import threading
 import time
-import zlib
 from concurrent import futures
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+
+from glowplug.profiling.bench.otlp_sink import OtlpSink
 
 
 def decode_any_value(value: AnyValue) -> Any:
@@ -136,58 +137,32 @@ class _ReceiverBase:
 
 
 class OtlpHttpReceiver(_ReceiverBase):
-    """OTLP/HTTP with protobuf bodies (gzip/deflate accepted). `paths` lists every POSTed path."""
+    """OTLP/HTTP with protobuf bodies (gzip/deflate accepted): the package's OtlpSink, keeping every request it
+    decodes. `paths` lists every POSTed path."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.paths: list[str] = []
-        received, paths = self.received, self.paths
+        self._sink = OtlpSink(on_export=self.received.add)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-                encoding = (self.headers.get("Content-Encoding") or "").lower()
-                if encoding == "gzip":
-                    body = gzip.decompress(body)
-                elif encoding == "deflate":
-                    body = zlib.decompress(body)
-                paths.append(self.path)
-                if self.path != "/v1/traces":
-                    self.send_error(404, "only /v1/traces is served")
-                    return
-                request = trace_service_pb2.ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                received.add(request, {k.lower(): v for k, v in self.headers.items()})
-                payload = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-                pass  # keep test output clean
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._thread = threading.Thread(target=self._server.serve_forever, name="otlp-http-receiver", daemon=True)
+    @property
+    def paths(self) -> list[str]:
+        return self._sink.paths
 
     @property
     def endpoint(self) -> str:
         """Base URL, for OTEL_EXPORTER_OTLP_ENDPOINT (the exporter appends /v1/traces)."""
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return self._sink.endpoint
 
     @property
     def traces_endpoint(self) -> str:
         """Full URL, for OTEL_EXPORTER_OTLP_TRACES_ENDPOINT."""
-        return self.endpoint + "/v1/traces"
+        return self._sink.traces_endpoint
 
     def start(self) -> None:
-        self._thread.start()
+        self._sink.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._sink.stop()
 
 
 class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):

@@ -105,3 +105,28 @@ def test_smollm2_quantized_perplexity_within_budget() -> None:
         assert r.tokens > 500 and 0.0 <= r.top1_agreement <= 1.0 and r.mean_kl >= 0.0
     g128 = run_accuracy(AccuracyConfig(quantization=("int4",), group_size=128, continuation_tokens=0))
     assert g128[1].ppl_change_pct > rows["int4"].ppl_change_pct  # double quantization on a coarser grid
+
+
+def test_native_decode_switch_reaches_every_layer_kind(tiny_dir, tmp_path: Path) -> None:
+    """kernels.modules.enable_native_decode walks the model's layers through their own `enable_native`: the
+    quantized projections, the tied head (a dense switch on the shared embedding) and the attention."""
+    from glowplug.engine.models.llama import Attention, TiedHead
+    from glowplug.kernels.modules import DecodeKernel, QuantLinear, enable_native_decode
+    from glowplug.kernels.native import attention_supported, blocked_supported, load_native
+
+    if not load_native(tmp_path / "native").available or not blocked_supported():
+        pytest.skip("the native blocked kernels need a C++ compiler and AVX512-BF16")
+    cfg = EngineConfig.from_flat(model=str(tiny_dir("qwen2")), compile="off", dtype="bfloat16", quantization="int4",
+                                 quantize_lm_head=False)  # fmt: skip
+    model = build_engine(cfg, cache_dir=tmp_path).context.model
+    counts = enable_native_decode(model, 16, torch.bfloat16)
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    attention = [m for m in model.modules() if isinstance(m, Attention)]
+    head = model.lm_head
+    assert isinstance(head, TiedHead) and "native_blocked" in head._buffers
+    assert all(m.kernel is DecodeKernel.NATIVE for m in quant)
+    assert all(m.native_attention == attention_supported(m.head_dim) for m in attention)
+    assert counts == {
+        "dense": 1, "quantized": len(quant), "attention": sum(m.native_attention for m in attention),
+        "bytes_per_token": sum(m.native.nbytes for m in quant) + head.native_blocked.nbytes,
+    }  # fmt: skip

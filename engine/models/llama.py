@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.modules import DenseLinear
+from ...kernels.modules import DenseLinear, NativeSwitch, enable_dense_native
 from ..attention import AttentionMetadata, decode_attention, paged_attention
 from ..kv_cache import LayerKV
 from .arch import ModelArch, RopeScaling
@@ -114,8 +114,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, arch.rms_norm_eps)
             self.k_norm = RMSNorm(d, arch.rms_norm_eps)
         self.scale = d**-0.5
-        # The compiled decode step's attention through the native op (set by kernels.modules.enable_native_decode).
+        # The compiled decode step's attention through the native op (set by `enable_native`).
         self.native_attention = False
+
+    def enable_native(self, small_m: int, activation_dtype: torch.dtype) -> NativeSwitch:
+        """kernels.modules.enable_native_decode's switch: decode attention through the native op where the CPU and
+        this head_dim allow it (batch size and dtype do not matter to it)."""
+        from ...kernels.native import attention_supported
+
+        self.native_attention = attention_supported(self.head_dim)
+        return NativeSwitch("attention", self.native_attention)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t, d = x.shape[0], self.head_dim
@@ -196,14 +204,28 @@ class TiedHead(nn.Module):
     """The output projection of a model whose head shares the embedding matrix. The embedding is referenced, not
     registered, so the state dict holds the matrix once (as `model.embed_tokens.weight`)."""
 
+    _embedding: nn.Embedding
+
     def __init__(self, embedding: nn.Embedding) -> None:
         super().__init__()
         object.__setattr__(self, "_embedding", embedding)
         self.native_small_m: int | None = None
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The matrix this head multiplies by: the embedding's, shared."""
+        return self._embedding.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocked = self.native_blocked if "native_blocked" in self._buffers else None
-        return DenseLinear.project(x, self._embedding.weight, None, self.native_small_m, blocked)
+        return DenseLinear.project(x, self.weight, None, self.native_small_m, blocked)
+
+    def enable_native(self, small_m: int, activation_dtype: torch.dtype) -> NativeSwitch:
+        """kernels.modules.enable_native_decode's switch, for the shared matrix. In bf16 that is a blocked copy of
+        the embedding (+57 MB for SmolLM2), because the row-major kernel streamed it slower than the blocked one in
+        a side-by-side run of a step's GEMVs."""
+        nbytes = enable_dense_native(self, self.weight, small_m)
+        return NativeSwitch("dense", nbytes > 0, nbytes)
 
 
 class DecoderLM(nn.Module):

@@ -1,12 +1,17 @@
 """Tiny random checkpoints in Hugging Face format, made with transformers' own classes (tests and benchmarks).
 
 The tokenizer is a small byte-level BPE trained on text this project wrote, so nothing is downloaded.
+transformers is not a runtime dependency: it comes with the `test` extra, and is imported only when one is made.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from glowplug.base.errors import require_extra
+
+NEEDS = "making the tiny test checkpoints (glowplug.engine.models.tiny)"
 
 TINY_VARIANTS = ("llama", "llama3-rope", "linear-rope", "mistral", "qwen2", "qwen3")
 
@@ -28,6 +33,7 @@ CHAT_TEMPLATE = (
 
 
 def make_tiny_tokenizer(vocab_size: int = 320) -> Any:
+    require_extra(("transformers",), NEEDS, "test")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -92,6 +98,7 @@ def _config(variant: str, vocab: int, eos: int, bos: int, **overrides: Any) -> A
 
 def make_tiny_checkpoint(out_dir: Path, variant: str = "llama", *, seed: int = 0, **overrides: Any) -> Path:
     """Write a random `variant` model + tokenizer to `out_dir` with save_pretrained; returns the folder."""
+    require_extra(("transformers",), NEEDS, "test")
     import torch
     from transformers import AutoModelForCausalLM
 

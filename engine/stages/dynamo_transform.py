@@ -29,9 +29,9 @@ def skipped_reason(ctx: EngineContext) -> str | None:
     if not ctx.config.compile_enabled():
         return f"--compile {ctx.config.compile}"
     if ctx.config.quant.quantization != "none" and ctx.model is not None:
-        from glowplug.kernels.modules import QuantLinear
+        from glowplug.kernels.modules import DecodeKernel, QuantLinear
 
-        missing = sum(isinstance(m, QuantLinear) and m._native is None for m in ctx.model.modules())
+        missing = sum(isinstance(m, QuantLinear) and m.kernel is DecodeKernel.STOCK for m in ctx.model.modules())
         if missing:
             why = ctx.native.reason if ctx.native is not None and not ctx.native.available else (
                 "they need AVX512-BF16 and an input size that is a multiple of 32")  # fmt: skip

@@ -121,28 +121,23 @@ def _tensor_bytes(obj: Any) -> int:
 
 def weight_bytes_per_token(model: Any, compiled: bool) -> int:
     """Bytes of weights one batch-1 decode step reads through its kernels (see module docstring)."""
+    from ...engine.models.llama import RMSNorm, TiedHead
     from ...kernels.modules import DenseLinear, QuantLinear
     from ...kernels.native import native_weight_bytes
 
     total = 0
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
-            if compiled and mod._native is not None:
-                total += native_weight_bytes(mod._native)
+            if compiled and mod.native is not None:
+                total += native_weight_bytes(mod.native)
             else:
-                rt = mod._runtime
-                if rt is None:
-                    mod.prepare()
-                    rt = mod._runtime
-                assert rt is not None
+                rt = mod.runtime
                 total += _tensor_bytes(rt.states[mod.dispatcher.choose(rt, 1)])
             if mod.bias is not None:
                 total += _tensor_bytes(mod.bias)
         elif isinstance(mod, DenseLinear):
             total += _tensor_bytes(mod.weight) + (_tensor_bytes(mod.bias) if mod.bias is not None else 0)
-        elif type(mod).__name__ == "TiedHead":
-            total += _tensor_bytes(mod._embedding.weight)
-        elif type(mod).__name__ == "RMSNorm":
+        elif isinstance(mod, (TiedHead, RMSNorm)):
             total += _tensor_bytes(mod.weight)
     return total
 
@@ -211,9 +206,15 @@ def group_sizes(model: Any) -> str:
 
 
 def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
+    from glowplug.base.errors import require_extra
+
     from ...engine.llm import LLM
     from ..memory import PeakMemory
 
+    if cfg.compare_hf:
+        # transformers is an extra: say so now, not after the glowplug rows' minutes. It is imported only where the
+        # peer runs, after them, so that the glowplug rows run in a process without it, as the server does.
+        require_extra(("transformers",), "bench decode's transformers peer (--no-compare-hf skips it)", "bench")
     rows: list[DecodeRow] = []
     model_dir = None
     longest = cfg.prompt_tokens + cfg.new_tokens

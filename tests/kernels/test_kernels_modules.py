@@ -11,6 +11,7 @@ from glowplug.kernels import formats as F
 from glowplug.kernels import reference as R
 from glowplug.kernels.dispatch import Dispatcher
 from glowplug.kernels.modules import (
+    DecodeKernel,
     Int2Linear,
     Int4Linear,
     Int8Linear,
@@ -90,6 +91,27 @@ def test_device_move_and_deepcopy_rebuild_runtime() -> None:
     assert torch.equal(clone(x), y0)
     model = torch.nn.Sequential(mod, torch.nn.ReLU(), QuantLinear.from_packed(_packed("int8")))
     assert prepare_modules(model) == 2
+
+
+def test_layer_reports_its_kernel_and_prepared_runtime() -> None:
+    """Readers (the dynamo stage, `bench decode`) go through these properties, not the layer's private state."""
+    mod = QuantLinear.from_packed(_packed("int4-g64"), dispatcher=Dispatcher())
+    assert mod.kernel is DecodeKernel.STOCK and mod.native is None  # no native kernel until enable_native
+    mod.to("cpu")  # a move drops the prepared states; `runtime` prepares them again, as a forward would
+    rt = mod.runtime
+    assert rt is mod.runtime and mod.dispatcher.choose(rt, 1) in rt.states
+    with pytest.raises(RuntimeError, match="meta device"):
+        Int4Linear(K, N, device="meta").runtime
+
+
+def test_sub_byte_layers_share_one_constructor() -> None:
+    """int4 and int2 differ only in bits per code and in int4's symmetric variant; int2 has none to offer."""
+    for cls, bits in ((Int4Linear, 4), (Int2Linear, 2)):
+        mod = cls(K, N, group_size=64, device="meta")
+        assert mod.qweight.shape == (N, K * bits // 8) and mod.scales.shape == mod.zeros.shape == (N, K // 64)
+    assert Int4Linear(K, N, group_size=64, symmetric=True, device="meta").zeros is None
+    with pytest.raises(ValueError, match="Int2Linear has no symmetric layout"):
+        Int2Linear(K, N, symmetric=True, device="meta")
 
 
 def test_dispatch_choice_depends_on_batch_size() -> None:

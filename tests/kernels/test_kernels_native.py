@@ -106,6 +106,16 @@ def test_w8a8_with_smoothing_and_bf16_activations_matches_reference(native: Path
     torch.testing.assert_close(got.float(), ref, atol=0.05 * ref.abs().max().item(), rtol=2e-2)
 
 
+@needs_bf16
+def test_a_switched_layer_reports_the_native_kernel(native: Path) -> None:
+    from glowplug.kernels.modules import DecodeKernel, QuantLinear
+
+    mod = QuantLinear.from_packed(formats.quantize(torch.randn(100, 96) * 0.05, "int4-g32"))
+    switch = mod.enable_native(16, torch.bfloat16)
+    assert switch.kind == "quantized" and switch.switched and mod.kernel is DecodeKernel.NATIVE
+    assert mod.native is not None and switch.nbytes == mod.native.nbytes > 0
+
+
 def test_a_damaged_library_is_rebuilt(tmp_path: Path) -> None:
     """The library is an artifact-store entry: truncate the cached .so and a new process rebuilds it (a process
     that already loaded the library keeps it, so the check runs in a fresh interpreter)."""

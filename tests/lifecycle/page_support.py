@@ -16,7 +16,6 @@ pytest's tmp dir.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -25,16 +24,7 @@ from typing import Any
 
 import pytest
 
-LAUNCH_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+from glowplug.lifecycle.browser import CHROMIUM_FLAGS, chromium_path
 
 
 class PacedStage:
@@ -87,13 +77,6 @@ class PacedStartup:
         return build_engine(config, on_phase=on_phase, tracing=tracing, marks=marks, stages=stages)
 
 
-def chromium_path() -> str | None:
-    given = os.environ.get("GLOWPLUG_CHROMIUM")
-    if given:
-        return given
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 def artifacts_dir(tmp_path: Path) -> Path:
     root = os.environ.get("GLOWPLUG_TEST_ARTIFACTS")
     out = Path(root) if root else tmp_path / "artifacts"
@@ -123,7 +106,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
             str(profile),
             executable_path=exe,
             headless=True,
-            args=LAUNCH_ARGS,
+            args=list(CHROMIUM_FLAGS),
             viewport={"width": 1280, "height": 900},
         )
         try:

@@ -53,6 +53,20 @@ def test_phases_are_timed_from_on_phase_calls() -> None:
     ]
 
 
+def test_unsubscribe_stops_the_listener_and_is_idempotent() -> None:
+    """Lifecycle and StartupTimeline share lifecycle.subscribers.Subscribers: a listener unsubscribed is not
+    called again, and calling unsubscribe twice is harmless."""
+    lc = Lifecycle(FakeClock())
+    seen: list[str] = []
+    stop = lc.subscribe(lambda snap: seen.append(f"a:{snap.phase}"))
+    lc.subscribe(lambda snap: seen.append(f"b:{snap.phase}"))
+    lc.enter_phase("load_weights")
+    stop()
+    stop()
+    lc.enter_phase("warmup")
+    assert seen == ["a:load_weights", "b:load_weights", "b:warmup"]
+
+
 def test_failure_and_late_transitions() -> None:
     clock = FakeClock()
     lc = Lifecycle(clock)

@@ -129,10 +129,14 @@ class StartedServer:
 
 
 def scrape(base_url: str) -> dict[str, float]:
-    """/metrics as {sample name{labels}: value}; label-less samples keep their bare name."""
+    """/metrics as {sample name{labels}: value} (see `parse_metrics`)."""
+    return parse_metrics(httpx.get(base_url + "/metrics", timeout=10.0, trust_env=False).text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as {sample name{labels}: value}; label-less samples keep their bare name."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(base_url + "/metrics", timeout=10.0, trust_env=False).text
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

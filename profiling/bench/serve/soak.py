@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from .client import RequestResult, make_client, send_streaming
+from .server import parse_metrics
 from .workload import _WORDS
 
 RSS_LIMIT = 1.05
@@ -149,15 +150,7 @@ def _kind_of(body: dict[str, Any]) -> str:
 
 
 async def _scrape(client: httpx.AsyncClient) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = (await client.get("/metrics")).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
+    return parse_metrics((await client.get("/metrics")).text)
 
 
 async def _settle(client: httpx.AsyncClient, timeout: float) -> dict[str, float]:
