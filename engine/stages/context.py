@@ -42,6 +42,7 @@ class EngineContext(StartupContext):
     traced: TracedDecode | LoadedDecode | StoredReplay | None = None  # dynamo_transform (a trace, or the stored entry)
     decode_fn: CompiledDecode | ReplayDecode | None = None  # graph_compile
     compile_cache: CompileCache | None = None  # dynamo_transform
+    compile_fallback: str | None = None  # dynamo_transform / graph_compile: why --compile auto runs the step eagerly
     kv_plan: KVPlan | None = None  # kv_cache_profiling
     kv_cache: KVCache | None = None  # kv_cache_init
     runner: ModelRunner | None = None  # kv_cache_init

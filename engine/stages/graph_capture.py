@@ -65,7 +65,7 @@ class CudaGraphDecode:
 
 class GraphCapture:
     name = "graph_capture"
-    needs: tuple[str, ...] = ("runner", "decode_fn")
+    needs: tuple[str, ...] = ("runner", "decode_fn", "compile_fallback")
     provides: tuple[str, ...] = ("runner",)
 
     def run(self, ctx: EngineContext) -> StageReport:
