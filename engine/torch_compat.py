@@ -252,6 +252,13 @@ def check_compiler() -> Capability:
     runtime = check_runtime()
     if not runtime.ok:
         return runtime
+    try:
+        # Dynamo as a whole first, which is the order of its own imports: another start-up stage's thread may be
+        # importing it (eager code can reach it lazily), and taking one of its submodules or Inductor's first while
+        # that import is under way inverts the two threads' module locks (torch 2.12 was seen to deadlock so).
+        importlib.import_module("torch._dynamo")
+    except ImportError:
+        return Capability(False, "torch._dynamo is missing")
     problem = _problems(_COMPILER)
     if problem is not None:
         return Capability(False, problem)
