@@ -22,7 +22,8 @@ torch.compile(...).aot_compile() does capture and compile in one call; the two h
 (`trace_decode`, `TracedDecode.compile`) so the start-up table books them to dynamo_transform and graph_compile.
 
 The artifact and Inductor's kernel folder live in the artifact store (compile_cache.py); the Inductor settings
-below are one of the compile cache's factors.
+below are one of the compile cache's factors. Every private torch name used here comes from engine/torch_compat.py,
+which checks that this torch has them before the first is used.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from . import torch_compat
 from .kv_cache import LayerKV
 from .models.llama import DecoderLM
 @dataclass(frozen=True)
@@ -60,13 +62,11 @@ class InductorSettings:
     threads: int = 0
 
     def patch(self) -> Any:
-        import torch._inductor.config as ic
-
-        return ic.patch(
-            {"cpp_wrapper": self.cpp_wrapper, "freezing": self.freezing, "max_autotune": self.max_autotune,
-             "cpp.vec_isa_ok": self.vec_isa_ok, "size_asserts": self.runtime_asserts,
-             "scalar_asserts": self.runtime_asserts, "alignment_asserts": self.runtime_asserts}  # fmt: skip
-        )
+        return torch_compat.patch_config("inductor", {
+            "cpp_wrapper": self.cpp_wrapper, "freezing": self.freezing, "max_autotune": self.max_autotune,
+            "cpp.vec_isa_ok": self.vec_isa_ok, "size_asserts": self.runtime_asserts,
+            "scalar_asserts": self.runtime_asserts, "alignment_asserts": self.runtime_asserts,
+        })  # fmt: skip
 
 
 def decode_step(model: DecoderLM, packed: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
@@ -87,7 +87,7 @@ def _trace_config() -> Any:
     - No automatic dynamic shapes: exactly the dimensions mark_decode_dynamic names vary. Dynamo otherwise keeps
       per-code-object memory of earlier traces of decode_step in this process (other engines, other block sizes)
       and makes more dimensions symbolic, which broke the reuse of the nested layer regions."""
-    return torch._dynamo.config.patch(specialize_float=True, automatic_dynamic_shapes=False)
+    return torch_compat.patch_config("dynamo", {"specialize_float": True, "automatic_dynamic_shapes": False})
 
 
 # What torch's own AOT compile sets while compiling, so that the Inductor output is bundled into the artifact.
@@ -99,28 +99,23 @@ _BUNDLE_AUTOGRAD = {"strict_autograd_cache": True, "bypass_autograd_cache_key": 
 class TracedDecode:
     """dynamo_transform's cold result: the captured graph, waiting for Inductor."""
 
-    capture: Any  # torch._dynamo.convert_frame.CaptureOutput
+    capture: Any  # torch_compat.CaptureOutput
     model: DecoderLM
     nodes: int
 
     def compile(self, settings: InductorSettings) -> "CompiledDecode":
         """Inductor on the captured graph, then the guards: what graph_compile does on a cold start."""
-        from torch._dynamo.aot_compile import AOTCompiledFunction, CompileArtifacts
-        from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable
-        from torch._dynamo.convert_frame import _get_signature, get_traced_fn
-        from torch._dynamo.graph_utils import _graph_device_type
-        from torch._dynamo.guards import CheckFunctionManager
-        from torch._dynamo.hooks import Hooks
-        from torch._dynamo.package import SourceInfo
-        from torch._dynamo.utils import dynamo_timed, get_metrics_context
-        from torch._guards import TracingContext, tracing
+        from .torch_compat import (AOTCompiledFunction, BundledAOTAutogradSerializableCallable,
+                                   CheckFunctionManager, CompileArtifacts, Hooks, InductorWrapper, SourceInfo,
+                                   TracingContext, dynamo_timed, get_metrics_context, get_signature, get_traced_fn,
+                                   graph_device_type, tracing)  # fmt: skip
 
         graph_out, backend_in = self.capture.graph_capture_output, self.capture.backend_input
         gm = backend_in.graph_module
         gm._backend_id = backend_in.backend_id
         ctx = TracingContext(backend_in.fake_mode)
         ctx.tensor_to_context = backend_in.tensor_to_context
-        backend = torch._TorchCompileInductorWrapper(None, None, None)
+        backend = InductorWrapper(None, None, None)
 
         def serializable(entries: Any) -> list[bool]:
             # Globals are not the artifact's to guard (they are re-bound at load), nor are guard kinds that cannot
@@ -134,7 +129,7 @@ class TracedDecode:
         # so is every call.
         with (_trace_config(), get_metrics_context(), dynamo_timed("glowplug_graph_compile"),
               torch.inference_mode()):  # fmt: skip
-            with settings.patch(), tracing(ctx), torch._functorch.config.patch(_BUNDLE_AUTOGRAD):
+            with settings.patch(), tracing(ctx), torch_compat.patch_config("functorch", _BUNDLE_AUTOGRAD):
                 compiled = BundledAOTAutogradSerializableCallable(backend(gm, backend_in.example_inputs))
             check = graph_out.build_guards(fn.__code__, hooks=Hooks(guard_filter_fn=serializable), save=True,
                                            strict_error=True)  # fmt: skip
@@ -142,22 +137,21 @@ class TracedDecode:
         for code in graph_out.traced_code:
             source_info.add_code(code)
         artifacts = CompileArtifacts(
-            signature=_get_signature(fn), guard_manager=_load_guards(check.guards_state, fn.__code__, {}),
+            signature=get_signature(fn), guard_manager=_load_guards(check.guards_state, fn.__code__, {}),
             guards_state=check.guards_state,
             backend_id=backend_in.backend_id, compiled_fn=compiled, original_code=fn.__code__,
             runtime_env=graph_out.get_runtime_env(), source_info=source_info,
-            device_type=_graph_device_type(gm.graph), backend_name="inductor",
+            device_type=graph_device_type(gm.graph), backend_name="inductor",
         )  # fmt: skip
         return CompiledDecode(AOTCompiledFunction(_artifacts=artifacts, _extra_globals=fn.__globals__), self.model)
 
 
 def trace_decode(model: DecoderLM, packed: torch.Tensor, caches: list[LayerKV]) -> TracedDecode:
     """Dynamo's full-graph capture of one decode step over example inputs (dims marked by mark_decode_dynamic)."""
-    from torch._dynamo.convert_frame import fullgraph_capture
-    from torch._dynamo.utils import dynamo_timed, get_metrics_context
+    from .torch_compat import dynamo_timed, fullgraph_capture, get_metrics_context
 
     with (_trace_config(), get_metrics_context(), dynamo_timed("glowplug_fullgraph_capture"),
-          torch._functorch.config.patch(strict_autograd_cache=True)):  # fmt: skip
+          torch_compat.patch_config("functorch", {"strict_autograd_cache": True})):  # fmt: skip
         capture = fullgraph_capture(decode_step, (model, packed, *split_caches(caches)), {})
     nodes = len(capture.backend_input.graph_module.graph.nodes)
     return TracedDecode(capture, model, nodes)
@@ -167,7 +161,7 @@ def _load_guards(guards_state: bytes, code: Any, used_globals: dict[str, Any]) -
     """A guard manager from serialized guards. A cold compile uses one too, rebuilt from what it is about to store,
     rather than the one Dynamo built in memory: the two read tensors' dispatch keys differently (the in-memory one
     net of inference mode's excluded keys, the loaded one not), and a start must behave the same cold or warm."""
-    from torch._dynamo.package import load_guard_manager, load_guards_state
+    from .torch_compat import load_guard_manager, load_guards_state
 
     return load_guard_manager(load_guards_state(guards_state), code, {**decode_step.__globals__, **used_globals})
 
@@ -191,8 +185,7 @@ class LoadedDecode:
 
     @classmethod
     def read(cls, data: bytes, model: DecoderLM) -> "LoadedDecode":
-        from torch._dynamo.aot_compile import AOTCompileUnpickler
-        from torch._dynamo.package import SerializedCode
+        from .torch_compat import AOTCompileUnpickler, SerializedCode
 
         state = AOTCompileUnpickler({}, io.BytesIO(data)).load()
         state["runtime_env"] = dataclasses.replace(
@@ -204,11 +197,11 @@ class LoadedDecode:
 
     def compile(self, settings: InductorSettings) -> "CompiledDecode":
         """Load Inductor's compiled module from the artifact (kernels from the Inductor folder, built if absent)."""
-        from torch._dynamo.aot_compile import AOTCompiledFunction, CompileArtifacts
+        from .torch_compat import AOTCompiledFunction, CompileArtifacts
 
         state = dict(self.state)
         deserializer, compiled_state = state["compiled_fn"]
-        with settings.patch(), torch._inductor.config.patch(enable_autograd_for_aot=True):
+        with settings.patch(), torch_compat.patch_config("inductor", {"enable_autograd_for_aot": True}):
             state["compiled_fn"] = deserializer(compiled_state)
         fn = AOTCompiledFunction(CompileArtifacts(**state), _extra_globals=decode_step.__globals__)
         return CompiledDecode(fn, self.model)
@@ -220,7 +213,7 @@ class CompiledDecode:
     `__call__` checks the guards first (capture, tests); `serving()` hands out the guard-free entry point."""
 
     def __init__(self, fn: Any, model: DecoderLM) -> None:
-        self.fn = fn  # torch._dynamo.aot_compile.AOTCompiledFunction
+        self.fn = fn  # torch_compat.AOTCompiledFunction
         self.model = model
 
     def guards_pass(self, packed: torch.Tensor, caches: list[LayerKV]) -> bool:
@@ -252,7 +245,7 @@ class CompiledDecode:
         return lambda packed: step(model, packed, *split)  # type: ignore[no-any-return]
 
     def serialize(self) -> bytes:
-        from torch._dynamo.aot_compile import AOTCompiledFunction
+        from .torch_compat import AOTCompiledFunction
 
         return AOTCompiledFunction.serialize(self.fn).serialized_data
 
@@ -260,9 +253,11 @@ class CompiledDecode:
 def mark_decode_dynamic(packed: torch.Tensor, caches: list[LayerKV]) -> None:
     """Declare the dimensions that vary between steps: the batch (unbacked: never specialised, so batch 1 shares the
     graph), the block-table width, and the number of cache blocks (a scratch cache is traced, the real one runs)."""
-    torch._dynamo.decorators.mark_unbacked(packed, 0)
-    torch._dynamo.mark_dynamic(packed, 1)
+    from .torch_compat import mark_dynamic, mark_unbacked
+
+    mark_unbacked(packed, 0)
+    mark_dynamic(packed, 1)
     for c in caches:
         for t in (c.k, c.v, c.k_scale, c.v_scale):
             if t is not None:
-                torch._dynamo.mark_dynamic(t, 0)
+                mark_dynamic(t, 0)

@@ -13,7 +13,10 @@
   next start. A damaged file (a truncated kernel .so, say) is moved aside and Inductor rebuilds it.
 - If the compile still fails, the cached artifacts are suspected: the Inductor folder is moved aside (a
   `cache_corrupt` event), Inductor's in-memory caches are cleared and the compile runs once more, cold, in a
-  fresh folder. A second failure is a real compile error and fails the stage.
+  fresh folder. A second failure is a real compile error and fails the stage. A compile that failed for want of a
+  working C++ compiler is not retried: no cached file is to blame, and a fresh folder would fail the same way.
+- Everything here that needs torch's compiler internals checks that this torch has them first
+  (engine/torch_compat.py): an entry without a replay plan is not even read when it does not.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from glowplug.base.artifacts.caches import COMPILE, INDUCTOR, source_digest
 from glowplug.base.artifacts.cachedir import report_event
 from glowplug.base.artifacts.manifest import list_files
 from glowplug.base.artifacts.workspace import open_workspace, renew, seal
+from . import torch_compat
 from .compile import CompiledDecode, InductorSettings, LoadedDecode
 from .compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable
 from .config import EngineConfig
@@ -90,6 +94,12 @@ class StoredReplay:
     def full(self) -> LoadedDecode:
         return LoadedDecode.read((self.folder / ARTIFACT).read_bytes(), self.model)
 
+    def reject(self, reason: str) -> None:
+        """The plan loaded but does not compute what was compiled: a `cache_corrupt` event; the start goes on
+        from the AOT artifact in the same entry."""
+        report_event(Event.CACHE_CORRUPT, cache=COMPILE.name, path=self.folder, reason=reason,
+                     action="the replay plan is not used; loading the AOT artifact of the same entry")  # fmt: skip
+
 
 def read_entry(folder: Path, model: DecoderLM) -> StoredReplay | LoadedDecode:
     """A stored entry: its replay plan when it has a usable one, else the AOT artifact with its guards."""
@@ -128,15 +138,22 @@ class CompileCache:
         try:
             result = compile_fn()
         except Exception as exc:
+            if torch_compat.is_toolchain_error(exc):
+                raise
             log = structlog.get_logger("glowplug.compile")
             log.warning("compile failed; retrying once in a fresh Inductor cache", error=one_line(exc))
-            renew(self.store, self.workspace, f"compile failed with these cached artifacts ({one_line(exc)})")
-            _point_inductor_at(self.workspace.path)
-            _clear_inductor_memory()
+            self.renew_inductor(f"compile failed with these cached artifacts ({one_line(exc)})")
             result = compile_fn()
             before = set()
         self.rebuilt_kernels = sorted(set(self._kernels()) - before)
         return result
+
+    def renew_inductor(self, reason: str) -> None:
+        """Move the Inductor folder aside (a `cache_corrupt` event) and forget what Inductor loaded from it: the
+        next compile starts cold in a fresh folder."""
+        renew(self.store, self.workspace, reason)
+        _point_inductor_at(self.workspace.path)
+        _clear_inductor_memory()
 
     def _kernels(self) -> list[str]:
         return [rel for rel in list_files(self.path, skip=_INDUCTOR_SKIP) if rel.endswith(".so")]
@@ -200,10 +217,9 @@ def _clear_inductor_memory() -> None:
     """Forget what Inductor loaded or concluded from the old folder: compiled modules, and the CPU-feature probe
     results (a truncated probe .so makes the probe fail, and a cached "no AVX" would leave the retry with scalar
     kernels for the life of the process)."""
-    from torch._inductor import cpu_vec_isa
-    from torch._inductor.utils import clear_caches
+    from .torch_compat import clear_inductor_caches, cpu_vec_isa
 
-    clear_caches()
+    clear_inductor_caches()
     for obj in vars(cpu_vec_isa).values():
         for member in (obj, *vars(obj).values()) if isinstance(obj, type) else (obj,):
             if callable(getattr(member, "cache_clear", None)):
@@ -217,6 +233,10 @@ def open_compile_cache(cache_root: Path, config: EngineConfig, arch: ModelArch, 
     store = ArtifactStore(cache_root)
     factors = compile_factors(config, arch, dtype, device, settings)
     label = device_label(device)
+    if not (store.entry_path(COMPILE, store.key(COMPILE, factors)) / PLAN_FILE).is_file():
+        # No replay plan to load: the AOT artifact or a trace, both made of compiler internals. Checked before the
+        # lookup, whose loader would take this torch's failure for a damaged entry and move a sound one aside.
+        torch_compat.require_compiler()
     workspace = open_workspace(store, INDUCTOR, {"torch": torch.__version__, "device": label}, group=label)
     _point_inductor_at(workspace.path)
     index = store.lookup(COMPILE, factors, group=config.model,

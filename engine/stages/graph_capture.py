@@ -65,8 +65,9 @@ class CudaGraphDecode:
 
 class GraphCapture:
     name = "graph_capture"
-    # model, native: skipped_reason looks for quantized layers without native kernels.
-    needs: tuple[str, ...] = ("runner", "decode_fn", "model", "native")
+    # model, native: skipped_reason looks for quantized layers without native kernels; compile_fallback: why the
+    # compiled step was dropped for eager, so there is nothing to capture.
+    needs: tuple[str, ...] = ("runner", "decode_fn", "model", "native", "compile_fallback")
     # It sets the runner's decode step in place (and stores the runner back, see run): warmup waits for it.
     provides: tuple[str, ...] = ("runner",)
 

@@ -1,50 +1,65 @@
 """Compile the traced decode step with Inductor (graph_compile_general_shape), or load the stored one
 (graph_compile_cached): its replay plan when the entry has one (no Dynamo or Inductor import, see
 engine/compile_replay.py), else the AOT artifact's compiled module. A stored artifact that will not load is moved
-aside and the step traced and compiled again here, with the reason on the row."""
+aside and the step traced and compiled again here, with the reason on the row.
+
+A loaded replay plan is checked against its fingerprint before it serves (one small step; its outcome and cost are
+span attributes): a plan that does not reproduce the logits recorded when it was compiled is rejected with a
+`cache_corrupt` event and the start loads the entry's AOT artifact instead, which must then reproduce them (else
+the compiled kernels themselves are suspect: the entry and the Inductor folder are moved aside and the step is
+compiled again).
+
+Under `--compile auto` a compile that fails (no working C++ compiler, say) leaves the decode step eager, with the
+reason on this row and graph_capture's (`compile_fallback`); `--compile on` fails the start with it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 
 import structlog
-import torch
 
 from ...profiling.names import Attr, Row
+from glowplug.base.artifacts.caches import file_stamps
 from ..compile import CompiledDecode, LoadedDecode, TracedDecode
-from ..compile_cache import StoredReplay
-from ..compile_replay import ReplayPlan, make_plan
-from ..kv_cache import LayerKV
-from ..model_runner import dummy_decode_batch
+from ..compile_cache import CompileCache, StoredReplay
+from ..compile_replay import ReplayPlan, check_fingerprint, make_plan
+from ..kv_cache import KVCache
 from glowplug.base.errors import one_line
 
 from .base import StageReport
 from .context import EngineContext
-from .dynamo_transform import inductor_settings, scratch_cache, skipped_reason, trace
+from .dynamo_transform import fall_back_to_eager, inductor_settings, scratch_cache, skipped_reason, trace
 
-# The replay plan is recorded over a scratch cache whose varying sizes (blocks, batch, table width: 3/5 rows, 6/7
-# table columns, so packed widths 10/11) differ from each other and from the cache's fixed dimensions in any model
-# glowplug loads (block size 16+, head_dim 64+): sizes are matched to their sources by value.
-PLAN_BLOCKS = 13
 ATTR_REPLAY = "glowplug.compile_replay"
+ATTR_FINGERPRINT = "glowplug.replay_fingerprint"  # matched / not compared (why) / how the logits differ
+ATTR_FINGERPRINT_S = "glowplug.replay_fingerprint_s"  # the check's cost: one 4-row step and a digest
 
 
-def _plan_inputs(ctx: EngineContext) -> Callable[[int, int], tuple[torch.Tensor, list[LayerKV]]]:
-    scratch = scratch_cache(ctx, PLAN_BLOCKS)
+def checkpoint_identity(ctx: EngineContext) -> str:
+    """The checkpoint the model's tensors came from, as the replay's fingerprint records it: a digest of the weight
+    files' names, sizes and mtimes (how the quantize cache identifies a checkpoint, without reading it). A compile
+    entry serves every checkpoint of one architecture, and logits are only comparable on the same weights; what
+    else shapes the tensors (dtype, quantization, torch, glowplug's source) is already in the entry's key."""
+    model_dir = ctx.need(ctx.model_dir, "the model folder", "model_prepare")
+    files = sorted(model_dir.glob("*.safetensors")) + ([ctx.gguf_path] if ctx.gguf_path is not None else [])
+    return hashlib.sha256(json.dumps(file_stamps(files), sort_keys=True).encode()).hexdigest()[:16]
 
-    def inputs(batch: int, width: int) -> tuple[torch.Tensor, list[LayerKV]]:
-        packed = dummy_decode_batch(batch, PLAN_BLOCKS - 1, scratch.block_size, ctx.device, width=width)
-        return packed, scratch.layers
 
-    return inputs
+def _scratch(ctx: EngineContext) -> Callable[[int], KVCache]:
+    return lambda blocks: scratch_cache(ctx, blocks)
 
 
 class GraphCompile:
     name = "graph_compile"
-    # model, native, arch, dtype: skipped_reason, inductor_settings, the replay plan's scratch cache, a re-trace.
-    needs: tuple[str, ...] = ("traced", "compile_cache", "model", "native", "arch", "dtype")
+    # model, native, arch, dtype: skipped_reason, inductor_settings, the replay plan's scratch cache, a re-trace;
+    # model_dir, gguf_path: the checkpoint's identity in the replay fingerprint.
+    needs: tuple[str, ...] = ("traced", "compile_cache", "compile_fallback", "model_dir", "gguf_path", "model",
+                              "native", "arch", "dtype")
     # traced: replaced only when the stored entry will not load (the one provide not written on every path).
-    provides: tuple[str, ...] = ("decode_fn", "traced")
+    provides: tuple[str, ...] = ("decode_fn", "traced", "compile_fallback")
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx)
@@ -52,35 +67,66 @@ class GraphCompile:
             return StageReport.skipped(reason)
         traced = ctx.need(ctx.traced, "the traced decode step", "dynamo_transform")
         cache = ctx.need(ctx.compile_cache, "the compile cache", "dynamo_transform")
+        try:
+            return self._compile(ctx, traced, cache)
+        except Exception as exc:  # noqa: BLE001 - under --compile auto any failed compile means eager, with the reason
+            ctx.decode_fn = None
+            return fall_back_to_eager(ctx, f"the decode step did not compile ({one_line(exc)})", exc,
+                                      {Attr.CACHE_KEY: cache.key, "glowplug.compile_cache_dir": str(cache.path)})  # fmt: skip
+
+    def _compile(self, ctx: EngineContext, traced: TracedDecode | LoadedDecode | StoredReplay,
+                 cache: CompileCache) -> StageReport:  # fmt: skip
         settings = inductor_settings(ctx)
         log = structlog.get_logger("glowplug.compile")
+        attrs: dict[str, object] = {}
+        weights = checkpoint_identity(ctx)
         replay = "not stored"
+        rejected: dict[str, object] | None = None  # the fingerprint a loaded plan failed: the AOT step must match it
         if isinstance(traced, StoredReplay):
             try:
-                ctx.decode_fn = traced.load(cache.path)
-                replay = "loaded"
+                loaded = traced.load(cache.path)
             except Exception as exc:  # noqa: BLE001 - the plan is an optimisation over the full artifact
                 replay = f"would not load ({one_line(exc)}); loaded the AOT artifact"
                 log.warning("the replay plan would not load; loading the AOT artifact", error=one_line(exc))
-                try:
-                    traced = ctx.traced = traced.full()
-                except Exception as full_exc:  # noqa: BLE001 - a damaged artifact is a miss
-                    cache.drop_artifact(f"the AOT artifact would not load: {one_line(full_exc)}")
-                    traced = ctx.traced = trace(ctx)
+                traced = self._full_or_trace(ctx, traced, cache)
+            else:
+                check = check_fingerprint(loaded, traced.plan.fingerprint, _scratch(ctx), weights)
+                attrs[ATTR_FINGERPRINT], attrs[ATTR_FINGERPRINT_S] = check.outcome, check.seconds
+                if check.ok:
+                    ctx.decode_fn = loaded
+                    replay = "loaded"
+                else:
+                    why = f"the replayed step does not reproduce the logits recorded at compile time ({check.outcome})"
+                    replay = f"rejected ({why}); loaded the AOT artifact"
+                    log.warning("the replay plan was rejected; loading the AOT artifact", reason=why)
+                    traced.reject(why)
+                    rejected = traced.plan.fingerprint
+                    traced = self._full_or_trace(ctx, traced, cache)
         if isinstance(traced, LoadedDecode):
             try:
-                ctx.decode_fn = cache.run(lambda: traced.compile(settings))
+                compiled = ctx.decode_fn = cache.run(lambda: traced.compile(settings))
             except Exception as exc:  # noqa: BLE001 - a cached artifact that will not load is a miss
                 log.warning("the stored compiled decode step would not load; tracing and compiling again",
                             error=one_line(exc))  # fmt: skip
                 cache.drop_artifact(f"the compiled module would not load: {one_line(exc)}")
                 traced = ctx.traced = trace(ctx)
+            else:
+                if rejected is not None:
+                    aot = check_fingerprint(compiled, rejected, _scratch(ctx), weights)
+                    attrs[ATTR_FINGERPRINT] = f"{attrs[ATTR_FINGERPRINT]}; the AOT artifact: {aot.outcome}"
+                    if not aot.ok:
+                        why = (f"the compiled kernels do not reproduce the logits recorded at compile time "
+                               f"({aot.outcome})")
+                        log.warning("the stored kernels compute other logits; compiling again", reason=why)
+                        cache.drop_artifact(why)
+                        cache.renew_inductor(why)
+                        traced = ctx.traced = trace(ctx)
         step: CompiledDecode | None = None  # compiled here from a trace: stored, with its plan
         plan: ReplayPlan | None = None
         if isinstance(traced, TracedDecode):
             step = ctx.decode_fn = cache.run(lambda: traced.compile(settings))  # retried once in a fresh folder
             try:
-                plan = make_plan(step, step.model, _plan_inputs(ctx), cache.path)
+                plan = make_plan(step, step.model, _scratch(ctx), cache.path, weights)
                 replay = "written"
             except Exception as exc:  # noqa: BLE001 - without a plan, warm starts load the AOT artifact
                 replay = f"not written ({one_line(exc)})"
@@ -89,15 +135,27 @@ class GraphCompile:
         rebuilt = cache.explain_rebuilt()
         hit = cache.served_from_cache()
         cache.record(step, plan)
-        attrs: dict[str, object] = {
+        attrs.update({
             Attr.CACHE_HIT: hit,
             Attr.CACHE_KEY: cache.key,
             "glowplug.compile_cache_dir": str(cache.path),
             "glowplug.kernels_built": len(cache.rebuilt_kernels),
             ATTR_REPLAY: replay,
-        }
+        })  # fmt: skip
         if not hit:
             attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason or rebuilt or "compiled from the trace"
         return StageReport(
             attributes=attrs, row=Row.GRAPH_COMPILE_CACHED if hit else Row.GRAPH_COMPILE_GENERAL_SHAPE
         )
+
+    @staticmethod
+    def _full_or_trace(ctx: EngineContext, stored: StoredReplay, cache: CompileCache) -> LoadedDecode | TracedDecode:
+        """The entry's AOT artifact instead of its plan; when that will not load either, the entry is damaged: moved
+        aside, and the step traced again."""
+        try:
+            loaded = ctx.traced = stored.full()
+            return loaded
+        except Exception as exc:  # noqa: BLE001 - a damaged artifact is a miss
+            cache.drop_artifact(f"the AOT artifact would not load: {one_line(exc)}")
+            traced = ctx.traced = trace(ctx)
+            return traced
