@@ -28,7 +28,9 @@ from glowplug.engine.startup import StartupResult, build_engine, default_stages
 from glowplug.profiling.tracing import Tracing, setup_tracing
 
 # Declared provides that a start writes only on some paths; each is named at its declaration.
-PATH_DEPENDENT = {"graph_compile": {"traced"}}  # replaced only when the stored entry will not load
+# Provides written on one path only: traced is replaced only when the stored entry will not load; compile_fallback
+# is written only when --compile auto drops the compiled step for eager (tests/test_torch_compat.py takes that path).
+PATH_DEPENDENT = {"graph_compile": {"traced", "compile_fallback"}, "dynamo_transform": {"compile_fallback"}}
 
 
 class Fake:

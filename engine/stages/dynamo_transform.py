@@ -32,13 +32,16 @@ def inductor_settings(ctx: EngineContext) -> InductorSettings:
     return InductorSettings(vec_isa_ok=True if native else None, threads=torch.get_num_threads())
 
 
-def skipped_reason(ctx: EngineContext) -> str | None:
+def skipped_reason(ctx: EngineContext, fallback: str | None) -> str | None:
     """Why the decode step is not compiled, or None. Quantized layers need their native kernels in the graph: the
-    stock packed kernels (aten int4/int8) do not trace with a symbolic batch."""
+    stock packed kernels (aten int4/int8) do not trace with a symbolic batch.
+
+    fallback: an earlier compile stage's `compile_fallback` (None for dynamo_transform, the first of them): passed
+    in rather than read here, so each stage reads the slot only when it declares it."""
     if not ctx.config.compile_enabled():
         return f"--compile {ctx.config.compile}"
-    if ctx.compile_fallback is not None:
-        return ctx.compile_fallback
+    if fallback is not None:
+        return fallback
     if ctx.config.quant.quantization != "none" and ctx.model is not None:
         from glowplug.kernels.modules import DecodeKernel, QuantLinear
 
@@ -95,7 +98,7 @@ class DynamoTransform:
     provides: tuple[str, ...] = ("traced", "compile_cache", "compile_fallback")
 
     def run(self, ctx: EngineContext) -> StageReport:
-        reason = skipped_reason(ctx)
+        reason = skipped_reason(ctx, None)
         if reason is not None:
             return StageReport.skipped(reason)
         model = ctx.need(ctx.model, "the model", "model_init")

@@ -72,7 +72,7 @@ class GraphCapture:
     provides: tuple[str, ...] = ("runner",)
 
     def run(self, ctx: EngineContext) -> StageReport:
-        reason = skipped_reason(ctx)
+        reason = skipped_reason(ctx, ctx.compile_fallback)
         if reason is not None:
             return StageReport.skipped(reason)
         runner = ctx.need(ctx.runner, "the model runner", "kv_cache_init")

@@ -62,7 +62,7 @@ class GraphCompile:
     provides: tuple[str, ...] = ("decode_fn", "traced", "compile_fallback")
 
     def run(self, ctx: EngineContext) -> StageReport:
-        reason = skipped_reason(ctx)
+        reason = skipped_reason(ctx, ctx.compile_fallback)
         if reason is not None:
             return StageReport.skipped(reason)
         traced = ctx.need(ctx.traced, "the traced decode step", "dynamo_transform")
