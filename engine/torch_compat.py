@@ -27,13 +27,15 @@ that generates another layout gets no plan, and its warm starts load the AOT art
 
 Supported: torch >=2.11,<2.14. How that was established (CPU builds; the GPU paths were not run):
 - 2.13.0 (the pinned build): the whole test suite.
-- 2.11.0 and 2.12.0: each installed from PyPI into a scratch virtualenv on the 2-core CPU box, where a cold compiled
-  start, a warm start replaying the plan (fingerprint matched, no Dynamo or Inductor imported), the same tokens as
-  the cold start, and tests/test_compile_replay.py and tests/test_torch_compat.py passed.
+- 2.11.0 and 2.12.0 (PyPI's CUDA builds, run on the CPU): each installed into a scratch virtualenv on the 2-core
+  box, where a cold compiled start of the tiny test model (plan written), a warm start replaying the plan
+  (fingerprint matched, no Dynamo or Inductor imported by READY) with the cold start's tokens, and the fast tests
+  of tests/test_torch_compat.py passed. The other test files were not run there.
 - 2.14.1: every name and shape below is there (this check passes), but a compiled start fails: its loaded guard
   manager expects the KV-cache tensors' dispatch keys as seen inside inference mode (no AutogradCPU), which
   engine/compile.py's guard checks (outside inference mode, see _load_guards) do not give. So 2.14 is outside the
-  range until that is adapted.
+  range until that is adapted; there `glowplug startup --compile auto` reaches READY eagerly, the compile rows
+  naming the range.
 - 2.10.0 lacks internals the engine uses (read from its wheel's sources: `AOTCompileUnpickler`,
   `AOTCompiledFunction.prepare_f_locals`, functorch's `bypass_autograd_cache_key` and `force_autograd_cache`).
 """
