@@ -177,23 +177,27 @@ class Service:
 
     def phases_so_far(self, snap: StateSnapshot | None = None) -> list[dict[str, Any]]:
         """The phases so far, by start: `name` is the phase table's row (the name /metrics uses too), `stage` the
-        stage that ran. A finished phase has its span's seconds (the table's number); a running one has the seconds
-        elapsed so far and `running: true`, never the instant the life cycle saw it begin. The life cycle's own
-        timing is only for what has no span (the engine import when no process marks were taken)."""
+        stage that ran, `outcome` ran, skipped (the table books it no time), failed or running. A finished phase has
+        its span's seconds (the table's number for a phase that ran); a running one has the seconds elapsed so far
+        and `running: true`, never the instant the life cycle saw it begin. The life cycle's own timing is only for
+        what has no span (the engine import when no process marks were taken)."""
         snap = snap or self.snapshot()
         timeline = self.timeline.snapshot()
         spans = {p["stage"] for p in timeline["phases"]} | {p["stage"] for p in timeline["running"]}
         out: list[dict[str, Any]] = [
-            {"name": p.name, "stage": p.name, "seconds": _round6(p.seconds), "failed": p.failed, "running": False}
+            {"name": p.name, "stage": p.name, "seconds": _round6(p.seconds), "failed": p.failed, "running": False,
+             "outcome": "failed" if p.failed else "ran"}
             for p in snap.finished_phases
             if p.name in PRE_MAIN and p.name not in spans
         ]
         entries = [(p["start_s"], {"name": p["row"], "stage": p["stage"], "seconds": _round6(p["seconds"]),
-                                   "failed": p["outcome"] == "failed", "running": False}) for p in timeline["phases"]]
+                                   "failed": p["outcome"] == "failed", "running": False, "outcome": p["outcome"]})
+                   for p in timeline["phases"]]  # fmt: skip
         now = self.timeline.now_s()
         entries += [(p["start_s"], {"name": STAGE_ROWS.get(p["stage"], p["stage"]), "stage": p["stage"],
                                     "seconds": _round6(max(0.0, (now or p["start_s"]) - p["start_s"])),
-                                    "failed": False, "running": True}) for p in timeline["running"]]  # fmt: skip
+                                    "failed": False, "running": True, "outcome": "running"})
+                    for p in timeline["running"]]  # fmt: skip
         return out + [entry for _, entry in sorted(entries, key=lambda e: e[0])]
 
     def phase_row_seconds(self, snap: StateSnapshot | None = None) -> dict[str, float]:
