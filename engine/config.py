@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from glowplug.base.units import ByteSize
+
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "int4", "int2", "w8a8"]
 KVCacheDType = Literal["auto", "int8"]
@@ -19,6 +21,17 @@ OnOff = Literal["on", "off"]
 CompileMode = Literal["auto", "on", "off"]
 
 DEFAULT_MODEL = "smollm2"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work with this model or this machine, found before (or instead of) the heavy work.
+
+    str() is one line: the flag, the value given, why it cannot work, and a fix that does (never "pass the value
+    that just failed"). `flag` names the flag for whoever wants to point at it (the CLI, the start-up page)."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        self.flag = flag
+        super().__init__(message)
 
 
 class FrozenModel(BaseModel):
@@ -38,17 +51,28 @@ class SchedulerConfig(FrozenModel):
     max_num_batched_tokens: int = Field(
         2048, ge=16, description="Most tokens (prefill chunks + decodes) in one engine step."
     )
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = Field(True, description="Split long prompts across engine steps.")
 
 
 class CacheConfig(FrozenModel):
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block.")
-    kv_cache_dtype: KVCacheDType = "auto"
-    enable_prefix_caching: bool = True
-    num_gpu_blocks_override: int | None = Field(
-        None, ge=1, description="Force the number of KV blocks (tests and tuning); skips the budget maths."
+    kv_cache_dtype: KVCacheDType = Field(
+        "auto", description="KV-cache element type; auto = the model dtype, int8 = half the memory of bf16."
     )
-    kv_cache_memory: int | None = Field(None, ge=1, description="KV-cache budget in bytes.")
+    enable_prefix_caching: bool = Field(True, description="Reuse the KV blocks of a prompt prefix seen before.")
+    num_gpu_blocks_override: int | None = Field(
+        None,
+        ge=1,
+        description="Force the number of KV blocks (tests and tuning); skips the budget maths.",
+        json_schema_extra={"default_text": "from the KV budget"},
+    )
+    kv_cache_memory: ByteSize | None = Field(
+        None,
+        ge=1,
+        description="KV-cache budget: a size such as 2GiB, 512MiB or 1G (a plain number is bytes).",
+        json_schema_extra={"default_text": "--memory-utilization x free memory - weights - activations, at most "
+                           "2 GiB on a CPU"},
+    )
     memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Fraction of device memory the engine may use in total."
     )
@@ -64,7 +88,9 @@ class CacheConfig(FrozenModel):
 class QuantConfig(FrozenModel):
     quantization: Quantization = "none"
     group_size: int | None = Field(
-        None, description="Group size for int8/int4/int2 (None = the scheme's default: per-channel int8, 128 else)."
+        None,
+        description="Weights per quantization group for int8/int4/int2: 32, 64, 128 or 256 (int2: 128).",
+        json_schema_extra={"default_text": "per channel for int8; for int4 the GGUF's 32-weight blocks, else 128"},
     )
     quantize_lm_head: bool = Field(
         True,
@@ -91,17 +117,23 @@ class QuantConfig(FrozenModel):
 class EngineConfig(FrozenModel):
     """Everything that shapes one engine instance."""
 
-    model: str = Field(DEFAULT_MODEL, description="'smollm2' (the embedded default) or a local HF folder.")
+    model: str = Field(
+        DEFAULT_MODEL, description="'smollm2' (the embedded default), a local Hugging Face folder or a .gguf file."
+    )
     dtype: DType = Field(
         "auto",
         description="Model dtype; auto follows the checkpoint (bfloat16 for a quantized GGUF source), but float32 on "
         "a CPU without hardware bf16 (AVX512-BF16 or AMX).",
     )
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    max_model_len: int | Literal["auto"] | None = Field(
-        None, description="Longest prompt + output; None = min(model limit, 4096); 'auto' = largest that fits."
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model runs; auto = cuda when torch sees a GPU, else cpu."
     )
-    seed: int = 0
+    max_model_len: int | Literal["auto"] | None = Field(
+        None,
+        description="Longest prompt + output in tokens; auto = the longest that fits the KV cache.",
+        json_schema_extra={"default_text": "the model's limit (max_position_embeddings)"},
+    )
+    seed: int = Field(0, description="Seeds every request that does not bring its own seed.")
     compile: CompileMode = Field(
         "auto",
         description="Compile the decode step (Dynamo + Inductor, glowplug's native kernels on the CPU, CUDA graphs "
@@ -111,7 +143,9 @@ class EngineConfig(FrozenModel):
     cache: CacheConfig = CacheConfig()
     quant: QuantConfig = QuantConfig()
     cudagraph_capture_sizes: tuple[int, ...] | None = Field(
-        None, description="Decode batch sizes to capture (CUDA) or pre-compile (CPU); None = a vLLM-like default."
+        None,
+        description="Decode batch sizes to capture (CUDA) or pre-compile (CPU).",
+        json_schema_extra={"default_text": "1,2,4,8,16,24,32,48,64,96,128,192,256 up to --max-num-seqs"},
     )
 
     @field_validator("max_model_len")

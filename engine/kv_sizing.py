@@ -9,16 +9,26 @@ else, and a CPU engine is compute-bound long before it could use more context th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from glowplug.base.units import format_bytes, size_flag_value
 
-from .config import EngineConfig
+from .config import ConfigError, EngineConfig
 from .models.arch import ModelArch
 
+if TYPE_CHECKING:
+    import torch
+
 CPU_KV_CAP_BYTES = 2 << 30
+# The shortest sequence worth serving (a short prompt and a short answer). When not even this fits, the error says
+# what this length needs instead of offering a max-model-len too small to use.
+SMALLEST_USEFUL_LEN = 256
+# Bytes per element of the model dtypes, by name, so the sizing can run before torch is imported (the CLI checks
+# the settings against the model first, within a second of starting).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-class KVCacheTooSmall(ValueError):
+class KVCacheTooSmall(ConfigError):
     pass
 
 
@@ -43,14 +53,21 @@ class KVPlan:
         return self.num_blocks / per_seq
 
 
-def kv_element_size(config: EngineConfig, model_dtype: torch.dtype) -> int:
+def dtype_bytes(model_dtype: torch.dtype | str) -> int:
+    """Bytes per element of a torch dtype or a dtype name ("bfloat16")."""
+    if isinstance(model_dtype, str):
+        return DTYPE_BYTES[model_dtype.removeprefix("torch.")]
+    return int(model_dtype.itemsize)
+
+
+def kv_element_size(config: EngineConfig, model_dtype: torch.dtype | str) -> int:
     # int8 KV stores one byte per element plus a per-token, per-head scale (amortised over head_dim elements).
     if config.cache.kv_cache_dtype == "int8":
         return 1
-    return torch.empty((), dtype=model_dtype).element_size()
+    return dtype_bytes(model_dtype)
 
 
-def bytes_per_token(arch: ModelArch, config: EngineConfig, model_dtype: torch.dtype) -> int:
+def bytes_per_token(arch: ModelArch, config: EngineConfig, model_dtype: torch.dtype | str) -> int:
     per = arch.kv_bytes_per_token(kv_element_size(config, model_dtype))
     if config.cache.kv_cache_dtype == "int8":
         per += 2 * arch.num_hidden_layers * arch.num_key_value_heads * 4  # fp32 scales
@@ -59,6 +76,8 @@ def bytes_per_token(arch: ModelArch, config: EngineConfig, model_dtype: torch.dt
 
 def device_memory(device: str) -> tuple[int, str]:
     if device == "cuda":
+        import torch
+
         free, total = torch.cuda.mem_get_info()
         return total, "cuda total memory"
     import psutil
@@ -82,27 +101,56 @@ def model_len_limit(arch: ModelArch) -> int:
     return min(arch.max_position_embeddings, arch.sliding_window or arch.max_position_embeddings)
 
 
+def check_model_len(config: EngineConfig, arch: ModelArch) -> None:
+    """--max-model-len against the model's positions (raises ConfigError)."""
+    limit = model_len_limit(arch)
+    requested = config.max_model_len
+    if isinstance(requested, int) and requested > limit:
+        what = "max_position_embeddings" + (" / sliding_window" if arch.sliding_window else "")
+        raise ConfigError(
+            "--max-model-len",
+            f"--max-model-len {requested} exceeds the model's limit of {limit} positions ({what}); use "
+            f"--max-model-len {limit} or less, or leave it unset for {limit}",
+        )
+
+
+def _memory_fix(config: EngineConfig, source: str, need: int, per_block: int) -> str:
+    """How to give the cache `need` bytes, in terms of the setting the budget came from."""
+    if source == "num_gpu_blocks_override":
+        return f"raise --num-gpu-blocks-override to {-(-need // per_block)}"
+    if source == "--kv-cache-memory":
+        return f"raise --kv-cache-memory to {size_flag_value(need)}"
+    return (f"set --kv-cache-memory {size_flag_value(need)} (or raise --memory-utilization, now "
+            f"{config.cache.memory_utilization}, or free memory)")  # fmt: skip
+
+
+def _source_text(source: str, budget: int) -> str:
+    shown = format_bytes(max(budget, 0))
+    if source in ("--kv-cache-memory", "num_gpu_blocks_override"):
+        given = "--num-gpu-blocks-override" if source == "num_gpu_blocks_override" else source
+        return f"{shown}, from {given}"
+    return f"{shown} = {source}"
+
+
 def plan_kv_cache(
     config: EngineConfig,
     arch: ModelArch,
     *,
-    model_dtype: torch.dtype,
+    model_dtype: torch.dtype | str,
     device: str,
     weights_bytes: int,
     activation_peak_bytes: int = 0,
 ) -> KVPlan:
+    """The KV blocks the budget holds and the max-model-len they allow; raises ConfigError when the length is over
+    the model's limit or one sequence does not fit (`KVCacheTooSmall`), with a fix that works."""
+    check_model_len(config, arch)
     bs = config.cache.block_size
     per_token = bytes_per_token(arch, config, model_dtype)
     per_block = per_token * bs
     limit = model_len_limit(arch)
     requested = config.max_model_len
-    if isinstance(requested, int) and requested > limit:
-        raise ValueError(
-            f"max_model_len {requested} exceeds the model's limit of {limit} positions "
-            f"(max_position_embeddings{' / sliding_window' if arch.sliding_window else ''}); use --max-model-len {limit} or less"
-        )
     if config.cache.num_gpu_blocks_override is not None:
-        num_blocks, budget, source = config.cache.num_gpu_blocks_override, 0, "num_gpu_blocks_override"
+        num_blocks, source = config.cache.num_gpu_blocks_override, "num_gpu_blocks_override"
         budget = num_blocks * per_block
     else:
         budget, source = kv_budget(
@@ -110,17 +158,31 @@ def plan_kv_cache(
         )
         num_blocks = max(budget, 0) // per_block
     largest = min(num_blocks * bs, limit)
-    if requested == "auto":
-        max_len = largest
-    else:
-        max_len = limit if requested is None else requested
-    if max_len < 1 or num_blocks * bs < max_len:
-        need = -(-max_len // bs) * per_block if max_len >= 1 else per_block
+    max_len = largest if requested == "auto" else (limit if requested is None else requested)
+
+    def need_for(tokens: int) -> int:
+        return -(-tokens // bs) * per_block
+
+    # The shortest length worth offering: a short prompt and answer, or less when less was asked for.
+    useful = min(SMALLEST_USEFUL_LEN, limit, max_len) if max_len >= 1 else min(SMALLEST_USEFUL_LEN, limit)
+    if largest < useful:
+        # Not even that fits: offering a shorter max-model-len would offer one too small to use (or 0).
+        flag = {"num_gpu_blocks_override": "--num-gpu-blocks-override", "--kv-cache-memory": "--kv-cache-memory"}
         raise KVCacheTooSmall(
-            f"the KV cache cannot hold one sequence of max-model-len {max_len}: it needs {need:,} bytes "
-            f"({per_token:,} bytes/token), but {max(budget, 0):,} bytes are available ({source}). "
-            f"The largest max-model-len that fits is {largest}; pass --max-model-len {largest} "
-            f"(or --max-model-len auto), or give the cache more memory with --kv-cache-memory."
+            flag.get(source, "--memory-utilization"),
+            f"the KV cache cannot hold one sequence of {'even ' if useful < max_len else ''}{useful} tokens: that needs "
+            f"{format_bytes(need_for(useful))} ({per_token:,} bytes/token), the cache has "
+            f"{_source_text(source, budget)}; {_memory_fix(config, source, need_for(useful), per_block)} "
+            f"(the model's full {limit} positions need {format_bytes(need_for(limit))})",
+        )
+    if num_blocks * bs < max_len:
+        flag = "--max-model-len" if isinstance(requested, int) else "the default --max-model-len"
+        raise KVCacheTooSmall(
+            "--max-model-len",
+            f"the KV cache cannot hold one sequence of {flag} {max_len}: that needs {format_bytes(need_for(max_len))} "
+            f"({per_token:,} bytes/token), the cache has {_source_text(source, budget)}, room for {largest} tokens; "
+            f"use --max-model-len {largest} or less (--max-model-len auto picks the longest that fits), or "
+            f"{_memory_fix(config, source, need_for(max_len), per_block)}",
         )
     return KVPlan(
         budget_bytes=budget,

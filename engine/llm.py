@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
 from .tokenizer import encode_chat, encode_prompt
+
+if TYPE_CHECKING:
+    from ..profiling.tracing import Tracing
 
 
 class LLM:
@@ -17,7 +20,12 @@ class LLM:
     `config=EngineConfig(...)`.
     """
 
-    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, model: str | None = None, *, config: EngineConfig | None = None, tracing: Tracing | None = None,
+        **kwargs: Any,
+    ) -> None:  # fmt: skip
+        """tracing: the start-up's tracer provider (the CLI adds its progress display to it); default: a private
+        in-memory one."""
         from .startup import build_engine
 
         if config is None:
@@ -25,7 +33,7 @@ class LLM:
         elif model is not None or kwargs:
             raise ValueError("pass either config=EngineConfig(...) or keyword fields, not both")
         self.config = config
-        self.startup = build_engine(config)
+        self.startup = build_engine(config, tracing=tracing)
         self.engine: LLMEngine = self.startup.engine
         self.tokenizer = self.engine.tokenizer
 

@@ -16,20 +16,24 @@ class SamplingParams(BaseModel):
 
     n: int = Field(1, ge=1, le=16, description="Completions per prompt.")
     temperature: float = Field(1.0, ge=0.0, le=10.0, description="0 means greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(-1, ge=-1, description="-1 or 0 disables.")
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Sample from the smallest set of tokens this likely.")
+    top_k: int = Field(-1, ge=-1, description="Sample from the k likeliest tokens; -1 or 0 disables.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens less likely than min_p x the likeliest.")
     # At least 0.01: a near-zero penalty divides logits into inf (the same NaN crash as a near-zero temperature).
-    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=10.0, description="Above 1 discourages repeated tokens.")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalty for any token already generated.")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="Penalty per repeat of a generated token.")
+    seed: int | None = Field(None, ge=0, lt=2**63, json_schema_extra={"default_text": "the engine's --seed"})
     max_tokens: int = Field(16, ge=1, description="Most new tokens.")
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Top-n logprobs per output token.")
-    skip_special_tokens: bool = True
+    # Free text: a stop string may contain a comma, so the flag never splits its value (see base/flags.py).
+    stop: tuple[str, ...] = Field((), description="Stop before this text.", json_schema_extra={"free_text": True})
+    stop_token_ids: tuple[int, ...] = Field((), description="Stop after any of these token ids.")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS, description="Top-n logprobs per output token.",
+        json_schema_extra={"default_text": "off"},
+    )  # fmt: skip
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
 
     @field_validator("stop", mode="before")
     @classmethod

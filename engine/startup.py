@@ -22,6 +22,7 @@ from glowplug.base.artifacts.caches import STARTUP_PROFILE
 from glowplug.base.artifacts.cachedir import cache_dir_from_env
 
 from .config import EngineConfig
+from .config_check import check_device
 from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
 from .models.arch import ModelArch
@@ -40,7 +41,8 @@ from .stages.quantize_weights import QuantizeWeights
 from .stages.tokenizer_init import TokenizerInit
 from .stages.warmup import Warmup
 
-__all__ = ["StartupFailed", "StartupResult", "build_engine", "default_stages", "expected_phase_durations"]
+__all__ = ["PhaseEstimate", "StartupFailed", "StartupResult", "build_engine", "default_stages",
+           "estimate_phase_durations", "expected_phase_durations"]
 
 
 def default_stages() -> list[Stage]:
@@ -96,6 +98,33 @@ def expected_phase_durations(config: EngineConfig, cache_dir: Path | None = None
     return store.lookup(STARTUP_PROFILE, _profile_factors(config), group=config.model, load=load).value
 
 
+@dataclass(frozen=True)
+class PhaseEstimate:
+    """Seconds per stage to expect, and where they come from: `same_config` when this config started before (its
+    last successful start), else the latest start of another config of the same model (a first start of this
+    config: its compile and profile caches will miss, so the estimate is a rough one and says so)."""
+
+    seconds: dict[str, float]
+    same_config: bool
+
+
+def estimate_phase_durations(config: EngineConfig, cache_dir: Path | None = None) -> PhaseEstimate | None:
+    """The ETA's basis for `config` (see PhaseEstimate), or None when no start of this model was recorded."""
+    root = cache_dir or cache_dir_from_env()
+    exact = expected_phase_durations(config, root)
+    if exact:
+        return PhaseEstimate(exact, True)
+    store = ArtifactStore(root)
+    last = store.latest(STARTUP_PROFILE, config.model)
+    if last is None:
+        return None
+    try:
+        data = json.loads((store.entry_path(STARTUP_PROFILE, last.key) / PHASES).read_text())
+        return PhaseEstimate({str(k): float(v) for k, v in data["stages"].items()}, False)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # an unreadable old profile only costs the estimate
+
+
 def _record_phase_durations(ctx: EngineContext, results: list[StageResult]) -> None:
     def build(folder: Path | None) -> None:
         if folder is not None:
@@ -134,6 +163,9 @@ def build_engine(
     marks: the process's entry marks (`mark_main_entry()`); with them the root span starts at process creation and
         the table has the process_start / imports rows. Without them (library use) it starts at this call.
     """
+    # Before anything else: `--device cuda` on a torch without CUDA would otherwise end in an AssertionError from
+    # deep inside torch, with no flag named and no fix.
+    check_device(config)
     pipeline = list(stages) if stages is not None else default_stages()
     check_pipeline(pipeline, EngineContext)  # a bad declaration fails here, before the start-up span opens
     tracing = tracing or setup_tracing(in_memory=True)

@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import sys
+import textwrap
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+if TYPE_CHECKING:
+    from rich.text import Text
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -23,6 +29,7 @@ class CacheFlags(BaseModel):
 
     cache: str | None = Field(None, description="Only this cache (model, quant, compile, ...: see `glowplug cache ls`).")
     as_json: bool = Field(False, alias="json", description="JSON on stdout instead of a table.")
+    wide: bool = Field(False, description="One wide row per entry with every column and the full factors.")
 
     @field_validator("cache")
     @classmethod
@@ -73,31 +80,114 @@ def _ago(t: float) -> str:
     return "just now"
 
 
-def _factors(factors: dict[str, Any] | None) -> str:
+def _factors(factors: dict[str, Any] | None, *, full: bool = False) -> str:
+    """`a=1, source.file=x.gguf, engine_config={25 fields}`: what an entry is keyed on. A nested table of a few
+    fields is spelled out (dotted keys); a big one is counted, unless `full` (--wide; --json has everything)."""
     if not factors:
         return ""
+
+    def value(v: Any) -> str:
+        return v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+
     parts = []
     for k, v in factors.items():
-        shown = f"{{{len(v)} fields}}" if isinstance(v, dict) and len(v) > 3 else json.dumps(v, sort_keys=True)
-        parts.append(f"{k}={shown if len(shown) <= 40 else shown[:37] + '...'}")
+        if isinstance(v, dict) and (full or len(v) <= 4):
+            parts += [f"{k}.{sub}={value(x)}" for sub, x in v.items()]
+        elif isinstance(v, dict):
+            parts.append(f"{k}={{{len(v)} fields}}")
+        else:
+            parts.append(f"{k}={value(v)}")
     return ", ".join(parts)
 
 
+def _made_by(it: Any) -> str:
+    m = it.manifest
+    return f"glowplug {m.producer.glowplug} / torch {m.producer.torch}" if m else ""
+
+
+def _width() -> int:
+    """The width to fit: COLUMNS when set (a pipe too: `COLUMNS=80 glowplug cache ls | less`), else the terminal's,
+    else 200 for a pipe or a file (lines there are read whole, not wrapped by a terminal)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    return shutil.get_terminal_size((200, 24)).columns if sys.stdout.isatty() else 200
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """`text` as indented lines under an entry, broken at spaces only (a key, a path or a name stays whole)."""
+    return textwrap.wrap(text, width=max(width, 20), initial_indent="    ", subsequent_indent="      ",
+                         break_long_words=False, break_on_hyphens=False)  # fmt: skip
+
+
+def _listing(title: str, items: list[Any], width: int, *, result: bool = False) -> list[Text]:
+    """Entries as lines that fit `width`: one line of short columns per entry (cache, key, size, last use or the
+    verify result, then the model), and under it the factors (or the problem) and the producer, wrapped at spaces.
+    No name is ever broken: a model name that does not fit moves whole onto the next line."""
+    from rich.text import Text
+
+    cols = ["cache", "key", "size", "verify" if result else "last used"]
+    rows = []
+    for it in items:
+        status = ("ok" if it.problem is None else "DAMAGED") if result else _ago(it.last_used)
+        kind = "" if it.kind == "entry" else f" ({it.kind})"
+        rows.append([it.cache + kind, it.name, _size(it.size), status])
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i == 2 else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    # The cache dir goes on a line of its own when the title and it do not fit together (a path is never broken).
+    name, _, root = title.rpartition(": ")
+    heading = [Text(title, style="bold")] if len(title) <= width else [Text(name, style="bold"), Text("  " + root)]
+    out = [*heading, Text(line(cols) + "  model", style="bold")]
+    for it, cells in zip(items, rows):
+        head = line(cells)
+        model = it.manifest.group if it.manifest else ""
+        if model and len(head) + 2 + len(model) > width:
+            out.append(Text(head.rstrip(), style="red" if result and it.problem else ""))
+            out.append(Text("    model " + model))
+        else:
+            out.append(Text(f"{head}  {model}".rstrip(), style="red" if result and it.problem else ""))
+        if it.problem and (result or it.manifest is None):
+            out.extend(Text(w, style="red") for w in _wrap(f"problem: {it.problem}", width))
+        elif not result:
+            factors = _factors(it.manifest.factors if it.manifest else None)
+            for text in ([f"factors: {factors}"] if factors else []) + [f"made by {_made_by(it)}"] * bool(it.manifest):
+                out.extend(Text(w, style="dim") for w in _wrap(text, width))
+    return out
+
+
 def _table(title: str, items: list[Any], *, result: bool = False) -> Any:
+    """The --wide layout: every column on the entry's row, factors in full."""
     from rich.table import Table
 
     t = Table(title=title)
     for col in ("cache", "key", "kind", "model", "size", "last used", "made by"):
-        t.add_column(col, justify="right" if col == "size" else "left", no_wrap=col in ("key", "size", "last used"))
-    t.add_column("verify" if result else "factors", overflow="fold")
+        t.add_column(col, justify="right" if col == "size" else "left", no_wrap=True)
+    t.add_column("verify" if result else "factors", no_wrap=True)
     for it in items:
         m = it.manifest
-        made = f"glowplug {m.producer.glowplug} / torch {m.producer.torch}" if m else ""
-        last = "" if result else _factors(m.factors if m else None) or (it.problem or "")
+        last = "" if result else _factors(m.factors if m else None, full=True) or (it.problem or "")
         if result:
             last = "ok" if it.problem is None else f"[red]{it.problem}[/red]"
-        t.add_row(it.cache, it.name, it.kind, m.group if m else "", _size(it.size), _ago(it.last_used), made, last)
+        t.add_row(it.cache, it.name, it.kind, m.group if m else "", _size(it.size), _ago(it.last_used),
+                  _made_by(it), last)  # fmt: skip
     return t
+
+
+def _show(out: Any, flags: CacheFlags, title: str, items: list[Any], *, result: bool = False) -> None:
+    if flags.wide:
+        from rich.console import Console
+        from rich.measure import Measurement
+
+        table = _table(title, items, result=result)
+        # As wide as the rows are: a --wide row is never wrapped or cut, whatever the terminal's width.
+        natural = Measurement.get(out, out.options.update(width=100_000), table).maximum
+        Console(file=out.file, width=max(natural, out.width), highlight=False).print(table)
+        return
+    for text in _listing(title, items, out.width, result=result):
+        out.print(text, crop=False, soft_wrap=True)
 
 
 def _store() -> Any:
@@ -113,8 +203,7 @@ def _run(args: argparse.Namespace, flags_cls: type[CacheFlags], body: Any) -> in
 
     flags = flags_cls.model_validate({k: v for k, v in vars(args).items() if k in _FLAG_NAMES})
     try:
-        # A pipe or file gets the table at a readable width instead of rich's 80-column default.
-        out = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 200)
+        out = Console(width=_width(), highlight=False)
         return int(body(flags, _store(), out))
     except CacheDirUnusable as exc:
         Console(stderr=True, soft_wrap=True).print(f"glowplug: error: {exc}", markup=False)
@@ -128,7 +217,7 @@ def _ls(flags: CacheFlags, store: Any, out: Any) -> int:
     if flags.as_json:
         print(json.dumps({"root": str(store.root), "items": [i.to_dict() for i in items]}, indent=1))
         return 0
-    out.print(_table(f"glowplug cache: {store.root}", items))
+    _show(out, flags, f"glowplug cache: {store.root}", items)
     out.print(f"{len(items)} item(s), {_size(sum(i.size for i in items))} in all")
     return 0
 
@@ -143,8 +232,8 @@ def _verify(flags: VerifyFlags, store: Any, out: Any) -> int:
         rows = [{**i.to_dict(), "ok": i.problem is None} for i in items]
         print(json.dumps({"root": str(store.root), "mode": "full" if flags.full else "quick", "items": rows}, indent=1))
     else:
-        out.print(_table(f"glowplug cache verify ({'full' if flags.full else 'quick'}): {store.root}", items,
-                         result=True))  # fmt: skip
+        _show(out, flags, f"glowplug cache verify ({'full' if flags.full else 'quick'}): {store.root}", items,
+              result=True)  # fmt: skip
         tail = f"; remove them with `glowplug cache prune --corrupt`" if bad else ""
         out.print(f"{len(items)} entr{'y' if len(items) == 1 else 'ies'}, {len(bad)} damaged{tail}")
     return 1 if bad else 0
@@ -173,7 +262,7 @@ def _prune(flags: PruneFlags, store: Any, out: Any) -> int:
     return 0
 
 
-_FLAG_NAMES = {"cache", "json", "full", "older_than", "corrupt", "all", "dry_run"}
+_FLAG_NAMES = {"cache", "json", "wide", "full", "older_than", "corrupt", "all", "dry_run"}
 
 
 def register(sub: Any) -> None:
@@ -184,6 +273,7 @@ def register(sub: Any) -> None:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--cache", help=CacheFlags.model_fields["cache"].description)
         p.add_argument("--json", action="store_true", help=CacheFlags.model_fields["as_json"].description)
+        p.add_argument("--wide", action="store_true", help=CacheFlags.model_fields["wide"].description)
 
     ls = csub.add_parser("ls", help="List entries with their sizes, factors and last use.")
     common(ls)

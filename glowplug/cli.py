@@ -1,18 +1,75 @@
-"""The `glowplug` command. Heavy imports (torch, transformers) happen inside the commands, after the entry
-timestamp is taken, so the start-up table can show the interpreter start and the imports as rows of their own."""
+"""The `glowplug` command: the front door from flags to the layers below.
+
+Heavy imports (torch, transformers) happen inside the commands, after the entry timestamp is taken, so the
+start-up table can show the interpreter start and the imports as rows of their own; and the settings are checked
+against the model before them (engine/config_check.py preflight), so a setting the model cannot take fails within
+a second. The grammar every command shares (model argument, list flags, errors) is base/flags.py's.
+
+Exit status: 0 done; 1 the start-up (or the command's work) failed; 2 a setting or argument is wrong (the message
+names it); 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from .base.flags import FlagError, add_model_flags, explain, load_config_file
+from .base.flags import (
+    CommandParser,
+    FlagError,
+    add_model_argument,
+    add_model_flags,
+    explain,
+    load_config_file,
+    resolve_model_argument,
+)
+
+if TYPE_CHECKING:
+    from glowplug.engine.config import EngineConfig
+    from glowplug.profiling.progress import StartupProgress
+    from glowplug.profiling.tracing import Tracing
 
 Command = Callable[[argparse.Namespace], int]
 
-GENERATE_DEFAULTS: dict[str, Any] = {"temperature": 0.0, "max_tokens": 64}
+DESCRIPTION = """\
+Run and serve LLMs on the CPU (and CUDA GPUs), with a start-up you can see.
+
+  glowplug generate "The capital of France is"     complete a prompt (the embedded SmolLM2-135M by default)
+  glowplug serve                                   OpenAI-compatible API on http://127.0.0.1:8000/v1
+  glowplug startup                                 start the engine, print where the start-up time went
+  glowplug cache ls                                what the caches hold and how big they are
+
+MODEL is 'smollm2' (embedded), a Hugging Face folder or a .gguf file: the first argument, or --model.
+Run `glowplug COMMAND --help` for a command's options."""
+
+# `generate`'s own default; the sampling defaults come from the model (engine/generation_config.py).
+GENERATE_MAX_TOKENS = 64
+SAMPLING_DEFAULT_TEXT: dict[str, str] = {
+    "temperature": "the model's generation config, else 0 = greedy",
+    "top_p": "the model's generation config, else 1.0",
+    "top_k": "the model's generation config, else -1",
+    "min_p": "the model's generation config, else 0.0",
+    "repetition_penalty": "the model's generation config, else 1.0",
+    "max_tokens": str(GENERATE_MAX_TOKENS),
+}
+SETTING_ERROR = 2
+STARTUP_FAILED = 1
+
+
+def version_text() -> str:
+    """`glowplug 0.1.0 (torch 2.13.0+cpu, python 3.11.9)`, from package metadata: no torch import."""
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"glowplug {version('glowplug')} (torch {version('torch')}, python {sys.version.split()[0]})"
 
 
 def _engine_parent() -> argparse.ArgumentParser:
@@ -25,18 +82,29 @@ def _engine_parent() -> argparse.ArgumentParser:
     return p
 
 
-def _sampling_parent(defaults: dict[str, Any]) -> argparse.ArgumentParser:
+def _sampling_parent() -> argparse.ArgumentParser:
     from glowplug.engine.sampling_params import SamplingParams
 
     p = argparse.ArgumentParser(add_help=False)
-    g = p.add_argument_group("sampling (one flag per SamplingParams field)")
+    g = p.add_argument_group("sampling (one flag per SamplingParams field; unset ones follow the model)")
     # --seed belongs to the engine: it seeds every request that does not bring its own seed.
-    add_model_flags(g, SamplingParams, exclude={"seed"}, defaults=defaults)
+    add_model_flags(g, SamplingParams, exclude={"seed"}, defaults=SAMPLING_DEFAULT_TEXT)
     return p
 
 
-def engine_config(args: argparse.Namespace) -> Any:
-    from glowplug.engine.config import EngineConfig, SchedulerConfig, CacheConfig, QuantConfig
+def _output_parent() -> argparse.ArgumentParser:
+    """What a command that starts an engine in this process prints while it starts."""
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("output")
+    g.add_argument("--quiet", action="store_true", help="No start-up progress (stderr); errors still show.")
+    g.add_argument("--verbose", action="store_true",
+                   help="On a failure, also the log record and the traceback (by default one line with the "
+                        "cause and the fix).")  # fmt: skip
+    return p
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from glowplug.engine.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
 
     fields: dict[str, Any] = {}
     if getattr(args, "config", None):
@@ -52,53 +120,137 @@ def engine_config(args: argparse.Namespace) -> Any:
     return EngineConfig.from_flat(**fields)
 
 
-def sampling_params(args: argparse.Namespace, defaults: dict[str, Any]) -> Any:
+def sampling_params(args: argparse.Namespace, defaults: Mapping[str, Any]) -> Any:
     from glowplug.engine.sampling_params import SamplingParams
 
     given = {k: v for k, v in vars(args).items() if k in SamplingParams.model_fields and k != "seed"}
-    fields = {**defaults, **given}
-    return SamplingParams(**fields)
+    return SamplingParams(**{**defaults, **given})
+
+
+def _check_settings(config: EngineConfig) -> None:
+    """The settings against the model and the torch build, before any heavy import (config_check.preflight).
+    A model it cannot read here is left to the start-up, which reports it with its stage and fix."""
+    from glowplug.engine.config_check import check_device, preflight
+    from glowplug.engine.models.arch import ModelError
+
+    try:
+        preflight(config)
+    except ModelError:
+        check_device(config)
+
+
+def _stage_failure_record(event: Mapping[str, Any]) -> bool:
+    """The failed stage's own error record: on a terminal the one FAILED line says the same (--verbose keeps it)."""
+    return event.get("level") == "error" and str(event.get("event", "")).startswith("glowplug.startup.")
+
+
+def _configure_logging(args: argparse.Namespace, level: str) -> None:
+    from glowplug.profiling.logs import configure_logging
+
+    on_tty = sys.stderr.isatty()
+    configure_logging(level=level, drop=_stage_failure_record if on_tty and not args.verbose else None)
+
+
+def _begin_progress(args: argparse.Namespace, config: EngineConfig) -> StartupProgress | None:
+    """The first progress line, before the heavy imports (None with --quiet)."""
+    if args.quiet:
+        return None
+    from glowplug.profiling.progress import StartupProgress
+
+    progress = StartupProgress()
+    progress.begin(config.model)
+    return progress
+
+
+def _imports_done(args: argparse.Namespace, config: EngineConfig, progress: StartupProgress | None,
+                  tracing: Tracing) -> None:  # fmt: skip
+    """Say how long the imports took and what to expect, and follow the stages from here on."""
+    marks = args.marks
+    marks.mark_imports_done()
+    if progress is None:
+        return
+    from glowplug.engine.startup import estimate_phase_durations
+
+    try:
+        estimate = estimate_phase_durations(config)
+    except OSError:  # an unreadable cache dir costs the ETA only; the start says the rest in its own words
+        estimate = None
+    progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9,
+                          estimate.seconds if estimate else None, estimate.same_config if estimate else True)  # fmt: skip
+    tracing.provider.add_span_processor(progress)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from glowplug.engine.llm import LLM
-    from glowplug.profiling.logs import configure_logging
-
-    # Start-up stage logs would interleave with the generated text; warnings and errors still show.
-    configure_logging(level="warning")
+    model, prompts = generate_words(args)
+    args.model = model
     config = engine_config(args)
-    params = sampling_params(args, GENERATE_DEFAULTS)
-    llm = LLM(config=config)
+    _check_settings(config)
+    from glowplug.engine.generation_config import sampling_defaults
+
+    defaults = sampling_defaults(config.model)
+    params = sampling_params(args, {"max_tokens": GENERATE_MAX_TOKENS, **defaults.values})
+    # Start-up stage logs would interleave with the generated text; warnings and errors still show.
+    _configure_logging(args, "warning")
+    progress = _begin_progress(args, config)
+    if progress is not None:
+        progress.note(f"sampling: {defaults.describe()}")
+    from glowplug.engine.llm import LLM
+    from glowplug.profiling.tracing import setup_tracing
+
+    tracing = setup_tracing()
+    try:
+        _imports_done(args, config, progress, tracing)
+        llm = LLM(config=config, tracing=tracing)
+        if progress is not None:  # from the process's creation, like the phase table of `glowplug startup`
+            progress.close(ready_s=(args.marks.clock.now_ns() - args.marks.process_start_ns) / 1e9)
+    finally:
+        if progress is not None:
+            progress.close()
     out = Console(soft_wrap=True, highlight=False)
-    if len(args.prompts) == 1 and params.n == 1:
-        out.print(args.prompts[0] if not args.chat else f"[dim]{args.prompts[0]}[/dim]\n", end="", style="bold")
+    if len(prompts) == 1 and params.n == 1:
+        out.print(prompts[0] if not args.chat else f"[dim]{prompts[0]}[/dim]\n", end="", style="bold")
         last = None
-        for update in llm.stream(args.prompts, params, chat=args.chat):
+        for update in llm.stream(prompts, params, chat=args.chat):
             out.print(update.outputs[0].delta, end="", markup=False)
             last = update
         reason = last.outputs[0].finish_reason if last else None
         out.print(f"\n[dim](finish_reason={reason})[/dim]")
         return 0
-    for res in llm.generate(args.prompts, params, chat=args.chat):
+    for res in llm.generate(prompts, params, chat=args.chat):
         for c in res.outputs:
             out.rule(f"prompt: {res.prompt!r}  completion {c.index}  finish_reason={c.finish_reason}")
             out.print(c.text, markup=False)
     return 0
 
 
-def cmd_startup(args: argparse.Namespace) -> int:
-    """Run the start-up pipeline to READY, print the phase table, write the requested reports, exit."""
-    from rich.console import Console
+def looks_like_model(word: str) -> bool:
+    """Whether a positional word names a model: the embedded default's names, a .gguf file, or a folder with a
+    config.json. A prompt is none of these (a prompt that is also an existing path needs --model before it)."""
+    from glowplug.engine.models.store import DEFAULT_ALIASES
 
-    from glowplug.profiling.logs import configure_logging
-    from glowplug.profiling.tracing import setup_tracing
+    if word in DEFAULT_ALIASES:
+        return True
+    path = Path(word).expanduser()
+    try:
+        return (path.is_file() and path.suffix == ".gguf") or (path.is_dir() and (path / "config.json").is_file())
+    except OSError:  # a prompt too long to be a file name
+        return False
 
-    configure_logging(level=args.log_level)
-    config = engine_config(args)
+
+def generate_words(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """(model, prompts) from `generate [MODEL] PROMPT...`: the first word is the model when --model is not given,
+    another word follows, and it names a model (looks_like_model)."""
+    words: list[str] = list(args.words)
+    option = getattr(args, "model_option", None)
+    if option is None and len(words) >= 2 and looks_like_model(words[0]):
+        return words[0], words[1:]
+    return option or args.model_default, words
+
+
+def _startup_imports(args: argparse.Namespace) -> None:
     import importlib
-    import time
 
     from glowplug.profiling.imports import STARTUP_IMPORTS
 
@@ -110,21 +262,38 @@ def cmd_startup(args: argparse.Namespace) -> int:
     args.marks.import_torch_s = time.perf_counter() - t0
     for module in STARTUP_IMPORTS:
         importlib.import_module(module)
+
+
+def cmd_startup(args: argparse.Namespace) -> int:
+    """Run the start-up pipeline to READY, print the phase table, write the requested reports, exit."""
+    from rich.console import Console
+
+    config = engine_config(args)
+    _check_settings(config)
+    _configure_logging(args, args.log_level)
+    progress = _begin_progress(args, config)
+    _startup_imports(args)
     from glowplug.engine.startup import StartupFailed, build_engine
     from glowplug.profiling import export, phases
     from glowplug.profiling.names import STARTUP_SPAN, Row
+    from glowplug.profiling.tracing import setup_tracing
 
-    args.marks.mark_imports_done()
     tracing = setup_tracing()
     failed: StartupFailed | None = None
     try:
+        _imports_done(args, config, progress, tracing)
         table = build_engine(config, tracing=tracing, marks=args.marks).phase_table
+        if progress is not None:
+            progress.close(ready_s=table.actual_total_time)
         # For whoever times this process from outside (tests, benchmarks): READY has been reached.
         print("glowplug: READY", file=sys.stderr, flush=True)
     except StartupFailed as exc:
         failed = exc
         # The failed stage's span is finished too: the table and traces show how far the start got.
         table = phases.build_phase_table([s for s in tracing.finished_spans() if s.name.startswith(STARTUP_SPAN)])
+    finally:
+        if progress is not None:
+            progress.close()  # the live display gives the terminal back before anything else is printed
     if args.import_times and failed is None:
         from glowplug.profiling.imports import measure_import_costs, top_note
         from glowplug.profiling.names import Attr
@@ -141,17 +310,27 @@ def cmd_startup(args: argparse.Namespace) -> int:
         export.write_chrome_trace(spans, args.chrome_trace)
     tracing.shutdown()  # flushes any OTLP exporter
     if failed is not None:
-        Console(stderr=True).print(f"glowplug: state FAILED: {failed}", markup=False, soft_wrap=True)
-        return 1
-    Console().print(phases.to_rich(table))
+        raise failed  # main() says it in one line
+    rendered = phases.to_rich(table, wide=args.wide)
+    console = Console()
+    if args.wide:  # as wide as the notes are, whatever the terminal: --wide is for a file or a wide pager
+        from rich.measure import Measurement
+
+        width = Measurement.get(console, console.options.update(width=100_000), rendered).maximum
+        console = Console(width=max(width, console.width))
+    console.print(rendered)
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from glowplug.lifecycle.config import serve_config_from_args
+
+    config = engine_config(args)
+    serve_cfg = serve_config_from_args(args)
+    _check_settings(config)  # before the server's imports: a wrong setting fails within a second, not at start-up
     from glowplug.lifecycle.server import exit_process, serve
 
-    exit_process(serve(engine_config(args), serve_config_from_args(args), marks=args.marks))
+    exit_process(serve(config, serve_cfg, marks=args.marks))
 
 
 def _bench_config(model_cls: Any, args: argparse.Namespace) -> Any:
@@ -216,10 +395,15 @@ def _writable_file(suffixes: tuple[str, ...]) -> Callable[[str], Path]:
 
 
 def _add_report_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--report-out", type=_writable_file((".md", ".csv", ".json")), help="Phase table (.md/.csv/.json).")
-    p.add_argument("--trace-out", type=_writable_file((".json",)), help="Spans as OTLP JSON.")
-    p.add_argument("--chrome-trace", type=_writable_file((".json",)), help="Chrome/Perfetto trace-event JSON.")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    g = p.add_argument_group("reports")
+    g.add_argument("--report-out", type=_writable_file((".md", ".csv", ".json")), help="Phase table (.md/.csv/.json).")
+    g.add_argument("--trace-out", type=_writable_file((".json",)), help="Spans as OTLP JSON.")
+    g.add_argument("--chrome-trace", type=_writable_file((".json",)), help="Chrome/Perfetto trace-event JSON.")
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="Log records at this level and above go to stderr (default: warning).")  # fmt: skip
+    g.add_argument("--wide", action="store_true",
+                   help="The phase table with every note on its row (by default notes wrap under the row name "
+                        "to fit the terminal).")  # fmt: skip
 
 
 def _add_bench_commands(bench: argparse.ArgumentParser, tune_parser: argparse.ArgumentParser) -> None:
@@ -229,7 +413,7 @@ def _add_bench_commands(bench: argparse.ArgumentParser, tune_parser: argparse.Ar
     dec = bsub.add_parser(
         "decode", help="Decode tokens/s per compile mode, dtype, quantization and batch size, vs transformers."
     )
-    dec.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
+    add_model_argument(dec)
     add_model_flags(dec, DecodeBenchConfig, exclude={"model"})
     dec.set_defaults(func=cmd_bench_decode)
 
@@ -243,7 +427,7 @@ def _add_bench_commands(bench: argparse.ArgumentParser, tune_parser: argparse.Ar
         ("cache-verify", CacheVerifyConfig, run_cache_verify_bench, "Cost of verifying a warm cache hit, quick vs full."),
     ):
         p = bsub.add_parser(name, help=text)
-        p.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
+        add_model_argument(p)
         add_model_flags(p, cls, exclude={"model"})
         p.set_defaults(func=_report_command(cls, run))
 
@@ -257,28 +441,35 @@ def _add_bench_commands(bench: argparse.ArgumentParser, tune_parser: argparse.Ar
     tune.register(tsub, add_model_flags)
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> CommandParser:
     """The CLI. `command` (the first word of the command line) skips building the bench and tune commands'
     flags when another command runs: they import every benchmark's config, a visible share of `glowplug startup`'s
     imports row. None builds everything (help, docs, tests)."""
-    parser = argparse.ArgumentParser(prog="glowplug", description=__doc__)
+    parser = CommandParser(prog="glowplug", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     engine = _engine_parent()
+    output = _output_parent()
 
     gen = sub.add_parser(
         "generate",
-        parents=[engine, _sampling_parent(GENERATE_DEFAULTS)],
-        help="Generate text for one or more prompts (offline, continuous batching).",
+        parents=[engine, _sampling_parent(), output],
+        help="Complete one or more prompts (offline, continuous batching).",
+        description="Complete one or more prompts. MODEL is optional: a first word that names a model ('smollm2', "
+        "a .gguf file, a model folder) followed by a prompt is the model; or give --model.",
+        usage="%(prog)s [MODEL] PROMPT [PROMPT ...] [options]",
     )
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
-    gen.add_argument("--model", default="smollm2", help="'smollm2' (embedded default), a HF folder or a .gguf file.")
+    gen.add_argument("words", nargs="+", metavar="PROMPT", help="The prompt(s), after an optional MODEL.")
+    add_model_argument(gen, positional=False)
     gen.add_argument("--chat", action="store_true", help="Wrap each prompt in the model's chat template.")
     gen.set_defaults(func=cmd_generate)
 
     start = sub.add_parser(
-        "startup", parents=[engine], help="Run the start-up pipeline to READY, print the phase table and exit."
+        "startup",
+        parents=[engine, output],
+        help="Start the engine to READY, print where the time went (the phase table) and exit.",
     )
-    start.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
+    add_model_argument(start)
     _add_report_flags(start)
     start.add_argument("--import-times", action="store_true",
                        help="After READY, measure the imports row's top 5 packages (-X importtime in a fresh "
@@ -287,8 +478,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     from glowplug.lifecycle.config import add_serve_flags
 
-    srv = sub.add_parser("serve", parents=[engine], help="OpenAI-compatible HTTP server (starts through the stages).")
-    srv.add_argument("model", nargs="?", default="smollm2", metavar="MODEL")
+    srv = sub.add_parser("serve", parents=[engine],
+                         help="OpenAI-compatible HTTP server (http://127.0.0.1:8000/v1 by default).")  # fmt: skip
+    add_model_argument(srv)
     add_serve_flags(srv.add_argument_group("serving (one flag per ServeConfig field)"))
     srv.set_defaults(func=cmd_serve)
 
@@ -303,10 +495,60 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="Manage model files.")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    prep = msub.add_parser("prepare", help="Convert the embedded default model into the cache (done on first use).")
-    prep.add_argument("model", nargs="?", default="smollm2")
+    prep = msub.add_parser("prepare", help="Convert a GGUF model (the embedded default) into the cache now.")
+    add_model_argument(prep)
     prep.set_defaults(func=cmd_models_prepare)
     return parser
+
+
+def _say(line: str) -> None:
+    print(f"glowplug: {line}", file=sys.stderr, flush=True)
+
+
+def _fail(code: int, line: str, exc: BaseException, verbose: bool) -> int:
+    """One line on stderr (with --verbose, the traceback before it); returns the exit status."""
+    if verbose:
+        import traceback
+
+        traceback.print_exception(exc, file=sys.stderr)
+    _say(line)
+    return code
+
+
+def _first_line(exc: BaseException) -> str:
+    """`Type: message`, the whole first line: a fix at the end of a long message must not be cut off."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed command; every failure becomes one line and an exit status (see the module docstring)."""
+    from pydantic import ValidationError
+
+    from glowplug.base.artifacts import CacheDirUnusable
+    from glowplug.base.errors import MissingExtra
+    from glowplug.engine.config import ConfigError
+    from glowplug.engine.models.arch import ModelError
+    from glowplug.engine.stages.base import StartupFailed
+
+    verbose = bool(getattr(args, "verbose", False))
+    try:
+        resolve_model_argument(args)
+        return args.func(args)
+    except StartupFailed as exc:
+        if isinstance(exc.cause, ConfigError):  # a setting the model cannot take, found in model_prepare
+            return _fail(SETTING_ERROR, f"error: {exc.cause}", exc, verbose)
+        hint = "" if verbose or isinstance(exc.cause, (ModelError, CacheDirUnusable)) else " (--verbose: traceback)"
+        return _fail(STARTUP_FAILED, f"state FAILED: start-up failed in {exc.stage}: {_first_line(exc.cause)}{hint}",
+                     exc, verbose)  # fmt: skip
+    except ValidationError as exc:
+        return _fail(SETTING_ERROR, f"invalid setting:\n{explain(exc)}", exc, verbose)
+    except (ConfigError, FlagError, ModelError, CacheDirUnusable, MissingExtra) as exc:
+        return _fail(SETTING_ERROR, f"error: {exc}", exc, verbose)
+    except ValueError as exc:
+        return _fail(SETTING_ERROR, f"error: {exc}", exc, verbose)
+    except KeyboardInterrupt:
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,32 +557,16 @@ def main(argv: list[str] | None = None) -> int:
     marks = mark_main_entry()  # the first moment our code runs: the end of the process_start row
     words = sys.argv[1:] if argv is None else argv
     parser = build_parser(next((w for w in words if not w.startswith("-")), None))
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        # The command's own usage and error, not the top level's (argparse leaves them to the top otherwise).
+        command_parser: CommandParser = getattr(args, "command_parser", parser)
+        command_parser.error(f"unrecognized arguments: {' '.join(extras)}")
     args.marks = marks
     if args.func in (cmd_startup, cmd_serve):  # one engine per process: see FullGcDeferral
         marks.defer_full_gc()
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    from pydantic import ValidationError
-
-    from glowplug.base.artifacts import CacheDirUnusable
-    from glowplug.base.errors import MissingExtra
-    from glowplug.engine.models.arch import ModelError
-    from glowplug.engine.stages.base import StartupFailed
-
-    func: Command = args.func
-    try:
-        return func(args)
-    except StartupFailed as exc:
-        print(f"glowplug: state FAILED: {exc}", file=sys.stderr)
-        return 1
-    except ValidationError as exc:
-        print(f"glowplug: invalid setting:\n{explain(exc)}", file=sys.stderr)
-        return 2
-    except (FlagError, ModelError, ValueError, CacheDirUnusable, MissingExtra) as exc:
-        print(f"glowplug: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    args.argv = list(words)
+    return run_command(args)
 
 
 if __name__ == "__main__":

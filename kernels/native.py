@@ -37,6 +37,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+# The CPU flags are machine facts (base), read before torch is imported too (the dtype check of the CLI).
+from glowplug.base.machine import cpu_flags, cpu_has_native_bf16  # noqa: F401 - re-exported for callers here
 from torch import Tensor
 
 from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weight
@@ -57,24 +60,6 @@ class NativeBuild:
     cache_hit: bool
     seconds: float
     reason: str  # why not available, or what happened ("built", "cached", "rebuilt: ...")
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def cpu_has_native_bf16() -> bool:
-    """bf16 arithmetic in hardware (AVX512-BF16 or AMX): what makes bf16 the fast dtype on a CPU."""
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def _compiler() -> str | None:

@@ -17,13 +17,13 @@ if TYPE_CHECKING:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from glowplug.base.flags import CommandParser, add_model_argument, add_model_flags
     from glowplug.engine.config import EngineConfig
-    from glowplug.base.flags import add_model_flags
 
     from .config import add_serve_flags
 
-    parser = argparse.ArgumentParser(prog="python -m glowplug.lifecycle", description=__doc__)
-    parser.add_argument("model", nargs="?", default=None, help="'smollm2' (default) or a local HF model folder.")
+    parser = CommandParser(prog="python -m glowplug.lifecycle", description=__doc__)
+    add_model_argument(parser)  # MODEL or --model, as in every glowplug command
     add_serve_flags(parser.add_argument_group("serving (one flag per ServeConfig field)"))
     add_model_flags(
         parser.add_argument_group("engine (one flag per EngineConfig field)"), EngineConfig, exclude={"model"}
@@ -38,8 +38,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     for model in (EngineConfig, SchedulerConfig, CacheConfig, QuantConfig):
         names |= set(model.model_fields)
     fields = {k: v for k, v in vars(args).items() if k in names and k != "model"}
-    if args.model:
-        fields["model"] = args.model
+    fields["model"] = args.model
     return EngineConfig.from_flat(**fields)
 
 
@@ -49,16 +48,20 @@ def main(argv: list[str] | None = None) -> int:
     marks.defer_full_gc()  # this process serves one engine: see FullGcDeferral
     from pydantic import ValidationError
 
-    from glowplug.base.flags import explain
+    from glowplug.base.flags import FlagError, explain, resolve_model_argument
 
     from .config import serve_config_from_args
     from .server import serve
 
     try:
+        resolve_model_argument(args)
         config = engine_config_from_args(args)
         serve_cfg = serve_config_from_args(args)
     except ValidationError as exc:
         print(f"glowplug: invalid setting:\n{explain(exc)}", file=sys.stderr)
+        return 2
+    except FlagError as exc:
+        print(f"glowplug: error: {exc}", file=sys.stderr)
         return 2
     return serve(config, serve_cfg, marks=marks)
 

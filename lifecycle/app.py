@@ -4,8 +4,9 @@ Probes:
   GET /health/live   200 while the process serves HTTP at all (restart me only if this fails).
   GET /health/ready  200 once the warm-up generation succeeded; 503 with the state and current phase while
                      STARTING (with Retry-After = the start-up ETA), DRAINING, FAILED or STOPPED.
-  GET /startup       state, current phase, seconds per finished phase, ETA from the last start of this config,
-                     and the full phase table once READY.
+  GET /startup       state, current phase, the phases so far under the phase table's row names (a running one
+                     with its elapsed seconds, marked running), ETA from the last start of this config, and the
+                     full phase table once READY.
   GET /metrics       Prometheus text format, from the service's own registry.
 
 The live start-up page (`GET /`), its event stream and the trace downloads are in page.py.
@@ -67,13 +68,7 @@ def startup_report(service: Service, snap: StateSnapshot | None = None) -> dict[
 
 
 def _finished_phases(service: Service, snap: StateSnapshot) -> list[dict[str, Any]]:
-    # A phase with a span reports the span's duration (the phase table's number); the life cycle's own timing is
-    # only for what has no span (the engine import when the process marks are not taken).
-    spans = {p.stage: p.nanos / 1e9 for p in service.timeline.finished()}
-    return [
-        {"name": p.name, "seconds": _round(spans.get(p.name, p.seconds)), "failed": p.failed}
-        for p in snap.finished_phases
-    ]
+    return service.phases_so_far(snap)
 
 
 def _readiness(service: Service) -> JSONResponse:

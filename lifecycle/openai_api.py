@@ -270,7 +270,7 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
         outcome = {"status": 200}
         try:
             model = CompletionRequest if kind == "completion" else ChatCompletionRequest
-            req = parse_body(model, await request.body())
+            req = parse_body(model, await request.body(), service.sampling_defaults.values)
             _check_model(service, req.model)
             req.sampling_params()  # range checks now, before the request waits for anything
             gen, info, params = await _prepare(
@@ -318,6 +318,9 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
         card: dict[str, Any] = {"id": service.model_name, "object": "model", "created": 0, "owned_by": "glowplug"}
         if info is not None:
             card["max_model_len"] = info.max_model_len
+        # What a request's unset sampling fields become, and where that comes from (an extra field: OpenAI
+        # clients ignore it).
+        card["sampling_defaults"] = service.sampling_defaults.to_dict()
         return {"object": "list", "data": [card]}
 
     @router.post("/v1/completions")

@@ -115,12 +115,21 @@ class ChatCompletionResponse(_Doc):
     usage: Usage
 
 
+class SamplingDefaultsDoc(_Doc):
+    """The sampling a request gets for the fields it leaves out (engine/generation_config.py)."""
+
+    model_config = ConfigDict(extra="allow")  # the sampling fields the model's generation config sets
+    source: str
+    temperature: float
+
+
 class ModelCard(_Doc):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
     max_model_len: int | None = None
+    sampling_defaults: SamplingDefaultsDoc | None = None
 
 
 class ModelList(_Doc):

@@ -4,6 +4,9 @@ The models here check only shapes and types (strictly: `"5"` is not a number, `"
 and limit (temperature >= 0, top_p in (0, 1], at most 16 stop strings, ...) is SamplingParams' own validation, so
 the HTTP API, the CLI and the offline API can never disagree. Unknown fields are ignored, as OpenAI does; known
 OpenAI fields the engine cannot honour are refused with a 400 rather than silently dropped.
+
+A sampling field the request leaves out takes the served model's default (engine/generation_config.py: its
+generation config, else greedy), the one `glowplug generate` uses: `parse_body(..., defaults)` attaches them.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from glowplug.engine.sampling_params import SamplingParams
 
@@ -69,6 +72,8 @@ class _SamplingFields(_Body):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # The served model's sampling defaults, for the fields this request leaves out (not a request field).
+    _defaults: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @property
     def streaming(self) -> bool:
@@ -85,7 +90,8 @@ class _SamplingFields(_Body):
             raise bad_request("logit_bias: not supported by this server; drop the field", "logit_bias")
 
     def _sampling_fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _PASSTHROUGH if getattr(self, name) is not None}
+        given = {name: getattr(self, name) for name in _PASSTHROUGH if getattr(self, name) is not None}
+        return {**self._defaults, **given}
 
 
 class CompletionRequest(_SamplingFields):
@@ -198,11 +204,13 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def parse_body(model: type[_SamplingFields], raw: bytes) -> Any:
-    """Parse and shape-check a request body into `model`, then run its cross-field checks."""
+def parse_body(model: type[_SamplingFields], raw: bytes, defaults: Mapping[str, Any] | None = None) -> Any:
+    """Parse and shape-check a request body into `model`, then run its cross-field checks. `defaults`: the served
+    model's sampling defaults, used for the sampling fields the body leaves out."""
     try:
         request = model.model_validate(parse_json_object(raw))
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     request.check()  # type: ignore[attr-defined]
+    request._defaults = dict(defaults or {})
     return request

@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from glowplug.engine.config import EngineConfig
+from glowplug.engine.generation_config import SamplingDefaults, sampling_defaults
 from glowplug.engine.sampling_params import SamplingParams
+from glowplug.profiling.names import PRE_MAIN, STAGE_ROWS
 from glowplug.profiling.process import ProcessMarks
 from glowplug.profiling.tracing import Tracing, setup_tracing
 
@@ -45,6 +47,10 @@ if TYPE_CHECKING:
     from glowplug.engine.llm_engine import RequestOutput
 
 log = structlog.get_logger("glowplug.lifecycle.service")
+
+def _round6(value: float) -> float:
+    return round(value, 6)
+
 
 # After a drain gives up and aborts what is left, how long the responses get to send their last chunk.
 _ABORT_FLUSH_S = 5.0
@@ -100,6 +106,9 @@ class Service:
         self.config = config
         self.serve_cfg = serve_cfg
         self.model_name = serve_cfg.model_name(config.model)
+        # What a request's unset sampling fields become: the model's generation config, else glowplug's default
+        # (greedy), the same as `glowplug generate` uses; logged at start and shown in /v1/models.
+        self.sampling_defaults: SamplingDefaults = sampling_defaults(config.model)
         self.lifecycle = Lifecycle()
         self.metrics = metrics or ServiceMetrics()
         self.engine_info: EngineInfo | None = None
@@ -140,6 +149,8 @@ class Service:
         self._idle = asyncio.Event()
         self._idle.set()
         self._unsubscribe = self.lifecycle.subscribe(self._state_changed)
+        log.info("sampling defaults", model=self.model_name, source=self.sampling_defaults.source,
+                 **self.sampling_defaults.values)  # fmt: skip
         self._runner.start()
 
     def snapshot(self) -> StateSnapshot:
@@ -156,13 +167,52 @@ class Service:
         # Any thread. Metrics are thread-safe; the asyncio wake-up is not, so it hops over.
         self.metrics.set_state(snap.state)
         if snap.state is not EngineState.STARTING:
-            self.metrics.set_phase_durations(snap.phase_seconds())
+            self.metrics.set_phase_durations(self.phase_row_seconds(snap))
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
                 loop.call_soon_threadsafe(self._wake_waiters)
             except RuntimeError:
                 pass  # the loop closed between the check and the call
+
+    def phases_so_far(self, snap: StateSnapshot | None = None) -> list[dict[str, Any]]:
+        """The phases so far, by start: `name` is the phase table's row (the name /metrics uses too), `stage` the
+        stage that ran, `outcome` ran, skipped (the table books it no time), failed or running. A finished phase has
+        its span's seconds (the table's number for a phase that ran); a running one has the seconds elapsed so far
+        and `running: true`, never the instant the life cycle saw it begin. The life cycle's own timing is only for
+        what has no span (the engine import when no process marks were taken)."""
+        snap = snap or self.snapshot()
+        timeline = self.timeline.snapshot()
+        spans = {p["stage"] for p in timeline["phases"]} | {p["stage"] for p in timeline["running"]}
+        out: list[dict[str, Any]] = [
+            {"name": p.name, "stage": p.name, "seconds": _round6(p.seconds), "failed": p.failed, "running": False,
+             "outcome": "failed" if p.failed else "ran"}
+            for p in snap.finished_phases
+            if p.name in PRE_MAIN and p.name not in spans
+        ]
+        entries = [(p["start_s"], {"name": p["row"], "stage": p["stage"], "seconds": _round6(p["seconds"]),
+                                   "failed": p["outcome"] == "failed", "running": False, "outcome": p["outcome"]})
+                   for p in timeline["phases"]]  # fmt: skip
+        now = self.timeline.now_s()
+        entries += [(p["start_s"], {"name": STAGE_ROWS.get(p["stage"], p["stage"]), "stage": p["stage"],
+                                    "seconds": _round6(max(0.0, (now or p["start_s"]) - p["start_s"])),
+                                    "failed": False, "running": True, "outcome": "running"})
+                    for p in timeline["running"]]  # fmt: skip
+        return out + [entry for _, entry in sorted(entries, key=lambda e: e[0])]
+
+    def phase_row_seconds(self, snap: StateSnapshot | None = None) -> dict[str, float]:
+        """Seconds per phase-table row of the phases that finished: each stage span's time under the row the table
+        books it to (graph_capture -> graph_capturing, summed when two stages share a row), plus the pre-main
+        phases the service timed itself (the engine import, when no process marks were taken). One name per
+        phase, the table's, so /metrics and /startup never list a phase twice under two names."""
+        out: dict[str, float] = {}
+        for phase in self.timeline.finished():
+            if phase.booked_nanos is not None:
+                out[phase.row] = out.get(phase.row, 0.0) + phase.booked_nanos / 1e9
+        for timing in (snap or self.snapshot()).finished_phases:
+            if timing.name in PRE_MAIN and timing.name not in out:
+                out[timing.name] = timing.seconds
+        return out
 
     def _wake_waiters(self) -> None:
         old, self._changed = self._changed, asyncio.Event()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -36,10 +36,27 @@ def _level_number(level: int | str) -> int:
     return number
 
 
-def configure_logging(*, level: int | str = "info", json: bool | None = None, stream: TextIO | None = None) -> None:
+def _dropping(drop: Callable[[Mapping[str, Any]], bool]) -> Callable[..., MutableMapping[str, Any]]:
+    def processor(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+        if drop(event_dict):
+            raise structlog.DropEvent
+        return event_dict
+
+    return processor
+
+
+def configure_logging(
+    *,
+    level: int | str = "info",
+    json: bool | None = None,
+    stream: TextIO | None = None,
+    drop: Callable[[Mapping[str, Any]], bool] | None = None,
+) -> None:
     """Configure structlog for the process.
 
     json: None picks JSON lines unless `stream` (default stderr) is a terminal.
+    drop: records (with their `level` set) to leave out, e.g. the CLI drops a failed stage's record on a terminal,
+        where it says the same thing in one line of its own.
     """
     out = stream if stream is not None else sys.stderr
     if json is None:
@@ -47,6 +64,7 @@ def configure_logging(*, level: int | str = "info", json: bool | None = None, st
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
+        *([_dropping(drop)] if drop is not None else []),
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         add_otel_ids,
         structlog.processors.StackInfoRenderer(),

@@ -39,6 +39,7 @@ from typing import Any, Literal
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import StatusCode, format_trace_id
+from rich import box
 from rich.table import Table
 
 from glowplug.profiling.names import (
@@ -466,14 +467,22 @@ def display_rows(table: PhaseTable) -> list[DisplayRow]:
     ]
 
 
-def to_rich(table: PhaseTable) -> Table:
-    """A rich Table: leaves plain, aggregates bold cyan, unattributed yellow, totals bold under a rule."""
-    out = Table(title="glowplug start-up phases", caption=_versions_line(table))
-    out.add_column("phase")
-    out.add_column("seconds", justify="right")
-    out.add_column("% of actual", justify="right")
-    out.add_column("note", overflow="fold")
+def to_rich(table: PhaseTable, *, wide: bool = False) -> Table:
+    """A rich Table: leaves plain, aggregates bold cyan, unattributed yellow, totals bold under a rule.
+
+    It fits 80 columns: a row name is never broken (its column is as wide as the longest name and does not wrap;
+    only a terminal too narrow for the names and numbers truncates them, with an ellipsis), and the notes wrap at
+    word boundaries in the space that is left. `wide`: every note on one line (print it on a wide console)."""
     rows = display_rows(table)
+    # No vertical rules or outer padding: at 80 columns the notes need the room more than the table needs lines.
+    out = Table(title="glowplug start-up phases", caption=_versions_line(table), box=box.SIMPLE_HEAD,
+                show_edge=False, pad_edge=False, collapse_padding=True)  # fmt: skip
+    name_width = max((len(r.label) for r in rows), default=5)
+    out.add_column("phase", no_wrap=True, min_width=name_width)
+    out.add_column("seconds", justify="right", no_wrap=True)
+    out.add_column("% actual", justify="right", no_wrap=True)
+    # At least as wide as the longest row name, so a name quoted in a note (an aggregate's formula) never folds.
+    out.add_column("note", no_wrap=wide, overflow="ignore" if wide else "fold", min_width=name_width)
     for i, row in enumerate(rows):
         style = {"aggregate": "bold cyan", "derived": "magenta", "total": "bold", "floor": "green"}.get(row.kind, "")
         if row.name == Row.UNATTRIBUTED:

@@ -83,15 +83,27 @@ def test_kv_too_small_fails_before_allocating(tiny_dir, tmp_path: Path) -> None:
     with pytest.raises(StartupFailed) as e:
         build_engine(cfg, tracing=tracing, cache_dir=tmp_path)
     msg = str(e.value)
-    assert e.value.stage == "kv_cache_profiling"
-    # 2 layers x 2 kv heads x 16 dims x 2 (k, v) x 4 bytes = 512 bytes per token.
-    assert "needs 131,072 bytes" in msg and "20,000 bytes are available" in msg
-    assert "largest max-model-len that fits is 32" in msg  # 20000 // (512 * 16) = 2 blocks of 16 tokens
+    # An explicit budget is checked against the model before any heavy work (config_check.check_prepared).
+    assert e.value.stage == "model_prepare"
+    # 2 layers x 2 kv heads x 16 dims x 2 (k, v) x 4 bytes = 512 bytes per token; 20000 B hold 2 blocks of 16.
+    assert "cannot hold one sequence of 256 tokens: that needs 128 KiB (512 bytes/token)" in msg
+    assert "the cache has 19.5 KiB, from --kv-cache-memory; raise --kv-cache-memory to 1MiB" in msg
     names = [stage_from_span_name(s.name) for s in tracing.finished_spans()]
-    assert "kv_cache_init" not in names
-    failed = next(s for s in tracing.finished_spans() if s.name.endswith("kv_cache_profiling"))
+    assert "load_weights" not in names and "kv_cache_init" not in names
+    failed = next(s for s in tracing.finished_spans() if s.name.endswith("model_prepare"))
     assert failed.status.status_code is StatusCode.ERROR
     assert any(ev.name == "exception" for ev in failed.events)
+
+
+def test_kv_budget_from_memory_utilization_fails_in_profiling_with_a_fix(tiny_dir, tmp_path: Path) -> None:
+    """A budget from --memory-utilization needs the profiled activation peak, so it is checked where it is
+    measured, with the same wording and a fix in terms of the flags that set it."""
+    cfg = EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off", memory_utilization=1e-9)
+    with pytest.raises(StartupFailed) as e:
+        build_engine(cfg, cache_dir=tmp_path)
+    assert e.value.stage == "kv_cache_profiling"
+    assert "cannot hold one sequence of 256 tokens" in str(e.value)
+    assert "set --kv-cache-memory 1MiB (or raise --memory-utilization, now 1e-09, or free memory)" in str(e.value)
 
 
 def test_max_model_len_auto_picks_largest_that_fits(tiny_dir, tmp_path: Path) -> None:

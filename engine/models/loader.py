@@ -77,16 +77,10 @@ def resolve_dtype(name: str, arch: ModelArch, device: str, *, quantized_source: 
     float16 ones run in bfloat16 on a CPU), except on a CPU without hardware bf16 (AVX512-BF16 or AMX), where bf16
     arithmetic is emulated and float32 is the faster choice. A block-quantized source (a Q4/Q8 GGUF) has no float
     dtype of its own; it counts as bfloat16, the dtype such models are trained and published in."""
-    if name != "auto":
-        return DTYPES[name]
-    declared = torch.bfloat16 if quantized_source else DTYPES.get(arch.torch_dtype or "", torch.bfloat16)
-    if device != "cpu":
-        return declared
-    from ...kernels.native import cpu_has_native_bf16
+    from ..config_check import resolve_dtype_name
 
-    if declared == torch.float32 or not cpu_has_native_bf16():
-        return torch.float32
-    return torch.bfloat16
+    # One rule for both: the CLI's settings check resolves the same name before torch is imported.
+    return DTYPES[resolve_dtype_name(name, arch, device, quantized_source=quantized_source)]
 
 
 def build_meta_model(arch: ModelArch) -> DecoderLM:

@@ -1,8 +1,10 @@
-"""Find the model folder; a GGUF (the embedded default) is prepared once (config, tokenizer, tensor table)."""
+"""Find the model folder; a GGUF (the embedded default) is prepared once (config, tokenizer, tensor table). Then
+check the settings against the model (config_check.check_prepared) before any later stage does heavy work."""
 
 from __future__ import annotations
 
 from ...profiling.names import Attr
+from ..config_check import check_prepared
 from ..models.arch import ModelError, load_arch
 from ..models.loader import resolve_dtype
 from ..models.store import gguf_file_for, gguf_source, gguf_table, prepare_model, source_quant_block
@@ -26,6 +28,9 @@ class ModelPrepare:
         ctx.dtype = resolve_dtype(
             ctx.config.dtype, ctx.arch, ctx.device, quantized_source=source_quant_block(ctx.model_dir) is not None
         )
+        # Here, not in a later stage: a setting the model cannot take fails before the weights are read, the
+        # graphs compiled or the KV cache profiled, with the flag and the fix in the message.
+        check_prepared(ctx)
         attrs: dict[str, object] = {
             "glowplug.model_dir": str(ctx.model_dir),
             "glowplug.model_type": ctx.arch.model_type,

@@ -10,10 +10,10 @@ Order, and why:
                        (--quality-from DIR/accuracy.json)
   2. kernels           calibrates the dispatch table every later engine start reads (every format and group)
   3. decode            bf16 vs transformers on the same prompts, compile on and off
-  4. decode-quantized  seed 000's view: decode and prefill per format and batch (bf16, compile on and off)
-  5. decode-kv         seed 003's view: tok/s, GB/s, KV-quant (int8 KV) and compiled rows at batch 1
-  6. throughput        seed 002's configurations x schemes, 3 runs, Output Throughput without prefill
-  7. latency           seed 001's TGI tables (prefill, decode token, decode total) per quantization
+  4. decode-quantized  decode and prefill per format and batch (bf16, compile on and off)
+  5. decode-kv         tok/s, GB/s, KV-quant (int8 KV) and compiled rows at batch 1
+  6. throughput        named configurations x schemes, 3 runs, Output Throughput without prefill
+  7. latency           TGI-style tables (prefill, decode token, decode total) per quantization
   8. tune              max-model-len sweep and plan
   9. startup           N cold and N warm starts (`glowplug bench startup`)
   10. cache-verify     cost of verifying a warm cache hit
@@ -27,7 +27,7 @@ the cores with one.
 `--quick` shrinks repeats and sizes to a smoke test: the README and every command line say so, and its numbers
 are not measurements.
 
-`--only NAME...` / `--skip NAME...` run a subset (in the fixed order), so the full set can be run in chunks. Each
+`--only NAME,NAME` / `--skip NAME,NAME` run a subset (in the fixed order), so the full set can be run in chunks. Each
 report's outcome is kept in DIR/bench-all.json; README.md is regenerated from it after every report, so a chunk
 adds to the README instead of replacing it, and every report's command is listed, run or not yet.
 """
@@ -85,6 +85,11 @@ class Step:
     what: str
 
 
+def _items(values: list[str]) -> str:
+    """A list flag's value: the items joined by commas (a list flag takes one value per use)."""
+    return ",".join(values)
+
+
 def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step]:
     """The commands of the selected reports (`names`, default: cfg.steps()), with the repeats and sizes of a full
     or a --quick run."""
@@ -101,41 +106,40 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                     "--input-len", "16" if q else "128", "--output-len", "4" if q else "64"]  # fmt: skip
     reps = reps_of(q)
     steps = {
-        "accuracy": Step("accuracy", ["bench", "accuracy", m, "--quantization", *schemes,
+        "accuracy": Step("accuracy", ["bench", "accuracy", m, "--quantization", _items(schemes),
                                       *(["--window", "64", "--continuation-tokens", "0"] if q else []),
                                       "--out", str(o / "accuracy.md")],
                          ["accuracy.md"], "perplexity, KL and top-1 agreement of each scheme vs bf16"),
         "kernels": Step("kernels", ["bench", "kernels", m, "--repeats", "3" if q else "10",
-                                    *(["--ms", "1", "--formats", "bf16", "int4-g32", "int2-g128"] if q else []),
+                                    *(["--ms", "1", "--formats", "bf16,int4-g32,int2-g128"] if q else []),
                                     *quality, "--out", str(o / "kernels.md")],
                         ["kernels.md"], "every quantized linear path and native kernel per M; calibrates dispatch"),
-        "decode": Step("decode", ["bench", "decode", m, "--batch-sizes", *(["1"] if q else ["1", "8", "32"]),
-                                  "--dtype", "float32", "bfloat16", "--compile", *(["off"] if q else ["on", "off"]),
+        "decode": Step("decode", ["bench", "decode", m, "--batch-sizes", "1" if q else "1,8,32",
+                                  "--dtype", "float32,bfloat16", "--compile", "off" if q else "on,off",
                                   "--repeats", reps, "--new-tokens", "8" if q else "64",
                                   "--prompt-tokens", "16" if q else "64", "--out", str(o / "decode.md")],
                        ["decode.md"], "decode tok/s vs transformers' generate on the same prompts"),
         "decode-quantized": Step("decode-quantized", [
-            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none", *schemes,
-            "--batch-sizes", *(["1"] if q else ["1", "16", "64"]), "--compile", *(["off"] if q else ["on", "off"]),
+            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
+            "--batch-sizes", "1" if q else "1,16,64", "--compile", "off" if q else "on,off",
             "--repeats", reps, "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64",
             "--no-compare-hf", *quality, "--out", str(o / "decode-quantized.md")],
             ["decode-quantized.md"], "seed 000: decode and prefill per format, batch and group size"),
         "decode-kv": Step("decode-kv", [
-            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none", "int4",
-            "--kv-cache-dtype", "auto", "int8", "--batch-sizes", "1", "--compile", *(["off"] if q else ["on", "off"]),
+            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none,int4",
+            "--kv-cache-dtype", "auto,int8", "--batch-sizes", "1", "--compile", "off" if q else "on,off",
             "--repeats", reps, "--new-tokens", "8" if q else "64", "--prompt-tokens", "16" if q else "512",
             "--no-compare-hf", *quality, "--out", str(o / "decode-kv.md")],
             ["decode-kv.md"], "seed 003: tok/s, GB/s, KV-quant and compiled rows at batch 1"),
         "throughput": Step("throughput", [
-            "bench", "throughput", m, "--dtype", "bfloat16", "--quantization", "none", *schemes,
+            "bench", "throughput", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
             # high_concurrency and base are left out of the full run to keep it near 35 minutes on 2 cores.
-            "--configs", *(["interactive"] if q else ["interactive", "prefill_bound", "medium_batch",
-                                                       "decode_bound", "long_context"]),
+            "--configs", "interactive" if q else "interactive,prefill_bound,medium_batch,decode_bound,long_context",
             "--runs", reps, *quality, *(["--no-plots"] if q else []), "--out-dir", str(o / "throughput")],
             ["throughput/summary.md"], "seed 002: named configurations x schemes, Output Throughput w/o prefill"),
         "latency": Step("latency", [
-            "bench", "latency", m, "--dtype", "bfloat16", "--quantization", "none", *schemes,
-            "--batch-size", *(["1"] if q else ["1", "4", "16"]), "--sequence-length", "16" if q else "256",
+            "bench", "latency", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
+            "--batch-size", "1" if q else "1,4,16", "--sequence-length", "16" if q else "256",
             "--decode-length", "4" if q else "16", "--runs", reps, "--warmups", "0" if q else "1",
             *(["--no-plots"] if q else []), "--out-dir", str(o / "latency")],
             ["latency/latency.md"], "seed 001: TGI latency and throughput tables per quantization"),
@@ -152,7 +156,7 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                              ["cache-verify.md"], "cost of verifying a warm cache hit, quick vs full"),
         # The issue's loads (1, 8, 32, 64); 64 prompts, so that concurrency 64 has that many in flight. About 5
         # minutes on 2 cores: concurrency 1 dominates (64 requests one after another).
-        "serve": Step("serve", [*serve_common, "--concurrency", *(["1", "2"] if q else ["1", "8", "32", "64"]),
+        "serve": Step("serve", [*serve_common, "--concurrency", "1,2" if q else "1,8,32,64",
                                 "--num-prompts", "2" if q else "64", "--out-dir", serve_dir],
                       ["serve/serve.md"], "HTTP sweep: TTFT, TPOT, ITL, E2E percentiles, throughput per load"),
         "serve-efficiency": Step("serve-efficiency", [
@@ -358,12 +362,15 @@ def main(cfg: BenchAllConfig, argv: list[str] | None = None) -> int:
 def register(subparsers: Any, add_model_flags: Any) -> Any:
     import argparse
 
+    from glowplug.base.flags import add_model_argument, resolve_model_argument
+
     p = subparsers.add_parser("all", help="Regenerate every report into --out, in a fixed order, with README.md.",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", nargs="?", default="smollm2", metavar="MODEL", help="(default: smollm2)")
+    add_model_argument(p)
     add_model_flags(p, BenchAllConfig, exclude={"model"})
 
     def handler(args: argparse.Namespace) -> int:
+        resolve_model_argument(args)
         cfg = BenchAllConfig(**{k: v for k, v in vars(args).items() if k in BenchAllConfig.model_fields})
         cfg.steps()  # an unknown --only name fails before anything runs
         return main(cfg, getattr(args, "argv", None))

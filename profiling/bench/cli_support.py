@@ -16,6 +16,9 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from glowplug.base.flags import add_model_argument, resolve_model_argument
+from glowplug.base.units import ByteSize
+
 from ...engine.config import CompileMode, DType
 
 C = TypeVar("C", bound="BenchEngineFields")
@@ -32,8 +35,8 @@ class BenchEngineFields(BaseModel):
     dtype: DType = "auto"
     compile: CompileMode = "auto"
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block.")
-    kv_cache_memory: int | None = Field(
-        None, ge=1, description="KV-cache budget in bytes; unset = the engine's own sizing."
+    kv_cache_memory: ByteSize | None = Field(
+        None, ge=1, description="KV-cache budget, e.g. 2GiB or 512MiB (plain numbers are bytes); unset = the engine's own sizing."
     )
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="Force the number of KV blocks.")
     max_num_batched_tokens: int | None = Field(
@@ -63,7 +66,7 @@ def engine_flag(name: str, value: Any) -> list[str]:
     if isinstance(value, bool):
         return [flag if value else "--no-" + name.replace("_", "-")]
     if isinstance(value, (tuple, list)):
-        return [flag, *(str(v) for v in value)]
+        return [flag, ",".join(str(v) for v in value)]  # a list flag takes one value per use
     return [flag, str(value)]
 
 
@@ -101,10 +104,11 @@ def add_command(
     p = subparsers.add_parser(
         name, help=help_text, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("model", nargs="?", default="smollm2", metavar="MODEL", help="(default: smollm2)")
+    add_model_argument(p)
     add_model_flags(p, config_cls, exclude={"model"})
 
     def handler(args: argparse.Namespace) -> int:
+        resolve_model_argument(args)
         return runner(config_from_args(config_cls, args), getattr(args, "argv", None))
 
     p.set_defaults(func=handler)

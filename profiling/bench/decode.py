@@ -46,7 +46,7 @@ class DecodeBenchConfig(BaseModel):
         description="Model dtypes: unquantized runs in each; quantized formats run in the first one only.",
     )  # fmt: skip
     kv_cache_dtype: tuple[Literal["auto", "int8"], ...] = Field(
-        ("auto",), min_length=1, description="KV-cache dtypes (int8: quantized KV, seed 003's kv_quant rows)."
+        ("auto",), min_length=1, description="KV-cache dtypes (int8: quantized KV)."
     )
     prompt_tokens: int = Field(64, ge=1, le=4096)
     new_tokens: int = Field(128, ge=4, le=4096)

@@ -1,5 +1,5 @@
 """`glowplug bench latency`: prefill and decode latency per batch size, in the layout of TGI's
-`text-generation-benchmark` (seed 001), with its bugs fixed.
+`text-generation-benchmark`, with its bugs fixed.
 
 Per batch size: `--warmups` untimed batches, then `--runs` timed ones (see `timing.time_batch`). Rows:
   Prefill         one sample per run: requests added -> every sequence has its first token. The step token budget

@@ -2,9 +2,9 @@
 
 Sweep (default): one `glowplug startup --max-model-len L` per length, each in a fresh process sharing one cache
 directory, so every column is a warm-model start and only what depends on L differs. Table: phases as rows,
-lengths as columns in numeric order (seed 004 sorted them as text: 1024, 2048, 256, ...), the `unattributed` row
-that seed 004 lacked (its total_time and actual_total_time differed by ~15 s no row explained), and the rows
-KV blocks, token capacity and max concurrency (how many full-length sequences fit in the KV cache at once).
+lengths as columns in numeric order, an `unattributed` row (the wall time no phase claims, so each column adds up
+to its time to READY), and the rows KV blocks, token capacity and max concurrency (how many full-length sequences
+fit in the KV cache at once).
 
 --plan predicts the same table from ONE start-up (at the smallest length) without restarting:
   KV rows    `engine/kv_sizing.plan_kv_cache` applied to each length with the KV budget that start measured
@@ -151,7 +151,8 @@ def predict_columns(cfg: TuneMaxModelLenConfig, run: StartupRun, lengths: list[i
         try:
             plan = plan_kv_cache(config, arch, model_dtype=dtype, device=config.resolved_device(), weights_bytes=0)
         except ValueError as exc:  # KVCacheTooSmall is one: the start-up would fail the same way
-            columns.append(Column(length, error=f"start-up would fail in {KV_ROW}: {type(exc).__name__}: {exc}"))
+            # With the budget given explicitly, as here, the start-up checks it in its first stage.
+            columns.append(Column(length, error=f"start-up would fail in model_prepare: {type(exc).__name__}: {exc}"))
             continue
         columns.append(
             Column(length, dict(run.phases), dict(run.reasons), leaf_names(run), plan.num_blocks, plan.block_size)

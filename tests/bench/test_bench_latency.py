@@ -72,7 +72,8 @@ def test_engine_that_cannot_start_explains_every_cell(tiny_model: str, tmp_path:
     assert all(not c.ok and "exceeds the model's limit of 256" in (c.reason or "") for c in result.cells)
     md = render_markdown(result, ["bench", "latency"])
     assert_no_blank_or_nan(md)
-    assert "n/a (start-up failed in kv_cache_profiling" in md
+    # Checked against the model in the first stage, before any weights are read (engine/config_check.py).
+    assert "n/a (start-up failed in model_prepare" in md
 
 
 def test_single_run_cells_say_n1_and_plot_renders(tmp_path: Path) -> None:

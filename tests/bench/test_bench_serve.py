@@ -110,7 +110,7 @@ def test_flags_are_validated() -> None:
 def test_sweep_end_to_end_against_a_started_server(tiny_model: str, tmp_path: Path) -> None:
     out = tmp_path / "serve"
     code = main([
-        "bench", "serve", tiny_model, "--concurrency", "1", "4", "--request-rate", "50", "--arrival", "burst",
+        "bench", "serve", tiny_model, "--concurrency", "1,4", "--request-rate", "50", "--arrival", "burst",
         "--burst-size", "4", "--num-prompts", "6", "--runs", "2", "--input-len", "12", "--output-len", "6",
         "--max-model-len", "64", "--max-num-seqs", "8", "--num-gpu-blocks-override", "64",
         "--slo-ttft-ms", "60000", "--out-dir", str(out),

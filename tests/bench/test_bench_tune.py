@@ -53,7 +53,7 @@ def test_plan_matches_sweep(tiny_model: str, tmp_path: Path) -> None:
     assert "Predicted from one start-up at max-model-len 128" in md
     rows = {r[0]: r[1:] for r in markdown_cells(md)}
     assert rows["KV blocks"][:2] == ["40", "40"] and rows["max concurrency"][:2] == ["5.00", "2.50"]
-    assert rows["KV blocks"][2] == "n/a (max_model_len 512 exceeds the model's limit of 256 positions)"
+    assert rows["KV blocks"][2] == "n/a (--max-model-len 512 exceeds the model's limit of 256 positions)"
     write_reports(sweep)
     data = json.loads((tmp_path / "sweep" / "tune.json").read_text())
     assert data["recommendation"]["max_model_len"] == 128
@@ -71,7 +71,7 @@ def test_plan_writes_only_under_its_own_folder_in_the_cwd(
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    argv = ["tune", "max-model-len", tiny_model, "--plan", "--max-model-len", "128", "256",
+    argv = ["tune", "max-model-len", tiny_model, "--plan", "--max-model-len", "128,256",
             "--kv-cache-memory", str(BUDGET), "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
     assert main(argv) == 0
     written = sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*") if p.is_file())

@@ -1,0 +1,215 @@
+"""Start-up progress on the terminal, as the phases run: one line per stage as it starts (what it does and how long
+it should take) and as it ends (its time, cache hit or miss), read from the start-up's own spans.
+
+A span processor, like the server's live timeline (lifecycle/timeline.py), so the progress and the phase table
+read the same record: a stage's time here is its span's, and its note is `phases.span_phase(span).note`, the very
+text the table prints. On a terminal the running stages are a rich live display (a spinner, the elapsed time
+against the estimate) above which finished stages are printed; piped, or with no terminal, each start and end
+is one plain line. Everything goes to stderr, so stdout stays the command's output (the table, the generated
+text).
+
+The estimate per stage comes from the caller (engine/startup.py estimate_phase_durations: this config's last
+start, else the last start of the same model): this module only phrases it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from typing import TextIO
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.spinner import Spinner
+from rich.table import Table
+from rich.text import Text
+
+from glowplug.profiling.names import PRE_MAIN, stage_from_span_name
+from glowplug.profiling.phases import span_phase
+
+# What each stage does, in words a user reads while waiting. A stage not listed shows its own name.
+STAGE_LABELS: Mapping[str, str] = {
+    "imports": "importing torch and the engine",
+    "model_prepare": "preparing the model",
+    "tokenizer_init": "loading the tokenizer",
+    "load_weights": "loading the weights",
+    "quantize_weights": "quantizing the weights",
+    "model_init": "building the model",
+    "native_kernels": "building the native CPU kernels",
+    "dynamo_transform": "tracing the decode step",
+    "graph_compile": "compiling the decode step",
+    "kv_cache_profiling": "sizing the KV cache",
+    "kv_cache_init": "allocating the KV cache",
+    "graph_capture": "preparing each batch size",
+    "warmup": "warming up",
+}
+PREFIX = "glowplug: "
+
+
+def stage_label(stage: str) -> str:
+    return STAGE_LABELS.get(stage, stage.replace("_", " "))
+
+
+def _seconds(s: float) -> str:
+    return f"{s:.1f} s" if s < 100 else f"{s:.0f} s"
+
+
+def eta_phrase(stage: str, estimate: Mapping[str, float] | None, same_config: bool) -> str:
+    """How long `stage` should take, in words: "about 25 s", "first start for this config, about 25 s" (the
+    estimate is another config's), or "" when no start recorded this stage."""
+    seconds = None if estimate is None else estimate.get(stage)
+    if seconds is None:
+        return ""  # nothing recorded for this stage: the imports line already said there is no estimate
+    about = "under a second" if seconds < 1 else f"about {round(seconds)} s"
+    return about if same_config else f"first start for this config, {about}"
+
+
+class _Running:
+    """The live display's renderable: one spinner line per running stage, re-read at every refresh."""
+
+    def __init__(self, progress: StartupProgress) -> None:
+        self._progress = progress
+
+    def __rich__(self) -> RenderableType:
+        rows = self._progress.running_rows()
+        grid = Table.grid(padding=(0, 1))
+        grid.add_column(no_wrap=True)
+        grid.add_column(no_wrap=True, overflow="ellipsis")
+        for stage, label, elapsed, eta in rows:
+            shown = f"{label} ({stage}) {_seconds(elapsed)}" + (f", {eta}" if eta else "")
+            grid.add_row(Spinner("dots", style="cyan"), Text(shown))
+        return Group(grid) if rows else Text("")
+
+
+class StartupProgress(SpanProcessor):
+    """Add to the start-up's tracer provider before the pipeline runs; `close()` when it is over.
+
+    live: rich live display (a terminal) or plain lines; None = live when `stream` is a terminal.
+    estimate / same_config: seconds per stage to expect and whether they are this config's own (see eta_phrase);
+        `imports_done` sets them when the caller learns them only after the imports.
+    """
+
+    def __init__(
+        self,
+        *,
+        stream: TextIO | None = None,
+        live: bool | None = None,
+        estimate: Mapping[str, float] | None = None,
+        same_config: bool = True,
+    ) -> None:
+        self._stream = stream if stream is not None else sys.stderr
+        is_tty = hasattr(self._stream, "isatty") and self._stream.isatty()
+        self._live_wanted = is_tty if live is None else live
+        self._estimate = dict(estimate) if estimate else None
+        self._same_config = same_config
+        self._lock = threading.Lock()
+        self._running: dict[str, float] = {}  # stage -> perf_counter at its start; insertion order = start order
+        self._console = Console(file=self._stream, highlight=False, soft_wrap=not self._live_wanted,
+                                force_terminal=self._live_wanted or None)  # fmt: skip
+        self._live: Live | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------ lines
+
+    def _say(self, text: str, style: str = "") -> None:
+        """One finished line: above the live display on a terminal, else a plain line, flushed at once (a pipe
+        reader sees it now, not when the buffer fills)."""
+        if self._live is not None:
+            self._live.console.print(Text(text, style=style))
+        else:
+            self._stream.write(PREFIX + text + "\n")
+            self._stream.flush()
+
+    def begin(self, model: str) -> None:
+        """The first line, printed before the heavy imports, so a cold start is never silent."""
+        if self._live_wanted:
+            self._live = Live(_Running(self), console=self._console, transient=True, refresh_per_second=8,
+                              redirect_stdout=False, redirect_stderr=False)  # fmt: skip
+            self._live.start()
+            # On a terminal the imports get a spinner of their own: they are the first long wait.
+            with self._lock:
+                self._running["imports"] = time.perf_counter()
+            self._say(f"starting {model}", "bold")
+        else:
+            self._say(f"starting {model}: importing torch and the engine...", "bold")
+
+    def note(self, text: str) -> None:
+        """A line of context between the stages (the sampling defaults of `generate`)."""
+        self._say(text, "dim")
+
+    def imports_done(self, seconds: float, estimate: Mapping[str, float] | None, same_config: bool) -> None:
+        """The imports' time and what the stages should take (`estimate`: seconds per stage, see eta_phrase)."""
+        with self._lock:
+            self._running.pop("imports", None)
+        self._estimate = dict(estimate) if estimate else None
+        self._same_config = same_config
+        if self._estimate is None:
+            basis = "first start of this model: no estimate yet"
+        elif same_config:
+            basis = f"the last start of this config spent {_seconds(sum(self._estimate.values()))} in its stages"
+        else:
+            basis = (f"first start for this config (another config of this model spent "
+                     f"{_seconds(sum(self._estimate.values()))} in its stages)")  # fmt: skip
+        self._say(f"imports done in {_seconds(seconds)}; {basis}", "dim")
+
+    def running_rows(self) -> list[tuple[str, str, float, str]]:
+        now = time.perf_counter()
+        with self._lock:
+            running = list(self._running.items())
+        return [(stage, stage_label(stage), now - t0, eta_phrase(stage, self._estimate, self._same_config))
+                for stage, t0 in running]  # fmt: skip
+
+    def close(self, *, ready_s: float | None = None) -> None:
+        """Stop the live display (before anything else is printed) and, at READY, say so."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if ready_s is not None:
+            self._say(f"READY in {_seconds(ready_s)}", "bold green")
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    # ------------------------------------------------------------ SpanProcessor (on the stage's thread)
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        stage = stage_from_span_name(span.name)
+        if stage is None or stage in PRE_MAIN:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._running[stage] = time.perf_counter()
+        if self._live is None:
+            eta = eta_phrase(stage, self._estimate, self._same_config)
+            self._say(f"{stage}: {stage_label(stage)}..." + (f" ({eta})" if eta else ""))
+
+    def on_end(self, span: ReadableSpan) -> None:
+        stage = stage_from_span_name(span.name)
+        if stage is None or stage in PRE_MAIN:
+            return
+        with self._lock:
+            if self._closed:
+                return
+            self._running.pop(stage, None)
+        phase = span_phase(span)
+        if phase.outcome == "failed":
+            return  # the command prints the failure itself, as one line with the cause and the fix
+        took = _seconds(phase.nanos / 1e9)
+        note = phase.note
+        if phase.outcome == "skipped":
+            self._say(f"{stage}: skipped ({note})", "dim")
+        else:
+            self._say(f"{stage}: done in {took}" + (f" ({note})" if note else ""), "green")
+
+    def shutdown(self) -> None:
+        self.close()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
