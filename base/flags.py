@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+# Fields whose value is a credential: an error about one never repeats the value given (it would land in logs).
+SECRET_FIELDS = frozenset({"api_key"})
 
 
 class FlagError(ValueError):
@@ -90,6 +92,6 @@ def explain(exc: ValidationError) -> str:
         loc = [p for i, p in enumerate(parts) if not (i < len(parts) - 1 and p in ("scheduler", "cache", "quant"))]
         field = loc[0] if loc else "?"
         given = err.get("input")
-        shown = "" if isinstance(given, dict) else f" (got {given!r})"
+        shown = "" if isinstance(given, dict) or field in SECRET_FIELDS else f" (got {given!r})"
         lines.append(f"{flag_name(field)}: {err['msg']}{shown}")
     return "\n".join(lines)
