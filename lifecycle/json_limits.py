@@ -19,13 +19,16 @@ escaped lone surrogate is then searched for only when the text holds a `\\uD8..`
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Union
 
 import numpy as np
 
-# Chunks of the depth scan: its temporaries are a few int32 arrays of this many elements (1 MiB each), and no
-# single numpy call holds the GIL for long.
+# A request body as the server holds it: bytes, a bytearray, or a view of an anonymous mapping (transport.py).
+Buffer = Union[bytes, bytearray, memoryview]
+
+# Chunks of every scan here: its temporaries are a few arrays of this many elements (at most 1 MiB each, never a
+# copy of the body), and no single numpy call holds the GIL for long.
 _CHUNK = 1 << 18
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 _OPEN = (ord("["), ord("{"))
@@ -39,19 +42,35 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def nesting_exceeds(body: bytes | bytearray, limit: int) -> int | None:
+def _chunks(data: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    for start in range(0, len(data), _CHUNK):
+        yield start, data[start : start + _CHUNK]
+
+
+def _count(data: np.ndarray, test: Callable[[np.ndarray], np.ndarray]) -> int:
+    return sum(int(np.count_nonzero(test(chunk))) for _, chunk in _chunks(data))
+
+
+def _is_opener(chunk: np.ndarray) -> np.ndarray:
+    return (chunk == _OPEN[0]) | (chunk == _OPEN[1])
+
+
+def _is_closer(chunk: np.ndarray) -> np.ndarray:
+    return (chunk == _CLOSE[0]) | (chunk == _CLOSE[1])
+
+
+def nesting_exceeds(body: Buffer, limit: int) -> int | None:
     """The offset of the first byte at which `body` nests JSON arrays/objects deeper than `limit`, or None.
 
     Brackets inside strings do not count (a backslash escapes the next byte). Backslashes outside strings are not
     JSON; a parser stops at the first one, before any depth this scan could misjudge after it."""
-    if body.count(b"[") + body.count(b"{") <= limit:
-        return None
     data = np.frombuffer(body, dtype=np.uint8)
+    if _count(data, _is_opener) <= limit:
+        return None
     depth = 0  # at the end of the previous chunk
     in_string = 0  # 1 while inside a string at the end of the previous chunk
     backslashes = 0  # length of the backslash run that ended the previous chunk
-    for start in range(0, len(data), _CHUNK):
-        chunk = data[start : start + _CHUNK]
+    for start, chunk in _chunks(data):
         n = len(chunk)
         positions = np.arange(n, dtype=np.int32)
         # For every byte, the position of the last byte at or before it that is not a backslash (-1: none in this
@@ -65,8 +84,8 @@ def nesting_exceeds(body: bytes | bytearray, limit: int) -> int | None:
         toggles[real] = 1
         inside = (np.cumsum(toggles, dtype=np.int32) + in_string) & 1
         step = np.zeros(n, dtype=np.int32)
-        step[(chunk == _OPEN[0]) | (chunk == _OPEN[1])] = 1
-        step[(chunk == _CLOSE[0]) | (chunk == _CLOSE[1])] = -1
+        step[_is_opener(chunk)] = 1
+        step[_is_closer(chunk)] = -1
         step[inside == 1] = 0
         levels = np.cumsum(step, dtype=np.int32) + depth
         if n and int(levels.max()) > limit:
@@ -107,7 +126,7 @@ def lone_surrogate(text: str, data: Any) -> tuple[str, int, str] | None:
     return None
 
 
-def _escaped(body: bytes | bytearray, quote: int, budget: list[int]) -> bool | None:
+def _escaped(body: Buffer, quote: int, budget: list[int]) -> bool | None:
     """Whether the quote at `quote` is escaped (an odd run of backslashes before it); None once `budget` (bytes
     walked back, shared by the caller's calls) runs out."""
     i = quote - 1
@@ -119,22 +138,23 @@ def _escaped(body: bytes | bytearray, quote: int, budget: list[int]) -> bool | N
     return (quote - 1 - i) % 2 == 1
 
 
-def _next_non_space(body: bytes | bytearray, i: int) -> int:
+def _next_non_space(body: Buffer, i: int) -> int:
     while i < len(body) and body[i] in _WHITESPACE:
         i += 1
     return i
 
 
-def top_level_string(body: bytes | bytearray, key: bytes) -> tuple[int, int] | None:
+def top_level_string(body: Buffer, key: bytes) -> tuple[int, int] | None:
     """The raw extent (start, end: between its quotes) of the string value of `key` in the top-level object of
     `body` (the last one, as json.loads keeps the last of duplicate keys), or None: no such string value, not a
     body of few strings, or not well-formed enough to tell (the parser will say why)."""
-    if body.count(b'"') > 2 * _MAX_STRINGS:
-        return None
     data = np.frombuffer(body, dtype=np.uint8)
+    if _count(data, lambda chunk: chunk == _QUOTE) > 2 * _MAX_STRINGS:
+        return None
     budget = [1 << 16]
     quotes = []
-    for q in np.flatnonzero(data == _QUOTE).tolist():
+    candidates = [start + int(i) for start, chunk in _chunks(data) for i in np.flatnonzero(chunk == _QUOTE)]
+    for q in candidates:
         escaped = _escaped(body, q, budget)
         if escaped is None:
             return None
@@ -148,10 +168,10 @@ def top_level_string(body: bytes | bytearray, key: bytes) -> tuple[int, int] | N
     prev_end = 0
     for open_, close in zip(quotes[0::2], quotes[1::2]):
         between = data[prev_end:open_]
-        depth += int(np.count_nonzero((between == _OPEN[0]) | (between == _OPEN[1])))
-        depth -= int(np.count_nonzero((between == _CLOSE[0]) | (between == _CLOSE[1])))
+        depth += _count(between, _is_opener) - _count(between, _is_closer)
         prev_end = close + 1
-        if depth != 1 or body[open_ + 1 : close] != key:
+        # Lengths first: a huge value at depth 1 (the prompt itself) is never copied to be compared.
+        if depth != 1 or close - open_ - 1 != len(key) or bytes(body[open_ + 1 : close]) != key:
             continue
         colon = _next_non_space(body, close + 1)
         if colon >= len(body) or body[colon] != ord(":"):
@@ -162,10 +182,10 @@ def top_level_string(body: bytes | bytearray, key: bytes) -> tuple[int, int] | N
     return found
 
 
-def min_chars(body: bytes | bytearray, start: int, end: int) -> int:
+def min_chars(body: Buffer, start: int, end: int) -> int:
     """A lower bound on the characters that the raw JSON string bytes body[start:end] decode to: every character
     starts with a byte that is not a UTF-8 continuation byte, and an escape (a backslash and at most 11 more
     bytes: `\\uD83D\\uDE80` is one character) stands for at least one."""
     seg = np.frombuffer(body, dtype=np.uint8)[start:end]
-    leading = len(seg) - int(np.count_nonzero((seg & 0xC0) == 0x80))
-    return max(0, leading - 6 * int(np.count_nonzero(seg == _BACKSLASH)))
+    leading = len(seg) - _count(seg, lambda chunk: (chunk & 0xC0) == 0x80)
+    return max(0, leading - 6 * _count(seg, lambda chunk: chunk == _BACKSLASH))

@@ -47,7 +47,7 @@ from .responses import (
     sse,
 )
 from .service import EngineInfo, Rejected, Service
-from .transport import ClientDisconnected, TransportLimits, note_disconnect, read_body
+from .transport import BodyBuffer, ClientDisconnected, TransportLimits, note_disconnect, read_body
 
 if TYPE_CHECKING:
     from glowplug.engine.llm_engine import RequestOutput
@@ -319,15 +319,19 @@ async def _prepare(
     return service.generate(prompts, params, ticket, received_at=received, on_close=on_close), info, params
 
 
-def _refuse_raw_prompt(raw: bytearray, info: EngineInfo) -> None:
+def _refuse_raw_prompt(raw: BodyBuffer, info: EngineInfo) -> None:
     """Refuse a completions prompt too long to fit from the body's bytes, before parsing: parsed, it would be held
     twice (the body, and the string json.loads makes of it). Its bytes bound its characters from below
     (`min_chars`), and those its tokens, as after parsing."""
     longest = max_token_chars(info.tokenizer)
-    span = top_level_string(raw, b"prompt") if longest is not None else None
-    if longest is None or span is None:
+    if longest is None:
         return
-    chars = min_chars(raw, *span)
+    view = raw.view()
+    try:
+        span = top_level_string(view, b"prompt")
+        chars = min_chars(view, *span) if span is not None else 0
+    finally:
+        view.release()
     at_least = math.ceil(chars / longest)
     if at_least > info.max_model_len:
         basis = f"it is at least {chars:,} characters and no token of this tokenizer covers more than {longest}"
@@ -335,11 +339,15 @@ def _refuse_raw_prompt(raw: bytearray, info: EngineInfo) -> None:
 
 
 def _parse_large(
-    model: type[CompletionRequest] | type[ChatCompletionRequest], raw: bytearray, max_depth: int,
+    model: type[CompletionRequest] | type[ChatCompletionRequest], raw: BodyBuffer, max_depth: int,
     info: EngineInfo | None,
 ) -> CompletionRequest | ChatCompletionRequest:
-    if model is CompletionRequest and info is not None:
-        _refuse_raw_prompt(raw, info)
+    try:
+        if model is CompletionRequest and info is not None:
+            _refuse_raw_prompt(raw, info)
+    except BaseException:
+        raw.release()
+        raise
     return parse_body(model, raw, max_depth)  # type: ignore[no-any-return]
 
 

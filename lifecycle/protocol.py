@@ -18,6 +18,7 @@ from glowplug.engine.sampling_params import SamplingParams
 
 from .errors import ApiError, bad_request, from_validation_error
 from .json_limits import lone_surrogate, nesting_exceeds
+from .transport import BodyBuffer
 
 # Default max_tokens of /v1/completions (OpenAI's); chat defaults to whatever the context has left.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -188,29 +189,35 @@ def make_sampling_params(fields: Mapping[str, Any], rename: Mapping[str, str] | 
         raise from_validation_error(exc, rename) from None
 
 
-def parse_json_object(raw: bytes | bytearray, max_depth: int) -> dict[str, Any]:
+def parse_json_object(raw: BodyBuffer | bytes | bytearray, max_depth: int) -> dict[str, Any]:
     """The request body as a JSON object, or a 400 saying why not: nested deeper than `max_depth` (checked before
     parsing), not UTF-8, not JSON, not an object, or a string that is not whole Unicode characters (naming it).
 
-    A bytearray is emptied once decoded, so that a large body is never held three times (bytes, text, and the
-    parsed strings) but at most twice."""
-    deep_at = nesting_exceeds(raw, max_depth)
-    if deep_at is not None:
-        raise ApiError(
-            400,
-            f"the request body nests JSON arrays/objects deeper than {max_depth} levels (--max-json-depth), "
-            f"at byte {deep_at:,}",
-            code="json_too_deep",
-        )
+    A BodyBuffer or bytearray is released once decoded, so that a large body is held at most twice at any moment
+    (the body and its text, then the text and the strings parsed out of it), never three times."""
+    view = raw.view() if isinstance(raw, BodyBuffer) else memoryview(raw)
     try:
-        # Strict UTF-8 (RFC 8259 section 8.1): surrogates encoded as bytes are refused here, not passed on.
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ApiError(
-            400, f"the request body is not valid UTF-8 (byte {exc.start:,}: {exc.reason})", code="invalid_json"
-        ) from None
-    if isinstance(raw, bytearray):
-        raw.clear()
+        deep_at = nesting_exceeds(view, max_depth)
+        if deep_at is not None:
+            raise ApiError(
+                400,
+                f"the request body nests JSON arrays/objects deeper than {max_depth} levels (--max-json-depth), "
+                f"at byte {deep_at:,}",
+                code="json_too_deep",
+            )
+        try:
+            # Strict UTF-8 (RFC 8259 section 8.1): surrogates encoded as bytes are refused here, not passed on.
+            text = str(view, "utf-8")
+        except UnicodeDecodeError as exc:
+            raise ApiError(
+                400, f"the request body is not valid UTF-8 (byte {exc.start:,}: {exc.reason})", code="invalid_json"
+            ) from None
+    finally:
+        view.release()
+        if isinstance(raw, BodyBuffer):
+            raw.release()
+        elif isinstance(raw, bytearray):
+            raw.clear()
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -230,7 +237,7 @@ def parse_json_object(raw: bytes | bytearray, max_depth: int) -> dict[str, Any]:
     return data
 
 
-def parse_body(model: type[_SamplingFields], raw: bytes | bytearray, max_depth: int) -> Any:
+def parse_body(model: type[_SamplingFields], raw: BodyBuffer | bytes | bytearray, max_depth: int) -> Any:
     """Parse and shape-check a request body into `model`, then run its cross-field checks."""
     try:
         request = model.model_validate(parse_json_object(raw, max_depth))
