@@ -29,6 +29,8 @@ from .units import parse_byte_size
 
 DEFAULT_MODEL_NAME = "smollm2"
 MODEL_HELP = "'smollm2' (the embedded default), a Hugging Face model folder or a .gguf file"
+# Fields whose value is a credential: an error about one never repeats the value given (it would land in logs).
+SECRET_FIELDS = frozenset({"api_key"})
 
 
 class FlagError(ValueError):
@@ -270,8 +272,9 @@ def explain(exc: ValidationError) -> str:
         # A union's branch names (`int`, `literal['auto']`) follow the field; the field is the first part.
         field = loc[0] if loc else "?"
         given = err.get("input")
-        # A validator's own message already quotes the value it refused.
-        shown = "" if isinstance(given, dict) or err["type"] == "value_error" else f" (got {given!r})"
+        # A validator's own message already quotes the value it refused; a credential is never repeated.
+        hidden = isinstance(given, dict) or err["type"] == "value_error" or field in SECRET_FIELDS
+        shown = "" if hidden else f" (got {given!r})"
         message = str(err["msg"]).removeprefix("Value error, ")
         lines.append(f"{flag_name(field)}: {message}{shown}")
     # A union field reports once per branch (`int`, `'auto'`); one line per flag and message is enough.

@@ -8,6 +8,7 @@ Probes:
                      with its elapsed seconds, marked running), ETA from the last start of this config, and the
                      full phase table once READY.
   GET /metrics       Prometheus text format, from the service's own registry.
+With --api-key, /v1/* needs `Authorization: Bearer <key>`; everything above stays open (transport.py says why).
 
 The live start-up page (`GET /`), its event stream and the trace downloads are in page.py.
 """
@@ -34,6 +35,7 @@ from .openapi import install_openapi
 from .page import add_page_routes, startup_fields
 from .service import Service
 from .state import EngineState, StateSnapshot
+from .transport import TransportGuard, TransportLimits
 
 log = structlog.get_logger("glowplug.lifecycle.app")
 
@@ -100,6 +102,8 @@ def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastA
             await asyncio.to_thread(service.close)
 
     app = FastAPI(title="glowplug", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # The last added runs first: the access log wraps the guard, so refusals (401, 413) get their log line too.
+    app.add_middleware(TransportGuard, limits=TransportLimits.from_config(service.serve_cfg), metrics=service.metrics)
     app.add_middleware(AccessLogMiddleware)
 
     @app.exception_handler(ApiError)
@@ -133,6 +137,6 @@ def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastA
         return Response(body, media_type=content_type)
 
     app.include_router(make_router(service, tracer or trace.get_tracer("glowplug")))
-    install_openapi(app, service.model_name)
+    install_openapi(app, service.model_name, api_key=service.serve_cfg.api_key is not None)
     add_page_routes(app, service, events)
     return app

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 LogFormat = Literal["auto", "json", "console"]
+
+# Where `glowplug serve` takes the API key from when --api-key is not given: an environment variable keeps the key
+# out of the process's command line (which `ps` shows to every user of the machine).
+API_KEY_ENV = "GLOWPLUG_API_KEY"
+MIB = 1 << 20
 
 
 class ServeConfig(BaseModel):
@@ -23,7 +29,8 @@ class ServeConfig(BaseModel):
     ETA. `ready_wait=0` answers 503 at once until READY.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Inputs stay out of error messages: one of them may be the API key.
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
 
     host: str = Field("127.0.0.1", description="Address to listen on (0.0.0.0 for all interfaces).")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free one (logged at start).")
@@ -48,6 +55,38 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = Field(
         None, description="The model id in /v1/models and responses (default: the --model value)."
     )
+    # ---- the transport: limits checked before any work (lifecycle/transport.py; README, "Hostile input")
+    max_body_bytes: int = Field(
+        32 * MIB,
+        ge=0,
+        description="Largest request body in bytes: a larger one gets 413 before it is read (by its Content-Length) "
+        "or as soon as it passes the limit (chunked). 32 MiB holds a batch of 16 full 128 K-token id lists. "
+        "0 = no limit.",
+    )
+    max_json_depth: int = Field(
+        128,
+        ge=1,
+        le=512,
+        description="Deepest nesting of JSON arrays and objects in a request body; deeper gets 400 before parsing "
+        "(Python's parser would fail near 1,000 levels with a RecursionError).",
+    )
+    body_read_timeout: float = Field(
+        60.0,
+        ge=0.0,
+        description="Seconds the whole request body may take to arrive after the request head; slower gets 408 "
+        "and the connection is closed. 0 = no limit.",
+    )
+    header_read_timeout: float = Field(
+        20.0,
+        ge=0.0,
+        description="Seconds a connection may take to send a complete request head (after it opens, or after its "
+        "previous response); then it is closed. 0 = no limit.",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description=f"Require `Authorization: Bearer <key>` on /v1/* (401 otherwise); health probes, /metrics, "
+        f"/startup and the page stay open. Default: ${API_KEY_ENV} if set, else no key.",
+    )
     log_level: str = Field("info", description="debug, info, warning, error or critical.")
     log_format: LogFormat = Field("auto", description="json, console, or auto (JSON unless stderr is a terminal).")
 
@@ -57,6 +96,17 @@ class ServeConfig(BaseModel):
         if not v.strip():
             raise ValueError("host must not be empty; use 127.0.0.1 or 0.0.0.0")
         return v.strip()
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_is_a_header_value(cls, v: SecretStr | None) -> SecretStr | None:
+        # Sent as `Authorization: Bearer <key>`: a key with spaces or control characters could never match.
+        # The message never contains the key.
+        if v is not None:
+            key = v.get_secret_value()
+            if not key or not all("!" <= ch <= "~" for ch in key):
+                raise ValueError("the API key must be non-empty printable ASCII without spaces")
+        return v
 
     @field_validator("log_level")
     @classmethod
@@ -79,4 +129,6 @@ def add_serve_flags(parser: argparse.ArgumentParser | Any) -> list[str]:
 def serve_config_from_args(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig for parsed flags; unset flags keep the defaults (raises pydantic.ValidationError)."""
     given = {k: v for k, v in vars(args).items() if k in ServeConfig.model_fields}
+    if "api_key" not in given and os.environ.get(API_KEY_ENV):
+        given["api_key"] = os.environ[API_KEY_ENV]
     return ServeConfig(**given)

@@ -16,6 +16,33 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .live_metrics import RecentRequests
 from .state import EngineState
 
+# Metric names other modules and tests refer to.
+REQUEST_REJECTED = "glowplug_request_rejected"
+CLIENT_DISCONNECTS = "glowplug_client_disconnects"
+CONNECTIONS_TIMED_OUT = "glowplug_connections_timed_out"
+
+
+class RejectReason:
+    """`reason` labels of glowplug_request_rejected set by the transport checks (transport.py, protocol.py)."""
+
+    UNAUTHORIZED = "unauthorized"
+    HEAD_TOO_LARGE = "head_too_large"
+    BODY_TOO_LARGE = "body_too_large"
+    BODY_TIMEOUT = "body_timeout"
+    JSON_TOO_DEEP = "json_too_deep"
+    INVALID_UNICODE = "invalid_unicode"
+    INVALID_REQUEST = "invalid_request"
+    MODEL_NOT_FOUND = "model_not_found"
+
+
+class DisconnectStage:
+    """`stage` labels of glowplug_client_disconnects: what the server was doing when the client left."""
+
+    BODY = "body"  # reading the request body
+    WAITING = "waiting"  # waiting for READY or for admission, before generation began
+    RESPONSE = "response"  # generating: collecting a non-streamed answer or sending a stream
+
+
 # Latency buckets from 1 ms to 5 min: tiny CPU models answer in milliseconds, big ones on a CPU in minutes.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -93,9 +120,21 @@ class ServiceMetrics:
             registry=r,
         )
         self.rejected = Counter(
-            "glowplug_request_rejected",
+            REQUEST_REJECTED,
             "Requests turned away before generation, by reason.",
             ["reason"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            CLIENT_DISCONNECTS,
+            "Clients that disconnected before their response was complete, by what the server was doing (body, "
+            "waiting, response). A client's fault, never a server error.",
+            ["stage"],
+            registry=r,
+        )
+        self.connections_timed_out = Counter(
+            CONNECTIONS_TIMED_OUT,
+            "Connections closed because no complete request head arrived within --header-read-timeout.",
             registry=r,
         )
         self.phase_duration = Gauge(

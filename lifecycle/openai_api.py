@@ -1,16 +1,23 @@
 """`/v1/models`, `/v1/completions`, `/v1/chat/completions`: OpenAI-compatible, streamed (SSE) or not.
 
-One request's path: parse and shape-check the body, validate its SamplingParams (400s come before anything
+One request's path: read the body within its size and time limits (413, 408; transport.py), parse and
+shape-check it (400: depth, UTF-8, JSON, Unicode, fields), validate its SamplingParams (400s come before anything
 waits), take admission slots (429), wait for READY (503 after `ready_wait`), tokenize and check lengths, hand
 the prompts to the engine loop, then stream or collect. A client that goes away at any point aborts its engine
-requests; `Generation.close()` in the response's `finally` makes that hold even for cancelled handlers.
+requests; `Generation.close()` in the response's `finally` makes that hold even for cancelled handlers. Its
+disconnect is noted on the access-log line and counted by stage (never logged as an error).
+
+Tokenizing never stalls other requests: a prompt whose length in characters already proves it too long is refused
+before tokenizing, and the rest is tokenized in bounded pieces with the GIL released (engine/tokenizer.py,
+`encode_bounded`), stopping once the count passes what the context leaves.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -20,11 +27,13 @@ from starlette.types import Receive, Scope, Send
 
 from glowplug.engine.models.arch import ModelError
 from glowplug.engine.sampling_params import SamplingParams
-from glowplug.engine.tokenizer import encode_chat
+from glowplug.engine.tokenizer import PromptTooLong, encode_bounded, encode_chat, max_token_chars
 
 from .engine_loop import Ended
 from .errors import ApiError, bad_request
 from .generation import Generation, PromptEvent
+from .json_limits import min_chars, top_level_string
+from .metrics import DisconnectStage, RejectReason
 from .observe import RequestTrace, access_fields, request_id
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
 from .responses import (
@@ -38,6 +47,7 @@ from .responses import (
     sse,
 )
 from .service import EngineInfo, Rejected, Service
+from .transport import BodyBuffer, ClientDisconnected, TransportLimits, note_disconnect, read_body
 
 if TYPE_CHECKING:
     from glowplug.engine.llm_engine import RequestOutput
@@ -45,6 +55,16 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _REJECTION_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
+# 400s whose own reason label says more than "invalid_request" (by the error's code).
+_REASON_BY_CODE = {
+    "model_not_found": RejectReason.MODEL_NOT_FOUND,
+    "json_too_deep": RejectReason.JSON_TOO_DEEP,
+    "invalid_unicode": RejectReason.INVALID_UNICODE,
+}
+# Bodies larger than this are parsed on a worker thread: the depth scan runs in numpy with the GIL released, and
+# the event loop serves other requests between the steps that hold it. Smaller ones are parsed inline, where the
+# hop to a thread would cost more than the parse.
+_THREAD_PARSE_BYTES = 256 * 1024
 
 
 class ClientGone(Exception):
@@ -52,21 +72,33 @@ class ClientGone(Exception):
 
 
 class GenerationStream(StreamingResponse):
-    """A streaming response that closes its Generation however the stream ends (done, error, disconnect)."""
+    """A streaming response that closes its Generation however the stream ends (done, error, disconnect), and
+    notes a client that left before the last chunk."""
 
-    def __init__(self, content: AsyncIterator[bytes], generation: Generation) -> None:
+    def __init__(self, content: AsyncIterator[bytes], generation: Generation, service: Service) -> None:
+        self._finished = False
         super().__init__(
-            content,
+            self._watch(content),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self._generation = generation
+        self._service = service
+
+    async def _watch(self, content: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in content:
+            yield chunk
+        self._finished = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._generation.close()
+            if not self._finished:
+                # Starlette stopped the stream because the client disconnected (a drain that aborts ends the
+                # stream normally, with finish_reason "abort").
+                note_disconnect(scope, self._service.metrics, DisconnectStage.RESPONSE)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -109,12 +141,35 @@ def _check_model(service: Service, model: str | None) -> None:
         )
 
 
+def _too_long(param: str, message: str) -> ApiError:
+    return bad_request(f"{param}: {message}", param, code="context_length_exceeded")
+
+
 def _check_prompt(info: EngineInfo, tokens: list[int], params: SamplingParams, param: str) -> None:
+    if len(tokens) > info.max_model_len:
+        # Before the engine's own check, which looks at every id: an id list longer than the whole context is
+        # refused by its length alone.
+        total = len(tokens) + params.max_tokens
+        raise _too_long(
+            param,
+            f"prompt tokens ({len(tokens)}) + max_tokens ({params.max_tokens}) = {total} exceeds max-model-len "
+            f"({info.max_model_len}); shorten the prompt or lower max_tokens",
+        )
     try:
         info.validate_request(tokens, params)
     except ValueError as exc:
         code = "context_length_exceeded" if "max-model-len" in str(exc) else None
         raise bad_request(f"{param}: {exc}", param, code=code) from None
+
+
+def _refuse_long(param: str, exc: PromptTooLong, info: EngineInfo) -> ApiError:
+    """The context_length_exceeded 400 for a prompt refused before (or while) it was tokenized: one longer than the
+    whole context. Prompts that fit are tokenized in full and checked by the engine (with max_tokens)."""
+    return _too_long(
+        param,
+        f"the prompt has at least {exc.at_least:,} tokens ({exc.basis}), more than max-model-len "
+        f"({info.max_model_len}); shorten the prompt",
+    )
 
 
 def _completion_prompts(info: EngineInfo, req: CompletionRequest, params: SamplingParams) -> list[list[int]]:
@@ -127,17 +182,26 @@ def _completion_prompts(info: EngineInfo, req: CompletionRequest, params: Sampli
         raw = list(p)  # type: ignore[arg-type]
     prompts = []
     for i, item in enumerate(raw):
-        tokens = list(info.tokenizer(item)["input_ids"]) if isinstance(item, str) else list(item)
-        _check_prompt(info, tokens, params, "prompt" if len(raw) == 1 else f"prompt[{i}]")
+        param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            try:
+                tokens = encode_bounded(info.tokenizer, item, limit=info.max_model_len)
+            except PromptTooLong as exc:
+                raise _refuse_long(param, exc, info) from None
+        else:
+            tokens = list(item)
+        _check_prompt(info, tokens, params, param)
         prompts.append(tokens)
     return prompts
 
 
 def _chat_prompt(info: EngineInfo, req: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams]:
     try:
-        tokens = encode_chat(info.tokenizer, req.message_dicts())
+        tokens = encode_chat(info.tokenizer, req.message_dicts(), limit=info.max_model_len)
     except ModelError as exc:
         raise bad_request(str(exc), "messages") from None
+    except PromptTooLong as exc:
+        raise _refuse_long("messages", exc, info) from None
     left = info.max_model_len - len(tokens)
     if req.requested_max_tokens is None and left < 1:
         raise bad_request(
@@ -241,7 +305,8 @@ async def _prepare(
     ticket = service.admit(_num_prompts(req))
     try:
         info = await _unless_disconnected(request, service.wait_ready(service.serve_cfg.ready_wait))
-        # Tokenizing a long prompt takes a while; off the event loop, other requests keep streaming meanwhile.
+        # Tokenizing a long prompt takes a while; off the event loop (and with the GIL released while the tokenizer
+        # works), other requests keep streaming meanwhile.
         if isinstance(req, CompletionRequest):
             params = req.sampling_params()
             prompts = await asyncio.to_thread(_completion_prompts, info, req, params)
@@ -254,8 +319,54 @@ async def _prepare(
     return service.generate(prompts, params, ticket, received_at=received, on_close=on_close), info, params
 
 
+def _refuse_raw_prompt(raw: BodyBuffer, info: EngineInfo) -> None:
+    """Refuse a completions prompt too long to fit from the body's bytes, before parsing: parsed, it would be held
+    twice (the body, and the string json.loads makes of it). Its bytes bound its characters from below
+    (`min_chars`), and those its tokens, as after parsing."""
+    longest = max_token_chars(info.tokenizer)
+    if longest is None:
+        return
+    view = raw.view()
+    try:
+        span = top_level_string(view, b"prompt")
+        chars = min_chars(view, *span) if span is not None else 0
+    finally:
+        view.release()
+    at_least = math.ceil(chars / longest)
+    if at_least > info.max_model_len:
+        basis = f"it is at least {chars:,} characters and no token of this tokenizer covers more than {longest}"
+        raise _refuse_long("prompt", PromptTooLong(at_least, info.max_model_len, chars, basis), info)
+
+
+def _parse_large(
+    model: type[CompletionRequest] | type[ChatCompletionRequest], raw: BodyBuffer, max_depth: int,
+    info: EngineInfo | None, defaults: Mapping[str, Any],
+) -> CompletionRequest | ChatCompletionRequest:
+    try:
+        if model is CompletionRequest and info is not None:
+            _refuse_raw_prompt(raw, info)
+    except BaseException:
+        raw.release()
+        raise
+    return parse_body(model, raw, max_depth, defaults)  # type: ignore[no-any-return]
+
+
+async def _read_request(
+    request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest], limits: TransportLimits,
+    service: Service,
+) -> CompletionRequest | ChatCompletionRequest:
+    """Read the body within its limits and parse it into `model` (ApiError or ClientDisconnected otherwise)."""
+    raw = await read_body(request.scope, request.receive, limits, service.metrics)
+    if len(raw) > _THREAD_PARSE_BYTES:
+        # Before READY there is no tokenizer to bound the prompt with; it is then checked after tokenizing.
+        return await asyncio.to_thread(_parse_large, model, raw, limits.max_json_depth, service.engine_info,
+                                       service.sampling_defaults.values)  # fmt: skip
+    return parse_body(model, raw, limits.max_json_depth, service.sampling_defaults.values)  # type: ignore[no-any-return]
+
+
 def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
     router = APIRouter()
+    limits = TransportLimits.from_config(service.serve_cfg)
 
     async def handle(request: Request, kind: Kind) -> Response:
         received = time.monotonic()
@@ -270,7 +381,7 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
         outcome = {"status": 200}
         try:
             model = CompletionRequest if kind == "completion" else ChatCompletionRequest
-            req = parse_body(model, await request.body(), service.sampling_defaults.values)
+            req = await _read_request(request, model, limits, service)
             _check_model(service, req.model)
             req.sampling_params()  # range checks now, before the request waits for anything
             gen, info, params = await _prepare(
@@ -282,11 +393,16 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
             return err.response()
         except ApiError as err:
             if err.status in (400, 404):
-                reason = "model_not_found" if err.code == "model_not_found" else "invalid_request"
+                reason = _REASON_BY_CODE.get(err.code or "", RejectReason.INVALID_REQUEST)
                 service.metrics.rejected.labels(reason=reason).inc()
             rtrace.fail(err.status, err.message)
             return err.response()
+        except ClientDisconnected as gone:
+            note_disconnect(request.scope, service.metrics, gone.stage)
+            rtrace.fail(499, str(gone))
+            return Response(status_code=499)
         except ClientGone:
+            note_disconnect(request.scope, service.metrics, DisconnectStage.WAITING)
             rtrace.fail(499, "the client disconnected before generation started")
             return Response(status_code=499)
         except BaseException as exc:
@@ -299,13 +415,14 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
         )
         text = TokenText(info.tokenizer)
         if req.streaming:
-            return GenerationStream(_stream(gen, header, params.n, text, req.include_usage), gen)
+            return GenerationStream(_stream(gen, header, params.n, text, req.include_usage), gen, service)
         try:
             choices = await _unless_disconnected(request, _collect(gen, params.n))
         except ApiError as err:
             outcome["status"] = err.status
             return err.response()
         except ClientGone:
+            note_disconnect(request.scope, service.metrics, DisconnectStage.RESPONSE)
             outcome["status"] = 499
             return Response(status_code=499)
         finally:

@@ -6,8 +6,8 @@ models that validate the requests (protocol.py) and from SamplingParams, the one
   - each route's request body, with SamplingParams' ranges merged into the fields that map onto it, the served
     model name as the only `model`, and the limits the server enforces in code (no logit_bias, echo or tools;
     content required on every message but an assistant's);
-  - every status a route answers with (400, 404, 429, 500, 503) and the OpenAI error body they share, with
-    Retry-After on 429;
+  - every status a route answers with (400, 404, 408, 413, 429, 431, 500, 503; 401 and a bearer security
+    scheme on /v1/* when the server has an API key) and the OpenAI error body they share, with Retry-After on 429;
   - the 200 bodies: JSON, or `text/event-stream` when `stream` is true.
 What a JSON schema cannot say (prompt tokens + max_tokens within max-model-len, stream_options only with stream,
 top_logprobs only with logprobs, best_of == n, token ids within the vocabulary) stays a documented 400.
@@ -303,8 +303,12 @@ def _generation_operation(request: str, response: str, summary: str) -> dict[str
                     "text/event-stream": {"schema": SSE_EVENT},
                 },
             },
-            "400": _error("Invalid request: the message names the field, `param` holds its path."),
+            "400": _error("Invalid request: the message names the field, `param` holds its path (also JSON nested "
+                          "past --max-json-depth, a body that is not UTF-8, a string that is not Unicode)."),
             "404": _error("The model is not served here (`code`: model_not_found)."),
+            "408": _error("The body did not arrive within --body-read-timeout (`code`: request_timeout)."),
+            "413": _error("The body is larger than --max-body-bytes (`code`: request_too_large)."),
+            "431": _error("The request head is larger than 16 KiB (`code`: head_too_large)."),
             "429": _error("Admission control: the queue is full or the expected wait too long.", retry_after=True),
             "500": _error("The engine failed."),
             "503": _error("Not ready yet (Retry-After: start-up ETA), draining, or failed."),
@@ -324,7 +328,19 @@ SSE_EVENT: dict[str, Any] = {
 }
 
 
-def _refine_document(doc: dict[str, Any], model_name: str) -> None:
+def _require_key(doc: dict[str, Any]) -> None:
+    """A bearer security scheme on every /v1 operation, with its 401."""
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, item in doc.get("paths", {}).items():
+        if path == "/v1" or path.startswith("/v1/"):
+            for op in item.values():
+                op["security"] = [{"bearer": []}]
+                op.setdefault("responses", {})["401"] = _error(
+                    "No API key, or not this server's (`code`: invalid_api_key)."
+                )
+
+
+def _refine_document(doc: dict[str, Any], model_name: str, api_key: bool = False) -> None:
     schemas = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(_request_schemas(model_name))
     schemas.update(_response_schemas())
@@ -355,15 +371,18 @@ def _refine_document(doc: dict[str, Any], model_name: str) -> None:
         paths["/metrics"]["get"]["responses"] = {
             "200": {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}
         }
+    if api_key:
+        _require_key(doc)
 
 
-def install_openapi(app: FastAPI, model_name: str) -> None:
-    """Serve the refined document at the app's openapi_url (built once, on first request)."""
+def install_openapi(app: FastAPI, model_name: str, *, api_key: bool = False) -> None:
+    """Serve the refined document at the app's openapi_url (built once, on first request); `api_key`: the server
+    requires one on /v1/*."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            _refine_document(doc, model_name)
+            _refine_document(doc, model_name, api_key)
             app.openapi_schema = doc
         return app.openapi_schema
 

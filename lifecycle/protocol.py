@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 from glowplug.engine.sampling_params import SamplingParams
 
 from .errors import ApiError, bad_request, from_validation_error
+from .json_limits import lone_surrogate, nesting_exceeds
+from .transport import BodyBuffer
 
 # Default max_tokens of /v1/completions (OpenAI's); chat defaults to whatever the context has left.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -193,22 +195,61 @@ def make_sampling_params(fields: Mapping[str, Any], rename: Mapping[str, str] | 
         raise from_validation_error(exc, rename) from None
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 saying why not."""
+def parse_json_object(raw: BodyBuffer | bytes | bytearray, max_depth: int) -> dict[str, Any]:
+    """The request body as a JSON object, or a 400 saying why not: nested deeper than `max_depth` (checked before
+    parsing), not UTF-8, not JSON, not an object, or a string that is not whole Unicode characters (naming it).
+
+    A BodyBuffer or bytearray is released once decoded, so that a large body is held at most twice at any moment
+    (the body and its text, then the text and the strings parsed out of it), never three times."""
+    view = raw.view() if isinstance(raw, BodyBuffer) else memoryview(raw)
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        deep_at = nesting_exceeds(view, max_depth)
+        if deep_at is not None:
+            raise ApiError(
+                400,
+                f"the request body nests JSON arrays/objects deeper than {max_depth} levels (--max-json-depth), "
+                f"at byte {deep_at:,}",
+                code="json_too_deep",
+            )
+        try:
+            # Strict UTF-8 (RFC 8259 section 8.1): surrogates encoded as bytes are refused here, not passed on.
+            text = str(view, "utf-8")
+        except UnicodeDecodeError as exc:
+            raise ApiError(
+                400, f"the request body is not valid UTF-8 (byte {exc.start:,}: {exc.reason})", code="invalid_json"
+            ) from None
+    finally:
+        view.release()
+        if isinstance(raw, BodyBuffer):
+            raw.release()
+        elif isinstance(raw, bytearray):
+            raw.clear()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    bad = lone_surrogate(text, data)
+    if bad is not None:
+        where, index, char = bad
+        raise ApiError(
+            400,
+            f"{where}: not valid Unicode: a lone surrogate ({char.encode('unicode_escape').decode()}) at character "
+            f"{index:,}; JSON strings must hold whole characters (pair surrogates, or send the character itself)",
+            param=where,
+            code="invalid_unicode",
+        )
     return data
 
 
-def parse_body(model: type[_SamplingFields], raw: bytes, defaults: Mapping[str, Any] | None = None) -> Any:
-    """Parse and shape-check a request body into `model`, then run its cross-field checks. `defaults`: the served
-    model's sampling defaults, used for the sampling fields the body leaves out."""
+def parse_body(model: type[_SamplingFields], raw: BodyBuffer | bytes | bytearray, max_depth: int,
+               defaults: Mapping[str, Any] | None = None) -> Any:
+    """Parse and shape-check a request body into `model` (nesting deeper than `max_depth` is refused before the
+    parser sees it), then run its cross-field checks. `defaults`: the served model's sampling defaults, used for the
+    sampling fields the body leaves out."""
     try:
-        request = model.model_validate(parse_json_object(raw))
+        request = model.model_validate(parse_json_object(raw, max_depth))
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     request.check()  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ from .app import create_app
 from .config import ServeConfig
 from .service import Service
 from .startup_runner import EngineFactory
+from .transport import guarded_h11
 
 log = structlog.get_logger("glowplug.lifecycle.server")
 
@@ -67,7 +68,13 @@ class ServiceServer(uvicorn.Server):
         servers = getattr(self, "servers", [])
         if servers and servers[0].sockets:
             self.bound_port = int(servers[0].sockets[0].getsockname()[1])
-            log.info("listening", host=self.config.host, port=self.bound_port, model=self.service.model_name)
+            cfg = self.service.serve_cfg
+            log.info(
+                "listening", host=self.config.host, port=self.bound_port, model=self.service.model_name,
+                api_key_required=cfg.api_key is not None,  # whether, never which
+                max_body_bytes=cfg.max_body_bytes, max_json_depth=cfg.max_json_depth,
+                body_read_timeout_s=cfg.body_read_timeout, header_read_timeout_s=cfg.header_read_timeout,
+            )  # fmt: skip
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the main thread between bytecodes, i.e. possibly inside the event loop: only hand work over.
@@ -131,6 +138,9 @@ def build_server(
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=int(_GRACEFUL_CLOSE_S),
+        # h11 always (httptools too would need the head timeout of its own): request heads are capped at h11's
+        # 16 KiB (a larger one gets 400 from uvicorn) and must arrive within --header-read-timeout.
+        http=guarded_h11(serve_cfg.header_read_timeout or None, service.metrics.connections_timed_out.inc),
     )
     return ServiceServer(
         uv_config, service, serve_cfg.drain_timeout, tracer=spans.tracer() if spans is not None else None

@@ -6,9 +6,12 @@ import json
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from glowplug.engine.detokenizer import IncrementalDetokenizer
 from glowplug.engine.models.arch import ModelError
@@ -133,3 +136,160 @@ def test_start_on_a_folder_never_imports_transformers(tiny: Path, tmp_path: Path
     env = {**__import__("os").environ, "GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- bounded tokenization (the server's prompts)
+
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+    r"\s+(?!\S)|\s+"
+)
+# Texts where piece boundaries could go wrong: runs of spaces, newlines after punctuation, digit groups, multi-byte
+# characters, special tokens (also split by a space), contractions.
+_PIECES = ["ab", "cd", " ", "  ", "\n", "\r\n", "\t", "!", ".", "'s", "'ll", "123", "4567", "你好", "🚀", "é",
+           "<|im_start|>", "<|im_end|>", "<|im_", "start|>", "\u00a0", "\u3000", "x y", "-", "--", "$"]  # fmt: skip
+
+
+def _backend(kind: str):  # -> tokenizers.Tokenizer
+    from tokenizers import Regex, Tokenizer as Backend, models, normalizers, pre_tokenizers, processors, trainers
+
+    from glowplug.engine.models.tiny import _CORPUS
+
+    specials = ["<|begin_of_text|>", "<|im_start|>", "<|im_end|>"]
+    if kind == "wordpiece":
+        tok = Backend(models.WordPiece(unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        trainer = trainers.WordPieceTrainer(vocab_size=200, special_tokens=["[UNK]"], show_progress=False)
+    else:
+        tok = Backend(models.BPE())
+        if kind == "llama3":
+            tok.pre_tokenizer = pre_tokenizers.Sequence([
+                pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ])  # fmt: skip
+            tok.post_processor = processors.TemplateProcessing(
+                single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
+            )
+        elif kind == "metaspace":
+            tok.normalizer = normalizers.NFKC()
+            tok.pre_tokenizer = pre_tokenizers.Metaspace()
+        else:
+            raise ValueError(kind)
+        alphabet = pre_tokenizers.ByteLevel.alphabet() if kind == "llama3" else []
+        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=alphabet,
+                                      show_progress=False)  # fmt: skip
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def llama3_like():
+    from glowplug.engine.tokenizer import Tokenizer
+
+    return Tokenizer(_backend("llama3"), {}, None)
+
+
+def test_tokenizer_shape_decides_what_bounded_tokenization_may_assume(tiny: Path, llama3_like) -> None:
+    from glowplug.engine.tokenizer import Tokenizer
+
+    assert load_tokenizer(tiny).shape.split_exact and load_tokenizer(tiny).shape.max_token_chars is not None
+    assert llama3_like.shape.split_exact and llama3_like.shape.max_token_chars is not None
+    # Whitespace is dropped before WordPiece, and a long word is one [UNK]: no bound, and no pieces.
+    wordpiece = Tokenizer(_backend("wordpiece"), {}, None).shape
+    assert wordpiece.max_token_chars is None and not wordpiece.split_exact
+    # NFKC can shorten text; Metaspace's pieces are not known to split exactly.
+    metaspace = Tokenizer(_backend("metaspace"), {}, None).shape
+    assert metaspace.max_token_chars is None and not metaspace.split_exact
+
+
+@given(st.lists(st.sampled_from(_PIECES), max_size=120), st.booleans())
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_bounded_tokenization_gives_the_ids_of_the_whole_text(
+    tiny: Path, llama3_like, monkeypatch: pytest.MonkeyPatch, parts: list[str], special: bool
+) -> None:
+    import glowplug.engine.tokenizer as tokenizer_module
+
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 8)  # many pieces, many boundaries
+    text = "".join(parts)
+    for tok in (load_tokenizer(tiny), llama3_like):
+        assert tok.encode_bounded(text, limit=10**9, add_special_tokens=special) == tok.encode(
+            text, add_special_tokens=special)  # fmt: skip
+
+
+def test_a_prompt_too_long_is_refused_before_it_is_tokenized(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from glowplug.engine.tokenizer import PromptTooLong
+
+    tok = load_tokenizer(tiny)
+    longest = tok.shape.max_token_chars
+    assert longest is not None
+
+    def never(_texts: list[str]) -> list[object]:
+        raise AssertionError("tokenized a prompt its length already proved too long")
+
+    monkeypatch.setattr(tok, "_encode_nogil", never)
+    with pytest.raises(PromptTooLong) as info:
+        tok.encode_bounded("x" * (longest * 100 + 1), limit=100)
+    assert info.value.at_least == 101 and "characters" in info.value.basis
+
+
+def test_a_long_prompt_stops_being_tokenized_past_the_limit(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import glowplug.engine.tokenizer as tokenizer_module
+    from glowplug.engine.tokenizer import PromptTooLong
+
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 64)
+    tok = load_tokenizer(tiny)
+    calls: list[int] = []
+    real = tok._encode_nogil
+    monkeypatch.setattr(tok, "_encode_nogil", lambda texts: (calls.append(len(texts[0])), real(texts))[1])
+    text = "hello world " * 1000  # well under the characters bound for 1,000 tokens, far over 200 tokens
+    with pytest.raises(PromptTooLong) as info:
+        tok.encode_bounded(text, limit=200)
+    assert info.value.at_least > 200 and sum(calls) < len(text) / 4
+    assert tok.encode_bounded("hello world", limit=200) == tok.encode("hello world")
+
+
+def test_bounded_tokenization_leaves_the_gil_to_other_threads(tiny: Path) -> None:
+    import threading
+    import time
+
+    tok = load_tokenizer(tiny)
+    text = "the quick brown fox jumps over the lazy dog " * 40_000  # 1.8 MB
+
+    def worst_lateness(work: Callable[[], object]) -> float:
+        late: list[float] = []
+        stop = threading.Event()
+
+        def ticker() -> None:
+            while not stop.is_set():
+                t = time.perf_counter()
+                time.sleep(0.005)
+                late.append(time.perf_counter() - t - 0.005)
+
+        thread = threading.Thread(target=ticker)
+        thread.start()
+        try:
+            work()
+        finally:
+            stop.set()
+            thread.join()
+        return max(late)
+
+    whole = worst_lateness(lambda: tok.encode(text))
+    bounded = worst_lateness(lambda: tok.encode_bounded(text, limit=10**9))
+    # `encode` holds the GIL for all of it; the pieces release it while Rust works.
+    assert bounded < whole / 3, (bounded, whole)
+
+
+@pytest.mark.slow
+def test_bounded_tokenization_is_exact_on_smollm2(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    import glowplug.engine.tokenizer as tokenizer_module
+
+    tok = load_tokenizer(smollm2_dir)
+    assert tok.shape.split_exact and tok.shape.max_token_chars == 81
+    monkeypatch.setattr(tokenizer_module, "PIECE_CHARS", 16)
+    rnd = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rnd.choice(_PIECES) for _ in range(rnd.randint(0, 150)))
+        assert tok.encode_bounded(text, limit=10**9) == tok.encode(text), text

@@ -22,6 +22,7 @@ Order, and why:
   13. serve-overload   capacity, the sustainable rate, then 4x that rate: 429s and admitted p99 TTFT
   14. serve-fuzz       schemathesis over the server's OpenAPI document
   15. serve-soak       a minute of mixed streams with hang-ups, then leak and counter checks
+  16. serve-hostile    a 20 MB prompt refused under load, the hostile corpus, the limits' cost on throughput
 The serve reports come last: each starts its own server, and none of the in-process tables above should share
 the cores with one.
 `--quick` shrinks repeats and sizes to a smoke test: the README and every command line say so, and its numbers
@@ -48,7 +49,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 STEP_NAMES: tuple[str, ...] = (
     "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "throughput", "latency", "tune", "startup",
-    "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak",
+    "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak", "serve-hostile",
 )  # fmt: skip
 SIDECAR = "bench-all.json"  # every report's last outcome in DIR; README.md is rendered from it
 
@@ -179,6 +180,12 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                                           "--soak-streams", "2" if q else "64", "--hangup-fraction", "0.1",
                                           "--max-num-seqs", "4" if q else "128", "--out-dir", serve_dir],
                            ["serve/soak.md"], "mixed streams with hang-ups; leaks, counters and RSS checked after"),
+        # The server's own default max-model-len (the issue's setting); the corpus runs with the default limits, so
+        # its slow cases take the default 60 s body and 20 s head timeouts.
+        "serve-hostile": Step("serve-hostile", [*serve_common, "--hostile", "--hostile-prompt-mb", "2" if q else "20",
+                                                "--num-prompts", "8" if q else "64", "--out-dir", serve_dir],
+                              ["serve/hostile.md"], "a large prompt refused under load, the hostile corpus, the "
+                              "limits' cost on throughput"),
     }  # fmt: skip
     return [steps[name] for name in (cfg.steps() if names is None else names)]
 

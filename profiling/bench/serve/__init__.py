@@ -16,6 +16,10 @@ Modes (the sweep when none is given; several may be combined):
                 Retry-After, p99 TTFT of admitted requests vs the sustainable rate -> overload.{json,md,png}
   --fuzz        schemathesis over the server's own OpenAPI document, --fuzz-cases per generation endpoint:
                 5xx and schema violations by check -> fuzz.{json,md}
+  --hostile     a --hostile-prompt-mb prompt refused while --hostile-streams stream (/health/ready p99, inter-token
+                p99 against a quiet window, RSS growth against the body), the tokenizer's hold on other threads,
+                the hostile corpus (sizes, depths, encodings, slow bodies, idle connections, API keys) with 0 5xx,
+                and the limits' cost on throughput in paired runs -> hostile.{json,md}
 Without --base-url the benchmark starts `python -m glowplug.lifecycle` on 127.0.0.1 with the engine flags given
 here and stops it (SIGTERM) at the end. All traffic goes to that one address; every loop is bounded in requests
 and in time.
@@ -117,6 +121,12 @@ def main(cfg: ServeBenchConfig, argv: list[str] | None = None) -> int:
             passed, paths = fuzz_mode(cfg, argv, say, server_for)
             ok &= passed
             written += paths
+        elif mode == "hostile":
+            from .hostile import hostile_mode
+
+            passed, paths = hostile_mode(cfg, tokenizer, argv, say)
+            ok &= passed
+            written += paths
     say("wrote " + ", ".join(map(str, written)))
     return 0 if ok else 1
 
@@ -126,7 +136,7 @@ def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
         subparsers,
         "serve",
         help_text="Load against the HTTP server: latency percentiles, throughput, goodput; soak, efficiency, "
-        "overload and fuzz modes.",
+        "overload, fuzz and hostile modes.",
         description=__doc__,
         config_cls=ServeBenchConfig,
         add_model_flags=add_model_flags,

@@ -164,9 +164,13 @@ async def send_streaming(
     return result
 
 
-def make_client(base_url: str, connections: int, timeout: float) -> httpx.AsyncClient:
-    """An async client sized for `connections` concurrent streams (no proxies: the traffic is local)."""
+def make_client(
+    base_url: str, connections: int, timeout: float, headers: dict[str, str] | None = None
+) -> httpx.AsyncClient:
+    """An async client sized for `connections` concurrent streams (no proxies: the traffic is local); `headers` go
+    on every request (an API key)."""
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     return httpx.AsyncClient(
-        base_url=base_url, timeout=httpx.Timeout(timeout, connect=30.0), limits=limits, trust_env=False
-    )
+        base_url=base_url, timeout=httpx.Timeout(timeout, connect=30.0), limits=limits, trust_env=False,
+        headers=headers,
+    )  # fmt: skip

@@ -19,7 +19,7 @@ LengthDistribution = Literal["fixed", "uniform"]
 
 class ServeBenchConfig(BenchEngineFields):
     """Load against an OpenAI-compatible server: a sweep of load points, or the soak / efficiency / overload /
-    fuzz modes. Without --base-url the benchmark starts `glowplug serve` itself with the engine flags given here."""
+    fuzz / hostile modes. Without --base-url the benchmark starts `glowplug serve` itself with the engine flags given here."""
 
     base_url: str | None = Field(
         None, description="A running server (http://127.0.0.1:8000); unset = start one with the engine flags."
@@ -72,6 +72,21 @@ class ServeBenchConfig(BenchEngineFields):
     sustainable_rate: float | None = Field(None, gt=0, description="Skip the capacity run: use this rate.")
     fuzz: bool = Field(False, description="schemathesis against the server's OpenAPI document.")
     fuzz_cases: int = Field(500, ge=1, description="Generated cases per fuzzed endpoint.")
+    hostile: bool = Field(False, description="Hostile input: a large prompt refused under load, the tokenizer's "
+                          "hold on other threads, the hostile corpus, and the limits' cost on throughput.")
+    hostile_prompt_mb: float = Field(20.0, gt=0, description="Size of the prompt refused under load, in MB.")
+    hostile_refusals: int = Field(3, ge=1, description="Large prompts sent in a row per run.")
+    hostile_streams: int = Field(4, ge=1, description="Streams generating while the large prompt is refused.")
+    hostile_stream_tokens: int = Field(
+        2048, ge=16, description="max_tokens of those streams (they are hung up when the run ends)."
+    )
+    hostile_hold_chars: int = Field(2_000_000, ge=1000, description="Prompt size for the tokenizer-hold measurement.")
+    hostile_idle_connections: int = Field(300, ge=1, description="Idle connections opened at once by the corpus.")
+    hostile_concurrency: int = Field(16, ge=1, description="Closed-loop clients of the limits' cost pairs.")
+    hostile_timeouts: float | None = Field(
+        None, gt=0, description="--body-read-timeout and --header-read-timeout of the server with the limits "
+        "(default: the server's, 60 s and 20 s); the corpus's slow cases last that long.",
+    )
     # ---- output
     # Under the working directory, named after the command: never the checkout's reports/ unless asked.
     out_dir: Path = Field(Path("serve"), description="Where the JSON, Markdown and PNG go.")
@@ -91,6 +106,8 @@ class ServeBenchConfig(BenchEngineFields):
             raise ValueError(f"--dataset {self.dataset}: file not found")
         if self.base_url is not None and not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url {self.base_url!r}: give a URL such as http://127.0.0.1:8000")
+        if self.hostile and self.base_url is not None:
+            raise ValueError("--hostile starts its own servers (with and without the limits); drop --base-url")
         if self.efficiency and self.base_url is not None:
             raise ValueError("--efficiency builds the offline engine from the engine flags; drop --base-url")
         return self
@@ -98,5 +115,5 @@ class ServeBenchConfig(BenchEngineFields):
     @property
     def modes(self) -> tuple[str, ...]:
         """The modes asked for; the sweep when none is."""
-        chosen = tuple(m for m in ("soak", "efficiency", "overload", "fuzz") if getattr(self, m))
+        chosen = tuple(m for m in ("soak", "efficiency", "overload", "fuzz", "hostile") if getattr(self, m))
         return chosen or ("sweep",)

@@ -75,9 +75,10 @@ def run_closed(
     max_duration: float,
     timeout: float,
     hangups: dict[int, int] | None = None,
+    headers: dict[str, str] | None = None,
 ) -> list[RequestResult]:
     async def go() -> list[RequestResult]:
-        async with make_client(base_url, concurrency, timeout) as client:
+        async with make_client(base_url, concurrency, timeout, headers) as client:
             return await closed_loop(client, path, bodies, concurrency, max_duration, hangups)
 
     return asyncio.run(go())

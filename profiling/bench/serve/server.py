@@ -145,7 +145,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def served_model(base_url: str) -> str:
-    resp = httpx.get(base_url + "/v1/models", timeout=10.0, trust_env=False)
+def served_model(base_url: str, headers: dict[str, str] | None = None) -> str:
+    resp = httpx.get(base_url + "/v1/models", timeout=10.0, trust_env=False, headers=headers)
     resp.raise_for_status()
     return str(resp.json()["data"][0]["id"])

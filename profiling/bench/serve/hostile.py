@@ -1,0 +1,586 @@
+"""`glowplug bench serve --hostile`: the server against hostile input, in four parts -> hostile.{json,md}.
+
+1. Tokenizer hold (in this process, no server): a 10 ms timer on another thread, while a long prompt is tokenized
+   whole (`Tokenizer.encode`, which holds the GIL throughout) and in bounded pieces (`encode_bounded`, which
+   releases it): how late the timer fires.
+2. A large prompt refused under load: a server with the default limits and an API key; --hostile-streams streams
+   generating, /health/ready probed every 10 ms, the server's RSS sampled every 5 ms; after a quiet window, a
+   --hostile-prompt-mb prompt ("hello world " repeated, as the issue sent it) is sent --hostile-refusals times
+   in a row. Per run: /health/ready latency and the streams' inter-token gaps that overlap a refusal, against the
+   same streams' gaps in the quiet window; RSS peak over its quiet level. Targets: ready p99 <= 100 ms, inter-token
+   p99 <= 2x quiet, RSS growth <= 2x the body.
+3. The hostile corpus (hostile_corpus.py) against that same server, with its default limits: every case a 4xx or
+   a clean close, READY and a normal request succeeding after each; 0 responses 5xx.
+4. The limits' cost on the normal path, paired: the server above against one with the limits off
+   (--max-body-bytes 0 --body-read-timeout 0 --header-read-timeout 0, no key; the depth check stays, it cannot be
+   turned off, and costs two `bytes.count` on a normal body), both running, each pair one closed-loop run on each
+   in alternating order; the figure is each pair's throughput ratio.
+
+Every server is a subprocess on 127.0.0.1; every loop is bounded in requests and in time.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from .client import request_body
+from .config import ServeBenchConfig
+from .hostile_corpus import CorpusResult, Target, run_corpus
+from .load import api_path, run_closed
+from .workload import build_requests
+
+Progress = Callable[[str], None]
+
+READY_P99_TARGET_MS = 100.0
+ITL_RATIO_TARGET = 2.0
+RSS_RATIO_TARGET = 2.0
+_PROBE_INTERVAL_S = 0.010
+_RSS_INTERVAL_S = 0.005
+_QUIET_S = 4.0  # the quiet window of each run, after every stream has its first token
+_LIMITS_OFF = {"max_body_bytes": 0, "body_read_timeout": 0, "header_read_timeout": 0}
+_API_KEY_ENV = "GLOWPLUG_API_KEY"
+
+
+def _p(values: list[float], q: float) -> float:
+    from ..stats import percentile
+
+    return percentile(values, q)
+
+
+def _overlaps(a: float, b: float, windows: list[tuple[float, float]]) -> bool:
+    return any(a <= w1 and b >= w0 for w0, w1 in windows)
+
+
+# ---------------------------------------------------------------- 1. the tokenizer's hold on other threads
+
+
+@dataclass
+class HoldRun:
+    chars: int
+    whole_s: float
+    whole_late_ms: float
+    bounded_s: float
+    bounded_late_ms: float
+
+
+def _timer_lateness(work: Callable[[], object], interval: float = 0.010) -> tuple[float, float]:
+    """(seconds `work` took, the worst lateness in ms of an `interval` timer on another thread meanwhile)."""
+    late: list[float] = []
+    stop = threading.Event()
+
+    def ticker() -> None:
+        while not stop.is_set():
+            t = time.perf_counter()
+            time.sleep(interval)
+            late.append(time.perf_counter() - t - interval)
+
+    thread = threading.Thread(target=ticker, daemon=True)
+    thread.start()
+    time.sleep(0.05)
+    t0 = time.perf_counter()
+    try:
+        work()
+    finally:
+        took = time.perf_counter() - t0
+        stop.set()
+        thread.join()
+    return took, max(late) * 1000
+
+
+def measure_hold(tokenizer: Any, chars: int, runs: int) -> list[HoldRun]:
+    text = ("hello world " * (chars // 12 + 1))[:chars]
+    out = []
+    for _ in range(runs):
+        whole_s, whole_late = _timer_lateness(lambda: tokenizer.encode(text))
+        bounded_s, bounded_late = _timer_lateness(lambda: tokenizer.encode_bounded(text, limit=10**9))
+        out.append(HoldRun(chars, whole_s, whole_late, bounded_s, bounded_late))
+    return out
+
+
+# ---------------------------------------------------------------- 2. a large prompt refused under load
+
+
+@dataclass
+class RefusalRun:
+    statuses: list[int]
+    codes: list[str | None]
+    refusal_s: list[float]
+    ready_during_ms: list[float]
+    ready_quiet_ms: list[float]
+    itl_during_ms: list[float]
+    itl_quiet_ms: list[float]
+    rss_quiet_mb: float
+    rss_growth_each_mb: list[float]  # per refusal: peak during it over the median of the 0.3 s before it
+    rss_after_mb: float
+    body_mb: float
+
+    @property
+    def ready_p99_ms(self) -> float:
+        return _p(self.ready_during_ms, 99)
+
+    @property
+    def itl_ratio(self) -> float:
+        return _p(self.itl_during_ms, 99) / _p(self.itl_quiet_ms, 99)
+
+    @property
+    def rss_growth_mb(self) -> float:
+        return max(0.0, *self.rss_growth_each_mb)
+
+    @property
+    def rss_ratio(self) -> float:
+        return self.rss_growth_mb / self.body_mb
+
+    @property
+    def passed(self) -> bool:
+        refused = all(s == 400 for s in self.statuses) and all(c == "context_length_exceeded" for c in self.codes)
+        return (refused and self.ready_p99_ms <= READY_P99_TARGET_MS and self.itl_ratio <= ITL_RATIO_TARGET
+                and self.rss_ratio <= RSS_RATIO_TARGET)  # fmt: skip
+
+
+class _Streams:
+    """`n` streams generating until `stop`; each chunk's arrival time is kept (the gaps are the inter-token times)."""
+
+    def __init__(self, base_url: str, body: dict[str, Any], n: int, headers: dict[str, str]) -> None:
+        self.chunks: list[list[float]] = [[] for _ in range(n)]
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(base_url, body, i, headers), daemon=True)
+                         for i in range(n)]  # fmt: skip
+
+    def _run(self, base_url: str, body: dict[str, Any], i: int, headers: dict[str, str]) -> None:
+        try:
+            with httpx.Client(base_url=base_url, timeout=600, trust_env=False, headers=headers) as http:
+                with http.stream("POST", "/v1/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        self.errors.append(f"stream {i}: HTTP {resp.status_code}: {resp.read()[:300]!r}")
+                        return
+                    for line in resp.iter_lines():
+                        if self.stop.is_set():
+                            return  # hang up: the server aborts the rest
+                        if line.startswith("data:") and '"text":""' not in line.replace(" ", ""):
+                            self.chunks[i].append(time.perf_counter())
+        except httpx.HTTPError as exc:
+            if not self.stop.is_set():
+                self.errors.append(f"stream {i}: {type(exc).__name__}: {exc}")
+
+    def __enter__(self) -> _Streams:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(60)
+
+    def started(self) -> bool:
+        return all(self.chunks)
+
+    def gaps(self, windows: list[tuple[float, float]]) -> list[float]:
+        """Inter-token gaps (ms) whose interval overlaps one of `windows`."""
+        return [(b - a) * 1000 for c in self.chunks for a, b in zip(c, c[1:]) if _overlaps(a, b, windows)]
+
+
+class _Sampler:
+    """Background samples of /health/ready latency and of the server's RSS."""
+
+    def __init__(self, base_url: str, pid: int | None) -> None:
+        self.probes: list[tuple[float, float]] = []  # (start, end)
+        self.rss: list[tuple[float, float]] = []  # (time, MiB)
+        self.stop = threading.Event()
+        self._threads = [threading.Thread(target=self._probe, args=(base_url,), daemon=True)]
+        if pid is not None:
+            self._threads.append(threading.Thread(target=self._sample_rss, args=(pid,), daemon=True))
+
+    def _probe(self, base_url: str) -> None:
+        with httpx.Client(base_url=base_url, timeout=30, trust_env=False) as http:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                http.get("/health/ready")
+                t1 = time.perf_counter()
+                self.probes.append((t0, t1))
+                time.sleep(max(0.0, _PROBE_INTERVAL_S - (t1 - t0)))
+
+    def _sample_rss(self, pid: int) -> None:
+        import psutil
+
+        proc = psutil.Process(pid)
+        while not self.stop.is_set():
+            self.rss.append((time.perf_counter(), proc.memory_info().rss / 2**20))
+            time.sleep(_RSS_INTERVAL_S)
+
+    def __enter__(self) -> _Sampler:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(30)
+
+    def latencies(self, windows: list[tuple[float, float]]) -> list[float]:
+        return [(b - a) * 1000 for a, b in self.probes if _overlaps(a, b, windows)]
+
+    def rss_in(self, w0: float, w1: float) -> list[float]:
+        return [mb for t, mb in self.rss if w0 <= t <= w1]
+
+
+def _error_code(resp: httpx.Response) -> str | None:
+    try:
+        return str(resp.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def refusal_run(cfg: ServeBenchConfig, base_url: str, pid: int | None, key: str, stream_body: dict[str, Any],
+                hostile: bytes, say: Progress) -> RefusalRun:  # fmt: skip
+    auth = {"Authorization": f"Bearer {key}"}
+    with _Sampler(base_url, pid) as sampler, _Streams(base_url, stream_body, cfg.hostile_streams, auth) as streams:
+        deadline = time.monotonic() + 300
+        while not streams.started() and not streams.errors and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not streams.started():
+            raise RuntimeError(f"the streams did not start: {streams.errors or 'no first token within 300 s'}")
+        quiet = (time.perf_counter() + 0.5, time.perf_counter() + _QUIET_S)
+        time.sleep(_QUIET_S)
+        windows: list[tuple[float, float]] = []
+        statuses: list[int] = []
+        codes: list[str | None] = []
+        headers = {**auth, "Content-Type": "application/json"}
+        with httpx.Client(base_url=base_url, timeout=600, trust_env=False) as http:
+            for i in range(cfg.hostile_refusals):
+                t0 = time.perf_counter()
+                resp = http.post("/v1/completions", content=hostile, headers=headers)
+                t1 = time.perf_counter()
+                windows.append((t0, t1))
+                statuses.append(resp.status_code)
+                codes.append(_error_code(resp))
+                say(f"hostile: refusal {i + 1}/{cfg.hostile_refusals}: {resp.status_code} in {t1 - t0:.2f} s")
+                time.sleep(0.5)
+        after = time.perf_counter()
+        time.sleep(1.0)
+        if streams.errors:
+            raise RuntimeError(f"a stream failed during the refusals: {streams.errors}")
+    rss_quiet = sampler.rss_in(*quiet)
+    growth = []
+    for t0, t1 in windows:
+        before, during = sampler.rss_in(t0 - 0.3, t0), sampler.rss_in(t0, t1 + 0.2)
+        if before and during:
+            growth.append(max(during) - statistics.median(before))
+    rss_after = sampler.rss_in(after + 0.5, after + 1.0)
+    return RefusalRun(
+        statuses=statuses,
+        codes=codes,
+        refusal_s=[b - a for a, b in windows],
+        ready_during_ms=sampler.latencies(windows),
+        ready_quiet_ms=sampler.latencies([quiet]),
+        itl_during_ms=streams.gaps(windows),
+        itl_quiet_ms=streams.gaps([quiet]),
+        rss_quiet_mb=statistics.median(rss_quiet) if rss_quiet else math.nan,
+        rss_growth_each_mb=growth or [math.nan],
+        rss_after_mb=statistics.median(rss_after) if rss_after else math.nan,
+        body_mb=len(hostile) / 2**20,
+    )
+
+
+# ---------------------------------------------------------------- 4. the limits' cost on the normal path
+
+
+@dataclass
+class CostPair:
+    with_limits_tps: float
+    without_tps: float
+    order: str  # which server ran first in the pair
+    failed: int
+
+    @property
+    def ratio(self) -> float:
+        return self.with_limits_tps / self.without_tps
+
+
+def _throughput(base_url: str, path: str, bodies: list[dict[str, Any]], concurrency: int, timeout: float,
+                headers: dict[str, str] | None) -> tuple[float, int]:  # fmt: skip
+    t0 = time.perf_counter()
+    results = run_closed(base_url, path, bodies, concurrency, max_duration=600, timeout=timeout, headers=headers)
+    wall = time.perf_counter() - t0
+    return sum(r.output_tokens or 0 for r in results if r.ok) / wall, sum(1 for r in results if not r.ok)
+
+
+# ---------------------------------------------------------------- the mode
+
+
+@dataclass
+class HostileResult:
+    body_bytes: int
+    streams: int
+    refusals_per_run: int
+    holds: list[HoldRun]
+    refusals: list[RefusalRun]
+    corpus: CorpusResult
+    pairs: list[CostPair]
+    concurrency: int
+    requests: int
+    timeouts: tuple[float, float]  # the server's body-read and header-read timeouts
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.refusals) and self.corpus.passed
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed,
+            "body_bytes": self.body_bytes,
+            "streams": self.streams,
+            "refusals_per_run": self.refusals_per_run,
+            "holds": [asdict(h) for h in self.holds],
+            "refusals": [{**asdict(r), "ready_p99_ms": r.ready_p99_ms, "itl_ratio": r.itl_ratio,
+                          "rss_growth_mb": r.rss_growth_mb, "rss_ratio": r.rss_ratio, "passed": r.passed}
+                         for r in self.refusals],  # fmt: skip
+            "corpus": self.corpus.as_dict(),
+            "pairs": [{**asdict(p), "ratio": p.ratio} for p in self.pairs],
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "timeouts": list(self.timeouts),
+        }
+
+
+@contextmanager
+def _server(cfg: ServeBenchConfig, env: dict[str, str], **serve: Any) -> Iterator[tuple[str, int | None]]:
+    from .server import StartedServer
+
+    with StartedServer(cfg, env=env, **serve) as srv:
+        yield srv.base_url, srv.pid
+
+
+def run_hostile(cfg: ServeBenchConfig, tokenizer: Any, say: Progress) -> HostileResult:
+    from .server import served_model
+
+    if cfg.base_url is not None:
+        raise ValueError("--hostile starts its own servers (one with the limits, one without); drop --base-url")
+    holds = measure_hold(tokenizer, cfg.hostile_hold_chars, cfg.runs)
+    say(f"hostile: tokenizer hold measured ({cfg.runs} runs of {cfg.hostile_hold_chars:,} characters)")
+    key = "sk-bench-" + secrets.token_hex(16)
+    prompt = "hello world " * int(cfg.hostile_prompt_mb * 1e6 / 12)
+    specs = build_requests(cfg, tokenizer, max(cfg.num_prompts, 2), seed=0)
+    timeouts = {} if cfg.hostile_timeouts is None else {
+        "body_read_timeout": cfg.hostile_timeouts, "header_read_timeout": cfg.hostile_timeouts}  # fmt: skip
+    # The key reaches the server through the environment, never its command line (which `ps` shows).
+    with _server(cfg, {_API_KEY_ENV: key}, **timeouts) as (base_url, pid):
+        model = cfg.served_model_name or served_model(base_url, {"Authorization": f"Bearer {key}"})
+        hostile = request_body_bytes(model, prompt)
+        body_bytes = len(hostile)
+        del prompt
+        # As long as the context allows: the streams must outlast a run (they are hung up at its end).
+        context = _max_model_len(base_url, key)
+        longest = context - cfg.input_len - 16 if context is not None else cfg.hostile_stream_tokens
+        stream_body = {**request_body(specs[0], model, temperature=cfg.temperature, ignore_eos=True),
+                       "max_tokens": max(16, min(cfg.hostile_stream_tokens, longest))}  # fmt: skip
+        stream_body.pop("stream_options", None)
+        # One untimed refusal first: the first large body also pays one-time costs (the worker threads that parse
+        # and tokenize, their malloc arenas), which are not what a refusal costs.
+        httpx.post(base_url + "/v1/completions", content=hostile, timeout=600, trust_env=False,
+                   headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})  # fmt: skip
+        refusals = []
+        for r in range(cfg.runs):
+            say(f"hostile: refusal run {r + 1}/{cfg.runs}")
+            refusals.append(refusal_run(cfg, base_url, pid, key, stream_body, hostile, say))
+        del hostile
+        target = _target(cfg, base_url, model, key, cfg.hostile_timeouts, context or 0)
+        say(f"hostile: corpus ({target.body_read_timeout:g} s body and {target.header_read_timeout:g} s head timeouts"
+            " make the slow cases take that long)")  # fmt: skip
+        corpus = run_corpus(target, say)
+        bodies = [request_body(s, model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos) for s in specs]
+        path = api_path(cfg.endpoint)
+        with _server(cfg, {_API_KEY_ENV: ""}, **_LIMITS_OFF) as (plain_url, _plain_pid):
+            pairs = _cost_pairs(cfg, base_url, plain_url, key, path, bodies, say)
+    return HostileResult(body_bytes, cfg.hostile_streams, cfg.hostile_refusals, holds, refusals, corpus, pairs,
+                         cfg.hostile_concurrency, len(bodies),
+                         (target.body_read_timeout, target.header_read_timeout))  # fmt: skip
+
+
+def _max_model_len(base_url: str, key: str) -> int | None:
+    resp = httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10,
+                     trust_env=False)  # fmt: skip
+    value = resp.json()["data"][0].get("max_model_len")
+    return int(value) if value is not None else None
+
+
+def request_body_bytes(model: str, prompt: str) -> bytes:
+    import json
+
+    return json.dumps({"model": model, "prompt": prompt, "max_tokens": 16}).encode()
+
+
+def _target(cfg: ServeBenchConfig, base_url: str, model: str, key: str, timeouts: float | None,
+            max_model_len: int) -> Target:  # fmt: skip
+    from ....lifecycle.config import ServeConfig
+
+    defaults = ServeConfig()
+    port = int(base_url.rsplit(":", 1)[1])
+    return Target(
+        host="127.0.0.1", port=port, model=model, api_key=key, max_body_bytes=defaults.max_body_bytes,
+        max_json_depth=defaults.max_json_depth,
+        body_read_timeout=timeouts if timeouts is not None else defaults.body_read_timeout,
+        header_read_timeout=timeouts if timeouts is not None else defaults.header_read_timeout,
+        max_model_len=max_model_len, idle_connections=cfg.hostile_idle_connections,
+    )  # fmt: skip
+
+
+def _cost_pairs(cfg: ServeBenchConfig, limited: str, plain: str, key: str, path: str,
+                bodies: list[dict[str, Any]], say: Progress) -> list[CostPair]:  # fmt: skip
+    auth = {"Authorization": f"Bearer {key}"}
+    conc = cfg.hostile_concurrency
+    for url, headers in ((limited, auth), (plain, None)):  # warm-up: first requests compile and fill caches
+        _throughput(url, path, bodies[: 2 * conc], conc, cfg.request_timeout, headers)
+    pairs = []
+    for i in range(cfg.runs):
+        first_limited = i % 2 == 0
+        order = [(limited, auth), (plain, None)] if first_limited else [(plain, None), (limited, auth)]
+        got: dict[str, tuple[float, int]] = {}
+        for url, headers in order:
+            got[url] = _throughput(url, path, bodies, conc, cfg.request_timeout, headers)
+        pair = CostPair(got[limited][0], got[plain][0], "limits first" if first_limited else "no limits first",
+                        got[limited][1] + got[plain][1])  # fmt: skip
+        say(f"hostile: cost pair {i + 1}/{cfg.runs}: {pair.with_limits_tps:.1f} / {pair.without_tps:.1f} tokens/s "
+            f"= {pair.ratio:.3f}")  # fmt: skip
+        pairs.append(pair)
+    return pairs
+
+
+# ---------------------------------------------------------------- the report
+
+
+def render_hostile(r: HostileResult, head: str) -> str:
+    from ..tables import fmt_num, fmt_spread, markdown_table
+
+    def spread(values: list[float], digits: int = 1) -> str:
+        return fmt_spread(values, digits)
+
+    ref = r.refusals
+    statuses = ", ".join(sorted({f"{s} {c}" for x in ref for s, c in zip(x.statuses, x.codes)}))
+
+    def row(label: str, values: list[float], target: str = "—", digits: int = 1) -> list[Any]:
+        # The worst run is the largest value: every figure here is a cost (time, latency, ratio, memory).
+        return [label, spread(values, digits), target, fmt_num(max(values), digits)]
+
+    rows = [
+        ["Status and code of every refusal", statuses, "400 context_length_exceeded", "—"],
+        row("Time to refusal, median per run (s)", [statistics.median(x.refusal_s) for x in ref], digits=2),
+        row("/health/ready p99 during refusals (ms)", [x.ready_p99_ms for x in ref], f"<= {READY_P99_TARGET_MS:g}"),
+        row("/health/ready p99 in the quiet window (ms)", [_p(x.ready_quiet_ms, 99) for x in ref]),
+        row("Inter-token p99 during refusals (ms)", [_p(x.itl_during_ms, 99) for x in ref]),
+        row("Inter-token p99 in the quiet window (ms)", [_p(x.itl_quiet_ms, 99) for x in ref]),
+        row("Inter-token p99, during / quiet", [x.itl_ratio for x in ref], f"<= {ITL_RATIO_TARGET:g}", 2),
+        row("RSS growth, largest of a refusal's peak over the 0.3 s before it (MiB)", [x.rss_growth_mb for x in ref]),
+        row("RSS growth / body size", [x.rss_ratio for x in ref], f"<= {RSS_RATIO_TARGET:g}", 2),
+        row("RSS 0.5-1 s after the last refusal, over quiet (MiB)", [x.rss_after_mb - x.rss_quiet_mb for x in ref]),
+        ["Probes during refusals (count)", spread([float(len(x.ready_during_ms)) for x in ref], 0), "—", "—"],
+        ["Inter-token gaps during refusals (count)", spread([float(len(x.itl_during_ms)) for x in ref], 0), "—", "—"],
+    ]  # fmt: skip
+    hold_rows = [
+        ["`encode` (whole text, GIL held)", spread([h.whole_s * 1000 for h in r.holds]),
+         spread([h.whole_late_ms for h in r.holds])],
+        ["`encode_bounded` (pieces, GIL released)", spread([h.bounded_s * 1000 for h in r.holds]),
+         spread([h.bounded_late_ms for h in r.holds])],
+    ]  # fmt: skip
+    groups: dict[str, list[Any]] = {}
+    for c in r.corpus.cases:
+        groups.setdefault(c.group, []).append(c)
+    corpus_rows = []
+    for group, cases in groups.items():
+        outcomes: dict[str, int] = {}
+        for c in cases:
+            o = c.outcome
+            key = str(o.status) if o.status is not None else ("clean close" if o.closed else "reset" if o.reset else "?")
+            outcomes[key] = outcomes.get(key, 0) + 1
+        corpus_rows.append([
+            group, len(cases), ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())),
+            sum(1 for c in cases if c.outcome.status is not None and c.outcome.status >= 500),
+            sum(1 for c in cases if c.ready_after and c.normal_after), sum(1 for c in cases if c.passed),
+        ])  # fmt: skip
+    ratios = [p.ratio for p in r.pairs]
+    worst = min(r.pairs, key=lambda p: p.ratio) if r.pairs else None
+    pair_rows = [[i + 1, p.order, fmt_num(p.with_limits_tps, 1), fmt_num(p.without_tps, 1), fmt_num(p.ratio, 3),
+                  p.failed] for i, p in enumerate(r.pairs)]  # fmt: skip
+    failed_cases = [c for c in r.corpus.cases if not c.passed]
+    verdict = "PASS" if r.passed else "FAIL"
+    mb = r.body_bytes / 1e6
+    parts = [
+        head,
+        f"- **verdict: {verdict}** (every refusal run within its targets; every corpus case a 4xx or a clean close, "
+        "READY and a normal request succeeding after it); medians over runs (min–max)",
+        "",
+        "## A large prompt refused under load",
+        "",
+        f"- a {mb:.1f} MB /v1/completions body (`\"hello world \" * n`), sent {r.refusals_per_run} times in a row per "
+        f"run while {r.streams} streams generate; server: default limits (`--max-body-bytes` 32 MiB, "
+        f"`--max-json-depth` 128, `--body-read-timeout` {r.timeouts[0]:g} s, `--header-read-timeout` "
+        f"{r.timeouts[1]:g} s) and an API key",
+        "- during refusals: probes and inter-token gaps whose interval overlaps a refusal (send to response); quiet: "
+        f"the same streams over {_QUIET_S - 0.5:g} s before the first; RSS sampled every "
+        f"{_RSS_INTERVAL_S * 1000:g} ms; one untimed refusal before the runs (the first large body also pays for "
+        "the worker threads and their malloc arenas)",
+        "",
+        markdown_table(["", "Median (min–max)", "Target", "Worst run"], rows),
+        "",
+        "## The tokenizer's hold on other threads",
+        "",
+        f"- {r.holds[0].chars:,} characters of `\"hello world \"`, tokenized in this process while a 10 ms timer runs "
+        "on another thread; the timer's worst lateness is how long the tokenizer kept every other thread "
+        "(the event loop, the engine loop) from running",
+        "",
+        markdown_table(["", "Time (ms)", "Worst timer lateness (ms)"], hold_rows),
+        "",
+        "## The hostile corpus",
+        "",
+        f"- {len(r.corpus.cases)} cases (profiling/bench/serve/hostile_corpus.py; the same corpus as "
+        "tests/lifecycle/test_hostile.py) against the server above, real sockets; after each case /health/ready "
+        "and a normal completion",
+        f"- **responses 5xx: {r.corpus.server_errors}**; cases passed: "
+        f"{sum(1 for c in r.corpus.cases if c.passed)}/{len(r.corpus.cases)}",
+        "",
+        markdown_table(["Group", "Cases", "Outcomes", "5xx", "Healthy after", "Passed"], corpus_rows),
+        "",
+    ]
+    if failed_cases:
+        parts += ["Failed cases:", ""] + [f"- {c.name}: expected {c.expected}, got {c.outcome}" for c in failed_cases]
+        parts.append("")
+    parts += [
+        "## The limits' cost on the normal path",
+        "",
+        f"- {r.requests} streaming completions at concurrency {r.concurrency}, closed loop, on the server above "
+        "(limits and key) and on one with the limits off (no key, `--max-body-bytes 0 --body-read-timeout 0 "
+        "--header-read-timeout 0`), both running; each pair runs both, in alternating order",
+    ]
+    if ratios and worst is not None:
+        parts.append(f"- **throughput with / without limits: {fmt_spread(ratios, 3)}**, worst pair {worst.ratio:.3f}")
+    parts += ["", markdown_table(["Pair", "Order", "With limits (tokens/s)", "Without (tokens/s)", "Ratio", "Failed"],
+                                 pair_rows), ""]  # fmt: skip
+    return "\n".join(parts)
+
+
+def hostile_mode(
+    cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Progress
+) -> tuple[bool, list[Path]]:
+    from ..cli_support import prepare_out_dir, write_json
+    from ..machine import report_header
+
+    out = prepare_out_dir(cfg.out_dir)
+    result = run_hostile(cfg, tokenizer, say)
+    text = render_hostile(result, report_header("Hostile input at the transport", argv))
+    (out / "hostile.md").write_text(text)
+    write_json(out / "hostile.json", {"config": cfg.model_dump(mode="json"), **result.as_dict()})
+    print(text)
+    return result.passed, [out / "hostile.md", out / "hostile.json"]
