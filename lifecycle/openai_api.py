@@ -60,6 +60,7 @@ _REASON_BY_CODE = {
     "model_not_found": RejectReason.MODEL_NOT_FOUND,
     "json_too_deep": RejectReason.JSON_TOO_DEEP,
     "invalid_unicode": RejectReason.INVALID_UNICODE,
+    "too_many_values": RejectReason.TOO_MANY_VALUES,
 }
 # Bodies larger than this are parsed on a worker thread: the depth scan runs in numpy with the GIL released, and
 # the event loop serves other requests between the steps that hold it. Smaller ones are parsed inline, where the
@@ -339,7 +340,7 @@ def _refuse_raw_prompt(raw: BodyBuffer, info: EngineInfo) -> None:
 
 
 def _parse_large(
-    model: type[CompletionRequest] | type[ChatCompletionRequest], raw: BodyBuffer, max_depth: int,
+    model: type[CompletionRequest] | type[ChatCompletionRequest], raw: BodyBuffer, limits: TransportLimits,
     info: EngineInfo | None,
 ) -> CompletionRequest | ChatCompletionRequest:
     try:
@@ -348,7 +349,7 @@ def _parse_large(
     except BaseException:
         raw.release()
         raise
-    return parse_body(model, raw, max_depth)  # type: ignore[no-any-return]
+    return parse_body(model, raw, limits.max_json_depth, limits.max_json_values)  # type: ignore[no-any-return]
 
 
 async def _read_request(
@@ -359,8 +360,8 @@ async def _read_request(
     raw = await read_body(request.scope, request.receive, limits, service.metrics)
     if len(raw) > _THREAD_PARSE_BYTES:
         # Before READY there is no tokenizer to bound the prompt with; it is then checked after tokenizing.
-        return await asyncio.to_thread(_parse_large, model, raw, limits.max_json_depth, service.engine_info)
-    return parse_body(model, raw, limits.max_json_depth)  # type: ignore[no-any-return]
+        return await asyncio.to_thread(_parse_large, model, raw, limits, service.engine_info)
+    return parse_body(model, raw, limits.max_json_depth, limits.max_json_values)  # type: ignore[no-any-return]
 
 
 def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
@@ -391,7 +392,7 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
             rtrace.fail(err.status, err.message)
             return err.response()
         except ApiError as err:
-            if err.status in (400, 404):
+            if err.status in (400, 404) or err.code in _REASON_BY_CODE:
                 reason = _REASON_BY_CODE.get(err.code or "", RejectReason.INVALID_REQUEST)
                 service.metrics.rejected.labels(reason=reason).inc()
             rtrace.fail(err.status, err.message)

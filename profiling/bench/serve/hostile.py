@@ -458,7 +458,7 @@ def _target(cfg: ServeBenchConfig, base_url: str, model: str, key: str, timeouts
     port = int(base_url.rsplit(":", 1)[1])
     return Target(
         host="127.0.0.1", port=port, model=model, api_key=key, max_body_bytes=defaults.max_body_bytes,
-        max_json_depth=defaults.max_json_depth,
+        max_json_depth=defaults.max_json_depth, max_json_values=defaults.max_json_values,
         body_read_timeout=timeouts if timeouts is not None else defaults.body_read_timeout,
         header_read_timeout=timeouts if timeouts is not None else defaults.header_read_timeout,
         max_model_len=max_model_len, idle_connections=cfg.hostile_idle_connections,
