@@ -7,9 +7,10 @@ the prompts to the engine loop, then stream or collect. A client that goes away 
 requests; `Generation.close()` in the response's `finally` makes that hold even for cancelled handlers. Its
 disconnect is noted on the access-log line and counted by stage (never logged as an error).
 
-Tokenizing never stalls other requests: a prompt whose length in characters already proves it too long is refused
-before tokenizing, and the rest is tokenized in bounded pieces with the GIL released (engine/tokenizer.py,
-`encode_bounded`), stopping once the count passes what the context leaves.
+No request stalls the others: a prompt whose length in characters already proves it longer than max-model-len is
+refused before tokenizing (in a large completions body, before parsing), and the rest is tokenized in bounded
+pieces with the GIL released (engine/tokenizer.py, `encode_bounded`), stopping once the count passes
+max-model-len.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _REJECTION_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
-# 400s whose own reason label says more than "invalid_request" (by the error's code).
+# Refusals whose reason label says more than "invalid_request", by the error's code (the transport's own 401, 408,
+# 413 and 431 are counted where they are raised).
 _REASON_BY_CODE = {
     "model_not_found": RejectReason.MODEL_NOT_FOUND,
     "json_too_deep": RejectReason.JSON_TOO_DEEP,
@@ -349,7 +351,7 @@ def _parse_large(
     except BaseException:
         raw.release()
         raise
-    return parse_body(model, raw, limits.max_json_depth, limits.max_json_values)  # type: ignore[no-any-return]
+    return parse_body(model, raw, limits.max_json_depth, limits.max_json_values)
 
 
 async def _read_request(
@@ -361,7 +363,7 @@ async def _read_request(
     if len(raw) > _THREAD_PARSE_BYTES:
         # Before READY there is no tokenizer to bound the prompt with; it is then checked after tokenizing.
         return await asyncio.to_thread(_parse_large, model, raw, limits, service.engine_info)
-    return parse_body(model, raw, limits.max_json_depth, limits.max_json_values)  # type: ignore[no-any-return]
+    return parse_body(model, raw, limits.max_json_depth, limits.max_json_values)
 
 
 def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:

@@ -336,6 +336,9 @@ def guarded_h11(head_timeout: float | None, on_timeout: Callable[[], None]) -> t
             if serving or self.transport.is_closing():
                 return
             on_timeout()
+            # Debug only: hundreds of these are what a slow-head attack looks like; the metric counts them.
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else None
+            log.debug("connection closed: no complete request head", client=client, timeout_s=head_timeout)
             self.transport.close()
 
         def close_transport(self) -> None:

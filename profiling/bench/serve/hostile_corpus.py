@@ -426,7 +426,8 @@ def _eof_during_body(t: Target) -> Outcome:
 def _hangup_during(stream: bool) -> Callable[[Target], Outcome]:
     def run(t: Target) -> Outcome:
         conn = Raw(t)
-        body = completion(t, prompt="hello there", max_tokens=200, ignore_eos=True, stream=stream)
+        # Long enough that the answer cannot be complete before the hang-up, however fast the model is.
+        body = completion(t, prompt="hello there", max_tokens=t.max_model_len // 2, ignore_eos=True, stream=stream)
         conn.send(head(t, "/v1/completions", len(body)) + body)
         if stream:
             deadline = time.monotonic() + 30
