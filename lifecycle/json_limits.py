@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Union
 
 import numpy as np
@@ -30,7 +31,7 @@ Buffer = Union[bytes, bytearray, memoryview]
 # Chunks of every scan here: its temporaries are a few arrays of this many elements (at most 1 MiB each, never a
 # copy of the body), and no single numpy call holds the GIL for long.
 _CHUNK = 1 << 18
-_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_QUOTE, _BACKSLASH, _COMMA = ord('"'), ord("\\"), ord(",")
 _OPEN = (ord("["), ord("{"))
 _CLOSE = (ord("]"), ord("}"))
 # `top_level_string` walks the body's strings in Python: only bodies made of few strings (one huge prompt, not a
@@ -59,15 +60,29 @@ def _is_closer(chunk: np.ndarray) -> np.ndarray:
     return (chunk == _CLOSE[0]) | (chunk == _CLOSE[1])
 
 
-def nesting_exceeds(body: Buffer, limit: int) -> int | None:
-    """The offset of the first byte at which `body` nests JSON arrays/objects deeper than `limit`, or None.
+@dataclass(frozen=True)
+class Excess:
+    """Where a body first goes past a structural limit: `kind` "depth" (nesting) or "values" (elements)."""
 
-    Brackets inside strings do not count (a backslash escapes the next byte). Backslashes outside strings are not
-    JSON; a parser stops at the first one, before any depth this scan could misjudge after it."""
+    kind: str
+    offset: int
+
+
+def structure_exceeds(body: Buffer, max_depth: int, max_values: int | None = None) -> Excess | None:
+    """The first place where `body` nests JSON arrays/objects deeper than `max_depth`, or (with `max_values`) holds
+    more array elements and object members than that, counted by the commas between them; None if neither.
+
+    Brackets and commas inside strings do not count (a backslash escapes the next byte). Backslashes outside
+    strings are not JSON; a parser stops at the first one, before anything this scan could misjudge after it.
+    Two counts over the bytes clear a body with no more opening brackets than `max_depth` and no more commas at all
+    than `max_values` (every normal request); only the others are scanned."""
     data = np.frombuffer(body, dtype=np.uint8)
-    if _count(data, _is_opener) <= limit:
+    check_depth = _count(data, _is_opener) > max_depth
+    check_values = max_values is not None and _count(data, lambda chunk: chunk == _COMMA) >= max_values
+    if not (check_depth or check_values):
         return None
     depth = 0  # at the end of the previous chunk
+    values = 1  # elements and members so far: one more than the commas outside strings
     in_string = 0  # 1 while inside a string at the end of the previous chunk
     backslashes = 0  # length of the backslash run that ended the previous chunk
     for start, chunk in _chunks(data):
@@ -82,19 +97,31 @@ def nesting_exceeds(body: Buffer, limit: int) -> int | None:
         real = quotes[(run & 1) == 0]
         toggles = np.zeros(n, dtype=np.int32)
         toggles[real] = 1
-        inside = (np.cumsum(toggles, dtype=np.int32) + in_string) & 1
-        step = np.zeros(n, dtype=np.int32)
-        step[_is_opener(chunk)] = 1
-        step[_is_closer(chunk)] = -1
-        step[inside == 1] = 0
-        levels = np.cumsum(step, dtype=np.int32) + depth
-        if n and int(levels.max()) > limit:
-            return start + int(np.argmax(levels > limit))
-        depth = int(levels[-1]) if n else depth
-        in_string = int(inside[-1]) if n else in_string
-        tail = n - 1 - int(last_plain[-1]) if n else 0
-        backslashes = backslashes + n if n and int(last_plain[-1]) < 0 else tail
+        outside = ((np.cumsum(toggles, dtype=np.int32) + in_string) & 1) == 0
+        if check_depth:
+            step = np.zeros(n, dtype=np.int32)
+            step[_is_opener(chunk) & outside] = 1
+            step[_is_closer(chunk) & outside] = -1
+            levels = np.cumsum(step, dtype=np.int32) + depth
+            if int(levels.max()) > max_depth:
+                return Excess("depth", start + int(np.argmax(levels > max_depth)))
+            depth = int(levels[-1])
+        if check_values:
+            assert max_values is not None
+            commas = np.flatnonzero((chunk == _COMMA) & outside)
+            if values + len(commas) > max_values:
+                return Excess("values", start + int(commas[max_values - values]))
+            values += len(commas)
+        in_string = int(not outside[-1])
+        tail = n - 1 - int(last_plain[-1])
+        backslashes = backslashes + n if int(last_plain[-1]) < 0 else tail
     return None
+
+
+def nesting_exceeds(body: Buffer, limit: int) -> int | None:
+    """The offset of the first byte at which `body` nests JSON arrays/objects deeper than `limit`, or None."""
+    excess = structure_exceeds(body, limit)
+    return None if excess is None else excess.offset
 
 
 def _strings(value: Any, path: str) -> Iterator[tuple[str, str]]:

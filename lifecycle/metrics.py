@@ -30,6 +30,7 @@ class RejectReason:
     BODY_TOO_LARGE = "body_too_large"
     BODY_TIMEOUT = "body_timeout"
     JSON_TOO_DEEP = "json_too_deep"
+    TOO_MANY_VALUES = "too_many_values"
     INVALID_UNICODE = "invalid_unicode"
     INVALID_REQUEST = "invalid_request"
     MODEL_NOT_FOUND = "model_not_found"

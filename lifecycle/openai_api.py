@@ -7,9 +7,10 @@ the prompts to the engine loop, then stream or collect. A client that goes away 
 requests; `Generation.close()` in the response's `finally` makes that hold even for cancelled handlers. Its
 disconnect is noted on the access-log line and counted by stage (never logged as an error).
 
-Tokenizing never stalls other requests: a prompt whose length in characters already proves it too long is refused
-before tokenizing, and the rest is tokenized in bounded pieces with the GIL released (engine/tokenizer.py,
-`encode_bounded`), stopping once the count passes what the context leaves.
+No request stalls the others: a prompt whose length in characters already proves it longer than max-model-len is
+refused before tokenizing (in a large completions body, before parsing), and the rest is tokenized in bounded
+pieces with the GIL released (engine/tokenizer.py, `encode_bounded`), stopping once the count passes
+max-model-len.
 """
 
 from __future__ import annotations
@@ -55,11 +56,13 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 _REJECTION_TYPES = {429: "rate_limit_error", 503: "service_unavailable"}
-# 400s whose own reason label says more than "invalid_request" (by the error's code).
+# Refusals whose reason label says more than "invalid_request", by the error's code (the transport's own 401, 408,
+# 413 and 431 are counted where they are raised).
 _REASON_BY_CODE = {
     "model_not_found": RejectReason.MODEL_NOT_FOUND,
     "json_too_deep": RejectReason.JSON_TOO_DEEP,
     "invalid_unicode": RejectReason.INVALID_UNICODE,
+    "too_many_values": RejectReason.TOO_MANY_VALUES,
 }
 # Bodies larger than this are parsed on a worker thread: the depth scan runs in numpy with the GIL released, and
 # the event loop serves other requests between the steps that hold it. Smaller ones are parsed inline, where the
@@ -339,7 +342,7 @@ def _refuse_raw_prompt(raw: BodyBuffer, info: EngineInfo) -> None:
 
 
 def _parse_large(
-    model: type[CompletionRequest] | type[ChatCompletionRequest], raw: BodyBuffer, max_depth: int,
+    model: type[CompletionRequest] | type[ChatCompletionRequest], raw: BodyBuffer, limits: TransportLimits,
     info: EngineInfo | None, defaults: Mapping[str, Any],
 ) -> CompletionRequest | ChatCompletionRequest:
     try:
@@ -348,7 +351,7 @@ def _parse_large(
     except BaseException:
         raw.release()
         raise
-    return parse_body(model, raw, max_depth, defaults)  # type: ignore[no-any-return]
+    return parse_body(model, raw, limits.max_json_depth, limits.max_json_values, defaults)
 
 
 async def _read_request(
@@ -359,9 +362,9 @@ async def _read_request(
     raw = await read_body(request.scope, request.receive, limits, service.metrics)
     if len(raw) > _THREAD_PARSE_BYTES:
         # Before READY there is no tokenizer to bound the prompt with; it is then checked after tokenizing.
-        return await asyncio.to_thread(_parse_large, model, raw, limits.max_json_depth, service.engine_info,
+        return await asyncio.to_thread(_parse_large, model, raw, limits, service.engine_info,
                                        service.sampling_defaults.values)  # fmt: skip
-    return parse_body(model, raw, limits.max_json_depth, service.sampling_defaults.values)  # type: ignore[no-any-return]
+    return parse_body(model, raw, limits.max_json_depth, limits.max_json_values, service.sampling_defaults.values)
 
 
 def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
@@ -392,7 +395,7 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
             rtrace.fail(err.status, err.message)
             return err.response()
         except ApiError as err:
-            if err.status in (400, 404):
+            if err.status in (400, 404) or err.code in _REASON_BY_CODE:
                 reason = _REASON_BY_CODE.get(err.code or "", RejectReason.INVALID_REQUEST)
                 service.metrics.rejected.labels(reason=reason).inc()
             rtrace.fail(err.status, err.message)

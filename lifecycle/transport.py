@@ -11,7 +11,8 @@ Order of the checks on a request, each before any work the next would cost:
   3. a Content-Length over --max-body-bytes gets 413 before one body byte is read;
   4. `read_body` reads the body against the same limit (chunked bodies have no Content-Length) and against
      --body-read-timeout for the whole body (408);
-  5. protocol.py parses it: nesting depth before parsing, strict UTF-8, whole Unicode characters (400).
+  5. protocol.py parses it: nesting depth (400) and element count (413) before parsing, strict UTF-8, whole
+     Unicode characters (400).
 413 and 408 (and a 401 whose body was not read) close the connection: draining a body the server refuses would
 cost what the limit is there to avoid. They close it lingering, as Apache and nginx do: the response goes out with
 a FIN, and what the client still sends is read and dropped for up to LINGER_S seconds before the socket closes.
@@ -74,6 +75,7 @@ class TransportLimits:
     max_body_bytes: int | None
     body_read_timeout: float | None
     max_json_depth: int
+    max_json_values: int
     key_digest: bytes | None  # sha256 of the API key; the key itself is kept nowhere else
 
     @classmethod
@@ -83,6 +85,7 @@ class TransportLimits:
             max_body_bytes=cfg.max_body_bytes or None,
             body_read_timeout=cfg.body_read_timeout or None,
             max_json_depth=cfg.max_json_depth,
+            max_json_values=cfg.max_json_values,
             key_digest=_digest(key) if key is not None else None,
         )
 
@@ -333,6 +336,9 @@ def guarded_h11(head_timeout: float | None, on_timeout: Callable[[], None]) -> t
             if serving or self.transport.is_closing():
                 return
             on_timeout()
+            # Debug only: hundreds of these are what a slow-head attack looks like; the metric counts them.
+            client = f"{self.client[0]}:{self.client[1]}" if self.client else None
+            log.debug("connection closed: no complete request head", client=client, timeout_s=head_timeout)
             self.transport.close()
 
         def close_transport(self) -> None:

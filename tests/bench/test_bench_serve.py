@@ -104,6 +104,8 @@ def test_flags_are_validated() -> None:
         ServeBenchConfig(dataset=Path("/nonexistent.jsonl"))
     assert ServeBenchConfig().modes == ("sweep",)
     assert ServeBenchConfig(soak=True, fuzz=True).modes == ("soak", "fuzz")
+    with pytest.raises(ValidationError, match="drop --base-url"):
+        ServeBenchConfig(hostile=True, base_url="http://127.0.0.1:8000")
     assert main(["bench", "serve", "--concurrency", "0"]) == 2
 
 
@@ -154,3 +156,23 @@ def test_efficiency_verdict_reads_the_worst_pair_not_a_median_over_medians() -> 
     assert steady.passed and steady.worst_ratio == pytest.approx(0.955)
     with pytest.raises(ValueError):  # a run without its pair is a bug in the driver, never silently dropped
         result([1000, 1000], [1000, 1000, 1000]).pair_ratios
+
+
+def test_hostile_mode_end_to_end(tiny_model: str, tmp_path: Path) -> None:
+    """`--hostile` on the tiny model, everything small: its two servers start and stop, the large prompt is refused
+    with the right code, the corpus passes with no 5xx, the pairs run, and the report and JSON are written. The
+    timing verdict is not asserted: on a shared CI machine the tiny model's inter-token gaps are noise."""
+    out = tmp_path / "serve"
+    main([
+        "bench", "serve", tiny_model, "--compile", "off", "--runs", "2", "--hostile", "--hostile-prompt-mb", "2",
+        "--hostile-streams", "2", "--hostile-refusals", "2", "--hostile-idle-connections", "20",
+        "--hostile-timeouts", "1", "--hostile-hold-chars", "100000", "--hostile-concurrency", "4",
+        "--num-prompts", "8", "--input-len", "12", "--output-len", "6", "--out-dir", str(out),
+    ])  # fmt: skip
+    data = json.loads((out / "hostile.json").read_text())
+    assert data["corpus"]["passed"] and data["corpus"]["server_errors"] == 0
+    assert all(set(r["codes"]) == {"context_length_exceeded"} for r in data["refusals"])
+    assert len(data["refusals"]) == 2 and len(data["pairs"]) == 2 and all(p["failed"] == 0 for p in data["pairs"])
+    assert all(h["bounded_late_ms"] < h["whole_late_ms"] for h in data["holds"])
+    text = (out / "hostile.md").read_text()
+    assert "glowplug bench serve" in text and "## The hostile corpus" in text and "with / without limits" in text

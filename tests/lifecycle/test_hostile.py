@@ -53,7 +53,7 @@ def _target(srv: ThreadServer) -> Target:
     cfg = srv.serve_cfg
     return Target(
         host="127.0.0.1", port=int(srv.server.bound_port), model="tiny", api_key=KEY,
-        max_body_bytes=cfg.max_body_bytes, max_json_depth=cfg.max_json_depth,
+        max_body_bytes=cfg.max_body_bytes, max_json_depth=cfg.max_json_depth, max_json_values=cfg.max_json_values,
         body_read_timeout=cfg.body_read_timeout, header_read_timeout=cfg.header_read_timeout,
         max_model_len=srv.service.engine_info.max_model_len, idle_connections=300,
     )  # fmt: skip
@@ -123,7 +123,7 @@ def _run_corpus_and_check(server: ThreadServer, logs: io.StringIO, stdlib: _Reco
     assert metric(base, CLIENT_DISCONNECTS + "_total", stage="response") >= before["response"] + 2
     assert metric(base, CONNECTIONS_TIMED_OUT + "_total") >= 300 + 2
     for reason in ("body_too_large", "body_timeout", "json_too_deep", "invalid_unicode", "unauthorized",
-                   "head_too_large"):  # fmt: skip
+                   "head_too_large", "too_many_values"):  # fmt: skip
         assert metric(base, REQUEST_REJECTED + "_total", reason=reason) >= 1, reason
 
     # No traceback and no error line anywhere: a client's fault is an info line on its request's access log.

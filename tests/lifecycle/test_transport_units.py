@@ -20,6 +20,36 @@ from glowplug.lifecycle.json_limits import lone_surrogate, nesting_exceeds
 from glowplug.lifecycle.protocol import CompletionRequest, parse_body
 
 
+def reference_values(body: bytes, limit: int) -> int | None:
+    """Byte by byte: the comma outside strings at which the elements/members (commas + 1) first exceed `limit`."""
+    values, inside, i = 1, False, 0
+    while i < len(body):
+        c = body[i]
+        if c == 0x5C:
+            i += 2 if i + 1 < len(body) and body[i + 1] in (0x22, 0x5C) else 1
+            continue
+        if c == 0x22:
+            inside = not inside
+        elif not inside and c == 0x2C:
+            values += 1
+            if values > limit:
+                return i
+        i += 1
+    return None
+
+
+@pytest.mark.parametrize("chunk", [5, 1 << 18])
+def test_value_count_matches_the_reference(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(json_limits, "_CHUNK", chunk)
+    rnd = random.Random(chunk)
+    for _ in range(2000):
+        body = bytes(rnd.choice(b',,"\\ a[') for _ in range(rnd.randint(0, 60)))
+        limit = rnd.randint(1, 8)
+        expected = reference_values(body, limit)
+        excess = json_limits.structure_exceeds(body, 10**6, limit)
+        assert (excess.offset if excess is not None else None) == expected, (body, limit)
+
+
 def reference_depth(body: bytes, limit: int) -> int | None:
     """Byte by byte: where the structure first goes deeper than `limit` (a backslash escapes a quote or a
     backslash after it; brackets inside strings do not count)."""
@@ -96,6 +126,7 @@ def test_lone_surrogates_are_found_and_named() -> None:
     ("body", "code", "param"),
     [
         (b"[" * 200 + b"]" * 200, "json_too_deep", None),
+        (b'{"prompt": [' + b"1," * 2000 + b"1]}", "too_many_values", None),
         (b'{"prompt": "\xff"}', "invalid_json", None),
         (b'{"prompt": "\xed\xa0\x80"}', "invalid_json", None),  # a surrogate encoded as UTF-8 bytes
         (b'{"prompt": "a \\ud800"}', "invalid_unicode", "prompt"),
@@ -105,8 +136,9 @@ def test_lone_surrogates_are_found_and_named() -> None:
 )
 def test_parse_body_refuses_with_a_400(body: bytes, code: str, param: str | None) -> None:
     with pytest.raises(ApiError) as info:
-        parse_body(CompletionRequest, bytearray(body), 128)
-    assert info.value.status == 400 and info.value.code == code and info.value.param == param
+        parse_body(CompletionRequest, bytearray(body), 128, 2000)
+    status = 413 if code == "too_many_values" else 400
+    assert info.value.status == status and info.value.code == code and info.value.param == param
 
 
 def test_parse_body_empties_the_buffer_it_decoded() -> None:
@@ -120,9 +152,10 @@ def test_transport_flags_come_from_the_schema() -> None:
     add_serve_flags(parser)
     args = parser.parse_args(
         ["--max-body-bytes", "1024", "--max-json-depth", "16", "--body-read-timeout", "2.5",
-         "--header-read-timeout", "0", "--api-key", "sk-flag"]
+         "--header-read-timeout", "0", "--api-key", "sk-flag", "--max-json-values", "4096"]
     )  # fmt: skip
     cfg = serve_config_from_args(args)
+    assert cfg.max_json_values == 4096
     assert (cfg.max_body_bytes, cfg.max_json_depth, cfg.body_read_timeout, cfg.header_read_timeout) == (
         1024, 16, 2.5, 0.0)  # fmt: skip
     assert cfg.api_key is not None and cfg.api_key.get_secret_value() == "sk-flag"

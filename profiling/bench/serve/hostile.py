@@ -53,9 +53,14 @@ _API_KEY_ENV = "GLOWPLUG_API_KEY"
 
 
 def _p(values: list[float], q: float) -> float:
+    """The q-th percentile; NaN for no samples (a cell then says so, and no target is met by NaN)."""
     from ..stats import percentile
 
-    return percentile(values, q)
+    return percentile(values, q) if values else math.nan
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
 
 
 def _overlaps(a: float, b: float, windows: list[tuple[float, float]]) -> bool:
@@ -142,9 +147,12 @@ class RefusalRun:
         return self.rss_growth_mb / self.body_mb
 
     @property
+    def refused(self) -> bool:
+        return all(s == 400 for s in self.statuses) and all(c == "context_length_exceeded" for c in self.codes)
+
+    @property
     def passed(self) -> bool:
-        refused = all(s == 400 for s in self.statuses) and all(c == "context_length_exceeded" for c in self.codes)
-        return (refused and self.ready_p99_ms <= READY_P99_TARGET_MS and self.itl_ratio <= ITL_RATIO_TARGET
+        return (self.refused and self.ready_p99_ms <= READY_P99_TARGET_MS and self.itl_ratio <= ITL_RATIO_TARGET
                 and self.rss_ratio <= RSS_RATIO_TARGET)  # fmt: skip
 
 
@@ -300,9 +308,12 @@ def refusal_run(cfg: ServeBenchConfig, base_url: str, pid: int | None, key: str,
 
 @dataclass
 class CostPair:
+    """One pair: each server runs the load twice, in the order A B B A (A alternating between pairs), so that a
+    load on the machine that drifts over the pair weighs on both alike; throughput is tokens over time of both."""
+
     with_limits_tps: float
     without_tps: float
-    order: str  # which server ran first in the pair
+    order: str  # which server ran first (and last) in the pair
     failed: int
 
     @property
@@ -311,11 +322,12 @@ class CostPair:
 
 
 def _throughput(base_url: str, path: str, bodies: list[dict[str, Any]], concurrency: int, timeout: float,
-                headers: dict[str, str] | None) -> tuple[float, int]:  # fmt: skip
+                headers: dict[str, str] | None) -> tuple[float, float, int]:  # fmt: skip
+    """(output tokens/s, wall seconds, failed requests) of one closed-loop run over `bodies`."""
     t0 = time.perf_counter()
     results = run_closed(base_url, path, bodies, concurrency, max_duration=600, timeout=timeout, headers=headers)
     wall = time.perf_counter() - t0
-    return sum(r.output_tokens or 0 for r in results if r.ok) / wall, sum(1 for r in results if not r.ok)
+    return sum(r.output_tokens or 0 for r in results if r.ok) / wall, wall, sum(1 for r in results if not r.ok)
 
 
 # ---------------------------------------------------------------- the mode
@@ -334,9 +346,23 @@ class HostileResult:
     requests: int
     timeouts: tuple[float, float]  # the server's body-read and header-read timeouts
 
+    def median(self, figure: Callable[[RefusalRun], float]) -> float:
+        """The median over the runs that have the figure (a run without samples has none); NaN when none has."""
+        values = [v for v in (figure(r) for r in self.refusals) if math.isfinite(v)]
+        return statistics.median(values) if values else math.nan
+
+    @property
+    def targets_met(self) -> bool:
+        """Every large prompt refused with the right code, and the medians over runs within the targets (NaN, for
+        no samples, meets none)."""
+        return (all(r.refused for r in self.refusals)
+                and self.median(lambda r: r.ready_p99_ms) <= READY_P99_TARGET_MS
+                and self.median(lambda r: r.itl_ratio) <= ITL_RATIO_TARGET
+                and self.median(lambda r: r.rss_ratio) <= RSS_RATIO_TARGET)  # fmt: skip
+
     @property
     def passed(self) -> bool:
-        return all(r.passed for r in self.refusals) and self.corpus.passed
+        return self.targets_met and self.corpus.passed
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -345,8 +371,9 @@ class HostileResult:
             "streams": self.streams,
             "refusals_per_run": self.refusals_per_run,
             "holds": [asdict(h) for h in self.holds],
-            "refusals": [{**asdict(r), "ready_p99_ms": r.ready_p99_ms, "itl_ratio": r.itl_ratio,
-                          "rss_growth_mb": r.rss_growth_mb, "rss_ratio": r.rss_ratio, "passed": r.passed}
+            "refusals": [{**asdict(r), "ready_p99_ms": _finite(r.ready_p99_ms), "itl_ratio": _finite(r.itl_ratio),
+                          "rss_growth_mb": _finite(r.rss_growth_mb), "rss_ratio": _finite(r.rss_ratio),
+                          "passed": r.passed}
                          for r in self.refusals],  # fmt: skip
             "corpus": self.corpus.as_dict(),
             "pairs": [{**asdict(p), "ratio": p.ratio} for p in self.pairs],
@@ -431,7 +458,7 @@ def _target(cfg: ServeBenchConfig, base_url: str, model: str, key: str, timeouts
     port = int(base_url.rsplit(":", 1)[1])
     return Target(
         host="127.0.0.1", port=port, model=model, api_key=key, max_body_bytes=defaults.max_body_bytes,
-        max_json_depth=defaults.max_json_depth,
+        max_json_depth=defaults.max_json_depth, max_json_values=defaults.max_json_values,
         body_read_timeout=timeouts if timeouts is not None else defaults.body_read_timeout,
         header_read_timeout=timeouts if timeouts is not None else defaults.header_read_timeout,
         max_model_len=max_model_len, idle_connections=cfg.hostile_idle_connections,
@@ -447,12 +474,17 @@ def _cost_pairs(cfg: ServeBenchConfig, limited: str, plain: str, key: str, path:
     pairs = []
     for i in range(cfg.runs):
         first_limited = i % 2 == 0
-        order = [(limited, auth), (plain, None)] if first_limited else [(plain, None), (limited, auth)]
-        got: dict[str, tuple[float, int]] = {}
-        for url, headers in order:
-            got[url] = _throughput(url, path, bodies, conc, cfg.request_timeout, headers)
-        pair = CostPair(got[limited][0], got[plain][0], "limits first" if first_limited else "no limits first",
-                        got[limited][1] + got[plain][1])  # fmt: skip
+        a, b = ((limited, auth), (plain, None)) if first_limited else ((plain, None), (limited, auth))
+        tokens: dict[str, float] = {limited: 0.0, plain: 0.0}
+        seconds: dict[str, float] = {limited: 0.0, plain: 0.0}
+        failed = 0
+        for url, headers in (a, b, b, a):
+            tps, wall, bad = _throughput(url, path, bodies, conc, cfg.request_timeout, headers)
+            tokens[url] += tps * wall
+            seconds[url] += wall
+            failed += bad
+        pair = CostPair(tokens[limited] / seconds[limited], tokens[plain] / seconds[plain],
+                        "limits first" if first_limited else "no limits first", failed)  # fmt: skip
         say(f"hostile: cost pair {i + 1}/{cfg.runs}: {pair.with_limits_tps:.1f} / {pair.without_tps:.1f} tokens/s "
             f"= {pair.ratio:.3f}")  # fmt: skip
         pairs.append(pair)
@@ -463,7 +495,7 @@ def _cost_pairs(cfg: ServeBenchConfig, limited: str, plain: str, key: str, path:
 
 
 def render_hostile(r: HostileResult, head: str) -> str:
-    from ..tables import fmt_num, fmt_spread, markdown_table
+    from ..tables import Missing, fmt_num, fmt_spread, markdown_table
 
     def spread(values: list[float], digits: int = 1) -> str:
         return fmt_spread(values, digits)
@@ -473,7 +505,13 @@ def render_hostile(r: HostileResult, head: str) -> str:
 
     def row(label: str, values: list[float], target: str = "—", digits: int = 1) -> list[Any]:
         # The worst run is the largest value: every figure here is a cost (time, latency, ratio, memory).
-        return [label, spread(values, digits), target, fmt_num(max(values), digits)]
+        finite = [v for v in values if math.isfinite(v)]
+        if not finite:
+            return [label, Missing("no samples"), target, Missing("no samples")]
+        return [label, spread(finite, digits), target, fmt_num(max(finite), digits)]
+
+    pooled_during = [g for x in ref for g in x.itl_during_ms]
+    pooled_quiet = [g for x in ref for g in x.itl_quiet_ms]
 
     rows = [
         ["Status and code of every refusal", statuses, "400 context_length_exceeded", "—"],
@@ -483,6 +521,8 @@ def render_hostile(r: HostileResult, head: str) -> str:
         row("Inter-token p99 during refusals (ms)", [_p(x.itl_during_ms, 99) for x in ref]),
         row("Inter-token p99 in the quiet window (ms)", [_p(x.itl_quiet_ms, 99) for x in ref]),
         row("Inter-token p99, during / quiet", [x.itl_ratio for x in ref], f"<= {ITL_RATIO_TARGET:g}", 2),
+        row("Inter-token p99, during / quiet, all runs' gaps pooled", [_p(pooled_during, 99) / _p(pooled_quiet, 99)],
+            f"<= {ITL_RATIO_TARGET:g}", 2),
         row("RSS growth, largest of a refusal's peak over the 0.3 s before it (MiB)", [x.rss_growth_mb for x in ref]),
         row("RSS growth / body size", [x.rss_ratio for x in ref], f"<= {RSS_RATIO_TARGET:g}", 2),
         row("RSS 0.5-1 s after the last refusal, over quiet (MiB)", [x.rss_after_mb - x.rss_quiet_mb for x in ref]),
@@ -519,8 +559,10 @@ def render_hostile(r: HostileResult, head: str) -> str:
     mb = r.body_bytes / 1e6
     parts = [
         head,
-        f"- **verdict: {verdict}** (every refusal run within its targets; every corpus case a 4xx or a clean close, "
-        "READY and a normal request succeeding after it); medians over runs (min–max)",
+        f"- **verdict: {verdict}**, against: every large prompt refused (400 context_length_exceeded), the medians "
+        "over runs within their targets, every corpus case a 4xx or a clean close with the server READY and a normal "
+        f"request succeeding after it. Runs within every target: {sum(1 for x in r.refusals if x.passed)}/"
+        f"{len(r.refusals)}. Figures: median over runs (min–max), and the worst run",
         "",
         "## A large prompt refused under load",
         "",
@@ -562,7 +604,8 @@ def render_hostile(r: HostileResult, head: str) -> str:
         "",
         f"- {r.requests} streaming completions at concurrency {r.concurrency}, closed loop, on the server above "
         "(limits and key) and on one with the limits off (no key, `--max-body-bytes 0 --body-read-timeout 0 "
-        "--header-read-timeout 0`), both running; each pair runs both, in alternating order",
+        "--header-read-timeout 0`), both running; each pair runs the load four times, A B B A, A alternating "
+        "between pairs, and divides the tokens/s of the server with limits by the other's",
     ]
     if ratios and worst is not None:
         parts.append(f"- **throughput with / without limits: {fmt_spread(ratios, 3)}**, worst pair {worst.ratio:.3f}")

@@ -40,6 +40,7 @@ class Target:
     api_key: str | None
     max_body_bytes: int
     max_json_depth: int
+    max_json_values: int
     body_read_timeout: float
     header_read_timeout: float
     max_model_len: int
@@ -335,6 +336,17 @@ def _at_depth_limit(t: Target) -> Outcome:
     return post(t, "/v1/completions", body)
 
 
+def _many_values(t: Target) -> Outcome:
+    # Token ids, one more than the limit allows: refused from the commas, before json.loads builds the list.
+    n = t.max_json_values + 1
+    return post(t, "/v1/completions", b'{"prompt": [' + b"1," * (n - 1) + b"1]}")
+
+
+def _commas_in_strings(t: Target) -> Outcome:
+    # As many commas as the limit, all inside a string: not values; the request is served.
+    return post(t, "/v1/completions", completion(t, prompt="hi", user="," * t.max_json_values))
+
+
 def _brackets_in_strings(t: Target) -> Outcome:
     return post(t, "/v1/completions", completion(t, prompt="hi", user="[{" * 5000))
 
@@ -414,7 +426,8 @@ def _eof_during_body(t: Target) -> Outcome:
 def _hangup_during(stream: bool) -> Callable[[Target], Outcome]:
     def run(t: Target) -> Outcome:
         conn = Raw(t)
-        body = completion(t, prompt="hello there", max_tokens=200, ignore_eos=True, stream=stream)
+        # Long enough that the answer cannot be complete before the hang-up, however fast the model is.
+        body = completion(t, prompt="hello there", max_tokens=t.max_model_len // 2, ignore_eos=True, stream=stream)
         conn.send(head(t, "/v1/completions", len(body)) + body)
         if stream:
             deadline = time.monotonic() + 30
@@ -531,6 +544,8 @@ def corpus(t: Target) -> list[Case]:
         Case("100,000 levels", "depths", _deep("unknown", 100_000), 400, "json_too_deep"),
         Case("nesting exactly at the limit", "depths", _at_depth_limit, 200),
         Case("10,000 brackets inside a string", "depths", _brackets_in_strings, 200),
+        Case("one token id more than --max-json-values", "depths", _many_values, 413, "too_many_values"),
+        Case("as many commas inside a string", "depths", _commas_in_strings, 200),
         Case("lone surrogate in chat content", "encodings", _surrogate_in("content"), 400, "invalid_unicode"),
         Case("lone surrogate in the prompt", "encodings", _surrogate_in("prompt"), 400, "invalid_unicode"),
         Case("lone surrogate in stop", "encodings", _surrogate_in("stop"), 400, "invalid_unicode"),
