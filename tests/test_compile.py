@@ -271,7 +271,7 @@ def test_host_syncs_per_decode_step_are_bounded(tiny_dir, cache: Path, monkeypat
     assert steps == 20
     # One transfer per step (the sampler's tokens), plus the block tables' numpy view is created once per runner.
     assert counter.count <= steps, f"{counter.count} host syncs in {steps} decode steps"
-    for rid in list(eng.requests):
+    for rid in eng.request_ids():
         eng.abort(rid)
 
 

@@ -238,7 +238,7 @@ def run_throughput_bench(
                     say(f"[{quant}] {shape.name}: run {i}/{cfg.runs}")
                     results.add(_record(quant, shape, i, time_batch(llm.engine, prompts, params), dtype, mode))
             except Exception as exc:  # a scheme still being wired may fail mid-run: the table says how
-                for req_id in list(llm.engine.requests):
+                for req_id in llm.engine.request_ids():
                     llm.engine.abort(req_id)
                 results.add(_skipped(quant, shape, f"failed: {one_line(exc)}"))
         llm = None
