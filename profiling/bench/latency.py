@@ -157,7 +157,7 @@ def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None)
         result.kv_blocks[quant] = llm.engine.stats().kv_blocks
         result.resolved[quant] = (
             str(llm.startup.context.dtype).removeprefix("torch."),
-            "on" if llm.engine.runner.decode_fn is not None else "off",
+            "on" if llm.engine.runner.decode_step is not None else "off",
         )
         for batch in cfg.batch_size:
             why_not = why_cannot_run(llm.engine, batch, cfg.sequence_length, cfg.decode_length)

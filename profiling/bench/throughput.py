@@ -229,7 +229,7 @@ def run_throughput_bench(
                 continue
             params = SamplingParams(temperature=0.0, max_tokens=shape.output_len, ignore_eos=True)
             dtype = str(llm.startup.context.dtype).removeprefix("torch.")
-            mode = "on" if llm.engine.runner.decode_fn is not None else "off"
+            mode = "on" if llm.engine.runner.decode_step is not None else "off"
             prompts = make_prompts(llm.tokenizer, shape.batch, shape.input_len)
             try:
                 for _ in range(cfg.warmups):
