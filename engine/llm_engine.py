@@ -63,6 +63,39 @@ class StepShape:
     prefill_s: float = 0.0
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's state for readers outside it (the server's loop, benchmarks, tests): its queues,
+    its KV cache and its token counters. Taken between steps; nothing in it changes afterwards."""
+
+    running_seqs: int
+    waiting_seqs: int
+    running_requests: int  # distinct requests among the running sequences
+    max_num_seqs: int
+    prefill_backlog: int  # prompt tokens still to compute for sequences already started (Scheduler.prefill_backlog)
+    num_requests: int  # requests added and not yet finished or aborted
+    num_preemptions: int
+    kv_blocks: int
+    kv_free_blocks: int
+    block_size: int
+    prefix_queries: int  # full KV blocks looked up in the prefix cache
+    prefix_hits: int  # of those, found
+    num_prompt_tokens: int  # summed over every request added
+    num_generated_tokens: int
+
+    @property
+    def kv_used_blocks(self) -> int:
+        return self.kv_blocks - self.kv_free_blocks
+
+
+@dataclass(frozen=True)
+class RequestStatus:
+    """Where one unfinished request stands."""
+
+    scheduled: bool  # some sequence of it has left the waiting queue at least once
+    generated_tokens: int  # summed over its sequences
+
+
 @dataclass
 class Request:
     request_id: str
@@ -94,7 +127,7 @@ class LLMEngine:
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.requests: dict[str, Request] = {}
+        self._requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         # Unseeded requests draw their seeds from here, so a whole run is reproducible from the engine seed.
@@ -104,16 +137,45 @@ class LLMEngine:
         self.last_step = StepShape()
 
     @property
-    def block_manager(self) -> Any:
-        return self.scheduler.block_manager
-
-    @property
     def model(self) -> DecoderLM:
         """The served model, for tools that evaluate it directly (the accuracy and decode benches)."""
         return self.runner.model
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler.stats()
+        return EngineStats(
+            running_seqs=sched.running_seqs,
+            waiting_seqs=sched.waiting_seqs,
+            running_requests=sched.running_requests,
+            max_num_seqs=sched.max_num_seqs,
+            prefill_backlog=sched.prefill_backlog,
+            num_requests=len(self._requests),
+            num_preemptions=sched.num_preemptions,
+            kv_blocks=sched.kv_blocks,
+            kv_free_blocks=sched.kv_free_blocks,
+            block_size=sched.block_size,
+            prefix_queries=sched.prefix_queries,
+            prefix_hits=sched.prefix_hits,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+        )
+
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        """None once the request has finished (its last output was returned by `step`) or was aborted."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        return RequestStatus(
+            scheduled=any(s.first_scheduled_time is not None for s in req.seqs),
+            generated_tokens=sum(len(s.output_token_ids) for s in req.seqs),
+        )
+
+    def request_ids(self) -> list[str]:
+        """The unfinished requests, oldest first."""
+        return list(self._requests)
 
     def commit_kv_cache(self) -> bool:
         """Make the KV pool resident now (engine/host_memory.py); False where the host cannot."""
@@ -155,7 +217,7 @@ class LLMEngine:
             prompt_token_ids = list(self.tokenizer(prompt)["input_ids"])
         self.validate_request(prompt_token_ids, params)
         rid = request_id or f"req-{next(self._req_ids)}"
-        if rid in self.requests:
+        if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, prompt, list(prompt_token_ids), params)
         for i in range(params.n):
@@ -180,13 +242,13 @@ class LLMEngine:
             req.seqs.append(seq)
         for seq in req.seqs:
             self.scheduler.add(seq)
-        self.requests[rid] = req
+        self._requests[rid] = req
         self.num_prompt_tokens += len(prompt_token_ids)
         return req
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its KV blocks are free when this returns."""
-        req = self.requests.pop(request_id, None)
+        req = self._requests.pop(request_id, None)
         if req is None:
             return False
         for seq in req.seqs:
@@ -235,7 +297,7 @@ class LLMEngine:
         for sched, sample in results:
             seq = sched.seq
             seq.num_computed_tokens += sched.num_new_tokens
-            self.scheduler.block_manager.commit(seq)
+            self.scheduler.commit(seq)
             if sample is None:
                 continue
             token = sample.token_id
@@ -254,7 +316,7 @@ class LLMEngine:
                 if reason == "length":
                     seq.detok.flush()
                 self.scheduler.finish(seq, reason)
-            req = self.requests.get(seq.request_id)
+            req = self._requests.get(seq.request_id)
             if req is not None:
                 touched[req.request_id] = req
 
@@ -263,7 +325,7 @@ class LLMEngine:
         for req in touched.values():
             if req.finished:
                 req.finished_time = now
-                del self.requests[req.request_id]
+                del self._requests[req.request_id]
             outputs.append(self.make_output(req))
         return outputs
 

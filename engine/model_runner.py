@@ -1,11 +1,13 @@
 """Turn a scheduler decision into model inputs, run the model, and sample the next tokens.
 
-Decode-only batches run through the compiled decode step when one is installed (by the compile stages): the runner
-writes the whole step's input into one persistent int64 buffer on the engine's device, [max_num_seqs, DECODE_COLS +
-max_blocks] (token, position, cache slot, context length, block table per row; engine/attention.py), and the step is
-one call with no host synchronisation until the sampler's single one. The batch runs at its own size on the CPU,
-whose graph has a symbolic batch dimension; captured CUDA graphs have fixed shapes, so there a batch is padded up to
-the next captured size with rows that write into the scratch block the block manager never hands out.
+Decode-only batches run through the compiled decode step when one is installed (`install_decode`, by the compile
+stages). The step's whole input is one int64 array, [batch, DECODE_COLS + table width] (token, position, cache
+slot, context length, block table per row; engine/attention.py), held by a persistent DecodeBatch
+(engine/decode_batch.py) that carries the rows from step to step and changes only what a step changed: a step's
+host work grows with the rows that joined, left or entered a new KV block, not with every row's block table. The
+step is one call with no host synchronisation until the sampler's single one. The batch runs at its own size on
+the CPU, whose graph has a symbolic batch dimension; captured CUDA graphs have fixed shapes, so there a batch is
+padded up to the next captured size with rows that write into the scratch block the block manager never hands out.
 
 Prefill chunks (or everything, when there is no compiled step or the batch is too big for it) run the eager forward
 over AttentionMetadata; in a mixed step the decode rows still take the compiled step.
@@ -22,16 +24,26 @@ from typing import Callable
 import torch
 
 from .attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN, AttentionMetadata
+from .decode_batch import MIN_TABLE_WIDTH, DecodeBatch
 from .kv_cache import KVCache
 from .models.llama import DecoderLM
 from .sampler import SampleResult, sample
 from .scheduler import ScheduledSeq
+from .sequence import Sequence
 
 # packed [B, DECODE_COLS + W] -> logits [B, vocab]
 DecodeFn = Callable[[torch.Tensor], torch.Tensor]
 
-# Block tables are at least this wide: a width of 1 is a size-1 dimension the traced graph would specialise on.
-MIN_TABLE_WIDTH = 2
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Nanoseconds the runner has spent, summed over its life, inside the model call (the compiled decode step, or
+    the eager forward and LM head) and inside the sampler. A step's host time is its wall time minus what these
+    grew by during it (profiling/bench/decode.py). On a GPU the model call only launches work; the wait for it
+    lands in the sampler's host transfer."""
+
+    model_ns: int = 0
+    sample_ns: int = 0
 
 
 @dataclass
@@ -41,6 +53,16 @@ class BatchInputs:
     meta: AttentionMetadata
     order: list[ScheduledSeq]  # prefill chunks first, then decodes: the row order of the batch
     sample_rows: list[int]  # last row of each sequence that samples this step
+
+
+@dataclass(frozen=True)
+class _ServingViews:
+    """One input shape's views of the decode batch's buffer: the flat host and device spans (the same tensor on the
+    CPU), and the [rows, cols] input the step runs."""
+
+    host: torch.Tensor
+    device: torch.Tensor
+    packed: torch.Tensor
 
 
 def _pad_tables(tables: list[list[int]], width: int, fill: int, device: torch.device) -> torch.Tensor:
@@ -59,8 +81,8 @@ class ModelRunner:
         self.scratch_block = kv_cache.num_blocks - 1  # reserved: see module docstring
         self.device = torch.device(device)
         self.last_prefill_s = 0.0  # wall time of the last step's eager part when it had prompt tokens
-        self.decode_fn: DecodeFn | None = None
-        self.decode_sizes: list[int] = []  # batch sizes the compiled step was captured / warmed for
+        self._decode_step: DecodeFn | None = None
+        self._decode_sizes: list[int] = []  # batch sizes the compiled step was captured / warmed for
         self.pad_decode = self.device.type == "cuda"  # fixed-shape CUDA graphs
         self._max_batch = max_num_seqs
         self._max_width = max(MIN_TABLE_WIDTH, max_blocks_per_seq)
@@ -70,10 +92,60 @@ class ModelRunner:
         self._host = torch.zeros(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._host_np = self._host.numpy()
         self._device_buf = self._host if self.device.type == "cpu" else self._host.to(self.device)
+        # The persistent decode batch lays its rows out in a buffer of its own (prepare_decode's from-scratch builds
+        # must not overwrite them), which the compiled step reads through views made once per shape.
+        serve = torch.zeros(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._batch = DecodeBatch(
+            max_num_seqs, self._max_width, self.block_size, self.scratch_block, buffer=serve.numpy(),
+            fixed_width=self.pad_decode,
+        )  # fmt: skip
+        self._serve_host = serve
+        self._serve_device = serve if self.device.type == "cpu" else serve.to(self.device)
+        self._views: dict[tuple[int, int], _ServingViews] = {}
+        self._model_ns = 0
+        self._sample_ns = 0
 
     @property
     def max_decode_batch(self) -> int:
         return self._max_batch
+
+    @property
+    def decode_step(self) -> DecodeFn | None:
+        """The installed compiled decode step (None: every step runs eagerly)."""
+        return self._decode_step
+
+    @property
+    def decode_sizes(self) -> tuple[int, ...]:
+        """The batch sizes the installed step was captured or warmed for."""
+        return tuple(self._decode_sizes)
+
+    def install_decode(self, step: DecodeFn, sizes: list[int] | tuple[int, ...]) -> None:
+        """Serve decode-only batches through `step` from now on, at the batch sizes `sizes` (captured CUDA graphs
+        run at exactly those sizes; the CPU graph runs any size up to --max-num-seqs)."""
+        self._decode_step = step
+        self._decode_sizes = sorted(sizes)
+        self._batch.clear()  # rows are only carried over between steps of one installed step
+
+    def padding_batch(self, size: int) -> torch.Tensor:
+        """A decode input of `size` padding rows (each reads and writes only the scratch block): what start-up
+        checks, captures and warms the compiled step on."""
+        return self.prepare_decode([], pad_to=size)
+
+    @torch.inference_mode()
+    def warm_up(self, step: DecodeFn, sizes: list[int]) -> list[float]:
+        """Run `step` once at each batch size on padding rows against the real cache (first-call set-up, allocator
+        warm-up); the seconds each call took."""
+        times = []
+        for size in sizes:
+            packed = self.padding_batch(size)
+            t0 = time.perf_counter()
+            step(packed)
+            times.append(round(time.perf_counter() - t0, 4))
+        return times
+
+    def step_times(self) -> StepTimes:
+        """The model and sampler time so far (see StepTimes)."""
+        return StepTimes(self._model_ns, self._sample_ns)
 
     @property
     def max_table_width(self) -> int:
@@ -85,16 +157,45 @@ class ModelRunner:
 
     def padded_size(self, batch: int) -> int | None:
         """The batch size to run a decode batch at through the compiled step, or None for eager."""
-        if self.decode_fn is None or batch > self.max_decode_batch:
+        if self._decode_step is None or batch > self.max_decode_batch:
             return None
         if not self.pad_decode:
             return batch
-        i = bisect.bisect_left(self.decode_sizes, batch)
-        return self.decode_sizes[i] if i < len(self.decode_sizes) else None
+        i = bisect.bisect_left(self._decode_sizes, batch)
+        return self._decode_sizes[i] if i < len(self._decode_sizes) else None
 
     # ------------------------------------------------------------------------------------------ decode path
+    def _decode_input(self, seqs: list[Sequence], rows: int) -> torch.Tensor:
+        """This step's input from the persistent decode batch, `rows` rows (the batch, then padding)."""
+        batch = self._batch
+        batch.sync(seqs)
+        if rows > len(batch):
+            batch.pad(rows)
+        cols = batch.cols
+        views = self._views.get((rows, cols))
+        if views is None:
+            # Made once per shape, inside inference mode as the steps run: slicing and viewing are torch calls
+            # whose dispatch code is cold on every step (the model step sweeps the caches).
+            n = rows * cols
+            host = self._serve_host[:n]
+            device = host if self._serve_device is self._serve_host else self._serve_device[:n]
+            views = self._views[(rows, cols)] = _ServingViews(host, device, device.view(rows, cols))
+        if views.device is not views.host:
+            views.device.copy_(views.host, non_blocking=True)
+        return views.packed
+
+    def _staged(self, rows: int, cols: int) -> torch.Tensor:
+        """The staging buffer's first rows * cols elements as the [rows, cols] input, on the engine's device."""
+        n = rows * cols
+        if self.device.type == "cpu":
+            return self._host[:n].view(rows, cols)
+        self._device_buf[:n].copy_(self._host[:n], non_blocking=True)
+        return self._device_buf[:n].view(rows, cols)
+
     def prepare_decode(self, decodes: list[ScheduledSeq], pad_to: int | None = None) -> torch.Tensor:
-        """Fill the persistent buffer for a decode-only batch; returns the [B, DECODE_COLS + W] view to run."""
+        """Fill the staging buffer for a decode-only batch from scratch, row by row from the sequences; returns the
+        [B, DECODE_COLS + W] view to run. Serving goes through the persistent DecodeBatch instead; this builds the
+        same input independently (start-up's padding batches, and the reference the tests compare against)."""
         bs = self.block_size
         rows = pad_to or len(decodes)
         width = MIN_TABLE_WIDTH
@@ -121,11 +222,7 @@ class ModelRunner:
             buf[i, POSITION] = 0
             buf[i, SLOT] = self.scratch_block * bs
             buf[i, CONTEXT] = 1
-        n = rows * cols
-        if self.device.type == "cpu":
-            return self._host[:n].view(rows, cols)
-        self._device_buf[:n].copy_(self._host[:n], non_blocking=True)
-        return self._device_buf[:n].view(rows, cols)
+        return self._staged(rows, cols)
 
     # ------------------------------------------------------------------------------------------- eager path
     def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
@@ -184,6 +281,9 @@ class ModelRunner:
         padded = self.padded_size(len(decodes)) if decodes else None
         self.last_prefill_s = 0.0
         if padded is None:
+            # The decode batch's rows carry over only between consecutive compiled steps: this step moves its
+            # decode rows (if any) on outside the batch.
+            self._batch.clear()
             # Timed only when it holds prompts alone: decode rows run eagerly here (a batch past the compiled
             # sizes, or no compiled step), and their attention would be booked to the prompt tokens.
             yield self._run_eager(scheduled, timed=not decodes), True
@@ -202,9 +302,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run_compiled(self, decodes: list[ScheduledSeq], padded: int) -> list[tuple[ScheduledSeq, SampleResult | None]]:
-        assert self.decode_fn is not None
-        logits = self.decode_fn(self.prepare_decode(decodes, padded))[: len(decodes)]
-        return list(zip(decodes, sample(logits, [s.seq for s in decodes])))
+        step = self._decode_step
+        assert step is not None
+        seqs = [s.seq for s in decodes]
+        packed = self._decode_input(seqs, padded)
+        t0 = time.perf_counter_ns()
+        logits = step(packed)
+        t1 = time.perf_counter_ns()
+        samples = sample(logits if padded == len(seqs) else logits[: len(seqs)], seqs)
+        t2 = time.perf_counter_ns()
+        self._model_ns += t1 - t0
+        self._sample_ns += t2 - t1
+        self._batch.advance([r.token_id for r in samples])
+        return list(zip(decodes, samples))
 
     @torch.inference_mode()
     def _run_eager(
@@ -221,13 +331,20 @@ class ModelRunner:
 
     def _eager(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
         batch = self.prepare(scheduled)
+        t0 = time.perf_counter_ns()
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows]) if batch.sample_rows else None
+        t1 = time.perf_counter_ns()
+        self._model_ns += t1 - t0
         samplers = [s for s in batch.order if s.samples]
         results: list[tuple[ScheduledSeq, SampleResult | None]] = [(s, None) for s in batch.order if not s.samples]
         if samplers and logits is not None:
-            results.extend(zip(samplers, sample(logits, [s.seq for s in samplers])))
+            seqs = [s.seq for s in samplers]
+            t2 = time.perf_counter_ns()
+            samples = sample(logits, seqs)
+            self._sample_ns += time.perf_counter_ns() - t2
+            results.extend(zip(samplers, samples))
         return results
 
 

@@ -33,6 +33,23 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """The scheduler's queues and its KV cache, as of one moment."""
+
+    running_seqs: int
+    waiting_seqs: int
+    running_requests: int  # distinct requests among the running sequences
+    max_num_seqs: int
+    prefill_backlog: int  # see Scheduler.prefill_backlog
+    num_preemptions: int
+    kv_blocks: int
+    kv_free_blocks: int
+    block_size: int
+    prefix_queries: int  # full blocks looked up in the prefix cache
+    prefix_hits: int  # of those, found
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
@@ -51,7 +68,7 @@ class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int) -> None:
         self.cfg = sched
         self.max_model_len = max_model_len
-        self.block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self._block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -71,8 +88,28 @@ class Scheduler:
         resumed = sum(s.num_tokens - s.num_computed_tokens for s in self.waiting if s.first_scheduled_time is not None)
         return running + resumed
 
+    def stats(self) -> SchedulerStats:
+        bm = self._block_manager
+        return SchedulerStats(
+            running_seqs=len(self.running),
+            waiting_seqs=len(self.waiting),
+            running_requests=len({s.request_id for s in self.running}),
+            max_num_seqs=self.cfg.max_num_seqs,
+            prefill_backlog=self.prefill_backlog(),
+            num_preemptions=self.num_preemptions,
+            kv_blocks=bm.num_blocks,
+            kv_free_blocks=bm.num_free_blocks,
+            block_size=bm.block_size,
+            prefix_queries=bm.prefix_queries,
+            prefix_hits=bm.prefix_hits,
+        )
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step computed `seq`'s tokens: publish its blocks that are now full to the prefix cache."""
+        self._block_manager.commit(seq)
+
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.block_manager.free_seq(seq)
+        self._block_manager.free_seq(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -82,7 +119,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.cfg.max_num_batched_tokens
-        bm = self.block_manager
+        bm = self._block_manager
         now = time.monotonic()
 
         i = 0
@@ -134,7 +171,7 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self.block_manager.free_seq(seq)
+        self._block_manager.free_seq(seq)
         if seq in self.running:
             self.running.remove(seq)
 

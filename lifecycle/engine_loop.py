@@ -127,7 +127,8 @@ class EngineLoop:
         self._on_crash = on_crash
         self._post = post
         self._outbox: list[tuple[Sink, EngineEvent]] = []
-        self.load = LoadSnapshot(0, 0, engine.scheduler.cfg.max_num_seqs)
+        stats = engine.stats()
+        self.load = LoadSnapshot(0, 0, stats.max_num_seqs)
         self.prefill_cost = PrefillCost()
         self._inbox: queue.SimpleQueue[Submission | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -135,8 +136,8 @@ class EngineLoop:
         self._trim_pending = False
         self._thread = threading.Thread(target=self._run, name="glowplug-engine-loop", daemon=True)
         # Baselines: warm-up generations ran before the loop and are not traffic.
-        self._prompt_seen = engine.num_prompt_tokens
-        self._generated_seen = engine.num_generated_tokens
+        self._prompt_seen = stats.num_prompt_tokens
+        self._generated_seen = stats.num_generated_tokens
 
     # ------------------------------------------------------------ any thread
 
@@ -258,11 +259,9 @@ class EngineLoop:
         self._unscheduled.add(sub.request_id)
 
     def _count_aborted_tokens(self, request_id: str) -> None:
-        req = self._engine.requests.get(request_id)
-        if req is not None:
-            tokens = sum(len(s.output_token_ids) for s in req.seqs)
-            if tokens:
-                self._metrics.aborted_generation_tokens.inc(tokens)
+        status = self._engine.request_status(request_id)
+        if status is not None and status.generated_tokens:
+            self._metrics.aborted_generation_tokens.inc(status.generated_tokens)
 
     def _abort(self, request_id: str, notify_message: str | None) -> None:
         self._count_aborted_tokens(request_id)
@@ -285,9 +284,9 @@ class EngineLoop:
 
     def _note_scheduled(self) -> None:
         for request_id in list(self._unscheduled):
-            req = self._engine.requests.get(request_id)
-            # Gone from `requests` means it finished within the step that first scheduled it.
-            if req is None or any(s.first_scheduled_time is not None for s in req.seqs):
+            status = self._engine.request_status(request_id)
+            # No status means it finished within the step that first scheduled it.
+            if status is None or status.scheduled:
                 self._unscheduled.discard(request_id)
                 sink = self._sinks.get(request_id)
                 if sink is not None:
@@ -302,17 +301,14 @@ class EngineLoop:
         self._emit(sink, out)
 
     def _publish(self) -> None:
-        eng = self._engine
-        bm = eng.block_manager
-        sched = eng.scheduler
-        running = {s.request_id for s in sched.running}
+        stats = self._engine.stats()
         self.load = LoadSnapshot(
-            len(sched.running), len(sched.waiting), sched.cfg.max_num_seqs, prefill_backlog=sched.prefill_backlog()
+            stats.running_seqs, stats.waiting_seqs, stats.max_num_seqs, prefill_backlog=stats.prefill_backlog
         )
         self._metrics.set_engine_gauges(
-            running=len(running), used_blocks=bm.num_blocks - bm.num_free_blocks, total_blocks=bm.num_blocks
+            running=stats.running_requests, used_blocks=stats.kv_used_blocks, total_blocks=stats.kv_blocks
         )
-        prompt, generated = eng.num_prompt_tokens, eng.num_generated_tokens
+        prompt, generated = stats.num_prompt_tokens, stats.num_generated_tokens
         if prompt > self._prompt_seen:
             self._metrics.prompt_tokens.inc(prompt - self._prompt_seen)
         if generated > self._generated_seen:

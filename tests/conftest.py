@@ -50,6 +50,6 @@ def make_llm() -> Iterator[Callable[..., object]]:
 
     yield make
     for llm in built:
-        bm = llm.engine.block_manager
+        stats = llm.engine.stats()
         assert not llm.engine.has_unfinished(), "engine still has unfinished requests"
-        assert bm.num_free_blocks == bm.num_blocks, f"KV blocks leaked: {bm.num_blocks - bm.num_free_blocks}"
+        assert stats.kv_used_blocks == 0, f"KV blocks leaked: {stats.kv_used_blocks}"

@@ -92,7 +92,7 @@ def test_compiled_step_equals_eager_step_and_writes_the_same_cache(tiny_dir, cac
     caches = runner.kv_cache.layers
     before = [(c.k.clone(), c.v.clone()) for c in caches]
     with torch.inference_mode():
-        got = runner.decode_fn(packed)
+        got = runner.decode_step(packed)
         after_compiled = [(c.k.clone(), c.v.clone()) for c in caches]
         for c, (k, v) in zip(caches, before):
             c.k.copy_(k)
@@ -123,7 +123,8 @@ def test_serving_never_compiles_and_matches_eager(tiny_dir, cache: Path, make_ll
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     eng = compiled.engine
     calls = {"n": 0}
-    inner = eng.runner.decode_fn
+    inner = eng.runner.decode_step
+    assert inner is not None
 
     def counting(packed: torch.Tensor) -> torch.Tensor:
         calls["n"] += 1
@@ -132,7 +133,7 @@ def test_serving_never_compiles_and_matches_eager(tiny_dir, cache: Path, make_ll
         assert ok, step.guard_failure(packed.clone(), caches)
         return inner(packed)
 
-    eng.runner.decode_fn = counting
+    eng.runner.install_decode(counting, eng.runner.decode_sizes)
     outs: dict[str, list[int]] = {}
     for k in range(1, 9):
         for p in PROMPTS[:k]:
@@ -198,7 +199,7 @@ def test_quantized_and_int8_kv_compiled_match_eager(tiny_dir, cache: Path, field
     model = tiny_dir("llama")
     compiled, _ = _start(model, cache, **fields)
     runner = compiled.engine.runner
-    inner = runner.decode_fn
+    inner = runner.decode_step
     assert inner is not None and compiled.phase_table.seconds("graph_compile_general_shape") is not None or (
         compiled.phase_table.seconds("graph_compile_cached") is not None)
     errors: list[float] = []
@@ -211,7 +212,7 @@ def test_quantized_and_int8_kv_compiled_match_eager(tiny_dir, cache: Path, field
         agree.append(float((got.argmax(-1) == want.argmax(-1)).float().mean()))
         return got
 
-    runner.decode_fn = checked
+    runner.install_decode(checked, runner.decode_sizes)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     eng = compiled.engine
     for p in PROMPTS[:4]:
@@ -273,7 +274,7 @@ def test_host_syncs_per_decode_step_are_bounded(tiny_dir, cache: Path, monkeypat
     assert steps == 20
     # One transfer per step (the sampler's tokens), plus the block tables' numpy view is created once per runner.
     assert counter.count <= steps, f"{counter.count} host syncs in {steps} decode steps"
-    for rid in list(eng.requests):
+    for rid in eng.request_ids():
         eng.abort(rid)
 
 

@@ -54,7 +54,7 @@ def test_preemption_keeps_outputs_identical(tiny_dir, make_llm) -> None:
     # 20 blocks of 4 tokens: enough for any one sequence, far too few for eight at once.
     tight = make_llm(d, num_gpu_blocks_override=20, cache={"block_size": 4}, max_model_len=80)
     got = _tokens(tight.generate(PROMPTS, params))
-    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats().num_preemptions > 0
     assert got == roomy
 
 
@@ -72,11 +72,10 @@ def test_prefix_cache_hits_and_output_unchanged(tiny_dir, make_llm) -> None:
     llm = make_llm(d, cache={"block_size": 4})
     prefix = PROMPTS[3]
     first = llm.generate([prefix + " one"], GREEDY)[0]
-    bm = llm.engine.block_manager
-    hits_before = bm.prefix_hits
+    hits_before = llm.engine.stats().prefix_hits
     second = llm.generate([prefix + " one"], GREEDY)[0]
     n_prompt = len(second.prompt_token_ids)
-    assert bm.prefix_hits - hits_before == (n_prompt - 1) // 4
+    assert llm.engine.stats().prefix_hits - hits_before == (n_prompt - 1) // 4
     assert second.num_cached_tokens == (n_prompt - 1) // 4 * 4 > 0
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     nocache = make_llm(d, cache={"block_size": 4, "enable_prefix_caching": False})
@@ -89,9 +88,9 @@ def test_abort_frees_blocks_immediately(tiny_dir, make_llm) -> None:
     req = eng.add_request(PROMPTS[3], SamplingParams(max_tokens=50, ignore_eos=True))
     eng.step()
     eng.step()
-    assert eng.block_manager.num_free_blocks < eng.block_manager.num_blocks
+    assert eng.stats().kv_used_blocks > 0
     assert eng.abort(req.request_id)
-    assert eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    assert eng.stats().kv_used_blocks == 0
     assert not eng.has_unfinished()
 
 

@@ -41,7 +41,7 @@ class CudaGraphDecode:
         caches = runner.kv_cache.layers
         pool = None
         for size in sorted(sizes, reverse=True):  # largest first: later graphs reuse its memory pool
-            packed = runner.prepare_decode([], pad_to=size)  # every row padding: reads/writes the scratch block
+            packed = runner.padding_batch(size)  # every row padding: reads/writes the scratch block
             t0 = time.perf_counter()
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
@@ -80,7 +80,7 @@ class GraphCapture:
         sizes = [s for s in capture_sizes(ctx) if s <= runner.max_decode_batch]
         caches = runner.kv_cache.layers
         for size in sizes:
-            packed = runner.prepare_decode([], pad_to=size)
+            packed = runner.padding_batch(size)
             if not decode_fn.guards_pass(packed, caches):
                 raise RuntimeError(
                     f"the compiled decode step's guards reject batch size {size} "
@@ -89,18 +89,11 @@ class GraphCapture:
                 )
         if ctx.device == "cuda":
             captured = CudaGraphDecode(runner, decode_fn, sizes)
-            runner.decode_fn = captured
+            runner.install_decode(captured, sizes)
             times = captured.times
         else:
-            times = []
-            with torch.inference_mode():
-                for size in sizes:
-                    packed = runner.prepare_decode([], pad_to=size)
-                    t0 = time.perf_counter()
-                    decode_fn.unguarded(packed, caches)
-                    times.append(round(time.perf_counter() - t0, 4))
-            runner.decode_fn = decode_fn.serving(caches)
-        runner.decode_sizes = sizes
+            times = runner.warm_up(lambda packed: decode_fn.unguarded(packed, caches), sizes)
+            runner.install_decode(decode_fn.serving(caches), sizes)
         ctx.runner = runner  # the same object, changed in place: the write is what the stage contract sees
         return StageReport(
             attributes={Attr.GRAPH_SIZES: sizes, Attr.GRAPH_SIZE_TIMES_S: times, Attr.RECOMPILES: 0}  # a loaded step never compiles; guards were checked above

@@ -25,7 +25,7 @@ class Warmup:
             for out in engine.step():
                 if out.finished:
                     generated += len(out.outputs[0].token_ids)
-        bm = engine.block_manager
-        if bm.num_free_blocks != bm.num_blocks:
-            raise RuntimeError(f"warm-up leaked {bm.num_blocks - bm.num_free_blocks} KV blocks")
+        stats = engine.stats()
+        if stats.kv_used_blocks:
+            raise RuntimeError(f"warm-up leaked {stats.kv_used_blocks} KV blocks")
         return StageReport(attributes={"glowplug.warmup_tokens": generated, "glowplug.warmup_requests": len(reqs)})

@@ -233,7 +233,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
         llm.engine.commit_kv_cache()
         model_dir = llm.startup.model_dir
         resolved = str(llm.startup.dtype).removeprefix("torch.")
-        compiled = llm.engine.runner.decode_fn is not None
+        compiled = llm.engine.runner.decode_step is not None
         wbytes = weight_bytes_per_token(llm.engine.model, compiled)
         groups = group_sizes(llm.engine.model)
         base: float | None = None

@@ -154,10 +154,10 @@ def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None)
         if llm is None:
             result.cells += [LatencyCell(quant, b, reason=why) for b in cfg.batch_size]
             continue
-        result.kv_blocks[quant] = llm.engine.block_manager.num_blocks
+        result.kv_blocks[quant] = llm.engine.stats().kv_blocks
         result.resolved[quant] = (
             str(llm.startup.dtype).removeprefix("torch."),
-            "on" if llm.engine.runner.decode_fn is not None else "off",
+            "on" if llm.engine.runner.decode_step is not None else "off",
         )
         for batch in cfg.batch_size:
             why_not = why_cannot_run(llm.engine, batch, cfg.sequence_length, cfg.decode_length)
@@ -172,7 +172,7 @@ def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None)
                 _measure(llm.engine, cfg, cell, prompts, params)
             except Exception as exc:  # a scheme still being wired may fail mid-run: the cell says how
                 cell.reason = f"failed: {one_line(exc)}"
-                for req_id in list(llm.engine.requests):
+                for req_id in llm.engine.request_ids():
                     llm.engine.abort(req_id)
         llm = None
         gc.collect()

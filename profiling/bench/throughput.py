@@ -229,7 +229,7 @@ def run_throughput_bench(
                 continue
             params = SamplingParams(temperature=0.0, max_tokens=shape.output_len, ignore_eos=True)
             dtype = str(llm.startup.dtype).removeprefix("torch.")
-            mode = "on" if llm.engine.runner.decode_fn is not None else "off"
+            mode = "on" if llm.engine.runner.decode_step is not None else "off"
             prompts = make_prompts(llm.tokenizer, shape.batch, shape.input_len)
             try:
                 for _ in range(cfg.warmups):
@@ -238,7 +238,7 @@ def run_throughput_bench(
                     say(f"[{quant}] {shape.name}: run {i}/{cfg.runs}")
                     results.add(_record(quant, shape, i, time_batch(llm.engine, prompts, params), dtype, mode))
             except Exception as exc:  # a scheme still being wired may fail mid-run: the table says how
-                for req_id in list(llm.engine.requests):
+                for req_id in llm.engine.request_ids():
                     llm.engine.abort(req_id)
                 results.add(_skipped(quant, shape, f"failed: {one_line(exc)}"))
         llm = None

@@ -76,14 +76,13 @@ def why_cannot_run(engine: Any, batch: int, prompt_tokens: int, new_tokens: int)
     total = prompt_tokens + new_tokens
     if total > engine.max_model_len:
         return f"{prompt_tokens} + {new_tokens} tokens > max-model-len {engine.max_model_len}"
-    max_seqs = engine.scheduler.cfg.max_num_seqs
-    if batch > max_seqs:
-        return f"batch {batch} > max-num-seqs {max_seqs}"
-    bm = engine.block_manager
-    need = batch * blocks_per_sequence(prompt_tokens, new_tokens, bm.block_size)
-    if need > bm.num_blocks:
+    stats = engine.stats()
+    if batch > stats.max_num_seqs:
+        return f"batch {batch} > max-num-seqs {stats.max_num_seqs}"
+    need = batch * blocks_per_sequence(prompt_tokens, new_tokens, stats.block_size)
+    if need > stats.kv_blocks:
         # Running it anyway would preempt and recompute, timing the scheduler's fallback instead of the model.
-        return f"KV cache: needs {need} blocks, has {bm.num_blocks}"
+        return f"KV cache: needs {need} blocks, has {stats.kv_blocks}"
     return None
 
 
