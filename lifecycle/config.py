@@ -57,10 +57,11 @@ class ServeConfig(BaseModel):
     )
     # ---- the transport: limits checked before any work (lifecycle/transport.py; README, "Hostile input")
     max_body_bytes: int = Field(
-        32 * MIB,
+        16 * MIB,
         ge=0,
         description="Largest request body in bytes: a larger one gets 413 before it is read (by its Content-Length) "
-        "or as soon as it passes the limit (chunked). 0 = no limit.",
+        "or as soon as it passes the limit (chunked). 16 MiB: millions of words of text, more than any context "
+        "holds. 0 = no limit.",
     )
     max_json_depth: int = Field(
         128,
