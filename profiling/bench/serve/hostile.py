@@ -49,6 +49,9 @@ _PROBE_INTERVAL_S = 0.010
 _RSS_INTERVAL_S = 0.005
 _QUIET_S = 4.0  # the quiet window of each run, after every stream has its first token
 _LIMITS_OFF = {"max_body_bytes": 0, "body_read_timeout": 0, "header_read_timeout": 0}
+# Both servers admit without the expected-wait check (--max-queue-wait 30 s by default): on a loaded machine its
+# 429s would land in one run of a pair and not the other, and they are admission, not a transport limit.
+_NO_WAIT_LIMIT = {"max_queue_wait": 3600.0}
 _API_KEY_ENV = "GLOWPLUG_API_KEY"
 
 
@@ -352,6 +355,7 @@ class CostPair:
     without_tps: float
     order: str  # which server ran first (and last) in the pair
     failed: int
+    errors: dict[str, int]  # failed requests by kind (http_429, timeout, ...), both servers
 
     @property
     def ratio(self) -> float:
@@ -359,12 +363,13 @@ class CostPair:
 
 
 def _throughput(base_url: str, path: str, bodies: list[dict[str, Any]], concurrency: int, timeout: float,
-                headers: dict[str, str] | None) -> tuple[float, float, int]:  # fmt: skip
-    """(output tokens/s, wall seconds, failed requests) of one closed-loop run over `bodies`."""
+                headers: dict[str, str] | None) -> tuple[float, float, list[str]]:  # fmt: skip
+    """(output tokens/s, wall seconds, the error kind of each failed request) of one closed-loop run."""
     t0 = time.perf_counter()
     results = run_closed(base_url, path, bodies, concurrency, max_duration=600, timeout=timeout, headers=headers)
     wall = time.perf_counter() - t0
-    return sum(r.output_tokens or 0 for r in results if r.ok) / wall, wall, sum(1 for r in results if not r.ok)
+    tps = sum(r.output_tokens or 0 for r in results if r.ok) / wall
+    return tps, wall, [r.error or "unknown" for r in results if not r.ok]
 
 
 # ---------------------------------------------------------------- the mode
@@ -440,7 +445,7 @@ def run_hostile(cfg: ServeBenchConfig, tokenizer: Any, say: Progress) -> Hostile
     timeouts = {} if cfg.hostile_timeouts is None else {
         "body_read_timeout": cfg.hostile_timeouts, "header_read_timeout": cfg.hostile_timeouts}  # fmt: skip
     # The key reaches the server through the environment, never its command line (which `ps` shows).
-    with _server(cfg, {_API_KEY_ENV: key}, **timeouts) as (base_url, pid):
+    with _server(cfg, {_API_KEY_ENV: key}, **timeouts, **_NO_WAIT_LIMIT) as (base_url, pid):
         model = cfg.served_model_name or served_model(base_url, {"Authorization": f"Bearer {key}"})
         from ....lifecycle.config import ServeConfig
 
@@ -467,7 +472,7 @@ def run_hostile(cfg: ServeBenchConfig, tokenizer: Any, say: Progress) -> Hostile
         corpus = run_corpus(target, say)
         bodies = [request_body(s, model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos) for s in specs]
         path = api_path(cfg.endpoint)
-        with _server(cfg, {_API_KEY_ENV: ""}, **_LIMITS_OFF) as (plain_url, _plain_pid):
+        with _server(cfg, {_API_KEY_ENV: ""}, **_LIMITS_OFF, **_NO_WAIT_LIMIT) as (plain_url, _plain_pid):
             pairs = _cost_pairs(cfg, base_url, plain_url, key, path, bodies, say)
     return HostileResult(cfg.hostile_prompt_mb, cfg.hostile_streams, cfg.hostile_refusals, holds, refusals, corpus, pairs,
                          cfg.hostile_concurrency, len(bodies),
@@ -514,14 +519,16 @@ def _cost_pairs(cfg: ServeBenchConfig, limited: str, plain: str, key: str, path:
         a, b = ((limited, auth), (plain, None)) if first_limited else ((plain, None), (limited, auth))
         tokens: dict[str, float] = {limited: 0.0, plain: 0.0}
         seconds: dict[str, float] = {limited: 0.0, plain: 0.0}
-        failed = 0
+        errors: dict[str, int] = {}
         for url, headers in (a, b, b, a):
             tps, wall, bad = _throughput(url, path, bodies, conc, cfg.request_timeout, headers)
             tokens[url] += tps * wall
             seconds[url] += wall
-            failed += bad
+            for kind in bad:
+                label = f"{'limits' if url == limited else 'no limits'}: {kind}"
+                errors[label] = errors.get(label, 0) + 1
         pair = CostPair(tokens[limited] / seconds[limited], tokens[plain] / seconds[plain],
-                        "limits first" if first_limited else "no limits first", failed)  # fmt: skip
+                        "limits first" if first_limited else "no limits first", sum(errors.values()), errors)  # fmt: skip
         say(f"hostile: cost pair {i + 1}/{cfg.runs}: {pair.with_limits_tps:.1f} / {pair.without_tps:.1f} tokens/s "
             f"= {pair.ratio:.3f}")  # fmt: skip
         pairs.append(pair)
@@ -597,7 +604,8 @@ def render_hostile(r: HostileResult, head: str) -> str:
     ratios = [p.ratio for p in r.pairs]
     worst = min(r.pairs, key=lambda p: p.ratio) if r.pairs else None
     pair_rows = [[i + 1, p.order, fmt_num(p.with_limits_tps, 1), fmt_num(p.without_tps, 1), fmt_num(p.ratio, 3),
-                  p.failed] for i, p in enumerate(r.pairs)]  # fmt: skip
+                  ", ".join(f"{k} {v}" for k, v in sorted(p.errors.items())) or "0"]
+                 for i, p in enumerate(r.pairs)]  # fmt: skip
     failed_cases = [c for c in r.corpus.cases if not c.passed]
     verdict = "PASS" if r.passed else "FAIL"
     from ....lifecycle.config import ServeConfig
@@ -618,7 +626,9 @@ def render_hostile(r: HostileResult, head: str) -> str:
         f"read and refused from its length), each sent {r.refusals_per_run} times per run, in turn, while "
         f"{r.streams} streams generate; server: default limits (`--max-body-bytes` {defaults.max_body_bytes:,}, "
         f"`--max-json-depth` {defaults.max_json_depth}, `--max-json-values` {defaults.max_json_values:,}, "
-        f"`--body-read-timeout` {r.timeouts[0]:g} s, `--header-read-timeout` {r.timeouts[1]:g} s) and an API key",
+        f"`--body-read-timeout` {r.timeouts[0]:g} s, `--header-read-timeout` {r.timeouts[1]:g} s) and an API key; "
+        f"both servers of this report run with `--max-queue-wait {_NO_WAIT_LIMIT['max_queue_wait']:g}` (admission, "
+        "not a transport limit: on a loaded machine its 429s would fall on one run of a pair and not the other)",
         "- during refusals: probes and inter-token gaps whose interval overlaps a refusal (send to response); quiet: "
         f"the same streams over {_QUIET_S - 0.5:g} s before the first; RSS sampled every "
         f"{_RSS_INTERVAL_S * 1000:g} ms, growth = a refusal's peak over the median of the 0.3 s before it; one "
@@ -659,8 +669,8 @@ def render_hostile(r: HostileResult, head: str) -> str:
     ]
     if ratios and worst is not None:
         parts.append(f"- **throughput with / without limits: {fmt_spread(ratios, 3)}**, worst pair {worst.ratio:.3f}")
-    parts += ["", markdown_table(["Pair", "Order", "With limits (tokens/s)", "Without (tokens/s)", "Ratio", "Failed"],
-                                 pair_rows), ""]  # fmt: skip
+    parts += ["", markdown_table(["Pair", "Order", "With limits (tokens/s)", "Without (tokens/s)", "Ratio",
+                                  "Failed requests"], pair_rows), ""]  # fmt: skip
     return "\n".join(parts)
 
 
