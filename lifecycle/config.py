@@ -57,11 +57,11 @@ class ServeConfig(BaseModel):
     )
     # ---- the transport: limits checked before any work (lifecycle/transport.py; README, "Hostile input")
     max_body_bytes: int = Field(
-        32 * MIB,
+        16 * MIB,
         ge=0,
         description="Largest request body in bytes: a larger one gets 413 before it is read (by its Content-Length) "
-        "or as soon as it passes the limit (chunked). 32 MiB holds a batch of 16 full 128 K-token id lists. "
-        "0 = no limit.",
+        "or as soon as it passes the limit (chunked). 16 MiB: millions of words of text, more than any context "
+        "holds. 0 = no limit.",
     )
     max_json_depth: int = Field(
         128,
@@ -86,8 +86,8 @@ class ServeConfig(BaseModel):
     header_read_timeout: float = Field(
         20.0,
         ge=0.0,
-        description="Seconds a connection may take to send a complete request head (after it opens, or after its "
-        "previous response); then it is closed. 0 = no limit.",
+        description="Seconds a request head may take to arrive complete, from the connection opening (or from its "
+        "first byte, on a kept-alive connection); then the connection is closed. 0 = no limit.",
     )
     api_key: SecretStr | None = Field(
         None,

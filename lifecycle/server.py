@@ -73,7 +73,7 @@ class ServiceServer(uvicorn.Server):
                 "listening", host=self.config.host, port=self.bound_port, model=self.service.model_name,
                 api_key_required=cfg.api_key is not None,  # whether, never which
                 max_body_bytes=cfg.max_body_bytes, max_json_depth=cfg.max_json_depth,
-                body_read_timeout_s=cfg.body_read_timeout, header_read_timeout_s=cfg.header_read_timeout,
+                max_json_values=cfg.max_json_values, body_read_timeout_s=cfg.body_read_timeout, header_read_timeout_s=cfg.header_read_timeout,
             )  # fmt: skip
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:

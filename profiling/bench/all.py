@@ -182,8 +182,9 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                            ["serve/soak.md"], "mixed streams with hang-ups; leaks, counters and RSS checked after"),
         # The server's own default max-model-len (the issue's setting); the corpus runs with the default limits, so
         # its slow cases take the default 60 s body and 20 s head timeouts.
+        # 32 requests per run of the cost pairs: each pair is four runs (A B B A), and three pairs must fit.
         "serve-hostile": Step("serve-hostile", [*serve_common, "--hostile", "--hostile-prompt-mb", "2" if q else "20",
-                                                "--num-prompts", "8" if q else "64", "--out-dir", serve_dir],
+                                                "--num-prompts", "8" if q else "32", "--out-dir", serve_dir],
                               ["serve/hostile.md"], "a large prompt refused under load, the hostile corpus, the "
                               "limits' cost on throughput"),
     }  # fmt: skip

@@ -160,7 +160,7 @@ def test_transport_flags_come_from_the_schema() -> None:
         1024, 16, 2.5, 0.0)  # fmt: skip
     assert cfg.api_key is not None and cfg.api_key.get_secret_value() == "sk-flag"
     defaults = ServeConfig()
-    assert defaults.max_body_bytes == 32 << 20 and defaults.max_json_depth == 128 and defaults.api_key is None
+    assert defaults.max_body_bytes == 16 << 20 and defaults.max_json_depth == 128 and defaults.api_key is None
     with pytest.raises(ValidationError):
         ServeConfig(max_json_depth=1000)  # past what Python's parser can take
 

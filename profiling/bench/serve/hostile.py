@@ -49,6 +49,9 @@ _PROBE_INTERVAL_S = 0.010
 _RSS_INTERVAL_S = 0.005
 _QUIET_S = 4.0  # the quiet window of each run, after every stream has its first token
 _LIMITS_OFF = {"max_body_bytes": 0, "body_read_timeout": 0, "header_read_timeout": 0}
+# Both servers admit without the expected-wait check (--max-queue-wait 30 s by default): on a loaded machine its
+# 429s would land in one run of a pair and not the other, and they are admission, not a transport limit.
+_NO_WAIT_LIMIT = {"max_queue_wait": 3600.0}
 _API_KEY_ENV = "GLOWPLUG_API_KEY"
 
 
@@ -118,6 +121,9 @@ def measure_hold(tokenizer: Any, chars: int, runs: int) -> list[HoldRun]:
 
 @dataclass
 class RefusalRun:
+    # Per refusal, in the order sent:
+    bodies_mb: list[float]
+    expected: list[tuple[int, str]]  # (status, code) a correct server answers
     statuses: list[int]
     codes: list[str | None]
     refusal_s: list[float]
@@ -128,7 +134,6 @@ class RefusalRun:
     rss_quiet_mb: float
     rss_growth_each_mb: list[float]  # per refusal: peak during it over the median of the 0.3 s before it
     rss_after_mb: float
-    body_mb: float
 
     @property
     def ready_p99_ms(self) -> float:
@@ -138,17 +143,23 @@ class RefusalRun:
     def itl_ratio(self) -> float:
         return _p(self.itl_during_ms, 99) / _p(self.itl_quiet_ms, 99)
 
-    @property
-    def rss_growth_mb(self) -> float:
-        return max(0.0, *self.rss_growth_each_mb)
+    def of_size(self, mb: float) -> list[int]:
+        """The indices of the refusals of bodies of `mb` MiB."""
+        return [i for i, b in enumerate(self.bodies_mb) if b == mb]
+
+    def rss_ratio_of(self, mb: float) -> float:
+        """The largest RSS growth of a refusal of a `mb` MiB body, over its size."""
+        growth = [g for g in (self.rss_growth_each_mb[i] for i in self.of_size(mb)) if math.isfinite(g)]
+        return max(0.0, *growth) / mb if growth else math.nan
 
     @property
     def rss_ratio(self) -> float:
-        return self.rss_growth_mb / self.body_mb
+        """The largest RSS growth of any refusal over its own body's size."""
+        return max(self.rss_ratio_of(mb) for mb in set(self.bodies_mb))
 
     @property
     def refused(self) -> bool:
-        return all(s == 400 for s in self.statuses) and all(c == "context_length_exceeded" for c in self.codes)
+        return [(s, c) for s, c in zip(self.statuses, self.codes)] == self.expected
 
     @property
     def passed(self) -> bool:
@@ -252,9 +263,24 @@ def _error_code(resp: httpx.Response) -> str | None:
         return None
 
 
+@dataclass(frozen=True)
+class HostileBody:
+    """A body the refusal runs send, and the answer a correct server gives it."""
+
+    data: bytes
+    status: int
+    code: str
+
+    @property
+    def mb(self) -> float:
+        return round(len(self.data) / 2**20, 2)
+
+
 def refusal_run(cfg: ServeBenchConfig, base_url: str, pid: int | None, key: str, stream_body: dict[str, Any],
-                hostile: bytes, say: Progress) -> RefusalRun:  # fmt: skip
+                bodies: list[HostileBody], say: Progress) -> RefusalRun:  # fmt: skip
+    """Streams and probes running; a quiet window; then each body `hostile_refusals` times (in turn), 0.5 s apart."""
     auth = {"Authorization": f"Bearer {key}"}
+    sent: list[HostileBody] = [b for _ in range(cfg.hostile_refusals) for b in bodies]
     with _Sampler(base_url, pid) as sampler, _Streams(base_url, stream_body, cfg.hostile_streams, auth) as streams:
         deadline = time.monotonic() + 300
         while not streams.started() and not streams.errors and time.monotonic() < deadline:
@@ -268,14 +294,14 @@ def refusal_run(cfg: ServeBenchConfig, base_url: str, pid: int | None, key: str,
         codes: list[str | None] = []
         headers = {**auth, "Content-Type": "application/json"}
         with httpx.Client(base_url=base_url, timeout=600, trust_env=False) as http:
-            for i in range(cfg.hostile_refusals):
+            for i, body in enumerate(sent):
                 t0 = time.perf_counter()
-                resp = http.post("/v1/completions", content=hostile, headers=headers)
+                resp = http.post("/v1/completions", content=body.data, headers=headers)
                 t1 = time.perf_counter()
                 windows.append((t0, t1))
                 statuses.append(resp.status_code)
                 codes.append(_error_code(resp))
-                say(f"hostile: refusal {i + 1}/{cfg.hostile_refusals}: {resp.status_code} in {t1 - t0:.2f} s")
+                say(f"hostile: refusal {i + 1}/{len(sent)} ({body.mb:g} MiB): {resp.status_code} in {t1 - t0:.2f} s")
                 time.sleep(0.5)
         after = time.perf_counter()
         time.sleep(1.0)
@@ -285,10 +311,11 @@ def refusal_run(cfg: ServeBenchConfig, base_url: str, pid: int | None, key: str,
     growth = []
     for t0, t1 in windows:
         before, during = sampler.rss_in(t0 - 0.3, t0), sampler.rss_in(t0, t1 + 0.2)
-        if before and during:
-            growth.append(max(during) - statistics.median(before))
+        growth.append(max(during) - statistics.median(before) if before and during else math.nan)
     rss_after = sampler.rss_in(after + 0.5, after + 1.0)
     return RefusalRun(
+        bodies_mb=[b.mb for b in sent],
+        expected=[(b.status, b.code) for b in sent],
         statuses=statuses,
         codes=codes,
         refusal_s=[b - a for a, b in windows],
@@ -297,10 +324,23 @@ def refusal_run(cfg: ServeBenchConfig, base_url: str, pid: int | None, key: str,
         itl_during_ms=streams.gaps(windows),
         itl_quiet_ms=streams.gaps([quiet]),
         rss_quiet_mb=statistics.median(rss_quiet) if rss_quiet else math.nan,
-        rss_growth_each_mb=growth or [math.nan],
+        rss_growth_each_mb=growth,
         rss_after_mb=statistics.median(rss_after) if rss_after else math.nan,
-        body_mb=len(hostile) / 2**20,
     )
+
+
+def hostile_bodies(model: str, prompt_mb: float, max_body_bytes: int) -> list[HostileBody]:
+    """The --hostile-prompt-mb prompt; when the server's body limit refuses it from its Content-Length (413), also
+    the largest prompt the limit lets through, which is read and refused from its length (400)."""
+    bodies = []
+    big = request_body_bytes(model, "hello world " * int(prompt_mb * 1e6 / 12))
+    over = max_body_bytes and len(big) > max_body_bytes
+    bodies.append(HostileBody(big, 413, "request_too_large") if over else
+                  HostileBody(big, 400, "context_length_exceeded"))  # fmt: skip
+    if over:
+        fill = request_body_bytes(model, "hello world " * ((max_body_bytes - 256) // 12))
+        bodies.append(HostileBody(fill, 400, "context_length_exceeded"))
+    return bodies
 
 
 # ---------------------------------------------------------------- 4. the limits' cost on the normal path
@@ -315,6 +355,7 @@ class CostPair:
     without_tps: float
     order: str  # which server ran first (and last) in the pair
     failed: int
+    errors: dict[str, int]  # failed requests by kind (http_429, timeout, ...), both servers
 
     @property
     def ratio(self) -> float:
@@ -322,12 +363,13 @@ class CostPair:
 
 
 def _throughput(base_url: str, path: str, bodies: list[dict[str, Any]], concurrency: int, timeout: float,
-                headers: dict[str, str] | None) -> tuple[float, float, int]:  # fmt: skip
-    """(output tokens/s, wall seconds, failed requests) of one closed-loop run over `bodies`."""
+                headers: dict[str, str] | None) -> tuple[float, float, list[str]]:  # fmt: skip
+    """(output tokens/s, wall seconds, the error kind of each failed request) of one closed-loop run."""
     t0 = time.perf_counter()
     results = run_closed(base_url, path, bodies, concurrency, max_duration=600, timeout=timeout, headers=headers)
     wall = time.perf_counter() - t0
-    return sum(r.output_tokens or 0 for r in results if r.ok) / wall, wall, sum(1 for r in results if not r.ok)
+    tps = sum(r.output_tokens or 0 for r in results if r.ok) / wall
+    return tps, wall, [r.error or "unknown" for r in results if not r.ok]
 
 
 # ---------------------------------------------------------------- the mode
@@ -335,7 +377,7 @@ def _throughput(base_url: str, path: str, bodies: list[dict[str, Any]], concurre
 
 @dataclass
 class HostileResult:
-    body_bytes: int
+    prompt_mb: float
     streams: int
     refusals_per_run: int
     holds: list[HoldRun]
@@ -367,13 +409,13 @@ class HostileResult:
     def as_dict(self) -> dict[str, Any]:
         return {
             "passed": self.passed,
-            "body_bytes": self.body_bytes,
+            "prompt_mb": self.prompt_mb,
             "streams": self.streams,
             "refusals_per_run": self.refusals_per_run,
             "holds": [asdict(h) for h in self.holds],
-            "refusals": [{**asdict(r), "ready_p99_ms": _finite(r.ready_p99_ms), "itl_ratio": _finite(r.itl_ratio),
-                          "rss_growth_mb": _finite(r.rss_growth_mb), "rss_ratio": _finite(r.rss_ratio),
-                          "passed": r.passed}
+            "refusals": [{**asdict(r), "rss_growth_each_mb": [_finite(g) for g in r.rss_growth_each_mb],
+                          "ready_p99_ms": _finite(r.ready_p99_ms), "itl_ratio": _finite(r.itl_ratio),
+                          "rss_ratio": _finite(r.rss_ratio), "passed": r.passed}
                          for r in self.refusals],  # fmt: skip
             "corpus": self.corpus.as_dict(),
             "pairs": [{**asdict(p), "ratio": p.ratio} for p in self.pairs],
@@ -399,40 +441,40 @@ def run_hostile(cfg: ServeBenchConfig, tokenizer: Any, say: Progress) -> Hostile
     holds = measure_hold(tokenizer, cfg.hostile_hold_chars, cfg.runs)
     say(f"hostile: tokenizer hold measured ({cfg.runs} runs of {cfg.hostile_hold_chars:,} characters)")
     key = "sk-bench-" + secrets.token_hex(16)
-    prompt = "hello world " * int(cfg.hostile_prompt_mb * 1e6 / 12)
     specs = build_requests(cfg, tokenizer, max(cfg.num_prompts, 2), seed=0)
     timeouts = {} if cfg.hostile_timeouts is None else {
         "body_read_timeout": cfg.hostile_timeouts, "header_read_timeout": cfg.hostile_timeouts}  # fmt: skip
     # The key reaches the server through the environment, never its command line (which `ps` shows).
-    with _server(cfg, {_API_KEY_ENV: key}, **timeouts) as (base_url, pid):
+    with _server(cfg, {_API_KEY_ENV: key}, **timeouts, **_NO_WAIT_LIMIT) as (base_url, pid):
         model = cfg.served_model_name or served_model(base_url, {"Authorization": f"Bearer {key}"})
-        hostile = request_body_bytes(model, prompt)
-        body_bytes = len(hostile)
-        del prompt
+        from ....lifecycle.config import ServeConfig
+
+        bodies = hostile_bodies(model, cfg.hostile_prompt_mb, ServeConfig().max_body_bytes)
         # As long as the context allows: the streams must outlast a run (they are hung up at its end).
         context = _max_model_len(base_url, key)
         longest = context - cfg.input_len - 16 if context is not None else cfg.hostile_stream_tokens
         stream_body = {**request_body(specs[0], model, temperature=cfg.temperature, ignore_eos=True),
                        "max_tokens": max(16, min(cfg.hostile_stream_tokens, longest))}  # fmt: skip
         stream_body.pop("stream_options", None)
-        # One untimed refusal first: the first large body also pays one-time costs (the worker threads that parse
-        # and tokenize, their malloc arenas), which are not what a refusal costs.
-        httpx.post(base_url + "/v1/completions", content=hostile, timeout=600, trust_env=False,
-                   headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})  # fmt: skip
+        # One untimed refusal of each first: the first large body also pays one-time costs (the worker threads that
+        # parse and tokenize, their malloc arenas), which are not what a refusal costs.
+        for body in bodies:
+            httpx.post(base_url + "/v1/completions", content=body.data, timeout=600, trust_env=False,
+                       headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})  # fmt: skip
         refusals = []
         for r in range(cfg.runs):
             say(f"hostile: refusal run {r + 1}/{cfg.runs}")
-            refusals.append(refusal_run(cfg, base_url, pid, key, stream_body, hostile, say))
-        del hostile
+            refusals.append(refusal_run(cfg, base_url, pid, key, stream_body, bodies, say))
+        del bodies
         target = _target(cfg, base_url, model, key, cfg.hostile_timeouts, context or 0)
         say(f"hostile: corpus ({target.body_read_timeout:g} s body and {target.header_read_timeout:g} s head timeouts"
             " make the slow cases take that long)")  # fmt: skip
         corpus = run_corpus(target, say)
         bodies = [request_body(s, model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos) for s in specs]
         path = api_path(cfg.endpoint)
-        with _server(cfg, {_API_KEY_ENV: ""}, **_LIMITS_OFF) as (plain_url, _plain_pid):
+        with _server(cfg, {_API_KEY_ENV: ""}, **_LIMITS_OFF, **_NO_WAIT_LIMIT) as (plain_url, _plain_pid):
             pairs = _cost_pairs(cfg, base_url, plain_url, key, path, bodies, say)
-    return HostileResult(body_bytes, cfg.hostile_streams, cfg.hostile_refusals, holds, refusals, corpus, pairs,
+    return HostileResult(cfg.hostile_prompt_mb, cfg.hostile_streams, cfg.hostile_refusals, holds, refusals, corpus, pairs,
                          cfg.hostile_concurrency, len(bodies),
                          (target.body_read_timeout, target.header_read_timeout))  # fmt: skip
 
@@ -477,14 +519,16 @@ def _cost_pairs(cfg: ServeBenchConfig, limited: str, plain: str, key: str, path:
         a, b = ((limited, auth), (plain, None)) if first_limited else ((plain, None), (limited, auth))
         tokens: dict[str, float] = {limited: 0.0, plain: 0.0}
         seconds: dict[str, float] = {limited: 0.0, plain: 0.0}
-        failed = 0
+        errors: dict[str, int] = {}
         for url, headers in (a, b, b, a):
             tps, wall, bad = _throughput(url, path, bodies, conc, cfg.request_timeout, headers)
             tokens[url] += tps * wall
             seconds[url] += wall
-            failed += bad
+            for kind in bad:
+                label = f"{'limits' if url == limited else 'no limits'}: {kind}"
+                errors[label] = errors.get(label, 0) + 1
         pair = CostPair(tokens[limited] / seconds[limited], tokens[plain] / seconds[plain],
-                        "limits first" if first_limited else "no limits first", failed)  # fmt: skip
+                        "limits first" if first_limited else "no limits first", sum(errors.values()), errors)  # fmt: skip
         say(f"hostile: cost pair {i + 1}/{cfg.runs}: {pair.with_limits_tps:.1f} / {pair.without_tps:.1f} tokens/s "
             f"= {pair.ratio:.3f}")  # fmt: skip
         pairs.append(pair)
@@ -501,7 +545,7 @@ def render_hostile(r: HostileResult, head: str) -> str:
         return fmt_spread(values, digits)
 
     ref = r.refusals
-    statuses = ", ".join(sorted({f"{s} {c}" for x in ref for s, c in zip(x.statuses, x.codes)}))
+    sizes = sorted(set(ref[0].bodies_mb), reverse=True)
 
     def row(label: str, values: list[float], target: str = "—", digits: int = 1) -> list[Any]:
         # The worst run is the largest value: every figure here is a cost (time, latency, ratio, memory).
@@ -513,9 +557,18 @@ def render_hostile(r: HostileResult, head: str) -> str:
     pooled_during = [g for x in ref for g in x.itl_during_ms]
     pooled_quiet = [g for x in ref for g in x.itl_quiet_ms]
 
-    rows = [
-        ["Status and code of every refusal", statuses, "400 context_length_exceeded", "—"],
-        row("Time to refusal, median per run (s)", [statistics.median(x.refusal_s) for x in ref], digits=2),
+    rows: list[list[Any]] = []
+    for mb in sizes:
+        got = sorted({f"{x.statuses[i]} {x.codes[i]}" for x in ref for i in x.of_size(mb)})
+        want = next(f"{s} {c}" for x in ref[:1] for i in x.of_size(mb) for s, c in [x.expected[i]])
+        rows += [
+            [f"{mb:g} MiB body: status and code of every refusal", ", ".join(got), want, "—"],
+            row(f"{mb:g} MiB body: time to refusal, median per run (s)",
+                [statistics.median(x.refusal_s[i] for i in x.of_size(mb)) for x in ref], digits=2),
+            row(f"{mb:g} MiB body: RSS growth / body size", [x.rss_ratio_of(mb) for x in ref],
+                f"<= {RSS_RATIO_TARGET:g}", 2),
+        ]  # fmt: skip
+    rows += [
         row("/health/ready p99 during refusals (ms)", [x.ready_p99_ms for x in ref], f"<= {READY_P99_TARGET_MS:g}"),
         row("/health/ready p99 in the quiet window (ms)", [_p(x.ready_quiet_ms, 99) for x in ref]),
         row("Inter-token p99 during refusals (ms)", [_p(x.itl_during_ms, 99) for x in ref]),
@@ -523,8 +576,6 @@ def render_hostile(r: HostileResult, head: str) -> str:
         row("Inter-token p99, during / quiet", [x.itl_ratio for x in ref], f"<= {ITL_RATIO_TARGET:g}", 2),
         row("Inter-token p99, during / quiet, all runs' gaps pooled", [_p(pooled_during, 99) / _p(pooled_quiet, 99)],
             f"<= {ITL_RATIO_TARGET:g}", 2),
-        row("RSS growth, largest of a refusal's peak over the 0.3 s before it (MiB)", [x.rss_growth_mb for x in ref]),
-        row("RSS growth / body size", [x.rss_ratio for x in ref], f"<= {RSS_RATIO_TARGET:g}", 2),
         row("RSS 0.5-1 s after the last refusal, over quiet (MiB)", [x.rss_after_mb - x.rss_quiet_mb for x in ref]),
         ["Probes during refusals (count)", spread([float(len(x.ready_during_ms)) for x in ref], 0), "—", "—"],
         ["Inter-token gaps during refusals (count)", spread([float(len(x.itl_during_ms)) for x in ref], 0), "—", "—"],
@@ -553,27 +604,36 @@ def render_hostile(r: HostileResult, head: str) -> str:
     ratios = [p.ratio for p in r.pairs]
     worst = min(r.pairs, key=lambda p: p.ratio) if r.pairs else None
     pair_rows = [[i + 1, p.order, fmt_num(p.with_limits_tps, 1), fmt_num(p.without_tps, 1), fmt_num(p.ratio, 3),
-                  p.failed] for i, p in enumerate(r.pairs)]  # fmt: skip
+                  ", ".join(f"{k} {v}" for k, v in sorted(p.errors.items())) or "0"]
+                 for i, p in enumerate(r.pairs)]  # fmt: skip
     failed_cases = [c for c in r.corpus.cases if not c.passed]
     verdict = "PASS" if r.passed else "FAIL"
-    mb = r.body_bytes / 1e6
+    from ....lifecycle.config import ServeConfig
+
+    defaults = ServeConfig()
+    bodies = " and ".join(f"{mb:g} MiB" for mb in sizes)
     parts = [
         head,
-        f"- **verdict: {verdict}**, against: every large prompt refused (400 context_length_exceeded), the medians "
-        "over runs within their targets, every corpus case a 4xx or a clean close with the server READY and a normal "
-        f"request succeeding after it. Runs within every target: {sum(1 for x in r.refusals if x.passed)}/"
+        f"- **verdict: {verdict}**, against: every large prompt refused with the right 4xx, the medians over runs "
+        "within their targets, every corpus case a 4xx or a clean close with the server READY and a normal request "
+        f"succeeding after it. Runs within every target: {sum(1 for x in r.refusals if x.passed)}/"
         f"{len(r.refusals)}. Figures: median over runs (min–max), and the worst run",
         "",
         "## A large prompt refused under load",
         "",
-        f"- a {mb:.1f} MB /v1/completions body (`\"hello world \" * n`), sent {r.refusals_per_run} times in a row per "
-        f"run while {r.streams} streams generate; server: default limits (`--max-body-bytes` 32 MiB, "
-        f"`--max-json-depth` 128, `--body-read-timeout` {r.timeouts[0]:g} s, `--header-read-timeout` "
-        f"{r.timeouts[1]:g} s) and an API key",
+        f"- /v1/completions bodies of {bodies} (`\"hello world \" * n`: the {r.prompt_mb:g} MB prompt, and, when "
+        "the body limit refuses that from its Content-Length, the largest prompt the limit lets through, which is "
+        f"read and refused from its length), each sent {r.refusals_per_run} times per run, in turn, while "
+        f"{r.streams} streams generate; server: default limits (`--max-body-bytes` {defaults.max_body_bytes:,}, "
+        f"`--max-json-depth` {defaults.max_json_depth}, `--max-json-values` {defaults.max_json_values:,}, "
+        f"`--body-read-timeout` {r.timeouts[0]:g} s, `--header-read-timeout` {r.timeouts[1]:g} s) and an API key; "
+        f"both servers of this report run with `--max-queue-wait {_NO_WAIT_LIMIT['max_queue_wait']:g}` (admission, "
+        "not a transport limit: on a loaded machine its 429s would fall on one run of a pair and not the other)",
         "- during refusals: probes and inter-token gaps whose interval overlaps a refusal (send to response); quiet: "
         f"the same streams over {_QUIET_S - 0.5:g} s before the first; RSS sampled every "
-        f"{_RSS_INTERVAL_S * 1000:g} ms; one untimed refusal before the runs (the first large body also pays for "
-        "the worker threads and their malloc arenas)",
+        f"{_RSS_INTERVAL_S * 1000:g} ms, growth = a refusal's peak over the median of the 0.3 s before it; one "
+        "untimed refusal of each body before the runs (the first large body also pays for the worker threads and "
+        "their malloc arenas)",
         "",
         markdown_table(["", "Median (min–max)", "Target", "Worst run"], rows),
         "",
@@ -609,8 +669,8 @@ def render_hostile(r: HostileResult, head: str) -> str:
     ]
     if ratios and worst is not None:
         parts.append(f"- **throughput with / without limits: {fmt_spread(ratios, 3)}**, worst pair {worst.ratio:.3f}")
-    parts += ["", markdown_table(["Pair", "Order", "With limits (tokens/s)", "Without (tokens/s)", "Ratio", "Failed"],
-                                 pair_rows), ""]  # fmt: skip
+    parts += ["", markdown_table(["Pair", "Order", "With limits (tokens/s)", "Without (tokens/s)", "Ratio",
+                                  "Failed requests"], pair_rows), ""]  # fmt: skip
     return "\n".join(parts)
 
 

@@ -392,14 +392,16 @@ def _half_body(t: Target) -> Outcome:
 
 def _trickled_body(t: Target) -> Outcome:
     conn = Raw(t, timeout=t.body_read_timeout + 10)
+    interval = 0.05
     try:
-        body = completion(t, prompt="hi " * 200)
+        # More bytes than the timeout lets through at this pace: the body cannot be complete in time.
+        body = completion(t, prompt="hi " * int((t.body_read_timeout + 5) / interval / 3 + 100))
         conn.send(head(t, "/v1/completions", len(body)))
         deadline = time.monotonic() + t.body_read_timeout + 5
         for i in range(len(body)):
             if conn.readable() or time.monotonic() > deadline or not conn.send(body[i : i + 1]):
                 break
-            time.sleep(0.05)
+            time.sleep(interval)
         return conn.response()
     finally:
         conn.close()
@@ -452,13 +454,15 @@ def _partial_head(t: Target) -> Outcome:
 
 def _trickled_head(t: Target) -> Outcome:
     conn = Raw(t, timeout=t.header_read_timeout + 10)
+    interval = 0.05
     try:
-        text = b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 1000
+        # More bytes than the timeout lets through at this pace (and never a whole head).
+        text = b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * int((t.header_read_timeout + 5) / interval)
         deadline = time.monotonic() + t.header_read_timeout + 5
         for i in range(len(text)):
             if conn.readable() or time.monotonic() > deadline or not conn.send(text[i : i + 1]):
                 break
-            time.sleep(0.05)
+            time.sleep(interval)
         return conn.wait_closed(5.0)
     finally:
         conn.close()

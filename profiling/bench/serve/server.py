@@ -104,6 +104,9 @@ class StartedServer:
         except ServerError as exc:
             self.stop()
             raise ServerError(f"{exc}; its output is in {self.log_path}") from None
+        except BaseException:
+            self.stop()  # interrupted while waiting (Ctrl-C): `__exit__` will not run, so stop it here
+            raise
         return self
 
     def stop(self, timeout: float = 60.0) -> int | None:
