@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +15,7 @@ from .model_runner import ModelRunner
 from .models.llama import DecoderLM
 from .sampler import SampleResult
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledSeq, Scheduler
+from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import Sequence, TokenLogprobs
 
 
@@ -64,22 +64,12 @@ class StepShape:
 
 
 @dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's state for readers outside it (the server's loop, benchmarks, tests): its queues,
-    its KV cache and its token counters. Taken between steps; nothing in it changes afterwards."""
+class EngineStats(SchedulerStats):
+    """A snapshot of the engine's state for readers outside it (the server's loop, benchmarks, tests): the
+    scheduler's queues and KV cache, plus the engine's requests and token counters. Taken between steps; nothing in
+    it changes afterwards."""
 
-    running_seqs: int
-    waiting_seqs: int
-    running_requests: int  # distinct requests among the running sequences
-    max_num_seqs: int
-    prefill_backlog: int  # prompt tokens still to compute for sequences already started (Scheduler.prefill_backlog)
     num_requests: int  # requests added and not yet finished or aborted
-    num_preemptions: int
-    kv_blocks: int
-    kv_free_blocks: int
-    block_size: int
-    prefix_queries: int  # full KV blocks looked up in the prefix cache
-    prefix_hits: int  # of those, found
     num_prompt_tokens: int  # summed over every request added
     num_generated_tokens: int
 
@@ -145,23 +135,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def stats(self) -> EngineStats:
-        sched = self.scheduler.stats()
-        return EngineStats(
-            running_seqs=sched.running_seqs,
-            waiting_seqs=sched.waiting_seqs,
-            running_requests=sched.running_requests,
-            max_num_seqs=sched.max_num_seqs,
-            prefill_backlog=sched.prefill_backlog,
-            num_requests=len(self._requests),
-            num_preemptions=sched.num_preemptions,
-            kv_blocks=sched.kv_blocks,
-            kv_free_blocks=sched.kv_free_blocks,
-            block_size=sched.block_size,
-            prefix_queries=sched.prefix_queries,
-            prefix_hits=sched.prefix_hits,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generated_tokens=self.num_generated_tokens,
-        )
+        return EngineStats(**asdict(self.scheduler.stats()), num_requests=len(self._requests),
+                           num_prompt_tokens=self.num_prompt_tokens,
+                           num_generated_tokens=self.num_generated_tokens)  # fmt: skip
 
     def request_status(self, request_id: str) -> RequestStatus | None:
         """None once the request has finished (its last output was returned by `step`) or was aborted."""
