@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,6 +117,11 @@ def _run_corpus_and_check(server: ThreadServer, logs: io.StringIO, stdlib: _Reco
     assert not failed, failed
     assert result.server_errors == 0 and len(result.cases) >= 35
     assert server.service.snapshot().state is EngineState.READY
+    # The requests whose clients hung up were aborted, not left generating for nobody.
+    deadline = time.monotonic() + 30
+    while metric(server.base_url, "glowplug_num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server.base_url, "glowplug_num_requests_running") == 0
 
     # Client faults are counted, by stage; a refused request by its reason.
     base = server.base_url

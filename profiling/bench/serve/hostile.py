@@ -22,6 +22,7 @@ Every server is a subprocess on 127.0.0.1; every loop is bounded in requests and
 from __future__ import annotations
 
 import math
+import os
 import secrets
 import statistics
 import threading
@@ -114,6 +115,69 @@ def measure_hold(tokenizer: Any, chars: int, runs: int) -> list[HoldRun]:
         bounded_s, bounded_late = _timer_lateness(lambda: tokenizer.encode_bounded(text, limit=10**9))
         out.append(HoldRun(chars, whole_s, whole_late, bounded_s, bounded_late))
     return out
+
+
+# ---------------------------------------------------------------- the checks' own cost on a normal request
+
+
+@dataclass
+class CheckCost:
+    """Microseconds per normal request of each step the transport checks add, with what it replaces, measured in
+    this process (no server, no network: what the pairs below cannot resolve under a machine's noise)."""
+
+    body_bytes: int
+    parse_us: float  # read into a BodyBuffer, depth/element scan, strict UTF-8, json.loads, Unicode check, pydantic
+    parse_plain_us: float  # json.loads and pydantic alone (the path before)
+    key_us: float  # the API key check (SHA-256 of the presented key, compare_digest)
+    tokenize_us: float  # encode_bounded of the prompt
+    tokenize_plain_us: float  # Tokenizer.encode of the prompt
+
+
+def _per_call_us(fn: Callable[[], object], seconds: float = 0.5) -> float:
+    """Median over 5 rounds of the mean time of one call, each round about `seconds / 5` long."""
+    rounds = []
+    for _ in range(5):
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds / 5:
+            fn()
+            n += 1
+        rounds.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(rounds)
+
+
+def measure_check_cost(tokenizer: Any, body: dict[str, Any]) -> CheckCost:
+    import json
+
+    from ....lifecycle.config import ServeConfig
+    from ....lifecycle.metrics import ServiceMetrics
+    from ....lifecycle.protocol import CompletionRequest, parse_body
+    from ....lifecycle.transport import BodyBuffer, TransportGuard, TransportLimits
+
+    raw = json.dumps(body).encode()
+    cfg = ServeConfig(api_key="sk-" + "x" * 40)
+    guard = TransportGuard(lambda *_a: None, limits=TransportLimits.from_config(cfg), metrics=ServiceMetrics())
+    scope = {"type": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "headers": [(b"authorization", b"Bearer sk-" + b"x" * 40), (b"content-length", str(len(raw)).encode())]}
+
+    def checked() -> object:
+        buf = BodyBuffer(None)
+        buf.append(raw)
+        return parse_body(CompletionRequest, buf, cfg.max_json_depth, cfg.max_json_values)
+
+    def plain() -> object:
+        request = CompletionRequest.model_validate(json.loads(raw))
+        request.check()
+        return request
+
+    prompt = str(body["prompt"])
+    return CheckCost(
+        body_bytes=len(raw),
+        parse_us=_per_call_us(checked),
+        parse_plain_us=_per_call_us(plain),
+        key_us=_per_call_us(lambda: guard._refusal(scope)),
+        tokenize_us=_per_call_us(lambda: tokenizer.encode_bounded(prompt, limit=10**9)),
+        tokenize_plain_us=_per_call_us(lambda: tokenizer.encode(prompt)),
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------- 2. a large prompt refused under load
@@ -387,6 +451,8 @@ class HostileResult:
     concurrency: int
     requests: int
     timeouts: tuple[float, float]  # the server's body-read and header-read timeouts
+    cost: CheckCost
+    loads: list[float]  # the machine's 1-minute load average, at the start and after each part
 
     def median(self, figure: Callable[[RefusalRun], float]) -> float:
         """The median over the runs that have the figure (a run without samples has none); NaN when none has."""
@@ -422,6 +488,8 @@ class HostileResult:
             "concurrency": self.concurrency,
             "requests": self.requests,
             "timeouts": list(self.timeouts),
+            "check_cost_us": asdict(self.cost),
+            "load_average_1min": self.loads,
         }
 
 
@@ -438,10 +506,13 @@ def run_hostile(cfg: ServeBenchConfig, tokenizer: Any, say: Progress) -> Hostile
 
     if cfg.base_url is not None:
         raise ValueError("--hostile starts its own servers (one with the limits, one without); drop --base-url")
+    loads = [os.getloadavg()[0]]
     holds = measure_hold(tokenizer, cfg.hostile_hold_chars, cfg.runs)
     say(f"hostile: tokenizer hold measured ({cfg.runs} runs of {cfg.hostile_hold_chars:,} characters)")
     key = "sk-bench-" + secrets.token_hex(16)
     specs = build_requests(cfg, tokenizer, max(cfg.num_prompts, 2), seed=0)
+    cost = measure_check_cost(tokenizer, request_body(specs[0], cfg.model, temperature=cfg.temperature,
+                                                      ignore_eos=cfg.ignore_eos))  # fmt: skip
     timeouts = {} if cfg.hostile_timeouts is None else {
         "body_read_timeout": cfg.hostile_timeouts, "header_read_timeout": cfg.hostile_timeouts}  # fmt: skip
     # The key reaches the server through the environment, never its command line (which `ps` shows).
@@ -465,18 +536,20 @@ def run_hostile(cfg: ServeBenchConfig, tokenizer: Any, say: Progress) -> Hostile
         for r in range(cfg.runs):
             say(f"hostile: refusal run {r + 1}/{cfg.runs}")
             refusals.append(refusal_run(cfg, base_url, pid, key, stream_body, bodies, say))
+            loads.append(os.getloadavg()[0])
         del bodies
         target = _target(cfg, base_url, model, key, cfg.hostile_timeouts, context or 0)
         say(f"hostile: corpus ({target.body_read_timeout:g} s body and {target.header_read_timeout:g} s head timeouts"
             " make the slow cases take that long)")  # fmt: skip
         corpus = run_corpus(target, say)
+        loads.append(os.getloadavg()[0])
         bodies = [request_body(s, model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos) for s in specs]
         path = api_path(cfg.endpoint)
         with _server(cfg, {_API_KEY_ENV: ""}, **_LIMITS_OFF, **_NO_WAIT_LIMIT) as (plain_url, _plain_pid):
-            pairs = _cost_pairs(cfg, base_url, plain_url, key, path, bodies, say)
+            pairs = _cost_pairs(cfg, base_url, plain_url, key, path, bodies, say, loads)
     return HostileResult(cfg.hostile_prompt_mb, cfg.hostile_streams, cfg.hostile_refusals, holds, refusals, corpus, pairs,
                          cfg.hostile_concurrency, len(bodies),
-                         (target.body_read_timeout, target.header_read_timeout))  # fmt: skip
+                         (target.body_read_timeout, target.header_read_timeout), cost, loads)  # fmt: skip
 
 
 def _max_model_len(base_url: str, key: str) -> int | None:
@@ -508,7 +581,7 @@ def _target(cfg: ServeBenchConfig, base_url: str, model: str, key: str, timeouts
 
 
 def _cost_pairs(cfg: ServeBenchConfig, limited: str, plain: str, key: str, path: str,
-                bodies: list[dict[str, Any]], say: Progress) -> list[CostPair]:  # fmt: skip
+                bodies: list[dict[str, Any]], say: Progress, loads: list[float]) -> list[CostPair]:  # fmt: skip
     auth = {"Authorization": f"Bearer {key}"}
     conc = cfg.hostile_concurrency
     for url, headers in ((limited, auth), (plain, None)):  # warm-up: first requests compile and fill caches
@@ -531,6 +604,7 @@ def _cost_pairs(cfg: ServeBenchConfig, limited: str, plain: str, key: str, path:
                         "limits first" if first_limited else "no limits first", sum(errors.values()), errors)  # fmt: skip
         say(f"hostile: cost pair {i + 1}/{cfg.runs}: {pair.with_limits_tps:.1f} / {pair.without_tps:.1f} tokens/s "
             f"= {pair.ratio:.3f}")  # fmt: skip
+        loads.append(os.getloadavg()[0])
         pairs.append(pair)
     return pairs
 
@@ -669,6 +743,23 @@ def render_hostile(r: HostileResult, head: str) -> str:
     ]
     if ratios and worst is not None:
         parts.append(f"- **throughput with / without limits: {fmt_spread(ratios, 3)}**, worst pair {worst.ratio:.3f}")
+    c = r.cost
+    cost_rows = [
+        ["Read, scan (depth, elements), strict UTF-8, parse, Unicode check, validate", fmt_num(c.parse_us, 1),
+         fmt_num(c.parse_plain_us, 1), fmt_num(c.parse_us - c.parse_plain_us, 1)],
+        ["API key (SHA-256, compare_digest)", fmt_num(c.key_us, 1), "0", fmt_num(c.key_us, 1)],
+        ["Tokenize: `encode_bounded` against `encode`", fmt_num(c.tokenize_us, 1), fmt_num(c.tokenize_plain_us, 1),
+         fmt_num(c.tokenize_us - c.tokenize_plain_us, 1)],
+    ]  # fmt: skip
+    parts += [
+        f"- the machine's 1-minute load average over this run: {min(r.loads):.1f}–{max(r.loads):.1f} on "
+        f"{os.cpu_count()} cores (other work shared it: the spread of the pairs is that noise)",
+        "- what the checks cost one normal request, measured in this process where no noise hides it (a "
+        f"{c.body_bytes:,}-byte body of this run's requests; microseconds, median of 5 rounds):",
+        "",
+        markdown_table(["Step", "With the checks (us)", "Before (us)", "Added (us)"], cost_rows),
+        "",
+    ]
     parts += ["", markdown_table(["Pair", "Order", "With limits (tokens/s)", "Without (tokens/s)", "Ratio",
                                   "Failed requests"], pair_rows), ""]  # fmt: skip
     return "\n".join(parts)
