@@ -194,7 +194,7 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
     offline_step = r.offline_step_time_s / max(r.offline_steps, 1) * 1e3
     rows = [
         ["Output tokens/s", spread([s.throughput for s in r.server]), spread([o.throughput for o in r.offline])],
-        ["Server / offline, per pair", ", ".join(f"{x:.3f}" for x in r.pair_ratios), ""],
+        ["Server / offline, per pair", ", ".join(f"{x:.3f}" for x in r.pair_ratios), "(each pair's denominator)"],
         ["Wall time (s)", spread([s.wall_s for s in r.server]), spread([o.wall_s for o in r.offline])],
         ["Engine steps", spread([s.steps for s in r.server]), str(r.offline_steps)],
         ["Mean step (ms)", spread(server_step) if server_step else "no step recorded", fmt_num(offline_step, 2)],
