@@ -743,6 +743,12 @@ def render_hostile(r: HostileResult, head: str) -> str:
     ]
     if ratios and worst is not None:
         parts.append(f"- **throughput with / without limits: {fmt_spread(ratios, 3)}**, worst pair {worst.ratio:.3f}")
+    parts.append(
+        f"- the machine's 1-minute load average over this run: {min(r.loads):.1f}–{max(r.loads):.1f} on "
+        f"{os.cpu_count()} cores (other work shared it: the spread of the pairs is that noise)"
+    )
+    parts += ["", markdown_table(["Pair", "Order", "With limits (tokens/s)", "Without (tokens/s)", "Ratio",
+                                  "Failed requests"], pair_rows), ""]  # fmt: skip
     c = r.cost
     cost_rows = [
         ["Read, scan (depth, elements), strict UTF-8, parse, Unicode check, validate", fmt_num(c.parse_us, 1),
@@ -752,16 +758,12 @@ def render_hostile(r: HostileResult, head: str) -> str:
          fmt_num(c.tokenize_us - c.tokenize_plain_us, 1)],
     ]  # fmt: skip
     parts += [
-        f"- the machine's 1-minute load average over this run: {min(r.loads):.1f}–{max(r.loads):.1f} on "
-        f"{os.cpu_count()} cores (other work shared it: the spread of the pairs is that noise)",
-        "- what the checks cost one normal request, measured in this process where no noise hides it (a "
-        f"{c.body_bytes:,}-byte body of this run's requests; microseconds, median of 5 rounds):",
+        f"What the checks cost one normal request, measured in this process, where no machine noise hides it (a "
+        f"{c.body_bytes:,}-byte body of this run's requests; microseconds per request, median of 5 rounds):",
         "",
         markdown_table(["Step", "With the checks (us)", "Before (us)", "Added (us)"], cost_rows),
         "",
     ]
-    parts += ["", markdown_table(["Pair", "Order", "With limits (tokens/s)", "Without (tokens/s)", "Ratio",
-                                  "Failed requests"], pair_rows), ""]  # fmt: skip
     return "\n".join(parts)
 
 
