@@ -87,6 +87,8 @@ class DecodeBatch:
 
     def pad(self, count: int) -> None:
         """Write padding rows after the batch's, up to `count` rows in all."""
+        if count > self.max_rows:
+            raise ValueError(f"{count} rows asked of a decode batch of {self.max_rows}")
         n, cols = len(self._seqs), self.cols
         if count > n:
             self.buffer[n * cols : count * cols].reshape(count - n, cols)[:] = self._pad_row[:cols]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 import itertools
 import time
 from dataclasses import asdict, dataclass, field
@@ -16,10 +17,10 @@ from .models.llama import DecoderLM
 from .sampler import SampleResult
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
-from .sequence import Sequence, TokenLogprobs
+from .sequence import Sequence, SeqStatus, TokenLogprobs
 
 
-@dataclass
+@dataclass(slots=True)  # made for every request every step: no per-object __dict__
 class CompletionOutput:
     index: int
     text: str
@@ -33,7 +34,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None
@@ -41,7 +42,7 @@ class RequestMetrics:
     finished_time: float | None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -86,7 +87,7 @@ class RequestStatus:
     generated_tokens: int  # summed over its sequences
 
 
-@dataclass
+@dataclass(slots=True)
 class Request:
     request_id: str
     prompt: str | None
@@ -124,6 +125,8 @@ class LLMEngine:
         self._rng = torch.Generator().manual_seed(seed)
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
+        # Single-token decodes, one cache per skip_special_tokens setting, shared by every sequence's detokenizer.
+        self._pieces: dict[bool, dict[int, str]] = {True: {}, False: {}}
         self.last_step = StepShape()
 
     @property
@@ -211,6 +214,7 @@ class LLMEngine:
                     req.prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop,
+                    pieces=self._pieces[params.skip_special_tokens],
                 ),
                 generator=gen,
                 arrival_time=req.arrival_time,
@@ -232,16 +236,6 @@ class LLMEngine:
                 self.scheduler.abort(seq)
         return True
 
-    def _finish_reason(self, seq: Sequence, token: int, stopped_by_string: bool) -> str | None:
-        p = seq.params
-        if stopped_by_string or token in p.stop_token_ids:
-            return "stop"
-        if token in self.eos_token_ids and not p.ignore_eos:
-            return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
     def step(self, on_partial: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """Schedule and run one step; the outputs of the requests it advanced.
 
@@ -254,58 +248,86 @@ class LLMEngine:
         if out.empty:
             self.last_step = StepShape()
             return []
-        decode_rows = sum(1 for s in out.scheduled if s.num_new_tokens == 1)
         touched: dict[str, Request] = {}
         now = time.monotonic()
-        for results, last in self.runner.execute_parts(out.scheduled):
+        for (scheds, samples), last in self.runner.execute_parts(out.scheduled):
             now = time.monotonic()
-            self._advance(results, touched, now)
+            self._advance(scheds, samples, touched, now)
             if on_partial is not None and touched and not last:
                 on_partial(self._outputs(touched, now))
                 touched = {}
-        self.last_step = StepShape(out.num_tokens - decode_rows, decode_rows, self.runner.last_prefill_s)
+        self.last_step = StepShape(out.num_prefill_tokens, out.num_decode_rows, self.runner.last_prefill_s)
         return self._outputs(touched, now)
 
     def _advance(
-        self, results: list[tuple[ScheduledSeq, SampleResult | None]], touched: dict[str, Request], now: float
+        self,
+        scheds: list[ScheduledSeq],
+        samples: collections.abc.Sequence[SampleResult | None],
+        touched: dict[str, Request],
+        now: float,
     ) -> None:
-        """Book one part's results: computed tokens, the sampled token, detokenization, finishing."""
-        for sched, sample in results:
+        """Book one part's results: computed tokens, the sampled token, detokenization, finishing. This runs once per
+        row per step, so what it reads repeatedly is bound to locals first."""
+        scheduler, eos, requests, max_len = self.scheduler, self.eos_token_ids, self._requests, self.max_model_len
+        generated = 0
+        for sched, sample in zip(scheds, samples):
             seq = sched.seq
             seq.num_computed_tokens += sched.num_new_tokens
-            self.scheduler.commit(seq)
+            scheduler.commit(seq)
             if sample is None:
                 continue
             token = sample.token_id
-            seq.output_token_ids.append(token)
+            output = seq.output_token_ids
+            output.append(token)
             if sample.logprobs is not None:
                 seq.logprobs.append(sample.logprobs)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            self.num_generated_tokens += 1
-            is_terminal = token in seq.params.stop_token_ids or (
-                token in self.eos_token_ids and not seq.params.ignore_eos
-            )
-            stopped = False if is_terminal else seq.detok.append(token)
-            reason = self._finish_reason(seq, token, stopped)
-            if reason is not None:
-                if reason == "length":
-                    seq.detok.flush()
-                self.scheduler.finish(seq, reason)
-            req = self._requests.get(seq.request_id)
+            generated += 1
+            p = seq.params
+            # A stop token (or EOS, unless ignored) ends the sequence before the detokenizer sees it; then a stop
+            # string in the text; then the length limits (seq.num_tokens, spelled out).
+            if token in p.stop_token_ids or (token in eos and not p.ignore_eos) or seq.detok.append(token):
+                scheduler.finish(seq, "stop")
+            elif len(output) >= p.max_tokens or len(seq.prompt_token_ids) + len(output) >= max_len:
+                seq.detok.flush()
+                scheduler.finish(seq, "length")
+            rid = seq.request_id
+            req = requests.get(rid)
             if req is not None:
-                touched[req.request_id] = req
+                touched[rid] = req
+        self.num_generated_tokens += generated
 
     def _outputs(self, touched: dict[str, Request], now: float) -> list[RequestOutput]:
         outputs = []
-        for req in touched.values():
+        for rid, req in touched.items():
+            if len(req.seqs) == 1:  # n=1, the usual request (every row of every step): _single_output
+                seq = req.seqs[0]
+                done = seq.status is SeqStatus.FINISHED
+                if done:
+                    req.finished_time = now
+                    del self._requests[rid]
+                outputs.append(self._single_output(req, seq, done))
+                continue
             if req.finished:
                 req.finished_time = now
-                del self._requests[req.request_id]
+                del self._requests[rid]
             outputs.append(self.make_output(req))
         return outputs
 
+    @staticmethod
+    def _single_output(req: Request, s: Sequence, done: bool) -> RequestOutput:
+        """make_output of a request with one sequence `s` (finished: `done`), without the per-request lists."""
+        logprobs = s.logprobs.copy() if s.params.logprobs is not None else None
+        comp = CompletionOutput(s.index, s.detok.output_text, s.output_token_ids.copy(), s.finish_reason,
+                                s.detok.take_stream_delta(done), logprobs)  # fmt: skip
+        metrics = RequestMetrics(req.arrival_time, s.first_scheduled_time, s.first_token_time, req.finished_time)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [comp], done, s.num_cached_tokens,
+                             metrics)  # fmt: skip
+
     def make_output(self, req: Request) -> RequestOutput:
+        if len(req.seqs) == 1:
+            return self._single_output(req, req.seqs[0], req.seqs[0].status is SeqStatus.FINISHED)
         comps = [
             CompletionOutput(
                 index=s.index,

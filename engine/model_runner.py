@@ -16,6 +16,7 @@ over AttentionMetadata; in a mixed step the decode rows still take the compiled 
 from __future__ import annotations
 
 import bisect
+import collections.abc
 import time
 from dataclasses import dataclass
 from collections.abc import Iterator
@@ -33,6 +34,9 @@ from .sequence import Sequence
 
 # packed [B, DECODE_COLS + W] -> logits [B, vocab]
 DecodeFn = Callable[[torch.Tensor], torch.Tensor]
+# One part of a step: the sequences it ran and, for each, what it sampled (None: a prompt chunk short of the end).
+# Two parallel lists rather than a list of pairs: the engine walks them with zip, and no pair is built per row.
+PartResults = tuple[list[ScheduledSeq], collections.abc.Sequence[SampleResult | None]]
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,10 @@ class ModelRunner:
         self._views: dict[tuple[int, int], _ServingViews] = {}
         self._model_ns = 0
         self._sample_ns = 0
+        # One context object for every compiled step: the @torch.inference_mode() decorator builds a new one per call,
+        # a handful of Python calls that are cold each step (the model step sweeps the caches). Not re-entrant,
+        # and _run_compiled never nests.
+        self._inference_mode = torch.inference_mode()
 
     @property
     def max_decode_batch(self) -> int:
@@ -269,11 +277,9 @@ class ModelRunner:
 
     def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
         """Run one scheduled step; the results of all its parts."""
-        return [r for part, _last in self.execute_parts(scheduled) for r in part]
+        return [r for (scheds, samples), _last in self.execute_parts(scheduled) for r in zip(scheds, samples)]
 
-    def execute_parts(
-        self, scheduled: list[ScheduledSeq]
-    ) -> Iterator[tuple[list[tuple[ScheduledSeq, SampleResult | None]], bool]]:
+    def execute_parts(self, scheduled: list[ScheduledSeq]) -> Iterator[tuple[PartResults, bool]]:
         """Run one scheduled step, yielding each part's results (and whether it is the last part) as soon as it has
         them: one part, or two for a mixed step (the prompt chunks, then the decode rows), so that the caller can
         deliver the new prompts' first tokens before the decode rows have run."""
@@ -300,26 +306,24 @@ class ModelRunner:
         yield self._run_eager(prefills, timed=True), False
         yield self._run_compiled(decodes, padded), True
 
-    @torch.inference_mode()
-    def _run_compiled(self, decodes: list[ScheduledSeq], padded: int) -> list[tuple[ScheduledSeq, SampleResult | None]]:
+    def _run_compiled(self, decodes: list[ScheduledSeq], padded: int) -> PartResults:
         step = self._decode_step
         assert step is not None
-        seqs = [s.seq for s in decodes]
-        packed = self._decode_input(seqs, padded)
-        t0 = time.perf_counter_ns()
-        logits = step(packed)
-        t1 = time.perf_counter_ns()
-        samples = sample(logits if padded == len(seqs) else logits[: len(seqs)], seqs)
-        t2 = time.perf_counter_ns()
+        with self._inference_mode:
+            seqs = [s.seq for s in decodes]
+            packed = self._decode_input(seqs, padded)
+            t0 = time.perf_counter_ns()
+            logits = step(packed)
+            t1 = time.perf_counter_ns()
+            samples = sample(logits if padded == len(seqs) else logits[: len(seqs)], seqs)
+            t2 = time.perf_counter_ns()
         self._model_ns += t1 - t0
         self._sample_ns += t2 - t1
         self._batch.advance([r.token_id for r in samples])
-        return list(zip(decodes, samples))
+        return decodes, samples
 
     @torch.inference_mode()
-    def _run_eager(
-        self, scheduled: list[ScheduledSeq], *, timed: bool = False
-    ) -> list[tuple[ScheduledSeq, SampleResult | None]]:
+    def _run_eager(self, scheduled: list[ScheduledSeq], *, timed: bool = False) -> PartResults:
         """`timed`: record the wall time in `last_prefill_s` (a step with prompt tokens; what the server's admission
         learns a prompt token's cost from). On a GPU it ends at the sampler's host sync, or at the launches when
         the chunk samples nothing, so it can read low there."""
@@ -329,7 +333,7 @@ class ModelRunner:
             self.last_prefill_s = time.perf_counter() - t0
         return results
 
-    def _eager(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
+    def _eager(self, scheduled: list[ScheduledSeq]) -> PartResults:
         batch = self.prepare(scheduled)
         t0 = time.perf_counter_ns()
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
@@ -338,14 +342,16 @@ class ModelRunner:
         t1 = time.perf_counter_ns()
         self._model_ns += t1 - t0
         samplers = [s for s in batch.order if s.samples]
-        results: list[tuple[ScheduledSeq, SampleResult | None]] = [(s, None) for s in batch.order if not s.samples]
+        scheds = [s for s in batch.order if not s.samples]
+        results: list[SampleResult | None] = [None] * len(scheds)
         if samplers and logits is not None:
             seqs = [s.seq for s in samplers]
             t2 = time.perf_counter_ns()
             samples = sample(logits, seqs)
             self._sample_ns += time.perf_counter_ns() - t2
-            results.extend(zip(samplers, samples))
-        return results
+            scheds += samplers
+            results += samples
+        return scheds, results
 
 
 def dummy_decode_batch(

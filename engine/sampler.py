@@ -86,7 +86,7 @@ def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return logits
 
 
-@dataclass
+@dataclass(slots=True)  # one per row per step, read and freed on the engine's host path: no per-object __dict__
 class SampleResult:
     token_id: int
     logprobs: TokenLogprobs | None

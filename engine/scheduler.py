@@ -18,7 +18,7 @@ from .block_manager import BlockManager
 from .sequence import Sequence, SeqStatus
 
 
-@dataclass
+@dataclass(slots=True)  # one per scheduled sequence per step: no per-object __dict__
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int
@@ -54,10 +54,12 @@ class SchedulerStats:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # new tokens of the rows with more than one (prompt chunks)
+    num_decode_rows: int = 0  # rows with exactly one new token
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return self.num_prefill_tokens + self.num_decode_rows
 
     @property
     def empty(self) -> bool:
@@ -69,6 +71,7 @@ class Scheduler:
         self.cfg = sched
         self.max_model_len = max_model_len
         self._block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self._block_size = cache.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -106,7 +109,9 @@ class Scheduler:
 
     def commit(self, seq: Sequence) -> None:
         """After a step computed `seq`'s tokens: publish its blocks that are now full to the prefix cache."""
-        self._block_manager.commit(seq)
+        # Called for every row of every step, and most steps fill no block: that case returns without a call.
+        if seq.num_computed_tokens >= (seq.num_committed_blocks + 1) * self._block_size:
+            self._block_manager.commit(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self._block_manager.free_seq(seq)
@@ -122,11 +127,14 @@ class Scheduler:
         bm = self._block_manager
         now = time.monotonic()
 
+        bs = bm.block_size
+        decode_rows = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not bm.allocate(seq, n):
+            # Most steps a decoding sequence's last block still has room: no call into the block manager.
+            while len(seq.block_table) * bs < seq.num_computed_tokens + n and not bm.allocate(seq, n):
                 victim = self.running.pop()  # the newest arrival
                 self._preempt(victim, out)
                 if victim is seq:
@@ -134,6 +142,8 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+                if n == 1:
+                    decode_rows += 1
                 i += 1
                 continue
             break  # `seq` itself was preempted: nothing after it is left either
@@ -166,6 +176,10 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if n == 1:
+                decode_rows += 1
+        out.num_decode_rows = decode_rows
+        out.num_prefill_tokens = self.cfg.max_num_batched_tokens - budget - decode_rows
         return out
 
     def finish(self, seq: Sequence, reason: str) -> None:

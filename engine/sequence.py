@@ -25,7 +25,9 @@ class TokenLogprobs:
     top: dict[int, float]
 
 
-@dataclass(eq=False)  # identity semantics: queues look sequences up with `in` and `remove`
+# eq=False: identity semantics (queues look sequences up with `in` and `remove`). slots: the engine touches every
+# running sequence several times a step, and a slotted object is one compact block rather than an object and a dict.
+@dataclass(eq=False, slots=True)
 class Sequence:
     seq_id: int
     request_id: str

@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,6 +172,13 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         # transformers ignores clean_up_tokenization_spaces for BPE tokenizers; so does this.
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    @property
+    def decode_list(self) -> Callable[[list[int], bool], str]:
+        """`decode` for a list, called as decode_list(ids, skip_special_tokens): the backend's own method, with no
+        Python frame or copy in between (the detokenizer calls it for every generated token; positional
+        arguments, since keywords cost the backend as much again as the call)."""
+        return self.backend.decode  # type: ignore[no-any-return]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, tokenize: bool = False,
                             add_generation_prompt: bool = True, **kwargs: Any) -> Any:

@@ -12,6 +12,10 @@ Definitions (the report prints them under its table):
   fastest of 5) measured immediately before the same repeat. The host's memory bandwidth changes from minute to
   minute on shared machines, so every repeat carries its own probe.
 - step / batch-1: this cell's ms per step over the batch-1 cell's of the same configuration.
+- host ms / step: per decode step, its wall time minus the time inside the model call (the compiled decode step,
+  or the eager forward) and inside the sampler, as the runner books them (ModelRunner.step_times); the median over
+  the run's steps. What is left is the engine's own work: scheduling, the step's input, booking the results,
+  detokenizing, the outputs.
 Each cell is run `repeats` times (fresh requests each time); the table shows the median and the min-max spread.
 """
 
@@ -71,6 +75,7 @@ class DecodeRow:
     kv_cache_dtype: str = "auto"
     group_size: str = "-"  # the quantized layers' group sizes ("channel" = per output channel)
     prefill_ms: list[float] = field(default_factory=list)  # whole batch: requests added -> every first token
+    host_ms: list[float] = field(default_factory=list)  # median host ms per decode step of each run (see above)
     peak_gb: list[float] = field(default_factory=list)  # process RSS high-water mark during each timed run
     hf_tokens_per_s: float | None = None  # median of transformers at the same batch (set after the run)
     batch1_step_ms: float | None = None  # median step of the same configuration at batch 1
@@ -142,8 +147,16 @@ def weight_bytes_per_token(model: Any, compiled: bool) -> int:
     return total
 
 
-def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, float]:
-    """(decode tokens/s, ms per decode step, prefill ms) for one batch run to completion."""
+@dataclass(frozen=True)
+class EngineDecodeTiming:
+    tokens_per_s: float  # decode tokens/s
+    step_ms: float  # ms per decode step
+    prefill_ms: float
+    host_ms: float  # median over the decode steps of wall - model call - sampler (see the module docstring)
+
+
+def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -> EngineDecodeTiming:
+    """One batch run to completion, timed (see EngineDecodeTiming)."""
     from ...engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -154,14 +167,23 @@ def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -
         engine.step()
     prefill_ms = (time.perf_counter() - p0) * 1000
     tokens0 = sum(len(s.output_token_ids) for s in seqs)
-    steps = 0
+    runner = engine.runner
+    host_ns: list[int] = []
     t0 = time.perf_counter()
     while engine.has_unfinished():
+        # Per step, not over the run: each step's own host time, whose median leaves out the odd step that a
+        # garbage collection or another process interrupted.
+        before = runner.step_times()
+        a = time.perf_counter_ns()
         engine.step()
-        steps += 1
+        wall = time.perf_counter_ns() - a
+        after = runner.step_times()
+        host_ns.append(wall - (after.model_ns - before.model_ns) - (after.sample_ns - before.sample_ns))
     elapsed = time.perf_counter() - t0
+    steps = len(host_ns)
     generated = sum(len(s.output_token_ids) for s in seqs) - tokens0
-    return generated / elapsed, elapsed / max(steps, 1) * 1000, prefill_ms
+    host_ms = statistics.median(host_ns) / 1e6 if host_ns else 0.0
+    return EngineDecodeTiming(generated / elapsed, elapsed / max(steps, 1) * 1000, prefill_ms, host_ms)
 
 
 def time_hf_decode(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> tuple[float, float]:
@@ -246,12 +268,13 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
             for _ in range(cfg.repeats):
                 row.probe_gbps.append(measure_probe())
                 with PeakMemory("cpu") as window:
-                    tps, step_ms, prefill_ms = time_engine_decode(llm.engine, prompts, cfg.new_tokens)
+                    timing = time_engine_decode(llm.engine, prompts, cfg.new_tokens)
                 assert window.snapshot is not None
                 row.peak_gb.append(window.snapshot.peak_bytes / 1e9)
-                row.tokens_per_s.append(tps)
-                row.step_ms.append(step_ms)
-                row.prefill_ms.append(prefill_ms)
+                row.tokens_per_s.append(timing.tokens_per_s)
+                row.step_ms.append(timing.step_ms)
+                row.prefill_ms.append(timing.prefill_ms)
+                row.host_ms.append(timing.host_ms)
             base = row.ms if batch == 1 else base
             row.batch1_step_ms = base
             rows.append(row)
@@ -296,10 +319,10 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
         f"re-measured before every run): median {statistics.median(probes):.1f} GB/s, "
         f"{min(probes):.1f}-{max(probes):.1f}.",
         "",
-        "| engine | compile | dtype | quantization | group | KV cache | batch | decode tok/s | ms / step "
+        "| engine | compile | dtype | quantization | group | KV cache | batch | decode tok/s | ms / step | host ms / step "
         "| prefill ms | peak mem GB | model_size MB | GB/s | % of probe | vs bf16 (same dtype, compile) | vs transformers fp32 "
         "| step / batch-1 step |",
-        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         mb = f"{r.mb_per_token:.1f}" if r.mb_per_token is not None else ""
@@ -311,13 +334,15 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
                     None)  # fmt: skip
         vs_bf16 = f"{r.tps / base.tps:.2f}x" if base is not None and r.quantization != "none" else "-"
         prefill = fmt_spread(r.prefill_ms, 1) if r.prefill_ms else "-"
+        host = fmt_spread(r.host_ms, 3) if r.host_ms else "-"  # transformers' generate has no such split
         peak = fmt_spread(r.peak_gb, 2) if r.peak_gb else "-"
         scale = f"{r.ms / r.batch1_step_ms:.2f}x" if r.batch1_step_ms and r.batch != 1 else ""
         note = f" ({'; '.join(r.notes)})" if r.notes else ""
         lines.append(
             f"| {r.engine} | {r.compile} | {r.dtype} | {r.quantization}"
             f"{' ' + flags[r.quantization] if r.quantization in flags else ''} | {r.group_size} | {r.kv_cache_dtype} "
-            f"| {r.batch} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(r.step_ms, 2)} | {prefill} | {peak} | {mb or '-'} "
+            f"| {r.batch} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(r.step_ms, 2)} | {host} | {prefill} | {peak} "
+            f"| {mb or '-'} "
             f"| {gbps} | {share or '-'} | {vs_bf16} | {hf} | {scale or '-'}{note} |"
         )
     lines += ["", *[f"- {line}" for line in DEFINITIONS], *([f"- {flag_note(flags)}"] if flags else []), ""]
@@ -328,6 +353,8 @@ DEFINITIONS = (
     "decode tok/s: tokens after every sequence's first token, over the time from then to the batch's end (prefill "
     "excluded, for both engines). Every cell with a spread: median over the runs (min–max); one run is marked n=1.",
     "ms / step: decode time over decode steps; one step produces one token per sequence.",
+    "host ms / step: the median decode step's wall time minus its model call (compiled step or eager forward) and "
+    "its sampler: the engine's own work per step (scheduling, inputs, booking, detokenizing, outputs).",
     "prefill ms: requests added -> every sequence of the batch has its first token (seed 000's prefill column).",
     "peak mem GB: the process's RSS high-water mark during the run (seed 003's peak_mem; VmHWM reset per run). "
     "glowplug's KV pool is committed before the runs, as the server commits it after READY, so this includes the "

@@ -15,6 +15,7 @@ def _row(quant: str, runs: int) -> DecodeRow:
         row.probe_gbps.append(20.0)
         row.prefill_ms.append(5.0)
         row.peak_gb.append(1.0)
+        row.host_ms.append(0.5 + i * 0.1)
     return row
 
 
@@ -32,3 +33,16 @@ def test_decode_table_has_model_size_and_percent_of_probe_without_unit_in_cells(
     single = by_name["% of probe"][1]
     assert single.endswith("(n=1)") and "%" not in single  # never "0 (n=1)%"
     assert "± 0" not in text
+
+
+def test_decode_table_has_host_ms_next_to_ms_per_step() -> None:
+    hf = DecodeRow("transformers", "-", "float32", "none", 1, [50.0], [20.0], [20.0])
+    rows = [_row("none", 3), hf]
+    text = render_markdown(rows, DecodeBenchConfig(compare_hf=False), None)
+    assert_no_blank_or_nan(text)
+    table = [r for r in markdown_cells(text) if r[0] in ("engine", "glowplug", "transformers")]
+    head = table[0]
+    assert head.index("host ms / step") == head.index("ms / step") + 1
+    by_name = {name: [r[i] for r in table[1:]] for i, name in enumerate(head)}
+    assert by_name["host ms / step"] == ["0.600 (0.500–0.700)", "-"]  # median (min-max) of the runs' medians
+    assert "host ms / step:" in text  # defined under the table
