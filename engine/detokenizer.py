@@ -4,9 +4,15 @@ Byte-level BPE splits one character over several tokens; decoding such a prefix 
 window of already-emitted tokens together with the new ones and only emit once the window decodes cleanly, which
 also keeps the leading-space behaviour of tokenizers that drop a space at the start of a decode.
 
-Once text flows, the window before the new token is the single token emitted last; its text comes from a cache of
-single-token decodes (a pure function of the token id) that the engine shares between the detokenizers of one
-tokenizer, so each token costs one tokenizer call instead of two.
+Once text flows, the window before the new token is the single token emitted last. Two caches that are pure
+functions of token ids, shared by the detokenizers of one tokenizer (`DecodeCache`), then spare the tokenizer calls:
+- `pieces`: a token's text decoded alone (the window's text);
+- `follows`: the text a token adds after any clean token. It is learned once per token id, and only kept when three
+  different tokens before it (two fixed anchors and the token that was really there) give the same continuation, and
+  it is clean UTF-8. A token whose continuation depends on what precedes it (a partial UTF-8 byte, a decoder that
+  joins pieces) is marked and always decoded in its window.
+With both, a token costs two dict lookups: at batch 64, the tokenizer calls were most of the decode step's host time,
+since the model step before them leaves the tokenizer's tables out of the CPU caches.
 """
 
 from __future__ import annotations
@@ -16,12 +22,41 @@ from typing import Any
 
 REPLACEMENT = "\ufffd"
 _CONTEXT_TOKENS = 5
+_ANCHOR_SEARCH = 4096  # token ids searched for the two anchors of `follows`
+
+
+class DecodeCache:
+    """The decodes that are pure functions of token ids, for one tokenizer and one skip_special_tokens setting
+    (the engine keeps one per setting and hands it to every detokenizer)."""
+
+    __slots__ = ("pieces", "follows", "anchors")
+
+    def __init__(self) -> None:
+        self.pieces: dict[int, str] = {}
+        # token -> its context-free continuation, or "" when it has none (context-dependent, empty, or not clean).
+        self.follows: dict[int, str] = {}
+        self.anchors: tuple[tuple[int, str], ...] | None = None  # (id, text) of two plain-word tokens, found once
+
+    def find_anchors(self, decode: Callable[[list[int]], str]) -> tuple[tuple[int, str], ...]:
+        if self.anchors is None:
+            found: list[tuple[int, str]] = []
+            for i in range(_ANCHOR_SEARCH):
+                try:
+                    text = decode([i])
+                except Exception:  # noqa: BLE001 - an id the vocabulary lacks: not an anchor
+                    continue
+                if len(text) >= 2 and text.isascii() and text.isalpha() and text not in {t for _, t in found}:
+                    found.append((i, text))
+                    if len(found) == 2:
+                        break
+            self.anchors = tuple(found)
+        return self.anchors
 
 
 class IncrementalDetokenizer:
     # One per sequence, used every step: compact objects without a per-instance dict.
     __slots__ = ("tokenizer", "tokens", "prefix_offset", "read_offset", "skip_special_tokens", "stop", "_stop_reach",
-                 "_pieces", "_decode_list", "output_text", "stopped_by", "emitted")  # fmt: skip
+                 "_pieces", "_follows", "_cache", "_decode_list", "output_text", "stopped_by", "emitted")  # fmt: skip
 
     def __init__(
         self,
@@ -30,10 +65,10 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
         stop: tuple[str, ...] = (),
-        pieces: dict[int, str] | None = None,
+        cache: DecodeCache | None = None,
     ) -> None:
-        """`pieces`: the cache of single-token decodes to use, shared by every detokenizer of this tokenizer with
-        the same skip_special_tokens (a private one if not given)."""
+        """`cache`: the decode cache to use, shared by every detokenizer of this tokenizer with the same
+        skip_special_tokens (a private one if not given)."""
         self.tokenizer = tokenizer
         self.tokens: list[int] = list(prompt_token_ids)
         self.prefix_offset = max(len(self.tokens) - _CONTEXT_TOKENS, 0)
@@ -41,7 +76,9 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self._stop_reach = max((len(s) for s in stop), default=0)  # longest stop string
-        self._pieces: dict[int, str] = {} if pieces is None else pieces
+        self._cache = DecodeCache() if cache is None else cache
+        self._pieces = self._cache.pieces
+        self._follows = self._cache.follows
         # decode(ids, skip_special_tokens), positionally: glowplug's Tokenizer hands out its backend's method (no
         # Python frame per call); any other tokenizer (transformers', in tests) is called through its decode().
         self._decode_list: Callable[[list[int], bool], str] = getattr(tokenizer, "decode_list", tokenizer.decode)
@@ -77,18 +114,40 @@ class IncrementalDetokenizer:
         tokens.append(token_id)
         # _advance(force=False) inlined, with locals: this runs for every generated token of every sequence.
         start, read = self.prefix_offset, self.read_offset
-        prefix = self._pieces.get(tokens[start]) if read - start == 1 else None
-        if prefix is None:
-            prefix = self._window(start, read)
-        full = self._decode_list(tokens[start:], self.skip_special_tokens)
-        if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
-            return False
+        single = read - start == 1 and len(tokens) == read + 1
+        prefix = self._pieces.get(tokens[start]) if single else None
+        delta = self._follows.get(token_id) if prefix is not None and REPLACEMENT not in prefix else None
+        if not delta:  # unknown, or no context-free continuation: decode the window
+            if prefix is None:
+                prefix = self._window(start, read)
+            full = self._decode_list(tokens[start:], self.skip_special_tokens)
+            if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
+                return False
+            delta = full[len(prefix) :]
+            if single and token_id not in self._follows and full.startswith(prefix):
+                self._learn(token_id, delta)
         self.prefix_offset, self.read_offset = read, len(tokens)
-        delta = full[len(prefix) :]
         if not self.stop:  # the common case, without _add_text's search
             self.output_text += delta
             return False
         return self._add_text(delta)
+
+    def _learn(self, token_id: int, seen: str) -> None:
+        """Record `token_id`'s continuation if the anchors give the same text as the token that preceded it here
+        (`seen`), else mark it as having none."""
+        follow = seen if REPLACEMENT not in seen else ""
+        anchors = self._cache.find_anchors(self._decode)
+        if len(anchors) < 2:
+            follow = ""
+        for anchor, text in anchors:
+            if not follow:
+                break
+            full = self._decode([anchor, token_id])
+            if not full.startswith(text) or full[len(text) :] != follow:
+                follow = ""
+        self._follows[token_id] = follow
+        if follow and token_id not in self._pieces:  # the next token's window is this one: its text alone
+            self._pieces[token_id] = self._decode([token_id])
 
     def flush(self) -> None:
         """At the end, emit whatever is pending even if it is not valid UTF-8 on its own."""

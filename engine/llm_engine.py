@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import DecodeCache, IncrementalDetokenizer
 from .model_runner import ModelRunner
 from .models.llama import DecoderLM
 from .sampler import SampleResult
@@ -126,7 +126,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_prompt_tokens = 0
         # Single-token decodes, one cache per skip_special_tokens setting, shared by every sequence's detokenizer.
-        self._pieces: dict[bool, dict[int, str]] = {True: {}, False: {}}
+        self._decode_caches = {True: DecodeCache(), False: DecodeCache()}
         self.last_step = StepShape()
 
     @property
@@ -214,7 +214,7 @@ class LLMEngine:
                     req.prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop,
-                    pieces=self._pieces[params.skip_special_tokens],
+                    cache=self._decode_caches[params.skip_special_tokens],
                 ),
                 generator=gen,
                 arrival_time=req.arrival_time,
@@ -269,11 +269,13 @@ class LLMEngine:
         """Book one part's results: computed tokens, the sampled token, detokenization, finishing. This runs once per
         row per step, so what it reads repeatedly is bound to locals first."""
         scheduler, eos, requests, max_len = self.scheduler, self.eos_token_ids, self._requests, self.max_model_len
+        block_size = scheduler.block_size
         generated = 0
         for sched, sample in zip(scheds, samples):
             seq = sched.seq
-            seq.num_computed_tokens += sched.num_new_tokens
-            scheduler.commit(seq)
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + sched.num_new_tokens
+            if computed >= (seq.num_committed_blocks + 1) * block_size:  # a block filled up (Scheduler.commit)
+                scheduler.commit(seq)
             if sample is None:
                 continue
             token = sample.token_id

@@ -107,6 +107,11 @@ class Scheduler:
             prefix_hits=bm.prefix_hits,
         )
 
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self._block_size
+
     def commit(self, seq: Sequence) -> None:
         """After a step computed `seq`'s tokens: publish its blocks that are now full to the prefix cache."""
         # Called for every row of every step, and most steps fill no block: that case returns without a call.

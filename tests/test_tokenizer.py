@@ -293,3 +293,51 @@ def test_bounded_tokenization_is_exact_on_smollm2(smollm2_dir: Path, monkeypatch
     for _ in range(2000):
         text = "".join(rnd.choice(_PIECES) for _ in range(rnd.randint(0, 150)))
         assert tok.encode_bounded(text, limit=10**9) == tok.encode(text), text
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Metaspace pre-tokenizer and decoder, byte fallback), trained here: its
+    decoder drops the space at the start of a decode, the case a cached continuation must not get wrong."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])  # fmt: skip
+    bytes_ = [f"<0x{i:02X}>" for i in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", *bytes_], show_progress=False)
+    tok.train_from_iterator([t * 20 for t in TEXTS] + ["the quick brown fox jumps over the lazy dog " * 30], trainer)
+    return tok
+
+
+_SHARED: dict[str, object] = {}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.text(max_size=40), min_size=1, max_size=4), which=st.sampled_from(["tiny", "metaspace"]),
+       skip=st.booleans())  # fmt: skip
+def test_incremental_text_equals_one_decode_with_a_shared_cache(tiny: Path, texts: list[str], which: str,
+                                                                skip: bool) -> None:
+    """Every sequence's streamed text is the tokenizer's own decode of its tokens, while one DecodeCache (the
+    learned single-token texts and continuations) is shared across all of them, as the engine shares it."""
+    from glowplug.engine.detokenizer import DecodeCache
+
+    if which not in _SHARED:
+        _SHARED[which] = (load_tokenizer(tiny) if which == "tiny" else _metaspace_tokenizer(), DecodeCache())
+    tok, cache = _SHARED[which]  # type: ignore[misc]
+    encode = (lambda t: tok(t)["input_ids"]) if which == "tiny" else (lambda t: tok.encode(t).ids)
+    decode = tok.decode_list if which == "tiny" else tok.decode
+    prompt = encode("Hello there")
+    for text in texts:
+        ids = encode(text + " and " + text)
+        detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip, cache=cache)
+        streamed = ""
+        for i in ids:
+            detok.append(i)
+            streamed += detok.take_stream_delta(False)
+        detok.flush()
+        streamed += detok.take_stream_delta(True)
+        # The oracle: decode the prompt and the output together, and take what the output added.
+        whole, head = decode(prompt + ids, skip), decode(prompt, skip)
+        assert whole.startswith(head)
+        assert detok.output_text == streamed == whole[len(head):]
