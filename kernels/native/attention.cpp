@@ -12,6 +12,8 @@
 // path stays for the int8 and fp32 caches, other CPUs, and one short sequence, where AMX's per-call set-up is
 // more than it saves. Both read each task's cache rows while the task before it computes (software prefetch).
 //
+// CPUs without AVX512 (and other architectures) take a portable version of the vector path (below).
+//
 // The cache write stays a torch scatter before this op (the graph's in-place update of the cache input), so this op
 // only reads. The packed step input is engine/attention.py's: [B, 4 + W] int64 with the context length in column 3
 // (the new token included) and the block table from column 4.
@@ -28,7 +30,24 @@ constexpr int64_t kDecodeCols = 4, kContextCol = 3;  // engine/attention.py: DEC
 // crossover was measured with the op alone on cold caches (issue 10's closing note has the figures).
 constexpr int64_t kAmxMinContext = 256;
 
-#if defined(__AVX512F__)  // the Python side enables this op only on AVX512 CPUs (kernels.native.attention_supported)
+void check_cache(const Tensor& c, const char* what, int64_t D) {
+  STD_TORCH_CHECK(c.dim() == 4 && c.is_contiguous() && c.size(3) == D, "decode_attention: ", what,
+                  " must be a contiguous [blocks, block_size, kv_heads, ", D, "] tensor");
+}
+
+// Everything one (sequence, kv head) task reads, fixed for the call.
+struct Job {
+  const int64_t* pk;
+  int64_t cols, W, B, H, D, G, HKV, NBLK, BS;
+  const void *qp, *kp, *vp;
+  const float *ksp, *vsp;
+  ScalarType st;
+  bool out_bf16;
+  float fscale;
+  void* yp;
+};
+
+#if defined(__AVX512F__)  // else the portable attend_tasks below
 // e^x for x <= 0 (scores minus their maximum), within ~2 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-6 Taylor
 // polynomial for e^r, and vscalefps for the 2^n (which flushes to 0 below the fp32 range, as expf does).
 inline __m512 exp_nonpos(__m512 x) {
@@ -95,23 +114,6 @@ inline __m512 hsum16(__m512 (&v)[16]) {
     z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88), _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
-
-void check_cache(const Tensor& c, const char* what, int64_t D) {
-  STD_TORCH_CHECK(c.dim() == 4 && c.is_contiguous() && c.size(3) == D, "decode_attention: ", what,
-                  " must be a contiguous [blocks, block_size, kv_heads, ", D, "] tensor");
-}
-
-// Everything one (sequence, kv head) task reads, fixed for the call.
-struct Job {
-  const int64_t* pk;
-  int64_t cols, W, B, H, D, G, HKV, NBLK, BS;
-  const void *qp, *kp, *vp;
-  const float *ksp, *vsp;
-  ScalarType st;
-  bool out_bf16;
-  float fscale;
-  void* yp;
-};
 
 // Tasks [t0, t1) of a call. DC = head_dim / 16 when it is 4 or 8 (64 and 128, compile-time so the row loops
 // unroll: with a run-time head_dim their loop control led the op's profile), else 0 (any multiple of 16).
@@ -445,6 +447,141 @@ void attend_amx(const Job& j, int64_t split, int64_t t0, int64_t t1) {
 }
 #endif
 
+#else
+// The portable kernel (any ISA level without AVX512: the avx2 build, the portable one, other architectures): the
+// vector path above on common.h's 16-lane vectors, without its bf16-pair and prefetch refinements. Every cache
+// dtype is widened to fp32 rows first; each score is a dot product in 16 lanes, then the lanes' sum, then the scale.
+
+// e^x for x <= 0, as exp_nonpos above, with 2^n made from its exponent bits instead of vscalefps; so x is clamped
+// at -87, where 2^n is still a normal float (e^-87 ~ 1.6e-38: no weight next to the maximum's e^0 = 1 notices).
+GLOWPLUG_VINLINE F16 vexp_nonpos(F16 x) {
+  x = vmax(x, vsplat(-87.f));
+  const float shift = 12582912.f;  // 1.5 * 2^23: (v + shift) - shift rounds v to an integer, half to even
+  const F16 n = (x * 1.44269504088896341f + shift) - shift;
+  F16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  F16 p = vsplat(1.f / 720.f);
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const I16 e = (to_int(n) + 127) << 23;
+  return p * bitcast<vf32>(e);
+}
+
+// D values of a cache row (bf16, fp32 or int8 times its scale) as fp32 into dst (D % 16 == 0).
+inline void row_f32(const void* base, ScalarType st, int64_t offset, float scale, int64_t D, float* dst) {
+  if (st == ScalarType::Float) {
+    std::memcpy(dst, static_cast<const float*>(base) + offset, static_cast<size_t>(D) * 4);
+  } else if (st == ScalarType::BFloat16) {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+    for (int64_t d = 0; d < D; d += 16) vstore(dst + d, vload_bf16(p + d));
+  } else {  // int8 with one fp32 scale per (token, head): kernels/formats.dequantize_kv
+    const int8_t* p = static_cast<const int8_t*>(base) + offset;
+    for (int64_t d = 0; d < D; d += 16) vstore(dst + d, vload_i8(p + d) * scale);
+  }
+}
+
+// As load_tile above: rows t0..t0 + 15 as fp32 [16, D], zeros past the context and for blocks never sent.
+inline void load_tile(const void* base, const float* scales, ScalarType st, const int64_t* cells, int64_t t0,
+                      int64_t n, int64_t D, float* tile) {
+  for (int64_t i = 0; i < 16; ++i) {
+    const int64_t cell = i < n ? cells[t0 + i] : -1;
+    if (cell < 0)
+      std::fill_n(tile + i * D, D, 0.f);
+    else
+      row_f32(base, st, cell * D, scales ? scales[cell] : 1.f, D, tile + i * D);
+  }
+}
+
+template <int DC>
+void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
+  const int64_t D = DC > 0 ? DC * 16 : j.D;
+  const int64_t G = j.G, HKV = j.HKV, H = j.H, W = j.W, BS = j.BS, NBLK = j.NBLK, cols = j.cols;
+  const int64_t* pk = j.pk;
+  const bool out_bf16 = j.out_bf16;
+  std::vector<float> qf(static_cast<size_t>(G * D)), acc(static_cast<size_t>(G * D));
+  std::vector<float> probs, tile(static_cast<size_t>(16 * D));
+  std::vector<int64_t> cells;
+  for (int64_t task = t0; task < t1; ++task) {
+    const int64_t b = task / HKV, h = task % HKV;
+    const int64_t* in = pk + b * cols;
+    // A row past its table's capacity, or a padding row (length 0), attends to nothing.
+    const int64_t len = std::min<int64_t>(std::max<int64_t>(in[kContextCol], 0), W * BS);
+    const int64_t lp = (len + 15) / 16 * 16;  // a head's scores, padded to whole vectors with -inf
+    const int64_t q0 = (b * H + h * G) * D;   // the task's G query heads, and their outputs, are contiguous
+    for (int64_t i = 0; i < G * D; ++i)
+      qf[i] = out_bf16 ? bf16_to_f32(static_cast<const uint16_t*>(j.qp)[q0 + i]) : static_cast<const float*>(j.qp)[q0 + i];
+    std::fill(acc.begin(), acc.end(), 0.f);
+    probs.assign(static_cast<size_t>(G * lp), -INFINITY);
+    cells.resize(static_cast<size_t>(len));
+    for (int64_t jb = 0, t = 0; t < len; ++jb) {
+      const int64_t blk = in[kDecodeCols + jb];
+      const bool ok = blk >= 0 && blk < NBLK;
+      for (int64_t o = 0; o < BS && t < len; ++o, ++t) cells[t] = ok ? (blk * BS + o) * HKV + h : -1;
+    }
+    for (int64_t k0 = 0; k0 < len; k0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - k0);
+      load_tile(j.kp, j.ksp, j.st, cells.data(), k0, n, D, tile.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = qf.data() + g * D;
+        for (int64_t i = 0; i < n; ++i) {
+          const float* kr = tile.data() + i * D;
+          F16 a = vsplat(0.f);
+          for (int64_t d = 0; d < D; d += 16) a += vload<F16>(qg + d) * vload<F16>(kr + d);
+          probs[g * lp + k0 + i] = vsum(a) * j.fscale;  // dot then scale, as the torch path does
+        }
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* p = probs.data() + g * lp;
+      F16 top = vsplat(-INFINITY);
+      for (int64_t t = 0; t < lp; t += 16) top = vmax(top, vload<F16>(p + t));
+      const float mx = vmax_lane(top);
+      F16 sum = vsplat(0.f);
+      for (int64_t t = 0; t < lp; t += 16) {
+        const F16 v = vload<F16>(p + t);
+        F16 e = vexp_nonpos(v - mx);
+        GLOWPLUG_PARTS(i) e.v[i] = v.v[i] > -INFINITY ? e.v[i] : vf32{};  // the padding weighs 0
+        vstore(p + t, e);
+        sum += e;
+      }
+      const float inv = 1.f / vsum(sum);
+      for (int64_t t = 0; t < lp; t += 16) vstore(p + t, vload<F16>(p + t) * inv);
+    }
+    for (int64_t k0 = 0; k0 < len; k0 += 16) {
+      const int64_t n = std::min<int64_t>(16, len - k0);
+      load_tile(j.vp, j.vsp, j.st, cells.data(), k0, n, D, tile.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float* pg = probs.data() + g * lp + k0;
+        float* ag = acc.data() + g * D;
+        if constexpr (DC > 0) {  // the head's chunks in registers across the tile: DC independent chains
+          F16 a[DC];
+          for (int c = 0; c < DC; ++c) a[c] = vload<F16>(ag + c * 16);
+          for (int64_t i = 0; i < n; ++i)
+            for (int c = 0; c < DC; ++c) a[c] += pg[i] * vload<F16>(tile.data() + i * D + c * 16);
+          for (int c = 0; c < DC; ++c) vstore(ag + c * 16, a[c]);
+        } else {
+          for (int64_t d = 0; d < D; d += 16) {
+            F16 a = vload<F16>(ag + d);
+            for (int64_t i = 0; i < n; ++i) a += pg[i] * vload<F16>(tile.data() + i * D + d);
+            vstore(ag + d, a);
+          }
+        }
+      }
+    }
+    for (int64_t i = 0; i < G * D; ++i) {  // bf16: round to nearest even, as torch does
+      if (out_bf16)
+        static_cast<uint16_t*>(j.yp)[q0 + i] = f32_to_bf16(acc[i]);
+      else
+        static_cast<float*>(j.yp)[q0 + i] = acc[i];
+    }
+  }
+}
+#endif  // __AVX512F__
+
 Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor* ks, const Tensor* vs,
               const Tensor& packed, double scale) {
   STD_TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
@@ -506,14 +643,6 @@ Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor*
   return y;
 }
 
-#else
-
-Tensor attend(const Tensor&, const Tensor&, const Tensor&, const Tensor*, const Tensor*, const Tensor&, double) {
-  STD_TORCH_CHECK(false, "decode_attention: this CPU has no AVX512; the engine uses the torch path instead");
-  return Tensor();
-}
-
-#endif
 
 Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor packed, double scale) {
   return attend(q, k_cache, v_cache, nullptr, nullptr, packed, scale);
