@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from glowplug.base.machine import cpu_has_native_bf16
+from glowplug.base.machine import ISA_CAP_ENV, IsaCapError, cpu_has_native_bf16, isa_cap
 
 from .config import ConfigError, EngineConfig
 from .kv_sizing import check_model_len, plan_kv_cache
@@ -189,10 +189,19 @@ def check_config(config: EngineConfig, arch: ModelArch, *, dtype: str, device: s
     check_kv_budget(config, arch, dtype=dtype, device=device)
 
 
+def check_isa_cap() -> None:
+    """GLOWPLUG_MAX_CPU_ISA names a level (an environment setting, checked like a flag)."""
+    try:
+        isa_cap()
+    except IsaCapError as exc:
+        raise ConfigError(ISA_CAP_ENV, str(exc)) from None
+
+
 def preflight(config: EngineConfig) -> ModelFacts:
     """All checks that need no torch and no prepared model (the CLI runs this first); raises ConfigError or
     ModelError. Returns what it read about the model."""
     check_device(config)
+    check_isa_cap()
     facts = model_facts(config.model)
     device = preflight_device(config)
     dtype = resolve_dtype_name(config.dtype, facts.arch, "cpu" if device == "unknown" else device,

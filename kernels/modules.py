@@ -120,13 +120,12 @@ class DenseLinear(nn.Linear):
 
 
 def enable_dense_native(module: nn.Module, weight: Tensor, small_m: int) -> int:
-    """bf16 on an AVX512-BF16 CPU: the blocked kernel, on a packed copy registered as `module.native_blocked`
-    (batches stay near the batch-1 cost); fp32 (or bf16 without AVX512-BF16): the row-major kernel on the weight
-    itself (`module.native_small_m`). Returns the bytes a decode step reads through it, 0 if no native kernel serves
+    """bf16: the blocked kernel (every ISA level has one), on a packed copy registered as `module.native_blocked`
+    (batches stay near the batch-1 cost); fp32: the row-major kernel on the weight itself (`module.native_small_m`). Returns the bytes a decode step reads through it, 0 if no native kernel serves
     this dtype."""
-    from .native import blocked_supported, pack_blocked
+    from .native import pack_blocked
 
-    if weight.dtype == torch.bfloat16 and blocked_supported() and weight.shape[1] % 2 == 0:
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
         packed, _ = pack_blocked(weight)
         module.register_buffer("native_blocked", packed, persistent=False)
         return packed.numel() * packed.element_size()

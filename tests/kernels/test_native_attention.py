@@ -9,15 +9,15 @@ import torch
 
 from glowplug.engine.attention import CONTEXT, DECODE_COLS, POSITION, SLOT, decode_attention
 from glowplug.engine.kv_cache import KVCache
-from glowplug.kernels.native import attention_supported, load_native
+from glowplug.kernels.native import attention_supported
 
 BLOCK, HEADS, KV_HEADS, HEAD_DIM, BLOCKS = 4, 9, 3, 64, 64
 CONTEXTS = [1, 4, 5, 17, 40]  # one token, a whole block, crossing blocks, ten blocks
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory: pytest.TempPathFactory) -> None:
-    build = load_native(tmp_path_factory.mktemp("native-cache"))
+def native(native_build) -> None:  # type: ignore[no-untyped-def]
+    build = native_build
     if not build.available or not attention_supported(HEAD_DIM):
         pytest.skip(f"native decode attention unavailable here: {build.reason}")
 
