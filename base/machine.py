@@ -4,6 +4,7 @@ at import time, so the CLI can check settings against the machine before the hea
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -25,6 +26,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache  # a machine fact: read once (the eager projections ask per call, through cpu_has_native_bf16)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:

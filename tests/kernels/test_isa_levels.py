@@ -154,3 +154,25 @@ def test_a_capped_start_runs_the_capped_variant_with_the_same_tokens(tiny_dir, t
     assert "capped by GLOWPLUG_MAX_CPU_ISA=avx2" in capped["attributes"]["glowplug.isa_reason"]
     assert any("ISA avx2: capped by GLOWPLUG_MAX_CPU_ISA=avx2" in n for n in capped["notes"]), capped["notes"]
     assert capped["tokens"] == top["tokens"]
+
+
+def test_dtype_auto_follows_the_level(monkeypatch: pytest.MonkeyPatch, tiny_dir) -> None:
+    """--dtype auto on a CPU: bf16 with hardware bf16, and at the avx2/avx512 levels when the decode step is
+    compiled (the native kernels read bf16 weights and multiply in fp32); float32 at the portable level, with the
+    step eager, or for a float32 checkpoint."""
+    from glowplug.engine.config_check import resolve_dtype_name
+    from glowplug.engine.models.arch import load_arch
+
+    arch = load_arch(tiny_dir("llama"))
+    bf16_arch, fp32_arch = arch.model_copy(update={"torch_dtype": "bfloat16"}), arch.model_copy(
+        update={"torch_dtype": "float32"})  # fmt: skip
+    top = cpu_isa_level()
+    for cap, compiled, want in [("avx2", True, "bfloat16"), ("avx2", False, "float32"), ("portable", True, "float32")]:
+        if not level_at_least(top, cap):
+            continue
+        monkeypatch.setenv("GLOWPLUG_MAX_CPU_ISA", cap)
+        assert resolve_dtype_name("auto", bf16_arch, "cpu", compiled=compiled) == want, (cap, compiled)
+        assert resolve_dtype_name("auto", fp32_arch, "cpu", compiled=compiled) == "float32"
+    if level_at_least(top, "avx512_bf16"):
+        monkeypatch.delenv("GLOWPLUG_MAX_CPU_ISA")
+        assert resolve_dtype_name("auto", bf16_arch, "cpu", compiled=False) == "bfloat16"
