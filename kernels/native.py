@@ -56,7 +56,7 @@ from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weigh
 NAMESPACE = "glowplug_native"
 LIBRARY = "glowplug_native.so"
 SOURCES: tuple[str, ...] = ("linear.cpp", "blocked.cpp", "attention.cpp", "rows.cpp")
-HEADERS: tuple[str, ...] = ("common.h", "amx.h")
+HEADERS: tuple[str, ...] = ("common.h", "dequant.h", "amx.h")
 _SOURCE_DIR = Path(__file__).parent / "native"
 
 
@@ -175,13 +175,20 @@ def _library_file(folder: Path) -> Path:
     return lib
 
 
-def find_variant(level: str, cache_dir: Path) -> tuple[Path, str] | None:
-    """A stored variant of `level`: prebuilt first, then the cache; (library, where) or None."""
+def find_variant(level: str, cache_dir: Path, *, load: bool = False) -> tuple[Path, str] | None:
+    """A stored variant of `level`: prebuilt first, then the cache; (library, where) or None. `load`: load it into
+    this process too, so that a library that will not load counts as a damaged entry (moved aside, a miss)."""
     from glowplug.base.artifacts import ArtifactStore
     from glowplug.base.artifacts.caches import NATIVE
 
+    def open_entry(folder: Path) -> Path:
+        lib = _library_file(folder)
+        if load:
+            torch.ops.load_library(str(lib))  # OSError for a damaged file: the store moves the entry aside
+        return lib
+
     for root, where in ((prebuilt_root(), "prebuilt"), (cache_dir, "cached")):
-        found = ArtifactStore(root).lookup(NATIVE, build_factors(level), group=f"native-{level}", load=_library_file)
+        found = ArtifactStore(root).lookup(NATIVE, build_factors(level), group=f"native-{level}", load=open_entry)
         if found.value is not None:
             return found.value, where
     return None
@@ -273,28 +280,30 @@ def load_native(cache_dir: Path) -> NativeBuild:
         return NativeBuild(False, None, False, 0.0, "disabled by GLOWPLUG_NATIVE=0")
     level = choice.level
     try:
-        found = find_variant(level, cache_dir)
+        found = find_variant(level, cache_dir, load=True)
         if found is not None:
-            return _load(found[0], level, found[1], True, choice.reason, t0)
+            return _loaded_build(found[0], level, found[1], True, choice.reason, t0)
         lower = ISA_LEVELS[: ISA_LEVELS.index(level)][::-1]
         for below in lower:
-            found = find_variant(below, cache_dir)
+            found = find_variant(below, cache_dir, load=True)
             if found is not None:
                 started = _build_in_background(level, cache_dir)
                 why = f"{below}: the best variant stored ({level} is not built yet)"
-                return _load(found[0], below, found[1], True, why, t0, started)
+                return _loaded_build(found[0], below, found[1], True, why, t0, started)
         if _compiler() is None:
             return NativeBuild(False, None, False, time.perf_counter() - t0,
                                "no C++ compiler (g++, or $CXX) on PATH, and no prebuilt variant (`glowplug kernels "
                                "build` at install time makes them)")  # fmt: skip
         path, built = build_variant(cache_dir, level)
-        return _load(path, level, "built" if built else "cached", not built, choice.reason, t0)
+        torch.ops.load_library(str(path))
+        return _loaded_build(path, level, "built" if built else "cached", not built, choice.reason, t0)
     except (OSError, RuntimeError) as exc:
         return NativeBuild(False, None, False, time.perf_counter() - t0, str(exc).splitlines()[0])
 
 
-def _load(path: Path, level: str, where: str, hit: bool, why: str, t0: float, background: str = "") -> NativeBuild:
-    torch.ops.load_library(str(path))
+def _loaded_build(path: Path, level: str, where: str, hit: bool, why: str, t0: float,
+                  background: str = "") -> NativeBuild:  # fmt: skip
+    """The answer for a variant just loaded into this process."""
     _LOADED["level"] = level
     _register_fakes()
     if where == "built":
