@@ -14,9 +14,11 @@
 // term is taken back with the group's activation sum. int8 codes (offset to 0..255) are multiplied as bytes with
 // 16-bit fixed-point activations by VNNI instead (see the int8 section).
 //
-// Batches: a chunk's planes are decoded once and used for every activation row of the block (up to 8 at a time), so
-// the cost grows with the batch only by the multiply-adds. Those grow one instruction per row, and from a few rows on
-// (amx::kMinRows*) the AMX tile kernels of amx.h take over, where one instruction covers 16 rows.
+// Batches: a chunk's planes are decoded once and used for every activation row of the block (up to 8 at a time, 16
+// for int4/int2 from 9 rows on), so the cost grows with the batch only by the multiply-adds; int8 from 32 rows on
+// decodes each N-block to bf16 once and runs the dense kernel on it. The multiply-adds grow one instruction per
+// row, and from a few rows on (amx::kMinRows*) the AMX tile kernels of amx.h take over, where one instruction covers
+// 16 rows.
 #include "amx.h"
 #include "common.h"
 
@@ -74,18 +76,23 @@ inline void store16(const OutWriter& out, int64_t m, int64_t n0, int64_t N, __m5
 
 // ------------------------------------------------------------------------------------------------- dense bf16
 // A block is [K / 2, 16, 2] bf16: pair p of row j at word 2j, 2j + 1 of chunk p (one bit-plane of 16 bits).
-template <int MB>
+// STREAM: wb is the packed weight in memory (prefetched ahead); false for a block decoded into scratch, already in
+// L1/L2. scale: 16 per-output factors the sums are multiplied by before the store (int8 with per-output scales), or
+// null.
+template <int MB, bool STREAM = true>
 void dense_block(const uint16_t* wb, int64_t K, const uint16_t* x, int64_t m0, int64_t nb, int64_t N,
-                 const OutWriter& out) {
+                 const OutWriter& out, const float* scale = nullptr) {
   __m512 a0[MB], a1[MB];
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
   const int64_t pairs = K / 2;
   int64_t p = 0;
   for (; p + 2 <= pairs; p += 2) {
-    prefetch<kDenseAhead>(wb + p * 32);
-    prefetch<kDenseAhead>(wb + p * 32 + 32);
-    prefetch<kL2Ahead, _MM_HINT_T1>(wb + p * 32);
-    prefetch<kL2Ahead, _MM_HINT_T1>(wb + p * 32 + 32);
+    if constexpr (STREAM) {
+      prefetch<kDenseAhead>(wb + p * 32);
+      prefetch<kDenseAhead>(wb + p * 32 + 32);
+      prefetch<kL2Ahead, _MM_HINT_T1>(wb + p * 32);
+      prefetch<kL2Ahead, _MM_HINT_T1>(wb + p * 32 + 32);
+    }
     const __m512i w0 = _mm512_loadu_si512(wb + p * 32), w1 = _mm512_loadu_si512(wb + p * 32 + 32);
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
       const uint16_t* xr = x + (m0 + m) * K + 2 * p;
@@ -97,7 +104,11 @@ void dense_block(const uint16_t* wb, int64_t K, const uint16_t* x, int64_t m0, i
     const __m512i w0 = _mm512_loadu_si512(wb + p * 32);
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) a0[m] = dp(a0[m], w0, bcast_pair(x + (m0 + m) * K + 2 * p));
   }
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, _mm512_add_ps(a0[m], a1[m]));
+  const __m512 s = scale ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.f);
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    const __m512 v = _mm512_add_ps(a0[m], a1[m]);
+    store16(out, m0 + m, nb * 16, N, scale ? _mm512_mul_ps(v, s) : v);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- int4 / int2
@@ -144,6 +155,53 @@ void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, co
     }
   }
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, tot[m]);
+}
+
+// The same product for 9 to 16 rows per pass, each chunk decoded once for all of them: one accumulator per row (up
+// to 16 independent vdpbf16ps chains), and the running totals in L1 rather than registers, which 16 accumulators
+// leave no room for (their update is three memory operations per row and group, against gs / 2 multiply-adds). Why:
+// at 16 rows intn_block ran two passes of 8, each decoding every chunk and each with only 8 dependent chains, and
+// came out ~20% behind the dense bf16 kernel on the same shapes. Single-threaded with the weights streamed from
+// memory (int4-g128, SmolLM2's shapes), this kernel took 15-30% less time than two 8-row passes at 12 to 32 rows,
+// and at 16 rows matched or beat dense bf16. It stays exact (codes times activations, scaled per group), unlike
+// decoding the block to bf16 first, which measured no faster here at 16 rows or more.
+template <int BITS, int MB>
+void intn_block_wide(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, const float* xsum, int64_t m0,
+                     int64_t nb, int64_t N, const OutWriter& out) {
+  constexpr int PLANES = 16 / BITS, KC = 2 * PLANES;
+  const int64_t G = K / gs, chunks_per_group = gs / KC;
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + K * BITS * 2);
+  const uint16_t* mins = scales + G * 16;
+  const __m512i mask = _mm512_set1_epi16((1 << BITS) - 1);
+  const __m512i expo = _mm512_set1_epi16(0x4300);
+  const __m512 c128 = _mm512_set1_ps(128.f);
+  alignas(64) float tot[MB][16] = {};
+  const uint8_t* chunk = blk;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[MB];
+    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks_per_group; ++c, chunk += 64) {
+      prefetch<kPackedAhead>(chunk);
+      prefetch<kL2Ahead, _MM_HINT_T1>(chunk);
+      const __m512i v = _mm512_loadu_si512(chunk);
+      const int64_t k0 = (g * chunks_per_group + c) * KC;
+      _Pragma("GCC unroll 16") for (int p = 0; p < PLANES; ++p) {
+        const __m512i sh = p == 0 ? v : _mm512_srli_epi16(v, BITS * p);
+        const __m512i w = p == PLANES - 1 ? _mm512_or_si512(sh, expo) : _mm512_ternarylogic_epi32(sh, mask, expo, 0xEA);
+        _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m)
+          acc[m] = dp(acc[m], w, bcast_pair(x + (m0 + m) * K + k0 + 2 * p));
+      }
+    }
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 16)));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * 16)));
+    const __m512 adj = _mm512_fnmadd_ps(c128, s, mn);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) {
+      __m512 t = _mm512_fmadd_ps(acc[m], s, _mm512_load_ps(tot[m]));
+      t = _mm512_fmadd_ps(adj, _mm512_set1_ps(xsum[(m0 + m) * G + g]), t);
+      _mm512_store_ps(tot[m], t);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, _mm512_load_ps(tot[m]));
 }
 
 // -------------------------------------------------------------------------------------------------------- int8
@@ -309,20 +367,49 @@ std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t g
   return out;
 }
 
-// Run `block(mb, m0, nb)` over every N-block in parallel and over the rows in blocks of up to 8 (4 when NA > 1).
+// Run `block(mb, m0, nb)` over every N-block in parallel and over the rows in passes of up to `rows`.
 template <class F>
-void for_blocks(int64_t M, int64_t NB, const F& block) {
+void for_blocks(int64_t M, int64_t NB, const F& block, int64_t rows = 8) {
   torch::stable::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t m0 = 0; m0 < M; m0 += 8) block(std::min<int64_t>(8, M - m0), m0, nb);
+      for (int64_t m0 = 0; m0 < M; m0 += rows) block(std::min<int64_t>(rows, M - m0), m0, nb);
   });
 }
+
+// Rows per pass of the int4/int2 kernel (intn_block_wide's 16 accumulators from 9 rows on).
+constexpr int64_t kWideRows = 16;
+#define GLOWPLUG_WIDE_SWITCH(mb, CALL) \
+  switch (mb) {                        \
+    case 9: CALL(9); break;            \
+    case 10: CALL(10); break;          \
+    case 11: CALL(11); break;          \
+    case 12: CALL(12); break;          \
+    case 13: CALL(13); break;          \
+    case 14: CALL(14); break;          \
+    case 15: CALL(15); break;          \
+    default: CALL(16); break;          \
+  }
 
 void check_blocked(const Tensor& x, const Tensor& wp, int64_t N, int64_t K, int64_t block_bytes, const char* op) {
   STD_TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == ScalarType::BFloat16, op,
                   ": x must be a contiguous bfloat16 [M, ", K, "] tensor");
   STD_TORCH_CHECK(wp.is_contiguous() && wp.numel() * static_cast<int64_t>(wp.element_size()) == (N + 15) / 16 * block_bytes,
                   op, ": the packed weight does not match N=", N, ", K=", K, "; pack it with kernels.native.pack_blocked");
+}
+
+// Per thread, dequantized N-blocks (K / 32 tiles of 512 bf16 per N-block, 64-byte aligned; the AMX pair of blocks
+// asks for 2K), reused across blocks and calls.
+uint16_t* decode_scratch(int64_t K) {
+  struct Free {
+    void operator()(uint16_t* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<uint16_t, Free> buf;
+  thread_local int64_t have = 0;
+  if (have < K) {
+    buf.reset(static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * 32)));
+    have = K;
+  }
+  return buf.get();
 }
 
 #ifdef GLOWPLUG_AMX
@@ -338,20 +425,6 @@ std::vector<uint16_t> padded_x(const uint16_t* x, int64_t M, int64_t K) {
   return out;
 }
 
-// Per thread, dequantized B tiles (K / 32 tiles of 512 bf16 per N-block, 64-byte aligned; a pair of blocks asks for
-// 2K), reused across blocks and calls.
-uint16_t* amx_scratch(int64_t K) {
-  struct Free {
-    void operator()(uint16_t* p) const { std::free(p); }
-  };
-  thread_local std::unique_ptr<uint16_t, Free> buf;
-  thread_local int64_t have = 0;
-  if (have < K) {
-    buf.reset(static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * 32)));
-    have = K;
-  }
-  return buf.get();
-}
 #endif
 
 #define GLOWPLUG_MB_SWITCH(mb, CALL)                                                                       \
@@ -365,6 +438,37 @@ uint16_t* amx_scratch(int64_t K) {
     case 7: CALL(7, 1); break;                                                                             \
     default: CALL(8, 1); break;                                                                            \
   }
+
+// ------------------------------------------------------------------------------------- int8 batches, decoded
+// From kDecodedRowsInt8 rows on, an int8 N-block is decoded to bf16 once (dequant.h, into a per-thread scratch
+// block of K x 16 bf16, which stays in L1/L2) and the batch runs the dense kernel on it, 8 rows per pass. Why: the
+// VNNI kernel needs two vpdpbusd per row and 4 inputs (the activations' two fixed-point bytes) where bf16 needs one
+// vdpbf16ps per 2 inputs, the same count, but adds five operations per row and 32 inputs to scale each fixed-point
+// block; the decode instead costs the same whatever the rows. Single-threaded, on SmolLM2's shapes with the weights
+// streamed from memory, the decoded path ran 15-25% slower than the VNNI kernel at 12-16 rows, even at 24, a few
+// percent faster at 32 and 10-15% faster at 64.
+// Numerics: per-output scales keep the codes exact (|q| <= 128 is a bf16 number), scaled after the sum, and the bf16
+// activations are multiplied exactly rather than in 16-bit fixed point; grouped int8 weights are rounded to bf16
+// once (q * scale), as on the AMX tiles.
+constexpr int64_t kDecodedRowsInt8 = 32;
+
+// decode(nb, wb): N-block nb into wb (K x 16 bf16 in the dense layout); returns the 16 per-output scales to apply
+// after the sums, or null.
+template <class Decode>
+void for_decoded_blocks(int64_t M, int64_t K, int64_t NB, const uint16_t* x, int64_t N, const OutWriter& out,
+                        const Decode& decode) {
+  torch::stable::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    uint16_t* wb = decode_scratch(K);
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const float* scale = decode(nb, wb);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+#define CALL(MB_, NA_) dense_block<MB_, false>(wb, K, x, m0, nb, N, out, scale)
+        GLOWPLUG_MB_SWITCH(std::min<int64_t>(8, M - m0), CALL)
+#undef CALL
+      }
+    }
+  });
+}
 
 Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
   const int64_t K = x.size(1), M = x.size(0);
@@ -418,12 +522,12 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
       constexpr int B = decltype(bits_c)::value;
       amx::for_block_pairs(M, K, xa, (N + 15) / 16, [&](int64_t nb, int slot) {
         const uint8_t* blk = w + nb * block_bytes;
-        uint16_t* scratch = amx_scratch(2 * K) + slot * K * 16;
+        uint16_t* scratch = decode_scratch(2 * K) + slot * K * 16;
         return amx::block(
             [blk, scratch, K, group_size](int64_t t, bool first) {
               if (first) {
-                if (t == 0) amx::intn_dequant<B, kPackedAhead>(blk, K, group_size, 0, scratch);
-                if ((t + 1) * 32 < K) amx::intn_dequant<B, kPackedAhead>(blk, K, group_size, t + 1, scratch);
+                if (t == 0) intn_dequant<B, kPackedAhead>(blk, K, group_size, 0, scratch);
+                if ((t + 1) * 32 < K) intn_dequant<B, kPackedAhead>(blk, K, group_size, t + 1, scratch);
               }
               return static_cast<const uint16_t*>(scratch + t * 512);
             },
@@ -439,18 +543,25 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
 #endif
   const std::vector<float> xs = group_sums(xp, M, K, group_size);
   const float* xsum = xs.data();
-  for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
-    const uint8_t* blk = w + nb * block_bytes;
-    if (bits == 4) {
-#define CALL(MB_, NA_) intn_block<4, MB_, NA_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
-      GLOWPLUG_MB_SWITCH(mb, CALL)
+  const auto run = [&](auto bits_c) {
+    constexpr int B = decltype(bits_c)::value;
+    for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
+      const uint8_t* blk = w + nb * block_bytes;
+      if (mb > 8) {
+#define CALL(MB_) intn_block_wide<B, MB_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
+        GLOWPLUG_WIDE_SWITCH(mb, CALL)
 #undef CALL
-    } else {
-#define CALL(MB_, NA_) intn_block<2, MB_, NA_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
-      GLOWPLUG_MB_SWITCH(mb, CALL)
+      } else {
+#define CALL(MB_, NA_) intn_block<B, MB_, NA_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
+        GLOWPLUG_MB_SWITCH(mb, CALL)
 #undef CALL
-    }
-  });
+      }
+    }, kWideRows);
+  };
+  if (bits == 4)
+    run(std::integral_constant<int, 4>{});
+  else
+    run(std::integral_constant<int, 2>{});
   return y;
 }
 
@@ -489,13 +600,13 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
     const bool grouped = group_size < K;  // else the codes stay exact and the sums take the per-output scales
     amx::for_block_pairs(M, K, xa, (N + 15) / 16, [&](int64_t nb, int slot) {
       const uint8_t* blk = w + nb * block_bytes;
-      uint16_t* scratch = amx_scratch(2 * K) + slot * K * 16;
+      uint16_t* scratch = decode_scratch(2 * K) + slot * K * 16;
       const __m512 s = grouped ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(reinterpret_cast<const float*>(blk + K * 16));
       return amx::block(
           [blk, scratch, K, group_size](int64_t t, bool first) {
             if (first) {
-              if (t == 0) amx::int8_dequant<kPackedAhead>(blk, K, group_size, 0, scratch);
-              if ((t + 1) * 32 < K) amx::int8_dequant<kPackedAhead>(blk, K, group_size, t + 1, scratch);
+              if (t == 0) int8_dequant<kPackedAhead>(blk, K, group_size, 0, scratch);
+              if ((t + 1) * 32 < K) int8_dequant<kPackedAhead>(blk, K, group_size, t + 1, scratch);
             }
             return static_cast<const uint16_t*>(scratch + t * 512);
           },
@@ -504,6 +615,15 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
     return y;
   }
 #endif
+  if (M >= kDecodedRowsInt8) {
+    const bool grouped = group_size < K;
+    for_decoded_blocks(M, K, (N + 15) / 16, xp, N, out, [&](int64_t nb, uint16_t* wb) -> const float* {
+      const uint8_t* blk = w + nb * block_bytes;
+      for (int64_t t = 0; t < K / 32; ++t) int8_dequant<kPackedAhead>(blk, K, group_size, t, wb);
+      return grouped ? nullptr : reinterpret_cast<const float*>(blk + K * 16);
+    });
+    return y;
+  }
   const X16 xd = x16_digits(xp, M, K);
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
 #define CALL(MB_, NA_) int8_block<MB_, NA_>(w + nb * block_bytes, K, group_size, xd, m0, nb, N, out)
