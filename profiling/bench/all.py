@@ -144,7 +144,8 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
         # The avx2 and portable levels on this machine: glowplug's, torch's and oneDNN's caps together make it run
         # what such a CPU runs (the transformers peer too).
         "decode-isa": Step("decode-isa", [
-            "bench", "decode", m, "--dtype", "auto,float32,bfloat16", "--quantization", "none,int4",
+            # auto is bfloat16 at this level (engine/config_check.py); int4 runs in the first dtype
+            "bench", "decode", m, "--dtype", "bfloat16,float32", "--quantization", "none,int4",
             "--batch-sizes", "1" if q else "1,16", "--compile", "on", "--repeats", reps,
             "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64", *quality,
             "--out", str(o / "decode-isa.md")],
