@@ -15,7 +15,8 @@
 // more than it saves. Both fetch the cache rows ahead of the arithmetic (software prefetch): the vector path a few
 // tiles ahead in its share, the AMX path the next task's rows while a task computes.
 //
-// CPUs without AVX512 (and other architectures) take a portable version of the vector path (below).
+// CPUs without AVX512 (and other architectures) take a portable version of the vector path (below), still split per
+// (sequence, kv head).
 //
 // The cache write stays a torch scatter before this op (the graph's in-place update of the cache input), so this op
 // only reads. The packed step input is engine/attention.py's: [B, 4 + W] int64 with the context length in column 3
@@ -566,7 +567,8 @@ void attend_amx(const Job& j, int64_t split, int64_t t0, int64_t t1) {
 
 #else
 // The portable kernel (any ISA level without AVX512: the avx2 build, the portable one, other architectures): the
-// vector path above on common.h's 16-lane vectors, without its bf16-pair and prefetch refinements. Every cache
+// vector path's arithmetic on common.h's 16-lane vectors, without its bf16-pair and prefetch refinements, and still
+// split per (sequence, kv head) with two passes (scores, then values) rather than into tiles (Split). Every cache
 // dtype is widened to fp32 rows first; each score is a dot product in 16 lanes, then the lanes' sum, then the scale.
 
 // e^x for x <= 0, as exp_nonpos above, with 2^n made from its exponent bits instead of vscalefps; so x is clamped
