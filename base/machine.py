@@ -4,8 +4,11 @@ at import time, so the CLI can check settings against the machine before the hea
 
 from __future__ import annotations
 
+import functools
+import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PROBE_BYTES = 1 << 30
@@ -23,6 +26,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+@functools.cache  # a machine fact: read once (the eager projections ask per call, through cpu_has_native_bf16)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
@@ -35,10 +39,94 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# ------------------------------------------------------------------------------------------------ ISA levels
+# The native kernels are built once per level (kernels/native.py), each level's variant with the flags of that level
+# only, and one is chosen at run time, as ggml and oneDNN do: the highest level the CPU has, or lower under a cap.
+ISA_LEVELS: tuple[str, ...] = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
+ISA_CAP_ENV = "GLOWPLUG_MAX_CPU_ISA"
+# /proc/cpuinfo flags a level needs, on top of the level below's.
+_LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
+    "portable": (),
+    "avx2": ("avx2", "fma", "f16c"),
+    "avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"),
+    "avx512_bf16": ("avx512_bf16",),
+    "amx": ("amx_tile", "amx_bf16", "amx_int8"),
+}
+_X86 = ("x86_64", "amd64", "i386", "i686")
+
+
+class IsaCapError(ValueError):
+    """GLOWPLUG_MAX_CPU_ISA names no level."""
+
+
+@dataclass(frozen=True)
+class IsaChoice:
+    """The level the native kernels run at: `level`, which is the CPU's own (`cpu_level`) unless a cap lowered it."""
+
+    level: str
+    cpu_level: str
+    cap: str | None
+
+    @property
+    def reason(self) -> str:
+        """Why this level, for the native_kernels row and span."""
+        if self.cap is not None and self.level != self.cpu_level:
+            return f"{self.level}: capped by {ISA_CAP_ENV}={self.cap} (the CPU has {self.cpu_level})"
+        missing = next_level_missing(self.cpu_level)
+        beyond = f"; {missing}" if missing else ""
+        return f"{self.level}: the highest level this CPU has{beyond}"
+
+
+def level_at_least(level: str, floor: str) -> bool:
+    return ISA_LEVELS.index(level) >= ISA_LEVELS.index(floor)
+
+
+def cpu_isa_level(flags: frozenset[str] | None = None, machine: str | None = None) -> str:
+    """The highest level whose flags this CPU has ("portable" off x86)."""
+    if (machine or platform.machine()).lower() not in _X86:
+        return "portable"
+    have = cpu_flags() if flags is None else flags
+    level = "portable"
+    for name in ISA_LEVELS[1:]:
+        if not all(f in have for f in _LEVEL_FLAGS[name]):
+            break
+        level = name
+    return level
+
+
+def next_level_missing(level: str) -> str:
+    """What keeps this CPU off the level above `level` ("" at the top, or off x86)."""
+    i = ISA_LEVELS.index(level)
+    if i + 1 >= len(ISA_LEVELS) or platform.machine().lower() not in _X86:
+        return ""
+    above = ISA_LEVELS[i + 1]
+    lacking = [f for f in _LEVEL_FLAGS[above] if f not in cpu_flags()]
+    return f"no {above} (lacks {', '.join(lacking)})"
+
+
+def isa_cap() -> str | None:
+    """GLOWPLUG_MAX_CPU_ISA, checked (unset or empty: no cap)."""
+    raw = os.environ.get(ISA_CAP_ENV, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in ISA_LEVELS:
+        raise IsaCapError(f"{ISA_CAP_ENV}={raw!r} is not an ISA level: set it to one of {', '.join(ISA_LEVELS)}, "
+                          "or unset it to use the CPU's highest")  # fmt: skip
+    return raw
+
+
+def isa_choice() -> IsaChoice:
+    """The level the native kernels run at on this machine, under the cap."""
+    cpu = cpu_isa_level()
+    cap = isa_cap()
+    level = cpu if cap is None or level_at_least(cap, cpu) else cap
+    return IsaChoice(level, cpu, cap)
+
+
 def cpu_has_native_bf16() -> bool:
-    """bf16 arithmetic in hardware (AVX512-BF16 or AMX): what makes bf16 the fast dtype on a CPU."""
-    flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """bf16 arithmetic in hardware (AVX512-BF16 or AMX) at the level the kernels run at (GLOWPLUG_MAX_CPU_ISA caps
+    it): what makes bf16 the fast dtype on a CPU."""
+    return level_at_least(isa_choice().level, "avx512_bf16")
 
 
 def measure_probe(repeats: int = PROBE_REPEATS, size_bytes: int = PROBE_BYTES) -> float:

@@ -57,7 +57,9 @@ def device_label(device: str) -> str:
         return device
     from glowplug.base.machine import cpu_model
 
-    return f"cpu/{cpu_model()}"
+    # Inductor picks its vector ISA by the CPU, capped by ATEN_CPU_CAPABILITY: a capped start compiles other code.
+    capped = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return f"cpu/{cpu_model()}" + (f"/aten_cpu_capability={capped}" if capped else "")
 
 
 def compile_factors(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: str,

@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from glowplug.base.machine import cpu_has_native_bf16
+from glowplug.base.machine import ISA_CAP_ENV, IsaCapError, cpu_has_native_bf16, isa_cap, isa_choice, level_at_least
 
 from .config import ConfigError, EngineConfig
 from .kv_sizing import check_model_len, plan_kv_cache
@@ -74,9 +74,14 @@ def model_facts(spec: str) -> ModelFacts:
     )
 
 
-def resolve_dtype_name(name: str, arch: ModelArch, device: str, *, quantized_source: bool = False) -> str:
+def resolve_dtype_name(name: str, arch: ModelArch, device: str, *, quantized_source: bool = False,
+                       compiled: bool = True) -> str:  # fmt: skip
     """`--dtype auto` as a dtype name (the rule is models/loader.resolve_dtype's, which calls this): the checkpoint's
-    dtype (bfloat16 for a block-quantized source), but float32 on a CPU without hardware bf16."""
+    dtype (bfloat16 for a block-quantized source). On a CPU, bfloat16 where it is the faster choice: with hardware
+    bf16 (the avx512_bf16 and amx levels), or at the avx2 and avx512 levels when the decode step is compiled
+    (`compiled`), since the native kernels then read bf16 weights and multiply in fp32, and decode reads half the
+    bytes of float32 (1.33x the batch-1 decode rate at the avx2 level: reports/decode-isa.md); eager prompts there
+    run their bf16 projections in fp32 arithmetic (kernels/modules.DenseLinear). Else float32."""
     if name != "auto":
         return name
     declared = "bfloat16" if quantized_source else (arch.torch_dtype or "bfloat16")
@@ -84,9 +89,11 @@ def resolve_dtype_name(name: str, arch: ModelArch, device: str, *, quantized_sou
         declared = "bfloat16"
     if device != "cpu":
         return declared
-    if declared == "float32" or not cpu_has_native_bf16():
+    if declared == "float32":
         return "float32"
-    return "bfloat16"
+    if cpu_has_native_bf16() or (compiled and level_at_least(isa_choice().level, "avx2")):
+        return "bfloat16"
+    return "float32"
 
 
 def torch_build_cuda() -> str | None:
@@ -189,13 +196,23 @@ def check_config(config: EngineConfig, arch: ModelArch, *, dtype: str, device: s
     check_kv_budget(config, arch, dtype=dtype, device=device)
 
 
+def check_isa_cap() -> None:
+    """GLOWPLUG_MAX_CPU_ISA names a level (an environment setting, checked like a flag)."""
+    try:
+        isa_cap()
+    except IsaCapError as exc:
+        raise ConfigError(ISA_CAP_ENV, str(exc)) from None
+
+
 def preflight(config: EngineConfig) -> ModelFacts:
     """All checks that need no torch and no prepared model (the CLI runs this first); raises ConfigError or
     ModelError. Returns what it read about the model."""
     check_device(config)
+    check_isa_cap()
     facts = model_facts(config.model)
     device = preflight_device(config)
     dtype = resolve_dtype_name(config.dtype, facts.arch, "cpu" if device == "unknown" else device,
+                               compiled=config.compile_enabled(),
                                quantized_source=facts.quantized_source)  # fmt: skip
     check_config(config, facts.arch, dtype=dtype, device=device)
     return facts

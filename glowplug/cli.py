@@ -489,9 +489,10 @@ def build_parser(command: str | None = None) -> CommandParser:
     if command in (None, "bench", "tune"):  # their flags come from the benchmarks' configs: imported only for them
         _add_bench_commands(bench, tune)
 
-    from glowplug import cache_cli
+    from glowplug import cache_cli, kernels_cli
 
     cache_cli.register(sub)
+    kernels_cli.register(sub)
 
     models = sub.add_parser("models", help="Manage model files.")
     msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")

@@ -7,7 +7,9 @@ int4 kernel with its codes widened to 4 bits, so it reads int4's bytes, not 2-bi
 a column of their own. GFLOP/s counts 2*M*N*K.
 
 Besides the dispatcher's eager paths, every format the compiled decode step runs through glowplug's native
-kernels (kernels/native.py: blocked int8/int4/int2 and VNNI w8a8) gets a `native` row when they load here.
+kernels (kernels/native.py: blocked bf16, int8/int4/int2 and VNNI w8a8) gets a `native (<ISA level>)` row when they
+load here: the level of the variant this process loaded (one per process; `bench kernels --isa-levels` runs a child
+process per level for the others).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def _rotating_bf16(x: torch.Tensor, copies: list[torch.Tensor]) -> Callable[[], 
 def bench_kernels(shapes: list[tuple[int, int]], ms: Sequence[int] = DEFAULT_MS,
                   formats: Sequence[str] = DEFAULT_BENCH_FORMATS, repeats: int = 10, *,
                   dispatcher: Dispatcher | None = None, stream_bytes: int = 96 << 20, seed: int = 0,
-                  native: bool = False) -> list[dict[str, Any]]:
+                  native: bool = False, native_only: bool = False) -> list[dict[str, Any]]:
     """One row per (shape (N, K), format spec, M, path): us (the median call), us_min, us_max, samples (calls
     timed), gbps and gflops (at the median), read_bytes, canonical_bytes, chosen (the dispatcher's pick for that M,
     which ranks paths by their fastest call) and dispatch (the picked path's name). A group size that does not
@@ -100,22 +102,25 @@ def bench_kernels(shapes: list[tuple[int, int]], ms: Sequence[int] = DEFAULT_MS,
         gen = torch.Generator().manual_seed(seed)
         weight = torch.randn(n, k, generator=gen)
         for spec in dict.fromkeys(s if s == "bf16" else fit_spec(s, k) for s in formats):
+            label = native_label()
             if spec == "bf16":
-                timings = {m: {"bf16_linear": us} for m, us in
-                           _bf16_row_timings(n, k, ms, repeats, stream_bytes, seed).items()}
+                timings = {} if native_only else {m: {"bf16_linear": us} for m, us in
+                                                  _bf16_row_timings(n, k, ms, repeats, stream_bytes, seed).items()}
                 nbytes, picks = n * k * 2, dict.fromkeys(ms, "bf16_linear")
                 read = {"bf16_linear": nbytes}
+                w_native: Any = weight.to(torch.bfloat16)
             else:
-                w = quantize(weight, spec)
+                w = w_native = quantize(weight, spec)
                 nbytes = sum(t.numel() * t.element_size() for t in w.tensors().values())
-                timings = measure_path_samples(disp, w, ms, repeats=repeats, stream_bytes=stream_bytes, seed=seed)
+                timings = {} if native_only else measure_path_samples(disp, w, ms, repeats=repeats,
+                                                                      stream_bytes=stream_bytes, seed=seed)
                 rt = disp.prepare(w, disp.valid_paths(w))
                 read = {name: path_read_bytes(state) for name, state in rt.states.items()}
                 picks = {m: disp.choose(disp.prepare(w), m) for m in ms}
-                if native:
-                    for m, samples, nb in _native_timings(w, ms, repeats, stream_bytes, seed):
-                        timings.setdefault(m, {})["native"] = samples
-                        read["native"] = nb
+            if native or native_only:
+                for m, samples, nb in _native_timings(w_native, ms, repeats, stream_bytes, seed):
+                    timings.setdefault(m, {})[label] = samples
+                    read[label] = nb
             for m, per_path in timings.items():
                 for path, samples in per_path.items():
                     rb = read.get(path, nbytes)
@@ -133,26 +138,50 @@ def native_available(cache_dir: Any = None) -> tuple[bool, str]:
     """Whether glowplug's native kernels load on this machine (building them into the cache if needed), and why."""
     from pathlib import Path
 
-    from .native import blocked_supported, load_native
+    from .native import load_native
 
     build = load_native(Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "glowplug")
     if not build.available:
         return False, build.reason
-    if not blocked_supported():
-        return False, "the blocked kernels need AVX512-BF16"
-    return True, build.reason
+    return True, f"{build.reason}, ISA {build.level_reason}"
+
+
+def native_label() -> str:
+    """The native rows' path name: "native (<ISA level>)", the level of the variant this process loaded."""
+    from .native import loaded_level
+
+    return f"native ({loaded_level() or '?'})"
 
 
 def _native_timings(w: Any, ms: Sequence[int], repeats: int, stream_bytes: int, seed: int
                     ) -> list[tuple[int, list[float], int]]:
-    """(M, every call's µs, bytes read) of the native kernel the compiled decode step uses for this weight (none: [])."""
-    from .native import native_linear, prepare_native
+    """(M, every call's µs, bytes read) of the native kernel the compiled decode step uses for this weight (a
+    packed format, or a dense bf16 tensor: the blocked bf16 kernel; none: [])."""
+    from .native import native_linear, ops, pack_blocked, prepare_native
 
-    state = prepare_native(w, torch.bfloat16)
-    if state is None:
-        return []
-    copies = [state] + [prepare_native(_clone_weight(w), torch.bfloat16)
-                        for _ in range(streamed_copies(state.nbytes, stream_bytes) - 1)]  # fmt: skip
+    if isinstance(w, torch.Tensor):
+        n = w.shape[0]
+        packs = [pack_blocked(w)[0]] + [pack_blocked(w.clone())[0]
+                                        for _ in range(streamed_copies(w.numel() * 2, stream_bytes) - 1)]  # fmt: skip
+        nbytes = packs[0].numel() * packs[0].element_size()
+
+        def kernel(x: torch.Tensor, i: int) -> torch.Tensor:
+            return ops().dense_blocked(x, packs[i], n)  # type: ignore[attr-defined,no-any-return]
+
+        count = len(packs)
+    else:
+        state = prepare_native(w, torch.bfloat16)
+        if state is None:
+            return []
+        states = [state] + [prepare_native(_clone_weight(w), torch.bfloat16)
+                            for _ in range(streamed_copies(state.nbytes, stream_bytes) - 1)]  # fmt: skip
+        nbytes, count = state.nbytes, len(states)
+
+        def kernel(x: torch.Tensor, i: int) -> torch.Tensor:
+            st = states[i]
+            assert st is not None
+            return native_linear(x, st)
+
     gen = torch.Generator().manual_seed(seed)
     out = []
     for m in ms:
@@ -160,12 +189,10 @@ def _native_timings(w: Any, ms: Sequence[int], repeats: int, stream_bytes: int, 
         counter = [0]
 
         def call() -> torch.Tensor:
-            counter[0] = (counter[0] + 1) % len(copies)
-            st = copies[counter[0]]
-            assert st is not None
-            return native_linear(x, st)
+            counter[0] = (counter[0] + 1) % count
+            return kernel(x, counter[0])
 
-        out.append((m, time_samples_us(call, repeats=repeats), state.nbytes))
+        out.append((m, time_samples_us(call, repeats=repeats), nbytes))
     return out
 
 

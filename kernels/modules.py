@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from glowplug.base.machine import cpu_has_native_bf16
+
 from .dispatch import Dispatcher, Runtime, default_dispatcher
 from .formats import (
     Int2Weight,
@@ -62,6 +64,10 @@ class NativeDecodeLayer(Protocol):
         """Switch this layer's compiled decode to a native kernel where one serves it (`small_m`: the largest batch
         the row-major dense kernel takes; `activation_dtype`: the model's dtype)."""
         ...
+
+
+# Rows from which a bf16 projection without hardware bf16 runs in fp32 arithmetic (a prompt, not a decode batch).
+FP32_PROMPT_ROWS = 16
 
 
 def padded_rows(m: int) -> int:
@@ -105,6 +111,14 @@ class DenseLinear(nn.Linear):
         if small_m is not None and torch.compiler.is_compiling() and x.dim() == 2:
             y: Tensor = torch.ops.glowplug_native.dense_linear(x, weight, small_m)
             return y if bias is None else y + bias
+        if (x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[0] >= FP32_PROMPT_ROWS
+                and not torch.compiler.is_compiling() and not cpu_has_native_bf16()):
+            # A prompt's bf16 projection on a CPU without hardware bf16 (the avx2 and avx512 levels, where --dtype
+            # auto picks bf16 for the decode's sake): oneDNN's emulated bf16 GEMM there made prompts several times
+            # slower than in float32 (the prefill column of reports/decode-isa.md has both dtypes); widening the
+            # weight costs one pass over it per call, little beside a prompt's arithmetic.
+            y32 = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+            return y32.to(torch.bfloat16)
         if x.dim() == 2 and x.dtype != torch.float32 and not torch.compiler.is_compiling():
             m = x.shape[0]
             rows = padded_rows(m)
@@ -120,13 +134,12 @@ class DenseLinear(nn.Linear):
 
 
 def enable_dense_native(module: nn.Module, weight: Tensor, small_m: int) -> int:
-    """bf16 on an AVX512-BF16 CPU: the blocked kernel, on a packed copy registered as `module.native_blocked`
-    (batches stay near the batch-1 cost); fp32 (or bf16 without AVX512-BF16): the row-major kernel on the weight
-    itself (`module.native_small_m`). Returns the bytes a decode step reads through it, 0 if no native kernel serves
+    """bf16: the blocked kernel (every ISA level has one), on a packed copy registered as `module.native_blocked`
+    (batches stay near the batch-1 cost); fp32: the row-major kernel on the weight itself (`module.native_small_m`). Returns the bytes a decode step reads through it, 0 if no native kernel serves
     this dtype."""
-    from .native import blocked_supported, pack_blocked
+    from .native import pack_blocked
 
-    if weight.dtype == torch.bfloat16 and blocked_supported() and weight.shape[1] % 2 == 0:
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
         packed, _ = pack_blocked(weight)
         module.register_buffer("native_blocked", packed, persistent=False)
         return packed.numel() * packed.element_size()

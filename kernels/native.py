@@ -1,9 +1,15 @@
-"""glowplug's native CPU kernels (kernels/native/*.cpp): build once per machine, load, and convert weights for them.
+"""glowplug's native CPU kernels (kernels/native/*.cpp): build per ISA level, choose one at run time, load, and convert
+weights for them.
 
-The kernels are written against torch's stable C ABI only, so building them needs the machine's C++ compiler and
-torch's headers, takes about a second, and never pulls in the heavy ATen headers. They are built at first use with
-`-march=native` (the binary is for this CPU) into the glowplug cache, keyed by everything that changes the binary:
-the sources, the torch version, the compiler and the CPU's feature flags. A damaged cached library is rebuilt.
+The kernels are written against torch's stable C ABI only, so building them needs a C++ compiler and torch's
+headers, and never pulls in the heavy ATen headers. One variant is built per ISA level (base.machine.ISA_LEVELS:
+portable, avx2, avx512, avx512_bf16, amx), each with its level's flags only (`LEVEL_FLAGS`), and a start loads the
+variant of the level `base.machine.isa_choice` picks: the CPU's highest, or lower under GLOWPLUG_MAX_CPU_ISA.
+`glowplug kernels build` (scripts/setup.sh runs it) builds every level at install time, so a start never runs the
+compiler; without that, the first start builds its level into the cache (artifact store `native`), keyed by what
+changes the binary: the sources, torch, the level and the architecture. A damaged library is rebuilt. How each op
+runs at each level: the comments of the .cpp files (hand-written AVX512/AMX code where the level has it, portable
+C++ that the compiler vectorizes for the level's flags elsewhere).
 
 Ops (namespace `glowplug_native`; x [M, K] contiguous, y [M, N] in x's dtype):
   dense_blocked(x, wp, N)                 bf16 x and weights in the blocked layout of `pack_blocked`
@@ -18,8 +24,8 @@ Ops (namespace `glowplug_native`; x [M, K] contiguous, y [M, N] in x's dtype):
                                           one decode token per sequence over the paged cache (attention.cpp)
   argmax_rows(x)                          fp32 or bf16 x [rows, n] -> int64 [rows]: each row's first maximum, as
                                           torch's max(dim=-1).indices (rows.cpp; the sampler's greedy tokens)
-The blocked ones (blocked.cpp) need AVX512-BF16, the attention ones AVX512F. On a CPU with AMX the blocked ones
-run batches of several rows on AMX tiles (amx.h; the library asks Linux for the tile state at first use). Each linear op has a pure-torch
+At the amx level the blocked ones run batches of several rows on AMX tiles (amx.h; the library asks Linux for the
+tile state at first use). Each linear op has a pure-torch
 reference in kernels/reference.py (`native_linear`), which tests/kernels compare against; the attention ops' reference
 is the torch path of engine/attention.decode_attention.
 """
@@ -28,9 +34,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import os
+import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -39,7 +48,7 @@ from pathlib import Path
 import torch
 
 # The CPU flags are machine facts (base), read before torch is imported too (the dtype check of the CLI).
-from glowplug.base.machine import cpu_flags, cpu_has_native_bf16  # noqa: F401 - re-exported for callers here
+from glowplug.base.machine import ISA_LEVELS, isa_choice
 from torch import Tensor
 
 from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weight
@@ -47,7 +56,7 @@ from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weigh
 NAMESPACE = "glowplug_native"
 LIBRARY = "glowplug_native.so"
 SOURCES: tuple[str, ...] = ("linear.cpp", "blocked.cpp", "attention.cpp", "rows.cpp")
-HEADERS: tuple[str, ...] = ("common.h", "amx.h")
+HEADERS: tuple[str, ...] = ("common.h", "dequant.h", "amx.h")
 _SOURCE_DIR = Path(__file__).parent / "native"
 
 
@@ -57,9 +66,27 @@ class NativeBuild:
 
     available: bool
     path: Path | None
-    cache_hit: bool
+    cache_hit: bool  # no compiler ran on the way (a prebuilt or cached variant)
     seconds: float
-    reason: str  # why not available, or what happened ("built", "cached", "rebuilt: ...")
+    reason: str  # why not available, or what happened ("prebuilt", "cached", "built: ...")
+    level: str = ""  # the ISA level of the variant loaded ("" when none)
+    level_reason: str = ""  # why that level (the CPU's, a cap, or the best variant there was)
+    background: str = ""  # a variant being built in the background for the next start, and why
+
+
+# Compiler flags per ISA level (base.machine.ISA_LEVELS): each variant gets its level's flags and nothing above, so
+# it runs on every CPU of that level, whatever machine built it. -mtune stays generic: the binary may be prebuilt.
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni")
+LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
+    "portable": (),
+    "avx2": _AVX2,
+    "avx512": _AVX512,
+    "avx512_bf16": (*_AVX512, "-mavx512bf16"),
+    "amx": (*_AVX512, "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"),
+}
+PREBUILT_ENV = "GLOWPLUG_NATIVE_PREBUILT"
+BUILD_INFO = "build.json"
 
 
 def _compiler() -> str | None:
@@ -71,29 +98,114 @@ def _torch_dirs() -> tuple[Path, Path]:
     return root / "include", root / "lib"
 
 
-def build_factors(compiler: str) -> dict[str, str]:
-    """Every input that changes the binary, and nothing else (any change rebuilds)."""
+def buildable_levels() -> tuple[str, ...]:
+    """The levels a compiler on this architecture can target (all of them on x86, the portable one elsewhere)."""
+    return ISA_LEVELS if _on_x86() else ("portable",)
+
+
+def _on_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+def prebuilt_root() -> Path:
+    """Where `glowplug kernels build` puts the variants at install time (an artifact store of its own, beside the
+    sources), unless GLOWPLUG_NATIVE_PREBUILT names another folder. Not a cache: an empty cache dir keeps it."""
+    override = os.environ.get(PREBUILT_ENV, "").strip()
+    return Path(override) if override else _SOURCE_DIR / "prebuilt"
+
+
+def build_factors(level: str) -> dict[str, str]:
+    """Every input that changes a variant's binary in a way that matters: the sources, the torch it links, the
+    level and the architecture. The compiler is not one: any working compiler's build is the same kernels, so a
+    variant prebuilt with another compiler serves (the compiler that built it is in the entry's build.json)."""
     h = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         h.update((_SOURCE_DIR / name).read_bytes())
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    return {
-        "sources": h.hexdigest()[:16],
-        "torch": torch.__version__,
-        "compiler": version.splitlines()[0] if version else compiler,
-        "cpu_flags": hashlib.sha256(" ".join(sorted(cpu_flags())).encode()).hexdigest()[:16],
-    }
+    return {"sources": h.hexdigest()[:16], "torch": torch.__version__, "level": level,
+            "machine": platform.machine().lower()}  # fmt: skip
 
 
-def _compile(compiler: str, out: Path) -> None:
+def compile_command(compiler: str, out: Path, level: str) -> list[str]:
     include, lib = _torch_dirs()
-    cmd = [compiler, "-O3", "-march=native", "-shared", "-fPIC", "-std=c++17", "-I", str(include),
-           *[str(_SOURCE_DIR / s) for s in SOURCES], "-o", str(out), "-L", str(lib), "-ltorch_cpu", "-lc10",
-           "-ltorch", f"-Wl,-rpath,{lib}"]  # fmt: skip
+    return [compiler, "-O3", *LEVEL_FLAGS[level], "-shared", "-fPIC", "-std=c++17", "-I", str(include),
+            *[str(_SOURCE_DIR / s) for s in SOURCES], "-o", str(out), "-L", str(lib), "-ltorch_cpu", "-lc10",
+            "-ltorch", f"-Wl,-rpath,{lib}"]  # fmt: skip
+
+
+def _compile(compiler: str, out: Path, level: str) -> None:
+    cmd = compile_command(compiler, out, level)
+    t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-20:])
-        raise RuntimeError(f"building the native kernels failed ({' '.join(cmd[:3])} ...):\n{tail}")
+        raise RuntimeError(f"building the {level} native kernels failed ({' '.join(cmd[:3])} ...):\n{tail}")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    info = {"compiler": version.splitlines()[0] if version else compiler, "flags": list(LEVEL_FLAGS[level]),
+            "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    (out.parent / BUILD_INFO).write_text(json.dumps(info))
+
+
+def build_variant(store_root: Path, level: str, *, compiler: str | None = None) -> tuple[Path, bool]:
+    """Build `level`'s variant into the artifact store at `store_root` unless a sound one is there; returns the
+    library's path and whether it was built now. Raises RuntimeError without a compiler or on a failed build."""
+    from glowplug.base.artifacts import ArtifactStore
+    from glowplug.base.artifacts.caches import NATIVE
+
+    cxx = compiler or _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, or $CXX) on PATH")
+
+    def build(folder: Path | None) -> Path:
+        target = (folder or Path(tempfile.mkdtemp(prefix="glowplug-native-"))) / LIBRARY
+        _compile(cxx, target, level)
+        return target
+
+    fetched = ArtifactStore(store_root).fetch(NATIVE, build_factors(level), group=f"native-{level}", build=build,
+                                              load=_library_file)  # fmt: skip
+    path = fetched.value if fetched.hit or fetched.path is None else fetched.path / LIBRARY
+    return path, not fetched.hit
+
+
+def _library_file(folder: Path) -> Path:
+    """An entry's library, checked to exist (the store verifies its checksums); not loaded, so that a process can
+    look at several variants and load one."""
+    lib = folder / LIBRARY
+    if not lib.is_file():
+        raise OSError(f"{lib} is missing")
+    return lib
+
+
+def find_variant(level: str, cache_dir: Path, *, load: bool = False) -> tuple[Path, str] | None:
+    """A stored variant of `level`: prebuilt first, then the cache; (library, where) or None. `load`: load it into
+    this process too, so that a library that will not load counts as a damaged entry (moved aside, a miss)."""
+    from glowplug.base.artifacts import ArtifactStore
+    from glowplug.base.artifacts.caches import NATIVE
+
+    def open_entry(folder: Path) -> Path:
+        lib = _library_file(folder)
+        if load:
+            torch.ops.load_library(str(lib))  # OSError for a damaged file: the store moves the entry aside
+        return lib
+
+    for root, where in ((prebuilt_root(), "prebuilt"), (cache_dir, "cached")):
+        found = ArtifactStore(root).lookup(NATIVE, build_factors(level), group=f"native-{level}", load=open_entry)
+        if found.value is not None:
+            return found.value, where
+    return None
+
+
+def _build_in_background(level: str, cache_dir: Path) -> str:
+    """Start `glowplug kernels build --level LEVEL --dest CACHE` detached, so the next start finds the variant; a
+    start never waits for it. Returns what was started, or why not."""
+    if _compiler() is None:
+        return f"{level} not built: no C++ compiler (g++, or $CXX) on PATH"
+    if os.environ.get("GLOWPLUG_NATIVE_BACKGROUND_BUILD", "1") == "0":
+        return f"{level} not built: GLOWPLUG_NATIVE_BACKGROUND_BUILD=0"
+    cmd = [sys.executable, "-m", "glowplug.cli", "kernels", "build", "--levels", level, "--dest", str(cache_dir),
+           "--quiet"]  # fmt: skip
+    subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     start_new_session=True)  # fmt: skip
+    return f"building {level} in the background for the next start"
 
 
 def _loaded() -> bool:
@@ -143,45 +255,65 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0],), dtype=torch.long)
 
 
+_LOADED: dict[str, str] = {}  # the level of the variant this process loaded (one per process: same op names)
+
+
 def load_native(cache_dir: Path) -> NativeBuild:
-    """Make the native ops callable in this process, building them into the artifact store (cache `native`) when
-    needed: a library that will not load is a damaged entry, moved aside and rebuilt.
+    """Make the native ops callable in this process at the ISA level `base.machine.isa_choice` picks.
+
+    Where the variant comes from, first found wins: prebuilt at install (`glowplug kernels build`) or already in
+    the cache (artifact store `native`), with no compiler run; else, when a lower level's variant is stored, that
+    one now and the right level built in the background for the next start (a start never waits for g++ while some
+    variant can run); else the level built now into the cache. A library that will not load is a damaged entry,
+    moved aside and rebuilt.
 
     Never raises for an environment problem (no compiler, a failed build): the answer says why the kernels are
-    unavailable, and callers fall back to the stock torch paths."""
+    unavailable, and callers fall back to the stock torch paths. A GLOWPLUG_MAX_CPU_ISA that names no level
+    raises IsaCapError (a setting, checked before the start by engine.config_check)."""
     t0 = time.perf_counter()
+    choice = isa_choice()
     if _loaded():
-        return NativeBuild(True, None, True, time.perf_counter() - t0, "already loaded in this process")
+        level = _LOADED.get("level", choice.level)
+        return NativeBuild(True, None, True, time.perf_counter() - t0, "already loaded in this process", level,
+                           choice.reason if level == choice.level else f"{level}: loaded earlier in this process")
     if os.environ.get("GLOWPLUG_NATIVE", "1") == "0":
         return NativeBuild(False, None, False, 0.0, "disabled by GLOWPLUG_NATIVE=0")
-    compiler = _compiler()
-    if compiler is None:
-        return NativeBuild(False, None, False, 0.0, "no C++ compiler (g++, or $CXX) on PATH")
-    from glowplug.base.artifacts import ArtifactStore
-    from glowplug.base.artifacts.caches import NATIVE
-
-    def build(folder: Path | None) -> Path:
-        # Without a usable cache dir the library still has to live in a file to be loaded: a temporary folder.
-        target = (folder or Path(tempfile.mkdtemp(prefix="glowplug-native-"))) / LIBRARY
-        _compile(compiler, target)
-        return target
-
-    def load(folder: Path) -> Path:
-        torch.ops.load_library(str(folder / LIBRARY))  # OSError for a damaged file: the store rebuilds it
-        return folder / LIBRARY
-
+    level = choice.level
     try:
-        fetched = ArtifactStore(cache_dir).fetch(NATIVE, build_factors(compiler), group="native", build=build,
-                                                 load=load)  # fmt: skip
-        # A build returns its temporary path; the stored entry is where it was renamed to (None: not stored).
-        path = fetched.value if fetched.hit or fetched.path is None else fetched.path / LIBRARY
-        if not fetched.hit:
-            torch.ops.load_library(str(path))
+        found = find_variant(level, cache_dir, load=True)
+        if found is not None:
+            return _loaded_build(found[0], level, found[1], True, choice.reason, t0)
+        lower = ISA_LEVELS[: ISA_LEVELS.index(level)][::-1]
+        for below in lower:
+            found = find_variant(below, cache_dir, load=True)
+            if found is not None:
+                started = _build_in_background(level, cache_dir)
+                why = f"{below}: the best variant stored ({level} is not built yet)"
+                return _loaded_build(found[0], below, found[1], True, why, t0, started)
+        if _compiler() is None:
+            return NativeBuild(False, None, False, time.perf_counter() - t0,
+                               "no C++ compiler (g++, or $CXX) on PATH, and no prebuilt variant (`glowplug kernels "
+                               "build` at install time makes them)")  # fmt: skip
+        path, built = build_variant(cache_dir, level)
+        torch.ops.load_library(str(path))
+        return _loaded_build(path, level, "built" if built else "cached", not built, choice.reason, t0)
     except (OSError, RuntimeError) as exc:
         return NativeBuild(False, None, False, time.perf_counter() - t0, str(exc).splitlines()[0])
+
+
+def _loaded_build(path: Path, level: str, where: str, hit: bool, why: str, t0: float,
+                  background: str = "") -> NativeBuild:  # fmt: skip
+    """The answer for a variant just loaded into this process."""
+    _LOADED["level"] = level
     _register_fakes()
-    reason = "cached" if fetched.hit else f"built ({fetched.miss_reason or 'new'})"
-    return NativeBuild(True, path, fetched.hit, time.perf_counter() - t0, reason)
+    if where == "built":
+        where = "built (no prebuilt variant: `glowplug kernels build` at install keeps the compiler off the start)"
+    return NativeBuild(True, path, hit, time.perf_counter() - t0, where, level, why, background)
+
+
+def loaded_level() -> str | None:
+    """The ISA level of the native library this process loaded, or None."""
+    return _LOADED.get("level") if _loaded() else None
 
 
 def ops() -> object:
@@ -278,14 +410,9 @@ class NativeState:
     nbytes: int = 0  # what a decode step reads through it
 
 
-def blocked_supported() -> bool:
-    """The blocked kernels need AVX512-BF16 and AVX512-VNNI (the library is built for this CPU with -march=native)."""
-    return cpu_has_native_bf16() and "avx512_vnni" in cpu_flags()
-
-
 def attention_supported(head_dim: int) -> bool:
-    """The decode attention op needs AVX512F and a head_dim that is a multiple of 16."""
-    return "avx512f" in cpu_flags() and head_dim % 16 == 0
+    """The decode attention op takes a head_dim that is a multiple of 16 (at every level)."""
+    return head_dim % 16 == 0
 
 
 def prepare_native(w: PackedWeight, activation_dtype: torch.dtype) -> NativeState | None:
@@ -300,7 +427,7 @@ def prepare_native(w: PackedWeight, activation_dtype: torch.dtype) -> NativeStat
         tensors = (w.qweight.contiguous(), w.scales.float().reshape(-1).contiguous(), wsum, inv)
         return NativeState("w8a8", tensors, n, k, nbytes=sum(t.numel() * t.element_size() for t in tensors))
     # fp32 activations are rounded to bf16 for these kernels, as the eager dispatcher's packed kernels do too.
-    if activation_dtype not in (torch.bfloat16, torch.float32) or not blocked_supported() or k % 32:
+    if activation_dtype not in (torch.bfloat16, torch.float32) or k % 32:
         return None
     if isinstance(w, Int8Weight) and w.group_size is not None and w.group_size % 32:
         return None  # the int8 kernel scales activations per 32 inputs, inside each weight group

@@ -97,6 +97,10 @@ class Attr:
     BYTES_PER_TOKEN: Final = "glowplug.bytes_per_token"  # weight bytes one decode step streams at batch 1
     RECOMPILES: Final = "glowplug.recompiles"
     SKIPPED_REASON: Final = "glowplug.skipped_reason"
+    # A note a stage that ran puts on its row (the phase table shows it beside the cache notes).
+    ROW_NOTE: Final = "glowplug.row_note"
+    ISA_LEVEL: Final = "glowplug.isa_level"  # the native kernels' ISA level (base.machine.ISA_LEVELS)
+    ISA_REASON: Final = "glowplug.isa_reason"  # why that level: the CPU's best, a cap, or the best variant stored
     ERROR: Final = "glowplug.error"
     PID: Final = "glowplug.pid"
     CLOCK_RESOLUTION_S: Final = "glowplug.clock_resolution_s"

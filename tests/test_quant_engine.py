@@ -112,10 +112,10 @@ def test_native_decode_switch_reaches_every_layer_kind(tiny_dir, tmp_path: Path)
     quantized projections, the tied head (a dense switch on the shared embedding) and the attention."""
     from glowplug.engine.models.llama import Attention, TiedHead
     from glowplug.kernels.modules import DecodeKernel, QuantLinear, enable_native_decode
-    from glowplug.kernels.native import attention_supported, blocked_supported, load_native
+    from glowplug.kernels.native import attention_supported, load_native
 
-    if not load_native(tmp_path / "native").available or not blocked_supported():
-        pytest.skip("the native blocked kernels need a C++ compiler and AVX512-BF16")
+    if not load_native(tmp_path / "native").available:
+        pytest.skip("the native kernels are unavailable here (no prebuilt variant and no C++ compiler)")
     cfg = EngineConfig.from_flat(model=str(tiny_dir("qwen2")), compile="off", dtype="bfloat16", quantization="int4",
                                  quantize_lm_head=False)  # fmt: skip
     model = build_engine(cfg, cache_dir=tmp_path).engine.model

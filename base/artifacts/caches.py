@@ -81,8 +81,9 @@ KERNEL_DISPATCH = CacheSpec(
 )
 
 NATIVE = CacheSpec(
-    "native", 1, "glowplug's native CPU kernels, built with -march=native for this CPU (.so)", "bypass",
-    "the kernels are built again (a few seconds) into a temporary folder at every start",
+    "native", 2, "glowplug's native CPU kernels, one variant per ISA level (.so), when none was prebuilt", "bypass",
+    "the kernels are built again (several seconds) into a temporary folder at every start that has no prebuilt "
+    "variant",
 )
 
 ALL: tuple[CacheSpec, ...] = (MODEL, QUANT, COMPILE, INDUCTOR, KV_PROFILE, STARTUP_PROFILE, KERNEL_DISPATCH, NATIVE)

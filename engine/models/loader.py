@@ -72,15 +72,16 @@ def read_checkpoint(model_dir: Path) -> CheckpointData:
     return CheckpointData(state_dict=sd, files=files, bytes_read=total)
 
 
-def resolve_dtype(name: str, arch: ModelArch, device: str, *, quantized_source: bool = False) -> torch.dtype:
+def resolve_dtype(name: str, arch: ModelArch, device: str, *, quantized_source: bool = False,
+                  compiled: bool = True) -> torch.dtype:  # fmt: skip
     """`--dtype auto` follows the checkpoint's dtype, as vLLM does (a float32 checkpoint runs in float32; bfloat16 and
-    float16 ones run in bfloat16 on a CPU), except on a CPU without hardware bf16 (AVX512-BF16 or AMX), where bf16
-    arithmetic is emulated and float32 is the faster choice. A block-quantized source (a Q4/Q8 GGUF) has no float
-    dtype of its own; it counts as bfloat16, the dtype such models are trained and published in."""
+    float16 ones run in bfloat16 on a CPU), except on a CPU where float32 is the faster choice (the rule and its
+    measurement: config_check.resolve_dtype_name). A block-quantized source (a Q4/Q8 GGUF) has no float dtype of its
+    own; it counts as bfloat16, the dtype such models are trained and published in."""
     from ..config_check import resolve_dtype_name
 
     # One rule for both: the CLI's settings check resolves the same name before torch is imported.
-    return DTYPES[resolve_dtype_name(name, arch, device, quantized_source=quantized_source)]
+    return DTYPES[resolve_dtype_name(name, arch, device, quantized_source=quantized_source, compiled=compiled)]
 
 
 def build_meta_model(arch: ModelArch) -> DecoderLM:

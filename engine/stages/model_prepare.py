@@ -26,7 +26,8 @@ class ModelPrepare:
             raise ModelError(f"{ctx.model_dir} was prepared from a GGUF file that is no longer there; pass the "
                              f".gguf file (or `smollm2`) instead of this folder")  # fmt: skip
         ctx.dtype = resolve_dtype(
-            ctx.config.dtype, ctx.arch, ctx.device, quantized_source=source_quant_block(ctx.model_dir) is not None
+            ctx.config.dtype, ctx.arch, ctx.device, quantized_source=source_quant_block(ctx.model_dir) is not None,
+            compiled=ctx.config.compile_enabled(),
         )
         # Here, not in a later stage: a setting the model cannot take fails before the weights are read, the
         # graphs compiled or the KV cache profiled, with the flag and the fix in the message.

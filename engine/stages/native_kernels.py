@@ -38,6 +38,10 @@ class NativeKernels:
         attrs: dict[str, object] = {Attr.CACHE_HIT: build.cache_hit, "glowplug.native_build": build.reason}
         if build.path is not None:
             attrs["glowplug.native_library"] = str(build.path)
+        if build.level:
+            attrs[Attr.ISA_LEVEL], attrs[Attr.ISA_REASON] = build.level, build.level_reason
+        if build.background:
+            attrs["glowplug.native_background_build"] = build.background
         if not build.available:
             return StageReport.skipped(f"native kernels unavailable: {build.reason}", attrs)  # type: ignore[arg-type]
         counts = enable_native_decode(model, DENSE_SMALL_M, ctx.dtype)
@@ -48,4 +52,6 @@ class NativeKernels:
             "glowplug.native_attention_layers": counts["attention"],
             Attr.BYTES_PER_TOKEN: counts["bytes_per_token"],
         })  # fmt: skip
+        # The row's note: the level, and why it is not the CPU's best when it is not (degrade loudly).
+        attrs[Attr.ROW_NOTE] = f"ISA {build.level_reason}" + (f"; {build.background}" if build.background else "")
         return StageReport(attributes=attrs)  # type: ignore[arg-type]

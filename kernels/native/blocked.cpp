@@ -1,4 +1,5 @@
-// N-blocked decode kernels for bf16 activations (AVX512-BF16): dense bf16, int4/int2 and int8 weights.
+// N-blocked decode kernels for bf16 activations: dense bf16, int4/int2 and int8 weights. AVX512-BF16 + VNNI kernels
+// (and AMX for batches) where the build has them, a portable path (below, "portable") for every other ISA level.
 //
 // Layout (built by kernels/native.py `pack_blocked`, a reference in kernels/reference.py): the weight rows are taken 16
 // at a time (an N-block; N padded with zero rows), and each block is one contiguous stream:
@@ -13,9 +14,11 @@
 // term is taken back with the group's activation sum. int8 codes (offset to 0..255) are multiplied as bytes with
 // 16-bit fixed-point activations by VNNI instead (see the int8 section).
 //
-// Batches: a chunk's planes are decoded once and used for every activation row of the block (up to 8 at a time), so
-// the cost grows with the batch only by the multiply-adds. Those grow one instruction per row, and from a few rows on
-// (amx::kMinRows*) the AMX tile kernels of amx.h take over, where one instruction covers 16 rows.
+// Batches: a chunk's planes are decoded once and used for every activation row of the block (up to 8 at a time, 16
+// for int4/int2 from 9 rows on), so the cost grows with the batch only by the multiply-adds; int8 from 32 rows on
+// decodes each N-block to bf16 once and runs the dense kernel on it. The multiply-adds grow one instruction per
+// row, and from a few rows on (amx::kMinRows*) the AMX tile kernels of amx.h take over, where one instruction covers
+// 16 rows.
 #include "amx.h"
 #include "common.h"
 
@@ -36,8 +39,15 @@ namespace {
 // has few L1 fill buffers, and L2 prefetches do not hold them. On a simulated batch-1 decode step (all 121 GEMVs on
 // distinct weights, 2 threads, three runs each, Intel Xeon): dense bf16 11.0-11.4 ms -> 9.7-10.0, int4 2.93-3.00 ->
 // 2.71-2.89, int8 3.77-4.15 -> 3.41-3.79 (the decode step: reports/decode-quantized.md).
-template <int DIST, int HINT = _MM_HINT_T0>
+#if defined(__x86_64__) || defined(__i386__)
+constexpr int kHintT0 = _MM_HINT_T0, kHintT1 = _MM_HINT_T1;
+template <int DIST, int HINT = kHintT0>
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p) + DIST, static_cast<_mm_hint>(HINT)); }
+#else  // __builtin_prefetch's locality: 3 keeps the line in every cache level (as T0 does), 2 from L2 on (T1)
+constexpr int kHintT0 = 3, kHintT1 = 2;
+template <int DIST, int HINT = kHintT0>
+inline void prefetch(const void* p) { __builtin_prefetch(static_cast<const char*>(p) + DIST, 0, HINT); }
+#endif
 constexpr int kPackedAhead = 8192, kDenseAhead = 2048, kL2Ahead = 16384;
 
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
@@ -66,18 +76,23 @@ inline void store16(const OutWriter& out, int64_t m, int64_t n0, int64_t N, __m5
 
 // ------------------------------------------------------------------------------------------------- dense bf16
 // A block is [K / 2, 16, 2] bf16: pair p of row j at word 2j, 2j + 1 of chunk p (one bit-plane of 16 bits).
-template <int MB>
+// STREAM: wb is the packed weight in memory (prefetched ahead); false for a block decoded into scratch, already in
+// L1/L2. scale: 16 per-output factors the sums are multiplied by before the store (int8 with per-output scales), or
+// null.
+template <int MB, bool STREAM = true>
 void dense_block(const uint16_t* wb, int64_t K, const uint16_t* x, int64_t m0, int64_t nb, int64_t N,
-                 const OutWriter& out) {
+                 const OutWriter& out, const float* scale = nullptr) {
   __m512 a0[MB], a1[MB];
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
   const int64_t pairs = K / 2;
   int64_t p = 0;
   for (; p + 2 <= pairs; p += 2) {
-    prefetch<kDenseAhead>(wb + p * 32);
-    prefetch<kDenseAhead>(wb + p * 32 + 32);
-    prefetch<kL2Ahead, _MM_HINT_T1>(wb + p * 32);
-    prefetch<kL2Ahead, _MM_HINT_T1>(wb + p * 32 + 32);
+    if constexpr (STREAM) {
+      prefetch<kDenseAhead>(wb + p * 32);
+      prefetch<kDenseAhead>(wb + p * 32 + 32);
+      prefetch<kL2Ahead, _MM_HINT_T1>(wb + p * 32);
+      prefetch<kL2Ahead, _MM_HINT_T1>(wb + p * 32 + 32);
+    }
     const __m512i w0 = _mm512_loadu_si512(wb + p * 32), w1 = _mm512_loadu_si512(wb + p * 32 + 32);
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
       const uint16_t* xr = x + (m0 + m) * K + 2 * p;
@@ -89,7 +104,11 @@ void dense_block(const uint16_t* wb, int64_t K, const uint16_t* x, int64_t m0, i
     const __m512i w0 = _mm512_loadu_si512(wb + p * 32);
     _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) a0[m] = dp(a0[m], w0, bcast_pair(x + (m0 + m) * K + 2 * p));
   }
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, _mm512_add_ps(a0[m], a1[m]));
+  const __m512 s = scale ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.f);
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    const __m512 v = _mm512_add_ps(a0[m], a1[m]);
+    store16(out, m0 + m, nb * 16, N, scale ? _mm512_mul_ps(v, s) : v);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------- int4 / int2
@@ -136,6 +155,53 @@ void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, co
     }
   }
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, tot[m]);
+}
+
+// The same product for 9 to 16 rows per pass, each chunk decoded once for all of them: one accumulator per row (up
+// to 16 independent vdpbf16ps chains), and the running totals in L1 rather than registers, which 16 accumulators
+// leave no room for (their update is three memory operations per row and group, against gs / 2 multiply-adds). Why:
+// at 16 rows intn_block ran two passes of 8, each decoding every chunk and each with only 8 dependent chains, and
+// came out ~20% behind the dense bf16 kernel on the same shapes. Single-threaded with the weights streamed from
+// memory (int4-g128, SmolLM2's shapes), this kernel took 15-30% less time than two 8-row passes at 12 to 32 rows,
+// and at 16 rows matched or beat dense bf16. It stays exact (codes times activations, scaled per group), unlike
+// decoding the block to bf16 first, which measured no faster here at 16 rows or more.
+template <int BITS, int MB>
+void intn_block_wide(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, const float* xsum, int64_t m0,
+                     int64_t nb, int64_t N, const OutWriter& out) {
+  constexpr int PLANES = 16 / BITS, KC = 2 * PLANES;
+  const int64_t G = K / gs, chunks_per_group = gs / KC;
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + K * BITS * 2);
+  const uint16_t* mins = scales + G * 16;
+  const __m512i mask = _mm512_set1_epi16((1 << BITS) - 1);
+  const __m512i expo = _mm512_set1_epi16(0x4300);
+  const __m512 c128 = _mm512_set1_ps(128.f);
+  alignas(64) float tot[MB][16] = {};
+  const uint8_t* chunk = blk;
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[MB];
+    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks_per_group; ++c, chunk += 64) {
+      prefetch<kPackedAhead>(chunk);
+      prefetch<kL2Ahead, _MM_HINT_T1>(chunk);
+      const __m512i v = _mm512_loadu_si512(chunk);
+      const int64_t k0 = (g * chunks_per_group + c) * KC;
+      _Pragma("GCC unroll 16") for (int p = 0; p < PLANES; ++p) {
+        const __m512i sh = p == 0 ? v : _mm512_srli_epi16(v, BITS * p);
+        const __m512i w = p == PLANES - 1 ? _mm512_or_si512(sh, expo) : _mm512_ternarylogic_epi32(sh, mask, expo, 0xEA);
+        _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m)
+          acc[m] = dp(acc[m], w, bcast_pair(x + (m0 + m) * K + k0 + 2 * p));
+      }
+    }
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 16)));
+    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * 16)));
+    const __m512 adj = _mm512_fnmadd_ps(c128, s, mn);
+    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) {
+      __m512 t = _mm512_fmadd_ps(acc[m], s, _mm512_load_ps(tot[m]));
+      t = _mm512_fmadd_ps(adj, _mm512_set1_ps(xsum[(m0 + m) * G + g]), t);
+      _mm512_store_ps(tot[m], t);
+    }
+  }
+  _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, _mm512_load_ps(tot[m]));
 }
 
 // -------------------------------------------------------------------------------------------------------- int8
@@ -301,20 +367,49 @@ std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t g
   return out;
 }
 
-// Run `block(mb, m0, nb)` over every N-block in parallel and over the rows in blocks of up to 8 (4 when NA > 1).
+// Run `block(mb, m0, nb)` over every N-block in parallel and over the rows in passes of up to `rows`.
 template <class F>
-void for_blocks(int64_t M, int64_t NB, const F& block) {
+void for_blocks(int64_t M, int64_t NB, const F& block, int64_t rows = 8) {
   torch::stable::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; ++nb)
-      for (int64_t m0 = 0; m0 < M; m0 += 8) block(std::min<int64_t>(8, M - m0), m0, nb);
+      for (int64_t m0 = 0; m0 < M; m0 += rows) block(std::min<int64_t>(rows, M - m0), m0, nb);
   });
 }
+
+// Rows per pass of the int4/int2 kernel (intn_block_wide's 16 accumulators from 9 rows on).
+constexpr int64_t kWideRows = 16;
+#define GLOWPLUG_WIDE_SWITCH(mb, CALL) \
+  switch (mb) {                        \
+    case 9: CALL(9); break;            \
+    case 10: CALL(10); break;          \
+    case 11: CALL(11); break;          \
+    case 12: CALL(12); break;          \
+    case 13: CALL(13); break;          \
+    case 14: CALL(14); break;          \
+    case 15: CALL(15); break;          \
+    default: CALL(16); break;          \
+  }
 
 void check_blocked(const Tensor& x, const Tensor& wp, int64_t N, int64_t K, int64_t block_bytes, const char* op) {
   STD_TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == ScalarType::BFloat16, op,
                   ": x must be a contiguous bfloat16 [M, ", K, "] tensor");
   STD_TORCH_CHECK(wp.is_contiguous() && wp.numel() * static_cast<int64_t>(wp.element_size()) == (N + 15) / 16 * block_bytes,
                   op, ": the packed weight does not match N=", N, ", K=", K, "; pack it with kernels.native.pack_blocked");
+}
+
+// Per thread, dequantized N-blocks (K / 32 tiles of 512 bf16 per N-block, 64-byte aligned; the AMX pair of blocks
+// asks for 2K), reused across blocks and calls.
+uint16_t* decode_scratch(int64_t K) {
+  struct Free {
+    void operator()(uint16_t* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<uint16_t, Free> buf;
+  thread_local int64_t have = 0;
+  if (have < K) {
+    buf.reset(static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * 32)));
+    have = K;
+  }
+  return buf.get();
 }
 
 #ifdef GLOWPLUG_AMX
@@ -330,20 +425,6 @@ std::vector<uint16_t> padded_x(const uint16_t* x, int64_t M, int64_t K) {
   return out;
 }
 
-// Per thread, dequantized B tiles (K / 32 tiles of 512 bf16 per N-block, 64-byte aligned; a pair of blocks asks for
-// 2K), reused across blocks and calls.
-uint16_t* amx_scratch(int64_t K) {
-  struct Free {
-    void operator()(uint16_t* p) const { std::free(p); }
-  };
-  thread_local std::unique_ptr<uint16_t, Free> buf;
-  thread_local int64_t have = 0;
-  if (have < K) {
-    buf.reset(static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(K) * 32)));
-    have = K;
-  }
-  return buf.get();
-}
 #endif
 
 #define GLOWPLUG_MB_SWITCH(mb, CALL)                                                                       \
@@ -357,6 +438,37 @@ uint16_t* amx_scratch(int64_t K) {
     case 7: CALL(7, 1); break;                                                                             \
     default: CALL(8, 1); break;                                                                            \
   }
+
+// ------------------------------------------------------------------------------------- int8 batches, decoded
+// From kDecodedRowsInt8 rows on, an int8 N-block is decoded to bf16 once (dequant.h, into a per-thread scratch
+// block of K x 16 bf16, which stays in L1/L2) and the batch runs the dense kernel on it, 8 rows per pass. Why: the
+// VNNI kernel needs two vpdpbusd per row and 4 inputs (the activations' two fixed-point bytes) where bf16 needs one
+// vdpbf16ps per 2 inputs, the same count, but adds five operations per row and 32 inputs to scale each fixed-point
+// block; the decode instead costs the same whatever the rows. Single-threaded, on SmolLM2's shapes with the weights
+// streamed from memory, the decoded path ran 15-25% slower than the VNNI kernel at 12-16 rows, even at 24, a few
+// percent faster at 32 and 10-15% faster at 64.
+// Numerics: per-output scales keep the codes exact (|q| <= 128 is a bf16 number), scaled after the sum, and the bf16
+// activations are multiplied exactly rather than in 16-bit fixed point; grouped int8 weights are rounded to bf16
+// once (q * scale), as on the AMX tiles.
+constexpr int64_t kDecodedRowsInt8 = 32;
+
+// decode(nb, wb): N-block nb into wb (K x 16 bf16 in the dense layout); returns the 16 per-output scales to apply
+// after the sums, or null.
+template <class Decode>
+void for_decoded_blocks(int64_t M, int64_t K, int64_t NB, const uint16_t* x, int64_t N, const OutWriter& out,
+                        const Decode& decode) {
+  torch::stable::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    uint16_t* wb = decode_scratch(K);
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      const float* scale = decode(nb, wb);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+#define CALL(MB_, NA_) dense_block<MB_, false>(wb, K, x, m0, nb, N, out, scale)
+        GLOWPLUG_MB_SWITCH(std::min<int64_t>(8, M - m0), CALL)
+#undef CALL
+      }
+    }
+  });
+}
 
 Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
   const int64_t K = x.size(1), M = x.size(0);
@@ -410,12 +522,12 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
       constexpr int B = decltype(bits_c)::value;
       amx::for_block_pairs(M, K, xa, (N + 15) / 16, [&](int64_t nb, int slot) {
         const uint8_t* blk = w + nb * block_bytes;
-        uint16_t* scratch = amx_scratch(2 * K) + slot * K * 16;
+        uint16_t* scratch = decode_scratch(2 * K) + slot * K * 16;
         return amx::block(
             [blk, scratch, K, group_size](int64_t t, bool first) {
               if (first) {
-                if (t == 0) amx::intn_dequant<B, kPackedAhead>(blk, K, group_size, 0, scratch);
-                if ((t + 1) * 32 < K) amx::intn_dequant<B, kPackedAhead>(blk, K, group_size, t + 1, scratch);
+                if (t == 0) intn_dequant<B, kPackedAhead>(blk, K, group_size, 0, scratch);
+                if ((t + 1) * 32 < K) intn_dequant<B, kPackedAhead>(blk, K, group_size, t + 1, scratch);
               }
               return static_cast<const uint16_t*>(scratch + t * 512);
             },
@@ -431,18 +543,25 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
 #endif
   const std::vector<float> xs = group_sums(xp, M, K, group_size);
   const float* xsum = xs.data();
-  for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
-    const uint8_t* blk = w + nb * block_bytes;
-    if (bits == 4) {
-#define CALL(MB_, NA_) intn_block<4, MB_, NA_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
-      GLOWPLUG_MB_SWITCH(mb, CALL)
+  const auto run = [&](auto bits_c) {
+    constexpr int B = decltype(bits_c)::value;
+    for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
+      const uint8_t* blk = w + nb * block_bytes;
+      if (mb > 8) {
+#define CALL(MB_) intn_block_wide<B, MB_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
+        GLOWPLUG_WIDE_SWITCH(mb, CALL)
 #undef CALL
-    } else {
-#define CALL(MB_, NA_) intn_block<2, MB_, NA_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
-      GLOWPLUG_MB_SWITCH(mb, CALL)
+      } else {
+#define CALL(MB_, NA_) intn_block<B, MB_, NA_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
+        GLOWPLUG_MB_SWITCH(mb, CALL)
 #undef CALL
-    }
-  });
+      }
+    }, kWideRows);
+  };
+  if (bits == 4)
+    run(std::integral_constant<int, 4>{});
+  else
+    run(std::integral_constant<int, 2>{});
   return y;
 }
 
@@ -481,13 +600,13 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
     const bool grouped = group_size < K;  // else the codes stay exact and the sums take the per-output scales
     amx::for_block_pairs(M, K, xa, (N + 15) / 16, [&](int64_t nb, int slot) {
       const uint8_t* blk = w + nb * block_bytes;
-      uint16_t* scratch = amx_scratch(2 * K) + slot * K * 16;
+      uint16_t* scratch = decode_scratch(2 * K) + slot * K * 16;
       const __m512 s = grouped ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(reinterpret_cast<const float*>(blk + K * 16));
       return amx::block(
           [blk, scratch, K, group_size](int64_t t, bool first) {
             if (first) {
-              if (t == 0) amx::int8_dequant<kPackedAhead>(blk, K, group_size, 0, scratch);
-              if ((t + 1) * 32 < K) amx::int8_dequant<kPackedAhead>(blk, K, group_size, t + 1, scratch);
+              if (t == 0) int8_dequant<kPackedAhead>(blk, K, group_size, 0, scratch);
+              if ((t + 1) * 32 < K) int8_dequant<kPackedAhead>(blk, K, group_size, t + 1, scratch);
             }
             return static_cast<const uint16_t*>(scratch + t * 512);
           },
@@ -496,6 +615,15 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
     return y;
   }
 #endif
+  if (M >= kDecodedRowsInt8) {
+    const bool grouped = group_size < K;
+    for_decoded_blocks(M, K, (N + 15) / 16, xp, N, out, [&](int64_t nb, uint16_t* wb) -> const float* {
+      const uint8_t* blk = w + nb * block_bytes;
+      for (int64_t t = 0; t < K / 32; ++t) int8_dequant<kPackedAhead>(blk, K, group_size, t, wb);
+      return grouped ? nullptr : reinterpret_cast<const float*>(blk + K * 16);
+    });
+    return y;
+  }
   const X16 xd = x16_digits(xp, M, K);
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
 #define CALL(MB_, NA_) int8_block<MB_, NA_>(w + nb * block_bytes, K, group_size, xd, m0, nb, N, out)
@@ -505,16 +633,260 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
   return y;
 }
 
-#else  // no AVX512-BF16 / VNNI: the Python side never enables these (kernels.native.blocked_supported)
+#else  // no AVX512-BF16 / VNNI: the portable kernels
+// Plain C++ on the 16-lane vectors of common.h (F16), vectorized over the 16 rows of an N-block (one lane per row),
+// so they compile at every ISA level: 2 AVX2 registers per F16 in the avx2 build, 1 in the avx512 one, 4 SSE2 or
+// NEON in the portable one. Codes are decoded with integer masks and conversions only (no bf16 trick), and every
+// product is an fp32 multiply-add:
+//   int4/int2  per group, acc = sum q x, then y += scale * acc + min * sum x (w = q * scale + min, regrouped);
+//   int8       per group, acc = sum u x with the stored bytes u = q + 128, then y += scale * (acc - 128 sum x). The
+//              activations stay in fp32 (the AVX512 kernel's 16-bit fixed point is only a VNNI operand format), so
+//              these results are, if anything, closer to the fp32 product than that kernel's.
+// Decoding without shifts: a code at bit offset o is taken as (word & (mask << o)), converted, and multiplied with
+// an activation pre-scaled by 2^-o (`scaled_x`, exact: a power of two); only the top code of a word, whose bits
+// would turn into the sign, is shifted down instead. Batches: a chunk is decoded once per kPortRows activation rows,
+// whose accumulators stay in registers.
+#if defined(__AVX512F__)
+constexpr int kPortRows = 8;  // 32 vector registers: 8 accumulators and 8 totals
+#else
+constexpr int kPortRows = 4;
+#endif
 
-Tensor unsupported(const char* op) {
-  STD_TORCH_CHECK(false, op, ": this CPU has no AVX512-BF16; the engine uses the stock kernels instead");
-  return Tensor();
+inline void store16(const OutWriter& out, int64_t m, int64_t n0, int64_t N, F16 v) {
+  float a[16];
+  vstore(a, v);
+  const int64_t n = std::min<int64_t>(16, N - n0);
+  for (int64_t i = 0; i < n; ++i) out.put(m, n0 + i, a[i]);
 }
-Tensor dense_blocked(Tensor, Tensor, int64_t) { return unsupported("dense_blocked"); }
-Tensor intn_blocked(Tensor, Tensor, int64_t, int64_t, int64_t) { return unsupported("intn_blocked"); }
-Tensor int8_blocked(Tensor, Tensor, int64_t, int64_t) { return unsupported("int8_blocked"); }
 
+template <class F>
+void for_blocks(int64_t M, int64_t NB, const F& block) {
+  torch::stable::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t m0 = 0; m0 < M; m0 += kPortRows) block(std::min<int64_t>(kPortRows, M - m0), m0, nb);
+  });
+}
+
+// mb <= kPortRows: the cases above it never run, and std::min keeps them from being compiled as separate kernels
+#define GLOWPLUG_PORT_SWITCH(mb, CALL)               \
+  switch (mb) {                                      \
+    case 1: CALL(1); break;                          \
+    case 2: CALL(2); break;                          \
+    case 3: CALL(3); break;                          \
+    case 4: CALL(std::min(4, kPortRows)); break;     \
+    case 5: CALL(std::min(5, kPortRows)); break;     \
+    case 6: CALL(std::min(6, kPortRows)); break;     \
+    case 7: CALL(std::min(7, kPortRows)); break;     \
+    default: CALL(kPortRows); break;                 \
+  }
+
+// x [M, K] bf16 -> fp32, input k multiplied by 2^-o for the bit offset o its code has in a word of a chunk of KC
+// inputs (below), or by 1 for the word's top code (dense bf16: BITS = 16, both codes on top, all factors 1).
+template <int BITS>
+constexpr int code_offset(int s) {  // s: the input's place in its chunk
+  return BITS == 8 ? 8 * s : BITS * (s / 2) + 16 * (s % 2);
+}
+template <int BITS>
+constexpr bool top_code(int s) { return code_offset<BITS>(s) + BITS == 32; }
+
+template <int BITS>
+std::vector<float> scaled_x(const uint16_t* x, int64_t M, int64_t K) {
+  constexpr int KC = BITS == 8 ? 4 : 32 / BITS;
+  float f[KC];
+  for (int s = 0; s < KC; ++s) f[s] = top_code<BITS>(s) ? 1.f : std::ldexp(1.f, -code_offset<BITS>(s));
+  std::vector<float> out(static_cast<size_t>(M * K));
+  for (int64_t i = 0; i < M * K; ++i) out[static_cast<size_t>(i)] = bf16_to_f32(x[i]) * f[i % KC];
+  return out;
+}
+
+// Activation sums per (row, group), in fp32 from the bf16 inputs.
+std::vector<float> group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t gs) {
+  const int64_t G = K / gs;
+  std::vector<float> out(static_cast<size_t>(M * G));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      const uint16_t* p = x + m * K + g * gs;
+      F16 a = vsplat(0.f);
+      int64_t k = 0;
+      for (; k + 16 <= gs; k += 16) a += vload_bf16(p + k);
+      float s = vsum(a);
+      for (; k < gs; ++k) s += bf16_to_f32(p[k]);
+      out[static_cast<size_t>(m * G + g)] = s;
+    }
+  return out;
+}
+
+// Code (of BITS bits) number s of each row's 32-bit word (w: 16 rows' words) as fp32, times 2^o (see above).
+template <int BITS, int S>
+GLOWPLUG_VINLINE F16 code(U16 w) {
+  constexpr int o = code_offset<BITS>(S);
+  constexpr uint32_t mask = (1u << BITS) - 1;
+  if constexpr (top_code<BITS>(S))
+    return to_float(bitcast<vi32>(w >> o));
+  else
+    return to_float(bitcast<vi32>(w & (mask << o)));
+}
+
+// acc[m] += code s of w * xs[row m0 + m][k0 + s], for s in [S, KC): one code decoded for all MB rows at a time.
+template <int BITS, int KC, int MB, int S = 0>
+GLOWPLUG_VINLINE void madd_codes(F16 (&acc)[MB], U16 w, const float* xs, int64_t K, int64_t k0) {
+  if constexpr (S < KC) {
+    const F16 q = code<BITS, S>(w);
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) acc[m] += q * xs[m * K + k0 + S];
+    madd_codes<BITS, KC, MB, S + 1>(acc, w, xs, K, k0);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------- dense bf16
+// A chunk is 16 32-bit words, row j's (k, k + 1) bf16 pair in word j (little-endian: k in the low half), so the
+// pair widens to fp32 with one shift and one mask. xf: the rows' fp32 activations (from row m0).
+template <int MB>
+void dense_block(const uint16_t* wb, int64_t K, const float* xf, int64_t m0, int64_t nb, int64_t N,
+                 const OutWriter& out) {
+  F16 a0[MB], a1[MB];
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) a0[m] = a1[m] = vsplat(0.f);
+  for (int64_t p = 0; p < K / 2; ++p) {
+    prefetch<kDenseAhead>(wb + p * 32);
+    prefetch<kL2Ahead, kHintT1>(wb + p * 32);
+    const U16 w = vload<U16>(wb + p * 32);
+    const F16 lo = bitcast<vf32>(w << 16), hi = bitcast<vf32>(w & 0xffff0000u);
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+      a0[m] += lo * xf[m * K + 2 * p];
+      a1[m] += hi * xf[m * K + 2 * p + 1];
+    }
+  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, a0[m] + a1[m]);
+}
+
+// ---------------------------------------------------------------------------------------------- int4 / int2
+// Layout as above: [K / KC chunks of 64 bytes][G x 16 fp16 scales][G x 16 fp16 mins]. xs: scaled_x<BITS> from row
+// m0; xsum: group_sums from row m0.
+template <int BITS, int MB>
+void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const float* xs, const float* xsum, int64_t m0, int64_t nb,
+                int64_t N, const OutWriter& out) {
+  constexpr int KC = 32 / BITS;
+  const int64_t G = K / gs, chunks_per_group = gs / KC;
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + K * BITS * 2);
+  const uint16_t* mins = scales + G * 16;
+  F16 tot[MB];
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] = vsplat(0.f);
+  const uint8_t* chunk = blk;
+  for (int64_t g = 0; g < G; ++g) {
+    F16 acc[MB];
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) acc[m] = vsplat(0.f);
+    for (int64_t c = 0; c < chunks_per_group; ++c, chunk += 64) {
+      prefetch<kPackedAhead>(chunk);
+      prefetch<kL2Ahead, kHintT1>(chunk);
+      madd_codes<BITS, KC, MB>(acc, vload<U16>(chunk), xs, K, (g * chunks_per_group + c) * KC);
+    }
+    const F16 s = vload_f16(scales + g * 16), mn = vload_f16(mins + g * 16);
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] += s * acc[m] + mn * xsum[m * G + g];
+  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, tot[m]);
+}
+
+// -------------------------------------------------------------------------------------------------------- int8
+// Layout as above: [K / 4 chunks of 64 bytes][G x 16 fp32 scales]; word j of a chunk holds row j's bytes
+// u = q + 128 at k0..k0 + 3.
+template <int MB>
+void int8_block(const uint8_t* blk, int64_t K, int64_t gs, const float* xs, const float* xsum, int64_t m0, int64_t nb,
+                int64_t N, const OutWriter& out) {
+  const int64_t G = K / gs, chunks_per_group = gs / 4;
+  const float* scales = reinterpret_cast<const float*>(blk + K * 16);
+  F16 tot[MB];
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] = vsplat(0.f);
+  const uint8_t* chunk = blk;
+  for (int64_t g = 0; g < G; ++g) {
+    F16 acc[MB];
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) acc[m] = vsplat(0.f);
+    for (int64_t c = 0; c < chunks_per_group; ++c, chunk += 64) {
+      prefetch<kPackedAhead>(chunk);
+      prefetch<kL2Ahead, kHintT1>(chunk);
+      madd_codes<8, 4, MB>(acc, vload<U16>(chunk), xs, K, (g * chunks_per_group + c) * 4);
+    }
+    const F16 s = vload<F16>(scales + g * 16);
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] += s * (acc[m] - 128.f * xsum[m * G + g]);
+  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, tot[m]);
+}
+
+void check_blocked(const Tensor& x, const Tensor& wp, int64_t N, int64_t K, int64_t block_bytes, const char* op) {
+  STD_TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == ScalarType::BFloat16, op,
+                  ": x must be a contiguous bfloat16 [M, ", K, "] tensor");
+  STD_TORCH_CHECK(wp.is_contiguous() && wp.numel() * static_cast<int64_t>(wp.element_size()) == (N + 15) / 16 * block_bytes,
+                  op, ": the packed weight does not match N=", N, ", K=", K, "; pack it with kernels.native.pack_blocked");
+}
+
+Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
+  const int64_t K = x.size(1), M = x.size(0);
+  STD_TORCH_CHECK(K % 2 == 0, "dense_blocked: K must be even");
+  check_blocked(x, wp, N, K, K * 32, "dense_blocked");
+  Tensor y = torch::stable::new_empty(x, {M, N});
+  OutWriter out{y.mutable_data_ptr(), true, N};
+  const uint16_t* w = static_cast<const uint16_t*>(wp.const_data_ptr());
+  const std::vector<float> xf = scaled_x<16>(static_cast<const uint16_t*>(x.const_data_ptr()), M, K);
+  for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
+#define CALL(MB_) dense_block<MB_>(w + nb * K * 16, K, xf.data() + m0 * K, m0, nb, N, out)
+    GLOWPLUG_PORT_SWITCH(mb, CALL)
+#undef CALL
+  });
+  return y;
+}
+
+Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_size) {
+  const int64_t K = x.size(1), M = x.size(0);
+  STD_TORCH_CHECK(bits == 4 || bits == 2, "intn_blocked: bits must be 4 or 2");
+  const int64_t kc = 32 / bits;
+  STD_TORCH_CHECK(group_size % kc == 0 && K % group_size == 0, "intn_blocked: group_size ", group_size,
+                  " must divide K=", K, " and be a multiple of ", kc);
+  const int64_t block_bytes = K * bits * 2 + (K / group_size) * 64;
+  check_blocked(x, wp, N, K, block_bytes, "intn_blocked");
+  Tensor y = torch::stable::new_empty(x, {M, N});
+  OutWriter out{y.mutable_data_ptr(), true, N};
+  const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
+  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  const int64_t G = K / group_size;
+  const std::vector<float> xsum = group_sums(xp, M, K, group_size);
+  const std::vector<float> xs = bits == 4 ? scaled_x<4>(xp, M, K) : scaled_x<2>(xp, M, K);
+  for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
+    const uint8_t* blk = w + nb * block_bytes;
+    const float *xr = xs.data() + m0 * K, *sr = xsum.data() + m0 * G;
+    if (bits == 4) {
+#define CALL(MB_) intn_block<4, MB_>(blk, K, group_size, xr, sr, m0, nb, N, out)
+      GLOWPLUG_PORT_SWITCH(mb, CALL)
+#undef CALL
+    } else {
+#define CALL(MB_) intn_block<2, MB_>(blk, K, group_size, xr, sr, m0, nb, N, out)
+      GLOWPLUG_PORT_SWITCH(mb, CALL)
+#undef CALL
+    }
+  });
+  return y;
+}
+
+Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
+  const int64_t K = x.size(1), M = x.size(0);
+  // the AVX512 kernel's 32-input activation blocks set this limit; it is kept so both builds take the same weights
+  STD_TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "int8_blocked: group_size ", group_size,
+                  " must divide K=", K, " and be a multiple of ", 32);
+  const int64_t block_bytes = K * 16 + (K / group_size) * 64;
+  check_blocked(x, wp, N, K, block_bytes, "int8_blocked");
+  Tensor y = torch::stable::new_empty(x, {M, N});
+  OutWriter out{y.mutable_data_ptr(), true, N};
+  const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
+  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+  const int64_t G = K / group_size;
+  const std::vector<float> xsum = group_sums(xp, M, K, group_size);
+  const std::vector<float> xs = scaled_x<8>(xp, M, K);
+  for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
+#define CALL(MB_) int8_block<MB_>(w + nb * block_bytes, K, group_size, xs.data() + m0 * K, xsum.data() + m0 * G, m0, nb, N, out)
+    GLOWPLUG_PORT_SWITCH(mb, CALL)
+#undef CALL
+  });
+  return y;
+}
+
+#undef GLOWPLUG_PORT_SWITCH
 #endif
 
 }  // namespace

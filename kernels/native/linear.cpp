@@ -1,7 +1,7 @@
 // glowplug native CPU kernels, the row-major (K-major) ones: dense GEMV for fp32 (and bf16 on CPUs without
 // AVX512-BF16) and w8a8 with per-token int8 activations. The bf16-activation kernels for packed and dense bf16 weights
-// are in blocked.cpp. Built at run time with the machine's g++ (-O3 -march=native) against torch's stable C ABI only
-// (kernels/native.py); every op has a pure-torch reference in kernels/reference.py that tests/kernels compare it to.
+// are in blocked.cpp. Built at run time with the machine's g++, one build per ISA level, against torch's stable C ABI
+// only (kernels/native.py); every op has a pure-torch reference in kernels/reference.py that tests/kernels compare it to.
 //
 // dense_linear streams each weight row once, in address order, and reuses it for all M activation rows (16 rows at a
 // time, so later activation blocks re-read the tile from L1/L2); M > small_m goes to aten's GEMM (oneDNN).
@@ -57,10 +57,18 @@ void dense_rows_bf16(const uint16_t* w, const uint16_t* x, int64_t K, int64_t N,
     }
     _Pragma("GCC unroll 8")
     for (int m = 0; m < MB; ++m) res[m] = _mm512_reduce_add_ps(acc[m]);
-#else
-    int64_t k = 0;
+#else  // 16 lanes per row: GCC does not vectorize a scalar fp32 sum (it may not reorder the additions)
+    F16 acc[MB];
     _Pragma("GCC unroll 8")
-    for (int m = 0; m < MB; ++m) res[m] = 0.f;
+    for (int m = 0; m < MB; ++m) acc[m] = vsplat(0.f);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const F16 wv = vload_bf16(wr + k);
+      _Pragma("GCC unroll 8")
+      for (int m = 0; m < MB; ++m) acc[m] += wv * vload_bf16(x + (m0 + m) * K + k);
+    }
+    _Pragma("GCC unroll 8")
+    for (int m = 0; m < MB; ++m) res[m] = vsum(acc[m]);
 #endif
     for (; k < K; ++k) {
       float wv = bf16_to_f32(wr[k]);
@@ -96,9 +104,17 @@ void dense_rows_f32(const float* w, const float* x, int64_t K, int64_t n0, int64
     }
     _Pragma("GCC unroll 8")
     for (int m = 0; m < MB; ++m) res[m] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
-#else
+#else  // 16 lanes per row, as in dense_rows_bf16
+    F16 acc[MB];
     _Pragma("GCC unroll 8")
-    for (int m = 0; m < MB; ++m) res[m] = 0.f;
+    for (int m = 0; m < MB; ++m) acc[m] = vsplat(0.f);
+    for (; k + 16 <= K; k += 16) {
+      const F16 wv = vload<F16>(wr + k);
+      _Pragma("GCC unroll 8")
+      for (int m = 0; m < MB; ++m) acc[m] += wv * vload<F16>(x + (m0 + m) * K + k);
+    }
+    _Pragma("GCC unroll 8")
+    for (int m = 0; m < MB; ++m) res[m] = vsum(acc[m]);
 #endif
     for (; k < K; ++k)
       _Pragma("GCC unroll 8")

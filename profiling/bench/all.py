@@ -41,14 +41,15 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 STEP_NAMES: tuple[str, ...] = (
-    "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "throughput", "latency", "tune", "startup",
+    "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "decode-context", "decode-isa",
+    "decode-portable", "throughput", "latency", "tune", "startup",
     "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak", "serve-hostile",
 )  # fmt: skip
 SIDECAR = "bench-all.json"  # every report's last outcome in DIR; README.md is rendered from it
@@ -84,6 +85,7 @@ class Step:
     argv: list[str]  # after `glowplug`
     outputs: list[str]  # paths relative to the out folder, linked from the README
     what: str
+    env: dict[str, str] = field(default_factory=dict)  # set for this step's process only (the ISA caps)
 
 
 def _items(values: list[str]) -> str:
@@ -112,6 +114,7 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                                       "--out", str(o / "accuracy.md")],
                          ["accuracy.md"], "perplexity, KL and top-1 agreement of each scheme vs bf16"),
         "kernels": Step("kernels", ["bench", "kernels", m, "--repeats", "3" if q else "10",
+                                    *([] if q else ["--isa-levels", "portable,avx2,avx512"]),
                                     *(["--ms", "1", "--formats", "bf16,int4-g32,int2-g128"] if q else []),
                                     *quality, "--out", str(o / "kernels.md")],
                         ["kernels.md"], "every quantized linear path and native kernel per M; calibrates dispatch"),
@@ -132,6 +135,28 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             "--repeats", reps, "--new-tokens", "8" if q else "64", "--prompt-tokens", "16" if q else "512",
             "--no-compare-hf", *quality, "--out", str(o / "decode-kv.md")],
             ["decode-kv.md"], "seed 003: tok/s, GB/s, KV-quant and compiled rows at batch 1"),
+        "decode-context": Step("decode-context", [
+            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none,int4", "--kv-cache-dtype", "auto,int8",
+            "--batch-sizes", "1", "--compile", "on", "--repeats", reps, "--new-tokens", "8" if q else "32",
+            "--prompt-tokens", "16,64" if q else "64,512,2048,8064", "--no-compare-hf", *quality,
+            "--out", str(o / "decode-context.md")],
+            ["decode-context.md"], "issue 34: the decode step at contexts up to 8,192 tokens, KV bytes against time"),
+        # The avx2 and portable levels on this machine: glowplug's, torch's and oneDNN's caps together make it run
+        # what such a CPU runs (the transformers peer too).
+        "decode-isa": Step("decode-isa", [
+            # auto is bfloat16 at this level (engine/config_check.py); int4 runs in the first dtype
+            "bench", "decode", m, "--dtype", "bfloat16,float32", "--quantization", "none,int4",
+            "--batch-sizes", "1" if q else "1,16", "--compile", "on", "--repeats", reps,
+            "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64", *quality,
+            "--out", str(o / "decode-isa.md")],
+            ["decode-isa.md"], "issue 34: decode at the avx2 level (capped), every dtype, vs transformers fp32",
+            env={"GLOWPLUG_MAX_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
+        "decode-portable": Step("decode-portable", [
+            "bench", "decode", m, "--dtype", "auto", "--batch-sizes", "1", "--compile", "on", "--repeats", reps,
+            "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64", "--no-compare-hf",
+            "--out", str(o / "decode-portable.md")],
+            ["decode-portable.md"], "issue 34: decode at the portable level (capped): the speed any CPU gets",
+            env={"GLOWPLUG_MAX_CPU_ISA": "portable", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}),
         "throughput": Step("throughput", [
             "bench", "throughput", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
             # high_concurrency and base are left out of the full run to keep it near 35 minutes on 2 cores.
@@ -219,7 +244,7 @@ def run_step(step: Step, timeout_s: float, log: Path, out: Path) -> StepResult:
     t0 = time.perf_counter()
     started = time.time() - 1.0  # file mtimes are wall-clock; 1 s of slack for coarse filesystem timestamps
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **step.env})
         deadline = t0 + timeout_s
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)

@@ -25,7 +25,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -52,7 +52,11 @@ class DecodeBenchConfig(BaseModel):
     kv_cache_dtype: tuple[Literal["auto", "int8"], ...] = Field(
         ("auto",), min_length=1, description="KV-cache dtypes (int8: quantized KV)."
     )
-    prompt_tokens: int = Field(64, ge=1, le=4096)
+    prompt_tokens: tuple[Annotated[int, Field(ge=1, le=32768)], ...] = Field(
+        (64,), min_length=1,
+        description="Prompt lengths: each is a context column (the tokens in the KV cache when decoding starts). "
+        "Cells whose batch x (prompt + new tokens) exceeds the KV cache are left out, and listed under the table.",
+    )  # fmt: skip
     new_tokens: int = Field(128, ge=4, le=4096)
     repeats: int = Field(3, ge=1, le=50, description="Timed runs per cell (median and min-max are reported).")
     quantize_lm_head: bool = True
@@ -74,6 +78,10 @@ class DecodeRow:
     mb_per_token: float | None = None
     kv_cache_dtype: str = "auto"
     group_size: str = "-"  # the quantized layers' group sizes ("channel" = per output channel)
+    context: int = 0  # prompt tokens: what the KV cache holds when decoding starts
+    level: str = "-"  # the native kernels' ISA level (base.machine.ISA_LEVELS), "-" without them
+    kv_mb: float | None = None  # KV bytes one batch-1 decode step reads, at the decode's mean context, in MB
+    skipped: str = ""  # why this cell was left out (no measurements then)
     prefill_ms: list[float] = field(default_factory=list)  # whole batch: requests added -> every first token
     host_ms: list[float] = field(default_factory=list)  # median host ms per decode step of each run (see above)
     peak_gb: list[float] = field(default_factory=list)  # process RSS high-water mark during each timed run
@@ -97,6 +105,8 @@ class DecodeRow:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.skipped:
+            return d
         d.update(median_tokens_per_s=self.tps, median_step_ms=self.ms, probe_share=self.shares,
                  model_size_mb=self.mb_per_token)
         return d
@@ -231,6 +241,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
     from glowplug.base.errors import require_extra
 
     from ...engine.llm import LLM
+    from ...kernels.native import loaded_level
     from ..memory import PeakMemory
 
     if cfg.compare_hf:
@@ -239,12 +250,12 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
         require_extra(("transformers",), "bench decode's transformers peer (--no-compare-hf skips it)", "bench")
     rows: list[DecodeRow] = []
     model_dir = None
-    longest = cfg.prompt_tokens + cfg.new_tokens
+    longest = max(cfg.prompt_tokens) + cfg.new_tokens
     for mode, dtype, quant, kv in _cells(cfg):
         llm = LLM(
             config=EngineConfig.from_flat(
                 model=cfg.model, dtype=dtype, quantization=quant, compile=mode, max_model_len=longest,
-                max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=max(2048, cfg.prompt_tokens),
+                max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=2048,  # long prompts: chunked
                 quantize_lm_head=cfg.quantize_lm_head, kv_cache_dtype=kv,
             )
         )  # fmt: skip
@@ -258,26 +269,42 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
         compiled = llm.engine.runner.decode_step is not None
         wbytes = weight_bytes_per_token(llm.engine.model, compiled)
         groups = group_sizes(llm.engine.model)
-        base: float | None = None
+        level = loaded_level() or "-"
+        stats = llm.engine.stats()
+        capacity = stats.kv_blocks * stats.block_size
+        per_token = llm.startup.kv_plan.bytes_per_token
         for batch in cfg.batch_sizes:
-            prompts = make_prompts(llm.tokenizer, batch, cfg.prompt_tokens)
-            row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6, kv, groups)
-            if batch > llm.engine.runner.max_decode_batch and compiled:
-                row.notes.append("above the compiled batch sizes: eager steps")
-            time_engine_decode(llm.engine, prompts[: min(batch, 2)], 8)  # warm this batch shape's allocations
-            for _ in range(cfg.repeats):
-                row.probe_gbps.append(measure_probe())
-                with PeakMemory("cpu") as window:
-                    timing = time_engine_decode(llm.engine, prompts, cfg.new_tokens)
-                assert window.snapshot is not None
-                row.peak_gb.append(window.snapshot.peak_bytes / 1e9)
-                row.tokens_per_s.append(timing.tokens_per_s)
-                row.step_ms.append(timing.step_ms)
-                row.prefill_ms.append(timing.prefill_ms)
-                row.host_ms.append(timing.host_ms)
-            base = row.ms if batch == 1 else base
-            row.batch1_step_ms = base
-            rows.append(row)
+            for context in cfg.prompt_tokens:
+                need = batch * -(-(context + cfg.new_tokens) // stats.block_size) * stats.block_size
+                if need > capacity:
+                    rows.append(DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], None, kv, groups,
+                                          context=context, level=level,
+                                          skipped=f"needs {need} KV tokens, the cache holds {capacity}"))  # fmt: skip
+                    continue
+                prompts = make_prompts(llm.tokenizer, batch, context)
+                row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6, kv, groups,
+                                context=context, level=level,
+                                kv_mb=per_token * (context + cfg.new_tokens / 2) / 1e6)  # fmt: skip
+                if batch > llm.engine.runner.max_decode_batch and compiled:
+                    row.notes.append("above the compiled batch sizes: eager steps")
+                time_engine_decode(llm.engine, prompts[: min(batch, 2)], 8)  # warm this batch shape's allocations
+                for _ in range(cfg.repeats):
+                    row.probe_gbps.append(measure_probe())
+                    with PeakMemory("cpu") as window:
+                        timing = time_engine_decode(llm.engine, prompts, cfg.new_tokens)
+                    assert window.snapshot is not None
+                    row.peak_gb.append(window.snapshot.peak_bytes / 1e9)
+                    row.tokens_per_s.append(timing.tokens_per_s)
+                    row.step_ms.append(timing.step_ms)
+                    row.prefill_ms.append(timing.prefill_ms)
+                    row.host_ms.append(timing.host_ms)
+                rows.append(row)
+        for row in rows:  # each row's batch-1 step: same configuration and context
+            if row.compile == mode and row.quantization == quant and row.kv_cache_dtype == kv and not row.skipped:
+                one = next((b for b in rows if b.batch == 1 and b.context == row.context and b.compile == mode
+                            and b.quantization == quant and b.kv_cache_dtype == kv and b.dtype == row.dtype
+                            and not b.skipped), None)  # fmt: skip
+                row.batch1_step_ms = one.ms if one is not None else None
         del llm
     if cfg.compare_hf and model_dir is not None:
         import torch
@@ -289,9 +316,10 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
         hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw).eval()
         tok = AutoTokenizer.from_pretrained(where, **kw)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        context = cfg.prompt_tokens[0]  # the peer at the first context only: fp32 generate at long ones takes minutes
         for batch in cfg.batch_sizes:
-            row = DecodeRow("transformers", "-", "float32", "none", batch, [], [], [])
-            prompts = make_prompts(tok, batch, cfg.prompt_tokens)
+            row = DecodeRow("transformers", "-", "float32", "none", batch, [], [], [], context=context)
+            prompts = make_prompts(tok, batch, context)
             time_hf_decode(hf, prompts[:1], 4, pad)
             for _ in range(cfg.repeats):
                 row.probe_gbps.append(measure_probe())
@@ -301,7 +329,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
             rows.append(row)
         hf_tps = {r.batch: r.tps for r in rows if r.engine == "transformers"}
         for r in rows:
-            if r.engine == "glowplug":
+            if r.engine == "glowplug" and r.context == context and not r.skipped:
                 r.hf_tokens_per_s = hf_tps.get(r.batch)
     return rows
 
@@ -311,42 +339,73 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
     from .tables import fmt_spread
 
     flags = load_flags(cfg.quality_from)
-    probes = [p for r in rows for p in r.probe_gbps]
+    measured = [r for r in rows if not r.skipped]
+    probes = [p for r in measured for p in r.probe_gbps]
+    contexts = ", ".join(str(c) for c in cfg.prompt_tokens)
     lines = [
         report_header("Decode throughput", argv),
-        f"Model `{cfg.model}`, {cfg.prompt_tokens} prompt tokens, {cfg.new_tokens} new tokens per sequence, greedy, "
+        f"Model `{cfg.model}`, context (prompt tokens) {contexts}, {cfg.new_tokens} new tokens per sequence, greedy, "
         f"{cfg.repeats} runs per cell. Streaming-read probe in this run (fastest of {PROBE_REPEATS} sums over 1 GiB, "
         f"re-measured before every run): median {statistics.median(probes):.1f} GB/s, "
         f"{min(probes):.1f}-{max(probes):.1f}.",
         "",
-        "| engine | compile | dtype | quantization | group | KV cache | batch | decode tok/s | ms / step | host ms / step "
-        "| prefill ms | peak mem GB | model_size MB | GB/s | % of probe | vs bf16 (same dtype, compile) | vs transformers fp32 "
-        "| step / batch-1 step |",
-        "|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| engine | ISA level | compile | dtype | quantization | group | KV cache | batch | context | decode tok/s "
+        "| ms / step | host ms / step | prefill ms | peak mem GB | model_size MB | GB/s | % of probe "
+        "| KV MB / step | extra ms over the shortest context | KV read at % of probe "
+        "| vs bf16 (same dtype, compile) | vs transformers fp32 | step / batch-1 step |",
+        "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
+    for r in measured:
         mb = f"{r.mb_per_token:.1f}" if r.mb_per_token is not None else ""
         share = fmt_spread([100 * s for s in r.shares], 1) if r.shares else ""
         hf = f"{r.tps / r.hf_tokens_per_s:.2f}x" if r.hf_tokens_per_s else "-"
         gbps = fmt_spread([r.mb_per_token / ms for ms in r.step_ms], 1) if r.mb_per_token is not None else "-"
-        base = next((b for b in rows if b.engine == r.engine and b.quantization == "none" and b.dtype == r.dtype
-                     and b.compile == r.compile and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch),
-                    None)  # fmt: skip
+        base = next((b for b in measured if b.engine == r.engine and b.quantization == "none" and b.dtype == r.dtype
+                     and b.compile == r.compile and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch
+                     and b.context == r.context), None)  # fmt: skip
         vs_bf16 = f"{r.tps / base.tps:.2f}x" if base is not None and r.quantization != "none" else "-"
         prefill = fmt_spread(r.prefill_ms, 1) if r.prefill_ms else "-"
         host = fmt_spread(r.host_ms, 3) if r.host_ms else "-"  # transformers' generate has no such split
         peak = fmt_spread(r.peak_gb, 2) if r.peak_gb else "-"
         scale = f"{r.ms / r.batch1_step_ms:.2f}x" if r.batch1_step_ms and r.batch != 1 else ""
+        kv_mb = f"{r.kv_mb * r.batch:.1f}" if r.kv_mb is not None else "-"
+        extra, kv_share = _long_context(r, measured)
         note = f" ({'; '.join(r.notes)})" if r.notes else ""
         lines.append(
-            f"| {r.engine} | {r.compile} | {r.dtype} | {r.quantization}"
+            f"| {r.engine} | {r.level} | {r.compile} | {r.dtype} | {r.quantization}"
             f"{' ' + flags[r.quantization] if r.quantization in flags else ''} | {r.group_size} | {r.kv_cache_dtype} "
-            f"| {r.batch} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(r.step_ms, 2)} | {host} | {prefill} | {peak} "
-            f"| {mb or '-'} "
-            f"| {gbps} | {share or '-'} | {vs_bf16} | {hf} | {scale or '-'}{note} |"
+            f"| {r.batch} | {r.context} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(r.step_ms, 2)} | {host} "
+            f"| {prefill} | {peak} | {mb or '-'} | {gbps} | {share or '-'} | {kv_mb} | {extra} | {kv_share} "
+            f"| {vs_bf16} | {hf} | {scale or '-'}{note} |"
         )
+    left_out = [r for r in rows if r.skipped]
+    if left_out:
+        lines += ["", "Left out (the KV cache cannot hold the batch at that context):"]
+        lines += [f"- {r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}, context "
+                  f"{r.context}: {r.skipped}" for r in left_out]  # fmt: skip
     lines += ["", *[f"- {line}" for line in DEFINITIONS], *([f"- {flag_note(flags)}"] if flags else []), ""]
     return "\n".join(lines)
+
+
+def _long_context(r: DecodeRow, rows: list[DecodeRow]) -> tuple[str, str]:
+    """This row's step time over the same configuration's at the shortest context, paired run by run, and the KV
+    bytes it reads more, as GB/s over that extra time against each run's probe (issue 34's long-context target: at
+    least 70%)."""
+    from .tables import fmt_spread
+
+    if r.engine != "glowplug" or r.kv_mb is None:
+        return "-", "-"
+    same = [b for b in rows if b.engine == r.engine and b.compile == r.compile and b.dtype == r.dtype
+            and b.quantization == r.quantization and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch
+            and b.kv_mb is not None]  # fmt: skip
+    short = min(same, key=lambda b: b.context)
+    if short is r:
+        return "-", "-"
+    assert short.kv_mb is not None
+    extra = [a - b for a, b in zip(r.step_ms, short.step_ms)]
+    kv_gb = (r.kv_mb - short.kv_mb) * r.batch / 1e3
+    shares = [100 * kv_gb / (e / 1e3) / p for e, p in zip(extra, r.probe_gbps) if e > 0]
+    return fmt_spread(extra, 2), (fmt_spread(shares, 1) if shares else "-")
 
 
 DEFINITIONS = (
@@ -366,11 +425,17 @@ DEFINITIONS = (
     "glowplug's native layouts; off: the eager dispatcher's), LM head included.",
     "% of probe: GB/s as a percentage of the streaming-read probe measured right before the same run.",
     "vs transformers fp32: decode tok/s over transformers' fp32 `generate` at the same batch on the same prompts.",
-    "step / batch-1 step: this cell's ms per step over the batch-1 cell of the same configuration.",
+    "step / batch-1 step: this cell's ms per step over the batch-1 cell of the same configuration and context.",
+    "ISA level: the native kernels' variant (portable, avx2, avx512, avx512_bf16, amx; GLOWPLUG_MAX_CPU_ISA caps it).",
+    "context: the prompt's tokens, what the KV cache holds when decoding starts; KV MB / step: the KV bytes one step "
+    "reads at the decode's mean context (prompt + half the new tokens), the whole batch.",
+    "extra ms over the shortest context: this cell's ms / step minus the same configuration's at the shortest "
+    "context, run by run; KV read at % of probe: the KV bytes it reads more, over that extra time, as a share of "
+    "the run's probe (issue 34's target at 2,048 tokens: at least 70%).",
     "compile on: the decode step as one graph (Dynamo + Inductor, glowplug's native GEMV kernels); compile off: "
     "every step eager with stock torch kernels (F.linear, the aten packed int8/int4 kernels through the dispatcher).",
 )
 
 
-def rows_as_dicts(rows: list[DecodeRow]) -> list[dict[str, Any]]:
+def rows_as_dicts(rows: list[DecodeRow]) -> list[dict[str, Any]]:  # left-out cells too, with their reason
     return [r.as_dict() for r in rows]

@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -19,6 +25,12 @@ class KernelBenchConfig(BaseModel):
     # At least 3: the table shows a median and a spread, which one or two calls cannot give.
     repeats: int = Field(10, ge=3, le=1000, description="Timed calls per path and M (median and min–max shown).")
     native: bool = Field(True, description="Also time glowplug's native kernels (the compiled decode step's).")
+    isa_levels: tuple[Literal["portable", "avx2", "avx512", "avx512_bf16", "amx"], ...] = Field(
+        (), description="Also time the native kernels at these ISA levels (each in a child process capped with "
+        "GLOWPLUG_MAX_CPU_ISA; levels above this CPU's are left out, and the report says so).",
+    )  # fmt: skip
+    native_only: bool = Field(False, description="Time only the native kernels (what --isa-levels runs per level).")
+    rows_json: Path | None = Field(None, description="Also write the rows as JSON here (for --isa-levels).")
     quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
     out: Path | None = None
 
@@ -42,17 +54,27 @@ def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
     from ...kernels.dispatch import Dispatcher, calibrate
 
     shapes = model_layer_shapes(cfg.model)
-    # Calibrate first (cached per machine, torch and shapes): the engine's quantized layers then dispatch by the
-    # measured winners, and the "chosen" column below shows those picks.
-    table = calibrate(shapes, cache_dir_from_env(), repeats=cfg.repeats)
     from ...kernels.bench import native_available
     from .quality import flag_note, load_flags
 
+    formats = cfg.formats or DEFAULT_BENCH_FORMATS
+    if cfg.native_only:
+        native, why = native_available(cache_dir_from_env())
+        rows = bench_kernels(shapes, ms=cfg.ms, formats=formats, repeats=cfg.repeats, native_only=native)
+        if cfg.rows_json is not None:
+            cfg.rows_json.write_text(json.dumps({"rows": rows, "native": why if native else f"unavailable: {why}"}))
+        return render_markdown(rows)
+    # Calibrate first (cached per machine, torch and shapes): the engine's quantized layers then dispatch by the
+    # measured winners, and the "chosen" column below shows those picks.
+    table = calibrate(shapes, cache_dir_from_env(), repeats=cfg.repeats)
     native, why = native_available(cache_dir_from_env()) if cfg.native else (False, "--no-native")
     rows = bench_kernels(
-        shapes, ms=cfg.ms, formats=cfg.formats or DEFAULT_BENCH_FORMATS, repeats=cfg.repeats,
-        dispatcher=Dispatcher(table), native=native,
+        shapes, ms=cfg.ms, formats=formats, repeats=cfg.repeats, dispatcher=Dispatcher(table), native=native,
     )  # fmt: skip
+    levels_note = ""
+    if cfg.isa_levels:
+        extra, levels_note = _other_levels(cfg)
+        rows += extra
     flags = load_flags(cfg.quality_from)
     shown = ", ".join(f"{n}x{k}" for n, k in shapes)
     calibrated = ", ".join(sorted({k.split("/")[1] + "-" + k.split("/")[2] for k in table.measured}))
@@ -67,7 +89,7 @@ def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
             "dispatcher ranks paths by their fastest call (on a shared machine preemption only adds time), so `*` "
             f"can mark a path whose median is not the lowest. Dispatcher calibrated for: {calibrated}. "
             f"native rows (glowplug's kernels, what the compiled decode step runs): "
-            f"{'included' if native else 'not measured: ' + why}.",
+            f"{'included' if native else 'not measured: ' + why}.{levels_note}",
             "",
             render_markdown(rows, flags),
             "- KiB read: bytes of the layout the path really reads per call (int2 through `aten_int4` reads "
@@ -77,6 +99,34 @@ def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
             "",
         ]
     )
+
+
+def _other_levels(cfg: KernelBenchConfig) -> tuple[list[dict[str, Any]], str]:
+    """The native rows at each of cfg.isa_levels, each timed in a child process under GLOWPLUG_MAX_CPU_ISA (a
+    process loads one variant), and a sentence for the report on what ran."""
+    from glowplug.base.machine import cpu_isa_level, level_at_least
+
+    top = cpu_isa_level()
+    rows: list[dict[str, Any]] = []
+    said: list[str] = []
+    for level in cfg.isa_levels:
+        if not level_at_least(top, level):
+            said.append(f"{level}: not run (this CPU's highest level is {top})")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rows.json"
+            cmd = [sys.executable, "-m", "glowplug.cli", "bench", "kernels", cfg.model, "--native-only",
+                   "--repeats", str(cfg.repeats), "--ms", ",".join(str(m) for m in cfg.ms), "--rows-json", str(out),
+                   *(["--formats", ",".join(cfg.formats)] if cfg.formats else [])]  # fmt: skip
+            env = {**os.environ, "GLOWPLUG_MAX_CPU_ISA": level}
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            if done.returncode != 0 or not out.is_file():
+                said.append(f"{level}: failed ({(done.stderr.strip().splitlines() or ['?'])[-1]})")
+                continue
+            data = json.loads(out.read_text())
+        rows += [r for r in data["rows"] if r["path"].startswith("native")]
+        said.append(f"{level}: {data['native']}")
+    return rows, " Native rows at other ISA levels (child processes): " + "; ".join(said) + "."
 
 
 def run_accuracy_report(cfg: object, argv: list[str] | None) -> str:

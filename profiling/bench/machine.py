@@ -23,9 +23,15 @@ def machine_summary() -> str:
     return f"{cpu_model()}, {os.cpu_count()} cores, {mem:.1f} GiB RAM, {platform.system()} {platform.release()}"
 
 
+# Settings from the environment that change what a benchmark measures: the ISA caps (glowplug's, torch's, oneDNN's).
+# A report's command line starts with the ones set, so that it reproduces the run.
+REPORTED_ENV: tuple[str, ...] = ("GLOWPLUG_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
 def command_line(argv: list[str] | None = None) -> str:
     args = sys.argv[1:] if argv is None else argv
-    return "glowplug " + " ".join(shlex.quote(a) for a in args)
+    env = [f"{k}={shlex.quote(os.environ[k])}" for k in REPORTED_ENV if os.environ.get(k)]
+    return " ".join([*env, "glowplug", *(shlex.quote(a) for a in args)])
 
 
 def report_header(title: str, argv: list[str] | None = None) -> str:

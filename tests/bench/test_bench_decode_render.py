@@ -46,3 +46,23 @@ def test_decode_table_has_host_ms_next_to_ms_per_step() -> None:
     by_name = {name: [r[i] for r in table[1:]] for i, name in enumerate(head)}
     assert by_name["host ms / step"] == ["0.600 (0.500–0.700)", "-"]  # median (min-max) of the runs' medians
     assert "host ms / step:" in text  # defined under the table
+
+
+def test_long_context_rows_pair_their_extra_time_with_the_kv_bytes_read() -> None:
+    """A 2,048-token row against the same configuration at 64 tokens: the extra ms per step run by run, and the
+    extra KV bytes over that time as a share of each run's probe; a cell the KV cache cannot hold is listed."""
+    short, long_ = _row("none", 3), _row("none", 3)
+    short.context, long_.context = 64, 2048
+    short.kv_mb, long_.kv_mb = 1.5, 43.5  # 42 MB more per step
+    long_.step_ms = [s + 3.0 for s in short.step_ms]  # 3 ms more each run: 14 GB/s = 70 % of 20 GB/s
+    left = DecodeRow("glowplug", "off", "bfloat16", "none", 64, [], [], [], None, context=8192,
+                     skipped="needs 532480 KV tokens, the cache holds 93200")
+    text = render_markdown([short, long_, left], DecodeBenchConfig(compare_hf=False, prompt_tokens=(64, 2048, 8192)),
+                           None)  # fmt: skip
+    assert_no_blank_or_nan(text)
+    table = [r for r in markdown_cells(text) if r[0] in ("engine", "glowplug")]
+    by_name = {name: [r[i] for r in table[1:]] for i, name in enumerate(table[0])}
+    assert by_name["context"] == ["64", "2048"]
+    assert by_name["extra ms over the shortest context"] == ["-", "3.00 (3.00–3.00)"]
+    assert by_name["KV read at % of probe"] == ["-", "70.0 (70.0–70.0)"]
+    assert "batch 64, context 8192: needs 532480 KV tokens, the cache holds 93200" in text

@@ -11,12 +11,12 @@ import torch
 from glowplug.engine.sampler import sample
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.sequence import Sequence
-from glowplug.kernels.native import first_max_indices, load_native
+from glowplug.kernels.native import first_max_indices
 
 
 @pytest.fixture(scope="module")
-def native(tmp_path_factory: pytest.TempPathFactory) -> None:
-    build = load_native(tmp_path_factory.mktemp("native-cache"))
+def native(native_build) -> None:  # type: ignore[no-untyped-def]
+    build = native_build
     if not build.available:
         pytest.skip(f"native kernels unavailable here: {build.reason}")
 
