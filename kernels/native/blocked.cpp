@@ -50,6 +50,35 @@ inline void prefetch(const void* p) { __builtin_prefetch(static_cast<const char*
 #endif
 constexpr int kPackedAhead = 8192, kDenseAhead = 2048, kL2Ahead = 16384;
 
+void check_blocked(const Tensor& x, const Tensor& wp, int64_t N, int64_t K, int64_t block_bytes, const char* op) {
+  STD_TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == ScalarType::BFloat16, op,
+                  ": x must be a contiguous bfloat16 [M, ", K, "] tensor");
+  STD_TORCH_CHECK(wp.is_contiguous() && wp.numel() * static_cast<int64_t>(wp.element_size()) == (N + 15) / 16 * block_bytes,
+                  op, ": the packed weight does not match N=", N, ", K=", K, "; pack it with kernels.native.pack_blocked");
+}
+
+// The argument checks of the packed ops, shared by every build so that each level accepts the same weights. int8's
+// groups are multiples of 32 inputs because the AVX512 kernel's activation blocks are.
+int64_t intn_block_bytes(const Tensor& x, const Tensor& wp, int64_t N, int64_t bits, int64_t group_size) {
+  const int64_t K = x.size(1);
+  STD_TORCH_CHECK(bits == 4 || bits == 2, "intn_blocked: bits must be 4 or 2");
+  const int64_t kc = 32 / bits;
+  STD_TORCH_CHECK(group_size % kc == 0 && K % group_size == 0, "intn_blocked: group_size ", group_size,
+                  " must divide K=", K, " and be a multiple of ", kc);
+  const int64_t block_bytes = K * bits * 2 + (K / group_size) * 64;
+  check_blocked(x, wp, N, K, block_bytes, "intn_blocked");
+  return block_bytes;
+}
+
+int64_t int8_block_bytes(const Tensor& x, const Tensor& wp, int64_t N, int64_t group_size) {
+  const int64_t K = x.size(1);
+  STD_TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "int8_blocked: group_size ", group_size,
+                  " must divide K=", K, " and be a multiple of ", 32);
+  const int64_t block_bytes = K * 16 + (K / group_size) * 64;
+  check_blocked(x, wp, N, K, block_bytes, "int8_blocked");
+  return block_bytes;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 
 inline __m512i bcast_pair(const uint16_t* x) {  // (x[k], x[k+1]) in every 32-bit lane
@@ -390,12 +419,6 @@ constexpr int64_t kWideRows = 16;
     default: CALL(16); break;          \
   }
 
-void check_blocked(const Tensor& x, const Tensor& wp, int64_t N, int64_t K, int64_t block_bytes, const char* op) {
-  STD_TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == ScalarType::BFloat16, op,
-                  ": x must be a contiguous bfloat16 [M, ", K, "] tensor");
-  STD_TORCH_CHECK(wp.is_contiguous() && wp.numel() * static_cast<int64_t>(wp.element_size()) == (N + 15) / 16 * block_bytes,
-                  op, ": the packed weight does not match N=", N, ", K=", K, "; pack it with kernels.native.pack_blocked");
-}
 
 // Per thread, dequantized N-blocks (K / 32 tiles of 512 bf16 per N-block, 64-byte aligned; the AMX pair of blocks
 // asks for 2K), reused across blocks and calls.
@@ -504,12 +527,7 @@ Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
 
 Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_size) {
   const int64_t K = x.size(1), M = x.size(0);
-  STD_TORCH_CHECK(bits == 4 || bits == 2, "intn_blocked: bits must be 4 or 2");
-  const int64_t kc = 32 / bits;
-  STD_TORCH_CHECK(group_size % kc == 0 && K % group_size == 0, "intn_blocked: group_size ", group_size,
-                  " must divide K=", K, " and be a multiple of ", kc);
-  const int64_t block_bytes = K * bits * 2 + (K / group_size) * 64;
-  check_blocked(x, wp, N, K, block_bytes, "intn_blocked");
+  const int64_t block_bytes = intn_block_bytes(x, wp, N, bits, group_size);
   Tensor y = torch::stable::new_empty(x, {M, N});
   OutWriter out{y.mutable_data_ptr(), true, N};
   const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
@@ -567,10 +585,7 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
 
 Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
   const int64_t K = x.size(1), M = x.size(0);
-  STD_TORCH_CHECK(group_size % kXBlock == 0 && K % group_size == 0, "int8_blocked: group_size ", group_size,
-                  " must divide K=", K, " and be a multiple of ", kXBlock);
-  const int64_t block_bytes = K * 16 + (K / group_size) * 64;
-  check_blocked(x, wp, N, K, block_bytes, "int8_blocked");
+  const int64_t block_bytes = int8_block_bytes(x, wp, N, group_size);
   Tensor y = torch::stable::new_empty(x, {M, N});
   OutWriter out{y.mutable_data_ptr(), true, N};
   const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
@@ -810,12 +825,6 @@ void int8_block(const uint8_t* blk, int64_t K, int64_t gs, const float* xs, cons
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, tot[m]);
 }
 
-void check_blocked(const Tensor& x, const Tensor& wp, int64_t N, int64_t K, int64_t block_bytes, const char* op) {
-  STD_TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) == K && x.scalar_type() == ScalarType::BFloat16, op,
-                  ": x must be a contiguous bfloat16 [M, ", K, "] tensor");
-  STD_TORCH_CHECK(wp.is_contiguous() && wp.numel() * static_cast<int64_t>(wp.element_size()) == (N + 15) / 16 * block_bytes,
-                  op, ": the packed weight does not match N=", N, ", K=", K, "; pack it with kernels.native.pack_blocked");
-}
 
 Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
   const int64_t K = x.size(1), M = x.size(0);
@@ -835,12 +844,7 @@ Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
 
 Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_size) {
   const int64_t K = x.size(1), M = x.size(0);
-  STD_TORCH_CHECK(bits == 4 || bits == 2, "intn_blocked: bits must be 4 or 2");
-  const int64_t kc = 32 / bits;
-  STD_TORCH_CHECK(group_size % kc == 0 && K % group_size == 0, "intn_blocked: group_size ", group_size,
-                  " must divide K=", K, " and be a multiple of ", kc);
-  const int64_t block_bytes = K * bits * 2 + (K / group_size) * 64;
-  check_blocked(x, wp, N, K, block_bytes, "intn_blocked");
+  const int64_t block_bytes = intn_block_bytes(x, wp, N, bits, group_size);
   Tensor y = torch::stable::new_empty(x, {M, N});
   OutWriter out{y.mutable_data_ptr(), true, N};
   const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
@@ -866,11 +870,7 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
 
 Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
   const int64_t K = x.size(1), M = x.size(0);
-  // the AVX512 kernel's 32-input activation blocks set this limit; it is kept so both builds take the same weights
-  STD_TORCH_CHECK(group_size % 32 == 0 && K % group_size == 0, "int8_blocked: group_size ", group_size,
-                  " must divide K=", K, " and be a multiple of ", 32);
-  const int64_t block_bytes = K * 16 + (K / group_size) * 64;
-  check_blocked(x, wp, N, K, block_bytes, "int8_blocked");
+  const int64_t block_bytes = int8_block_bytes(x, wp, N, group_size);
   Tensor y = torch::stable::new_empty(x, {M, N});
   OutWriter out{y.mutable_data_ptr(), true, N};
   const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
