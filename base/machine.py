@@ -55,6 +55,11 @@ _LEVEL_FLAGS: dict[str, tuple[str, ...]] = {
 _X86 = ("x86_64", "amd64", "i386", "i686")
 
 
+def on_x86(machine: str | None = None) -> bool:
+    """Whether this (or `machine`'s) architecture is x86, where the levels above portable exist."""
+    return (machine or platform.machine()).lower() in _X86
+
+
 class IsaCapError(ValueError):
     """GLOWPLUG_MAX_CPU_ISA names no level."""
 
@@ -83,7 +88,7 @@ def level_at_least(level: str, floor: str) -> bool:
 
 def cpu_isa_level(flags: frozenset[str] | None = None, machine: str | None = None) -> str:
     """The highest level whose flags this CPU has ("portable" off x86)."""
-    if (machine or platform.machine()).lower() not in _X86:
+    if not on_x86(machine):
         return "portable"
     have = cpu_flags() if flags is None else flags
     level = "portable"
@@ -97,7 +102,7 @@ def cpu_isa_level(flags: frozenset[str] | None = None, machine: str | None = Non
 def next_level_missing(level: str) -> str:
     """What keeps this CPU off the level above `level` ("" at the top, or off x86)."""
     i = ISA_LEVELS.index(level)
-    if i + 1 >= len(ISA_LEVELS) or platform.machine().lower() not in _X86:
+    if i + 1 >= len(ISA_LEVELS) or not on_x86():
         return ""
     above = ISA_LEVELS[i + 1]
     lacking = [f for f in _LEVEL_FLAGS[above] if f not in cpu_flags()]

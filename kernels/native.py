@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 # The CPU flags are machine facts (base), read before torch is imported too (the dtype check of the CLI).
-from glowplug.base.machine import ISA_LEVELS, isa_choice
+from glowplug.base.machine import ISA_LEVELS, isa_choice, on_x86
 from torch import Tensor
 
 from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weight
@@ -100,11 +100,7 @@ def _torch_dirs() -> tuple[Path, Path]:
 
 def buildable_levels() -> tuple[str, ...]:
     """The levels a compiler on this architecture can target (all of them on x86, the portable one elsewhere)."""
-    return ISA_LEVELS if _on_x86() else ("portable",)
-
-
-def _on_x86() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    return ISA_LEVELS if on_x86() else ("portable",)
 
 
 def prebuilt_root() -> Path:
