@@ -18,9 +18,14 @@ from otlp_receiver import OtlpHttpReceiver
 from test_signals import StreamReader
 
 STREAMS = 32
-DRAIN_S = 4.0
-SHORT_TOKENS = 48  # still running when the last stream has started; done well within the drain timeout
-LONG_TOKENS = 8000  # cannot, on any machine: 8000 steps of a batch of 16+ in 4 s would be 0.5 ms a step
+DRAIN_S = 6.0
+# The short streams must still be running when the last stream has started, and done well within the drain timeout.
+# A fixed count did not hold on every machine (on a faster CPU 12 of 16 ended before the signal), so it is sized from
+# the per-stream rate measured with the 16 long streams running: SHORT_S seconds of tokens at that rate. With 32
+# streams a step is slower, so they end in about 2 x SHORT_S, inside DRAIN_S.
+SHORT_S = 1.5
+MIN_SHORT_TOKENS = 48
+LONG_TOKENS = 8000  # cannot, on any machine: 8000 steps of a batch of 16+ in 6 s would be 0.75 ms a step
 LONG_CONTEXT = 8192
 
 
@@ -39,24 +44,30 @@ def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> 
         srv = ProcessServer(long_model, tmp_path / "server.log", env=env, args=args)
         try:
             wait_ready(srv.base_url, timeout=90)
-            readers = []
-            for i in range(STREAMS):
-                long = i % 2 == 0
-                body = {"prompt": f"stream {i}", "max_tokens": LONG_TOKENS if long else SHORT_TOKENS,
-                        "ignore_eos": True, "logprobs": 0, "stream": True,
-                        "stream_options": {"include_usage": True}}  # fmt: skip
-                # The short ones start slowly: they must still be generating when SIGTERM arrives.
-                readers.append(StreamReader(srv.base_url, body))
-            for r in readers[::2]:
+
+            def reader(i: int, max_tokens: int) -> StreamReader:
+                body = {"prompt": f"stream {i}", "max_tokens": max_tokens, "ignore_eos": True, "logprobs": 0,
+                        "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                return StreamReader(srv.base_url, body)
+
+            long_readers = [reader(i, LONG_TOKENS) for i in range(0, STREAMS, 2)]
+            for r in long_readers:
                 r.start()
-            for r in readers[::2]:
+            for r in long_readers:
                 assert r.first.wait(60) and r.error is None
-            for r in readers[1::2]:
+            # Tokens per second of one stream, with the long ones running.
+            start, before = time.monotonic(), long_readers[0].tokens()
+            time.sleep(0.5)
+            rate = (long_readers[0].tokens() - before) / (time.monotonic() - start)
+            short_tokens = max(MIN_SHORT_TOKENS, round(rate * SHORT_S))
+            short_readers = [reader(i, short_tokens) for i in range(1, STREAMS, 2)]
+            readers = long_readers + short_readers
+            for r in short_readers:
                 r.start()
-            for r in readers[1::2]:
+            for r in short_readers:
                 assert r.first.wait(60) and r.error is None  # admitted and generating: in flight
             in_flight = [r for r in readers if r.is_alive()]
-            assert len(in_flight) == STREAMS, "a short stream ended before the signal; make SHORT_TOKENS longer"
+            assert len(in_flight) == STREAMS, f"a short stream ended before the signal; make SHORT_S longer ({rate=})"
             srv.signal(signal.SIGTERM)
             signalled = time.monotonic()
 
@@ -81,13 +92,11 @@ def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> 
                 assert r.done_marker, "every stream ends with [DONE]"
                 reasons = r.finish_reasons()
                 assert len(reasons) == 1, reasons  # one final chunk per stream
-            short = [r for r in readers if r.body["max_tokens"] == SHORT_TOKENS]
-            long = [r for r in readers if r.body["max_tokens"] == LONG_TOKENS]
-            assert all(r.finish_reasons() == ["length"] and r.tokens() == SHORT_TOKENS for r in short)
-            aborted = [r for r in long if r.finish_reasons() == ["abort"]]
+            assert all(r.finish_reasons() == ["length"] and r.tokens() == short_tokens for r in short_readers)
+            aborted = [r for r in long_readers if r.finish_reasons() == ["abort"]]
             assert aborted, "no long stream was aborted: the drain timeout did not bite"
             assert all(r.tokens() < LONG_TOKENS for r in aborted)
-            assert all(r.finish_reasons() in (["length"], ["abort"]) for r in long)
+            assert all(r.finish_reasons() in (["length"], ["abort"]) for r in long_readers)
 
             spans = rx.wait_for_spans(1, timeout_s=10)
             drains = [s for s in spans if s.name == DRAIN_SPAN]
@@ -104,7 +113,7 @@ def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> 
             assert attrs[DrainAttr.CLEAN] is False and attrs[DrainAttr.TIMEOUT_S] == DRAIN_S
             # The figures behind the issue note (shown with `pytest -s`).
             print(f"SIGTERM with {len(in_flight)} streams in flight: drain span in_flight={attrs[DrainAttr.IN_FLIGHT]} "
-                  f"finished={attrs[DrainAttr.FINISHED]} aborted={attrs[DrainAttr.ABORTED]}; {len(statuses)} late "
+                  f"finished={attrs[DrainAttr.FINISHED]} (short streams of {short_tokens} tokens at {rate:.0f} tok/s) aborted={attrs[DrainAttr.ABORTED]}; {len(statuses)} late "
                   f"requests, last status {statuses[-1]}; exit {code} {exited_after:.2f} s after the signal "
                   f"(limit {DRAIN_S + 2.0:g} s)")  # fmt: skip
         finally:
