@@ -9,12 +9,16 @@ The quantized modules' buffers are exactly the canonical tensors of formats.py (
 `zeros`/`smooth`), so a quantized state dict loads with `load_state_dict(sd, assign=True, strict=True)` into modules
 built on the `meta` device. Kernel-specific layouts are derived after loading (a load_state_dict post-hook, and
 `enable_native_decode`) and again after a device move, and are never part of the state dict.
+`native_kernels_in_eager` runs the switched quantized layers' native kernels outside a graph as well: the accuracy
+report measures what the compiled step computes that way.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
@@ -230,7 +234,7 @@ class QuantLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         compiling = torch.compiler.is_compiling()
-        if compiling and self._native is not None:
+        if self._native is not None and (compiling or _NATIVE_EAGER.get()):
             from .native import native_linear
 
             y = native_linear(x2, self._native, self.native_tensors())
@@ -310,6 +314,22 @@ def _after_load(module: nn.Module, incompatible: Any) -> None:
     assert isinstance(module, QuantLinear)
     if all(b.device.type != "meta" for b in module.buffers(recurse=False)):
         module.prepare()
+
+
+# Set only by `native_kernels_in_eager`; read in eager forwards only (inside a trace `compiling` decides first).
+_NATIVE_EAGER: ContextVar[bool] = ContextVar("glowplug_native_eager", default=False)
+
+
+@contextmanager
+def native_kernels_in_eager() -> Iterator[None]:
+    """Within this block, the quantized layers that `enable_native_decode` switched run their native kernel in eager
+    calls too, at any batch (the accuracy report scores those kernels' own arithmetic, such as int4's int8
+    activations, on prefill windows)."""
+    token = _NATIVE_EAGER.set(True)
+    try:
+        yield
+    finally:
+        _NATIVE_EAGER.reset(token)
 
 
 def enable_native_decode(model: nn.Module, small_m: int, activation_dtype: torch.dtype) -> dict[str, int]:

@@ -13,7 +13,9 @@ C++ that the compiler vectorizes for the level's flags elsewhere).
 
 Ops (namespace `glowplug_native`; x [M, K] contiguous, y [M, N] in x's dtype):
   dense_blocked(x, wp, N)                 bf16 x and weights in the blocked layout of `pack_blocked`
-  intn_blocked(x, wp, N, bits, gs)        bf16 x, int4/int2 weights (w = q * scale + min per group), blocked
+  intn_blocked(x, wp, N, bits, gs)        bf16 x, int4/int2 weights (w = q * scale + min per group), blocked;
+                                          int4 from AVX2 up (below AMX batches): x taken to int8 per group,
+                                          integer dot products (oracle: reference.quantize_x8)
   int8_blocked(x, wp, N, gs)              bf16 x taken to 16-bit fixed point per 32 inputs, int8 weights (per
                                           channel: gs = K), blocked, VNNI
   dense_linear(x, w, small_m)             fp32 (or bf16 without AVX512-BF16) x and row-major weights; M > small_m

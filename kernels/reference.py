@@ -139,10 +139,21 @@ def quantize_x16(x: Tensor, block: int = 32) -> Tensor:
     return (q * s).reshape(x.shape[0], -1)
 
 
+def quantize_x8(x: Tensor, group_size: int) -> Tensor:
+    """The activations the native int4 kernel multiplies from the AVX2 level up (below the AMX batches), as fp32:
+    per row and per weight group, x rounded to multiples of s = max|x| / 127 (half to even), the int8 codes it meets
+    the weight codes with."""
+    xf = x.float().reshape(x.shape[0], -1, group_size)
+    s = xf.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(s > 0, torch.round(xf * torch.where(s > 0, 127 / xf.abs().amax(-1, keepdim=True), 0)), 0)
+    return (q * s).reshape(x.shape[0], -1)
+
+
 def native_linear(x: Tensor, kind: str, tensors: tuple[Tensor, ...], n: int, k: int, bits: int = 0,
-                  group_size: int = 0) -> Tensor:
+                  group_size: int = 0, int8_activations: bool = False) -> Tensor:
     """fp32 oracle for each native op (kernels/native.py), from the same operands the op receives: kind "dense"
-    (row-major weight), "dense_blocked", "intn"/"int8" (blocked layouts) or "w8a8"."""
+    (row-major weight), "dense_blocked", "intn"/"int8" (blocked layouts) or "w8a8". int8_activations: the int4
+    kernel's activations at the levels that take them to int8 (`quantize_x8`)."""
     xf = x.float()
     if kind == "dense":
         return xf @ tensors[0].float().t()
@@ -151,7 +162,8 @@ def native_linear(x: Tensor, kind: str, tensors: tuple[Tensor, ...], n: int, k: 
     if kind == "int8":
         return quantize_x16(x) @ dequantize_blocked(tensors[0], n, k, 8, group_size).t()
     if kind == "intn":
-        return xf @ dequantize_blocked(tensors[0], n, k, bits, group_size).t()
+        xa = quantize_x8(x, group_size) if int8_activations and bits == 4 else xf
+        return xa @ dequantize_blocked(tensors[0], n, k, bits, group_size).t()
     if kind == "w8a8":
         q, wscale, _, inv = tensors
         smooth = None if inv.numel() == 0 else 1.0 / inv

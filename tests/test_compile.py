@@ -228,7 +228,11 @@ def test_quantized_and_int8_kv_compiled_match_eager(tiny_dir, cache: Path, field
     # int4 batches of 4+ rows run AMX tiles of dequantized weights, each rounded to bf16 once (kernels/native/amx.h),
     # a second rounding of the same size as the eager side's; with both, this model's near-ties flipped 4 of 64 rows
     # (the worst step 2.8% of the logits' range, against 1.5% with exact codes).
-    tolerance = {"int4": 0.05, "int8": 0.03}.get(fields.get("quantization", ""), 0.02)
+    # int4 single rows (and every batch without AMX) take the activations to int8 per group from the AVX2 level up
+    # (kernels/native/blocked.cpp, "int4, integer dot products"), a third rounding: the worst step on this random
+    # model reached 5.5% of the logits' range (under 5% before). On SmolLM2 it moved mean KL from bf16 0.053 -> 0.058
+    # (reports/accuracy.md, the "native" rows).
+    tolerance = {"int4": 0.07, "int8": 0.03}.get(fields.get("quantization", ""), 0.02)
     assert max(errors) < tolerance, errors
     agreement = 0.9 if fields.get("quantization") == "int4" else 0.95
     assert sum(agree) / len(agree) >= agreement, agree

@@ -68,6 +68,8 @@ class AccuracyConfig(BaseModel):
     quantize_lm_head: bool = True
     window: int = Field(256, ge=16, le=4096, description="Tokens per evaluation window.")
     continuation_tokens: int = Field(48, ge=0, le=512)
+    native: bool = Field(True, description="Also score each scheme through glowplug's native kernels (what the "
+                         "compiled decode step runs), where they load.")  # fmt: skip
     out: Path | None = None
 
 
@@ -154,8 +156,33 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
         got = next_token_logprobs(llm.engine.model, windows)
         ppl, kl, top1, n = compare(ref, got, windows)
         rows.append(AccuracyRow(quant, ppl, 100 * (ppl / ref_ppl - 1), kl, top1, n))
+        native = native_logprobs(llm.engine.model, windows) if cfg.native else None
+        if native is not None:
+            label, got = native
+            ppl, kl, top1, n = compare(ref, got, windows)
+            rows.append(AccuracyRow(f"{quant} ({label})", ppl, 100 * (ppl / ref_ppl - 1), kl, top1, n))
         del llm
     return rows
+
+
+def native_logprobs(model: Any, windows: list[list[int]]) -> tuple[str, list[Any]] | None:
+    """The windows scored with the quantized layers on glowplug's native kernels, and the row's label ("native
+    <ISA level>"); None where the kernels do not load or no quantized layer has one. Not a flag on the eager row:
+    the kernels compute differently (int4 takes the activations to int8 from the AVX2 level up, int8 to 16-bit
+    fixed point), and the compiled decode step runs them."""
+    import torch
+
+    from ...base.artifacts.cachedir import cache_dir_from_env
+    from ...engine.stages.native_kernels import DENSE_SMALL_M
+    from ...kernels.modules import enable_native_decode, native_kernels_in_eager
+    from ...kernels.native import load_native, loaded_level
+
+    if not load_native(cache_dir_from_env()).available:
+        return None
+    if enable_native_decode(model, DENSE_SMALL_M, torch.bfloat16)["quantized"] == 0:
+        return None
+    with native_kernels_in_eager():
+        return f"native {loaded_level()}", next_token_logprobs(model, windows)
 
 
 def quality(rows: list[AccuracyRow]) -> dict[str, Any]:
@@ -181,7 +208,9 @@ def render_markdown(rows: list[AccuracyRow]) -> str:
             f"| {100 * r.top1_agreement:.1f}% | {r.tokens} |"
         )
     lines += ["", "All schemes in bfloat16 activations, compile off (eager), against the bf16 model in the same "
-              "dtype and compile mode."]  # fmt: skip
+              "dtype and compile mode. A \"(native <level>)\" row scores the same quantized weights through glowplug's "
+              "native kernels at that ISA level, what the compiled decode step runs (int4 from AVX2 up: int8 "
+              "activations per group; int8: 16-bit fixed-point activations)."]  # fmt: skip
     if flags:
         lines += ["", flag_note(flags)]
     return "\n".join(lines) + "\n"

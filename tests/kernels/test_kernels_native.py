@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from glowplug.kernels import formats, reference
+from glowplug.kernels import native as native_mod
 from glowplug.kernels.native import (
     load_native,
     native_linear,
@@ -160,3 +161,26 @@ def test_int8_fixed_point_activations_stay_below_bf16_rounding(native: Path) -> 
     assert _rel_err(got, exact) < 8e-3
     oracle = reference.native_linear(x, st.kind, st.tensors, n, k, st.bits, st.group_size)
     assert float((got - oracle).abs().max()) <= float(oracle.abs().max()) * 2**-8
+
+
+@pytest.mark.parametrize("m", [1, 3])  # below the AMX batches, which multiply bf16 activations
+@pytest.mark.parametrize(("spec", "n", "k"), [("int4-g32", 960, 576), ("int4-g64", 37, 1536), ("int4-g128", 100, 256)])
+def test_int4_int8_activations_match_their_oracle(native: Path, spec: str, n: int, k: int, m: int) -> None:
+    """From the AVX2 level up the int4 kernel takes the activations to int8 per (row, weight group): with an outlier
+    100x the rest in every group, the rest round to a few codes, so the result is far from the fp32 product but
+    matches `reference.quantize_x8`'s to bf16 output rounding. The portable level keeps fp32 activations."""
+    g = torch.Generator().manual_seed(n + k + m)
+    packed = formats.quantize(torch.randn(n, k, generator=g) * 0.05, formats.fit_spec(spec, k))
+    st = prepare_native(packed, torch.bfloat16)
+    assert st is not None
+    gs = st.group_size
+    x = torch.randn(m, k, generator=g)
+    x[:, 5::gs] = 100.0
+    x = x.bfloat16()
+    got = native_linear(x, st).float()
+    int8 = native_mod.loaded_level() not in (None, "portable")
+    oracle = reference.native_linear(x, st.kind, st.tensors, n, k, st.bits, gs, int8_activations=int8)
+    other = reference.native_linear(x, st.kind, st.tensors, n, k, st.bits, gs, int8_activations=not int8)
+    bound = float(oracle.abs().max()) * 2**-8
+    assert float((got - oracle).abs().max()) <= bound
+    assert float((other - oracle).abs().max()) > 2 * bound  # the two oracles tell the paths apart
