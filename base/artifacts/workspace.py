@@ -8,10 +8,11 @@ whose manifest is damaged or was written for other factors is moved aside whole.
 last seal are not checked (a first fill may still be running in another process).
 
 On a cache dir that cannot be written but holds the workspace (a read-only image layer or shared mount), the tool
-still gets a folder it can write, because it insists on writing even when everything hits (Inductor takes file
-locks in `locks/` around every kernel load and writes its CPU probes): a private temporary folder holding a
-symbolic link to each sound file of the stored workspace. The tool reads its hits through the links, from the
-read-only dir, and writes into the private folder; nothing is attempted in the cache dir, and a hit says nothing.
+still gets a folder it can write, because it insists on writing even when everything hits (Inductor creates a
+lock file under `locks/` for every kernel library it loads from its cache, seen with strace on a warm start): a
+private temporary folder holding a symbolic link to each sound file of the stored workspace. The tool reads its
+hits through the links, from the read-only dir, and writes into the private folder; nothing is attempted in the
+cache dir, and a hit says nothing.
 What the tool had to build there anyway (a damaged file left out, a configuration never compiled) is a miss that
 cannot be stored: `seal` reports it once as the store's `cache_unusable` bypass, with its one warning line.
 """
