@@ -10,7 +10,9 @@
 - cache `inductor`: the TORCHINDUCTOR_CACHE_DIR, a workspace shared by every configuration (Inductor keys its own
   entries by graph and options, and a fresh folder would pay the one-time C++ toolchain probe, 15-20 s here,
   again). Inductor writes it in place; the store seals its file list after each compile and verifies it at the
-  next start. A damaged file (a truncated kernel .so, say) is moved aside and Inductor rebuilds it.
+  next start. A damaged file (a truncated kernel .so, say) is moved aside and Inductor rebuilds it. On a read-only
+  cache dir Inductor is pointed at a private folder linking to the stored one (base/artifacts/workspace.py), so
+  a warm start loads the stored kernels without a write in the cache dir instead of compiling them all again.
 - If the compile still fails, the cached artifacts are suspected: the Inductor folder is moved aside (a
   `cache_corrupt` event), Inductor's in-memory caches are cleared and the compile runs once more, cold, in a
   fresh folder. A second failure is a real compile error and fails the stage. A compile that failed for want of a
@@ -239,11 +241,13 @@ def open_compile_cache(cache_root: Path, config: EngineConfig, arch: ModelArch, 
         # No replay plan to load: the AOT artifact or a trace, both made of compiler internals. Checked before the
         # lookup, whose loader would take this torch's failure for a damaged entry and move a sound one aside.
         torch_compat.require_compiler()
-    workspace = open_workspace(store, INDUCTOR, {"torch": torch.__version__, "device": label}, group=label)
+    workspace = open_workspace(store, INDUCTOR, {"torch": torch.__version__, "device": label}, group=label,
+                               skip=_INDUCTOR_SKIP)  # fmt: skip
     _point_inductor_at(workspace.path)
     index = store.lookup(COMPILE, factors, group=config.model,
                          load=lambda folder: read_entry(folder, model))  # fmt: skip
     reason = index.miss_reason if not index.hit else None
     if reason is None and workspace.healed:
-        reason = f"damaged Inductor artifacts moved aside and rebuilt ({workspace.healed[0]})"
+        where = "left out of the read-only cache dir" if workspace.source is not None else "moved aside"
+        reason = f"damaged Inductor artifacts {where} and rebuilt ({workspace.healed[0]})"
     return CompileCache(store, index.key, factors, config.model, reason, workspace, index.value)

@@ -131,8 +131,9 @@ def _record_phase_durations(ctx: EngineContext, results: list[StageResult]) -> N
             (folder / PHASES).write_text(json.dumps({"stages": {r.name: r.seconds for r in results}}))
 
     try:
+        # refresh: on a read-only cache dir the profile of this config's last start stays, silently (bookkeeping).
         ArtifactStore(ctx.cache_root).put(STARTUP_PROFILE, _profile_factors(ctx.config), group=ctx.config.model,
-                                          build=build)  # fmt: skip
+                                          build=build, refresh=True)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - the engine is READY; a lost ETA record must not undo that
         structlog.get_logger("glowplug.startup").warning("start-up profile not recorded", error=repr(exc))
 

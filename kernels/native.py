@@ -199,6 +199,14 @@ def _build_in_background(level: str, cache_dir: Path) -> str:
         return f"{level} not built: no C++ compiler (g++, or $CXX) on PATH"
     if os.environ.get("GLOWPLUG_NATIVE_BACKGROUND_BUILD", "1") == "0":
         return f"{level} not built: GLOWPLUG_NATIVE_BACKGROUND_BUILD=0"
+    from glowplug.base.artifacts import ArtifactStore
+    from glowplug.base.artifacts.caches import NATIVE
+
+    store = ArtifactStore(cache_dir)
+    problem = store.write_problem(NATIVE)
+    if problem is not None:  # a build could not store its variant (a read-only cache dir): a miss, said once
+        store.bypass(NATIVE, problem)
+        return f"{level} not built: GLOWPLUG_CACHE_DIR {problem.problem}"
     cmd = [sys.executable, "-m", "glowplug.cli", "kernels", "build", "--levels", level, "--dest", str(cache_dir),
            "--quiet"]  # fmt: skip
     subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -3,12 +3,16 @@
 The caches that only save time run without it: the start reaches READY (exit 0) with one warning line that names
 GLOWPLUG_CACHE_DIR and the fix. The converted-model cache cannot (see engine/artifacts/caches.py): a start that
 needs a conversion stops with one line naming GLOWPLUG_CACHE_DIR and the fix (exit 1, state FAILED).
+
+A read-only cache dir that holds what a start needs (a container image layer, a shared mount) is a warm start:
+every cache hits, Inductor loads its stored kernels, nothing is written and nothing is said.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from glowplug.engine.stages.graph_compile import ATTR_INDUCTOR_SOURCE, ATTR_REPLAY
+from glowplug.profiling.names import Attr
 
 TESTS = Path(__file__).parent
 # The real CLI, with the GGUF conversion stood in for by a copy of a tiny checkpoint (the real one takes 25 s).
@@ -129,11 +136,117 @@ def test_read_only_cache_dir_still_serves_its_entries(tiny_dir, gguf: Path, tmp_
         attrs = json.loads(r.read_text())["attributes"]
         for row in ("model_prepare", "quantize_weights"):
             assert attrs[row]["glowplug.cache_hit"] is True, row
-        # Everything was a hit; only the start-up profile (rewritten after READY) could not be stored.
+        # Everything was a hit, the start-up profile included: its rewrite after READY is skipped silently.
         notes = json.loads(r.read_text())["notes"]
         # (A hit's row is noted "cache hit"; no row has a cache event of its own.)
-        assert {k: v for k, v in notes.items() if v != ["cache hit"]}.keys() == {"actual_total_time"}, notes
-        assert [n.split(":")[0] for n in notes["actual_total_time"]] == ["cache_unusable (startup_profile)"]
+        assert {k: v for k, v in notes.items() if v != ["cache hit"]} == {}, notes
+        assert not _lines(proc.stderr, cache), proc.stderr
+
+
+# ---------------------------------------------------------------- a read-only mount, compiled
+
+
+def _read_only_mount(path: Path) -> list[str]:
+    """A command prefix running the rest in a private mount namespace where `path` is a read-only bind mount of
+    itself. A read-only mount stops root too (chmod does not), and it is what a container image layer or a shared
+    mount is."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
+    script = f'mount --bind "{path}" "{path}" && mount -o remount,bind,ro "{path}" && exec "$@"'
+    probe = subprocess.run([*unshare, "sh", "-c", script, "sh", "sh", "-c", f'! touch "{path}/.probe" 2>/dev/null'],
+                           capture_output=True, text=True)  # fmt: skip
+    (path / ".probe").unlink(missing_ok=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot make a read-only bind mount here: {probe.stderr.strip() or 'it stayed writable'}")
+    return [*unshare, "sh", "-c", script, "sh"]
+
+
+# What strace shows of a write into the cache dir: these calls name the path they change (the first quoted one;
+# symlink's is its last, and a link from the private Inductor folder to a stored file changes nothing stored).
+_MUTATING = ("mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "utimensat",
+             "truncate", "chmod", "fchmodat", "chown", "fchownat", "link", "linkat", "symlink", "symlinkat")
+_OPEN_FOR_WRITING = re.compile(r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC")
+
+
+def _strace(log: Path) -> list[str]:
+    """strace's prefix logging every open and every call that changes a file, or [] where strace cannot run."""
+    if shutil.which("strace") is None or subprocess.run(["strace", "-f", "-o", os.devnull, "true"],
+                                                        capture_output=True).returncode != 0:  # fmt: skip
+        return []
+    return ["strace", "-f", "-qq", "-o", str(log), "-e", f"trace=open,openat,creat,{','.join(_MUTATING)}"]
+
+
+def _write_attempts(log: Path, root: Path) -> list[str]:
+    attempts = []
+    for line in log.read_text().splitlines():
+        m = re.match(r"^\d+\s+(\w+)\((.*)", line)
+        if m is None:
+            continue  # a call's result line (`<... openat resumed>`) names no path
+        call, rest = m.groups()
+        paths = re.findall(r'"([^"]*)"', rest)
+        if call in ("open", "openat", "creat"):
+            changed = paths[:1] if call == "creat" or _OPEN_FOR_WRITING.search(rest) else []
+        elif call in ("symlink", "symlinkat"):
+            changed = paths[-1:]
+        else:
+            changed = paths
+        if any(p == str(root) or p.startswith(f"{root}/") for p in changed):
+            attempts.append(line)
+    return attempts
+
+
+COMPILED = ("--compile", "on", "--quantization", "int8", "--max-num-seqs", "4")
+
+
+def test_read_only_mount_starts_warm(tiny_dir, gguf: Path, tmp_path: Path) -> None:
+    """A cache dir filled by a cold compiled start, then mounted read-only: every cache hits, the compile rows
+    load the stored step and kernels (no kernel rebuilt), no write is attempted in the dir and nothing is said."""
+    cache, cold_r, r = tmp_path / "image-layer", tmp_path / "cold.json", tmp_path / "r.json"
+    cold = _cli("startup", str(gguf), *COMPILED, "--report-out", str(cold_r), cache=cache,
+                tiny_for_gguf=tiny_dir("llama"))  # fmt: skip
+    assert cold.returncode == 0, cold.stderr
+    wrap = _read_only_mount(cache)
+    cold_attrs = json.loads(cold_r.read_text())["attributes"]
+    assert cold_attrs["graph_compile_general_shape"][ATTR_REPLAY] == "written", cold_attrs
+    log = tmp_path / "strace.log"
+    traced = _strace(log)
+    proc = _cli("startup", str(gguf), *COMPILED, "--report-out", str(r), cache=cache,
+                tiny_for_gguf=tiny_dir("llama"), wrap=[*wrap, *traced])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert not [ln for ln in proc.stderr.splitlines() if "GLOWPLUG_CACHE_DIR" in ln], proc.stderr
+    report = json.loads(r.read_text())
+    attrs, notes = report["attributes"], report["notes"]
+    for row in ("model_prepare", "quantize_weights", "native_kernels", "dynamo_transform_time", "kv_cache_profiling"):
+        assert attrs[row][Attr.CACHE_HIT] is True, (row, attrs[row])
+    # The compile rows: the stored step, replayed from its plan over the stored kernels; nothing compiled.
+    assert report["phases"]["graph_compile_general_shape"] is None, report["phases"]
+    assert report["reasons"]["graph_compile_general_shape"] == "cache hit"
+    compiled = attrs["graph_compile_cached"]
+    assert compiled[Attr.CACHE_HIT] is True and compiled["glowplug.kernels_built"] == 0, compiled
+    assert compiled[ATTR_REPLAY] == "loaded", compiled
+    assert compiled[ATTR_INDUCTOR_SOURCE].startswith(str(cache / "inductor")), compiled
+    # No cache event of any kind: every row's note is a plain hit (the native row also names its ISA level).
+    events = [n for ns in notes.values() for n in ns if n.startswith(("cache_unusable", "cache_corrupt"))]
+    assert not events, notes
+    if traced:
+        assert not _write_attempts(log, cache), _write_attempts(log, cache)
+
+
+def test_read_only_mount_miss_runs_uncached(tiny_dir, tmp_path: Path) -> None:
+    """An empty read-only cache dir: everything is a miss that cannot be stored; the start compiles into private
+    folders and reaches READY with one warning line naming GLOWPLUG_CACHE_DIR."""
+    cache, r = tmp_path / "empty-layer", tmp_path / "r.json"
+    cache.mkdir()
+    proc = _cli("startup", str(tiny_dir("llama")), *COMPILED, "--report-out", str(r), cache=cache,
+                wrap=_read_only_mount(cache))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if "GLOWPLUG_CACHE_DIR" in ln]
+    assert f"GLOWPLUG_CACHE_DIR={cache} is read-only" in line and "without caching" in line
+    report = json.loads(r.read_text())
+    assert report["attributes"]["graph_compile_general_shape"][Attr.CACHE_HIT] is False
+    assert any(n.startswith("cache_unusable (compile)") for n in report["notes"]["graph_compile_general_shape"])
+    assert not list(cache.iterdir())
 
 
 # ---------------------------------------------------------------- a full disk

@@ -61,9 +61,33 @@ def read_problem(root: Path) -> CacheDirUnusable | None:
     return None
 
 
+def _nearest_existing(root: Path, folder: Path) -> Path | None:
+    """`folder`, or its closest ancestor up to `root` that exists; None when not even `root` does."""
+    for p in (folder, *folder.parents):
+        if p.exists():
+            return p
+        if p == root:
+            break
+    return None
+
+
+def refusal(root: Path, folder: Path) -> CacheDirUnusable | None:
+    """Why the kernel would refuse a write into `folder` under `root`, asked without writing anything (access(2) and
+    statvfs(2)), else None. A read-only mount (a container image layer, a shared mount) is refused here even for
+    root, whose access(2) ignores modes but not EROFS; a cache that only reads its hits must not try a write to find
+    out, so this is what the store asks before any bookkeeping write on a hit."""
+    existing = _nearest_existing(root, folder)
+    if existing is None or os.access(existing, os.W_OK):
+        return None
+    ro = os.statvfs(existing).f_flag & os.ST_RDONLY
+    return CacheDirUnusable(root, f"is read-only ({os.strerror(errno.EROFS if ro else errno.EACCES)})",
+                            f"make it writable or {FIX_FOLDER}")  # fmt: skip
+
+
 def write_problem(root: Path, folder: Path) -> CacheDirUnusable | None:
-    """Why nothing can be written into `folder` under `root` (checked by really creating a file), else None."""
-    problem = read_problem(root)
+    """Why nothing can be written into `folder` under `root`, else None: first asked without writing (`refusal`),
+    then checked by really creating a file (a full disk, say, only shows that way)."""
+    problem = read_problem(root) or refusal(root, folder)
     if problem is not None:
         return problem
     try:

@@ -17,6 +17,11 @@ clear error asking for a usable GLOWPLUG_CACHE_DIR serves the user better. A rea
 model still works (reads need no write access). Every other cache only saves time, so the start goes on without
 it, recomputing what it would have held, with one warning.
 
+A read-only cache dir (a container image layer, a shared mount) whose entries hit is a warm start with nothing said
+and no write attempted (store.py, workspace.py): `inductor`, which Inductor writes even when everything hits, is
+read through links from a private writable folder; `startup_profile`, rewritten after every start, keeps the
+stored one. Only a miss, which cannot be stored, warns (the one line above).
+
 A new cache is a spec here plus, where it is used, its factors and a build/load pair:
 `ArtifactStore().fetch(SPEC, factors, group=model, build=..., load=...)`.
 """

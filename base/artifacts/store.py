@@ -14,6 +14,11 @@ Failures never stop a start: an entry that fails verification or whose `load` ra
 a `cache_corrupt` event on the current span (the stage's) and rebuilt. When the cache dir cannot be written
 (a file, read-only, disk full), a cache declared `bypass` builds without storing and warns once; one declared
 `fail` raises CacheDirUnusable, one line naming GLOWPLUG_CACHE_DIR and the fix.
+
+A read-only cache dir (a container image layer, a shared mount) serves its hits without a write attempted: the
+last-use stamp of a hit and a `put(refresh=True)` over a sound entry are skipped silently when the kernel would
+refuse the write (asked with access(2), not by trying), since neither loses anything a later start needs; only a
+miss, which cannot be stored, warns.
 """
 
 from __future__ import annotations
@@ -35,7 +40,16 @@ from filelock import FileLock, Timeout
 
 from glowplug.profiling.names import Attr, Event
 from .caches import ALL, CacheSpec
-from .cachedir import CacheDirUnusable, cache_dir_from_env, classify, read_problem, report_event, warn_once, write_problem
+from .cachedir import (
+    CacheDirUnusable,
+    cache_dir_from_env,
+    classify,
+    read_problem,
+    refusal,
+    report_event,
+    warn_once,
+    write_problem,
+)
 from .manifest import (
     FORMAT,
     Manifest,
@@ -139,6 +153,12 @@ class ArtifactStore:
         """Move a damaged entry (or file) aside, report it (unless the caller reports a batch), and return the
         one-line reason."""
         dest = self.root / QUARANTINE / f"{spec.name}-{path.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+        unusable = refusal(self.root, path.parent)
+        if unusable is not None:  # nothing to try on a read-only dir
+            action = "left in place (the cache dir is unusable); not using it"
+            if report:
+                report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=reason, action=action)
+            return f"{spec.name} {path.name}: {reason}"
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.rename(path, dest)
@@ -211,10 +231,11 @@ class ArtifactStore:
             value = load(path)
         except Exception as exc:  # noqa: BLE001 - any failure to load a cached entry makes it a miss
             return False, None, f"cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
-        try:
-            os.utime(path / "manifest.json")  # last use, for `cache ls` and `prune --older-than`
-        except OSError:
-            pass
+        if refusal(self.root, path) is None:  # a read-only dir keeps its stamps: bookkeeping, not worth a warning
+            try:
+                os.utime(path / "manifest.json")  # last use, for `cache ls` and `prune --older-than`
+            except OSError:
+                pass
         return True, value, None
 
     def latest(self, spec: CacheSpec, group: str, *, exclude: str | None = None) -> Manifest | None:
@@ -320,11 +341,19 @@ class ArtifactStore:
         return Fetched(None, key, False, None, reason, corrupt)
 
     def put(self, spec: CacheSpec, factors: dict[str, Any], *, group: str,
-            build: Callable[[Path | None], T]) -> Fetched[T]:  # fmt: skip
-        """Write (or replace) the entry for `factors` unconditionally, e.g. a profile refreshed by every start."""
+            build: Callable[[Path | None], T], refresh: bool = False) -> Fetched[T]:  # fmt: skip
+        """Write (or replace) the entry for `factors` unconditionally, e.g. a profile refreshed by every start.
+
+        refresh: the new entry only updates a sound existing one (the start-up profile's latest timings), so when the
+        cache dir cannot be written and that entry is there, the write is skipped silently (no event, no warning):
+        the next start still finds an entry for these factors."""
         key = self.key(spec, factors)
         path = self.entry_path(spec, key)
         problem = self.write_problem(spec)
+        if problem is not None and refresh and self.read_problem() is None and path.is_dir():
+            _, bad = self.check_entry(path, spec, key, factors)
+            if bad is None:
+                return Fetched(build(None), key, False, path)
         if problem is None:
             try:
                 corrupt = []

@@ -36,6 +36,7 @@ from .dynamo_transform import fall_back_to_eager, inductor_settings, scratch_cac
 ATTR_REPLAY = "glowplug.compile_replay"
 ATTR_FINGERPRINT = "glowplug.replay_fingerprint"  # matched / not compared (why) / how the logits differ
 ATTR_FINGERPRINT_S = "glowplug.replay_fingerprint_s"  # the check's cost: one 4-row step and a digest
+ATTR_INDUCTOR_SOURCE = "glowplug.compile_cache_read_only_source"  # the stored Inductor folder, read through links
 
 
 def checkpoint_identity(ctx: EngineContext) -> str:
@@ -142,6 +143,8 @@ class GraphCompile:
             "glowplug.kernels_built": len(cache.rebuilt_kernels),
             ATTR_REPLAY: replay,
         })  # fmt: skip
+        if cache.workspace.source is not None:  # a read-only cache dir: where the private folder's links point
+            attrs[ATTR_INDUCTOR_SOURCE] = str(cache.workspace.source)
         if not hit:
             attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason or rebuilt or "compiled from the trace"
         return StageReport(
