@@ -5,6 +5,7 @@ timeout plus 2 s, and a real OTLP receiver gets the drain span with the counts."
 from __future__ import annotations
 
 import signal
+import statistics
 import time
 from pathlib import Path
 
@@ -18,14 +19,15 @@ from otlp_receiver import OtlpHttpReceiver
 from test_signals import StreamReader
 
 STREAMS = 32
-DRAIN_S = 6.0
+DRAIN_S = 10.0
 # The short streams must still be running when the last stream has started, and done well within the drain timeout.
 # A fixed count did not hold on every machine (on a faster CPU 12 of 16 ended before the signal), so it is sized from
-# the per-stream rate measured with the 16 long streams running: SHORT_S seconds of tokens at that rate. With 32
-# streams a step is slower, so they end in about 2 x SHORT_S, inside DRAIN_S.
-SHORT_S = 1.5
+# the per-stream rate measured with 32 streams running: SHORT_S seconds of tokens at that rate, well above the spread
+# of the short streams' starts (under a second) and well inside DRAIN_S.
+SHORT_S = 3.0
 MIN_SHORT_TOKENS = 48
-LONG_TOKENS = 8000  # cannot, on any machine: 8000 steps of a batch of 16+ in 6 s would be 0.75 ms a step
+CALIBRATE = 64
+LONG_TOKENS = 8000  # cannot, on any machine: 8000 steps of a batch of 16+ in 10 s would be 1.25 ms a step
 LONG_CONTEXT = 8192
 
 
@@ -55,10 +57,17 @@ def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> 
                 r.start()
             for r in long_readers:
                 assert r.first.wait(60) and r.error is None
-            # Tokens per second of one stream, with the long ones running.
-            start, before = time.monotonic(), long_readers[0].tokens()
-            time.sleep(0.5)
-            rate = (long_readers[0].tokens() - before) / (time.monotonic() - start)
+            # Tokens per second of one stream with 32 running, as during the drain: 16 probe streams of CALIBRATE
+            # tokens beside the long ones, each timed from its request to its last chunk. (Measured with 16 streams
+            # instead, the rate at 32 was from 1.6x to 4x lower, and short streams sized from it were aborted.)
+            probes = [reader(100 + i, CALIBRATE) for i in range(STREAMS // 2)]
+            sent_ns = time.time_ns()
+            for r in probes:
+                r.start()
+            for r in probes:
+                r.join(60)
+                assert r.error is None and r.tokens() == CALIBRATE, r.error
+            rate = statistics.median(r.tokens() / ((r.last_chunk_ns - sent_ns) / 1e9) for r in probes)
             short_tokens = max(MIN_SHORT_TOKENS, round(rate * SHORT_S))
             short_readers = [reader(i, short_tokens) for i in range(1, STREAMS, 2)]
             readers = long_readers + short_readers
@@ -92,7 +101,8 @@ def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> 
                 assert r.done_marker, "every stream ends with [DONE]"
                 reasons = r.finish_reasons()
                 assert len(reasons) == 1, reasons  # one final chunk per stream
-            assert all(r.finish_reasons() == ["length"] and r.tokens() == short_tokens for r in short_readers)
+            got = [(r.finish_reasons(), r.tokens()) for r in short_readers]
+            assert all(g == (["length"], short_tokens) for g in got), (short_tokens, rate, got)
             aborted = [r for r in long_readers if r.finish_reasons() == ["abort"]]
             assert aborted, "no long stream was aborted: the drain timeout did not bite"
             assert all(r.tokens() < LONG_TOKENS for r in aborted)
