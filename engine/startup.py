@@ -267,8 +267,6 @@ def build_engine(
     tracer = tracing.tracer()
     ctx = EngineContext(config=config, cache_root=cache_dir or cache_dir_from_env(), device=config.resolved_device())
     clock = marks.clock if marks is not None else Clock()
-    begun_ns = clock.now_ns()
-    plan = plan or plan_start(config, ctx.cache_root, pipeline)
     # The root span is ours in both modes so that work after READY (the start-up profile, sealing the compile
     # cache) still has a span to report cache events on.
     root = (
@@ -276,7 +274,12 @@ def build_engine(
         if marks is not None
         else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})
     )
-    root.set_attributes(_eta_attributes(plan, marks, begun_ns))
+    if plan is None:
+        # Under the root span: a damaged start-up profile found on the way is reported there (a cache_corrupt
+        # event), as it was when only the write at READY read it.
+        with trace.use_span(root, end_on_exit=False):
+            plan = plan_start(config, ctx.cache_root, pipeline)
+    root.set_attributes(_eta_attributes(plan, marks, clock.now_ns()))
     deferral = FullGcDeferral.start()  # see FullGcDeferral; the process entry may have started one already
     try:
         results = run_stages(
