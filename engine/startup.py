@@ -40,9 +40,20 @@ from .stages.native_kernels import NativeKernels
 from .stages.quantize_weights import QuantizeWeights
 from .stages.tokenizer_init import TokenizerInit
 from .stages.warmup import Warmup
+from .start_estimate import (
+    MISS,
+    UNKNOWN,
+    PhaseEstimate,
+    StartRecord,
+    parse_profile,
+    pattern_text,
+    predict,
+    profile_json,
+    stage_caches,
+)
 
-__all__ = ["PhaseEstimate", "StartupFailed", "StartupResult", "build_engine", "default_stages",
-           "estimate_phase_durations", "expected_phase_durations"]
+__all__ = ["PhaseEstimate", "StartPlan", "StartupFailed", "StartupResult", "build_engine", "default_stages",
+           "estimate_phase_durations", "expected_phase_durations", "plan_start", "probe_cache_pattern"]
 
 
 def default_stages() -> list[Stage]:
@@ -78,6 +89,7 @@ class StartupResult:
     arch: ModelArch
     model_dir: Path
     dtype: torch.dtype
+    plan: StartPlan | None = None  # the cache pattern and the ETA made before the first stage
 
 
 PHASES = "phases.json"
@@ -87,55 +99,134 @@ def _profile_factors(config: EngineConfig) -> dict[str, Any]:
     return {"engine_config": config.hash_factors(), "device": config.resolved_device()}
 
 
+def _read_profile(folder: Path) -> list[StartRecord]:
+    return parse_profile(json.loads((folder / PHASES).read_text()))
+
+
+def _config_records(store: ArtifactStore, config: EngineConfig) -> list[StartRecord]:
+    """This config's recorded starts, newest first (empty when none or unreadable)."""
+    return store.lookup(STARTUP_PROFILE, _profile_factors(config), group=config.model, load=_read_profile).value or []
+
+
 def expected_phase_durations(config: EngineConfig, cache_dir: Path | None = None) -> dict[str, float] | None:
-    """Seconds per stage from the last successful start of this config (for an ETA), or None."""
-
-    def load(folder: Path) -> dict[str, float]:
-        data = json.loads((folder / PHASES).read_text())
-        return {str(k): float(v) for k, v in data["stages"].items()}
-
-    store = ArtifactStore(cache_dir or cache_dir_from_env())
-    return store.lookup(STARTUP_PROFILE, _profile_factors(config), group=config.model, load=load).value
+    """Seconds per stage from the last successful start of this config, whatever its caches did, or None. The ETA
+    uses `plan_start`, which picks the start with the same cache hits."""
+    records = _config_records(ArtifactStore(cache_dir or cache_dir_from_env()), config)
+    return dict(records[0].stages) if records else None
 
 
 @dataclass(frozen=True)
-class PhaseEstimate:
-    """Seconds per stage to expect, and where they come from: `same_config` when this config started before (its
-    last successful start), else the latest start of another config of the same model (a first start of this
-    config: its compile and profile caches will miss, so the estimate is a rough one and says so)."""
+class StartPlan:
+    """What is known before the first stage: which caches will hit (the pattern, engine/start_estimate.py) and the
+    estimate made from it (None when no start of this model was recorded)."""
 
-    seconds: dict[str, float]
-    same_config: bool
+    pattern: dict[str, str]
+    estimate: PhaseEstimate | None
+
+    @property
+    def basis(self) -> str:
+        """The ETA's basis in words, for every place that shows the ETA."""
+        if self.estimate is None:
+            return "first start of this model: no estimate yet"
+        return self.estimate.basis
+
+
+def probe_cache_pattern(config: EngineConfig, cache_dir: Path | None = None,
+                        stages: Sequence[Stage] | None = None) -> dict[str, str]:  # fmt: skip
+    """Which cache entries a start of `config` will hit, asked of each stage that owns a cache's factors
+    (`cache_probe`), in pipeline order, on a scratch context: nothing is loaded, built or moved. A probe that
+    cannot tell (say the model folder is not prepared yet, so later factors are unknown) leaves its caches
+    `unknown`, or `miss` when the cache holds no entry of this model at all."""
+    from glowplug.base.artifacts.caches import by_name
+
+    root = cache_dir or cache_dir_from_env()
+    ctx = EngineContext(config=config, cache_root=root, device=config.resolved_device())
+    store = ArtifactStore(root)
+    pattern: dict[str, str] = {}
+    for stage in stages if stages is not None else default_stages():
+        probe = getattr(stage, "cache_probe", None)
+        if probe is None:
+            continue
+        try:
+            pattern.update(probe(ctx))
+        except Exception:  # noqa: BLE001 - a prediction: what it cannot tell is unknown, the start is unaffected
+            for cache in getattr(stage, "caches", ()):
+                if cache in pattern:
+                    continue
+                try:
+                    empty = store.latest(by_name(cache), config.model) is None
+                except (OSError, ValueError):
+                    empty = False
+                pattern[cache] = MISS if empty else UNKNOWN
+    return pattern
+
+
+def plan_start(config: EngineConfig, cache_dir: Path | None = None,
+               stages: Sequence[Stage] | None = None) -> StartPlan:  # fmt: skip
+    """The pattern of this start and its estimate (engine/start_estimate.py `predict` says which record serves
+    which phase). Never raises for an unreadable cache dir: that costs the estimate only."""
+    root = cache_dir or cache_dir_from_env()
+    pipeline = list(stages) if stages is not None else default_stages()
+    try:
+        pattern = probe_cache_pattern(config, root, pipeline)
+    except Exception as exc:  # noqa: BLE001 - the ETA must never stop a start
+        structlog.get_logger("glowplug.startup").info("cache pattern unknown", error=repr(exc))
+        pattern = {}
+    store = ArtifactStore(root)
+    try:
+        mine = _config_records(store, config)
+        others: list[StartRecord] = []
+        last = store.latest(STARTUP_PROFILE, config.model, exclude=store.key(STARTUP_PROFILE, _profile_factors(config)))
+        if last is not None:
+            try:
+                others = _read_profile(store.entry_path(STARTUP_PROFILE, last.key))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                others = []  # an unreadable old profile only costs the estimate
+    except Exception:  # noqa: BLE001 - an unreadable cache dir costs the estimate only; the start says the rest
+        mine, others = [], []
+    return StartPlan(pattern, predict(pattern, stage_caches(pipeline), mine, others))
 
 
 def estimate_phase_durations(config: EngineConfig, cache_dir: Path | None = None) -> PhaseEstimate | None:
     """The ETA's basis for `config` (see PhaseEstimate), or None when no start of this model was recorded."""
-    root = cache_dir or cache_dir_from_env()
-    exact = expected_phase_durations(config, root)
-    if exact:
-        return PhaseEstimate(exact, True)
-    store = ArtifactStore(root)
-    last = store.latest(STARTUP_PROFILE, config.model)
-    if last is None:
-        return None
+    return plan_start(config, cache_dir).estimate
+
+
+def _record_phase_durations(ctx: EngineContext, results: list[StageResult], pattern: dict[str, str] | None) -> None:
+    """Add this start to the config's start-up profile: its seconds per stage with its pattern, keeping the
+    latest start of each other pattern (start_estimate.profile_json)."""
+    seconds = {r.name: r.seconds for r in results}
+    ends = [r.end_ns for r in results if r.end_ns]
+    starts = [r.start_ns for r in results if r.start_ns]
+    wall = (max(ends) - min(starts)) / 1e9 if ends and starts else None
+    new = StartRecord(seconds, dict(pattern) if pattern is not None else None, wall)
+    store = ArtifactStore(ctx.cache_root)
     try:
-        data = json.loads((store.entry_path(STARTUP_PROFILE, last.key) / PHASES).read_text())
-        return PhaseEstimate({str(k): float(v) for k, v in data["stages"].items()}, False)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # an unreadable old profile only costs the estimate
+        older = _config_records(store, ctx.config)
+    except Exception:  # noqa: BLE001 - unreadable history: start it afresh
+        older = []
 
-
-def _record_phase_durations(ctx: EngineContext, results: list[StageResult]) -> None:
     def build(folder: Path | None) -> None:
         if folder is not None:
-            (folder / PHASES).write_text(json.dumps({"stages": {r.name: r.seconds for r in results}}))
+            (folder / PHASES).write_text(json.dumps(profile_json(new, older)))
 
     try:
         # refresh: on a read-only cache dir the profile of this config's last start stays, silently (bookkeeping).
-        ArtifactStore(ctx.cache_root).put(STARTUP_PROFILE, _profile_factors(ctx.config), group=ctx.config.model,
-                                          build=build, refresh=True)  # fmt: skip
+        store.put(STARTUP_PROFILE, _profile_factors(ctx.config), group=ctx.config.model, build=build, refresh=True)
     except Exception as exc:  # noqa: BLE001 - the engine is READY; a lost ETA record must not undo that
         structlog.get_logger("glowplug.startup").warning("start-up profile not recorded", error=repr(exc))
+
+
+def _eta_attributes(plan: StartPlan, marks: ProcessMarks | None, begun_ns: int) -> dict[str, Any]:
+    """The pattern and the first ETA, for the start-up span (and from there the report). The ETA is taken as the
+    stages begin, right after the imports: time so far (from process creation, with marks) + the predicted stages."""
+    attrs: dict[str, Any] = {Attr.CACHE_PATTERN: pattern_text(plan.pattern), Attr.ETA_BASIS: plan.basis}
+    at_s = (begun_ns - marks.process_start_ns) / 1e9 if marks is not None else 0.0
+    if plan.estimate is not None:
+        stages_s = plan.estimate.total_s
+        attrs.update({Attr.ETA_FIRST_AT_S: round(at_s, 6), Attr.ETA_FIRST_STAGES_S: round(stages_s, 6),
+                      Attr.ETA_FIRST_READY_S: round(at_s + stages_s, 6)})  # fmt: skip
+    return attrs
 
 
 FLOOR_PROBE_BYTES = 256 << 20  # larger than the caches, small enough to add ~0.1 s after READY
@@ -158,11 +249,14 @@ def build_engine(
     marks: ProcessMarks | None = None,
     stages: Sequence[Stage] | None = None,
     cache_dir: Path | None = None,
+    plan: StartPlan | None = None,
 ) -> StartupResult:
     """Run the start-up pipeline to READY. Raises StartupFailed (stage + one-line cause) when a stage fails.
 
     marks: the process's entry marks (`mark_main_entry()`); with them the root span starts at process creation and
         the table has the process_start / imports rows. Without them (library use) it starts at this call.
+    plan: the cache pattern and ETA the caller made after its imports (`plan_start`, for its progress line);
+        made here when not given. Recorded on the start-up span and, with this start's times, in the profile.
     """
     # Before anything else: `--device cuda` on a torch without CUDA would otherwise end in an AssertionError from
     # deep inside torch, with no flag named and no fix.
@@ -180,6 +274,12 @@ def build_engine(
         if marks is not None
         else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})
     )
+    if plan is None:
+        # Under the root span: a damaged start-up profile found on the way is reported there (a cache_corrupt
+        # event), as it was when only the write at READY read it.
+        with trace.use_span(root, end_on_exit=False):
+            plan = plan_start(config, ctx.cache_root, pipeline)
+    root.set_attributes(_eta_attributes(plan, marks, clock.now_ns()))
     deferral = FullGcDeferral.start()  # see FullGcDeferral; the process entry may have started one already
     try:
         results = run_stages(
@@ -206,7 +306,7 @@ def build_engine(
     assert engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
     assert ctx.kv_plan is not None and ctx.arch is not None and ctx.model_dir is not None
     with trace.use_span(root, end_on_exit=False):
-        _record_phase_durations(ctx, results)
+        _record_phase_durations(ctx, results, plan.pattern)
         if ctx.compile_cache is not None:
             ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache
     root.end(end_time=ready_ns)
@@ -223,4 +323,4 @@ def build_engine(
     # The context ends here: the result takes the engine and plain facts, so nothing the stages held (the state
     # dict's extra references, the trace, the compile cache) outlives the start-up through it.
     return StartupResult(engine=engine, stages=results, phase_table=table, tracing=tracing, kv_plan=ctx.kv_plan,
-                         arch=ctx.arch, model_dir=ctx.model_dir, dtype=ctx.dtype)  # fmt: skip
+                         arch=ctx.arch, model_dir=ctx.model_dir, dtype=ctx.dtype, plan=plan)  # fmt: skip

@@ -167,16 +167,18 @@ def _imports_done(args: argparse.Namespace, config: EngineConfig, progress: Star
     """Say how long the imports took and what to expect, and follow the stages from here on."""
     marks = args.marks
     marks.mark_imports_done()
+    from glowplug.engine.startup import plan_start
+
+    # Made with or without progress: the start records it (its cache pattern, the first ETA) in its report.
+    args.start_plan = plan_start(config)
     if progress is None:
         return
-    from glowplug.engine.startup import estimate_phase_durations
-
-    try:
-        estimate = estimate_phase_durations(config)
-    except OSError:  # an unreadable cache dir costs the ETA only; the start says the rest in its own words
-        estimate = None
-    progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9,
-                          estimate.seconds if estimate else None, estimate.same_config if estimate else True)  # fmt: skip
+    estimate = args.start_plan.estimate
+    if estimate is None or not estimate.seconds:
+        progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, None, True)
+    else:
+        progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, estimate.seconds,
+                              estimate.same_config, estimate.basis, estimate.total_s)  # fmt: skip
     tracing.provider.add_span_processor(progress)
 
 
@@ -282,7 +284,7 @@ def cmd_startup(args: argparse.Namespace) -> int:
     failed: StartupFailed | None = None
     try:
         _imports_done(args, config, progress, tracing)
-        table = build_engine(config, tracing=tracing, marks=args.marks).phase_table
+        table = build_engine(config, tracing=tracing, marks=args.marks, plan=args.start_plan).phase_table
         if progress is not None:
             progress.close(ready_s=table.actual_total_time)
         # For whoever times this process from outside (tests, benchmarks): READY has been reached.

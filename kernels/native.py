@@ -192,6 +192,30 @@ def find_variant(level: str, cache_dir: Path, *, load: bool = False) -> tuple[Pa
     return None
 
 
+def stored_variant(cache_dir: Path) -> str | None:
+    """Where the variant `load_native` would load comes from, asked without loading or verifying it (the start-up
+    ETA's probe): "disabled", "loaded" (already in this process), "prebuilt" or "cached", or None when a start
+    would have to build one. Same search order as `load_native`: the chosen level, then the levels below it."""
+    from glowplug.base.artifacts import ArtifactStore
+    from glowplug.base.artifacts.caches import NATIVE
+
+    if os.environ.get("GLOWPLUG_NATIVE", "1") == "0":
+        return "disabled"
+    if _loaded():
+        return "loaded"
+    level = isa_choice().level
+    for candidate in ISA_LEVELS[: ISA_LEVELS.index(level) + 1][::-1]:
+        factors = build_factors(candidate)
+        for root, where in ((prebuilt_root(), "prebuilt"), (cache_dir, "cached")):
+            if ArtifactStore(root).probe(NATIVE, factors):
+                return where
+    return None
+
+
+def compiler_available() -> bool:
+    return _compiler() is not None
+
+
 def _build_in_background(level: str, cache_dir: Path) -> str:
     """Start `glowplug kernels build --level LEVEL --dest CACHE` detached, so the next start finds the variant; a
     start never waits for it. Returns what was started, or why not."""

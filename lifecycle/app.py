@@ -54,6 +54,7 @@ def startup_report(service: Service, snap: StateSnapshot | None = None) -> dict[
         "elapsed_s": _round(snap.startup_elapsed_s),
         "phases": _finished_phases(service, snap),
         "eta_s": _round(service.eta_s(snap)),
+        "eta_basis": service.eta_basis,
         "expected_phases": service.expected_phase_seconds,
         "reason": snap.reason,
         "model": service.model_name,

@@ -1,14 +1,14 @@
 """`GET /startup/events`: the start-up and serving as server-sent events.
 
 Events (the SSE `event:` field; `data:` is one JSON object):
-  hello        first on every connection: {boot_id, model, config_hash, expected_phases, resumed, history}, where
-               history is the recent `metrics` ticks (oldest first) so charts open with the last minutes
+  hello        first on every connection: {boot_id, model, config_hash, expected_phases, eta_basis, resumed,
+               history}, where history is the recent `metrics` ticks (oldest first) so charts open with the last minutes
   phase_start  {stage, start_s}                                   a stage span started
   phase_end    {stage, row, start_s, end_s, seconds, outcome, note}  a stage span ended; outcome ran|skipped|failed
-  state        {state, reason, failed_stage, cause, elapsed_s, eta_s, end_s, trace_id, phase_table_rows}
+  state        {state, reason, failed_stage, cause, elapsed_s, eta_s, eta_basis, end_s, trace_id, phase_table_rows}
                the life-cycle state changed (phase_table_rows once READY, failed_stage/cause when FAILED; end_s:
                where the start-up span ended, once it has)
-  metrics      about once a second: {t_unix, state, phase, phase_elapsed_s, elapsed_s, now_s, eta_s,
+  metrics      about once a second: {t_unix, state, phase, phase_elapsed_s, elapsed_s, now_s, eta_s, eta_basis,
                expected_phases (while STARTING), running,
                waiting, kv_usage, kv_used_blocks, kv_total_blocks, tokens_per_s, prompt_tokens_per_s,
                ttft: {p50, p90, p99, n}, tpot: {...}, window_s}
@@ -159,6 +159,7 @@ class StartupEvents:
             "cause": None,
             "elapsed_s": snap.startup_elapsed_s,
             "eta_s": service.eta_s(snap),
+            "eta_basis": service.eta_basis,
             "end_s": service.timeline.end_s(),
             "trace_id": None,
             "phase_table_rows": None,
@@ -225,6 +226,7 @@ class StartupEvents:
             "eta_s": self._service.eta_s(snap),
             # Known only once the engine is imported (after hello, for a page opened early): the ghosts need it.
             "expected_phases": self._service.expected_phase_seconds if snap.state is EngineState.STARTING else None,
+            "eta_basis": self._service.eta_basis,
         }
         tick.update(self._sampler.sample())
         with self._lock:
@@ -256,6 +258,7 @@ class StartupEvents:
             "model": service.model_name,
             "config_hash": service.config.compute_hash(),
             "expected_phases": service.expected_phase_seconds,
+            "eta_basis": service.eta_basis,
             "resumed": resumed,
             "history": history,
         }

@@ -157,11 +157,17 @@ class Service:
         return self.lifecycle.snapshot()
 
     def eta_s(self, snap: StateSnapshot | None = None) -> float | None:
-        return estimate_remaining(snap or self.snapshot(), self._runner.expected_phase_seconds)
+        return estimate_remaining(snap or self.snapshot(), self._runner.expected_phase_seconds,
+                                  self._runner.eta_scale)  # fmt: skip
 
     @property
     def expected_phase_seconds(self) -> dict[str, float] | None:
         return self._runner.expected_phase_seconds
+
+    @property
+    def eta_basis(self) -> str | None:
+        """What the ETA comes from, in words (the page, /startup and the events show it beside the ETA)."""
+        return self._runner.eta_basis
 
     def _state_changed(self, snap: StateSnapshot) -> None:
         # Any thread. Metrics are thread-safe; the asyncio wake-up is not, so it hops over.

@@ -72,12 +72,25 @@ class StartupRunner:
         self._tracing = tracing
         self._marks = marks
         self._expected: dict[str, float] | None = None
+        self._eta_basis: str | None = None
+        self._eta_scale = 1.0
         self._thread = threading.Thread(target=self._run, name="glowplug-startup", daemon=True)
 
     @property
     def expected_phase_seconds(self) -> dict[str, float] | None:
-        """The last start's phase times for this config (for the ETA); None until known or without a profile."""
+        """Seconds per stage this start should take (for the ETA: from the last start with the same cache hits,
+        see engine/start_estimate.py); None until known or without a profile."""
         return self._expected
+
+    @property
+    def eta_basis(self) -> str | None:
+        """Where the expected times come from, in words ("from the last warm start of this config")."""
+        return self._eta_basis
+
+    @property
+    def eta_scale(self) -> float:
+        """What the sum of the expected stage times is multiplied by to give wall time (stages run at once)."""
+        return self._eta_scale
 
     @property
     def alive(self) -> bool:
@@ -100,9 +113,11 @@ class StartupRunner:
             module = importlib.import_module(_STARTUP_MODULE)
             if self._marks is not None:
                 self._marks.mark_imports_done()
-            self._expected = self._load_expected(module)
+            plan = self._load_plan(module)
             factory = self._factory or module.build_engine
             offered = {"on_phase": self._lifecycle.enter_phase, "tracing": self._tracing, "marks": self._marks}
+            if plan is not None:
+                offered["plan"] = plan  # the factory records it with the start instead of probing again
             result = factory(self._config, **factory_kwargs(factory, offered))
         except BaseException as exc:
             reason = str(getattr(exc, "reason", "") or "") or f"{type(exc).__name__}: {exc}"
@@ -113,6 +128,24 @@ class StartupRunner:
             self._on_failed(reason, exc)
             return
         self._on_ready(result)
+
+    def _load_plan(self, module: Any) -> Any:
+        """The engine's plan of this start (cache pattern and ETA), setting the ETA fields; None without one."""
+        plan_start = getattr(module, "plan_start", None)
+        if plan_start is None:
+            self._expected = self._load_expected(module)
+            return None
+        try:
+            plan = plan_start(self._config)
+        except Exception as exc:
+            log.warning("no start-up ETA", error=f"{type(exc).__name__}: {exc}")
+            return None
+        estimate = plan.estimate
+        self._eta_basis = plan.basis
+        if estimate is not None and estimate.seconds:
+            self._expected = {str(k): float(v) for k, v in estimate.seconds.items()}
+            self._eta_scale = float(estimate.scale)
+        return plan
 
     def _load_expected(self, module: Any) -> dict[str, float] | None:
         expected = getattr(module, "expected_phase_durations", None)

@@ -181,25 +181,26 @@ class Lifecycle:
         )
 
 
-def estimate_remaining(snap: StateSnapshot, expected: Mapping[str, float] | None) -> float | None:
-    """Seconds until READY if this start goes like the last one of the same config; None without a profile.
+def estimate_remaining(snap: StateSnapshot, expected: Mapping[str, float] | None, scale: float = 1.0) -> float | None:
+    """Seconds until READY if this start goes like the recorded one(s) it was matched with; None without a profile.
 
     Phases still to come count in full, the running one counts its expected time less what it has used (never
-    below zero: an overrunning phase says "any moment now", not a negative ETA).
+    below zero: an overrunning phase says "any moment now", not a negative ETA). `scale` (wall / sum of the
+    stages of the recorded start, at most 1) takes off what stages running at once saved, but never below the
+    longest phase still to come: running beside others does not shorten a phase itself.
     """
     if snap.state is not EngineState.STARTING:
         return 0.0 if snap.state is EngineState.READY else None
     if not expected:
         return None
     done = set(snap.phase_seconds())
-    remaining = 0.0
+    remaining = longest = 0.0
     for name, seconds in expected.items():
         # Pre-main rows (process_start, imports) of the last start are over by the time anyone can ask, unless
         # the service's own engine import is the phase running now.
         if name in done or (name in PRE_MAIN and name != snap.phase):
             continue
-        if name == snap.phase:
-            remaining += max(0.0, seconds - snap.phase_elapsed_s)
-        else:
-            remaining += max(0.0, seconds)
-    return remaining
+        left = max(0.0, seconds - snap.phase_elapsed_s) if name == snap.phase else max(0.0, seconds)
+        remaining += left
+        longest = max(longest, left)
+    return max(remaining * scale, longest)

@@ -85,6 +85,14 @@ class Attr:
     DTYPE: Final = "glowplug.dtype"
     QUANTIZATION: Final = "glowplug.quantization"
     CACHE_HIT: Final = "glowplug.cache_hit"  # bool
+    # On the start-up span: the cache hit/miss pattern probed before the first stage ("compile=hit, model=hit"),
+    # and the first ETA (at the end of the imports): predicted seconds from process creation (or the call) to
+    # READY, the stages' part of it, and its basis in words. The phase table copies them to actual_total_time.
+    CACHE_PATTERN: Final = "glowplug.cache_pattern"
+    ETA_FIRST_READY_S: Final = "glowplug.eta.first_ready_s"
+    ETA_FIRST_STAGES_S: Final = "glowplug.eta.first_stages_s"
+    ETA_FIRST_AT_S: Final = "glowplug.eta.first_at_s"
+    ETA_BASIS: Final = "glowplug.eta.basis"
     CACHE_KEY: Final = "glowplug.cache_key"
     CACHE_MISS_REASON: Final = "glowplug.cache_miss_reason"
     PEAK_MEMORY_BYTES: Final = "glowplug.peak_memory_bytes"

@@ -247,6 +247,15 @@ def _row_notes(phase: SpanPhase) -> list[str]:
     return ([f"cache miss: {miss}"] if miss and phase.attributes.get(Attr.CACHE_HIT) is False else []) + own
 
 
+_ROOT_ETA_ATTRS = (Attr.CACHE_PATTERN, Attr.ETA_BASIS, Attr.ETA_FIRST_AT_S, Attr.ETA_FIRST_STAGES_S,
+                   Attr.ETA_FIRST_READY_S)
+
+
+def _root_eta(roots: Sequence[ReadableSpan]) -> dict[str, Any]:
+    """The start's cache pattern and first ETA (set on the start-up span), beside the actual time they predicted."""
+    return {k: v for r in roots for k, v in (r.attributes or {}).items() if k in _ROOT_ETA_ATTRS}
+
+
 def build_phase_table(
     spans: Sequence[ReadableSpan],
     *,
@@ -339,7 +348,8 @@ def build_phase_table(
     ]
     totals = [
         PhaseRow(Row.TOTAL_TIME, "total", total_ns, "sum of stage spans"),
-        PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY", notes=root_notes),
+        PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY", _root_eta(roots),
+                 notes=root_notes),
     ]
     if floor is not None:
         totals.append(floor.row(actual_ns))

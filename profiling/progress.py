@@ -8,8 +8,8 @@ against the estimate) above which finished stages are printed; piped, or with no
 is one plain line. Everything goes to stderr, so stdout stays the command's output (the table, the generated
 text).
 
-The estimate per stage comes from the caller (engine/startup.py estimate_phase_durations: this config's last
-start, else the last start of the same model): this module only phrases it.
+The estimate per stage and its basis in words come from the caller (engine/startup.py plan_start: the last start
+with the same cache hits and misses, engine/start_estimate.py): this module only phrases them.
 """
 
 from __future__ import annotations
@@ -141,20 +141,20 @@ class StartupProgress(SpanProcessor):
         """A line of context between the stages (the sampling defaults of `generate`)."""
         self._say(text, "dim")
 
-    def imports_done(self, seconds: float, estimate: Mapping[str, float] | None, same_config: bool) -> None:
-        """The imports' time and what the stages should take (`estimate`: seconds per stage, see eta_phrase)."""
+    def imports_done(self, seconds: float, estimate: Mapping[str, float] | None, same_config: bool,
+                     basis: str | None = None, total_s: float | None = None) -> None:  # fmt: skip
+        """The imports' time and what the stages should take (`estimate`: seconds per stage, see eta_phrase;
+        `basis`: where it comes from, in words; `total_s`: their predicted wall time, else their sum)."""
         with self._lock:
             self._running.pop("imports", None)
         self._estimate = dict(estimate) if estimate else None
         self._same_config = same_config
         if self._estimate is None:
-            basis = "first start of this model: no estimate yet"
-        elif same_config:
-            basis = f"the last start of this config spent {_seconds(sum(self._estimate.values()))} in its stages"
+            said = "first start of this model: no estimate yet" if basis is None else f"no estimate ({basis})"
         else:
-            basis = (f"first start for this config (another config of this model spent "
-                     f"{_seconds(sum(self._estimate.values()))} in its stages)")  # fmt: skip
-        self._say(f"imports done in {_seconds(seconds)}; {basis}", "dim")
+            total = sum(self._estimate.values()) if total_s is None else total_s
+            said = f"the stages should take about {_seconds(total)} ({basis or 'from the last start of this config'})"
+        self._say(f"imports done in {_seconds(seconds)}; {said}", "dim")
 
     def running_rows(self) -> list[tuple[str, str, float, str]]:
         now = time.perf_counter()

@@ -76,7 +76,8 @@ KV_PROFILE = CacheSpec(
     "every start runs the profiling forward again",
 )
 STARTUP_PROFILE = CacheSpec(
-    "startup_profile", 1, "seconds per start-up stage of the last successful start (the ETA)", "bypass",
+    "startup_profile", 1, "seconds per start-up stage of the latest start per cache hit/miss pattern (the ETA)",
+    "bypass",
     "no start-up ETA is shown and none is recorded",
 )
 KERNEL_DISPATCH = CacheSpec(

@@ -238,6 +238,26 @@ class ArtifactStore:
                 pass
         return True, value, None
 
+    def probe(self, spec: CacheSpec, factors: dict[str, Any]) -> bool:
+        """Whether a fetch of `factors` would most likely hit, without loading, hashing, stamping or moving
+        anything: the entry is there, its manifest is this spec's for these factors and every file has its
+        recorded size. For a prediction (the start-up ETA), so a damaged entry found later costs only that."""
+        key = self.key(spec, factors)
+        path = self.entry_path(spec, key)
+        try:
+            m = read_manifest(path)
+        except ValueError:
+            return False
+        if (m.cache, m.version, m.key) != (spec.name, spec.version, key) or m.factors != factors:
+            return False
+        for rel, rec in m.files.items():
+            try:
+                if (path / rel).stat().st_size != rec.size:
+                    return False
+            except OSError:
+                return False
+        return True
+
     def latest(self, spec: CacheSpec, group: str, *, exclude: str | None = None) -> Manifest | None:
         """The most recently used readable entry of `spec` for `group` (the same model), if any."""
         best: tuple[float, Manifest] | None = None

@@ -20,6 +20,7 @@ from ..compile_cache import open_compile_cache
 from glowplug.base.errors import one_line
 from ..kv_cache import KVCache
 from ..model_runner import dummy_decode_batch
+from ..start_estimate import HIT, MISS
 from .base import StageReport
 from .context import EngineContext
 
@@ -96,6 +97,21 @@ class DynamoTransform:
     name = "dynamo_transform"
     needs: tuple[str, ...] = ("model", "native", "arch", "dtype")
     provides: tuple[str, ...] = ("traced", "compile_cache", "compile_fallback")
+    caches: tuple[str, ...] = ("compile",)
+
+    def cache_probe(self, ctx: EngineContext) -> dict[str, str]:
+        """For the ETA: whether the compiled step of this configuration is stored (graph_compile's time depends
+        on the same entry). Nothing to say when the step will not be compiled."""
+        if skipped_reason(ctx, None) is not None:
+            return {}
+        from glowplug.base.artifacts import ArtifactStore
+        from glowplug.base.artifacts.caches import COMPILE
+
+        from ..compile_cache import compile_factors
+
+        arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
+        factors = compile_factors(ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx))
+        return {"compile": HIT if ArtifactStore(ctx.cache_root).probe(COMPILE, factors) else MISS}
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx, None)

@@ -61,6 +61,8 @@ class GraphCompile:
                               "native", "arch", "dtype")
     # traced: replaced only when the stored entry will not load (the one provide not written on every path).
     provides: tuple[str, ...] = ("decode_fn", "traced", "compile_fallback")
+    # Its time depends on the compile entry, whose factors dynamo_transform owns (and probes, for the ETA).
+    caches: tuple[str, ...] = ("compile",)
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx, ctx.compile_fallback)

@@ -26,6 +26,7 @@ from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import KV_PROFILE
 from ..attention import AttentionMetadata
 from ..kv_sizing import plan_kv_cache
+from ..start_estimate import HIT, MISS
 from .base import StageReport
 from .context import EngineContext
 
@@ -88,6 +89,11 @@ class KVCacheProfiling:
     # model_dir: the quantization group size it keys the profile on can come from the source GGUF.
     needs: tuple[str, ...] = ("model", "arch", "dtype", "weights_bytes", "model_dir")
     provides: tuple[str, ...] = ("kv_plan",)
+    caches: tuple[str, ...] = ("kv_profile",)
+
+    def cache_probe(self, ctx: EngineContext) -> dict[str, str]:
+        """For the ETA: whether the measured peak is stored (then the profiling forward is skipped)."""
+        return {"kv_profile": HIT if ArtifactStore(ctx.cache_root).probe(KV_PROFILE, profile_factors(ctx)) else MISS}
 
     def run(self, ctx: EngineContext) -> StageReport:
         ctx.need(ctx.model, "the model", "model_init")

@@ -3,11 +3,14 @@ check the settings against the model (config_check.check_prepared) before any la
 
 from __future__ import annotations
 
+from glowplug.base.artifacts import ArtifactStore
+from glowplug.base.artifacts.caches import MODEL
 from ...profiling.names import Attr
 from ..config_check import check_prepared
 from ..models.arch import ModelError, load_arch
 from ..models.loader import resolve_dtype
-from ..models.store import gguf_file_for, gguf_source, gguf_table, prepare_model, source_quant_block
+from ..models.store import gguf_file_for, gguf_source, gguf_table, model_factors, prepare_model, source_quant_block
+from ..start_estimate import HIT, MISS
 from .base import StageReport
 from .context import EngineContext
 
@@ -16,6 +19,28 @@ class ModelPrepare:
     name = "model_prepare"
     needs: tuple[str, ...] = ()
     provides: tuple[str, ...] = ("model_dir", "gguf_path", "arch", "dtype")
+    caches: tuple[str, ...] = ("model",)
+
+    def cache_probe(self, ctx: EngineContext) -> dict[str, str]:
+        """For the ETA (engine/start_estimate.py): whether the prepared folder is stored, and, when it is (or the
+        model is a local folder), the folder, architecture and dtype the later stages' probes key on."""
+        source = gguf_source(ctx.config.model)
+        if source is None:
+            model_dir, _ = prepare_model(ctx.config.model, ctx.cache_root, quiet=True)  # a folder: nothing to prepare
+            state: dict[str, str] = {}
+        else:
+            store = ArtifactStore(ctx.cache_root)
+            factors = model_factors(source)
+            if not store.probe(MODEL, factors):
+                return {"model": MISS}
+            model_dir, state = store.entry_path(MODEL, store.key(MODEL, factors)), {"model": HIT}
+        ctx.model_dir = model_dir
+        ctx.gguf_path = source if source is not None else gguf_file_for(model_dir)  # as `run` finds it
+        ctx.arch = load_arch(model_dir)
+        ctx.dtype = resolve_dtype(ctx.config.dtype, ctx.arch, ctx.device,
+                                  quantized_source=source_quant_block(model_dir) is not None,
+                                  compiled=ctx.config.compile_enabled())  # fmt: skip
+        return state
 
     def run(self, ctx: EngineContext) -> StageReport:
         ctx.model_dir, fetched = prepare_model(ctx.config.model, ctx.cache_root, quiet=True)

@@ -8,6 +8,7 @@ the stage reports why and the decode step compiles around the stock ops instead.
 from __future__ import annotations
 
 from ...profiling.names import Attr
+from ..start_estimate import HIT, MISS
 from .base import StageReport
 from .context import EngineContext
 
@@ -23,6 +24,22 @@ class NativeKernels:
     # readers of the model wait for it.
     needs: tuple[str, ...] = ("model", "dtype")
     provides: tuple[str, ...] = ("native", "model")
+    caches: tuple[str, ...] = ("native",)
+
+    def cache_probe(self, ctx: EngineContext) -> dict[str, str]:
+        """For the ETA: whether the variant to load is in the cache dir ("hit") or must be built ("miss"). A
+        prebuilt variant (made at install, beside the sources) is no cache: emptying the cache dir keeps it, so it
+        adds nothing to the pattern. Sets `native` as far as the compile probe needs it (will the kernels load)."""
+        if not ctx.config.compile_enabled() or ctx.device != "cpu":
+            return {}
+        from glowplug.kernels.native import NativeBuild, compiler_available, stored_variant
+
+        where = stored_variant(ctx.cache_root)
+        available = where not in (None, "disabled") or (where is None and compiler_available())
+        ctx.native = NativeBuild(available, None, where is not None, 0.0, f"probe: {where or 'to build'}")
+        if where in ("disabled", "loaded", "prebuilt"):
+            return {}
+        return {"native": HIT if where == "cached" else MISS}
 
     def run(self, ctx: EngineContext) -> StageReport:
         if not ctx.config.compile_enabled():

@@ -17,6 +17,7 @@ from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import QUANT, file_stamps, source_digest
 from ..models.loader import checkpoint_files
 from ..models.store import gguf_table
+from ..start_estimate import HIT, MISS
 from .base import StageReport
 from .context import EngineContext
 
@@ -44,6 +45,15 @@ class QuantizeWeights:
     name = "quantize_weights"
     needs: tuple[str, ...] = ("model_dir", "gguf_path", "state_dict")
     provides: tuple[str, ...] = ("state_dict", "weights_bytes")
+    caches: tuple[str, ...] = ("quant",)
+
+    def cache_probe(self, ctx: EngineContext) -> dict[str, str]:
+        """For the ETA: whether the quantized tensors are stored (nothing to say for quantization none). A
+        checkpoint whose projections all come repacked from GGUF blocks stores nothing and probes as a miss at
+        every start, so its pattern stays the same from start to start."""
+        if ctx.config.quant.quantization == "none":
+            return {}
+        return {"quant": HIT if ArtifactStore(ctx.cache_root).probe(QUANT, quant_factors(ctx)) else MISS}
 
     def run(self, ctx: EngineContext) -> StageReport:
         q = ctx.config.quant

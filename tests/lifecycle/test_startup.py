@@ -74,6 +74,8 @@ def test_ready_503_with_phase_then_200_and_queue_bound(tiny_model: Path) -> None
             assert all(s >= 0 for s in done.values())
             assert info["expected_phases"] and "warmup" in info["expected_phases"]
             assert info["eta_s"] is not None and info["eta_s"] >= info["expected_phases"]["warmup"] * 0.99
+            # Which recorded start the ETA comes from: this config's, matched on the cache hits and misses.
+            assert info["eta_basis"] and "of this config" in info["eta_basis"], info["eta_basis"]
 
             # Two requests wait for READY and fill the queue; the third is turned away.
             results: list[httpx.Response] = []

@@ -97,6 +97,9 @@ def test_eta_counts_what_is_left() -> None:
     lc.enter_phase("load_weights")
     clock.now += 1.5
     assert estimate_remaining(lc.snapshot(), expected) == pytest.approx(2.5 + 2.0)
+    # Stages that ran at once in the recorded start (wall / sum = 0.5) shorten the rest, never below its longest.
+    assert estimate_remaining(lc.snapshot(), expected, 0.5) == pytest.approx(2.5)
+    assert estimate_remaining(lc.snapshot(), expected, 0.1) == pytest.approx(2.5)
     clock.now += 10.0  # overrunning the profile: "any moment", never negative
     assert estimate_remaining(lc.snapshot(), expected) == pytest.approx(2.0)
     lc.mark_ready()
