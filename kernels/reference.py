@@ -144,9 +144,10 @@ def quantize_x8(x: Tensor, group_size: int) -> Tensor:
     per row and per weight group, x rounded to multiples of s = max|x| / 127 (half to even), the int8 codes it meets
     the weight codes with."""
     xf = x.float().reshape(x.shape[0], -1, group_size)
-    s = xf.abs().amax(-1, keepdim=True) / 127
-    q = torch.where(s > 0, torch.round(xf * torch.where(s > 0, 127 / xf.abs().amax(-1, keepdim=True), 0)), 0)
-    return (q * s).reshape(x.shape[0], -1)
+    amax = xf.abs().amax(-1, keepdim=True)
+    # the kernel's arithmetic: q = round(x * (127 / amax)), dequantized as q * (amax / 127)
+    q = torch.round(xf * torch.where(amax > 0, 127 / amax, 0))
+    return (q * (amax / 127)).reshape(x.shape[0], -1)
 
 
 def native_linear(x: Tensor, kind: str, tensors: tuple[Tensor, ...], n: int, k: int, bits: int = 0,

@@ -644,7 +644,7 @@ void for_blocks(int64_t M, int64_t NB, const F& block, int64_t rows = 8) {
   });
 }
 
-// Rows per pass of the int4/int2 kernel (intn_block_wide's 16 accumulators from 9 rows on).
+// Rows per pass of the int2 kernel (intn_block_wide's 16 accumulators from 9 rows on; int4 takes the integer section).
 constexpr int64_t kWideRows = 16;
 #define GLOWPLUG_WIDE_SWITCH(mb, CALL) \
   switch (mb) {                        \
@@ -801,27 +801,21 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
   // int4 below the AMX batches: integer dot products on int8 activations (the int4 section above). Measured against
   // the bf16 kernels below at SmolLM2's shapes (2-core EPYC): equal at batch 1, 15-35% faster from 8 rows on.
   if (bits == 4) return int4_q8_blocked(xp, wp, M, K, N, group_size, block_bytes, y);
+  // int2 (the bf16-decode kernels below; int4 no longer takes them outside AMX)
   const std::vector<float> xs = group_sums(xp, M, K, group_size);
   const float* xsum = xs.data();
-  const auto run = [&](auto bits_c) {
-    constexpr int B = decltype(bits_c)::value;
-    for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
-      const uint8_t* blk = w + nb * block_bytes;
-      if (mb > 8) {
-#define CALL(MB_) intn_block_wide<B, MB_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
-        GLOWPLUG_WIDE_SWITCH(mb, CALL)
+  for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
+    const uint8_t* blk = w + nb * block_bytes;
+    if (mb > 8) {
+#define CALL(MB_) intn_block_wide<2, MB_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
+      GLOWPLUG_WIDE_SWITCH(mb, CALL)
 #undef CALL
-      } else {
-#define CALL(MB_, NA_) intn_block<B, MB_, NA_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
-        GLOWPLUG_MB_SWITCH(mb, CALL)
+    } else {
+#define CALL(MB_, NA_) intn_block<2, MB_, NA_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
+      GLOWPLUG_MB_SWITCH(mb, CALL)
 #undef CALL
-      }
-    }, kWideRows);
-  };
-  if (bits == 4)
-    run(std::integral_constant<int, 4>{});
-  else
-    run(std::integral_constant<int, 2>{});
+    }
+  }, kWideRows);
   return y;
 }
 
