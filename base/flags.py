@@ -241,6 +241,7 @@ def resolve_model_argument(args: argparse.Namespace) -> None:
     option = getattr(args, "model_option", None)
     if given is not None and option is not None and given != option:
         raise FlagError(f"the model is given twice, as {given!r} and as --model {option!r}; give it once")
+    args.model_given = bool(option or given)  # a bundle's model is used only when none was given
     args.model = option or given or args.model_default
 
 

@@ -146,3 +146,54 @@ def measure_probe(repeats: int = PROBE_REPEATS, size_bytes: int = PROBE_BYTES) -
         buf.sum()
         best = max(best, size_bytes / (time.perf_counter() - t0) / 1e9)
     return best
+
+
+# ------------------------------------------------------------------------------------------------ machine facts
+# What a bundle records about the machine that made it (engine/bundle.py), and what a miss on an entry from a
+# bundle compares (store.py `explain`): the facts a cache entry can depend on, as names a user recognises.
+FACT_NAMES: dict[str, str] = {
+    "torch": "torch",
+    "glowplug_source": "glowplug source",
+    "cpu": "cpu model",
+    "isa": "cpu isa level",
+    "arch": "architecture",
+    "compiler": "c++ compiler",
+    "device": "device",
+}
+
+
+def machine_facts(*, compiler: bool = True) -> dict[str, str]:
+    """This machine's facts (FACT_NAMES), from package metadata and /proc: no torch import. `compiler` runs
+    `$CXX --version` (a few ms), which a miss explanation skips."""
+    import shutil
+    import subprocess
+    from importlib import metadata
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "not installed"
+    choice = isa_choice()
+    facts = {"torch": torch_version, "cpu": cpu_model(), "isa": choice.level, "arch": platform.machine().lower()}
+    if choice.cap is not None and choice.level != choice.cpu_level:
+        facts["isa"] = f"{choice.level} ({ISA_CAP_ENV}={choice.cap}; the CPU has {choice.cpu_level})"
+    if compiler:
+        cxx = shutil.which(os.environ.get("CXX", "g++"))
+        version = ""
+        if cxx is not None:
+            try:
+                out = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=10, check=False)
+                version = out.stdout.splitlines()[0] if out.stdout else cxx
+            except (OSError, subprocess.SubprocessError):
+                version = cxx
+        facts["compiler"] = version or "none"
+    return facts
+
+
+def fact_changes(theirs: dict[str, str], ours: dict[str, str]) -> list[str]:
+    """`cpu isa level: avx512_bf16 there, avx2 here` for each fact both sides know that differs."""
+    out = []
+    for key, name in FACT_NAMES.items():
+        if key in theirs and key in ours and theirs[key] != ours[key]:
+            out.append(f"{name}: {theirs[key]} there, {ours[key]} here")
+    return out

@@ -44,6 +44,7 @@ from .compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailab
 from .config import EngineConfig
 from .models.arch import ModelArch
 from .models.llama import DecoderLM
+from .models.store import model_group
 from ..profiling.names import Event
 from glowplug.base.errors import one_line
 
@@ -127,6 +128,7 @@ class CompileCache:
     workspace: Workspace
     loaded: StoredReplay | LoadedDecode | None  # the stored entry: a warm start
     rebuilt_kernels: list[str] = dataclasses.field(default_factory=list)
+    bundle: str | None = None  # the bundle that brought the stored entry, if one did
 
     @property
     def path(self) -> Path:
@@ -244,10 +246,11 @@ def open_compile_cache(cache_root: Path, config: EngineConfig, arch: ModelArch, 
     workspace = open_workspace(store, INDUCTOR, {"torch": torch.__version__, "device": label}, group=label,
                                skip=_INDUCTOR_SKIP)  # fmt: skip
     _point_inductor_at(workspace.path)
-    index = store.lookup(COMPILE, factors, group=config.model,
+    index = store.lookup(COMPILE, factors, group=model_group(config.model),
                          load=lambda folder: read_entry(folder, model))  # fmt: skip
     reason = index.miss_reason if not index.hit else None
     if reason is None and workspace.healed:
         where = "left out of the read-only cache dir" if workspace.source is not None else "moved aside"
         reason = f"damaged Inductor artifacts {where} and rebuilt ({workspace.healed[0]})"
-    return CompileCache(store, index.key, factors, config.model, reason, workspace, index.value)
+    return CompileCache(store, index.key, factors, model_group(config.model), reason, workspace, index.value,
+                        bundle=index.bundle)

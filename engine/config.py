@@ -142,6 +142,11 @@ class EngineConfig(FrozenModel):
     scheduler: SchedulerConfig = SchedulerConfig()
     cache: CacheConfig = CacheConfig()
     quant: QuantConfig = QuantConfig()
+    bundle: str | None = Field(
+        None,
+        description="A ready-engine bundle (`glowplug bundle create`): its cache entries that hold on this machine "
+        "are installed into the cache before the start, and its engine flags are the defaults of flags not given.",
+    )
     cudagraph_capture_sizes: tuple[int, ...] | None = Field(
         None,
         description="Decode batch sizes to capture (CUDA) or pre-compile (CPU).",
@@ -193,6 +198,7 @@ class EngineConfig(FrozenModel):
 
     def hash_factors(self) -> dict[str, Any]:
         data = self.model_dump(mode="json")
-        # The seed changes no compiled graph and no profile.
+        # The seed changes no compiled graph and no profile; a bundle only brings what a start would build.
         data.pop("seed", None)
+        data.pop("bundle", None)
         return data

@@ -26,7 +26,9 @@ from .config_check import check_device
 from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
 from .models.arch import ModelArch
+from .models.store import model_group
 from .stages.base import Stage, StageResult, StartupFailed, check_pipeline, run_stages
+from .stages.bundle_install import BundleInstall
 from .stages.context import EngineContext
 from .stages.dynamo_transform import DynamoTransform
 from .stages.graph_capture import GraphCapture
@@ -96,7 +98,10 @@ PHASES = "phases.json"
 
 
 def _profile_factors(config: EngineConfig) -> dict[str, Any]:
-    return {"engine_config": config.hash_factors(), "device": config.resolved_device()}
+    # The model as a name, not the spec that named it: the default, its file by path and a bundle's copy of it are
+    # one model, so a start from a bundle finds the start-up profile the bundle brought.
+    return {"engine_config": {**config.hash_factors(), "model": model_group(config.model)},
+            "device": config.resolved_device()}
 
 
 def _read_profile(folder: Path) -> list[StartRecord]:
@@ -105,7 +110,7 @@ def _read_profile(folder: Path) -> list[StartRecord]:
 
 def _config_records(store: ArtifactStore, config: EngineConfig) -> list[StartRecord]:
     """This config's recorded starts, newest first (empty when none or unreadable)."""
-    return store.lookup(STARTUP_PROFILE, _profile_factors(config), group=config.model, load=_read_profile).value or []
+    return store.lookup(STARTUP_PROFILE, _profile_factors(config), group=model_group(config.model), load=_read_profile).value or []
 
 
 def expected_phase_durations(config: EngineConfig, cache_dir: Path | None = None) -> dict[str, float] | None:
@@ -154,7 +159,7 @@ def probe_cache_pattern(config: EngineConfig, cache_dir: Path | None = None,
                 if cache in pattern:
                     continue
                 try:
-                    empty = store.latest(by_name(cache), config.model) is None
+                    empty = store.latest(by_name(cache), model_group(config.model)) is None
                 except (OSError, ValueError):
                     empty = False
                 pattern[cache] = MISS if empty else UNKNOWN
@@ -176,7 +181,7 @@ def plan_start(config: EngineConfig, cache_dir: Path | None = None,
     try:
         mine = _config_records(store, config)
         others: list[StartRecord] = []
-        last = store.latest(STARTUP_PROFILE, config.model, exclude=store.key(STARTUP_PROFILE, _profile_factors(config)))
+        last = store.latest(STARTUP_PROFILE, model_group(config.model), exclude=store.key(STARTUP_PROFILE, _profile_factors(config)))
         if last is not None:
             try:
                 others = _read_profile(store.entry_path(STARTUP_PROFILE, last.key))
@@ -212,7 +217,7 @@ def _record_phase_durations(ctx: EngineContext, results: list[StageResult], patt
 
     try:
         # refresh: on a read-only cache dir the profile of this config's last start stays, silently (bookkeeping).
-        store.put(STARTUP_PROFILE, _profile_factors(ctx.config), group=ctx.config.model, build=build, refresh=True)
+        store.put(STARTUP_PROFILE, _profile_factors(ctx.config), group=model_group(ctx.config.model), build=build, refresh=True)
     except Exception as exc:  # noqa: BLE001 - the engine is READY; a lost ETA record must not undo that
         structlog.get_logger("glowplug.startup").warning("start-up profile not recorded", error=repr(exc))
 
@@ -250,6 +255,7 @@ def build_engine(
     stages: Sequence[Stage] | None = None,
     cache_dir: Path | None = None,
     plan: StartPlan | None = None,
+    on_plan: Callable[[StartPlan], None] | None = None,
 ) -> StartupResult:
     """Run the start-up pipeline to READY. Raises StartupFailed (stage + one-line cause) when a stage fails.
 
@@ -257,6 +263,8 @@ def build_engine(
         the table has the process_start / imports rows. Without them (library use) it starts at this call.
     plan: the cache pattern and ETA the caller made after its imports (`plan_start`, for its progress line);
         made here when not given. Recorded on the start-up span and, with this start's times, in the profile.
+    on_plan: called with the plan made here after a bundle's install (`config.bundle`): a plan made before the
+        install could not see the hits it brings, so it is made again, and the caller's ETA follows it.
     """
     # Before anything else: `--device cuda` on a torch without CUDA would otherwise end in an AssertionError from
     # deep inside torch, with no flag named and no fix.
@@ -274,15 +282,26 @@ def build_engine(
         if marks is not None
         else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})
     )
-    if plan is None:
-        # Under the root span: a damaged start-up profile found on the way is reported there (a cache_corrupt
-        # event), as it was when only the write at READY read it.
-        with trace.use_span(root, end_on_exit=False):
-            plan = plan_start(config, ctx.cache_root, pipeline)
-    root.set_attributes(_eta_attributes(plan, marks, clock.now_ns()))
     deferral = FullGcDeferral.start()  # see FullGcDeferral; the process entry may have started one already
     try:
-        results = run_stages(
+        installed: list[StageResult] = []
+        if config.bundle is not None:
+            # First, and alone: the stages' cache probes (the plan) and the stages must see what it installs.
+            first = EngineContext(config=config, cache_root=ctx.cache_root, device=ctx.device)
+            installed = run_stages([BundleInstall()], first, tracer=tracer, on_phase=on_phase, parent=root,
+                                   clock=clock)  # fmt: skip
+            config = config.model_copy(update={"model": first.bundle.model})
+            ctx = EngineContext(config=config, cache_root=ctx.cache_root, device=ctx.device)
+            plan = None
+        if plan is None:
+            # Under the root span: a damaged start-up profile found on the way is reported there (a cache_corrupt
+            # event), as it was when only the write at READY read it.
+            with trace.use_span(root, end_on_exit=False):
+                plan = plan_start(config, ctx.cache_root, pipeline)
+            if on_plan is not None and config.bundle is not None:
+                on_plan(plan)
+        root.set_attributes(_eta_attributes(plan, marks, clock.now_ns()))
+        results = installed + run_stages(
             pipeline,
             ctx,
             tracer=tracer,
@@ -306,7 +325,8 @@ def build_engine(
     assert engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
     assert ctx.kv_plan is not None and ctx.arch is not None and ctx.model_dir is not None
     with trace.use_span(root, end_on_exit=False):
-        _record_phase_durations(ctx, results, plan.pattern)
+        # The install is not a phase a later start repeats (its entries are then present): not recorded.
+        _record_phase_durations(ctx, [r for r in results if r.name != BundleInstall.name], plan.pattern)
         if ctx.compile_cache is not None:
             ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache
     root.end(end_time=ready_ns)

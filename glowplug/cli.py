@@ -107,6 +107,15 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from glowplug.engine.config import CacheConfig, EngineConfig, QuantConfig, SchedulerConfig
 
     fields: dict[str, Any] = {}
+    bundle = vars(args).get("bundle")
+    if bundle:
+        # The bundle's flags are the defaults; a config file and the flags given here win, as over the defaults.
+        from glowplug.base.artifacts.bundle import read_header
+
+        header = read_header(Path(bundle).expanduser())
+        fields.update(header.config)
+        if not getattr(args, "model_given", True) and header.model.get("spec"):
+            args.model = header.model["spec"]
     if getattr(args, "config", None):
         fields.update(load_config_file(args.config))
     names = set(EngineConfig.model_fields) | set(SchedulerConfig.model_fields)
@@ -169,6 +178,14 @@ def _imports_done(args: argparse.Namespace, config: EngineConfig, progress: Star
     marks.mark_imports_done()
     from glowplug.engine.startup import plan_start
 
+    if config.bundle is not None:
+        # The plan needs the bundle installed (its hits); build_engine makes it then and calls `_plan_known`.
+        args.start_plan = None
+        if progress is not None:
+            progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, None, True,
+                                  "installing the bundle first; the estimate follows")  # fmt: skip
+            tracing.provider.add_span_processor(progress)
+        return
     # Made with or without progress: the start records it (its cache pattern, the first ETA) in its report.
     args.start_plan = plan_start(config)
     if progress is None:
@@ -180,6 +197,21 @@ def _imports_done(args: argparse.Namespace, config: EngineConfig, progress: Star
         progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, estimate.seconds,
                               estimate.same_config, estimate.basis, estimate.total_s)  # fmt: skip
     tracing.provider.add_span_processor(progress)
+
+
+def _plan_known(progress: StartupProgress | None) -> Callable[[Any], None] | None:
+    """The progress line's ETA for a plan made after the imports (a start from a bundle)."""
+    if progress is None:
+        return None
+
+    def show(plan: Any) -> None:
+        estimate = plan.estimate
+        if estimate is None or not estimate.seconds:
+            progress.plan_known(None, True, plan.basis)
+        else:
+            progress.plan_known(estimate.seconds, estimate.same_config, estimate.basis, estimate.total_s)
+
+    return show
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -246,8 +278,10 @@ def generate_words(args: argparse.Namespace) -> tuple[str, list[str]]:
     another word follows, and it names a model (looks_like_model)."""
     words: list[str] = list(args.words)
     option = getattr(args, "model_option", None)
+    args.model_given = True
     if option is None and len(words) >= 2 and looks_like_model(words[0]):
         return words[0], words[1:]
+    args.model_given = option is not None
     return option or args.model_default, words
 
 
@@ -284,7 +318,8 @@ def cmd_startup(args: argparse.Namespace) -> int:
     failed: StartupFailed | None = None
     try:
         _imports_done(args, config, progress, tracing)
-        table = build_engine(config, tracing=tracing, marks=args.marks, plan=args.start_plan).phase_table
+        table = build_engine(config, tracing=tracing, marks=args.marks, plan=args.start_plan,
+                             on_plan=_plan_known(progress)).phase_table  # fmt: skip
         if progress is not None:
             progress.close(ready_s=table.actual_total_time)
         # For whoever times this process from outside (tests, benchmarks): READY has been reached.
@@ -491,8 +526,9 @@ def build_parser(command: str | None = None) -> CommandParser:
     if command in (None, "bench", "tune"):  # their flags come from the benchmarks' configs: imported only for them
         _add_bench_commands(bench, tune)
 
-    from glowplug import cache_cli, kernels_cli
+    from glowplug import bundle_cli, cache_cli, kernels_cli
 
+    bundle_cli.register(sub, engine, engine_config, output)
     cache_cli.register(sub)
     kernels_cli.register(sub)
 

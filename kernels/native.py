@@ -192,6 +192,26 @@ def find_variant(level: str, cache_dir: Path, *, load: bool = False) -> tuple[Pa
     return None
 
 
+def variant_entries(cache_dir: Path) -> list[Path]:
+    """The stored variants (entry folders) of every level this CPU can run, prebuilt or cached, one per level: what
+    a bundle carries, so that a machine with no compiler and no prebuilt set still loads the kernels, and one
+    started under a lower GLOWPLUG_MAX_CPU_ISA finds that level's variant too."""
+    from glowplug.base.artifacts import ArtifactStore
+    from glowplug.base.artifacts.caches import NATIVE
+
+    levels = buildable_levels()
+    cpu_level = isa_choice().cpu_level
+    out: list[Path] = []
+    for level in levels[: levels.index(cpu_level) + 1] if cpu_level in levels else levels[:1]:
+        for root in (prebuilt_root(), cache_dir):
+            store = ArtifactStore(root)
+            factors = build_factors(level)
+            if store.probe(NATIVE, factors):
+                out.append(store.entry_path(NATIVE, store.key(NATIVE, factors)))
+                break
+    return out
+
+
 def stored_variant(cache_dir: Path) -> str | None:
     """Where the variant `load_native` would load comes from, asked without loading or verifying it (the start-up
     ETA's probe): "disabled", "loaded" (already in this process), "prebuilt" or "cached", or None when a start

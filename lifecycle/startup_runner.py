@@ -115,7 +115,8 @@ class StartupRunner:
                 self._marks.mark_imports_done()
             plan = self._load_plan(module)
             factory = self._factory or module.build_engine
-            offered = {"on_phase": self._lifecycle.enter_phase, "tracing": self._tracing, "marks": self._marks}
+            offered = {"on_phase": self._lifecycle.enter_phase, "tracing": self._tracing, "marks": self._marks,
+                       "on_plan": self._apply_plan}  # a start from a bundle plans again once it is installed
             if plan is not None:
                 offered["plan"] = plan  # the factory records it with the start instead of probing again
             result = factory(self._config, **factory_kwargs(factory, offered))
@@ -140,12 +141,16 @@ class StartupRunner:
         except Exception as exc:
             log.warning("no start-up ETA", error=f"{type(exc).__name__}: {exc}")
             return None
+        self._apply_plan(plan)
+        return plan
+
+    def _apply_plan(self, plan: Any) -> None:
+        """Take the plan's ETA fields (from `_load_plan`, or from the engine once a bundle is installed)."""
         estimate = plan.estimate
         self._eta_basis = plan.basis
         if estimate is not None and estimate.seconds:
             self._expected = {str(k): float(v) for k, v in estimate.seconds.items()}
             self._eta_scale = float(estimate.scale)
-        return plan
 
     def _load_expected(self, module: Any) -> dict[str, float] | None:
         expected = getattr(module, "expected_phase_durations", None)

@@ -94,6 +94,7 @@ class Attr:
     ETA_FIRST_AT_S: Final = "glowplug.eta.first_at_s"
     ETA_BASIS: Final = "glowplug.eta.basis"
     CACHE_KEY: Final = "glowplug.cache_key"
+    CACHE_FROM_BUNDLE: Final = "glowplug.cache_from_bundle"  # a hit on an entry a bundle brought: its file name
     CACHE_MISS_REASON: Final = "glowplug.cache_miss_reason"
     PEAK_MEMORY_BYTES: Final = "glowplug.peak_memory_bytes"
     KV_BLOCKS: Final = "glowplug.kv_blocks"

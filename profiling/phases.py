@@ -151,9 +151,14 @@ def _default_row(stage: str, attributes: Mapping[str, Any]) -> str:
     return STAGE_ROWS.get(stage, stage)
 
 
+def _hit_note(attributes: Mapping[str, Any]) -> str:
+    bundle = attributes.get(Attr.CACHE_FROM_BUNDLE)
+    return f"cache hit from bundle {bundle}" if bundle else CACHE_HIT_NOTE
+
+
 def _alternative_reason(chosen: str, attributes: Mapping[str, Any]) -> str:
     if chosen.endswith("_cached"):
-        return "cache hit"
+        return _hit_note(attributes)
     miss = attributes.get(Attr.CACHE_MISS_REASON)
     return f"cache miss: {miss}" if miss else "cache miss"
 
@@ -196,7 +201,7 @@ class SpanPhase:
             return "; ".join(self.events)
         hit = self.attributes.get(Attr.CACHE_HIT)
         if hit is True:
-            return "cache hit"
+            return _hit_note(self.attributes)
         if hit is False:
             miss = self.attributes.get(Attr.CACHE_MISS_REASON)
             return f"cache miss: {miss}" if miss else "cache miss"
@@ -242,7 +247,7 @@ def _row_notes(phase: SpanPhase) -> list[str]:
     if phase.events or phase.outcome != "ran" or phase.stage in STAGE_ALTERNATIVE_ROWS:
         return [*phase.events, *own]
     if phase.attributes.get(Attr.CACHE_HIT) is True:
-        return [CACHE_HIT_NOTE, *own]
+        return [_hit_note(phase.attributes), *own]
     miss = phase.attributes.get(Attr.CACHE_MISS_REASON)
     return ([f"cache miss: {miss}"] if miss and phase.attributes.get(Attr.CACHE_HIT) is False else []) + own
 

@@ -147,14 +147,21 @@ class StartupProgress(SpanProcessor):
         `basis`: where it comes from, in words; `total_s`: their predicted wall time, else their sum)."""
         with self._lock:
             self._running.pop("imports", None)
+        self._say(f"imports done in {_seconds(seconds)}; {self._expect(estimate, same_config, basis, total_s)}", "dim")
+
+    def plan_known(self, estimate: Mapping[str, float] | None, same_config: bool, basis: str | None = None,
+                   total_s: float | None = None) -> None:  # fmt: skip
+        """An estimate made after the imports line (a start from a bundle plans once the bundle is installed)."""
+        self._say(f"{self._expect(estimate, same_config, basis, total_s)}", "dim")
+
+    def _expect(self, estimate: Mapping[str, float] | None, same_config: bool, basis: str | None,
+                total_s: float | None) -> str:  # fmt: skip
         self._estimate = dict(estimate) if estimate else None
         self._same_config = same_config
         if self._estimate is None:
-            said = "first start of this model: no estimate yet" if basis is None else f"no estimate ({basis})"
-        else:
-            total = sum(self._estimate.values()) if total_s is None else total_s
-            said = f"the stages should take about {_seconds(total)} ({basis or 'from the last start of this config'})"
-        self._say(f"imports done in {_seconds(seconds)}; {said}", "dim")
+            return "first start of this model: no estimate yet" if basis is None else f"no estimate ({basis})"
+        total = sum(self._estimate.values()) if total_s is None else total_s
+        return f"the stages should take about {_seconds(total)} ({basis or 'from the last start of this config'})"
 
     def running_rows(self) -> list[tuple[str, str, float, str]]:
         now = time.perf_counter()

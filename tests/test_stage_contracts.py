@@ -23,6 +23,7 @@ from glowplug.engine.stages.base import (
     declarations,
     run_stages,
 )
+from glowplug.engine.stages.bundle_install import BundleInstall
 from glowplug.engine.stages.context import EngineContext
 from glowplug.engine.startup import StartupResult, build_engine, default_stages
 from glowplug.profiling.tracing import Tracing, setup_tracing
@@ -244,5 +245,7 @@ def test_default_stages_declare_real_slots_and_no_barriers() -> None:
     assert not any(getattr(stage, "barrier", False) for stage in stages)
     written = {slot for stage in stages for slot in declarations(stage)[1]}
     needed = {slot for stage in stages for slot in declarations(stage)[0]}
+    # The bundle's install runs before the pipeline (build_engine), when a bundle is given.
+    written |= set(declarations(BundleInstall())[1])
     # Every slot some stage reads has a writer, and every slot is written by some stage.
     assert needed <= written and written == EngineContext.slot_names()

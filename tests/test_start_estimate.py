@@ -16,6 +16,7 @@ import pytest
 
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import CacheSpec
+from glowplug.engine.models.store import model_group
 from glowplug.engine.start_estimate import (
     HIT,
     MISS,
@@ -157,7 +158,7 @@ def test_a_probe_that_cannot_tell_is_unknown_or_a_miss_on_an_empty_cache(tiny_di
     config = EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off")
     stages = [_Probing("a", ("compile",), {"compile": HIT}), _Probing("b", ("kv_profile",), RuntimeError("?"))]
     assert probe_cache_pattern(config, tmp_path, stages) == {"compile": HIT, "kv_profile": MISS}
-    ArtifactStore(tmp_path).put(KV_PROFILE, {"other": 1}, group=config.model, build=lambda folder: None)
+    ArtifactStore(tmp_path).put(KV_PROFILE, {"other": 1}, group=model_group(config.model), build=lambda folder: None)
     assert probe_cache_pattern(config, tmp_path, stages)["kv_profile"] == UNKNOWN
 
 

@@ -10,6 +10,7 @@
 | startup_profile  | the engine config (all fields but the seed), device                         | bypass       |
 | kernel_dispatch  | torch, CPU model, threads, layer shapes, formats, Ms, table version         | bypass       |
 | native           | kernel sources, torch, compiler version, CPU feature flags                  | bypass       |
+| source           | the model's files as downloaded (names, sizes, sha256), brought by a bundle | fail         |
 
 Why `model` fails: the engine reads the prepared folder (config, tokenizer, the GGUF's tensor table) from disk, and
 a folder written somewhere else on every start would hide a broken cache dir behind a slower start each time; a
@@ -92,7 +93,15 @@ NATIVE = CacheSpec(
     "variant",
 )
 
-ALL: tuple[CacheSpec, ...] = (MODEL, QUANT, COMPILE, INDUCTOR, KV_PROFILE, STARTUP_PROFILE, KERNEL_DISPATCH, NATIVE)
+# Only a bundle (bundle.py, engine/bundle.py) writes it: a model file is otherwise read where the user keeps it.
+SOURCE = CacheSpec(
+    "source", 1, "model files as downloaded (a GGUF, or a model folder's files), brought by a bundle", "fail",
+    "a bundle's model cannot be installed, and the start needs the model where the bundle was made",
+    first="no bundle brought this model",
+)
+
+ALL: tuple[CacheSpec, ...] = (MODEL, QUANT, COMPILE, INDUCTOR, KV_PROFILE, STARTUP_PROFILE, KERNEL_DISPATCH, NATIVE,
+                              SOURCE)
 
 
 def by_name(name: str) -> CacheSpec:

@@ -88,10 +88,13 @@ class Fetched(Generic[T]):
     miss_reason: str | None = None
     corrupt: list[str] = field(default_factory=list)
     bypassed: str | None = None  # the warning when the cache dir was unusable and nothing was stored
+    bundle: str | None = None  # a hit on an entry a bundle brought (bundle.py): the bundle's file name
 
     def attributes(self) -> dict[str, Any]:
         """The stage-span attributes every cache reports the same way."""
         attrs: dict[str, Any] = {Attr.CACHE_HIT: self.hit, Attr.CACHE_KEY: self.key}
+        if self.hit and self.bundle:
+            attrs[Attr.CACHE_FROM_BUNDLE] = self.bundle
         if not self.hit and self.miss_reason:
             attrs[Attr.CACHE_MISS_REASON] = self.miss_reason
         return attrs
@@ -219,24 +222,26 @@ class ArtifactStore:
         return m, None
 
     def _open(self, spec: CacheSpec, key: str, factors: dict[str, Any], load: Callable[[Path], T]
-              ) -> tuple[bool, T | None, str | None]:  # fmt: skip
-        """(found, value, damage): found with its loaded value, or not, with why when an entry was there."""
+              ) -> tuple[bool, T | None, str | None, str | None]:  # fmt: skip
+        """(found, value, damage, bundle): found with its loaded value and the bundle that brought the entry (if
+        one did: the phase table notes it), or not, with why when an entry was there."""
         path = self.entry_path(spec, key)
         if not path.exists():
-            return False, None, None
-        _, bad = self.check_entry(path, spec, key, factors)
+            return False, None, None, None
+        m, bad = self.check_entry(path, spec, key, factors)
         if bad is not None:
-            return False, None, bad
+            return False, None, bad, None
+        origin = str(m.info["bundle"]) if m is not None and m.info.get("bundle") else None
         try:
             value = load(path)
         except Exception as exc:  # noqa: BLE001 - any failure to load a cached entry makes it a miss
-            return False, None, f"cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+            return False, None, f"cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", None
         if refusal(self.root, path) is None:  # a read-only dir keeps its stamps: bookkeeping, not worth a warning
             try:
                 os.utime(path / "manifest.json")  # last use, for `cache ls` and `prune --older-than`
             except OSError:
                 pass
-        return True, value, None
+        return True, value, None, origin
 
     def probe(self, spec: CacheSpec, factors: dict[str, Any]) -> bool:
         """Whether a fetch of `factors` would most likely hit, without loading, hashing, stamping or moving
@@ -286,7 +291,22 @@ class ArtifactStore:
             changes.insert(0, f"{spec.name} entry format v{last.version} -> v{spec.version}")
         if not changes:
             return "entry removed since the last start (pruned or moved aside)"
-        return "changed: " + "; ".join(changes)
+        return "changed: " + "; ".join(changes) + self._bundle_origin(last)
+
+    @staticmethod
+    def _bundle_origin(last: Manifest) -> str:
+        """For an entry a bundle brought (bundle.py): which machine facts differ from where it was made, which is
+        usually why the factors changed (a lower ISA level turns the dtype to float32, say)."""
+        origin = last.info.get("bundle")
+        theirs = last.info.get("machine")
+        if not origin or not isinstance(theirs, dict):
+            return ""
+        from glowplug.base.machine import fact_changes, machine_facts
+
+        ours = machine_facts(compiler=False)
+        ours["glowplug_source"] = theirs.get("glowplug_source", "")  # not recomputed here: the factors say it
+        differ = fact_changes(theirs, ours)
+        return f" (entry from bundle {origin}" + (f", made where {'; '.join(differ)})" if differ else ")")
 
     # ------------------------------------------------------------ the operations caches use
 
@@ -303,9 +323,9 @@ class ArtifactStore:
         corrupt: list[str] = []
         problem = self.read_problem()
         if problem is None:
-            found, value, bad = self._open(spec, key, factors, load)
+            found, value, bad, origin = self._open(spec, key, factors, load)
             if found:
-                return Fetched(value, key, True, path)  # type: ignore[arg-type]
+                return Fetched(value, key, True, path, bundle=origin)  # type: ignore[arg-type]
         else:
             bad = None
         problem = problem or self.write_problem(spec)
@@ -318,9 +338,9 @@ class ArtifactStore:
             return Fetched(build(None), key, False, None, f"cache dir unusable: {problem.problem}", corrupt, message)
         try:
             with self.lock(spec, key):
-                found, value, bad = self._open(spec, key, factors, load)  # another process may have built it
+                found, value, bad, origin = self._open(spec, key, factors, load)  # another process may have built it
                 if found:
-                    return Fetched(value, key, True, path, corrupt=corrupt)  # type: ignore[arg-type]
+                    return Fetched(value, key, True, path, corrupt=corrupt, bundle=origin)  # type: ignore[arg-type]
                 if bad is not None:
                     corrupt.append(self.quarantine(spec, path, bad))
                 reason = f"entry was damaged ({bad}); rebuilt" if bad else self.explain(spec, key, factors, group)
@@ -341,16 +361,16 @@ class ArtifactStore:
         problem = self.read_problem()
         if problem is not None:
             return Fetched(None, key, False, None, f"cache dir unusable: {problem.problem}")
-        found, value, bad = self._open(spec, key, factors, load)
+        found, value, bad, origin = self._open(spec, key, factors, load)
         if found:
-            return Fetched(value, key, True, path)
+            return Fetched(value, key, True, path, bundle=origin)
         corrupt: list[str] = []
         if bad is not None:
             if self.write_problem(spec) is None:
                 with self.lock(spec, key):
-                    found, value, bad = self._open(spec, key, factors, load)
+                    found, value, bad, origin = self._open(spec, key, factors, load)
                     if found:
-                        return Fetched(value, key, True, path)
+                        return Fetched(value, key, True, path, bundle=origin)
                     if bad is not None:
                         corrupt.append(self.quarantine(spec, path, bad))
             else:

@@ -124,6 +124,15 @@ def transformers_args(model_dir: Path) -> tuple[str, dict[str, str]]:
     return (str(model_dir), {}) if source is None else (str(source.parent), {"gguf_file": source.name})
 
 
+def model_group(spec: str) -> str:
+    """The name caches file this model's entries under (`cache ls`, and what a miss is compared with): the GGUF's
+    file name, or the folder's name. The embedded default, its file given by path and the copy a bundle installs
+    are then one model, whatever path named them. Nothing is read."""
+    if spec in DEFAULT_ALIASES:
+        return DEFAULT_GGUF
+    return Path(spec).expanduser().name or spec
+
+
 def gguf_source(spec: str) -> Path | None:
     """The GGUF file a model spec names (the embedded default or a .gguf path), else None."""
     if spec in DEFAULT_ALIASES:

@@ -40,6 +40,7 @@ class EngineContext(StartupContext):
     config: EngineConfig = field(default_factory=EngineConfig)
     cache_root: Path = Path(".")
     device: str = "cpu"
+    bundle: Any = None  # bundle_install (engine.bundle.BundleStart), before the pipeline when --bundle is given
     model_dir: Path | None = None  # model_prepare
     gguf_path: Path | None = None  # model_prepare (weights are read from it when model_dir has its tensor table)
     arch: ModelArch | None = None  # model_prepare

@@ -130,6 +130,8 @@ class DynamoTransform:
             return fall_back_to_eager(ctx, f"torch internals unavailable ({exc})")
         ctx.compile_cache = cache
         attrs: dict[str, object] = {Attr.CACHE_KEY: cache.key, Attr.CACHE_HIT: cache.loaded is not None}
+        if cache.loaded is not None and cache.bundle:
+            attrs[Attr.CACHE_FROM_BUNDLE] = cache.bundle
         if cache.loaded is not None:
             ctx.traced = cache.loaded  # the stored trace and its guards: nothing to trace
             return StageReport(attributes=attrs)

@@ -149,6 +149,8 @@ class GraphCompile:
             attrs[ATTR_INDUCTOR_SOURCE] = str(cache.workspace.source)
         if not hit:
             attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason or rebuilt or "compiled from the trace"
+        elif cache.bundle:
+            attrs[Attr.CACHE_FROM_BUNDLE] = cache.bundle
         return StageReport(
             attributes=attrs, row=Row.GRAPH_COMPILE_CACHED if hit else Row.GRAPH_COMPILE_GENERAL_SHAPE
         )

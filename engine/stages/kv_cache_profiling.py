@@ -26,6 +26,7 @@ from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import KV_PROFILE
 from ..attention import AttentionMetadata
 from ..kv_sizing import plan_kv_cache
+from ..models.store import model_group
 from ..start_estimate import HIT, MISS
 from .base import StageReport
 from .context import EngineContext
@@ -106,7 +107,7 @@ class KVCacheProfiling:
             return profile
 
         fetched = ArtifactStore(ctx.cache_root).fetch(
-            KV_PROFILE, profile_factors(ctx), group=ctx.config.model, build=build,
+            KV_PROFILE, profile_factors(ctx), group=model_group(ctx.config.model), build=build,
             load=lambda folder: KVProfile.model_validate_json((folder / PROFILE).read_text()),
         )  # fmt: skip
         peak, method = fetched.value.activation_peak_bytes, fetched.value.method

@@ -16,7 +16,7 @@ from ...profiling.names import Attr
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import QUANT, file_stamps, source_digest
 from ..models.loader import checkpoint_files
-from ..models.store import gguf_table
+from ..models.store import gguf_table, model_group
 from ..start_estimate import HIT, MISS
 from .base import StageReport
 from .context import EngineContext
@@ -92,7 +92,7 @@ class QuantizeWeights:
             return added
 
         fetched = ArtifactStore(ctx.cache_root).fetch(
-            QUANT, quant_factors(ctx), group=ctx.config.model, build=build,
+            QUANT, quant_factors(ctx), group=model_group(ctx.config.model), build=build,
             load=lambda folder: load_file(str(folder / QUANTIZED)),
         )  # fmt: skip
         added = fetched.value
