@@ -72,9 +72,12 @@ def model_factors(source: Path) -> dict[str, object]:
 
 
 def _convert_gguf(source: Path, out: Path, console: Console) -> None:
-    from .gguf_meta import build_config, build_tokenizer, open_reader
+    from .gguf_meta import build_config, build_tokenizer, check_architecture, open_reader
     from .gguf_tensors import read_table
 
+    # First, from the header alone: parsing the metadata (a 262k-token vocabulary takes seconds) and the tensor
+    # table would be wasted on a model family glowplug does not run.
+    check_architecture(source)
     with console.status(f"reading {source.name}"):
         reader = open_reader(source)
         table = read_table(reader, source)
