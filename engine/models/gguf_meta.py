@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .arch import ModelError
+from .gguf_header import read_gguf_metadata
 
 # GGUF architecture -> model_type; Mistral files say "llama".
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -46,15 +47,30 @@ def metadata(reader: Any, *keys: str) -> dict[str, Any]:
     return {k: reader.fields[k].contents() for k in keys if k in reader.fields}
 
 
+def _unsupported_architecture(path: Path, arch: object) -> ModelError:
+    return ModelError(
+        f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_MODEL_TYPES)}. "
+        f"Use a GGUF of one of those families or a Hugging Face folder."
+    )
+
+
+def check_architecture(path: Path) -> str:
+    """The model_type of the file's `general.architecture`, read from the header alone (well under a millisecond
+    when the key comes first, as llama.cpp writes it), so an architecture glowplug does not run is refused before
+    the vocabulary is parsed or any tensor is looked at; raises ModelError naming it and the supported list."""
+    arch = read_gguf_metadata(path, stop_at="general.architecture").get("general.architecture")
+    model_type = _MODEL_TYPES.get(str(arch))
+    if model_type is None:
+        raise _unsupported_architecture(path, arch)
+    return model_type
+
+
 def build_config(reader: Any, path: Path, tied: bool) -> dict[str, Any]:
     """config.json for the file's architecture (`tied`: the file has no separate output.weight)."""
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
     model_type = _MODEL_TYPES.get(str(arch))
     if model_type is None:
-        raise ModelError(
-            f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(_MODEL_TYPES)}. "
-            f"Use a GGUF of one of those families or a Hugging Face folder."
-        )
+        raise _unsupported_architecture(path, arch)
     p = f"{arch}."
     m = metadata(
         reader, *(p + k for k in ("block_count", "context_length", "embedding_length", "feed_forward_length",

@@ -4,13 +4,29 @@ The table (name, type, shape, byte offset) is read once with `gguf.GGUFReader` w
 in the model cache entry: the reader parses every metadata field (49k tokens for SmolLM2, ~2 s here), which a warm
 start does not need. A warm start maps the file and slices each tensor's bytes by offset.
 
-Block formats (32 weights per block, fp16 scales):
-- Q4_0: d, 16 bytes of nibbles; w = d * (q - 8)
-- Q4_1: d, m, 16 bytes of nibbles; w = d * q + m
-- Q8_0: d, 32 int8; w = d * q
-The nibble byte j holds weight j (low) and weight j + 16 (high): exactly the planar group-32 packing of
-kernels/formats.py, so an int4 g32 layer takes the nibble bytes as they are, with scale d and zero m + 8d (the
-formats' w = (q - 8) * scale + zero); Q8_0 is int8 g32 with scale d. No weight is re-rounded.
+Types read: the floats F32, F16, BF16; the legacy blocks Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32 weights, fp16 d);
+the K-quants Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256-weight super-blocks) - what llama.cpp's llama-quantize writes for
+its common presets. Anything else (the IQ families, TQ, MXFP4, ...) is refused when the model is prepared, naming
+the tensor, its type and this list.
+
+How each reaches the model:
+- repacked exactly, when the run quantizes to that layout with groups of 32 (the codes and their grid are the
+  file's own; nothing is de-quantized or re-rounded):
+  - Q4_0 (d, 16 nibble bytes; w = d * (q - 8)) and Q4_1 (d, m, nibbles; w = d * q + m) -> int4 g32: the nibble
+    byte j holds weight j (low) and weight j + 16 (high), exactly the planar group-32 packing of
+    kernels/formats.py, so the bytes are taken as they are, with scale d and zero m + 8d (the formats'
+    w = (q - 8) * scale + zero);
+  - Q4_K -> int4 g32: each 32-weight sub-block has 6-bit scale sc and min m times the super-block's d and dmin
+    (w = d*sc * q - dmin*m), so it is an int4 group with scale d*sc and zero 8*d*sc - dmin*m; only the nibbles
+    move (Q4_K puts sub-blocks 2c and 2c+1 in the low and high nibbles of the same 32 bytes);
+  - Q8_0 (d, 32 int8; w = d * q) -> int8 g32 with scale d, and Q5_0 (d, 32 high bits, nibbles;
+    w = d * (q - 16)) -> int8 g32 with scale d and codes q - 16 (in [-16, 15]);
+- de-quantized to the run dtype otherwise: Q4_0, Q4_1, Q5_0 and Q8_0 by the torch code below (the arithmetic
+  of gguf.quants.dequantize, bit for bit, 3-4x faster than its numpy), every other type by
+  gguf.quants.dequantize itself (vectorized numpy), a few rows at a time straight into the destination.
+Q5_1, Q5_K, Q2_K, Q3_K and Q6_K have no exact glowplug layout: Q5_1/Q5_K carry an offset that int8 (symmetric)
+cannot hold, Q2_K/Q3_K have no 2/3-bit layout on their 16-weight grid, and Q6_K's 16-weight scales are finer
+than the smallest int8 group (32).
 """
 
 from __future__ import annotations
@@ -26,12 +42,20 @@ from pydantic import BaseModel, ConfigDict
 
 from .arch import ModelArch, ModelError
 
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+# ggml's type ids (gguf.GGMLQuantizationType), spelled out so that a warm start that only repacks or reads floats
+# does not import gguf.
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
+              Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}  # fmt: skip
 _FLOAT = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
-# Bytes per 32-weight block, and where the codes start in it.
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
-_CODES_AT = {Q4_0: 2, Q4_1: 4, Q8_0: 2}
+# (weights, bytes) per block: ggml's GGML_QUANT_SIZES for the block types read here.
+_BLOCK_SHAPE = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+                Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}  # fmt: skip
+# Where the 4-bit codes start in a Q4_0/Q4_1 block.
+_CODES_AT = {Q4_0: 2, Q4_1: 4}
+# Types de-quantized by the torch code here; the other block types go through gguf.quants.dequantize.
+_TORCH_DEQUANT = (Q4_0, Q4_1, Q5_0, Q8_0)
 BLOCK = 32
 SUPPORTED = ", ".join(TYPE_NAMES.values())
 
@@ -91,8 +115,8 @@ def read_table(reader: Any, path: Path) -> TensorTable:
         if kind not in TYPE_NAMES:
             raise ModelError(
                 f"{path}: tensor {t.name!r} is stored as {t.tensor_type.name}, which glowplug does not read "
-                f"(it reads {SUPPORTED}). Re-quantize the file with llama.cpp's llama-quantize to Q4_0, Q4_1 or "
-                f"Q8_0, or pass a Hugging Face folder."
+                f"(it reads {SUPPORTED}). Re-quantize the file with llama.cpp's llama-quantize to one of those "
+                f"(Q4_K_M, Q5_K_M, Q8_0, ...), or pass a Hugging Face folder."
             )
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
         entries.append(TensorEntry(name=t.name, type=kind, shape=shape, offset=int(t.data_offset),
@@ -124,12 +148,14 @@ def map_float(path: Path, e: TensorEntry) -> torch.Tensor:
 
 
 def _blocks(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:
-    """[rows, K // 32, block bytes] view of a block-quantized tensor."""
+    """[rows, K // block, block bytes] view of a block-quantized tensor."""
     k = e.shape[-1]
-    if k % BLOCK:
-        raise ModelError(f"tensor {e.name!r}: row length {k} is not a multiple of the {BLOCK}-weight block")
-    rows = e.nbytes // (k // BLOCK * _BLOCK_BYTES[e.type])
-    return raw.view(rows, k // BLOCK, _BLOCK_BYTES[e.type])
+    weights, nbytes = _BLOCK_SHAPE[e.type]
+    if k % weights:
+        raise ModelError(f"tensor {e.name!r}: row length {k} is not a multiple of the {weights}-weight "
+                         f"{TYPE_NAMES[e.type]} block")  # fmt: skip
+    rows = e.nbytes // (k // weights * nbytes)
+    return raw.view(rows, k // weights, nbytes)
 
 
 def _fp16(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -143,19 +169,39 @@ def _nibbles(blocks: torch.Tensor, at: int) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
+def _q5_0_codes(blocks: torch.Tensor) -> torch.Tensor:
+    """Signed codes [rows, G, 32] (in [-16, 15]) of Q5_0 blocks: bytes 2-5 are a little-endian uint32 whose bit j
+    is weight j's fifth bit, bytes 6-21 the low nibbles as Q4_0 lays them out."""
+    high = blocks[..., 2:6].contiguous().view(torch.int32)
+    bits = (high >> torch.arange(32, dtype=torch.int32)) & 1
+    return (_nibbles(blocks, 6).to(torch.int32) | (bits << 4)) - 16
+
+
 # Rows per de-quantization step: ~128k weights, so the fp32 intermediates of one step stay in L2 instead of
 # streaming each of the ~6 passes over the whole tensor through memory (3-4x faster on SmolLM2's 135M weights).
 _CHUNK_WEIGHTS = 1 << 17
 
 
 def _dequantize_blocks(blocks: torch.Tensor, kind: int) -> torch.Tensor:
-    """fp32 weights [rows, G, 32] of a block-quantized row range (the arithmetic of gguf.quants.dequantize)."""
+    """fp32 weights [rows, K] of a block-quantized row range. Q4_0/Q4_1/Q5_0/Q8_0 in torch (the arithmetic of
+    gguf.quants.dequantize, 3-4x faster than its numpy on these simple blocks); the rest by gguf itself."""
+    rows = blocks.shape[0]
+    if kind not in _TORCH_DEQUANT:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        # gguf takes [rows, row bytes] and returns [rows, K]; the torch tensor shares the numpy array's memory.
+        return torch.from_numpy(gguf_dequantize(blocks.reshape(rows, -1).numpy(), GGMLQuantizationType(kind)))
     d = _fp16(blocks, 0)[..., None]
     if kind == Q8_0:
-        return blocks[..., 2:].contiguous().view(torch.int8).float() * d
-    if kind == Q4_0:
-        return (_nibbles(blocks, 2).float() - 8.0) * d
-    return _nibbles(blocks, 4).float() * d + _fp16(blocks, 2)[..., None]
+        w = blocks[..., 2:].contiguous().view(torch.int8).float() * d
+    elif kind == Q4_0:
+        w = (_nibbles(blocks, 2).float() - 8.0) * d
+    elif kind == Q5_0:
+        w = _q5_0_codes(blocks).float() * d
+    else:
+        w = _nibbles(blocks, 4).float() * d + _fp16(blocks, 2)[..., None]
+    return w.reshape(rows, -1)
 
 
 def dequantize(raw: torch.Tensor, e: TensorEntry, dtype: torch.dtype = torch.float32,
@@ -175,13 +221,43 @@ def dequantize(raw: torch.Tensor, e: TensorEntry, dtype: torch.dtype = torch.flo
     out = torch.empty((rows, e.shape[-1]), dtype=dtype) if out is None else out
     step = max(1, _CHUNK_WEIGHTS // e.shape[-1])
     for r in range(0, rows, step):
-        out[r : r + step].copy_(_dequantize_blocks(blocks[r : r + step], e.type).reshape(-1, e.shape[-1]))
+        out[r : r + step].copy_(_dequantize_blocks(blocks[r : r + step], e.type))
     return out.view(e.shape)
 
 
+def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eight 6-bit (scale, min) pairs of Q4_K/Q5_K super-blocks from their 12 packed bytes [..., 12], as
+    uint8 [..., 8] each (ggml's get_scale_min_k4: sub-blocks 0-3 in the low 6 bits of bytes 0-3 and 4-7, 4-7 split
+    over bytes 8-11's nibbles and the top 2 bits of bytes 0-7)."""
+    d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc, mn
+
+
+def _repack_q4_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Q4_K super-blocks [rows, S, 144] (d, dmin, 12 scale bytes, 128 nibble bytes) -> int4 g32, codes unchanged.
+
+    Per 64 weights Q4_K stores 32 bytes whose low nibbles are sub-block 2c and high nibbles sub-block 2c + 1; the
+    planar g32 layout wants byte j of a group to hold its weights j and j + 16, so the nibbles are regrouped."""
+    rows, supers = blocks.shape[0], blocks.shape[1]
+    d, dmin = _fp16(blocks, 0)[..., None], _fp16(blocks, 2)[..., None]
+    sc, mn = _k_scale_min(blocks[..., 4:16])
+    qs = blocks[..., 16:144].reshape(rows, supers, 4, 1, 32)
+    codes = torch.cat([qs & 0x0F, qs >> 4], dim=3).reshape(rows, supers * 8, 32)
+    qweight = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(rows, -1)
+    # d * sc is exact in fp32 (11-bit by 6-bit mantissas); the zero moves gguf's -dmin*m to the formats' code 8.
+    scales = (d * sc.float()).reshape(rows, -1)
+    zeros = (8.0 * scales - (dmin * mn.float()).reshape(rows, -1))
+    return {"qweight": qweight.contiguous(), "scales": scales.contiguous(), "zeros": zeros.contiguous()}
+
+
 def repack_int4(raw: torch.Tensor, e: TensorEntry) -> dict[str, torch.Tensor]:
-    """Q4_0/Q4_1 -> the int4 g32 canonical tensors (qweight, scales, zeros) on the same grid: codes unchanged."""
+    """Q4_0/Q4_1/Q4_K -> the int4 g32 canonical tensors (qweight, scales, zeros) on the same grid: codes
+    unchanged."""
     blocks = _blocks(raw, e)
+    if e.type == Q4_K:
+        return _repack_q4_k(blocks)
     at = _CODES_AT[e.type]
     qweight = blocks[..., at : at + 16].reshape(blocks.shape[0], -1).contiguous()
     d = _fp16(blocks, 0)
@@ -191,10 +267,13 @@ def repack_int4(raw: torch.Tensor, e: TensorEntry) -> dict[str, torch.Tensor]:
 
 
 def repack_int8(raw: torch.Tensor, e: TensorEntry) -> dict[str, torch.Tensor]:
-    """Q8_0 -> int8 g32 (qweight, scales): the same codes and scales."""
+    """Q8_0 / Q5_0 -> int8 g32 (qweight, scales): the same codes (Q5_0's re-centred to [-16, 15]) and scales."""
     blocks = _blocks(raw, e)
-    qweight = blocks[..., 2:].contiguous().view(torch.int8).reshape(blocks.shape[0], -1)
-    return {"qweight": qweight, "scales": _fp16(blocks, 0).contiguous()}
+    if e.type == Q5_0:
+        qweight = _q5_0_codes(blocks).to(torch.int8).reshape(blocks.shape[0], -1)
+    else:
+        qweight = blocks[..., 2:].contiguous().view(torch.int8).reshape(blocks.shape[0], -1)
+    return {"qweight": qweight.contiguous(), "scales": _fp16(blocks, 0).contiguous()}
 
 
 def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -205,14 +284,14 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PackPlan:
-    """Which layers to repack without de-quantizing: `scheme` int4 (from Q4_0/Q4_1) or int8 (from Q8_0), only
-    when the layer's group size is 32 (the block)."""
+    """Which layers to repack without de-quantizing: `scheme` int4 (from Q4_0/Q4_1/Q4_K) or int8 (from
+    Q8_0/Q5_0), only when the layer's group size is 32 (the block, or Q4_K's sub-block)."""
 
     scheme: str
     group_size: int | None
 
 
-_PACKS = {"int4": (Q4_0, Q4_1), "int8": (Q8_0,)}
+_PACKS = {"int4": (Q4_0, Q4_1, Q4_K), "int8": (Q8_0, Q5_0)}
 _FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 
 

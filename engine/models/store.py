@@ -35,8 +35,10 @@ DEFAULT_ALIASES = {DEFAULT_MODEL, "default", DEFAULT_NAME, f"HuggingFaceTB/{DEFA
 # Bump when _convert_gguf writes something different for the same GGUF.
 CONVERTER_VERSION = 2
 TENSOR_TABLE = "gguf_tensors.json"
-# GGUF block types of 32 weights (see source_quant_block).
-_BLOCK_32_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+# GGUF types whose scales cover 32 weights (see source_quant_block): the legacy blocks, and Q4_K/Q5_K, whose
+# 256-weight super-blocks hold eight 32-weight sub-blocks with a scale and min each (Q2_K, Q3_K and Q6_K scale
+# 16 weights).
+_BLOCK_32_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K")
 
 
 def default_gguf_path() -> Path:
@@ -70,9 +72,12 @@ def model_factors(source: Path) -> dict[str, object]:
 
 
 def _convert_gguf(source: Path, out: Path, console: Console) -> None:
-    from .gguf_meta import build_config, build_tokenizer, open_reader
+    from .gguf_meta import build_config, build_tokenizer, check_architecture, open_reader
     from .gguf_tensors import read_table
 
+    # First, from the header alone: parsing the metadata (a 262k-token vocabulary takes seconds) and the tensor
+    # table would be wasted on a model family glowplug does not run.
+    check_architecture(source)
     with console.status(f"reading {source.name}"):
         reader = open_reader(source)
         table = read_table(reader, source)
@@ -164,7 +169,8 @@ _GGUF_BLOCK_32 = re.compile(r"\.(Q4_0|Q4_1|Q5_0|Q5_1|Q8_0)\.gguf$", re.IGNORECAS
 
 
 def source_quant_block(model_dir: Path) -> int | None:
-    """Group size of the GGUF a converted folder came from (Q4_0/Q4_1/Q5_x/Q8_0 use blocks of 32), else None.
+    """Group size of the GGUF a converted folder came from (Q4_0/Q4_1/Q5_x/Q8_0 use blocks of 32, Q4_K/Q5_K
+    sub-blocks of 32), else None.
 
     Its weights lie exactly on that grid, so re-quantizing int4 with the same groups loses nothing, while coarser
     groups quantize twice. A prepared folder says so by its tensor types; a folder without a table, by its name."""
