@@ -37,8 +37,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from glowplug.profiling.names import Event
-from .cachedir import report_event
-from .caches import by_name
+from .cachedir import report_event, warn_once
+from .caches import ALL, SOURCE, by_name
 from .manifest import MANIFEST, Manifest, read_manifest, write_manifest
 from .store import LOCKS, TMP_PREFIX, ArtifactStore
 
@@ -231,6 +231,16 @@ def install_bundle(path: Path, store: ArtifactStore, *, info: dict[str, Any] | N
     entry, a truncated file or a cache dir that cannot be written (those entries are misses, reported)."""
     header = read_header(path)
     report = InstallReport(path, header)
+    problem = store.read_problem() or store.write_problem(SOURCE)
+    if problem is not None:
+        # Nothing can be installed (a read-only image layer, say): the start runs without the bundle, warned
+        # once, as any cache that cannot store runs without the dir.
+        report_event(Event.CACHE_UNUSABLE, cache="bundle", path=store.root, reason=problem.problem,
+                     action=f"not installing {path.name}; the start builds what it needs")  # fmt: skip
+        warn_once(problem, [s.name for s in ALL if s.on_unusable == "bypass"])
+        report.entries = [EntryOutcome(e.cache, e.key, "skipped", f"cache dir unusable: {problem.problem}")
+                          for e in header.entries]  # fmt: skip
+        return report
     plan: dict[tuple[str, str], BundleEntry] = {}
     for entry in header.entries:
         why_not = wanted(entry) if wanted is not None else None
@@ -375,8 +385,6 @@ def _settle(store: ArtifactStore, entry: BundleEntry, tmp: Path | None, why: str
 
 def entry_folders(store: ArtifactStore) -> Iterator[tuple[str, str, Path, Manifest]]:
     """Every sound-looking entry in `store` (cache, key, folder, manifest), for `bundle create`."""
-    from .caches import ALL
-
     for spec in ALL:
         folder = store.folder(spec)
         if not folder.is_dir():

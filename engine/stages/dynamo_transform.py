@@ -28,6 +28,18 @@ TRACE_BATCH = 2  # any size: the batch dimension is unbacked, never specialised
 TRACE_BLOCKS = 5  # scratch cache blocks (the real cache is not allocated yet; its size is symbolic in the graph)
 
 
+def native_level(ctx: EngineContext) -> str | None:
+    """The ISA level of the native kernels the step will call (a compile factor), None without them. The probe
+    runs before they load: it predicts the level the machine (and GLOWPLUG_MAX_CPU_ISA) chooses."""
+    if ctx.native is None or not ctx.native.available:
+        return None
+    if ctx.native.level:
+        return str(ctx.native.level)
+    from glowplug.base.machine import isa_choice
+
+    return isa_choice().level
+
+
 def inductor_settings(ctx: EngineContext) -> InductorSettings:
     native = ctx.native is not None and ctx.native.available
     return InductorSettings(vec_isa_ok=True if native else None, threads=torch.get_num_threads())
@@ -110,7 +122,7 @@ class DynamoTransform:
         from ..compile_cache import compile_factors
 
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
-        factors = compile_factors(ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx))
+        factors = compile_factors(ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx), native_level(ctx))
         return {"compile": HIT if ArtifactStore(ctx.cache_root).probe(COMPILE, factors) else MISS}
 
     def run(self, ctx: EngineContext) -> StageReport:
@@ -125,7 +137,7 @@ class DynamoTransform:
             return fall_back_to_eager(ctx, f"torch internals unavailable ({compat.reason})")
         try:
             cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device,
-                                       inductor_settings(ctx), model)  # fmt: skip
+                                       inductor_settings(ctx), model, native_level(ctx))  # fmt: skip
         except torch_compat.TorchInternalsUnavailable as exc:
             return fall_back_to_eager(ctx, f"torch internals unavailable ({exc})")
         ctx.compile_cache = cache

@@ -1,11 +1,16 @@
 """`glowplug bench startup`: N cold and N warm start-ups, each `glowplug startup` in a fresh process, with the
-per-phase median and spread (min-max) and the time to READY, a stacked plot in pipeline order, and the cost of
-tracing (the same warm start exporting spans to a real OTLP receiver, and exporting nothing).
+per-phase median and spread (min-max) and the time to READY, a stacked plot in pipeline order, starts from a
+ready-engine bundle, the first ETA against the actual time, and the cost of tracing (the same warm start exporting
+spans to a real OTLP receiver, and exporting nothing).
 
-cold  every run gets its own empty cache directory: model conversion, compile cache and KV profile all miss.
-warm  every run reuses the cache directory the last cold run filled: whatever is cached, hits.
-otlp  N more warm starts with OTEL_EXPORTER_OTLP_ENDPOINT set to a receiver in this process, alternated with N
-      warm starts without it, so drift of the machine hits both alike.
+cold    every run gets its own empty cache directory: model conversion, compile cache and KV profile all miss.
+warm    every run reuses the cache directory the last cold run filled: whatever is cached, hits.
+bundle  `glowplug bundle create` once (timed against the cold starts), then N starts with `--bundle`, each into
+        an empty cache directory, each right after a warm start: the ratio bundle / warm is taken per pair.
+eta     one more cold start after the warm ones, in the warm cache directory emptied of everything but the
+        start-up profile ("a cold start after a warm one"), for its first ETA.
+otlp    N more warm starts with OTEL_EXPORTER_OTLP_ENDPOINT set to a receiver in this process, alternated with N
+        warm starts without it, so drift of the machine hits both alike.
 The rows are the phase table's (see profiling/phases.py). Stages may overlap: leaves + unattributed - overlap is
 the time to READY (`actual_total_time`, process creation -> READY). A phase that did not run in a run (skipped)
 has no sample from it; its row says why and over how many runs its statistics are taken.
@@ -24,14 +29,20 @@ from pydantic import Field
 
 from ...engine.config import Quantization
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
-from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, run_startup, short
+from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, failure_reason, run_startup, short
 from .stats import PERCENTILE_METHOD, Summary, summarize
 from .tables import Cell, Missing, fmt_num, markdown_table
 
-Mode = Literal["cold", "warm", "otlp_off", "otlp_on"]
-MODES: tuple[Mode, ...] = ("cold", "warm")  # the phase statistics
+Mode = Literal["cold", "warm", "bundle", "cold_after_warm", "otlp_off", "otlp_on"]
+MODES: tuple[Mode, ...] = ("cold", "warm")  # the phase statistics (with "bundle" when it ran: `modes`)
 TRACING_MODES: tuple[Mode, ...] = ("otlp_off", "otlp_on")  # the tracing-overhead comparison
 TRACING_TARGET = 0.01  # the issue's target: exporting spans costs at most 1% of the time to READY
+# Issue 35's targets for a start from a bundle: time to READY at most 1.2x the warm start (per pair), the file at
+# most the model as stored + 20 MB, `bundle create` at most the cold start + 5 s; the first ETA within 25%.
+BUNDLE_START_TARGET = 1.2
+BUNDLE_EXTRA_BYTES = 20_000_000
+BUNDLE_CREATE_EXTRA_S = 5.0
+ETA_TARGET = 0.25
 Progress = Callable[[str], None]
 
 
@@ -50,6 +61,14 @@ class StartupBenchConfig(BenchEngineFields):
     tracing_runs: int | None = Field(
         None, ge=1, description="Pairs of warm starts (without, then with export) for the overhead; unset = --runs."
     )
+    compare_to: Path | None = Field(
+        None, description="A previous run's startup.json: adds startup_before_after.png, the median phases of its "
+        "cold and warm starts beside this run's (and this run's bundle start).",
+    )
+    bundle: bool = Field(
+        True, description="Also make a bundle and run N starts from it, each into an empty cache dir, paired with "
+        "the warm starts; and one cold start after a warm one (cache emptied) for its ETA.",
+    )
 
     def startup_args(self) -> list[str]:
         return self.startup_argv(
@@ -57,10 +76,45 @@ class StartupBenchConfig(BenchEngineFields):
         )
 
 
+@dataclass(frozen=True)
+class BundleMade:
+    """`glowplug bundle create` as the benchmark ran it: its wall time, the file's size and the model's."""
+
+    wall_s: float
+    size: int
+    model_bytes: int
+    error: str | None = None
+
+
 @dataclass
 class StartupBenchResult:
     config: StartupBenchConfig
     runs: dict[Mode, list[StartupRun]]
+    bundle: BundleMade | None = None
+
+
+def modes(result: StartupBenchResult) -> tuple[Mode, ...]:
+    """The modes with phase statistics in this result: cold, warm, and bundle when it ran."""
+    return (*MODES, "bundle") if result.runs.get("bundle") else MODES
+
+
+def _make_bundle(cfg: StartupBenchConfig, args: list[str], path: Path, cache: Path) -> BundleMade:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from glowplug.engine.bundle import model_files
+
+    cmd = [sys.executable, "-m", "glowplug.cli", "bundle", "create", *args, "--out", str(path), "--quiet"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, env={**os.environ, CACHE_ENV: str(cache)}, capture_output=True, text=True,
+                          timeout=cfg.timeout_s * 3, check=False)  # fmt: skip
+    wall = time.perf_counter() - t0
+    model_bytes = sum(f.stat().st_size for f in model_files(str(cfg.model)))
+    if proc.returncode != 0 or not path.is_file():
+        return BundleMade(wall, 0, model_bytes, failure_reason(proc.stderr, proc.returncode))
+    return BundleMade(wall, path.stat().st_size, model_bytes)
 
 
 def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None) -> StartupBenchResult:
@@ -68,8 +122,11 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
     out = prepare_out_dir(cfg.out_dir)
     root = Path(tempfile.mkdtemp(prefix="glowplug-startup-bench-"))
     args = cfg.startup_args()
-    runs: dict[Mode, list[StartupRun]] = {"cold": [], "warm": [], "otlp_off": [], "otlp_on": []}
+    runs: dict[Mode, list[StartupRun]] = {m: [] for m in ("cold", "warm", "bundle", "cold_after_warm", "otlp_off",
+                                                           "otlp_on")}  # fmt: skip
     warm_dir: Path | None = None
+    made: BundleMade | None = None
+    bundle_file = root / "bench.glowplug"
     try:
         for i in range(1, cfg.runs + 1):
             cache = root / f"cold-{i}"
@@ -83,6 +140,9 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
                 warm_dir = cache  # the newest filled cache primes the warm runs
             elif not cfg.keep_caches:
                 shutil.rmtree(cache, ignore_errors=True)
+        if cfg.bundle and warm_dir is not None:
+            say(f"glowplug bundle create ({bundle_file})")
+            made = _make_bundle(cfg, args, bundle_file, root / "bundle-create-cache")
         for i in range(1, cfg.runs + 1):
             if warm_dir is None:
                 runs["warm"].append(StartupRun(f"warm {i}", -1, 0.0, error="no cold start succeeded to fill a cache"))
@@ -91,12 +151,24 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
             runs["warm"].append(
                 run_startup(f"warm {i}", args, out / f"warm-{i}.json", cache_dir=warm_dir, timeout_s=cfg.timeout_s)
             )
+            if made is not None and made.error is None:
+                fresh = root / f"bundle-{i}"
+                say(f"start from the bundle {i}/{cfg.runs} (empty cache {fresh})")
+                runs["bundle"].append(run_startup(f"bundle {i}", ["--bundle", str(bundle_file), *args],
+                                                  out / f"bundle-{i}.json", cache_dir=fresh, timeout_s=cfg.timeout_s))
+                shutil.rmtree(fresh, ignore_errors=True)
+        if cfg.bundle and warm_dir is not None:
+            emptied = root / "cold-after-warm"
+            shutil.copytree(warm_dir / "startup_profile", emptied / "startup_profile")
+            say(f"cold start after a warm one, for its ETA (cache {emptied}: only the start-up profile)")
+            runs["cold_after_warm"].append(run_startup("cold after warm", args, out / "cold-after-warm.json",
+                                                       cache_dir=emptied, timeout_s=cfg.timeout_s))  # fmt: skip
         if cfg.tracing_overhead and warm_dir is not None:
             _tracing_runs(cfg, args, out, warm_dir, runs, say)
     finally:
         if not cfg.keep_caches:
             shutil.rmtree(root, ignore_errors=True)
-    return StartupBenchResult(cfg, runs)
+    return StartupBenchResult(cfg, runs, made)
 
 
 def _tracing_runs(cfg: StartupBenchConfig, args: list[str], out: Path, cache: Path, runs: dict[Mode, list[StartupRun]],
@@ -186,7 +258,7 @@ def tracing_overhead(result: StartupBenchResult) -> TracingOverhead | None:
 def row_names(result: StartupBenchResult) -> list[str]:
     """Rows in the phase table's display order, as the reports wrote them (union over all runs)."""
     names: list[str] = []
-    for mode in MODES:
+    for mode in modes(result):
         for run in result.runs[mode]:
             names += [n for n in run.phases if n not in names]
     return names
@@ -241,7 +313,7 @@ def _phase_table(result: StartupBenchResult) -> tuple[str, list[str]]:
     rows: list[list[Cell]] = []
     never: list[str] = []
     for row in row_names(result):
-        per_mode = {m: phase_stat(result.runs[m], row) for m in MODES}
+        per_mode = {m: phase_stat(result.runs[m], row) for m in modes(result)}
         if all(p.summary is None for p in per_mode.values()):
             never.append(f"{row} ({'; '.join(sorted({p.why for p in per_mode.values()}))})")
             continue
@@ -255,8 +327,8 @@ def _phase_table(result: StartupBenchResult) -> tuple[str, list[str]]:
             if stat.note:
                 notes.append(f"{mode}: {stat.note}")
         rows.append([*cells, "; ".join(notes) or "ran in every run"])
-    head = ["Phase", *(f"{m} {k.replace('p50', 'median')} (s)" for m in MODES for k in STATS), "Note"]
-    return markdown_table(head, rows, ["l"] + ["r"] * 2 * len(STATS) + ["l"]), never
+    head = ["Phase", *(f"{m} {k.replace('p50', 'median')} (s)" for m in modes(result) for k in STATS), "Note"]
+    return markdown_table(head, rows, ["l"] + ["r"] * len(modes(result)) * len(STATS) + ["l"]), never
 
 
 AGGREGATES_TEXT = """How to read the rows (do not add them up blindly):
@@ -307,7 +379,7 @@ def _tracing_text(result: StartupBenchResult) -> str:
 
 def _runs_table(result: StartupBenchResult) -> str:
     rows: list[list[Cell]] = []
-    for mode in (*MODES, *TRACING_MODES):
+    for mode in (*MODES, "bundle", "cold_after_warm", *TRACING_MODES):
         for run in result.runs.get(mode, []):
             if not run.ok:
                 failed = Missing("start failed")
@@ -320,6 +392,98 @@ def _runs_table(result: StartupBenchResult) -> str:
                          fmt_num(p.get("unattributed") or 0, 3), hit_text])  # fmt: skip
     return markdown_table(["Run", "time to READY (s)", "total_time (s)", "unattributed (s)", "Caches"], rows,
                           ["l", "r", "r", "r", "l"])  # fmt: skip
+
+
+def _ready(run: StartupRun) -> float | None:
+    return run.phases.get(READY_ROW) if run.ok else None
+
+
+def bundle_figures(result: StartupBenchResult) -> dict[str, Any]:
+    """The bundle's targets, each with its figures: per pair (warm i, bundle i) the ratio of their times to READY
+    (median and worst), the size over the model as stored, and `bundle create` against the median cold start."""
+    out: dict[str, Any] = {}
+    pairs = [(w, b) for w, b in zip(result.runs["warm"], result.runs.get("bundle", [])) if _ready(w) and _ready(b)]
+    ratios = [_ready(b) / _ready(w) for w, b in pairs]  # type: ignore[operator]
+    if ratios:
+        ordered = sorted(ratios)
+        out.update(pair_ratios=[round(r, 4) for r in ratios], ratio_median=round(ordered[len(ordered) // 2], 4),
+                   ratio_worst=round(ordered[-1], 4), ratio_pass=ordered[-1] <= BUNDLE_START_TARGET)  # fmt: skip
+    made = result.bundle
+    if made is not None and made.error is None:
+        out.update(extra_bytes=made.size - made.model_bytes, size_pass=made.size - made.model_bytes <= BUNDLE_EXTRA_BYTES)
+        colds = sorted(v for r in result.runs["cold"] if (v := _ready(r)) is not None)
+        if colds:
+            cold = colds[len(colds) // 2]
+            out.update(cold_median_s=cold, create_over_cold_s=round(made.wall_s - cold, 3),
+                       create_pass=made.wall_s <= cold + BUNDLE_CREATE_EXTRA_S)  # fmt: skip
+    return out
+
+
+def _bundle_text(result: StartupBenchResult) -> str:
+    made = result.bundle
+    if made is None:
+        return "Not measured (--no-bundle, or no cold start succeeded)."
+    if made.error is not None:
+        return f"`glowplug bundle create` failed: {made.error}"
+    f = bundle_figures(result)
+    verdict = lambda ok: "**PASS**" if ok else "**FAIL**"  # noqa: E731
+    rows: list[list[Cell]] = [
+        ["bundle size over the model as stored", f"{made.size / 1e6:.1f} MB - {made.model_bytes / 1e6:.1f} MB = "
+         f"{f['extra_bytes'] / 1e6:.1f} MB", f"<= {BUNDLE_EXTRA_BYTES / 1e6:.0f} MB", verdict(f["size_pass"])],
+    ]  # fmt: skip
+    if "create_pass" in f:
+        rows.append(["`bundle create` (wall, one run) - median cold start",
+                     f"{made.wall_s:.2f} - {f['cold_median_s']:.2f} = {f['create_over_cold_s']:+.2f} s",
+                     f"<= +{BUNDLE_CREATE_EXTRA_S:.0f} s", verdict(f["create_pass"])])  # fmt: skip
+    if "ratio_worst" in f:
+        rows.append(["start from the bundle / warm start, per pair",
+                     f"median {f['ratio_median']:.3f}x, worst {f['ratio_worst']:.3f}x "
+                     f"({', '.join(f'{r:.3f}' for r in f['pair_ratios'])})",
+                     f"worst <= {BUNDLE_START_TARGET:.1f}x", verdict(f["ratio_pass"])])  # fmt: skip
+    table = markdown_table(["Target", "Measured", "Target", "Verdict"], rows, ["l", "l", "l", "l"])
+    return ("One `glowplug bundle create` with the same flags (a cold and a warm start in a private cache dir, "
+            "then the packing), then each start from the bundle goes into an empty cache dir right after warm "
+            f"start i, and is divided by it.\n\n{table}")
+
+
+def eta_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
+    """Each start's first ETA (at the end of the imports row; after the install for a bundle start) against its
+    time to READY, by the kind of start it was."""
+    kinds: list[tuple[str, StartupRun]] = []
+    for i, run in enumerate(result.runs["warm"]):
+        kinds.append(("warm after cold" if i == 0 else "warm after warm", run))
+    kinds += [("from a bundle into an empty cache", r) for r in result.runs.get("bundle", [])]
+    kinds += [("cold after warm (cache emptied)", r) for r in result.runs.get("cold_after_warm", [])]
+    out = []
+    for kind, run in kinds:
+        eta = run.attr(READY_ROW, "glowplug.eta.first_ready_s")
+        actual = _ready(run)
+        if actual is None:
+            continue
+        err = None if eta is None else float(eta) / actual - 1
+        out.append({"kind": kind, "run": run.label, "eta_s": eta, "actual_s": actual,
+                    "error": None if err is None else round(err, 4),
+                    "basis": run.attr(READY_ROW, "glowplug.eta.basis")})  # fmt: skip
+    return out
+
+
+def _eta_text(result: StartupBenchResult) -> str:
+    figures = eta_figures(result)
+    if not figures:
+        return "No start had an ETA."
+    rows: list[list[Cell]] = []
+    for f in figures:
+        if f["error"] is None:
+            rows.append([f["kind"], f["run"], Missing(f["basis"] or "no ETA"), fmt_num(f["actual_s"], 3),
+                         Missing("no ETA"), "FAIL"])  # fmt: skip
+            continue
+        ok = abs(f["error"]) <= ETA_TARGET
+        rows.append([f["kind"], f["run"], fmt_num(float(f["eta_s"]), 3), fmt_num(f["actual_s"], 3),
+                     f"{100 * f['error']:+.1f}%", "PASS" if ok else "FAIL"])  # fmt: skip
+    table = markdown_table(["Start", "Run", "first ETA (s)", "time to READY (s)", "error", f"within {ETA_TARGET:.0%}"],
+                           rows, ["l", "l", "r", "r", "r", "l"])  # fmt: skip
+    return ("The first ETA is taken as the stages begin (after the bundle's install for a start from a bundle): "
+            f"time so far plus the predicted stages.\n\n{table}")
 
 
 def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -> str:
@@ -336,7 +500,7 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
         "",
     ]
     ready: list[list[Cell]] = []
-    for mode in MODES:
+    for mode in modes(result):
         stat = phase_stat(result.runs[mode], READY_ROW)
         cells: list[Cell] = (
             [fmt_num(getattr(stat.summary, k), 3) for k in STATS] if stat.summary else [Missing(stat.why)] * len(STATS)
@@ -347,18 +511,22 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
     parts += ["## Phases", "", AGGREGATES_TEXT, "", table, ""]
     if never:
         parts += ["Phases that ran in no start: " + ", ".join(never) + ".", ""]
+    parts += ["## Start from a bundle", "", _bundle_text(result), ""]
+    parts += ["## First ETA against the time to READY", "", _eta_text(result), ""]
     parts += ["## Cache hits", ""]
-    counts = {m: cache_hit_counts(result.runs[m]) for m in MODES}
-    rows_with_cache = sorted(set(counts["cold"]) | set(counts["warm"]))
+    counts = {m: cache_hit_counts(result.runs[m]) for m in modes(result)}
+    rows_with_cache = sorted(set().union(*counts.values()))
     hit_rows: list[list[Cell]] = []
     for row in rows_with_cache:
         hit_rows.append([row, *(f"{h} of {n}" if (h, n) != (0, 0) else Missing("no run")
-                                for h, n in (counts[m].get(row, (0, 0)) for m in MODES))])  # fmt: skip
-    hits_table = markdown_table(["Phase", "cold: hits", "warm: hits"], hit_rows) if hit_rows else "No phase caches."
+                                for h, n in (counts[m].get(row, (0, 0)) for m in modes(result)))])  # fmt: skip
+    hits_table = (markdown_table(["Phase", *(f"{m}: hits" for m in modes(result))], hit_rows) if hit_rows
+                  else "No phase caches.")  # fmt: skip
     parts += [hits_table, ""]
     parts += ["## Tracing overhead", "", _tracing_text(result), ""]
     parts += ["## Runs", "", _runs_table(result), ""]
-    failed = [r for m in (*MODES, *TRACING_MODES) for r in result.runs.get(m, []) if not r.ok]
+    failed = [r for m in (*MODES, "bundle", "cold_after_warm", *TRACING_MODES) for r in result.runs.get(m, [])
+              if not r.ok]  # fmt: skip
     if failed:
         parts += ["Failures in full:", ""] + [f"- {r.label}: {r.error}" for r in failed] + [""]
     return "\n".join(parts)
@@ -366,7 +534,7 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
 
 def result_dict(result: StartupBenchResult) -> dict[str, Any]:
     summary: dict[str, dict[str, Any]] = {}
-    for mode in MODES:
+    for mode in modes(result):
         summary[mode] = {}
         for row in row_names(result):
             stat = phase_stat(result.runs[mode], row)
@@ -378,12 +546,15 @@ def result_dict(result: StartupBenchResult) -> dict[str, Any]:
         "percentile_method": PERCENTILE_METHOD,
         "summary": summary,
         "cache_hits": {
-            m: {k: {"hits": h, "runs": n} for k, (h, n) in cache_hit_counts(result.runs[m]).items()} for m in MODES
+            m: {k: {"hits": h, "runs": n} for k, (h, n) in cache_hit_counts(result.runs[m]).items()}
+            for m in modes(result)
         },
+        "bundle": None if result.bundle is None else {**result.bundle.__dict__, **bundle_figures(result)},
+        "eta": eta_figures(result),
         "runs": [
             {"mode": m, "label": r.label, "ok": r.ok, "returncode": r.returncode, "wall_s": r.wall_s, "error": r.error,
              "phases": r.phases, "reasons": r.reasons, "cache_hits": r.cache_hits()}
-            for m in (*MODES, *TRACING_MODES) for r in result.runs.get(m, [])
+            for m in (*MODES, "bundle", "cold_after_warm", *TRACING_MODES) for r in result.runs.get(m, [])
         ],  # fmt: skip
     }
 
@@ -403,7 +574,7 @@ def write_reports(result: StartupBenchResult, argv: list[str] | None = None) -> 
     md.write_text(render_markdown(result, argv))
     write_json(js, result_dict(result))
     written = [md, js]
-    ok = [r for m in MODES for r in result.runs[m] if r.ok]  # the plot: cold and warm only
+    ok = [r for m in modes(result) for r in result.runs[m] if r.ok]  # the plot: cold, warm and bundle
     if result.config.plots and ok:
         from .plots import plot_phase_stack
 
@@ -412,7 +583,28 @@ def write_reports(result: StartupBenchResult, argv: list[str] | None = None) -> 
         ready = [r.phases.get(READY_ROW) or 0.0 for r in ok]
         written.append(plot_phase_stack([r.label for r in ok], stacks, out / "startup_phases.png", title=title,
                                         xlabel="run", totals=ready, totals_label="time to READY"))  # fmt: skip
+    if result.config.plots and ok and result.config.compare_to is not None:
+        written.append(_before_after_plot(result, result.config.compare_to, out / "startup_before_after.png"))
     return written
+
+
+def _before_after_plot(result: StartupBenchResult, before_json: Path, path: Path) -> Path:
+    """Median leaves per mode, the earlier report's (`compare_to`) beside this one's: what changed, phase by phase."""
+    import json
+
+    from .plots import plot_phase_stack
+
+    before = json.loads(before_json.read_text())["summary"]
+    after = result_dict(result)["summary"]
+    leaves = leaf_rows([r for m in modes(result) for r in result.runs[m] if r.ok])
+    columns: list[tuple[str, dict[str, Any]]] = [(f"before {m}", before[m]) for m in ("cold", "warm") if m in before]
+    columns += [(f"now {m}", after[m]) for m in modes(result)]
+    stacks = {row: [col.get(row, {}).get("p50") for _, col in columns] for row in leaves}
+    totals = [col.get(READY_ROW, {}).get("p50") or 0.0 for _, col in columns]
+    title = (f"glowplug start-up, {Path(str(result.config.model)).name}: median own time per phase (s), "
+             f"before ({before_json}) and now")  # fmt: skip
+    return plot_phase_stack([name for name, _ in columns], stacks, path, title=title, xlabel="start",
+                            totals=totals, totals_label="time to READY (median)")  # fmt: skip
 
 
 def main(cfg: StartupBenchConfig, argv: list[str] | None = None) -> int:
@@ -423,7 +615,8 @@ def main(cfg: StartupBenchConfig, argv: list[str] | None = None) -> int:
     paths = write_reports(result, argv)
     print(render_markdown(result, argv))  # plain Markdown: a terminal-fitted table would truncate numbers
     err.print("wrote " + ", ".join(map(str, paths)), markup=False)
-    return 0 if all(r.ok for m in (*MODES, *TRACING_MODES) for r in result.runs.get(m, [])) else 1
+    every = (*MODES, "bundle", "cold_after_warm", *TRACING_MODES)
+    return 0 if all(r.ok for m in every for r in result.runs.get(m, [])) else 1
 
 
 def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:

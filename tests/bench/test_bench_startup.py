@@ -10,6 +10,8 @@ from conftest import assert_no_blank_or_nan
 
 from glowplug.profiling.bench.startup_bench import (
     StartupBenchConfig,
+    bundle_figures,
+    eta_figures,
     cache_hit_counts,
     phase_stat,
     render_markdown,
@@ -20,7 +22,9 @@ from glowplug.profiling.bench.startup_bench import (
 
 
 def test_cold_then_warm(tiny_model: str, tmp_path: Path) -> None:
-    cfg = StartupBenchConfig(model=tiny_model, runs=1, kv_cache_memory=327_680, out_dir=tmp_path / "out")
+    # Eager: the compile rows have tests of their own, and the five more starts a bundle adds stay cheap.
+    cfg = StartupBenchConfig(model=tiny_model, runs=1, kv_cache_memory=327_680, out_dir=tmp_path / "out",
+                             compile="off")  # fmt: skip
     result = run_startup_bench(cfg)
     (cold,), (warm,) = result.runs["cold"], result.runs["warm"]
     assert cold.ok and warm.ok, (cold.error, warm.error)
@@ -45,13 +49,30 @@ def test_cold_then_warm(tiny_model: str, tmp_path: Path) -> None:
     overhead = tracing_overhead(result)
     assert overhead is not None and overhead.runs == 1
 
+    # The bundle: made once, one start from it into an empty cache (every cache a hit), paired with the warm one.
+    (bundled,) = result.runs["bundle"]
+    assert bundled.ok and bundled.cache_hits()["kv_cache_profiling"] is True, bundled.error
+    assert result.bundle is not None and result.bundle.error is None
+    assert result.bundle.size > result.bundle.model_bytes
+    figures = bundle_figures(result)
+    ratio = bundled.phases["actual_total_time"] / warm.phases["actual_total_time"]
+    assert figures["ratio_worst"] == pytest.approx(ratio, abs=1e-3)
+    # The ETAs: the warm start predicted from the cold one, the bundle start and the cold start after a warm one
+    # each from a start of their own kind.
+    etas = {f["kind"]: f for f in eta_figures(result)}
+    assert set(etas) == {"warm after cold", "from a bundle into an empty cache", "cold after warm (cache emptied)"}
+    for f in etas.values():
+        assert f["eta_s"] is not None and f["error"] == pytest.approx(f["eta_s"] / f["actual_s"] - 1, abs=1e-3)
+
     md = render_markdown(result, ["bench", "startup", "--runs", "1"])
     assert_no_blank_or_nan(md)
-    assert "| kv_cache_profiling | 0 of 1 | 1 of 1 |" in md
+    assert "| kv_cache_profiling | 0 of 1 | 1 of 1 | 1 of 1 |" in md
+    assert "## Start from a bundle" in md and "## First ETA" in md
     assert "## Tracing overhead" in md and "Never add an aggregate" in md
     write_reports(result)
     data = json.loads((tmp_path / "out" / "startup.json").read_text())
-    assert [r["mode"] for r in data["runs"]] == ["cold", "warm", "otlp_off", "otlp_on"]
+    assert [r["mode"] for r in data["runs"]] == ["cold", "warm", "bundle", "cold_after_warm", "otlp_off", "otlp_on"]
+    assert data["bundle"]["ratio_worst"] == figures["ratio_worst"]
     assert data["tracing_overhead"]["runs"] == 1
     assert (tmp_path / "out" / "startup_phases.png").read_bytes()[:4] == b"\x89PNG"
 
