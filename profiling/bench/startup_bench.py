@@ -33,7 +33,8 @@ from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, failure_reason, run_
 from .stats import PERCENTILE_METHOD, Summary, summarize
 from .tables import Cell, Missing, fmt_num, markdown_table
 
-Mode = Literal["cold", "warm", "bundle", "cold_after_warm", "otlp_off", "otlp_on"]
+Mode = Literal["cold", "warm", "bundle", "bundle_isa_capped", "cold_after_warm", "otlp_off", "otlp_on"]
+EXTRA_MODES: tuple[Mode, ...] = ("bundle", "bundle_isa_capped", "cold_after_warm")  # bundle and ETA runs
 MODES: tuple[Mode, ...] = ("cold", "warm")  # the phase statistics (with "bundle" when it ran: `modes`)
 TRACING_MODES: tuple[Mode, ...] = ("otlp_off", "otlp_on")  # the tracing-overhead comparison
 TRACING_TARGET = 0.01  # the issue's target: exporting spans costs at most 1% of the time to READY
@@ -64,6 +65,10 @@ class StartupBenchConfig(BenchEngineFields):
     compare_to: Path | None = Field(
         None, description="A previous run's startup.json: adds startup_before_after.png, the median phases of its "
         "cold and warm starts beside this run's (and this run's bundle start).",
+    )
+    bundle_isa_cap: str | None = Field(
+        None, description="Also one start from the bundle under GLOWPLUG_MAX_CPU_ISA=this level (e.g. avx2), into an "
+        "empty cache dir: which entries it rebuilds, and what their rows say.",
     )
     bundle: bool = Field(
         True, description="Also make a bundle and run N starts from it, each into an empty cache dir, paired with "
@@ -122,8 +127,7 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
     out = prepare_out_dir(cfg.out_dir)
     root = Path(tempfile.mkdtemp(prefix="glowplug-startup-bench-"))
     args = cfg.startup_args()
-    runs: dict[Mode, list[StartupRun]] = {m: [] for m in ("cold", "warm", "bundle", "cold_after_warm", "otlp_off",
-                                                           "otlp_on")}  # fmt: skip
+    runs: dict[Mode, list[StartupRun]] = {m: [] for m in (*MODES, *EXTRA_MODES, *TRACING_MODES)}
     warm_dir: Path | None = None
     made: BundleMade | None = None
     bundle_file = root / "bench.glowplug"
@@ -157,6 +161,15 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
                 runs["bundle"].append(run_startup(f"bundle {i}", ["--bundle", str(bundle_file), *args],
                                                   out / f"bundle-{i}.json", cache_dir=fresh, timeout_s=cfg.timeout_s))
                 shutil.rmtree(fresh, ignore_errors=True)
+        if made is not None and made.error is None and cfg.bundle_isa_cap:
+            import os
+
+            fresh = root / "bundle-capped"
+            say(f"start from the bundle under GLOWPLUG_MAX_CPU_ISA={cfg.bundle_isa_cap} (empty cache {fresh})")
+            runs["bundle_isa_capped"].append(run_startup(
+                f"bundle, GLOWPLUG_MAX_CPU_ISA={cfg.bundle_isa_cap}", ["--bundle", str(bundle_file), *args],
+                out / "bundle-isa-capped.json", cache_dir=fresh, timeout_s=cfg.timeout_s,
+                env={**os.environ, "GLOWPLUG_MAX_CPU_ISA": cfg.bundle_isa_cap}))  # fmt: skip
         if cfg.bundle and warm_dir is not None:
             emptied = root / "cold-after-warm"
             shutil.copytree(warm_dir / "startup_profile", emptied / "startup_profile")
@@ -379,7 +392,7 @@ def _tracing_text(result: StartupBenchResult) -> str:
 
 def _runs_table(result: StartupBenchResult) -> str:
     rows: list[list[Cell]] = []
-    for mode in (*MODES, "bundle", "cold_after_warm", *TRACING_MODES):
+    for mode in (*MODES, *EXTRA_MODES, *TRACING_MODES):
         for run in result.runs.get(mode, []):
             if not run.ok:
                 failed = Missing("start failed")
@@ -441,9 +454,27 @@ def _bundle_text(result: StartupBenchResult) -> str:
                      f"({', '.join(f'{r:.3f}' for r in f['pair_ratios'])})",
                      f"worst <= {BUNDLE_START_TARGET:.1f}x", verdict(f["ratio_pass"])])  # fmt: skip
     table = markdown_table(["Target", "Measured", "Target", "Verdict"], rows, ["l", "l", "l", "l"])
-    return ("One `glowplug bundle create` with the same flags (a cold and a warm start in a private cache dir, "
+    text = ("One `glowplug bundle create` with the same flags (a cold and a warm start in a private cache dir, "
             "then the packing), then each start from the bundle goes into an empty cache dir right after warm "
             f"start i, and is divided by it.\n\n{table}")
+    capped = result.runs.get("bundle_isa_capped", [])
+    if capped:
+        text += "\n\n" + _capped_text(capped[0])
+    return text
+
+
+def _capped_text(run: StartupRun) -> str:
+    """The ISA-capped start from the bundle: each cache row, hit or rebuilt, with its note."""
+    if not run.ok:
+        return f"Start from the bundle, {run.label}: failed: {run.error}"
+    rows: list[list[Cell]] = []
+    for row, hit in run.cache_hits().items():
+        notes = run.report.get("notes", {}).get(row) or [run.reasons.get(row) or ""]
+        rows.append([row, "hit" if hit else "**rebuilt**", " ".join(str(n) for n in notes)])
+    install = run.report.get("notes", {}).get("bundle_install", [""])
+    table = markdown_table(["Row", "Cache", "Note"], rows, ["l", "l", "l"])
+    return (f"Start from the bundle, {run.label}, into an empty cache dir: READY in "
+            f"{run.phases.get(READY_ROW) or 0:.2f} s. bundle_install: {' '.join(map(str, install))}\n\n{table}")
 
 
 def eta_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
@@ -525,7 +556,7 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
     parts += [hits_table, ""]
     parts += ["## Tracing overhead", "", _tracing_text(result), ""]
     parts += ["## Runs", "", _runs_table(result), ""]
-    failed = [r for m in (*MODES, "bundle", "cold_after_warm", *TRACING_MODES) for r in result.runs.get(m, [])
+    failed = [r for m in (*MODES, *EXTRA_MODES, *TRACING_MODES) for r in result.runs.get(m, [])
               if not r.ok]  # fmt: skip
     if failed:
         parts += ["Failures in full:", ""] + [f"- {r.label}: {r.error}" for r in failed] + [""]
@@ -554,7 +585,7 @@ def result_dict(result: StartupBenchResult) -> dict[str, Any]:
         "runs": [
             {"mode": m, "label": r.label, "ok": r.ok, "returncode": r.returncode, "wall_s": r.wall_s, "error": r.error,
              "phases": r.phases, "reasons": r.reasons, "cache_hits": r.cache_hits()}
-            for m in (*MODES, "bundle", "cold_after_warm", *TRACING_MODES) for r in result.runs.get(m, [])
+            for m in (*MODES, *EXTRA_MODES, *TRACING_MODES) for r in result.runs.get(m, [])
         ],  # fmt: skip
     }
 
@@ -615,7 +646,7 @@ def main(cfg: StartupBenchConfig, argv: list[str] | None = None) -> int:
     paths = write_reports(result, argv)
     print(render_markdown(result, argv))  # plain Markdown: a terminal-fitted table would truncate numbers
     err.print("wrote " + ", ".join(map(str, paths)), markup=False)
-    every = (*MODES, "bundle", "cold_after_warm", *TRACING_MODES)
+    every = (*MODES, *EXTRA_MODES, *TRACING_MODES)
     return 0 if all(r.ok for m in every for r in result.runs.get(m, [])) else 1
 
 
