@@ -142,12 +142,13 @@ def is_barrier(stage: Stage) -> bool:
     return barrier
 
 
-# Below this many usable cores, CPU-bound stages run one after another instead of side by side. Each of them (the
-# Dynamo trace, the Inductor compile, the measured KV profile's forward) alone keeps 2 cores busy (torch's intra-op
-# threads, Inductor's compile workers), so on the 2-core box running two at once only shares the cores: measured cold
-# starts there (ARCHITECTURE.md, "The start-up pipeline") were slower overlapped than one after the other. With 4 or
-# more cores a second stage finds cores of its own, and overlapping them is what saves time.
-SERIAL_CPU_BOUND_BELOW_CORES: Final = 4
+# Below this many usable cores, CPU-bound stages run one after another instead of side by side. 2, so only a single
+# core serializes them: there, two such stages can only share it. On the 2-core AMD EPYC, cold default-model starts
+# with a measured KV profile beside the compile were not slower than with it after the compile (READY minus the
+# load_weights row, which disk stalls from other jobs inflated: median 36.3 s overlapped vs 39.6 s one after the
+# other over 5 interleaved pairs; the quietest pair 16.3 s vs 18.5 s): the compile leaves part of the second core
+# idle (Dynamo and Inductor's code generation are single-threaded Python), which the profile's forward fills.
+SERIAL_CPU_BOUND_BELOW_CORES: Final = 2
 
 
 def usable_cores() -> int:
@@ -187,11 +188,12 @@ def plan_concurrency(stages: Sequence[Stage], config: Any, cores: int | None = N
     """The decision for this pipeline under `config` on `cores` usable cores (default: this process's)."""
     cores = usable_cores() if cores is None else cores
     heavy = tuple(s.name for s in stages if is_cpu_bound(s, config))
+    have = f"{cores} usable core{'' if cores == 1 else 's'}"
     if cores >= SERIAL_CPU_BOUND_BELOW_CORES:
-        return Concurrency(cores, (), f"{cores} usable cores: CPU-bound stages may run side by side")
+        return Concurrency(cores, (), f"{have}: CPU-bound stages may run side by side")
     if len(heavy) < 2:
-        return Concurrency(cores, (), f"{cores} usable cores: at most one CPU-bound stage ({_names(heavy)})")
-    return Concurrency(cores, heavy, f"{cores} usable cores (under {SERIAL_CPU_BOUND_BELOW_CORES}): CPU-bound "
+        return Concurrency(cores, (), f"{have}: at most one CPU-bound stage ({_names(heavy)})")
+    return Concurrency(cores, heavy, f"{have} (under {SERIAL_CPU_BOUND_BELOW_CORES}): CPU-bound "
                                      f"stages run one after another ({' -> '.join(heavy)})")  # fmt: skip
 
 
