@@ -145,8 +145,8 @@ def is_barrier(stage: Stage) -> bool:
 # Below this many usable cores, CPU-bound stages run one after another instead of side by side. 2, so only a single
 # core serializes them: there, two such stages can only share it. On the 2-core AMD EPYC, cold default-model starts
 # with a measured KV profile beside the compile were not slower than with it after the compile (READY minus the
-# load_weights row, which disk stalls from other jobs inflated: median 36.3 s overlapped vs 39.6 s one after the
-# other over 5 interleaved pairs; the quietest pair 16.3 s vs 18.5 s): the compile leaves part of the second core
+# load_weights row, which disk stalls from other jobs inflated: median 36.7 s overlapped vs 44.5 s one after the
+# other over 6 interleaved pairs; the quietest pair 16.3 s vs 18.5 s): the compile leaves part of the second core
 # idle (Dynamo and Inductor's code generation are single-threaded Python), which the profile's forward fills.
 SERIAL_CPU_BOUND_BELOW_CORES: Final = 2
 
