@@ -69,7 +69,8 @@ def test_stage_uses_the_analytic_peak_on_the_cpu_and_says_so(tiny_dir, tmp_path:
     result = build_engine(EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off"), tracing=tracing,
                           cache_dir=tmp_path)  # fmt: skip
     span = _kv_span(tracing)
-    assert span.attributes[ATTR_KV_PROFILE] == "analytic" and span.attributes["glowplug.memory_method"] == "analytic_shapes"
+    assert span.attributes[ATTR_KV_PROFILE] == "analytic"
+    assert span.attributes["glowplug.memory_method"] == "analytic_shapes"
     assert result.phase_table["kv_cache_profiling"].notes == (ANALYTIC_NOTE,)
     assert Attr.CACHE_HIT not in span.attributes  # nothing cached: recomputing is cheaper than a lookup
     # The measured mode sizes the cache from the same bytes, through the kv_profile cache.
