@@ -17,6 +17,7 @@ from glowplug.base.units import ByteSize
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 Quantization = Literal["none", "int8", "int4", "int2", "w8a8"]
 KVCacheDType = Literal["auto", "int8"]
+KVProfile = Literal["analytic", "measure"]
 OnOff = Literal["on", "off"]
 CompileMode = Literal["auto", "on", "off"]
 
@@ -75,6 +76,12 @@ class CacheConfig(FrozenModel):
     )
     memory_utilization: float = Field(
         0.9, gt=0.0, le=1.0, description="Fraction of device memory the engine may use in total."
+    )
+    kv_profile: KVProfile = Field(
+        "analytic",
+        description="How the KV budget learns the activation peak: analytic = from the model's shapes (the CPU; "
+        "the same bytes as a measured forward, in milliseconds), measure = run one forward of "
+        "max-num-batched-tokens and measure it (always on CUDA, and where the analytic peak does not apply).",
     )
 
     @field_validator("block_size")

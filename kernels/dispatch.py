@@ -191,32 +191,54 @@ class Dispatcher:
         n, k = w.shape
         dev = w.qweight.device.type
         group = getattr(w, "group_size", None)
-        valid = self.valid_paths(w)
-        if paths is None:
-            # What the table can reach plus the first valid fallback, so a rule whose path is invalid for this
-            # shape still lands on a prepared path; nothing else is built (kernel layouts cost memory).
-            wanted = self.table.reachable(dev, w.kind, group, n, k)
-            wanted += [next(p for p in (*_FALLBACKS.get(dev, ()), "reference") if p in valid)]
-        else:
-            wanted = list(paths)
+        names = self._prepared_names(w, paths)
         registry = kernel_paths()
-        names = [name for name in dict.fromkeys(wanted) if name in valid] or ["reference"]
         # The path objects travel with the runtime so the per-call code never touches the lru_cache'd registry
         # (which torch.compile would re-trace on every call).
         return Runtime(w.kind, group, n, k, w.qweight.device, {name: registry[name].prepare(w) for name in names},
                        {name: registry[name] for name in names}, self.table_version)
 
+    def _prepared_names(self, w: PackedWeight, paths: Iterable[str] | None) -> list[str]:
+        """The paths `prepare` builds for `w`, in preference order."""
+        n, k = w.shape
+        dev = w.qweight.device.type
+        valid = self.valid_paths(w)
+        if paths is None:
+            # What the table can reach plus the first valid fallback, so a rule whose path is invalid for this
+            # shape still lands on a prepared path; nothing else is built (kernel layouts cost memory).
+            wanted = self.table.reachable(dev, w.kind, getattr(w, "group_size", None), n, k)
+            wanted += [next(p for p in (*_FALLBACKS.get(dev, ()), "reference") if p in valid)]
+        else:
+            wanted = list(paths)
+        return [name for name in dict.fromkeys(wanted) if name in valid] or ["reference"]
+
+    def _pick(self, device_type: str, kind: str, group_size: int | None, n: int, k: int, m: int,
+              prepared: dict[str, KernelPath]) -> str | None:  # fmt: skip
+        for name in self.table.lookup(device_type, kind, group_size, n, k, m):
+            path = prepared.get(name)
+            if path is not None and (path.max_m is None or m <= path.max_m):
+                return name
+        return None
+
     def choose(self, rt: Runtime, m: int) -> str:
         cached = rt.choice.get(m)
         if cached is not None:
             return cached
-        for name in self.table.lookup(rt.device.type, rt.kind, rt.group_size, rt.n, rt.k, m):
-            path = rt.paths.get(name)
-            if path is not None and (path.max_m is None or m <= path.max_m):
-                if not torch.compiler.is_compiling():
-                    rt.choice[m] = name
-                return name
-        return next(iter(rt.states))
+        name = self._pick(rt.device.type, rt.kind, rt.group_size, rt.n, rt.k, m, rt.paths)
+        if name is None:
+            return next(iter(rt.states))
+        if not torch.compiler.is_compiling():
+            rt.choice[m] = name
+        return name
+
+    def plan(self, w: PackedWeight, m: int) -> str:
+        """The path `linear` takes for `w` at m rows once `prepare(w)` ran, without preparing anything (the
+        activation peak from shapes, engine/activation_peak.py, needs it before the first call)."""
+        registry = kernel_paths()
+        prepared = {name: registry[name] for name in self._prepared_names(w, None)}
+        n, k = w.shape
+        picked = self._pick(w.qweight.device.type, w.kind, getattr(w, "group_size", None), n, k, m, prepared)
+        return picked if picked is not None else next(iter(prepared))
 
     def run_path(self, name: str, x: Tensor, rt: Runtime) -> Tensor:
         return rt.paths[name].run(x, rt.states[name], self.workspace)

@@ -120,6 +120,11 @@ class Attr:
     CACHE_ACTION: Final = "glowplug.cache_action"
     # The stages a stage waited for (its declared dependencies in the pipeline): the critical path comes from these.
     WAITS_FOR: Final = "glowplug.waits_for"  # list[str]
+    # On the start-up span: whether CPU-bound stages may overlap on this machine, and why; the cores it decided on.
+    STAGE_CONCURRENCY: Final = "glowplug.stage_concurrency"
+    USABLE_CORES: Final = "glowplug.usable_cores"
+    # On a stage that waits for a CPU-bound stage only because the cores are few (not for a slot it needs): which.
+    SCHEDULING: Final = "glowplug.scheduling"
     # OpenTelemetry's semantic-convention keys for the thread a span ran on (one trace-viewer lane per thread).
     THREAD_NAME: Final = "thread.name"
     THREAD_ID: Final = "thread.id"

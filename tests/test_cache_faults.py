@@ -31,7 +31,8 @@ from glowplug.profiling.names import Attr
 CACHES = ("model", "quant", "kv_profile", "startup_profile", "kernel_dispatch")
 # One config exercises all five: a .gguf model (model cache), int8 (quant + kernel dispatch), the KV profile and
 # the start-up profile every start has.
-CONFIG = {"quantization": "int8", "compile": "off", "max_num_seqs": 4}
+# kv_profile measure: the KV profile is one of the caches under test (the analytic default uses none).
+CONFIG = {"quantization": "int8", "compile": "off", "max_num_seqs": 4, "kv_profile": "measure"}
 # The stage that reads each cache (the start-up profile is written after the last stage, under the root span).
 READER = {"model": "model_prepare", "quant": "quantize_weights", "kv_profile": "kv_cache_profiling",
           "startup_profile": "glowplug.startup", "kernel_dispatch": "model_init",

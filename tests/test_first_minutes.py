@@ -103,7 +103,9 @@ def test_progress_lines_when_piped(tiny_dir, tmp_path: Path) -> None:
     """Piped: plain lines on stderr, one per stage start and end, with the time and the cache outcome; a second
     start of the same config has an ETA per stage; --quiet prints none of it; stdout holds only the table."""
     cache = tmp_path / "cache"
-    first, _ = _run("startup", str(tiny_dir("llama")), "--compile", "off", cache=cache, timeout=300)
+    # --kv-profile measure: the KV profile's cache gives a row whose outcome changes between the two starts.
+    first, _ = _run("startup", str(tiny_dir("llama")), "--compile", "off", "--kv-profile", "measure", cache=cache,
+                    timeout=300)
     assert first.returncode == 0, first.stderr
     err = first.stderr.splitlines()
     assert err[0] == f"glowplug: starting {tiny_dir('llama')}: importing torch and the engine..."
@@ -112,7 +114,8 @@ def test_progress_lines_when_piped(tiny_dir, tmp_path: Path) -> None:
     assert done.endswith("(cache miss: first start for this model)")
     assert "glowplug: graph_compile: skipped (--compile off)" in err
     assert "starting" not in first.stdout and "glowplug start-up phases" in first.stdout
-    second, _ = _run("startup", str(tiny_dir("llama")), "--compile", "off", cache=cache, timeout=300)
+    second, _ = _run("startup", str(tiny_dir("llama")), "--compile", "off", "--kv-profile", "measure", cache=cache,
+                     timeout=300)
     assert second.returncode == 0, second.stderr
     # The ETA says where it comes from: the cold first start predicts the phases whose cache did the same (the
     # KV profile now hits, so that one is left out and named).
@@ -121,7 +124,8 @@ def test_progress_lines_when_piped(tiny_dir, tmp_path: Path) -> None:
     assert any(re.fullmatch(r"glowplug: warmup: warming up\.\.\. \((about \d+ s|under a second)\)", ln)
                for ln in second.stderr.splitlines()), second.stderr  # fmt: skip
     assert "glowplug: kv_cache_profiling: done in" in second.stderr and "(cache hit)" in second.stderr
-    quiet, _ = _run("startup", str(tiny_dir("llama")), "--compile", "off", "--quiet", cache=cache, timeout=300)
+    quiet, _ = _run("startup", str(tiny_dir("llama")), "--compile", "off", "--kv-profile", "measure", "--quiet",
+                    cache=cache, timeout=300)
     assert quiet.returncode == 0 and not [ln for ln in quiet.stderr.splitlines() if ln != "glowplug: READY"]
 
 

@@ -121,8 +121,9 @@ def test_pattern_of_a_start_before_and_after_it_ran(tiny_dir, tmp_path: Path) ->
     from glowplug.engine.startup import build_engine, plan_start, probe_cache_pattern
 
     cache = tmp_path / "cache"
-    config = EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off")
-    # A local folder is no model cache entry, --compile off uses neither the native nor the compile cache.
+    config = EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off", kv_profile="measure")
+    # A local folder is no model cache entry, --compile off uses neither the native nor the compile cache, and the
+    # analytic KV peak no cache at all (hence a measured one here).
     assert probe_cache_pattern(config, cache) == {"kv_profile": MISS}
     first = plan_start(config, cache)
     assert first.estimate is None and first.basis.startswith("first start of this model")
@@ -167,7 +168,8 @@ def test_a_probe_that_cannot_tell_is_unknown_or_a_miss_on_an_empty_cache(tiny_di
 
 def _startup(model: Path, cache: Path, report: Path) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "glowplug.cli", "startup", str(model), "--compile", "off",
-                           "--quiet", "--report-out", str(report)], capture_output=True, text=True, timeout=300,
+                           "--kv-profile", "measure", "--quiet", "--report-out", str(report)], capture_output=True,
+                          text=True, timeout=300,
                           env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache)})  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     data = json.loads(report.read_text())

@@ -19,6 +19,13 @@ that must run alone sets `barrier = True`: it waits for everything before it and
 it (its view still holds it to its declarations). No engine stage is one; test harnesses that pace a start-up one
 stage at a time are.
 
+Few cores: a stage whose `cpu_bound(config)` says it keeps every core busy (the Dynamo trace, the Inductor compile,
+a measured KV profile) does not run beside another such stage when the process may use fewer than
+`SERIAL_CPU_BOUND_BELOW_CORES` cores (`os.sched_getaffinity`): each then waits for the CPU-bound stage before it in
+list order as well, so the overlap is never two stages sharing two cores. The decision and its reason are on the
+start-up span (`glowplug.stage_concurrency`, `glowplug.usable_cores`) and, on each stage it delayed, which stage it
+now waits for (`glowplug.scheduling`); the extra wait is in `glowplug.waits_for`, so the critical path includes it.
+
 Failure: the first stage in pipeline order among those that failed is the one reported (so two stages failing at
 once always give the same answer); no stage starts after a failure, and the ones already running are joined
 before `StartupFailed` is raised, so no thread outlives the start-up.
@@ -29,12 +36,13 @@ from __future__ import annotations
 import contextvars
 import difflib
 import inspect
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields as dataclass_fields
-from typing import Any, ClassVar, Protocol, cast, runtime_checkable
+from typing import Any, ClassVar, Final, Protocol, cast, runtime_checkable
 
 import structlog
 from opentelemetry import trace
@@ -101,6 +109,8 @@ class Stage(Protocol):
         skipped) writes each of them, unless a comment at the declaration names the path that writes it; one that
         changes a slot's object in place stores it back, so the write is what the contract and the schedule see.
     An optional `barrier = True` makes the stage run alone (see the module docstring).
+    An optional `cpu_bound(config) -> bool` says the stage keeps every core busy under that config; with few cores
+    such stages run one at a time (see the module docstring).
     `run` gets a ContextView of the context, which has the context's attributes.
     """
 
@@ -132,6 +142,61 @@ def is_barrier(stage: Stage) -> bool:
     return barrier
 
 
+# Below this many usable cores, CPU-bound stages run one after another instead of side by side. 2, so only a single
+# core serializes them: there, two such stages can only share it. On the 2-core AMD EPYC, cold default-model starts
+# with a measured KV profile beside the compile were not slower than with it after the compile (READY minus the
+# load_weights row, which disk stalls from other jobs inflated: median 36.7 s overlapped vs 44.5 s one after the
+# other over 6 interleaved pairs; the quietest pair 16.3 s vs 18.5 s): the compile leaves part of the second core
+# idle (Dynamo and Inductor's code generation are single-threaded Python), which the profile's forward fills.
+SERIAL_CPU_BOUND_BELOW_CORES: Final = 2
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, which a container's cpuset narrows), else the CPU
+    count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no sched_getaffinity (macOS, Windows)
+        return os.cpu_count() or 1
+
+
+def is_cpu_bound(stage: Stage, config: Any) -> bool:
+    """The stage's `cpu_bound(config)` where it declares one; False otherwise."""
+    probe = getattr(stage, "cpu_bound", None)
+    if probe is None:
+        return False
+    verdict = probe(config)
+    if not isinstance(verdict, bool):
+        raise StageContractError(f"stage {stage.name!r}: `cpu_bound(config)` must return True or False, not "
+                                 f"{verdict!r}")  # fmt: skip
+    return verdict
+
+
+@dataclass(frozen=True)
+class Concurrency:
+    """Whether CPU-bound stages may run side by side on this machine, and why (see the module docstring).
+
+    serial: the CPU-bound stages, in list order, that run one after another (empty when they may overlap).
+    """
+
+    cores: int
+    serial: tuple[str, ...]
+    reason: str
+
+
+def plan_concurrency(stages: Sequence[Stage], config: Any, cores: int | None = None) -> Concurrency:
+    """The decision for this pipeline under `config` on `cores` usable cores (default: this process's)."""
+    cores = usable_cores() if cores is None else cores
+    heavy = tuple(s.name for s in stages if is_cpu_bound(s, config))
+    have = f"{cores} usable core{'' if cores == 1 else 's'}"
+    if cores >= SERIAL_CPU_BOUND_BELOW_CORES:
+        return Concurrency(cores, (), f"{have}: CPU-bound stages may run side by side")
+    if len(heavy) < 2:
+        return Concurrency(cores, (), f"{have}: at most one CPU-bound stage ({_names(heavy)})")
+    return Concurrency(cores, heavy, f"{have} (under {SERIAL_CPU_BOUND_BELOW_CORES}): CPU-bound "
+                                     f"stages run one after another ({' -> '.join(heavy)})")  # fmt: skip
+
+
 def check_pipeline(stages: Sequence[Stage], context_type: type[StartupContext]) -> None:
     """Before anything runs: unique names, and every stage's declarations naming slots of `context_type`."""
     _check_names(stages)
@@ -156,9 +221,12 @@ def _names(names: Sequence[str] | frozenset[str]) -> str:
     return ", ".join(sorted(names) if isinstance(names, frozenset) else names) or "none"
 
 
-def stage_dependencies(stages: Sequence[Stage]) -> dict[str, tuple[str, ...]]:
-    """stage name -> the names of the earlier stages it must wait for (see the module docstring)."""
+def stage_dependencies(stages: Sequence[Stage], serial: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
+    """stage name -> the names of the earlier stages it must wait for (see the module docstring).
+
+    serial: stages that run one after another (Concurrency.serial): each also waits for the one before it there."""
     deps: dict[str, tuple[str, ...]] = {}
+    previous_serial: str | None = None
     last_provider: dict[str, str] = {}
     barrier: str | None = None
     since_barrier: list[str] = []
@@ -173,6 +241,10 @@ def stage_dependencies(stages: Sequence[Stage]) -> dict[str, tuple[str, ...]]:
         wanted = [last_provider[slot] for slot in (*needs, *provides) if slot in last_provider]
         if barrier is not None:
             wanted.append(barrier)
+        if stage.name in serial:
+            if previous_serial is not None:
+                wanted.append(previous_serial)
+            previous_serial = stage.name
         deps[stage.name] = tuple(dict.fromkeys(wanted))
         for slot in provides:
             last_provider[slot] = stage.name
@@ -295,7 +367,8 @@ def _check_names(stages: Sequence[Stage]) -> None:
 
 
 def _run_one(
-    stage: Stage, ctx: StartupContext, tracer: Tracer, parent: Span, clock: Clock, waits_for: Sequence[str] = ()
+    stage: Stage, ctx: StartupContext, tracer: Tracer, parent: Span, clock: Clock, waits_for: Sequence[str] = (),
+    scheduling: str | None = None,
 ) -> StageResult:
     log = structlog.get_logger("glowplug.startup")
     span_name = stage_span_name(stage.name)
@@ -310,6 +383,8 @@ def _run_one(
         attributes={Attr.STAGE: stage.name, Attr.WAITS_FOR: list(waits_for), Attr.THREAD_NAME: thread.name,
                     Attr.THREAD_ID: thread.native_id or 0},  # fmt: skip
     )
+    if scheduling is not None:
+        span.set_attribute(Attr.SCHEDULING, scheduling)
     needs, provides = declarations(stage)
     view = ContextView(ctx, stage.name, needs, provides)
     # Current for the stage's duration so the stage's own log lines and child spans hang off it.
@@ -380,6 +455,7 @@ def run_stages(
     when a declaration is missing or names no slot of `ctx` (see check_pipeline).
     """
     check_pipeline(stages, type(ctx))
+    concurrency = plan_concurrency(stages, ctx.config)  # before the root span: a bad declaration opens nothing
     clock = clock or Clock()
     own_root = parent is None
     root = (
@@ -388,8 +464,9 @@ def run_stages(
         else parent
     )
     root.set_attribute(Attr.THREAD_NAME, threading.current_thread().name)
+    root.set_attributes({Attr.STAGE_CONCURRENCY: concurrency.reason, Attr.USABLE_CORES: concurrency.cores})
     try:
-        results = _schedule(stages, ctx, tracer, root, clock, on_phase)
+        results = _schedule(stages, ctx, tracer, root, clock, on_phase, concurrency)
     except StartupFailed as failed:
         if own_root:
             root.set_status(Status(StatusCode.ERROR, str(failed)))
@@ -411,10 +488,18 @@ def _schedule(
     root: Span,
     clock: Clock,
     on_phase: Callable[[str], None] | None,
+    concurrency: Concurrency,
 ) -> list[StageResult]:
     """Start every stage whose dependencies are done; one of the ready stages runs on this thread (a sequential
     pipeline then never leaves it, and Ctrl-C lands where it always did), the others on threads of their own."""
-    deps = stage_dependencies(stages)
+    deps = stage_dependencies(stages, concurrency.serial)
+    declared = stage_dependencies(stages)
+    # The waits the few cores added (not implied by a needed slot): said on the span of the stage that waits.
+    scheduling = {
+        name: f"runs after {', '.join(added)}, not beside it: {concurrency.reason}"
+        for name in deps
+        if (added := [d for d in deps[name] if d not in declared[name]])
+    }
     pending = list(stages)
     done: dict[str, StageResult] = {}
     errors: dict[str, BaseException] = {}
@@ -424,7 +509,7 @@ def _schedule(
     def run(stage: Stage) -> StageResult:
         if on_phase is not None:
             on_phase(stage.name)
-        return _run_one(stage, ctx, tracer, root, clock, deps[stage.name])
+        return _run_one(stage, ctx, tracer, root, clock, deps[stage.name], scheduling.get(stage.name))
 
     def on_thread(stage: Stage) -> None:
         try:

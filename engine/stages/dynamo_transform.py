@@ -21,6 +21,7 @@ from glowplug.base.errors import one_line
 from ..kv_cache import KVCache
 from ..model_runner import dummy_decode_batch
 from ..start_estimate import HIT, MISS
+from ..config import EngineConfig
 from .base import StageReport
 from .context import EngineContext
 
@@ -110,6 +111,11 @@ class DynamoTransform:
     needs: tuple[str, ...] = ("model", "native", "arch", "dtype")
     provides: tuple[str, ...] = ("traced", "compile_cache", "compile_fallback")
     caches: tuple[str, ...] = ("compile",)
+
+    def cpu_bound(self, config: EngineConfig) -> bool:
+        """A cold trace or compile keeps every core busy (engine/stages/base.py runs such stages one at a time on
+        few cores); a warm start's load is short, so holding a stage back behind it costs little."""
+        return config.compile_enabled()
 
     def cache_probe(self, ctx: EngineContext) -> dict[str, str]:
         """For the ETA: whether the compiled step of this configuration is stored (graph_compile's time depends

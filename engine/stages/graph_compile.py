@@ -29,6 +29,7 @@ from ..compile_replay import ReplayPlan, check_fingerprint, make_plan
 from ..kv_cache import KVCache
 from glowplug.base.errors import one_line
 
+from ..config import EngineConfig
 from .base import StageReport
 from .context import EngineContext
 from .dynamo_transform import fall_back_to_eager, inductor_settings, scratch_cache, skipped_reason, trace
@@ -63,6 +64,11 @@ class GraphCompile:
     provides: tuple[str, ...] = ("decode_fn", "traced", "compile_fallback")
     # Its time depends on the compile entry, whose factors dynamo_transform owns (and probes, for the ETA).
     caches: tuple[str, ...] = ("compile",)
+
+    def cpu_bound(self, config: EngineConfig) -> bool:
+        """A cold trace or compile keeps every core busy (engine/stages/base.py runs such stages one at a time on
+        few cores); a warm start's load is short, so holding a stage back behind it costs little."""
+        return config.compile_enabled()
 
     def run(self, ctx: EngineContext) -> StageReport:
         reason = skipped_reason(ctx, ctx.compile_fallback)

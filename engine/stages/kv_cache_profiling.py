@@ -1,11 +1,19 @@
-"""Measure the activation peak of one forward at max_num_batched_tokens and size the KV cache from the budget.
+"""The activation peak of one forward at max_num_batched_tokens, and the KV cache sized from the budget.
 
-CUDA: torch's allocator peak. CPU: the peak of live tensor bytes the forward created (profiling/memory.py
-LiveTensorPeak), which sees memory the allocator reuses; an RSS high-water mark does not, and read 10 to 109 MB for
-the same forward depending on the process's heap history. On the CPU the budget's "device memory" is the RAM still available after the weights
-were loaded, so the weights are not subtracted a second time. The measured peak is an artifact-store entry (cache
-`kv_profile`): a warm start reads it and skips the dummy run. It does not depend on max_model_len or the KV-cache
-settings (the forward runs without a KV cache), so changing those re-plans the cache without re-profiling.
+Two ways to the peak (`--kv-profile`):
+- analytic (the default on the CPU): engine/activation_peak.py replays the forward's allocations from the model's
+  shapes, in milliseconds, and is exactly the bytes the measured forward reports on every configuration its test
+  covers. The measured forward cost 7.7 s of a 16.4 s cold start on the 2-core box (beside the compile, whose cores
+  it shared), for a number that shapes alone decide. Nothing is cached: recomputing is cheaper than a cache lookup.
+  Where it does not apply (CUDA, w8a8, a kernel path it does not mirror) the stage measures, and its row says why.
+- measure: run the forward. CUDA: torch's allocator peak, as vLLM does. CPU: the peak of live tensor bytes the
+  forward created (profiling/memory.py LiveTensorPeak), which sees memory the allocator reuses; an RSS high-water
+  mark does not, and read 10 to 109 MB for the same forward depending on the process's heap history.
+
+On the CPU the budget's "device memory" is the RAM still available after the weights were loaded, so the weights
+are not subtracted a second time. A measured peak is an artifact-store entry (cache `kv_profile`): a warm start
+reads it and skips the dummy run. It does not depend on max_model_len or the KV-cache settings (the forward runs
+without a KV cache), so changing those re-plans the cache without re-profiling.
 
 The forward's size: max_num_batched_tokens tokens (capped by the model's max_position_embeddings, part of the
 model config), and logits for min(max_num_seqs, tokens) rows (a prefill batch has at most one sampled row per
@@ -24,7 +32,10 @@ from ...profiling.memory import LiveTensorPeak, PeakMemory
 from ...profiling.names import Attr
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import KV_PROFILE
+from ..activation_peak import AnalyticPeakUnsupported, activation_peak, analytic_unsupported
 from ..attention import AttentionMetadata
+from ..config import EngineConfig
+from ..models.arch import ModelArch
 from ..kv_sizing import plan_kv_cache
 from ..models.store import model_group
 from ..start_estimate import HIT, MISS
@@ -32,6 +43,9 @@ from .base import StageReport
 from .context import EngineContext
 
 PROFILE = "profile.json"
+ANALYTIC_NOTE = "analytic peak from shapes"
+ANALYTIC_METHOD = "analytic_shapes"
+ATTR_KV_PROFILE = "glowplug.kv_profile"  # "analytic" or "measured": which peak sized the cache
 
 
 class KVProfile(BaseModel):
@@ -59,13 +73,33 @@ def profile_factors(ctx: EngineContext) -> dict[str, Any]:
     }
 
 
-def _measure(ctx: EngineContext) -> KVProfile:
-    model = ctx.need(ctx.model, "the model", "model_init")
+def profile_batch(ctx: EngineContext) -> tuple[int, int]:
+    """(tokens, logits rows) of the profiled forward (see the module docstring)."""
     arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
     tokens = min(ctx.config.scheduler.max_num_batched_tokens, arch.max_position_embeddings)
+    return tokens, min(ctx.config.scheduler.max_num_seqs, tokens)
+
+
+def analytic_skipped(config: EngineConfig) -> str | None:
+    """Why this config's peak is measured rather than analytic, or None when the analytic peak is asked for and
+    applies as far as the config tells (the built model may still refuse: AnalyticPeakUnsupported)."""
+    if config.cache.kv_profile == "measure":
+        return "--kv-profile measure"
+    return analytic_unsupported(config)
+
+
+def _analytic(ctx: EngineContext) -> KVProfile:
+    model = ctx.need(ctx.model, "the model", "model_init")
+    tokens, rows = profile_batch(ctx)
+    return KVProfile(activation_peak_bytes=activation_peak(model, ctx.dtype, tokens, rows), method=ANALYTIC_METHOD,
+                     tokens=tokens)  # fmt: skip
+
+
+def _measure(ctx: EngineContext) -> KVProfile:
+    model = ctx.need(ctx.model, "the model", "model_init")
+    tokens, rows = profile_batch(ctx)
     ids = torch.zeros(tokens, dtype=torch.long, device=ctx.device)
     pos = torch.arange(tokens, device=ctx.device)
-    rows = min(ctx.config.scheduler.max_num_seqs, tokens)
 
     def forward() -> None:
         hidden = model(ids, pos, AttentionMetadata.causal([tokens]))
@@ -85,20 +119,40 @@ def _measure(ctx: EngineContext) -> KVProfile:
 
 class KVCacheProfiling:
     name = "kv_cache_profiling"
-    # Not the compile stages': the profiling forward runs eagerly and its tensor tracking is per thread, so it
-    # runs alongside Dynamo tracing and the Inductor compile.
+    # Not the compile stages': the profiling forward runs eagerly and its tensor tracking is per thread, so it may
+    # run alongside Dynamo tracing and the Inductor compile (with few cores a measured one runs after them instead:
+    # `cpu_bound`, engine/stages/base.py).
     # model_dir: the quantization group size it keys the profile on can come from the source GGUF.
     needs: tuple[str, ...] = ("model", "arch", "dtype", "weights_bytes", "model_dir")
     provides: tuple[str, ...] = ("kv_plan",)
     caches: tuple[str, ...] = ("kv_profile",)
 
+    def cpu_bound(self, config: EngineConfig) -> bool:
+        """A measured forward on the CPU keeps every core busy; the analytic peak takes milliseconds, and a GPU's
+        forward leaves the cores to the compile."""
+        return analytic_skipped(config) is not None and config.resolved_device() == "cpu"
+
     def cache_probe(self, ctx: EngineContext) -> dict[str, str]:
-        """For the ETA: whether the measured peak is stored (then the profiling forward is skipped)."""
+        """For the ETA: whether the measured peak is stored (then the profiling forward is skipped). The analytic
+        peak uses no cache, so its time does not depend on one."""
+        if analytic_skipped(ctx.config) is None:
+            return {}
         return {"kv_profile": HIT if ArtifactStore(ctx.cache_root).probe(KV_PROFILE, profile_factors(ctx)) else MISS}
 
     def run(self, ctx: EngineContext) -> StageReport:
         ctx.need(ctx.model, "the model", "model_init")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
+        why_measured = analytic_skipped(ctx.config)
+        if why_measured is None:
+            try:
+                profile = _analytic(ctx)
+            except AnalyticPeakUnsupported as exc:
+                why_measured = str(exc)
+            else:
+                return self._plan(ctx, arch, profile, {ATTR_KV_PROFILE: "analytic", Attr.ROW_NOTE: ANALYTIC_NOTE})
+        attrs: dict[str, object] = {ATTR_KV_PROFILE: "measured"}
+        if ctx.config.cache.kv_profile == "analytic":  # asked for, but it does not apply: the row says why
+            attrs[Attr.ROW_NOTE] = f"measured: {why_measured}"
 
         def build(folder: Path | None) -> KVProfile:
             profile = _measure(ctx)
@@ -110,7 +164,12 @@ class KVCacheProfiling:
             KV_PROFILE, profile_factors(ctx), group=model_group(ctx.config.model), build=build,
             load=lambda folder: KVProfile.model_validate_json((folder / PROFILE).read_text()),
         )  # fmt: skip
-        peak, method = fetched.value.activation_peak_bytes, fetched.value.method
+        # A hit still ran (it read the profile): its time is booked to the row, which the table notes "cache hit".
+        return self._plan(ctx, arch, fetched.value, {**attrs, **fetched.attributes()})
+
+    @staticmethod
+    def _plan(ctx: EngineContext, arch: ModelArch, profile: KVProfile, extra: dict[str, object]) -> StageReport:
+        peak, method = profile.activation_peak_bytes, profile.method
         weights = 0 if ctx.device == "cpu" else ctx.weights_bytes
         plan = plan_kv_cache(
             ctx.config, arch, model_dtype=ctx.dtype, device=ctx.device, weights_bytes=weights, activation_peak_bytes=peak
@@ -125,7 +184,6 @@ class KVCacheProfiling:
             Attr.MAX_MODEL_LEN: plan.max_model_len,
             "glowplug.kv_budget_bytes": plan.budget_bytes,
             "glowplug.kv_budget_source": plan.budget_source,
-            **fetched.attributes(),
+            **extra,
         }
-        # A hit still ran (it read the profile): its time is booked to the row, which the table notes "cache hit".
         return StageReport(attributes=attrs)

@@ -114,3 +114,59 @@ def test_first_failure_in_pipeline_order_wins_and_running_stages_are_joined(trac
     assert threading.active_count() == before
     names = {stage_from_span_name(s.name) for s in tracing.finished_spans()}
     assert "model_init" not in names  # nothing starts after a failure
+
+
+@dataclass
+class CpuBound(Declared):
+    """A Declared stage that says it keeps every core busy (the compile stages, a measured KV profile)."""
+
+    heavy: bool = True
+
+    def cpu_bound(self, config: object) -> bool:
+        return self.heavy
+
+
+def _heavy_pipeline() -> list[Declared]:
+    # model -> {compile, profile}: both CPU-bound and independent of each other, as graph_compile and a measured
+    # kv_cache_profiling are.
+    return [
+        Declared("model_init", 0.01, needs=(), provides=("model",)),
+        CpuBound("graph_compile", 0.15, needs=("model",), provides=("engine",)),
+        CpuBound("kv_cache_profiling", 0.15, needs=("model",), provides=("other",)),
+    ]
+
+
+@pytest.mark.parametrize("cores", [1, 8])
+def test_few_cores_run_cpu_bound_stages_one_after_another_and_say_so(tracing: Tracing, monkeypatch: pytest.MonkeyPatch,
+                                                                      cores: int) -> None:  # fmt: skip
+    import glowplug.engine.stages.base as base
+
+    monkeypatch.setattr(base, "usable_cores", lambda: cores)
+    run_stages(_heavy_pipeline(), FakeContext(), tracer=tracing.tracer())
+    spans = {s.name: s for s in tracing.finished_spans()}
+    root = spans[STARTUP_SPAN]
+    compile_, profile = (spans[f"{STARTUP_SPAN}.{n}"] for n in ("graph_compile", "kv_cache_profiling"))
+    assert root.attributes[Attr.USABLE_CORES] == cores
+    if cores < base.SERIAL_CPU_BOUND_BELOW_CORES:
+        assert root.attributes[Attr.STAGE_CONCURRENCY] == (
+            "1 usable core (under 2): CPU-bound stages run one after another (graph_compile -> kv_cache_profiling)")
+        assert profile.start_time >= compile_.end_time
+        # The extra wait is a dependency like any other (the critical path sees it), and the span says why.
+        assert list(profile.attributes[Attr.WAITS_FOR]) == ["model_init", "graph_compile"]
+        assert profile.attributes[Attr.SCHEDULING].startswith("runs after graph_compile, not beside it: 1 usable core")
+        assert Attr.SCHEDULING not in compile_.attributes
+    else:
+        assert root.attributes[Attr.STAGE_CONCURRENCY] == "8 usable cores: CPU-bound stages may run side by side"
+        assert profile.start_time < compile_.end_time and compile_.start_time < profile.end_time
+        assert list(profile.attributes[Attr.WAITS_FOR]) == ["model_init"]
+        assert Attr.SCHEDULING not in profile.attributes
+
+
+def test_one_cpu_bound_stage_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import glowplug.engine.stages.base as base
+
+    stages = _heavy_pipeline()
+    stages[2].heavy = False  # an analytic KV peak: milliseconds, nothing to keep off the cores
+    decision = base.plan_concurrency(stages, None, cores=1)
+    assert decision.serial == () and decision.reason == "1 usable core: at most one CPU-bound stage (graph_compile)"
+    assert base.stage_dependencies(stages, decision.serial)["kv_cache_profiling"] == ("model_init",)
