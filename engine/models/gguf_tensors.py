@@ -24,6 +24,8 @@ How each reaches the model:
 - de-quantized to the run dtype otherwise: Q4_0, Q4_1, Q5_0 and Q8_0 by the torch code below (the arithmetic
   of gguf.quants.dequantize, bit for bit, 3-4x faster than its numpy), every other type by
   gguf.quants.dequantize itself (vectorized numpy), a few rows at a time straight into the destination.
+Under --quantization auto the layers to repack, and into which layout, are chosen per tensor by gguf_auto.py
+(PackPlan.modules), and the ones it re-quantizes are loaded in fp32 (`load_gguf_weights`' fp32).
 Q5_1, Q5_K, Q2_K, Q3_K and Q6_K have no exact glowplug layout: Q5_1/Q5_K carry an offset that int8 (symmetric)
 cannot hold, Q2_K/Q3_K have no 2/3-bit layout on their 16-weight grid, and Q6_K's 16-weight scales are finer
 than the smallest int8 group (32).

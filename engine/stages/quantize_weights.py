@@ -75,8 +75,8 @@ class QuantizeWeights:
         scheme_name = ctx.quant_scheme()
         if scheme_name == "none":
             if q.quantization == "auto":
-                return StageReport.skipped("quantization auto: the checkpoint's weights are floats, run as stored",
-                                           {Attr.QUANTIZATION: "auto"})  # fmt: skip
+                return StageReport.skipped("quantization none (auto: the checkpoint's weights are floats, run as "
+                                           "stored)", {Attr.QUANTIZATION: "auto"})  # fmt: skip
             return StageReport.skipped("quantization none", {Attr.QUANTIZATION: "none"})
         if scheme_name == "auto":
             return self._auto(ctx)
