@@ -163,7 +163,8 @@ def test_the_plan_per_type_and_per_fused_layer() -> None:
         "lm_head": ("int8", "re-quantized"),
     }  # fmt: skip
     note = plan.note("bfloat16")
-    assert "attn_qkv Q4_K+Q6_K → int8 g32 (re-quantized; the widest of its fused parts) (attn_qkv: 1 of 2 layers)" in note
+    assert ("attn_qkv Q4_K+Q6_K → int8 g32 (re-quantized; the widest of its fused parts) (attn_qkv: 1 of 2 "
+            "layers)") in note
     assert "attn_output Q2_K → int4 g32 (re-quantized; no 2/3-bit kernel)" in note
     assert "ffn_gate_up BF16+Q3_K → bfloat16 (de-quantized; fused with a float part)" in note
     assert "lm_head Q6_K (tied embedding) → int8 g32 (re-quantized; the projections' format)" in note

@@ -145,8 +145,8 @@ class DynamoTransform:
         if not compat.ok:
             return fall_back_to_eager(ctx, f"torch internals unavailable ({compat.reason})")
         try:
-            cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device,
-                                       inductor_settings(ctx), model, native_level(ctx), layer_formats(ctx))  # fmt: skip
+            cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx),
+                                       model, native_level(ctx), layer_formats(ctx))  # fmt: skip
         except torch_compat.TorchInternalsUnavailable as exc:
             return fall_back_to_eager(ctx, f"torch internals unavailable ({exc})")
         ctx.compile_cache = cache
