@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 from .gguf_tensors import (
@@ -110,9 +111,11 @@ class LayerFormats:
 
     def scheme_of(self, module: str) -> Scheme | None:
         """The scheme of a model module (fused name), None for a module the plan does not cover."""
-        return self._by_module().get(module)
+        return self._by_module.get(module)
 
+    @cached_property
     def _by_module(self) -> dict[str, Scheme]:
+        # Asked once per linear layer per scheme by model_init's converter; built once.
         return {f.module: f.scheme for f in self.layers}
 
     @property
@@ -172,8 +175,8 @@ class LayerFormats:
 
     def note(self, dtype: str) -> str:
         """The row note: per class of tensor (attn_qkv, ffn_down, lm_head, ...), what its stored types became, with
-        how many layers when a class is split between formats (`ffn_down Q6_K → int8 g32 (re-quantized) in 12 of
-        30 layers`)."""
+        how many layers when a class is split between formats (`ffn_down Q6_K → int8 g32 (re-quantized) (ffn_down:
+        12 of 30 layers)`)."""
         groups: dict[tuple[str, str, str], dict[str, int]] = {}
         for f in self.layers:
             stored = "+".join(dict.fromkeys(f.sources))
