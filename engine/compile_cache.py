@@ -66,14 +66,18 @@ def device_label(device: str) -> str:
 
 
 def compile_factors(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: str,
-                    settings: InductorSettings, native_level: str | None = None) -> dict[str, Any]:  # fmt: skip
+                    settings: InductorSettings, native_level: str | None = None,
+                    layer_formats: str | None = None) -> dict[str, Any]:  # fmt: skip
     """What the compiled decode step depends on. Scheduler sizes, max_model_len and capture sizes are not here:
     the graph is traced with dynamic batch, context and cache sizes, so they change no compiled code.
 
     native_level: the ISA level of the native kernels the step calls (None without them). The graph calls them by
     name whatever the level, but their rounding differs by level (bf16 or integer dot products, say), so the
-    logits a stored entry recorded for its self-check hold only at the level it was compiled with."""
+    logits a stored entry recorded for its self-check hold only at the level it was compiled with.
+    layer_formats: under --quantization auto, every layer's kernel format (gguf_auto.LayerFormats.signature):
+    two files of one architecture can hold their layers in different formats, which compile to different ops."""
     return {
+        "layer_formats": layer_formats,
         "native_level": native_level,
         "inductor": dataclasses.asdict(settings),
         "model_config": arch.model_dump(mode="json"),
@@ -239,11 +243,11 @@ def _clear_inductor_memory() -> None:
 
 def open_compile_cache(cache_root: Path, config: EngineConfig, arch: ModelArch, dtype: torch.dtype,
                        device: str, settings: InductorSettings, model: DecoderLM,
-                       native_level: str | None = None) -> CompileCache:  # fmt: skip
+                       native_level: str | None = None, layer_formats: str | None = None) -> CompileCache:  # fmt: skip
     """Look this configuration up, loading its artifact and guards (or explaining the miss), verify the Inductor
     folder and point Inductor at it."""
     store = ArtifactStore(cache_root)
-    factors = compile_factors(config, arch, dtype, device, settings, native_level)
+    factors = compile_factors(config, arch, dtype, device, settings, native_level, layer_formats)
     label = device_label(device)
     if not (store.entry_path(COMPILE, store.key(COMPILE, factors)) / PLAN_FILE).is_file():
         # No replay plan to load: the AOT artifact or a trace, both made of compiler internals. Checked before the

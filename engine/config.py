@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from glowplug.base.units import ByteSize
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-Quantization = Literal["none", "int8", "int4", "int2", "w8a8"]
+Quantization = Literal["auto", "none", "int8", "int4", "int2", "w8a8"]
 KVCacheDType = Literal["auto", "int8"]
 KVProfile = Literal["analytic", "measure"]
 OnOff = Literal["on", "off"]
@@ -93,11 +93,17 @@ class CacheConfig(FrozenModel):
 
 
 class QuantConfig(FrozenModel):
-    quantization: Quantization = "none"
+    quantization: Quantization = Field(
+        "auto",
+        description="Weight format of the projections. auto runs a GGUF as stored, per tensor: 4-bit blocks on the "
+        "int4 kernels, 5- to 8-bit ones on int8, floats in the model dtype (a safetensors folder: none); none "
+        "de-quantizes everything to the model dtype; int8/int4/int2/w8a8 re-quantize every projection.",
+    )
     group_size: int | None = Field(
         None,
         description="Weights per quantization group for int8/int4/int2: 32, 64, 128 or 256 (int2: 128).",
-        json_schema_extra={"default_text": "per channel for int8; for int4 the GGUF's 32-weight blocks, else 128"},
+        json_schema_extra={"default_text": "per channel for int8; for int4 the GGUF's 32-weight blocks, else 128; "
+                           "auto takes the GGUF's blocks"},
     )
     quantize_lm_head: bool = Field(
         True,
@@ -111,6 +117,13 @@ class QuantConfig(FrozenModel):
         if gs is None:
             return self
         allowed = {"int8": {32, 64, 128, 256}, "int4": {32, 64, 128, 256}, "int2": {128}}
+        if self.quantization == "auto":
+            # auto keeps each tensor on the grid the file stores it on; a group size would re-quantize it.
+            raise ValueError(
+                "--group-size does not apply to quantization='auto', which takes each layer's groups from the "
+                f"GGUF's own 32-weight blocks; drop --group-size, or pick a scheme to re-quantize with (e.g. "
+                f"--quantization int4 --group-size {gs})"
+            )
         if self.quantization in ("none", "w8a8"):
             raise ValueError(f"--group-size does not apply to quantization={self.quantization!r}; drop it")
         if gs not in allowed[self.quantization]:

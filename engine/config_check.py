@@ -166,9 +166,10 @@ def check_kv_budget(config: EngineConfig, arch: ModelArch, *, dtype: str, device
 
 def check_quantization(config: EngineConfig, arch: ModelArch, group_size: int | None) -> None:
     """--quantization (and --group-size) against the model's projection shapes: every quantized layer needs its
-    input width to be a multiple of some allowed group size no larger than the configured one."""
+    input width to be a multiple of some allowed group size no larger than the configured one. auto quantizes only
+    tensors stored in GGUF blocks, on their own 32-weight grid, so any shape the file holds fits."""
     scheme_name = config.quant.quantization
-    if scheme_name == "none":
+    if scheme_name in ("none", "auto"):
         return
     from glowplug.kernels.registry import get_scheme
 

@@ -36,7 +36,7 @@ def test_chat_and_several_prompts(smollm2_dir) -> None:
         (["--temperature", "-1"], "--temperature: Input should be greater than or equal to 0"),
         (["--max-model-len", "abc"], "--max-model-len: Input should be a valid integer"),
         (["--block-size", "12"], "--block-size: block_size must be a power of two"),
-        (["--quantization", "int3"], "--quantization: Input should be 'none', 'int8', 'int4', 'int2' or 'w8a8'"),
+        (["--quantization", "int3"], "--quantization: Input should be 'auto', 'none', 'int8', 'int4', 'int2' or 'w8a8'"),
         (["--top-p", "0"], "--top-p: Input should be greater than 0"),
     ],
 )

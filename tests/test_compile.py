@@ -298,7 +298,7 @@ def test_smollm2_compiled_greedy_equals_transformers_fp32(smollm2_dir: Path, mak
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     prompts = ["The capital of France is", "Once upon a time, there was a little", "def fibonacci(n):"]
-    llm = make_llm(smollm2_dir, compile="on", dtype="float32", max_num_seqs=4, max_model_len=512)
+    llm = make_llm(smollm2_dir, compile="on", dtype="float32", quantization="none", max_num_seqs=4, max_model_len=512)
     assert llm.startup.phase_table.seconds("dynamo_transform_time") is not None
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     ours = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

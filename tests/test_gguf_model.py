@@ -48,6 +48,8 @@ def ours_tok(smollm2_dir: Path):
 
 
 def _model(tmp_path: Path, **flags: object):
+    # De-quantized unless a test asks for a scheme: transformers, the oracle, de-quantizes the GGUF too.
+    flags = {"quantization": "none", **flags}
     ctx = EngineContext(config=EngineConfig.from_flat(model="smollm2", dtype="float32", **flags),
                         cache_root=tmp_path)  # fmt: skip
     for stage in (ModelPrepare(), LoadWeights(), QuantizeWeights(), ModelInit()):

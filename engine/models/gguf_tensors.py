@@ -24,6 +24,8 @@ How each reaches the model:
 - de-quantized to the run dtype otherwise: Q4_0, Q4_1, Q5_0 and Q8_0 by the torch code below (the arithmetic
   of gguf.quants.dequantize, bit for bit, 3-4x faster than its numpy), every other type by
   gguf.quants.dequantize itself (vectorized numpy), a few rows at a time straight into the destination.
+Under --quantization auto the layers to repack, and into which layout, are chosen per tensor by gguf_auto.py
+(PackPlan.modules), and the ones it re-quantizes are loaded in fp32 (`load_gguf_weights`' fp32).
 Q5_1, Q5_K, Q2_K, Q3_K and Q6_K have no exact glowplug layout: Q5_1/Q5_K carry an offset that int8 (symmetric)
 cannot hold, Q2_K/Q3_K have no 2/3-bit layout on their 16-weight grid, and Q6_K's 16-weight scales are finer
 than the smallest int8 group (32).
@@ -285,10 +287,14 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class PackPlan:
     """Which layers to repack without de-quantizing: `scheme` int4 (from Q4_0/Q4_1/Q4_K) or int8 (from
-    Q8_0/Q5_0), only when the layer's group size is 32 (the block, or Q4_K's sub-block)."""
+    Q8_0/Q5_0), only when the layer's group size is 32 (the block, or Q4_K's sub-block).
+
+    modules: under --quantization auto, the modules (Hugging Face names) to repack and each one's scheme, chosen
+    per tensor by models/gguf_auto.py (which keeps a fused projection's parts together); `scheme` is then "auto"."""
 
     scheme: str
     group_size: int | None
+    modules: Mapping[str, str] | None = None
 
 
 _PACKS = {"int4": (Q4_0, Q4_1, Q4_K), "int8": (Q8_0, Q5_0)}
@@ -297,6 +303,8 @@ _FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), (
 
 def _packable(entries: Mapping[str, TensorEntry], plan: PackPlan | None) -> set[str]:
     """HF module names to repack. Members of one fused projection (q/k/v, gate/up) go together or not at all."""
+    if plan is not None and plan.modules is not None:
+        return set(plan.modules)
     if plan is None or plan.scheme not in _PACKS:
         return set()
     from glowplug.kernels.formats import effective_group_size
@@ -324,10 +332,11 @@ class GGUFWeights:
     bytes_read: int
 
 
-def _fused_buffers(entries: Mapping[str, TensorEntry], packed: set[str], dtype: torch.dtype
-                   ) -> dict[str, torch.Tensor]:
+def _fused_buffers(entries: Mapping[str, TensorEntry], packed: set[str], dtype: torch.dtype,
+                   fp32: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:  # fmt: skip
     """One buffer per fused projection (q/k/v, gate/up) that is de-quantized, with each member's rows a slice of
-    it, so fuse_checkpoint finds them adjacent and joins them without a second copy."""
+    it, so fuse_checkpoint finds them adjacent and joins them without a second copy (in fp32 when its members are
+    in `fp32`: the parts of one fused layer are loaded for the same use)."""
     out: dict[str, torch.Tensor] = {}
     layers = {n.rsplit(".", 3)[0] for n in entries if n.startswith("model.layers.")}
     for layer in layers:
@@ -339,7 +348,8 @@ def _fused_buffers(entries: Mapping[str, TensorEntry], packed: set[str], dtype: 
             k = {e.shape[1] for e in parts if e is not None}
             if len(k) != 1:
                 continue
-            joined = torch.empty((sum(e.shape[0] for e in parts if e is not None), k.pop()), dtype=dtype)
+            target = torch.float32 if names[0] in fp32 else dtype
+            joined = torch.empty((sum(e.shape[0] for e in parts if e is not None), k.pop()), dtype=target)
             start = 0
             for n, e in zip(names, parts):
                 assert e is not None
@@ -349,15 +359,21 @@ def _fused_buffers(entries: Mapping[str, TensorEntry], packed: set[str], dtype: 
 
 
 def load_gguf_weights(
-    path: Path, table: TensorTable, arch: ModelArch, dtype: torch.dtype | None, plan: PackPlan | None = None
+    path: Path, table: TensorTable, arch: ModelArch, dtype: torch.dtype | None, plan: PackPlan | None = None,
+    fp32: frozenset[str] = frozenset(),
 ) -> GGUFWeights:
     """The state dict (HF names) of a GGUF: repacked per `plan`, floats in `dtype` (fp32 when None, the precision
-    the quantizer starts from), q/k rows back in Hugging Face order."""
+    the quantizer starts from), q/k rows back in Hugging Face order.
+
+    fp32: tensors (HF names) to load in fp32 whatever `dtype`: under --quantization auto, the ones a quantizer
+    starts from, while the layers that stay float are loaded straight into the model dtype."""
     data = map_file(path, table)
     entries = {name: e for e in table.tensors if (name := hf_name(e.name)) is not None}
     packed = _packable(entries, plan)
+    schemes = dict(plan.modules) if plan is not None and plan.modules is not None else {
+        m: plan.scheme for m in packed if plan is not None}  # fmt: skip
     target = dtype or torch.float32
-    into = _fused_buffers(entries, packed, target)
+    into = _fused_buffers(entries, packed, target, fp32)
     # llama.cpp permutes q/k rows for its rotary kernel only for llama-family files (not qwen2/qwen3).
     permute = arch.model_type in ("llama", "mistral")
     sd: dict[str, torch.Tensor] = {}
@@ -373,12 +389,13 @@ def load_gguf_weights(
             heads = arch.num_attention_heads if module.endswith(".q_proj") else arch.num_key_value_heads
             order = unpermute_rows(e.shape[0], heads)
         if module in packed:
-            parts = repack_int4(raw, e) if plan is not None and plan.scheme == "int4" else repack_int8(raw, e)
+            parts = repack_int4(raw, e) if schemes[module] == "int4" else repack_int8(raw, e)
             for suffix, t in parts.items():
                 sd[f"{module}.{suffix}"] = t[order] if order is not None else t
             continue
+        wanted = torch.float32 if name in fp32 else target
         if e.type in _FLOAT and order is None and name not in into:
-            sd[name] = map_float(path, e).to(target)
+            sd[name] = map_float(path, e).to(wanted)
             continue
-        sd[name] = dequantize(raw, e, target, order, into.get(name))
+        sd[name] = dequantize(raw, e, wanted, order, into.get(name))
     return GGUFWeights(state_dict=sd, shapes=shapes, packed=packed, bytes_read=total)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -20,6 +20,9 @@ from ..model_runner import ModelRunner
 from ..models.arch import ModelArch
 from ..models.llama import DecoderLM
 from .base import StartupContext
+
+if TYPE_CHECKING:
+    from ..models.gguf_auto import LayerFormats
 
 
 class StageOrderError(RuntimeError):
@@ -61,10 +64,37 @@ class EngineContext(StartupContext):
     runner: ModelRunner | None = None  # kv_cache_init (its decode step set in place by graph_capture)
     engine: LLMEngine | None = None  # kv_cache_init
 
+    def layer_formats(self) -> LayerFormats | None:
+        """Under --quantization auto, each layer's format from the GGUF's tensor types (models/gguf_auto.py); None
+        under another setting, or for a checkpoint that is no GGUF (auto runs its floats as `none` would)."""
+        if self.config.quant.quantization != "auto" or self.model_dir is None:
+            return None
+        from ..models.gguf_auto import plan_layers
+        from ..models.store import gguf_table
+
+        table = gguf_table(self.model_dir)
+        return None if table is None else plan_layers(table, self.config.quant.quantize_lm_head)
+
+    def quant_scheme(self) -> str:
+        """How the weights are converted: the configured scheme; under auto, "auto" when the GGUF holds quantized
+        layers, else "none" (a safetensors folder, or a GGUF of floats: nothing to quantize)."""
+        q = self.config.quant
+        if q.quantization != "auto":
+            return q.quantization
+        formats = self.layer_formats()
+        return "auto" if formats is not None and formats.quantized else "none"
+
     def quant_group_size(self) -> tuple[int | None, str]:
         """The group size to quantize with, and why: the configured one, else for int4 the block size of a GGUF
-        source (exact on its grid), else the scheme's default."""
+        source (exact on its grid), else the scheme's default. Under auto, the GGUF's 32-weight blocks (each
+        layer's format is in `layer_formats`)."""
         q = self.config.quant
+        if q.quantization == "auto":
+            from ..models.gguf_auto import AUTO_GROUP
+
+            if self.quant_scheme() == "auto":
+                return AUTO_GROUP, f"auto: the GGUF's {AUTO_GROUP}-weight blocks"
+            return None, "auto: floats, nothing to quantize"
         if q.group_size is not None:
             return q.group_size, "configured"
         if q.quantization == "int4" and self.model_dir is not None:

@@ -41,6 +41,13 @@ def native_level(ctx: EngineContext) -> str | None:
     return isa_choice().level
 
 
+def layer_formats(ctx: EngineContext) -> str | None:
+    """Under --quantization auto, every layer's kernel format (a compile factor: the graph holds one op per layer
+    format, and the configured "auto" alone does not say which file's formats were compiled), else None."""
+    formats = ctx.layer_formats()
+    return formats.signature() if formats is not None and formats.quantized else None
+
+
 def inductor_settings(ctx: EngineContext) -> InductorSettings:
     native = ctx.native is not None and ctx.native.available
     return InductorSettings(vec_isa_ok=True if native else None, threads=torch.get_num_threads())
@@ -56,7 +63,7 @@ def skipped_reason(ctx: EngineContext, fallback: str | None) -> str | None:
         return f"--compile {ctx.config.compile}"
     if fallback is not None:
         return fallback
-    if ctx.config.quant.quantization != "none" and ctx.model is not None:
+    if ctx.model is not None:
         from glowplug.kernels.modules import DecodeKernel, QuantLinear
 
         missing = sum(isinstance(m, QuantLinear) and m.kernel is DecodeKernel.STOCK for m in ctx.model.modules())
@@ -108,7 +115,8 @@ def trace(ctx: EngineContext) -> TracedDecode:
 
 class DynamoTransform:
     name = "dynamo_transform"
-    needs: tuple[str, ...] = ("model", "native", "arch", "dtype")
+    # model_dir: under --quantization auto the per-layer formats (a compile factor) come from the GGUF's table.
+    needs: tuple[str, ...] = ("model", "native", "arch", "dtype", "model_dir")
     provides: tuple[str, ...] = ("traced", "compile_cache", "compile_fallback")
     caches: tuple[str, ...] = ("compile",)
 
@@ -128,7 +136,8 @@ class DynamoTransform:
         from ..compile_cache import compile_factors
 
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
-        factors = compile_factors(ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx), native_level(ctx))
+        factors = compile_factors(ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx), native_level(ctx),
+                                  layer_formats(ctx))  # fmt: skip
         return {"compile": HIT if ArtifactStore(ctx.cache_root).probe(COMPILE, factors) else MISS}
 
     def run(self, ctx: EngineContext) -> StageReport:
@@ -142,8 +151,8 @@ class DynamoTransform:
         if not compat.ok:
             return fall_back_to_eager(ctx, f"torch internals unavailable ({compat.reason})")
         try:
-            cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device,
-                                       inductor_settings(ctx), model, native_level(ctx))  # fmt: skip
+            cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx),
+                                       model, native_level(ctx), layer_formats(ctx))  # fmt: skip
         except torch_compat.TorchInternalsUnavailable as exc:
             return fall_back_to_eager(ctx, f"torch internals unavailable ({exc})")
         ctx.compile_cache = cache

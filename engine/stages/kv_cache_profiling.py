@@ -63,10 +63,13 @@ def profile_factors(ctx: EngineContext) -> dict[str, Any]:
     change; a change of what is measured bumps the cache's version)."""
     arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
     q = ctx.config.quant
+    formats = ctx.layer_formats()
     return {
         "model": arch.model_dump(mode="json"),
         "dtype": str(ctx.dtype).removeprefix("torch."),
-        "quantization": {"scheme": q.quantization, "group_size": ctx.quant_group_size()[0]},
+        "quantization": {"scheme": q.quantization, "group_size": ctx.quant_group_size()[0],
+                         # auto: what the file's layers run as (the forward's temporaries depend on the kernels).
+                         **({"layer_formats": formats.signature()} if formats is not None else {})},
         "max_num_batched_tokens": ctx.config.scheduler.max_num_batched_tokens,
         "max_num_seqs": ctx.config.scheduler.max_num_seqs,
         "device": ctx.device,

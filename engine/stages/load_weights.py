@@ -2,7 +2,8 @@
 
 A folder prepared from a GGUF reads its weights from the GGUF itself (engine/models/gguf_tensors.py): blocks on the
 grid of the requested int4/int8 layout are repacked as they are, the others de-quantized to the run dtype (fp32
-when a quantizer follows).
+when a quantizer follows). Under --quantization auto the layout is chosen per layer (engine/models/gguf_auto.py):
+exact repacks as above, fp32 for the layers quantize_weights re-quantizes, the model dtype for the rest.
 
 Every page is read once here, so the I/O is booked to this stage and not to a later one. q/k/v and gate/up are
 concatenated into the model's fused projections (a copy, made in the run dtype unless the weights are about to be
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ...profiling.names import Attr
+from ..models.gguf_auto import AUTO_GROUP
 from ..models.gguf_tensors import PackPlan, TensorTable, load_gguf_weights
 from ..models.loader import build_meta_model, check_state_dict, fuse_checkpoint, read_checkpoint
 from ..models.store import gguf_table
@@ -44,7 +46,7 @@ class LoadWeights:
         t0 = time.perf_counter()
         model_dir = ctx.need(ctx.model_dir, "the model folder", "model_prepare")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
-        quantizing = ctx.config.quant.quantization != "none"
+        quantizing = ctx.quant_scheme() != "none"
         table = gguf_table(model_dir) if ctx.gguf_path is not None else None
         if table is not None:
             return self._from_gguf(ctx, table, quantizing, t0)
@@ -69,8 +71,15 @@ class LoadWeights:
 
         assert ctx.gguf_path is not None and ctx.arch is not None and ctx.model_dir is not None
         q = ctx.config.quant
-        plan = PackPlan(q.quantization, ctx.quant_group_size()[0]) if quantizing else None
-        w = load_gguf_weights(ctx.gguf_path, table, ctx.arch, None if quantizing else ctx.dtype, plan)
+        formats = ctx.layer_formats() if quantizing else None
+        if formats is not None:
+            # auto: the layers that stay float load straight into the model dtype, the quantizer's inputs in fp32
+            # (fuse_checkpoint then casts nothing: every tensor already has the dtype its use wants).
+            plan: PackPlan | None = PackPlan("auto", AUTO_GROUP, formats.repack())
+            w = load_gguf_weights(ctx.gguf_path, table, ctx.arch, ctx.dtype, plan, formats.fp32_tensors())
+        else:
+            plan = PackPlan(q.quantization, ctx.quant_group_size()[0]) if quantizing else None
+            w = load_gguf_weights(ctx.gguf_path, table, ctx.arch, None if quantizing else ctx.dtype, plan)
         seconds = time.perf_counter() - t0
         checked = check_state_dict(build_meta_model(ctx.arch), w.state_dict, ctx.model_dir, logical=w.shapes)
         ctx.state_dict = fuse_checkpoint(checked, None if quantizing else ctx.dtype)

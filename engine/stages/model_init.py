@@ -1,8 +1,14 @@
-"""Build the decoder on the meta device and assign the (possibly quantized) weights into it, without copies."""
+"""Build the decoder on the meta device and assign the (possibly quantized) weights into it, without copies.
+
+Under --quantization auto each layer is converted to its own format (engine/models/gguf_auto.py): one model whose
+layers run int4, int8 or dense kernels as the GGUF stores them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ...profiling.names import Attr
+from ..models.gguf_auto import LayerFormats
 from ..models.loader import build_meta_model, materialize
 from .base import StageReport
 from .context import EngineContext
@@ -30,6 +36,11 @@ def kernel_dispatcher(ctx: EngineContext) -> tuple[object, str]:
     return Dispatcher(), f"default rules ({found.miss_reason}; `glowplug bench kernels` calibrates)"
 
 
+def _not_in(formats: LayerFormats, scheme: str) -> Callable[[str], bool]:
+    """The converter's skip callback for one scheme: every module the plan puts in another format (or none)."""
+    return lambda module: formats.scheme_of(module) != scheme
+
+
 class ModelInit:
     name = "model_init"
     needs: tuple[str, ...] = ("arch", "dtype", "model_dir", "state_dict")
@@ -43,17 +54,28 @@ class ModelInit:
         keep: frozenset[str] = frozenset()
         table_source = "n/a (not quantized)"
         q = ctx.config.quant
-        if q.quantization != "none":
+        scheme_name = ctx.quant_scheme()
+        if scheme_name != "none":
             from glowplug.kernels.modules import QuantLinear
             from glowplug.kernels.registry import get_scheme
 
             dispatcher, table_source = kernel_dispatcher(ctx)
             group_size, _ = ctx.quant_group_size()
-            if q.quantize_lm_head:
-                model.untie_head_for_quantization()
-            get_scheme(q.quantization).convert_for_runtime(
-                model, group_size=group_size, dispatcher=dispatcher, quantize_head=q.quantize_lm_head
-            )
+            formats = ctx.layer_formats() if scheme_name == "auto" else None
+            if formats is not None:
+                # One conversion per scheme in use, each over its own layers: a mixed file runs mixed.
+                head = formats.head_scheme != "none"
+                if head:
+                    model.untie_head_for_quantization()
+                for name in formats.schemes():
+                    get_scheme(name).convert_for_runtime(model, group_size=group_size, dispatcher=dispatcher,
+                                                         quantize_head=head, skip=_not_in(formats, name))  # fmt: skip
+            else:
+                if q.quantize_lm_head:
+                    model.untie_head_for_quantization()
+                get_scheme(scheme_name).convert_for_runtime(
+                    model, group_size=group_size, dispatcher=dispatcher, quantize_head=q.quantize_lm_head
+                )
             keep = frozenset(
                 f"{name}.{buf}"
                 for name, mod in model.named_modules()

@@ -1,7 +1,9 @@
 """Quantize the checkpoint's projections (round to nearest) for the configured scheme, cached in the artifact store.
 
 A warm start maps the cached quantized tensors instead of quantizing again. Only the tensors the scheme adds are
-cached; everything it leaves alone (embeddings, norms) still comes from the checkpoint.
+cached; everything it leaves alone (embeddings, norms) still comes from the checkpoint. Under --quantization auto
+only the layers whose GGUF type has no exact layout are quantized here, each to its own scheme
+(engine/models/gguf_auto.py), and only those are cached; the row's note says what every class of tensor became.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def quant_factors(ctx: EngineContext) -> dict[str, Any]:
     torch build that pack them (packed int4 layouts are torch-version specific)."""
     model_dir = ctx.need(ctx.model_dir, "the model folder", "model_prepare")
     from_gguf = ctx.gguf_path is not None and gguf_table(model_dir) is not None
-    return {
+    factors: dict[str, Any] = {
         "checkpoint": file_stamps([ctx.gguf_path] if from_gguf else checkpoint_files(model_dir)),
         "scheme": ctx.config.quant.quantization,
         "group_size": ctx.quant_group_size()[0],
@@ -39,26 +41,45 @@ def quant_factors(ctx: EngineContext) -> dict[str, Any]:
         "torch": torch.__version__,
         "kernels_source": source_digest(["kernels"]),
     }
+    formats = ctx.layer_formats()
+    if formats is not None:
+        # auto stores only the layers it re-quantizes (the exact repacks are the file's own bytes, read at every
+        # start): which ones, and to what, is what the entry holds.
+        factors["requantized"] = sorted(f"{m} {s}" for m, s in formats.requantize().items())
+    return factors
 
 
 class QuantizeWeights:
     name = "quantize_weights"
-    needs: tuple[str, ...] = ("model_dir", "gguf_path", "state_dict")
+    # dtype: only for the words of auto's row note (what the float layers run in).
+    needs: tuple[str, ...] = ("model_dir", "gguf_path", "state_dict", "dtype")
     provides: tuple[str, ...] = ("state_dict", "weights_bytes")
     caches: tuple[str, ...] = ("quant",)
 
     def cache_probe(self, ctx: EngineContext) -> dict[str, str]:
-        """For the ETA: whether the quantized tensors are stored (nothing to say for quantization none). A
-        checkpoint whose projections all come repacked from GGUF blocks stores nothing and probes as a miss at
-        every start, so its pattern stays the same from start to start."""
-        if ctx.config.quant.quantization == "none":
+        """For the ETA: whether the quantized tensors are stored (nothing to say for quantization none, or for
+        auto when every quantized layer is repacked exactly: nothing is stored). A checkpoint whose projections
+        all come repacked from GGUF blocks under an explicit scheme stores nothing and probes as a miss at every
+        start, so its pattern stays the same from start to start."""
+        scheme = ctx.quant_scheme()
+        if scheme == "none":
             return {}
+        if scheme == "auto":
+            formats = ctx.layer_formats()
+            if formats is None or not formats.requantize():
+                return {}
         return {"quant": HIT if ArtifactStore(ctx.cache_root).probe(QUANT, quant_factors(ctx)) else MISS}
 
     def run(self, ctx: EngineContext) -> StageReport:
         q = ctx.config.quant
-        if q.quantization == "none":
+        scheme_name = ctx.quant_scheme()
+        if scheme_name == "none":
+            if q.quantization == "auto":
+                return StageReport.skipped("quantization none (auto: the checkpoint's weights are floats, run as "
+                                           "stored)", {Attr.QUANTIZATION: "auto"})  # fmt: skip
             return StageReport.skipped("quantization none", {Attr.QUANTIZATION: "none"})
+        if scheme_name == "auto":
+            return self._auto(ctx)
         from glowplug.kernels.registry import get_scheme, is_target_module
 
         sd = ctx.need(ctx.state_dict, "the checkpoint", "load_weights")
@@ -107,4 +128,58 @@ class QuantizeWeights:
         attrs["glowplug.group_size"] = str(scheme.resolve_group_size(group_size))
         attrs["glowplug.group_size_reason"] = why
         attrs["glowplug.quantize_lm_head"] = head
+        return StageReport(attributes=attrs)
+
+    def _auto(self, ctx: EngineContext) -> StageReport:
+        """--quantization auto: quantize (group 32) only the layers the plan re-quantizes, each to its own scheme,
+        caching those; the exact repacks and the float layers pass through as load_weights made them."""
+        from glowplug.kernels.registry import get_scheme
+
+        from ..models.gguf_auto import AUTO_GROUP, EMBEDDING, HEAD
+
+        formats = ctx.need(ctx.layer_formats(), "the auto plan (a GGUF's tensor table)", "model_prepare")
+        sd = ctx.need(ctx.state_dict, "the checkpoint", "load_weights")
+        targets = formats.requantize()
+        if HEAD in targets and f"{HEAD}.weight" not in sd:
+            # A tied head: its quantized copy is made from the embedding matrix (which stays for the lookup).
+            sd = {**sd, f"{HEAD}.weight": sd[EMBEDDING]}
+
+        def build(folder: Path | None) -> dict[str, torch.Tensor]:
+            added: dict[str, torch.Tensor] = {}
+            for name in sorted(set(targets.values())):
+                # Quantized from fp32 (load_weights loaded these in fp32), as the explicit schemes do.
+                part = {f"{m}.weight": sd[f"{m}.weight"] for m, s in targets.items() if s == name}
+                quantized = get_scheme(name).quantize_state_dict(part, group_size=AUTO_GROUP, quantize_head=True)
+                added.update({k: v.contiguous() for k, v in quantized.items() if k not in part})
+            if folder is not None:
+                save_file(added, str(folder / QUANTIZED))
+            return added
+
+        attrs: dict[str, object] = {Attr.QUANTIZATION: "auto"}
+        if targets:
+            fetched = ArtifactStore(ctx.cache_root).fetch(
+                QUANT, quant_factors(ctx), group=model_group(ctx.config.model), build=build,
+                load=lambda folder: load_file(str(folder / QUANTIZED)),
+            )  # fmt: skip
+            added = fetched.value
+            attrs.update(fetched.attributes())
+        else:
+            added = {}  # every quantized layer came repacked from the GGUF's blocks: nothing to quantize or cache
+        merged = {k: v for k, v in sd.items() if not (k.endswith(".weight") and k[: -len(".weight")] in targets)}
+        merged.update(added)
+        ctx.state_dict = merged
+        ctx.weights_bytes = sum(t.nbytes for t in merged.values())
+        counts = formats.counts()
+        attrs.update({
+            # What each class of tensor became; the phase table prints it on this row.
+            Attr.ROW_NOTE: formats.note(str(ctx.dtype).removeprefix("torch.")),
+            "glowplug.layer_formats": formats.signature(),
+            "glowplug.auto.int4_layers": counts["int4"], "glowplug.auto.int8_layers": counts["int8"],
+            "glowplug.auto.dense_layers": counts["dense"], "glowplug.auto.repacked_layers": counts["repacked"],
+            "glowplug.auto.requantized_layers": counts["re-quantized"],
+            "glowplug.quantized_bytes": sum(t.nbytes for k, t in merged.items()
+                                            if k.rpartition(".")[2] in ("qweight", "scales", "zeros")),
+            "glowplug.group_size": str(AUTO_GROUP), "glowplug.group_size_reason": ctx.quant_group_size()[1],
+            "glowplug.quantize_lm_head": ctx.config.quant.quantize_lm_head,
+        })  # fmt: skip
         return StageReport(attributes=attrs)

@@ -63,7 +63,7 @@ class AccuracyConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: str = "smollm2"
-    quantization: tuple[str, ...] = ("int8", "int4", "w8a8", "int2")
+    quantization: tuple[str, ...] = ("auto", "int8", "int4", "w8a8", "int2")
     group_size: int | None = None
     quantize_lm_head: bool = True
     window: int = Field(256, ge=16, le=4096, description="Tokens per evaluation window.")

@@ -100,6 +100,9 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
     o = cfg.out
     m = cfg.model
     schemes = list(cfg.quantization)
+    # The engine's default, per tensor as the file stores it: a row of its own in the decode and accuracy reports
+    # (for the default model it is int4 on the GGUF's blocks, so the other reports' int4 rows stand for it).
+    with_auto = schemes if "auto" in schemes else ["auto", *schemes]
     # The flags come from accuracy.json when this run makes it, or when an earlier chunk already did.
     has_accuracy = "accuracy" in cfg.steps() or (o / "accuracy.json").is_file()
     quality = ["--quality-from", str(o / "accuracy.json")] if has_accuracy else []
@@ -109,7 +112,7 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                     "--input-len", "16" if q else "128", "--output-len", "4" if q else "64"]  # fmt: skip
     reps = reps_of(q)
     steps = {
-        "accuracy": Step("accuracy", ["bench", "accuracy", m, "--quantization", _items(schemes),
+        "accuracy": Step("accuracy", ["bench", "accuracy", m, "--quantization", _items(with_auto),
                                       *(["--window", "64", "--continuation-tokens", "0"] if q else []),
                                       "--out", str(o / "accuracy.md")],
                          ["accuracy.md"], "perplexity, KL and top-1 agreement of each scheme vs bf16"),
@@ -124,7 +127,7 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                                   "--prompt-tokens", "16" if q else "64", "--out", str(o / "decode.md")],
                        ["decode.md"], "decode tok/s vs transformers' generate on the same prompts"),
         "decode-quantized": Step("decode-quantized", [
-            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
+            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", _items(["none", *with_auto]),
             "--batch-sizes", "1" if q else "1,16,64", "--compile", "off" if q else "on,off",
             "--repeats", reps, "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64",
             "--no-compare-hf", *quality, "--out", str(o / "decode-quantized.md")],

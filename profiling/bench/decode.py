@@ -43,7 +43,7 @@ class DecodeBenchConfig(BaseModel):
 
     model: str = "smollm2"
     batch_sizes: tuple[int, ...] = Field((1, 16, 64), min_length=1)
-    quantization: tuple[Literal["none", "int8", "int4", "int2", "w8a8"], ...] = ("none",)
+    quantization: tuple[Literal["auto", "none", "int8", "int4", "int2", "w8a8"], ...] = ("none",)
     compile: tuple[Literal["on", "off"], ...] = Field(("on", "off"), min_length=1)
     dtype: tuple[Literal["auto", "float32", "bfloat16", "float16"], ...] = Field(
         ("auto",), min_length=1,

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ...engine.config import Quantization
+from ...engine.config import QuantConfig, Quantization
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, engine_flag, prepare_out_dir, write_json
 from .startup_runs import KV_ROW, StartupRun, run_startup, short
 from .tables import Cell, Missing, fmt_num, markdown_table
@@ -231,7 +231,7 @@ def non_default_flags(cfg: TuneMaxModelLenConfig) -> list[str]:
     fields = cfg.engine_fields(quantization=cfg.quantization, max_num_seqs=cfg.max_num_seqs)
     fields.pop("model")
     defaults = {name: info.default for name, info in BenchEngineFields.model_fields.items()}
-    defaults.update(quantization="none", max_num_seqs=None)
+    defaults.update(quantization=QuantConfig.model_fields["quantization"].default, max_num_seqs=None)
     flags: list[str] = []
     for name, value in fields.items():
         if name != "max_num_seqs" and value != defaults.get(name):

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from ....engine.config import Quantization
 from ..cli_support import BenchEngineFields
 
 Arrival = Literal["poisson", "burst", "constant"]
@@ -25,6 +26,8 @@ class ServeBenchConfig(BenchEngineFields):
         None, description="A running server (http://127.0.0.1:8000); unset = start one with the engine flags."
     )
     served_model_name: str | None = Field(None, description="The `model` to send (default: what /v1/models lists).")
+    # Pinned, not the engine's default (auto): the serve reports measure one bf16 server, release after release.
+    quantization: Quantization = Field("none", description="The server's --quantization.")
     endpoint: Endpoint = Field("completions", description="completions or chat.")
     # ---- load points
     concurrency: tuple[int, ...] = Field((1, 8, 32, 64), description="Closed-loop load points: clients in flight.")

@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 def engine_fields(cfg: ServeBenchConfig, **overrides: Any) -> dict[str, Any]:
     """EngineConfig fields (flat names) of the server the benchmark starts, and of its offline twin."""
-    fields: dict[str, Any] = {"max_num_seqs": cfg.max_num_seqs}
+    fields: dict[str, Any] = {"max_num_seqs": cfg.max_num_seqs, "quantization": cfg.quantization}
     if cfg.max_model_len is not None:
         fields["max_model_len"] = cfg.max_model_len
     fields.update(overrides)

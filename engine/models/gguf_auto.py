@@ -1,0 +1,270 @@
+"""`--quantization auto`: each projection of a GGUF runs in the format its stored blocks map onto.
+
+Per GGUF type (the bits it stores decide the kernel, so a file runs at the speed and precision it was made for):
+- 4-bit blocks -> int4, groups of 32: Q4_0, Q4_1 and Q4_K repacked exactly (gguf_tensors.repack_int4: the file's
+  codes and grid); Q2_K and Q3_K, for which glowplug has no 2/3-bit kernel, re-quantized to int4 g32 from their
+  de-quantized weights (their 16-weight grid does not fit int4's 32-weight groups);
+- 5- to 8-bit blocks -> int8, groups of 32: Q8_0 and Q5_0 repacked exactly (repack_int8); Q5_1, Q5_K and Q6_K
+  re-quantized (their offsets or 16-weight scales have no exact int8 layout);
+- floats (F32, F16, BF16) -> the model dtype, as they are.
+
+A fused projection (q/k/v into qkv_proj, gate/up into gate_up_proj: models/llama.py FUSED_MODULES) is one layer
+and takes one format: the widest of its parts' (int4 < int8 < float), so no part loses precision to the fusion.
+Its parts are repacked exactly only when every part's type repacks into that format; otherwise all of them are
+de-quantized and the fused layer is re-quantized (or, for float, kept in the model dtype) as a whole, since the
+fused tensor is quantized on the fused state dict.
+
+The output head: an untied one (output.weight) follows its own type like any projection. A tied head has no
+matrix of its own: the embedding doubles as it, and `quantize_lm_head` quantizes a copy "with the layers", so it
+takes the format that holds most of the projections' weights, re-quantized from the de-quantized embedding. That
+is what --quantization int4 does for the default model (SmolLM2's Q4_1 projections, Q8_0 embedding: an int4 g32
+head), so auto runs it exactly as int4 does, at int4's speed; the head is a quarter of its bytes per token.
+
+The plan depends only on the prepared folder's tensor table (and quantize_lm_head), so every stage derives the
+same plan from it, including the cache probes that run before any stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+from .gguf_tensors import (
+    BF16,
+    F16,
+    F32,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    TYPE_NAMES,
+    TensorEntry,
+    TensorTable,
+    hf_name,
+)
+
+Scheme = Literal["int4", "int8", "none"]
+How = Literal["repacked", "re-quantized", "as stored", "de-quantized"]
+
+# The group size of every quantized layer under auto: the legacy blocks and Q4_K/Q5_K's sub-blocks are 32
+# weights; re-quantized layers take the same so a fused layer's parts and its kernels agree.
+AUTO_GROUP = 32
+_SCHEME_OF: dict[int, Scheme] = {
+    Q4_0: "int4", Q4_1: "int4", Q4_K: "int4", Q2_K: "int4", Q3_K: "int4",
+    Q5_0: "int8", Q5_1: "int8", Q5_K: "int8", Q6_K: "int8", Q8_0: "int8",
+    F32: "none", F16: "none", BF16: "none",
+}  # fmt: skip
+# Types whose blocks are taken as they are into the scheme's g32 layout (gguf_tensors.repack_int4/int8).
+_EXACT: dict[Scheme, frozenset[int]] = {"int4": frozenset({Q4_0, Q4_1, Q4_K}), "int8": frozenset({Q8_0, Q5_0})}
+_WIDTH: dict[Scheme, int] = {"int4": 1, "int8": 2, "none": 3}
+# The layer classes of one decoder layer: (class name in the row note, model module suffix, checkpoint parts).
+_CLASSES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("attn_qkv", "self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("attn_output", "self_attn.o_proj", ("self_attn.o_proj",)),
+    ("ffn_gate_up", "mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+    ("ffn_down", "mlp.down_proj", ("mlp.down_proj",)),
+)
+HEAD = "lm_head"
+EMBEDDING = "model.embed_tokens.weight"
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    """One layer of the model (fused names: `model.layers.3.self_attn.qkv_proj`, `lm_head`) and what it becomes.
+
+    parts: the checkpoint tensors (Hugging Face names, `.weight`) it is made from; sources: their GGUF types, in
+    the same order; size: its weights (N x K). why: what the row note adds to `how` ("" when `how` says it all)."""
+
+    module: str
+    kind: str
+    scheme: Scheme
+    parts: tuple[str, ...]
+    sources: tuple[str, ...]
+    how: How
+    size: int
+    why: str = ""
+
+    @property
+    def group_size(self) -> int | None:
+        return None if self.scheme == "none" else AUTO_GROUP
+
+    @property
+    def spec(self) -> str:
+        """The kernel format: `int4-g32`, `int8-g32`, or `dense` (the model dtype)."""
+        return "dense" if self.scheme == "none" else f"{self.scheme}-g{AUTO_GROUP}"
+
+
+@dataclass(frozen=True)
+class LayerFormats:
+    """The plan of one model under auto: every projection layer (and the head) with its format."""
+
+    layers: tuple[LayerFormat, ...]
+    num_layers: int
+
+    def scheme_of(self, module: str) -> Scheme | None:
+        """The scheme of a model module (fused name), None for a module the plan does not cover."""
+        return self._by_module.get(module)
+
+    @cached_property
+    def _by_module(self) -> dict[str, Scheme]:
+        # Asked once per linear layer per scheme by model_init's converter; built once.
+        return {f.module: f.scheme for f in self.layers}
+
+    @property
+    def quantized(self) -> bool:
+        """Whether any layer runs on a quantized kernel (else the model runs as `none` would run it)."""
+        return any(f.scheme != "none" for f in self.layers)
+
+    @property
+    def head_scheme(self) -> Scheme:
+        return next((f.scheme for f in self.layers if f.module == HEAD), "none")
+
+    def schemes(self) -> list[Scheme]:
+        """The quantized schemes in use, narrowest first."""
+        return sorted({f.scheme for f in self.layers if f.scheme != "none"}, key=_WIDTH.__getitem__)
+
+    def repack(self) -> dict[str, str]:
+        """Checkpoint modules (Hugging Face names) that load_weights repacks exactly -> their scheme."""
+        return {p.removesuffix(".weight"): f.scheme for f in self.layers if f.how == "repacked" for p in f.parts}
+
+    def requantize(self) -> dict[str, Scheme]:
+        """Model modules (fused names) that quantize_weights quantizes from de-quantized weights -> their scheme."""
+        return {f.module: f.scheme for f in self.layers if f.how == "re-quantized"}
+
+    def fp32_tensors(self) -> frozenset[str]:
+        """Checkpoint tensors to load in fp32 whatever the model dtype: the quantizer's inputs (the parts of the
+        re-quantized layers, and the embedding a tied head is quantized from), so the result does not depend on
+        the serving dtype's rounding."""
+        return frozenset(p for f in self.layers if f.how == "re-quantized" for p in f.parts)
+
+    def counts(self) -> dict[str, int]:
+        """Layers per kernel format and per way in (the quantize_weights row's attributes)."""
+        out = {"int4": 0, "int8": 0, "dense": 0, "repacked": 0, "re-quantized": 0}
+        for f in self.layers:
+            out["dense" if f.scheme == "none" else f.scheme] += 1
+            if f.how in ("repacked", "re-quantized"):
+                out[f.how] += 1
+        return out
+
+    def signature(self) -> str:
+        """The kernel format of every layer, compactly (a compile and KV-profile factor: the graph holds one op per
+        layer format). Runs of identical decoder layers are one entry: `layers 0-29: qkv int4-g32, ...; lm_head
+        int4-g32`."""
+        per_layer: list[str] = []
+        for i in range(self.num_layers):
+            prefix = f"model.layers.{i}."
+            per_layer.append(", ".join(f"{f.module.removeprefix(prefix).rsplit('.', 1)[-1]} {f.spec}"
+                                       for f in self.layers if f.module.startswith(prefix)))  # fmt: skip
+        runs: list[str] = []
+        start = 0
+        for i in range(1, self.num_layers + 1):
+            if i == self.num_layers or per_layer[i] != per_layer[start]:
+                span = f"{start}" if i - 1 == start else f"{start}-{i - 1}"
+                runs.append(f"layers {span}: {per_layer[start]}")
+                start = i
+        head = next((f for f in self.layers if f.module == HEAD), None)
+        return "; ".join(runs + ([f"lm_head {head.spec}"] if head is not None else []))
+
+    def note(self, dtype: str) -> str:
+        """The row note: per class of tensor (attn_qkv, ffn_down, lm_head, ...), what its stored types became, with
+        how many layers when a class is split between formats (`ffn_down Q6_K → int8 g32 (re-quantized) (ffn_down:
+        12 of 30 layers)`)."""
+        groups: dict[tuple[str, str, str], dict[str, int]] = {}
+        for f in self.layers:
+            stored = "+".join(dict.fromkeys(f.sources))
+            target = dtype if f.scheme == "none" else f"{f.scheme} g{AUTO_GROUP}"
+            how = {"repacked": "repacked exactly"}.get(f.how, f.how) + (f"; {f.why}" if f.why else "")
+            classes = groups.setdefault((stored, target, how), {})
+            classes[f.kind] = classes.get(f.kind, 0) + 1
+        totals: dict[str, int] = {}
+        for f in self.layers:
+            totals[f.kind] = totals.get(f.kind, 0) + 1
+        parts = []
+        for (stored, target, how), classes in groups.items():
+            split = [n for n, c in classes.items() if c != totals[n]]
+            names = "/".join(classes)
+            where = "".join(f" ({n}: {classes[n]} of {totals[n]} layers)" for n in split)
+            parts.append(f"{names} {stored} → {target} ({how}){where}")
+        return "auto: " + "; ".join(parts)
+
+
+def _part_entries(entries: Mapping[str, TensorEntry], layer: str, parts: tuple[str, ...]
+                  ) -> list[tuple[str, TensorEntry]] | None:  # fmt: skip
+    found = [(f"{layer}.{p}.weight", entries.get(f"{layer}.{p}.weight")) for p in parts]
+    if any(e is None or len(e.shape) != 2 for _, e in found):
+        return None  # not a projection this plan can place: check_state_dict names what is wrong with the file
+    return [(n, e) for n, e in found if e is not None]
+
+
+def _layer(module: str, kind: str, found: list[tuple[str, TensorEntry]]) -> LayerFormat:
+    """The format of one (possibly fused) layer from its parts' types."""
+    schemes = [_SCHEME_OF[e.type] for _, e in found]
+    scheme = max(schemes, key=_WIDTH.__getitem__)
+    names = tuple(n for n, _ in found)
+    sources = tuple(TYPE_NAMES[e.type] for _, e in found)
+    size = sum(e.shape[0] * e.shape[1] for _, e in found)
+    mixed = len(set(schemes)) > 1
+    if scheme == "none":
+        quantized_parts = any(s != "none" for s in schemes)
+        how: How = "de-quantized" if quantized_parts else "as stored"
+        return LayerFormat(module, kind, scheme, names, sources, how, size,
+                           "fused with a float part" if quantized_parts else "")  # fmt: skip
+    if all(e.type in _EXACT[scheme] for _, e in found):
+        return LayerFormat(module, kind, scheme, names, sources, "repacked", size)
+    if mixed:
+        why = "the widest of its fused parts"
+    elif scheme == "int4" and any(e.type in (Q2_K, Q3_K) for _, e in found):
+        why = "no 2/3-bit kernel"
+    else:
+        why = ""
+    return LayerFormat(module, kind, scheme, names, sources, "re-quantized", size, why)
+
+
+def plan_layers(table: TensorTable, quantize_head: bool) -> LayerFormats:
+    """The auto plan of a prepared GGUF's tensor table (see the module docstring for the rules)."""
+    entries = {name: e for e in table.tensors if (name := hf_name(e.name)) is not None}
+    indices = sorted({int(n.split(".")[2]) for n in entries if n.startswith("model.layers.")})
+    layers: list[LayerFormat] = []
+    for i in indices:
+        layer = f"model.layers.{i}"
+        for kind, suffix, parts in _CLASSES:
+            found = _part_entries(entries, layer, parts)
+            if found is not None:
+                layers.append(_layer(f"{layer}.{suffix}", kind, found))
+    head = entries.get(f"{HEAD}.weight")
+    embedding = entries.get(EMBEDDING)
+    if head is not None and len(head.shape) == 2:
+        fmt = _layer(HEAD, "lm_head", [(f"{HEAD}.weight", head)])
+        if not quantize_head and fmt.scheme != "none":
+            fmt = LayerFormat(HEAD, "lm_head", "none", fmt.parts, fmt.sources, "de-quantized", fmt.size,
+                              "--no-quantize-lm-head")  # fmt: skip
+        layers.append(fmt)
+    elif embedding is not None:
+        layers.append(_tied_head(layers, embedding, quantize_head))
+    return LayerFormats(tuple(layers), len(indices))
+
+
+def _tied_head(layers: list[LayerFormat], embedding: TensorEntry, quantize_head: bool) -> LayerFormat:
+    """A tied head: the format holding most of the projections' weights (ties go to the wider), re-quantized
+    from the embedding; the model dtype when that is float or the head is not quantized."""
+    source = (f"{TYPE_NAMES[embedding.type]} (tied embedding)",)
+    size = embedding.shape[0] * embedding.shape[1]
+    weights: dict[Scheme, int] = {}
+    for f in layers:
+        weights[f.scheme] = weights.get(f.scheme, 0) + f.size
+    scheme: Scheme = "none"
+    if quantize_head and weights:
+        scheme = max(weights, key=lambda s: (weights[s], _WIDTH[s]))
+    if scheme == "none":
+        stored = _SCHEME_OF[embedding.type] == "none"
+        return LayerFormat(HEAD, "lm_head", "none", (EMBEDDING,), source, "as stored" if stored else "de-quantized",
+                           size, "" if quantize_head else "--no-quantize-lm-head")  # fmt: skip
+    return LayerFormat(HEAD, "lm_head", scheme, (EMBEDDING,), source, "re-quantized", size, "the projections' format")
