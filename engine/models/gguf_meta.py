@@ -12,11 +12,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .arch import ModelError
+from .arch import GEMMA3_ROPE_LOCAL_THETA, GEMMA3_SLIDING_WINDOW_PATTERN, ModelError
 from .gguf_header import read_gguf_metadata
 
-# GGUF architecture -> model_type; Mistral files say "llama".
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# GGUF architecture -> model_type; Mistral files say "llama". A gemma3 GGUF holds the text model only, which
+# transformers calls gemma3_text.
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 _CONTROL, _USER_DEFINED = 3, 4
 
 
@@ -76,14 +78,14 @@ def build_config(reader: Any, path: Path, tied: bool) -> dict[str, Any]:
         reader, *(p + k for k in ("block_count", "context_length", "embedding_length", "feed_forward_length",
                                   "attention.head_count", "attention.head_count_kv", "rope.freq_base",
                                   "attention.layer_norm_rms_epsilon", "vocab_size", "attention.key_length",
-                                  "rope.scaling.type", "rope.scaling.factor")),
+                                  "rope.scaling.type", "rope.scaling.factor", "attention.sliding_window")),
         "tokenizer.ggml.tokens", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
     )  # fmt: skip
     try:
         heads = int(m[p + "attention.head_count"])
         hidden = int(m[p + "embedding_length"])
         cfg: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM" if model_type == "llama" else f"{model_type.title()}ForCausalLM"],
+            "architectures": [_ARCHITECTURES.get(model_type, f"{model_type.title()}ForCausalLM")],
             "model_type": model_type,
             "num_hidden_layers": int(m[p + "block_count"]),
             "hidden_size": hidden,
@@ -103,7 +105,30 @@ def build_config(reader: Any, path: Path, tied: bool) -> dict[str, Any]:
         raise ModelError(f"{path}: GGUF metadata lacks {exc.args[0]!r}; the file is incomplete, re-export it") from exc
     if m.get(p + "rope.scaling.type") == "linear":
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(m[p + "rope.scaling.factor"])}
+    if model_type == "gemma3_text":
+        cfg.update(_gemma3_config(m, p, cfg))
     return cfg
+
+
+def _gemma3_config(m: dict[str, Any], p: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """What a Gemma 3 config.json holds that its GGUF does not: llama.cpp writes the sliding window and the global
+    RoPE base only, and hard-codes the rest in its gemma3 model, as transformers' Gemma3TextConfig defaults do."""
+    layers = int(cfg["num_hidden_layers"])
+    heads, head_dim = int(cfg["num_attention_heads"]), int(cfg["head_dim"])
+    # llama.cpp scales queries by head_dim ** -0.5 except for the 27B model (62 layers), which uses
+    # (hidden / heads) ** -0.5; query_pre_attn_scalar carries that (256 = head_dim for gemma-3-270m).
+    scalar = cfg["hidden_size"] // heads if layers == 62 else head_dim
+    return {
+        "sliding_window": int(m.get(p + "attention.sliding_window", 4096)),
+        # Every 6th layer attends to everything, the others to the window (llama.cpp's and transformers' pattern).
+        "layer_types": ["sliding_attention" if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else "full_attention"
+                        for i in range(layers)],  # fmt: skip
+        "rope_local_base_freq": GEMMA3_ROPE_LOCAL_THETA,
+        "query_pre_attn_scalar": scalar,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
 
 
 @lru_cache(maxsize=1)
