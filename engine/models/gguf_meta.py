@@ -248,8 +248,9 @@ def build_tokenizer(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     add_bos = bool(m.get("tokenizer.ggml.add_bos_token", kind == "llama"))
     bos = named("bos_token_id")
     if add_bos and bos is not None:
+        bos_id = vocab[spelled[int(m["tokenizer.ggml.bos_token_id"])]]
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, vocab[spelled[tokens.index(bos)]])]
+            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
         )
     config: dict[str, Any] = {
         "bos_token": bos,
