@@ -9,11 +9,17 @@ Decode (`decode_attention`, traced into the compiled decode step): every row is 
 step's inputs come as one int64 tensor per step (see `DecodeBatch`), so the graph has no host synchronisation: the
 KV write is an in-graph scatter into the layer's cache tensors, the keys and values are gathered by block table and
 masked by context length, and the softmax and weighted sum are reductions Inductor fuses with the gather.
+
+Sliding windows (`window`, per layer: Gemma 3's local layers): a query at position p sees the keys at positions
+p - window + 1 .. p, as transformers' sliding-window mask does (kv > q - window). Both paths apply it as a mask over
+the keys they already read; the cache keeps every position of every layer, so nothing about the blocks changes.
+The native decode attention op has no window: a windowed layer's compiled decode takes the tensor ops below (the
+model says so when the native kernels are switched on, see models/llama.py Attention.enable_native).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +47,8 @@ class AttentionMetadata:
     # Derived once per step on first use and shared by every layer.
     prefill_rows: list[list[int]] | None = None
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, W * block_size] bool
+    # The same for each sliding window in use (window -> mask), also built once per step.
+    decode_window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def causal(cls, lengths: list[int], device: torch.device | str = "cpu") -> AttentionMetadata:
@@ -61,9 +69,18 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw:
     return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **kw)
 
 
+def _chunk_mask(q_len: int, ctx_len: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[q_len, ctx_len] bool: the chunk's queries sit at the end of the context, so query i (at position
+    ctx - q_len + i) sees keys up to its own position, and with a window only the last `window` of those."""
+    qpos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    kj = torch.arange(ctx_len, device=device)[None, :]
+    mask = kj <= qpos
+    return mask if window is None else mask & (kj > qpos - window)
+
+
 def _prefill(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
-    cache: LayerKV | None, block_size: int, scale: float,
+    cache: LayerKV | None, block_size: int, scale: float, window: int | None,
 ) -> None:  # fmt: skip
     if meta.prefill_rows is None:
         meta.prefill_rows = meta.prefill_info.tolist()  # once per step, not per layer
@@ -71,57 +88,77 @@ def _prefill(
     for i, (start, q_len, ctx_len) in enumerate(meta.prefill_rows):
         rows = slice(start, start + q_len)
         qs = q[rows].transpose(0, 1).unsqueeze(0)
+        # A window no shorter than the context hides nothing: leave it out (and keep SDPA's causal fast path).
+        win = window if window is not None and window < ctx_len else None
         if ctx_len == q_len or cache is None:
             # Nothing cached before this chunk: the fresh keys are the whole context, plain causal attention.
             ks, vs = k[rows], v[rows]
-            o = _sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), scale, is_causal=True)
+            kt, vt = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+            if win is None:
+                o = _sdpa(qs, kt, vt, scale, is_causal=True)
+            else:
+                o = _sdpa(qs, kt, vt, scale, attn_mask=_chunk_mask(q_len, q_len, win, q.device))
         else:
             nb = -(-ctx_len // block_size)
             kb, vb = cache.read(tables[i, :nb], q.dtype)
             ks, vs = kb.flatten(0, 1)[:ctx_len], vb.flatten(0, 1)[:ctx_len]
-            # The chunk's queries sit at the end of the context: query i may see keys up to ctx - q_len + i.
-            qi = torch.arange(q_len, device=q.device)[:, None]
-            kj = torch.arange(ctx_len, device=q.device)[None, :]
-            mask = kj <= qi + (ctx_len - q_len)
+            mask = _chunk_mask(q_len, ctx_len, win, q.device)
             o = _sdpa(qs, ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0), scale, attn_mask=mask)
         out[rows] = o.squeeze(0).transpose(0, 1)
 
 
+def _decode_mask(meta: AttentionMetadata, width: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """[B, 1, 1, width] bool: the keys each decoding row sees (its context, or the last `window` of it), built once
+    per step for each window and shared by the layers."""
+    ctx_lens = meta.decode_ctx_lens
+    assert ctx_lens is not None
+    if meta.decode_mask is None:
+        meta.decode_mask = (torch.arange(width, device=device)[None, :] < ctx_lens[:, None])[:, None, None, :]
+    if window is None:
+        return meta.decode_mask
+    mask = meta.decode_window_masks.get(window)
+    if mask is None:
+        # The new token sits at ctx_len - 1: it sees positions ctx_len - window .. ctx_len - 1.
+        recent = torch.arange(width, device=device)[None, :] >= (ctx_lens - window)[:, None]
+        mask = meta.decode_window_masks[window] = meta.decode_mask & recent[:, None, None, :]
+    return mask
+
+
 def _decode_eager(q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, cache: LayerKV, block_size: int,
-                  scale: float) -> None:
+                  scale: float, window: int | None) -> None:
     tables, ctx_lens = meta.decode_block_tables, meta.decode_ctx_lens
     assert tables is not None and ctx_lens is not None
     p = q.shape[0] - tables.shape[0]
     # fp32: the CPU's masked SDPA is ~6x slower in bf16 than in fp32 at these shapes, and the precision is free.
     qd = q[p:].unsqueeze(2).float()  # [B, H, 1, D]
     kd, vd = cache.read(tables, torch.float32)  # [B, W, bs, Hkv, D]
-    if meta.decode_mask is None:
-        width = tables.shape[1] * block_size
-        meta.decode_mask = (torch.arange(width, device=q.device)[None, :] < ctx_lens[:, None])[:, None, None, :]
-    o = _sdpa(qd, kd.flatten(1, 2).transpose(1, 2), vd.flatten(1, 2).transpose(1, 2), scale, attn_mask=meta.decode_mask)
+    mask = _decode_mask(meta, tables.shape[1] * block_size, window, q.device)
+    o = _sdpa(qd, kd.flatten(1, 2).transpose(1, 2), vd.flatten(1, 2).transpose(1, 2), scale, attn_mask=mask)
     out[p:] = o.squeeze(2).to(out.dtype)
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """Eager attention for a mixed step. q: [T, H, D], k/v: [T, Hkv, D] for the new tokens. Returns [T, H, D]."""
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float,
+    window: int | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Eager attention for a mixed step. q: [T, H, D], k/v: [T, Hkv, D] for the new tokens. Returns [T, H, D].
+    `window`: this layer's sliding window (None: full causal attention)."""
     cache = meta.kv_cache
     lk = cache[layer] if cache is not None else None
     if lk is not None and meta.slot_mapping is not None:
         lk.store(k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     bs = cache.block_size if cache is not None else 1
-    _prefill(q, k, v, out, meta, lk, bs, scale)
+    _prefill(q, k, v, out, meta, lk, bs, scale, window)
     if meta.decode_ctx_lens is not None and meta.decode_ctx_lens.numel():
         assert lk is not None
-        _decode_eager(q, out, meta, lk, bs, scale)
+        _decode_eager(q, out, meta, lk, bs, scale, window)
     return out
 
 
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, packed: torch.Tensor, scale: float,
-    native: bool = False,
+    native: bool = False, window: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """One decode step for B sequences, traceable with no host synchronisation.
 
@@ -131,9 +168,14 @@ def decode_attention(
     `native` (set by the native_kernels stage for the compiled step on the CPU) reads the cache with glowplug's
     native op (kernels/native/attention.cpp) instead of the tensor ops below, which are its reference: at batch 1 the
     Inductor kernel those ops compile to spent its time in fork/join barriers (reports/decode-quantized.md measures
-    the step with it)."""
+    the step with it).
+
+    `window`: this layer's sliding window (None: the whole context). The native op has no window, so a windowed
+    layer must not ask for it (raises ValueError rather than attend to keys the model must not see)."""
     slots = packed[:, SLOT]
     cache.store(k, v, slots)
+    if native and window is not None:
+        raise ValueError("the native decode attention op has no sliding window; run a windowed layer on the torch path")
     if native:
         ops = torch.ops.glowplug_native
         if cache.k_scale is not None and cache.v_scale is not None:
@@ -153,7 +195,10 @@ def decode_attention(
     values = values.reshape(b, width, kv_heads, 1, d)
     qg = q.float().reshape(b, 1, kv_heads, heads // kv_heads, d)
     scores = (qg * keys).sum(-1) * scale  # [B, T, Hkv, G]; a reduction Inductor fuses with the gather
-    visible = torch.arange(width, device=q.device)[None, :] < lens[:, None]
+    key_pos = torch.arange(width, device=q.device)[None, :]
+    visible = key_pos < lens[:, None]
+    if window is not None:
+        visible = visible & (key_pos >= (lens - window)[:, None])
     scores = scores.masked_fill(~visible[:, :, None, None], float("-inf"))
     probs = scores.softmax(dim=1)
     out = (probs[..., None] * values).sum(1)  # [B, Hkv, G, D]

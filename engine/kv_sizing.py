@@ -97,8 +97,15 @@ def kv_budget(config: EngineConfig, *, device: str, weights_bytes: int, activati
     return budget, source
 
 
+def _window_caps(arch: ModelArch) -> bool:
+    """A window the attention path does not apply (one for every layer: Mistral, Qwen) caps the context at its
+    length, where full attention and the window agree; Gemma 3's per-layer windows are applied, so they cap nothing."""
+    return arch.sliding_window is not None and arch.layer_types is None
+
+
 def model_len_limit(arch: ModelArch) -> int:
-    return min(arch.max_position_embeddings, arch.sliding_window or arch.max_position_embeddings)
+    window = arch.sliding_window if _window_caps(arch) else None
+    return min(arch.max_position_embeddings, window or arch.max_position_embeddings)
 
 
 def check_model_len(config: EngineConfig, arch: ModelArch) -> None:
@@ -106,7 +113,7 @@ def check_model_len(config: EngineConfig, arch: ModelArch) -> None:
     limit = model_len_limit(arch)
     requested = config.max_model_len
     if isinstance(requested, int) and requested > limit:
-        what = "max_position_embeddings" + (" / sliding_window" if arch.sliding_window else "")
+        what = "max_position_embeddings" + (" / sliding_window" if _window_caps(arch) else "")
         raise ConfigError(
             "--max-model-len",
             f"--max-model-len {requested} exceeds the model's limit of {limit} positions ({what}); use "

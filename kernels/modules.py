@@ -56,6 +56,9 @@ class NativeSwitch:
     kind: Literal["dense", "quantized", "attention"]
     switched: bool
     nbytes: int = 0
+    # Why a layer the native op would otherwise serve stays on the stock path (empty when it switched, or when no
+    # native op applies at all): `enable_native_decode` gathers these so the stage can say so on its span.
+    fallback: str = ""
 
 
 @runtime_checkable
@@ -332,11 +335,13 @@ def native_kernels_in_eager() -> Iterator[None]:
         _NATIVE_EAGER.reset(token)
 
 
-def enable_native_decode(model: nn.Module, small_m: int, activation_dtype: torch.dtype) -> dict[str, int]:
+def enable_native_decode(model: nn.Module, small_m: int, activation_dtype: torch.dtype,
+                         fallbacks: dict[str, int] | None = None) -> dict[str, int]:
     """Switch every layer of `model` that can run a native op in its compiled decode step (a `NativeDecodeLayer`:
     the linear layers, the model's attention) to it where one serves it (call after loading, once
     `kernels.native.load_native` succeeded). Returns how many layers of each kind switched and the bytes one
-    batch-1 decode step reads through the linear ones."""
+    batch-1 decode step reads through the linear ones. `fallbacks`, when given, receives each distinct reason a
+    layer gave for staying on the stock path (`NativeSwitch.fallback`) with how many layers gave it."""
     counts = {"dense": 0, "quantized": 0, "attention": 0}
     nbytes = 0
     for mod in model.modules():
@@ -344,6 +349,8 @@ def enable_native_decode(model: nn.Module, small_m: int, activation_dtype: torch
             switch = mod.enable_native(small_m, activation_dtype)
             counts[switch.kind] += switch.switched
             nbytes += switch.nbytes
+            if switch.fallback and fallbacks is not None:
+                fallbacks[switch.fallback] = fallbacks.get(switch.fallback, 0) + 1
     return {**counts, "bytes_per_token": nbytes}
 
 

@@ -110,6 +110,8 @@ class Attr:
     ROW_NOTE: Final = "glowplug.row_note"
     ISA_LEVEL: Final = "glowplug.isa_level"  # the native kernels' ISA level (base.machine.ISA_LEVELS)
     ISA_REASON: Final = "glowplug.isa_reason"  # why that level: the CPU's best, a cap, or the best variant stored
+    # Layers a native op would serve that keep the stock path, with why and how many ("15 layers: ...").
+    NATIVE_FALLBACK: Final = "glowplug.native_fallback"
     ERROR: Final = "glowplug.error"
     PID: Final = "glowplug.pid"
     CLOCK_RESOLUTION_S: Final = "glowplug.clock_resolution_s"

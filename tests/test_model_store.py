@@ -162,7 +162,7 @@ def test_prepared_folder_as_a_path_reads_its_gguf_or_says_it_is_gone(smollm2_dir
         build_engine(cfg, cache_dir=tmp_path / "cache")
 
 
-def _unsupported_architecture_gguf(path: Path, arch: str = "gemma3") -> Path:
+def _unsupported_architecture_gguf(path: Path, arch: str = "phi3") -> Path:
     """A GGUF whose architecture glowplug does not run, with a 100k-token vocabulary (parsing it is the slow part
     of preparing) and a tensor of a type glowplug does not read: the architecture must be refused first."""
     import numpy as np
@@ -184,11 +184,11 @@ def test_unsupported_architecture_fails_model_prepare_at_once(tmp_path: Path) ->
     from glowplug.engine.stages.context import EngineContext
     from glowplug.engine.stages.model_prepare import ModelPrepare
 
-    src = _unsupported_architecture_gguf(tmp_path / "gemma.gguf")
+    src = _unsupported_architecture_gguf(tmp_path / "phi.gguf")
     ctx = EngineContext(config=EngineConfig.from_flat(model=str(src)), cache_root=tmp_path / "cache")
     t0 = time.perf_counter()
-    with pytest.raises(ModelError, match=r"gemma\.gguf: GGUF architecture 'gemma3' is not supported; "
-                                         r"supported: llama, qwen2, qwen3"):  # fmt: skip
+    with pytest.raises(ModelError, match=r"phi\.gguf: GGUF architecture 'phi3' is not supported; "
+                                         r"supported: llama, qwen2, qwen3, gemma3"):  # fmt: skip
         ModelPrepare().run(ctx)
     assert time.perf_counter() - t0 < 1.0
     entries = tmp_path / "cache" / "model"
@@ -200,10 +200,10 @@ def test_architecture_is_read_from_the_header_alone(tmp_path: Path) -> None:
     from glowplug.engine.models.gguf_header import read_gguf_metadata
     from glowplug.engine.models.gguf_meta import check_architecture
 
-    src = _unsupported_architecture_gguf(tmp_path / "gemma.gguf")
+    src = _unsupported_architecture_gguf(tmp_path / "phi.gguf")
     # Stops at the key: the vocabulary after it is not walked.
-    assert read_gguf_metadata(src, stop_at="general.architecture") == {"general.architecture": "gemma3"}
+    assert read_gguf_metadata(src, stop_at="general.architecture") == {"general.architecture": "phi3"}
     assert "tokenizer.ggml.tokens" in read_gguf_metadata(src)
-    with pytest.raises(ModelError, match="'gemma3' is not supported"):
+    with pytest.raises(ModelError, match="'phi3' is not supported"):
         check_architecture(src)
     assert check_architecture(_unsupported_architecture_gguf(tmp_path / "llama.gguf", "llama")) == "llama"

@@ -1,7 +1,10 @@
 """Parse a Hugging Face `config.json` into the one architecture description our decoder understands.
 
 Llama, Mistral, Qwen2 and Qwen3 differ only in a few switches (qkv bias, q/k norms, sliding window), so they share
-one decoder and this module turns each `model_type` into those switches.
+one decoder and this module turns each `model_type` into those switches. Gemma 3 (`gemma3_text`, the text model of
+the family) adds a few more: RMSNorm scaling by (1 + w), norms after attention and after the MLP as well as before,
+embeddings scaled by sqrt(hidden), GELU (tanh) in the MLP, a query scale of its own, and layers that alternate
+between a sliding window (with a local RoPE base) and full attention.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Gemma 3's defaults where a config (or a GGUF, which stores neither) leaves them out: transformers'
+# Gemma3TextConfig.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6  # every 6th layer attends to everything, the others to a sliding window
+GEMMA3_ROPE_LOCAL_THETA = 10_000.0
+
+LayerType = Literal["full_attention", "sliding_attention"]
 
 
 class ModelError(ValueError):
@@ -32,7 +41,8 @@ class RopeScaling(BaseModel):
 class ModelArch(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    model_type: Literal["llama", "mistral", "qwen2", "qwen3"]
+    # "gemma3" is the text model of Gemma 3 (Hugging Face calls it gemma3_text).
+    model_type: Literal["llama", "mistral", "qwen2", "qwen3", "gemma3"]
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -53,13 +63,36 @@ class ModelArch(BaseModel):
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     torch_dtype: str | None
+    hidden_act: Literal["silu", "gelu_pytorch_tanh"] = "silu"
+    # Per-layer attention kind, only for families whose attention path applies `sliding_window` per layer (Gemma 3).
+    # None with a `sliding_window` (Mistral, Qwen) means one window for every layer, which the attention path does
+    # not apply: the context is capped at the window instead (kv_sizing.model_len_limit), where it changes nothing.
+    layer_types: tuple[LayerType, ...] | None = None
+    # RoPE base of the sliding-window layers when it differs from `rope_theta` (Gemma 3's local layers).
+    rope_local_theta: float | None = None
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5 when set.
+    query_pre_attn_scalar: float | None = None
+
+    @property
+    def gemma_norms(self) -> bool:
+        """Gemma's layer shape: RMSNorm scales by (1 + w) in fp32, each sublayer's output is normed again before the
+        residual add (four norms per layer), and the embeddings are scaled by sqrt(hidden)."""
+        return self.model_type == "gemma3"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window (in keys, the query's own included) that the attention path applies at `layer`, or
+        None for full causal attention."""
+        if self.layer_types is None or self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @property
     def num_params(self) -> int:
         h, i, L, v = self.hidden_size, self.intermediate_size, self.num_hidden_layers, self.vocab_size
         q = self.num_attention_heads * self.head_dim
         kv = self.num_key_value_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        norms = (4 if self.gemma_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + norms
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + L * per_layer + h + head
 
@@ -82,6 +115,51 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling]:
     return theta, RopeScaling.model_validate(merged)
 
 
+def _gemma3_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+    """ModelArch fields of a gemma3_text config.json, read as transformers' Gemma3TextConfig reads them (its
+    defaults where a field is missing). What glowplug does not run is refused rather than ignored."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ModelError(f"{path}: {key} = {cfg[key]} is set; glowplug's Gemma 3 has no soft-capping (Gemma 3 "
+                             f"checkpoints leave it null)")  # fmt: skip
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelError(f"{path}: use_bidirectional_attention is set (an embedding model); glowplug runs causal "
+                         f"language models only")  # fmt: skip
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelError(f"{path}: hidden_activation {act!r} is not supported for gemma3_text (gelu_pytorch_tanh is)")
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern") or GEMMA3_SLIDING_WINDOW_PATTERN)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(types) != layers or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ModelError(f"{path}: layer_types must name full_attention or sliding_attention for each of the "
+                         f"{layers} layers (got {types})")  # fmt: skip
+    # transformers >= 5 nests the RoPE parameters per layer type; older configs give rope_theta and
+    # rope_local_base_freq (and a rope_scaling that applies to the full-attention layers only).
+    params = cfg.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {}) if "full_attention" in params else {}
+    local = dict(params.get("sliding_attention") or {})
+    if local.get("rope_type", "default") != "default":
+        raise ModelError(f"{path}: RoPE type {local['rope_type']!r} on the sliding-window layers is not supported")
+    theta_cfg = {**cfg, "rope_parameters": full or None}
+    theta, scaling = _rope(theta_cfg, path)
+    if "rope_theta" not in full and "rope_theta" not in cfg:
+        theta = 1_000_000.0  # Gemma3TextConfig's default for the full-attention layers
+    return {
+        "hidden_act": act,
+        "layer_types": tuple(types),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_local_theta": float(local.get("rope_theta", cfg.get("rope_local_base_freq", GEMMA3_ROPE_LOCAL_THETA))),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "sliding_window": int(cfg.get("sliding_window") or 4096),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "qk_norm": True,
+    }
+
+
 def parse_hf_config(cfg: dict[str, Any], path: Path) -> ModelArch:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -92,14 +170,15 @@ def parse_hf_config(cfg: dict[str, Any], path: Path) -> ModelArch:
     try:
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        theta, scaling = _rope(cfg, path)
+        gemma = _gemma3_fields(cfg, path) if model_type == "gemma3_text" else {}
+        theta, scaling = (gemma["rope_theta"], gemma["rope_scaling"]) if gemma else _rope(cfg, path)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         sliding = cfg.get("sliding_window") if model_type == "mistral" else None
         if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
             sliding = cfg.get("sliding_window")
-        return ModelArch(
-            model_type=model_type,
+        fields: dict[str, Any] = dict(
+            model_type="gemma3" if gemma else model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -122,6 +201,7 @@ def parse_hf_config(cfg: dict[str, Any], path: Path) -> ModelArch:
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         )
+        return ModelArch(**{**fields, **gemma})
     except KeyError as exc:
         raise ModelError(f"{path}: config.json lacks the required field {exc.args[0]!r}") from exc
     except (ValidationError, TypeError, ValueError) as exc:

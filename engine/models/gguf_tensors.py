@@ -68,6 +68,12 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }  # fmt: skip
+# Gemma 3 norms each sublayer's input and output: llama.cpp's ffn_norm is the MLP's input norm there, which
+# Hugging Face calls pre_feedforward_layernorm (post_attention_layernorm is the attention output's norm).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}  # fmt: skip
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors llama.cpp writes that the model derives itself.
 _IGNORED = ("rope_freqs.weight",)
@@ -96,14 +102,15 @@ class TensorTable(BaseModel):
     source: str = ""
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor, or None when the model does not take it."""
+def hf_name(gguf_name: str, model_type: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor (for `model_type`'s layout), or None when the model does not take
+    it."""
     if gguf_name in _IGNORED:
         return None
     stem, _, leaf = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
-        mapped = _LAYER_NAMES.get(part)
+        mapped = (_GEMMA3_LAYER_NAMES if model_type == "gemma3" else _LAYER_NAMES).get(part)
         return f"model.layers.{index}.{mapped}.{leaf}" if mapped else gguf_name
     mapped = _GLOBAL_NAMES.get(stem)
     return f"{mapped}.{leaf}" if mapped else gguf_name
@@ -368,14 +375,17 @@ def load_gguf_weights(
     fp32: tensors (HF names) to load in fp32 whatever `dtype`: under --quantization auto, the ones a quantizer
     starts from, while the layers that stay float are loaded straight into the model dtype."""
     data = map_file(path, table)
-    entries = {name: e for e in table.tensors if (name := hf_name(e.name)) is not None}
+    entries = {name: e for e in table.tensors if (name := hf_name(e.name, arch.model_type)) is not None}
     packed = _packable(entries, plan)
     schemes = dict(plan.modules) if plan is not None and plan.modules is not None else {
         m: plan.scheme for m in packed if plan is not None}  # fmt: skip
     target = dtype or torch.float32
     into = _fused_buffers(entries, packed, target, fp32)
-    # llama.cpp permutes q/k rows for its rotary kernel only for llama-family files (not qwen2/qwen3).
+    # llama.cpp permutes q/k rows for its rotary kernel only for llama-family files (not qwen2/qwen3/gemma3).
     permute = arch.model_type in ("llama", "mistral")
+    # llama.cpp's converter stores Gemma's norm weights with the 1 of x * (1 + w) added; the model (like
+    # transformers' GGUF loader, which subtracts it too) takes w as Hugging Face checkpoints store it.
+    norm_offset = 1.0 if arch.gemma_norms else 0.0
     sd: dict[str, torch.Tensor] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     total = 0
@@ -394,6 +404,10 @@ def load_gguf_weights(
                 sd[f"{module}.{suffix}"] = t[order] if order is not None else t
             continue
         wanted = torch.float32 if name in fp32 else target
+        if norm_offset and name.endswith("norm.weight"):
+            # Subtracted in fp32, as transformers does, before any rounding to the run dtype.
+            sd[name] = (dequantize(raw, e, torch.float32) - norm_offset).to(wanted)
+            continue
         if e.type in _FLOAT and order is None and name not in into:
             sd[name] = map_float(path, e).to(wanted)
             continue

@@ -1,4 +1,8 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) in plain PyTorch.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and Gemma 3's text model) in plain PyTorch.
+
+Gemma 3 runs the same code with the switches ModelArch derives for it (see arch.py): (1 + w) norms and four of them
+per layer (`gemma_norms`), GELU (tanh) in the MLP, its query scale, and per-layer sliding windows with their own
+RoPE base (`layer_window`, `rope_local_theta`).
 
 Two forward paths share the modules:
 - `forward(input_ids, positions, meta)`: any batch (prefill chunks and decodes mixed), eager, over `AttentionMetadata`.
@@ -38,17 +42,22 @@ def fused_rows(arch: ModelArch) -> dict[str, tuple[int, ...]]:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """`offset`: Gemma's form, x * (1 + w) with w as its checkpoints store it (zero-centred), all in fp32 and cast
+    once at the end; otherwise Llama's, cast back before multiplying by w. Each follows its reference's order,
+    which matters for bf16/fp16 parity."""
+
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as the reference implementation does; the order
-        # matters for bf16/fp16 parity.
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (1.0 + self.weight.float())).to(dtype)
         return self.weight * xf.to(dtype)
 
 
@@ -71,17 +80,21 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling, max_pos: in
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, built once the model leaves the meta device and indexed by position."""
+    """cos/sin tables for every position, built once the model leaves the meta device and indexed by position.
+    `theta`/`scaling` default to the model's; Gemma 3's sliding-window layers get a second table with their local
+    base and no scaling."""
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, theta: float | None = None, scaling: RopeScaling | None = None) -> None:
         super().__init__()
         self.arch = arch
+        self.theta = arch.rope_theta if theta is None else theta
+        self.scaling = arch.rope_scaling if scaling is None else scaling
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
 
     def build(self, max_positions: int, device: torch.device | str) -> None:
         a = self.arch
-        inv = rope_inv_freq(a.head_dim, a.rope_theta, a.rope_scaling, a.max_position_embeddings).to(device)
+        inv = rope_inv_freq(a.head_dim, self.theta, self.scaling, a.max_position_embeddings).to(device)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -111,18 +124,26 @@ class Attention(nn.Module):
         self.qkv_proj = DenseLinear(h, (self.num_heads + 2 * self.num_kv_heads) * d, bias=arch.qkv_bias)
         self.o_proj = DenseLinear(self.num_heads * d, h, bias=arch.o_bias)
         if arch.qk_norm:
-            self.q_norm = RMSNorm(d, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(d, arch.rms_norm_eps)
-        self.scale = d**-0.5
+            self.q_norm = RMSNorm(d, arch.rms_norm_eps, offset=arch.gemma_norms)
+            self.k_norm = RMSNorm(d, arch.rms_norm_eps, offset=arch.gemma_norms)
+        self.scale = (arch.query_pre_attn_scalar or d) ** -0.5
+        # This layer's sliding window (None: full attention); a plain int, so the compiled step specialises on it.
+        self.window = arch.layer_window(layer)
         # The compiled decode step's attention through the native op (set by `enable_native`).
         self.native_attention = False
 
     def enable_native(self, small_m: int, activation_dtype: torch.dtype) -> NativeSwitch:
         """kernels.modules.enable_native_decode's switch: decode attention through the native op where the CPU and
-        this head_dim allow it (batch size and dtype do not matter to it)."""
+        this head_dim allow it (batch size and dtype do not matter to it). The op attends to the whole context, so a
+        sliding-window layer keeps the tensor ops, and says why (the native_kernels stage puts it on its span)."""
         from ...kernels.native import attention_supported
 
-        self.native_attention = attention_supported(self.head_dim)
+        supported = attention_supported(self.head_dim)
+        self.native_attention = supported and self.window is None
+        if supported and self.window is not None:
+            return NativeSwitch("attention", False, fallback=(
+                f"sliding-window ({self.window}) attention runs torch ops: the native decode_attention op has no "
+                f"window"))  # fmt: skip
         return NativeSwitch("attention", self.native_attention)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -135,12 +156,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self._qkv(x, *rope)
-        o = paged_attention(q, k, v, self.layer, meta, self.scale)
+        o = paged_attention(q, k, v, self.layer, meta, self.scale, self.window)
         return self.o_proj(o.reshape(x.shape[0], -1))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV, packed: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, cos, sin)
-        o = decode_attention(q, k, v, cache, packed, self.scale, self.native_attention)
+        o = decode_attention(q, k, v, cache, packed, self.scale, self.native_attention, self.window)
         return self.o_proj(o.reshape(x.shape[0], -1))
 
 
@@ -151,23 +172,43 @@ class MLP(nn.Module):
         self.intermediate_size = i
         self.gate_up_proj = DenseLinear(h, 2 * i, bias=arch.mlp_bias)
         self.down_proj = DenseLinear(i, h, bias=arch.mlp_bias)
+        self.gelu = arch.hidden_act == "gelu_pytorch_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
+    """Llama's layer: x + attn(norm(x)), then + mlp(post_attention_layernorm(x)). Gemma's (`gemma_norms`) norms
+    each sublayer's output too, with Hugging Face's names for its four norms: x + post_attention_layernorm(attn(
+    input_layernorm(x))), then + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))."""
+
     def __init__(self, arch: ModelArch, layer: int) -> None:
         super().__init__()
         self.self_attn = Attention(arch, layer)
         self.mlp = MLP(arch)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        gemma = arch.gemma_norms
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, offset=gemma)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, offset=gemma)
+        if gemma:
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, offset=True)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, offset=True)
+        self.gemma = gemma
+        # Which RoPE table this layer takes: Gemma 3's sliding-window layers have a local base of their own.
+        self.local_rope = self.self_attn.window is not None and arch.rope_local_theta is not None
+
+    def _residual(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer once attention ran on input_layernorm(x)."""
+        if self.gemma:
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self._residual(x, self.self_attn(self.input_layernorm(x), rope, meta))
 
     @torch.compiler.nested_compile_region
     def decode(
@@ -177,8 +218,7 @@ class DecoderLayer(nn.Module):
         """One layer of the decode step. A nested compile region: traced and compiled once, reused by every layer
         (the cache tensors come in one by one so that the regions' inputs never alias)."""
         cache = LayerKV(k_cache, v_cache, k_scale, v_scale)
-        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, packed)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return self._residual(x, self.self_attn.decode(self.input_layernorm(x), cos, sin, cache, packed))
 
 
 class Backbone(nn.Module):
@@ -189,14 +229,42 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
                                          _weight=torch.empty(arch.vocab_size, arch.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, offset=arch.gemma_norms)
         self.rotary_emb = RotaryEmbedding(arch)
+        if any(layer.local_rope for layer in self.layers):
+            assert arch.rope_local_theta is not None
+            self.rotary_emb_local = RotaryEmbedding(arch, arch.rope_local_theta, RopeScaling())
+        # Gemma scales the embeddings by sqrt(hidden), a factor its reference first rounds to the weights' dtype
+        # (a bf16 run multiplies by 25.25, not 25.298, for hidden 640): the rounded factor per dtype, as a Python
+        # float so the multiply is one scalar op in eager and compiled code alike.
+        self.embed_scales: dict[torch.dtype, float] = {}
+        if arch.gemma_norms:
+            root = torch.tensor(arch.hidden_size**0.5, dtype=torch.float32, device="cpu")
+            self.embed_scales = {dt: float(root.to(dt)) for dt in (torch.float32, torch.bfloat16, torch.float16)}
+
+    def build_rope(self, max_positions: int, device: torch.device | str) -> None:
+        """Build the RoPE tables (every one the layers use) once the model is off the meta device."""
+        self.rotary_emb.build(max_positions, device)
+        if hasattr(self, "rotary_emb_local"):
+            self.rotary_emb_local.build(max_positions, device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x * self.embed_scales[x.dtype] if self.embed_scales else x
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype
+                    ) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+        """cos/sin rows for `positions`, keyed by `DecoderLayer.local_rope`: looked up once per forward."""
+        tables = {False: self.rotary_emb.tables(positions, dtype)}
+        if hasattr(self, "rotary_emb_local"):
+            tables[True] = self.rotary_emb_local.tables(positions, dtype)
+        return tables
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary_emb.tables(positions, x.dtype)
+        x = self.embed(input_ids)
+        ropes = self.rope_tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, rope, meta)
+            x = layer(x, ropes[layer.local_rope], meta)
         return self.norm(x)
 
 
@@ -256,9 +324,10 @@ class DecoderLM(nn.Module):
         from ..attention import POSITION, TOKEN
 
         m = self.model
-        x = m.embed_tokens(packed[:, TOKEN])
-        cos, sin = m.rotary_emb.tables(packed[:, POSITION], x.dtype)
+        x = m.embed(packed[:, TOKEN])
+        ropes = m.rope_tables(packed[:, POSITION], x.dtype)
         for layer, c in zip(m.layers, caches):
+            cos, sin = ropes[layer.local_rope]
             x = layer.decode(x, cos, sin, c.k, c.v, c.k_scale, c.v_scale, packed)
         return self.compute_logits(m.norm(x))
 

@@ -226,5 +226,5 @@ def load_model(
         ckpt = read_checkpoint(model_dir)
     sd = fuse_checkpoint(check_state_dict(model, ckpt.state_dict, model_dir), dtype)
     materialize(model, sd, dtype, device, model_dir)
-    model.model.rotary_emb.build(max_positions, device)
+    model.model.build_rope(max_positions, device)
     return model, ckpt

@@ -33,7 +33,7 @@ DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = {DEFAULT_MODEL, "default", DEFAULT_NAME, f"HuggingFaceTB/{DEFAULT_NAME}"}
 # Bump when _convert_gguf writes something different for the same GGUF.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 TENSOR_TABLE = "gguf_tensors.json"
 # GGUF types whose scales cover 32 weights (see source_quant_block): the legacy blocks, and Q4_K/Q5_K, whose
 # 256-weight super-blocks hold eight 32-weight sub-blocks with a scale and min each (Q2_K, Q3_K and Q6_K scale

@@ -13,7 +13,7 @@ from glowplug.base.errors import require_extra
 
 NEEDS = "making the tiny test checkpoints (glowplug.engine.models.tiny)"
 
-TINY_VARIANTS = ("llama", "llama3-rope", "linear-rope", "mistral", "qwen2", "qwen3")
+TINY_VARIANTS = ("llama", "llama3-rope", "linear-rope", "mistral", "qwen2", "qwen3", "gemma3")
 
 _CORPUS = [
     "glowplug starts an inference server and accounts for every second of its start-up.",
@@ -91,6 +91,13 @@ def _config(variant: str, vocab: int, eos: int, bos: int, **overrides: Any) -> A
         cls, extra = tf.Qwen2Config, dict(tie_word_embeddings=True)
     elif variant == "qwen3":
         cls, extra = tf.Qwen3Config, dict(head_dim=32)
+    elif variant == "gemma3":
+        # A window of 8 keys so short prompts already cross it; one sliding and one full layer, each with its own
+        # RoPE base; a query scale other than head_dim's.
+        cls, extra = tf.Gemma3TextConfig, dict(
+            head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=24, tie_word_embeddings=True,
+        )  # fmt: skip
     else:
         raise ValueError(f"unknown tiny variant {variant!r}; choose one of {', '.join(TINY_VARIANTS)}")
     return cls(**{**common, **extra, **overrides})

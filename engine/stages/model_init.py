@@ -84,7 +84,7 @@ class ModelInit:
             )
         assert ctx.model_dir is not None
         materialize(model, sd, ctx.dtype, ctx.device, ctx.model_dir, keep_dtype=keep)
-        model.model.rotary_emb.build(arch.max_position_embeddings, ctx.device)
+        model.model.build_rope(arch.max_position_embeddings, ctx.device)
         ctx.model = model
         ctx.state_dict = None  # the model owns the tensors now; drop the extra references
         return StageReport(

@@ -61,7 +61,8 @@ class NativeKernels:
             attrs["glowplug.native_background_build"] = build.background
         if not build.available:
             return StageReport.skipped(f"native kernels unavailable: {build.reason}", attrs)  # type: ignore[arg-type]
-        counts = enable_native_decode(model, DENSE_SMALL_M, ctx.dtype)
+        fallbacks: dict[str, int] = {}
+        counts = enable_native_decode(model, DENSE_SMALL_M, ctx.dtype, fallbacks)
         ctx.model = model  # the same object, changed in place: the write is what the stage contract sees
         attrs.update({
             "glowplug.native_dense_layers": counts["dense"],
@@ -69,6 +70,12 @@ class NativeKernels:
             "glowplug.native_attention_layers": counts["attention"],
             Attr.BYTES_PER_TOKEN: counts["bytes_per_token"],
         })  # fmt: skip
+        # Layers a native op would serve but that keep the stock path (a sliding-window attention layer: the native
+        # decode attention reads the whole context), each reason with its layer count: on the span and the row.
+        fallen = "; ".join(f"{n} layers: {why}" for why, n in fallbacks.items())
+        if fallen:
+            attrs[Attr.NATIVE_FALLBACK] = fallen
         # The row's note: the level, and why it is not the CPU's best when it is not (degrade loudly).
-        attrs[Attr.ROW_NOTE] = f"ISA {build.level_reason}" + (f"; {build.background}" if build.background else "")
+        attrs[Attr.ROW_NOTE] = (f"ISA {build.level_reason}" + (f"; {build.background}" if build.background else "")
+                                + (f"; {fallen}" if fallen else ""))  # fmt: skip
         return StageReport(attributes=attrs)  # type: ignore[arg-type]
