@@ -136,8 +136,9 @@ def _formats(model: Any) -> dict[str, type]:
 def test_the_plan_per_type_and_per_fused_layer() -> None:
     """A Q4_K_M-like layer (q/k Q4_K, v Q6_K, o Q4_K, gate/up Q4_K, down Q6_K) and one of every other rule: the
     fused q/k/v takes the wider int8 (re-quantized: Q4_K has no exact int8 layout), Q2_K/Q3_K re-quantize to int4,
-    Q5_0 and Q8_0 repack into int8, a float part keeps its fused layer float; a tied head takes the projections'
-    format. The row note says it per class of tensor."""
+    Q5_0 and Q8_0 repack into int8, a float part keeps its fused layer float; a tied head runs as the embedding is
+    stored (Q6_K: int8, re-quantized; Q8_0: int8 repacked from the same blocks, the embedding staying float). The
+    row note says it per class of tensor."""
     def entry(name: str, kind: int) -> gt.TensorEntry:
         return gt.TensorEntry(name=name, type=kind, shape=(256, 512), offset=0, nbytes=0)
 
@@ -159,20 +160,26 @@ def test_the_plan_per_type_and_per_fused_layer() -> None:
         "model.layers.1.self_attn.o_proj": ("int4", "re-quantized"),
         "model.layers.1.mlp.gate_up_proj": ("none", "de-quantized"),
         "model.layers.1.mlp.down_proj": ("int8", "re-quantized"),
-        # int8 holds 4 x 256 x 512 weights of the projections, int4 3 x: the head follows int8.
-        "lm_head": ("int8", "re-quantized"),
+        "lm_head": ("int8", "re-quantized"),  # the embedding's Q6_K: 6 bits run on int8
     }  # fmt: skip
     note = plan.note("bfloat16")
     assert ("attn_qkv Q4_K+Q6_K → int8 g32 (re-quantized; the widest of its fused parts) (attn_qkv: 1 of 2 "
             "layers)") in note
     assert "attn_output Q2_K → int4 g32 (re-quantized; no 2/3-bit kernel)" in note
     assert "ffn_gate_up BF16+Q3_K → bfloat16 (de-quantized; fused with a float part)" in note
-    assert "lm_head Q6_K (tied embedding) → int8 g32 (re-quantized; the projections' format)" in note
+    assert "lm_head Q6_K (tied embedding) → int8 g32 (re-quantized)" in note
     assert plan.repack() == {"model.layers.0.self_attn.o_proj": "int4", "model.layers.0.mlp.gate_proj": "int4",
                              "model.layers.0.mlp.up_proj": "int4", "model.layers.1.self_attn.q_proj": "int8",
                              "model.layers.1.self_attn.k_proj": "int8", "model.layers.1.self_attn.v_proj": "int8"}
-    assert "model.embed_tokens.weight" in plan.fp32_tensors()
+    assert "model.embed_tokens.weight" in plan.fp32_tensors() and plan.tied_repack() is None
     assert plan_layers(table, quantize_head=False).head_scheme == "none"
+    # A Q8_0 embedding: the head is its own blocks as int8 g32, and the embedding is not repacked (the lookup).
+    q8 = gt.TensorTable(file_size=0, tensors=tuple(
+        entry(f"{n}.weight", gt.Q8_0 if n == "token_embd" else k) for n, k in kinds.items()))  # fmt: skip
+    plan8 = plan_layers(q8, quantize_head=True)
+    assert plan8.tied_repack() == "int8" and "model.embed_tokens" not in plan8.repack()
+    assert "model.embed_tokens.weight" not in plan8.fp32_tensors()
+    assert "lm_head Q8_0 (tied embedding) → int8 g32 (repacked exactly; the embedding's blocks)" in plan8.note("bf16")
 
 
 def test_group_size_with_auto_is_refused() -> None:
@@ -265,15 +272,25 @@ def test_mixed_file_compiles_and_matches_eager(mixed_gguf: Path, cache: Path) ->
 
 
 @pytest.mark.slow
-def test_smollm2_auto_is_int4(tmp_path: Path) -> None:
-    """The default model (Q4_1 projections, a Q8_0 tied embedding) under auto is what --quantization int4 gives:
-    the same layers, the same head (int4 g32 from the embedding), the same logits."""
+def test_smollm2_auto_runs_the_file_as_stored(tmp_path: Path) -> None:
+    """The default model (Q4_1 projections, a Q8_0 tied embedding) under auto: the projections are exactly what
+    --quantization int4 gives (the file's own Q4_1 codes), and the head is the embedding's own Q8_0 blocks as int8
+    g32, whose weights equal gguf's de-quantizer's token_embd bit for bit."""
+    import gguf
+    import numpy as np
+
+    from glowplug.engine.models.store import default_gguf_path
+
     auto, tr = _start(Path("smollm2"), tmp_path, compile="off")
     int4, _ = _start(Path("smollm2"), tmp_path, compile="off", quantization="int4")
     a, b = auto.engine.model.state_dict(), int4.engine.model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    projections = [k for k in b if not k.startswith("lm_head.")]
+    assert all(torch.equal(a[k], b[k]) for k in projections)
     assert _attrs(tr, "quantize_weights")[Attr.ROW_NOTE] == (
         "auto: attn_qkv/attn_output/ffn_gate_up/ffn_down Q4_1 → int4 g32 (repacked exactly); lm_head Q8_0 (tied "
-        "embedding) → int4 g32 (re-quantized; the projections' format)")  # fmt: skip
-    ids = list(range(100, 160))
-    assert torch.equal(_logits(auto.engine.model, ids), _logits(int4.engine.model, ids))
+        "embedding) → int8 g32 (repacked exactly; the embedding's blocks)")  # fmt: skip
+    reader = gguf.GGUFReader(default_gguf_path())
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    got = a["lm_head.qweight"].float() * a["lm_head.scales"].float().repeat_interleave(32, dim=1)
+    want = torch.from_numpy(np.asarray(gguf.quants.dequantize(embd.data, embd.tensor_type), dtype=np.float32))
+    assert torch.equal(got, want.reshape(got.shape))

@@ -15,10 +15,9 @@ de-quantized and the fused layer is re-quantized (or, for float, kept in the mod
 fused tensor is quantized on the fused state dict.
 
 The output head: an untied one (output.weight) follows its own type like any projection. A tied head has no
-matrix of its own: the embedding doubles as it, and `quantize_lm_head` quantizes a copy "with the layers", so it
-takes the format that holds most of the projections' weights, re-quantized from the de-quantized embedding. That
-is what --quantization int4 does for the default model (SmolLM2's Q4_1 projections, Q8_0 embedding: an int4 g32
-head), so auto runs it exactly as int4 does, at int4's speed; the head is a quarter of its bytes per token.
+matrix of its own: the embedding doubles as it, and with `quantize_lm_head` it runs as the embedding's blocks are
+stored (`_tied_head`): SmolLM2's Q8_0 embedding gives an int8 g32 head repacked exactly from the same blocks, while
+the embedding is de-quantized for the lookup. (--quantization int4 instead re-quantizes the head to int4.)
 
 The plan depends only on the prepared folder's tensor table (and quantize_lm_head), so every stage derives the
 same plan from it, including the cache probes that run before any stage.
@@ -132,8 +131,15 @@ class LayerFormats:
         return sorted({f.scheme for f in self.layers if f.scheme != "none"}, key=_WIDTH.__getitem__)
 
     def repack(self) -> dict[str, str]:
-        """Checkpoint modules (Hugging Face names) that load_weights repacks exactly -> their scheme."""
-        return {p.removesuffix(".weight"): f.scheme for f in self.layers if f.how == "repacked" for p in f.parts}
+        """Checkpoint modules (Hugging Face names) that load_weights repacks exactly -> their scheme. A tied head
+        is not one of them: its blocks are the embedding's, which also stays float for the lookup (`tied_repack`)."""
+        return {p.removesuffix(".weight"): f.scheme for f in self.layers
+                if f.how == "repacked" and f.parts != (EMBEDDING,) for p in f.parts}  # fmt: skip
+
+    def tied_repack(self) -> str | None:
+        """The scheme a tied head is repacked into from the embedding's own blocks, else None."""
+        head = next((f for f in self.layers if f.module == HEAD), None)
+        return head.scheme if head is not None and head.how == "repacked" and head.parts == (EMBEDDING,) else None
 
     def requantize(self) -> dict[str, Scheme]:
         """Model modules (fused names) that quantize_weights quantizes from de-quantized weights -> their scheme."""
@@ -248,23 +254,26 @@ def plan_layers(table: TensorTable, quantize_head: bool) -> LayerFormats:
                               "--no-quantize-lm-head")  # fmt: skip
         layers.append(fmt)
     elif embedding is not None:
-        layers.append(_tied_head(layers, embedding, quantize_head))
+        layers.append(_tied_head(embedding, quantize_head))
     return LayerFormats(tuple(layers), len(indices))
 
 
-def _tied_head(layers: list[LayerFormat], embedding: TensorEntry, quantize_head: bool) -> LayerFormat:
-    """A tied head: the format holding most of the projections' weights (ties go to the wider), re-quantized
-    from the embedding; the model dtype when that is float or the head is not quantized."""
+def _tied_head(embedding: TensorEntry, quantize_head: bool) -> LayerFormat:
+    """A tied head runs as its blocks are stored, like every other tensor: the embedding's type decides (Q8_0 ->
+    int8 repacked exactly from the embedding's own blocks, Q6_K -> int8 re-quantized, a float embedding -> the
+    model dtype), and the embedding itself stays float for the lookup. Re-quantizing it into the projections'
+    narrower format would round what the file did not (SmolLM2: +3% perplexity from an int4 head made from its
+    Q8_0 embedding) and would have to be stored (a 21 MB cache entry for SmolLM2, the whole of a bundle's
+    margin); the exact int8 head costs no store and reads about as fast (the int8 GEMV runs nearer the memory
+    bound than the int4 one: reports/decode-batches.md)."""
     source = (f"{TYPE_NAMES[embedding.type]} (tied embedding)",)
     size = embedding.shape[0] * embedding.shape[1]
-    weights: dict[Scheme, int] = {}
-    for f in layers:
-        weights[f.scheme] = weights.get(f.scheme, 0) + f.size
-    scheme: Scheme = "none"
-    if quantize_head and weights:
-        scheme = max(weights, key=lambda s: (weights[s], _WIDTH[s]))
+    scheme = _SCHEME_OF[embedding.type] if quantize_head else "none"
     if scheme == "none":
         stored = _SCHEME_OF[embedding.type] == "none"
         return LayerFormat(HEAD, "lm_head", "none", (EMBEDDING,), source, "as stored" if stored else "de-quantized",
                            size, "" if quantize_head else "--no-quantize-lm-head")  # fmt: skip
-    return LayerFormat(HEAD, "lm_head", scheme, (EMBEDDING,), source, "re-quantized", size, "the projections' format")
+    if embedding.type in _EXACT[scheme]:
+        return LayerFormat(HEAD, "lm_head", scheme, (EMBEDDING,), source, "repacked", size, "the embedding's blocks")
+    why = "no 2/3-bit kernel" if embedding.type in (Q2_K, Q3_K) else ""
+    return LayerFormat(HEAD, "lm_head", scheme, (EMBEDDING,), source, "re-quantized", size, why)

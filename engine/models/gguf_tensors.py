@@ -34,7 +34,7 @@ than the smallest int8 group (32).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -302,6 +302,7 @@ class PackPlan:
     scheme: str
     group_size: int | None
     modules: Mapping[str, str] | None = None
+    tied_head: str | None = None  # auto: repack the embedding's blocks into this scheme as the tied head too
 
 
 _PACKS = {"int4": (Q4_0, Q4_1, Q4_K), "int8": (Q8_0, Q5_0)}
@@ -336,7 +337,10 @@ class GGUFWeights:
     state_dict: dict[str, torch.Tensor]
     shapes: dict[str, tuple[int, ...]]  # every HF weight's logical shape (packed ones included)
     packed: set[str]  # HF module names repacked into the quantized layout
+    # A tied head repacked from the embedding's blocks (`lm_head.qweight`, ...): not a checkpoint tensor, so the
+    # caller adds it after matching the checkpoint against the model.
     bytes_read: int
+    tied_head: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _fused_buffers(entries: Mapping[str, TensorEntry], packed: set[str], dtype: torch.dtype,
@@ -387,6 +391,7 @@ def load_gguf_weights(
     # transformers' GGUF loader, which subtracts it too) takes w as Hugging Face checkpoints store it.
     norm_offset = 1.0 if arch.gemma_norms else 0.0
     sd: dict[str, torch.Tensor] = {}
+    tied_head: dict[str, torch.Tensor] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     total = 0
     for name, e in entries.items():
@@ -403,6 +408,9 @@ def load_gguf_weights(
             for suffix, t in parts.items():
                 sd[f"{module}.{suffix}"] = t[order] if order is not None else t
             continue
+        if plan is not None and plan.tied_head is not None and name == "model.embed_tokens.weight":
+            blocks = repack_int4(raw, e) if plan.tied_head == "int4" else repack_int8(raw, e)
+            tied_head.update({f"lm_head.{suffix}": t for suffix, t in blocks.items()})
         wanted = torch.float32 if name in fp32 else target
         if norm_offset and name.endswith("norm.weight"):
             # Subtracted in fp32, as transformers does, before any rounding to the run dtype.
@@ -412,4 +420,4 @@ def load_gguf_weights(
             sd[name] = map_float(path, e).to(wanted)
             continue
         sd[name] = dequantize(raw, e, wanted, order, into.get(name))
-    return GGUFWeights(state_dict=sd, shapes=shapes, packed=packed, bytes_read=total)
+    return GGUFWeights(state_dict=sd, shapes=shapes, packed=packed, bytes_read=total, tied_head=tied_head)

@@ -75,14 +75,14 @@ class LoadWeights:
         if formats is not None:
             # auto: the layers that stay float load straight into the model dtype, the quantizer's inputs in fp32
             # (fuse_checkpoint then casts nothing: every tensor already has the dtype its use wants).
-            plan: PackPlan | None = PackPlan("auto", AUTO_GROUP, formats.repack())
+            plan: PackPlan | None = PackPlan("auto", AUTO_GROUP, formats.repack(), formats.tied_repack())
             w = load_gguf_weights(ctx.gguf_path, table, ctx.arch, ctx.dtype, plan, formats.fp32_tensors())
         else:
             plan = PackPlan(q.quantization, ctx.quant_group_size()[0]) if quantizing else None
             w = load_gguf_weights(ctx.gguf_path, table, ctx.arch, None if quantizing else ctx.dtype, plan)
         seconds = time.perf_counter() - t0
         checked = check_state_dict(build_meta_model(ctx.arch), w.state_dict, ctx.model_dir, logical=w.shapes)
-        ctx.state_dict = fuse_checkpoint(checked, None if quantizing else ctx.dtype)
+        ctx.state_dict = fuse_checkpoint({**checked, **w.tied_head}, None if quantizing else ctx.dtype)
         ctx.weights_bytes = sum(t.nbytes for t in ctx.state_dict.values())
         return StageReport(
             attributes={
