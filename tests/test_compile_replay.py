@@ -98,7 +98,9 @@ def test_replay_equals_the_aot_step_bit_for_bit(tiny_dir, tmp_path: Path, fields
 
 
 def _entry_of(cache: Path, model: str) -> Path:
-    (entry,) = [e for e in util.entries(cache, "compile") if read_manifest(e).group == model]
+    from glowplug.engine.models.store import model_group
+
+    (entry,) = [e for e in util.entries(cache, "compile") if read_manifest(e).group == model_group(model)]
     return entry
 
 
