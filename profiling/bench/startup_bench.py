@@ -471,7 +471,7 @@ def _capped_text(run: StartupRun) -> str:
         return f"Start from the bundle, {run.label}: failed: {run.error}"
     rows: list[list[Cell]] = []
     for row, hit in run.cache_hits().items():
-        notes = run.report.get("notes", {}).get(row) or [run.reasons.get(row) or ""]
+        notes = run.report.get("notes", {}).get(row) or [run.reasons.get(row) or ("cache hit" if hit else "cache miss")]
         rows.append([row, "hit" if hit else "**rebuilt**", " ".join(str(n) for n in notes)])
     install = run.report.get("notes", {}).get("bundle_install", [""])
     table = markdown_table(["Row", "Cache", "Note"], rows, ["l", "l", "l"])
