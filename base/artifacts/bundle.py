@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from glowplug.profiling.names import Event
 from .cachedir import report_event, warn_once
 from .caches import ALL, SOURCE, by_name
-from .manifest import MANIFEST, Manifest, read_manifest, write_manifest
+from .manifest import MANIFEST, Manifest, first_error, read_manifest, write_manifest
 from .store import LOCKS, TMP_PREFIX, ArtifactStore
 
 BUNDLE_FORMAT = "glowplug-bundle/1"
@@ -156,9 +156,7 @@ def read_header(path: Path) -> BundleHeader:
     try:
         return BundleHeader.model_validate(data)
     except ValidationError as exc:
-        first_err = exc.errors()[0]
-        where = ".".join(str(p) for p in first_err["loc"]) or "top level"
-        raise NotABundle(f"{path}: the bundle header is malformed ({where}: {first_err['msg']}); {fix}") from None
+        raise NotABundle(f"{path}: the bundle header is malformed ({first_error(exc)}); {fix}") from None
 
 
 # ---------------------------------------------------------------- installing

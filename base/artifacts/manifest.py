@@ -179,9 +179,14 @@ def read_manifest(folder: Path) -> Manifest:
     try:
         return Manifest.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "top level"
-        raise ValueError(f"manifest is malformed ({where}: {first['msg']})") from None
+        raise ValueError(f"manifest is malformed ({first_error(exc)})") from None
+
+
+def first_error(exc: ValidationError) -> str:
+    """`where: what` of a validation error's first problem, for a one-line message."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "top level"
+    return f"{where}: {first['msg']}"
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> None:
