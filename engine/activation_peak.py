@@ -248,6 +248,9 @@ def activation_peak(model: DecoderLM, dtype: torch.dtype, tokens: int, rows: int
     if not isinstance(model, DecoderLM):
         raise AnalyticPeakUnsupported(f"a {type(model).__name__} model is not modelled")
     arch = model.arch
+    if arch.gemma_norms or any(layer.self_attn.window is not None for layer in model.model.layers):
+        # The ledger mirrors the Llama layer: Gemma 3's four norms, GELU and windowed attention masks are not in it.
+        raise AnalyticPeakUnsupported("Gemma 3's layer (four norms, GELU, sliding-window masks) is not modelled")
     s = _Shapes(tokens=tokens, itemsize=torch.empty((), dtype=dtype).element_size(),
                 native_bf16=cpu_has_native_bf16(), dtype=dtype)  # fmt: skip
     h = tokens * arch.hidden_size * s.itemsize

@@ -245,7 +245,7 @@ def test_help_lists_the_schema_values_and_real_defaults() -> None:
     assert "import" not in text.lower() and "timestamp" not in text  # nothing for developers at the front door
     sub = {a.dest: a for a in build_parser()._actions if a.dest == "command"}["command"].choices  # type: ignore[attr-defined]
     startup = sub["startup"].format_help()
-    for values in ("{none,int8,int4,int2,w8a8}", "{auto,float32,bfloat16,float16}", "{auto,cpu,cuda}",
+    for values in ("{auto,none,int8,int4,int2,w8a8}", "{auto,float32,bfloat16,float16}", "{auto,cpu,cuda}",
                    "{auto,int8}", "{auto,on,off}"):  # fmt: skip
         assert values in startup, values
     squashed = " ".join(startup.split())
