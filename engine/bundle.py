@@ -208,8 +208,7 @@ def install_for_start(config: EngineConfig, cache_root: Path) -> BundleStart:
     store = ArtifactStore(cache_root)
     report = install_bundle(path, store, wanted=install_filter(isa_choice().cpu_level))
     header = report.header
-    ours = {**machine_facts(), "glowplug_source": source_digest(SOURCE_PACKAGES), "device": config.resolved_device()}
-    differences = fact_changes(header.machine, ours)
+    differences = fact_changes(header.machine, bundle_facts(config.resolved_device()))
     model, note = config.model, None
     copy = installed_model(store, header)
     same_model = config.model == header.model.get("spec") or (

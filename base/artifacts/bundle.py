@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from glowplug.profiling.names import Event
 from .cachedir import report_event, warn_once
 from .caches import ALL, SOURCE, by_name
-from .manifest import MANIFEST, Manifest, first_error, read_manifest, write_manifest
+from .manifest import Manifest, first_error, read_manifest, write_manifest
 from .store import LOCKS, TMP_PREFIX, ArtifactStore
 
 BUNDLE_FORMAT = "glowplug-bundle/1"
@@ -370,10 +370,7 @@ def _settle(store: ArtifactStore, entry: BundleEntry, tmp: Path | None, why: str
             return EntryOutcome(entry.cache, entry.key, "installed")
         except OSError as exc:
             why = f"cannot be installed into the cache dir ({exc.strerror or exc})"
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-    if tmp is not None and tmp.exists():
+    if tmp is not None and tmp.exists():  # not renamed into place: a damaged entry, or the rename failed
         shutil.rmtree(tmp, ignore_errors=True)
     why = why or "nothing of it could be read"
     report_event(Event.CACHE_CORRUPT, cache=entry.cache, path=bundle, reason=f"bundle entry {entry.key}: {why}",
@@ -392,7 +389,6 @@ def entry_folders(store: ArtifactStore) -> Iterator[tuple[str, str, Path, Manife
                 continue
             try:
                 m = read_manifest(path)
-            except ValueError:
+            except ValueError:  # an entry being written, or a damaged one: not worth carrying
                 continue
-            if (path / MANIFEST).is_file():
-                yield spec.name, path.name, path, m
+            yield spec.name, path.name, path, m

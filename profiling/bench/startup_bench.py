@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from ...engine.config import Quantization
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
@@ -33,6 +33,8 @@ from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, failure_reason, run_
 from .stats import PERCENTILE_METHOD, Summary, summarize
 from .tables import Cell, Missing, fmt_num, markdown_table
 
+# GLOWPLUG_MAX_CPU_ISA's values (base/machine.py ISA_LEVELS), so a wrong --bundle-isa-cap fails before any run.
+IsaLevel = Literal["portable", "avx2", "avx512", "avx512_bf16", "amx"]
 Mode = Literal["cold", "warm", "bundle", "bundle_isa_capped", "cold_after_warm", "otlp_off", "otlp_on"]
 EXTRA_MODES: tuple[Mode, ...] = ("bundle", "bundle_isa_capped", "cold_after_warm")  # bundle and ETA runs
 MODES: tuple[Mode, ...] = ("cold", "warm")  # the phase statistics (with "bundle" when it ran: `modes`)
@@ -68,7 +70,7 @@ class StartupBenchConfig(BenchEngineFields):
         None, description="A previous run's startup.json: adds startup_before_after.png, the median phases of its "
         "cold and warm starts beside this run's (and this run's bundle start).",
     )
-    bundle_isa_cap: str | None = Field(
+    bundle_isa_cap: IsaLevel | None = Field(
         None, description="Also one start from the bundle under GLOWPLUG_MAX_CPU_ISA=this level (e.g. avx2), into an "
         "empty cache dir: which entries it rebuilds, and what their rows say.",
     )
@@ -76,6 +78,14 @@ class StartupBenchConfig(BenchEngineFields):
         True, description="Also make a bundle and run N starts from it, each into an empty cache dir, paired with "
         "the warm starts; and one cold start after a warm one (cache emptied) for its ETA.",
     )
+
+    @field_validator("compare_to")
+    @classmethod
+    def _readable(cls, v: Path | None) -> Path | None:
+        # Checked before the runs, not after them: the plot is drawn once every start is done.
+        if v is not None and not v.is_file():
+            raise ValueError(f"--compare-to {v} is not a file; pass the startup.json of an earlier bench startup run")
+        return v
 
     def startup_args(self) -> list[str]:
         return self.startup_argv(

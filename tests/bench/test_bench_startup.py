@@ -97,3 +97,20 @@ def test_paired_interval_brackets_the_median_and_narrows_with_pairs() -> None:
     lo, hi = paired_median_ci(many)  # type: ignore[misc]
     assert lo_few <= sorted(few)[2] <= hi_few
     assert lo < 0.02 < hi and hi - lo < hi_few - lo_few
+
+
+def test_bundle_flags_are_checked_before_any_run(tmp_path: Path) -> None:
+    """A level GLOWPLUG_MAX_CPU_ISA does not take, or a --compare-to that is not a file, fails at once, not after
+    the starts."""
+    from typing import get_args
+
+    from pydantic import ValidationError
+
+    from glowplug.base.machine import ISA_LEVELS
+    from glowplug.profiling.bench.startup_bench import IsaLevel
+
+    assert get_args(IsaLevel) == ISA_LEVELS
+    with pytest.raises(ValidationError, match="avx2"):
+        StartupBenchConfig(bundle_isa_cap="avx3")
+    with pytest.raises(ValidationError, match="is not a file"):
+        StartupBenchConfig(compare_to=tmp_path / "missing.json")
