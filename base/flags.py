@@ -205,18 +205,20 @@ def add_model_flags(
         help_text = f"{text} (default: {_shown_default(name, info, defaults)})".strip()
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         item = _sequence_item(ann)
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        # Other engines' names for the same setting (vLLM's --gpu-memory-utilization), accepted as they are.
+        names = [flag_name(name), *(flag_name(str(a)) for a in extra.get("flag_aliases", ()))]  # type: ignore[union-attr]
         if _is_bool(ann):
-            parser.add_argument(flag_name(name), action=argparse.BooleanOptionalAction, **kwargs)
+            parser.add_argument(*names, action=argparse.BooleanOptionalAction, **kwargs)
         elif item is not None:
-            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
             # Free text (stop strings) may contain commas; numbers and names never do.
             split = not extra.get("free_text", False)
             metavar = _metavar(name, item, FieldInfo(annotation=item))
             kwargs["help"] = help_text + (" Repeat the flag for more values" + (", or separate them with commas."
                                           if split else "."))  # fmt: skip
-            parser.add_argument(flag_name(name), action=_AppendItems, split=split, metavar=metavar, **kwargs)
+            parser.add_argument(*names, action=_AppendItems, split=split, metavar=metavar, **kwargs)
         else:
-            parser.add_argument(flag_name(name), metavar=_metavar(name, ann, info), **kwargs)
+            parser.add_argument(*names, metavar=_metavar(name, ann, info), **kwargs)
         added.append(name)
     return added
 

@@ -134,18 +134,47 @@ def cpu_has_native_bf16() -> bool:
     return level_at_least(isa_choice().level, "avx512_bf16")
 
 
-def measure_probe(repeats: int = PROBE_REPEATS, size_bytes: int = PROBE_BYTES) -> float:
+def measure_probe(repeats: int = PROBE_REPEATS, size_bytes: int = PROBE_BYTES, device: str = "cpu") -> float:
     """Streaming-read bandwidth in GB/s: the fastest of `repeats` torch sums over `size_bytes` of fp32 (far larger
-    than the caches), with torch's own threads: the decode step's memory ceiling."""
+    than the caches), with torch's own threads: the decode step's memory ceiling. On a GPU (`device` "cuda...") the
+    same sum over 4x the bytes (far larger than any L2), timed with a synchronize on each side."""
     import torch
 
-    buf = torch.ones(size_bytes // 4, dtype=torch.float32)
+    on_gpu = device.startswith("cuda")
+    n = size_bytes * (4 if on_gpu else 1)
+    buf = torch.ones(n // 4, dtype=torch.float32, device=device)
     best = 0.0
-    for _ in range(repeats):
+    for _ in range(repeats + (1 if on_gpu else 0)):  # a GPU's first sum also loads the reduction kernel
+        if on_gpu:
+            torch.cuda.synchronize(buf.device)
         t0 = time.perf_counter()
         buf.sum()
-        best = max(best, size_bytes / (time.perf_counter() - t0) / 1e9)
+        if on_gpu:
+            torch.cuda.synchronize(buf.device)
+        best = max(best, n / (time.perf_counter() - t0) / 1e9)
     return best
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """What compiled GPU code depends on: the GPU's name, its compute capability and the CUDA that torch was built
+    with (Inductor's and Triton's kernels are built for these; another GPU or CUDA is another entry)."""
+
+    name: str
+    capability: str  # "9.0"
+    cuda: str  # torch.version.cuda
+
+    def label(self) -> str:
+        return f"cuda/{self.name}/sm_{self.capability.replace('.', '')}/cuda-{self.cuda}"
+
+
+def gpu_facts(device: str = "cuda") -> GpuFacts:
+    """The facts of `device` (a CUDA device torch can see)."""
+    import torch
+
+    dev = torch.device(device)
+    major, minor = torch.cuda.get_device_capability(dev)
+    return GpuFacts(torch.cuda.get_device_name(dev), f"{major}.{minor}", str(torch.version.cuda))
 
 
 # ------------------------------------------------------------------------------------------------ machine facts

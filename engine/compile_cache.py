@@ -55,7 +55,12 @@ _INDUCTOR_SKIP = ("locks/",)  # Inductor's lock files: not artifacts
 
 
 def device_label(device: str) -> str:
-    """The device as compiled code depends on it: on the CPU, the CPU model (Inductor builds with -march=native)."""
+    """The device as compiled code depends on it: on the CPU, the CPU model (Inductor builds with -march=native); on
+    a GPU, its name, compute capability and torch's CUDA version (base.machine.GpuFacts)."""
+    if device.startswith("cuda"):
+        from glowplug.base.machine import gpu_facts
+
+        return gpu_facts(device).label()
     if device != "cpu":
         return device
     from glowplug.base.machine import cpu_model

@@ -10,7 +10,7 @@ import hashlib
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from glowplug.base.units import ByteSize
 
@@ -75,7 +75,11 @@ class CacheConfig(FrozenModel):
                            "2 GiB on a CPU"},
     )
     memory_utilization: float = Field(
-        0.9, gt=0.0, le=1.0, description="Fraction of device memory the engine may use in total."
+        0.9, gt=0.0, le=1.0,
+        description="Fraction of device memory the engine may use in total (on a GPU: of its total memory, as "
+        "vLLM's --gpu-memory-utilization, which is accepted too; on a CPU: of the RAM available at start).",
+        validation_alias=AliasChoices("memory_utilization", "gpu_memory_utilization"),
+        json_schema_extra={"flag_aliases": ["gpu_memory_utilization"]},
     )
     kv_profile: KVProfile = Field(
         "analytic",
@@ -132,6 +136,15 @@ class QuantConfig(FrozenModel):
                 f"{sorted(allowed[self.quantization])}"
             )
         return self
+
+
+def _aliases(section: type[BaseModel]) -> set[str]:
+    """The other names a section's fields accept (their AliasChoices: vLLM's --gpu-memory-utilization, say)."""
+    out: set[str] = set()
+    for info in section.model_fields.values():
+        if isinstance(info.validation_alias, AliasChoices):
+            out.update(str(c) for c in info.validation_alias.choices)
+    return out
 
 
 class EngineConfig(FrozenModel):
@@ -199,7 +212,8 @@ class EngineConfig(FrozenModel):
             if key in sections and isinstance(value, dict):
                 nested[key].update(value)
                 continue
-            owner = next((name for name, sec in sections.items() if key in sec.model_fields), None)
+            owner = next((name for name, sec in sections.items() if key in sec.model_fields
+                          or key in _aliases(sec)), None)  # fmt: skip
             if owner is not None:
                 nested[owner][key] = value
             else:

@@ -15,7 +15,6 @@ over AttentionMetadata; in a mixed step the decode rows still take the compiled 
 
 from __future__ import annotations
 
-import bisect
 import collections.abc
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 
 from .attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN, AttentionMetadata
 from .decode_batch import MIN_TABLE_WIDTH, DecodeBatch
+from .graph_buckets import bucket_for, static_span
 from .kv_cache import KVCache
 from .models.llama import DecoderLM
 from .sampler import SampleResult, sample
@@ -48,6 +48,32 @@ class StepTimes:
 
     model_ns: int = 0
     sample_ns: int = 0
+
+
+@dataclass(frozen=True)
+class GraphCaptureStat:
+    """One captured batch size: the seconds its capture took (two warm-up calls, then the capture) and how much the
+    shared graph pool's reserved memory grew while capturing it (torch.cuda.memory_reserved after minus before)."""
+
+    size: int
+    seconds: float
+    pool_bytes: int
+
+
+class CapturedDecode:
+    """The decode step replayed from CUDA graphs, one per batch-size bucket, each reading its static input (a prefix
+    of the runner's serving buffer). The serving path writes its rows there already; an input held elsewhere (a
+    test's, a start-up check's) is copied in first, so a call means what it says whatever tensor it is given."""
+
+    def __init__(self, graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]]) -> None:
+        self.graphs = graphs  # size -> (graph, static input, static output)
+
+    def __call__(self, packed: torch.Tensor) -> torch.Tensor:
+        graph, static, out = self.graphs[int(packed.shape[0])]
+        if packed.data_ptr() != static.data_ptr():
+            static.copy_(packed)
+        graph.replay()
+        return out
 
 
 @dataclass
@@ -169,8 +195,41 @@ class ModelRunner:
             return None
         if not self.pad_decode:
             return batch
-        i = bisect.bisect_left(self._decode_sizes, batch)
-        return self._decode_sizes[i] if i < len(self._decode_sizes) else None
+        return bucket_for(batch, self._decode_sizes)
+
+    def capture_graphs(self, step: DecodeFn, sizes: list[int]) -> list[GraphCaptureStat]:
+        """Capture `step` as one CUDA graph per batch size, largest first so that the smaller ones reuse its memory
+        from the one shared pool, each over the static input buffer the serving path writes (the prefix of it that
+        size's rows take: engine/graph_buckets.py), under inference mode as every serving step runs; then install
+        the replaying step. Returns each size's capture time and pool growth (ascending sizes)."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; this runner's is {self.device}")
+        graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        stats: list[GraphCaptureStat] = []
+        pool = None
+        self._batch.clear()
+        with torch.inference_mode():
+            for size in sorted(sizes, reverse=True):
+                packed = self._decode_input([], size)  # every row padding: reads and writes the scratch block
+                torch.cuda.synchronize(self.device)
+                before = torch.cuda.memory_reserved(self.device)
+                t0 = time.perf_counter()
+                side = torch.cuda.Stream(self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # lazy initialisation and the allocator's first blocks, outside the capture
+                        step(packed)
+                torch.cuda.current_stream(self.device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = step(packed)
+                pool = graph.pool()
+                torch.cuda.synchronize(self.device)
+                graphs[size] = (graph, packed, out)
+                stats.append(GraphCaptureStat(size, round(time.perf_counter() - t0, 4),
+                                              torch.cuda.memory_reserved(self.device) - before))  # fmt: skip
+        self.install_decode(CapturedDecode(graphs), sizes)
+        return sorted(stats, key=lambda s: s.size)
 
     # ------------------------------------------------------------------------------------------ decode path
     def _decode_input(self, seqs: list[Sequence], rows: int) -> torch.Tensor:
@@ -184,7 +243,7 @@ class ModelRunner:
         if views is None:
             # Made once per shape, inside inference mode as the steps run: slicing and viewing are torch calls
             # whose dispatch code is cold on every step (the model step sweeps the caches).
-            n = rows * cols
+            _, n = static_span(rows, cols, self._serve_host.numel())
             host = self._serve_host[:n]
             device = host if self._serve_device is self._serve_host else self._serve_device[:n]
             views = self._views[(rows, cols)] = _ServingViews(host, device, device.view(rows, cols))

@@ -103,6 +103,9 @@ class Attr:
     MAX_MODEL_LEN: Final = "glowplug.max_model_len"
     GRAPH_SIZES: Final = "glowplug.graph_sizes"  # list[int]
     GRAPH_SIZE_TIMES_S: Final = "glowplug.graph_size_times_s"  # list[float], aligned with GRAPH_SIZES
+    # CUDA: how much the shared graph pool's reserved memory grew while capturing each size, and in all
+    GRAPH_SIZE_POOL_BYTES: Final = "glowplug.graph_size_pool_bytes"  # list[int], aligned with GRAPH_SIZES
+    GRAPH_POOL_BYTES: Final = "glowplug.graph_pool_bytes"  # int
     BYTES_PER_TOKEN: Final = "glowplug.bytes_per_token"  # weight bytes one decode step streams at batch 1
     RECOMPILES: Final = "glowplug.recompiles"
     SKIPPED_REASON: Final = "glowplug.skipped_reason"

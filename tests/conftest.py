@@ -13,6 +13,20 @@ settings.register_profile("glowplug", deadline=None, max_examples=60, derandomiz
 settings.load_profile("glowplug")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `cuda` skip, with the reason, where torch sees no GPU (CI, the CPU machines)."""
+    marked = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    why = pytest.mark.skip(reason="needs a CUDA GPU (scripts/device_check.sh runs these on one)")
+    for item in marked:
+        item.add_marker(why)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """tiny_dir("qwen2") -> folder with a random HF checkpoint of that family (made once per session)."""

@@ -60,7 +60,14 @@ class DecodeBenchConfig(BaseModel):
     new_tokens: int = Field(128, ge=4, le=4096)
     repeats: int = Field(3, ge=1, le=50, description="Timed runs per cell (median and min-max are reported).")
     quantize_lm_head: bool = True
-    compare_hf: bool = Field(True, description="Time transformers' fp32 generate on the same prompts.")
+    compare_hf: bool = Field(True, description="Time transformers' generate on the same prompts (fp32 on a CPU, bf16 "
+                             "on a GPU).")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where both engines run (auto: CUDA if "
+                                                   "torch sees a GPU).")
+    max_model_len: tuple[Annotated[int, Field(ge=16)], ...] = Field(
+        (), description="Max model lengths, each a cell (default: the longest prompt + new tokens): a decode step's "
+        "time must not grow with the length allowed, only with the context held.",
+    )  # fmt: skip
     quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
     out: Path | None = None
 
@@ -80,6 +87,7 @@ class DecodeRow:
     group_size: str = "-"  # the quantized layers' group sizes ("channel" = per output channel)
     context: int = 0  # prompt tokens: what the KV cache holds when decoding starts
     level: str = "-"  # the native kernels' ISA level (base.machine.ISA_LEVELS), "-" without them
+    max_model_len: int = 0  # the engine's --max-model-len (0: transformers' rows)
     kv_mb: float | None = None  # KV bytes one batch-1 decode step reads, at the decode's mean context, in MB
     skipped: str = ""  # why this cell was left out (no measurements then)
     prefill_ms: list[float] = field(default_factory=list)  # whole batch: requests added -> every first token
@@ -199,15 +207,22 @@ def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -
 def time_hf_decode(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> tuple[float, float]:
     import torch
 
-    ids = torch.tensor(prompts)
+    dev = next(model.parameters()).device
+    ids = torch.tensor(prompts, device=dev)
     mask = torch.ones_like(ids)
     kw = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id)
+
+    def now() -> float:  # generate returns once its tokens are on the host, but be explicit on a GPU
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter()
+
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        t0 = now()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        t1 = time.perf_counter()
+        t1 = now()
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        t2 = time.perf_counter()
+        t2 = now()
     decode = (t2 - t1) - (t1 - t0)
     steps = new_tokens - 1
     return len(prompts) * steps / decode, decode / steps * 1000
@@ -237,6 +252,22 @@ def group_sizes(model: Any) -> str:
     return "/".join(sorted(("channel" if g is None else f"g{g}") for g in seen))
 
 
+def bench_device(choice: str) -> str:
+    """The device both engines run on: `auto` is CUDA when torch sees a GPU."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def hf_peer_dtype(device: str) -> Any:
+    """transformers' dtype: bf16 on a GPU (what its users serve in there), fp32 on a CPU (its fast dtype there)."""
+    import torch
+
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
 def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
     from glowplug.base.errors import require_extra
 
@@ -251,12 +282,16 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
     rows: list[DecodeRow] = []
     model_dir = None
     longest = max(cfg.prompt_tokens) + cfg.new_tokens
-    for mode, dtype, quant, kv in _cells(cfg):
+    device = bench_device(cfg.device)
+    lens = cfg.max_model_len or (longest,)
+    if min(lens) < longest:
+        raise ValueError(f"--max-model-len {min(lens)} is shorter than the longest prompt + new tokens ({longest})")
+    for (mode, dtype, quant, kv), max_len in ((c, n) for c in _cells(cfg) for n in lens):
         llm = LLM(
             config=EngineConfig.from_flat(
-                model=cfg.model, dtype=dtype, quantization=quant, compile=mode, max_model_len=longest,
+                model=cfg.model, dtype=dtype, quantization=quant, compile=mode, max_model_len=max_len,
                 max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=2048,  # long prompts: chunked
-                quantize_lm_head=cfg.quantize_lm_head, kv_cache_dtype=kv,
+                quantize_lm_head=cfg.quantize_lm_head, kv_cache_dtype=kv, device=device,
             )
         )  # fmt: skip
         # The server commits its KV pool (resident, on huge pages) right after READY; a fresh offline pool instead
@@ -278,19 +313,19 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
                 need = batch * -(-(context + cfg.new_tokens) // stats.block_size) * stats.block_size
                 if need > capacity:
                     rows.append(DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], None, kv, groups,
-                                          context=context, level=level,
+                                          context=context, level=level, max_model_len=max_len,
                                           skipped=f"needs {need} KV tokens, the cache holds {capacity}"))  # fmt: skip
                     continue
                 prompts = make_prompts(llm.tokenizer, batch, context)
                 row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6, kv, groups,
-                                context=context, level=level,
+                                context=context, level=level, max_model_len=max_len,
                                 kv_mb=per_token * (context + cfg.new_tokens / 2) / 1e6)  # fmt: skip
                 if batch > llm.engine.runner.max_decode_batch and compiled:
                     row.notes.append("above the compiled batch sizes: eager steps")
                 time_engine_decode(llm.engine, prompts[: min(batch, 2)], 8)  # warm this batch shape's allocations
                 for _ in range(cfg.repeats):
-                    row.probe_gbps.append(measure_probe())
-                    with PeakMemory("cpu") as window:
+                    row.probe_gbps.append(measure_probe(device=device))
+                    with PeakMemory(device) as window:
                         timing = time_engine_decode(llm.engine, prompts, cfg.new_tokens)
                     assert window.snapshot is not None
                     row.peak_gb.append(window.snapshot.peak_bytes / 1e9)
@@ -300,12 +335,21 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
                     row.host_ms.append(timing.host_ms)
                 rows.append(row)
         for row in rows:  # each row's batch-1 step: same configuration and context
-            if row.compile == mode and row.quantization == quant and row.kv_cache_dtype == kv and not row.skipped:
+            if (row.compile == mode and row.quantization == quant and row.kv_cache_dtype == kv and not row.skipped
+                    and row.max_model_len == max_len):  # fmt: skip
                 one = next((b for b in rows if b.batch == 1 and b.context == row.context and b.compile == mode
                             and b.quantization == quant and b.kv_cache_dtype == kv and b.dtype == row.dtype
-                            and not b.skipped), None)  # fmt: skip
+                            and b.max_model_len == max_len and not b.skipped), None)  # fmt: skip
                 row.batch1_step_ms = one.ms if one is not None else None
         del llm
+        if device == "cuda":
+            # The next cell sizes its KV cache from the GPU's memory: this engine's must be gone first.
+            import gc
+
+            import torch
+
+            gc.collect()
+            torch.cuda.empty_cache()
     if cfg.compare_hf and model_dir is not None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -313,16 +357,18 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
         from ...engine.models.store import transformers_args
 
         where, kw = transformers_args(model_dir)  # a folder prepared from a GGUF: transformers reads the GGUF
-        hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw).eval()
+        hf_dtype = hf_peer_dtype(device)
+        hf = AutoModelForCausalLM.from_pretrained(where, dtype=hf_dtype, **kw).to(device).eval()
         tok = AutoTokenizer.from_pretrained(where, **kw)
         pad = tok.pad_token_id if tok.pad_token_id is not None else 0
         context = cfg.prompt_tokens[0]  # the peer at the first context only: fp32 generate at long ones takes minutes
         for batch in cfg.batch_sizes:
-            row = DecodeRow("transformers", "-", "float32", "none", batch, [], [], [], context=context)
+            row = DecodeRow("transformers", "-", str(hf_dtype).removeprefix("torch."), "none", batch, [], [], [],
+                            context=context)  # fmt: skip
             prompts = make_prompts(tok, batch, context)
             time_hf_decode(hf, prompts[:1], 4, pad)
             for _ in range(cfg.repeats):
-                row.probe_gbps.append(measure_probe())
+                row.probe_gbps.append(measure_probe(device=device))
                 tps, step_ms = time_hf_decode(hf, prompts, cfg.new_tokens, pad)
                 row.tokens_per_s.append(tps)
                 row.step_ms.append(step_ms)
@@ -342,6 +388,7 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
     measured = [r for r in rows if not r.skipped]
     probes = [p for r in measured for p in r.probe_gbps]
     contexts = ", ".join(str(c) for c in cfg.prompt_tokens)
+    hf_label = next((r.dtype for r in measured if r.engine == "transformers"), "fp32").replace("float32", "fp32")
     lines = [
         report_header("Decode throughput", argv),
         f"Model `{cfg.model}`, context (prompt tokens) {contexts}, {cfg.new_tokens} new tokens per sequence, greedy, "
@@ -349,11 +396,12 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
         f"re-measured before every run): median {statistics.median(probes):.1f} GB/s, "
         f"{min(probes):.1f}-{max(probes):.1f}.",
         "",
-        "| engine | ISA level | compile | dtype | quantization | group | KV cache | batch | context | decode tok/s "
+        "| engine | ISA level | compile | dtype | quantization | group | KV cache | max model len | batch | context "
+        "| decode tok/s "
         "| ms / step | host ms / step | prefill ms | peak mem GB | model_size MB | GB/s | % of probe "
         "| KV MB / step | extra ms over the shortest context | KV read at % of probe "
-        "| vs bf16 (same dtype, compile) | vs transformers fp32 | step / batch-1 step |",
-        "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| vs bf16 (same dtype, compile) | vs transformers {hf_label} | step / batch-1 step |",
+        "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in measured:
         mb = f"{r.mb_per_token:.1f}" if r.mb_per_token is not None else ""
@@ -362,7 +410,7 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
         gbps = fmt_spread([r.mb_per_token / ms for ms in r.step_ms], 1) if r.mb_per_token is not None else "-"
         base = next((b for b in measured if b.engine == r.engine and b.quantization == "none" and b.dtype == r.dtype
                      and b.compile == r.compile and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch
-                     and b.context == r.context), None)  # fmt: skip
+                     and b.context == r.context and b.max_model_len == r.max_model_len), None)  # fmt: skip
         vs_bf16 = f"{r.tps / base.tps:.2f}x" if base is not None and r.quantization != "none" else "-"
         prefill = fmt_spread(r.prefill_ms, 1) if r.prefill_ms else "-"
         host = fmt_spread(r.host_ms, 3) if r.host_ms else "-"  # transformers' generate has no such split
@@ -374,10 +422,11 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
         lines.append(
             f"| {r.engine} | {r.level} | {r.compile} | {r.dtype} | {r.quantization}"
             f"{' ' + flags[r.quantization] if r.quantization in flags else ''} | {r.group_size} | {r.kv_cache_dtype} "
-            f"| {r.batch} | {r.context} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(r.step_ms, 2)} | {host} "
+            f"| {r.max_model_len or '-'} | {r.batch} | {r.context} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(r.step_ms, 2)} | {host} "
             f"| {prefill} | {peak} | {mb or '-'} | {gbps} | {share or '-'} | {kv_mb} | {extra} | {kv_share} "
             f"| {vs_bf16} | {hf} | {scale or '-'}{note} |"
         )
+    lines += _max_len_table(measured)
     left_out = [r for r in rows if r.skipped]
     if left_out:
         lines += ["", "Left out (the KV cache cannot hold the batch at that context):"]
@@ -385,6 +434,30 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
                   f"{r.context}: {r.skipped}" for r in left_out]  # fmt: skip
     lines += ["", *[f"- {line}" for line in DEFINITIONS], *([f"- {flag_note(flags)}"] if flags else []), ""]
     return "\n".join(lines)
+
+
+def _max_len_table(rows: list[DecodeRow]) -> list[str]:
+    """With several --max-model-len cells: each cell's ms / step over the same configuration's at the shortest max
+    model len, paired run by run (median and the worst pair). Issue 38's target: within 5% (8192 vs 512)."""
+    lens = sorted({r.max_model_len for r in rows if r.engine == "glowplug"})
+    if len(lens) < 2:
+        return []
+    out = ["", f"Step time against max model len {lens[0]} (same configuration, batch and context; runs paired in "
+           "order):", "", "| compile | dtype | quantization | KV cache | batch | context | max model len "
+           "| ms / step | ratio median | worst pair |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        if r.engine != "glowplug" or r.max_model_len == lens[0]:
+            continue
+        base = next((b for b in rows if b.engine == "glowplug" and b.max_model_len == lens[0] and b.compile == r.compile
+                     and b.dtype == r.dtype and b.quantization == r.quantization and b.kv_cache_dtype == r.kv_cache_dtype
+                     and b.batch == r.batch and b.context == r.context), None)  # fmt: skip
+        if base is None:
+            continue
+        pairs = [a / b for a, b in zip(r.step_ms, base.step_ms)]
+        out.append(f"| {r.compile} | {r.dtype} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} | {r.context} "
+                   f"| {r.max_model_len} | {r.ms:.3f} vs {base.ms:.3f} | {statistics.median(pairs):.3f}x "
+                   f"| {max(pairs):.3f}x |")  # fmt: skip
+    return out
 
 
 def _long_context(r: DecodeRow, rows: list[DecodeRow]) -> tuple[str, str]:
@@ -397,7 +470,7 @@ def _long_context(r: DecodeRow, rows: list[DecodeRow]) -> tuple[str, str]:
         return "-", "-"
     same = [b for b in rows if b.engine == r.engine and b.compile == r.compile and b.dtype == r.dtype
             and b.quantization == r.quantization and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch
-            and b.kv_mb is not None]  # fmt: skip
+            and b.max_model_len == r.max_model_len and b.kv_mb is not None]  # fmt: skip
     short = min(same, key=lambda b: b.context)
     if short is r:
         return "-", "-"
@@ -424,7 +497,10 @@ DEFINITIONS = (
     "model_size MB: seed 003's model_size, the weight bytes one batch-1 decode step reads through the kernels the path runs (compile on: "
     "glowplug's native layouts; off: the eager dispatcher's), LM head included.",
     "% of probe: GB/s as a percentage of the streaming-read probe measured right before the same run.",
-    "vs transformers fp32: decode tok/s over transformers' fp32 `generate` at the same batch on the same prompts.",
+    "vs transformers: decode tok/s over transformers' `generate` at the same batch on the same prompts and device (fp32 "
+    "on a CPU, bf16 on a GPU).",
+    "max model len: the engine's --max-model-len; a step's time should follow the context held, not this (see "
+    "the paired table below the main one when there are several).",
     "step / batch-1 step: this cell's ms per step over the batch-1 cell of the same configuration and context.",
     "ISA level: the native kernels' variant (portable, avx2, avx512, avx512_bf16, amx; GLOWPLUG_MAX_CPU_ISA caps it).",
     "context: the prompt's tokens, what the KV cache holds when decoding starts; KV MB / step: the KV bytes one step "

@@ -1,0 +1,96 @@
+"""CUDA-graph capture owned by the runner, on a GPU (skipped without one; scripts/device_check.sh runs these):
+one graph per bucket over the static input buffer, replay equal to the eager step, no recompiles across buckets,
+and the KV profile measured by the CUDA allocator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.sampling_params import SamplingParams
+from glowplug.engine.startup import build_engine
+from glowplug.profiling.names import Attr
+from glowplug.profiling.tracing import setup_tracing
+
+pytestmark = pytest.mark.cuda
+
+PROMPTS = ["The scheduler", "A", "glowplug starts", "emoji 🚀", "x y z", "Numbers 0 1 2", "The quick", "B"]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("cuda-cache")
+
+
+def _start(model: Path, cache: Path, **fields: object) -> Any:
+    fields = {"compile": "on", "max_num_seqs": 8, "device": "cuda", "dtype": "float32", "block_size": 4, **fields}
+    return build_engine(EngineConfig.from_flat(model=str(model), **fields), tracing=setup_tracing(), cache_dir=cache)
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_capture_per_bucket_and_serving_keeps_eager_tokens(tiny_dir, cache: Path, make_llm) -> None:
+    model = tiny_dir("llama")
+    started = _start(model, cache)
+    row = started.phase_table["graph_capturing"]
+    attrs = row.attributes
+    assert list(attrs[Attr.GRAPH_SIZES]) == [1, 2, 4, 8], row.reason
+    assert len(attrs[Attr.GRAPH_SIZE_TIMES_S]) == 4 and all(t > 0 for t in attrs[Attr.GRAPH_SIZE_TIMES_S])
+    pools = list(attrs[Attr.GRAPH_SIZE_POOL_BYTES])
+    assert len(pools) == 4 and attrs[Attr.GRAPH_POOL_BYTES] == sum(pools) and attrs[Attr.GRAPH_POOL_BYTES] > 0
+    eng = started.engine
+    assert eng.runner.decode_sizes == (1, 2, 4, 8)
+    unique = _unique_graphs()
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs: dict[str, list[int]] = {}
+    for k in (1, 3, 5, 8):  # 3 and 5 run padded to the 4 and 8 buckets
+        for p in PROMPTS[:k]:
+            eng.add_request(p, params)
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished:
+                    outs.setdefault(o.prompt, o.outputs[0].token_ids)
+    assert _unique_graphs() == unique, "a request traced a new graph"
+    eager = make_llm(model, compile="off", block_size=4, device="cuda", dtype="float32")
+    for p, out in zip(PROMPTS, eager.generate(PROMPTS, params)):
+        assert outs[p] == out.outputs[0].token_ids, p
+
+
+def test_replay_of_a_padded_bucket_equals_the_eager_step(tiny_dir, cache: Path) -> None:
+    started = _start(tiny_dir("llama"), cache)
+    eng = started.engine
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    for n in (3, 4, 7, 8, 11):
+        eng.add_request(None, params, prompt_token_ids=list(range(5, 5 + n)))
+    eng.step()
+    scheduled = eng.scheduler.schedule().scheduled
+    runner = eng.runner
+    packed = runner.prepare_decode(scheduled, pad_to=8).clone()  # 5 rows padded to the 8 bucket
+    caches = runner.kv_cache.layers
+    before = [(c.k.clone(), c.v.clone()) for c in caches]
+    with torch.inference_mode():
+        got = runner.decode_step(packed).clone()
+        for c, (k, v) in zip(caches, before):
+            c.k.copy_(k)
+            c.v.copy_(v)
+        want = runner.eager_decode(packed)
+    torch.testing.assert_close(got[:5], want[:5], atol=2e-4, rtol=2e-4)
+    for s in scheduled:
+        eng.abort(s.seq.request_id)
+
+
+def test_kv_profile_is_measured_by_the_allocator_and_follows_gpu_memory_utilization(tiny_dir, cache: Path) -> None:
+    model = tiny_dir("llama")
+    a = _start(model, cache, compile="off", gpu_memory_utilization=0.1)
+    b = _start(model, cache, compile="off", gpu_memory_utilization=0.05)
+    prof = a.phase_table["kv_cache_profiling"]
+    assert "cuda_allocator" in str(prof.attributes), prof.attributes
+    assert a.engine.stats().kv_blocks > b.engine.stats().kv_blocks
