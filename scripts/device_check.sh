@@ -74,7 +74,8 @@ if torch.cuda.is_available():
     print("gpu", p.name, f"sm_{p.major}{p.minor}", f"{p.total_memory / 2**30:.1f} GiB", p.multi_processor_count, "SMs")
 else:
     print("gpu: torch sees none")
-print(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip())
+import shutil
+print(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout.strip() if shutil.which("nvidia-smi") else "no nvidia-smi")
 EOF
     cat "$OUT/machine.txt" | tee -a "$LOG"
     if [ -n "$WHEELS" ]; then
