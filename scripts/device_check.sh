@@ -27,9 +27,9 @@ OUT=reports/gpu
 ONLY=""
 while [ $# -gt 0 ]; do
     case "$1" in
-        --wheels) WHEELS=$2; shift 2 ;;
-        --model-parts) PARTS+=("$2"); shift 2 ;;
-        --out) OUT=$2; shift 2 ;;
+        --wheels) WHEELS=$(realpath "$2"); shift 2 ;;
+        --model-parts) PARTS+=("$(realpath "$2")"); shift 2 ;;
+        --out) OUT=$(realpath -m "$2"); shift 2 ;;
         --only) ONLY=$2; shift 2 ;;
         -h|--help) sed -n 2,22p "$0"; exit 0 ;;
         *) echo "device_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -113,12 +113,17 @@ model_from_parts() {
 }
 
 glowplug() { "$PY" -m glowplug.cli "$@"; }
+# Run from a scratch folder: in the checkout's root, its own glowplug/ (the front door, without the layers, which
+# pyproject maps in at install time) would shadow the installed package for `python -m`.
+RUN=/tmp/glowplug-run
+mkdir -p "$RUN"
+cd "$RUN"
 
 if wants setup || wants tests || wants bench; then
     setup
 fi
 if wants tests; then
-    step cuda-tests 240 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" --timeout 200 tests \
+    step cuda-tests 240 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" --timeout 200 "$ROOT/tests" \
         -rs --junitxml="$OUT/cuda-tests.xml"
     tail -n 60 "$LOG" >"$OUT/cuda-tests.log"
 fi
