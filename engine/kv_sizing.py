@@ -74,11 +74,21 @@ def bytes_per_token(arch: ModelArch, config: EngineConfig, model_dtype: torch.dt
     return per
 
 
+# One layer's K (or V) cache tensor stays under 2**31 elements: the compiled decode step is built with 32-bit
+# indexing, which Inductor guards on, so a larger cache would fail the step's guards at capture (seen on an H100 with
+# a tiny model, whose few bytes per token made 0.9 x 80 GB tens of millions of blocks). No real model's cache comes
+# near: Llama-3-70B would need over two million tokens in one layer.
+MAX_LAYER_ELEMENTS = 2**31 - 1
+# Left free beside the cache on a GPU whose memory others hold too: CUDA graphs' pool, the sampler, the allocator's
+# rounding.
+GPU_HEADROOM_BYTES = 512 << 20
+
+
 def device_memory(device: str) -> tuple[int, str]:
-    if device == "cuda":
+    if device.startswith("cuda"):
         import torch
 
-        free, total = torch.cuda.mem_get_info()
+        free, total = torch.cuda.mem_get_info(torch.device(device))
         return total, "cuda total memory"
     import psutil
 
@@ -94,6 +104,17 @@ def kv_budget(config: EngineConfig, *, device: str, weights_bytes: int, activati
     source = f"{c.memory_utilization} x {what} - weights - activation peak"
     if device == "cpu" and budget > CPU_KV_CAP_BYTES:
         budget, source = CPU_KV_CAP_BYTES, f"CPU cap ({CPU_KV_CAP_BYTES >> 30} GiB)"
+    if device.startswith("cuda"):
+        # The fraction is of the GPU's total, as vLLM's; but memory another process (or another engine in this one)
+        # holds is not ours to take: the cache then gets what is free, and says so, rather than failing to allocate.
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        room = free - activation_peak_bytes - GPU_HEADROOM_BYTES
+        if budget > room:
+            budget, source = room, (f"free GPU memory ({free / 2**30:.1f} GiB) - activation peak - "
+                                    f"{GPU_HEADROOM_BYTES >> 20} MiB headroom, less than {source}: other processes "
+                                    "or engines hold the rest")  # fmt: skip
     return budget, source
 
 
@@ -164,6 +185,9 @@ def plan_kv_cache(
             config, device=device, weights_bytes=weights_bytes, activation_peak_bytes=activation_peak_bytes
         )
         num_blocks = max(budget, 0) // per_block
+        cap = MAX_LAYER_ELEMENTS // (bs * arch.num_key_value_heads * arch.head_dim)
+        if num_blocks > cap:
+            num_blocks, source = cap, f"{source}, capped at {cap:,} blocks (one layer's cache under 2**31 elements)"
     largest = min(num_blocks * bs, limit)
     max_len = largest if requested == "auto" else (limit if requested is None else requested)
 

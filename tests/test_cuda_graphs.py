@@ -27,7 +27,8 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _start(model: Path, cache: Path, **fields: object) -> Any:
-    fields = {"compile": "on", "max_num_seqs": 8, "device": "cuda", "dtype": "float32", "block_size": 4, **fields}
+    fields = {"compile": "on", "max_num_seqs": 8, "device": "cuda", "dtype": "float32", "block_size": 4,
+              "kv_cache_memory": "256MiB", **fields}
     return build_engine(EngineConfig.from_flat(model=str(model), **fields), tracing=setup_tracing(), cache_dir=cache)
 
 
@@ -59,7 +60,7 @@ def test_capture_per_bucket_and_serving_keeps_eager_tokens(tiny_dir, cache: Path
                 if o.finished:
                     outs.setdefault(o.prompt, o.outputs[0].token_ids)
     assert _unique_graphs() == unique, "a request traced a new graph"
-    eager = make_llm(model, compile="off", block_size=4, device="cuda", dtype="float32")
+    eager = make_llm(model, compile="off", block_size=4, device="cuda", dtype="float32", kv_cache_memory="256MiB")
     for p, out in zip(PROMPTS, eager.generate(PROMPTS, params)):
         assert outs[p] == out.outputs[0].token_ids, p
 
@@ -89,8 +90,18 @@ def test_replay_of_a_padded_bucket_equals_the_eager_step(tiny_dir, cache: Path) 
 
 def test_kv_profile_is_measured_by_the_allocator_and_follows_gpu_memory_utilization(tiny_dir, cache: Path) -> None:
     model = tiny_dir("llama")
-    a = _start(model, cache, compile="off", gpu_memory_utilization=0.1)
-    b = _start(model, cache, compile="off", gpu_memory_utilization=0.05)
+    a = _start(model, cache, compile="off", gpu_memory_utilization=0.1, kv_cache_memory=None)
+    b = _start(model, cache, compile="off", gpu_memory_utilization=0.05, kv_cache_memory=None)
     prof = a.phase_table["kv_cache_profiling"]
     assert "cuda_allocator" in str(prof.attributes), prof.attributes
     assert a.engine.stats().kv_blocks > b.engine.stats().kv_blocks
+
+
+def test_a_cache_larger_than_32_bit_indexing_is_capped_and_the_compiled_step_still_captures(tiny_dir, cache: Path
+                                                                                            ) -> None:  # fmt: skip
+    """The tiny model's few bytes per token make 0.5 x an H100 tens of millions of blocks: the plan caps them (the
+    row says so) so that the compiled step's 32-bit-indexing guards hold and capture succeeds."""
+    started = _start(tiny_dir("llama"), cache, kv_cache_memory=None, gpu_memory_utilization=0.5)
+    prof = started.phase_table["kv_cache_profiling"].attributes
+    assert "2**31 elements" in str(prof["glowplug.kv_budget_source"]), prof
+    assert list(started.phase_table["graph_capturing"].attributes[Attr.GRAPH_SIZES]) == [1, 2, 4, 8]

@@ -107,6 +107,21 @@ def test_kv_budget_from_memory_utilization_fails_in_profiling_with_a_fix(tiny_di
     assert "set --kv-cache-memory 1MiB (or raise --memory-utilization, now 1e-09, or free memory)" in str(e.value)
 
 
+def test_a_budget_past_32_bit_indexing_is_capped_and_says_so(tiny_dir) -> None:
+    """A budget whose blocks would put one layer's cache past 2**31 elements (a tiny model on a big GPU) keeps the
+    blocks that fit (the compiled step indexes the cache in 32 bits) and names the cap in the budget's source."""
+    from glowplug.engine.kv_sizing import MAX_LAYER_ELEMENTS, plan_kv_cache
+    from glowplug.engine.models.arch import load_arch
+
+    arch = load_arch(tiny_dir("llama"))
+    cfg = EngineConfig.from_flat(model=str(tiny_dir("llama")), kv_cache_memory="1TiB", block_size=16)
+    plan = plan_kv_cache(cfg, arch, model_dtype="float32", device="cpu", weights_bytes=0)
+    per_block_elements = 16 * arch.num_key_value_heads * arch.head_dim
+    assert plan.num_blocks == MAX_LAYER_ELEMENTS // per_block_elements
+    assert (plan.num_blocks + 1) * per_block_elements > MAX_LAYER_ELEMENTS
+    assert "under 2**31 elements" in plan.budget_source and plan.budget_source.startswith("--kv-cache-memory")
+
+
 def test_max_model_len_auto_picks_largest_that_fits(tiny_dir, tmp_path: Path) -> None:
     result, _ = _start(tiny_dir("llama"), tmp_path, compile="off", kv_cache_memory=512 * 16 * 7 + 100, max_model_len="auto")
     assert result.kv_plan.num_blocks == 7 and result.engine.max_model_len == 7 * 16
