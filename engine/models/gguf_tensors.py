@@ -123,7 +123,8 @@ def read_table(reader: Any, path: Path) -> TensorTable:
         kind = int(t.tensor_type)
         if kind not in TYPE_NAMES:
             raise ModelError(
-                f"{path}: tensor {t.name!r} is stored as {t.tensor_type.name}, which glowplug does not read "
+                f"{path}: tensor {t.name!r} is stored as {getattr(t.tensor_type, 'name', f'type {kind}')}, which "
+                f"glowplug does not read "
                 f"(it reads {SUPPORTED}). Re-quantize the file with llama.cpp's llama-quantize to one of those "
                 f"(Q4_K_M, Q5_K_M, Q8_0, ...), or pass a Hugging Face folder."
             )
