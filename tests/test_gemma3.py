@@ -248,7 +248,9 @@ def test_greedy_tokens_match_transformers(gemma_dir: Path, hf_gemma: Any, make_l
     native kernels on its full-attention layers) against transformers' generate."""
     path = _gemma_file()
     assert path is not None
-    llm = make_llm(str(path), compile=compile_mode, dtype="float32", max_model_len=2048)
+    # The file's weights de-quantized, as transformers runs them: --quantization auto would run its Q4_K and Q5_0
+    # tensors in glowplug's integer kernels, whose other rounding is the accuracy report's subject, not this test's.
+    llm = make_llm(str(path), compile=compile_mode, dtype="float32", max_model_len=2048, quantization="none")
     ids = llm.tokenizer(LONG_PROMPT)["input_ids"]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = llm.generate([LONG_PROMPT], params)[0].outputs[0].token_ids
