@@ -145,7 +145,55 @@ def _engine_cases() -> dict[str, dict[str, Any]]:
     return out
 
 
+# (q dtype, int8 cache, G, head_dim, split): the variants compiled for a GPU target below.
+GPU_VARIANTS = (("bf16", False, 3, 64, True), ("fp16", True, 8, 128, False), ("fp32", False, 1, 256, True),
+                ("bf16", True, 4, 256, True))  # fmt: skip
+
+
+def compile_for_gpu(arch: int) -> list[str]:
+    """Compile the kernels down to a cubin for CUDA sm_`arch` without a GPU (Triton's own ptxas), at the tiles
+    the launcher picks: what a GPU's first launch would compile. Returns one line per variant ("ok" or the
+    error)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from glowplug.kernels.triton import attention_kernels as kern
+
+    target = GPUTarget("cuda", arch, 32)
+    strides = [n for n in kern.paged_decode_kernel.arg_names if n.startswith("stride_")]
+    lines = []
+    for qdt, int8, group, d, split in GPU_VARIANTS:
+        cdt = "i8" if int8 else qdt
+        sig = {"q_ptr": f"*{qdt}", "k_ptr": f"*{cdt}", "v_ptr": f"*{cdt}", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+               "table_ptr": "*i64", "ctx_ptr": "*i64", "out_ptr": f"*{qdt}", "m_ptr": "*fp32", "l_ptr": "*fp32",
+               "acc_ptr": "*fp32", "scale": "fp32", "window": "i32", "block_size": "i32", "partition": "i32",
+               **dict.fromkeys(strides, "i32")}  # fmt: skip
+        block_d = max(tri.MIN_DOT, 1 << (d - 1).bit_length())
+        const = {"G": group, "G_PAD": max(tri.MIN_DOT, 1 << (group - 1).bit_length()), "D": d, "BLOCK_D": block_d,
+                 "BLOCK_N": tri.default_block_n(block_d, int8 or qdt == "fp32"), "INT8": int8, "SPLIT": split,
+                 "DOT_F32": qdt == "fp32"}  # fmt: skip
+        sig.update(dict.fromkeys(const, "constexpr"))
+        name = f"sm{arch} {qdt}{' int8' if int8 else ''} G={group} D={d}{' split' if split else ''}"
+        try:
+            triton_compile(ASTSource(kern.paged_decode_kernel, sig, constexprs=const), target=target,
+                           options={"num_warps": 8 if qdt == "fp32" and block_d >= 128 else 4})  # fmt: skip
+            if split:
+                csig = {"ctx_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": f"*{qdt}",
+                        "window": "i32", "partition": "i32", "D": "constexpr", "BLOCK_D": "constexpr",
+                        **{n: "i32" for n in kern.paged_decode_combine_kernel.arg_names if n.startswith("stride_")}}
+                triton_compile(ASTSource(kern.paged_decode_combine_kernel, csig, constexprs={"D": d, "BLOCK_D": block_d}),
+                               target=target, options={"num_warps": 4})  # fmt: skip
+            lines.append(f"{name}: ok")
+        except Exception as exc:  # noqa: BLE001 - reported per variant
+            lines.append(f"{name}: {type(exc).__name__}: {exc}")
+    return lines
+
+
 def main(path: str) -> int:
+    if path == "--compile":
+        print("\n".join(compile_for_gpu(80)))
+        return 0
     if not triton_pkg.interpreting():
         print("TRITON_INTERPRET=1 must be set before this script starts", file=sys.stderr)
         return 2
@@ -178,6 +226,27 @@ def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     assert proc.returncode == 0, f"the interpreted kernels failed:\n{proc.stderr[-4000:]}"
     results: dict[str, dict[str, Any]] = torch.load(path, weights_only=False)
     return results
+
+
+def _nvidia_backend() -> bool:
+    if not triton_pkg.available():
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("triton.backends.nvidia") is not None
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="triton without its NVIDIA backend")
+def test_kernels_compile_for_an_ampere_gpu(tmp_path: Path) -> None:
+    """The kernels through Triton's whole NVIDIA pipeline (TTIR, TTGIR, LLVM, PTX, ptxas) for sm_80, with no GPU:
+    the interpreter runs the Python semantics only, this is the compiler a GPU's first launch would run."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, __file__, "--compile"], env=env, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == len(GPU_VARIANTS) and all(line.endswith(": ok") for line in lines), proc.stdout
 
 
 def _check(c: dict[str, Any], dtype: torch.dtype | None = None) -> None:

@@ -18,6 +18,7 @@ why the kernel cannot run there (None when it can).
 from __future__ import annotations
 
 import functools
+import threading
 from types import ModuleType
 
 import torch
@@ -177,11 +178,19 @@ def _from_packed(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | 
                                   packed[:, PACKED_CONTEXT], scale, window)  # fmt: skip
 
 
-@functools.cache
+_REGISTER = threading.Lock()
+
+
 def register_op() -> object:
     """Define `torch.ops.glowplug_triton.paged_decode_attention` (once per process) and return it. Called by the
-    code that turns the Triton path on, so a compiled artifact that calls the op finds it defined."""
+    code that turns the Triton path on, so a compiled artifact that calls the op finds it defined. Start-up stages
+    run on threads of their own: the lock keeps two first calls from defining it twice (an error in torch)."""
+    with _REGISTER:
+        return _register_op()
 
+
+@functools.cache
+def _register_op() -> object:
     @torch.library.custom_op(OP_NAME, mutates_args=())
     def paged_decode_attention_op(
         q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
