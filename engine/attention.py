@@ -1,20 +1,29 @@
-"""Attention over the paged KV cache, in plain torch: an eager path for any batch and a decode path for the graph.
+"""Attention over the paged KV cache: plain torch everywhere, and on CUDA a Triton paged kernel for the decodes.
 
 Eager (`paged_attention`, used for prefill chunks and mixed batches): one engine step carries a flattened batch, the
 prefill chunks first (each sequence's new tokens), then one token per decoding sequence. Prefill chunks are attended
-one sequence at a time (their shapes differ); decodes are attended together over keys gathered from each sequence's
-blocks, padded to the longest context.
+one sequence at a time (their shapes differ). Decodes are attended together: on CUDA by the Triton kernel, which
+reads each row's blocks through its table up to its own context length; elsewhere over keys gathered from each
+sequence's blocks, padded to the longest context.
 
 Decode (`decode_attention`, traced into the compiled decode step): every row is one sequence's one new token. The
 step's inputs come as one int64 tensor per step (see `DecodeBatch`), so the graph has no host synchronisation: the
-KV write is an in-graph scatter into the layer's cache tensors, the keys and values are gathered by block table and
-masked by context length, and the softmax and weighted sum are reductions Inductor fuses with the gather.
+KV write is an in-graph scatter into the layer's cache tensors. Then, by device:
+- CUDA: the op `glowplug_triton::paged_decode_attention` (kernels/triton/attention.py), one opaque node in the
+  graph, which reads K/V through the block table only up to each row's context (a row's cost follows its context,
+  not the table's width, i.e. not max_model_len) and launches a grid that depends on shapes only, so CUDA graphs
+  capture it. Where Triton cannot run (not installed, compute capability below 8.0) the tensor ops below run
+  instead, and `triton_attention_unavailable_reason` says why (the native_kernels stage puts it on its span).
+- CPU, `native`: glowplug's native op (kernels/native/attention.cpp).
+- Otherwise the tensor ops: keys and values gathered by block table (the whole table, in fp32) and masked by
+  context length; the softmax and weighted sum are reductions Inductor fuses with the gather.
 
 Sliding windows (`window`, per layer: Gemma 3's local layers): a query at position p sees the keys at positions
-p - window + 1 .. p, as transformers' sliding-window mask does (kv > q - window). Both paths apply it as a mask over
-the keys they already read; the cache keeps every position of every layer, so nothing about the blocks changes.
-The native decode attention op has no window: a windowed layer's compiled decode takes the tensor ops below (the
-model says so when the native kernels are switched on, see models/llama.py Attention.enable_native).
+p - window + 1 .. p, as transformers' sliding-window mask does (kv > q - window). The torch paths apply it as a mask
+over the keys they already read; the Triton kernel loops over the window's blocks only. The cache keeps every
+position of every layer, so nothing about the blocks changes. The native decode attention op has no window: a
+windowed layer's compiled decode on the CPU takes the tensor ops (the model says so when the native kernels are
+switched on, see models/llama.py Attention.enable_native).
 """
 
 from __future__ import annotations
@@ -24,12 +33,38 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..kernels.triton import attention as triton_attention
 from .kv_cache import KVCache, LayerKV
 
 # Columns of the decode step's packed input [B, DECODE_COLS + W]: token id, position, cache slot, context length
 # (including the new token), then the block table padded to W blocks.
 TOKEN, POSITION, SLOT, CONTEXT = 0, 1, 2, 3
 DECODE_COLS = 4
+
+
+def triton_attention_unavailable_reason(device: torch.device | str) -> str | None:
+    """Why decode attention on `device` does not run the Triton paged kernel, or None when it does (a CUDA device
+    of compute capability 8.0 or newer with triton importable). Off CUDA it never does: the CPU runs the native op
+    or the tensor ops. When the answer is None the kernel's op is registered, so a compiled artifact that calls it
+    finds it (the native_kernels stage asks before the decode step is traced or loaded)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return f"the Triton decode attention is for CUDA devices (device {dev.type})"
+    reason = triton_attention.unavailable_reason(dev)
+    if reason is None:
+        triton_attention.register_op()
+    return reason
+
+
+@torch.compiler.assume_constant_result
+def _triton_ready(device: torch.device) -> bool:
+    # A constant for the trace: Dynamo runs this once, outside the graph (it imports triton and asks the driver).
+    return triton_attention_unavailable_reason(device) is None
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    """Whether the decode attention of `t`'s rows runs the Triton kernel (CUDA tensors where it can run)."""
+    return t.is_cuda and _triton_ready(t.device)
 
 
 @dataclass
@@ -129,6 +164,11 @@ def _decode_eager(q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, c
     tables, ctx_lens = meta.decode_block_tables, meta.decode_ctx_lens
     assert tables is not None and ctx_lens is not None
     p = q.shape[0] - tables.shape[0]
+    if _use_triton(q):
+        # Each row reads its own blocks up to its own context: nothing is gathered or padded to the longest.
+        out[p:] = triton_attention.paged_decode_attention(q[p:], cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                                          tables, ctx_lens, scale, window)  # fmt: skip
+        return
     # fp32: the CPU's masked SDPA is ~6x slower in bf16 than in fp32 at these shapes, and the precision is free.
     qd = q[p:].unsqueeze(2).float()  # [B, H, 1, D]
     kd, vd = cache.read(tables, torch.float32)  # [B, W, bs, Hkv, D]
@@ -170,12 +210,19 @@ def decode_attention(
     Inductor kernel those ops compile to spent its time in fork/join barriers (reports/decode-quantized.md measures
     the step with it).
 
+    On CUDA, where Triton can run (`triton_attention_unavailable_reason`), the paged Triton kernel's op reads the
+    cache through the block table instead, up to each row's context only.
+
     `window`: this layer's sliding window (None: the whole context). The native op has no window, so a windowed
     layer must not ask for it (raises ValueError rather than attend to keys the model must not see)."""
     slots = packed[:, SLOT]
     cache.store(k, v, slots)
     if native and window is not None:
         raise ValueError("the native decode attention op has no sliding window; run a windowed layer on the torch path")
+    if not native and _use_triton(q):
+        paged: torch.Tensor = torch.ops.glowplug_triton.paged_decode_attention(
+            q, cache.k, cache.v, cache.k_scale, cache.v_scale, packed, scale, window)
+        return paged
     if native:
         ops = torch.ops.glowplug_native
         if cache.k_scale is not None and cache.v_scale is not None:

@@ -93,6 +93,37 @@ def attention_int8_kv(
     return attention(q, dequantize_kv(k_q, k_scale), dequantize_kv(v_q, v_scale), causal=causal)
 
 
+def paged_decode_attention_reference(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, packed: Tensor,
+    scale: float, window: int | None = None,
+) -> Tensor:  # fmt: skip
+    """fp32 oracle of the paged decode attention op (kernels/triton/attention.py), from the same operands: q [B, H, D]
+    one token per row; caches [blocks, block_size, Hkv, D] (int8 with fp32 scales [blocks, block_size, Hkv]);
+    `packed` the decode step's [B, 4 + W] int64 input (context length in column 3, block table from column 4).
+    Row by row, as written: the row's first ceil(L / block_size) blocks gathered, flattened and cut to its L tokens,
+    the last `window` of those kept, K/V repeated over each KV head's query heads, softmax in fp32. Returns fp32
+    [B, H, D] (zeros for a row that sees no token)."""
+    from .triton.attention import PACKED_CONTEXT, PACKED_TABLE
+
+    b, heads, d = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(b, heads, d, dtype=torch.float32, device=q.device)
+    for i in range(b):
+        ctx = int(packed[i, PACKED_CONTEXT])
+        lo = max(ctx - window, 0) if window is not None else 0
+        if ctx <= lo:
+            continue
+        blocks = packed[i, PACKED_TABLE : PACKED_TABLE + -(-ctx // block_size)]
+        k, v = k_cache[blocks].float(), v_cache[blocks].float()
+        if k_scale is not None and v_scale is not None:
+            k, v = dequantize_kv(k_cache[blocks], k_scale[blocks]), dequantize_kv(v_cache[blocks], v_scale[blocks])
+        k = k.flatten(0, 1)[lo:ctx].repeat_interleave(heads // kv_heads, dim=1)  # [T, H, D]
+        v = v.flatten(0, 1)[lo:ctx].repeat_interleave(heads // kv_heads, dim=1)
+        probs = (torch.einsum("hd,thd->ht", q[i].float(), k) * scale).softmax(-1)
+        out[i] = torch.einsum("ht,thd->hd", probs, v)
+    return out
+
+
 def _unblock(t: Tensor, n: int) -> Tensor:
     """[NB, 16, ...] -> [n, ...] (drops the padding rows)."""
     return t.reshape(-1, *t.shape[2:])[:n]

@@ -115,6 +115,8 @@ class Attr:
     ISA_REASON: Final = "glowplug.isa_reason"  # why that level: the CPU's best, a cap, or the best variant stored
     # Layers a native op would serve that keep the stock path, with why and how many ("15 layers: ...").
     NATIVE_FALLBACK: Final = "glowplug.native_fallback"
+    # On CUDA: which decode attention runs, "triton" (the paged kernel) or "torch ops: <why Triton cannot run>".
+    DECODE_ATTENTION: Final = "glowplug.decode_attention"
     ERROR: Final = "glowplug.error"
     PID: Final = "glowplug.pid"
     CLOCK_RESOLUTION_S: Final = "glowplug.clock_resolution_s"

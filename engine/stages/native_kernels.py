@@ -42,10 +42,21 @@ class NativeKernels:
         return {"native": HIT if where == "cached" else MISS}
 
     def run(self, ctx: EngineContext) -> StageReport:
+        gpu: dict[str, str] = {}
+        said = ""
+        if ctx.device.startswith("cuda"):
+            # The GPU's counterpart of these kernels for attention: whether the Triton paged kernel serves decode
+            # attention (asking registers its op, before the decode step is traced or loaded), or why the torch
+            # ops do; on the span and in the row's skip reason, eager or compiled.
+            from ..attention import triton_attention_unavailable_reason
+
+            why = triton_attention_unavailable_reason(ctx.device)
+            gpu[Attr.DECODE_ATTENTION] = "triton" if why is None else f"torch ops: {why}"
+            said = f"; decode attention: {gpu[Attr.DECODE_ATTENTION]}"
         if not ctx.config.compile_enabled():
-            return StageReport.skipped(f"--compile {ctx.config.compile}")
+            return StageReport.skipped(f"--compile {ctx.config.compile}{said}", gpu)
         if ctx.device != "cpu":
-            return StageReport.skipped(f"native kernels are CPU kernels (device {ctx.device})")
+            return StageReport.skipped(f"native kernels are CPU kernels (device {ctx.device}){said}", gpu)
         model = ctx.need(ctx.model, "the model", "model_init")
         from glowplug.kernels.modules import enable_native_decode
         from glowplug.kernels.native import load_native

@@ -1,7 +1,9 @@
-"""Triton kernels for GPUs (fused dequant GEMV for small M, dequant + tl.dot GEMM for larger M).
+"""Triton kernels for GPUs (fused dequant GEMV for small M, dequant + tl.dot GEMM for larger M; paged decode
+attention).
 
 Triton is an optional dependency: nothing here imports it at import time. `available()` says whether it can be
-used; `glowplug.kernels.triton.ops` holds the launchers and imports the kernels on first launch.
+used; `glowplug.kernels.triton.ops` holds the linear launchers and imports their kernels on first launch, and
+`glowplug.kernels.triton.attention` the paged decode attention's launcher and custom op (registered on first use).
 """
 
 from __future__ import annotations
