@@ -112,6 +112,8 @@ class Attr:
     ISA_REASON: Final = "glowplug.isa_reason"  # why that level: the CPU's best, a cap, or the best variant stored
     # Layers a native op would serve that keep the stock path, with why and how many ("15 layers: ...").
     NATIVE_FALLBACK: Final = "glowplug.native_fallback"
+    # On CUDA: the quantized layers whose compiled decode runs the Triton custom ops (kernels/triton/graph_ops.py).
+    TRITON_DECODE_LAYERS: Final = "glowplug.triton_decode_layers"
     ERROR: Final = "glowplug.error"
     PID: Final = "glowplug.pid"
     CLOCK_RESOLUTION_S: Final = "glowplug.clock_resolution_s"
