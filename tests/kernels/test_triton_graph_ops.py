@@ -91,6 +91,43 @@ def test_triton_layers_lift_the_compile_skip(results: dict[str, dict[str, Any]])
     assert res["counts"]["quantized"] == res["counts"]["switched"] == 2
 
 
+def test_cuda_native_kernels_stage_switches_the_quantized_layers(results: dict[str, dict[str, Any]]) -> None:
+    from glowplug.profiling.names import Attr
+
+    res = results["stage"]
+    assert "error" not in res, res.get("error")
+    assert res["skipped"] is None and res["kernels"] == [True, True]
+    attrs = res["attributes"]
+    assert attrs[Attr.TRITON_DECODE_LAYERS] == 2 and attrs[Attr.BYTES_PER_TOKEN] > 0
+    assert attrs[Attr.ROW_NOTE] == "Triton GEMV/GEMM ops for 2 quantized layers"
+
+
+def test_cuda_native_kernels_stage_says_why_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the kernels cannot run on the layers' device, the stage's row says why and nothing switches; a dense
+    model has nothing to switch."""
+    from types import SimpleNamespace
+
+    from glowplug.engine.stages.native_kernels import NativeKernels
+    from glowplug.kernels import formats as F
+    from glowplug.kernels.modules import DecodeKernel, DenseLinear, QuantLinear
+    from glowplug.profiling.names import Attr
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    layers = [QuantLinear.from_packed(F.quantize(torch.randn(8, 64), "int4-g32")) for _ in range(3)]
+
+    def run(model: torch.nn.Module) -> Any:
+        ctx = SimpleNamespace(config=SimpleNamespace(compile_enabled=lambda: True), model=model, device="cuda",
+                              need=lambda value, *_: value)  # fmt: skip
+        return NativeKernels().run(ctx)  # type: ignore[arg-type]
+
+    report = run(torch.nn.Sequential(*layers, DenseLinear(8, 8)))
+    why = "Triton kernels run on CUDA tensors (device cpu; TRITON_INTERPRET=1 runs them on the CPU)"
+    assert report.skipped_reason == f"Triton decode kernels unavailable: 3 layers: {why}"
+    assert report.attributes[Attr.TRITON_DECODE_LAYERS] == 0
+    assert all(m.kernel is DecodeKernel.STOCK for m in layers)
+    assert run(torch.nn.Sequential(DenseLinear(8, 8))).skipped_reason.startswith("no quantized layers")
+
+
 def test_quantized_decode_step_traces_with_the_ops(results: dict[str, dict[str, Any]]) -> None:
     res = results["decode-step"]
     assert "error" not in res, res.get("error")

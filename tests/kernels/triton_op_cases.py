@@ -29,7 +29,7 @@ TRACE_MS: tuple[int, ...] = (3, 17, 5)  # batch 1 is specialised by Dynamo's dyn
 
 def case_ids() -> list[str]:
     ops = [f"op-{spec}-{n}x{k}-M{m}" for spec, n, k in SHAPES for m in MS]
-    return ops + [f"trace-{spec}" for spec, _, _ in SHAPES] + ["bf16-out", "skipped-reason"]
+    return ops + [f"trace-{spec}" for spec, _, _ in SHAPES] + ["bf16-out", "skipped-reason", "stage"]
 
 
 def _weight(spec: str, n: int, k: int, device: str) -> Any:
@@ -209,6 +209,24 @@ def _op_sites(gm: Any) -> int:
     return n
 
 
+def stage_case() -> dict[str, Any]:
+    """The native_kernels stage on a CUDA start (here: device "cuda" in the context, the layers on the CPU, where the
+    interpreter runs the kernels): what it reports once the quantized layers switched."""
+    from types import SimpleNamespace
+
+    import torch
+    from glowplug.engine.stages.native_kernels import NativeKernels
+    from glowplug.kernels.modules import DecodeKernel, DenseLinear, QuantLinear
+
+    model = torch.nn.Sequential(QuantLinear.from_packed(_weight("int4-g32", 72, 160, "cpu")),
+                                QuantLinear.from_packed(_weight("w8a8", 72, 200, "cpu")), DenseLinear(8, 8))
+    ctx = SimpleNamespace(config=SimpleNamespace(compile_enabled=lambda: True), model=model, device="cuda",
+                          need=lambda value, *_: value)  # fmt: skip
+    report = NativeKernels().run(ctx)  # type: ignore[arg-type]
+    return {"skipped": report.skipped_reason, "attributes": dict(report.attributes),
+            "kernels": [m.kernel is DecodeKernel.TRITON for m in model if isinstance(m, QuantLinear)]}
+
+
 def decode_step_case(tmp: Path) -> dict[str, Any]:
     """The whole decode step of a tiny int4 model with its quantized layers on the Triton op, traced with the
     engine's unbacked batch (engine.compile.mark_decode_dynamic): one graph for batches 2 and 5, one op node per
@@ -256,7 +274,8 @@ def main() -> int:
         print("TRITON_INTERPRET=1 must be set before launching this script", file=sys.stderr)
         return 2
     results: dict[str, Any] = {**op_cases("cpu"), **trace_cases("cpu")}
-    for name, fn in (("bf16-out", lambda: bf16_case("cpu")), ("skipped-reason", skipped_reason_case)):
+    for name, fn in (("bf16-out", lambda: bf16_case("cpu")), ("skipped-reason", skipped_reason_case),
+                     ("stage", stage_case)):
         try:
             results[name] = fn()
         except Exception:  # noqa: BLE001
