@@ -132,7 +132,7 @@ def test_a_zero_probability_token_is_never_drawn() -> None:
     assert draw(logits.contiguous(), edges).tolist() == [0, 0, 2, 2]
 
 
-def _run(rows: int, at: int, steps: int = 24) -> list[int]:
+def _run(rows: int, at: int, steps: int = 24, device: str = "cpu") -> list[int]:
     """`steps` tokens of one seeded sequence at row `at` of a batch of `rows`, its neighbours of every kind."""
     me = _seq(SamplingParams(temperature=0.9, top_p=0.95, seed=7), key_for_seed(7))
     others = [_seq(MIXES["penalties" if j % 3 else "mixed"](j)[0], key_for_seed(99 + j), [3, 4], j + 1)
@@ -143,7 +143,7 @@ def _run(rows: int, at: int, steps: int = 24) -> list[int]:
         logits = torch.randn(rows, VOCAB)  # the neighbours' rows: anything, different every run
         logits[at] = mine
         batch = others[:at] + [me] + others[at:]
-        me.output_token_ids.append(sample(logits, batch)[at].token_id)
+        me.output_token_ids.append(sample(logits.to(device), batch)[at].token_id)
     return me.output_token_ids
 
 
@@ -152,6 +152,27 @@ def test_a_seeded_row_samples_the_same_tokens_in_any_batch_and_position() -> Non
     assert len(set(alone)) > 10  # sampling, not a greedy pick
     for at in (0, 3, 7):
         assert _run(8, at) == alone, at
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_seeded_row_on_cuda_samples_as_on_the_cpu() -> None:
+    """The uniforms come from the host, so a seeded row draws the same tokens on a GPU, alone or in a batch (the
+    float32 softmax may differ in its last bits between devices: a token could differ only where U falls that close
+    to a boundary of the cumulative sum)."""
+    alone = _run(1, 0)
+    assert _run(1, 0, device="cuda") == alone
+    for at in (0, 5):
+        assert _run(8, at, device="cuda") == alone, at
+    counts = {rows: _cuda_launches(rows) for rows in (1, 4, 32)}
+    assert counts[1] == counts[4] == counts[32], {r: len(c) for r, c in counts.items()}
+
+
+def _cuda_launches(rows: int) -> list[str]:
+    logits = torch.randn(rows, VOCAB, device="cuda")
+    batch = _batch("penalties", rows)
+    with _CountOps() as count:
+        sample(logits, batch)
+    return count.calls
 
 
 def test_unseeded_rows_differ() -> None:
