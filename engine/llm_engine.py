@@ -14,7 +14,7 @@ import torch
 from .detokenizer import DecodeCache, IncrementalDetokenizer
 from .model_runner import ModelRunner
 from .models.llama import DecoderLM
-from .sampler import SampleResult
+from .sampler import SampleResult, key_for_seed
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq, Scheduler, SchedulerStats
 from .sequence import Sequence, SeqStatus, TokenLogprobs
@@ -200,9 +200,9 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(rid, prompt, list(prompt_token_ids), params)
         for i in range(params.n):
-            # On the engine's device: the sampler draws each sequence's noise there.
+            # A seeded request's completions take seed, seed + 1, ...; an unseeded one's a number from the engine's
+            # generator (so a whole run is reproducible from the engine seed). The sampler's stream is keyed by it.
             seed = params.seed + i if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
-            gen = torch.Generator(device=self.runner.device).manual_seed(seed)
             seq = Sequence(
                 seq_id=next(self._seq_ids),
                 request_id=rid,
@@ -216,7 +216,7 @@ class LLMEngine:
                     stop=params.stop,
                     cache=self._decode_caches[params.skip_special_tokens],
                 ),
-                generator=gen,
+                sample_key=key_for_seed(seed),
                 arrival_time=req.arrival_time,
             )
             req.seqs.append(seq)

@@ -1,10 +1,20 @@
 """Turn a batch of next-token logits into tokens, each row with its own sampling parameters, in batched tensor ops.
 
 Greedy rows take one argmax over the batch. Sampled rows are scaled by their temperatures and filtered by top-k,
-top-p and min-p as batch operations (per-row thresholds as tensors), then drawn by the exponential race
-argmax(p / E) with E ~ Exp(1): equivalent to drawing from p, and the noise for each row comes from its sequence's own
-torch.Generator, so a seeded request samples the same tokens whatever else shares its batch. All results reach the
-host in one transfer per step.
+top-p and min-p as batch operations (per-row thresholds as tensors), then drawn by inverse transform: the first token
+whose cumulative probability reaches U * total, with one uniform U per row. Penalties are applied to all their rows at
+once from (row, token) pairs gathered on the host. So a step launches the same kernels however many rows it has and
+however they mix greedy, sampled and seeded rows: the count depends only on which features appear in the batch at all
+(any sampled row, any top-k / top-p / min-p, any penalty, any logprobs), never on how many rows use them. All results
+reach the host in one transfer per step.
+
+Where the randomness comes from: each sequence holds a 64-bit key (`Sequence.sample_key`: from the request's seed,
+or drawn from the engine's generator when it has none, see `key_for_seed`), and its draw for its t-th sampled token
+is a counter-based hash of (key, t), computed on the host (`row_uniform`, splitmix64). A uniform per row costs the
+host a few integer operations, against the one-launch-per-row torch.Generator draw of the noise this replaced, and it
+is a pure function of the sequence: a seeded request samples the same tokens whatever else shares its batch, wherever
+its row sits, on any device, and across runs (t counts the sequence's own tokens, so a preempted and recomputed
+sequence continues its stream where it stopped).
 """
 
 from __future__ import annotations
@@ -15,6 +25,32 @@ import torch
 
 from ..kernels.native import first_max_indices
 from .sequence import Sequence, TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: 2**64 / golden ratio, odd
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's output function (Stafford's Mix13): a bijection of 64-bit integers whose every output bit depends
+    on every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def key_for_seed(seed: int) -> int:
+    """A sequence's 64-bit sampling key from its seed (the request's `seed` + its completion index, or a number drawn
+    from the engine's generator): mixed, so that neighbouring seeds (the n completions of one request) start
+    unrelated streams."""
+    return _mix64(seed & _MASK64)
+
+
+def row_uniform(key: int, counter: int) -> float:
+    """U in (0, 1) for draw number `counter` of the sequence with `key`: splitmix64 (a counter-based generator: the
+    state after n steps is key + n * gamma) at counter + 1, its top 53 bits centred in their interval, so U is never
+    0 or 1."""
+    z = _mix64((key + (counter + 1) * _GOLDEN_GAMMA) & _MASK64)
+    return ((z >> 11) + 0.5) * 2.0**-53
 
 
 PerRow = list[float] | list[int] | tuple[float, ...] | tuple[int, ...]
@@ -70,20 +106,63 @@ def apply_min_p(logits: torch.Tensor, min_p: PerRow | float) -> torch.Tensor:
     return rows.masked_fill(probs < threshold, float("-inf")).reshape(logits.shape)
 
 
-def apply_penalties(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    """One row's repetition (CTRL-style, over prompt and output, as transformers) and presence/frequency
-    (OpenAI-style, over output) penalties, in place."""
-    p = seq.params
-    if p.repetition_penalty != 1.0:
-        ids = torch.tensor(sorted(set(seq.prompt_token_ids) | set(seq.output_token_ids)), dtype=torch.long,
-                           device=logits.device)  # fmt: skip
-        vals = logits[ids]
-        logits[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
-        out = torch.tensor(seq.output_token_ids, dtype=torch.long, device=logits.device)
-        counts = torch.bincount(out, minlength=logits.shape[-1]).to(logits.dtype)
-        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> torch.Tensor:
+    """Row rows[j]'s repetition (CTRL-style, over prompt and output, as transformers) and presence/frequency
+    (OpenAI-style, over output) penalties from seqs[j], in place on logits [B, V], every row at once: the host
+    gathers each penalty's (row, token) pairs (O(the rows' tokens) Python work, as before), and the device applies
+    them in a fixed number of launches whatever the number of rows."""
+    dev = logits.device
+    rep_rows: list[int] = []
+    rep_ids: list[int] = []
+    rep_factor = [1.0] * logits.shape[0]
+    out_rows: list[int] = []
+    out_ids: list[int] = []
+    freq = [0.0] * logits.shape[0]
+    pres = [0.0] * logits.shape[0]
+    for row, seq in zip(rows, seqs):
+        p = seq.params
+        if p.repetition_penalty != 1.0:
+            ids = set(seq.prompt_token_ids)
+            ids.update(seq.output_token_ids)
+            rep_rows += [row] * len(ids)
+            rep_ids += ids
+            rep_factor[row] = p.repetition_penalty
+        if (p.presence_penalty or p.frequency_penalty) and seq.output_token_ids:
+            out_rows += [row] * len(seq.output_token_ids)
+            out_ids += seq.output_token_ids
+            freq[row], pres[row] = p.frequency_penalty, p.presence_penalty
+    if rep_rows:
+        at = (torch.tensor(rep_rows, device=dev), torch.tensor(rep_ids, device=dev))
+        factor = torch.tensor(rep_factor, dtype=logits.dtype, device=dev)[at[0]]
+        vals = logits[at]
+        logits[at] = torch.where(vals > 0, vals / factor, vals * factor)
+    if out_rows:
+        at = (torch.tensor(out_rows, device=dev), torch.tensor(out_ids, device=dev))
+        counts = torch.zeros_like(logits).index_put_(at, torch.ones((), dtype=logits.dtype, device=dev),
+                                                     accumulate=True)  # fmt: skip
+        # Rows without these penalties have 0 for both and no counts: logits - 0 leaves them as they were.
+        coef = torch.tensor([freq, pres], dtype=logits.dtype, device=dev)
+        logits -= coef[0, :, None] * counts + coef[1, :, None] * (counts > 0).to(logits.dtype)
     return logits
+
+
+def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of `logits` [R, V] (float32, -inf for excluded tokens), drawn from softmax(logits) by inverse
+    transform with `uniforms` [R] (float64, in (0, 1)): the first token whose cumulative probability reaches U times
+    the row's total. The cumulative sum runs in float64, so a token's chance is its float32 probability to about
+    1e-16, and a token of probability 0 (a filtered one) can never be drawn: it adds nothing to the sum, so the
+    first index reaching U * total (> 0) is never one of them."""
+    probs = logits.softmax(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    target = uniforms[:, None] * cdf[:, -1:]
+    # The clamp only matters for a row of NaN logits, whose sum is NaN: keep the index inside the vocabulary.
+    return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
+
+
+def _uniform(seq: Sequence) -> float:
+    if seq.sample_key is None:
+        raise ValueError(f"sequence {seq.seq_id} samples (temperature {seq.params.temperature}) but has no sample_key")
+    return row_uniform(seq.sample_key, len(seq.output_token_ids))
 
 
 @dataclass(slots=True)  # one per row per step, read and freed on the engine's host path: no per-object __dict__
@@ -100,7 +179,8 @@ def _has_penalty(seq: Sequence) -> bool:
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     """logits: [len(seqs), vocab] in the model's dtype (float32 or bfloat16), one row per sequence that produces a
     token this step. Arithmetic on them runs in float32: the batch is widened when a row asks for logprobs or
-    penalties, and the sampled rows are; greedy rows take their argmax from the logits as they are."""
+    penalties, and the sampled rows are; greedy rows take their argmax from the logits as they are. A sampled row
+    draws with its sequence's `sample_key` and its number of output tokens so far (see the module docstring)."""
     params = [s.params for s in seqs]
     want_lp = [p.logprobs for p in params]
     lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
@@ -108,9 +188,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     raw = logits.float() if lp_rows or penal else logits
     logprobs = torch.log_softmax(raw, dim=-1) if lp_rows else None
     if penal:
-        logits = raw.clone()
-        for i in penal:
-            apply_penalties(logits[i], seqs[i])
+        logits = apply_penalties(raw.clone(), penal, [seqs[i] for i in penal])
     # Each row's first maximum (torch's max(dim).indices; argmax's CPU reduction took several times as long), on
     # the native op where it is loaded: kernels/native.first_max_indices says why.
     tokens = first_max_indices(logits)
@@ -122,11 +200,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         sub = apply_top_k(sub, [params[i].top_k for i in sampled])
         sub = apply_top_p(sub, [params[i].top_p for i in sampled])
         sub = apply_min_p(sub, [params[i].min_p for i in sampled])
-        probs = sub.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        for row, i in enumerate(sampled):
-            noise[row].exponential_(generator=seqs[i].generator)
-        tokens = tokens.index_copy(0, idx, (probs / noise).max(dim=-1).indices)
+        uniforms = torch.tensor([_uniform(seqs[i]) for i in sampled], dtype=torch.float64, device=dev)
+        tokens = tokens.index_copy(0, idx, draw(sub, uniforms))
     # Everything the host needs, in one transfer: tokens, their logprobs, and the top-n of the rows that ask.
     parts = [tokens.double()]
     kmax = max((n for n in want_lp if n), default=0)

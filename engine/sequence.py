@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
@@ -35,7 +33,10 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     detok: IncrementalDetokenizer
-    generator: torch.Generator | None
+    # The 64-bit key of this sequence's sampling stream (sampler.key_for_seed of the request's seed, or of a number
+    # drawn from the engine's generator when it has none); its t-th sampled token uses draw t of that stream
+    # (sampler.row_uniform), so what it samples depends on nothing else in its batch. None: never sampled.
+    sample_key: int | None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)

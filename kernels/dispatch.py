@@ -48,7 +48,7 @@ _DEFAULT_RULES: dict[str, list[tuple[int | None, str]]] = {
     "cpu/int4": [(32, "aten_int4"), (None, "dequant_bf16")],
     "cpu/int2": [(32, "aten_int4"), (None, "dequant_bf16")],
     "cpu/w8a8": [(2, "int_mm_rows"), (None, "int_mm")],
-    **{f"cuda/{k}": [(8, "triton_gemv"), (None, "triton_gemm")]
+    **{f"cuda/{k}": [(triton_ops.GEMV_MAX_M, "triton_gemv"), (None, "triton_gemm")]
        for k in ("int8_channel", "int8_group", "int4", "int2", "w8a8")},
 }
 _FALLBACKS: dict[str, tuple[str, ...]] = {

@@ -3,7 +3,10 @@
 Eager calls go through stock torch: `F.linear` for dense weights, the dispatcher (kernels/dispatch.py) for packed
 ones. Inside the compiled decode step (`torch.compiler.is_compiling()`, decided once at trace time) a layer whose
 native decode kernel was enabled by `enable_native_decode` calls glowplug's native GEMV instead
-(kernels/native.py), so the graph holds one opaque op per layer and no Python dispatch runs per step.
+(kernels/native.py), so the graph holds one opaque op per layer and no Python dispatch runs per step. On a GPU,
+`enable_triton_decode` does the same for the quantized layers with the Triton GEMV/GEMM wrapped as custom ops
+(kernels/triton/graph_ops.py): the dispatcher's launchers read the batch as a Python int and do not trace with a
+symbolic one.
 
 The quantized modules' buffers are exactly the canonical tensors of formats.py (`qweight`, `scales`, optional
 `zeros`/`smooth`), so a quantized state dict loads with `load_state_dict(sd, assign=True, strict=True)` into modules
@@ -39,6 +42,7 @@ from .formats import (
 
 if TYPE_CHECKING:
     from .native import NativeState
+    from .triton.graph_ops import DecodeOp
 
 
 class DecodeKernel(enum.Enum):
@@ -46,12 +50,14 @@ class DecodeKernel(enum.Enum):
 
     STOCK = "stock"  # F.linear for a dense layer, the dispatcher's kernels (kernels/dispatch.py) for a quantized one
     NATIVE = "native"  # glowplug's native op (kernels/native.py), switched on by `enable_native_decode`
+    TRITON = "triton"  # the Triton GEMV/GEMM as custom ops (kernels/triton/graph_ops.py): `enable_triton_decode`
 
 
 @dataclass(frozen=True)
 class NativeSwitch:
-    """What one layer's `enable_native` did: the kind of layer (how `enable_native_decode` counts it), whether a
-    native kernel now serves its compiled decode, and the bytes a batch-1 decode step reads through it (0 if none)."""
+    """What one layer's `enable_native` (or a QuantLinear's `enable_triton`) did: the kind of layer (how
+    `enable_native_decode` counts it), whether a native (or Triton) kernel now serves its compiled decode, and the
+    bytes a batch-1 decode step reads through it (0 if none)."""
 
     kind: Literal["dense", "quantized", "attention"]
     switched: bool
@@ -180,6 +186,9 @@ class QuantLinear(nn.Module):
         self._dispatcher = dispatcher
         self._runtime: Runtime | None = None
         self._native: NativeState | None = None  # once enable_native found a kernel; its tensors are buffers
+        # Once enable_triton switched the layer: the op call, and the buffers (by name) it takes as its tensors.
+        self._triton: DecodeOp | None = None
+        self._triton_buffers: tuple[str | None, ...] = ()
         # The M a compiled graph with a symbolic batch plans its (non-native) kernel for; set by whoever traces such a
         # graph (engine/stages/dynamo_transform.py). None: a traced graph has static shapes and plans for its own M.
         self.trace_m: int | None = None
@@ -192,8 +201,12 @@ class QuantLinear(nn.Module):
     # -- runtime ------------------------------------------------------------------------------------------
     @property
     def kernel(self) -> DecodeKernel:
-        """What this layer's compiled decode step runs: the native op once `enable_native` found one for it."""
-        return DecodeKernel.STOCK if self._native is None else DecodeKernel.NATIVE
+        """What this layer's compiled decode step runs: the native op once `enable_native` found one for it, the
+        Triton op once `enable_triton` switched it, else the dispatcher's kernels (which do not trace with a
+        symbolic batch: engine/stages/dynamo_transform.py then keeps the step eager)."""
+        if self._native is not None:
+            return DecodeKernel.NATIVE
+        return DecodeKernel.STOCK if self._triton is None else DecodeKernel.TRITON
 
     @property
     def native(self) -> NativeState | None:
@@ -225,9 +238,11 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> QuantLinear:
         # Device/dtype moves invalidate the derived layouts; rebuild lazily on the next forward (the native layout
-        # is CPU-only: it is dropped, and enable_native_decode must run again).
+        # is CPU-only, the Triton one for the device it was made on: both are dropped, and enable_native_decode or
+        # enable_triton_decode must run again).
         self._runtime = None
         self._native = None
+        self._drop_triton()
         out: QuantLinear = super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
         return out
 
@@ -241,6 +256,11 @@ class QuantLinear(nn.Module):
             from .native import native_linear
 
             y = native_linear(x2, self._native, self.native_tensors())
+            return self._finish(y, x, lead)
+        if self._triton is not None and (compiling or _NATIVE_EAGER.get()):
+            from .triton.graph_ops import linear as triton_linear
+
+            y = triton_linear(x2, self._triton, self.triton_tensors())
             return self._finish(y, x, lead)
         if not compiling and x2.shape[0] == 0:
             return x.new_empty(*lead, self.out_features)
@@ -276,6 +296,48 @@ class QuantLinear(nn.Module):
             self.register_buffer(f"native_{i}", t, persistent=False)
         self._native = st
         return NativeSwitch("quantized", st.nbytes > 0, st.nbytes)
+
+    def triton_tensors(self) -> tuple[Tensor | None, ...]:
+        """The Triton op's tensor arguments, read from this module's buffers (None for an absent optional one)."""
+        return tuple(None if name is None else getattr(self, name) for name in self._triton_buffers)
+
+    def enable_triton(self) -> NativeSwitch:
+        """Switch this layer's compiled decode step to the Triton op (kernels/triton/graph_ops.py) where the kernels
+        run on this layer's device (`kernels.triton.ops.supports`); otherwise the dispatcher's kernels stay and the
+        switch says why. Tensors the op needs in another form than a buffer already holds (W8A8's 1/smooth, a scale
+        of another dtype) are registered as non-persistent `triton_*` buffers; the rest are the layer's own buffers,
+        so the weight is never held twice."""
+        from .triton import ops as triton_ops
+        from .triton.graph_ops import decode_op, register
+
+        self._drop_triton()
+        w = self.packed()
+        why = triton_ops.unsupported_reason(w.qweight.device)
+        if why is not None:
+            return NativeSwitch("quantized", False, fallback=why)
+        register()
+        op, tensors = decode_op(triton_ops.prepare(w))
+        fields = ("qweight", "scales", "inv_smooth" if op.w8a8 else "zeros")
+        self._triton_buffers = tuple(None if t is None else self._buffer_for(f, t) for f, t in zip(fields, tensors))
+        self._triton = op
+        return NativeSwitch("quantized", True, op.nbytes)
+
+    def _buffer_for(self, field: str, t: Tensor) -> str:
+        """The name of a buffer holding exactly `t` (same memory, shape, strides and dtype), registering `t` as
+        `triton_<field>` when none does."""
+        for name, b in self._buffers.items():
+            if (b is not None and b.dtype == t.dtype and b.shape == t.shape and b.stride() == t.stride()
+                    and b.data_ptr() == t.data_ptr()):
+                return name
+        name = f"triton_{field}"
+        self.register_buffer(name, t, persistent=False)
+        return name
+
+    def _drop_triton(self) -> None:
+        self._triton = None
+        self._triton_buffers = ()
+        for name in [n for n in self._buffers if n.startswith("triton_")]:
+            del self._buffers[name]
 
     def _finish(self, y: Tensor, x: Tensor, lead: torch.Size) -> Tensor:
         if y.dtype != x.dtype:  # skip no-op casts: this runs ~200 times per decoded token
@@ -325,9 +387,9 @@ _NATIVE_EAGER: ContextVar[bool] = ContextVar("glowplug_native_eager", default=Fa
 
 @contextmanager
 def native_kernels_in_eager() -> Iterator[None]:
-    """Within this block, the quantized layers that `enable_native_decode` switched run their native kernel in eager
-    calls too, at any batch (the accuracy report scores those kernels' own arithmetic, such as int4's int8
-    activations, on prefill windows)."""
+    """Within this block, the quantized layers that `enable_native_decode` (or `enable_triton_decode`) switched run
+    their decode kernel in eager calls too, at any batch (the accuracy report scores those kernels' own arithmetic,
+    such as int4's int8 activations, on prefill windows; the Triton op's tests compare a traced layer with it)."""
     token = _NATIVE_EAGER.set(True)
     try:
         yield
@@ -352,6 +414,24 @@ def enable_native_decode(model: nn.Module, small_m: int, activation_dtype: torch
             if switch.fallback and fallbacks is not None:
                 fallbacks[switch.fallback] = fallbacks.get(switch.fallback, 0) + 1
     return {**counts, "bytes_per_token": nbytes}
+
+
+def enable_triton_decode(model: nn.Module, fallbacks: dict[str, int] | None = None) -> dict[str, int]:
+    """The GPU counterpart of `enable_native_decode`: switch every quantized layer of `model` (call after loading and
+    after the move to its device) to the Triton op in its compiled decode step where the kernels run there. Dense
+    layers need nothing: their F.linear traces as it is. Returns how many quantized layers there are, how many
+    switched, and the bytes one batch-1 decode step reads through them; `fallbacks`, when given, receives each
+    reason a layer stayed on the dispatcher (no triton, a GPU older than Ampere) with how many layers gave it."""
+    counts = {"quantized": 0, "switched": 0, "bytes_per_token": 0}
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            switch = mod.enable_triton()
+            counts["quantized"] += 1
+            counts["switched"] += switch.switched
+            counts["bytes_per_token"] += switch.nbytes
+            if switch.fallback and fallbacks is not None:
+                fallbacks[switch.fallback] = fallbacks.get(switch.fallback, 0) + 1
+    return counts
 
 
 def prepare_modules(model: nn.Module) -> int:

@@ -117,6 +117,8 @@ class Attr:
     NATIVE_FALLBACK: Final = "glowplug.native_fallback"
     # On CUDA: which decode attention runs, "triton" (the paged kernel) or "torch ops: <why Triton cannot run>".
     DECODE_ATTENTION: Final = "glowplug.decode_attention"
+    # On CUDA: the quantized layers whose compiled decode runs the Triton custom ops (kernels/triton/graph_ops.py).
+    TRITON_DECODE_LAYERS: Final = "glowplug.triton_decode_layers"
     ERROR: Final = "glowplug.error"
     PID: Final = "glowplug.pid"
     CLOCK_RESOLUTION_S: Final = "glowplug.clock_resolution_s"

@@ -130,3 +130,29 @@ def test_native_decode_switch_reaches_every_layer_kind(tiny_dir, tmp_path: Path)
         "dense": 1, "quantized": len(quant), "attention": sum(m.native_attention for m in attention),
         "bytes_per_token": sum(m.native.nbytes for m in quant) + head.native_blocked.nbytes,
     }  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="needs a CUDA GPU of compute capability 8.0 or newer")  # fmt: skip
+@pytest.mark.parametrize("scheme", ["int4", "int8", "w8a8"])
+def test_cuda_quantized_start_compiles_through_the_triton_ops(tiny_dir, make_llm, scheme: str) -> None:
+    """On CUDA the native_kernels stage switches every quantized layer to the Triton ops, so dynamo_transform traces
+    the step instead of keeping it eager, and the compiled step's greedy tokens are the eager start's."""
+    from glowplug.engine.sampling_params import SamplingParams
+    from glowplug.kernels.modules import DecodeKernel, QuantLinear
+
+    model = str(tiny_dir("qwen2"))
+    common = {"device": "cuda", "dtype": "bfloat16", "quantization": scheme, "max_model_len": 128, "max_num_seqs": 4}
+    compiled = make_llm(model, compile="on", **common)
+    rows = {r.name: r for r in compiled.startup.phase_table.rows}
+    quant = [m for m in compiled.engine.model.modules() if isinstance(m, QuantLinear)]
+    assert quant and all(m.kernel is DecodeKernel.TRITON for m in quant)
+    assert rows["native_kernels"].attributes[Attr.TRITON_DECODE_LAYERS] == len(quant)
+    assert rows["dynamo_transform_time"].reason is None, rows["dynamo_transform_time"].reason
+    eager = make_llm(model, compile="off", **common)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = ["The capital of France is", "1 2 3 4", "glowplug starts"]
+    got = [o.outputs[0].token_ids for o in compiled.generate(prompts, greedy)]
+    want = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy)]
+    # bf16 through TF32 GEMMs on one side and the dispatcher's launchers on the other: allow a late divergence.
+    assert sum(a[:4] == b[:4] for a, b in zip(got, want)) >= 2, (got, want)

@@ -54,8 +54,9 @@ def inductor_settings(ctx: EngineContext) -> InductorSettings:
 
 
 def skipped_reason(ctx: EngineContext, fallback: str | None) -> str | None:
-    """Why the decode step is not compiled, or None. Quantized layers need their native kernels in the graph: the
-    stock packed kernels (aten int4/int8) do not trace with a symbolic batch.
+    """Why the decode step is not compiled, or None. Quantized layers need a decode kernel that traces in the graph
+    (the native op on the CPU, the Triton op on CUDA: see native_kernels): the stock packed kernels (aten int4/int8,
+    the Triton launchers) do not trace with a symbolic batch.
 
     fallback: an earlier compile stage's `compile_fallback` (None for dynamo_transform, the first of them): passed
     in rather than read here, so each stage reads the slot only when it declares it."""
@@ -67,6 +68,11 @@ def skipped_reason(ctx: EngineContext, fallback: str | None) -> str | None:
         from glowplug.kernels.modules import DecodeKernel, QuantLinear
 
         missing = sum(isinstance(m, QuantLinear) and m.kernel is DecodeKernel.STOCK for m in ctx.model.modules())
+        if missing and ctx.device.startswith("cuda"):
+            from glowplug.kernels.triton.ops import unsupported_reason
+
+            why = unsupported_reason(ctx.device) or "the native_kernels stage did not switch them"
+            return f"eager: {missing} quantized layers have no Triton decode kernel ({why})"
         if missing:
             why = ctx.native.reason if ctx.native is not None and not ctx.native.available else (
                 "they need AVX512-BF16 and an input size that is a multiple of 32")  # fmt: skip

@@ -1,8 +1,14 @@
-"""Build (or load from the cache) glowplug's native CPU kernels and switch the model's linear layers to them.
+"""Build (or load from the cache) glowplug's native CPU kernels and switch the model's linear layers to them; on a
+GPU, switch the quantized layers to the Triton ops instead.
 
 The compiled decode step's projections run these GEMV kernels (kernels/native.py); a stock torch build of the same
-step streams weights at about half the speed at batch 1 (reports/kernels.md). Without a C++ compiler, or off the CPU,
-the stage reports why and the decode step compiles around the stock ops instead.
+step streams weights at about half the speed at batch 1 (reports/kernels.md). Without a C++ compiler the stage
+reports why and the decode step compiles around the stock ops instead.
+
+On CUDA the dense projections trace as they are (F.linear), but a quantized layer's dispatcher path does not trace
+with a symbolic batch, so the quantized layers are switched to the Triton GEMV/GEMM custom ops
+(kernels/triton/graph_ops.py) for the compiled step and its CUDA graphs. Where Triton cannot run (not installed, a GPU
+older than Ampere) the row says why, and dynamo_transform keeps the step eager with the same reason.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ class NativeKernels:
             said = f"; decode attention: {gpu[Attr.DECODE_ATTENTION]}"
         if not ctx.config.compile_enabled():
             return StageReport.skipped(f"--compile {ctx.config.compile}{said}", gpu)
+        if ctx.device.startswith("cuda"):
+            return self._triton(ctx, gpu, said)
         if ctx.device != "cpu":
             return StageReport.skipped(f"native kernels are CPU kernels (device {ctx.device}){said}", gpu)
         model = ctx.need(ctx.model, "the model", "model_init")
@@ -89,4 +97,27 @@ class NativeKernels:
         # The row's note: the level, and why it is not the CPU's best when it is not (degrade loudly).
         attrs[Attr.ROW_NOTE] = (f"ISA {build.level_reason}" + (f"; {build.background}" if build.background else "")
                                 + (f"; {fallen}" if fallen else ""))  # fmt: skip
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]
+
+    def _triton(self, ctx: EngineContext, gpu: dict[str, str], said: str) -> StageReport:
+        """CUDA: the quantized layers' compiled decode through the Triton ops, or the reason they cannot; `gpu` and
+        `said`: which decode attention runs, for the span and the row."""
+        model = ctx.need(ctx.model, "the model", "model_init")
+        from glowplug.kernels.modules import enable_triton_decode
+
+        fallbacks: dict[str, int] = {}
+        counts = enable_triton_decode(model, fallbacks)
+        ctx.model = model  # changed in place, as on the CPU
+        if counts["quantized"] == 0:
+            return StageReport.skipped(f"no quantized layers: the dense projections trace as they are on CUDA{said}",
+                                       gpu)  # fmt: skip
+        attrs: dict[str, object] = {**gpu, Attr.TRITON_DECODE_LAYERS: counts["switched"],
+                                    Attr.BYTES_PER_TOKEN: counts["bytes_per_token"]}
+        fallen = "; ".join(f"{n} layers: {why}" for why, n in fallbacks.items())
+        if fallen:
+            attrs[Attr.NATIVE_FALLBACK] = fallen
+        if counts["switched"] == 0:
+            return StageReport.skipped(f"Triton decode kernels unavailable: {fallen}{said}", attrs)  # type: ignore[arg-type]
+        attrs[Attr.ROW_NOTE] = (f"Triton GEMV/GEMM ops for {counts['switched']} quantized layers"
+                                + (f"; {fallen}" if fallen else "") + said)
         return StageReport(attributes=attrs)  # type: ignore[arg-type]

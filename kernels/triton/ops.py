@@ -26,6 +26,12 @@ from . import available, interpreting
 # smaller ones so that tiny shapes still cover tails and several K iterations.
 GEMV_BLOCKS = {"BLOCK_N": 64, "BLOCK_K": 128}
 GEMM_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}
+# Rows up to which GEMV beats GEMM: beyond a handful of rows the GEMV re-reads the weight once per row, while the
+# GEMM's tl.dot tiles read it once per BLOCK_M rows. The dispatcher's CUDA rules and the decode op
+# (graph_ops.py) both split here.
+GEMV_MAX_M = 8
+# tl.dot in TF32 and int8 needs Ampere (sm_80) or newer.
+MIN_CAPABILITY = (8, 0)
 
 
 def _kernels() -> ModuleType:
@@ -60,13 +66,27 @@ class TritonW8A8:
 
 
 def supports(w: PackedWeight) -> bool:
+    return unsupported_reason(w.qweight.device) is None
+
+
+def unsupported_reason(device: torch.device | str) -> str | None:
+    """Why these kernels cannot run on tensors of `device`, or None when they can (a start says this on its row
+    when quantized layers fall back to the eager dispatcher)."""
     if not available():
-        return False
-    dev = w.qweight.device
+        return "triton is not installed"
+    dev = torch.device(device)
     if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
         # TF32 and int8 tl.dot need Ampere or newer; older GPUs take the dispatcher's reference fallback.
-        return torch.cuda.get_device_capability(dev) >= (8, 0)
-    return interpreting()
+        cap = torch.cuda.get_device_capability(dev)
+        if cap < MIN_CAPABILITY:
+            return (f"compute capability {cap[0]}.{cap[1]} is below {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                    f"(the kernels' TF32 and int8 tl.dot need Ampere or newer)")
+        return None
+    if interpreting():
+        return None
+    return f"Triton kernels run on CUDA tensors (device {dev.type}; TRITON_INTERPRET=1 runs them on the CPU)"
 
 
 def prepare(w: PackedWeight) -> TritonWeight | TritonW8A8:
@@ -88,10 +108,14 @@ def prepare(w: PackedWeight) -> TritonWeight | TritonW8A8:
     raise TypeError(f"no Triton kernel for {type(w).__name__}")
 
 
+def out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels write for activations of `dtype`: fp32 and half-precision activations keep theirs (the
+    kernel stores with a cast), anything else gets fp32."""
+    return dtype if dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
+
+
 def _out(x: Tensor, n: int) -> Tensor:
-    # fp32 and half-precision activations keep their dtype (the kernel stores with a cast); anything else fp32.
-    dtype = x.dtype if x.dtype in (torch.float32, torch.float16, torch.bfloat16) else torch.float32
-    return torch.empty(x.shape[0], n, dtype=dtype, device=x.device)
+    return torch.empty(x.shape[0], n, dtype=out_dtype(x.dtype), device=x.device)
 
 
 def _wq_args(x: Tensor, st: TritonWeight, y: Tensor) -> tuple[object, ...]:
