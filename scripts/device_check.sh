@@ -123,7 +123,7 @@ if wants setup || wants tests || wants bench; then
     setup
 fi
 if wants tests; then
-    step cuda-tests 240 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" --timeout 200 "$ROOT/tests" \
+    step cuda-tests 330 "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="" --timeout 200 "$ROOT/tests" \
         -rs --junitxml="$OUT/cuda-tests.xml"
     tail -n 60 "$LOG" >"$OUT/cuda-tests.log"
 fi

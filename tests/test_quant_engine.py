@@ -132,6 +132,7 @@ def test_native_decode_switch_reaches_every_layer_kind(tiny_dir, tmp_path: Path)
     }  # fmt: skip
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
                     reason="needs a CUDA GPU of compute capability 8.0 or newer")  # fmt: skip
 @pytest.mark.parametrize("scheme", ["int4", "int8", "w8a8"])

@@ -154,7 +154,7 @@ def test_a_seeded_row_samples_the_same_tokens_in_any_batch_and_position() -> Non
         assert _run(8, at) == alone, at
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_a_seeded_row_on_cuda_samples_as_on_the_cpu() -> None:
     """The uniforms come from the host, so a seeded row draws the same tokens on a GPU, alone or in a batch (the
     float32 softmax may differ in its last bits between devices: a token could differ only where U falls that close

@@ -344,7 +344,10 @@ def test_native_kernels_stage_says_which_decode_attention_runs_on_cuda(compile_m
     from glowplug.profiling.names import Attr
 
     config = SimpleNamespace(compile=compile_mode, compile_enabled=lambda: compile_mode != "off")
-    report = NativeKernels().run(SimpleNamespace(config=config, device="cuda"))  # type: ignore[arg-type]
+    # A dense model: on CUDA the stage then has no quantized layer to switch to the Triton linears, and says so.
+    ctx = SimpleNamespace(config=config, device="cuda", model=torch.nn.Sequential(torch.nn.Linear(4, 4)),
+                          need=lambda value, *_: value)  # fmt: skip
+    report = NativeKernels().run(ctx)  # type: ignore[arg-type]
     assert report.skipped_reason is not None
     said = report.attributes[Attr.DECODE_ATTENTION]
     if torch.cuda.is_available() and triton_pkg.available() and torch.cuda.get_device_capability() >= (8, 0):

@@ -62,7 +62,7 @@ def test_bad_method_and_stop_before_start() -> None:
         PeakMemory("cpu").stop()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_allocator_peak() -> None:
     with PeakMemory("cuda") as window:
         x = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
