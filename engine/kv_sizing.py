@@ -185,7 +185,8 @@ def plan_kv_cache(
             config, device=device, weights_bytes=weights_bytes, activation_peak_bytes=activation_peak_bytes
         )
         num_blocks = max(budget, 0) // per_block
-        cap = MAX_LAYER_ELEMENTS // (bs * arch.num_key_value_heads * arch.head_dim)
+        # -1: the cache is allocated with one more block, the runner's scratch block (kv_cache_init).
+        cap = MAX_LAYER_ELEMENTS // (bs * arch.num_key_value_heads * arch.head_dim) - 1
         if num_blocks > cap:
             num_blocks, source = cap, f"{source}, capped at {cap:,} blocks (one layer's cache under 2**31 elements)"
     largest = min(num_blocks * bs, limit)

@@ -88,6 +88,7 @@ def trace_cases(device: str) -> dict[str, dict[str, Any]]:
     for spec, n, k in SHAPES:
         cid = f"trace-{spec}"
         try:
+            torch.compiler.reset()  # a fresh count towards the recompile limit (see gpu_cases)
             w = _weight(spec, n, k, device)
             bias = torch.linspace(-1, 1, n, device=device)
             mod = QuantLinear.from_packed(w, bias)
@@ -132,6 +133,9 @@ def gpu_cases() -> dict[str, dict[str, Any]]:
     for spec, n, k in SHAPES:
         cid = f"gpu-{spec}"
         try:
+            # Each case compiles QuantLinear.forward afresh: without a reset, the cases before it count towards
+            # Dynamo's recompile limit (a new module is a recompile), which fullgraph=True turns into a failure.
+            torch.compiler.reset()
             mod = QuantLinear.from_packed(_weight(spec, n, k, "cuda"), torch.linspace(-1, 1, n, device="cuda"))
             mod.enable_triton()
             compiled = torch.compile(mod, dynamic=True, fullgraph=True)
