@@ -124,15 +124,21 @@ class DenseLinear(nn.Linear):
         if small_m is not None and torch.compiler.is_compiling() and x.dim() == 2:
             y: Tensor = torch.ops.glowplug_native.dense_linear(x, weight, small_m)
             return y if bias is None else y + bias
+        # Both eager workarounds below are the CPU's (oneDNN's): a GPU's prompt takes F.linear as it is. And
+        # `is_compiling` is asked first: inside a compiled step the batch is symbolic, and comparing it with a number
+        # is a data-dependent guard that breaks the graph (inside the layers' nested compile region, an error:
+        # seen on an H100, where the bf16 decode step's dense projections reach this code).
+        if torch.compiler.is_compiling() or x.device.type != "cpu":
+            return F.linear(x, weight, bias)
         if (x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[0] >= FP32_PROMPT_ROWS
-                and not torch.compiler.is_compiling() and not cpu_has_native_bf16()):
+                and not cpu_has_native_bf16()):
             # A prompt's bf16 projection on a CPU without hardware bf16 (the avx2 and avx512 levels, where --dtype
             # auto picks bf16 for the decode's sake): oneDNN's emulated bf16 GEMM there made prompts several times
             # slower than in float32 (the prefill column of reports/decode-isa.md has both dtypes); widening the
             # weight costs one pass over it per call, little beside a prompt's arithmetic.
             y32 = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
             return y32.to(torch.bfloat16)
-        if x.dim() == 2 and x.dtype != torch.float32 and not torch.compiler.is_compiling():
+        if x.dim() == 2 and x.dtype != torch.float32:
             m = x.shape[0]
             rows = padded_rows(m)
             if rows != m:

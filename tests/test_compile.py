@@ -312,3 +312,14 @@ def test_smollm2_compiled_greedy_equals_transformers_fp32(smollm2_dir: Path, mak
         with torch.inference_mode():
             want = ref.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
         assert got == want, p
+
+
+def test_bf16_dense_step_compiles_without_the_native_kernels(tiny_dir, cache: Path, monkeypatch) -> None:
+    """Where no native kernel serves the dense projections (a GPU; here a CPU with GLOWPLUG_NATIVE=0), the compiled
+    bf16 step runs them through F.linear inside the layers' nested compile region: the eager path's CPU-only
+    workarounds (whose row-count test is a data-dependent guard on the symbolic batch) must not be traced. On an
+    H100 that guard failed dynamo_transform for SmolLM2 in bf16."""
+    monkeypatch.setenv("GLOWPLUG_NATIVE", "0")
+    result, _ = _start(tiny_dir("llama"), cache, dtype="bfloat16")
+    assert result.phase_table["native_kernels"].reason is not None  # the dense layers stay on F.linear
+    assert result.engine.runner.decode_step is not None, result.phase_table["dynamo_transform_time"].reason
