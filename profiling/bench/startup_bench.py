@@ -79,6 +79,12 @@ class StartupBenchConfig(BenchEngineFields):
         "the warm starts; and one cold start after a warm one (cache emptied) for its ETA.",
     )
 
+    from_runs: Path | None = Field(
+        None, description="Run nothing: render the report from the per-start JSON files (cold-N.json, warm-N.json, "
+        "bundle-N.json, cold-after-warm.json) an earlier run left in this folder, e.g. one stopped before it wrote "
+        "its report, or one made on another machine.",
+    )
+
     @field_validator("compare_to")
     @classmethod
     def _readable(cls, v: Path | None) -> Path | None:
@@ -533,8 +539,15 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
     from .machine import report_header
 
     cfg = result.config
+    header = report_header("Start-up benchmark: cold vs warm", argv)
+    if cfg.from_runs is not None:
+        # The header's machine and versions are the renderer's; the starts' own are in their reports.
+        first = next((r for m in (*MODES, *EXTRA_MODES) for r in result.runs.get(m, []) if r.report), None)
+        ran = ", ".join(f"{k} {v}" for k, v in ((first.report.get("versions") or {}) if first else {}).items())
+        header += (f"\n- the starts ran elsewhere (their reports, read from `{cfg.from_runs}`, say: {ran or 'nothing'}); "
+                   "the machine and versions above only rendered this page")
     parts = [
-        report_header("Start-up benchmark: cold vs warm", argv),
+        header,
         f"Each start is `glowplug startup {' '.join(cfg.startup_args())}` in a fresh process. {cfg.runs} cold "
         "start(s), each with an empty `GLOWPLUG_CACHE_DIR`; then as many warm starts reusing the cache the last cold "
         f"start filled. Percentiles: {PERCENTILE_METHOD}.",
@@ -650,11 +663,36 @@ def _before_after_plot(result: StartupBenchResult, before_json: Path, path: Path
                             totals=totals, totals_label="time to READY (median)")  # fmt: skip
 
 
+def runs_from_folder(cfg: StartupBenchConfig, folder: Path) -> StartupBenchResult:
+    """The runs an earlier bench left as JSON in `folder` (see --from-runs), each as a start that reached READY
+    when its report says so; its wall time is the report's own process-creation-to-READY time."""
+    import json
+
+    runs: dict[Mode, list[StartupRun]] = {m: [] for m in (*MODES, *EXTRA_MODES, *TRACING_MODES)}
+    kinds: tuple[tuple[Mode, str], ...] = (("cold", "cold-*.json"), ("warm", "warm-*.json"),
+                                           ("bundle", "bundle-*.json"), ("cold_after_warm", "cold-after-warm.json"))
+    for mode, pattern in kinds:
+        for path in sorted(folder.glob(pattern), key=lambda p: (len(p.name), p.name)):
+            if mode == "cold" and path.name == "cold-after-warm.json":
+                continue
+            report = json.loads(path.read_text())
+            ready = (report.get("phases") or {}).get(READY_ROW)
+            label = path.stem.replace("-", " ")
+            runs[mode].append(StartupRun(label, 0 if ready is not None else 1, float(ready or 0.0), report,
+                                         None if ready is not None else "the report has no READY time"))
+    if not runs["cold"] and not runs["warm"]:
+        raise ValueError(f"--from-runs {folder}: no cold-N.json or warm-N.json there")
+    return StartupBenchResult(cfg, runs, None)
+
+
 def main(cfg: StartupBenchConfig, argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     err = Console(stderr=True)
-    result = run_startup_bench(cfg, progress=lambda msg: err.print(msg, markup=False))
+    if cfg.from_runs is not None:
+        result = runs_from_folder(cfg, cfg.from_runs)
+    else:
+        result = run_startup_bench(cfg, progress=lambda msg: err.print(msg, markup=False))
     paths = write_reports(result, argv)
     print(render_markdown(result, argv))  # plain Markdown: a terminal-fitted table would truncate numbers
     err.print("wrote " + ", ".join(map(str, paths)), markup=False)
