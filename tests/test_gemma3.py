@@ -265,6 +265,11 @@ def test_greedy_tokens_match_transformers(gemma_dir: Path, hf_gemma: Any, make_l
     # The file's weights de-quantized, as transformers runs them: --quantization auto would run its Q4_K and Q5_0
     # tensors in glowplug's integer kernels, whose other rounding is the accuracy report's subject, not this test's.
     llm = make_llm(str(path), compile=compile_mode, dtype="float32", max_model_len=2048, quantization="none")
+    if compile_mode == "on":  # every layer's decode attention on the native op where it loaded, none left out
+        row = next(r for r in llm.startup.phase_table.rows if r.name == "native_kernels")
+        if "glowplug.native_attention_layers" in row.attributes:
+            assert row.attributes["glowplug.native_attention_layers"] == 18, row.attributes
+            assert "glowplug.native_fallback" not in row.attributes, row.attributes
     ids = llm.tokenizer(LONG_PROMPT)["input_ids"]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = llm.generate([LONG_PROMPT], params)[0].outputs[0].token_ids
