@@ -226,7 +226,7 @@ def _poison_before_windows(cache: KVCache, packed: torch.Tensor, window: int) ->
     return packed
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 3])  # one part, and parts cutting rows (2: the torch-path test below)
 @pytest.mark.parametrize(
     ("dtype", "int8"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, True)]
 )
