@@ -20,10 +20,10 @@ KV write is an in-graph scatter into the layer's cache tensors. Then, by device:
 
 Sliding windows (`window`, per layer: Gemma 3's local layers): a query at position p sees the keys at positions
 p - window + 1 .. p, as transformers' sliding-window mask does (kv > q - window). The torch paths apply it as a mask
-over the keys they already read; the Triton kernel loops over the window's blocks only. The cache keeps every
-position of every layer, so nothing about the blocks changes. The native decode attention op has no window: a
-windowed layer's compiled decode on the CPU takes the tensor ops (the model says so when the native kernels are
-switched on, see models/llama.py Attention.enable_native).
+over the keys they already read; the Triton kernel loops over the window's blocks only, and the native op (the
+compiled step on the CPU) skips the blocks before the window, so a windowed layer's decode reads at most `window`
+positions (plus the rest of the window's first 16-token tile) whatever the context. The cache keeps every position
+of every layer, so nothing about the blocks changes.
 """
 
 from __future__ import annotations
@@ -213,23 +213,22 @@ def decode_attention(
     On CUDA, where Triton can run (`triton_attention_unavailable_reason`), the paged Triton kernel's op reads the
     cache through the block table instead, up to each row's context only.
 
-    `window`: this layer's sliding window (None: the whole context). The native op has no window, so a windowed
-    layer must not ask for it (raises ValueError rather than attend to keys the model must not see)."""
+    `window`: this layer's sliding window (None: the whole context): each row sees its last `window` positions. The
+    native op takes it too (0 there means none) and does not read the blocks before it, nor does the Triton op."""
     slots = packed[:, SLOT]
     cache.store(k, v, slots)
-    if native and window is not None:
-        raise ValueError("the native decode attention op has no sliding window; run a windowed layer on the torch path")
     if not native and _use_triton(q):
         paged: torch.Tensor = torch.ops.glowplug_triton.paged_decode_attention(
             q, cache.k, cache.v, cache.k_scale, cache.v_scale, packed, scale, window)
         return paged
     if native:
         ops = torch.ops.glowplug_native
+        win = window or 0
         if cache.k_scale is not None and cache.v_scale is not None:
             out: torch.Tensor = ops.decode_attention_int8(q.contiguous(), cache.k, cache.v, cache.k_scale,
-                                                          cache.v_scale, packed, scale)  # fmt: skip
+                                                          cache.v_scale, packed, scale, win)  # fmt: skip
         else:
-            out = ops.decode_attention(q.contiguous(), cache.k, cache.v, packed, scale)
+            out = ops.decode_attention(q.contiguous(), cache.k, cache.v, packed, scale, win)
         return out
     lens = packed[:, CONTEXT]
     tables = packed[:, DECODE_COLS:]

@@ -21,15 +21,17 @@ Ops (namespace `glowplug_native`; x [M, K] contiguous, y [M, N] in x's dtype):
   dense_linear(x, w, small_m)             fp32 (or bf16 without AVX512-BF16) x and row-major weights; M > small_m
                                           goes to aten's GEMM
   w8a8_linear(x, q, wscale, wsum, inv)    per-token int8 activations, VNNI dot products
-  decode_attention(q, k_cache, v_cache, packed, scale)
-  decode_attention_int8(q, k_cache, v_cache, k_scale, v_scale, packed, scale)
-                                          one decode token per sequence over the paged cache (attention.cpp)
+  decode_attention(q, k_cache, v_cache, packed, scale, window=0)
+  decode_attention_int8(q, k_cache, v_cache, k_scale, v_scale, packed, scale, window=0)
+                                          one decode token per sequence over the paged cache (attention.cpp);
+                                          window > 0: each row's last `window` positions only, the blocks
+                                          before them not read
   argmax_rows(x)                          fp32 or bf16 x [rows, n] -> int64 [rows]: each row's first maximum, as
                                           torch's max(dim=-1).indices (rows.cpp; the sampler's greedy tokens)
 At the amx level the blocked ones run batches of several rows on AMX tiles (amx.h; the library asks Linux for the
 tile state at first use). Each linear op has a pure-torch
-reference in kernels/reference.py (`native_linear`), which tests/kernels compare against; the attention ops' reference
-is the torch path of engine/attention.decode_attention.
+reference in kernels/reference.py (`native_linear`), which tests/kernels compare against; the attention ops' references
+are `reference.paged_decode_attention_reference` and the torch path of engine/attention.decode_attention.
 """
 
 from __future__ import annotations
@@ -292,12 +294,12 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0], n))
 
     @torch.library.register_fake(lib + "decode_attention")
-    def _attention(q: Tensor, k: Tensor, v: Tensor, packed: Tensor, scale: float) -> Tensor:
+    def _attention(q: Tensor, k: Tensor, v: Tensor, packed: Tensor, scale: float, window: int = 0) -> Tensor:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "decode_attention_int8")
-    def _attention_int8(q: Tensor, k: Tensor, v: Tensor, ks: Tensor, vs: Tensor, packed: Tensor,
-                        scale: float) -> Tensor:
+    def _attention_int8(q: Tensor, k: Tensor, v: Tensor, ks: Tensor, vs: Tensor, packed: Tensor, scale: float,
+                        window: int = 0) -> Tensor:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "argmax_rows")

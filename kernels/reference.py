@@ -97,28 +97,37 @@ def paged_decode_attention_reference(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, packed: Tensor,
     scale: float, window: int | None = None,
 ) -> Tensor:  # fmt: skip
-    """fp32 oracle of the paged decode attention op (kernels/triton/attention.py), from the same operands: q [B, H, D]
-    one token per row; caches [blocks, block_size, Hkv, D] (int8 with fp32 scales [blocks, block_size, Hkv]);
-    `packed` the decode step's [B, 4 + W] int64 input (context length in column 3, block table from column 4).
-    Row by row, as written: the row's first ceil(L / block_size) blocks gathered, flattened and cut to its L tokens,
-    the last `window` of those kept, K/V repeated over each KV head's query heads, softmax in fp32. Returns fp32
-    [B, H, D] (zeros for a row that sees no token)."""
+    """fp32 oracle of the paged decode attention ops (kernels/triton/attention.py, and the native CPU ops of
+    kernels/native/attention.cpp), from the same operands: q [B, H, D] one token per row; caches [blocks, block_size,
+    Hkv, D] (int8 with fp32 scales [blocks, block_size, Hkv]); `packed` the decode step's [B, 4 + W] int64 input
+    (context length in column 3, block table from column 4).
+    Row by row, as written, reading only what the row attends to: its context L (capped at its table's capacity), of
+    which the last `window` positions (None, or 0 and less: all), each from block table[pos // block_size] at
+    pos % block_size; K/V repeated over each KV head's query heads, softmax in fp32. A block id outside the cache
+    reads as zero keys and values (the native ops' rule for a block the engine never sends; the engine sends none
+    within a context). Returns fp32 [B, H, D] (zeros for a row that sees no token)."""
     from .triton.attention import PACKED_CONTEXT, PACKED_TABLE
 
     b, heads, d = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    blocks, block_size, kv_heads = k_cache.shape[:3]
     out = torch.zeros(b, heads, d, dtype=torch.float32, device=q.device)
     for i in range(b):
-        ctx = int(packed[i, PACKED_CONTEXT])
-        lo = max(ctx - window, 0) if window is not None else 0
+        ctx = min(max(int(packed[i, PACKED_CONTEXT]), 0), (packed.shape[1] - PACKED_TABLE) * block_size)
+        lo = ctx - window if window is not None and 0 < window < ctx else 0
         if ctx <= lo:
             continue
-        blocks = packed[i, PACKED_TABLE : PACKED_TABLE + -(-ctx // block_size)]
-        k, v = k_cache[blocks].float(), v_cache[blocks].float()
+        pos = torch.arange(lo, ctx, device=q.device)
+        blk = packed[i, PACKED_TABLE + pos // block_size]
+        ok = (blk >= 0) & (blk < blocks)
+        cells = (blk[ok], pos[ok] % block_size)
+        k = torch.zeros(len(pos), kv_heads, d, device=q.device)
+        v = torch.zeros_like(k)
         if k_scale is not None and v_scale is not None:
-            k, v = dequantize_kv(k_cache[blocks], k_scale[blocks]), dequantize_kv(v_cache[blocks], v_scale[blocks])
-        k = k.flatten(0, 1)[lo:ctx].repeat_interleave(heads // kv_heads, dim=1)  # [T, H, D]
-        v = v.flatten(0, 1)[lo:ctx].repeat_interleave(heads // kv_heads, dim=1)
+            k[ok], v[ok] = dequantize_kv(k_cache[cells], k_scale[cells]), dequantize_kv(v_cache[cells], v_scale[cells])
+        else:
+            k[ok], v[ok] = k_cache[cells].float(), v_cache[cells].float()
+        k = k.repeat_interleave(heads // kv_heads, dim=1)  # [T, H, D]
+        v = v.repeat_interleave(heads // kv_heads, dim=1)
         probs = (torch.einsum("hd,thd->ht", q[i].float(), k) * scale).softmax(-1)
         out[i] = torch.einsum("ht,thd->hd", probs, v)
     return out

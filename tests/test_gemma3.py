@@ -129,18 +129,17 @@ def test_decode_window_hides_only_the_keys_before_it() -> None:
         probs = (torch.einsum("kgd,tkd->kgt", qs, keys) * 0.25).softmax(-1)
         want = torch.einsum("kgt,tkd->kgd", probs, values).reshape(h, d)
         torch.testing.assert_close(got[i], want, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="no sliding window"):
-        decode_attention(q, k, v, LayerKV(k_cache, v_cache, None, None), packed, 0.25, native=True, window=window)
 
 
-def test_sliding_layers_stay_on_torch_attention_and_say_why(tiny_dir: Any) -> None:
+def test_sliding_layers_switch_to_native_attention_too(tiny_dir: Any) -> None:
+    """The native decode attention op takes the window (tests/kernels/test_native_attention.py checks it), so the
+    sliding layer switches like the full one and reports no fallback."""
     d, arch = _tiny_arch(tiny_dir)
     model, _ = load_model(d, arch, torch.float32, "cpu", 64)
     switches = [layer.self_attn.enable_native(16, torch.float32) for layer in model.model.layers]
-    sliding, full = switches
-    assert not sliding.switched and "no window" in sliding.fallback and "sliding-window (8)" in sliding.fallback
-    assert full.switched and not full.fallback
-    assert [layer.self_attn.native_attention for layer in model.model.layers] == [False, True]
+    assert [(s.kind, s.switched, s.fallback) for s in switches] == [("attention", True, "")] * 2
+    assert [(layer.self_attn.window, layer.self_attn.native_attention) for layer in model.model.layers] == [
+        (8, True), (None, True)]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -173,12 +172,26 @@ def test_tiny_greedy_across_the_window_matches_transformers(tiny_dir: Any, make_
 
 @pytest.mark.slow  # Inductor compiles the tiny model's step (two layer variants)
 def test_tiny_compiled_decode_equals_eager(tiny_dir: Any, make_llm: Any, tmp_path: Path) -> None:
+    """The compiled step with both layers on the native decode attention (the sliding one given its 8-key window),
+    batch 4 with rows of different lengths, then batch 1, 20 tokens each, far past the window: eager's greedy tokens.
+    Blocks of 4, so windows start mid-block and a 16-token tile of the op spans four blocks."""
+    from glowplug.kernels.native import load_native
+    from glowplug.profiling.names import Attr
+
     d, _ = _tiny_arch(tiny_dir)
-    prompts = ["The scheduler mixes prefill chunks and decode steps in one batch", "A", "emoji 🚀 and more text"]
+    prompts = ["The scheduler mixes prefill chunks and decode steps in one batch", "A", "emoji 🚀 and more text",
+               "One two three four five six seven eight nine ten eleven twelve thirteen fourteen"]  # fmt: skip
     common: dict[str, Any] = dict(dtype="float32", cache={"block_size": 4}, num_gpu_blocks_override=64)
-    eager = [o.outputs[0].token_ids for o in make_llm(d, compile="off", **common).generate(prompts, GREEDY)]
+    eager_llm = make_llm(d, compile="off", **common)
+    eager = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, GREEDY)]
+    alone = eager_llm.generate(prompts[:1], GREEDY)[0].outputs[0].token_ids
     compiled = make_llm(d, compile="on", **common)
+    if load_native(tmp_path / "native").available:
+        row = next(r for r in compiled.startup.phase_table.rows if r.name == "native_kernels")
+        assert row.attributes["glowplug.native_attention_layers"] == 2, row.attributes
+        assert Attr.NATIVE_FALLBACK not in row.attributes, row.attributes[Attr.NATIVE_FALLBACK]
     assert [o.outputs[0].token_ids for o in compiled.generate(prompts, GREEDY)] == eager
+    assert compiled.generate(prompts[:1], GREEDY)[0].outputs[0].token_ids == alone
 
 
 # -- the real model -------------------------------------------------------------------------------------------------
@@ -245,12 +258,18 @@ def test_fp32_logits_match_transformers_past_the_window(gemma_dir: Path, hf_gemm
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
 def test_greedy_tokens_match_transformers(gemma_dir: Path, hf_gemma: Any, make_llm: Any, compile_mode: str) -> None:
     """32 greedy tokens after a prompt longer than the window: the engine (eager, then the compiled step with the
-    native kernels on its full-attention layers) against transformers' generate."""
+    native kernels on every layer, the sliding ones' windows in the native attention op) against transformers'
+    generate."""
     path = _gemma_file()
     assert path is not None
     # The file's weights de-quantized, as transformers runs them: --quantization auto would run its Q4_K and Q5_0
     # tensors in glowplug's integer kernels, whose other rounding is the accuracy report's subject, not this test's.
     llm = make_llm(str(path), compile=compile_mode, dtype="float32", max_model_len=2048, quantization="none")
+    if compile_mode == "on":  # every layer's decode attention on the native op where it loaded, none left out
+        row = next(r for r in llm.startup.phase_table.rows if r.name == "native_kernels")
+        if "glowplug.native_attention_layers" in row.attributes:
+            assert row.attributes["glowplug.native_attention_layers"] == 18, row.attributes
+            assert "glowplug.native_fallback" not in row.attributes, row.attributes
     ids = llm.tokenizer(LONG_PROMPT)["input_ids"]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     got = llm.generate([LONG_PROMPT], params)[0].outputs[0].token_ids

@@ -134,16 +134,11 @@ class Attention(nn.Module):
 
     def enable_native(self, small_m: int, activation_dtype: torch.dtype) -> NativeSwitch:
         """kernels.modules.enable_native_decode's switch: decode attention through the native op where the CPU and
-        this head_dim allow it (batch size and dtype do not matter to it). The op attends to the whole context, so a
-        sliding-window layer keeps the tensor ops, and says why (the native_kernels stage puts it on its span)."""
+        this head_dim allow it (batch size and dtype do not matter to it). A sliding-window layer switches too: the
+        op takes the window and reads only the blocks inside it."""
         from ...kernels.native import attention_supported
 
-        supported = attention_supported(self.head_dim)
-        self.native_attention = supported and self.window is None
-        if supported and self.window is not None:
-            return NativeSwitch("attention", False, fallback=(
-                f"sliding-window ({self.window}) attention runs torch ops: the native decode_attention op has no "
-                f"window"))  # fmt: skip
+        self.native_attention = attention_supported(self.head_dim)
         return NativeSwitch("attention", self.native_attention)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -89,8 +89,9 @@ class NativeKernels:
             "glowplug.native_attention_layers": counts["attention"],
             Attr.BYTES_PER_TOKEN: counts["bytes_per_token"],
         })  # fmt: skip
-        # Layers a native op would serve but that keep the stock path (a sliding-window attention layer: the native
-        # decode attention reads the whole context), each reason with its layer count: on the span and the row.
+        # Layers a native op would serve but that keep the stock path (`NativeSwitch.fallback`; no layer of the models
+        # here gives one today: sliding-window attention layers switch too, the op takes the window), each reason with
+        # its layer count: on the span and the row.
         fallen = "; ".join(f"{n} layers: {why}" for why, n in fallbacks.items())
         if fallen:
             attrs[Attr.NATIVE_FALLBACK] = fallen

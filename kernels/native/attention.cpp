@@ -18,6 +18,14 @@
 // CPUs without AVX512 (and other architectures) take a portable version of the vector path (below), still split per
 // (sequence, kv head).
 //
+// A sliding window (`window` > 0: Gemma 3's local layers) limits row b to positions max(0, L - window) .. L - 1, L its
+// context length (engine/attention.py's mask: keys kv > q - window). Why in the op and not as a mask: a mask still
+// reads the whole context, so a windowed layer's step would grow with it. Each path skips every tile before the one
+// holding the window's first position: the vector paths read none of the tokens before that position, the AMX path
+// scores that tile whole (one stretch of the block holding the window's start) and leaves those tokens out of the
+// softmax. So a windowed layer's step reads at most `window` + 15 positions a row whatever the context, and nothing of
+// the blocks before the window (not even a prefetch).
+//
 // The cache write stays a torch scatter before this op (the graph's in-place update of the cache input), so this op
 // only reads. The packed step input is engine/attention.py's: [B, 4 + W] int64 with the context length in column 3
 // (the new token included) and the block table from column 4.
@@ -49,6 +57,9 @@ struct Job {
   bool out_bf16;
   float fscale;
   void* yp;
+  int64_t window;  // <= 0: the whole context
+  // The first position a row with context length len attends to.
+  int64_t lo(int64_t len) const { return window > 0 && len > window ? len - window : 0; }
 };
 
 // How the vector path shares a call out. A tile is 16 tokens of one sequence with every kv head (rows that lie
@@ -59,7 +70,9 @@ struct Job {
 // sequence cut by a part boundary leaves each part's softmax state in a slot (its running maximum, sum of weights
 // and weighted values), and combine() finishes it after the parallel region.
 struct Split {
-  const int64_t* first;  // [B + 1]: sequence b's tiles are [first[b], first[b + 1]), none for a padding row
+  // [B + 1]: sequence b's tiles are [first[b], first[b + 1]), none for a padding row; with a window only the tiles
+  // from the one holding its first position (tile j of b is tokens (lo / 16 + j) * 16 ..)
+  const int64_t* first;
   int64_t parts, total, stride, slot;
   float* work;   // per part: `stride` floats of working state
   float* slots;  // per part two, for its first and its last sequence: `slot` floats each ([H] max, [H] sum, [H, D])
@@ -249,9 +262,10 @@ void attend_part(const Job& j, const Split& sp, int64_t part) {
     for (; pu < until; ++pu) {
       while (first[pb + 1] <= pu) ++pb;
       const int64_t* in = pk + pb * cols;
-      const int64_t t0 = (pu - first[pb]) * 16, n = std::min<int64_t>(16, seq_len(pb) - t0);
-      for (int64_t i = 0; i < n; i += one_block ? n : 1) {
-        const int64_t c = cell0(in, t0 + i), m = one_block ? n : 1;
+      const int64_t len = seq_len(pb), lo = j.lo(len), t0 = (pu - first[pb] + lo / 16) * 16;
+      const int64_t n = std::min<int64_t>(16, len - t0), skip = std::max<int64_t>(0, lo - t0);
+      for (int64_t i = skip; i < n; i += one_block ? n : 1) {
+        const int64_t c = cell0(in, t0 + i), m = one_block ? n - skip : 1;
         if (c < 0) continue;
         fetch(j.kp, c * D * es, m * rowb);
         fetch(j.vp, c * D * es, m * rowb);
@@ -266,7 +280,7 @@ void attend_part(const Job& j, const Split& sp, int64_t part) {
   for (int64_t u = u0; u < u1;) {
     while (first[b + 1] <= u) ++b;
     const int64_t* in = pk + b * cols;
-    const int64_t len = seq_len(b), a = u - first[b], e = std::min(u1, first[b + 1]) - first[b];
+    const int64_t len = seq_len(b), lo = j.lo(len), a = u - first[b], e = std::min(u1, first[b + 1]) - first[b];
     const int64_t q0 = b * H * D;  // kv head h's G query heads, and their outputs, are rows h * G.. of the sequence
     if (!bf16_pairs)               // the bf16 path reads the query as it is
       for (int64_t i = 0; i < H * D; i += 16)
@@ -277,14 +291,15 @@ void attend_part(const Job& j, const Split& sp, int64_t part) {
     std::fill_n(mx, H, -INFINITY);
     for (int64_t i = a; i < e; ++i, ++u) {
       prefetch_to(std::min(u1, u + 1 + ahead));
-      const int64_t t0 = i * 16, n = std::min<int64_t>(16, len - t0);
-      const __mmask16 live = n >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << n) - 1);
+      // tokens [skip, n) of the tile are the row's: skip > 0 only in a window's first tile (at least one token stays)
+      const int64_t t0 = (i + lo / 16) * 16, n = std::min<int64_t>(16, len - t0), skip = std::max<int64_t>(0, lo - t0);
+      const __mmask16 live = static_cast<__mmask16>((n >= 16 ? 0xffffu : (1u << n) - 1) & ~((1u << skip) - 1));
       int64_t tok[16];
       if (one_block) {
         const int64_t c = cell0(in, t0);
-        for (int64_t k = 0; k < 16; ++k) tok[k] = k < n && c >= 0 ? c + k * HKV : -1;
+        for (int64_t k = 0; k < 16; ++k) tok[k] = k < n && k >= skip && c >= 0 ? c + k * HKV : -1;
       } else {
-        for (int64_t k = 0; k < 16; ++k) tok[k] = k < n ? cell0(in, t0 + k) : -1;
+        for (int64_t k = 0; k < 16; ++k) tok[k] = k < n && k >= skip ? cell0(in, t0 + k) : -1;
       }
       for (int64_t h = 0; h < HKV; ++h) {
         const __m512 kscale = int8 ? _mm512_mul_ps(scales16(j.ksp, tok, h), vscale) : vscale;
@@ -414,19 +429,20 @@ void attend_part(const Job& j, const Split& sp, int64_t part) {
 // Tasks: one per sequence, or per (sequence, kv head) when the batch is too small to keep every thread busy. Each
 // task prefetches the next task's rows while it computes, so the cache stream overlaps the arithmetic (blocks sit
 // anywhere in the cache, and the hardware prefetcher does not follow them).
-// The weighted values of NG query heads n0.. of one kv head (offset hd in a cache row), over a task's context:
-// each value row is converted once for the NG heads, which accumulate in NG x DC registers; out: the heads' rows.
+// The weighted values of NG query heads n0.. of one kv head (offset hd in a cache row), over a task's positions
+// lo .. len - 1: each value row is converted once for the NG heads, which accumulate in NG x DC registers; out: the
+// heads' rows.
 template <int DC, int NG, class Rows, class Ahead>
-inline void weigh_values(const Rows& rows_at, const Ahead& ahead, const float* s, int64_t len, int64_t hd, int64_t n0,
-                         const float* inv, uint16_t* out, int64_t row) {
+inline void weigh_values(const Rows& rows_at, const Ahead& ahead, const float* s, int64_t lo, int64_t len, int64_t hd,
+                         int64_t n0, const float* inv, uint16_t* out, int64_t row) {
   __m512 a[NG][DC];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < DC; ++c) a[g][c] = _mm512_setzero_ps();
-  for (int64_t i = 0; i * 16 < len; ++i) {
+  for (int64_t i = lo / 16; i * 16 < len; ++i) {
     const uint16_t* vr = rows_at(i);
     if (vr == nullptr) continue;  // zero values add nothing
     const int64_t n = std::min<int64_t>(16, len - i * 16);
-    for (int64_t t = 0; t < n; ++t) {
+    for (int64_t t = std::max<int64_t>(0, lo - i * 16); t < n; ++t) {
       ahead(i, t);
       const uint16_t* v = vr + t * row + hd;
       const float* p = s + (i * 16 + t) * 16 + n0;
@@ -460,9 +476,10 @@ void attend_amx(const Job& j, int64_t split, int64_t t0, int64_t t1) {
   amx::configure(16);
   std::vector<uint32_t> qt(static_cast<size_t>(HKV * CH * 256));          // B tiles: [h][chunk][16 pairs][16 heads]
   std::vector<float> s(static_cast<size_t>((W * BS + 16) * 16));          // scores, then weights: [token][16 heads]
-  auto span = [&](int64_t task) __attribute__((always_inline)) {            // (b, first kv head, context length)
+  // (b, first kv head, context length, first position attended: the window's)
+  auto span = [&](int64_t task) __attribute__((always_inline)) {
     const int64_t b = task / split, len = std::min<int64_t>(std::max<int64_t>(pk[b * cols + kContextCol], 0), W * BS);
-    return std::array<int64_t, 3>{b, task % split * hper, len};
+    return std::array<int64_t, 4>{b, task % split * hper, len, j.lo(len)};
   };
   // Rows of tile i (tokens 16i..16i+15) of a task, for heads [h0, h0 + hper): the block's address, or null.
   auto rows_at = [&](const uint16_t* base, int64_t b, int64_t i) __attribute__((always_inline)) -> const uint16_t* {
@@ -470,8 +487,8 @@ void attend_amx(const Job& j, int64_t split, int64_t t0, int64_t t1) {
     return blk < 0 || blk >= NBLK ? nullptr : base + (blk * BS + i * 16 % BS) * row;
   };
   for (int64_t task = t0; task < t1; ++task) {
-    const auto [b, h0, len] = span(task);
-    const std::array<int64_t, 3> nx = task + 1 < t1 ? span(task + 1) : std::array<int64_t, 3>{0, 0, 0};
+    const auto [b, h0, len, lo] = span(task);
+    const std::array<int64_t, 4> nx = task + 1 < t1 ? span(task + 1) : std::array<int64_t, 4>{0, 0, 0, 0};
     const int64_t tiles = (len + 15) / 16;
     if (len == 0) {  // a padding row attends to nothing
       for (int64_t h = h0; h < h0 + hper; ++h) std::fill_n(yp + (b * H + h * G) * D, G * D, uint16_t{0});
@@ -485,8 +502,9 @@ void attend_amx(const Job& j, int64_t split, int64_t t0, int64_t t1) {
         for (int64_t n = h * G; n < (h + 1) * G; ++n)
           for (int64_t r = 0; r < 16; ++r) t[r * 16 + n] = qp[(b * H + n) * (D / 2) + c * 16 + r];
       }
-    // Scores: per 16-token tile, every (kv head, chunk) multiply into one accumulator of [16 tokens][16 heads].
-    for (int64_t i = 0; i < tiles; ++i) {
+    // Scores: per 16-token tile, every (kv head, chunk) multiply into one accumulator of [16 tokens][16 heads]. With
+    // a window, from the tile holding its first position (the tokens before it there are scored, then left out).
+    for (int64_t i = lo / 16; i < tiles; ++i) {
       float* si = s.data() + i * 256;
       const uint16_t* kr = rows_at(kp, b, i);
       if (kr == nullptr) {  // a block the engine never sends: zero keys, as the reference reads them
@@ -511,13 +529,13 @@ void attend_amx(const Job& j, int64_t split, int64_t t0, int64_t t1) {
     // Softmax per head (lane), over the context's tokens: dot then scale, as the reference does.
     const __m512 vscale = _mm512_set1_ps(j.fscale);
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = lo; t < len; ++t) {
       const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(s.data() + t * 16), vscale);
       _mm512_storeu_ps(s.data() + t * 16, v);
       mx = _mm512_max_ps(mx, v);
     }
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = lo; t < len; ++t) {
       const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_loadu_ps(s.data() + t * 16), mx));
       _mm512_storeu_ps(s.data() + t * 16, e);
       sum = _mm512_add_ps(sum, e);
@@ -534,15 +552,15 @@ void attend_amx(const Job& j, int64_t split, int64_t t0, int64_t t1) {
         // alone (30 layers at batch 64 and 90 tokens, cache evicted between runs) measured the same within this
         // machine's noise, on huge pages and on 4 KiB ones; issue 10's closing note at stop 29 has the figures.
         const bool first = g0 == 0 && nx[2] > 0;
-        const int64_t nh = nx[1] + h - h0;
+        const int64_t nh = nx[1] + h - h0, shift = nx[3] / 16 - lo / 16;  // this task's tile i is the next's i + shift
         const uint16_t *nk = nullptr, *nv = nullptr;
         int64_t ni = -1;
         const auto ahead = [&](int64_t i, int64_t t) __attribute__((always_inline)) {
           if (!first) return;
           if (i != ni) {
             ni = i;
-            nk = i * 16 < nx[2] ? rows_at(kp, nx[0], i) : nullptr;
-            nv = i * 16 < nx[2] ? rows_at(vp, nx[0], i) : nullptr;
+            nk = (i + shift) * 16 < nx[2] ? rows_at(kp, nx[0], i + shift) : nullptr;
+            nv = (i + shift) * 16 < nx[2] ? rows_at(vp, nx[0], i + shift) : nullptr;
           }
           if (nk == nullptr) return;
           const char* kr = reinterpret_cast<const char*>(nk + t * row + nh * D);
@@ -553,11 +571,12 @@ void attend_amx(const Job& j, int64_t split, int64_t t0, int64_t t1) {
           }
         };
         const auto vr_at = [&](int64_t i) __attribute__((always_inline)) { return rows_at(vp, b, i); };
+        uint16_t* yo = yp + (b * H + n0) * D;  // the heads' output rows
         switch (gc) {
-          case 1: weigh_values<DC, 1>(vr_at, ahead, s.data(), len, h * D, n0, inv, yp + (b * H + n0) * D, row); break;
-          case 2: weigh_values<DC, 2>(vr_at, ahead, s.data(), len, h * D, n0, inv, yp + (b * H + n0) * D, row); break;
-          case 3: weigh_values<DC, 3>(vr_at, ahead, s.data(), len, h * D, n0, inv, yp + (b * H + n0) * D, row); break;
-          default: weigh_values<DC, GB>(vr_at, ahead, s.data(), len, h * D, n0, inv, yp + (b * H + n0) * D, row); break;
+          case 1: weigh_values<DC, 1>(vr_at, ahead, s.data(), lo, len, h * D, n0, inv, yo, row); break;
+          case 2: weigh_values<DC, 2>(vr_at, ahead, s.data(), lo, len, h * D, n0, inv, yo, row); break;
+          case 3: weigh_values<DC, 3>(vr_at, ahead, s.data(), lo, len, h * D, n0, inv, yo, row); break;
+          default: weigh_values<DC, GB>(vr_at, ahead, s.data(), lo, len, h * D, n0, inv, yo, row); break;
         }
       }
   }
@@ -627,8 +646,10 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
   for (int64_t task = t0; task < t1; ++task) {
     const int64_t b = task / HKV, h = task % HKV;
     const int64_t* in = pk + b * cols;
-    // A row past its table's capacity, or a padding row (length 0), attends to nothing.
-    const int64_t len = std::min<int64_t>(std::max<int64_t>(in[kContextCol], 0), W * BS);
+    // A row past its table's capacity, or a padding row (length 0), attends to nothing. The task's len positions
+    // are lo .. end - 1 (lo > 0 only with a window), cells[i] position lo + i's.
+    const int64_t end = std::min<int64_t>(std::max<int64_t>(in[kContextCol], 0), W * BS), lo = j.lo(end);
+    const int64_t len = end - lo;
     const int64_t lp = (len + 15) / 16 * 16;  // a head's scores, padded to whole vectors with -inf
     const int64_t q0 = (b * H + h * G) * D;   // the task's G query heads, and their outputs, are contiguous
     for (int64_t i = 0; i < G * D; ++i)
@@ -636,10 +657,10 @@ void attend_tasks(const Job& j, int64_t t0, int64_t t1) {
     std::fill(acc.begin(), acc.end(), 0.f);
     probs.assign(static_cast<size_t>(G * lp), -INFINITY);
     cells.resize(static_cast<size_t>(len));
-    for (int64_t jb = 0, t = 0; t < len; ++jb) {
-      const int64_t blk = in[kDecodeCols + jb];
+    for (int64_t t = lo; t < end;) {  // block by block, from the one holding position lo
+      const int64_t blk = in[kDecodeCols + t / BS];
       const bool ok = blk >= 0 && blk < NBLK;
-      for (int64_t o = 0; o < BS && t < len; ++o, ++t) cells[t] = ok ? (blk * BS + o) * HKV + h : -1;
+      for (int64_t o = t % BS; o < BS && t < end; ++o, ++t) cells[t - lo] = ok ? (blk * BS + o) * HKV + h : -1;
     }
     for (int64_t k0 = 0; k0 < len; k0 += 16) {
       const int64_t n = std::min<int64_t>(16, len - k0);
@@ -734,7 +755,7 @@ void combine(const Job& j, const Split& sp, int64_t b) {
 #endif
 
 Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor* ks, const Tensor* vs,
-              const Tensor& packed, double scale) {
+              const Tensor& packed, double scale, int64_t window) {
   STD_TORCH_CHECK(q.dim() == 3 && q.is_contiguous() &&
                       (q.scalar_type() == ScalarType::BFloat16 || q.scalar_type() == ScalarType::Float),
                   "decode_attention: q must be a contiguous bfloat16 or float32 [B, heads, head_dim] tensor");
@@ -766,10 +787,12 @@ Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor*
   const float* vsp = vs ? static_cast<const float*>(vs->const_data_ptr()) : nullptr;
   Tensor y = torch::stable::new_empty(q, {B, H, D});
   const Job job{pk, cols, W, B, H, D, G, HKV, NBLK, BS, q.const_data_ptr(), kc.const_data_ptr(), vc.const_data_ptr(),
-                ksp, vsp, st, q.scalar_type() == ScalarType::BFloat16, static_cast<float>(scale), y.mutable_data_ptr()};
+                ksp, vsp, st, q.scalar_type() == ScalarType::BFloat16, static_cast<float>(scale), y.mutable_data_ptr(),
+                window};
 #if defined(GLOWPLUG_AMX)
-  // one sequence goes to tiles only over a long context (see the top of the file)
-  const bool enough = B >= 2 || (B == 1 && pk[kContextCol] >= kAmxMinContext);
+  // one sequence goes to tiles only over a long context (see the top of the file): the positions it reads
+  const int64_t len0 = B == 1 ? std::min<int64_t>(std::max<int64_t>(pk[kContextCol], 0), W * BS) : 0;
+  const bool enough = B >= 2 || (B == 1 && len0 - job.lo(len0) >= kAmxMinContext);
   if (st == ScalarType::BFloat16 && job.out_bf16 && BS % 16 == 0 && (D == 64 || D == 128) && H <= 16 && enough &&
       amx::available()) {
     // per sequence once the batch fills the threads several times over, else per (sequence, kv head)
@@ -791,7 +814,7 @@ Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor*
   first[0] = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = std::min<int64_t>(std::max<int64_t>(pk[b * cols + kContextCol], 0), W * BS);
-    first[b + 1] = first[b] + (len + 15) / 16;
+    first[b + 1] = first[b] + (len + 15) / 16 - job.lo(len) / 16;  // the tiles from the window's first
     if (len == 0)  // a padding row, or one past its table's capacity, attends to nothing
       std::memset(static_cast<char*>(y.mutable_data_ptr()) + b * H * D * (job.out_bf16 ? 2 : 4), 0,
                   static_cast<size_t>(H * D * (job.out_bf16 ? 2 : 4)));
@@ -834,22 +857,24 @@ Tensor attend(const Tensor& q, const Tensor& kc, const Tensor& vc, const Tensor*
   return y;
 }
 
-Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor packed, double scale) {
-  return attend(q, k_cache, v_cache, nullptr, nullptr, packed, scale);
+Tensor decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor packed, double scale, int64_t window) {
+  return attend(q, k_cache, v_cache, nullptr, nullptr, packed, scale, window);
 }
 
 Tensor decode_attention_int8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, Tensor packed,
-                             double scale) {
-  return attend(q, k_cache, v_cache, &k_scale, &v_scale, packed, scale);
+                             double scale, int64_t window) {
+  return attend(q, k_cache, v_cache, &k_scale, &v_scale, packed, scale, window);
 }
 
 }  // namespace
 }  // namespace glowplug
 
 STABLE_TORCH_LIBRARY_FRAGMENT(glowplug_native, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor packed, float scale) -> Tensor");
+  // window <= 0: every position of the context; else each row's last `window` positions (the top of the file)
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor packed, float scale, int window=0) -> "
+        "Tensor");
   m.def("decode_attention_int8(Tensor q, Tensor k_cache, Tensor v_cache, Tensor k_scale, Tensor v_scale, "
-        "Tensor packed, float scale) -> Tensor");
+        "Tensor packed, float scale, int window=0) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(glowplug_native, CPU, m) {
