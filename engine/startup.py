@@ -23,12 +23,15 @@ from glowplug.base.artifacts.cachedir import cache_dir_from_env
 
 from .config import EngineConfig
 from .config_check import check_device
+from .distributed import DistributedError, TPGroup, step_payload, worker_trace_context
 from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
 from .models.arch import ModelArch
 from .models.store import model_group
+from .parallel import launch_rank, tp_factors
 from .stages.base import Stage, StageResult, StartupFailed, check_pipeline, run_stages
 from .stages.bundle_install import BundleInstall
+from .stages.distributed_init import DistributedInit
 from .stages.context import EngineContext
 from .stages.dynamo_transform import DynamoTransform
 from .stages.graph_capture import GraphCapture
@@ -58,8 +61,11 @@ __all__ = ["PhaseEstimate", "StartPlan", "StartupFailed", "StartupResult", "buil
            "estimate_phase_durations", "expected_phase_durations", "plan_start", "probe_cache_pattern"]
 
 
-def default_stages() -> list[Stage]:
-    return [
+def default_stages(config: EngineConfig | None = None) -> list[Stage]:
+    """The pipeline; with `config` asking for tensor parallelism, distributed_init first (it needs nothing, so it
+    runs beside model_prepare; kv_cache_init waits for it)."""
+    parallel: list[Stage] = [DistributedInit()] if config is not None and config.tensor_parallel_size > 1 else []
+    return parallel + [
         ModelPrepare(),
         TokenizerInit(),
         LoadWeights(),
@@ -92,6 +98,9 @@ class StartupResult:
     model_dir: Path
     dtype: torch.dtype
     plan: StartPlan | None = None  # the cache pattern and the ETA made before the first stage
+    # Under tensor parallelism: this rank's handle on the group (engine/distributed.py). Rank 0's engine already
+    # broadcasts its steps through it; a worker runs `serve_worker`. `close()` stops every rank.
+    parallel: TPGroup | None = None
 
 
 PHASES = "phases.json"
@@ -101,7 +110,7 @@ def _profile_factors(config: EngineConfig) -> dict[str, Any]:
     # The model as a name, not the spec that named it: the default, its file by path and a bundle's copy of it are
     # one model, so a start from a bundle finds the start-up profile the bundle brought.
     return {"engine_config": {**config.hash_factors(), "model": model_group(config.model)},
-            "device": config.resolved_device()}
+            "device": config.resolved_device(), **tp_factors(config.tensor_parallel_size)}
 
 
 def _read_profile(folder: Path) -> list[StartRecord]:
@@ -148,7 +157,7 @@ def probe_cache_pattern(config: EngineConfig, cache_dir: Path | None = None,
     ctx = EngineContext(config=config, cache_root=root, device=config.resolved_device())
     store = ArtifactStore(root)
     pattern: dict[str, str] = {}
-    for stage in stages if stages is not None else default_stages():
+    for stage in stages if stages is not None else default_stages(config):
         probe = getattr(stage, "cache_probe", None)
         if probe is None:
             continue
@@ -171,7 +180,7 @@ def plan_start(config: EngineConfig, cache_dir: Path | None = None,
     """The pattern of this start and its estimate (engine/start_estimate.py `predict` says which record serves
     which phase). Never raises for an unreadable cache dir: that costs the estimate only."""
     root = cache_dir or cache_dir_from_env()
-    pipeline = list(stages) if stages is not None else default_stages()
+    pipeline = list(stages) if stages is not None else default_stages(config)
     try:
         pattern = probe_cache_pattern(config, root, pipeline)
     except Exception as exc:  # noqa: BLE001 - the ETA must never stop a start
@@ -269,7 +278,7 @@ def build_engine(
     # Before anything else: `--device cuda` on a torch without CUDA would otherwise end in an AssertionError from
     # deep inside torch, with no flag named and no fix.
     check_device(config)
-    pipeline = list(stages) if stages is not None else default_stages()
+    pipeline = list(stages) if stages is not None else default_stages(config)
     check_pipeline(pipeline, EngineContext)  # a bad declaration fails here, before the start-up span opens
     tracing = tracing or setup_tracing(in_memory=True)
     tracer = tracing.tracer()
@@ -280,8 +289,11 @@ def build_engine(
     root = (
         open_startup_span(tracer, marks)
         if marks is not None
-        else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})
+        else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION},
+                               context=worker_trace_context())  # fmt: skip
     )
+    if config.tensor_parallel_size > 1:
+        root.set_attributes({Attr.RANK: launch_rank(), Attr.WORLD_SIZE: config.tensor_parallel_size})
     deferral = FullGcDeferral.start()  # see FullGcDeferral; the process entry may have started one already
     try:
         installed: list[StageResult] = []
@@ -312,10 +324,16 @@ def build_engine(
     except StartupFailed as failed:
         from opentelemetry.trace import Status, StatusCode
 
+        if ctx.parallel is not None:
+            # A rank that died shows here as whatever collective noticed first: name the rank instead.
+            rank_failure = ctx.parallel.failure()
+            ctx.parallel.close()
+            if rank_failure is not None:
+                failed = StartupFailed(failed.stage, DistributedError(rank_failure))
         root.set_status(Status(StatusCode.ERROR, str(failed)))
         root.set_attribute(Attr.ERROR, str(failed))
         root.end(end_time=clock.now_ns())
-        raise
+        raise failed from failed.cause
     finally:
         deferral.resume()
         if marks is not None and marks.gc_deferral is not None:
@@ -342,5 +360,12 @@ def build_engine(
     )
     # The context ends here: the result takes the engine and plain facts, so nothing the stages held (the state
     # dict's extra references, the trace, the compile cache) outlives the start-up through it.
+    group: TPGroup | None = ctx.parallel
+    if group is not None and group.rank == 0:
+        # From now on every eager step of rank 0 is run by every rank (engine/distributed.py).
+        engine.runner.broadcast_steps(lambda b: group.send_step(step_payload(b.input_ids, b.positions, b.meta,
+                                                                                b.sample_rows)))  # fmt: skip
+        group.serving = True
     return StartupResult(engine=engine, stages=results, phase_table=table, tracing=tracing, kv_plan=ctx.kv_plan,
-                         arch=ctx.arch, model_dir=ctx.model_dir, dtype=ctx.dtype, plan=plan)  # fmt: skip
+                         arch=ctx.arch, model_dir=ctx.model_dir, dtype=ctx.dtype, plan=plan,
+                         parallel=group)  # fmt: skip

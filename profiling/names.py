@@ -77,6 +77,12 @@ class Attr:
 
     SCHEMA_VERSION: Final = "glowplug.schema_version"
     STAGE: Final = "glowplug.stage"
+    # Tensor parallelism: which rank's span this is, of how many (every rank's start-up spans share one trace).
+    RANK: Final = "rank"
+    WORLD_SIZE: Final = "world_size"
+    TP_BACKEND: Final = "glowplug.tp.backend"  # gloo or nccl
+    TP_JOIN_S: Final = "glowplug.tp.join_s"  # launch + join + first barrier, as distributed_init measured it
+    TP_LAUNCH: Final = "glowplug.tp.launch"  # who started the ranks
     # The table row a stage's time is booked to when it differs from the stage's default row.
     ROW: Final = "glowplug.row"
     BYTES_READ: Final = "glowplug.bytes_read"

@@ -43,7 +43,7 @@ class NativeKernels:
 
     def run(self, ctx: EngineContext) -> StageReport:
         if not ctx.config.compile_enabled():
-            return StageReport.skipped(f"--compile {ctx.config.compile}")
+            return StageReport.skipped(ctx.config.compile_off_reason())
         if ctx.device != "cpu":
             return StageReport.skipped(f"native kernels are CPU kernels (device {ctx.device})")
         model = ctx.need(ctx.model, "the model", "model_init")

@@ -1,0 +1,55 @@
+"""A tensor-parallel worker rank (1..N-1): build the engine's shard through the same start-up pipeline as rank 0,
+then run the model calls rank 0 broadcasts until it says stop (engine/distributed.py).
+
+`python -m glowplug.engine.tp_worker` is what rank 0 starts (the config comes in GLOWPLUG_TP_CONFIG); under
+torchrun the CLI calls `run_worker` on every rank but 0 with the config from its flags."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .config import EngineConfig
+from .distributed import CACHE_ENV, CONFIG_ENV, RUNDIR_ENV, serve_worker, watch_parent, write_progress
+
+
+def run_worker(config: EngineConfig, cache_dir: Path | None = None) -> int:
+    """Start this rank and serve until stopped; the exit status (1: its start-up failed, with one line saying why
+    on stderr)."""
+    from ..profiling.tracing import setup_tracing
+    from .startup import build_engine
+
+    rank = int(os.environ["RANK"])
+    rundir = Path(os.environ[RUNDIR_ENV]) if RUNDIR_ENV in os.environ else None
+    try:
+        result = build_engine(config, tracing=setup_tracing(), cache_dir=cache_dir,
+                              on_phase=lambda stage: write_progress(rundir, rank, stage))  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - one line for rank 0's log; rank 0 names this rank in its error
+        write_progress(rundir, rank, "failed", "failed")
+        print(f"glowplug tensor-parallel rank {rank}: {exc}", file=sys.stderr)
+        return 1
+    write_progress(rundir, rank, "ready", "ready")
+    group = result.parallel
+    assert group is not None
+    try:
+        serve_worker(group, result.engine.model, result.engine.runner.kv_cache, config.resolved_device())
+    except Exception as exc:  # noqa: BLE001 - rank 0 is gone or failed: nothing left to serve
+        print(f"glowplug tensor-parallel rank {rank}: stopped serving: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        group.close()
+    return 0
+
+
+def main() -> None:
+    parent = os.environ.get("GLOWPLUG_TP_PARENT")
+    if parent is not None:
+        watch_parent(int(parent))
+    config = EngineConfig.model_validate_json(os.environ[CONFIG_ENV])
+    cache = os.environ.get(CACHE_ENV)
+    sys.exit(run_worker(config, Path(cache) if cache else None))
+
+
+if __name__ == "__main__":
+    main()
