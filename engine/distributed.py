@@ -164,13 +164,15 @@ class TPGroup:
         launch = Launch.from_env(config)
         backend = "nccl" if device.startswith("cuda") else "gloo"
         group = cls(launch, config, backend)
+        if launch.rank == 0:
+            # However rank 0 ends (a command that returns, an exception), the workers stop with it.
+            atexit.register(group.close)
         timeout = timedelta(seconds=config.distributed_timeout)
         t0 = time.perf_counter()
         try:
             if launch.spawner:
                 group.store = dist.TCPStore("127.0.0.1", launch.master_port, launch.world_size, is_master=True,
                                             timeout=timeout, wait_for_workers=False)  # fmt: skip
-                atexit.register(group.close)
                 group._spawn(cache_root, traceparent)
                 group._monitor = threading.Thread(target=group._watch, name="glowplug-tp-watch", daemon=True)
                 group._monitor.start()
@@ -248,6 +250,12 @@ class TPGroup:
             self._terminate_workers()
             for callback in list(self.on_failure):
                 callback(message)
+
+    def add_failure_callback(self, callback: Callable[[str], None]) -> None:
+        """Call `callback` with the message when a rank fails (the server turns FAILED, even while idle)."""
+        self.on_failure.append(callback)
+        if self._failure is not None:
+            callback(self._failure)
 
     def failure(self) -> str | None:
         """The first rank failure seen (None while every rank is up)."""

@@ -20,6 +20,10 @@ def run_worker(config: EngineConfig, cache_dir: Path | None = None) -> int:
     from ..profiling.tracing import setup_tracing
     from .startup import build_engine
 
+    from ..profiling.logs import configure_logging
+
+    # Rank 0 reports the start; a worker says only what goes wrong (its spans are in rank 0's trace).
+    configure_logging(level="warning")
     rank = int(os.environ["RANK"])
     rundir = Path(os.environ[RUNDIR_ENV]) if RUNDIR_ENV in os.environ else None
     try:
