@@ -75,7 +75,8 @@ def write_progress(rundir: Path | None, rank: int, stage: str, state: str = "run
     path = progress_path(rundir, rank)
     tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_text(json.dumps({"rank": rank, "stage": stage, "state": state, "time": time.time()}))
+        tmp.write_text(json.dumps({"rank": rank, "pid": os.getpid(), "stage": stage, "state": state,
+                                   "time": time.time()}))
         os.replace(tmp, path)
     except OSError:
         pass  # progress is for the messages only; a lost line must not stop a start
@@ -177,8 +178,10 @@ class TPGroup:
                 group._monitor = threading.Thread(target=group._watch, name="glowplug-tp-watch", daemon=True)
                 group._monitor.start()
             else:
+                # The master does not wait for the others here: _wait_for_joins does, and names who is missing.
                 group.store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                                            is_master=launch.rank == 0 and not launch.agent_store, timeout=timeout)
+                                            is_master=launch.rank == 0 and not launch.agent_store, timeout=timeout,
+                                            wait_for_workers=False)  # fmt: skip
             group.store.set(f"glowplug/joined/{launch.rank}", "1")
             group._wait_for_joins()
             if backend == "nccl":
