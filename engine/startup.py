@@ -14,9 +14,9 @@ import torch
 from opentelemetry import trace
 
 from ..profiling.names import SCHEMA_VERSION, STARTUP_SPAN, Attr
-from ..profiling.phases import Floor, PhaseTable, build_phase_table
+from ..profiling.phases import Floor, PhaseTable, build_phase_table, with_rank_spread
 from ..profiling.process import Clock, FullGcDeferral, ProcessMarks, open_startup_span
-from ..profiling.tracing import Tracing, setup_tracing
+from ..profiling.tracing import RankAttributes, Tracing, setup_tracing, span_from_record, span_record
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import STARTUP_PROFILE
 from glowplug.base.artifacts.cachedir import cache_dir_from_env
@@ -255,6 +255,36 @@ def measure_floor(weights_bytes: int, import_torch_s: float) -> Floor:
     return Floor(weights_bytes=weights_bytes, read_gbps=round(gbps, 3), import_torch_s=import_torch_s)
 
 
+def _gather_rank_spans(group: TPGroup, tracing: Tracing, trace_id: int | None) -> dict[int, list[Any]]:
+    """Every rank's start-up spans, on rank 0 (a collective: every rank calls it once at READY). Rank 0 keeps the
+    workers' spans with its own, so its reports and trace files hold every rank under one trace id."""
+    mine = [span_record(s) for s in tracing.finished_spans()
+            if s.name.startswith(STARTUP_SPAN) and s.context is not None and s.context.trace_id == trace_id]
+    gathered = group.gather_objects(mine)
+    if group.rank != 0:
+        return {}
+    others = [span_from_record(r) for rank, records in enumerate(gathered) if rank != 0 for r in records]
+    tracing.add_finished(others)
+    return {rank: records for rank, records in enumerate(gathered)}
+
+
+def _with_ranks(table: PhaseTable, ranks: dict[int, list[Any]], trace_id: int | None) -> PhaseTable:
+    """Rank 0's table with every rank's row times (the slowest, the spread) and the rank that held READY back:
+    the last to begin kv_cache_init, where each rank waits for all the others (engine/stages/kv_cache_init.py)."""
+    per_rank: dict[int, PhaseTable] = {}
+    arrivals: dict[int, int] = {}
+    for rank, records in ranks.items():
+        spans = [span_from_record(r) for r in records]
+        try:
+            per_rank[rank] = build_phase_table(spans, trace_id=trace_id, rank=rank)
+        except ValueError:
+            continue  # a rank without finished stage spans: nothing to compare
+        for s in spans:
+            if s.name == f"{STARTUP_SPAN}.{KVCacheInit.name}" and s.start_time is not None:
+                arrivals[rank] = s.start_time
+    return with_rank_spread(table, per_rank, arrivals, KVCacheInit.name)
+
+
 def build_engine(
     config: EngineConfig,
     *,
@@ -293,7 +323,10 @@ def build_engine(
                                context=worker_trace_context())  # fmt: skip
     )
     if config.tensor_parallel_size > 1:
+        # Every rank's spans go into one trace (a worker's root hangs under rank 0's distributed_init): each says
+        # which rank it is.
         root.set_attributes({Attr.RANK: launch_rank(), Attr.WORLD_SIZE: config.tensor_parallel_size})
+        tracing.provider.add_span_processor(RankAttributes(launch_rank(), config.tensor_parallel_size))
     deferral = FullGcDeferral.start()  # see FullGcDeferral; the process entry may have started one already
     try:
         installed: list[StageResult] = []
@@ -349,6 +382,8 @@ def build_engine(
             ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache
     root.end(end_time=ready_ns)
     trace_id = results[0].span_context.trace_id if results else None
+    group: TPGroup | None = ctx.parallel
+    ranks = _gather_rank_spans(group, tracing, trace_id) if group is not None else {}
     # After READY, so it costs the start nothing: the floor needs the import time the CLI measured.
     floor = (measure_floor(ctx.weights_bytes, marks.import_torch_s)
              if marks is not None and marks.import_torch_s is not None else None)  # fmt: skip
@@ -358,9 +393,10 @@ def build_engine(
         trace_id=trace_id,
         floor=floor,
     )
+    if len(ranks) > 1:
+        table = _with_ranks(table, ranks, trace_id)
     # The context ends here: the result takes the engine and plain facts, so nothing the stages held (the state
     # dict's extra references, the trace, the compile cache) outlives the start-up through it.
-    group: TPGroup | None = ctx.parallel
     if group is not None and group.rank == 0:
         # From now on every eager step of rank 0 is run by every rank (engine/distributed.py).
         engine.runner.broadcast_steps(lambda b: group.send_step(step_payload(b.input_ids, b.positions, b.meta,

@@ -155,3 +155,53 @@ def test_refused_at_config_time_with_the_valid_sizes(tiny_dir) -> None:
         check_tensor_parallel_config(grouped, arch, _tp_group(grouped, 64))
     with pytest.raises(ConfigError, match="--compile on"):
         check_tensor_parallel_config(EngineConfig.from_flat(model="x", compile="on", tensor_parallel_size=2), arch)
+
+
+def test_tp2_start_is_one_trace_and_the_table_names_the_slower_rank(tp_models: dict[str, Path], tmp_path: Path) -> None:
+    from glowplug.engine.config import EngineConfig
+    from glowplug.engine.startup import build_engine
+    from glowplug.profiling.names import STARTUP_SPAN, Attr
+    from glowplug.profiling.tracing import setup_tracing
+
+    tracing = setup_tracing()
+    config = EngineConfig.from_flat(model=str(tp_models["llama"]), tensor_parallel_size=2, dtype="float32",
+                                    num_gpu_blocks_override=64)  # fmt: skip
+    result = build_engine(config, tracing=tracing, cache_dir=tmp_path)
+    result.parallel.close()
+    spans = [s for s in tracing.finished_spans() if s.name.startswith(STARTUP_SPAN + ".")]
+    by_rank: dict[int, dict[str, object]] = {0: {}, 1: {}}
+    for s in spans:
+        by_rank[s.attributes[Attr.RANK]][s.name.removeprefix(STARTUP_SPAN + ".")] = s
+    assert {s.context.trace_id for s in spans} == {result.phase_table.trace_id and int(result.phase_table.trace_id, 16)}
+    stages = {"model_prepare", "load_weights", "model_init", "kv_cache_init", "warmup"}
+    assert stages <= set(by_rank[0]) and stages <= set(by_rank[1])
+    assert all(s.attributes[Attr.WORLD_SIZE] == 2 for s in spans)
+    row = result.phase_table["load_weights"]
+    took = {r: (by_rank[r]["load_weights"].end_time - by_rank[r]["load_weights"].start_time) / 1e9 for r in (0, 1)}
+    assert row.attributes[Attr.TP_SLOWEST_RANK] == max(took, key=took.get)
+    assert row.attributes[Attr.TP_SPREAD_S] == pytest.approx(abs(took[0] - took[1]), abs=1e-5)
+    arrived = {r: by_rank[r]["kv_cache_init"].start_time for r in (0, 1)}
+    total = result.phase_table["actual_total_time"]
+    assert total.attributes[Attr.TP_HELD_BACK_RANK] == max(arrived, key=arrived.get)
+    assert any("held READY back" in n for n in total.notes)
+
+
+def test_chrome_trace_has_one_lane_group_per_rank() -> None:
+    from glowplug.profiling.export import chrome_trace
+    from glowplug.profiling.names import STARTUP_SPAN, Attr
+    from glowplug.profiling.tracing import RankAttributes, setup_tracing
+
+    tracing = setup_tracing()
+    tracer = tracing.tracer()
+    for rank in (0, 1):
+        stamp = RankAttributes(rank, 2)
+        with tracer.start_as_current_span(STARTUP_SPAN) as root:
+            stamp.on_start(root)
+            with tracer.start_as_current_span(STARTUP_SPAN + ".load_weights") as span:
+                stamp.on_start(span)
+    events = chrome_trace(tracing.finished_spans())["traceEvents"]
+    names = {e["args"]["name"]: e["pid"] for e in events if e.get("name") == "process_name"}
+    assert set(names) == {"glowplug rank 0", "glowplug rank 1"}
+    for rank in (0, 1):
+        pids = {e["pid"] for e in events if e.get("ph") == "X" and e["args"][Attr.RANK] == rank}
+        assert pids == {names[f"glowplug rank {rank}"]}
