@@ -392,6 +392,7 @@ def build_engine(
         ready_time_ns=ready_ns,
         trace_id=trace_id,
         floor=floor,
+        rank=launch_rank() if config.tensor_parallel_size > 1 else 0,
     )
     if len(ranks) > 1:
         table = _with_ranks(table, ranks, trace_id)

@@ -30,8 +30,12 @@ def run_worker(config: EngineConfig, cache_dir: Path | None = None) -> int:
         result = build_engine(config, tracing=setup_tracing(), cache_dir=cache_dir,
                               on_phase=lambda stage: write_progress(rundir, rank, stage))  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - one line for rank 0's log; rank 0 names this rank in its error
-        write_progress(rundir, rank, "failed", "failed")
+        write_progress(rundir, rank, str(getattr(exc, "stage", "") or "start-up"), "failed")
         print(f"glowplug tensor-parallel rank {rank}: {exc}", file=sys.stderr)
+        if os.environ.get("GLOWPLUG_VERBOSE"):
+            import traceback
+
+            traceback.print_exc()
         return 1
     write_progress(rundir, rank, "ready", "ready")
     group = result.parallel
