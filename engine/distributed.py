@@ -140,6 +140,7 @@ class TPGroup:
     control: Any = None
     workers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     join_s: float = 0.0
+    threads: int | None = None  # intra-op threads this rank runs with on the CPU (None: torch's default)
     serving: bool = False  # rank 0 broadcasts its steps (after READY); the workers wait in serve_worker
     _failure: str | None = None
     _stopping: bool = False
@@ -186,6 +187,8 @@ class TPGroup:
             group._wait_for_joins()
             if backend == "nccl":
                 torch.cuda.set_device(launch.local_rank)
+            else:
+                group.threads = group._share_cores()
             dist.init_process_group(backend, store=dist.PrefixStore("glowplug/pg", group.store), rank=launch.rank,
                                     world_size=launch.world_size, timeout=timeout)  # fmt: skip
             group.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
@@ -202,6 +205,16 @@ class TPGroup:
             raise
         group.join_s = time.perf_counter() - t0
         return group
+
+    def _share_cores(self) -> int:
+        """The ranks on this machine split its cores: each takes its share of intra-op threads. Left at torch's
+        default (every core), N ranks would run N x cores threads that preempt one another inside every
+        collective's wait."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))  # torchrun says; self-launched: all here
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // max(1, local))
+        torch.set_num_threads(threads)
+        return threads
 
     def _spawn(self, cache_root: Path, traceparent: str | None) -> None:
         launch = self.launch

@@ -10,8 +10,33 @@ import os
 import sys
 from pathlib import Path
 
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+
+from ..profiling.names import STARTUP_SPAN
 from .config import EngineConfig
 from .distributed import CACHE_ENV, CONFIG_ENV, RUNDIR_ENV, serve_worker, watch_parent, write_progress
+
+
+class StageProgress(SpanProcessor):
+    """Writes the stages this rank is in (several run at once: load_weights beside tokenizer_init) to the run
+    folder as they begin and end: what rank 0 names when this rank dies."""
+
+    def __init__(self, rundir: Path | None, rank: int) -> None:
+        self.rundir, self.rank = rundir, rank
+        self.running: list[str] = []
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        if span.name.startswith(STARTUP_SPAN + "."):
+            self.running.append(span.name.removeprefix(STARTUP_SPAN + "."))
+            write_progress(self.rundir, self.rank, ", ".join(self.running))
+
+    def on_end(self, span: ReadableSpan) -> None:
+        stage = span.name.removeprefix(STARTUP_SPAN + ".")
+        if span.name.startswith(STARTUP_SPAN + ".") and stage in self.running:
+            self.running.remove(stage)
+            if self.running:
+                write_progress(self.rundir, self.rank, ", ".join(self.running))
 
 
 def run_worker(config: EngineConfig, cache_dir: Path | None = None) -> int:
@@ -26,9 +51,10 @@ def run_worker(config: EngineConfig, cache_dir: Path | None = None) -> int:
     configure_logging(level="warning")
     rank = int(os.environ["RANK"])
     rundir = Path(os.environ[RUNDIR_ENV]) if RUNDIR_ENV in os.environ else None
+    tracing = setup_tracing()
+    tracing.provider.add_span_processor(StageProgress(rundir, rank))
     try:
-        result = build_engine(config, tracing=setup_tracing(), cache_dir=cache_dir,
-                              on_phase=lambda stage: write_progress(rundir, rank, stage))  # fmt: skip
+        result = build_engine(config, tracing=tracing, cache_dir=cache_dir)
     except Exception as exc:  # noqa: BLE001 - one line for rank 0's log; rank 0 names this rank in its error
         write_progress(rundir, rank, str(getattr(exc, "stage", "") or "start-up"), "failed")
         print(f"glowplug tensor-parallel rank {rank}: {exc}", file=sys.stderr)

@@ -83,6 +83,7 @@ class Attr:
     TP_BACKEND: Final = "glowplug.tp.backend"  # gloo or nccl
     TP_JOIN_S: Final = "glowplug.tp.join_s"  # launch + join + first barrier, as distributed_init measured it
     TP_LAUNCH: Final = "glowplug.tp.launch"  # who started the ranks
+    TP_THREADS: Final = "glowplug.tp.threads_per_rank"  # the CPU's cores split between the ranks on it
     # On a phase-table row every rank ran: the slowest rank, slowest - fastest, and each rank's seconds.
     TP_SLOWEST_RANK: Final = "glowplug.tp.slowest_rank"
     TP_SPREAD_S: Final = "glowplug.tp.spread_s"

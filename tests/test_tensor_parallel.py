@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from glowplug.engine.models.arch import load_arch
-from glowplug.engine.parallel import SINGLE, TPShard, check_tensor_parallel, valid_tp_sizes
+from glowplug.engine.parallel import SINGLE, TPShard, check_tensor_parallel, shard_checkpoint, valid_tp_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -205,3 +205,25 @@ def test_chrome_trace_has_one_lane_group_per_rank() -> None:
     for rank in (0, 1):
         pids = {e["pid"] for e in events if e.get("ph") == "X" and e["args"][Attr.RANK] == rank}
         assert pids == {names[f"glowplug rank {rank}"]}
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_packed_column_slices_equal_the_slices_quantized(scheme: str) -> None:
+    """A row-parallel layer that arrives packed (a GGUF's blocks, repacked; a stored quantized shard) is sliced
+    along its input in whole groups: the slice of the packed tensors is the packing of the slice."""
+    from glowplug.engine.models.arch import ModelArch
+    from glowplug.kernels.registry import get_scheme
+
+    arch = ModelArch.model_construct(num_attention_heads=6, num_key_value_heads=3, head_dim=16, intermediate_size=192,
+                                     vocab_size=10)  # fmt: skip
+    torch.manual_seed(0)
+    w = torch.randn(40, 192)
+    s = get_scheme(scheme)
+    packed = s.quantize_state_dict({"model.layers.0.mlp.down_proj.weight": w}, group_size=32, quantize_head=False)
+    packed = {k: v for k, v in packed.items() if not k.endswith(".weight")}
+    for rank in range(3):
+        mine = shard_checkpoint(packed, arch, TPShard(rank, 3))
+        want = s.quantize_state_dict({"model.layers.0.mlp.down_proj.weight": w[:, rank * 64:(rank + 1) * 64]},
+                                     group_size=32, quantize_head=False)  # fmt: skip
+        for k, v in mine.items():
+            assert torch.equal(v, want[k]), (k, rank)

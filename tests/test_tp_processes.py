@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,7 +69,7 @@ def test_worker_killed_during_load_weights_fails_the_start_naming_it(smollm2_dir
     deadline = time.monotonic() + 120
     while victim is None and time.monotonic() < deadline and proc.poll() is None:
         entry = _progress(tmp_path).get(1)
-        if entry is not None and entry["stage"] == "load_weights":
+        if entry is not None and "load_weights" in entry["stage"].split(", "):
             victim = entry["pid"]
             workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
             os.kill(victim, signal.SIGKILL)
@@ -79,7 +80,9 @@ def test_worker_killed_during_load_weights_fails_the_start_naming_it(smollm2_dir
     assert proc.returncode == 1
     assert time.monotonic() - t0 < 60
     text = err.decode()
-    assert f"tensor-parallel rank 1 (pid {victim}) was killed by signal 9 in load_weights" in text, text[-2000:]
+    # load_weights, and what ran beside it (tokenizer_init) when it did
+    assert re.search(rf"tensor-parallel rank 1 \(pid {victim}\) was killed by signal 9 in [a-z_, ]*load_weights",
+                     text), text[-2000:]
     assert _gone(workers + [proc.pid])
 
 

@@ -31,5 +31,6 @@ class DistributedInit:
         return StageReport(attributes={
             Attr.RANK: group.rank, Attr.WORLD_SIZE: group.world_size, Attr.TP_BACKEND: group.backend,
             Attr.TP_JOIN_S: round(group.join_s, 6),
+            **({Attr.TP_THREADS: group.threads} if group.threads is not None else {}),
             Attr.TP_LAUNCH: "spawned workers" if group.launch.spawner else "launched by torchrun (or RANK set)",
         })  # fmt: skip
