@@ -45,6 +45,7 @@ from .config import EngineConfig
 from .models.arch import ModelArch
 from .models.llama import DecoderLM
 from .models.store import model_group
+from .parallel import tp_factors
 from ..profiling.names import Event
 from glowplug.base.errors import one_line
 
@@ -95,6 +96,7 @@ def compile_factors(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, d
         "torch": torch.__version__,
         "glowplug_source": source_digest(["", "engine", "kernels"]),
         "device": device_label(device),
+        **tp_factors(config.tensor_parallel_size),
     }
 
 

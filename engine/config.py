@@ -180,6 +180,17 @@ class EngineConfig(FrozenModel):
         description="A ready-engine bundle (`glowplug bundle create`): its cache entries that hold on this machine "
         "are installed into the cache before the start, and its engine flags are the defaults of flags not given.",
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64,
+        description="Split the model across this many ranks (Megatron-style tensor parallelism over "
+        "torch.distributed: gloo on the CPU, NCCL on CUDA); glowplug starts N-1 worker processes on this machine, "
+        "or takes the ranks torchrun launched.",
+    )
+    distributed_timeout: float = Field(
+        120.0, gt=0,
+        description="Seconds a rank may take to join, or to answer a collective, before the whole engine fails "
+        "naming it.",
+    )
     cudagraph_capture_sizes: tuple[int, ...] | None = Field(
         None,
         description="Decode batch sizes to capture (CUDA) or pre-compile (CPU).",
@@ -221,7 +232,14 @@ class EngineConfig(FrozenModel):
         return cls(**top, **{name: sections[name](**vals) for name, vals in nested.items() if vals})
 
     def compile_enabled(self) -> bool:
-        return self.compile != "off"
+        return self.compile != "off" and self.tensor_parallel_size == 1
+
+    def compile_off_reason(self) -> str:
+        """Why the decode step runs eagerly when `compile_enabled()` is False, for the stages' rows."""
+        if self.compile != "off" and self.tensor_parallel_size > 1:
+            return (f"--tensor-parallel-size {self.tensor_parallel_size}: the decode step runs eagerly (the compiled "
+                    f"step has no collectives yet)")
+        return f"--compile {self.compile}"
 
     def resolved_device(self) -> str:
         if self.device != "auto":
@@ -235,4 +253,8 @@ class EngineConfig(FrozenModel):
         # The seed changes no compiled graph and no profile; a bundle only brings what a start would build.
         data.pop("seed", None)
         data.pop("bundle", None)
+        # How long to wait for a rank changes nothing built; TP=1 keeps the keys it had before the field existed.
+        data.pop("distributed_timeout", None)
+        if self.tensor_parallel_size == 1:
+            data.pop("tensor_parallel_size", None)
         return data

@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from glowplug.base.machine import ISA_CAP_ENV, IsaCapError, cpu_has_native_bf16, isa_cap, isa_choice, level_at_least
 
@@ -191,10 +191,49 @@ def check_quantization(config: EngineConfig, arch: ModelArch, group_size: int | 
             ) from None
 
 
+def check_tensor_parallel_config(config: EngineConfig, arch: ModelArch,
+                                 group: Callable[[int], int | str | None] | None = None) -> None:  # fmt: skip
+    """--tensor-parallel-size against the model's heads and widths (engine/parallel.py says how each tensor splits)
+    and, once the quantization's groups are known (`group`: a row-parallel input width -> its layer's group, or
+    PER_CHANNEL), against their boundaries."""
+    n = config.tensor_parallel_size
+    if n == 1:
+        return
+    from .parallel import check_tensor_parallel
+
+    if config.compile == "on":
+        raise ConfigError("--compile", f"--compile on with --tensor-parallel-size {n}: the compiled decode step has "
+                          f"no collectives yet; use --compile auto (tensor parallel runs the step eagerly)")
+    why = check_tensor_parallel(arch, n, group)
+    if why is not None:
+        raise ConfigError("--tensor-parallel-size", why)
+
+
+def _tp_group(config: EngineConfig, group_size: int | None) -> Callable[[int], int | str | None]:
+    """The quantization group of a row-parallel layer with `k` inputs (PER_CHANNEL for a per-channel format)."""
+    from .parallel import PER_CHANNEL
+
+    name = config.quant.quantization
+    if name == "none":
+        return lambda k: None
+    if name == "auto":
+        from .models.gguf_auto import AUTO_GROUP
+
+        return lambda k: AUTO_GROUP if group_size is not None else None
+    from glowplug.kernels.registry import get_scheme
+
+    scheme = get_scheme(name)
+    gs = scheme.resolve_group_size(group_size)
+    if gs is None or name == "w8a8":
+        return lambda k: PER_CHANNEL
+    return lambda k: scheme.layer_group_size(k, gs)
+
+
 def check_config(config: EngineConfig, arch: ModelArch, *, dtype: str, device: str) -> None:
     """Every check that needs only the architecture (and the dtype the KV cache will use)."""
     check_model_len(config, arch)
     check_kv_budget(config, arch, dtype=dtype, device=device)
+    check_tensor_parallel_config(config, arch)
 
 
 def check_isa_cap() -> None:
@@ -224,5 +263,7 @@ def check_prepared(ctx: EngineContext) -> None:
     arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
     dtype = str(ctx.dtype).removeprefix("torch.")
     check_config(ctx.config, arch, dtype=dtype, device=ctx.device)
-    check_quantization(ctx.config, arch, ctx.quant_group_size()[0])
+    group_size = ctx.quant_group_size()[0]
+    check_quantization(ctx.config, arch, group_size)
+    check_tensor_parallel_config(ctx.config, arch, _tp_group(ctx.config, group_size))
 

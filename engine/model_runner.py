@@ -138,6 +138,14 @@ class ModelRunner:
         # a handful of Python calls that are cold each step (the model step sweeps the caches). Not re-entrant,
         # and _run_compiled never nests.
         self._inference_mode = torch.inference_mode()
+        # Tensor parallelism on rank 0: called with each eager batch before the model runs, so that the workers
+        # run the same call on their shards (engine/distributed.py); None on one rank.
+        self._step_hook: Callable[[BatchInputs], None] | None = None
+
+    def broadcast_steps(self, hook: Callable[[BatchInputs], None] | None) -> None:
+        """Hand every eager batch to `hook` before running it (rank 0 of a tensor-parallel group; see
+        engine/distributed.py). The compiled decode step is not used under tensor parallelism."""
+        self._step_hook = hook
 
     @property
     def max_decode_batch(self) -> int:
@@ -394,6 +402,8 @@ class ModelRunner:
 
     def _eager(self, scheduled: list[ScheduledSeq]) -> PartResults:
         batch = self.prepare(scheduled)
+        if self._step_hook is not None:
+            self._step_hook(batch)
         t0 = time.perf_counter_ns()
         hidden = self.model(batch.input_ids, batch.positions, batch.meta)
         rows = torch.tensor(batch.sample_rows, dtype=torch.long, device=self.device)

@@ -14,21 +14,24 @@ import torch
 from opentelemetry import trace
 
 from ..profiling.names import SCHEMA_VERSION, STARTUP_SPAN, Attr
-from ..profiling.phases import Floor, PhaseTable, build_phase_table
+from ..profiling.phases import Floor, PhaseTable, build_phase_table, with_rank_spread
 from ..profiling.process import Clock, FullGcDeferral, ProcessMarks, open_startup_span
-from ..profiling.tracing import Tracing, setup_tracing
+from ..profiling.tracing import RankAttributes, Tracing, setup_tracing, span_from_record, span_record
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import STARTUP_PROFILE
 from glowplug.base.artifacts.cachedir import cache_dir_from_env
 
 from .config import EngineConfig
 from .config_check import check_device
+from .distributed import DistributedError, TPGroup, step_payload, worker_trace_context
 from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
 from .models.arch import ModelArch
 from .models.store import model_group
+from .parallel import launch_rank, tp_factors
 from .stages.base import Stage, StageResult, StartupFailed, check_pipeline, run_stages
 from .stages.bundle_install import BundleInstall
+from .stages.distributed_init import DistributedInit
 from .stages.context import EngineContext
 from .stages.dynamo_transform import DynamoTransform
 from .stages.graph_capture import GraphCapture
@@ -58,8 +61,11 @@ __all__ = ["PhaseEstimate", "StartPlan", "StartupFailed", "StartupResult", "buil
            "estimate_phase_durations", "expected_phase_durations", "plan_start", "probe_cache_pattern"]
 
 
-def default_stages() -> list[Stage]:
-    return [
+def default_stages(config: EngineConfig | None = None) -> list[Stage]:
+    """The pipeline; with `config` asking for tensor parallelism, distributed_init first (it needs nothing, so it
+    runs beside model_prepare; kv_cache_init waits for it)."""
+    parallel: list[Stage] = [DistributedInit()] if config is not None and config.tensor_parallel_size > 1 else []
+    return parallel + [
         ModelPrepare(),
         TokenizerInit(),
         LoadWeights(),
@@ -92,6 +98,9 @@ class StartupResult:
     model_dir: Path
     dtype: torch.dtype
     plan: StartPlan | None = None  # the cache pattern and the ETA made before the first stage
+    # Under tensor parallelism: this rank's handle on the group (engine/distributed.py). Rank 0's engine already
+    # broadcasts its steps through it; a worker runs `serve_worker`. `close()` stops every rank.
+    parallel: TPGroup | None = None
 
 
 PHASES = "phases.json"
@@ -101,7 +110,7 @@ def _profile_factors(config: EngineConfig) -> dict[str, Any]:
     # The model as a name, not the spec that named it: the default, its file by path and a bundle's copy of it are
     # one model, so a start from a bundle finds the start-up profile the bundle brought.
     return {"engine_config": {**config.hash_factors(), "model": model_group(config.model)},
-            "device": config.resolved_device()}
+            "device": config.resolved_device(), **tp_factors(config.tensor_parallel_size)}
 
 
 def _read_profile(folder: Path) -> list[StartRecord]:
@@ -148,7 +157,7 @@ def probe_cache_pattern(config: EngineConfig, cache_dir: Path | None = None,
     ctx = EngineContext(config=config, cache_root=root, device=config.resolved_device())
     store = ArtifactStore(root)
     pattern: dict[str, str] = {}
-    for stage in stages if stages is not None else default_stages():
+    for stage in stages if stages is not None else default_stages(config):
         probe = getattr(stage, "cache_probe", None)
         if probe is None:
             continue
@@ -171,7 +180,7 @@ def plan_start(config: EngineConfig, cache_dir: Path | None = None,
     """The pattern of this start and its estimate (engine/start_estimate.py `predict` says which record serves
     which phase). Never raises for an unreadable cache dir: that costs the estimate only."""
     root = cache_dir or cache_dir_from_env()
-    pipeline = list(stages) if stages is not None else default_stages()
+    pipeline = list(stages) if stages is not None else default_stages(config)
     try:
         pattern = probe_cache_pattern(config, root, pipeline)
     except Exception as exc:  # noqa: BLE001 - the ETA must never stop a start
@@ -246,6 +255,36 @@ def measure_floor(weights_bytes: int, import_torch_s: float) -> Floor:
     return Floor(weights_bytes=weights_bytes, read_gbps=round(gbps, 3), import_torch_s=import_torch_s)
 
 
+def _gather_rank_spans(group: TPGroup, tracing: Tracing, trace_id: int | None) -> dict[int, list[Any]]:
+    """Every rank's start-up spans, on rank 0 (a collective: every rank calls it once at READY). Rank 0 keeps the
+    workers' spans with its own, so its reports and trace files hold every rank under one trace id."""
+    mine = [span_record(s) for s in tracing.finished_spans()
+            if s.name.startswith(STARTUP_SPAN) and s.context is not None and s.context.trace_id == trace_id]
+    gathered = group.gather_objects(mine)
+    if group.rank != 0:
+        return {}
+    others = [span_from_record(r) for rank, records in enumerate(gathered) if rank != 0 for r in records]
+    tracing.add_finished(others)
+    return {rank: records for rank, records in enumerate(gathered)}
+
+
+def _with_ranks(table: PhaseTable, ranks: dict[int, list[Any]], trace_id: int | None) -> PhaseTable:
+    """Rank 0's table with every rank's row times (the slowest, the spread) and the rank that held READY back:
+    the last to begin kv_cache_init, where each rank waits for all the others (engine/stages/kv_cache_init.py)."""
+    per_rank: dict[int, PhaseTable] = {}
+    arrivals: dict[int, int] = {}
+    for rank, records in ranks.items():
+        spans = [span_from_record(r) for r in records]
+        try:
+            per_rank[rank] = build_phase_table(spans, trace_id=trace_id, rank=rank)
+        except ValueError:
+            continue  # a rank without finished stage spans: nothing to compare
+        for s in spans:
+            if s.name == f"{STARTUP_SPAN}.{KVCacheInit.name}" and s.start_time is not None:
+                arrivals[rank] = s.start_time
+    return with_rank_spread(table, per_rank, arrivals, KVCacheInit.name)
+
+
 def build_engine(
     config: EngineConfig,
     *,
@@ -269,7 +308,7 @@ def build_engine(
     # Before anything else: `--device cuda` on a torch without CUDA would otherwise end in an AssertionError from
     # deep inside torch, with no flag named and no fix.
     check_device(config)
-    pipeline = list(stages) if stages is not None else default_stages()
+    pipeline = list(stages) if stages is not None else default_stages(config)
     check_pipeline(pipeline, EngineContext)  # a bad declaration fails here, before the start-up span opens
     tracing = tracing or setup_tracing(in_memory=True)
     tracer = tracing.tracer()
@@ -280,8 +319,14 @@ def build_engine(
     root = (
         open_startup_span(tracer, marks)
         if marks is not None
-        else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})
+        else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION},
+                               context=worker_trace_context())  # fmt: skip
     )
+    if config.tensor_parallel_size > 1:
+        # Every rank's spans go into one trace (a worker's root hangs under rank 0's distributed_init): each says
+        # which rank it is.
+        root.set_attributes({Attr.RANK: launch_rank(), Attr.WORLD_SIZE: config.tensor_parallel_size})
+        tracing.provider.add_span_processor(RankAttributes(launch_rank(), config.tensor_parallel_size))
     deferral = FullGcDeferral.start()  # see FullGcDeferral; the process entry may have started one already
     try:
         installed: list[StageResult] = []
@@ -312,10 +357,16 @@ def build_engine(
     except StartupFailed as failed:
         from opentelemetry.trace import Status, StatusCode
 
+        if ctx.parallel is not None:
+            # A rank that died shows here as whatever collective noticed first: name the rank instead.
+            rank_failure = ctx.parallel.failure()
+            ctx.parallel.close()
+            if rank_failure is not None:
+                failed = StartupFailed(failed.stage, DistributedError(rank_failure))
         root.set_status(Status(StatusCode.ERROR, str(failed)))
         root.set_attribute(Attr.ERROR, str(failed))
         root.end(end_time=clock.now_ns())
-        raise
+        raise failed from failed.cause
     finally:
         deferral.resume()
         if marks is not None and marks.gc_deferral is not None:
@@ -331,6 +382,8 @@ def build_engine(
             ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache
     root.end(end_time=ready_ns)
     trace_id = results[0].span_context.trace_id if results else None
+    group: TPGroup | None = ctx.parallel
+    ranks = _gather_rank_spans(group, tracing, trace_id) if group is not None else {}
     # After READY, so it costs the start nothing: the floor needs the import time the CLI measured.
     floor = (measure_floor(ctx.weights_bytes, marks.import_torch_s)
              if marks is not None and marks.import_torch_s is not None else None)  # fmt: skip
@@ -339,8 +392,17 @@ def build_engine(
         ready_time_ns=ready_ns,
         trace_id=trace_id,
         floor=floor,
+        rank=launch_rank() if config.tensor_parallel_size > 1 else 0,
     )
+    if len(ranks) > 1:
+        table = _with_ranks(table, ranks, trace_id)
     # The context ends here: the result takes the engine and plain facts, so nothing the stages held (the state
     # dict's extra references, the trace, the compile cache) outlives the start-up through it.
+    if group is not None and group.rank == 0:
+        # From now on every eager step of rank 0 is run by every rank (engine/distributed.py).
+        engine.runner.broadcast_steps(lambda b: group.send_step(step_payload(b.input_ids, b.positions, b.meta,
+                                                                                b.sample_rows)))  # fmt: skip
+        group.serving = True
     return StartupResult(engine=engine, stages=results, phase_table=table, tracing=tracing, kv_plan=ctx.kv_plan,
-                         arch=ctx.arch, model_dir=ctx.model_dir, dtype=ctx.dtype, plan=plan)  # fmt: skip
+                         arch=ctx.arch, model_dir=ctx.model_dir, dtype=ctx.dtype, plan=plan,
+                         parallel=group)  # fmt: skip

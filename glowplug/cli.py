@@ -12,6 +12,7 @@ names it); 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from importlib import metadata
@@ -126,7 +127,27 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     unknown = set(fields) - names - {"scheduler", "cache", "quant"}
     if unknown:
         raise FlagError(f"unknown setting(s) {', '.join(sorted(unknown))}; see `glowplug startup --help`")
-    return EngineConfig.from_flat(**fields)
+    config = EngineConfig.from_flat(**fields)
+    world = launched_world_size()
+    if world > 1 and config.tensor_parallel_size == 1:
+        # Under torchrun the ranks it started are the tensor-parallel group (a differing flag is refused later).
+        config = config.model_copy(update={"tensor_parallel_size": world})
+    return config
+
+
+def launched_world_size() -> int:
+    """WORLD_SIZE when a launcher (torchrun) gave this process a RANK, else 1."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
+def torchrun_worker(config: EngineConfig) -> int | None:
+    """Under torchrun, every rank but 0 runs the engine only (rank 0 serves, generates or reports): its exit
+    status, or None on rank 0 and outside torchrun."""
+    if config.tensor_parallel_size == 1 or os.environ.get("RANK", "0") == "0":
+        return None
+    from glowplug.engine.tp_worker import run_worker
+
+    return run_worker(config)
 
 
 def sampling_params(args: argparse.Namespace, defaults: Mapping[str, Any]) -> Any:
@@ -221,6 +242,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     args.model = model
     config = engine_config(args)
     _check_settings(config)
+    worker = torchrun_worker(config)
+    if worker is not None:
+        return worker
     from glowplug.engine.generation_config import sampling_defaults
 
     defaults = sampling_defaults(config.model)
@@ -306,6 +330,9 @@ def cmd_startup(args: argparse.Namespace) -> int:
 
     config = engine_config(args)
     _check_settings(config)
+    worker = torchrun_worker(config)
+    if worker is not None:
+        return worker
     _configure_logging(args, args.log_level)
     progress = _begin_progress(args, config)
     _startup_imports(args)
@@ -365,6 +392,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = engine_config(args)
     serve_cfg = serve_config_from_args(args)
     _check_settings(config)  # before the server's imports: a wrong setting fails within a second, not at start-up
+    worker = torchrun_worker(config)
+    if worker is not None:
+        return worker
     from glowplug.lifecycle.server import exit_process, serve
 
     exit_process(serve(config, serve_cfg, marks=args.marks))

@@ -230,6 +230,10 @@ class Service:
         engine = result.engine
         self.engine_info = EngineInfo(engine.tokenizer, engine.max_model_len, engine.validate_request)
         self.startup_result = result
+        group = getattr(result, "parallel", None)
+        if group is not None:
+            # A tensor-parallel worker that dies fails the server at once, not at the next request's step.
+            group.add_failure_callback(lambda message: self.lifecycle.mark_failed(message))
         assert self._loop is not None
         loop = EngineLoop(
             engine, metrics=self.metrics, on_crash=self._engine_crashed, post=self._loop.call_soon_threadsafe
@@ -484,6 +488,9 @@ class Service:
         """Stop the engine loop and move to STOPPED; idempotent. Blocks up to a few seconds for the loop thread."""
         if self._engine_loop is not None:
             self._engine_loop.stop()
+        group = getattr(self.startup_result, "parallel", None)
+        if group is not None:
+            group.close()  # every tensor-parallel rank stops with rank 0 (after the drain, the loop has stopped)
         snap = self.snapshot()
         if snap.state is not EngineState.STOPPED:
             if snap.state in (EngineState.READY, EngineState.STARTING):

@@ -144,10 +144,21 @@ def chrome_trace(spans: Iterable[ReadableSpan]) -> dict[str, Any]:
     origin = min((s.start_time or 0 for s in finished), default=0)
     services: dict[str, int] = {}
     events: list[dict[str, Any]] = []
-    lanes, thread_names = _thread_lanes(finished)
+    # Tensor parallelism: each rank's spans are a process of their own in the viewer (one group of lanes per
+    # rank), laid out on their own; without ranks this is one group, as before.
+    by_rank: dict[Any, list[ReadableSpan]] = {}
+    for span in finished:
+        by_rank.setdefault((span.attributes or {}).get(Attr.RANK), []).append(span)
+    placed: list[tuple[ReadableSpan, int, dict[int, str]]] = []
+    for group in by_rank.values():
+        lanes, thread_names = _thread_lanes(group)
+        placed += [(span, lane, thread_names) for span, lane in zip(group, lanes, strict=True)]
     lane_names: dict[tuple[int, int], str] = {}
-    for span, lane in zip(finished, lanes, strict=True):
+    for span, lane, thread_names in placed:
         service = str(span.resource.attributes.get("service.name", "unknown"))
+        rank = (span.attributes or {}).get(Attr.RANK)
+        if rank is not None:
+            service = f"{service} rank {rank}"
         pid = services.setdefault(service, len(services) + 1)
         default = "startup" if span.name.startswith(STARTUP_SPAN) else span.name
         lane_names.setdefault((pid, lane), thread_names.get(lane, default))

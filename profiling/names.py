@@ -77,6 +77,20 @@ class Attr:
 
     SCHEMA_VERSION: Final = "glowplug.schema_version"
     STAGE: Final = "glowplug.stage"
+    # Tensor parallelism: which rank's span this is, of how many (every rank's start-up spans share one trace).
+    RANK: Final = "rank"
+    WORLD_SIZE: Final = "world_size"
+    TP_BACKEND: Final = "glowplug.tp.backend"  # gloo or nccl
+    TP_JOIN_S: Final = "glowplug.tp.join_s"  # launch + join + first barrier, as distributed_init measured it
+    TP_LAUNCH: Final = "glowplug.tp.launch"  # who started the ranks
+    TP_THREADS: Final = "glowplug.tp.threads_per_rank"  # the CPU's cores split between the ranks on it
+    # On a phase-table row every rank ran: the slowest rank, slowest - fastest, and each rank's seconds.
+    TP_SLOWEST_RANK: Final = "glowplug.tp.slowest_rank"
+    TP_SPREAD_S: Final = "glowplug.tp.spread_s"
+    TP_RANK_SECONDS: Final = "glowplug.tp.rank_seconds"
+    # On actual_total_time: the rank the others waited for at the first collective after their own work.
+    TP_HELD_BACK_RANK: Final = "glowplug.tp.held_back_rank"
+    TP_HELD_BACK_S: Final = "glowplug.tp.held_back_s"
     # The table row a stage's time is booked to when it differs from the stage's default row.
     ROW: Final = "glowplug.row"
     BYTES_READ: Final = "glowplug.bytes_read"

@@ -268,15 +268,20 @@ def build_phase_table(
     trace_id: int | None = None,
     versions: Mapping[str, str] | None = None,
     floor: Floor | None = None,
+    rank: int = 0,
 ) -> PhaseTable:
     """The phase table of one start-up (the latest in `spans` unless `trace_id` picks one).
+
+    rank: under tensor parallelism every rank's spans share the trace; the table is this rank's (spans without a
+        `rank` attribute are rank 0's). `with_rank_spread` adds what the other ranks did to it.
 
     floor: the measured floor for this config (see `Floor`); the table then ends with it and actual/floor.
 
     ready_time_ns: wall-clock ns (same time line as the spans, e.g. `ProcessMarks.clock.now_ns()`) at READY;
         default: the end of the root `glowplug.startup` span, else of the last stage span.
     """
-    group = sorted(_select_trace(spans, trace_id), key=lambda s: s.start_time or 0)
+    group = sorted((s for s in _select_trace(spans, trace_id) if (s.attributes or {}).get(Attr.RANK, 0) == rank),
+                   key=lambda s: s.start_time or 0)  # fmt: skip
     roots = [s for s in group if s.name == STARTUP_SPAN]
     stage_spans = [s for s in group if s.name != STARTUP_SPAN]
 
@@ -364,6 +369,36 @@ def build_phase_table(
         versions=dict(versions) if versions is not None else current_versions(),
         trace_id=trace_hex,
     )
+
+
+def with_rank_spread(table: PhaseTable, per_rank: Mapping[int, PhaseTable],
+                     arrivals: Mapping[int, int] | None = None, barrier: str = "") -> PhaseTable:  # fmt: skip
+    """Rank 0's table with, on each row that several ranks ran, the slowest rank and the spread across ranks
+    (slowest - fastest), and on actual_total_time the rank that held READY back: the last to arrive at `barrier`,
+    the first stage every rank waits in for all the others (`arrivals`: rank -> wall ns it began that stage)."""
+    from dataclasses import replace
+
+    rows = []
+    for row in table.rows:
+        seconds = {r: t[row.name].seconds for r, t in per_rank.items() if row.name in {x.name for x in t.rows}}
+        ran = {r: v for r, v in seconds.items() if v is not None}
+        if len(ran) < 2 or row.kind != "leaf" or row.name == Row.UNATTRIBUTED:
+            rows.append(row)
+            continue
+        slow = max(ran, key=lambda r: (ran[r], -r))
+        spread = ran[slow] - min(ran.values())
+        note = f"slowest rank {slow} ({ran[slow]:.3f} s), spread {spread:.3f} s over {len(ran)} ranks"
+        attrs = {Attr.TP_SLOWEST_RANK: slow, Attr.TP_SPREAD_S: round(spread, 6),
+                 Attr.TP_RANK_SECONDS: [round(ran[r], 6) for r in sorted(ran)]}  # fmt: skip
+        rows.append(replace(row, notes=(*row.notes, note), attributes={**row.attributes, **attrs}))
+    out = replace(table, rows=tuple(rows))
+    if arrivals and len(arrivals) > 1:
+        last = max(arrivals, key=lambda r: (arrivals[r], -r))
+        lag = (arrivals[last] - min(arrivals.values())) / 1e9
+        out = with_row_note(out, Row.ACTUAL_TOTAL_TIME, f"rank {last} held READY back: it reached {barrier} "
+                            f"{lag:.3f} s after the first rank", {Attr.TP_HELD_BACK_RANK: last,
+                                                                  Attr.TP_HELD_BACK_S: round(lag, 6)})  # fmt: skip
+    return out
 
 
 def with_row_note(table: PhaseTable, name: str, note: str, attributes: Mapping[str, Any] | None = None) -> PhaseTable:

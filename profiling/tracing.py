@@ -19,13 +19,16 @@ import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Final
+from typing import Any, Final
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from .names import Attr
 
 INSTRUMENTATION_NAME: Final = "glowplug"
 PROTOCOLS: Final = ("http/protobuf", "grpc")
@@ -129,6 +132,11 @@ class Tracing:
         if self.memory is not None:
             self.memory.clear()
 
+    def add_finished(self, spans: Sequence[ReadableSpan]) -> None:
+        """Keep spans another process finished (a tensor-parallel worker's start-up) with this one's."""
+        if self.memory is not None and spans:
+            self.memory.export(list(spans))
+
     def install_global(self) -> None:
         """Make this the process-global provider (OTel allows that once per process)."""
         trace.set_tracer_provider(self.provider)
@@ -157,3 +165,46 @@ def setup_tracing(service_name: str = "glowplug", *, in_memory: bool = True) -> 
         # Batched: a slow or absent collector must never stall a stage or a request.
         provider.add_span_processor(BatchSpanProcessor(DeferredOtlpExporter(target)))
     return Tracing(provider=provider, memory=memory, otlp=target)
+
+
+class RankAttributes(SpanProcessor):
+    """Stamps `rank` and `world_size` on every span a tensor-parallel rank starts, so that every rank's spans can
+    share one trace and still be told apart (the phase table's per-rank rows, one Perfetto lane per rank)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.attributes = {Attr.RANK: rank, Attr.WORLD_SIZE: world_size}
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        span.set_attributes(self.attributes)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        pass
+
+
+def span_record(span: ReadableSpan) -> dict[str, Any]:
+    """A finished span as plain data (spans hold locks and cannot be pickled): what a worker hands rank 0."""
+    ctx, parent = span.context, span.parent
+    return {
+        "name": span.name, "trace_id": ctx.trace_id if ctx else 0, "span_id": ctx.span_id if ctx else 0,
+        "parent_id": parent.span_id if parent else None, "start": span.start_time, "end": span.end_time,
+        "attributes": dict(span.attributes or {}), "status": span.status.status_code.name,
+        "description": span.status.description,
+        "events": [(e.name, dict(e.attributes or {}), e.timestamp) for e in span.events],
+        "resource": dict(span.resource.attributes) if span.resource is not None else {},
+    }  # fmt: skip
+
+
+def span_from_record(record: Mapping[str, Any]) -> ReadableSpan:
+    """The span `span_record` described, as a finished span of this process's tools (tables, exports)."""
+    from opentelemetry.sdk.trace import Event
+    from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+
+    ctx = SpanContext(record["trace_id"], record["span_id"], False, TraceFlags(TraceFlags.SAMPLED))
+    parent = (SpanContext(record["trace_id"], record["parent_id"], False, TraceFlags(TraceFlags.SAMPLED))
+              if record["parent_id"] is not None else None)  # fmt: skip
+    return ReadableSpan(
+        name=record["name"], context=ctx, parent=parent, resource=Resource.create(record["resource"]),
+        attributes=record["attributes"], events=[Event(n, a, t) for n, a, t in record["events"]],
+        status=Status(StatusCode[record["status"]], record["description"]), start_time=record["start"],
+        end_time=record["end"],
+    )  # fmt: skip

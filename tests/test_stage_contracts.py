@@ -241,7 +241,10 @@ def test_every_stage_declares_both(missing: str) -> None:
 
 
 def test_default_stages_declare_real_slots_and_no_barriers() -> None:
-    stages = default_stages()
+    check_pipeline(default_stages(), EngineContext)
+    # The whole list: under tensor parallelism distributed_init writes `parallel` (kv_cache_init reads it; at TP=1
+    # the slot stays None).
+    stages = default_stages(EngineConfig(tensor_parallel_size=2))
     check_pipeline(stages, EngineContext)
     assert not any(getattr(stage, "barrier", False) for stage in stages)
     written = {slot for stage in stages for slot in declarations(stage)[1]}

@@ -26,6 +26,7 @@ from torch import nn
 from ...kernels.modules import DenseLinear, NativeSwitch, enable_dense_native
 from ..attention import AttentionMetadata, decode_attention, paged_attention
 from ..kv_cache import LayerKV
+from ..parallel import SINGLE, TPShard, all_reduce_sum, gather_vocab
 from .arch import ModelArch, RopeScaling
 
 # fused module (suffix within a layer) -> the checkpoint modules it concatenates, in row order
@@ -114,9 +115,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int) -> None:
+    """`arch` is the rank's own (TPShard.local_arch: its heads); `reduce`: o_proj is row-parallel, so its partial
+    outputs are summed across the ranks."""
+
+    def __init__(self, arch: ModelArch, layer: int, reduce: bool = False) -> None:
         super().__init__()
         self.layer = layer
+        self.reduce = reduce
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
@@ -152,17 +157,22 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self._qkv(x, *rope)
         o = paged_attention(q, k, v, self.layer, meta, self.scale, self.window)
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        y = self.o_proj(o.reshape(x.shape[0], -1))
+        return all_reduce_sum(y) if self.reduce else y
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV, packed: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, cos, sin)
         o = decode_attention(q, k, v, cache, packed, self.scale, self.native_attention, self.window)
-        return self.o_proj(o.reshape(x.shape[0], -1))
+        y = self.o_proj(o.reshape(x.shape[0], -1))
+        return all_reduce_sum(y) if self.reduce else y
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    """`arch` is the rank's own (its part of the intermediate); `reduce`: down_proj is row-parallel."""
+
+    def __init__(self, arch: ModelArch, reduce: bool = False) -> None:
         super().__init__()
+        self.reduce = reduce
         h, i = arch.hidden_size, arch.intermediate_size
         self.intermediate_size = i
         self.gate_up_proj = DenseLinear(h, 2 * i, bias=arch.mlp_bias)
@@ -172,7 +182,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         # One expression: the activation dies at the product, before down_proj runs (the peak the KV sizing counts).
-        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
+        y = self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
+        return all_reduce_sum(y) if self.reduce else y
 
 
 class DecoderLayer(nn.Module):
@@ -180,10 +191,11 @@ class DecoderLayer(nn.Module):
     each sublayer's output too, with Hugging Face's names for its four norms: x + post_attention_layernorm(attn(
     input_layernorm(x))), then + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))."""
 
-    def __init__(self, arch: ModelArch, layer: int) -> None:
+    def __init__(self, arch: ModelArch, layer: int, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, layer)
-        self.mlp = MLP(arch)
+        local = shard.local_arch(arch)
+        self.self_attn = Attention(local, layer, reduce=shard.active)
+        self.mlp = MLP(local, reduce=shard.active)
         gemma = arch.gemma_norms
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, offset=gemma)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, offset=gemma)
@@ -224,13 +236,17 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    """`shard`: under tensor parallelism the embedding holds this rank's rows of the vocabulary (engine/parallel.py)
+    and each layer its heads and its part of the MLP."""
+
+    def __init__(self, arch: ModelArch, shard: TPShard = SINGLE) -> None:
         super().__init__()
+        self.shard = shard
+        self.vocab_start, rows = shard.vocab_rows(arch.vocab_size)
         # Given its (uninitialized) weight, Embedding skips its random init: the checkpoint replaces it anyway, and
         # the first normal_ on a meta tensor imports torch's decompositions (~1 s) that an eager start never uses.
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size,
-                                         _weight=torch.empty(arch.vocab_size, arch.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_hidden_layers))
+        self.embed_tokens = nn.Embedding(rows, arch.hidden_size, _weight=torch.empty(rows, arch.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, shard) for i in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, offset=arch.gemma_norms)
         self.rotary_emb = RotaryEmbedding(arch)
         if any(layer.local_rope for layer in self.layers):
@@ -251,7 +267,15 @@ class Backbone(nn.Module):
             self.rotary_emb_local.build(max_positions, device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        if self.shard.active:
+            # Vocab-parallel: this rank looks up the ids in its rows, zeros the others, and the sum across ranks
+            # has every row exactly once (the others add zeros, so the sum is exact).
+            local = input_ids - self.vocab_start
+            outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+            x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+            x = all_reduce_sum(x)
+        else:
+            x = self.embed_tokens(input_ids)
         return x * self.embed_scales[x.dtype] if self.embed_scales else x
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype
@@ -301,15 +325,21 @@ class TiedHead(nn.Module):
 class DecoderLM(nn.Module):
     """input_ids [T] + positions [T] + metadata -> hidden states [T, hidden]; `compute_logits` on chosen rows."""
 
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, shard: TPShard = SINGLE) -> None:
         super().__init__()
         self.arch = arch
-        self.model = Backbone(arch)
+        self.shard = shard
+        self.model = Backbone(arch, shard)
         self.lm_head: nn.Module = (
             TiedHead(self.model.embed_tokens)
             if arch.tie_word_embeddings
-            else DenseLinear(arch.hidden_size, arch.vocab_size, bias=False)
+            else DenseLinear(arch.hidden_size, self.head_rows, bias=False)
         )
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of the LM head this rank holds: the vocabulary, or its share of it under tensor parallelism."""
+        return self.shard.vocab_rows(self.arch.vocab_size)[1]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
@@ -317,8 +347,10 @@ class DecoderLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype, as vLLM returns them: the sampler widens to fp32 only what its arithmetic
         needs (temperature, penalties, logprobs). A greedy row's argmax is the same either way (bf16 widens
-        exactly), so a greedy batch no longer writes and re-reads an fp32 copy of its [B, vocab] logits."""
-        return self.lm_head(hidden)
+        exactly), so a greedy batch no longer writes and re-reads an fp32 copy of its [B, vocab] logits. Under tensor
+        parallelism each rank computes its vocabulary rows' logits and every rank gets them all."""
+        logits = self.lm_head(hidden)
+        return gather_vocab(logits, self.arch.vocab_size) if self.shard.active else logits
 
     def decode(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
         """Logits [B, vocab] (the model's dtype) for a decode-only batch given as the packed [B, DECODE_COLS + W]
@@ -338,11 +370,11 @@ class DecoderLM(nn.Module):
         then loaded from the quantized state dict, made from the embedding matrix."""
         if isinstance(self.lm_head, TiedHead):
             with torch.device("meta"):
-                self.lm_head = DenseLinear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+                self.lm_head = DenseLinear(self.arch.hidden_size, self.head_rows, bias=False)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Tensor names and shapes a Hugging Face checkpoint of this model holds (unfused names)."""
-        rows = fused_rows(self.arch)
+        rows = fused_rows(self.shard.local_arch(self.arch))
         out: dict[str, tuple[int, ...]] = {}
         for name, t in self.state_dict().items():
             prefix, _, leaf = name.rpartition(".")

@@ -16,6 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .arch import ModelArch, ModelError
+from ..parallel import SINGLE, TPShard, shard_checkpoint
 from .llama import FUSED_MODULES, DecoderLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,9 +85,9 @@ def resolve_dtype(name: str, arch: ModelArch, device: str, *, quantized_source: 
     return DTYPES[resolve_dtype_name(name, arch, device, quantized_source=quantized_source, compiled=compiled)]
 
 
-def build_meta_model(arch: ModelArch) -> DecoderLM:
+def build_meta_model(arch: ModelArch, shard: TPShard = SINGLE) -> DecoderLM:
     with torch.device("meta"):
-        return DecoderLM(arch)
+        return DecoderLM(arch, shard)
 
 
 def check_state_dict(
@@ -211,11 +212,13 @@ def materialize(
 
 
 def load_model(
-    model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: str, max_positions: int
+    model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: str, max_positions: int,
+    shard: TPShard = SINGLE,
 ) -> tuple[DecoderLM, CheckpointData]:
+    """The model in `dtype` on `device`; under tensor parallelism (`shard`) this rank's slice of it."""
     from .store import gguf_file_for, gguf_table
 
-    model = build_meta_model(arch)
+    model = build_meta_model(arch, shard)
     table, source = gguf_table(model_dir), gguf_file_for(model_dir)
     if table is not None and source is not None:
         from .gguf_tensors import load_gguf_weights
@@ -224,7 +227,8 @@ def load_model(
         ckpt = CheckpointData(state_dict=w.state_dict, files=[source], bytes_read=w.bytes_read)
     else:
         ckpt = read_checkpoint(model_dir)
-    sd = fuse_checkpoint(check_state_dict(model, ckpt.state_dict, model_dir), dtype)
+    checked = check_state_dict(build_meta_model(arch) if shard.active else model, ckpt.state_dict, model_dir)
+    sd = fuse_checkpoint(shard_checkpoint(checked, arch, shard), dtype)
     materialize(model, sd, dtype, device, model_dir)
     model.model.build_rope(max_positions, device)
     return model, ckpt

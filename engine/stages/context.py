@@ -19,6 +19,7 @@ from ..llm_engine import LLMEngine
 from ..model_runner import ModelRunner
 from ..models.arch import ModelArch
 from ..models.llama import DecoderLM
+from ..parallel import TPShard, launch_rank
 from .base import StartupContext
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class EngineContext(StartupContext):
     kv_cache: KVCache | None = None  # kv_cache_init
     runner: ModelRunner | None = None  # kv_cache_init (its decode step set in place by graph_capture)
     engine: LLMEngine | None = None  # kv_cache_init
+    parallel: Any = None  # distributed_init (engine.distributed.TPGroup), only under --tensor-parallel-size > 1
 
     def layer_formats(self) -> LayerFormats | None:
         """Under --quantization auto, each layer's format from the GGUF's tensor types (models/gguf_auto.py); None
@@ -104,6 +106,11 @@ class EngineContext(StartupContext):
             if block is not None:
                 return block, f"matches the source GGUF's {block}-weight blocks"
         return None, "scheme default"
+
+    def tp_shard(self) -> TPShard:
+        """This rank's place in the tensor-parallel group (engine/parallel.py): from the config and the rank the
+        launcher gave this process, so the cache probes know it before distributed_init has run."""
+        return TPShard(launch_rank(), self.config.tensor_parallel_size)
 
     def need(self, value: Any, what: str, stage: str) -> Any:
         if value is None:

@@ -61,7 +61,7 @@ def skipped_reason(ctx: EngineContext, fallback: str | None) -> str | None:
     fallback: an earlier compile stage's `compile_fallback` (None for dynamo_transform, the first of them): passed
     in rather than read here, so each stage reads the slot only when it declares it."""
     if not ctx.config.compile_enabled():
-        return f"--compile {ctx.config.compile}"
+        return ctx.config.compile_off_reason()
     if fallback is not None:
         return fallback
     if ctx.model is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from ...profiling.names import Attr
 from ..kv_cache import KVCache
 from ..llm_engine import LLMEngine
@@ -14,18 +16,25 @@ from .context import EngineContext
 
 class KVCacheInit:
     name = "kv_cache_init"
-    needs: tuple[str, ...] = ("kv_plan", "arch", "model", "tokenizer", "model_dir", "dtype")
+    # parallel: under tensor parallelism the ranks agree on one block count (each sized its budget on its own).
+    needs: tuple[str, ...] = ("kv_plan", "arch", "model", "tokenizer", "model_dir", "dtype", "parallel")
     provides: tuple[str, ...] = ("kv_cache", "runner", "engine")
 
     def run(self, ctx: EngineContext) -> StageReport:
         plan = ctx.need(ctx.kv_plan, "the KV plan", "kv_cache_profiling")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
         model = ctx.need(ctx.model, "the model", "model_init")
+        if ctx.parallel is not None:
+            # Rank 0's scheduler hands out block ids that every rank's cache must hold.
+            agreed = ctx.parallel.agree_min(plan.num_blocks)
+            if agreed != plan.num_blocks:
+                plan = dataclasses.replace(plan, num_blocks=agreed)
         ctx.kv_cache = KVCache(
             num_layers=arch.num_hidden_layers,
             num_blocks=plan.num_blocks + 1,  # +1: the runner's scratch block for padded rows
             block_size=plan.block_size,
-            num_kv_heads=arch.num_key_value_heads,
+            # A rank's cache holds its KV heads only (engine/parallel.py).
+            num_kv_heads=ctx.tp_shard().local_arch(arch).num_key_value_heads,
             head_dim=arch.head_dim,
             dtype=ctx.dtype,
             device=ctx.device,

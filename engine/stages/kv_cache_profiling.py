@@ -38,6 +38,7 @@ from ..config import EngineConfig
 from ..models.arch import ModelArch
 from ..kv_sizing import plan_kv_cache
 from ..models.store import model_group
+from ..parallel import tp_factors
 from ..start_estimate import HIT, MISS
 from .base import StageReport
 from .context import EngineContext
@@ -73,6 +74,7 @@ def profile_factors(ctx: EngineContext) -> dict[str, Any]:
         "max_num_batched_tokens": ctx.config.scheduler.max_num_batched_tokens,
         "max_num_seqs": ctx.config.scheduler.max_num_seqs,
         "device": ctx.device,
+        **tp_factors(ctx.config.tensor_parallel_size),  # a rank's forward is its shard's
     }
 
 
@@ -174,8 +176,9 @@ class KVCacheProfiling:
     def _plan(ctx: EngineContext, arch: ModelArch, profile: KVProfile, extra: dict[str, object]) -> StageReport:
         peak, method = profile.activation_peak_bytes, profile.method
         weights = 0 if ctx.device == "cpu" else ctx.weights_bytes
+        # Under tensor parallelism a rank's cache holds its KV heads only: its bytes per token are its shard's.
         plan = plan_kv_cache(
-            ctx.config, arch, model_dtype=ctx.dtype, device=ctx.device, weights_bytes=weights, activation_peak_bytes=peak
+            ctx.config, ctx.tp_shard().local_arch(arch), model_dtype=ctx.dtype, device=ctx.device, weights_bytes=weights, activation_peak_bytes=peak
         )
         ctx.kv_plan = plan
         attrs: dict[str, object] = {

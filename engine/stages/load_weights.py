@@ -18,6 +18,7 @@ from ..models.gguf_auto import AUTO_GROUP
 from ..models.gguf_tensors import PackPlan, TensorTable, load_gguf_weights
 from ..models.loader import build_meta_model, check_state_dict, fuse_checkpoint, read_checkpoint
 from ..models.store import gguf_table
+from ..parallel import shard_checkpoint
 from .base import StageReport
 from .context import EngineContext
 
@@ -51,14 +52,16 @@ class LoadWeights:
         if table is not None:
             return self._from_gguf(ctx, table, quantizing, t0)
         ckpt = read_checkpoint(model_dir)
-        touched = touch_pages(ckpt.state_dict)
+        # Names and shapes against the whole model; then this rank's slices, whose pages alone are read.
+        checked = shard_checkpoint(check_state_dict(build_meta_model(arch), ckpt.state_dict, model_dir), arch,
+                                   ctx.tp_shard())  # fmt: skip
+        touched = touch_pages(checked)
         seconds = time.perf_counter() - t0
-        checked = check_state_dict(build_meta_model(arch), ckpt.state_dict, model_dir)
         ctx.state_dict = fuse_checkpoint(checked, None if quantizing else ctx.dtype)
         ctx.weights_bytes = touched
         return StageReport(
             attributes={
-                Attr.BYTES_READ: ckpt.bytes_read,
+                Attr.BYTES_READ: ckpt.bytes_read if not ctx.tp_shard().active else touched,
                 # Throughput for the span; the span itself still holds the authoritative duration.
                 Attr.READ_GBPS: round(ckpt.bytes_read / max(seconds, 1e-9) / 1e9, 3),
                 "glowplug.files": [str(f) for f in ckpt.files],
@@ -82,7 +85,10 @@ class LoadWeights:
             w = load_gguf_weights(ctx.gguf_path, table, ctx.arch, None if quantizing else ctx.dtype, plan)
         seconds = time.perf_counter() - t0
         checked = check_state_dict(build_meta_model(ctx.arch), w.state_dict, ctx.model_dir, logical=w.shapes)
-        ctx.state_dict = fuse_checkpoint({**checked, **w.tied_head}, None if quantizing else ctx.dtype)
+        # This rank's slices, copied: the GGUF's tensors were de-quantized or repacked whole into memory, which
+        # is freed once the slices are taken.
+        checked = shard_checkpoint({**checked, **w.tied_head}, ctx.arch, ctx.tp_shard(), copy=True)
+        ctx.state_dict = fuse_checkpoint(checked, None if quantizing else ctx.dtype)
         ctx.weights_bytes = sum(t.nbytes for t in ctx.state_dict.values())
         return StageReport(
             attributes={

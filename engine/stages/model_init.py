@@ -50,7 +50,7 @@ class ModelInit:
     def run(self, ctx: EngineContext) -> StageReport:
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
         sd = ctx.need(ctx.state_dict, "the checkpoint", "load_weights")
-        model = build_meta_model(arch)
+        model = build_meta_model(arch, ctx.tp_shard())
         keep: frozenset[str] = frozenset()
         table_source = "n/a (not quantized)"
         q = ctx.config.quant

@@ -60,7 +60,7 @@ class NativeKernels:
             gpu[Attr.DECODE_ATTENTION] = "triton" if why is None else f"torch ops: {why}"
             said = f"; decode attention: {gpu[Attr.DECODE_ATTENTION]}"
         if not ctx.config.compile_enabled():
-            return StageReport.skipped(f"--compile {ctx.config.compile}{said}", gpu)
+            return StageReport.skipped(f"{ctx.config.compile_off_reason()}{said}", gpu)
         if ctx.device.startswith("cuda"):
             return self._triton(ctx, gpu, said)
         if ctx.device != "cpu":

@@ -19,6 +19,7 @@ from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import QUANT, file_stamps, source_digest
 from ..models.loader import checkpoint_files
 from ..models.store import gguf_table, model_group
+from ..parallel import tp_factors
 from ..start_estimate import HIT, MISS
 from .base import StageReport
 from .context import EngineContext
@@ -40,6 +41,7 @@ def quant_factors(ctx: EngineContext) -> dict[str, Any]:
         "layout": "fused:qkv_proj,gate_up_proj",
         "torch": torch.__version__,
         "kernels_source": source_digest(["kernels"]),
+        **tp_factors(ctx.config.tensor_parallel_size),  # each rank quantizes (and stores) its own shard
     }
     formats = ctx.layer_formats()
     if formats is not None:

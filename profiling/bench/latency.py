@@ -39,6 +39,10 @@ Progress = Callable[[str], None]
 class LatencyBenchConfig(BenchEngineFields):
     quantization: tuple[Quantization, ...] = Field(("none",), min_length=1, description="Schemes to compare.")
     batch_size: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32), min_length=1, description="Batch sizes.")
+    tensor_parallel_size: tuple[int, ...] = Field(
+        (1,), min_length=1, description="Tensor-parallel sizes to compare (one engine per size and scheme, as seed "
+        "001 measures TGI at --num-shard 1, 2, 4 and 8).",
+    )
     sequence_length: int = Field(256, ge=1, description="Prompt tokens per sequence.")
     decode_length: int = Field(16, ge=2, description="New tokens per sequence (the first comes from the prefill).")
     runs: int = Field(10, ge=1, description="Timed batches per batch size.")
@@ -53,12 +57,14 @@ class LatencyBenchConfig(BenchEngineFields):
 
     @model_validator(mode="after")
     def _distinct(self) -> LatencyBenchConfig:
-        for name in ("quantization", "batch_size"):
+        for name in ("quantization", "batch_size", "tensor_parallel_size"):
             values = getattr(self, name)
             if len(set(values)) != len(values):
                 raise ValueError(f"--{name.replace('_', '-')} lists a value twice: {list(values)}")
         if any(b < 1 for b in self.batch_size):
             raise ValueError("batch sizes must be >= 1")
+        if any(n < 1 for n in self.tensor_parallel_size):
+            raise ValueError("tensor-parallel sizes must be >= 1")
         return self
 
 
@@ -69,6 +75,7 @@ class LatencyCell:
     quantization: str
     batch: int
     reason: str | None = None
+    tensor_parallel_size: int = 1
     prefill_s: list[float] = field(default_factory=list)
     decode_token_s: list[float] = field(default_factory=list)
     decode_total_s: list[float] = field(default_factory=list)
@@ -110,10 +117,16 @@ def _sampling(cfg: LatencyBenchConfig) -> Any:
     )
 
 
-def engine_fields(cfg: LatencyBenchConfig, quant: str) -> dict[str, Any]:
+def run_label(cfg: LatencyBenchConfig, quant: str, tp: int) -> str:
+    """How the report names one engine: its scheme, and its TP size when more than TP=1 is measured."""
+    return quant if cfg.tensor_parallel_size == (1,) else f"{quant}, TP {tp}"
+
+
+def engine_fields(cfg: LatencyBenchConfig, quant: str, tp: int = 1) -> dict[str, Any]:
     largest = max(cfg.batch_size)
     return cfg.engine_fields(
         quantization=quant,
+        **({"tensor_parallel_size": tp} if tp > 1 else {}),
         max_model_len=cfg.sequence_length + cfg.decode_length,
         max_num_seqs=largest,
         max_num_batched_tokens=cfg.max_num_batched_tokens or max(16, largest * cfg.sequence_length),
@@ -148,25 +161,27 @@ def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None)
     say = progress or (lambda _msg: None)
     result = LatencyResult(cfg, [])
     params = _sampling(cfg)
-    for quant in cfg.quantization:
-        say(f"[{quant}] starting the engine")
-        llm, why = build_llm(engine_fields(cfg, quant))
+    runs = [(tp, quant) for tp in cfg.tensor_parallel_size for quant in cfg.quantization]
+    for tp, quant in runs:
+        label = run_label(cfg, quant, tp)
+        say(f"[{label}] starting the engine")
+        llm, why = build_llm(engine_fields(cfg, quant, tp))
         if llm is None:
-            result.cells += [LatencyCell(quant, b, reason=why) for b in cfg.batch_size]
+            result.cells += [LatencyCell(quant, b, reason=why, tensor_parallel_size=tp) for b in cfg.batch_size]
             continue
-        result.kv_blocks[quant] = llm.engine.stats().kv_blocks
-        result.resolved[quant] = (
+        result.kv_blocks[label] = llm.engine.stats().kv_blocks
+        result.resolved[label] = (
             str(llm.startup.dtype).removeprefix("torch."),
             "on" if llm.engine.runner.decode_step is not None else "off",
         )
         for batch in cfg.batch_size:
             why_not = why_cannot_run(llm.engine, batch, cfg.sequence_length, cfg.decode_length)
-            cell = LatencyCell(quant, batch, reason=why_not)
+            cell = LatencyCell(quant, batch, reason=why_not, tensor_parallel_size=tp)
             result.cells.append(cell)
             if not cell.ok:
-                say(f"[{quant}] batch {batch}: skipped ({cell.reason})")
+                say(f"[{label}] batch {batch}: skipped ({cell.reason})")
                 continue
-            say(f"[{quant}] batch {batch}: {cfg.warmups} warm-up + {cfg.runs} runs")
+            say(f"[{label}] batch {batch}: {cfg.warmups} warm-up + {cfg.runs} runs")
             prompts = make_prompts(llm.tokenizer, batch, cfg.sequence_length)
             try:
                 _measure(llm.engine, cfg, cell, prompts, params)
@@ -174,6 +189,8 @@ def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None)
                 cell.reason = f"failed: {one_line(exc)}"
                 for req_id in llm.engine.request_ids():
                     llm.engine.abort(req_id)
+        if llm.startup.parallel is not None:
+            llm.startup.parallel.close()  # the next size starts its own ranks
         llm = None
         gc.collect()
     return result
@@ -200,8 +217,8 @@ def cell_summary(cell: LatencyCell, attr: str, scale: float = 1.0) -> Summary | 
     return summarize(values).scaled(scale) if cell.ok and values else None
 
 
-def render_tables(result: LatencyResult, quant: str) -> str:
-    cells = [c for c in result.cells if c.quantization == quant]
+def render_tables(result: LatencyResult, quant: str, tp: int = 1) -> str:
+    cells = [c for c in result.cells if c.quantization == quant and c.tensor_parallel_size == tp]
     stats = ("mean", "min", "max", "p50", "p90", "p99")
     lat_rows: list[list[Cell]] = []
     for label, attr in LATENCY_ROWS:
@@ -214,7 +231,9 @@ def render_tables(result: LatencyResult, quant: str) -> str:
     head = ["Step", "Batch Size", "Average", "Lowest", "Highest", "p50", "p90", "p99"]
     latency_table = markdown_table(head, lat_rows, ["l"] * 2 + ["r"] * 6)
     # Each table carries its own caption: a reader who copies one table keeps the settings it was measured at.
-    setting = result.setting(quant)
+    setting = result.setting(run_label(result.config, quant, tp))
+    if result.config.tensor_parallel_size != (1,):
+        setting = f"tensor parallel {tp}, {setting}"
     return (f"Latency ({setting}, sequence length {result.config.sequence_length}, decode length "
             f"{result.config.decode_length}):\n\n" + latency_table
             + f"\n\nThroughput ({setting}):\n\n" + markdown_table(head[:5], tput_rows, ["l"] * 2 + ["r"] * 3))
@@ -227,7 +246,10 @@ def _arguments(result: LatencyResult) -> str:
     rows: list[list[Cell]] = [
         ["Model", cfg.model],
         ["Quantization", ", ".join(cfg.quantization)],
-        ["dtype / compile", "; ".join(f"{q}: {result.setting(q)}" for q in cfg.quantization)],
+        ["Tensor Parallel", ", ".join(map(str, cfg.tensor_parallel_size))],
+        ["dtype / compile", "; ".join(f"{label}: {result.setting(label)}" for label in
+                                      (run_label(cfg, q, tp) for tp in cfg.tensor_parallel_size
+                                       for q in cfg.quantization))],
         ["Sequence Length", cfg.sequence_length],
         ["Decode Length", cfg.decode_length],
         ["N Runs", cfg.runs],
@@ -247,8 +269,12 @@ def render_markdown(result: LatencyResult, argv: list[str] | None = None) -> str
     from .machine import report_header
 
     parts = [report_header("Latency benchmark", argv), "## Experiment Generation Arguments", "", _arguments(result), ""]
-    for quant in result.config.quantization:
-        parts += [f"## {quantization_label(quant)}", "", render_tables(result, quant), ""]
+    for tp in result.config.tensor_parallel_size:
+        for quant in result.config.quantization:
+            head = quantization_label(quant)
+            if result.config.tensor_parallel_size != (1,):
+                head = f"Tensor parallel {tp} · {head}"
+            parts += [f"## {head}", "", render_tables(result, quant, tp), ""]
     steps = {c.prefill_steps for c in result.cells if c.ok}
     parts += [
         "## How these numbers are taken",
@@ -263,6 +289,10 @@ def render_markdown(result: LatencyResult, argv: list[str] | None = None) -> str
         "- Each table's caption states the dtype and compile mode the engine resolved (compile on: the decode step "
         "as one compiled graph; off: eager).",
         "- Prefix caching is off, so every run prefills its prompts in full.",
+        *(["- Tensor parallel N runs N ranks on this machine (gloo on the CPU), each with its shard of the "
+           "weights, two all-reduces per layer and a gather of the logits per step; on a CPU the ranks share its "
+           "cores and memory bandwidth, so TP > 1 is slower here: it shows correctness and the per-rank start-up, "
+           "not the speed of a GPU per rank."] if result.config.tensor_parallel_size != (1,) else []),
         "",
     ]
     return "\n".join(parts)
@@ -308,9 +338,11 @@ def plot_latency(result: LatencyResult, path: Path) -> Path:
     panels: dict[str, dict[str, list[tuple[int, Summary]]]] = {}
     for title, attr in (("Prefill", "prefill_s"), ("Decode (token)", "decode_token_s")):
         panels[title] = {
-            f"{q} ({result.setting(q)})": [
-                (c.batch, s) for c in result.cells if c.quantization == q and (s := cell_summary(c, attr, 1000.0))
+            f"{run_label(cfg, q, tp)} ({result.setting(run_label(cfg, q, tp))})": [
+                (c.batch, s) for c in result.cells
+                if c.quantization == q and c.tensor_parallel_size == tp and (s := cell_summary(c, attr, 1000.0))
             ]
+            for tp in cfg.tensor_parallel_size
             for q in cfg.quantization
         }
     title = (f"glowplug latency vs batch size: {cfg.model}, sequence length {cfg.sequence_length} prompt tokens, "

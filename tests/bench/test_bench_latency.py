@@ -95,3 +95,20 @@ def test_single_run_cells_say_n1_and_plot_renders(tmp_path: Path) -> None:
     assert "± 0" not in md
     paths = write_reports(result)
     assert (tmp_path / "latency.png") in paths
+
+
+def test_latency_per_tensor_parallel_size(tiny_model: str, tmp_path: Path) -> None:
+    """Seed 001's layout once per TP size (TGI measured --num-shard 1, 2, 4, 8): both engines really run."""
+    cfg = LatencyBenchConfig(model=tiny_model, batch_size=(1, 2), sequence_length=16, decode_length=3, runs=1,
+                             warmups=0, dtype="float32", tensor_parallel_size=(1, 2), num_gpu_blocks_override=16,
+                             out_dir=tmp_path / "out", plots=False)  # fmt: skip
+    result = run_latency_bench(cfg)
+    assert {(c.tensor_parallel_size, c.batch) for c in result.cells if c.ok} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    assert result.resolved["none, TP 2"][1] == "off"  # tensor parallel runs the decode step eagerly
+    md = render_markdown(result, ["bench", "latency"])
+    assert_no_blank_or_nan(md)
+    assert "## Tensor parallel 1 · " in md and "## Tensor parallel 2 · " in md
+    assert len(re.findall(r"Latency \(tensor parallel [12], dtype float32, compile (on|off), sequence", md)) == 2
+    assert "| Tensor Parallel | 1, 2 |" in md
+    rows = [r for r in markdown_cells(md) if r[0] in ("Prefill", "Decode (token)", "Decode (total)") and len(r) == 8]
+    assert len(rows) == 12  # 3 steps x 2 batch sizes x 2 TP sizes
