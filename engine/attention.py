@@ -28,6 +28,7 @@ of every layer, so nothing about the blocks changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,24 +48,38 @@ def triton_attention_unavailable_reason(device: torch.device | str) -> str | Non
     of compute capability 8.0 or newer with triton importable). Off CUDA it never does: the CPU runs the native op
     or the tensor ops. When the answer is None the kernel's op is registered, so a compiled artifact that calls it
     finds it (the native_kernels stage asks before the decode step is traced or loaded)."""
+    global _TRITON_READY
     dev = torch.device(device)
     if dev.type != "cuda":
         return f"the Triton decode attention is for CUDA devices (device {dev.type})"
     reason = triton_attention.unavailable_reason(dev)
     if reason is None:
         triton_attention.register_op()
+    if _TRITON_READY is None:
+        # Wrapped here, on a CUDA device, not at import: assume_constant_result imports Dynamo (and through it
+        # triton), which a CPU start and a warm start's replay must not pay for.
+        _TRITON_READY = torch.compiler.assume_constant_result(_triton_ready)
     return reason
 
 
-@torch.compiler.assume_constant_result
 def _triton_ready(device: torch.device) -> bool:
-    # A constant for the trace: Dynamo runs this once, outside the graph (it imports triton and asks the driver).
     return triton_attention_unavailable_reason(device) is None
+
+
+# `_triton_ready` as a constant for the trace (Dynamo runs it once, outside the graph), once a CUDA device was asked
+# about; None before.
+_TRITON_READY: Callable[[torch.device], bool] | None = None
 
 
 def _use_triton(t: torch.Tensor) -> bool:
     """Whether the decode attention of `t`'s rows runs the Triton kernel (CUDA tensors where it can run)."""
-    return t.is_cuda and _triton_ready(t.device)
+    if not t.is_cuda:
+        return False
+    if _TRITON_READY is None:
+        if torch.compiler.is_compiling():
+            return False  # never asked before the trace (the native_kernels stage asks): the tensor ops
+        triton_attention_unavailable_reason(t.device)
+    return _TRITON_READY is not None and _TRITON_READY(t.device)
 
 
 @dataclass

@@ -343,7 +343,8 @@ def test_native_kernels_stage_says_which_decode_attention_runs_on_cuda(compile_m
     from glowplug.engine.stages.native_kernels import NativeKernels
     from glowplug.profiling.names import Attr
 
-    config = SimpleNamespace(compile=compile_mode, compile_enabled=lambda: compile_mode != "off")
+    config = SimpleNamespace(compile=compile_mode, compile_enabled=lambda: compile_mode != "off",
+                             compile_off_reason=lambda: f"--compile {compile_mode}")  # fmt: skip
     # A dense model: on CUDA the stage then has no quantized layer to switch to the Triton linears, and says so.
     ctx = SimpleNamespace(config=config, device="cuda", model=torch.nn.Sequential(torch.nn.Linear(4, 4)),
                           need=lambda value, *_: value)  # fmt: skip
