@@ -35,6 +35,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def paced_engine(step_s: float) -> Callable[..., Any]:
+    """An engine factory whose every step takes at least `step_s`: a slow device's stand-in, for tests that need a
+    request still running a moment later (a queue that stays full, a drain that must cut a stream short) whatever
+    this machine's speed. The tiny model decodes its whole 256-position context in a fraction of a second."""
+
+    def build(config: Any, **kwargs: Any) -> Any:
+        from glowplug.engine.startup import build_engine
+
+        result = build_engine(config, **kwargs)
+        real_step = result.engine.step
+
+        def step(**kw: Any) -> Any:
+            t0 = time.monotonic()
+            out = real_step(**kw)
+            time.sleep(max(0.0, step_s - (time.monotonic() - t0)))
+            return out
+
+        result.engine.step = step
+        return result
+
+    return build
+
+
 class ThreadServer:
     """A ServiceServer on a thread; `stop()` drains it like a signal would and waits for the thread."""
 

@@ -25,7 +25,7 @@ from glowplug.lifecycle.state import EngineState
 from glowplug.profiling.bench.serve.hostile_corpus import Target, run_corpus
 from glowplug.profiling.logs import configure_logging
 
-from lifecycle_harness import ThreadServer, engine_config, metric
+from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
 
 KEY = "sk-glowplug-hostile-test-0123456789"
 LIMITS = {"max_body_bytes": 4 << 20, "body_read_timeout": 1.0, "header_read_timeout": 1.0}
@@ -43,8 +43,9 @@ def logs() -> io.StringIO:
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[ThreadServer]:
     cfg = ServeConfig(port=0, served_model_name="tiny", api_key=KEY, **LIMITS)
-    # Eager (no compile): the corpus is about the transport, and the server starts in seconds.
-    srv = ThreadServer(engine_config(tiny_model, compile="off"), cfg).start()
+    # Eager (no compile): the corpus is about the transport, and the server starts in seconds. Paced steps: a client
+    # that hangs up mid-answer must find the answer still streaming, however fast this machine decodes.
+    srv = ThreadServer(engine_config(tiny_model, compile="off"), cfg, engine_factory=paced_engine(0.005)).start()
     srv.wait_ready()
     yield srv
     srv.stop()

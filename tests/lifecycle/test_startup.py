@@ -14,7 +14,7 @@ import httpx
 
 from glowplug.lifecycle.config import ServeConfig
 
-from lifecycle_harness import ThreadServer, engine_config, metric
+from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
 
 # A stage nothing runs beside (it needs both the runner and the compiled step): with stages overlapping, an
 # earlier one may run beside another that started later, and the reported phase is the latest started.
@@ -159,7 +159,10 @@ def test_failed_start_is_reported(tmp_path: Path) -> None:
 
 
 def test_drain_timeout_aborts_the_rest(tiny_model: Path) -> None:
-    srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0, drain_timeout=0.5)).start()
+    # Paced steps: the stream must outlast the 0.5 s drain however fast this machine decodes (unpaced, the tiny
+    # model's 256 positions can all be decoded inside it).
+    srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0, drain_timeout=0.5),
+                       engine_factory=paced_engine(0.01)).start()  # fmt: skip
     srv.wait_ready()
     body = {"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "stream": True, "temperature": 0.0}
     stopper = threading.Thread(target=srv.stop, daemon=True)
