@@ -105,6 +105,12 @@ class ServiceMetrics:
         self.kv_total_blocks = Gauge("glowplug_kv_cache_total_blocks", "KV-cache blocks in all.", registry=r)
         self.prompt_tokens = Counter("glowplug_prompt_tokens", "Prompt tokens admitted to the engine.", registry=r)
         self.generation_tokens = Counter("glowplug_generation_tokens", "Tokens generated.", registry=r)
+        self.completed_generation_tokens = Counter(
+            "glowplug_completed_generation_tokens",
+            "Tokens of requests that ended with stop or length once the server had read their end: together with the "
+            "aborted tokens, every generated token. A client may still hang up before the last bytes reach it.",
+            registry=r,
+        )
         self.aborted_generation_tokens = Counter(
             "glowplug_aborted_generation_tokens",
             "Tokens generated for requests whose client was gone before their end arrived (hung up, drained), "

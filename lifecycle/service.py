@@ -432,6 +432,8 @@ class Service:
 
     def _observe(self, finish_reason: str, out: RequestOutput | None, received_at: float) -> None:
         self._finish_rate.note()
+        if out is not None and finish_reason in ("stop", "length"):
+            self.metrics.completed_generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
         m = out.metrics if out is not None else None
         if m is None:
             self.metrics.observe_request(

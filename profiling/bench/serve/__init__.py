@@ -6,7 +6,7 @@ Modes (the sweep when none is given; several may be combined):
                 goodput under --slo-ttft-ms/--slo-tpot-ms, failures by type -> serve.{json,md}, serve_latency.png
   --soak        --soak-streams clients for --soak-duration s mixing n>1, logprobs, stop strings, chat and
                 completions, --hangup-fraction of them hanging up mid-stream; then the server must show 0 errors,
-                tokens = usage per stream, generation counter = sum of usages (+ aborted tokens), no KV blocks or
+                tokens = usage per stream, generation counter = completed + aborted tokens, no KV blocks or
                 running requests left, RSS within 1.05x of its value after the first wave -> soak.{json,md}
   --efficiency  one request set over HTTP at --efficiency-concurrency and offline through LLM.generate, in one
                 run, paired by run: server / offline token throughput (median >= 0.95, worst pair >= 0.90)

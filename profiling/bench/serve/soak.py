@@ -9,8 +9,11 @@ clients: their requests ask for many tokens (EOS ignored) and they close the con
 Checks, read from the server's own /metrics once it is idle:
   errors            0: every other request ended with stop/length, [DONE] and a usage
   tokens == usage   for every finished stream (choices summed)
-  counter           glowplug_generation_tokens grew by the sum of the usages plus the tokens of aborted requests
-                    (glowplug_aborted_generation_tokens: what the hung-up clients had generated when they left)
+  counter           glowplug_generation_tokens grew by the tokens of the requests the server ended
+                    (glowplug_completed_generation_tokens) plus those of aborted ones (glowplug_aborted_generation_
+                    tokens: what the hung-up clients had generated when they left)
+  usages            the sum of the usages the clients read is at most the completed tokens, and equal to them when
+                    no client hangs up: a hang-up client can leave after the server sent its end
   idle              KV blocks in use 0, running 0, waiting 0
   memory            process RSS after the soak <= 1.05 x its RSS after the first full wave (every client done once).
                     Both are read with the server idle for IDLE_S: after the first wave every client waits at a
@@ -255,6 +258,9 @@ def _evaluate(
 
     counter = delta("glowplug_generation_tokens_total")
     aborted = delta("glowplug_aborted_generation_tokens_total")
+    # The server's own count of the tokens of requests it ended: a hang-up client can leave after the server sent
+    # the end (its usage then never counts on the client's side), so the usages alone can fall short of it.
+    completed = delta("glowplug_completed_generation_tokens_total")
     rss_end = after.get(RSS_METRIC)
     idle = {k: after.get(k, 0.0) for k in ("glowplug_kv_cache_used_blocks", "glowplug_num_requests_running",
                                            "glowplug_num_requests_waiting")}  # fmt: skip
@@ -272,8 +278,14 @@ def _evaluate(
         Check(
             "generation_tokens counter delta",
             f"{counter:.0f}",
-            f"= sum of usages {usage} + aborted tokens {aborted:.0f}",
-            counter == usage + aborted,
+            f"= completed tokens {completed:.0f} + aborted tokens {aborted:.0f}",
+            counter == completed + aborted,
+        ),
+        Check(
+            "sum of usages the clients read",
+            str(usage),
+            f"<= completed tokens {completed:.0f}, and = them when no client hung up",
+            usage <= completed and (bool(plan.hangup_clients) or usage == completed),
         ),
         Check("hung-up clients' requests", str(len(hung)), ">= 1" if plan.hangup_clients else "0",
               bool(hung) if plan.hangup_clients else not hung),  # fmt: skip
