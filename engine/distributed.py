@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -148,6 +148,19 @@ class TPGroup:
     _monitor: threading.Thread | None = None
     on_failure: list[Callable[[str], None]] = field(default_factory=list)
 
+    # Rank 0's group while it exists in this process: the server shows every rank's stage from it during the
+    # start, before the start-up result (which holds the group) exists. Set by `start`, cleared by `close`.
+    _starting: ClassVar[TPGroup | None] = None
+
+    @classmethod
+    def rank_progress(cls) -> list[dict[str, Any]] | None:
+        """Every rank's last recorded stage and state (read_progress) for this process's group, None without one.
+        Rank 0 records nothing of its own: its stages are the server's own phases."""
+        group = cls._starting
+        if group is None or group._closed:
+            return None
+        return read_progress(group.launch.rundir, group.world_size)
+
     @property
     def rank(self) -> int:
         return self.launch.rank
@@ -169,6 +182,9 @@ class TPGroup:
         if launch.rank == 0:
             # However rank 0 ends (a command that returns, an exception), the workers stop with it.
             atexit.register(group.close)
+            # What /startup and the live page read while the start runs (rank_progress); the engine's result holds
+            # the group only once the start is done.
+            TPGroup._starting = group
         timeout = timedelta(seconds=config.distributed_timeout)
         t0 = time.perf_counter()
         try:
@@ -343,6 +359,8 @@ class TPGroup:
         if self._closed:
             return
         self._closed = True
+        if TPGroup._starting is self:
+            TPGroup._starting = None
         import torch.distributed as dist
 
         if self.rank == 0 and self.serving and self._failure is None and self.control is not None:

@@ -60,6 +60,8 @@ def startup_report(service: Service, snap: StateSnapshot | None = None) -> dict[
         "model": service.model_name,
         "config_hash": service.config.compute_hash(),
         "phase_table": None,
+        # Under --tensor-parallel-size N: each rank's stage and state (None with one rank).
+        "ranks": service.rank_progress(snap),
     }
     table = getattr(service.startup_result, "phase_table", None)
     if table is not None:

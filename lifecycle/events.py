@@ -227,6 +227,7 @@ class StartupEvents:
             # Known only once the engine is imported (after hello, for a page opened early): the ghosts need it.
             "expected_phases": self._service.expected_phase_seconds if snap.state is EngineState.STARTING else None,
             "eta_basis": self._service.eta_basis,
+            "ranks": self._service.rank_progress(snap) if snap.state is EngineState.STARTING else None,
         }
         tick.update(self._sampler.sample())
         with self._lock:

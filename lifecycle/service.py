@@ -206,6 +206,23 @@ class Service:
                     for p in timeline["running"]]  # fmt: skip
         return out + [entry for _, entry in sorted(entries, key=lambda e: e[0])]
 
+    def rank_progress(self, snap: StateSnapshot | None = None) -> list[dict[str, Any]] | None:
+        """Under tensor parallelism, every rank's stage: `rank`, `stage` (what it runs now, None before its first),
+        `state` (starting, running, ready, failed). Rank 0 is this process: its stages are the running phases.
+        None for one rank, and before the engine (torch included) is imported: asking must never import it, since
+        the HTTP thread answers while the engine thread imports."""
+        import sys
+
+        # The engine thread may be importing it right now: a partly imported module has no TPGroup yet.
+        group_class = getattr(sys.modules.get("glowplug.engine.distributed"), "TPGroup", None)
+        ranks = group_class.rank_progress() if group_class is not None else None
+        if not ranks:
+            return None
+        snap = snap or self.snapshot()
+        running = [p["stage"] for p in self.timeline.snapshot()["running"]]
+        ranks[0].update(stage=", ".join(running) or snap.phase, state=snap.state.value)
+        return [{k: r.get(k) for k in ("rank", "stage", "state")} for r in ranks]
+
     def phase_row_seconds(self, snap: StateSnapshot | None = None) -> dict[str, float]:
         """Seconds per phase-table row of the phases that finished: each stage span's time under the row the table
         books it to (graph_capture -> graph_capturing, summed when two stages share a row), plus the pre-main

@@ -106,10 +106,30 @@ def _serve(tiny: Path, tmp: Path, port: int, *extra: str) -> subprocess.Popen[by
 
 
 def test_sigterm_drains_and_stops_every_rank(tiny: Path, tmp_path: Path) -> None:
+    """Also: while the ranks start, /startup lists each rank's stage (rank 0's being the server's own phases)."""
     port = free_port()
     proc = _serve(tiny, tmp_path, port)
     try:
+        seen: list[list[dict]] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                body = httpx.get(f"http://127.0.0.1:{port}/startup", timeout=5).json()
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            if body.get("ranks") and body.get("state") == "starting":
+                seen.append(body["ranks"])
+            if body.get("state") != "starting":
+                assert "state" in body, body
+                break
+            time.sleep(0.05)
+        assert seen, "/startup never listed the ranks while starting"
+        assert [r["rank"] for r in seen[-1]] == [0, 1] and seen[-1][0]["state"] == "starting"
+        assert any(r["stage"] for ranks in seen for r in ranks if r["rank"] == 1), seen  # the worker's own stage
         wait_ready(f"http://127.0.0.1:{port}", timeout=120)
+        ready = httpx.get(f"http://127.0.0.1:{port}/startup", timeout=5).json()["ranks"]
+        assert [r["state"] for r in ready] == ["ready", "ready"], ready
         workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert workers
         r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,

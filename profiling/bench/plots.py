@@ -184,3 +184,32 @@ def plot_latency_vs_load(
         else:
             ax.text(0.5, 0.5, "no load point completed (see the report)", transform=ax.transAxes, ha="center")
     return _save(fig, path)
+
+
+def plot_trace_lanes(trace: Mapping[str, Any], path: Path, *, title: str) -> Path:
+    """A trace viewer's picture drawn from a Chrome/Perfetto trace-event object (profiling/export.chrome_trace): one
+    row per process (under tensor parallelism, one per rank), each start-up stage a bar from its start to its end,
+    coloured by stage, so which rank held READY back and how the ranks overlapped reads at a glance. Made here
+    because the Perfetto UI is a web app that a machine with no network cannot load."""
+    events = trace.get("traceEvents", [])
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    bars = [e for e in events if e.get("ph") == "X" and e.get("cat") == "startup" and e["name"].count(".") >= 2]
+    pids = sorted(names)
+    stages = list(dict.fromkeys(e["name"].rsplit(".", 1)[-1] for e in sorted(bars, key=lambda e: e["ts"])))
+    fig = _figure(11.0, 1.2 + 0.55 * max(1, len(pids)))
+    ax = fig.add_subplot(1, 1, 1)
+    for row, pid in enumerate(pids):
+        for e in (b for b in bars if b["pid"] == pid):
+            stage = e["name"].rsplit(".", 1)[-1]
+            ax.barh(row, e["dur"] / 1e6, left=e["ts"] / 1e6, height=0.6, color=COLORS[stages.index(stage) % len(COLORS)],
+                    edgecolor="white", linewidth=0.4)  # fmt: skip
+    ax.set_yticks(list(range(len(pids))), [names[p] for p in pids])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the first span")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=COLORS[i % len(COLORS)], label=s) for i, s in enumerate(stages)], fontsize=7,
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))  # fmt: skip
+    return _save(fig, path)

@@ -79,6 +79,10 @@ class StartupBenchConfig(BenchEngineFields):
         "the warm starts; and one cold start after a warm one (cache emptied) for its ETA.",
     )
 
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks per start (--tensor-parallel-size): every rank's spans go into one report, and "
+        "the last warm start's trace is drawn one lane per rank (rank_lanes.png).",
+    )
     from_runs: Path | None = Field(
         None, description="Run nothing: render the report from the per-start JSON files (cold-N.json, warm-N.json, "
         "bundle-N.json, cold-after-warm.json) an earlier run left in this folder, e.g. one stopped before it wrote "
@@ -94,9 +98,11 @@ class StartupBenchConfig(BenchEngineFields):
         return v
 
     def startup_args(self) -> list[str]:
-        return self.startup_argv(
+        argv = self.startup_argv(
             quantization=self.quantization, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs
         )
+        return argv + (["--tensor-parallel-size", str(self.tensor_parallel_size)] if self.tensor_parallel_size > 1
+                       else [])  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,9 @@ class StartupBenchResult:
     config: StartupBenchConfig
     runs: dict[Mode, list[StartupRun]]
     bundle: BundleMade | None = None
+
+
+LANES_TRACE = "warm-trace.json"  # the last warm start's Chrome/Perfetto trace, under tensor parallelism
 
 
 def modes(result: StartupBenchResult) -> tuple[Mode, ...]:
@@ -170,9 +179,11 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
                 runs["warm"].append(StartupRun(f"warm {i}", -1, 0.0, error="no cold start succeeded to fill a cache"))
                 continue
             say(f"warm start {i}/{cfg.runs} (cache {warm_dir})")
-            runs["warm"].append(
-                run_startup(f"warm {i}", args, out / f"warm-{i}.json", cache_dir=warm_dir, timeout_s=cfg.timeout_s)
-            )
+            # Under tensor parallelism the last warm start also writes its trace, which the report draws per rank.
+            lanes = (["--chrome-trace", str(out / LANES_TRACE)] if cfg.tensor_parallel_size > 1 and i == cfg.runs
+                     else [])  # fmt: skip
+            runs["warm"].append(run_startup(f"warm {i}", [*args, *lanes], out / f"warm-{i}.json", cache_dir=warm_dir,
+                                            timeout_s=cfg.timeout_s))  # fmt: skip
             if made is not None and made.error is None:
                 fresh = root / f"bundle-{i}"
                 say(f"start from the bundle {i}/{cfg.runs} (empty cache {fresh})")
@@ -639,6 +650,15 @@ def write_reports(result: StartupBenchResult, argv: list[str] | None = None) -> 
         ready = [r.phases.get(READY_ROW) or 0.0 for r in ok]
         written.append(plot_phase_stack([r.label for r in ok], stacks, out / "startup_phases.png", title=title,
                                         xlabel="run", totals=ready, totals_label="time to READY"))  # fmt: skip
+    trace = out / LANES_TRACE
+    if result.config.plots and result.config.tensor_parallel_size > 1 and trace.is_file():
+        import json
+
+        from .plots import plot_trace_lanes
+
+        written.append(plot_trace_lanes(json.loads(trace.read_text()), out / "rank_lanes.png",
+                                        title=f"the last warm start at --tensor-parallel-size "
+                                        f"{result.config.tensor_parallel_size}: each rank's stages ({LANES_TRACE})"))
     if result.config.plots and ok and result.config.compare_to is not None:
         written.append(_before_after_plot(result, result.config.compare_to, out / "startup_before_after.png"))
     return written
