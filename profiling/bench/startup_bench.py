@@ -527,6 +527,22 @@ def eta_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
     return out
 
 
+def _ranks_text(result: StartupBenchResult) -> str:
+    """Under tensor parallelism: each row's slowest rank and the spread across ranks, and the rank that held READY
+    back, as the last warm start's phase table notes them (profiling/phases.py with_rank_spread), then its lanes."""
+    last = next((r for r in reversed(result.runs.get("warm", [])) if r.ok), None)
+    if last is None:
+        return "No warm start reached READY."
+    notes = last.report.get("notes") or {}
+    rows = [[row, "; ".join(n for n in ns if "rank" in n)] for row, ns in notes.items() if any("rank" in n for n in ns)]
+    text = markdown_table(["Phase", f"{last.label}: ranks"], rows) if rows else "The phase table names no ranks."  # type: ignore[arg-type]
+    lanes = Path(result.config.out_dir) / "rank_lanes.png"
+    if result.config.plots:
+        text += (f"\n\n![each rank's stages]({lanes.name}) each rank's stages in {last.label}, from its Chrome/Perfetto "
+                 f"trace ({LANES_TRACE}: it loads in ui.perfetto.dev, one lane group per rank)")
+    return text
+
+
 def _eta_text(result: StartupBenchResult) -> str:
     figures = eta_figures(result)
     if not figures:
@@ -578,6 +594,8 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
     parts += ["## Phases", "", AGGREGATES_TEXT, "", table, ""]
     if never:
         parts += ["Phases that ran in no start: " + ", ".join(never) + ".", ""]
+    if result.config.tensor_parallel_size > 1:
+        parts += ["## Per rank", "", _ranks_text(result), ""]
     parts += ["## Start from a bundle", "", _bundle_text(result), ""]
     parts += ["## First ETA against the time to READY", "", _eta_text(result), ""]
     parts += ["## Cache hits", ""]
