@@ -345,6 +345,10 @@ class TPGroup:
         for p in self.workers.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
+        self._reap_workers()
+
+    def _reap_workers(self) -> None:
+        """Wait for every worker for up to STOP_GRACE_S in all, and kill those still running then."""
         deadline = time.monotonic() + STOP_GRACE_S
         for p in self.workers.values():
             try:
@@ -381,13 +385,7 @@ class TPGroup:
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
         self._stopping = True
-        deadline = time.monotonic() + STOP_GRACE_S
-        for p in self.workers.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        self._reap_workers()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -53,6 +53,10 @@ def tp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # the same with one KV head, tied: replicated on the three ranks
         "six1": make_tiny_checkpoint(mk("tp-six1"), "llama", num_attention_heads=6, num_key_value_heads=1,
                                      head_dim=16, hidden_size=96, intermediate_size=192, tie_word_embeddings=True),
+        # 8 heads over 2 KV heads, wide enough that every split at TP=4 falls on 32-column groups (o_proj: 64 input
+        # columns per rank, down_proj: 128): each KV head serves two ranks
+        "wide": make_tiny_checkpoint(mk("tp-wide"), "llama", num_attention_heads=8, num_key_value_heads=2,
+                                     head_dim=32, hidden_size=256, intermediate_size=512),  # fmt: skip
     }
 
 
@@ -60,10 +64,11 @@ CASES = {
     2: [("llama", "none", None), ("qwen2", "none", None), ("mqa", "none", None), ("llama", "int8", 32),
         ("qwen2", "int4", 32), ("llama", "int4", 32)],
     3: [("six", "none", None), ("six1", "none", None), ("six", "int8", 32), ("six1", "int4", 32)],
+    4: [("llama", "none", None), ("wide", "none", None), ("wide", "int8", 32), ("wide", "int4", 32)],
 }
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_sharded_logits_equal_whole_model(world: int, tp_models: dict[str, Path], tmp_path: Path) -> None:
     specs = [f"{m}-{s}-{g}:{tp_models[m]}:{s}:{g if g else '-'}" for m, s, g in CASES[world]]
     got = _run_ranks(world, tmp_path, specs)

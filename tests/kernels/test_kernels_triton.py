@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from child_cases import load_cases
 from glowplug.kernels import triton as triton_pkg
 
 if not triton_pkg.available():
@@ -19,15 +19,7 @@ if not triton_pkg.available():
 _SCRIPT = Path(__file__).with_name("triton_cases.py")
 
 
-def _load_cases() -> Any:
-    spec = importlib.util.spec_from_file_location("glowplug_triton_cases", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_CASES = _load_cases()
+_CASES = load_cases(_SCRIPT, "glowplug_triton_cases")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ whole decode step of a tiny int4 model), on the CPU under TRITON_INTERPRET=1 in 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from child_cases import load_cases
 from glowplug.kernels import triton as triton_pkg
 
 if not triton_pkg.available():
@@ -23,15 +23,7 @@ if not triton_pkg.available():
 _SCRIPT = Path(__file__).with_name("triton_op_cases.py")
 
 
-def _load_cases() -> Any:
-    spec = importlib.util.spec_from_file_location("glowplug_triton_op_cases", _SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_CASES = _load_cases()
+_CASES = load_cases(_SCRIPT, "glowplug_triton_op_cases")
 _OP_IDS = [c for c in _CASES.case_ids() if c.startswith("op-")]
 _TRACE_IDS = [c for c in _CASES.case_ids() if c.startswith("trace-")]
 
