@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ...engine.config import EngineConfig
 from .machine import PROBE_REPEATS, measure_probe, report_header
@@ -70,6 +70,17 @@ class DecodeBenchConfig(BaseModel):
     )  # fmt: skip
     quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
     out: Path | None = None
+
+    @field_validator("max_model_len")
+    @classmethod
+    def _lengths_hold_the_runs(cls, v: tuple[int, ...], info: ValidationInfo) -> tuple[int, ...]:
+        if not v or "prompt_tokens" not in info.data or "new_tokens" not in info.data:
+            return v  # unset, or those fields failed their own checks (reported on their own)
+        longest = max(info.data["prompt_tokens"]) + info.data["new_tokens"]
+        if min(v) < longest:
+            raise ValueError(f"{min(v)} is shorter than the longest prompt + new tokens ({longest}); pass at least "
+                             f"{longest}, or fewer --prompt-tokens/--new-tokens")
+        return v
 
 
 @dataclass
@@ -283,9 +294,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
     model_dir = None
     longest = max(cfg.prompt_tokens) + cfg.new_tokens
     device = bench_device(cfg.device)
-    lens = cfg.max_model_len or (longest,)
-    if min(lens) < longest:
-        raise ValueError(f"--max-model-len {min(lens)} is shorter than the longest prompt + new tokens ({longest})")
+    lens = cfg.max_model_len or (longest,)  # each at least `longest` (the config's validator)
     for (mode, dtype, quant, kv), max_len in ((c, n) for c in _cells(cfg) for n in lens):
         llm = LLM(
             config=EngineConfig.from_flat(

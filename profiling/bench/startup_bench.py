@@ -89,6 +89,15 @@ class StartupBenchConfig(BenchEngineFields):
         "its report, or one made on another machine.",
     )
 
+    @field_validator("from_runs")
+    @classmethod
+    def _has_runs(cls, v: Path | None) -> Path | None:
+        # Checked when the flags are read: a wrong folder is a one-line error, not a traceback after the imports.
+        if v is not None and not (v.is_dir() and (any(v.glob("cold-*.json")) or any(v.glob("warm-*.json")))):
+            raise ValueError(f"--from-runs {v} holds no cold-N.json or warm-N.json; pass the --out-dir of an "
+                             "earlier bench startup run")  # fmt: skip
+        return v
+
     @field_validator("compare_to")
     @classmethod
     def _readable(cls, v: Path | None) -> Path | None:

@@ -66,3 +66,13 @@ def test_long_context_rows_pair_their_extra_time_with_the_kv_bytes_read() -> Non
     assert by_name["extra ms over the shortest context"] == ["-", "3.00 (3.00–3.00)"]
     assert by_name["KV read at % of probe"] == ["-", "70.0 (70.0–70.0)"]
     assert "batch 64, context 8192: needs 532480 KV tokens, the cache holds 93200" in text
+
+
+def test_a_max_model_len_shorter_than_the_runs_is_refused_with_the_length_needed() -> None:
+    from pydantic import ValidationError
+    import pytest
+
+    with pytest.raises(ValidationError, match=r"64 is shorter than the longest prompt \+ new tokens \(192\); pass at "
+                       r"least 192"):
+        DecodeBenchConfig(max_model_len=(64, 8192), prompt_tokens=(64,), new_tokens=128)
+    assert DecodeBenchConfig(max_model_len=(512, 8192), prompt_tokens=(64,), new_tokens=128).max_model_len == (512, 8192)

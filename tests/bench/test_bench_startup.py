@@ -114,3 +114,5 @@ def test_bundle_flags_are_checked_before_any_run(tmp_path: Path) -> None:
         StartupBenchConfig(bundle_isa_cap="avx3")
     with pytest.raises(ValidationError, match="is not a file"):
         StartupBenchConfig(compare_to=tmp_path / "missing.json")
+    with pytest.raises(ValidationError, match="holds no cold-N.json or warm-N.json"):
+        StartupBenchConfig(from_runs=tmp_path)  # an empty folder: nothing to render
