@@ -12,6 +12,12 @@ Definitions (the report prints them under its table):
   fastest of 5) measured immediately before the same repeat. The host's memory bandwidth changes from minute to
   minute on shared machines, so every repeat carries its own probe.
 - step / batch-1: this cell's ms per step over the batch-1 cell's of the same configuration.
+- vs <peer> (transformers per --hf-dtype, llama.cpp with --peers llamacpp): paired within the run. Each repeat times
+  the glowplug cell and then every peer on the same prompt token ids, back to back after one probe; ratio_i =
+  glowplug tok/s_i / peer tok/s_i; the cell shows the median ratio and the worst pair (peers.py has each peer's
+  decode-time definition). The peers are loaded before the first cell, so they share the process with glowplug
+  (their weights are a column of the memory split).
+- memory split (memory_split.py): peak RSS = weights + KV pool + peers + rest, per cell.
 - host ms / step: per decode step, its wall time minus the time inside the model call (the compiled decode step,
   or the eager forward) and inside the sampler, as the runner books them (ModelRunner.step_times); the median over
   the run's steps. What is left is the engine's own work: scheduling, the step's input, booking the results,
@@ -31,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from ...engine.config import EngineConfig
 from .machine import PROBE_REPEATS, measure_probe, report_header
+from .peers import Peer, PeerRuns, SkippedPeer
 
 PROMPT_WORDS = (
     "glowplug", "schedules", "prefill", "chunks", "while", "decode", "steps", "stream", "tokens", "from", "a",
@@ -60,8 +67,20 @@ class DecodeBenchConfig(BaseModel):
     new_tokens: int = Field(128, ge=4, le=4096)
     repeats: int = Field(3, ge=1, le=50, description="Timed runs per cell (median and min-max are reported).")
     quantize_lm_head: bool = True
-    compare_hf: bool = Field(True, description="Time transformers' generate on the same prompts (fp32 on a CPU, bf16 "
-                             "on a GPU).")
+    compare_hf: bool = Field(True, description="Time transformers' generate on the same prompts, paired with every "
+                             "glowplug run at the first context (one peer per --hf-dtype).")
+    hf_dtype: tuple[Literal["auto", "float32", "bfloat16", "float16"], ...] = Field(
+        ("auto",), min_length=1,
+        description="transformers peer dtypes, one column each (auto: fp32 on a CPU, bf16 on a GPU).",
+    )  # fmt: skip
+    peers: tuple[Literal["llamacpp"], ...] = Field(
+        (), description="Other peers, paired like transformers (llamacpp: llama-cpp-python on the same GGUF, the "
+        "threads torch uses, batch 1 only; its column says why when it cannot run).",
+    )  # fmt: skip
+    group_size: int | None = Field(
+        None, description="Quantization group size for the int8/int4/int2 cells (32, 64, 128, 256; int2: 128); "
+        "unset: the engine's default. Other formats ignore it.",
+    )  # fmt: skip
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where both engines run (auto: CUDA if "
                                                    "torch sees a GPU).")
     max_model_len: tuple[Annotated[int, Field(ge=16)], ...] = Field(
@@ -104,7 +123,12 @@ class DecodeRow:
     prefill_ms: list[float] = field(default_factory=list)  # whole batch: requests added -> every first token
     host_ms: list[float] = field(default_factory=list)  # median host ms per decode step of each run (see above)
     peak_gb: list[float] = field(default_factory=list)  # process RSS high-water mark during each timed run
-    hf_tokens_per_s: float | None = None  # median of transformers at the same batch (set after the run)
+    run_at: list[str] = field(default_factory=list)  # each timed run's start, seed 003's YYYYmmddHHMMSS stamp
+    peers: list[PeerRuns] = field(default_factory=list)  # peers timed back to back with each run (peers.py)
+    weights_gb: float | None = None  # memory split (memory_split.py): tensors the model holds
+    kv_pool_gb: float | None = None  # the engine's KV cache tensors
+    peers_gb: float | None = None  # peer models resident in the same process
+    rss_before_gb: float | None = None  # process RSS just before this cell's engine was built
     batch1_step_ms: float | None = None  # median step of the same configuration at batch 1
     notes: list[str] = field(default_factory=list)
 
@@ -122,12 +146,20 @@ class DecodeRow:
             return []
         return [self.mb_per_token / 1e3 / (ms / 1e3) / p for ms, p in zip(self.step_ms, self.probe_gbps)]
 
+    @property
+    def rest_gb(self) -> list[float]:
+        """Per run: peak minus weights, KV pool and peers (memory_split.py)."""
+        if self.weights_gb is None or self.kv_pool_gb is None:
+            return []
+        return [p - self.weights_gb - self.kv_pool_gb - (self.peers_gb or 0.0) for p in self.peak_gb]
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if self.skipped:
             return d
         d.update(median_tokens_per_s=self.tps, median_step_ms=self.ms, probe_share=self.shares,
-                 model_size_mb=self.mb_per_token)
+                 model_size_mb=self.mb_per_token, rest_gb=self.rest_gb,
+                 peer_ratios={p.label: p.ratios(self.tokens_per_s) for p in self.peers})  # fmt: skip
         return d
 
 
@@ -215,30 +247,6 @@ def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -
     return EngineDecodeTiming(generated / elapsed, elapsed / max(steps, 1) * 1000, prefill_ms, host_ms)
 
 
-def time_hf_decode(model: Any, prompts: list[list[int]], new_tokens: int, pad_id: int) -> tuple[float, float]:
-    import torch
-
-    dev = next(model.parameters()).device
-    ids = torch.tensor(prompts, device=dev)
-    mask = torch.ones_like(ids)
-    kw = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id)
-
-    def now() -> float:  # generate returns once its tokens are on the host, but be explicit on a GPU
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return time.perf_counter()
-
-    with torch.inference_mode():
-        t0 = now()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        t1 = now()
-        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
-        t2 = now()
-    decode = (t2 - t1) - (t1 - t0)
-    steps = new_tokens - 1
-    return len(prompts) * steps / decode, decode / steps * 1000
-
-
 def _cells(cfg: DecodeBenchConfig) -> list[tuple[str, str, str, str]]:
     """(compile, dtype, quantization, kv-cache dtype) in run order: unquantized in every dtype, quantized in the
     first dtype (so each quantized row has its bf16 baseline at the same dtype and compile mode), each KV dtype."""
@@ -272,11 +280,77 @@ def bench_device(choice: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def hf_peer_dtype(device: str) -> Any:
+def hf_peer_dtype(device: str, choice: str = "auto") -> Any:
     """transformers' dtype: bf16 on a GPU (what its users serve in there), fp32 on a CPU (its fast dtype there)."""
     import torch
 
+    if choice != "auto":
+        return getattr(torch, choice)
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def load_peers(cfg: DecodeBenchConfig, device: str) -> list[Peer]:
+    """Every requested peer, loaded once before the first glowplug cell (each is then timed inside every cell)."""
+    if not cfg.compare_hf and not cfg.peers:
+        return []
+    import torch
+
+    from ...engine.models.store import resolve_model
+    from .peers import load_hf_peers, load_llamacpp_peer
+
+    model_dir = resolve_model(cfg.model, quiet=True)
+    out: list[Peer] = []
+    if cfg.compare_hf:
+        dtypes = list(dict.fromkeys(hf_peer_dtype(device, d) for d in cfg.hf_dtype))
+        out += load_hf_peers(model_dir, dtypes, device)
+    if "llamacpp" in cfg.peers:
+        if device != "cpu":
+            out.append(SkippedPeer("llama.cpp", f"the bench runs on {device}; the llama.cpp peer is CPU-only here"))
+        else:
+            n_ctx = cfg.prompt_tokens[0] + cfg.new_tokens + 16
+            out.append(load_llamacpp_peer(model_dir, n_ctx=n_ctx, n_threads=torch.get_num_threads()))
+    return out
+
+
+def _engine_fields(cfg: DecodeBenchConfig, mode: str, dtype: str, quant: str, kv: str, max_len: int,
+                   device: str) -> dict[str, Any]:  # fmt: skip
+    fields: dict[str, Any] = dict(
+        model=cfg.model, dtype=dtype, quantization=quant, compile=mode, max_model_len=max_len,
+        max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=2048,  # long prompts: chunked
+        quantize_lm_head=cfg.quantize_lm_head, kv_cache_dtype=kv, device=device,
+    )  # fmt: skip
+    if cfg.group_size is not None and quant in ("int8", "int4", "int2"):
+        fields["group_size"] = cfg.group_size  # the engine refuses a group size on the other formats
+    return fields
+
+
+def _time_cell(engine: Any, row: DecodeRow, prompts: list[list[int]], cfg: DecodeBenchConfig, device: str,
+               peers: list[Peer]) -> None:  # fmt: skip
+    """The cell's repeats; at the peer context each repeat also times every peer right after glowplug's run."""
+    from datetime import datetime
+
+    from ..memory import PeakMemory
+
+    paired = row.context == cfg.prompt_tokens[0]
+    if paired:
+        row.peers = [PeerRuns(p.label, skipped=p.skip_reason(row.batch) or "") for p in peers]
+    for _ in range(cfg.repeats):
+        row.probe_gbps.append(measure_probe(device=device))
+        row.run_at.append(datetime.now().strftime("%Y%m%d%H%M%S"))
+        with PeakMemory(device) as window:
+            timing = time_engine_decode(engine, prompts, cfg.new_tokens)
+        assert window.snapshot is not None
+        row.peak_gb.append(window.snapshot.peak_bytes / 1e9)
+        row.tokens_per_s.append(timing.tokens_per_s)
+        row.step_ms.append(timing.step_ms)
+        row.prefill_ms.append(timing.prefill_ms)
+        row.host_ms.append(timing.host_ms)
+        for peer, runs in zip(peers if paired else [], row.peers):
+            if runs.skipped:
+                continue
+            tps, step_ms = peer.time_decode(prompts, cfg.new_tokens)
+            runs.tokens_per_s.append(tps)
+            runs.step_ms.append(step_ms)
 
 
 def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
@@ -284,31 +358,26 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
 
     from ...engine.llm import LLM
     from ...kernels.native import loaded_level
-    from ..memory import PeakMemory
+    from ..memory import current_rss
+    from .memory_split import held_weight_bytes, kv_pool_bytes
 
     if cfg.compare_hf:
-        # transformers is an extra: say so now, not after the glowplug rows' minutes. It is imported only where the
-        # peer runs, after them, so that the glowplug rows run in a process without it, as the server does.
         require_extra(("transformers",), "bench decode's transformers peer (--no-compare-hf skips it)", "bench")
     rows: list[DecodeRow] = []
-    model_dir = None
     longest = max(cfg.prompt_tokens) + cfg.new_tokens
     device = bench_device(cfg.device)
     lens = cfg.max_model_len or (longest,)  # each at least `longest` (the config's validator)
+    # Loaded before the first cell: a paired ratio needs the peer next to every glowplug run.
+    peers = load_peers(cfg, device)
+    peers_gb = sum(p.held_bytes for p in peers) / 1e9
     for (mode, dtype, quant, kv), max_len in ((c, n) for c in _cells(cfg) for n in lens):
-        llm = LLM(
-            config=EngineConfig.from_flat(
-                model=cfg.model, dtype=dtype, quantization=quant, compile=mode, max_model_len=max_len,
-                max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=2048,  # long prompts: chunked
-                quantize_lm_head=cfg.quantize_lm_head, kv_cache_dtype=kv, device=device,
-            )
-        )  # fmt: skip
+        rss_before = current_rss() / 1e9
+        llm = LLM(config=EngineConfig.from_flat(**_engine_fields(cfg, mode, dtype, quant, kv, max_len, device)))
         # The server commits its KV pool (resident, on huge pages) right after READY; a fresh offline pool instead
         # commits 4 KiB per first write, and the block manager's least-recently-freed order walks the whole pool,
         # so every run here would page-fault on fresh pages for a while. Committing measures the serving steady
         # state (engine/host_memory.py says why the offline LLM does not commit on its own).
         llm.engine.commit_kv_cache()
-        model_dir = llm.startup.model_dir
         resolved = str(llm.startup.dtype).removeprefix("torch.")
         compiled = llm.engine.runner.decode_step is not None
         wbytes = weight_bytes_per_token(llm.engine.model, compiled)
@@ -328,20 +397,15 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
                 prompts = make_prompts(llm.tokenizer, batch, context)
                 row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6, kv, groups,
                                 context=context, level=level, max_model_len=max_len,
-                                kv_mb=per_token * (context + cfg.new_tokens / 2) / 1e6)  # fmt: skip
+                                kv_mb=per_token * (context + cfg.new_tokens / 2) / 1e6,
+                                peers_gb=peers_gb, rss_before_gb=rss_before)  # fmt: skip
                 if batch > llm.engine.runner.max_decode_batch and compiled:
                     row.notes.append("above the compiled batch sizes: eager steps")
                 time_engine_decode(llm.engine, prompts[: min(batch, 2)], 8)  # warm this batch shape's allocations
-                for _ in range(cfg.repeats):
-                    row.probe_gbps.append(measure_probe(device=device))
-                    with PeakMemory(device) as window:
-                        timing = time_engine_decode(llm.engine, prompts, cfg.new_tokens)
-                    assert window.snapshot is not None
-                    row.peak_gb.append(window.snapshot.peak_bytes / 1e9)
-                    row.tokens_per_s.append(timing.tokens_per_s)
-                    row.step_ms.append(timing.step_ms)
-                    row.prefill_ms.append(timing.prefill_ms)
-                    row.host_ms.append(timing.host_ms)
+                # After the warm run: an eager layer prepares its kernel states on its first forward.
+                row.weights_gb = held_weight_bytes(llm.engine.model) / 1e9
+                row.kv_pool_gb = kv_pool_bytes(llm.engine) / 1e9
+                _time_cell(llm.engine, row, prompts, cfg, device, peers)
                 rows.append(row)
         for row in rows:  # each row's batch-1 step: same configuration and context
             if (row.compile == mode and row.quantization == quant and row.kv_cache_dtype == kv and not row.skipped
@@ -359,90 +423,113 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
 
             gc.collect()
             torch.cuda.empty_cache()
-    if cfg.compare_hf and model_dir is not None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from ...engine.models.store import transformers_args
-
-        where, kw = transformers_args(model_dir)  # a folder prepared from a GGUF: transformers reads the GGUF
-        hf_dtype = hf_peer_dtype(device)
-        hf = AutoModelForCausalLM.from_pretrained(where, dtype=hf_dtype, **kw).to(device).eval()
-        tok = AutoTokenizer.from_pretrained(where, **kw)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        context = cfg.prompt_tokens[0]  # the peer at the first context only: fp32 generate at long ones takes minutes
-        for batch in cfg.batch_sizes:
-            row = DecodeRow("transformers", "-", str(hf_dtype).removeprefix("torch."), "none", batch, [], [], [],
-                            context=context)  # fmt: skip
-            prompts = make_prompts(tok, batch, context)
-            time_hf_decode(hf, prompts[:1], 4, pad)
-            for _ in range(cfg.repeats):
-                row.probe_gbps.append(measure_probe(device=device))
-                tps, step_ms = time_hf_decode(hf, prompts, cfg.new_tokens, pad)
-                row.tokens_per_s.append(tps)
-                row.step_ms.append(step_ms)
-            rows.append(row)
-        hf_tps = {r.batch: r.tps for r in rows if r.engine == "transformers"}
-        for r in rows:
-            if r.engine == "glowplug" and r.context == context and not r.skipped:
-                r.hf_tokens_per_s = hf_tps.get(r.batch)
     return rows
 
 
+def _paired(a: list[float], b: list[float]) -> str:
+    """a_i / b_i in run order: "median x (worst w x)"; the worst pair is the smallest ratio."""
+    from .peers import PairedRatio, fmt_ratio
+
+    pairs = [x / y for x, y in zip(a, b)]
+    return fmt_ratio(PairedRatio(statistics.median(pairs), min(pairs), len(pairs))) if pairs else "-"
+
+
 def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[str] | None) -> str:
+    from .peers import fmt_ratio, paired_ratio
     from .quality import flag_note, load_flags
+    from .run_lines import run_lines
     from .tables import fmt_spread
 
     flags = load_flags(cfg.quality_from)
-    measured = [r for r in rows if not r.skipped]
+    measured = [r for r in rows if not r.skipped and r.engine == "glowplug"]
     probes = [p for r in measured for p in r.probe_gbps]
     contexts = ", ".join(str(c) for c in cfg.prompt_tokens)
-    hf_label = next((r.dtype for r in measured if r.engine == "transformers"), "fp32").replace("float32", "fp32")
+    labels = list(dict.fromkeys(p.label for r in measured for p in r.peers))
+    probe_text = (f"median {statistics.median(probes):.1f} GB/s, {min(probes):.1f}-{max(probes):.1f}" if probes
+                  else "no runs")  # fmt: skip
     lines = [
         report_header("Decode throughput", argv),
         f"Model `{cfg.model}`, context (prompt tokens) {contexts}, {cfg.new_tokens} new tokens per sequence, greedy, "
-        f"{cfg.repeats} runs per cell. Streaming-read probe in this run (fastest of {PROBE_REPEATS} sums over 1 GiB, "
-        f"re-measured before every run): median {statistics.median(probes):.1f} GB/s, "
-        f"{min(probes):.1f}-{max(probes):.1f}.",
+        f"n={cfg.repeats} runs per cell. Streaming-read probe in this run (fastest of {PROBE_REPEATS} sums over 1 GiB, "
+        f"re-measured before every run): {probe_text}. Peers at context {cfg.prompt_tokens[0]}, paired with every run.",
         "",
         "| engine | ISA level | compile | dtype | quantization | group | KV cache | max model len | batch | context "
-        "| decode tok/s "
-        "| ms / step | host ms / step | prefill ms | peak mem GB | model_size MB | GB/s | % of probe "
+        "| decode tok/s | ms / step | host ms / step | prefill ms | peak mem GB | weights GB | KV pool GB "
+        "| peers GB | rest GB | RSS before the engine GB | model_size MB | GB/s | % of probe "
         "| KV MB / step | extra ms over the shortest context | KV read at % of probe "
-        f"| vs bf16 (same dtype, compile) | vs transformers {hf_label} | step / batch-1 step |",
-        "|---|---|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| vs bf16 (same dtype, compile) | " + "".join(f"vs {lb} | " for lb in labels) + "step / batch-1 step |",
+        "|---|---|---|---|---|---|---|" + "---:|" * (21 + len(labels)),
     ]
     for r in measured:
-        mb = f"{r.mb_per_token:.1f}" if r.mb_per_token is not None else ""
-        share = fmt_spread([100 * s for s in r.shares], 1) if r.shares else ""
-        hf = f"{r.tps / r.hf_tokens_per_s:.2f}x" if r.hf_tokens_per_s else "-"
+        mb = f"{r.mb_per_token:.1f}" if r.mb_per_token is not None else "-"
+        share = fmt_spread([100 * s for s in r.shares], 1) if r.shares else "-"
+        by_label = {p.label: p for p in r.peers}
+        vs_peers = "".join(
+            f"{fmt_ratio(paired_ratio(r.tokens_per_s, by_label[lb]), by_label[lb].skipped)} | " if lb in by_label
+            else "- | " for lb in labels)  # fmt: skip
         gbps = fmt_spread([r.mb_per_token / ms for ms in r.step_ms], 1) if r.mb_per_token is not None else "-"
-        base = next((b for b in measured if b.engine == r.engine and b.quantization == "none" and b.dtype == r.dtype
-                     and b.compile == r.compile and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch
-                     and b.context == r.context and b.max_model_len == r.max_model_len), None)  # fmt: skip
-        vs_bf16 = f"{r.tps / base.tps:.2f}x" if base is not None and r.quantization != "none" else "-"
+        base = next((b for b in measured if b.quantization == "none" and b.dtype == r.dtype and b.compile == r.compile
+                     and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch and b.context == r.context
+                     and b.max_model_len == r.max_model_len), None)  # fmt: skip
+        vs_bf16 = _paired(r.tokens_per_s, base.tokens_per_s) if base is not None and r.quantization != "none" else "-"
         prefill = fmt_spread(r.prefill_ms, 1) if r.prefill_ms else "-"
-        host = fmt_spread(r.host_ms, 3) if r.host_ms else "-"  # transformers' generate has no such split
+        host = fmt_spread(r.host_ms, 3) if r.host_ms else "-"
         peak = fmt_spread(r.peak_gb, 2) if r.peak_gb else "-"
-        scale = f"{r.ms / r.batch1_step_ms:.2f}x" if r.batch1_step_ms and r.batch != 1 else ""
+        split = [f"{v:.3f}" if v is not None else "-" for v in (r.weights_gb, r.kv_pool_gb, r.peers_gb)]
+        rest = fmt_spread(r.rest_gb, 2) if r.rest_gb else "-"
+        before = f"{r.rss_before_gb:.2f}" if r.rss_before_gb is not None else "-"
+        scale = f"{r.ms / r.batch1_step_ms:.2f}x" if r.batch1_step_ms and r.batch != 1 else "-"
         kv_mb = f"{r.kv_mb * r.batch:.1f}" if r.kv_mb is not None else "-"
         extra, kv_share = _long_context(r, measured)
         note = f" ({'; '.join(r.notes)})" if r.notes else ""
         lines.append(
             f"| {r.engine} | {r.level} | {r.compile} | {r.dtype} | {r.quantization}"
             f"{' ' + flags[r.quantization] if r.quantization in flags else ''} | {r.group_size} | {r.kv_cache_dtype} "
-            f"| {r.max_model_len or '-'} | {r.batch} | {r.context} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(r.step_ms, 2)} | {host} "
-            f"| {prefill} | {peak} | {mb or '-'} | {gbps} | {share or '-'} | {kv_mb} | {extra} | {kv_share} "
-            f"| {vs_bf16} | {hf} | {scale or '-'}{note} |"
+            f"| {r.max_model_len or '-'} | {r.batch} | {r.context} | {fmt_spread(r.tokens_per_s, 1)} "
+            f"| {fmt_spread(r.step_ms, 2)} | {host} | {prefill} | {peak} | {' | '.join(split)} | {rest} | {before} "
+            f"| {mb} | {gbps} | {share} | {kv_mb} | {extra} | {kv_share} | {vs_bf16} | {vs_peers}{scale}{note} |"
         )
+    lines += _peer_table(measured)
     lines += _max_len_table(measured)
     left_out = [r for r in rows if r.skipped]
     if left_out:
         lines += ["", "Left out (the KV cache cannot hold the batch at that context):"]
         lines += [f"- {r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}, context "
                   f"{r.context}: {r.skipped}" for r in left_out]  # fmt: skip
-    lines += ["", *[f"- {line}" for line in DEFINITIONS], *([f"- {flag_note(flags)}"] if flags else []), ""]
-    return "\n".join(lines)
+    lines += ["", *[f"- {line}" for line in DEFINITIONS], *([f"- {flag_note(flags)}"] if flags else [])]
+    device = bench_device(cfg.device) if cfg.device != "auto" else "cpu"
+    per_run = [line for r in measured for line in run_lines(r, cfg, device)]
+    if per_run:
+        lines += ["", "Per-run lines (seed 003's generate.py format: one line per timed run; mem/s = model_size over "
+                  "that run's ms / step, peak_mem = that run's RSS high-water mark, cache_size = max model len):",
+                  "", "```text", *per_run, "```"]  # fmt: skip
+    return "\n".join([*lines, ""])
+
+
+def _peer_table(rows: list[DecodeRow]) -> list[str]:
+    """Each peer's own tok/s inside each glowplug cell, beside glowplug's runs it is paired with."""
+    from .peers import paired_ratio
+    from .tables import fmt_spread
+
+    body = []
+    for r in rows:
+        for p in r.peers:
+            if p.skipped:
+                body.append(f"| {r.compile} | {r.dtype} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} "
+                            f"| {r.context} | {p.label} | {fmt_spread(r.tokens_per_s, 1)} | skipped: {p.skipped} "
+                            "| - | - | - |")  # fmt: skip
+                continue
+            ratio = paired_ratio(r.tokens_per_s, p)
+            assert ratio is not None
+            body.append(f"| {r.compile} | {r.dtype} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} | {r.context} "
+                        f"| {p.label} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(p.tokens_per_s, 1)} "
+                        f"| {fmt_spread(p.step_ms, 2)} | {ratio.median:.2f}x | {ratio.worst:.2f}x |")  # fmt: skip
+    if not body:
+        return []
+    return ["", "Peers, paired run by run (each peer ran right after glowplug's run i, on the same prompts):", "",
+            "| compile | dtype | quantization | KV cache | batch | context | peer | glowplug tok/s | peer tok/s "
+            "| peer ms / step | ratio median | worst pair |", "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+            *body]  # fmt: skip
 
 
 def _max_len_table(rows: list[DecodeRow]) -> list[str]:
@@ -497,17 +584,29 @@ DEFINITIONS = (
     "host ms / step: the median decode step's wall time minus its model call (compiled step or eager forward) and "
     "its sampler: the engine's own work per step (scheduling, inputs, booking, detokenizing, outputs).",
     "prefill ms: requests added -> every sequence of the batch has its first token (seed 000's prefill column).",
-    "peak mem GB: the process's RSS high-water mark during the run (seed 003's peak_mem; VmHWM reset per run). "
-    "glowplug's KV pool is committed before the runs, as the server commits it after READY, so this includes the "
-    "whole pool (on the CPU at most 2 GiB by default).",
+    "peak mem GB: the process's RSS high-water mark during glowplug's run (seed 003's peak_mem; VmHWM reset per "
+    "run). glowplug's KV pool is committed before the runs, as the server commits it after READY, so this includes "
+    "the whole pool (on the CPU at most 2 GiB by default), and the peers' weights loaded in the same process.",
+    "memory split: weights GB = the distinct tensor storages the model holds (parameters, buffers, the quantized "
+    "layers' prepared kernel states); KV pool GB = the engine's KV cache tensors; peers GB = the peer models in "
+    "the process (transformers' parameters, llama.cpp's mmapped GGUF); rest GB = peak - those three, per run "
+    "(torch and libraries, activations, compiled graphs, and allocator pages kept from earlier cells). RSS before "
+    "the engine GB: the process's RSS just before this cell's engine was built; it grows over a report's cells.",
     "GB/s: model_size over ms / step, the weight bandwidth achieved (seed 003's mem/s; KV reads not included).",
-    "group: the quantized layers' group sizes (channel = one scale per output row); KV cache int8: quantized KV.",
-    "vs bf16: decode tok/s over the unquantized row at the same dtype, compile mode, KV dtype and batch.",
+    "group: the quantized layers' group sizes as loaded (channel = one scale per output row; --group-size sets the "
+    "int8/int4/int2 cells'); KV cache int8: quantized KV.",
+    "vs bf16: decode tok/s over the unquantized row at the same dtype, compile mode, KV dtype, batch and context, "
+    "run i over run i (median, and the worst pair = the smallest ratio). The two cells ran in different engines "
+    "minutes apart, so this pairing is by run order, not back to back like the peers'.",
     "model_size MB: seed 003's model_size, the weight bytes one batch-1 decode step reads through the kernels the path runs (compile on: "
     "glowplug's native layouts; off: the eager dispatcher's), LM head included.",
     "% of probe: GB/s as a percentage of the streaming-read probe measured right before the same run.",
-    "vs transformers: decode tok/s over transformers' `generate` at the same batch on the same prompts and device (fp32 "
-    "on a CPU, bf16 on a GPU).",
+    "vs <peer>: paired within the run. Each repeat i times this glowplug cell, then each peer on the same prompt "
+    "token ids, back to back after one probe; ratio_i = glowplug tok/s_i / peer tok/s_i; the cell shows the median "
+    "ratio, the worst pair (the smallest ratio, what a verdict uses) and n. Peers run at the first context only. "
+    "transformers: `generate` (greedy) in the column's dtype, decode time = generate(N) - generate(1). llama.cpp: "
+    "llama-cpp-python on the GGUF the engine loaded, n_threads = torch's threads, greedy; the prompt's eval and "
+    "first token are the prefill, decode time = the next N - 1 single-token evals and samples; batch 1 only.",
     "max model len: the engine's --max-model-len; a step's time should follow the context held, not this (see "
     "the paired table below the main one when there are several).",
     "step / batch-1 step: this cell's ms per step over the batch-1 cell of the same configuration and context.",
