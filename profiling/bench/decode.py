@@ -497,8 +497,7 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
         lines += [f"- {r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}, context "
                   f"{r.context}: {r.skipped}" for r in left_out]  # fmt: skip
     lines += ["", *[f"- {line}" for line in DEFINITIONS], *([f"- {flag_note(flags)}"] if flags else [])]
-    device = bench_device(cfg.device) if cfg.device != "auto" else "cpu"
-    per_run = [line for r in measured for line in run_lines(r, cfg, device)]
+    per_run = [line for r in measured for line in run_lines(r, cfg, bench_device(cfg.device))]
     if per_run:
         lines += ["", "Per-run lines (seed 003's generate.py format: one line per timed run; mem/s = model_size over "
                   "that run's ms / step, peak_mem = that run's RSS high-water mark, cache_size = max model len):",
@@ -528,7 +527,8 @@ def _peer_table(rows: list[DecodeRow]) -> list[str]:
         return []
     return ["", "Peers, paired run by run (each peer ran right after glowplug's run i, on the same prompts):", "",
             "| compile | dtype | quantization | KV cache | batch | context | peer | glowplug tok/s | peer tok/s "
-            "| peer ms / step | ratio median | worst pair |", "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+            "| peer ms / step | ratio median | worst pair |",
+            "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
             *body]  # fmt: skip
 
 

@@ -175,13 +175,14 @@ def test_memory_split_columns_and_rest_per_run() -> None:
 def test_seed_003_lines_one_per_run_with_their_own_numbers_and_a_repro() -> None:
     row = _row([100.0, 125.0], quant="int4")  # steps of 10 and 8 ms, 50 MB per step
     row.group_size = "g128"
-    cfg = DecodeBenchConfig(compare_hf=False, group_size=128, new_tokens=16)
+    cfg = DecodeBenchConfig(compare_hf=False, group_size=128, new_tokens=16, device="cpu")
     text = render_markdown([row], cfg, None)
     lines = [line for line in text.splitlines() if ", tok/s=" in line]
     assert len(lines) == 2
     pat = re.compile(r"^(\d{14}), tok/s=\s*([\d.]+), mem/s=\s*([\d.]+) GB/s, peak_mem=\s*([\d.]+) GB, "
                      r"model_size=([\d.]+) GB quant: int4, group: g128, .*kv_quant: False, compile: True, "
-                     r"dtype: torch.bfloat16, device: cpu, batch: 1, context: 64, cache_size: 192 repro: (.*)$")  # fmt: skip
+                     r"dtype: torch.bfloat16, device: cpu, batch: 1, context: 64, cache_size: 192 "
+                     r"repro: (.*)$")  # fmt: skip
     got = [pat.match(line) for line in lines]
     assert all(got), lines
     assert [float(m.group(2)) for m in got] == [100.0, 125.0]
