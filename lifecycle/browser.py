@@ -1,7 +1,7 @@
 """How glowplug's own tools open the start-up page in a real browser: Debian's chromium (`chromium` on PATH, or
 GLOWPLUG_CHROMIUM), driven headless by Playwright; Playwright's own browser download is never used. The page tests
-(tests/lifecycle/page_support.py) and scripts/page_screenshot.py launch it the same way from here. The server never
-imports this module.
+(tests/lifecycle/page_support.py) and `glowplug bench screenshots` (profiling/bench/screenshots.py, which
+scripts/page_screenshot.py wraps) launch it the same way from here. The server never imports this module.
 """
 
 from __future__ import annotations

@@ -3,7 +3,13 @@
 Each report is its own `glowplug ...` command run in a fresh process (so one report's memory, compiled graphs or
 threads never colour the next one's timings, and each child's peak RSS is that report's own), writing under
 DIR. DIR/README.md lists, per report, the exact command that made it, its exit status, wall time and peak RSS,
-with the commit hash, the machine (CPU model, cores, the streaming-read bandwidth probe) and the date.
+under one header: the run's full commit, the machine (CPU model, cores, the streaming-read bandwidth probe) and the
+date.
+
+The code is pinned: the run refuses a tree whose tracked files differ from HEAD (outside DIR, whose committed
+reports an earlier chunk rewrites) unless --allow-dirty, and then says DIRTY RUN in the index and on every report.
+The commit and dirty state are measured once, before the first report, and handed to every report process
+(GLOWPLUG_BENCH_COMMIT, GLOWPLUG_BENCH_DIRTY), whose header prints them.
 
 Order, and why:
   1. accuracy          perplexity per scheme vs bf16 first: every later table flags a scheme above 2x bf16's
@@ -12,25 +18,33 @@ Order, and why:
   3. decode            bf16 vs transformers on the same prompts, compile on and off
   4. decode-quantized  decode and prefill per format and batch (bf16, compile on and off)
   5. decode-kv         tok/s, GB/s, KV-quant (int8 KV) and compiled rows at batch 1
-  6. throughput        named configurations x schemes, 3 runs, Output Throughput without prefill
-  7. latency           TGI-style tables (prefill, decode token, decode total) per quantization
-  8. tune              max-model-len sweep and plan
-  9. startup           N cold and N warm starts (`glowplug bench startup`)
-  10. cache-verify     cost of verifying a warm cache hit
-  11. serve            HTTP serving sweep (closed loop at 1, 8 and 32 clients): TTFT/TPOT/ITL/E2E, throughput
-  12. serve-efficiency the same requests over HTTP and offline: server / offline throughput
-  13. serve-overload   capacity, the sustainable rate, then 4x that rate: 429s and admitted p99 TTFT
-  14. serve-fuzz       schemathesis over the server's OpenAPI document
-  15. serve-soak       a minute of mixed streams with hang-ups, then leak and counter checks
-  16. serve-hostile    a 20 MB prompt refused under load, the hostile corpus, the limits' cost on throughput
+  6. decode-context    the decode step at contexts up to 8,192 tokens
+  7. decode-isa        decode at the avx2 level (capped), every dtype, vs transformers
+  8. decode-portable   decode at the portable level (capped)
+  9. throughput        named configurations x schemes, 3 runs, Output Throughput without prefill
+  10. latency          TGI-style tables (prefill, decode token, decode total) per quantization
+  11. tune             max-model-len sweep and plan
+  12. startup          N cold and N warm starts (`glowplug bench startup`)
+  13. screenshots      the live start-up page of a real `glowplug serve`: starting, READY, phone, under load
+                       (`glowplug bench screenshots`; each png is stamped with the commit and date)
+  14. cache-verify     cost of verifying a warm cache hit
+  15. serve            HTTP serving sweep (closed loop at 1, 8, 32 and 64 clients): TTFT/TPOT/ITL/E2E, throughput
+  16. serve-efficiency the same requests over HTTP and offline: server / offline throughput
+  17. serve-overload   capacity, the sustainable rate, then 4x that rate: 429s and admitted p99 TTFT
+  18. serve-fuzz       schemathesis over the server's OpenAPI document
+  19. serve-soak       two minutes of mixed streams with hang-ups, then leak and counter checks
+  20. serve-hostile    a 20 MB prompt refused under load, the hostile corpus, the limits' cost on throughput
 The serve reports come last: each starts its own server, and none of the in-process tables above should share
 the cores with one.
 `--quick` shrinks repeats and sizes to a smoke test: the README and every command line say so, and its numbers
 are not measurements.
 
-`--only NAME,NAME` / `--skip NAME,NAME` run a subset (in the fixed order), so the full set can be run in chunks. Each
-report's outcome is kept in DIR/bench-all.json; README.md is regenerated from it after every report, so a chunk
-adds to the README instead of replacing it, and every report's command is listed, run or not yet.
+`--only NAME,NAME` / `--skip NAME,NAME` run a subset (in the fixed order), so the full set can be run in chunks.
+The index describes ONE run: a run without --only starts it afresh (DIR/bench-all.json's earlier outcomes go); a
+--only chunk adds its reports to it when it runs the same clean commit. A chunk at another commit (or any dirty
+chunk: its code cannot be shown to be the same) becomes the index's run, and the README then says at its top that
+the reports come from more than one commit and which report came from which. README.md is regenerated from
+bench-all.json after every report, and every report's command is listed, run or not yet.
 """
 
 from __future__ import annotations
@@ -49,7 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 STEP_NAMES: tuple[str, ...] = (
     "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "decode-context", "decode-isa",
-    "decode-portable", "throughput", "latency", "tune", "startup",
+    "decode-portable", "throughput", "latency", "tune", "startup", "screenshots",
     "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak", "serve-hostile",
 )  # fmt: skip
 SIDECAR = "bench-all.json"  # every report's last outcome in DIR; README.md is rendered from it
@@ -66,6 +80,8 @@ class BenchAllConfig(BaseModel):
     skip: tuple[str, ...] = Field((), description="Run every report but these (combines with --only).")
     quantization: tuple[str, ...] = Field(("int8", "int4", "int2", "w8a8"), description="Schemes besides none.")
     timeout_s: float = Field(3600.0, gt=0, description="Per report.")
+    allow_dirty: bool = Field(False, description="Run although tracked files differ from HEAD (outside --out); the "
+                              "index and every report then say DIRTY RUN.")
 
     def steps(self) -> list[str]:
         """The selected reports, in the fixed order (an unknown name fails: a typo must not silently skip one)."""
@@ -181,6 +197,13 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
         "startup": Step("startup", ["bench", "startup", m, "--runs", reps, "--tracing-runs", "2" if q else "80",
                                       *_startup_out(o / "startup")],
                         ["startup/startup.md"], "cold and warm starts: per-phase statistics and time to READY"),
+        # After startup: the page's ghosts and ETA come from the earlier starts of the same config. 16 clients put
+        # visible traffic on the serving charts; the load is stopped once its screenshot is taken.
+        "screenshots": Step("screenshots", ["bench", "screenshots", m, "--under-load", "2" if q else "16",
+                                            "--out", str(o / "screenshots")],
+                            [f"screenshots/{n}" for n in ("page.png", "page-phone.png", "page-serving.png",
+                                                          "screenshots.json")],
+                            "the live start-up page (starting, READY, phone, under load), stamped with the commit"),
         "cache-verify": Step("cache-verify", ["bench", "cache-verify", m, "--out", str(o / "cache-verify.md")],
                              ["cache-verify.md"], "cost of verifying a warm cache hit, quick vs full"),
         # The issue's loads (1, 8, 32, 64); 64 prompts, so that concurrency 64 has that many in flight. About 5
@@ -241,13 +264,29 @@ class StepResult:
     error: str | None = None
 
 
-def run_step(step: Step, timeout_s: float, log: Path, out: Path) -> StepResult:
-    """Run one report command in a fresh process; its peak RSS comes from the kernel's accounting of that child."""
+class DirtyTreeError(RuntimeError):
+    """The tree differs from HEAD and --allow-dirty was not given: nothing ran."""
+
+
+def _last_line(log: Path) -> str:
+    """The last non-empty line a failed report printed (its reason, for a command that exits with one), made safe
+    for a Markdown table cell."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:240].replace("|", "\\|").replace("`", "'") if lines else ""
+
+
+def run_step(step: Step, timeout_s: float, log: Path, out: Path, run_env: dict[str, str] | None = None) -> StepResult:
+    """Run one report command in a fresh process; its peak RSS comes from the kernel's accounting of that child.
+    `run_env` is what the whole run hands every report (its commit and dirty state)."""
     cmd = [sys.executable, "-m", "glowplug.cli", *step.argv]
     t0 = time.perf_counter()
     started = time.time() - 1.0  # file mtimes are wall-clock; 1 s of slack for coarse filesystem timestamps
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **step.env})
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(run_env or {}), **step.env})  # fmt: skip
         deadline = t0 + timeout_s
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -267,62 +306,97 @@ def run_step(step: Step, timeout_s: float, log: Path, out: Path) -> StepResult:
         # A serve mode exits 1 when its own check fails (overload, soak, efficiency) after writing its report:
         # say the report exists, so a FAIL verdict is not mistaken for a crash.
         written = all((out / o).is_file() and (out / o).stat().st_mtime >= started for o in step.outputs)
+        reason = _last_line(log)  # e.g. `bench screenshots`: "no chromium found: ..."
         err = (f"report written, exit {proc.returncode} (a check in it failed; see the report and logs/{log.name})"
-               if written else f"exit {proc.returncode}: see logs/{log.name}")
+               if written else f"exit {proc.returncode}: {reason + ' ' if reason else ''}(see logs/{log.name})")
     return StepResult(step, proc.returncode, time.perf_counter() - t0, rss, err)
 
 
-def git_commit(out: Path | None = None) -> str:
-    """HEAD, flagged when the code differs from it. The reports being regenerated (under `out`) do not count: a
-    run in chunks rewrites committed reports before the later chunks start."""
-    here = Path(__file__).resolve().parent
-    exclude = [f":(exclude){out.resolve()}"] if out is not None else []
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ":/", *exclude],
-                               cwd=here, capture_output=True, text=True, timeout=10)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown (git not available)"
-    if rev.returncode != 0:
-        return "unknown (not a git checkout)"
-    return rev.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether a chunk's reports may join run `a`'s index as the same code: one clean commit. A dirty tree's code
+    cannot be shown to match another dirty tree's, so a dirty chunk never joins."""
+    return bool(a.get("commit")) and a.get("commit") == b.get("commit") and not a.get("dirty") and not b.get("dirty")
 
 
-def entry_of(r: StepResult, quick: bool, finished: str, out: Path | None = None) -> dict[str, Any]:
-    """One report's outcome as stored in the sidecar (what README.md is rendered from)."""
+def entry_of(r: StepResult, quick: bool, finished: str, run: dict[str, Any]) -> dict[str, Any]:
+    """One report's outcome as stored in the sidecar (what README.md is rendered from), with the run it belongs
+    to: a report that did not come from the index's run shows as such."""
     return {
         "argv": r.step.argv, "outputs": r.step.outputs, "what": r.step.what, "returncode": r.returncode,
         "wall_s": r.wall_s, "peak_rss_gb": r.peak_rss_gb, "error": r.error, "quick": quick, "finished": finished,
-        "commit": git_commit(out),
+        "commit": run["commit"], "dirty": run["dirty"], "run": run,
     }  # fmt: skip
 
 
+def _legacy_run(commit_text: str, date: str, inv: dict[str, Any] | None) -> dict[str, Any]:
+    """A run header for an entry of the older sidecar format (one "commit" string, "(with uncommitted changes)")."""
+    head = str(commit_text).split(" ", 1)[0]
+    return {"command": inv["command"] if inv else "unknown (older sidecar)", "commit": head,
+            "dirty": "uncommitted" in str(commit_text), "date": inv["date"] if inv else date,
+            "machine": "unknown (older sidecar)", "probe_gbps": inv.get("probe_gbps") if inv else None,
+            "probe": inv.get("probe", "") if inv else "", "quick": False}  # fmt: skip
+
+
 def load_sidecar(out: Path) -> dict[str, Any]:
-    """The outcomes of earlier chunks in `out` ({} for a fresh folder). A sidecar that does not parse is a bug
-    or a hand edit: fail loudly rather than drop every earlier report from the README."""
+    """The index's run and its reports' outcomes in `out` ({"run": None, "entries": {}} for a fresh folder). A
+    sidecar that does not parse is a bug or a hand edit: fail loudly rather than drop every earlier report. The
+    older format (a list of invocations, a commit string per entry) is read as one run per commit."""
     path = out / SIDECAR
     if not path.is_file():
-        return {"invocations": [], "entries": {}}
+        return {"run": None, "entries": {}}
     data: dict[str, Any] = json.loads(path.read_text())
-    data.setdefault("invocations", [])
+    if "invocations" in data and "run" not in data:
+        invs: list[dict[str, Any]] = data["invocations"]
+        entries = data.get("entries", {})
+        for e in entries.values():
+            inv = next((i for i in reversed(invs) if i.get("commit") == e.get("commit")), None)
+            e["run"] = _legacy_run(e.get("commit", "unknown"), e.get("finished", "?"), inv)
+            e["commit"], e["dirty"] = e["run"]["commit"], e["run"]["dirty"]
+        last = invs[-1] if invs else None
+        run = _legacy_run(last["commit"], last["date"], last) if last else None
+        return {"run": run, "entries": entries}
+    data.setdefault("run", None)
     data.setdefault("entries", {})
     return data
 
 
+def _commit_cell(run: dict[str, Any]) -> str:
+    return f"`{run['commit']}`" + (" (with uncommitted changes: **DIRTY RUN**)" if run.get("dirty") else "")
+
+
 def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
-    """README.md from the sidecar: every report in the fixed order, the ones not run yet with the command that
-    would make them, and every `bench all` invocation (chunk) that contributed, with its commit, probe and date."""
+    """README.md from the sidecar: one run's header (full commit, date, machine, probe), every report in the fixed
+    order (the ones not run yet with the command that would make them), and, when some reports came from another
+    run, a warning at the top with the full commit of each."""
     from .machine import machine_summary
 
     entries: dict[str, Any] = sidecar["entries"]
+    run: dict[str, Any] | None = sidecar.get("run")
     quick = any(e.get("quick") for e in entries.values())
+    others = {n: e for n, e in entries.items() if run is None or e.get("run") != run}
     lines = ["# Reports" + (" — INCLUDES QUICK SMOKE TESTS, NOT MEASUREMENTS" if quick else ""), ""]
-    lines += [f"- machine: {machine_summary()}", f"- model: `{cfg.model}`", "", "Runs (`bench all` chunks) that "
-              "wrote these reports, oldest first:", ""]  # fmt: skip
-    for inv in sidecar["invocations"]:
-        lines.append(f"- {inv['date']}: `{inv['command']}` at commit `{inv['commit']}`; streaming-read bandwidth "
-                     f"probe {inv['probe_gbps']:.1f} GB/s ({inv['probe']}, measured before its first report)")
-    lines.append("")
+    if others:
+        commits = {(e["run"]["commit"], bool(e["run"].get("dirty"))) for e in entries.values()}
+        lines += [f"> **⚠ MIXED INDEX: these reports come from {len(commits)} different runs / commits**, not from "
+                  "the one run below. Numbers from different code are not comparable; rerun `glowplug bench all` "
+                  "without --only for one run. Which report came from which commit:", ">"]  # fmt: skip
+        for name in STEP_NAMES:
+            if name in entries:
+                e = entries[name]
+                here = " (the run below)" if run is not None and e.get("run") == run else ""
+                lines.append(f"> - {name}: {_commit_cell(e['run'])}, run of {e['run']['date']}{here}")
+        lines.append("")
+    if run is not None:
+        dirty = " — **DIRTY RUN: the code differed from this commit**" if run.get("dirty") else ""
+        lines += [f"## Run{dirty}", "",
+                  f"- commit: {_commit_cell(run)}",
+                  f"- date: {run['date']}",
+                  f"- command: `{run['command']}`",
+                  f"- machine: {run.get('machine') or machine_summary()}"]  # fmt: skip
+        if run.get("probe_gbps") is not None:
+            lines.append(f"- streaming-read bandwidth probe: {run['probe_gbps']:.1f} GB/s ({run['probe']}, measured "
+                         "before the first report)")
+        lines += [f"- model: `{cfg.model}`", ""]
     if quick:
         lines += ["> **--quick** rows: one repeat, tiny sizes. They test that the report still renders; they are "
                   "not benchmark results. Run without --quick for the real reports.", ""]
@@ -330,7 +404,7 @@ def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
         "Every report ran in its own process in the order below (the order is part of the method: "
         "accuracy first, so later tables flag unusable formats; kernels second, so later engines dispatch "
         "by this machine's calibration; the serve reports last, each with its own server). Each report opens "
-        "with its own command, machine, versions and date.",
+        "with its own command, commit, machine, versions and date.",
         "",
         "| # | report | what it shows | command | status | finished (UTC), commit | wall (s) | peak RSS (GB) |",
         "|--:|:--|:--|:--|:--|:--|--:|--:|",
@@ -348,8 +422,10 @@ def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
             " (--quick)" if e.get("quick") else "")
         rss = f"{e['peak_rss_gb']:.2f}" if e.get("peak_rss_gb") is not None else "n/a (not measured)"
         cmd = "glowplug " + " ".join(shlex.quote(a) for a in e["argv"])
-        lines.append(f"| {i} | {links} | {e['what']} | `{cmd}` | {status} | {e['finished']}, "
-                     f"`{str(e['commit'])[:12]}` | {e['wall_s']:.0f} | {rss} |")
+        commit = ("the run's" + (" (**DIRTY RUN**)" if e["run"].get("dirty") else "") if name not in others
+                  else f"⚠ OTHER RUN: {_commit_cell(e['run'])}")  # fmt: skip
+        lines.append(f"| {i} | {links} | {e['what']} | `{cmd}` | {status} | {e['finished']}, {commit} | "
+                     f"{e['wall_s']:.0f} | {rss} |")
     lines += ["", "Logs of every command: `logs/<report>.log`. Peak RSS: the high-water mark of the largest single "
               f"process of that report (getrusage of the child and the children it waited for, such as a serve "
               f"report's server). Outcomes are kept in `{SIDECAR}`; this file is regenerated from it.", ""]
@@ -360,26 +436,39 @@ def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
 
 
 def run_all(cfg: BenchAllConfig, argv: list[str] | None = None, progress: Any = None) -> list[StepResult]:
-    from .machine import command_line, measure_probe
+    """Run the selected reports. Raises DirtyTreeError, before anything runs or is written, when tracked files
+    outside cfg.out differ from HEAD and cfg.allow_dirty is not set."""
+    from .machine import command_line, git_state, machine_summary, measure_probe
 
     say = progress or (lambda _msg: None)
+    # Once, before the first report: every report of the run names this state, whatever happens to the tree later.
+    state = git_state(cfg.out)
+    if state.dirty and not cfg.allow_dirty:
+        why = f" ({state.error})" if state.error else ""
+        raise DirtyTreeError(f"the code differs from HEAD {state.commit}{why} (outside {cfg.out}): commit it, or pass "
+                             "--allow-dirty to run anyway (the index and every report then say DIRTY RUN)")
     cfg.out.mkdir(parents=True, exist_ok=True)
     logs = cfg.out / "logs"
     logs.mkdir(exist_ok=True)
-    sidecar = load_sidecar(cfg.out)
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     probe = measure_probe(repeats=2 if cfg.quick else 5, size_bytes=(64 << 20) if cfg.quick else (1 << 30))
-    sidecar["invocations"].append({
-        "command": command_line(argv), "commit": git_commit(cfg.out), "date": started, "probe_gbps": probe,
+    this_run = {
+        "command": command_line(argv), "commit": state.commit or f"unknown ({state.error})", "dirty": state.dirty,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_summary(),
+        "probe_gbps": probe, "quick": cfg.quick,
         "probe": "torch sum over " + ("64 MiB fp32, fastest of 2 (--quick)" if cfg.quick else "1 GiB fp32, fastest of 5"),
-    })  # fmt: skip
+    }  # fmt: skip
+    # A full run is a fresh index; a chunk joins the index's run only at the same clean commit.
+    sidecar = load_sidecar(cfg.out) if cfg.only is not None else {"run": None, "entries": {}}
+    if sidecar["run"] is None or not same_run(sidecar["run"], this_run):
+        sidecar["run"] = this_run
+    run = sidecar["run"]
     results = []
     for step in plan_steps(cfg):
         say(f"[{len(results) + 1}] {step.name}: glowplug {' '.join(step.argv)}")
-        results.append(run_step(step, cfg.timeout_s, logs / f"{step.name}.log", cfg.out))
+        results.append(run_step(step, cfg.timeout_s, logs / f"{step.name}.log", cfg.out, state.env()))
         say(f"    {'ok' if results[-1].returncode == 0 else results[-1].error} in {results[-1].wall_s:.0f} s")
         finished = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
-        sidecar["entries"][step.name] = entry_of(results[-1], cfg.quick, finished, cfg.out)
+        sidecar["entries"][step.name] = entry_of(results[-1], cfg.quick, finished, run)
         # Both files are rewritten after every report: a stopped run still says what it has.
         (cfg.out / SIDECAR).write_text(json.dumps(sidecar, indent=2) + "\n")
         (cfg.out / "README.md").write_text(render_readme(cfg, sidecar))
@@ -390,7 +479,11 @@ def main(cfg: BenchAllConfig, argv: list[str] | None = None) -> int:
     from rich.console import Console
 
     err = Console(stderr=True)
-    results = run_all(cfg, argv, progress=lambda msg: err.print(msg, markup=False))
+    try:
+        results = run_all(cfg, argv, progress=lambda msg: err.print(msg, markup=False))
+    except DirtyTreeError as e:
+        err.print(f"glowplug bench all: {e}", markup=False, soft_wrap=True)
+        return 2
     err.print(f"wrote {cfg.out / 'README.md'}", markup=False)
     return 0 if all(r.returncode == 0 for r in results) else 1
 
@@ -412,5 +505,10 @@ def register(subparsers: Any, add_model_flags: Any) -> Any:
         return main(cfg, getattr(args, "argv", None))
 
     p.set_defaults(func=handler)
+    # `bench screenshots` is one of this run's steps; registered here so that the bench CLI's list of modules
+    # (glowplug/cli.py) need not change with it.
+    from . import screenshots
+
+    screenshots.register(subparsers, add_model_flags)
     return p
 

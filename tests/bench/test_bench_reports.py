@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from glowplug.kernels.bench import DEFAULT_BENCH_FORMATS, bench_kernels, render_markdown
 from glowplug.kernels.dispatch import DEFAULT_FORMATS
 from glowplug.profiling.bench.quality import flags_from_perplexity, load_flags
@@ -48,11 +50,17 @@ def test_quality_flags_mark_formats_over_twice_bf16_perplexity(tmp_path: Path) -
     assert load_flags(None) == {}
 
 
-def test_bench_all_quick_subset_writes_readme_and_reports(tiny_model: str, tmp_path: Path) -> None:
+def test_bench_all_quick_subset_writes_readme_and_reports(tiny_model: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     """The orchestration on the tiny model: reports land under --out only, in the stated order, and the README names
     each command, the commit, the machine with its probe, and says the run is a --quick smoke test. A second chunk
-    (--only) adds to the README instead of replacing it."""
+    (--only) at the same commit adds to the README instead of replacing it."""
+    from glowplug.profiling.bench import machine
     from glowplug.profiling.bench.all import SIDECAR, STEP_NAMES, BenchAllConfig, plan_steps, run_all
+
+    # One clean commit for both chunks, whatever state this checkout is in (the refusal is tested on its own).
+    commit = "c" * 40
+    monkeypatch.setattr(machine, "git_state", lambda exclude=None, repo=None: machine.GitState(commit, False))
 
     out = tmp_path / "out"
     cfg = BenchAllConfig(model=tiny_model, out=out, quick=True, only=("decode-quantized", "accuracy"),
@@ -70,15 +78,16 @@ def test_bench_all_quick_subset_writes_readme_and_reports(tiny_model: str, tmp_p
                                                        for r in results]  # fmt: skip
     readme = (out / "README.md").read_text()
     assert "QUICK SMOKE TESTS, NOT MEASUREMENTS" in readme
-    assert "at commit `" in readme and "GB/s" in readme and "`glowplug bench all --quick`" in readme
+    assert f"- commit: `{commit}`" in readme and "GB/s" in readme and "`glowplug bench all --quick`" in readme
     assert "`glowplug bench accuracy " in readme and "[decode-quantized.md](decode-quantized.md)" in readme
     # Reports not run yet are still listed with the command that makes them (the serve reports included).
     assert readme.count("| not run yet |") == len(STEP_NAMES) - 2 and "`glowplug bench serve " in readme
     assert (out / "accuracy.json").is_file()
     decode = (out / "decode-quantized.md").read_text()
     assert "| bfloat16 | int4" in decode and "(n=1)" in decode and "± 0" not in decode
+    assert f"- commit: {commit}" in decode  # the run's commit, handed to the report's process
 
-    # Second chunk: only kernels. The first chunk's rows stay, the new one joins them, both invocations are listed,
+    # Second chunk: only kernels, at the same commit. The first chunk's rows stay, the new one joins the same run,
     # and the kernel table still flags formats from the first chunk's accuracy.json.
     second = BenchAllConfig(model=tiny_model, out=out, quick=True, only=("kernels",), quantization=("int4",))
     assert "--quality-from" in plan_steps(second)[0].argv
@@ -86,7 +95,7 @@ def test_bench_all_quick_subset_writes_readme_and_reports(tiny_model: str, tmp_p
     merged = (out / "README.md").read_text()
     assert "[decode-quantized.md](decode-quantized.md)" in merged and "[kernels.md](kernels.md)" in merged
     assert merged.count("| not run yet |") == len(STEP_NAMES) - 3
-    assert "`glowplug bench all --quick --only kernels`" in merged and "`glowplug bench all --quick`" in merged
+    assert "`glowplug bench all --quick`" in merged and "MIXED" not in merged  # one run: the first chunk's header
     entries = json.loads((out / SIDECAR).read_text())["entries"]
     assert set(entries) == {"accuracy", "decode-quantized", "kernels"}
     assert all(e["returncode"] == 0 and e["quick"] for e in entries.values())
