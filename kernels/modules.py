@@ -220,6 +220,12 @@ class QuantLinear(nn.Module):
         return self._native
 
     @property
+    def prepared_runtime(self) -> Runtime | None:
+        """The prepared kernel states if a forward or `runtime` made them; never prepares (a memory count must not
+        allocate what a compiled step never used)."""
+        return self._runtime
+
+    @property
     def runtime(self) -> Runtime:
         """The dispatcher's prepared kernel states for this layer's current device, prepared now if they were not
         (as the first eager forward would)."""

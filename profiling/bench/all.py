@@ -505,10 +505,5 @@ def register(subparsers: Any, add_model_flags: Any) -> Any:
         return main(cfg, getattr(args, "argv", None))
 
     p.set_defaults(func=handler)
-    # `bench screenshots` is one of this run's steps; registered here so that the bench CLI's list of modules
-    # (glowplug/cli.py) need not change with it.
-    from . import screenshots
-
-    screenshots.register(subparsers, add_model_flags)
     return p
 

@@ -68,14 +68,14 @@ def _walk(obj: Any) -> Iterable[Any]:
 
 def held_weight_tensors(model: Any) -> Iterable[Any]:
     """Every tensor the model holds for its weights. A quantized layer's prepared states are read without preparing
-    them (`_runtime`: the `runtime` property would prepare, and allocate, what the step never used)."""
+    them (`prepared_runtime`: the `runtime` property would prepare, and allocate, what the step never used)."""
     from ...kernels.modules import QuantLinear
 
     yield from model.parameters()
     yield from model.buffers()
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
-            runtime = getattr(mod, "_runtime", None)  # no public read-only accessor yet (see the report)
+            runtime = mod.prepared_runtime
             if runtime is not None:
                 yield from _walk(runtime.states)
             if mod.native is not None:
