@@ -7,8 +7,8 @@
    generating, /health/ready probed every 10 ms, the server's RSS sampled every 5 ms; after a quiet window, a
    --hostile-prompt-mb prompt ("hello world " repeated, as the issue sent it) is sent --hostile-refusals times
    in a row. Per run: /health/ready latency and the streams' inter-token gaps that overlap a refusal, against the
-   same streams' gaps in the quiet window; RSS peak over its quiet level. Targets: ready p99 <= 100 ms, inter-token
-   p99 <= 2x quiet, RSS growth <= 2x the body.
+   same streams' gaps in the quiet window; RSS peak over its quiet level. Targets, met by the worst run: ready p99
+   <= 100 ms, inter-token p99 <= 2x quiet (paired within the run), RSS growth <= 2x the body.
 3. The hostile corpus (hostile_corpus.py) against that same server, with its default limits: every case a 4xx or
    a clean close, READY and a normal request succeeding after each; 0 responses 5xx.
 4. The limits' cost on the normal path, paired: the server above against one with the limits off
