@@ -7,6 +7,7 @@ not the benchmark result classes, so each benchmark decides what to plot and thi
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -143,22 +144,44 @@ def plot_phase_stack(
     return _save(fig, path)
 
 
+LoadPoint = tuple[float, float, float, float, str, int]  # (set load, median, run min, run max, label, runs)
+
+
+def _load_axis(ax: Any, xs: Sequence[float]) -> None:
+    """Log scale (base 2) with a tick at each value once the set loads span a decade or more (1, 8, 32, 64
+    clients), so the low points do not collapse onto the axis; a linear axis otherwise."""
+    values = sorted({x for x in xs if x > 0})
+    if values and values[-1] / values[0] >= 10:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(values, [f"{v:g}" for v in values])
+        ax.minorticks_off()
+
+
 def plot_latency_vs_load(
-    panels: Mapping[str, Mapping[str, Sequence[tuple[float, float, float, float, str, int]]]],
+    panels: Mapping[str, Mapping[str, Sequence[LoadPoint]]],
     path: Path,
     *,
-    xlabel: str,
+    xlabel: str | Mapping[str, str],
     title: str,
     unit: str = "ms",
+    columns: int | None = None,
 ) -> Path:
-    """One panel per metric (panel title -> series -> [(load, median, run min, run max, point label, runs)]), each
-    point annotated with its label (e.g. "concurrency 8"), so a closed-loop and an open-loop point read the same
-    way. Markers are medians over runs, error bars the min-max over runs; a point of one run gets no bar (its
-    spread is unknown, and a zero-width bar would claim one). `title` says what was measured."""
-    fig = _figure(5.0 * max(len(panels), 1), 4.6)
-    fig.suptitle(f"{title}\nmarker: median over runs; error bars: min–max over runs (none where n=1)", fontsize=9)
+    """One panel per metric (panel title -> series -> [(load, median, run min, run max, point label, runs)]). The
+    load is the variable the benchmark set (clients in flight, an offered request rate), never a measured outcome
+    such as the achieved request rate: an outcome can fold back (64 clients achieving fewer req/s than 32) and hide
+    the points behind each other. `xlabel`: one label, or one per panel (a closed-loop panel and an open-loop panel
+    set different variables). Markers are medians over runs, error bars the min-max over runs; a point of one run
+    gets no bar (its spread is unknown, and a zero-width bar would claim one). `title` says what was measured; the
+    runs per point (n) are added below it."""
+    runs = sorted({p[5] for series in panels.values() for pts in series.values() for p in pts})
+    n = "n = " + ("/".join(map(str, runs)) if runs else "0") + " runs per point"
+    cols = max(1, min(columns or len(panels), len(panels)))
+    rows = -(-max(len(panels), 1) // cols)
+    fig = _figure(5.0 * cols, 1.2 + 3.8 * rows)
+    fig.suptitle(f"{title}\nmarker: median over runs; error bars: min–max over runs (none where n=1); {n}",
+                 fontsize=9)
     for i, (panel, series) in enumerate(panels.items()):
-        ax = fig.add_subplot(1, max(len(panels), 1), i + 1)
+        ax = fig.add_subplot(rows, cols, i + 1)
         for j, (label, points) in enumerate(series.items()):
             if not points:
                 continue
@@ -171,10 +194,8 @@ def plot_latency_vs_load(
                 ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label, color=color)
             else:
                 ax.plot(xs, ys, marker="o", label=f"{label} (n=1)", color=color)
-            if j == 0:
-                for x, y, *_rest, name, _runs in pts:
-                    ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.set_xlabel(xlabel)
+        _load_axis(ax, [p[0] for pts in series.values() for p in pts])
+        ax.set_xlabel(xlabel if isinstance(xlabel, str) else xlabel[panel])
         ax.set_ylabel(f"latency ({unit}, log scale)")
         ax.set_yscale("log")
         ax.set_title(panel, fontsize=9)
@@ -183,6 +204,61 @@ def plot_latency_vs_load(
             ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "no load point completed (see the report)", transform=ax.transAxes, ha="center")
+    return _save(fig, path)
+
+
+def plot_overload_pairs(
+    phases: Mapping[str, Sequence[float | None]],
+    ratios: Sequence[float],
+    path: Path,
+    *,
+    limit: float,
+    title: str,
+    verdict: str,
+    unit: str = "ms",
+) -> Path:
+    """Two panels for a paired overload verdict. Left: each phase's TTFT p99 per run (one dot per run, joined by a
+    grey line within a pair, a bar at the median), so a pair that moved reads as a steep line. Right: each pair's
+    ratio (overload / sustainable) as a dot, the median as a bar, and the limit as a red dashed line: the verdict is
+    whether every dot sits below the line. Runs without a value (no completed request) are left out of the left
+    panel and listed in the right one's title as missing."""
+    names = list(phases)
+    fig = _figure(10.0, 4.8)
+    fig.suptitle(f"{title}\nverdict on the worst pair: {verdict}; n = {len(ratios)} pairs", fontsize=9)
+    left = fig.add_subplot(1, 2, 1)
+    runs = max((len(v) for v in phases.values()), default=0)
+    for i in range(runs):  # a pair's two runs, joined
+        ys = [phases[nm][i] if i < len(phases[nm]) else None for nm in names]
+        pts = [(x, y) for x, y in enumerate(ys) if y is not None]
+        if len(pts) > 1:
+            left.plot([p[0] for p in pts], [p[1] for p in pts], color="#999999", linewidth=0.8, zorder=1)
+    for x, nm in enumerate(names):
+        vals = [v for v in phases[nm] if v is not None]
+        left.scatter([x] * len(vals), vals, color=COLORS[x % len(COLORS)], zorder=2, label=f"{nm} (per run)")
+        if vals:
+            left.hlines(statistics.median(vals), x - 0.25, x + 0.25, color="black", linewidth=2, zorder=3)
+    left.set_xticks(list(range(len(names))), names)
+    left.set_xlim(-0.6, len(names) - 0.4)
+    left.set_ylabel(f"TTFT p99 ({unit})")
+    left.set_title("TTFT p99 per run (bar: median; lines join a pair)", fontsize=9)
+    left.grid(True, axis="y", alpha=0.3)
+    right = fig.add_subplot(1, 2, 2)
+    finite = [(i + 1, r) for i, r in enumerate(ratios) if r == r]
+    right.scatter([p[0] for p in finite], [p[1] for p in finite], color=COLORS[0], zorder=2, label="pair ratio")
+    if finite:
+        med = statistics.median(p[1] for p in finite)
+        right.axhline(med, color="black", linewidth=1.2, label=f"median {med:.2f}")
+    right.axhline(limit, color="#D55E00", linestyle="--", linewidth=1.5, label=f"limit {limit:g}")
+    top = max([limit, *(p[1] for p in finite)]) * 1.15
+    right.set_ylim(0, top)
+    right.set_xticks(list(range(1, len(ratios) + 1)))
+    right.set_xlim(0.5, len(ratios) + 0.5)
+    right.set_xlabel("pair")
+    right.set_ylabel("admitted TTFT p99 / sustainable TTFT p99")
+    missing = len(ratios) - len(finite)
+    right.set_title("paired ratio" + (f" ({missing} pair(s) without a value)" if missing else ""), fontsize=9)
+    right.grid(True, axis="y", alpha=0.3)
+    right.legend(fontsize=8, loc="lower right")
     return _save(fig, path)
 
 

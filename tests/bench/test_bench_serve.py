@@ -145,7 +145,7 @@ def test_efficiency_verdict_reads_the_worst_pair_not_a_median_over_medians() -> 
     def result(server_tps: list[float], offline_tps: list[float]) -> EfficiencyResult:
         server = [ServerRun(wall_s=1000 / t, output_tokens=1000, failed=0, steps=10, step_time_s=1.0) for t in server_tps]
         offline = [OfflineRun(wall_s=1000 / t, output_tokens=1000) for t in offline_tps]
-        return EfficiencyResult(8, 16, 16, 8, server, offline, 10, 1.0)
+        return EfficiencyResult(8, 16, 16, 8, server, offline)
 
     skewed = result([1000, 950, 840], [950, 1000, 1000])
     assert skewed.server_tps / skewed.offline_tps == pytest.approx(0.95)

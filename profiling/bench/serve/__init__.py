@@ -12,10 +12,12 @@ Modes (the sweep when none is given; several may be combined):
                 run, paired by run: server / offline token throughput (median >= 0.95, worst pair >= 0.90)
                 -> efficiency.{json,md}
   --overload    capacity (closed loop at max-num-seqs), the sustainable rate (--sustainable-load x capacity), then
-                --overload-factor x that rate against a server with admission by expected wait: 429s with
-                Retry-After, p99 TTFT of admitted requests vs the sustainable rate -> overload.{json,md,png}
-  --fuzz        schemathesis over the server's own OpenAPI document, --fuzz-cases per generation endpoint:
-                5xx and schema violations by check -> fuzz.{json,md}
+                --overload-factor x that rate against a second server with admission by expected wait, --runs
+                pairs back to back: 429s with Retry-After, each pair's p99 TTFT of admitted requests over its
+                sustainable run's (worst pair <= 2) -> overload.{json,md,png}
+  --fuzz        schemathesis over the server's own OpenAPI document, --fuzz-cases per generation endpoint, each
+                case's work bounded (--fuzz-max-tokens, --fuzz-max-n, --fuzz-max-prompt-chars/-items) at the
+                server's own limits: 5xx and schema violations by check -> fuzz.{json,md}
   --hostile     a --hostile-prompt-mb prompt refused while --hostile-streams stream (/health/ready p99, inter-token
                 p99 against a quiet window, RSS growth against the body), the tokenizer's hold on other threads,
                 the hostile corpus (sizes, depths, encodings, slow bodies, idle connections, API keys) with 0 5xx,

@@ -75,6 +75,18 @@ class ServeBenchConfig(BenchEngineFields):
     sustainable_rate: float | None = Field(None, gt=0, description="Skip the capacity run: use this rate.")
     fuzz: bool = Field(False, description="schemathesis against the server's OpenAPI document.")
     fuzz_cases: int = Field(500, ge=1, description="Generated cases per fuzzed endpoint.")
+    # Bounds on what the fuzzer asks the server to generate (not on the server's limits): an unbounded case asks for
+    # up to max-model-len tokens, n times over, and 500 of them do not finish in minutes on a small CPU.
+    fuzz_max_tokens: int = Field(
+        16, ge=1, description="--fuzz: generated max_tokens/max_completion_tokens above this (or absent) are set to it."
+    )
+    fuzz_max_n: int = Field(2, ge=1, description="--fuzz: generated n and best_of above this are set to it.")
+    fuzz_max_prompt_chars: int = Field(
+        64, ge=1, description="--fuzz: strings under the generated prompt and messages are cut to this many characters."
+    )
+    fuzz_max_prompt_items: int = Field(
+        4, ge=1, description="--fuzz: lists under the generated prompt and messages are cut to this many items."
+    )
     hostile: bool = Field(False, description="Hostile input: a large prompt refused under load, the tokenizer's "
                           "hold on other threads, the hostile corpus, and the limits' cost on throughput.")
     hostile_prompt_mb: float = Field(20.0, gt=0, description="Size of the prompt refused under load, in MB.")

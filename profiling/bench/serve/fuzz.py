@@ -6,6 +6,15 @@ its response checked by schemathesis: not a 5xx, a documented status, a document
 headers, a body that matches the documented schema. Every case is run to the end (a failure is recorded and
 counted, not raised), so the result is a count per check over all cases, not the first failure only.
 
+What each case may cost is bounded in the generated case, not in the server (which runs with its own limits, the
+default max-model-len included): max_tokens and max_completion_tokens above --fuzz-max-tokens, or absent (the server
+would then generate up to max-model-len), are set to it, and n and best_of above --fuzz-max-n to it; under `prompt`
+and `messages`, every string is cut to --fuzz-max-prompt-chars characters and every list to --fuzz-max-prompt-items
+items (a drawn chat of kilobytes of odd Unicode is thousands of prompt tokens: tens of seconds of prefill on a small
+CPU). Every other field is left as hypothesis drew it; the bounds keep the documented ranges (a list only gets
+shorter, down to no fewer than one item), so a bounded case is as valid (or as invalid) as the one drawn, and the
+report states the bounds.
+
 Not checked: positive_data_acceptance. What a JSON schema cannot say (prompt + max_tokens within max-model-len,
 stream_options only with stream, top_logprobs only with logprobs, best_of == n, token ids within the vocabulary)
 is a documented 400, which schemathesis would call a rejected valid request.
@@ -13,6 +22,7 @@ is a documented 400, which schemathesis would call a rejected valid request.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +33,66 @@ from typing import Any
 GENERATION_OPERATIONS = (("/v1/completions", "POST"), ("/v1/chat/completions", "POST"))
 OTHER_OPERATIONS = (("/v1/models", "GET"), ("/health/live", "GET"), ("/health/ready", "GET"), ("/metrics", "GET"))
 _OTHER_CASES = 5
+
+
+@dataclass(frozen=True)
+class FuzzBound:
+    """The most work one generated case may ask for: output tokens per sequence, and sequences (n, best_of)."""
+
+    max_tokens: int
+    max_n: int
+    max_prompt_chars: int = 64
+    max_prompt_items: int = 4
+
+    def _cut(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return value[: self.max_prompt_chars]
+        if isinstance(value, list):
+            return [self._cut(v) for v in value[: max(1, self.max_prompt_items)]]
+        if isinstance(value, dict):
+            return {k: self._cut(v) for k, v in value.items()}
+        return value
+
+    def apply(self, body: Any) -> Any:
+        """A copy of the body with the work-multiplying fields clamped; anything not a JSON object passes as is."""
+        if not isinstance(body, dict):
+            return body
+        out = dict(body)
+        given = False
+        for key in ("max_tokens", "max_completion_tokens"):
+            value = out.get(key)
+            # A JSON integer may come as 1e8 (hypothesis draws integral floats too): any number counts.
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                given = True
+                out[key] = min(value, self.max_tokens)
+        if not given:  # absent or null: the server would generate up to max-model-len
+            out["max_tokens"] = self.max_tokens
+        for key in ("n", "best_of"):
+            value = out.get(key)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[key] = min(value, self.max_n)
+        for key in ("prompt", "messages"):
+            if key in out:
+                out[key] = self._cut(out[key])
+        return out
+
+    def describe(self) -> str:
+        return (f"max_tokens and max_completion_tokens capped at {self.max_tokens} (set to it when absent or null), "
+                f"n and best_of capped at {self.max_n}; under prompt and messages, strings cut to "
+                f"{self.max_prompt_chars} characters and lists to {self.max_prompt_items} items")  # fmt: skip
+
+
+def bounded_strategy(operation: Any, bound: FuzzBound | None) -> Any:
+    """schemathesis's strategy for the operation, each generated case's JSON body passed through the bound."""
+    strategy = operation.as_strategy()
+    if bound is None:
+        return strategy
+
+    def clamp(case: Any) -> Any:
+        case.body = bound.apply(case.body)
+        return case
+
+    return strategy.map(clamp)
 
 
 @dataclass
@@ -47,6 +117,8 @@ class OperationResult:
 class FuzzResult:
     cases_per_endpoint: int
     operations: list[OperationResult]
+    bound: FuzzBound | None = None
+    wall_s: float = 0.0
 
     @property
     def passed(self) -> bool:
@@ -59,6 +131,8 @@ class FuzzResult:
     def as_dict(self) -> dict[str, Any]:
         return {
             "cases_per_endpoint": self.cases_per_endpoint,
+            "bound": None if self.bound is None else self.bound.__dict__,
+            "wall_s": self.wall_s,
             "passed": self.passed,
             "operations": [
                 {**op.__dict__, "server_errors": op.server_errors, "violations": op.violations}
@@ -80,7 +154,9 @@ def _checks() -> list[Any]:
             response_schema_conformance]  # fmt: skip
 
 
-def fuzz_operation(schema: Any, base_url: str, path: str, method: str, cases: int, timeout: float) -> OperationResult:
+def fuzz_operation(
+    schema: Any, base_url: str, path: str, method: str, cases: int, timeout: float, bound: FuzzBound | None = None
+) -> OperationResult:
     from hypothesis import HealthCheck, Phase, given, settings
     from schemathesis.core.failures import FailureGroup
 
@@ -92,7 +168,7 @@ def fuzz_operation(schema: Any, base_url: str, path: str, method: str, cases: in
 
     @settings(max_examples=cases, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(case=operation.as_strategy())
+    @given(case=bounded_strategy(operation, bound))
     def one(case: Any) -> None:
         response = case.call(base_url=base_url, timeout=timeout)
         result.cases += 1
@@ -113,7 +189,12 @@ def fuzz_operation(schema: Any, base_url: str, path: str, method: str, cases: in
 
 
 def run_fuzz(
-    base_url: str, cases: int, *, timeout: float = 120.0, progress: Callable[[str], None] | None = None
+    base_url: str,
+    cases: int,
+    *,
+    timeout: float = 120.0,
+    progress: Callable[[str], None] | None = None,
+    bound: FuzzBound | None = None,
 ) -> FuzzResult:
     try:
         import schemathesis
@@ -122,11 +203,12 @@ def run_fuzz(
     say = progress or (lambda _m: None)
     schema = schemathesis.openapi.from_url(base_url.rstrip("/") + "/openapi.json")
     out = []
+    t0 = time.perf_counter()
     for path, method in GENERATION_OPERATIONS + OTHER_OPERATIONS:
         n = cases if (path, method) in GENERATION_OPERATIONS else _OTHER_CASES
         say(f"fuzz: {method} {path}, up to {n} cases")
-        out.append(fuzz_operation(schema, base_url, path, method, n, timeout))
-    return FuzzResult(cases, out)
+        out.append(fuzz_operation(schema, base_url, path, method, n, timeout, bound))
+    return FuzzResult(cases, out, bound, time.perf_counter() - t0)
 
 
 def render_fuzz(r: FuzzResult, head: str) -> str:
@@ -142,9 +224,15 @@ def render_fuzz(r: FuzzResult, head: str) -> str:
         f"- schemathesis (positive cases from `GET /openapi.json`), up to {r.cases_per_endpoint} cases per generation "
         "endpoint; checks: not_a_server_error, status_code_conformance, content_type_conformance, "
         "response_headers_conformance, response_schema_conformance",
+        f"- bound on each generated case (the server keeps its own limits): "
+        f"{r.bound.describe() if r.bound else 'none'}; fuzzing took {r.wall_s:.0f} s",
         f"- verdict: **{'PASS' if r.passed else 'FAIL'}** (0 responses 5xx, 0 schema violations)",
         "",
         markdown_table(["Operation", "Cases", "Statuses", "5xx", "Violations (by check)"], rows),
+        "",
+        "Cases: requests generated and sent; Statuses: response status -> count; 5xx: responses >= 500; "
+        "Violations: failing cases per schemathesis check (a case can fail several). A verdict, not a measurement: "
+        "no ratio and no timing is judged here.",
         "",
     ]
     examples = [e for op in r.operations for e in op.examples]
@@ -161,7 +249,8 @@ def fuzz_mode(
 
     out = prepare_out_dir(cfg.out_dir)
     with server_for(cfg) as (base_url, _pid):
-        result = run_fuzz(base_url, cfg.fuzz_cases, timeout=cfg.request_timeout, progress=say)
+        bound = FuzzBound(cfg.fuzz_max_tokens, cfg.fuzz_max_n, cfg.fuzz_max_prompt_chars, cfg.fuzz_max_prompt_items)
+        result = run_fuzz(base_url, cfg.fuzz_cases, timeout=cfg.request_timeout, progress=say, bound=bound)
     text = render_fuzz(result, report_header("Fuzzing the HTTP API (schemathesis)", argv))
     (out / "fuzz.md").write_text(text)
     write_json(out / "fuzz.json", {"config": cfg.model_dump(mode="json"), **result.as_dict()})

@@ -7,8 +7,8 @@
    generating, /health/ready probed every 10 ms, the server's RSS sampled every 5 ms; after a quiet window, a
    --hostile-prompt-mb prompt ("hello world " repeated, as the issue sent it) is sent --hostile-refusals times
    in a row. Per run: /health/ready latency and the streams' inter-token gaps that overlap a refusal, against the
-   same streams' gaps in the quiet window; RSS peak over its quiet level. Targets: ready p99 <= 100 ms, inter-token
-   p99 <= 2x quiet, RSS growth <= 2x the body.
+   same streams' gaps in the quiet window; RSS peak over its quiet level. Targets, met by the worst run: ready p99
+   <= 100 ms, inter-token p99 <= 2x quiet (paired within the run), RSS growth <= 2x the body.
 3. The hostile corpus (hostile_corpus.py) against that same server, with its default limits: every case a 4xx or
    a clean close, READY and a normal request succeeding after each; 0 responses 5xx.
 4. The limits' cost on the normal path, paired: the server above against one with the limits off
@@ -459,14 +459,20 @@ class HostileResult:
         values = [v for v in (figure(r) for r in self.refusals) if math.isfinite(v)]
         return statistics.median(values) if values else math.nan
 
+    def worst(self, figure: Callable[[RefusalRun], float]) -> float:
+        """The largest value over the runs that have the figure (every figure here is a cost); NaN when none has."""
+        values = [v for v in (figure(r) for r in self.refusals) if math.isfinite(v)]
+        return max(values) if values else math.nan
+
     @property
     def targets_met(self) -> bool:
-        """Every large prompt refused with the right code, and the medians over runs within the targets (NaN, for
-        no samples, meets none)."""
+        """Every large prompt refused with the right code, and the worst run within each target (the inter-token
+        ratio is paired within a run: its during and quiet windows are the same streams of that run). NaN, for no
+        samples in any run, meets none."""
         return (all(r.refused for r in self.refusals)
-                and self.median(lambda r: r.ready_p99_ms) <= READY_P99_TARGET_MS
-                and self.median(lambda r: r.itl_ratio) <= ITL_RATIO_TARGET
-                and self.median(lambda r: r.rss_ratio) <= RSS_RATIO_TARGET)  # fmt: skip
+                and self.worst(lambda r: r.ready_p99_ms) <= READY_P99_TARGET_MS
+                and self.worst(lambda r: r.itl_ratio) <= ITL_RATIO_TARGET
+                and self.worst(lambda r: r.rss_ratio) <= RSS_RATIO_TARGET)  # fmt: skip
 
     @property
     def passed(self) -> bool:
@@ -688,8 +694,8 @@ def render_hostile(r: HostileResult, head: str) -> str:
     bodies = " and ".join(f"{mb:g} MiB" for mb in sizes)
     parts = [
         head,
-        f"- **verdict: {verdict}**, against: every large prompt refused with the right 4xx, the medians over runs "
-        "within their targets, every corpus case a 4xx or a clean close with the server READY and a normal request "
+        f"- **verdict: {verdict}**, against: every large prompt refused with the right 4xx, the worst run "
+        "within each target (the Worst run column), every corpus case a 4xx or a clean close with the server READY and a normal request "
         f"succeeding after it. Runs within every target: {sum(1 for x in r.refusals if x.passed)}/"
         f"{len(r.refusals)}. Figures: median over runs (min–max), and the worst run",
         "",

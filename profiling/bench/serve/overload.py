@@ -1,28 +1,31 @@
 """Overload: does admission control keep the admitted requests' SLO when clients send far more than the server can do?
 
-1. capacity: request throughput at a closed loop of max-num-seqs clients (skipped with --sustainable-rate)
-2. sustainable rate = --sustainable-load x capacity; Poisson arrivals at that rate give the baseline TTFT p99
-3. a server whose admission limit (--max-queue-wait) is half that baseline p99 (or the value given), warmed up so it
-   knows its finish rate, then Poisson arrivals at --overload-factor x the sustainable rate for as long as the
-   baseline ran
+1. server A (the default admission): capacity, a request throughput at a closed loop of max-num-seqs clients
+   (skipped with --sustainable-rate); sustainable rate = --sustainable-load x capacity
+2. one calibration run at the sustainable rate on A: the admission limit (--max-queue-wait) of server B is half its
+   TTFT p99 (or the value given); B starts (A stays up, idle) and is warmed up so it knows its finish rate
+3. --runs pairs, back to back: Poisson arrivals at the sustainable rate on A (the baseline), then at
+   --overload-factor x that rate on B for as long (the overload). Pair i's ratio is B's admitted TTFT p99 over A's
+   TTFT p99 of the same pair, so both halves of a pair see the same machine state.
 Pass: the overloaded server answered some requests 429, every 429 carried Retry-After, nothing else failed, and the
-p99 TTFT of the admitted requests stayed within 2x of the baseline p99. With --base-url the same server serves
-both phases with whatever admission limit it was started with.
+worst pair's ratio is within 2x. With --base-url both phases of each pair go to that one server, with whatever
+admission limit it was started with.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .config import ServeBenchConfig
-from .load import api_path, run_closed
-from .results import LoadPoint
+from .load import api_path, run_closed, run_open
+from .results import LoadPoint, RunMetrics, Slo, run_metrics
 from .server import served_model
-from .sweep import bodies_for, concurrency_point, rate_point
-from .workload import build_requests
+from .sweep import bodies_for, concurrency_point
+from .workload import arrival_times, build_requests
 
 TTFT_RATIO_LIMIT = 2.0
 
@@ -40,18 +43,25 @@ class OverloadResult:
     other_errors: dict[str, int]
 
     @property
-    def baseline_p99(self) -> float:
-        s = self.baseline.spread("ttft_p99")
-        return s.median if s is not None else float("nan")
-
-    @property
-    def admitted_p99(self) -> float:
-        s = self.overload.spread("ttft_p99")
-        return s.median if s is not None else float("nan")
+    def pair_ratios(self) -> list[float]:
+        """Per pair: the admitted requests' TTFT p99 under overload / the TTFT p99 of the baseline run just before.
+        A run with no completed request has no p99; its pair is NaN, which fails the verdict rather than vanish."""
+        out = []
+        for b, o in zip(self.baseline.runs, self.overload.runs, strict=True):
+            num, den = o.figure("ttft_p99"), b.figure("ttft_p99")
+            out.append(num / den if num is not None and den else float("nan"))
+        return out
 
     @property
     def ttft_ratio(self) -> float:
-        return self.admitted_p99 / self.baseline_p99
+        """The median of the per-pair ratios."""
+        return statistics.median(self.pair_ratios) if self.pair_ratios else float("nan")
+
+    @property
+    def worst_ratio(self) -> float:
+        """The largest per-pair ratio (NaN when any pair has none: NaN compares false and fails the verdict)."""
+        ratios = self.pair_ratios
+        return float("nan") if not ratios or any(r != r for r in ratios) else max(ratios)
 
     @property
     def passed(self) -> bool:
@@ -59,7 +69,7 @@ class OverloadResult:
             self.rejected > 0
             and self.rejected_without_retry_after == 0
             and not self.other_errors
-            and self.ttft_ratio <= TTFT_RATIO_LIMIT
+            and self.worst_ratio <= TTFT_RATIO_LIMIT
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -68,9 +78,9 @@ class OverloadResult:
             "sustainable_rps": self.sustainable_rps,
             "overload_rps": self.overload_rps,
             "admission_limit_s": self.admission_limit_s,
-            "baseline_ttft_p99_ms": self.baseline_p99,
-            "admitted_ttft_p99_ms": self.admitted_p99,
-            "ttft_ratio": self.ttft_ratio,
+            "pair_ratios": self.pair_ratios,
+            "ttft_ratio_median": self.ttft_ratio,
+            "ttft_ratio_worst": self.worst_ratio,
             "ttft_ratio_limit": TTFT_RATIO_LIMIT,
             "rejected_429": self.rejected,
             "rejected_without_retry_after": self.rejected_without_retry_after,
@@ -79,6 +89,42 @@ class OverloadResult:
             "baseline": self.baseline.as_dict(),
             "overload": self.overload.as_dict(),
         }
+
+
+def _rate_run(
+    cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str, rate: float, count: int, seed: int
+) -> tuple[RunMetrics, list[Any]]:
+    """One open-loop run (Poisson, or --arrival), with its raw results (their Retry-After headers are read)."""
+    specs = build_requests(cfg, tokenizer, count, seed=seed)
+    offsets = arrival_times(count, rate, cfg.arrival, cfg.burst_size, seed=seed)
+    results = run_open(base_url, api_path(cfg.endpoint), bodies_for(cfg, specs, model), offsets,
+                       max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+    return run_metrics(results, Slo(cfg.slo_ttft_ms, cfg.slo_tpot_ms)), results
+
+
+def _warm_admission(cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str) -> None:
+    # The server learns its finish rate, which its expected-wait admission needs.
+    warm = build_requests(cfg, tokenizer, cfg.max_num_seqs, seed=20_000)
+    run_closed(base_url, api_path(cfg.endpoint), bodies_for(cfg, warm, model), cfg.max_num_seqs,
+               max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+
+
+def _pairs(
+    cfg: ServeBenchConfig, tokenizer: Any, model: str, base_a: str, base_b: str, sustainable: float,
+    say: Callable[[str], None],
+) -> tuple[LoadPoint, LoadPoint, list[Any]]:  # fmt: skip
+    rate = sustainable * cfg.overload_factor
+    count = round(cfg.num_prompts * cfg.overload_factor)  # the same duration as the baseline
+    base_runs, over_runs, raw = [], [], []
+    for i in range(cfg.runs):
+        say(f"overload: pair {i + 1}/{cfg.runs}: {sustainable:.3g} req/s ({cfg.num_prompts} requests), then "
+            f"{rate:.3g} req/s ({count} requests)")  # fmt: skip
+        base_runs.append(_rate_run(cfg, base_a, tokenizer, model, sustainable, cfg.num_prompts, i)[0])
+        metrics, results = _rate_run(cfg, base_b, tokenizer, model, rate, count, i)
+        over_runs.append(metrics)
+        raw += results
+    return (LoadPoint("rate", sustainable, cfg.arrival, base_runs), LoadPoint("rate", rate, cfg.arrival, over_runs),
+            raw)  # fmt: skip
 
 
 def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Callable[[str], None]) -> OverloadResult:
@@ -94,21 +140,25 @@ def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Ca
                 raise RuntimeError("the capacity run completed no request; see the server's log")
             capacity = spread.median
         sustainable = cfg.sustainable_rate or cfg.sustainable_load * (capacity or 0.0)
-        baseline, _ = rate_point(cfg, base_url, tokenizer, model, sustainable, say)
-        if cfg.base_url is not None:  # someone else's server: both phases on it, as it is configured
-            overload, raw = _overload_phase(cfg, base_url, tokenizer, model, sustainable, say)
-    if cfg.base_url is None:
-        ttft = baseline.spread("ttft_p99")
-        # Half the baseline p99: the other half is left for the prefill and the error of the wait estimate.
-        limit = cfg.max_queue_wait if cfg.max_queue_wait is not None else (ttft.median / 2e3 if ttft else None)
-        overrides = {"max_queue_wait": limit} if limit is not None else {}
-        say(f"overload: restarting the server with --max-queue-wait {limit}")
-        with server_for(cfg, **overrides) as (base_url, _pid):
-            overload, raw = _overload_phase(cfg, base_url, tokenizer, model, sustainable, say)
-    results = [r for run in raw for r in run]
-    rejected = [r for r in results if r.error == "http_429"]
+        if cfg.base_url is not None:  # someone else's server: both phases of each pair on it, as it is configured
+            _warm_admission(cfg, base_url, tokenizer, model)
+            baseline, overload, raw = _pairs(cfg, tokenizer, model, base_url, base_url, sustainable, say)
+        else:
+            limit = cfg.max_queue_wait
+            if limit is None:
+                say(f"overload: calibration run at {sustainable:.3g} req/s (sets the admission limit)")
+                calib, _ = _rate_run(cfg, base_url, tokenizer, model, sustainable, cfg.num_prompts, 30_000)
+                p99 = calib.figure("ttft_p99")
+                # Half the baseline p99: the other half is left for the prefill and the error of the wait estimate.
+                limit = p99 / 2e3 if p99 else None
+            overrides = {"max_queue_wait": limit} if limit is not None else {}
+            say(f"overload: starting server B with --max-queue-wait {limit} (server A stays up, idle)")
+            with server_for(cfg, **overrides) as (base_b, _pid_b):
+                _warm_admission(cfg, base_b, tokenizer, model)
+                baseline, overload, raw = _pairs(cfg, tokenizer, model, base_url, base_b, sustainable, say)
+    rejected = [r for r in raw if r.error == "http_429"]
     other: dict[str, int] = {}
-    for r in results:
+    for r in raw:
         if not r.ok and r.error != "http_429":
             other[r.error or "unknown"] = other.get(r.error or "unknown", 0) + 1
     return OverloadResult(
@@ -118,20 +168,8 @@ def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Ca
     )  # fmt: skip
 
 
-def _overload_phase(
-    cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str, sustainable: float, say: Callable[[str], None]
-) -> tuple[LoadPoint, list[list[Any]]]:
-    # Warm-up: the server learns its finish rate, which its expected-wait admission needs.
-    warm = build_requests(cfg, tokenizer, cfg.max_num_seqs, seed=20_000)
-    run_closed(base_url, api_path(cfg.endpoint), bodies_for(cfg, warm, model), cfg.max_num_seqs,
-               max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
-    rate = sustainable * cfg.overload_factor
-    count = round(cfg.num_prompts * cfg.overload_factor)  # the same duration as the baseline
-    return rate_point(cfg, base_url, tokenizer, model, rate, say, count=count)
-
-
 def render_overload(r: OverloadResult, head: str) -> str:
-    from ..tables import markdown_table
+    from ..tables import fmt_num, markdown_table
     from .report import spread_cell
 
     def row(name: str, p: LoadPoint, rate: float) -> list[Any]:
@@ -140,44 +178,67 @@ def render_overload(r: OverloadResult, head: str) -> str:
                 *(spread_cell(p.spread(f"ttft_{s}"), 1) for s in ("p50", "p90", "p99")),
                 spread_cell(p.spread("tpot_p99"), 1), spread_cell(p.spread("output_throughput"), 1)]  # fmt: skip
 
+    def p99(m: RunMetrics) -> str:
+        v = m.figure("ttft_p99")
+        return fmt_num(v, 1) if v is not None else "no completed request"
+
     cap = f"{r.capacity_rps:.3g} req/s" if r.capacity_rps is not None else "not measured (--sustainable-rate given)"
     limit = f"{r.admission_limit_s:.3f} s" if r.admission_limit_s is not None else "the running server's own"
     rows = [row("sustainable", r.baseline, r.sustainable_rps), row("overload (admitted)", r.overload, r.overload_rps)]
+    pair_rows = [[i + 1, p99(b), p99(o), o.errors.get("http_429", 0), fmt_num(x, 2)]
+                 for i, (b, o, x) in enumerate(zip(r.baseline.runs, r.overload.runs, r.pair_ratios))]  # fmt: skip
+    n = len(r.pair_ratios)
     return "\n".join([
         head,
         f"- capacity: {cap}; sustainable rate {r.sustainable_rps:.3g} req/s; overload {r.overload_rps:.3g} req/s",
         f"- admission limit (--max-queue-wait): {limit}",
         f"- 429 answers: {r.rejected} ({r.rejected_without_retry_after} without Retry-After); other failures: "
         f"{r.other_errors or 0}",
-        f"- **p99 TTFT of admitted requests / p99 TTFT at the sustainable rate: {r.ttft_ratio:.2f}** "
-        f"(limit {TTFT_RATIO_LIMIT}): **{'PASS' if r.passed else 'FAIL'}**",
+        f"- **p99 TTFT of admitted requests / p99 TTFT at the sustainable rate, paired by run (n = {n}): median "
+        f"{r.ttft_ratio:.2f}, worst pair {r.worst_ratio:.2f}** (limit {TTFT_RATIO_LIMIT} on the worst pair): "
+        f"**{'PASS' if r.passed else 'FAIL'}**",
+        "",
+        "## Pairs",
+        "",
+        markdown_table(["Pair", "Sustainable TTFT p99 (ms)", "Overload, admitted TTFT p99 (ms)", "429s",
+                        "Ratio"], pair_rows),  # fmt: skip
+        "",
+        "Pair i: the sustainable-rate run on the server with the default admission, then, right after it, the "
+        "overload run on the server with the admission limit; ratio = the second's TTFT p99 (admitted requests) / "
+        "the first's. The verdict needs every 429 with Retry-After, no other failure, and the worst (largest) ratio "
+        f"<= {TTFT_RATIO_LIMIT:g}.",
+        "",
+        "## Phases",
         "",
         markdown_table(["Phase", "Offered req/s", "Sent", "Completed", "Failed (by type)", "TTFT p50 (ms)",
                         "TTFT p90 (ms)", "TTFT p99 (ms)", "TPOT p99 (ms)", "Output tok/s"], rows),  # fmt: skip
         "",
-        "![TTFT at the sustainable rate and under overload](overload.png)",
+        f"Each cell: median over the {n} runs (min–max). TTFT: request sent -> first output chunk, percentiles over "
+        "one run's completed requests; TPOT: (E2E - TTFT) / (output tokens - 1); output tok/s over the run's wall "
+        "time. Sent and Completed are totals over runs.",
+        "",
+        "![TTFT p99 per pair and the paired ratios against the limit](overload.png)",
         "",
     ])  # fmt: skip
 
 
 def plot_overload(r: OverloadResult, cfg: ServeBenchConfig, path: Path) -> Path:
-    from ..plots import plot_latency_vs_load
+    from ..plots import plot_overload_pairs
 
-    panels: dict[str, dict[str, list[tuple[float, float, float, float, str, int]]]] = {}
-    for metric, title in (("ttft", "Time to first token (ms)"), ("e2e", "End-to-end latency (ms)")):
-        series: dict[str, list[tuple[float, float, float, float, str, int]]] = {}
-        for stat in ("p50", "p99"):
-            pts = []
-            for name, p, rate in (("sustainable", r.baseline, r.sustainable_rps),
-                                  ("overload, admitted", r.overload, r.overload_rps)):  # fmt: skip
-                s = p.spread(f"{metric}_{stat}")
-                if s is not None:
-                    pts.append((rate, s.median, s.min, s.max, name, s.runs))
-            series[stat] = pts
-        panels[title] = series
-    head = (f"glowplug under overload: {cfg.model}, --dtype {cfg.dtype}, {cfg.input_len} prompt / {cfg.output_len} "
-            f"output tokens, sustainable rate then {cfg.overload_factor:g}x it (admitted requests only)")
-    return plot_latency_vs_load(panels, path, xlabel="offered requests/s", title=head)
+    def p99s(p: LoadPoint) -> list[float | None]:
+        return [m.figure("ttft_p99") for m in p.runs]
+
+    title = (f"glowplug under overload: {cfg.model}, --dtype {cfg.dtype}, {cfg.input_len} prompt / {cfg.output_len} "
+             f"output tokens; sustainable {r.sustainable_rps:.3g} req/s, overload {r.overload_rps:.3g} req/s "
+             f"({cfg.overload_factor:g}x)")  # fmt: skip
+    return plot_overload_pairs(
+        {"sustainable rate": p99s(r.baseline), "overload, admitted": p99s(r.overload)},
+        r.pair_ratios,
+        path,
+        limit=TTFT_RATIO_LIMIT,
+        title=title,
+        verdict="PASS" if r.passed else "FAIL",
+    )
 
 
 def overload_mode(

@@ -110,22 +110,32 @@ def sweep_json(cfg: ServeBenchConfig, points: Sequence[LoadPoint], lengths: dict
     }
 
 
+def sweep_plot_panels(
+    points: Sequence[LoadPoint],
+) -> tuple[dict[str, dict[str, list[tuple[float, float, float, float, str, int]]]], dict[str, str]]:
+    """(panels, x label per panel) for the latency-vs-load figure. x is the load the sweep set: the concurrency of a
+    closed-loop point, the offered rate of an open-loop one (never the achieved req/s, which folds back once the
+    server saturates); the two kinds get separate panels, since they set different variables."""
+    kinds = [(k, xl) for k, xl in (("concurrency", "concurrency (clients in flight, as set)"),
+                                   ("rate", "offered requests/s (as set)")) if any(p.kind == k for p in points)]
+    panels: dict[str, dict[str, list[tuple[float, float, float, float, str, int]]]] = {}
+    xlabels: dict[str, str] = {}
+    for kind, xlabel in kinds:
+        for metric in ("ttft", "tpot", "e2e"):
+            name = LATENCY_TITLES[metric] + (", closed loop" if kind == "concurrency" else ", open loop")
+            series: dict[str, list[tuple[float, float, float, float, str, int]]] = {}
+            for stat in ("p50", "p99"):
+                series[stat] = [(p.value, y.median, y.min, y.max, p.label, y.runs) for p in points
+                                if p.kind == kind and (y := p.spread(f"{metric}_{stat}")) is not None]  # fmt: skip
+            panels[name] = series
+            xlabels[name] = xlabel
+    return panels, xlabels
+
+
 def plot_sweep(cfg: ServeBenchConfig, points: Sequence[LoadPoint], path: Path) -> Path:
     from ..plots import plot_latency_vs_load
 
-    panels: dict[str, dict[str, list[tuple[float, float, float, float, str, int]]]] = {}
-    for metric in ("ttft", "tpot", "e2e"):
-        series: dict[str, list[tuple[float, float, float, float, str, int]]] = {}
-        for stat in ("p50", "p99"):
-            pts = []
-            for p in points:
-                x = p.spread("request_throughput")
-                y = p.spread(f"{metric}_{stat}")
-                if x is not None and y is not None:
-                    pts.append((x.median, y.median, y.min, y.max, p.label, y.runs))
-            series[stat] = pts
-        panels[LATENCY_TITLES[metric]] = series
+    panels, xlabels = sweep_plot_panels(points)
     title = (f"glowplug serve latency vs load: {cfg.model}, --dtype {cfg.dtype}, --compile {cfg.compile}, "
-             f"{cfg.input_len} prompt / {cfg.output_len} output tokens ({cfg.len_distribution}), "
-             f"runs per load point: {cfg.runs}")
-    return plot_latency_vs_load(panels, path, xlabel="achieved requests/s", title=title)
+             f"{cfg.input_len} prompt / {cfg.output_len} output tokens ({cfg.len_distribution})")
+    return plot_latency_vs_load(panels, path, xlabel=xlabels, title=title, columns=3)
