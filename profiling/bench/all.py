@@ -19,21 +19,26 @@ Order, and why:
   4. decode-quantized  decode and prefill per format and batch (bf16, compile on and off)
   5. decode-kv         tok/s, GB/s, KV-quant (int8 KV) and compiled rows at batch 1
   6. decode-context    the decode step at contexts up to 8,192 tokens
-  7. decode-isa        decode at the avx2 level (capped), every dtype, vs transformers
-  8. decode-portable   decode at the portable level (capped)
-  9. throughput        named configurations x schemes, 3 runs, Output Throughput without prefill
-  10. latency          TGI-style tables (prefill, decode token, decode total) per quantization
-  11. tune             max-model-len sweep and plan
-  12. startup          N cold and N warm starts (`glowplug bench startup`)
-  13. screenshots      the live start-up page of a real `glowplug serve`: starting, READY, phone, under load
+  7. decode-auto       the engine's default quantization (auto) against none and int4
+  8. decode-isa        decode at the avx2 level (capped), every dtype, vs transformers
+  9. decode-portable   decode at the portable level (capped)
+  10. throughput       seed 002's seven named configurations x schemes, Output Throughput without prefill
+  11. latency          seed 001's TGI-style tables (prefill, decode token, decode total) per quantization
+  12. latency-tp       the same at TP=3 against TP=1 (gloo)
+  13. tune             max-model-len sweep and plan
+  14. startup          N cold and N warm starts (`glowplug bench startup`)
+  15. startup-tp1/tp3  cold and warm starts at TP=1 and TP=3
+  16. gemma-startup    the second model's starts (needs --gemma3-gguf; listed as skipped without it)
+  17. screenshots      the live start-up page of a real `glowplug serve`: starting, READY, phone, under load
                        (`glowplug bench screenshots`; each png is stamped with the commit and date)
-  14. cache-verify     cost of verifying a warm cache hit
-  15. serve            HTTP serving sweep (closed loop at 1, 8, 32 and 64 clients): TTFT/TPOT/ITL/E2E, throughput
-  16. serve-efficiency the same requests over HTTP and offline: server / offline throughput
-  17. serve-overload   capacity, the sustainable rate, then 4x that rate: 429s and admitted p99 TTFT
-  18. serve-fuzz       schemathesis over the server's OpenAPI document
-  19. serve-soak       two minutes of mixed streams with hang-ups, then leak and counter checks
-  20. serve-hostile    a 20 MB prompt refused under load, the hostile corpus, the limits' cost on throughput
+  18. cache-verify     cost of verifying a warm cache hit
+  19. serve            HTTP serving sweep (closed loop at 1, 8, 32 and 64 clients): TTFT/TPOT/ITL/E2E, throughput
+  20. serve-efficiency the same requests over HTTP and offline: server / offline throughput, paired per run
+  21. serve-overload   capacity, the sustainable rate, then 4x that rate: 429s and admitted p99 TTFT
+  22. serve-fuzz       schemathesis over the server's OpenAPI document, at the default max-model-len
+  23. serve-soak       two minutes of mixed streams with hang-ups, then leak and counter checks
+  24. serve-hostile    a 20 MB prompt refused under load, the hostile corpus, the limits' cost on throughput
+Not made here: reports/gpu (scripts/device_check.sh on a GPU machine; its README names its commit).
 The serve reports come last: each starts its own server, and none of the in-process tables above should share
 the cores with one.
 `--quick` shrinks repeats and sizes to a smoke test: the README and every command line say so, and its numbers
@@ -62,9 +67,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 STEP_NAMES: tuple[str, ...] = (
-    "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "decode-context", "decode-isa",
-    "decode-portable", "throughput", "latency", "tune", "startup", "screenshots",
-    "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak", "serve-hostile",
+    "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "decode-context", "decode-auto", "decode-isa",
+    "decode-portable", "throughput", "latency", "latency-tp", "tune", "startup", "startup-tp1", "startup-tp3",
+    "gemma-startup", "screenshots", "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak", "serve-hostile",
 )  # fmt: skip
 SIDECAR = "bench-all.json"  # every report's last outcome in DIR; README.md is rendered from it
 
@@ -80,6 +85,10 @@ class BenchAllConfig(BaseModel):
     skip: tuple[str, ...] = Field((), description="Run every report but these (combines with --only).")
     quantization: tuple[str, ...] = Field(("int8", "int4", "int2", "w8a8"), description="Schemes besides none.")
     timeout_s: float = Field(3600.0, gt=0, description="Per report.")
+    gemma3_gguf: Path | None = Field(
+        None, description="A Gemma 3 GGUF (gemma-3-270m Q4_K_M) for the second-model reports (gemma-startup); "
+        "without it they are listed as skipped, with this flag as the fix.",
+    )  # fmt: skip
     allow_dirty: bool = Field(False, description="Run although tracked files differ from HEAD (outside --out); the "
                               "index and every report then say DIRTY RUN.")
 
@@ -102,6 +111,7 @@ class Step:
     outputs: list[str]  # paths relative to the out folder, linked from the README
     what: str
     env: dict[str, str] = field(default_factory=dict)  # set for this step's process only (the ISA caps)
+    skip: str | None = None  # why this step cannot run in this invocation (recorded in the index, not run)
 
 
 def _items(values: list[str]) -> str:
@@ -137,29 +147,45 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
                                     *(["--ms", "1", "--formats", "bf16,int4-g32,int2-g128"] if q else []),
                                     *quality, "--out", str(o / "kernels.md")],
                         ["kernels.md"], "every quantized linear path and native kernel per M; calibrates dispatch"),
+        # The peers (transformers fp32 and bf16, llama.cpp on the same GGUF when llama-cpp-python is installed) are
+        # timed right after each glowplug run, on the same prompts: every ratio is a pair from one moment.
         "decode": Step("decode", ["bench", "decode", m, "--batch-sizes", "1" if q else "1,8,32",
                                   "--dtype", "float32,bfloat16", "--compile", "off" if q else "on,off",
-                                  "--repeats", reps, "--new-tokens", "8" if q else "64",
-                                  "--prompt-tokens", "16" if q else "64", "--out", str(o / "decode.md")],
-                       ["decode.md"], "decode tok/s vs transformers' generate on the same prompts"),
+                                  "--repeats", reps, "--new-tokens", "8" if q else "32",
+                                  "--prompt-tokens", "16" if q else "64",
+                                  "--hf-dtype", "float32" if q else "float32,bfloat16", "--peers", "llamacpp",
+                                  "--out", str(o / "decode.md")],
+                       ["decode.md"], "decode tok/s vs transformers (fp32, bf16) and llama.cpp, paired run by run"),
+        # Seed 000's grid: group size 128 (for the formats that take one), batch 1 and 16, a 2048-token context
+        # beside a short one.
         "decode-quantized": Step("decode-quantized", [
             "bench", "decode", m, "--dtype", "bfloat16", "--quantization", _items(["none", *with_auto]),
-            "--batch-sizes", "1" if q else "1,16,64", "--compile", "off" if q else "on,off",
-            "--repeats", reps, "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64",
+            "--group-size", "128", "--batch-sizes", "1" if q else "1,16", "--compile", "off" if q else "on",
+            "--repeats", reps, "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64,2048",
             "--no-compare-hf", *quality, "--out", str(o / "decode-quantized.md")],
-            ["decode-quantized.md"], "seed 000: decode and prefill per format, batch and group size"),
+            ["decode-quantized.md"], "seed 000: decode and prefill per format, batch and context, group 128"),
         "decode-kv": Step("decode-kv", [
             "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none,int4",
             "--kv-cache-dtype", "auto,int8", "--batch-sizes", "1", "--compile", "off" if q else "on,off",
-            "--repeats", reps, "--new-tokens", "8" if q else "64", "--prompt-tokens", "16" if q else "512",
+            "--repeats", reps, "--new-tokens", "8" if q else "64", "--prompt-tokens", "16" if q else "512,2048",
+            # seed 003's cache-size sweep: the same runs with the cache sized for 2112 and for 8192 tokens
+            "--max-model-len", "32,1024" if q else "2112,8192",
             "--no-compare-hf", *quality, "--out", str(o / "decode-kv.md")],
-            ["decode-kv.md"], "seed 003: tok/s, GB/s, KV-quant and compiled rows at batch 1"),
+            ["decode-kv.md"], "seed 003: per-run lines, tok/s, GB/s, KV-quant, context and cache-size sweeps"),
         "decode-context": Step("decode-context", [
             "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none,int4", "--kv-cache-dtype", "auto,int8",
             "--batch-sizes", "1", "--compile", "on", "--repeats", reps, "--new-tokens", "8" if q else "32",
             "--prompt-tokens", "16,64" if q else "64,512,2048,8064", "--no-compare-hf", *quality,
             "--out", str(o / "decode-context.md")],
             ["decode-context.md"], "issue 34: the decode step at contexts up to 8,192 tokens, KV bytes against time"),
+        # The engine's default (auto: each tensor as the GGUF stores it) against none and int4; the README's
+        # batch-1 figure for auto comes from here.
+        "decode-auto": Step("decode-auto", [
+            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none,auto,int4",
+            "--batch-sizes", "1" if q else "1,16", "--compile", "off" if q else "on", "--repeats", reps,
+            "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64", "--no-compare-hf",
+            "--out", str(o / "decode-auto.md")],
+            ["decode-auto.md"], "the engine's default quantization (auto) against none and int4"),
         # The avx2 and portable levels on this machine: glowplug's, torch's and oneDNN's caps together make it run
         # what such a CPU runs (the transformers peer too).
         "decode-isa": Step("decode-isa", [
@@ -188,6 +214,13 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             "--decode-length", "4" if q else "16", "--runs", reps, "--warmups", "0" if q else "1",
             *(["--no-plots"] if q else []), "--out-dir", str(o / "latency")],
             ["latency/latency.md"], "seed 001: TGI latency and throughput tables per quantization"),
+        # Tensor parallel over gloo on this CPU: what the TP machinery costs a step, against TP=1 in the same run.
+        "latency-tp": Step("latency-tp", [
+            "bench", "latency", m, "--dtype", "bfloat16", "--quantization", "none",
+            "--tensor-parallel-size", "1,3", "--batch-size", "1" if q else "1,4",
+            "--sequence-length", "16" if q else "256", "--decode-length", "4" if q else "16", "--runs", reps,
+            "--warmups", "0" if q else "1", *(["--no-plots"] if q else []), "--out-dir", str(o / "latency" / "tp")],
+            ["latency/tp/latency.md"], "tensor parallel (TP=3 over gloo) against TP=1: prefill and decode latency"),
         "tune": Step("tune", ["tune", "max-model-len", m, *(["--max-model-len", "128", "--plan"] if q else []),
                               "--min-concurrency", "8", *(["--no-plots"] if q else []),
                               "--out-dir", str(o / "tune-max-model-len")],
@@ -197,6 +230,21 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
         "startup": Step("startup", ["bench", "startup", m, "--runs", reps, "--tracing-runs", "2" if q else "80",
                                       *_startup_out(o / "startup")],
                         ["startup/startup.md"], "cold and warm starts: per-phase statistics and time to READY"),
+        "startup-tp1": Step("startup-tp1", ["bench", "startup", m, "--runs", reps, "--no-bundle",
+                                            "--no-tracing-overhead", *_startup_out(o / "startup-tp" / "tp1")],
+                            ["startup-tp/tp1/startup.md"], "cold and warm starts at TP=1, the baseline of startup-tp3"),
+        "startup-tp3": Step("startup-tp3", ["bench", "startup", m, "--tensor-parallel-size", "3", "--runs", reps,
+                                            "--no-bundle", "--no-tracing-overhead",
+                                            *_startup_out(o / "startup-tp" / "tp3")],
+                            ["startup-tp/tp3/startup.md"], "cold and warm starts at TP=3: per-rank phases, "
+                            "distributed_init"),
+        # The second model: Gemma 3 (sliding-window layers, SentencePiece vocabulary), compile off as its report
+        # measures preparation, not Inductor.
+        "gemma-startup": Step("gemma-startup", [
+            "bench", "startup", str(cfg.gemma3_gguf or "GEMMA3_GGUF"), "--compile", "off", "--runs", reps,
+            "--no-bundle", "--no-tracing-overhead", *_startup_out(o / "gemma-startup")],
+            ["gemma-startup/startup.md"], "Gemma 3 270m (Q4_K_M GGUF): cold and warm starts",
+            skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH"),
         # After startup: the page's ghosts and ETA come from the earlier starts of the same config. 16 clients put
         # visible traffic on the serving charts; the load is stopped once its screenshot is taken.
         "screenshots": Step("screenshots", ["bench", "screenshots", m, "--under-load", "2" if q else "16",
@@ -221,11 +269,10 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             *serve_common, "--overload", "--max-num-seqs", "2" if q else "8", "--num-prompts", "4" if q else "16",
             "--out-dir", serve_dir],
             ["serve/overload.md"], "capacity, sustainable rate, 4x overload: 429s and admitted p99 TTFT"),
-        # A short max-model-len bounds what a generated case may ask for (max_tokens, n): with the model's 8192,
-        # single cases ran for minutes and 100 cases per endpoint did not finish in 14 minutes. With 256, 500 cases
-        # per endpoint (the issue's count) take about 8 minutes.
+        # The server's own max-model-len; each generated case's work is bounded instead (max_tokens <= 16, n <= 2,
+        # prompt strings <= 64 characters and lists <= 4 items): unbounded cases asked for thousands of tokens.
         "serve-fuzz": Step("serve-fuzz", [*serve_common, "--fuzz", "--fuzz-cases", "5" if q else "500",
-                                          "--max-model-len", "256", "--out-dir", serve_dir],
+                                          "--fuzz-max-tokens", "16", "--fuzz-max-n", "2", "--out-dir", serve_dir],
                            ["serve/fuzz.md"], "schemathesis over the OpenAPI document: 5xx and schema violations"),
         "serve-soak": Step("serve-soak", [*serve_common, "--soak", "--soak-duration", "10" if q else "120",
                                           "--soak-streams", "2" if q else "64", "--hangup-fraction", "0.1",
@@ -418,7 +465,7 @@ def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
             lines.append(f"| {i} | {name} | {step.what} | `{cmd}` | not run yet | - | - | - |")
             continue
         links = ", ".join(f"[{p}]({p})" for p in e["outputs"])
-        status = ("ok" if e["returncode"] == 0 else (e["error"] or f"exit {e['returncode']}")) + (
+        status = ("ok" if e["returncode"] == 0 and not e["error"] else (e["error"] or f"exit {e['returncode']}")) + (
             " (--quick)" if e.get("quick") else "")
         rss = f"{e['peak_rss_gb']:.2f}" if e.get("peak_rss_gb") is not None else "n/a (not measured)"
         cmd = "glowplug " + " ".join(shlex.quote(a) for a in e["argv"])
@@ -465,8 +512,12 @@ def run_all(cfg: BenchAllConfig, argv: list[str] | None = None, progress: Any = 
     results = []
     for step in plan_steps(cfg):
         say(f"[{len(results) + 1}] {step.name}: glowplug {' '.join(step.argv)}")
-        results.append(run_step(step, cfg.timeout_s, logs / f"{step.name}.log", cfg.out, state.env()))
-        say(f"    {'ok' if results[-1].returncode == 0 else results[-1].error} in {results[-1].wall_s:.0f} s")
+        if step.skip is not None:
+            results.append(StepResult(step, 0, 0.0, None, f"skipped: {step.skip}"))
+        else:
+            results.append(run_step(step, cfg.timeout_s, logs / f"{step.name}.log", cfg.out, state.env()))
+        last = results[-1]
+        say(f"    {'ok' if last.returncode == 0 and not last.error else last.error} in {last.wall_s:.0f} s")
         finished = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
         sidecar["entries"][step.name] = entry_of(results[-1], cfg.quick, finished, run)
         # Both files are rewritten after every report: a stopped run still says what it has.

@@ -169,3 +169,22 @@ def test_screenshots_without_a_browser_fail_with_the_reason_in_the_index(tmp_pat
     side = {"run": run, "entries": {"screenshots": bench_all.entry_of(r, True, "now", run)}}
     readme = bench_all.render_readme(BenchAllConfig(out=out, quick=True), side)
     assert "no chromium found" in next(ln for ln in readme.splitlines() if "screenshots.json" in ln)
+
+
+def test_a_step_without_its_input_is_listed_as_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:  # fmt: skip
+    calls: list[dict[str, Any]] = []
+    _fake_run(monkeypatch, GitState(COMMIT_A, False), calls)
+    out = tmp_path / "out"
+    results = bench_all.run_all(BenchAllConfig(out=out, only=("gemma-startup", "cache-verify")))
+    assert [c["name"] for c in calls] == ["cache-verify"]  # the Gemma step did not run
+    assert bench_all.main(BenchAllConfig(out=out, only=("gemma-startup",))) == 0  # a skip is not a failure
+    assert results[0].error == "skipped: no Gemma 3 GGUF given: pass --gemma3-gguf PATH"
+    row = next(ln for ln in (out / "README.md").read_text().splitlines() if "gemma-startup/startup.md" in ln)
+    assert "skipped: no Gemma 3 GGUF given: pass --gemma3-gguf PATH" in row
+
+    gguf = tmp_path / "gemma.gguf"
+    bench_all.run_all(BenchAllConfig(out=out, only=("gemma-startup",), gemma3_gguf=gguf))
+    assert calls[-1]["name"] == "gemma-startup"
+    step = bench_all.plan_steps(BenchAllConfig(out=out, gemma3_gguf=gguf), ["gemma-startup"])[0]
+    assert step.skip is None and str(gguf) in step.argv
