@@ -447,8 +447,7 @@ def render_markdown(
         ranked = ranking(summaries, shape.name, flags)
         parts += [f"### {shape.name} ({shape.title})", ""]
         if not ranked:
-            parts += ["No scheme ran this configuration (see its table for why).", ""]
-            continue
+            parts.append("No scheme ran this configuration.")
         place = 0
         for s in ranked:
             st = s.stats[RANK_METRIC]
@@ -471,6 +470,9 @@ def render_markdown(
             else:
                 place += 1
                 parts.append(f"{place}. {text}")
+        for s in summaries:  # a scheme that did not run this configuration is named with its reason, not dropped
+            if s.config == shape.name and RANK_METRIC not in s.stats:
+                parts.append(f"- not ranked: **{s.quantization}**: {Missing(s.reason or 'not run')}")
         parts.append("")
     return "\n".join(parts)
 
@@ -504,6 +506,9 @@ def write_reports(
         groups = ranking_plot_groups(shapes, summaries, flags)
         if groups:
             dtypes = sorted({f"{v.dtype}, compile {v.compile}" for v in summaries if v.stats})
+            untimed = sorted({v.quantization for v in summaries if not v.stats and v.quantization in flags})
+            if untimed:  # left out of the bars: the figure says so, not only the Markdown
+                dtypes.append(f"not timed, unusable: {', '.join(untimed)}")
             written.append(plot_ranking(
                 groups, out / "ranking.png",
                 xlabel="Output Throughput, tok/s (tokens after each sequence's first / time after the first tokens)",

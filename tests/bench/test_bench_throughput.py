@@ -226,3 +226,4 @@ def test_skip_unusable_says_why_in_every_row(tmp_path: Path, monkeypatch: pytest
     md = render_markdown(cfg, shapes, records, None)
     assert_no_blank_or_nan(md)
     assert "n/a (not timed (--skip-unusable): unusable: perplexity 4.55e+07" in md
+    assert "- not ranked: **int2**: n/a (not timed (--skip-unusable): unusable: perplexity 4.55e+07" in md
