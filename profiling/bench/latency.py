@@ -6,9 +6,15 @@ Per batch size: `--warmups` untimed batches, then `--runs` timed ones (see `timi
                   defaults to batch x sequence length, so the whole batch is prefilled in one forward, as in TGI.
   Decode (token)  one sample per decode step, over all runs (decode-length - 1 steps a run).
   Decode (total)  one sample per run: the sum of that run's decode steps.
-Throughput rows: prefill tokens/s = batch x sequence-length / prefill time; decode tokens/s = tokens generated after
-the prefill / decode total, one sample per run. Percentiles use the one method of `stats.py`. A batch size that
-cannot run (KV cache too small, an engine that does not start) gets the reason in every cell, never NaN or blank.
+Throughput table, one sample per run each, median (min-max) over the runs:
+  Prefill (requests/s)       seed 001's "Prefill" row, under its definition: batch / prefill time (TGI labels it
+                             tokens/secs; it is sequences prefilled, i.e. first tokens, per second)
+  Prefill (prompt tokens/s)  glowplug's: batch x sequence length / prefill time (= requests/s x sequence length)
+  Decode (tokens/s)          seed 001's and glowplug's (`BatchTiming.output_tokens_per_s`): batch x (decode length
+                             - 1) / Decode (total)
+The defaults are seed 001's grid (sequence length 1024, decode length 8, 10 runs, 1 warm-up, batch 1-32).
+Percentiles use the one method of `stats.py`. A batch size that cannot run (KV cache too small, an engine that does
+not start) gets the reason in every cell, never NaN or blank. The JSON lists every run's values.
 Prefix caching is off: every run sends the same prompts, and a cache hit would time a prefill that never ran.
 """
 
@@ -31,7 +37,7 @@ from .cli_support import (
     write_json,
 )
 from .stats import PERCENTILE_METHOD, Summary, summarize
-from .tables import Cell, Missing, fmt_num, markdown_table
+from .tables import Cell, Missing, fmt_num, fmt_spread, markdown_table
 
 Progress = Callable[[str], None]
 
@@ -43,10 +49,13 @@ class LatencyBenchConfig(BenchEngineFields):
         (1,), min_length=1, description="Tensor-parallel sizes to compare (one engine per size and scheme, as seed "
         "001 measures TGI at --num-shard 1, 2, 4 and 8).",
     )
-    sequence_length: int = Field(256, ge=1, description="Prompt tokens per sequence.")
-    decode_length: int = Field(16, ge=2, description="New tokens per sequence (the first comes from the prefill).")
-    runs: int = Field(10, ge=1, description="Timed batches per batch size.")
-    warmups: int = Field(1, ge=0, description="Untimed batches before them.")
+    # Seed 001's grid by default (TGI's text-generation-benchmark: 1024 / 8 / 10 runs / 1 warm-up).
+    sequence_length: int = Field(1024, ge=1, description="Prompt tokens per sequence (seed 001: 1024).")
+    decode_length: int = Field(
+        8, ge=2, description="New tokens per sequence, the first from the prefill (seed 001: 8)."
+    )
+    runs: int = Field(10, ge=1, description="Timed batches per batch size (seed 001: 10).")
+    warmups: int = Field(1, ge=0, description="Untimed batches before them (seed 001: 1).")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 disables.")
@@ -82,10 +91,15 @@ class LatencyCell:
     prefill_tokens_per_s: list[float] = field(default_factory=list)
     decode_tokens_per_s: list[float] = field(default_factory=list)
     prefill_steps: int = 0
+    prefill_requests_per_s: list[float] = field(default_factory=list)  # seed 001's prefill row: batch / prefill
 
     @property
     def ok(self) -> bool:
         return self.reason is None
+
+    def runs_decode_steps(self) -> int:
+        """Decode steps per run (every run has the same number: exactly decode length tokens each)."""
+        return len(self.decode_token_s) // len(self.prefill_s) if self.prefill_s else 0
 
 
 @dataclass
@@ -146,8 +160,12 @@ def _measure(engine: Any, cfg: LatencyBenchConfig, cell: LatencyCell, prompts: l
         cell.prefill_s.append(t.prefill_s)
         cell.decode_token_s.extend(t.decode_step_s)
         cell.decode_total_s.append(t.decode_s)
-        cell.prefill_tokens_per_s.append(t.prompt_tokens / t.prefill_s)
-        cell.decode_tokens_per_s.append(t.decode_tokens / t.decode_s)
+        decode_rate = t.output_tokens_per_s
+        if decode_rate is None:  # decode_length >= 2 guarantees a decode phase; a zero-length clock is a bug
+            raise RuntimeError("a run had no measurable decode phase")
+        cell.prefill_requests_per_s.append(t.prefill_requests_per_s)
+        cell.prefill_tokens_per_s.append(t.prefill_tokens_per_s)
+        cell.decode_tokens_per_s.append(decode_rate)
         cell.prefill_steps = t.prefill_steps
 
 
@@ -199,7 +217,25 @@ def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None)
 # ---------------------------------------------------------------- rendering
 
 LATENCY_ROWS = (("Prefill", "prefill_s"), ("Decode (token)", "decode_token_s"), ("Decode (total)", "decode_total_s"))
-THROUGHPUT_ROWS = (("Prefill", "prefill_tokens_per_s"), ("Decode", "decode_tokens_per_s"))
+# Columns of the throughput table: the seed's prefill column under its name and definition, glowplug's beside it.
+THROUGHPUT_COLUMNS = (
+    ("Prefill (requests/s)", "prefill_requests_per_s"),
+    ("Prefill (prompt tokens/s)", "prefill_tokens_per_s"),
+    ("Decode (tokens/s)", "decode_tokens_per_s"),
+)
+LATENCY_DEFINITIONS = (
+    "Prefill: requests added -> every sequence of the batch has its first token, one sample per run. Decode (token): "
+    "one sample per decode step over all runs (decode length - 1 a run). Decode (total): that run's decode time, "
+    "first tokens -> last sequence finished, one sample per run. n: samples; p50 is the median, Lowest/Highest the "
+    "min-max spread."
+)
+THROUGHPUT_DEFINITIONS = (
+    "Prefill (requests/s): seed 001's Prefill throughput under its own definition, batch / prefill latency (TGI "
+    "prints it as tokens/secs; it counts sequences, each yielding its first token). Prefill (prompt tokens/s): "
+    "glowplug's, batch x sequence length / prefill latency (= requests/s x sequence length). Decode (tokens/s): "
+    "seed 001's and glowplug's, batch x (decode length - 1) / Decode (total): tokens after each sequence's first "
+    "over the time after the first tokens. One sample per run; cells are median (min–max) over the n runs."
+)
 
 
 def _stat_cells(summary: Summary | None, names: tuple[str, ...], unit: str, reason: str | None) -> list[Cell]:
@@ -210,6 +246,10 @@ def _stat_cells(summary: Summary | None, names: tuple[str, ...], unit: str, reas
     if summary.n == 1:
         return [f"{fmt_num(summary.mean)} {unit} (n=1)", *(["n=1"] * (len(names) - 1))]
     return [f"{fmt_num(getattr(summary, n))} {unit}" for n in names]
+
+
+def _samples(cell: LatencyCell, attr: str) -> int | Missing:
+    return len(getattr(cell, attr)) if cell.ok else Missing(cell.reason or "no samples")
 
 
 def cell_summary(cell: LatencyCell, attr: str, scale: float = 1.0) -> Summary | None:
@@ -223,20 +263,24 @@ def render_tables(result: LatencyResult, quant: str, tp: int = 1) -> str:
     lat_rows: list[list[Cell]] = []
     for label, attr in LATENCY_ROWS:
         for c in cells:
-            lat_rows.append([label, c.batch, *_stat_cells(cell_summary(c, attr, 1000.0), stats, "ms", c.reason)])
+            lat_rows.append([label, c.batch, _samples(c, attr),
+                             *_stat_cells(cell_summary(c, attr, 1000.0), stats, "ms", c.reason)])  # fmt: skip
     tput_rows: list[list[Cell]] = []
-    for label, attr in THROUGHPUT_ROWS:
-        for c in cells:
-            tput_rows.append([label, c.batch, *_stat_cells(cell_summary(c, attr), stats[:3], "tokens/s", c.reason)])
-    head = ["Step", "Batch Size", "Average", "Lowest", "Highest", "p50", "p90", "p99"]
-    latency_table = markdown_table(head, lat_rows, ["l"] * 2 + ["r"] * 6)
+    for c in cells:
+        tput_rows.append([c.batch, _samples(c, "prefill_s"), *(
+            fmt_spread(getattr(c, attr)) if c.ok and getattr(c, attr) else Missing(c.reason or "no samples")
+            for _, attr in THROUGHPUT_COLUMNS)])  # fmt: skip
+    head = ["Step", "Batch Size", "n", "Average", "Lowest", "Highest", "p50", "p90", "p99"]
+    latency_table = markdown_table(head, lat_rows, ["l"] * 2 + ["r"] * 7)
+    tput_head = ["Batch Size", "n (runs)", *(h for h, _ in THROUGHPUT_COLUMNS)]
     # Each table carries its own caption: a reader who copies one table keeps the settings it was measured at.
     setting = result.setting(run_label(result.config, quant, tp))
     if result.config.tensor_parallel_size != (1,):
         setting = f"tensor parallel {tp}, {setting}"
     return (f"Latency ({setting}, sequence length {result.config.sequence_length}, decode length "
-            f"{result.config.decode_length}):\n\n" + latency_table
-            + f"\n\nThroughput ({setting}):\n\n" + markdown_table(head[:5], tput_rows, ["l"] * 2 + ["r"] * 3))
+            f"{result.config.decode_length}):\n\n" + latency_table + "\n\n" + LATENCY_DEFINITIONS
+            + f"\n\nThroughput ({setting}):\n\n" + markdown_table(tput_head, tput_rows, ["l"] + ["r"] * 4)
+            + "\n\n" + THROUGHPUT_DEFINITIONS)
 
 
 def _arguments(result: LatencyResult) -> str:
@@ -282,8 +326,9 @@ def render_markdown(result: LatencyResult, argv: list[str] | None = None) -> str
         "- Prefill: requests added -> every sequence of the batch has its first token (one sample per run"
         + (f"; took {', '.join(map(str, sorted(steps)))} engine step(s))." if steps else ")."),
         "- Decode (token): one sample per decode step across all runs; Decode (total): one sample per run.",
-        "- Throughput: prefill tokens/s = batch x sequence length / prefill; decode tokens/s = tokens generated after "
-        "the prefill / decode total.",
+        "- Throughput: Prefill (requests/s) is seed 001's column under its definition, batch / prefill (TGI labels "
+        "it tokens/secs); Prefill (prompt tokens/s) is glowplug's, batch x sequence length / prefill; Decode "
+        "(tokens/s) = batch x (decode length - 1) / Decode (total), the same in both.",
         f"- Percentiles: {PERCENTILE_METHOD}; always min <= p50 <= p90 <= p99 <= max. A row of one sample shows "
         "its value once and n=1 where a spread would be (one run has no lowest, highest or percentiles).",
         "- Each table's caption states the dtype and compile mode the engine resolved (compile on: the decode step "
@@ -305,14 +350,24 @@ def result_dict(result: LatencyResult) -> dict[str, Any]:
         entry["status"] = "ok" if c.ok else "skipped"
         entry["summary"] = {
             attr: s.as_dict()
-            for _, attr in (*LATENCY_ROWS, *THROUGHPUT_ROWS)
+            for _, attr in (*LATENCY_ROWS, *THROUGHPUT_COLUMNS)
             if (s := cell_summary(c, attr)) is not None
         }
+        # Each run's values side by side (as seed 002's "Individual runs"); decode_token_s stays a flat list above.
+        steps = max(c.runs_decode_steps(), 0)
+        entry["runs"] = [
+            {"run": i + 1, "prefill_s": c.prefill_s[i], "decode_total_s": c.decode_total_s[i],
+             "decode_token_s": c.decode_token_s[i * steps:(i + 1) * steps],
+             "prefill_requests_per_s": c.prefill_requests_per_s[i], "prefill_tokens_per_s": c.prefill_tokens_per_s[i],
+             "decode_tokens_per_s": c.decode_tokens_per_s[i]}
+            for i in range(len(c.prefill_s))
+        ]  # fmt: skip
         cells.append(entry)
     return {
         "config": result.config.model_dump(mode="json"),
         "percentile_method": PERCENTILE_METHOD,
-        "units": {"*_s": "seconds", "*_per_s": "tokens per second"},
+        "units": {"*_s": "seconds", "prefill_requests_per_s": "sequences per second (seed 001's Prefill)",
+              "*tokens_per_s": "tokens per second"},
         "kv_blocks": result.kv_blocks,
         "cells": cells,
     }

@@ -36,6 +36,12 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _spans_decades(values: Sequence[float]) -> bool:
+    """A log axis where positive values span more than a factor of 10 (a linear one would flatten the small ones)."""
+    positive = [v for v in values if v > 0]
+    return bool(positive) and max(positive) > 10 * min(positive)
+
+
 def plot_latency_vs_batch(
     panels: Mapping[str, Mapping[str, Sequence[tuple[int, Summary]]]],
     path: Path,
@@ -43,67 +49,93 @@ def plot_latency_vs_batch(
     title: str,
     unit: str = "ms",
 ) -> Path:
-    """One panel per metric (panel title -> series label -> [(batch size, summary)]): the mean with a min-max
-    error bar. A point of one sample gets no bar (its spread is unknown, and a zero-width bar would claim one).
-    `title` must say what was measured (model, lengths, dtype); the error-bar meaning is added below it."""
-    fig = _figure(5.0 * max(len(panels), 1), 4.4)
-    fig.suptitle(f"{title}\nmarker: mean; error bars: min–max over the samples (none where n=1)", fontsize=9)
+    """One panel per metric (panel title -> series label -> [(batch size, summary)]), x = the batch size that was
+    set (log 2): the median with a min-max error bar, and n in the legend. The y axis turns logarithmic where the
+    panel's values span more than a decade. A point of one sample gets no bar (its spread is unknown, and a
+    zero-width bar would claim one). `title` must say what was measured (model, lengths, dtype)."""
+    fig = _figure(5.5 * max(len(panels), 1), 4.8)
+    fig.suptitle(f"{title}\nmarker: median; error bars: min–max over the n samples (none where n=1)", fontsize=9)
     for i, (panel, series) in enumerate(panels.items()):
         ax = fig.add_subplot(1, max(len(panels), 1), i + 1)
         for j, (label, points) in enumerate(series.items()):
             if not points:
                 continue
-            xs = [b for b, _ in points]
-            means = [s.mean for _, s in points]
-            lows = [s.mean - s.min if s.n > 1 else 0.0 for _, s in points]
-            highs = [s.max - s.mean if s.n > 1 else 0.0 for _, s in points]
+            pts = sorted(points, key=lambda p: p[0])
+            xs = [b for b, _ in pts]
+            medians = [s.p50 for _, s in pts]
+            lows = [s.p50 - s.min for _, s in pts]
+            highs = [s.max - s.p50 for _, s in pts]
+            ns = sorted({s.n for _, s in pts})
+            n_text = f"n={ns[0]}" if len(ns) == 1 else f"n={ns[0]}-{ns[-1]}"
             color = COLORS[j % len(COLORS)]
-            if any(s.n > 1 for _, s in points):
-                ax.errorbar(xs, means, yerr=[lows, highs], marker="o", capsize=3, label=label, color=color)
+            if any(s.n > 1 for _, s in pts):
+                ax.errorbar(xs, medians, yerr=[lows, highs], marker="o", capsize=3, label=f"{label} ({n_text})",
+                            color=color)  # fmt: skip
             else:
-                ax.plot(xs, means, marker="o", label=f"{label} (n=1)", color=color)
+                ax.plot(xs, medians, marker="o", label=f"{label} (n=1)", color=color)
         ax.set_xscale("log", base=2)
         batches = sorted({b for points in series.values() for b, _ in points})
         if batches:
             ax.set_xticks(batches, [str(b) for b in batches])
             ax.minorticks_off()
-        ax.set_xlabel("batch size (sequences)")
-        ax.set_ylabel(f"{panel} latency ({unit})")
+        values = [v for points in series.values() for _, s in points for v in (s.min, s.max)]
+        log_y = _spans_decades(values)
+        if log_y:
+            ax.set_yscale("log")
+        ax.set_xlabel("batch size (sequences, set per run; log 2 axis)")
+        ax.set_ylabel(f"{panel} latency ({unit}{', log scale' if log_y else ''})")
         ax.set_title(panel, fontsize=9)
-        ax.grid(True, alpha=0.3)
+        ax.grid(True, which="both", alpha=0.3)
         if any(series.values()):
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=7)
         else:  # an empty panel must not look like a chart of zeros
             ax.text(0.5, 0.5, "no batch size ran (see the report)", transform=ax.transAxes, ha="center")
     return _save(fig, path)
 
 
 def plot_ranking(
-    groups: Mapping[str, Sequence[tuple[str, float, float]]],
+    groups: Mapping[str, Sequence[tuple[str, float, float, float, str | None]]],
     path: Path,
     *,
     xlabel: str = "output tokens/s",
     title: str | None = None,
 ) -> Path:
-    """One horizontal bar panel per group (config -> [(variant, mean, std)]), best at the top. A std of 0 draws no
-    error bar (a single run has no spread to show, and a zero-width bar would claim one)."""
+    """One horizontal bar panel per group (config -> [(variant label, median, min, max, unusable)]): usable variants
+    best at the top, then the unusable ones (`unusable` is the reason, e.g. "unusable: perplexity > 2x bf16", or
+    None) as grey hatched bars carrying that text, so a broken format never reads as the winner. Error bars are
+    min-max (none where min == max, e.g. one run). Horizontal bars keep long labels readable; the x axis turns
+    logarithmic where a panel's values span more than a decade."""
     n = max(len(groups), 1)
     cols = min(n, 2)
     rows = -(-n // cols)
-    fig = _figure(6.0 * cols, 1.0 + 0.9 * rows * max((len(v) for v in groups.values()), default=1))
+    per_panel = max((len(v) for v in groups.values()), default=1)
+    fig = _figure(7.0 * cols, 1.2 + (0.45 * per_panel + 0.9) * rows)
     if title:
-        fig.suptitle(title, fontsize=10)
+        fig.suptitle(title, fontsize=9)
     for i, (panel, entries) in enumerate(groups.items()):
         ax = fig.add_subplot(rows, cols, i + 1)
-        ranked = sorted(entries, key=lambda e: e[1])  # barh draws bottom-up: the best ends on top
+        usable = sorted((e for e in entries if e[4] is None), key=lambda e: e[1])
+        broken = sorted((e for e in entries if e[4] is not None), key=lambda e: e[1])
+        ranked = broken + usable  # barh draws bottom-up: the best usable ends on top, the unusable below all
         ys = list(range(len(ranked)))
-        ax.barh(ys, [e[1] for e in ranked], color=COLORS[0])
-        spread = [(y, e) for y, e in zip(ys, ranked) if e[2] > 0]
+        for y, e in zip(ys, ranked):
+            if e[4] is None:
+                ax.barh(y, e[1], color=COLORS[0])
+            else:
+                ax.barh(y, e[1], color="#DDDDDD", hatch="//", edgecolor="#777777")
+                ax.text(max(e[1], e[3]), y, f"  {e[4]}", va="center", ha="left", fontsize=7, color="#B00000")
+        spread = [(y, e) for y, e in zip(ys, ranked) if e[3] > e[2]]
         if spread:
-            ax.errorbar([e[1] for _, e in spread], [y for y, _ in spread], xerr=[e[2] for _, e in spread],
+            ax.errorbar([e[1] for _, e in spread], [y for y, _ in spread],
+                        xerr=[[e[1] - e[2] for _, e in spread], [e[3] - e[1] for _, e in spread]],
                         fmt="none", ecolor="black", capsize=3)  # fmt: skip
         ax.set_yticks(ys, [e[0] for e in ranked], fontsize=8)
-        ax.set_xlabel(xlabel)
+        log_x = _spans_decades([v for e in ranked for v in (e[2], e[3])])
+        if log_x:
+            ax.set_xscale("log")
+        if broken:  # room on the right for the label of an unusable bar
+            ax.set_xlim(right=max(e[3] for e in ranked) * (6.0 if log_x else 1.6))
+        ax.set_xlabel(xlabel + (" (log scale)" if log_x else ""), fontsize=8)
         ax.set_title(panel, fontsize=9)
         ax.grid(True, axis="x", alpha=0.3)
     return _save(fig, path)

@@ -1,16 +1,19 @@
-"""`glowplug bench throughput`: named batch shapes (seed 002's configurations) run for each quantization scheme,
-with end-to-end latency, three throughputs, one `results.jsonl` line per run, a Markdown summary and a ranking.
+"""`glowplug bench throughput`: seed 002's seven named batch shapes run for each quantization scheme, with
+end-to-end latency, three throughputs, every run's values in one `summary.json`, a Markdown summary and a ranking.
 
 A run is one batch of `batch` prompts of `input` tokens, each generating exactly `output` tokens (EOS ignored):
   latency             requests added -> last sequence finished (seconds)
   input throughput    prompt tokens / prefill time (requests added -> every sequence has its first token);
                       seed 002 printed 0.00 here for every run because it never measured the prefill
-  output throughput   seed 002's definition: output tokens / decode time, prefill excluded (its prefill_bound
-                      row is 32 tokens over the decode seconds, not over the end-to-end latency)
+  output throughput   tokens after each sequence's first token / time after the first tokens
+                      (`BatchTiming.output_tokens_per_s`, the one decode rate of every glowplug report). Seed 002
+                      does not state whether it counts the first token; at its lengths (>= 32 tokens a sequence)
+                      the two readings differ by <= 3%, inside its run-to-run spread, so its column name is kept.
   e2e output tput     glowplug's own column: output tokens / latency (prefill included)
   overall throughput  (prompt + output tokens) / latency
-Each table states the engine's resolved dtype and compile mode; a scheme is compared with `none` only at the same
-dtype and compile mode (else the ratio would mix the activation dtype into the quantization effect).
+Cells are median (min-max) over the n runs. A scheme is compared with `none` only at the same dtype and compile
+mode, by paired ratios (run i over `none`'s run i); the ranking shows their median and the worst pair. Schemes that
+`--quality-from` marks unusable are listed (and drawn hatched) after the usable ones, never ranked among them.
 A configuration longer than the model allows keeps its output length and has its input clipped to fit, with a
 note. The engine uses its default chunked-prefill scheduling (step token budget: max(2048, longest input)), so a
 large batch is prefilled over several steps, as a server would. Prefix caching is off so that every run prefills.
@@ -19,8 +22,7 @@ Run ids are `<quantization>_<config>_run<i>`, unique by construction (seed 002 l
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -29,8 +31,8 @@ from pydantic import Field, model_validator
 
 from ...engine.config import Quantization
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
-from .stats import mean_std
-from .tables import Cell, Missing, fmt_num, markdown_table
+from .stats import Summary, summarize
+from .tables import Cell, Missing, fmt_num, fmt_spread, markdown_table
 
 ConfigName = Literal[
     "interactive", "decode_bound", "prefill_bound", "long_context", "medium_batch", "base", "high_concurrency"
@@ -56,8 +58,12 @@ class ThroughputBenchConfig(BenchEngineFields):
     runs: int = Field(3, ge=1, description="Timed runs per (scheme, configuration).")
     warmups: int = Field(0, ge=0, description="Untimed runs before them (start-up already ran a warm-up).")
     quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
+    skip_unusable: bool = Field(
+        False, description="Do not time the schemes that --quality-from flags unusable; their rows say why (saves "
+        "the time of a format no one should deploy).",
+    )
     # Under the working directory, named after the command: never the checkout's reports/ unless asked.
-    out_dir: Path = Field(Path("throughput"), description="Where results.jsonl, summary.md, .png go.")
+    out_dir: Path = Field(Path("throughput"), description="Where summary.md, summary.json and ranking.png go.")
     plots: bool = True
 
     @model_validator(mode="after")
@@ -85,7 +91,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One line of results.jsonl: a timed run, or a (scheme, configuration) that could not run."""
+    """One entry of summary.json's `runs`: a timed run, or a (scheme, configuration) that could not run."""
 
     run_id: str
     status: Literal["ok", "skipped"]
@@ -102,7 +108,8 @@ class RunRecord:
     prompt_tokens: int | None = None
     generated_tokens: int | None = None
     input_throughput: float | None = None
-    output_throughput: float | None = None  # seed 002: output tokens / decode time (prefill excluded)
+    decode_tokens: int | None = None  # tokens after each sequence's first (the output throughput's numerator)
+    output_throughput: float | None = None  # decode_tokens / decode_s (BatchTiming.output_tokens_per_s)
     overall_throughput: float | None = None
     e2e_output_throughput: float | None = None  # glowplug's own: output tokens / end-to-end latency
     dtype: str | None = None  # the engine's resolved model dtype
@@ -139,12 +146,6 @@ def engine_fields(cfg: ThroughputBenchConfig, quant: str, shapes: list[Shape]) -
     )
 
 
-def seed_output_throughput(generated_tokens: int, decode_s: float) -> float | None:
-    """Seed 002's Output Throughput: output tokens over the decode time (prefill excluded); None when the run had
-    no decode phase to divide by (one output token per sequence)."""
-    return generated_tokens / decode_s if decode_s > 0 else None
-
-
 def _record(quant: str, shape: Shape, i: int, t: Any, dtype: str | None = None, compile: str | None = None
             ) -> RunRecord:
     return RunRecord(
@@ -161,8 +162,9 @@ def _record(quant: str, shape: Shape, i: int, t: Any, dtype: str | None = None, 
         decode_s=t.decode_s,
         prompt_tokens=t.prompt_tokens,
         generated_tokens=t.generated_tokens,
-        input_throughput=t.prompt_tokens / t.prefill_s,
-        output_throughput=seed_output_throughput(t.generated_tokens, t.decode_s),
+        decode_tokens=t.decode_tokens,
+        input_throughput=t.prefill_tokens_per_s,
+        output_throughput=t.output_tokens_per_s,
         overall_throughput=(t.prompt_tokens + t.generated_tokens) / t.latency_s,
         e2e_output_throughput=t.generated_tokens / t.latency_s,
         dtype=dtype,
@@ -184,20 +186,23 @@ def _skipped(quant: str, shape: Shape, reason: str) -> RunRecord:
     )
 
 
+JSON_NAME = "summary.json"
+
+
 class ResultsFile:
-    """results.jsonl, written line by line as runs finish (a long benchmark that is stopped keeps its runs)."""
+    """The report's one JSON, rewritten as runs finish (`"partial": true`) so that a long benchmark that is stopped
+    keeps its runs; `write_reports` replaces it with the complete file."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.records: list[RunRecord] = []
-        path.write_text("")
+        write_json(path, {"partial": True, "runs": []})
 
     def add(self, record: RunRecord) -> None:
         if any(r.run_id == record.run_id for r in self.records):
             raise ValueError(f"run id {record.run_id} recorded twice")
         self.records.append(record)
-        with self.path.open("a") as f:
-            f.write(json.dumps(asdict(record)) + "\n")
+        write_json(self.path, {"partial": True, "runs": [asdict(r) for r in self.records]})
 
 
 def run_throughput_bench(
@@ -210,10 +215,17 @@ def run_throughput_bench(
     from .decode import make_prompts
     from .timing import build_llm, model_position_limit, time_batch, why_cannot_run
 
+    from .quality import load_flags
+
     say = progress or (lambda _msg: None)
     shapes = resolve_shapes(cfg.configs, model_position_limit(cfg.model))
-    results = ResultsFile(prepare_out_dir(cfg.out_dir) / "results.jsonl")
+    results = ResultsFile(prepare_out_dir(cfg.out_dir) / JSON_NAME)
+    flags = load_flags(cfg.quality_from) if cfg.skip_unusable else {}
     for quant in cfg.quantization:
+        if quant in flags:
+            for shape in shapes:
+                results.add(_skipped(quant, shape, f"not timed (--skip-unusable): {flags[quant].removeprefix('⚠ ')}"))
+            continue
         say(f"[{quant}] starting the engine")
         llm, why = build_llm(engine_fields(cfg, quant, shapes))
         for shape in shapes:
@@ -255,12 +267,15 @@ METRICS = (
     ("input_throughput", "Input Throughput (tok/s)"),
     ("e2e_output_throughput", "glowplug E2E Output Throughput (tok/s)"),
 )
-# One line under every table: the seed's columns under the seed's definitions, glowplug's own column named apart.
+# One paragraph under every table: the seed's columns under their names, glowplug's own column named apart.
 DEFINITIONS = (
-    "Latency: requests added -> last sequence finished. Output Throughput (seed 002's definition): output tokens / "
-    "decode time, prefill excluded. Overall Throughput: (prompt + output tokens) / latency. Input Throughput: "
-    "prompt tokens / prefill time. glowplug E2E Output Throughput (not in the seed): output tokens / latency. "
-    "Mean ± sample std over the runs; a single run is marked n=1."
+    "Latency: requests added -> last sequence finished. Output Throughput: tokens after each sequence's first token "
+    "/ time after the first tokens, i.e. batch x (output_len - 1) / decode time (the first tokens come out of the "
+    "prefill, so they are neither counted nor timed; seed 002 does not say whether it counts them, and at its "
+    "lengths the two readings differ by at most 3%, inside its run-to-run spread). Overall Throughput: (prompt + "
+    "output tokens) / latency. Input Throughput: prompt tokens / prefill time (seed 002 printed 0.00). glowplug "
+    "E2E Output Throughput (not in the seed): all output tokens / latency. Cells: median (min–max) over the n runs "
+    "in the Runs column; one run shows (n=1)."
 )
 RANK_METRIC = "output_throughput"
 
@@ -270,7 +285,7 @@ class VariantSummary:
     config: str
     quantization: str
     runs: int
-    stats: dict[str, tuple[float, float]]  # metric -> (mean, std)
+    stats: dict[str, Summary]  # metric -> summary over the runs (median = p50, min, max)
     reason: str | None = None
     dtype: str | None = None
     compile: str | None = None
@@ -286,7 +301,7 @@ def summarize_runs(shapes: list[Shape], records: list[RunRecord], quants: tuple[
             for m, _ in METRICS:
                 values = [getattr(r, m) for r in ok if getattr(r, m) is not None]
                 if values:
-                    stats[m] = mean_std(values)
+                    stats[m] = summarize(values)
             reason = None if ok else (skipped[0].reason if skipped else "not run")
             dtype = ok[0].dtype if ok else None
             mode = ok[0].compile if ok else None
@@ -294,16 +309,19 @@ def summarize_runs(shapes: list[Shape], records: list[RunRecord], quants: tuple[
     return out
 
 
-def ranking(summaries: list[VariantSummary], config: str) -> list[VariantSummary]:
+def ranking(
+    summaries: list[VariantSummary], config: str, unusable: Mapping[str, str] | None = None
+) -> list[VariantSummary]:
+    """The usable schemes that ran `config`, best median output throughput first; the `unusable` ones (quality
+    flags) follow, best first, so a broken format is never ranked above a working one."""
     ran = [s for s in summaries if s.config == config and RANK_METRIC in s.stats]
-    return sorted(ran, key=lambda s: s.stats[RANK_METRIC][0], reverse=True)
+    bad = unusable or {}
+    key = lambda s: (s.quantization in bad, -s.stats[RANK_METRIC].p50)  # noqa: E731
+    return sorted(ran, key=key)
 
 
-def mean_pm(stat: tuple[float, float], runs: int, digits: int = 2) -> str:
-    """"mean ± std", or "value (n=1)" for one run: a spread of one sample is unknown, not zero."""
-    if runs == 1:
-        return f"{fmt_num(stat[0], digits)} (n=1)"
-    return f"{fmt_num(stat[0], digits)} ± {fmt_num(stat[1], digits)}"
+def spread(values: list[float], digits: int = 2) -> Cell:
+    return fmt_spread(values, digits) if values else Missing("no samples")
 
 
 def baseline_for(s: VariantSummary, ranked: list[VariantSummary]) -> VariantSummary | None:
@@ -312,11 +330,59 @@ def baseline_for(s: VariantSummary, ranked: list[VariantSummary]) -> VariantSumm
                 None)  # fmt: skip
 
 
+def paired_ratios(records: list[RunRecord], config: str, quant: str, base: str = "none") -> list[float]:
+    """Output throughput of run i of `quant` over run i of `base` on `config`, for every i both have."""
+    def by_run(q: str) -> dict[int, float]:
+        return {r.run: r.output_throughput for r in records if r.config == config and r.quantization == q
+                and r.status == "ok" and r.run is not None and r.output_throughput is not None}  # fmt: skip
+
+    mine, theirs = by_run(quant), by_run(base)
+    return [mine[i] / theirs[i] for i in sorted(mine) if i in theirs and theirs[i] > 0]
+
+
+UNUSABLE_LABEL = "unusable: perplexity > {limit:g}x bf16"
+
+
+def ranking_plot_groups(
+    shapes: list[Shape], summaries: list[VariantSummary], flags: Mapping[str, str]
+) -> dict[str, list[tuple[str, float, float, float, str | None]]]:
+    """plot_ranking's data: config -> [(label with n, median, min, max, unusable label or None)], usable first."""
+    from .quality import QUALITY_LIMIT
+
+    groups: dict[str, list[tuple[str, float, float, float, str | None]]] = {}
+    for shape in shapes:
+        bars = []
+        for v in ranking(summaries, shape.name, flags):
+            st = v.stats[RANK_METRIC]
+            mark = UNUSABLE_LABEL.format(limit=QUALITY_LIMIT) if v.quantization in flags else None
+            bars.append((f"{v.quantization} (n={st.n})", st.p50, st.min, st.max, mark))
+        if bars:
+            groups[f"{shape.name} ({shape.title})"] = bars
+    return groups
+
+
+def config_table(shapes: list[Shape], summaries: list[VariantSummary]) -> str:
+    """Every one of seed 002's seven configurations, its shape here, and whether (and how often) it ran."""
+    by_name = {s.name: s for s in shapes}
+    rows: list[list[Cell]] = []
+    for name, (batch, inp, out) in NAMED_CONFIGS.items():
+        shape = by_name.get(name)
+        if shape is None:
+            rows.append([f"`{name}`", batch, inp, out, Missing("not in --configs: not run")])
+            continue
+        ran = [v for v in summaries if v.config == name and v.runs]
+        status = (f"{len(ran)} scheme(s) x {max(v.runs for v in ran)} run(s)" if ran
+                  else str(Missing(shape.impossible or "no scheme ran (see its table)")))  # fmt: skip
+        if shape.note:
+            status += f"; {shape.note}"
+        rows.append([f"`{name}`", shape.batch, shape.input_len, shape.output_len, status])
+    return markdown_table(["Configuration", "batch_size", "input_len", "output_len", "Ran"], rows)
+
+
 def render_markdown(
     cfg: ThroughputBenchConfig, shapes: list[Shape], records: list[RunRecord], argv: list[str] | None
 ) -> str:
     from .machine import report_header
-
     from .quality import flag_note, load_flags
 
     flags = load_flags(cfg.quality_from)
@@ -329,7 +395,11 @@ def render_markdown(
         report_header("Throughput benchmark", argv),
         f"Model `{cfg.model}`, {cfg.runs} timed run(s) per configuration and scheme, {cfg.warmups} warm-up(s), "
         f"greedy, EOS ignored, requested dtype `{cfg.dtype}`, compile `{cfg.compile}` (each row shows what the "
-        "engine resolved them to). Values are mean ± sample std over runs. Raw runs: `results.jsonl`.",
+        f"engine resolved them to). Values are median (min–max) over the runs. Every run's values: `{JSON_NAME}`.",
+        "",
+        "## Configurations (seed 002's seven)",
+        "",
+        config_table(shapes, summaries),
         "",
     ]
     for shape in shapes:
@@ -342,8 +412,10 @@ def render_markdown(
                 why = Missing(s.reason or "not run")
                 rows.append([scheme(s.quantization), why, why, 0, *[why] * len(METRICS)])
                 continue
+            ok = [r for r in records if r.config == shape.name and r.quantization == s.quantization
+                  and r.status == "ok"]  # fmt: skip
             stats: list[Cell] = [
-                mean_pm(s.stats[m], s.runs, 3 if m == "latency_s" else 2) if m in s.stats
+                spread([getattr(r, m) for r in ok], 3 if m == "latency_s" else 2) if m in s.stats
                 else Missing("no decode phase: one output token") for m, _ in METRICS
             ]  # fmt: skip
             rows.append([scheme(s.quantization), s.dtype or "?", s.compile or "?", s.runs, *stats])
@@ -366,24 +438,41 @@ def render_markdown(
             table = markdown_table(head, detail)
             parts += ["<details><summary>Individual runs</summary>", "", table, "", "</details>", ""]
     parts += ["## Ranking by output throughput", "",
-              "Output Throughput as seed 002 defines it (decode time, prefill excluded). A scheme is compared with "
-              "`none` at the same dtype and compile mode only.", ""]  # fmt: skip
+              "Output Throughput as defined under the tables (tokens after each sequence's first / time after the "
+              "first tokens), median (min–max) over n runs. `vs none`: the paired ratios run i / `none`'s run i "
+              "(each scheme runs on its own engine, one after another), their median and the worst pair, at the "
+              "same dtype and compile mode only. Schemes flagged unusable by the accuracy report are listed after "
+              "the ranked ones and not ranked.", ""]  # fmt: skip
     for shape in shapes:
-        ranked = ranking(summaries, shape.name)
+        ranked = ranking(summaries, shape.name, flags)
         parts += [f"### {shape.name} ({shape.title})", ""]
         if not ranked:
-            parts += ["No scheme ran this configuration (see its table for why).", ""]
-            continue
-        for i, s in enumerate(ranked, 1):
-            mean = s.stats[RANK_METRIC][0]
+            parts.append("No scheme ran this configuration.")
+        place = 0
+        for s in ranked:
+            st = s.stats[RANK_METRIC]
+            values = [r.output_throughput for r in records if r.config == shape.name and r.quantization ==
+                      s.quantization and r.status == "ok" and r.output_throughput is not None]  # fmt: skip
             base = baseline_for(s, ranked)
             vs = ""
             if s.quantization != "none":
-                vs = (f" ({mean / base.stats[RANK_METRIC][0]:.2f}x vs none at {s.dtype}, compile {s.compile})"
-                      if base is not None else f" (no `none` run at {s.dtype}, compile {s.compile} to compare with)")
-            mark = f" {flags[s.quantization]}" if s.quantization in flags else ""
-            parts.append(f"{i}. **{s.quantization}**{mark} ({s.dtype}, compile {s.compile}): "
-                         f"{mean_pm(s.stats[RANK_METRIC], s.runs)} tok/s{vs}")  # fmt: skip
+                pairs = paired_ratios(records, shape.name, s.quantization) if base is not None else []
+                if pairs:
+                    med = summarize(pairs).p50
+                    vs = (f" ({med:.2f}x vs none, worst pair {min(pairs):.2f}x, {len(pairs)} pairs, at {s.dtype}, "
+                          f"compile {s.compile})")
+                else:
+                    vs = f" (no `none` run at {s.dtype}, compile {s.compile} to compare with)"
+            text = (f"**{s.quantization}** ({s.dtype}, compile {s.compile}): {fmt_spread(values)} tok/s, "
+                    f"n={st.n}{vs}")
+            if s.quantization in flags:
+                parts.append(f"- not ranked: {text} {flags[s.quantization]}")
+            else:
+                place += 1
+                parts.append(f"{place}. {text}")
+        for s in summaries:  # a scheme that did not run this configuration is named with its reason, not dropped
+            if s.config == shape.name and RANK_METRIC not in s.stats:
+                parts.append(f"- not ranked: **{s.quantization}**: {Missing(s.reason or 'not run')}")
         parts.append("")
     return "\n".join(parts)
 
@@ -391,32 +480,40 @@ def render_markdown(
 def write_reports(
     cfg: ThroughputBenchConfig, shapes: list[Shape], records: list[RunRecord], argv: list[str] | None = None
 ) -> list[Path]:
+    from .quality import load_flags
+
     out = prepare_out_dir(cfg.out_dir)
     md = out / "summary.md"
     md.write_text(render_markdown(cfg, shapes, records, argv))
     summaries = summarize_runs(shapes, records, cfg.quantization)
-    js = out / "summary.json"
-    write_json(js, {"config": cfg.model_dump(mode="json"), "shapes": [asdict(s) for s in shapes],
-                    "summaries": [asdict(s) for s in summaries]})  # fmt: skip
-    written = [out / "results.jsonl", md, js]
+    flags = load_flags(cfg.quality_from)
+    js = out / JSON_NAME
+    write_json(js, {
+        "partial": False,
+        "config": cfg.model_dump(mode="json"),
+        "definitions": DEFINITIONS,
+        "named_configs": {k: {"batch_size": b, "input_len": i, "output_len": o} for k, (b, i, o) in
+                          NAMED_CONFIGS.items()},
+        "shapes": [asdict(s) for s in shapes],
+        "quality_flags": flags,
+        "runs": [asdict(r) for r in records],  # every run's values (seed 002's "Individual runs")
+        "summaries": [asdict(s) for s in summaries],
+    })  # fmt: skip
+    written = [md, js]
     if cfg.plots:
         from .plots import plot_ranking
 
-        # One run has no spread: its bar gets no error bar rather than a zero-width one.
-        groups = {
-            f"{s.name} ({s.title})": [
-                (f"{v.quantization} (n={v.runs})", v.stats[RANK_METRIC][0], v.stats[RANK_METRIC][1] if v.runs > 1 else 0.0)
-                for v in ranking(summaries, s.name)
-            ]
-            for s in shapes
-        }
-        groups = {k: v for k, v in groups.items() if v}
+        groups = ranking_plot_groups(shapes, summaries, flags)
         if groups:
             dtypes = sorted({f"{v.dtype}, compile {v.compile}" for v in summaries if v.stats})
+            untimed = sorted({v.quantization for v in summaries if not v.stats and v.quantization in flags})
+            if untimed:  # left out of the bars: the figure says so, not only the Markdown
+                dtypes.append(f"not timed, unusable: {', '.join(untimed)}")
             written.append(plot_ranking(
                 groups, out / "ranking.png",
-                xlabel="Output Throughput, tok/s (seed 002: output tokens / decode time, prefill excluded)",
-                title=f"Throughput per configuration ({'; '.join(dtypes)}); error bars: ± sample std over runs",
+                xlabel="Output Throughput, tok/s (tokens after each sequence's first / time after the first tokens)",
+                title=f"Output throughput per configuration ({'; '.join(dtypes)}); bar: median over n runs, "
+                      "error bar: min–max",
             ))  # fmt: skip
     return written
 
@@ -439,7 +536,7 @@ def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
     return add_command(
         subparsers,
         "throughput",
-        help_text="Named batch shapes x quantization schemes: latency, throughputs, results.jsonl and a ranking.",
+        help_text="Seed 002's named batch shapes x quantization schemes: latency, throughputs, summary and ranking.",
         description=__doc__,
         config_cls=ThroughputBenchConfig,
         add_model_flags=add_model_flags,

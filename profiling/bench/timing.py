@@ -36,6 +36,26 @@ class BatchTiming:
         """Tokens produced after the prefill (the first token of each sequence comes from its prefill)."""
         return self.generated_tokens - self.batch
 
+    @property
+    def output_tokens_per_s(self) -> float | None:
+        """THE output (decode) throughput of every glowplug report: tokens after each sequence's first token over
+        the time after the first tokens, `decode_tokens / decode_s`. Numerator and denominator cover the same
+        interval: counting the first tokens (made inside `prefill_s`) over `decode_s` would inflate the rate by
+        n/(n-1) for n tokens a sequence. Seed 001's decode row is this (batch x (decode length - 1) / Decode
+        (total)). None when there was no decode phase (one token a sequence)."""
+        return self.decode_tokens / self.decode_s if self.decode_tokens > 0 and self.decode_s > 0 else None
+
+    @property
+    def prefill_requests_per_s(self) -> float:
+        """Seed 001's "Prefill" throughput (TGI labels it tokens/secs): sequences prefilled per second,
+        batch / prefill time, i.e. first tokens per second. Not prompt tokens per second."""
+        return self.batch / self.prefill_s
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        """glowplug's prefill throughput: prompt tokens (summed over the batch) / prefill time."""
+        return self.prompt_tokens / self.prefill_s
+
 
 def time_batch(engine: Any, prompts: list[list[int]], params: Any) -> BatchTiming:
     """Run `prompts` as one batch to completion on an idle engine and time it."""

@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from conftest import assert_no_blank_or_nan, markdown_cells
 
 from glowplug.profiling.bench.latency import LatencyBenchConfig, render_markdown, run_latency_bench, write_reports
@@ -32,6 +34,9 @@ def test_latency_tables(tiny_model: str, tmp_path: Path) -> None:
         assert len(cell.prefill_s) == len(cell.decode_total_s) == cfg.runs
         assert len(cell.decode_token_s) == cfg.runs * (cfg.decode_length - 1)  # one sample per decode step
         assert all(v > 0 for v in cell.prefill_tokens_per_s + cell.decode_tokens_per_s)
+        for prefill, req, tok in zip(cell.prefill_s, cell.prefill_requests_per_s, cell.prefill_tokens_per_s):
+            assert req == pytest.approx(batch / prefill)  # seed 001's Prefill column
+            assert tok == pytest.approx(req * cfg.sequence_length)  # glowplug's prompt tokens/s beside it
         assert cell.prefill_steps == 1  # the default step budget prefills the whole batch in one forward
         steps = cfg.decode_length - 1
         for i, total in enumerate(cell.decode_total_s):  # Decode (total) is its run's decode steps, plus loop time
@@ -45,19 +50,34 @@ def test_latency_tables(tiny_model: str, tmp_path: Path) -> None:
     assert len(re.findall(r"Latency \(dtype (float32|bfloat16), compile (on|off), sequence length 32, decode", md)) == 1
     assert len(re.findall(r"Throughput \(dtype (float32|bfloat16), compile (on|off)\)", md)) == 1
     rows = markdown_cells(md)
-    lat = [r for r in rows if r[0] in ("Prefill", "Decode (token)", "Decode (total)") and len(r) == 8]
+    lat = [r for r in rows if r[0] in ("Prefill", "Decode (token)", "Decode (total)") and len(r) == 9]
     assert len(lat) == 9
     for r in lat:
         if r[1] == "8":
             assert all(c == "n/a (KV cache: needs 24 blocks, has 20)" for c in r[2:])
             continue
-        avg, low, high, p50, p90, p99 = (float(c.split()[0].replace(",", "")) for c in r[2:])
+        assert int(r[2]) == (cfg.runs * (cfg.decode_length - 1) if r[0] == "Decode (token)" else cfg.runs)
+        avg, low, high, p50, p90, p99 = (float(c.split()[0].replace(",", "")) for c in r[3:])
         assert low <= p50 <= p90 <= p99 <= high and low <= avg <= high
-    tput = [r for r in rows if r[0] in ("Prefill", "Decode") and len(r) == 5 and r[1] != "8"]
-    assert len(tput) == 4 and all(float(r[2].split()[0].replace(",", "")) > 0 for r in tput)
+    # Throughput: one row per batch size, the seed's requests/s column beside glowplug's prompt tokens/s
+    tput = {r[0]: r for r in rows if len(r) == 5 and r[0] in ("1", "2", "8")}
+    assert set(tput) == {"1", "2", "8"} and tput["8"][2:] == ["n/a (KV cache: needs 24 blocks, has 20)"] * 3
+    assert "| Batch Size | n (runs) | Prefill (requests/s) | Prefill (prompt tokens/s) | Decode (tokens/s) |" in md
+    assert "seed 001's Prefill throughput under its own definition, batch / prefill latency" in md
 
     data = json.loads((tmp_path / "out" / "latency.json").read_text())
     assert data["percentile_method"].startswith("linear interpolation")
+    from glowplug.profiling.bench.tables import fmt_spread
+
+    for entry in data["cells"]:  # every run's values in the JSON; the Markdown cell is recomputed from them
+        if entry["status"] != "ok":
+            continue
+        assert [r["run"] for r in entry["runs"]] == [1, 2]
+        assert all(len(r["decode_token_s"]) == cfg.decode_length - 1 for r in entry["runs"])
+        row = tput[str(entry["batch"])]
+        assert row[1] == "2" and row[2] == fmt_spread([r["prefill_requests_per_s"] for r in entry["runs"]])
+        assert row[3] == fmt_spread([r["prefill_tokens_per_s"] for r in entry["runs"]])
+        assert row[4] == fmt_spread([r["decode_tokens_per_s"] for r in entry["runs"]])
     statuses = {c["batch"]: c["status"] for c in data["cells"]}
     assert statuses == {1: "ok", 2: "ok", 8: "skipped"}
     png = tmp_path / "out" / "latency.png"
@@ -82,16 +102,18 @@ def test_single_run_cells_say_n1_and_plot_renders(tmp_path: Path) -> None:
 
     cfg = LatencyBenchConfig(batch_size=(1, 4), runs=1, sequence_length=16, decode_length=3, out_dir=tmp_path)
     cells = [LatencyCell("none", 1, prefill_s=[0.010], decode_token_s=[0.002, 0.003], decode_total_s=[0.005],
-                         prefill_tokens_per_s=[1600.0], decode_tokens_per_s=[400.0], prefill_steps=1),
+                         prefill_tokens_per_s=[1600.0], decode_tokens_per_s=[400.0], prefill_steps=1,
+                         prefill_requests_per_s=[100.0]),
              LatencyCell("none", 4, reason="KV cache: needs 8 blocks, has 4")]  # fmt: skip
     result = LatencyResult(cfg, cells, {"none": 4}, {"none": ("bfloat16", "off")})
     md = render_markdown(result, ["bench", "latency"])
     assert_no_blank_or_nan(md)
     assert "Latency (dtype bfloat16, compile off, sequence length 16, decode length 3)" in md
-    prefill = next(r for r in markdown_cells(md) if r[:2] == ["Prefill", "1"] and len(r) == 8)
-    assert prefill[2:] == ["10.00 ms (n=1)", "n=1", "n=1", "n=1", "n=1", "n=1"]
+    prefill = next(r for r in markdown_cells(md) if r[:2] == ["Prefill", "1"] and len(r) == 9)
+    assert prefill[2:] == ["1", "10.00 ms (n=1)", "n=1", "n=1", "n=1", "n=1", "n=1"]
     token = next(r for r in markdown_cells(md) if r[:2] == ["Decode (token)", "1"])
-    assert token[2] == "2.50 ms" and token[3] == "2.00 ms"  # two step samples: a real spread
+    assert token[2:5] == ["2", "2.50 ms", "2.00 ms"]  # two step samples: a real spread
+    assert "| 1 | 1 | 100.00 (n=1) | 1,600.00 (n=1) | 400.00 (n=1) |" in md
     assert "± 0" not in md
     paths = write_reports(result)
     assert (tmp_path / "latency.png") in paths
@@ -110,5 +132,29 @@ def test_latency_per_tensor_parallel_size(tiny_model: str, tmp_path: Path) -> No
     assert "## Tensor parallel 1 · " in md and "## Tensor parallel 2 · " in md
     assert len(re.findall(r"Latency \(tensor parallel [12], dtype float32, compile (on|off), sequence", md)) == 2
     assert "| Tensor Parallel | 1, 2 |" in md
-    rows = [r for r in markdown_cells(md) if r[0] in ("Prefill", "Decode (token)", "Decode (total)") and len(r) == 8]
+    rows = [r for r in markdown_cells(md) if r[0] in ("Prefill", "Decode (token)", "Decode (total)") and len(r) == 9]
     assert len(rows) == 12  # 3 steps x 2 batch sizes x 2 TP sizes
+
+
+def test_seed_001_columns_on_a_hand_made_timing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Batch 4 x 1024 prompt tokens prefilled in 0.5 s, 8 new tokens, 7 decode steps in 0.7 s: seed 001's
+    Prefill = 4 / 0.5 = 8 requests/s (TGI's "tokens/secs"), glowplug's = 4 x 1024 / 0.5 = 8,192 prompt tokens/s,
+    Decode = 4 x 7 / 0.7 = 40 tokens/s (TGI's batch x (decode length - 1) / decode total)."""
+    from glowplug.profiling.bench import latency, timing
+    from glowplug.profiling.bench.latency import LatencyCell, LatencyResult
+
+    fake = timing.BatchTiming(batch=4, prompt_tokens=4 * 1024, generated_tokens=4 * 8, prefill_s=0.5,
+                              decode_s=0.7, prefill_steps=1, decode_step_s=(0.1,) * 7)  # fmt: skip
+    monkeypatch.setattr(timing, "time_batch", lambda *_args: fake)
+    cfg = LatencyBenchConfig(batch_size=(4,), runs=3, warmups=1, out_dir=tmp_path)
+    assert (cfg.sequence_length, cfg.decode_length, cfg.runs, cfg.warmups) == (1024, 8, 3, 1)
+    assert LatencyBenchConfig().batch_size == (1, 2, 4, 8, 16, 32) and LatencyBenchConfig().runs == 10
+    cell = LatencyCell("none", 4)
+    latency._measure(None, cfg, cell, [], None)
+    assert cell.prefill_requests_per_s == pytest.approx([8.0] * 3)
+    assert cell.prefill_tokens_per_s == pytest.approx([8192.0] * 3)
+    assert cell.decode_tokens_per_s == pytest.approx([40.0] * 3)
+    md = render_markdown(LatencyResult(cfg, [cell], {"none": 100}, {"none": ("bfloat16", "on")}))
+    assert "| 4 | 3 | 8.00 (8.00–8.00) | 8,192.00 (8,192.00–8,192.00) | 40.00 (40.00–40.00) |" in md
+    paths = write_reports(LatencyResult(cfg, [cell], {"none": 100}, {"none": ("bfloat16", "on")}))
+    assert (tmp_path / "latency.png") in paths

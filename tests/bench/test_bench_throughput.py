@@ -12,16 +12,19 @@ from conftest import assert_no_blank_or_nan
 from glowplug.profiling.bench import timing
 from glowplug.profiling.bench.throughput import (
     ThroughputBenchConfig,
+    NAMED_CONFIGS,
     RunRecord,
     Shape,
-    mean_pm,
+    paired_ratios,
     ranking,
+    ranking_plot_groups,
     render_markdown,
     resolve_shapes,
     run_throughput_bench,
     summarize_runs,
     write_reports,
 )
+from glowplug.profiling.bench.timing import BatchTiming
 
 
 def test_resolve_shapes_clips_to_the_model_limit() -> None:
@@ -51,7 +54,9 @@ def test_throughput_runs(tiny_model: str, tmp_path: Path, monkeypatch: pytest.Mo
         out_dir=tmp_path,
     )
     shapes, records = run_throughput_bench(cfg)
-    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    partial = json.loads((tmp_path / "summary.json").read_text())  # rewritten as runs finish
+    assert partial["partial"] is True
+    lines = partial["runs"]
     assert [ln["run_id"] for ln in lines] == [r.run_id for r in records]
     assert len({ln["run_id"] for ln in lines}) == len(lines)  # seed 002 listed a run twice
     ok = [ln for ln in lines if ln["status"] == "ok"]
@@ -64,9 +69,11 @@ def test_throughput_runs(tiny_model: str, tmp_path: Path, monkeypatch: pytest.Mo
         assert ln["generated_tokens"] == ln["batch_size"] * ln["output_len"]
         assert ln["latency_s"] == pytest.approx(ln["prefill_s"] + ln["decode_s"])
         assert ln["overall_throughput"] > ln["e2e_output_throughput"] > 0
-        # seed 002's Output Throughput: output tokens over the decode time only (prefill excluded)
-        assert ln["output_throughput"] == pytest.approx(ln["generated_tokens"] / ln["decode_s"])
-        assert ln["output_throughput"] > ln["e2e_output_throughput"]
+        # Output Throughput: tokens after each sequence's first over the time after the first tokens
+        assert ln["decode_tokens"] == ln["batch_size"] * (ln["output_len"] - 1)
+        assert ln["output_throughput"] == pytest.approx(ln["decode_tokens"] / ln["decode_s"])
+        # The end-to-end column counts every token over the whole latency
+        assert ln["e2e_output_throughput"] == pytest.approx(ln["generated_tokens"] / ln["latency_s"])
         assert ln["dtype"] and ln["compile"] in ("on", "off")
     skipped = {ln["run_id"]: ln["reason"] for ln in lines if ln["status"] == "skipped"}
     assert skipped["none_high_concurrency"] == "KV cache: needs 1024 blocks, has 200"
@@ -84,40 +91,139 @@ def test_throughput_runs(tiny_model: str, tmp_path: Path, monkeypatch: pytest.Mo
     assert "## Ranking by output throughput" in md and "1. **none**" in md
     paths = write_reports(cfg, shapes, records, ["bench", "throughput"])
     assert (tmp_path / "ranking.png") in paths and (tmp_path / "summary.md").is_file()
+    # One JSON beside the Markdown, holding every run's values
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["ranking.png", "summary.json", "summary.md"]
+    data = json.loads((tmp_path / "summary.json").read_text())
+    assert data["partial"] is False and [r["run_id"] for r in data["runs"]] == [r.run_id for r in records]
 
 
-def _synthetic(quant: str, i: int, prefill_s: float, decode_s: float, dtype: str = "bfloat16") -> RunRecord:
+def _synthetic(quant: str, i: int, prefill_s: float, decode_s: float, dtype: str = "bfloat16",
+               config: str = "prefill_bound") -> RunRecord:
     from glowplug.profiling.bench.throughput import _record
-    from glowplug.profiling.bench.timing import BatchTiming
 
     t = BatchTiming(batch=1, prompt_tokens=2048, generated_tokens=32, prefill_s=prefill_s, decode_s=decode_s,
                     prefill_steps=1, decode_step_s=())  # fmt: skip
-    return _record(quant, Shape("prefill_bound", 1, 2048, 32), i, t, dtype, "off")
+    return _record(quant, Shape(config, 1, 2048, 32), i, t, dtype, "off")
 
 
-def test_seed_002_output_throughput_excludes_prefill() -> None:
-    """Seed 002 divides the output tokens by the decode time: 32 tokens, 4 s prefill + 2 s decode -> 16 tok/s, not
-    32 / 6 s (glowplug's end-to-end figure, kept as its own column)."""
+def test_output_throughput_counts_only_tokens_after_the_first() -> None:
+    """One definition: tokens after each sequence's first / time after the first tokens. 32 tokens, 4 s prefill +
+    2 s decode -> 31 / 2 = 15.5 tok/s (counting the first token over the decode time, 16 tok/s, inflated it by
+    32/31); the end-to-end figure stays its own column."""
     r = _synthetic("none", 1, prefill_s=4.0, decode_s=2.0)
-    assert r.output_throughput == pytest.approx(16.0)
+    assert r.decode_tokens == 31
+    assert r.output_throughput == pytest.approx(15.5)
     assert r.e2e_output_throughput == pytest.approx(32 / 6.0)
     assert r.input_throughput == pytest.approx(2048 / 4.0)
     assert r.overall_throughput == pytest.approx((2048 + 32) / 6.0)
     assert _synthetic("none", 1, prefill_s=4.0, decode_s=0.0).output_throughput is None  # no decode phase
 
 
-def test_single_run_is_marked_n1_never_pm_zero() -> None:
-    assert mean_pm((5.0, 0.0), 1) == "5.00 (n=1)"
-    assert mean_pm((5.0, 0.25), 3) == "5.00 ± 0.25"
+def test_batch_timing_definitions_on_a_hand_made_batch() -> None:
+    """Batch 4 x 8 new tokens, 7 decode steps of 0.2 s: 4 x 7 = 28 tokens in 1.4 s = 20 tok/s, never 32 / 1.4."""
+    t = BatchTiming(batch=4, prompt_tokens=4 * 1024, generated_tokens=32, prefill_s=0.5, decode_s=1.4,
+                    prefill_steps=1, decode_step_s=(0.2,) * 7)  # fmt: skip
+    assert t.decode_tokens == 28
+    assert t.output_tokens_per_s == pytest.approx(20.0)
+    assert t.prefill_requests_per_s == pytest.approx(8.0)  # seed 001: batch / prefill
+    assert t.prefill_tokens_per_s == pytest.approx(8192.0)  # glowplug: batch x 1024 / prefill
+    one = BatchTiming(batch=2, prompt_tokens=8, generated_tokens=2, prefill_s=0.1, decode_s=0.0, prefill_steps=1,
+                      decode_step_s=())  # fmt: skip
+    assert one.output_tokens_per_s is None
+
+
+def test_single_run_is_marked_n1_and_ratios_are_paired(tmp_path: Path) -> None:
     shapes = [Shape("prefill_bound", 1, 2048, 32)]
     records = [_synthetic("none", 1, 4.0, 2.0), _synthetic("int8", 1, 3.0, 1.0),
                _synthetic("int4", 1, 3.0, 1.0, dtype="float32")]  # fmt: skip
     cfg = ThroughputBenchConfig(quantization=("none", "int8", "int4"), configs=("prefill_bound",), runs=1)
     md = render_markdown(cfg, shapes, records, ["bench", "throughput"])
-    assert "± 0.00" not in md and "16.00 (n=1)" in md
+    assert "± 0.00" not in md and "15.50 (n=1)" in md
     assert "| `none` | bfloat16 | off | 1 |" in md
-    assert "Output Throughput (seed 002's definition): output tokens / decode time, prefill excluded" in md
+    assert "Output Throughput: tokens after each sequence's first token / time after the first tokens" in md
     assert "glowplug E2E Output Throughput (tok/s)" in md
     # quantization is compared with none at the same dtype and compile mode, never across dtypes
-    assert "**int8** (bfloat16, compile off): 32.00 (n=1) tok/s (2.00x vs none at bfloat16, compile off)" in md
-    assert "**int4** (float32, compile off): 32.00 (n=1) tok/s (no `none` run at float32, compile off" in md
+    assert ("1. **int8** (bfloat16, compile off): 31.00 (n=1) tok/s, n=1 (2.00x vs none, worst pair 2.00x, 1 pairs"
+            in md)  # fmt: skip
+    assert "**int4** (float32, compile off): 31.00 (n=1) tok/s, n=1 (no `none` run at float32, compile off" in md
+
+
+def test_paired_ratios_take_run_i_over_run_i() -> None:
+    # none: 15.5, 31.0, 10.33 tok/s; int8: 31.0 each -> pairs 2.0, 1.0, 3.0 (not the ratio of the medians)
+    records = [_synthetic("none", 1, 1.0, 2.0), _synthetic("none", 2, 1.0, 1.0), _synthetic("none", 3, 1.0, 3.0),
+               *(_synthetic("int8", i, 1.0, 1.0) for i in (1, 2, 3))]  # fmt: skip
+    assert paired_ratios(records, "prefill_bound", "int8") == pytest.approx([2.0, 1.0, 3.0])
+    cfg = ThroughputBenchConfig(quantization=("none", "int8"), configs=("prefill_bound",), runs=3)
+    md = render_markdown(cfg, [Shape("prefill_bound", 1, 2048, 32)], records, None)
+    assert "(2.00x vs none, worst pair 1.00x, 3 pairs" in md
+    assert "15.50 (10.33–31.00)" in md  # none's median (min–max)
+
+
+def _accuracy(tmp_path: Path) -> Path:
+    path = tmp_path / "accuracy.json"
+    path.write_text(json.dumps({"reference_perplexity": 10.0,
+                                "perplexity": {"none": 10.0, "int8": 10.4, "int2": 4.55e7}}))  # fmt: skip
+    return path
+
+
+def test_unusable_scheme_is_flagged_in_the_ranking_and_its_plot(tmp_path: Path) -> None:
+    """int2 is the fastest here but has 4.55e6x bf16's perplexity: it is drawn hatched with its label, and listed
+    after the usable schemes, not ranked first."""
+    records = [_synthetic(q, i, 1.0, d, config="interactive") for q, d in (("none", 2.0), ("int8", 1.0),
+               ("int2", 0.5)) for i in (1, 2, 3)]  # fmt: skip
+    shapes = [Shape("interactive", 1, 2048, 32)]
+    cfg = ThroughputBenchConfig(quantization=("none", "int8", "int2"), configs=("interactive",), runs=3,
+                                quality_from=_accuracy(tmp_path), out_dir=tmp_path / "out")  # fmt: skip
+    summaries = summarize_runs(shapes, records, cfg.quantization)
+    from glowplug.profiling.bench.quality import load_flags
+
+    flags = load_flags(cfg.quality_from)
+    assert [s.quantization for s in ranking(summaries, "interactive", flags)] == ["int8", "none", "int2"]
+    bars = ranking_plot_groups(shapes, summaries, flags)["interactive (batch_size=1, input_len=2048, output_len=32)"]
+    assert [(b[0], b[4]) for b in bars] == [("int8 (n=3)", None), ("none (n=3)", None),
+                                            ("int2 (n=3)", "unusable: perplexity > 2x bf16")]  # fmt: skip
+    assert bars[2][1] == pytest.approx(62.0)  # median 31 tokens / 0.5 s
+    md = render_markdown(cfg, shapes, records, None)
+    assert "1. **int8**" in md and "2. **none**" in md and "- not ranked: **int2**" in md
+    paths = write_reports(cfg, shapes, records, None)
+    assert (tmp_path / "out" / "ranking.png") in paths
+
+
+def test_config_table_lists_all_seven_configurations() -> None:
+    from conftest import markdown_cells
+
+    assert len(NAMED_CONFIGS) == 7
+    cfg = ThroughputBenchConfig()  # the default runs all seven
+    assert cfg.configs == tuple(NAMED_CONFIGS)
+    shapes = resolve_shapes(("interactive",), 8192)
+    md = render_markdown(ThroughputBenchConfig(configs=("interactive",), runs=1), shapes,
+                         [_synthetic("none", 1, 1.0, 1.0, config="interactive")], None)  # fmt: skip
+    assert_no_blank_or_nan(md)
+    rows = {r[0]: r for r in markdown_cells(md) if len(r) == 5 and r[0].startswith("`")}
+    assert set(rows) == {f"`{n}`" for n in NAMED_CONFIGS}
+    assert rows["`base`"][1:4] == ["32", "256", "32"] and rows["`high_concurrency`"][1:4] == ["64", "256", "128"]
+    assert rows["`base`"][4] == "n/a (not in --configs: not run)"
+    assert rows["`interactive`"][4] == "1 scheme(s) x 1 run(s)"
+
+
+def test_skip_unusable_says_why_in_every_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--skip-unusable: the flagged scheme starts no engine and its rows carry the reason (no engine is built)."""
+    built: list[str] = []
+
+    def build(fields: dict[str, Any]) -> tuple[Any, str | None]:
+        built.append(fields["quantization"])
+        return None, "stand-in: no engine in this test"
+
+    monkeypatch.setattr(timing, "build_llm", build)
+    monkeypatch.setattr(timing, "model_position_limit", lambda *_a, **_k: 8192)
+    cfg = ThroughputBenchConfig(quantization=("none", "int2"), configs=("interactive", "base"), runs=3,
+                                quality_from=_accuracy(tmp_path), skip_unusable=True, out_dir=tmp_path / "o")  # fmt: skip
+    shapes, records = run_throughput_bench(cfg)
+    assert built == ["none"]
+    reasons = {r.run_id: r.reason for r in records if r.quantization == "int2"}
+    assert set(reasons) == {"int2_interactive", "int2_base"}
+    assert all(r and r.startswith("not timed (--skip-unusable): unusable: perplexity 4.55e+07") for r in reasons.values())
+    md = render_markdown(cfg, shapes, records, None)
+    assert_no_blank_or_nan(md)
+    assert "n/a (not timed (--skip-unusable): unusable: perplexity 4.55e+07" in md
+    assert "- not ranked: **int2**: n/a (not timed (--skip-unusable): unusable: perplexity 4.55e+07" in md
