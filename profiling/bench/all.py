@@ -203,15 +203,19 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             ["decode-portable.md"], "issue 34: decode at the portable level (capped): the speed any CPU gets",
             env={"GLOWPLUG_MAX_CPU_ISA": "portable", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}),
         "throughput": Step("throughput", [
+            # All seven of seed 002's configurations; a scheme accuracy.json marks unusable is listed, not timed.
             "bench", "throughput", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
-            # high_concurrency and base are left out of the full run to keep it near 35 minutes on 2 cores.
-            "--configs", "interactive" if q else "interactive,prefill_bound,medium_batch,decode_bound,long_context",
-            "--runs", reps, *quality, *(["--no-plots"] if q else []), "--out-dir", str(o / "throughput")],
+            "--configs", "interactive" if q else
+            "interactive,decode_bound,prefill_bound,long_context,medium_batch,base,high_concurrency",
+            "--runs", reps, "--warmups", "0", *quality, *([] if q else ["--skip-unusable"]),
+            *(["--no-plots"] if q else []), "--out-dir", str(o / "throughput")],
             ["throughput/summary.md"], "seed 002: named configurations x schemes, Output Throughput w/o prefill"),
         "latency": Step("latency", [
+            # Seed 001's grid (sequence 1024, decode 8, 10 runs, 1 warm-up) at the batch sizes of its list that
+            # fit this machine's minutes (1, 2, 4; batch 8 would double the report's time).
             "bench", "latency", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
-            "--batch-size", "1" if q else "1,4,16", "--sequence-length", "16" if q else "256",
-            "--decode-length", "4" if q else "16", "--runs", reps, "--warmups", "0" if q else "1",
+            "--batch-size", "1" if q else "1,2,4", "--sequence-length", "16" if q else "1024",
+            "--decode-length", "4" if q else "8", "--runs", reps if q else "10", "--warmups", "0" if q else "1",
             *(["--no-plots"] if q else []), "--out-dir", str(o / "latency")],
             ["latency/latency.md"], "seed 001: TGI latency and throughput tables per quantization"),
         # Tensor parallel over gloo on this CPU: what the TP machinery costs a step, against TP=1 in the same run.
