@@ -125,7 +125,8 @@ def _wrapped(title: str, width_in: float) -> str:
     """The title broken into lines that fit the figure (about 16 characters per inch at fontsize 9)."""
     import textwrap
 
-    return "\n".join(textwrap.wrap(title, width=max(40, int(width_in * 16))))
+    width = max(40, int(width_in * 16))
+    return "\n".join(textwrap.fill(line, width=width) for line in title.split("\n"))
 
 
 def plot_phase_stack(
@@ -215,6 +216,7 @@ def plot_kv_capacity(
     fig.suptitle(_wrapped(f"{title}\nmarker: median over runs; error bars: min–max over runs", 10.0), fontsize=9)
     for p, (ylabel, pick) in enumerate((("KV token capacity (tokens)", 1), ("max concurrent full-length sequences", 2))):
         ax = fig.add_subplot(1, 2, p + 1)
+        lengths: set[int] = set()
         for j, (label, points) in enumerate(series.items()):
             pts = sorted((int(pt[0]), [float(v) for v in pt[pick]]) for pt in points if pt[pick])  # type: ignore[misc]
             if not pts:
@@ -225,8 +227,18 @@ def plot_kv_capacity(
             runs = sorted({len(v) for _, v in pts})
             ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, color=phase_style(j)[0],
                         label=f"{label} (n={'/'.join(map(str, runs))})")  # fmt: skip
+            for x, m in zip(xs, med):
+                ax.annotate(f"{m:,.0f}" if m >= 100 else f"{m:.2f}", (x, m), textcoords="offset points",
+                            xytext=(4, 5), fontsize=7)  # fmt: skip
+            lengths.update(xs)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
+        from matplotlib.ticker import FuncFormatter
+
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+        if lengths:
+            ax.set_xticks(sorted(lengths), [str(n) for n in sorted(lengths)], rotation=30)
+            ax.minorticks_off()
         ax.set_xlabel("max-model-len (tokens, log scale)")
         ax.set_ylabel(f"{ylabel}, log scale")
         ax.grid(True, alpha=0.3)
