@@ -141,6 +141,27 @@ def plot_ranking(
     return _save(fig, path)
 
 
+# Phase stacks have up to ~18 segments: 10 distinct colours (tab10) times hatch patterns gives each its own look.
+PHASE_HATCHES = ("", "//", "..", "xx")
+
+
+def phase_style(index: int) -> tuple[str, str]:
+    """(colour, hatch) of the index-th phase of a stack: distinct for the first 40 phases."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    colour = cmap(index % 10)
+    return "#{:02x}{:02x}{:02x}".format(*(round(255 * c) for c in colour[:3])), PHASE_HATCHES[(index // 10) % 4]
+
+
+def _wrapped(title: str, width_in: float) -> str:
+    """The title broken into lines that fit the figure (about 16 characters per inch at fontsize 9)."""
+    import textwrap
+
+    width = max(40, int(width_in * 16))
+    return "\n".join(textwrap.fill(line, width=width) for line in title.split("\n"))
+
+
 def plot_phase_stack(
     columns: Sequence[str],
     stacks: Mapping[str, Sequence[float | None]],
@@ -150,29 +171,111 @@ def plot_phase_stack(
     xlabel: str,
     totals: Sequence[float] | None = None,
     totals_label: str = "total",
+    groups: Sequence[str] | None = None,
+    total_spread: Sequence[tuple[float, float]] | None = None,
 ) -> Path:
     """Stacked bars: one bar per column (a run, a max-model-len), one segment per phase (None = did not run), in
-    the order of `stacks`. totals: a black tick per column (e.g. the wall time, below the stack when phases
-    overlapped)."""
-    fig = _figure(max(6.0, 0.9 * len(columns) + 3.5), 4.8)
-    ax = fig.add_subplot(1, 1, 1)
-    xs = list(range(len(columns)))
-    bottoms = [0.0] * len(columns)
-    for j, (phase, values) in enumerate(stacks.items()):
-        heights = [v or 0.0 for v in values]
-        if not any(heights):
-            continue
-        ax.bar(xs, heights, bottom=bottoms, label=phase, color=COLORS[j % len(COLORS)], width=0.7)
-        bottoms = [b + h for b, h in zip(bottoms, heights)]
-    if totals is not None:
-        ax.scatter(xs, list(totals), marker="_", s=900, linewidths=2.5, color="black", label=totals_label, zorder=3)
-    crowded = len(columns) > 6
-    ax.set_xticks(xs, list(columns), rotation=30 if crowded else 0, ha="right" if crowded else "center")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("seconds")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    the order of `stacks`, each phase its own colour and hatch. totals: a black tick per column (e.g. the wall
+    time, below the stack when phases overlapped), its value written above the bar; total_spread: (min, max) of
+    that total per column, drawn as an error bar (e.g. over repeats). groups: one panel per distinct group (e.g.
+    cold, warm), each with its own y scale, so a 1 s warm start is readable beside a 17 s cold one. Segments
+    taller than 6% of their panel are labelled with their value."""
+    group_of = list(groups) if groups is not None else [""] * len(columns)
+    panels = list(dict.fromkeys(group_of))
+    width = max(7.5, 0.9 * len(columns) + 2.5 * len(panels) + 3.5)
+    fig = _figure(width, 5.4)
+    fig.suptitle(_wrapped(title, width - 1.0), fontsize=9)
+    drawn: dict[str, Any] = {}
+    total_handle = None
+    for p, panel in enumerate(panels):
+        ax = fig.add_subplot(1, len(panels), p + 1)
+        idx = [i for i, g in enumerate(group_of) if g == panel]
+        xs = list(range(len(idx)))
+        bottoms = [0.0] * len(idx)
+        tops = [sum(v or 0.0 for v in (stacks[k][i] for k in stacks)) for i in idx]
+        scale = max([*tops, *((totals[i] for i in idx) if totals is not None else ())], default=1.0) or 1.0
+        for j, (phase, values) in enumerate(stacks.items()):
+            heights = [values[i] or 0.0 for i in idx]
+            if not any(heights):
+                continue
+            colour, hatch = phase_style(j)
+            bars = ax.bar(xs, heights, bottom=bottoms, label=phase, color=colour, hatch=hatch, width=0.7,
+                          edgecolor="white", linewidth=0.5)  # fmt: skip
+            drawn.setdefault(phase, bars)
+            for x, b, h in zip(xs, bottoms, heights):
+                if h >= 0.06 * scale:
+                    ax.text(x, b + h / 2, f"{h:.2f}", ha="center", va="center", fontsize=6, color="white",
+                            fontweight="bold")  # fmt: skip
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+        if totals is not None:
+            ts = [totals[i] for i in idx]
+            tick = ax.scatter(xs, ts, marker="_", s=900, linewidths=2.5, color="black", label=totals_label, zorder=3)
+            total_handle = tick
+            if total_spread is not None:
+                lo = [ts[k] - total_spread[i][0] for k, i in enumerate(idx)]
+                hi = [total_spread[i][1] - ts[k] for k, i in enumerate(idx)]
+                ax.errorbar(xs, ts, yerr=[lo, hi], fmt="none", ecolor="black", capsize=4, zorder=4)
+            for x, t, top in zip(xs, ts, bottoms):
+                ax.text(x, max(t, top) + 0.02 * scale, f"{t:.2f} s", ha="center", va="bottom", fontsize=7)
+        ax.set_ylim(0, 1.12 * max([scale, *bottoms]))
+        crowded = len(idx) > 6
+        ax.set_xticks(xs, [columns[i] for i in idx], rotation=30 if crowded else 0,
+                      ha="right" if crowded else "center")  # fmt: skip
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("seconds")
+        if panel:
+            ax.set_title(f"{panel} (own scale)", fontsize=9)
+        ax.grid(True, axis="y", alpha=0.3)
+    if total_handle is not None:
+        drawn[totals_label] = total_handle  # last in the legend, after the phases in pipeline order
+    fig.legend(list(drawn.values()), list(drawn), fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, format="png", bbox_inches="tight")
+    return path
+
+
+def plot_kv_capacity(
+    series: Mapping[str, Sequence[tuple[int, Sequence[float], Sequence[float]]]],
+    path: Path,
+    *,
+    title: str,
+) -> Path:
+    """KV capacity against max-model-len, two panels: token capacity and max concurrent full-length sequences.
+    series: label (e.g. a model) -> [(max-model-len, token capacity per run, max concurrency per run)]. Markers are
+    medians over the runs, error bars their min-max (none where n=1); the legend says n."""
+    import statistics
+
+    fig = _figure(11.0, 4.6)
+    fig.suptitle(_wrapped(f"{title}\nmarker: median over runs; error bars: min–max over runs", 10.0), fontsize=9)
+    for p, (ylabel, pick) in enumerate((("KV token capacity (tokens)", 1), ("max concurrent full-length sequences", 2))):
+        ax = fig.add_subplot(1, 2, p + 1)
+        lengths: set[int] = set()
+        for j, (label, points) in enumerate(series.items()):
+            pts = sorted((int(pt[0]), [float(v) for v in pt[pick]]) for pt in points if pt[pick])  # type: ignore[misc]
+            if not pts:
+                continue
+            xs = [n for n, _ in pts]
+            med = [statistics.median(v) for _, v in pts]
+            err = [[m - min(v) for m, (_, v) in zip(med, pts)], [max(v) - m for m, (_, v) in zip(med, pts)]]
+            runs = sorted({len(v) for _, v in pts})
+            ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, color=phase_style(j)[0],
+                        label=f"{label} (n={'/'.join(map(str, runs))})")  # fmt: skip
+            for x, m in zip(xs, med):
+                ax.annotate(f"{m:,.0f}" if m >= 100 else f"{m:.2f}", (x, m), textcoords="offset points",
+                            xytext=(4, 5), fontsize=7)  # fmt: skip
+            lengths.update(xs)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        from matplotlib.ticker import FuncFormatter
+
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.0f}" if v >= 1 else f"{v:g}"))
+        if lengths:
+            ax.set_xticks(sorted(lengths), [str(n) for n in sorted(lengths)], rotation=30)
+            ax.minorticks_off()
+        ax.set_xlabel("max-model-len (tokens, log scale)")
+        ax.set_ylabel(f"{ylabel}, log scale")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
     return _save(fig, path)
 
 

@@ -29,7 +29,8 @@ from pydantic import Field, field_validator
 
 from ...engine.config import Quantization
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
-from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, failure_reason, run_startup, short
+from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, failure_reason, short
+from .startup_runs import run_startup as _run_startup
 from .stats import PERCENTILE_METHOD, Summary, summarize
 from .tables import Cell, Missing, fmt_num, markdown_table
 
@@ -84,18 +85,19 @@ class StartupBenchConfig(BenchEngineFields):
         "the last warm start's trace is drawn one lane per rank (rank_lanes.png).",
     )
     from_runs: Path | None = Field(
-        None, description="Run nothing: render the report from the per-start JSON files (cold-N.json, warm-N.json, "
-        "bundle-N.json, cold-after-warm.json) an earlier run left in this folder, e.g. one stopped before it wrote "
-        "its report, or one made on another machine.",
+        None, description="Run nothing: render the report from an earlier run's startup.json (a file, or the folder "
+        "holding it: every start's own report is in it, and a run stopped early leaves the starts it finished), or "
+        "from the per-start JSON files (cold-N.json, warm-N.json, ...) that older versions left in a folder, e.g. "
+        "one made on another machine.",
     )
 
     @field_validator("from_runs")
     @classmethod
     def _has_runs(cls, v: Path | None) -> Path | None:
         # Checked when the flags are read: a wrong folder is a one-line error, not a traceback after the imports.
-        if v is not None and not (v.is_dir() and (any(v.glob("cold-*.json")) or any(v.glob("warm-*.json")))):
-            raise ValueError(f"--from-runs {v} holds no cold-N.json or warm-N.json; pass the --out-dir of an "
-                             "earlier bench startup run")  # fmt: skip
+        if v is not None and runs_source(v) is None:
+            raise ValueError(f"--from-runs {v} is neither a startup.json nor a folder holding one (or cold-N.json / "
+                             "warm-N.json files); pass the --out-dir of an earlier bench startup run")  # fmt: skip
         return v
 
     @field_validator("compare_to")
@@ -131,7 +133,25 @@ class StartupBenchResult:
     bundle: BundleMade | None = None
 
 
-LANES_TRACE = "warm-trace.json"  # the last warm start's Chrome/Perfetto trace, under tensor parallelism
+LANES_TRACE = "warm-trace.json"
+REPORT_JSON = "startup.json"
+
+
+def runs_source(path: Path) -> Path | None:
+    """Where --from-runs reads: the startup.json (given, or in the folder), else a folder of per-start files from
+    an older version; None when `path` is neither."""
+    import json
+
+    if path.is_file():
+        return path if path.suffix == ".json" else None
+    legacy = path.is_dir() and (any(path.glob("cold-*.json")) or any(path.glob("warm-*.json")))
+    report = path / REPORT_JSON
+    if report.is_file():
+        # An older startup.json kept only each start's phases; its folder's per-start files have the whole reports.
+        runs = json.loads(report.read_text()).get("runs") or [{}]
+        if not legacy or "report" in runs[0]:
+            return report
+    return path if legacy else None  # the last warm start's Chrome/Perfetto trace, under tensor parallelism
 
 
 def modes(result: StartupBenchResult) -> tuple[Mode, ...]:
@@ -167,6 +187,16 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
     warm_dir: Path | None = None
     made: BundleMade | None = None
     bundle_file = root / "bench.glowplug"
+    reports = root / "reports"  # each start's own --report-out: read back into startup.json, never left in `out`
+    reports.mkdir()
+
+    def run_startup(label: str, start_args: list[str], report: Path, **kw: Any) -> StartupRun:
+        run = _run_startup(label, start_args, reports / report.name, **kw)
+        # A checkpoint after every start: a run stopped early still leaves its finished starts in startup.json.
+        write_json(out / REPORT_JSON, {"partial": True, "config": cfg.model_dump(mode="json"),
+                                       "runs": [*runs_list(runs), run_entry(_mode_of(label), run)]})  # fmt: skip
+        return run
+
     try:
         for i in range(1, cfg.runs + 1):
             cache = root / f"cold-{i}"
@@ -215,15 +245,36 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
             runs["cold_after_warm"].append(run_startup("cold after warm", args, out / "cold-after-warm.json",
                                                        cache_dir=emptied, timeout_s=cfg.timeout_s))  # fmt: skip
         if cfg.tracing_overhead and warm_dir is not None:
-            _tracing_runs(cfg, args, out, warm_dir, runs, say)
+            _tracing_runs(cfg, args, out, warm_dir, runs, say, run_startup)
     finally:
         if not cfg.keep_caches:
             shutil.rmtree(root, ignore_errors=True)
     return StartupBenchResult(cfg, runs, made)
 
 
+def _mode_of(label: str) -> str:
+    """A start's mode from its label ("cold 2", "otlp_off 1", "cold after warm", "bundle, GLOWPLUG_MAX_CPU_ISA=..")."""
+    if label.startswith("bundle,"):
+        return "bundle_isa_capped"
+    if label == "cold after warm":
+        return "cold_after_warm"
+    return label.split(" ")[0]
+
+
+def run_entry(mode: str, r: StartupRun) -> dict[str, Any]:
+    """One start as startup.json holds it: its outcome and its whole --report-out JSON (what the per-start file
+    held), so --from-runs can re-render everything from startup.json alone."""
+    return {"mode": mode, "label": r.label, "ok": r.ok, "returncode": r.returncode, "wall_s": r.wall_s,
+            "error": r.error, "phases": r.phases, "reasons": r.reasons, "cache_hits": r.cache_hits(),
+            "report": r.report}  # fmt: skip
+
+
+def runs_list(runs: dict[Mode, list[StartupRun]]) -> list[dict[str, Any]]:
+    return [run_entry(m, r) for m in (*MODES, *EXTRA_MODES, *TRACING_MODES) for r in runs.get(m, [])]
+
+
 def _tracing_runs(cfg: StartupBenchConfig, args: list[str], out: Path, cache: Path, runs: dict[Mode, list[StartupRun]],
-                  say: Progress) -> None:  # fmt: skip
+                  say: Progress, run_startup: Callable[..., StartupRun]) -> None:  # fmt: skip
     """Alternate warm starts without and with OTLP export to a receiver that decodes every request."""
     import os
 
@@ -377,9 +428,29 @@ def _phase_table(result: StartupBenchResult) -> tuple[str, list[str]]:
                 cells += [fmt_num(getattr(stat.summary, k), 3) for k in STATS]
             if stat.note:
                 notes.append(f"{mode}: {stat.note}")
+        if row == "floor":
+            notes += _floor_notes(result)
         rows.append([*cells, "; ".join(notes) or "ran in every run"])
     head = ["Phase", *(f"{m} {k.replace('p50', 'median')} (s)" for m in modes(result) for k in STATS), "Note"]
     return markdown_table(head, rows, ["l"] + ["r"] * len(modes(result)) * len(STATS) + ["l"]), never
+
+
+def _floor_notes(result: StartupBenchResult) -> list[str]:
+    """The floor's figures per kind of start (medians over its starts): actual/floor, and what the floor is made of
+    (weights in MB = 1e6 bytes, read probe in GB/s = 1e9 bytes/s, `import torch` in s)."""
+    import statistics
+
+    out = []
+    for mode in modes(result):
+        attrs = [a for r in result.runs[mode] if r.ok and (a := r.report.get("attributes", {}).get("floor"))]
+        ratios = [float(a["actual/floor"]) for a in attrs if a.get("actual/floor") is not None]
+        if not ratios:
+            continue
+        med = lambda k: statistics.median(float(a[k]) for a in attrs)  # noqa: E731
+        out.append(f"{mode}: actual/floor {statistics.median(ratios):.2f}x (floor = "
+                   f"{med('glowplug.floor.weights_bytes') / 1e6:.0f} MB at {med('glowplug.floor.read_gbps'):.1f} "
+                   f"GB/s + import torch {med('glowplug.floor.import_torch_s'):.2f} s)")  # fmt: skip
+    return out
 
 
 AGGREGATES_TEXT = """How to read the rows (do not add them up blindly):
@@ -393,9 +464,20 @@ AGGREGATES_TEXT = """How to read the rows (do not add them up blindly):
   that. It is not a part of the sum.
 - **total_time** is the sum of the stage spans. It is more than the wall time when stages overlap.
   **actual_total_time** is the wall time from process creation to READY: the time to READY.
-- **floor** is the weights bytes divided by a read-bandwidth probe, plus `import torch`. Its note gives actual/floor.
+- **floor** is the weights bytes divided by a read-bandwidth probe, plus `import torch`: the least a start could
+  take. Its note gives actual/floor (time to READY / floor) per kind of start, median over its starts, and the
+  floor's parts (MB = 1e6 bytes, GB/s = 1e9 bytes/s).
 - In the plot, each bar stacks the leaves in pipeline order. Where stages overlapped, the stack is taller than the
   black tick, which marks the time to READY."""
+
+
+def _seed_text(result: StartupBenchResult) -> str:
+    from .seed004 import comparison_table, definitions_text
+
+    table = comparison_table({m: seed_maps(result.runs[m]) for m in modes(result)})
+    return (f"{table}\n\n{definitions_text()} glowplug's columns are this report's starts (median (min–max, n) "
+            "over the starts of each kind); the seed's are vLLM's on a GPU with 4B and 13B models, so compare the "
+            "shape of the start (which rows dominate, how much the total leaves out), not the seconds.")
 
 
 def _tracing_text(result: StartupBenchResult) -> str:
@@ -603,6 +685,7 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
     parts += ["## Phases", "", AGGREGATES_TEXT, "", table, ""]
     if never:
         parts += ["Phases that ran in no start: " + ", ".join(never) + ".", ""]
+    parts += ["## Beside seed 004 (vLLM start-up)", "", _seed_text(result), ""]
     if result.config.tensor_parallel_size > 1:
         parts += ["## Per rank", "", _ranks_text(result), ""]
     parts += ["## Start from a bundle", "", _bundle_text(result), ""]
@@ -645,12 +728,30 @@ def result_dict(result: StartupBenchResult) -> dict[str, Any]:
         },
         "bundle": None if result.bundle is None else {**result.bundle.__dict__, **bundle_figures(result)},
         "eta": eta_figures(result),
-        "runs": [
-            {"mode": m, "label": r.label, "ok": r.ok, "returncode": r.returncode, "wall_s": r.wall_s, "error": r.error,
-             "phases": r.phases, "reasons": r.reasons, "cache_hits": r.cache_hits()}
-            for m in (*MODES, *EXTRA_MODES, *TRACING_MODES) for r in result.runs.get(m, [])
-        ],  # fmt: skip
+        "seed_004": {m: seed_maps(result.runs[m]) for m in modes(result)},
+        "compare_to": _compare_summary(result.config.compare_to),
+        "runs": runs_list(result.runs),
     }
+
+
+def _compare_summary(before_json: Path | None) -> dict[str, Any] | None:
+    """The earlier report --compare-to drew beside this one: its path and its summary (the medians the plot used),
+    folded in here so the before/after plot's data lives in this report's one JSON."""
+    import json
+
+    if before_json is None:
+        return None
+    return {"source": str(before_json), "summary": json.loads(before_json.read_text())["summary"]}
+
+
+def seed_maps(runs: list[StartupRun]) -> list[dict[str, float | None]]:
+    """Each successful start's phases as seed 004's rows (profiling/bench/seed004.py)."""
+    from .seed004 import map_phases
+
+    from .seed004 import default_leaves
+
+    return [map_phases(r.phases, [n for n, k in r.report.get("kinds", {}).items() if k == "leaf"]
+                       or default_leaves(r.phases)) for r in runs if r.ok]  # fmt: skip
 
 
 def leaf_rows(runs: list[StartupRun]) -> list[str]:
@@ -673,10 +774,13 @@ def write_reports(result: StartupBenchResult, argv: list[str] | None = None) -> 
         from .plots import plot_phase_stack
 
         stacks = {row: [r.phases.get(row) for r in ok] for row in leaf_rows(ok)}
-        title = f"glowplug start-up, {Path(str(result.config.model)).name}: own time per phase (s), pipeline order"
+        groups = [m for m in modes(result) for r in result.runs[m] if r.ok]
+        counts = ", ".join(f"{m} n={groups.count(m)}" for m in dict.fromkeys(groups))
+        title = (f"glowplug start-up, {Path(str(result.config.model)).name}: own time per phase (s), pipeline order, "
+                 f"one bar per start ({counts}); each kind of start in its own panel with its own scale")
         ready = [r.phases.get(READY_ROW) or 0.0 for r in ok]
         written.append(plot_phase_stack([r.label for r in ok], stacks, out / "startup_phases.png", title=title,
-                                        xlabel="run", totals=ready, totals_label="time to READY"))  # fmt: skip
+                                        xlabel="start", totals=ready, totals_label="time to READY", groups=groups))
     trace = out / LANES_TRACE
     if result.config.plots and result.config.tensor_parallel_size > 1 and trace.is_file():
         import json
@@ -702,24 +806,37 @@ def _before_after_plot(result: StartupBenchResult, before_json: Path, path: Path
     leaves = leaf_rows([r for m in modes(result) for r in result.runs[m] if r.ok])
     columns: list[tuple[str, dict[str, Any]]] = [(f"before {m}", before[m]) for m in ("cold", "warm") if m in before]
     columns += [(f"now {m}", after[m]) for m in modes(result)]
+    # cold beside cold, warm beside warm: one panel per kind of start, each on its own scale
+    columns.sort(key=lambda c: list(modes(result)).index(c[0].split(" ", 1)[1]) if c[0].split(" ", 1)[1]
+                 in modes(result) else 99)  # fmt: skip
     stacks = {row: [col.get(row, {}).get("p50") for _, col in columns] for row in leaves}
     totals = [col.get(READY_ROW, {}).get("p50") or 0.0 for _, col in columns]
     title = (f"glowplug start-up, {Path(str(result.config.model)).name}: median own time per phase (s), "
              f"before ({before_json}) and now")  # fmt: skip
+    n = {m: sum(r.ok for r in result.runs[m]) for m in modes(result)}
+    title += "; now: " + ", ".join(f"{m} n={k}" for m, k in n.items())
     return plot_phase_stack([name for name, _ in columns], stacks, path, title=title, xlabel="start",
-                            totals=totals, totals_label="time to READY (median)")  # fmt: skip
+                            totals=totals, totals_label="time to READY (median)",
+                            groups=[name.split(" ", 1)[1] for name, _ in columns])  # fmt: skip
 
 
-def runs_from_folder(cfg: StartupBenchConfig, folder: Path) -> StartupBenchResult:
-    """The runs an earlier bench left as JSON in `folder` (see --from-runs), each as a start that reached READY
-    when its report says so; its wall time is the report's own process-creation-to-READY time."""
+def runs_from_folder(cfg: StartupBenchConfig, source: Path) -> StartupBenchResult:
+    """The runs an earlier bench left (see --from-runs): its startup.json (the file, or the folder holding it), or
+    an older version's per-start files in a folder, each a start that reached READY when its report says so."""
     import json
 
+    found = runs_source(source)
+    if found is None:
+        raise ValueError(f"--from-runs {source}: no startup.json, cold-N.json or warm-N.json there")
+    if found.is_file():
+        return _runs_from_json(cfg, json.loads(found.read_text()), found)
     runs: dict[Mode, list[StartupRun]] = {m: [] for m in (*MODES, *EXTRA_MODES, *TRACING_MODES)}
-    kinds: tuple[tuple[Mode, str], ...] = (("cold", "cold-*.json"), ("warm", "warm-*.json"),
-                                           ("bundle", "bundle-*.json"), ("cold_after_warm", "cold-after-warm.json"))
+    kinds: tuple[tuple[Mode, str], ...] = (
+        ("cold", "cold-*.json"), ("warm", "warm-*.json"), ("bundle", "bundle-[0-9]*.json"),
+        ("bundle_isa_capped", "bundle-isa-capped.json"), ("cold_after_warm", "cold-after-warm.json"),
+        ("otlp_off", "otlp_off-*.json"), ("otlp_on", "otlp_on-*.json"))  # fmt: skip
     for mode, pattern in kinds:
-        for path in sorted(folder.glob(pattern), key=lambda p: (len(p.name), p.name)):
+        for path in sorted(found.glob(pattern), key=lambda p: (len(p.name), p.name)):
             if mode == "cold" and path.name == "cold-after-warm.json":
                 continue
             report = json.loads(path.read_text())
@@ -728,8 +845,26 @@ def runs_from_folder(cfg: StartupBenchConfig, folder: Path) -> StartupBenchResul
             runs[mode].append(StartupRun(label, 0 if ready is not None else 1, float(ready or 0.0), report,
                                          None if ready is not None else "the report has no READY time"))
     if not runs["cold"] and not runs["warm"]:
-        raise ValueError(f"--from-runs {folder}: no cold-N.json or warm-N.json there")
+        raise ValueError(f"--from-runs {source}: no cold-N.json or warm-N.json there")
     return StartupBenchResult(cfg, runs, None)
+
+
+def _runs_from_json(cfg: StartupBenchConfig, data: dict[str, Any], path: Path) -> StartupBenchResult:
+    """A startup.json's runs (each with its whole start-up report) and its bundle, as the run that wrote it had them."""
+    runs: dict[Mode, list[StartupRun]] = {m: [] for m in (*MODES, *EXTRA_MODES, *TRACING_MODES)}
+    for entry in data.get("runs", []):
+        if entry.get("mode") not in runs:
+            continue
+        report = entry.get("report")
+        if report is None:  # a startup.json from before the reports were kept: its phases are all there is
+            report = {"phases": entry.get("phases") or {}, "reasons": entry.get("reasons") or {}}
+        runs[entry["mode"]].append(StartupRun(entry["label"], int(entry["returncode"]), float(entry["wall_s"]),
+                                              report, entry.get("error")))  # fmt: skip
+    if not runs["cold"] and not runs["warm"]:
+        raise ValueError(f"--from-runs {path}: it holds no cold or warm start")
+    b = data.get("bundle")
+    made = None if not b else BundleMade(float(b["wall_s"]), int(b["size"]), int(b["model_bytes"]), b.get("error"))
+    return StartupBenchResult(cfg, runs, made)
 
 
 def main(cfg: StartupBenchConfig, argv: list[str] | None = None) -> int:

@@ -22,7 +22,6 @@ fit in the KV cache at once).
 
 from __future__ import annotations
 
-import json
 import re
 import tempfile
 from collections.abc import Callable
@@ -35,7 +34,7 @@ from pydantic import Field, model_validator
 from ...engine.config import QuantConfig, Quantization
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, engine_flag, prepare_out_dir, write_json
 from .startup_runs import KV_ROW, StartupRun, run_startup, short
-from .tables import Cell, Missing, fmt_num, markdown_table
+from .tables import Cell, Missing, fmt_num, fmt_spread, markdown_table
 
 Progress = Callable[[str], None]
 KV_ROWS = ("KV blocks", "token capacity", "max concurrency")
@@ -50,6 +49,8 @@ class TuneMaxModelLenConfig(BenchEngineFields):
     max_num_seqs: int | None = Field(None, ge=1)
     min_concurrency: int | None = Field(None, ge=1, description="Recommend the largest length serving this many.")
     plan: bool = Field(False, description="Predict from one start-up instead of one start-up per length.")
+    repeats: int = Field(3, ge=1, description="Starts per max-model-len in a sweep, as that many passes over the "
+                         "lengths (so drift hits every length alike); cells show the median and min-max, n.")
     cache_dir: Path | None = Field(None, description="GLOWPLUG_CACHE_DIR for the starts; unset = the environment's.")
     timeout_s: float = Field(900.0, gt=0, description="Per start-up.")
     # Relative to the working directory and named after the command, so running it from a checkout never
@@ -75,6 +76,17 @@ class Column:
     kv_blocks: int | None = None
     block_size: int | None = None
     error: str | None = None
+    # Each successful start's phases and KV blocks (a sweep's repeats; a plan's one start or prediction).
+    samples: list[dict[str, float | None]] = field(default_factory=list)
+    blocks_samples: list[int] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # repeats that failed, with why
+
+    @property
+    def n(self) -> int:
+        return len(self.samples)
+
+    def values(self, row: str) -> list[float]:
+        return [v for p in self.samples if (v := p.get(row)) is not None]
 
     @property
     def ok(self) -> bool:
@@ -100,6 +112,7 @@ class TuneResult:
     measured_length: int | None = None  # --plan: the one length that was started
     budget_bytes: int | None = None
     bytes_per_token: int | None = None
+    start_reports: list[dict[str, Any]] = field(default_factory=list)  # --plan: the one start's own report
 
 
 def default_lengths(limit: int) -> list[int]:
@@ -111,22 +124,44 @@ def default_lengths(limit: int) -> list[int]:
 
 
 def _column_from_run(length: int, run: StartupRun, block_size: int) -> Column:
-    if not run.ok:
-        return Column(length, error=run.error or "start-up failed")
-    blocks = run.attr(KV_ROW, "glowplug.kv_blocks")
-    return Column(
-        length, run.phases, run.reasons, leaf_names(run), int(blocks) if blocks is not None else None, block_size
-    )
+    return column_from_runs(length, [run], block_size)
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return float(statistics.median(values))
+
+
+def column_from_runs(length: int, runs: list[StartupRun], block_size: int) -> Column:
+    """One length from its repeats: the phase cells are medians over the starts that succeeded (the samples stay,
+    for the spread); the column fails only when every repeat did."""
+    ok = [r for r in runs if r.ok]
+    failures = [f"{r.label}: {r.error or 'start-up failed'}" for r in runs if not r.ok]
+    if not ok:
+        return Column(length, error=runs[0].error or "start-up failed", failures=failures)
+    samples = [r.phases for r in ok]
+    names = list(dict.fromkeys(n for p in samples for n in p))
+    medians: dict[str, float | None] = {}
+    for name in names:
+        vals = [v for p in samples if (v := p.get(name)) is not None]
+        medians[name] = _median(vals) if vals else None
+    blocks = [int(b) for r in ok if (b := r.attr(KV_ROW, "glowplug.kv_blocks")) is not None]
+    reasons = {k: v for r in ok for k, v in r.reasons.items()}
+    leaves = tuple(dict.fromkeys(n for r in ok for n in leaf_names(r)))
+    return Column(length, medians, reasons, leaves, int(_median([float(b) for b in blocks])) if blocks else None,
+                  block_size, samples=samples, blocks_samples=blocks, failures=failures)  # fmt: skip
 
 
 def leaf_names(run: StartupRun) -> tuple[str, ...]:
     return tuple(n for n, kind in run.report.get("kinds", {}).items() if kind == "leaf")
 
 
-def _start(cfg: TuneMaxModelLenConfig, length: int, tmp: Path) -> StartupRun:
+def _start(cfg: TuneMaxModelLenConfig, length: int, tmp: Path, rep: int = 1) -> StartupRun:
     args = cfg.startup_argv(quantization=cfg.quantization, max_model_len=length, max_num_seqs=cfg.max_num_seqs)
-    report = tmp / f"startup-{length}.json"
-    return run_startup(f"max-model-len {length}", args, report, cache_dir=cfg.cache_dir, timeout_s=cfg.timeout_s)
+    report = tmp / f"startup-{length}-{rep}.json"
+    return run_startup(f"max-model-len {length} run {rep}", args, report, cache_dir=cfg.cache_dir,
+                       timeout_s=cfg.timeout_s)  # fmt: skip
 
 
 def predict_columns(cfg: TuneMaxModelLenConfig, run: StartupRun, lengths: list[int]) -> tuple[list[Column], int, int]:
@@ -155,7 +190,8 @@ def predict_columns(cfg: TuneMaxModelLenConfig, run: StartupRun, lengths: list[i
             columns.append(Column(length, error=f"start-up would fail in model_prepare: {type(exc).__name__}: {exc}"))
             continue
         columns.append(
-            Column(length, dict(run.phases), dict(run.reasons), leaf_names(run), plan.num_blocks, plan.block_size)
+            Column(length, dict(run.phases), dict(run.reasons), leaf_names(run), plan.num_blocks, plan.block_size,
+                   samples=[dict(run.phases)], blocks_samples=[plan.num_blocks])
         )
     return columns, budget, per_token
 
@@ -171,16 +207,20 @@ def run_tune(cfg: TuneMaxModelLenConfig, progress: Progress | None = None) -> Tu
         if cfg.plan:
             say(f"one start-up at max-model-len {lengths[0]}, then predicting {len(lengths)} lengths")
             run = _start(cfg, lengths[0], Path(tmp))
-            (out / "plan-startup.json").write_text(json.dumps(run.report, indent=2))
+            plan_report = run.report  # kept in tune-plan.json (one JSON per report)
             if not run.ok:
                 cols = [Column(n, error=f"the one profiling start failed: {run.error}") for n in lengths]
-                return TuneResult(cfg, cols, "plan", limit, lengths[0])
+                return TuneResult(cfg, cols, "plan", limit, lengths[0], start_reports=[plan_report])
             cols, budget, per_token = predict_columns(cfg, run, lengths)
-            return TuneResult(cfg, cols, "plan", limit, lengths[0], budget, per_token)
-        columns = []
-        for n in lengths:
-            say(f"start-up with max-model-len {n}")
-            columns.append(_column_from_run(n, _start(cfg, n, Path(tmp)), cfg.block_size))
+            return TuneResult(cfg, cols, "plan", limit, lengths[0], budget, per_token, start_reports=[plan_report])
+        runs: dict[int, list[StartupRun]] = {n: [] for n in lengths}
+        # Passes over all lengths rather than repeats of one length: a slow drift of the machine spreads over
+        # every length instead of biasing the last ones.
+        for rep in range(1, cfg.repeats + 1):
+            for n in lengths:
+                say(f"start-up with max-model-len {n} (pass {rep}/{cfg.repeats})")
+                runs[n].append(_start(cfg, n, Path(tmp), rep))
+        columns = [column_from_runs(n, runs[n], cfg.block_size) for n in lengths]
         return TuneResult(cfg, columns, "sweep", limit)
 
 
@@ -261,6 +301,8 @@ def cell_reason(error: str) -> str:
 def _cell(column: Column, row: str) -> Cell:
     if not column.ok:
         return Missing(cell_reason(column.error or "start-up failed"))
+    if row == "runs (n)":
+        return f"{column.n}" + (f" ({len(column.failures)} failed)" if column.failures else "")
     if row == "KV blocks":
         return column.kv_blocks if column.kv_blocks is not None else Missing("not reported")
     if row == "token capacity":
@@ -268,14 +310,17 @@ def _cell(column: Column, row: str) -> Cell:
     if row == "max concurrency":
         mc = column.max_concurrency
         return fmt_num(mc) if mc is not None else Missing("not reported")
-    value = column.phases.get(row)
-    return fmt_num(value, 2) if value is not None else Missing(column.reasons.get(row) or "not in the report")
+    values = column.values(row)
+    if not values:
+        return Missing(column.reasons.get(row) or "not in the report")
+    return fmt_spread(values, 2) if len(values) > 1 else fmt_num(values[0], 2)
 
 
 def render_table(result: TuneResult) -> str:
     ran, _ = phase_rows(result)
     head = ["Metric \\ max-model-len", *(str(c.length) for c in result.columns)]
-    rows: list[list[Cell]] = [[row, *(_cell(c, row) for c in result.columns)] for row in (*ran, *KV_ROWS)]
+    rows: list[list[Cell]] = [[row, *(_cell(c, row) for c in result.columns)]
+                              for row in ("runs (n)", *ran, *KV_ROWS)]  # fmt: skip
     return markdown_table(head, rows)
 
 
@@ -287,8 +332,10 @@ def render_markdown(result: TuneResult, argv: list[str] | None = None) -> str:
     parts = [report_header(f"Tune: {title}", argv)]
     if result.mode == "sweep":
         parts.append(
-            f"One `glowplug startup` per length in a fresh process, sharing one cache directory. Phases in seconds. "
-            f"The model allows {result.limit} positions."
+            f"{cfg.repeats} pass(es) over the lengths, one `glowplug startup` per length per pass, each in a fresh "
+            "process, all sharing one cache directory. Phases in seconds: a cell is the median (min–max) over the "
+            "starts of that length (`runs (n)` says how many reached READY; one value where n=1). The KV rows are "
+            f"the median over the same starts. The model allows {result.limit} positions."
         )
     else:
         how = (
@@ -318,10 +365,34 @@ def render_markdown(result: TuneResult, argv: list[str] | None = None) -> str:
         "at once.",
         "",
     ]
+    parts += ["KV blocks: the cache's blocks after profiling; token capacity = KV blocks x block size "
+              f"({cfg.block_size}): tokens the cache holds at once.", ""]
+    if result.mode == "sweep" and any(c.ok for c in result.columns):
+        from .seed004 import definitions_text
+
+        parts += ["## Beside seed 004 (vLLM start-up per max-model-len)", "", seed_table(result), "",
+                  definitions_text(), ""]  # fmt: skip
+    if result.mode == "sweep" and cfg.plots and any(c.ok for c in result.columns):
+        parts += [f"![KV capacity against max-model-len](tune_kv_capacity.png) KV capacity (token capacity, and "
+                  "max concurrent full-length sequences) against max-model-len: median over the starts per length, "
+                  "error bars min–max, n in the legend.", ""]  # fmt: skip
     rec = recommend(result)
     if rec is not None:
         parts += [f"## Recommendation for --min-concurrency {rec.min_concurrency}", "", rec.text, ""]
     return "\n".join(parts)
+
+
+def seed_maps(column: Column) -> list[dict[str, float | None]]:
+    """A length's starts as seed 004's rows (profiling/bench/seed004.py)."""
+    from .seed004 import default_leaves, map_phases
+
+    return [map_phases(p, list(column.leaves) or default_leaves(p)) for p in column.samples]
+
+
+def seed_table(result: TuneResult) -> str:
+    from .seed004 import per_length_table
+
+    return per_length_table({c.length: seed_maps(c) for c in result.columns if c.ok})
 
 
 def result_dict(result: TuneResult) -> dict[str, Any]:
@@ -334,10 +405,13 @@ def result_dict(result: TuneResult) -> dict[str, Any]:
         "budget_bytes": result.budget_bytes,
         "bytes_per_token": result.bytes_per_token,
         "columns": [
-            {"max_model_len": c.length, "ok": c.ok, "error": c.error, "phases": c.phases, "reasons": c.reasons,
-             "kv_blocks": c.kv_blocks, "token_capacity": c.token_capacity, "max_concurrency": c.max_concurrency}
+            {"max_model_len": c.length, "ok": c.ok, "error": c.error, "n": c.n, "failures": c.failures,
+             "phases_median": c.phases, "reasons": c.reasons, "phases_per_run": c.samples,
+             "kv_blocks": c.kv_blocks, "kv_blocks_per_run": c.blocks_samples, "token_capacity": c.token_capacity,
+             "max_concurrency": c.max_concurrency, "seed_004_per_run": seed_maps(c) if c.ok else []}
             for c in result.columns
         ],  # fmt: skip
+        "start_reports": result.start_reports,
         "recommendation": None if rec is None else {"max_model_len": rec.length, "exact_bound": rec.exact_bound,
                                                      "flags": rec.flags, "text": rec.text},  # fmt: skip
     }
@@ -355,15 +429,38 @@ def write_reports(result: TuneResult, argv: list[str] | None = None) -> list[Pat
     if result.config.plots and ok and result.mode == "sweep":
         from .plots import plot_phase_stack
 
+        from .plots import plot_kv_capacity
+
         leaves = list(dict.fromkeys(n for c in ok for n in c.leaves))
         stacks = {n: [c.phases.get(n) for c in ok] for n in leaves}
         cfg = result.config
-        # One warm-model start per length: a bar is one sample, so the title says so instead of drawing no spread.
-        title = (f"Start-up phases per max-model-len: {cfg.model}, quantization {cfg.quantization}, --dtype "
-                 f"{cfg.dtype}; one warm-model start per length (n=1, no spread)")
+        ns = sorted({c.n for c in ok})
+        n_text = f"n={'/'.join(map(str, ns))} warm-model starts per length"
+        title = (f"Start-up phases per max-model-len: {Path(cfg.model).name}, quantization {cfg.quantization}, "
+                 f"--dtype {cfg.dtype}; bars: median own time per phase over {n_text}; tick: median time to READY, "
+                 "error bar its min–max")  # fmt: skip
+        ready = [c.values("actual_total_time") for c in ok]
         written.append(plot_phase_stack([str(c.length) for c in ok], stacks, out / f"{stem}_phases.png",
-                                        title=title, xlabel="max-model-len"))  # fmt: skip
+                                        title=title, xlabel="max-model-len", totals_label="time to READY (median)",
+                                        totals=[_median(v) if v else 0.0 for v in ready],
+                                        total_spread=[(min(v), max(v)) if v else (0.0, 0.0) for v in ready]))
+        written.append(plot_kv_capacity(
+            {Path(cfg.model).name: kv_points(ok)}, out / f"{stem}_kv_capacity.png",
+            title=f"KV capacity per max-model-len: {Path(cfg.model).name}, quantization {cfg.quantization}, "
+                  f"block size {cfg.block_size}"))  # fmt: skip
     return written
+
+
+def kv_points(columns: list[Column]) -> list[tuple[int, list[float], list[float]]]:
+    """Per length: (max-model-len, token capacity per start, max concurrent full-length sequences per start)."""
+    out = []
+    for c in columns:
+        if c.block_size is None:
+            continue
+        per_seq = -(-c.length // c.block_size)
+        out.append((c.length, [float(b * c.block_size) for b in c.blocks_samples],
+                    [b / per_seq for b in c.blocks_samples]))  # fmt: skip
+    return out
 
 
 def main(cfg: TuneMaxModelLenConfig, argv: list[str] | None = None) -> int:

@@ -75,6 +75,9 @@ def test_cold_then_warm(tiny_model: str, tmp_path: Path) -> None:
     assert [r["mode"] for r in data["runs"]] == ["cold", "warm", "bundle", "cold_after_warm", "otlp_off", "otlp_on"]
     assert data["bundle"]["ratio_worst"] == figures["ratio_worst"]
     assert data["tracing_overhead"]["runs"] == 1
+    # One JSON per report: every start's own report is in startup.json, none is left beside it.
+    assert [r["report"]["phases"] for r in data["runs"]][:2] == [cold.phases, warm.phases]
+    assert not [p.name for p in (tmp_path / "out").glob("*-*.json")]
     assert (tmp_path / "out" / "startup_phases.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -114,5 +117,5 @@ def test_bundle_flags_are_checked_before_any_run(tmp_path: Path) -> None:
         StartupBenchConfig(bundle_isa_cap="avx3")
     with pytest.raises(ValidationError, match="is not a file"):
         StartupBenchConfig(compare_to=tmp_path / "missing.json")
-    with pytest.raises(ValidationError, match="holds no cold-N.json or warm-N.json"):
+    with pytest.raises(ValidationError, match="neither a startup.json nor a folder"):
         StartupBenchConfig(from_runs=tmp_path)  # an empty folder: nothing to render

@@ -28,7 +28,7 @@ def test_default_lengths_are_numeric_powers_of_two() -> None:
 
 def test_plan_matches_sweep(tiny_model: str, tmp_path: Path) -> None:
     common = dict(model=tiny_model, kv_cache_memory=BUDGET, min_concurrency=3, cache_dir=tmp_path / "cache")
-    sweep = run_tune(TuneMaxModelLenConfig(max_model_len=(256, 128), out_dir=tmp_path / "sweep", **common))
+    sweep = run_tune(TuneMaxModelLenConfig(max_model_len=(256, 128), repeats=1, out_dir=tmp_path / "sweep", **common))
     plan_cfg = TuneMaxModelLenConfig(max_model_len=(512, 256, 128), plan=True, out_dir=tmp_path / "plan", **common)
     plan = run_tune(plan_cfg)
 
