@@ -25,7 +25,7 @@ Order, and why:
   10. throughput       seed 002's seven named configurations x schemes, Output Throughput without prefill
   11. latency          seed 001's TGI-style tables (prefill, decode token, decode total) per quantization
   12. latency-tp       the same at TP=3 against TP=1 (gloo)
-  13. tune             max-model-len sweep and plan
+  13. tune             max-model-len sweep and plan; tune-gemma the same on Gemma 3 (needs --gemma3-gguf)
   14. startup          N cold and N warm starts (`glowplug bench startup`)
   15. startup-tp1/tp3  cold and warm starts at TP=1 and TP=3
   16. gemma-startup    the second model's starts (needs --gemma3-gguf; listed as skipped without it)
@@ -68,7 +68,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 STEP_NAMES: tuple[str, ...] = (
     "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "decode-context", "decode-auto", "decode-isa",
-    "decode-portable", "throughput", "latency", "latency-tp", "tune", "startup", "startup-tp1", "startup-tp3",
+    "decode-portable", "throughput", "latency", "latency-tp", "tune", "tune-gemma", "startup", "startup-tp1", "startup-tp3",
     "gemma-startup", "screenshots", "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak", "serve-hostile",
 )  # fmt: skip
 SIDECAR = "bench-all.json"  # every report's last outcome in DIR; README.md is rendered from it
@@ -86,7 +86,8 @@ class BenchAllConfig(BaseModel):
     quantization: tuple[str, ...] = Field(("int8", "int4", "int2", "w8a8"), description="Schemes besides none.")
     timeout_s: float = Field(3600.0, gt=0, description="Per report.")
     gemma3_gguf: Path | None = Field(
-        None, description="A Gemma 3 GGUF (gemma-3-270m Q4_K_M) for the second-model reports (gemma-startup); "
+        None, description="A Gemma 3 GGUF (gemma-3-270m Q4_K_M) for the second-model reports (tune-gemma, "
+        "gemma-startup); "
         "without it they are listed as skipped, with this flag as the fix.",
     )  # fmt: skip
     allow_dirty: bool = Field(False, description="Run although tracked files differ from HEAD (outside --out); the "
@@ -225,14 +226,24 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             "--sequence-length", "16" if q else "256", "--decode-length", "4" if q else "16", "--runs", reps,
             "--warmups", "0" if q else "1", *(["--no-plots"] if q else []), "--out-dir", str(o / "latency" / "tp")],
             ["latency/tp/latency.md"], "tensor parallel (TP=3 over gloo) against TP=1: prefill and decode latency"),
-        "tune": Step("tune", ["tune", "max-model-len", m, *(["--max-model-len", "128", "--plan"] if q else []),
+        "tune": Step("tune", ["tune", "max-model-len", m,
+                              *(["--max-model-len", "128", "--plan"] if q else ["--repeats", reps]),
                               "--min-concurrency", "8", *(["--no-plots"] if q else []),
                               "--out-dir", str(o / "tune-max-model-len")],
                      ["tune-max-model-len/" + ("tune-plan.md" if q else "tune.md")],
                      "start-up phases and KV capacity per max-model-len"),
+        # Seed 004 sweeps two models; ours are the default model and Gemma 3 (compile off, as gemma-startup: its
+        # Inductor compile of a 262k-vocabulary head would be a minute per start on 2 cores).
+        "tune-gemma": Step("tune-gemma", [
+            "tune", "max-model-len", str(cfg.gemma3_gguf or "GEMMA3_GGUF"), "--quantization", "auto",
+            "--compile", "off", *(["--max-model-len", "256", "--repeats", "1"] if q else ["--repeats", reps]),
+            "--min-concurrency", "8", *(["--no-plots"] if q else []),
+            "--out-dir", str(o / "tune-max-model-len" / "gemma")],
+            ["tune-max-model-len/gemma/tune.md"], "the same sweep on Gemma 3 270m (Q4_K_M GGUF)",
+            skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH"),
         # 80 pairs: a 1% tracing-overhead target on a ~2 s warm start is ~20 ms, inside the noise of 10 pairs.
         "startup": Step("startup", ["bench", "startup", m, "--runs", reps, "--tracing-runs", "2" if q else "80",
-                                      *_startup_out(o / "startup")],
+                                      *([] if q else ["--bundle-isa-cap", "avx2"]), *_startup_out(o / "startup")],
                         ["startup/startup.md"], "cold and warm starts: per-phase statistics and time to READY"),
         "startup-tp1": Step("startup-tp1", ["bench", "startup", m, "--runs", reps, "--no-bundle",
                                             "--no-tracing-overhead", *_startup_out(o / "startup-tp" / "tp1")],
