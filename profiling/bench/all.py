@@ -488,6 +488,10 @@ def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
                   else f"⚠ OTHER RUN: {_commit_cell(e['run'])}")  # fmt: skip
         lines.append(f"| {i} | {links} | {e['what']} | `{cmd}` | {status} | {e['finished']}, {commit} | "
                      f"{e['wall_s']:.0f} | {rss} |")
+    if (cfg.out / "gpu" / "README.md").is_file():
+        # The one report this CPU run cannot make; it names its own commit, GPU and torch.
+        lines += ["", "Not made by this run: [gpu/README.md](gpu/README.md), `scripts/device_check.sh` on a lent GPU "
+                  "machine (its README names the commit, the GPU and the torch it ran on)."]
     lines += ["", "Logs of every command: `logs/<report>.log`. Peak RSS: the high-water mark of the largest single "
               f"process of that report (getrusage of the child and the children it waited for, such as a serve "
               f"report's server). Outcomes are kept in `{SIDECAR}`; this file is regenerated from it.", ""]
