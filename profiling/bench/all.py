@@ -185,8 +185,9 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none,auto,int4",
             "--batch-sizes", "1" if q else "1,16", "--compile", "off" if q else "on", "--repeats", reps,
             "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64", "--no-compare-hf",
-            "--out", str(o / "decode-auto.md")],
-            ["decode-auto.md"], "the engine's default quantization (auto) against none and int4"),
+            # llama.cpp on the same GGUF blocks, paired with every batch-1 run: what a CPU user compares against
+            "--peers", "llamacpp", "--out", str(o / "decode-auto.md")],
+            ["decode-auto.md"], "the engine's default quantization (auto) against none, int4 and llama.cpp"),
         # The avx2 and portable levels on this machine: glowplug's, torch's and oneDNN's caps together make it run
         # what such a CPU runs (the transformers peer too).
         "decode-isa": Step("decode-isa", [
