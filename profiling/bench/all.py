@@ -512,8 +512,10 @@ def run_all(cfg: BenchAllConfig, argv: list[str] | None = None, progress: Any = 
     state = git_state(cfg.out)
     if state.dirty and not cfg.allow_dirty:
         why = f" ({state.error})" if state.error else ""
-        raise DirtyTreeError(f"the code differs from HEAD {state.commit}{why} (outside {cfg.out}): commit it, or pass "
-                             "--allow-dirty to run anyway (the index and every report then say DIRTY RUN)")
+        what = (f"the code differs from HEAD {state.commit}{why} (outside {cfg.out}): commit it"
+                if state.commit else f"the code's commit is unknown{why}: run from a git checkout")
+        raise DirtyTreeError(f"{what}, or pass --allow-dirty to run anyway (the index and every report then say "
+                             "DIRTY RUN)")
     cfg.out.mkdir(parents=True, exist_ok=True)
     logs = cfg.out / "logs"
     logs.mkdir(exist_ok=True)

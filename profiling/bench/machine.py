@@ -56,7 +56,7 @@ def git_state(exclude: Path | None = None, repo: Path | None = None) -> GitState
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
-            return GitState(None, False, "not a git checkout")
+            return GitState(None, True, "not a git checkout")  # code that cannot be pinned is not clean code
         top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True,
                              timeout=10).stdout.strip()  # fmt: skip
         spec = [":/"]
@@ -66,7 +66,7 @@ def git_state(exclude: Path | None = None, repo: Path | None = None) -> GitState
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *spec],
                                 cwd=here, capture_output=True, text=True, timeout=10)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as e:
-        return GitState(None, False, f"git not available: {e}")
+        return GitState(None, True, f"git not available: {e}")
     if status.returncode != 0:  # an unreadable state must not pass for a clean one
         return GitState(rev.stdout.strip(), True, f"git status failed: {status.stderr.strip()[:200]}")
     return GitState(rev.stdout.strip(), bool(status.stdout.strip()))

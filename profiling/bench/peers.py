@@ -208,6 +208,9 @@ def load_llamacpp_peer(model_dir: Path, n_ctx: int, n_threads: int) -> Peer:
     gguf = gguf_file_for(model_dir)
     if gguf is None:
         return SkippedPeer(label, f"{model_dir} was not prepared from a GGUF")
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                          n_batch=min(n_ctx, 2048), logits_all=False, verbose=False)  # fmt: skip
+    try:
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                              n_batch=min(n_ctx, 2048), logits_all=False, verbose=False)  # fmt: skip
+    except Exception as exc:  # an optional peer: an architecture or build it cannot load costs its column only
+        return SkippedPeer(label, f"llama.cpp could not load {gguf.name}: {type(exc).__name__}: {exc}")
     return LlamaCppPeer(llm, gguf, f"llama.cpp {getattr(llama_cpp, '__version__', '')}".strip())

@@ -112,6 +112,10 @@ def take_screenshots(cfg: ScreenshotsConfig, stamp: Callable[[str], str]) -> lis
 
     chromium, sync_api = _browser_or_reason(cfg.chromium)
     cfg.out.mkdir(parents=True, exist_ok=True)
+    # An earlier run's pngs would sit beside this run's under an old stamp (a fast start takes no
+    # page-starting.png): a folder holds one run's screenshots only.
+    for old in cfg.out.glob("page*.png"):
+        old.unlink()
     shots: list[dict[str, Any]] = []
     glowplug = [sys.executable, "-m", "glowplug.cli"]  # this interpreter and checkout, not whatever is on PATH
     port = free_port()

@@ -4,6 +4,7 @@ being the load that was set (concurrency), not the throughput that came out of i
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,16 @@ def test_overload_verdict_reads_the_worst_pair_not_a_ratio_of_medians() -> None:
     ok = _overload([100.0, 90.0, 110.0], [150.0, 170.0, 190.0])
     assert ok.passed and ok.worst_ratio == pytest.approx(170 / 90)
     # A run with no completed request has no p99: its pair is NaN and fails the verdict instead of vanishing.
-    assert not _overload([100.0, 100.0, 100.0], [100.0, None, 100.0]).passed
+    empty = _overload([100.0, 100.0, 100.0], [100.0, None, 100.0])
+    assert not empty.passed
+    # ... and the report still renders and writes strict JSON, naming the pair without a value.
+    from glowplug.profiling.bench.serve.overload import render_overload
+
+    text = render_overload(empty, "# head")
+    assert "worst pair no value (a run completed no request)" in text and "**FAIL**" in text
+    data = json.loads(json.dumps(empty.as_dict(), allow_nan=False))
+    assert data["pair_ratios"] == [1.0, None, 1.0] and data["ttft_ratio_worst"] is None
+    assert data["ttft_ratio_median"] == pytest.approx(1.0)
 
 
 def test_overload_report_table_is_recomputed_from_the_runs(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from glowplug.profiling.bench.startup_bench import (
     write_reports,
 )
 from glowplug.profiling.bench.startup_runs import StartupRun
-from glowplug.profiling.bench.tune import Column, TuneMaxModelLenConfig, TuneResult, column_from_runs
+from glowplug.profiling.bench.tune import TuneMaxModelLenConfig, TuneResult, column_from_runs
 from glowplug.profiling.bench.tune import render_markdown as tune_markdown
 from glowplug.profiling.bench.tune import write_reports as tune_reports
 
@@ -226,4 +226,3 @@ def test_plot_kv_capacity_and_stack_render(tmp_path: Path) -> None:
     assert path.read_bytes()[:4] == b"\x89PNG"
     colours = {plots.phase_style(i) for i in range(20)}
     assert len(colours) == 20  # every phase of a 20-row stack looks different
-    assert isinstance(Column(1).samples, list)

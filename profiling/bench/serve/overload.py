@@ -55,7 +55,8 @@ class OverloadResult:
     @property
     def ttft_ratio(self) -> float:
         """The median of the per-pair ratios."""
-        return statistics.median(self.pair_ratios) if self.pair_ratios else float("nan")
+        finite = [r for r in self.pair_ratios if r == r]  # a pair without a value has no place in a median
+        return statistics.median(finite) if finite else float("nan")
 
     @property
     def worst_ratio(self) -> float:
@@ -78,9 +79,10 @@ class OverloadResult:
             "sustainable_rps": self.sustainable_rps,
             "overload_rps": self.overload_rps,
             "admission_limit_s": self.admission_limit_s,
-            "pair_ratios": self.pair_ratios,
-            "ttft_ratio_median": self.ttft_ratio,
-            "ttft_ratio_worst": self.worst_ratio,
+            # JSON has no NaN: a pair without a value is null
+            "pair_ratios": [r if r == r else None for r in self.pair_ratios],
+            "ttft_ratio_median": self.ttft_ratio if self.ttft_ratio == self.ttft_ratio else None,
+            "ttft_ratio_worst": self.worst_ratio if self.worst_ratio == self.worst_ratio else None,
             "ttft_ratio_limit": TTFT_RATIO_LIMIT,
             "rejected_429": self.rejected,
             "rejected_without_retry_after": self.rejected_without_retry_after,
@@ -185,7 +187,10 @@ def render_overload(r: OverloadResult, head: str) -> str:
     cap = f"{r.capacity_rps:.3g} req/s" if r.capacity_rps is not None else "not measured (--sustainable-rate given)"
     limit = f"{r.admission_limit_s:.3f} s" if r.admission_limit_s is not None else "the running server's own"
     rows = [row("sustainable", r.baseline, r.sustainable_rps), row("overload (admitted)", r.overload, r.overload_rps)]
-    pair_rows = [[i + 1, p99(b), p99(o), o.errors.get("http_429", 0), fmt_num(x, 2)]
+    def ratio(x: float) -> str:
+        return fmt_num(x, 2) if x == x else "no value (a run completed no request)"
+
+    pair_rows = [[i + 1, p99(b), p99(o), o.errors.get("http_429", 0), ratio(x)]
                  for i, (b, o, x) in enumerate(zip(r.baseline.runs, r.overload.runs, r.pair_ratios))]  # fmt: skip
     n = len(r.pair_ratios)
     return "\n".join([
@@ -195,7 +200,7 @@ def render_overload(r: OverloadResult, head: str) -> str:
         f"- 429 answers: {r.rejected} ({r.rejected_without_retry_after} without Retry-After); other failures: "
         f"{r.other_errors or 0}",
         f"- **p99 TTFT of admitted requests / p99 TTFT at the sustainable rate, paired by run (n = {n}): median "
-        f"{r.ttft_ratio:.2f}, worst pair {r.worst_ratio:.2f}** (limit {TTFT_RATIO_LIMIT} on the worst pair): "
+        f"{ratio(r.ttft_ratio)}, worst pair {ratio(r.worst_ratio)}** (limit {TTFT_RATIO_LIMIT} on the worst pair): "
         f"**{'PASS' if r.passed else 'FAIL'}**",
         "",
         "## Pairs",
