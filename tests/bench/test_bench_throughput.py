@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import assert_no_blank_or_nan
+from conftest import assert_no_blank_or_nan, markdown_cells
 
 from glowplug.profiling.bench import timing
 from glowplug.profiling.bench.throughput import (
@@ -190,8 +190,6 @@ def test_unusable_scheme_is_flagged_in_the_ranking_and_its_plot(tmp_path: Path) 
 
 
 def test_config_table_lists_all_seven_configurations() -> None:
-    from conftest import markdown_cells
-
     from glowplug.profiling.bench.all import BenchAllConfig, plan_steps
 
     assert len(NAMED_CONFIGS) == 7
