@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 STEP_NAMES: tuple[str, ...] = (
     "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "decode-context", "decode-auto", "decode-isa",
@@ -92,6 +92,14 @@ class BenchAllConfig(BaseModel):
     )  # fmt: skip
     allow_dirty: bool = Field(False, description="Run although tracked files differ from HEAD (outside --out); the "
                               "index and every report then say DIRTY RUN.")
+
+    @field_validator("gemma3_gguf")
+    @classmethod
+    def _gguf_is_a_file(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"no file at {v}: give the path of a Gemma 3 .gguf file, or leave --gemma3-gguf out "
+                             "(the Gemma reports are then listed as skipped)")
+        return v
 
     def steps(self) -> list[str]:
         """The selected reports, in the fixed order (an unknown name fails: a typo must not silently skip one)."""

@@ -184,6 +184,9 @@ def test_a_step_without_its_input_is_listed_as_skipped_with_the_fix(monkeypatch:
     assert "skipped: no Gemma 3 GGUF given: pass --gemma3-gguf PATH" in row
 
     gguf = tmp_path / "gemma.gguf"
+    with pytest.raises(ValueError, match="no file at .*leave --gemma3-gguf out"):
+        BenchAllConfig(out=out, gemma3_gguf=gguf)
+    gguf.write_bytes(b"GGUF")
     bench_all.run_all(BenchAllConfig(out=out, only=("gemma-startup",), gemma3_gguf=gguf))
     assert calls[-1]["name"] == "gemma-startup"
     step = bench_all.plan_steps(BenchAllConfig(out=out, gemma3_gguf=gguf), ["gemma-startup"])[0]
