@@ -15,8 +15,9 @@ dies; not views, not in-place writes, not a kernel's internal scratch (SDPA's fl
 inside, so the [heads, T, T] matrix is never a tensor). Memory that outlives the forward but is first made in it
 (the quantized layers' dequantization workspace, kernels/cpu.py `Workspace`) is counted from when it is made.
 
-Covered: the CPU, the Llama-family model (llama.py is the only model class), dense layers in any dtype and the
-weight-only quantized layers on the dispatcher paths `dequant_bf16`, `int8pack` and `aten_int4`. Anything else
+Covered: the CPU, the Llama-family model (llama.py is the only model class), dense layers in any dtype, the GGUF
+layers computed on their stored blocks (kernels/gguf.py), and the weight-only quantized layers on the dispatcher
+paths `dequant_bf16`, `int8pack` and `aten_int4`. Anything else
 (CUDA, whose allocator the measured mode reads; w8a8, whose activation quantization allocates per row; another
 kernel path) is not modelled: `analytic_unsupported` / `AnalyticPeakUnsupported` say why, and the stage measures.
 A change to what the model allocates must be mirrored here; the 5% test is the check that it was.
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from glowplug.base.machine import cpu_has_native_bf16
+from glowplug.kernels.gguf import GGUFEmbedding, GGUFLinear
 from glowplug.kernels.modules import FP32_PROMPT_ROWS, DenseLinear, QuantLinear, padded_rows
 
 from .config import EngineConfig
@@ -163,7 +165,28 @@ def _quant_linear(led: _Ledger, s: _Shapes, layer: QuantLinear, m: int) -> int:
     return y
 
 
+def _gguf_linear(led: _Ledger, s: _Shapes, layer: GGUFLinear, m: int) -> int:
+    """kernels/gguf.py GGUFLinear.forward: the native op's output (its activation scratch is no tensor), in x's
+    dtype (fp32 for a dtype the op does not take, then cast back), then the bias."""
+    n, k = layer.out_features, layer.in_features
+    takes = s.dtype in (torch.bfloat16, torch.float32)
+    xf = 0 if takes else led.new(m * k * FP32)  # x2.float()
+    y = led.new(m * n * (s.itemsize if takes else FP32))
+    led.free(xf)
+    if not takes:
+        cast = led.new(m * n * s.itemsize)
+        led.free(y)
+        y = cast
+    if layer.bias is not None:
+        biased = led.new(m * n * s.itemsize)
+        led.free(y)
+        y = biased
+    return y
+
+
 def _linear(led: _Ledger, s: _Shapes, layer: nn.Module, m: int) -> int:
+    if isinstance(layer, GGUFLinear):
+        return _gguf_linear(led, s, layer, m)
     if isinstance(layer, QuantLinear):
         return _quant_linear(led, s, layer, m)
     if isinstance(layer, TiedHead):
@@ -256,7 +279,12 @@ def activation_peak(model: DecoderLM, dtype: torch.dtype, tokens: int, rows: int
     h = tokens * arch.hidden_size * s.itemsize
     led = _Ledger()
     # Backbone.forward
-    x = led.new(h)  # embed_tokens
+    if isinstance(model.model.embed_tokens, GGUFEmbedding) and dtype not in (torch.bfloat16, torch.float32):
+        rows32 = led.new(tokens * arch.hidden_size * FP32)  # the op's fp32 rows, then .to(dtype)
+        x = led.new(h)
+        led.free(rows32)
+    else:
+        x = led.new(h)  # embed_tokens
     rope = []
     for _ in ("cos", "sin"):  # rotary_emb.tables: table[positions] (fp32), then .to(dtype)
         indexed = led.new(tokens * arch.head_dim * FP32)

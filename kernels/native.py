@@ -59,7 +59,7 @@ from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weigh
 
 NAMESPACE = "glowplug_native"
 LIBRARY = "glowplug_native.so"
-SOURCES: tuple[str, ...] = ("linear.cpp", "blocked.cpp", "attention.cpp", "rows.cpp")
+SOURCES: tuple[str, ...] = ("linear.cpp", "blocked.cpp", "attention.cpp", "rows.cpp", "gguf.cpp")
 HEADERS: tuple[str, ...] = ("common.h", "dequant.h", "amx.h")
 _SOURCE_DIR = Path(__file__).parent / "native"
 
@@ -305,6 +305,15 @@ def _register_fakes() -> None:
     @torch.library.register_fake(lib + "argmax_rows")
     def _argmax_rows(x: Tensor) -> Tensor:
         return x.new_empty((x.shape[0],), dtype=torch.long)
+
+    @torch.library.register_fake(lib + "gguf_linear")
+    def _gguf_linear(x: Tensor, w0: Tensor, t0: int, p0: Tensor, w1: Tensor, t1: int, p1: Tensor, w2: Tensor,
+                     t2: int, p2: Tensor) -> Tensor:  # fmt: skip
+        return x.new_empty((x.shape[0], w0.shape[0] + w1.shape[0] + w2.shape[0]))
+
+    @torch.library.register_fake(lib + "gguf_rows")
+    def _gguf_rows(w: Tensor, type: int, k: int, ids: Tensor, bf16: int) -> Tensor:
+        return w.new_empty((ids.shape[0], k), dtype=torch.bfloat16 if bf16 else torch.float32)
 
 
 _LOADED: dict[str, str] = {}  # the level of the variant this process loaded (one per process: same op names)

@@ -210,3 +210,59 @@ def native_linear(x: Tensor, kind: str, tensors: tuple[Tensor, ...], n: int, k: 
         smooth = None if inv.numel() == 0 else 1.0 / inv
         return linear(xf, W8A8Weight(q, wscale, smooth))
     raise ValueError(f"unknown native kernel kind {kind!r}")
+
+
+# ------------------------------------------------------------------------------------- GGUF blocks as stored
+# The super-block types, whose activations are quantized per 256 inputs (the others per 32).
+GGUF_KQUANTS = frozenset({12, 13, 14})
+
+
+def quantize_act(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+    """gguf_linear's activations: each row's inputs in blocks of `block` (32, or 256 for the K-quants) taken to int8
+    with scale d = amax / 127, codes round(x * (127 / amax)) half to even, all in fp32. Returns (q int8 [M, K],
+    d fp32 [M, K / block])."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // block, block)
+    amax = xb.abs().amax(-1)
+    inv = torch.tensor(127.0, dtype=torch.float32) / torch.where(amax > 0, amax, torch.ones_like(amax))
+    q = torch.round(xb * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+    q = torch.where(amax[..., None] > 0, q, torch.zeros_like(q))
+    return q.reshape(m, k), amax / 127.0
+
+
+def gguf_dequantize(raw: Tensor, ggml_type: int, k: int) -> Tensor:
+    """fp32 [rows, K] of stored GGUF rows (uint8 [rows, row bytes]), de-quantized by the gguf package."""
+    if ggml_type == 0:
+        return raw.contiguous().view(torch.float32).reshape(-1, k).clone()
+    if ggml_type in (1, 30):
+        return raw.contiguous().view(torch.float16 if ggml_type == 1 else torch.bfloat16).reshape(-1, k).float()
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequant
+
+    return torch.from_numpy(gguf_dequant(raw.contiguous().numpy(), GGMLQuantizationType(ggml_type))).reshape(-1, k)
+
+
+def gguf_linear(x: Tensor, segments: list[tuple[Tensor, int, Tensor | None]]) -> Tensor:
+    """The oracle of glowplug_native.gguf_linear, in float64: x [M, K] taken to the kernel's int8 activations (float
+    parts take x in fp32), times each segment's de-quantized rows; a segment's `perm` puts stored row r in column
+    perm[r] of its block. Returns float64 [M, sum of rows]."""
+    m, k = x.shape
+    outs = []
+    for raw, ggml_type, perm in segments:
+        w = gguf_dequantize(raw, ggml_type, k).double()
+        if ggml_type in (0, 1, 30):  # F32, F16, BF16
+            xs = x.float().double()
+        else:
+            block = 256 if ggml_type in GGUF_KQUANTS else 32
+            q, d = quantize_act(x, block)
+            xs = (q.double().reshape(m, k // block, block) * d.double()[..., None]).reshape(m, k)
+        y = xs @ w.t()
+        if perm is not None:
+            y = torch.empty_like(y).index_copy_(1, perm.long(), y)
+        outs.append(y)
+    return torch.cat(outs, dim=1)
+
+
+def gguf_rows(raw: Tensor, ggml_type: int, k: int, ids: Tensor) -> Tensor:
+    """The oracle of glowplug_native.gguf_rows: the chosen rows de-quantized to fp32."""
+    return gguf_dequantize(raw[ids], ggml_type, k)

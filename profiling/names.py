@@ -95,6 +95,9 @@ class Attr:
     ROW: Final = "glowplug.row"
     BYTES_READ: Final = "glowplug.bytes_read"
     READ_GBPS: Final = "glowplug.read_gbps"
+    # load_weights: the GGUF tensors used where they lie (mapped and computed on in place), and their bytes.
+    GGUF_STORED_TENSORS: Final = "glowplug.gguf_stored_tensors"
+    GGUF_STORED_BYTES: Final = "glowplug.gguf_stored_bytes"
     PARAM_COUNT: Final = "glowplug.param_count"
     DTYPE: Final = "glowplug.dtype"
     QUANTIZATION: Final = "glowplug.quantization"
@@ -116,7 +119,9 @@ class Attr:
     MAX_CONCURRENCY: Final = "glowplug.max_concurrency"
     MAX_MODEL_LEN: Final = "glowplug.max_model_len"
     GRAPH_SIZES: Final = "glowplug.graph_sizes"  # list[int]
-    GRAPH_SIZE_TIMES_S: Final = "glowplug.graph_size_times_s"  # list[float], aligned with GRAPH_SIZES
+    # list[float], aligned with GRAPH_SIZES on CUDA (each size captured) and with GRAPH_WARMED_SIZES on the CPU
+    GRAPH_SIZE_TIMES_S: Final = "glowplug.graph_size_times_s"
+    GRAPH_WARMED_SIZES: Final = "glowplug.graph_warmed_sizes"  # CPU: the sizes the step ran at (the rest: guards)
     # CUDA: how much the shared graph pool's reserved memory grew while capturing each size, and in all
     GRAPH_SIZE_POOL_BYTES: Final = "glowplug.graph_size_pool_bytes"  # list[int], aligned with GRAPH_SIZES
     GRAPH_POOL_BYTES: Final = "glowplug.graph_pool_bytes"  # int

@@ -1,5 +1,11 @@
 """`--quantization auto`: each projection of a GGUF runs in the format its stored blocks map onto.
 
+In place (on the CPU, one rank): a layer whose parts are all of a type with a native kernel (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q5_K, Q6_K, floats beside them) is computed on the stored blocks themselves (kernels/gguf.py): nothing is
+de-quantized, repacked or cached, and a decode step reads the file's bytes per weight. The embedding too (its rows
+de-quantized per lookup), and a tied head reads the embedding's blocks. A layer of another type (Q2_K, Q3_K), and
+every layer where in place does not apply (a GPU, tensor parallelism), follows the rules below.
+
 Per GGUF type (the bits it stores decide the kernel, so a file runs at the speed and precision it was made for):
 - 4-bit blocks -> int4, groups of 32: Q4_0, Q4_1 and Q4_K repacked exactly (gguf_tensors.repack_int4: the file's
   codes and grid); Q2_K and Q3_K, for which glowplug has no 2/3-bit kernel, re-quantized to int4 g32 from their
@@ -30,10 +36,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-from .gguf_tensors import (
+from glowplug.kernels.gguf import (
     BF16,
     F16,
     F32,
+    IN_PLACE,
     Q2_K,
     Q3_K,
     Q4_0,
@@ -45,13 +52,13 @@ from .gguf_tensors import (
     Q6_K,
     Q8_0,
     TYPE_NAMES,
-    TensorEntry,
-    TensorTable,
-    hf_name,
+    fits,
 )
 
-Scheme = Literal["int4", "int8", "none"]
-How = Literal["repacked", "re-quantized", "as stored", "de-quantized"]
+from .gguf_tensors import TensorEntry, TensorTable, hf_name
+
+Scheme = Literal["gguf", "int4", "int8", "none"]
+How = Literal["in place", "repacked", "re-quantized", "as stored", "de-quantized"]
 
 # The group size of every quantized layer under auto: the legacy blocks and Q4_K/Q5_K's sub-blocks are 32
 # weights; re-quantized layers take the same so a fused layer's parts and its kernels agree.
@@ -63,7 +70,7 @@ _SCHEME_OF: dict[int, Scheme] = {
 }  # fmt: skip
 # Types whose blocks are taken as they are into the scheme's g32 layout (gguf_tensors.repack_int4/int8).
 _EXACT: dict[Scheme, frozenset[int]] = {"int4": frozenset({Q4_0, Q4_1, Q4_K}), "int8": frozenset({Q8_0, Q5_0})}
-_WIDTH: dict[Scheme, int] = {"int4": 1, "int8": 2, "none": 3}
+_WIDTH: dict[Scheme, int] = {"gguf": 0, "int4": 1, "int8": 2, "none": 3}
 # The layer classes of one decoder layer: (class name in the row note, model module suffix, checkpoint parts).
 _CLASSES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("attn_qkv", "self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
@@ -93,11 +100,14 @@ class LayerFormat:
 
     @property
     def group_size(self) -> int | None:
-        return None if self.scheme == "none" else AUTO_GROUP
+        return None if self.scheme in ("none", "gguf") else AUTO_GROUP
 
     @property
     def spec(self) -> str:
-        """The kernel format: `int4-g32`, `int8-g32`, or `dense` (the model dtype)."""
+        """The kernel format: `gguf Q4_K+Q6_K` (the stored types, in place), `int4-g32`, `int8-g32`, or `dense`
+        (the model dtype)."""
+        if self.scheme == "gguf":
+            return "gguf " + "+".join(s.removesuffix(" (tied embedding)") for s in self.sources)
         return "dense" if self.scheme == "none" else f"{self.scheme}-g{AUTO_GROUP}"
 
 
@@ -107,6 +117,8 @@ class LayerFormats:
 
     layers: tuple[LayerFormat, ...]
     num_layers: int
+    # The embedding is looked up from its stored blocks (its type has a native kernel and the plan runs in place).
+    embedding_in_place: bool = False
 
     def scheme_of(self, module: str) -> Scheme | None:
         """The scheme of a model module (fused name), None for a module the plan does not cover."""
@@ -127,8 +139,20 @@ class LayerFormats:
         return next((f.scheme for f in self.layers if f.module == HEAD), "none")
 
     def schemes(self) -> list[Scheme]:
-        """The quantized schemes in use, narrowest first."""
-        return sorted({f.scheme for f in self.layers if f.scheme != "none"}, key=_WIDTH.__getitem__)
+        """The schemes a converter makes (int4, int8), narrowest first: not the layers run in place, which
+        model_init builds from the stored tensors."""
+        return sorted({f.scheme for f in self.layers if f.scheme not in ("none", "gguf")}, key=_WIDTH.__getitem__)
+
+    def in_place(self) -> dict[str, LayerFormat]:
+        """Model modules (fused names) computed on their stored blocks -> their format."""
+        return {f.module: f for f in self.layers if f.scheme == "gguf"}
+
+    def stored_parts(self) -> frozenset[str]:
+        """Checkpoint tensors (Hugging Face names) load_weights keeps as stored rows instead of loading: the parts
+        of the layers run in place, and the embedding when it is looked up in place (a tied head's part is the
+        embedding)."""
+        parts = {p for f in self.layers if f.scheme == "gguf" for p in f.parts}
+        return frozenset(parts | ({EMBEDDING} if self.embedding_in_place else set()))
 
     def repack(self) -> dict[str, str]:
         """Checkpoint modules (Hugging Face names) that load_weights repacks exactly -> their scheme. A tied head
@@ -153,10 +177,10 @@ class LayerFormats:
 
     def counts(self) -> dict[str, int]:
         """Layers per kernel format and per way in (the quantize_weights row's attributes)."""
-        out = {"int4": 0, "int8": 0, "dense": 0, "repacked": 0, "re-quantized": 0}
+        out = {"gguf": 0, "int4": 0, "int8": 0, "dense": 0, "in place": 0, "repacked": 0, "re-quantized": 0}
         for f in self.layers:
             out["dense" if f.scheme == "none" else f.scheme] += 1
-            if f.how in ("repacked", "re-quantized"):
+            if f.how in ("in place", "repacked", "re-quantized"):
                 out[f.how] += 1
         return out
 
@@ -186,7 +210,7 @@ class LayerFormats:
         groups: dict[tuple[str, str, str], dict[str, int]] = {}
         for f in self.layers:
             stored = "+".join(dict.fromkeys(f.sources))
-            target = dtype if f.scheme == "none" else f"{f.scheme} g{AUTO_GROUP}"
+            target = dtype if f.scheme == "none" else "stored blocks" if f.scheme == "gguf" else f"{f.scheme} g{AUTO_GROUP}"
             how = {"repacked": "repacked exactly"}.get(f.how, f.how) + (f"; {f.why}" if f.why else "")
             classes = groups.setdefault((stored, target, how), {})
             classes[f.kind] = classes.get(f.kind, 0) + 1
@@ -199,6 +223,8 @@ class LayerFormats:
             names = "/".join(classes)
             where = "".join(f" ({n}: {classes[n]} of {totals[n]} layers)" for n in split)
             parts.append(f"{names} {stored} → {target} ({how}){where}")
+        if self.embedding_in_place:
+            parts.append("token_embd looked up from its stored blocks")
         return "auto: " + "; ".join(parts)
 
 
@@ -210,13 +236,16 @@ def _part_entries(entries: Mapping[str, TensorEntry], layer: str, parts: tuple[s
     return [(n, e) for n, e in found if e is not None]
 
 
-def _layer(module: str, kind: str, found: list[tuple[str, TensorEntry]]) -> LayerFormat:
-    """The format of one (possibly fused) layer from its parts' types."""
-    schemes = [_SCHEME_OF[e.type] for _, e in found]
-    scheme = max(schemes, key=_WIDTH.__getitem__)
+def _layer(module: str, kind: str, found: list[tuple[str, TensorEntry]], in_place: bool = False) -> LayerFormat:
+    """The format of one (possibly fused) layer from its parts' types: in place when allowed and every part has a
+    kernel there (some part quantized: an all-float layer runs dense as stored)."""
     names = tuple(n for n, _ in found)
     sources = tuple(TYPE_NAMES[e.type] for _, e in found)
     size = sum(e.shape[0] * e.shape[1] for _, e in found)
+    if (in_place and all(fits(e.type, e.shape[1]) for _, e in found) and any(e.type in IN_PLACE for _, e in found)):
+        return LayerFormat(module, kind, "gguf", names, sources, "in place", size)
+    schemes = [_SCHEME_OF[e.type] for _, e in found]
+    scheme = max(schemes, key=_WIDTH.__getitem__)
     mixed = len(set(schemes)) > 1
     if scheme == "none":
         quantized_parts = any(s != "none" for s in schemes)
@@ -234,8 +263,9 @@ def _layer(module: str, kind: str, found: list[tuple[str, TensorEntry]]) -> Laye
     return LayerFormat(module, kind, scheme, names, sources, "re-quantized", size, why)
 
 
-def plan_layers(table: TensorTable, quantize_head: bool) -> LayerFormats:
-    """The auto plan of a prepared GGUF's tensor table (see the module docstring for the rules)."""
+def plan_layers(table: TensorTable, quantize_head: bool, in_place: bool = False) -> LayerFormats:
+    """The auto plan of a prepared GGUF's tensor table (see the module docstring for the rules); `in_place`: the
+    run can compute on the stored blocks (the CPU, one rank)."""
     entries = {name: e for e in table.tensors if (name := hf_name(e.name)) is not None}
     indices = sorted({int(n.split(".")[2]) for n in entries if n.startswith("model.layers.")})
     layers: list[LayerFormat] = []
@@ -244,21 +274,23 @@ def plan_layers(table: TensorTable, quantize_head: bool) -> LayerFormats:
         for kind, suffix, parts in _CLASSES:
             found = _part_entries(entries, layer, parts)
             if found is not None:
-                layers.append(_layer(f"{layer}.{suffix}", kind, found))
+                layers.append(_layer(f"{layer}.{suffix}", kind, found, in_place))
     head = entries.get(f"{HEAD}.weight")
     embedding = entries.get(EMBEDDING)
     if head is not None and len(head.shape) == 2:
-        fmt = _layer(HEAD, "lm_head", [(f"{HEAD}.weight", head)])
+        fmt = _layer(HEAD, "lm_head", [(f"{HEAD}.weight", head)], in_place and quantize_head)
         if not quantize_head and fmt.scheme != "none":
             fmt = LayerFormat(HEAD, "lm_head", "none", fmt.parts, fmt.sources, "de-quantized", fmt.size,
                               "--no-quantize-lm-head")  # fmt: skip
         layers.append(fmt)
     elif embedding is not None:
-        layers.append(_tied_head(embedding, quantize_head))
-    return LayerFormats(tuple(layers), len(indices))
+        layers.append(_tied_head(embedding, quantize_head, in_place))
+    embedding_in_place = (in_place and embedding is not None and len(embedding.shape) == 2
+                          and embedding.type in IN_PLACE and fits(embedding.type, embedding.shape[1]))  # fmt: skip
+    return LayerFormats(tuple(layers), len(indices), embedding_in_place)
 
 
-def _tied_head(embedding: TensorEntry, quantize_head: bool) -> LayerFormat:
+def _tied_head(embedding: TensorEntry, quantize_head: bool, in_place: bool = False) -> LayerFormat:
     """A tied head runs as its blocks are stored, like every other tensor: the embedding's type decides (Q8_0 ->
     int8 repacked exactly from the embedding's own blocks, Q6_K -> int8 re-quantized, a float embedding -> the
     model dtype), and the embedding itself stays float for the lookup. Re-quantizing it into the projections'
@@ -268,6 +300,8 @@ def _tied_head(embedding: TensorEntry, quantize_head: bool) -> LayerFormat:
     bound than the int4 one: reports/decode-batches.md)."""
     source = (f"{TYPE_NAMES[embedding.type]} (tied embedding)",)
     size = embedding.shape[0] * embedding.shape[1]
+    if in_place and quantize_head and embedding.type in IN_PLACE and fits(embedding.type, embedding.shape[1]):
+        return LayerFormat(HEAD, "lm_head", "gguf", (EMBEDDING,), source, "in place", size, "the embedding's blocks")
     scheme = _SCHEME_OF[embedding.type] if quantize_head else "none"
     if scheme == "none":
         stored = _SCHEME_OF[embedding.type] == "none"

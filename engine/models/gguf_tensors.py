@@ -44,16 +44,28 @@ from pydantic import BaseModel, ConfigDict
 
 from .arch import ModelArch, ModelError
 
-# ggml's type ids (gguf.GGMLQuantizationType), spelled out so that a warm start that only repacks or reads floats
-# does not import gguf.
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
-Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
-TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1",
-              Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}  # fmt: skip
+# ggml's type ids and block shapes (kernels/gguf.py owns them), so that a warm start does not import gguf.
+from glowplug.kernels.gguf import (  # noqa: E402 - after the module docstring's imports
+    BF16,
+    BLOCKS,
+    F16,
+    F32,
+    Q2_K,
+    Q3_K,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    TYPE_NAMES,
+    GGUFRows,
+)
+
 _FLOAT = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
-# (weights, bytes) per block: ggml's GGML_QUANT_SIZES for the block types read here.
-_BLOCK_SHAPE = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
-                Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}  # fmt: skip
+_BLOCK_SHAPE = {t: shape for t, shape in BLOCKS.items() if t not in _FLOAT}
 # Where the 4-bit codes start in a Q4_0/Q4_1 block.
 _CODES_AT = {Q4_0: 2, Q4_1: 4}
 # Types de-quantized by the torch code here; the other block types go through gguf.quants.dequantize.
@@ -141,6 +153,16 @@ def map_file(path: Path, table: TensorTable) -> torch.Tensor:
         raise ModelError(f"{path}: the file is {size} bytes, the prepared table says {table.file_size}; "
                          f"the GGUF changed after it was prepared: start again to re-prepare it")  # fmt: skip
     return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
+
+
+def map_rows(path: Path, e: TensorEntry) -> torch.Tensor:
+    """A tensor's stored rows as uint8 [rows, row bytes], mapped on its own (copy-on-write; nothing is read yet): the
+    weight a layer run in place computes on. Its own mapping, so that no two graph inputs share a storage (torch.compile
+    refuses inputs that alias each other)."""
+    rows = 1
+    for d in e.shape[:-1]:
+        rows *= d
+    return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", offset=e.offset, shape=(rows, e.nbytes // rows)))
 
 
 def raw_bytes(data: torch.Tensor, e: TensorEntry) -> torch.Tensor:
@@ -304,6 +326,8 @@ class PackPlan:
     group_size: int | None
     modules: Mapping[str, str] | None = None
     tied_head: str | None = None  # auto: repack the embedding's blocks into this scheme as the tied head too
+    # auto, in place: the tensors (Hugging Face weight names) kept as stored rows (`GGUFWeights.stored`), not loaded
+    stored: frozenset[str] = frozenset()
 
 
 _PACKS = {"int4": (Q4_0, Q4_1, Q4_K), "int8": (Q8_0, Q5_0)}
@@ -342,6 +366,8 @@ class GGUFWeights:
     # caller adds it after matching the checkpoint against the model.
     bytes_read: int
     tied_head: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Tensors kept as the file stores them (Hugging Face weight name -> its mapped rows), for the layers run in place.
+    stored: dict[str, GGUFRows] = field(default_factory=dict)
 
 
 def _fused_buffers(entries: Mapping[str, TensorEntry], packed: set[str], dtype: torch.dtype,
@@ -385,7 +411,8 @@ def load_gguf_weights(
     schemes = dict(plan.modules) if plan is not None and plan.modules is not None else {
         m: plan.scheme for m in packed if plan is not None}  # fmt: skip
     target = dtype or torch.float32
-    into = _fused_buffers(entries, packed, target, fp32)
+    kept = {n.rpartition(".")[0] for n in plan.stored} if plan is not None else set()
+    into = _fused_buffers(entries, packed | kept, target, fp32)
     # llama.cpp permutes q/k rows for its rotary kernel only for llama-family files (not qwen2/qwen3/gemma3).
     permute = arch.model_type in ("llama", "mistral")
     # llama.cpp's converter stores Gemma's norm weights with the 1 of x * (1 + w) added; the model (like
@@ -393,6 +420,7 @@ def load_gguf_weights(
     norm_offset = 1.0 if arch.gemma_norms else 0.0
     sd: dict[str, torch.Tensor] = {}
     tied_head: dict[str, torch.Tensor] = {}
+    stored: dict[str, GGUFRows] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     total = 0
     for name, e in entries.items():
@@ -404,6 +432,12 @@ def load_gguf_weights(
         if permute and module.endswith((".q_proj", ".k_proj")):
             heads = arch.num_attention_heads if module.endswith(".q_proj") else arch.num_key_value_heads
             order = unpermute_rows(e.shape[0], heads)
+        if plan is not None and name in plan.stored:
+            # The stored rows stay where they lie; llama.cpp's permuted q/k rows are put back in order by the
+            # kernel, which writes stored row r to column perm[r] (the inverse of `order`).
+            perm = None if order is None else torch.argsort(order).to(torch.int32)
+            stored[name] = GGUFRows(map_rows(path, e), e.type, perm)
+            continue
         if module in packed:
             parts = repack_int4(raw, e) if schemes[module] == "int4" else repack_int8(raw, e)
             for suffix, t in parts.items():
@@ -421,4 +455,5 @@ def load_gguf_weights(
             sd[name] = map_float(path, e).to(wanted)
             continue
         sd[name] = dequantize(raw, e, wanted, order, into.get(name))
-    return GGUFWeights(state_dict=sd, shapes=shapes, packed=packed, bytes_read=total, tied_head=tied_head)
+    return GGUFWeights(state_dict=sd, shapes=shapes, packed=packed, bytes_read=total, tied_head=tied_head,
+                       stored=stored)  # fmt: skip

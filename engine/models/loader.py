@@ -15,8 +15,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from .arch import ModelArch, ModelError
+from glowplug.kernels.gguf import GGUFRows
+
 from ..parallel import SINGLE, TPShard, shard_checkpoint
+from .arch import ModelArch, ModelError
+from .gguf_auto import EMBEDDING, LayerFormats
 from .llama import FUSED_MODULES, DecoderLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -183,6 +186,27 @@ def fuse_checkpoint(sd: dict[str, torch.Tensor], dtype: torch.dtype | None = Non
             continue
         out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() and t.dtype != dtype else t
     return out
+
+
+def install_stored(model: DecoderLM, formats: LayerFormats, stored: dict[str, GGUFRows], dtype: torch.dtype) -> int:
+    """Replace the model's layers that run in place (`formats.in_place()`) by GGUFLinear layers over their stored
+    rows, and its embedding by a GGUFEmbedding when the plan looks it up in place; their biases stay on the meta
+    device for `materialize`. Returns the stored bytes the model now reads from the file."""
+    from glowplug.kernels.gguf import GGUFEmbedding, GGUFLinear
+
+    used: dict[str, GGUFRows] = {}
+    for module, fmt in formats.in_place().items():
+        old = model.get_submodule(module)
+        # A tied head is no linear layer: its input is the hidden state.
+        in_features = int(getattr(old, "in_features", model.arch.hidden_size))
+        parts = [stored[p] for p in fmt.parts]
+        bias = getattr(old, "bias", None) is not None
+        model.set_submodule(module, GGUFLinear(in_features, parts, bias=bias))
+        used.update({p: stored[p] for p in fmt.parts})
+    if formats.embedding_in_place:
+        model.model.embed_tokens = GGUFEmbedding(stored[EMBEDDING], model.arch.hidden_size, dtype)
+        used[EMBEDDING] = stored[EMBEDDING]  # a tied head in place reads the same rows: counted once
+    return sum(r.nbytes for r in used.values())
 
 
 def materialize(

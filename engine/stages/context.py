@@ -22,6 +22,8 @@ from ..models.llama import DecoderLM
 from ..parallel import TPShard, launch_rank
 from .base import StartupContext
 
+from glowplug.kernels.gguf import GGUFRows
+
 if TYPE_CHECKING:
     from ..models.gguf_auto import LayerFormats
 
@@ -52,6 +54,9 @@ class EngineContext(StartupContext):
     tokenizer: Any = None  # tokenizer_init
     # load_weights (replaced by quantize_weights; model_init drops it once the model owns the tensors)
     state_dict: dict[str, torch.Tensor] | None = None
+    # load_weights: the tensors kept as the GGUF stores them (Hugging Face weight name -> mapped rows), for the
+    # layers run in place (models/gguf_auto.py); model_init builds those layers from them and drops the slot
+    gguf_stored: dict[str, GGUFRows] | None = None
     weights_bytes: int = 0  # load_weights / quantize_weights
     model: DecoderLM | None = None  # model_init (its layers switched in place by native_kernels)
     native: Any = None  # native_kernels (kernels.native.NativeBuild)
@@ -75,7 +80,15 @@ class EngineContext(StartupContext):
         from ..models.store import gguf_table
 
         table = gguf_table(self.model_dir)
-        return None if table is None else plan_layers(table, self.config.quant.quantize_lm_head)
+        return None if table is None else plan_layers(table, self.config.quant.quantize_lm_head, self.in_place())
+
+    def in_place(self) -> bool:
+        """Whether auto computes a GGUF's layers on their stored blocks: on the CPU, on one rank, with the native
+        kernels not switched off (GLOWPLUG_NATIVE=0); elsewhere its layers are repacked or de-quantized."""
+        import os
+
+        return (self.device == "cpu" and self.config.tensor_parallel_size == 1
+                and os.environ.get("GLOWPLUG_NATIVE", "1") != "0")  # fmt: skip
 
     def quant_scheme(self) -> str:
         """How the weights are converted: the configured scheme; under auto, "auto" when the GGUF holds quantized

@@ -1,8 +1,10 @@
 """Capture (CUDA) or warm (CPU) the compiled decode step for each batch size, so no request pays a compile.
 
-CPU: the graph has an unbacked batch dimension, so one compiled graph serves every batch size; the stage runs it at
-each capture size against the real cache (first-call set-up, allocator warm-up) after checking that the compiled
-step's guards accept that size (a guard failure would mean a request needs another compile). CUDA: the runner
+CPU: the graph has an unbacked batch dimension, so one compiled graph serves every batch size; the stage checks that
+the compiled step's guards accept each capture size (a guard failure would mean a request needs another compile) and
+runs it against the real cache at the smallest sizes only (`CPU_WARM_SIZES`: batch 1 and the first batched one run
+every kernel path of the step once; a larger size runs the same code over more rows, and at a real model's size
+running them all cost seconds of compute per size). CUDA: the runner
 captures a `torch.cuda.CUDAGraph` per size (ModelRunner.capture_graphs) over its static input buffer, under inference
 mode, all in one memory pool; a batch is padded up to the next captured size (engine/graph_buckets.py), and replay
 needs no host work beyond writing that buffer. The row records each size's capture time and the pool's growth.
@@ -16,6 +18,10 @@ from ..model_runner import ModelRunner
 from .base import StageReport
 from .dynamo_transform import skipped_reason
 from .context import EngineContext
+
+# How many of the smallest capture sizes the CPU runs (the first-call set-up of every kernel path in the step).
+CPU_WARM_SIZES = 2
+
 
 def capture_sizes(ctx: EngineContext) -> list[int]:
     """Batch sizes to capture (CUDA) or warm (CPU), up to --max-num-seqs. CUDA also captures --max-num-seqs itself,
@@ -55,7 +61,9 @@ class GraphCapture:
             attrs[Attr.GRAPH_SIZE_POOL_BYTES] = [s.pool_bytes for s in stats]
             attrs[Attr.GRAPH_POOL_BYTES] = sum(s.pool_bytes for s in stats)
         else:
-            attrs[Attr.GRAPH_SIZE_TIMES_S] = runner.warm_up(lambda packed: decode_fn.unguarded(packed, caches), sizes)
+            warm = sizes[:CPU_WARM_SIZES]
+            attrs[Attr.GRAPH_WARMED_SIZES] = warm
+            attrs[Attr.GRAPH_SIZE_TIMES_S] = runner.warm_up(lambda packed: decode_fn.unguarded(packed, caches), warm)
             runner.install_decode(decode_fn.serving(caches), sizes)
         ctx.runner = runner  # the same object, changed in place: the write is what the stage contract sees
         return StageReport(attributes=attrs)

@@ -39,7 +39,7 @@ def touch_pages(sd: dict[str, torch.Tensor]) -> int:
 class LoadWeights:
     name = "load_weights"
     needs: tuple[str, ...] = ("model_dir", "gguf_path", "arch", "dtype")
-    provides: tuple[str, ...] = ("state_dict", "weights_bytes")
+    provides: tuple[str, ...] = ("state_dict", "weights_bytes", "gguf_stored")
 
     def run(self, ctx: EngineContext) -> StageReport:
         import time
@@ -76,27 +76,38 @@ class LoadWeights:
         q = ctx.config.quant
         formats = ctx.layer_formats() if quantizing else None
         if formats is not None:
-            # auto: the layers that stay float load straight into the model dtype, the quantizer's inputs in fp32
-            # (fuse_checkpoint then casts nothing: every tensor already has the dtype its use wants).
-            plan: PackPlan | None = PackPlan("auto", AUTO_GROUP, formats.repack(), formats.tied_repack())
+            # auto: the layers run in place keep their stored rows (mapped, not loaded); the layers that stay float
+            # load straight into the model dtype, the quantizer's inputs in fp32 (fuse_checkpoint then casts nothing:
+            # every tensor already has the dtype its use wants).
+            plan: PackPlan | None = PackPlan("auto", AUTO_GROUP, formats.repack(), formats.tied_repack(),
+                                             formats.stored_parts())  # fmt: skip
             w = load_gguf_weights(ctx.gguf_path, table, ctx.arch, ctx.dtype, plan, formats.fp32_tensors())
         else:
             plan = PackPlan(q.quantization, ctx.quant_group_size()[0]) if quantizing else None
             w = load_gguf_weights(ctx.gguf_path, table, ctx.arch, None if quantizing else ctx.dtype, plan)
+        # The stored rows' pages, faulted in now (from the page cache, or the disk on a cold one), so their I/O is
+        # this stage's and not the first decode step's.
+        stored_bytes = touch_pages({n: r.data for n, r in w.stored.items()})
         seconds = time.perf_counter() - t0
         checked = check_state_dict(build_meta_model(ctx.arch), w.state_dict, ctx.model_dir, logical=w.shapes)
         # This rank's slices, copied: the GGUF's tensors were de-quantized or repacked whole into memory, which
         # is freed once the slices are taken.
         checked = shard_checkpoint({**checked, **w.tied_head}, ctx.arch, ctx.tp_shard(), copy=True)
         ctx.state_dict = fuse_checkpoint(checked, None if quantizing else ctx.dtype)
-        ctx.weights_bytes = sum(t.nbytes for t in ctx.state_dict.values())
-        return StageReport(
-            attributes={
-                Attr.BYTES_READ: w.bytes_read,
-                Attr.READ_GBPS: round(w.bytes_read / max(seconds, 1e-9) / 1e9, 3),
-                "glowplug.files": [str(ctx.gguf_path)],
-                "glowplug.tensors": len(table.tensors),
-                # Layers taken on the GGUF's own grid (no de-quantize, no re-rounding).
-                "glowplug.gguf_repacked_layers": len(w.packed),
-            }
-        )
+        ctx.gguf_stored = w.stored or None
+        ctx.weights_bytes = sum(t.nbytes for t in ctx.state_dict.values()) + stored_bytes
+        attrs: dict[str, object] = {
+            Attr.BYTES_READ: w.bytes_read,
+            Attr.READ_GBPS: round(w.bytes_read / max(seconds, 1e-9) / 1e9, 3),
+            "glowplug.files": [str(ctx.gguf_path)],
+            "glowplug.tensors": len(table.tensors),
+            # Layers taken on the GGUF's own grid (no de-quantize, no re-rounding).
+            "glowplug.gguf_repacked_layers": len(w.packed),
+            # Tensors used where they lie (mapped, computed on in place) and their bytes.
+            Attr.GGUF_STORED_TENSORS: len(w.stored),
+            Attr.GGUF_STORED_BYTES: stored_bytes,
+        }
+        if w.stored:
+            attrs[Attr.ROW_NOTE] = (f"{len(w.stored)} tensors mapped in place ({stored_bytes / 1e9:.2f} GB at "
+                                    f"{stored_bytes / max(seconds, 1e-9) / 1e9:.1f} GB/s)")  # fmt: skip
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from ...profiling.names import Attr
 from ..models.gguf_auto import LayerFormats
-from ..models.loader import build_meta_model, materialize
+from ..models.loader import build_meta_model, install_stored, materialize
 from .base import StageReport
 from .context import EngineContext
 
@@ -43,15 +43,16 @@ def _not_in(formats: LayerFormats, scheme: str) -> Callable[[str], bool]:
 
 class ModelInit:
     name = "model_init"
-    needs: tuple[str, ...] = ("arch", "dtype", "model_dir", "state_dict")
-    # It drops the state dict once the model owns the tensors.
-    provides: tuple[str, ...] = ("model", "state_dict")
+    needs: tuple[str, ...] = ("arch", "dtype", "model_dir", "state_dict", "gguf_stored")
+    # It drops the state dict and the stored rows once the model owns the tensors.
+    provides: tuple[str, ...] = ("model", "state_dict", "gguf_stored")
 
     def run(self, ctx: EngineContext) -> StageReport:
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
         sd = ctx.need(ctx.state_dict, "the checkpoint", "load_weights")
         model = build_meta_model(arch, ctx.tp_shard())
         keep: frozenset[str] = frozenset()
+        stored_bytes = 0
         table_source = "n/a (not quantized)"
         q = ctx.config.quant
         scheme_name = ctx.quant_scheme()
@@ -63,8 +64,12 @@ class ModelInit:
             group_size, _ = ctx.quant_group_size()
             formats = ctx.layer_formats() if scheme_name == "auto" else None
             if formats is not None:
-                # One conversion per scheme in use, each over its own layers: a mixed file runs mixed.
-                head = formats.head_scheme != "none"
+                # The layers run in place are built from their stored rows; then one conversion per scheme in use,
+                # each over its own layers: a mixed file runs mixed.
+                if formats.in_place() or formats.embedding_in_place:
+                    stored = ctx.need(ctx.gguf_stored, "the stored GGUF rows", "load_weights")
+                    stored_bytes = install_stored(model, formats, stored, ctx.dtype)
+                head = formats.head_scheme not in ("none", "gguf")
                 if head:
                     model.untie_head_for_quantization()
                 for name in formats.schemes():
@@ -87,12 +92,13 @@ class ModelInit:
         model.model.build_rope(arch.max_position_embeddings, ctx.device)
         ctx.model = model
         ctx.state_dict = None  # the model owns the tensors now; drop the extra references
+        ctx.gguf_stored = None
         return StageReport(
             attributes={
                 "glowplug.kernel_dispatch": table_source,
                 Attr.PARAM_COUNT: arch.num_params,
                 Attr.DTYPE: str(ctx.dtype).removeprefix("torch."),
                 Attr.QUANTIZATION: q.quantization,
-                "glowplug.weights_bytes": sum(t.nbytes for t in model.state_dict().values()),
+                "glowplug.weights_bytes": sum(t.nbytes for t in model.state_dict().values()) + stored_bytes,
             }
         )

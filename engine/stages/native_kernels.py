@@ -59,7 +59,11 @@ class NativeKernels:
             why = triton_attention_unavailable_reason(ctx.device)
             gpu[Attr.DECODE_ATTENTION] = "triton" if why is None else f"torch ops: {why}"
             said = f"; decode attention: {gpu[Attr.DECODE_ATTENTION]}"
-        if not ctx.config.compile_enabled():
+        from glowplug.kernels.gguf import stored_layers
+
+        # Layers computed on stored GGUF blocks run the native op in every call, eager ones included.
+        in_place = stored_layers(ctx.model) if ctx.device == "cpu" and ctx.model is not None else 0
+        if not ctx.config.compile_enabled() and not in_place:
             return StageReport.skipped(f"{ctx.config.compile_off_reason()}{said}", gpu)
         if ctx.device.startswith("cuda"):
             return self._triton(ctx, gpu, said)
@@ -79,7 +83,13 @@ class NativeKernels:
         if build.background:
             attrs["glowplug.native_background_build"] = build.background
         if not build.available:
+            if in_place:
+                return self._densified(ctx, model, build.reason, attrs)
             return StageReport.skipped(f"native kernels unavailable: {build.reason}", attrs)  # type: ignore[arg-type]
+        if not ctx.config.compile_enabled():
+            attrs[Attr.ROW_NOTE] = (f"ISA {build.level_reason}; {in_place} layers compute on their stored GGUF blocks; "
+                                    f"{ctx.config.compile_off_reason()}")  # fmt: skip
+            return StageReport(attributes=attrs)  # type: ignore[arg-type]
         fallbacks: dict[str, int] = {}
         counts = enable_native_decode(model, DENSE_SMALL_M, ctx.dtype, fallbacks)
         ctx.model = model  # the same object, changed in place: the write is what the stage contract sees
@@ -98,6 +108,21 @@ class NativeKernels:
         # The row's note: the level, and why it is not the CPU's best when it is not (degrade loudly).
         attrs[Attr.ROW_NOTE] = (f"ISA {build.level_reason}" + (f"; {build.background}" if build.background else "")
                                 + (f"; {fallen}" if fallen else ""))  # fmt: skip
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]
+
+    def _densified(self, ctx: EngineContext, model: object, reason: str, attrs: dict[str, object]) -> StageReport:
+        """Without the native library the layers planned in place cannot run as stored: their weights are
+        de-quantized into ordinary layers now, at the memory and speed of the model dtype, and the row says so."""
+        import torch
+
+        from glowplug.kernels.gguf import densify
+
+        assert isinstance(model, torch.nn.Module)
+        made = densify(model, ctx.dtype)
+        ctx.model = model  # changed in place
+        attrs[Attr.NATIVE_FALLBACK] = f"stored GGUF layers de-quantized to {ctx.dtype}: {reason}"
+        attrs[Attr.ROW_NOTE] = (f"native kernels unavailable ({reason}): the GGUF layers planned in place were "
+                                f"de-quantized to {str(ctx.dtype).removeprefix('torch.')} ({made / 1e9:.2f} GB)")
         return StageReport(attributes=attrs)  # type: ignore[arg-type]
 
     def _triton(self, ctx: EngineContext, gpu: dict[str, str], said: str) -> StageReport:

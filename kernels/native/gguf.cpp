@@ -1,0 +1,901 @@
+// Linear layers and embedding rows computed on GGUF blocks as the file stores them: the weights are views of the
+// mapped .gguf (no copy, no repack), so a decode step reads exactly the file's bytes per weight (Q4_K 4.5 bits, Q5_0
+// 5.5, Q6_K 6.56, Q8_0 8.5) and a start maps the file instead of converting it.
+//
+// Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-weight blocks), Q4_K, Q5_K, Q6_K (256-weight super-blocks), and the
+// floats F32, F16, BF16 (for a float part of a fused layer). The block layouts are ggml's (see ggml-common.h's
+// block_q4_K etc.); kernels/reference.py `gguf_linear` is the oracle, de-quantizing with the gguf package.
+//
+// Arithmetic, the same for every row whatever the batch (batch invariance): each activation row is taken to int8
+// on its own, per 32 inputs for the 32-weight blocks ("q8b": scale d = amax / 127, and s = d * sum(q)) and per 256
+// for the super-blocks ("q8k": one scale, plus the sums of q per 16 and per 32 inputs), rounding half to even. The
+// weight codes times the activation bytes are integer dot products (exact), scaled per block or super-block in fp32
+// in a fixed order. A batch only changes how many activation rows share one decoded weight block, never a row's
+// arithmetic. Per type (x = d_x * q_x):
+//   Q4_K/Q5_K  d * d_x * sum_j sc_j * <q, q_x>_j  -  dmin * d_x * sum_j m_j * sum32_j     (j: 32-weight sub-blocks)
+//   Q6_K       d * d_x * sum_g sc_g * (<q, q_x>_g - 32 * sum16_g)                         (g: 16-weight groups)
+//   Q4_0/Q5_0  d * d_x * <q, q_x>  -  8 (16) * d * s_x;   Q4_1/Q5_1  d * d_x * <q, q_x>  +  m * s_x;   Q8_0  d * d_x * <q, q_x>
+// AVX2 (and up): the codes are unsigned bytes, multiplied with the signed activation bytes by vpmaddubsw, the pairs
+// summed (and for the K-quants scaled by their integer sub-block scale) by vpmaddwd; Q8_0's signed codes use the sign
+// trick. None of these saturates (the largest pair sum is 2 * 63 * 127 for Q6_K). The portable level computes the
+// same integer sums in plain loops.
+//
+// Work split: the weight rows of all segments are cut into one contiguous byte range per thread; each thread runs its
+// rows against all activation rows, in blocks of activation rows that stay in L2 (a prompt re-reads the weights once
+// per block), MR rows at a time so one decoded weight block serves MR rows.
+#include "common.h"
+
+#include <memory>
+
+namespace glowplug {
+namespace {
+
+constexpr int64_t kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13,
+                  kQ6_K = 14, kBF16 = 30;
+
+struct Fmt {
+  int64_t weights;  // per block
+  int64_t bytes;    // per block
+  bool kquant;      // 256-weight super-block, q8k activations
+  bool is_float;
+};
+
+bool fmt_of(int64_t t, Fmt* f) {
+  switch (t) {
+    case kF32: *f = {1, 4, false, true}; return true;
+    case kF16: *f = {1, 2, false, true}; return true;
+    case kBF16: *f = {1, 2, false, true}; return true;
+    case kQ4_0: *f = {32, 18, false, false}; return true;
+    case kQ4_1: *f = {32, 20, false, false}; return true;
+    case kQ5_0: *f = {32, 22, false, false}; return true;
+    case kQ5_1: *f = {32, 24, false, false}; return true;
+    case kQ8_0: *f = {32, 34, false, false}; return true;
+    case kQ4_K: *f = {256, 144, true, false}; return true;
+    case kQ5_K: *f = {256, 176, true, false}; return true;
+    case kQ6_K: *f = {256, 210, true, false}; return true;
+    default: return false;
+  }
+}
+
+inline float fp16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return f16_to_f32(v);
+}
+
+// ---------------------------------------------------------------------------------------------- activations
+// One call's activations, quantized once and shared by every segment. Rows are contiguous: q [M, K], scales and sums
+// [M, K / block].
+struct Act {
+  int64_t M = 0, K = 0;
+  std::vector<float> xf;                      // fp32 copy, for float segments
+  std::vector<int8_t> qb;                     // q8b
+  std::vector<float> db, sb;                  // q8b: d and d * sum(q) per 32
+  std::vector<int8_t> qk;                     // q8k
+  std::vector<float> dk;                      // q8k: d per 256
+  std::vector<int16_t> s16, s32;              // q8k: sum(q) per 16 and per 32
+};
+
+// Round x * id to the nearest integer, ties to even (as torch.round), for |x * id| <= 127.
+inline int8_t q8(float v) { return static_cast<int8_t>(std::nearbyint(v)); }
+
+// Quantize n (32 or 256) fp32 values to int8 with one scale; returns d and writes q.
+inline float quantize_block(const float* x, int64_t n, int8_t* q) {
+  float amax = 0.f;
+#if defined(__AVX2__)
+  __m256 m = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  amax = _mm_cvtss_f32(h);
+#else
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+#endif
+  if (!(amax > 0.f)) {  // all zeros (or NaN: propagated through d)
+    std::memset(q, 0, n);
+    return amax == 0.f ? 0.f : amax;
+  }
+  const float id = 127.f / amax;
+#if defined(__AVX2__)
+  const __m256 vid = _mm256_set1_ps(id);
+  for (int64_t i = 0; i < n; i += 32) {
+    __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i b = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i c = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 16), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i d = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 24), vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    __m256i r = _mm256_packs_epi16(ab, cd);
+    // packs work per 128-bit lane: the dwords come out in the order 0 2 4 6 1 3 5 7 of 4-byte groups
+    r = _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), r);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) q[i] = q8(x[i] * id);
+#endif
+  return amax / 127.f;
+}
+
+inline int32_t sum_i8(const int8_t* q, int64_t n) {
+  int32_t s = 0;
+  for (int64_t i = 0; i < n; ++i) s += q[i];
+  return s;
+}
+
+void quantize_rows(Act& a, const Tensor& x, bool need_b, bool need_k, bool need_f) {
+  const int64_t M = x.size(0), K = x.size(1);
+  a.M = M;
+  a.K = K;
+  if (need_f) a.xf.resize(M * K);
+  if (need_b) {
+    a.qb.resize(M * K);
+    a.db.resize(M * (K / 32));
+    a.sb.resize(M * (K / 32));
+  }
+  if (need_k) {
+    a.qk.resize(M * K);
+    a.dk.resize(M * (K / 256));
+    a.s16.resize(M * (K / 16));
+    a.s32.resize(M * (K / 32));
+  }
+  const bool bf16 = x.scalar_type() == ScalarType::BFloat16;
+  const void* base = x.data_ptr();
+  auto row = [&](int64_t m, float* buf) {
+    float* xf = need_f ? a.xf.data() + m * K : buf;
+    if (bf16) {
+      const uint16_t* src = static_cast<const uint16_t*>(base) + m * K;
+      for (int64_t k = 0; k < K; ++k) xf[k] = bf16_to_f32(src[k]);
+    } else {
+      std::memcpy(xf, static_cast<const float*>(base) + m * K, K * sizeof(float));
+    }
+    if (need_b) {
+      for (int64_t b = 0; b < K / 32; ++b) {
+        int8_t* q = a.qb.data() + m * K + b * 32;
+        const float d = quantize_block(xf + b * 32, 32, q);
+        a.db[m * (K / 32) + b] = d;
+        a.sb[m * (K / 32) + b] = d * static_cast<float>(sum_i8(q, 32));
+      }
+    }
+    if (need_k) {
+      for (int64_t b = 0; b < K / 256; ++b) {
+        int8_t* q = a.qk.data() + m * K + b * 256;
+        a.dk[m * (K / 256) + b] = quantize_block(xf + b * 256, 256, q);
+        for (int g = 0; g < 16; ++g) {
+          const int32_t s = sum_i8(q + g * 16, 16);
+          a.s16[m * (K / 16) + b * 16 + g] = static_cast<int16_t>(s);
+        }
+        for (int g = 0; g < 8; ++g)
+          a.s32[m * (K / 32) + b * 8 + g] =
+              static_cast<int16_t>(a.s16[m * (K / 16) + b * 16 + 2 * g] + a.s16[m * (K / 16) + b * 16 + 2 * g + 1]);
+      }
+    }
+  };
+  if (M * K < (1 << 15)) {
+    std::vector<float> buf(K);
+    for (int64_t m = 0; m < M; ++m) row(m, buf.data());
+    return;
+  }
+  torch::stable::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    std::vector<float> buf(K);
+    for (int64_t m = m0; m < m1; ++m) row(m, buf.data());
+  });
+}
+
+// One tile of activation rows (row r of the tile is activation row m0 + r), as plain pointers so that the kernels'
+// inner loops do no index arithmetic.
+template <int MR>
+struct Rows {
+  const int8_t* qk_[MR];
+  const float* dk_[MR];
+  const int16_t* s16_[MR];
+  const int16_t* s32_[MR];
+  const int8_t* qb_[MR];
+  const float* db_[MR];
+  const float* sb_[MR];
+  const float* xf_[MR];
+  Rows(const Act& a, int64_t m0) {
+    const int64_t K = a.K;
+    for (int r = 0; r < MR; ++r) {
+      const int64_t m = m0 + r;
+      qk_[r] = a.qk.empty() ? nullptr : a.qk.data() + m * K;
+      dk_[r] = a.dk.empty() ? nullptr : a.dk.data() + m * (K / 256);
+      s16_[r] = a.s16.empty() ? nullptr : a.s16.data() + m * (K / 16);
+      s32_[r] = a.s32.empty() ? nullptr : a.s32.data() + m * (K / 32);
+      qb_[r] = a.qb.empty() ? nullptr : a.qb.data() + m * K;
+      db_[r] = a.db.empty() ? nullptr : a.db.data() + m * (K / 32);
+      sb_[r] = a.sb.empty() ? nullptr : a.sb.data() + m * (K / 32);
+      xf_[r] = a.xf.empty() ? nullptr : a.xf.data() + m * K;
+    }
+  }
+  const int8_t* qk(int r) const { return qk_[r]; }
+  const float* dk(int r) const { return dk_[r]; }
+  const int16_t* s16(int r) const { return s16_[r]; }
+  const int16_t* s32(int r) const { return s32_[r]; }
+  const int8_t* qb(int r) const { return qb_[r]; }
+  const float* db(int r) const { return db_[r]; }
+  const float* sb(int r) const { return sb_[r]; }
+  const float* xf(int r) const { return xf_[r]; }
+};
+
+// The 8 6-bit scales and 8 6-bit mins of a Q4_K/Q5_K super-block from its 12 packed bytes: sub-blocks 0-3 in the
+// low 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 in the nibbles of bytes 8-11 with their top 2 bits in the
+// top 2 bits of bytes 0-3 (scales) and 4-7 (mins). out[0..7] scales, out[8..15] mins.
+GLOWPLUG_VINLINE void k_scales(const uint8_t* s, uint8_t* out) {
+  uint32_t u[3];
+  std::memcpy(u, s, 12);
+  const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+  const uint32_t sc03 = u[0] & lo6, mn03 = u[1] & lo6;
+  const uint32_t sc47 = (u[2] & lo4) | (((u[0] >> 6) & lo2) << 4);
+  const uint32_t mn47 = ((u[2] >> 4) & lo4) | (((u[1] >> 6) & lo2) << 4);
+  const uint32_t w[4] = {sc03, sc47, mn03, mn47};
+  std::memcpy(out, w, 16);
+}
+
+#if defined(__AVX2__)
+// ------------------------------------------------------------------------------------------------- AVX2
+// Every kernel below computes a tile of NR weight rows against MR activation rows: one decoded weight block serves MR
+// rows and one loaded activation block NR weight rows. A (weight row, activation row) pair's arithmetic does not
+// depend on the tile it is computed in.
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float hsum128(__m128 s) {
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+GLOWPLUG_VINLINE __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+GLOWPLUG_VINLINE __m128i load128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+
+// Unsigned codes (< 64) times signed activation bytes, pairs summed, then times 16-bit scales and pairs summed.
+GLOWPLUG_VINLINE __m256i dot_scaled(__m256i codes, __m256i x, __m256i scale16) {
+  return _mm256_madd_epi16(scale16, _mm256_maddubs_epi16(codes, x));
+}
+
+GLOWPLUG_VINLINE void prefetch_w(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
+constexpr int64_t kAhead = 4096;  // bytes of the weight stream fetched ahead of the block being computed
+
+// Shuffle mask that broadcasts 16-bit lane j of each 128-bit half to all 8 lanes of that half.
+GLOWPLUG_VINLINE __m256i bcast16(int j) {
+  const int8_t lo = static_cast<int8_t>(2 * j), hi = static_cast<int8_t>(2 * j + 1);
+  return _mm256_setr_epi8(lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi, lo, hi,
+                          lo, hi, lo, hi, lo, hi, lo, hi, lo, hi);
+}
+
+// Q4_K (144 bytes: d, dmin, 12 scale bytes, 128 nibble bytes; chunk c of 64 weights: low nibbles of bytes 32c..32c+31
+// are sub-block 2c, high nibbles sub-block 2c + 1) and Q5_K (176 bytes: the same plus 32 bytes of fifth bits before
+// the nibbles: bit j of byte l is weight l of sub-block j).
+template <int NR, int MR, bool FIVE>
+void kq45_tile(const uint8_t* const* w, int64_t nsb, const Rows<MR>& x, float (*res)[MR]) {
+  constexpr int64_t kBytes = FIVE ? 176 : 144;
+  __m256 acc[NR][MR];
+  __m128 accm[NR][MR];
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) acc[n][r] = _mm256_setzero_ps(), accm[n][r] = _mm_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(0x01);
+  for (int64_t i = 0; i < nsb; ++i) {
+    __m256i sc16[NR], hb[NR];
+    __m128i mn16[NR];
+    _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
+      const uint8_t* b = w[n] + i * kBytes;
+      for (int64_t off = 0; off < kBytes; off += 64) prefetch_w(b + kAhead + off);
+      alignas(16) uint8_t sm[16];
+      k_scales(b + 4, sm);
+      const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)));
+      sc16[n] = _mm256_permute2x128_si256(sm16, sm16, 0x00);  // scales 0-7 in both halves
+      mn16[n] = _mm256_extracti128_si256(sm16, 1);
+      if constexpr (FIVE) hb[n] = load256(b + 16);
+    }
+    __m256i sumi[NR][MR];
+    for (int n = 0; n < NR; ++n)
+      for (int r = 0; r < MR; ++r) sumi[n][r] = _mm256_setzero_si256();
+    _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) {
+      __m256i ql[NR], qh[NR], sl[NR], sh[NR];
+      _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
+        const __m256i q4 = load256(w[n] + i * kBytes + (FIVE ? 48 : 16) + 32 * c);
+        ql[n] = _mm256_and_si256(q4, m4);
+        qh[n] = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+        if constexpr (FIVE) {
+          ql[n] = _mm256_or_si256(ql[n], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb[n], 2 * c), m1), 4));
+          qh[n] = _mm256_or_si256(qh[n],
+                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb[n], 2 * c + 1), m1), 4));
+        }
+        sl[n] = _mm256_shuffle_epi8(sc16[n], bcast16(2 * c));
+        sh[n] = _mm256_shuffle_epi8(sc16[n], bcast16(2 * c + 1));
+      }
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+        const int8_t* xq = x.qk(r) + i * 256 + 64 * c;
+        const __m256i xl = load256(xq), xh = load256(xq + 32);
+        _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n)
+          sumi[n][r] = _mm256_add_epi32(sumi[n][r], _mm256_add_epi32(dot_scaled(ql[n], xl, sl[n]),
+                                                                     dot_scaled(qh[n], xh, sh[n])));
+      }
+    }
+    _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
+      const uint8_t* b = w[n] + i * kBytes;
+      const float d = fp16(b), dmin = fp16(b + 2);
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+        const float dx = x.dk(r)[i];
+        acc[n][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[n][r]), acc[n][r]);
+        const __m128i prod = _mm_madd_epi16(mn16[n], load128(x.s32(r) + i * 8));
+        accm[n][r] = _mm_fmadd_ps(_mm_set1_ps(dmin * dx), _mm_cvtepi32_ps(prod), accm[n][r]);
+      }
+    }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) res[n][r] = hsum(acc[n][r]) - hsum128(accm[n][r]);
+}
+
+// Q6_K (210 bytes: 128 low-nibble bytes, 64 bytes of 2-bit high parts, 16 int8 scales, d). Weights 128h + 32q + l
+// (h half, q quarter, l < 32): low nibble of byte 64h + l (q even) or 64h + 32 + l (q odd), low (q < 2) or high
+// nibble; high bits (2q..2q+1) of byte 128 + 32h + l; scale 8h + 2q + l / 16. So sub-chunk j = 4h + q covers
+// weights 32j..32j+31 with scales 2j (first 16) and 2j + 1.
+template <int NR, int MR>
+void q6k_tile(const uint8_t* const* w, int64_t nsb, const Rows<MR>& x, float (*res)[MR]) {
+  __m256 acc[NR][MR];
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) acc[n][r] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
+  for (int64_t i = 0; i < nsb; ++i) {
+    __m256i sc16[NR], sumi[NR][MR];
+    _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
+      const uint8_t* b = w[n] + i * 210;
+      for (int64_t off = 0; off < 210; off += 64) prefetch_w(b + kAhead + off);
+      sc16[n] = _mm256_cvtepi8_epi16(load128(b + 192));  // scales 0-15 as int16
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+        // the -32 of every code, taken back per 16-weight group: 32 * sum_g sc_g * sum16_g
+        sumi[n][r] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                      _mm256_slli_epi32(_mm256_madd_epi16(sc16[n], load256(x.s16(r) + i * 16)), 5));
+    }
+    _Pragma("GCC unroll 2") for (int h = 0; h < 2; ++h) {
+      _Pragma("GCC unroll 4") for (int qq = 0; qq < 4; ++qq) {
+        // lanes 0-7: scale 2j (j = 4h + qq), lanes 8-15: 2j + 1, taken from the half's 8 scales in both lanes
+        const int8_t a0 = static_cast<int8_t>(4 * qq), a1 = static_cast<int8_t>(4 * qq + 1);
+        const int8_t b0 = static_cast<int8_t>(4 * qq + 2), b1 = static_cast<int8_t>(4 * qq + 3);
+        const __m256i mask = _mm256_setr_epi8(a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, b0, b1,
+                                              b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1);
+        __m256i q[NR], s[NR];
+        _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
+          const uint8_t* b = w[n] + i * 210;
+          const __m256i lo = load256(b + 64 * h + 32 * (qq & 1)), hh = load256(b + 128 + 32 * h);
+          const __m256i nib = (qq < 2) ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+          q[n] = _mm256_or_si256(nib, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2 * qq), m3), 4));
+          const __m256i half = h == 0 ? _mm256_permute2x128_si256(sc16[n], sc16[n], 0x00)
+                                      : _mm256_permute2x128_si256(sc16[n], sc16[n], 0x11);
+          s[n] = _mm256_shuffle_epi8(half, mask);
+        }
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+          const __m256i xq = load256(x.qk(r) + i * 256 + 128 * h + 32 * qq);
+          _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n)
+            sumi[n][r] = _mm256_add_epi32(sumi[n][r], dot_scaled(q[n], xq, s[n]));
+        }
+      }
+    }
+    _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
+      const float d = fp16(w[n] + i * 210 + 208);
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
+        acc[n][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * x.dk(r)[i]), _mm256_cvtepi32_ps(sumi[n][r]), acc[n][r]);
+    }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) res[n][r] = hsum(acc[n][r]);
+}
+
+// The 32 fifth bits of a Q5_0/Q5_1 block (a little-endian uint32: bit j is weight j's) as 0x10 in byte j.
+GLOWPLUG_VINLINE __m256i fifth_bits(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                                              2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i sel = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i on = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
+  return _mm256_and_si256(on, _mm256_set1_epi8(0x10));
+}
+
+// The 32-weight blocks. Codes of Q4_x/Q5_x are unsigned (byte j's low nibble is weight j, its high nibble weight
+// j + 16); Q8_0's are signed (multiplied by the sign trick: |q| times x with q's sign).
+template <int64_t T, int NR, int MR>
+void q32_tile(const uint8_t* const* w, int64_t nb, const Rows<MR>& x, float (*res)[MR]) {
+  constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+  __m256 acc[NR][MR];
+  float corr[NR][MR];
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) acc[n][r] = _mm256_setzero_ps(), corr[n][r] = 0.f;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < nb; ++i) {
+    __m256i q[NR];
+    float d[NR], off[NR];
+    _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
+      const uint8_t* b = w[n] + i * kBytes;
+      if ((i & 1) == 0) prefetch_w(b + kAhead);
+      d[n] = fp16(b);
+      if constexpr (T == kQ8_0) {
+        q[n] = load256(b + 2);
+      } else {
+        constexpr int64_t at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;
+        const __m128i nib = load128(b + at);
+        q[n] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), m4);
+        if constexpr (T == kQ5_0 || T == kQ5_1) q[n] = _mm256_or_si256(q[n], fifth_bits(b + (T == kQ5_0 ? 2 : 4)));
+      }
+      // Q4_0 / Q5_0: w = d * (q - 8 or 16); Q4_1 / Q5_1: w = d * q + m; Q8_0: w = d * q (signed)
+      off[n] = T == kQ4_0 ? -8.f * d[n] : T == kQ5_0 ? -16.f * d[n] : (T == kQ4_1 || T == kQ5_1) ? fp16(b + 2) : 0.f;
+    }
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+      const __m256i xq = load256(x.qb(r) + i * 32);
+      const float dx = x.db(r)[i];
+      _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
+        __m256i p;
+        if constexpr (T == kQ8_0) {
+          p = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(_mm256_sign_epi8(q[n], q[n]), _mm256_sign_epi8(xq, q[n])));
+        } else {
+          p = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(q[n], xq));
+          corr[n][r] += off[n] * x.sb(r)[i];
+        }
+        acc[n][r] = _mm256_fmadd_ps(_mm256_set1_ps(d[n] * dx), _mm256_cvtepi32_ps(p), acc[n][r]);
+      }
+    }
+  }
+  for (int n = 0; n < NR; ++n)
+    for (int r = 0; r < MR; ++r) res[n][r] = hsum(acc[n][r]) + corr[n][r];
+}
+
+// Float weights (a float part of a fused layer) against the fp32 activations.
+template <int64_t T, int NR, int MR>
+void float_tile(const uint8_t* const* w, int64_t K, const Rows<MR>& x, float (*res)[MR]) {
+  for (int n = 0; n < NR; ++n) {
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+      __m256 wv;
+      if constexpr (T == kF32) wv = _mm256_loadu_ps(reinterpret_cast<const float*>(w[n]) + k);
+      else if constexpr (T == kF16) wv = _mm256_cvtph_ps(load128(reinterpret_cast<const uint16_t*>(w[n]) + k));
+      else wv = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load128(reinterpret_cast<const uint16_t*>(w[n]) + k)), 16));
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.xf(r) + k), acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      float s = hsum(acc[r]);
+      for (int64_t kk = k; kk < K; ++kk) {
+        float wf;
+        if constexpr (T == kF32) {
+          std::memcpy(&wf, w[n] + 4 * kk, 4);
+        } else {
+          uint16_t h;
+          std::memcpy(&h, w[n] + 2 * kk, 2);
+          wf = T == kF16 ? f16_to_f32(h) : bf16_to_f32(h);
+        }
+        s += wf * x.xf(r)[kk];
+      }
+      res[n][r] = s;
+    }
+  }
+}
+
+#else
+// -------------------------------------------------------------------------------------------- portable
+// The same integer sums in plain loops (the compiler vectorizes them for the level's flags).
+inline int32_t idot(const uint8_t* q, const int8_t* x, int n) {
+  int32_t s = 0;
+  for (int i = 0; i < n; ++i) s += static_cast<int32_t>(q[i]) * x[i];
+  return s;
+}
+
+template <int MR, bool FIVE>
+void kq45_rows(const uint8_t* w, int64_t nsb, const Rows<MR>& x, float* res) {
+  constexpr int64_t kBytes = FIVE ? 176 : 144;
+  float acc[MR] = {}, accm[MR] = {};
+  uint8_t codes[256];
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* b = w + i * kBytes;
+    uint8_t sm[16];
+    k_scales(b + 4, sm);
+    const uint8_t* qs = b + (FIVE ? 48 : 16);
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 32; ++l) {
+        uint8_t lo = qs[32 * c + l] & 0x0F, hi = qs[32 * c + l] >> 4;
+        if (FIVE) {
+          lo |= ((b[16 + l] >> (2 * c)) & 1) << 4;
+          hi |= ((b[16 + l] >> (2 * c + 1)) & 1) << 4;
+        }
+        codes[64 * c + l] = lo;
+        codes[64 * c + 32 + l] = hi;
+      }
+    const float d = fp16(b), dmin = fp16(b + 2);
+    for (int r = 0; r < MR; ++r) {
+      int32_t s = 0, sm_ = 0;
+      for (int j = 0; j < 8; ++j) {
+        s += static_cast<int32_t>(sm[j]) * idot(codes + 32 * j, x.qk(r) + i * 256 + 32 * j, 32);
+        sm_ += static_cast<int32_t>(sm[8 + j]) * x.s32(r)[i * 8 + j];
+      }
+      acc[r] += d * x.dk(r)[i] * static_cast<float>(s);
+      accm[r] += dmin * x.dk(r)[i] * static_cast<float>(sm_);
+    }
+  }
+  for (int r = 0; r < MR; ++r) res[r] = acc[r] - accm[r];
+}
+
+template <int MR>
+void q6k_rows(const uint8_t* w, int64_t nsb, const Rows<MR>& x, float* res) {
+  float acc[MR] = {};
+  uint8_t codes[256];
+  for (int64_t i = 0; i < nsb; ++i) {
+    const uint8_t* b = w + i * 210;
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t l0 = b[64 * h + l], l1 = b[64 * h + 32 + l], hh = b[128 + 32 * h + l];
+        codes[128 * h + l] = (l0 & 0x0F) | ((hh & 3) << 4);
+        codes[128 * h + 32 + l] = (l1 & 0x0F) | (((hh >> 2) & 3) << 4);
+        codes[128 * h + 64 + l] = (l0 >> 4) | (((hh >> 4) & 3) << 4);
+        codes[128 * h + 96 + l] = (l1 >> 4) | (((hh >> 6) & 3) << 4);
+      }
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = fp16(b + 208);
+    for (int r = 0; r < MR; ++r) {
+      int32_t s = 0;
+      for (int g = 0; g < 16; ++g)
+        s += sc[g] * (idot(codes + 16 * g, x.qk(r) + i * 256 + 16 * g, 16) - 32 * x.s16(r)[i * 16 + g]);
+      acc[r] += d * x.dk(r)[i] * static_cast<float>(s);
+    }
+  }
+  for (int r = 0; r < MR; ++r) res[r] = acc[r];
+}
+
+template <int64_t T, int MR>
+void q32_rows(const uint8_t* w, int64_t nb, const Rows<MR>& x, float* res) {
+  constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+  float acc[MR] = {};
+  uint8_t codes[32];
+  for (int64_t i = 0; i < nb; ++i) {
+    const uint8_t* b = w + i * kBytes;
+    const float d = fp16(b);
+    int32_t sq[MR];
+    if (T == kQ8_0) {
+      for (int r = 0; r < MR; ++r) {
+        int32_t s = 0;
+        const int8_t* xq = x.qb(r) + i * 32;
+        for (int l = 0; l < 32; ++l) s += static_cast<int8_t>(b[2 + l]) * xq[l];
+        sq[r] = s;
+      }
+    } else {
+      const int64_t at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;
+      uint32_t bits = 0;
+      if (T == kQ5_0 || T == kQ5_1) std::memcpy(&bits, b + (T == kQ5_0 ? 2 : 4), 4);
+      for (int l = 0; l < 16; ++l) {
+        codes[l] = (b[at + l] & 0x0F) | (((bits >> l) & 1) << 4);
+        codes[l + 16] = (b[at + l] >> 4) | (((bits >> (l + 16)) & 1) << 4);
+      }
+      for (int r = 0; r < MR; ++r) sq[r] = idot(codes, x.qb(r) + i * 32, 32);
+    }
+    const float off = T == kQ4_0 ? -8.f * d : T == kQ5_0 ? -16.f * d : (T == kQ4_1 || T == kQ5_1) ? fp16(b + 2) : 0.f;
+    for (int r = 0; r < MR; ++r) acc[r] += d * x.db(r)[i] * static_cast<float>(sq[r]) + off * x.sb(r)[i];
+  }
+  for (int r = 0; r < MR; ++r) res[r] = acc[r];
+}
+
+template <int64_t T, int MR>
+void float_rows(const uint8_t* w, int64_t K, const Rows<MR>& x, float* res) {
+  for (int r = 0; r < MR; ++r) {
+    float s = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      float wf;
+      if (T == kF32) {
+        std::memcpy(&wf, w + 4 * k, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, w + 2 * k, 2);
+        wf = T == kF16 ? f16_to_f32(h) : bf16_to_f32(h);
+      }
+      s += wf * x.xf(r)[k];
+    }
+    res[r] = s;
+  }
+}
+
+template <int NR, int MR, bool FIVE>
+void kq45_tile(const uint8_t* const* w, int64_t nsb, const Rows<MR>& x, float (*res)[MR]) {
+  for (int n = 0; n < NR; ++n) kq45_rows<MR, FIVE>(w[n], nsb, x, res[n]);
+}
+template <int NR, int MR>
+void q6k_tile(const uint8_t* const* w, int64_t nsb, const Rows<MR>& x, float (*res)[MR]) {
+  for (int n = 0; n < NR; ++n) q6k_rows<MR>(w[n], nsb, x, res[n]);
+}
+template <int64_t T, int NR, int MR>
+void q32_tile(const uint8_t* const* w, int64_t nb, const Rows<MR>& x, float (*res)[MR]) {
+  for (int n = 0; n < NR; ++n) q32_rows<T, MR>(w[n], nb, x, res[n]);
+}
+template <int64_t T, int NR, int MR>
+void float_tile(const uint8_t* const* w, int64_t K, const Rows<MR>& x, float (*res)[MR]) {
+  for (int n = 0; n < NR; ++n) float_rows<T, MR>(w[n], K, x, res[n]);
+}
+#endif
+
+// NR weight rows against MR activation rows.
+template <int NR, int MR>
+void tile_dot(int64_t type, const uint8_t* const* w, int64_t K, const Rows<MR>& x, float (*res)[MR]) {
+  switch (type) {
+    case kQ4_K: return kq45_tile<NR, MR, false>(w, K / 256, x, res);
+    case kQ5_K: return kq45_tile<NR, MR, true>(w, K / 256, x, res);
+    case kQ6_K: return q6k_tile<NR, MR>(w, K / 256, x, res);
+    case kQ4_0: return q32_tile<kQ4_0, NR, MR>(w, K / 32, x, res);
+    case kQ4_1: return q32_tile<kQ4_1, NR, MR>(w, K / 32, x, res);
+    case kQ5_0: return q32_tile<kQ5_0, NR, MR>(w, K / 32, x, res);
+    case kQ5_1: return q32_tile<kQ5_1, NR, MR>(w, K / 32, x, res);
+    case kQ8_0: return q32_tile<kQ8_0, NR, MR>(w, K / 32, x, res);
+    case kF32: return float_tile<kF32, NR, MR>(w, K, x, res);
+    case kF16: return float_tile<kF16, NR, MR>(w, K, x, res);
+    default: return float_tile<kBF16, NR, MR>(w, K, x, res);
+  }
+}
+
+// Activation rows per tile: up to kMR; a pass over fewer rows (a batch's last rows) pairs weight rows instead.
+constexpr int kMR = 4;
+
+// Weight rows [r0, r1) of one segment against activation rows [m0, m1), writing their outputs: weight rows outer (a
+// pair of rows stays in L1 while every activation tile passes it), activation tiles of up to kMR rows inner. Tiles of
+// one or two activation rows take two weight rows at once (a batch-1 step's loads of x serve both); wider tiles one.
+template <class Put>
+void run_rows(int64_t type, const uint8_t* base, int64_t stride, int64_t r0, int64_t r1, int64_t K, const Act& a,
+              int64_t m0, int64_t m1, const Put& put) {
+  auto tile = [&](auto nr_c, auto mr_c, int64_t r, int64_t m) {
+    constexpr int NR = decltype(nr_c)::value, MR = decltype(mr_c)::value;
+    const uint8_t* w[NR];
+    for (int n = 0; n < NR; ++n) w[n] = base + (r + n) * stride;
+    float res[NR][MR];
+    tile_dot<NR, MR>(type, w, K, Rows<MR>(a, m), res);
+    for (int n = 0; n < NR; ++n)
+      for (int i = 0; i < MR; ++i) put(m + i, r + n, res[n][i]);
+  };
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I3 = std::integral_constant<int, 3>;
+  using I4 = std::integral_constant<int, 4>;
+  for (int64_t r = r0; r < r1; r += 2) {
+    const bool pair = r + 1 < r1;
+    for (int64_t m = m0; m < m1; m += kMR) {
+      const int64_t mr = std::min<int64_t>(kMR, m1 - m);
+      for (int64_t n = 0; n < (pair ? 2 : 1); ++n) {
+        if (pair && mr <= 2) {  // both weight rows in one tile
+          if (mr == 1) tile(I2{}, I1{}, r, m);
+          else tile(I2{}, I2{}, r, m);
+          break;
+        }
+        if (mr == 1) tile(I1{}, I1{}, r + n, m);
+        else if (mr == 2) tile(I1{}, I2{}, r + n, m);
+        else if (mr == 3) tile(I1{}, I3{}, r + n, m);
+        else tile(I1{}, I4{}, r + n, m);
+      }
+    }
+  }
+}
+
+struct Segment {
+  const uint8_t* data = nullptr;
+  int64_t rows = 0, row_stride = 0, row_bytes = 0, type = 0, col0 = 0;
+  const int32_t* perm = nullptr;  // output column (within the segment) of each stored row, or none
+};
+
+Segment segment(const Tensor& w, int64_t type, const Tensor& perm, int64_t K, int64_t col0, int idx) {
+  Segment s;
+  if (w.numel() == 0) return s;
+  Fmt f;
+  STD_TORCH_CHECK(fmt_of(type, &f), "gguf_linear: segment ", idx, " has GGUF type ", type,
+                  ", which has no native kernel (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32, F16, BF16)");
+  STD_TORCH_CHECK(w.dim() == 2 && w.scalar_type() == ScalarType::Byte && w.stride(1) == 1,
+                  "gguf_linear: segment ", idx, " must be a uint8 [rows, row bytes] tensor with contiguous rows");
+  STD_TORCH_CHECK(K % f.weights == 0, "gguf_linear: K=", K, " is not a multiple of the ", f.weights,
+                  "-weight block of segment ", idx);
+  s.row_bytes = K / f.weights * f.bytes;
+  STD_TORCH_CHECK(w.size(1) == s.row_bytes, "gguf_linear: segment ", idx, " rows are ", w.size(1),
+                  " bytes; K=", K, " of type ", type, " takes ", s.row_bytes);
+  s.data = static_cast<const uint8_t*>(w.data_ptr());
+  s.rows = w.size(0);
+  s.row_stride = w.stride(0);
+  s.type = type;
+  s.col0 = col0;
+  if (perm.numel() != 0) {
+    STD_TORCH_CHECK(perm.scalar_type() == ScalarType::Int && perm.numel() == s.rows && perm.is_contiguous(),
+                    "gguf_linear: the row order of segment ", idx, " must be int32 [rows]");
+    s.perm = static_cast<const int32_t*>(perm.data_ptr());
+  }
+  return s;
+}
+
+// Activation rows per block: the quantized rows of one block stay in L2 while the thread's weight rows stream by.
+int64_t act_block(int64_t M, int64_t K) {
+  const int64_t rows = std::max<int64_t>(kMR, (int64_t(192) << 10) / std::max<int64_t>(K, 1) / kMR * kMR);
+  return std::min(M, rows);
+}
+
+}  // namespace
+
+// y [M, N0 + N1 + N2] = x [M, K] @ W^T for up to three segments of stored GGUF rows (a fused layer's parts); an empty
+// segment tensor is absent. perm_i: for llama-family q/k rows, each stored row's column within its segment.
+Tensor gguf_linear(Tensor x, Tensor w0, int64_t t0, Tensor p0, Tensor w1, int64_t t1, Tensor p1, Tensor w2,
+                   int64_t t2, Tensor p2) {
+  STD_TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "gguf_linear: x must be a contiguous [M, K] tensor");
+  STD_TORCH_CHECK(x.scalar_type() == ScalarType::BFloat16 || x.scalar_type() == ScalarType::Float,
+                  "gguf_linear: x must be bfloat16 or float32");
+  const int64_t M = x.size(0), K = x.size(1);
+  Segment segs[3];
+  int64_t N = 0;
+  const Tensor* ws[3] = {&w0, &w1, &w2};
+  const Tensor* ps[3] = {&p0, &p1, &p2};
+  const int64_t ts[3] = {t0, t1, t2};
+  bool need_b = false, need_k = false, need_f = false;
+  for (int i = 0; i < 3; ++i) {
+    segs[i] = segment(*ws[i], ts[i], *ps[i], K, N, i);
+    N += segs[i].rows;
+    if (segs[i].rows == 0) continue;
+    Fmt f;
+    fmt_of(ts[i], &f);
+    need_f |= f.is_float;
+    need_k |= f.kquant;
+    need_b |= !f.is_float && !f.kquant;
+  }
+  Tensor y = new_out(x, M, N);
+  if (M == 0 || N == 0) return y;
+  // Kept by the calling thread between calls; the workers read it through this reference (a thread_local named
+  // inside the parallel region would be each worker's own, empty one).
+  static thread_local Act tls_act;
+  Act& act = tls_act;
+  quantize_rows(act, x, need_b, need_k, need_f);
+  const OutWriter out{y.data_ptr(), y.scalar_type() == ScalarType::BFloat16, N};
+  // Byte-balanced ranges of the rows (segments laid end to end), one per thread.
+  int64_t total = 0;
+  for (auto& s : segs) total += s.rows * s.row_bytes;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(torch::stable::get_num_threads(),
+                                                                  total / (int64_t(64) << 10) + 1));
+  const int64_t MB = act_block(M, K);
+  auto work = [&](int64_t part) {
+    const int64_t b0 = total * part / threads, b1 = total * (part + 1) / threads;
+    for (int64_t mb = 0; mb < M; mb += MB) {
+      const int64_t me = std::min(M, mb + MB);
+      int64_t at = 0;
+      for (const Segment& s : segs) {
+        const int64_t bytes = s.rows * s.row_bytes;
+        const int64_t lo = std::max(b0, at), hi = std::min(b1, at + bytes);
+        if (lo < hi) {
+          // rows whose first byte falls in [lo, hi)
+          const int64_t r0 = (lo - at + s.row_bytes - 1) / s.row_bytes, r1 = (hi - at + s.row_bytes - 1) / s.row_bytes;
+          run_rows(s.type, s.data, s.row_stride, r0, r1, K, act, mb, me, [&](int64_t m, int64_t r, float v) {
+            out.put(m, s.col0 + (s.perm ? s.perm[r] : r), v);
+          });
+        }
+        at += bytes;
+      }
+    }
+  };
+  if (threads == 1) {
+    work(0);
+  } else {
+    torch::stable::parallel_for(0, threads, 1, [&](int64_t p0_, int64_t p1_) {
+      for (int64_t p = p0_; p < p1_; ++p) work(p);
+    });
+  }
+  return y;
+}
+
+namespace {
+// One stored row of n weights de-quantized to fp32 (the embedding lookup): the file's arithmetic, in fp32, as
+// gguf.quants.dequantize computes it.
+void dequant_row(int64_t type, const uint8_t* b, int64_t n, float* out) {
+  switch (type) {
+    case kF32: std::memcpy(out, b, n * 4); return;
+    case kF16:
+    case kBF16:
+      for (int64_t k = 0; k < n; ++k) {
+        uint16_t h;
+        std::memcpy(&h, b + 2 * k, 2);
+        out[k] = type == kF16 ? f16_to_f32(h) : bf16_to_f32(h);
+      }
+      return;
+    case kQ4_K:
+    case kQ5_K:
+      for (int64_t i = 0; i < n / 256; ++i, b += type == kQ4_K ? 144 : 176, out += 256) {
+        uint8_t sm[16];
+        k_scales(b + 4, sm);
+        const float d = fp16(b), dmin = fp16(b + 2);
+        const uint8_t* qs = b + (type == kQ4_K ? 16 : 48);
+        for (int c = 0; c < 4; ++c) {
+          const float d1 = d * sm[2 * c], m1 = dmin * sm[8 + 2 * c], d2 = d * sm[2 * c + 1], m2 = dmin * sm[8 + 2 * c + 1];
+          for (int l = 0; l < 32; ++l) {
+            int lo = qs[32 * c + l] & 0x0F, hi = qs[32 * c + l] >> 4;
+            if (type == kQ5_K) {
+              lo += ((b[16 + l] >> (2 * c)) & 1) << 4;
+              hi += ((b[16 + l] >> (2 * c + 1)) & 1) << 4;
+            }
+            out[64 * c + l] = d1 * lo - m1;
+            out[64 * c + 32 + l] = d2 * hi - m2;
+          }
+        }
+      }
+      return;
+    case kQ6_K:
+      for (int64_t i = 0; i < n / 256; ++i, b += 210, out += 256) {
+        const float d = fp16(b + 208);
+        const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+        for (int h = 0; h < 2; ++h)
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t l0 = b[64 * h + l], l1 = b[64 * h + 32 + l], hh = b[128 + 32 * h + l];
+            const int q[4] = {((l0 & 0x0F) | ((hh & 3) << 4)) - 32, ((l1 & 0x0F) | (((hh >> 2) & 3) << 4)) - 32,
+                              ((l0 >> 4) | (((hh >> 4) & 3) << 4)) - 32, ((l1 >> 4) | (((hh >> 6) & 3) << 4)) - 32};
+            for (int qq = 0; qq < 4; ++qq) out[128 * h + 32 * qq + l] = d * sc[8 * h + 2 * qq + l / 16] * q[qq];
+          }
+      }
+      return;
+    default: {  // the 32-weight blocks
+      Fmt f;
+      fmt_of(type, &f);
+      for (int64_t i = 0; i < n / 32; ++i, b += f.bytes, out += 32) {
+        const float d = fp16(b);
+        if (type == kQ8_0) {
+          for (int l = 0; l < 32; ++l) out[l] = d * static_cast<int8_t>(b[2 + l]);
+          continue;
+        }
+        const int64_t at = type == kQ4_0 ? 2 : type == kQ4_1 ? 4 : type == kQ5_0 ? 6 : 8;
+        uint32_t bits = 0;
+        if (type == kQ5_0 || type == kQ5_1) std::memcpy(&bits, b + (type == kQ5_0 ? 2 : 4), 4);
+        const float m = (type == kQ4_1 || type == kQ5_1) ? fp16(b + 2) : 0.f;
+        const int mid = type == kQ4_0 ? 8 : type == kQ5_0 ? 16 : 0;
+        for (int l = 0; l < 16; ++l) {
+          const int lo = (b[at + l] & 0x0F) | (((bits >> l) & 1) << 4);
+          const int hi = (b[at + l] >> 4) | (((bits >> (l + 16)) & 1) << 4);
+          out[l] = mid ? d * (lo - mid) : d * lo + m;
+          out[l + 16] = mid ? d * (hi - mid) : d * hi + m;
+        }
+      }
+      return;
+    }
+  }
+}
+}  // namespace
+
+// Rows `ids` of a stored [V, K] GGUF matrix, de-quantized: fp32, or bf16 (rounded once) when `bf16` is nonzero.
+Tensor gguf_rows(Tensor w, int64_t type, int64_t K, Tensor ids, int64_t bf16) {
+  Fmt f;
+  STD_TORCH_CHECK(fmt_of(type, &f), "gguf_rows: GGUF type ", type, " has no native kernel");
+  STD_TORCH_CHECK(w.dim() == 2 && w.scalar_type() == ScalarType::Byte && w.stride(1) == 1 &&
+                      w.size(1) == K / f.weights * f.bytes && K % f.weights == 0,
+                  "gguf_rows: w must be uint8 [rows, ", K / f.weights * f.bytes, "] for K=", K);
+  STD_TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == ScalarType::Long, "gguf_rows: ids must be an int64 vector");
+  const int64_t T = ids.size(0), V = w.size(0), step = ids.stride(0), wstride = w.stride(0);
+  Tensor out = torch::stable::new_empty(w, {T, K}, bf16 ? ScalarType::BFloat16 : ScalarType::Float);
+  const int64_t* id = static_cast<const int64_t*>(ids.data_ptr());
+  for (int64_t t = 0; t < T; ++t)
+    STD_TORCH_CHECK(id[t * step] >= 0 && id[t * step] < V, "gguf_rows: token id ", id[t * step], " is outside the ",
+                    V, " rows");
+  const uint8_t* base = static_cast<const uint8_t*>(w.data_ptr());
+  auto one = [&](int64_t t, float* buf) {
+    const uint8_t* row = base + id[t * step] * wstride;
+    if (bf16) {
+      dequant_row(type, row, K, buf);
+      uint16_t* o = static_cast<uint16_t*>(out.data_ptr()) + t * K;
+      for (int64_t k = 0; k < K; ++k) o[k] = f32_to_bf16(buf[k]);
+    } else {
+      dequant_row(type, row, K, static_cast<float*>(out.data_ptr()) + t * K);
+    }
+  };
+  torch::stable::parallel_for(0, T, 16, [&](int64_t a, int64_t b) {
+    std::vector<float> buf(K);
+    for (int64_t t = a; t < b; ++t) one(t, buf.data());
+  });
+  return out;
+}
+
+}  // namespace glowplug
+
+STABLE_TORCH_LIBRARY_FRAGMENT(glowplug_native, m) {
+  m.def("gguf_linear(Tensor x, Tensor w0, int t0, Tensor p0, Tensor w1, int t1, Tensor p1, Tensor w2, int t2, "
+        "Tensor p2) -> Tensor");
+  m.def("gguf_rows(Tensor w, int type, int k, Tensor ids, int bf16) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(glowplug_native, CPU, m) {
+  m.impl("gguf_linear", TORCH_BOX(&glowplug::gguf_linear));
+  m.impl("gguf_rows", TORCH_BOX(&glowplug::gguf_rows));
+}
