@@ -301,8 +301,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------- eager path
     def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if not s.is_decode]
+        decodes = [s for s in scheduled if s.is_decode]
         order = prefills + decodes
         bs = self.block_size
         ids: list[int] = []
@@ -313,7 +313,7 @@ class ModelRunner:
         for s in order:
             seq, start, n = s.seq, s.start, s.num_new_tokens
             table = seq.block_table
-            if n > 1:
+            if not s.is_decode:
                 info.append((len(ids), n, start + n))
             ids.extend(seq.token_slice(start, start + n))
             for p in range(start, start + n):
@@ -350,7 +350,7 @@ class ModelRunner:
         """Run one scheduled step, yielding each part's results (and whether it is the last part) as soon as it has
         them: one part, or two for a mixed step (the prompt chunks, then the decode rows), so that the caller can
         deliver the new prompts' first tokens before the decode rows have run."""
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        decodes = [s for s in scheduled if s.is_decode]
         padded = self.padded_size(len(decodes)) if decodes else None
         self.last_prefill_s = 0.0
         if padded is None:
@@ -369,7 +369,7 @@ class ModelRunner:
         # whenever a request arrives (eager decode attention is the slow part of a mixed step; reports/serve/serve.md
         # at concurrency 32 and 64 runs mostly such steps). Disjoint sequences and KV slots, so the two calls are
         # independent.
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        prefills = [s for s in scheduled if not s.is_decode]
         yield self._run_eager(prefills, timed=True), False
         yield self._run_compiled(decodes, padded), True
 

@@ -28,6 +28,13 @@ class ScheduledSeq:
         return self.seq.num_computed_tokens
 
     @property
+    def is_decode(self) -> bool:
+        """Does this row compute a generated token (one new token, past the prompt)? A prompt's chunk is no decode
+        row even when it is one token long (a prompt whose earlier tokens the prefix cache held): it runs the prompt
+        path, so that its arithmetic is the same as when the whole prompt runs at once."""
+        return self.num_new_tokens == 1 and self.seq.num_computed_tokens >= len(self.seq.prompt_token_ids)
+
+    @property
     def samples(self) -> bool:
         """Does this step reach the end of the known tokens, so that it produces the next token?"""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens

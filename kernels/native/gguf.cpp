@@ -10,8 +10,9 @@
 // on its own, per 32 inputs for the 32-weight blocks ("q8b": scale d = amax / 127, and s = d * sum(q)) and per 256
 // for the super-blocks ("q8k": one scale, plus the sums of q per 16 and per 32 inputs), rounding half to even. The
 // weight codes times the activation bytes are integer dot products (exact), scaled per block or super-block in fp32
-// in a fixed order. A batch only changes how many activation rows share one decoded weight block, never a row's
-// arithmetic. Per type (x = d_x * q_x):
+// in a fixed order (every fused multiply-add spelled out, so the compiler's contraction of a*b+c cannot differ
+// between two instantiations). A batch only changes how many activation rows share one decoded weight block, never a
+// row's arithmetic. Per type (x = d_x * q_x):
 //   Q4_K/Q5_K  d * d_x * sum_j sc_j * <q, q_x>_j  -  dmin * d_x * sum_j m_j * sum32_j     (j: 32-weight sub-blocks)
 //   Q6_K       d * d_x * sum_g sc_g * (<q, q_x>_g - 32 * sum16_g)                         (g: 16-weight groups)
 //   Q4_0/Q5_0  d * d_x * <q, q_x>  -  8 (16) * d * s_x;   Q4_1/Q5_1  d * d_x * <q, q_x>  +  m * s_x;   Q8_0  d * d_x * <q, q_x>
@@ -434,7 +435,7 @@ void q32_tile(const uint8_t* const* w, int64_t nb, const Rows<MR>& x, float (*re
           p = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(_mm256_sign_epi8(q[n], q[n]), _mm256_sign_epi8(xq, q[n])));
         } else {
           p = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(q[n], xq));
-          corr[n][r] += off[n] * x.sb(r)[i];
+          corr[n][r] = std::fma(off[n], x.sb(r)[i], corr[n][r]);
         }
         acc[n][r] = _mm256_fmadd_ps(_mm256_set1_ps(d[n] * dx), _mm256_cvtepi32_ps(p), acc[n][r]);
       }
@@ -469,7 +470,7 @@ void float_tile(const uint8_t* const* w, int64_t K, const Rows<MR>& x, float (*r
           std::memcpy(&h, w[n] + 2 * kk, 2);
           wf = T == kF16 ? f16_to_f32(h) : bf16_to_f32(h);
         }
-        s += wf * x.xf(r)[kk];
+        s = std::fma(wf, x.xf(r)[kk], s);
       }
       res[n][r] = s;
     }
@@ -512,8 +513,8 @@ void kq45_rows(const uint8_t* w, int64_t nsb, const Rows<MR>& x, float* res) {
         s += static_cast<int32_t>(sm[j]) * idot(codes + 32 * j, x.qk(r) + i * 256 + 32 * j, 32);
         sm_ += static_cast<int32_t>(sm[8 + j]) * x.s32(r)[i * 8 + j];
       }
-      acc[r] += d * x.dk(r)[i] * static_cast<float>(s);
-      accm[r] += dmin * x.dk(r)[i] * static_cast<float>(sm_);
+      acc[r] = std::fma(d * x.dk(r)[i], static_cast<float>(s), acc[r]);
+      accm[r] = std::fma(dmin * x.dk(r)[i], static_cast<float>(sm_), accm[r]);
     }
   }
   for (int r = 0; r < MR; ++r) res[r] = acc[r] - accm[r];
@@ -539,7 +540,7 @@ void q6k_rows(const uint8_t* w, int64_t nsb, const Rows<MR>& x, float* res) {
       int32_t s = 0;
       for (int g = 0; g < 16; ++g)
         s += sc[g] * (idot(codes + 16 * g, x.qk(r) + i * 256 + 16 * g, 16) - 32 * x.s16(r)[i * 16 + g]);
-      acc[r] += d * x.dk(r)[i] * static_cast<float>(s);
+      acc[r] = std::fma(d * x.dk(r)[i], static_cast<float>(s), acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) res[r] = acc[r];
@@ -572,7 +573,8 @@ void q32_rows(const uint8_t* w, int64_t nb, const Rows<MR>& x, float* res) {
       for (int r = 0; r < MR; ++r) sq[r] = idot(codes, x.qb(r) + i * 32, 32);
     }
     const float off = T == kQ4_0 ? -8.f * d : T == kQ5_0 ? -16.f * d : (T == kQ4_1 || T == kQ5_1) ? fp16(b + 2) : 0.f;
-    for (int r = 0; r < MR; ++r) acc[r] += d * x.db(r)[i] * static_cast<float>(sq[r]) + off * x.sb(r)[i];
+    for (int r = 0; r < MR; ++r)
+      acc[r] = std::fma(off, x.sb(r)[i], std::fma(d * x.db(r)[i], static_cast<float>(sq[r]), acc[r]));
   }
   for (int r = 0; r < MR; ++r) res[r] = acc[r];
 }
@@ -590,7 +592,7 @@ void float_rows(const uint8_t* w, int64_t K, const Rows<MR>& x, float* res) {
         std::memcpy(&h, w + 2 * k, 2);
         wf = T == kF16 ? f16_to_f32(h) : bf16_to_f32(h);
       }
-      s += wf * x.xf(r)[k];
+      s = std::fma(wf, x.xf(r)[k], s);
     }
     res[r] = s;
   }

@@ -17,6 +17,7 @@ from glowplug.base.machine import ISA_LEVELS, IsaCapError, cpu_isa_level, isa_ch
 
 REPO = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = ["tests/kernels/test_kernels_native.py", "tests/kernels/test_native_attention.py",
+                "tests/kernels/test_native_gguf.py",
                 "tests/kernels/test_native_rows.py"]  # fmt: skip
 AVX2 = frozenset({"avx2", "fma", "f16c", "sse4_2"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
