@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the CUDA path, in one command, on a fresh GPU machine: no network, and its own CUDA build of
-# torch with Triton and transformers, which this script never installs or replaces.
+# torch with Triton, which this script never installs or replaces (transformers, carried as a wheel, goes first on
+# PYTHONPATH with the other wheels).
 #
 #   scripts/device_check.sh [--carry DIR] [--wheels DIR] [--tokenizer DIR] [--model-parts DIR ...] [--out DIR]
 #                           [--only setup|tests|bench|seed004] [--seed004] [--shape NAME] [--lengths L,L,...]
@@ -34,7 +35,8 @@
 #      and 8192, against transformers bf16 generate, the HBM probe before every run, each engine's graph pool;
 #   4. `glowplug bench seed004 --from-runs ... --decode-json ...`: the report with every target's verdict.
 #   Each part prints its limit before and its time after; a part stopped at its limit leaves what it finished.
-#   --shape tiny-qwen3 --device cpu --lengths 256,512 runs the same step on a CPU (a dry run of the script).
+#   --shape tiny-qwen3 --device cpu --lengths 256,512 --budget 1500 runs the same step on a CPU (a dry run of the
+#   script; on a loaded 2-core machine its decode part alone outran 20 minutes, so the budget cut it, as designed).
 #
 # Each step has its own time limit (on an H100: setup ~10 s, the CUDA tests ~100 s, the start-up pair ~110 s, the
 # decode cells ~200 s); a step that fails is logged and the next one still runs. The exit status is the number of
@@ -66,7 +68,7 @@ while [ $# -gt 0 ]; do
         --lengths) LENGTHS=$2; shift 2 ;;
         --device) DEVICE=$2; shift 2 ;;
         --budget) BUDGET=$2; shift 2 ;;
-        -h|--help) sed -n 2,46p "$0"; exit 0 ;;
+        -h|--help) sed -n 2,43p "$0"; exit 0 ;;
         *) echo "device_check: unknown argument '$1' (see --help)" >&2; exit 2 ;;
     esac
 done

@@ -1,6 +1,7 @@
 """`glowplug bench seed004`'s report from a stored run (fixtures/seed004: what scripts/device_check.sh's seed004 step
-wrote on a CPU at the tiny-qwen3 shape, `--device cpu --lengths 256,512`): the start-up table beside seed 004, the
-floor, the targets' verdicts, the decode targets from its `bench decode` JSON; and the probe and script pieces."""
+wrote on a CPU at the tiny-qwen3 shape, `--device cpu --lengths 256,512 --budget 1500`; its `bench decode` part hit
+the budget after three of its four engines, so the JSON holds those): the start-up table beside seed 004, the floor,
+the targets' verdicts, the decode targets from the decode JSON; and the probe and the script's argument checks."""
 
 from __future__ import annotations
 
