@@ -52,12 +52,27 @@ class StepTimes:
 
 @dataclass(frozen=True)
 class GraphCaptureStat:
-    """One captured batch size: the seconds its capture took (two warm-up calls, then the capture) and how much the
-    shared graph pool's reserved memory grew while capturing it (torch.cuda.memory_reserved after minus before)."""
+    """One captured batch size: the seconds its capture took (two warm-up calls, then the capture), how much the
+    shared graph pool's reserved memory grew while capturing it (torch.cuda.memory_reserved after minus before), and
+    the step's activations at this size: the allocator's peak during the second, uncaptured warm-up call over what
+    was allocated before it (every tensor the step makes and frees, its output included)."""
 
     size: int
     seconds: float
     pool_bytes: int
+    activation_bytes: int
+
+
+@dataclass(frozen=True)
+class GraphPoolUsage:
+    """The captured graphs' shared memory pool as the CUDA caching allocator holds it (`torch.cuda.memory_snapshot`,
+    the segments whose pool id is the graphs'): what the graphs keep for their replays, apart from the memory the
+    warm-up calls and everything else took from the default pool."""
+
+    segments: int
+    reserved_bytes: int  # the pool's segments, as cudaMalloc'd
+    allocated_bytes: int  # its blocks that live tensors hold (the graphs' outputs)
+    largest_blocks: tuple[int, ...]  # the largest blocks' sizes, held or free, largest first (at most 8)
 
 
 class CapturedDecode:
@@ -113,6 +128,7 @@ class ModelRunner:
         self.last_prefill_s = 0.0  # wall time of the last step's eager part when it had prompt tokens
         self._decode_step: DecodeFn | None = None
         self._decode_sizes: list[int] = []  # batch sizes the compiled step was captured / warmed for
+        self._graph_pool: tuple[int, int] | None = None  # the captured graphs' memory pool id (capture_graphs)
         self.pad_decode = self.device.type == "cuda"  # fixed-shape CUDA graphs
         self._max_batch = max_num_seqs
         self._max_width = max(MIN_TABLE_WIDTH, max_blocks_per_seq)
@@ -225,8 +241,13 @@ class ModelRunner:
                 side = torch.cuda.Stream(self.device)
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):
-                    for _ in range(2):  # lazy initialisation and the allocator's first blocks, outside the capture
-                        step(packed)
+                    step(packed)  # lazy initialisation and the allocator's first blocks, outside the capture
+                    torch.cuda.synchronize(self.device)
+                    torch.cuda.reset_peak_memory_stats(self.device)
+                    base = torch.cuda.memory_allocated(self.device)
+                    step(packed)  # the step as it runs from now on: its peak is this size's activations
+                    torch.cuda.synchronize(self.device)
+                    activations = torch.cuda.max_memory_allocated(self.device) - base
                 torch.cuda.current_stream(self.device).wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
@@ -234,10 +255,22 @@ class ModelRunner:
                 pool = graph.pool()
                 torch.cuda.synchronize(self.device)
                 graphs[size] = (graph, packed, out)
-                stats.append(GraphCaptureStat(size, round(time.perf_counter() - t0, 4),
-                                              torch.cuda.memory_reserved(self.device) - before))  # fmt: skip
+                grown = torch.cuda.memory_reserved(self.device) - before
+                stats.append(GraphCaptureStat(size, round(time.perf_counter() - t0, 4), grown, activations))
+        self._graph_pool = None if pool is None else (int(pool[0]), int(pool[1]))
         self.install_decode(CapturedDecode(graphs), sizes)
         return sorted(stats, key=lambda s: s.size)
+
+    def graph_pool_usage(self) -> GraphPoolUsage | None:
+        """The captured graphs' pool as the allocator holds it now (see GraphPoolUsage); None before a capture."""
+        if self._graph_pool is None:
+            return None
+        segments = [s for s in torch.cuda.memory_snapshot()
+                    if tuple(s.get("segment_pool_id", ())) == self._graph_pool
+                    and s.get("device", self.device.index or 0) == (self.device.index or 0)]  # fmt: skip
+        blocks = sorted((int(b["size"]) for s in segments for b in s.get("blocks", ())), reverse=True)
+        return GraphPoolUsage(len(segments), sum(int(s["total_size"]) for s in segments),
+                              sum(int(s["allocated_size"]) for s in segments), tuple(blocks[:8]))  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ decode path
     def _decode_input(self, seqs: list[Sequence], rows: int) -> torch.Tensor:

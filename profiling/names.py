@@ -125,6 +125,13 @@ class Attr:
     # CUDA: how much the shared graph pool's reserved memory grew while capturing each size, and in all
     GRAPH_SIZE_POOL_BYTES: Final = "glowplug.graph_size_pool_bytes"  # list[int], aligned with GRAPH_SIZES
     GRAPH_POOL_BYTES: Final = "glowplug.graph_pool_bytes"  # int
+    # CUDA: each size's activations (the allocator's peak over one uncaptured call), aligned with GRAPH_SIZES; and
+    # the graphs' pool after capture as torch.cuda.memory_snapshot holds it (engine/model_runner.py GraphPoolUsage)
+    GRAPH_SIZE_ACTIVATION_BYTES: Final = "glowplug.graph_size_activation_bytes"  # list[int]
+    GRAPH_POOL_RESERVED_BYTES: Final = "glowplug.graph_pool.reserved_bytes"  # int
+    GRAPH_POOL_ALLOCATED_BYTES: Final = "glowplug.graph_pool.allocated_bytes"  # int
+    GRAPH_POOL_SEGMENTS: Final = "glowplug.graph_pool.segments"  # int
+    GRAPH_POOL_LARGEST_BLOCKS: Final = "glowplug.graph_pool.largest_blocks"  # list[int], bytes, largest first
     BYTES_PER_TOKEN: Final = "glowplug.bytes_per_token"  # weight bytes one decode step streams at batch 1
     RECOMPILES: Final = "glowplug.recompiles"
     SKIPPED_REASON: Final = "glowplug.skipped_reason"

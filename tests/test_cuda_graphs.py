@@ -105,3 +105,20 @@ def test_a_cache_larger_than_32_bit_indexing_is_capped_and_the_compiled_step_sti
     prof = started.phase_table["kv_cache_profiling"].attributes
     assert "2**31 elements" in str(prof["glowplug.kv_budget_source"]), prof
     assert list(started.phase_table["graph_capturing"].attributes[Attr.GRAPH_SIZES]) == [1, 2, 4, 8]
+
+
+def test_the_graph_pool_is_read_from_the_allocator_snapshot(tiny_dir, cache: Path) -> None:
+    """After capture the runner reads its graphs' pool from torch.cuda.memory_snapshot: new segments made during
+    the captures (so no more than the reserved growth they caused), holding at least every graph's logits output,
+    and each size's activations measured by the allocator's peak grow with the batch."""
+    started = _start(tiny_dir("llama"), cache)
+    attrs = started.phase_table["graph_capturing"].attributes
+    usage = started.engine.runner.graph_pool_usage()
+    assert usage is not None and usage.segments >= 1
+    assert 0 < usage.reserved_bytes <= attrs[Attr.GRAPH_POOL_BYTES]
+    assert attrs[Attr.GRAPH_POOL_RESERVED_BYTES] == usage.reserved_bytes
+    vocab = started.arch.vocab_size
+    assert usage.allocated_bytes >= sum(attrs[Attr.GRAPH_SIZES]) * vocab * 4  # fp32 logits of every graph
+    acts = list(attrs[Attr.GRAPH_SIZE_ACTIVATION_BYTES])
+    assert len(acts) == 4 and all(a > 0 for a in acts) and acts[-1] > acts[0], acts
+    assert "pool / activations" in str(attrs[Attr.ROW_NOTE])

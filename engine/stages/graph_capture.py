@@ -7,7 +7,9 @@ every kernel path of the step once; a larger size runs the same code over more r
 running them all cost seconds of compute per size). CUDA: the runner
 captures a `torch.cuda.CUDAGraph` per size (ModelRunner.capture_graphs) over its static input buffer, under inference
 mode, all in one memory pool; a batch is padded up to the next captured size (engine/graph_buckets.py), and replay
-needs no host work beyond writing that buffer. The row records each size's capture time and the pool's growth.
+needs no host work beyond writing that buffer. The row records each size's capture time, the pool's growth and the
+step's activations, and the pool as the allocator's snapshot holds it after the capture, against the largest size's
+activations (which it should not much exceed).
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ def capture_sizes(ctx: EngineContext) -> list[int]:
     so every batch has a captured size to pad up to."""
     return bucket_sizes(ctx.config.scheduler.max_num_seqs, ctx.config.cudagraph_capture_sizes,
                         include_limit=ctx.device == "cuda")  # fmt: skip
+
+
+def pool_note(reserved: int, size: int, activations: int) -> str:
+    """The row's note: the graphs' pool against the largest captured size's activations (what it should hold)."""
+    ratio = f"{reserved / activations:.2f}x" if activations > 0 else "n/a"
+    return (f"graph pool {reserved / 1e9:.3f} GB (allocator snapshot); size {size}'s activations "
+            f"{activations / 1e9:.3f} GB; pool / activations {ratio}")
 
 
 class GraphCapture:
@@ -60,6 +69,14 @@ class GraphCapture:
             attrs[Attr.GRAPH_SIZE_TIMES_S] = [s.seconds for s in stats]
             attrs[Attr.GRAPH_SIZE_POOL_BYTES] = [s.pool_bytes for s in stats]
             attrs[Attr.GRAPH_POOL_BYTES] = sum(s.pool_bytes for s in stats)
+            attrs[Attr.GRAPH_SIZE_ACTIVATION_BYTES] = [s.activation_bytes for s in stats]
+            usage = runner.graph_pool_usage()
+            if usage is not None:
+                attrs.update({Attr.GRAPH_POOL_RESERVED_BYTES: usage.reserved_bytes,
+                              Attr.GRAPH_POOL_ALLOCATED_BYTES: usage.allocated_bytes,
+                              Attr.GRAPH_POOL_SEGMENTS: usage.segments,
+                              Attr.GRAPH_POOL_LARGEST_BLOCKS: list(usage.largest_blocks)})  # fmt: skip
+                attrs[Attr.ROW_NOTE] = pool_note(usage.reserved_bytes, stats[-1].size, stats[-1].activation_bytes)
         else:
             warm = sizes[:CPU_WARM_SIZES]
             attrs[Attr.GRAPH_WARMED_SIZES] = warm

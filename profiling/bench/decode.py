@@ -27,6 +27,7 @@ Each cell is run `repeats` times (fresh requests each time); the table shows the
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -130,6 +131,10 @@ class DecodeRow:
     peers_gb: float | None = None  # peer models resident in the same process
     rss_before_gb: float | None = None  # process RSS just before this cell's engine was built
     batch1_step_ms: float | None = None  # median step of the same configuration at batch 1
+    # CUDA: this engine's graph pool after capture (allocator snapshot) and the largest captured size's activations
+    graph_pool_gb: float | None = None
+    graph_activation_gb: float | None = None
+    graph_largest_size: int | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -353,6 +358,20 @@ def _time_cell(engine: Any, row: DecodeRow, prompts: list[list[int]], cfg: Decod
             runs.step_ms.append(step_ms)
 
 
+def graph_pool(llm: Any) -> dict[str, Any]:
+    """DecodeRow's graph fields for an engine that captured CUDA graphs (empty otherwise): its pool as the
+    allocator's snapshot holds it, and the activations of the largest size it captured (the graph_capturing row)."""
+    from ..names import Attr, Row
+
+    usage = llm.engine.runner.graph_pool_usage()
+    if usage is None:
+        return {}
+    attrs = llm.startup.phase_table[Row.GRAPH_CAPTURING].attributes
+    sizes, acts = list(attrs.get(Attr.GRAPH_SIZES) or []), list(attrs.get(Attr.GRAPH_SIZE_ACTIVATION_BYTES) or [])
+    return {"graph_pool_gb": usage.reserved_bytes / 1e9, "graph_largest_size": max(sizes) if sizes else None,
+            "graph_activation_gb": acts[-1] / 1e9 if acts else None}
+
+
 def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
     from glowplug.base.errors import require_extra
 
@@ -383,6 +402,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
         wbytes = weight_bytes_per_token(llm.engine.model, compiled)
         groups = group_sizes(llm.engine.model)
         level = loaded_level() or "-"
+        pool = graph_pool(llm)
         stats = llm.engine.stats()
         capacity = stats.kv_blocks * stats.block_size
         per_token = llm.startup.kv_plan.bytes_per_token
@@ -398,7 +418,7 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
                 row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6, kv, groups,
                                 context=context, level=level, max_model_len=max_len,
                                 kv_mb=per_token * (context + cfg.new_tokens / 2) / 1e6,
-                                peers_gb=peers_gb, rss_before_gb=rss_before)  # fmt: skip
+                                peers_gb=peers_gb, rss_before_gb=rss_before, **pool)  # fmt: skip
                 if batch > llm.engine.runner.max_decode_batch and compiled:
                     row.notes.append("above the compiled batch sizes: eager steps")
                 time_engine_decode(llm.engine, prompts[: min(batch, 2)], 8)  # warm this batch shape's allocations
@@ -414,6 +434,9 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
                             and b.quantization == quant and b.kv_cache_dtype == kv and b.dtype == row.dtype
                             and b.max_model_len == max_len and not b.skipped), None)  # fmt: skip
                 row.batch1_step_ms = one.ms if one is not None else None
+        if cfg.out is not None:  # a checkpoint per engine: a run stopped early keeps the cells it finished
+            cfg.out.parent.mkdir(parents=True, exist_ok=True)
+            cfg.out.with_suffix(".json").write_text(json.dumps(rows_as_dicts(rows), indent=1))
         del llm
         if device == "cuda":
             # The next cell sizes its KV cache from the GPU's memory: this engine's must be gone first.
@@ -491,6 +514,7 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
         )
     lines += _peer_table(measured)
     lines += _max_len_table(measured)
+    lines += _graph_pool_table(measured)
     left_out = [r for r in rows if r.skipped]
     if left_out:
         lines += ["", "Left out (the KV cache cannot hold the batch at that context):"]
@@ -553,6 +577,27 @@ def _max_len_table(rows: list[DecodeRow]) -> list[str]:
         out.append(f"| {r.compile} | {r.dtype} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} | {r.context} "
                    f"| {r.max_model_len} | {r.ms:.3f} vs {base.ms:.3f} | {statistics.median(pairs):.3f}x "
                    f"| {max(pairs):.3f}x |")  # fmt: skip
+    return out
+
+
+def _graph_pool_table(rows: list[DecodeRow]) -> list[str]:
+    """Per engine (configuration and max model len) that captured CUDA graphs: its graph pool after capture against
+    the largest captured size's activations (the target: at most 1.5x)."""
+    seen: dict[tuple[str, str, str, str, int], DecodeRow] = {}
+    for r in rows:
+        if r.graph_pool_gb is not None:
+            seen.setdefault((r.compile, r.dtype, r.quantization, r.kv_cache_dtype, r.max_model_len), r)
+    if not seen:
+        return []
+    out = ["", "CUDA graph pool per engine (torch.cuda.memory_snapshot after capture, the graphs' pool only) against "
+           "the activations of the largest captured batch (the allocator's peak over one uncaptured step):", "",
+           "| compile | dtype | quantization | KV cache | max model len | largest captured batch | graph pool GB "
+           "| activations GB | pool / activations |", "|---|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for (mode, dtype, quant, kv, max_len), r in seen.items():
+        act = r.graph_activation_gb
+        ratio = f"{r.graph_pool_gb / act:.2f}x" if act else "-"
+        out.append(f"| {mode} | {dtype} | {quant} | {kv} | {max_len} | {r.graph_largest_size or '-'} "
+                   f"| {r.graph_pool_gb:.3f} | {f'{act:.3f}' if act is not None else '-'} | {ratio} |")
     return out
 
 

@@ -19,7 +19,7 @@ from ...base.machine import PROBE_BYTES, PROBE_REPEATS, cpu_model, measure_probe
 from ..phases import current_versions
 
 __all__ = ["COMMIT_ENV", "DIRTY_ENV", "PROBE_BYTES", "PROBE_REPEATS", "GitState", "command_line", "cpu_model",
-           "git_state", "machine_summary", "measure_probe", "report_git_state", "report_header"]
+           "git_state", "gpu_summary", "machine_summary", "measure_probe", "report_git_state", "report_header"]
 
 # Set by `glowplug bench all` on every report process it starts: the commit and dirty state it measured once, at the
 # start of the run, so that every report of one run names the same code (a report cannot tell by itself whether an
@@ -86,8 +86,21 @@ def report_git_state() -> GitState:
 
 
 def machine_summary() -> str:
+    """The CPU, cores, memory and OS; with the GPU when this process's torch sees one (only when torch is already
+    imported: a renderer that never imported it stays light, and describes the machine it ran on)."""
     mem = psutil.virtual_memory().total / 2**30
-    return f"{cpu_model()}, {os.cpu_count()} cores, {mem:.1f} GiB RAM, {platform.system()} {platform.release()}"
+    text = f"{cpu_model()}, {os.cpu_count()} cores, {mem:.1f} GiB RAM, {platform.system()} {platform.release()}"
+    gpu = gpu_summary()
+    return f"{text}, {gpu}" if gpu else text
+
+
+def gpu_summary() -> str | None:
+    """"GPU <name> (sm_XY, N GiB), CUDA V" when torch is imported and sees a GPU, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    p = torch.cuda.get_device_properties(0)
+    return f"GPU {p.name} (sm_{p.major}{p.minor}, {p.total_memory / 2**30:.1f} GiB), CUDA {torch.version.cuda}"
 
 
 # Settings from the environment that change what a benchmark measures: the ISA caps (glowplug's, torch's, oneDNN's).
