@@ -260,6 +260,36 @@ GLOWPLUG_VINLINE __m256i dot_scaled(__m256i codes, __m256i x, __m256i scale16) {
 GLOWPLUG_VINLINE void prefetch_w(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); }
 constexpr int64_t kAhead = 4096;  // bytes of the weight stream fetched ahead of the block being computed
 
+// k_scales in vector registers: the 8 scales and 8 mins of a Q4_K/Q5_K super-block as 16-bit lanes (scales 0-7, mins
+// 8-15), from the 12 bytes at p (16 are loaded: the 4 after them are the block's own codes, masked away).
+GLOWPLUG_VINLINE __m256i k_scales16(const uint8_t* p) {
+  const __m128i u = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  // a: [s0-3, s8-11, s4-7, s8-11]; top: the high 2 bits of s0-3 (for scales 4-7) and s4-7 (for mins 4-7), in place
+  const __m128i a = _mm_shuffle_epi8(u, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+  const __m128i hi = _mm_shuffle_epi8(u, _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7));
+  const __m128i top = _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(hi, 6), _mm_set1_epi8(0x03)), 4);
+  const __m128i low6 = _mm_and_si128(a, _mm_set1_epi8(0x3F));  // scales 0-3, mins 0-3
+  const __m128i nib_lo = _mm_and_si128(a, _mm_set1_epi8(0x0F));  // scales 4-7: low nibbles of s8-11
+  const __m128i nib_hi = _mm_and_si128(_mm_srli_epi16(a, 4), _mm_set1_epi8(0x0F));  // mins 4-7: high nibbles
+  const __m128i first = _mm_setr_epi8(-1, -1, -1, -1, 0, 0, 0, 0, -1, -1, -1, -1, 0, 0, 0, 0);
+  const __m128i minsel = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, -1);
+  const __m128i nib = _mm_blendv_epi8(nib_lo, nib_hi, minsel);
+  const __m128i bytes = _mm_blendv_epi8(_mm_or_si128(nib, top), low6, first);
+  // bytes: [sc0-3, sc4-7, m0-3, m4-7]
+  return _mm256_cvtepu8_epi16(bytes);
+}
+
+// Shuffle masks that broadcast 16-bit lane j (j = 0..7) of each 128-bit half to all 8 lanes of that half, 32 bytes
+// each, in order of j.
+alignas(32) constexpr uint8_t kBcast16[256] = {
+#define GLOWPLUG_B16(j) 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1, 2 * j, \
+  2 * j + 1, 2 * j, 2 * j + 1, 2 * j, 2 * j + 1
+    GLOWPLUG_B16(0), GLOWPLUG_B16(0), GLOWPLUG_B16(1), GLOWPLUG_B16(1), GLOWPLUG_B16(2), GLOWPLUG_B16(2),
+    GLOWPLUG_B16(3), GLOWPLUG_B16(3), GLOWPLUG_B16(4), GLOWPLUG_B16(4), GLOWPLUG_B16(5), GLOWPLUG_B16(5),
+    GLOWPLUG_B16(6), GLOWPLUG_B16(6), GLOWPLUG_B16(7), GLOWPLUG_B16(7)
+#undef GLOWPLUG_B16
+};
+
 // Shuffle mask that broadcasts 16-bit lane j of each 128-bit half to all 8 lanes of that half.
 GLOWPLUG_VINLINE __m256i bcast16(int j) {
   const int8_t lo = static_cast<int8_t>(2 * j), hi = static_cast<int8_t>(2 * j + 1);
@@ -279,51 +309,51 @@ void kq45_tile(const uint8_t* const* w, int64_t nsb, const Rows<MR>& x, float (*
     for (int r = 0; r < MR; ++r) acc[n][r] = _mm256_setzero_ps(), accm[n][r] = _mm_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(0x01);
   for (int64_t i = 0; i < nsb; ++i) {
+    // Per weight row: its 8 scales for the chunks below, and its mins' part of the dot product, taken now so that
+    // only the scales stay live through the chunks (fewer registers: no spills).
     __m256i sc16[NR], hb[NR];
-    __m128i mn16[NR];
-    _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
+    _Pragma("GCC unroll 4") for (int n = 0; n < NR; ++n) {
       const uint8_t* b = w[n] + i * kBytes;
       for (int64_t off = 0; off < kBytes; off += 64) prefetch_w(b + kAhead + off);
-      alignas(16) uint8_t sm[16];
-      k_scales(b + 4, sm);
-      const __m256i sm16 = _mm256_cvtepu8_epi16(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)));
+      const __m256i sm16 = k_scales16(b + 4);
       sc16[n] = _mm256_permute2x128_si256(sm16, sm16, 0x00);  // scales 0-7 in both halves
-      mn16[n] = _mm256_extracti128_si256(sm16, 1);
+      const __m128i mn16 = _mm256_extracti128_si256(sm16, 1);
+      const __m128 dmin = _mm_cvtph_ps(_mm_cvtsi32_si128(b[2] | (b[3] << 8)));
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+        const __m128i prod = _mm_madd_epi16(mn16, load128(x.s32(r) + i * 8));
+        const __m128 scale = _mm_broadcastss_ps(_mm_mul_ss(dmin, _mm_set_ss(x.dk(r)[i])));  // dmin * dx
+        accm[n][r] = _mm_fmadd_ps(scale, _mm_cvtepi32_ps(prod), accm[n][r]);
+      }
       if constexpr (FIVE) hb[n] = load256(b + 16);
     }
     __m256i sumi[NR][MR];
     for (int n = 0; n < NR; ++n)
       for (int r = 0; r < MR; ++r) sumi[n][r] = _mm256_setzero_si256();
+    // Weight rows outer, activation rows inner: one row's decoded chunk (four registers) is live at a time, and the
+    // activation bytes are reloaded from L1 for each weight row rather than held.
     _Pragma("GCC unroll 4") for (int c = 0; c < 4; ++c) {
-      __m256i ql[NR], qh[NR], sl[NR], sh[NR];
-      _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
+      const __m256i bl = load256(kBcast16 + 64 * c), bh = load256(kBcast16 + 64 * c + 32);
+      _Pragma("GCC unroll 4") for (int n = 0; n < NR; ++n) {
         const __m256i q4 = load256(w[n] + i * kBytes + (FIVE ? 48 : 16) + 32 * c);
-        ql[n] = _mm256_and_si256(q4, m4);
-        qh[n] = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+        __m256i ql = _mm256_and_si256(q4, m4);
+        __m256i qh = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
         if constexpr (FIVE) {
-          ql[n] = _mm256_or_si256(ql[n], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb[n], 2 * c), m1), 4));
-          qh[n] = _mm256_or_si256(qh[n],
-                                  _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb[n], 2 * c + 1), m1), 4));
+          ql = _mm256_or_si256(ql, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb[n], 2 * c), m1), 4));
+          qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb[n], 2 * c + 1), m1), 4));
         }
-        sl[n] = _mm256_shuffle_epi8(sc16[n], bcast16(2 * c));
-        sh[n] = _mm256_shuffle_epi8(sc16[n], bcast16(2 * c + 1));
-      }
-      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
-        const int8_t* xq = x.qk(r) + i * 256 + 64 * c;
-        const __m256i xl = load256(xq), xh = load256(xq + 32);
-        _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n)
-          sumi[n][r] = _mm256_add_epi32(sumi[n][r], _mm256_add_epi32(dot_scaled(ql[n], xl, sl[n]),
-                                                                     dot_scaled(qh[n], xh, sh[n])));
+        const __m256i sl = _mm256_shuffle_epi8(sc16[n], bl), sh = _mm256_shuffle_epi8(sc16[n], bh);
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+          const int8_t* xq = x.qk(r) + i * 256 + 64 * c;
+          sumi[n][r] = _mm256_add_epi32(sumi[n][r], _mm256_add_epi32(dot_scaled(ql, load256(xq), sl),
+                                                                     dot_scaled(qh, load256(xq + 32), sh)));
+        }
       }
     }
-    _Pragma("GCC unroll 2") for (int n = 0; n < NR; ++n) {
-      const uint8_t* b = w[n] + i * kBytes;
-      const float d = fp16(b), dmin = fp16(b + 2);
+    _Pragma("GCC unroll 4") for (int n = 0; n < NR; ++n) {
+      const __m128 d = _mm_cvtph_ps(_mm_cvtsi32_si128(w[n][i * kBytes] | (w[n][i * kBytes + 1] << 8)));
       _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
-        const float dx = x.dk(r)[i];
-        acc[n][r] = _mm256_fmadd_ps(_mm256_set1_ps(d * dx), _mm256_cvtepi32_ps(sumi[n][r]), acc[n][r]);
-        const __m128i prod = _mm_madd_epi16(mn16[n], load128(x.s32(r) + i * 8));
-        accm[n][r] = _mm_fmadd_ps(_mm_set1_ps(dmin * dx), _mm_cvtepi32_ps(prod), accm[n][r]);
+        const __m256 scale = _mm256_broadcastss_ps(_mm_mul_ss(d, _mm_set_ss(x.dk(r)[i])));  // d * dx
+        acc[n][r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sumi[n][r]), acc[n][r]);
       }
     }
   }
@@ -636,10 +666,12 @@ void tile_dot(int64_t type, const uint8_t* const* w, int64_t K, const Rows<MR>& 
 
 // Activation rows per tile: up to kMR; a pass over fewer rows (a batch's last rows) pairs weight rows instead.
 constexpr int kMR = 4;
+constexpr int kGroup1 = 2;  // weight rows per tile of one activation row (2 or 4)
 
 // Weight rows [r0, r1) of one segment against activation rows [m0, m1), writing their outputs: weight rows outer (a
-// pair of rows stays in L1 while every activation tile passes it), activation tiles of up to kMR rows inner. Tiles of
-// one or two activation rows take two weight rows at once (a batch-1 step's loads of x serve both); wider tiles one.
+// group of four rows stays in L1 while every activation tile passes it), activation tiles of up to kMR rows inner. A
+// tile of one activation row takes four weight rows at once and one of two rows two (the loads of x serve them all);
+// wider tiles one.
 template <class Put>
 void run_rows(int64_t type, const uint8_t* base, int64_t stride, int64_t r0, int64_t r1, int64_t K, const Act& a,
               int64_t m0, int64_t m1, const Put& put) {
@@ -656,16 +688,19 @@ void run_rows(int64_t type, const uint8_t* base, int64_t stride, int64_t r0, int
   using I2 = std::integral_constant<int, 2>;
   using I3 = std::integral_constant<int, 3>;
   using I4 = std::integral_constant<int, 4>;
-  for (int64_t r = r0; r < r1; r += 2) {
-    const bool pair = r + 1 < r1;
+  using I4r = std::integral_constant<int, 4>;
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t g = std::min<int64_t>(4, r1 - r);  // weight rows in this group
     for (int64_t m = m0; m < m1; m += kMR) {
       const int64_t mr = std::min<int64_t>(kMR, m1 - m);
-      for (int64_t n = 0; n < (pair ? 2 : 1); ++n) {
-        if (pair && mr <= 2) {  // both weight rows in one tile
-          if (mr == 1) tile(I2{}, I1{}, r, m);
-          else tile(I2{}, I2{}, r, m);
-          break;
-        }
+      if (kGroup1 == 4 && mr == 1 && g == 4) {
+        tile(I4r{}, I1{}, r, m);
+        continue;
+      }
+      int64_t n = 0;
+      if (mr <= 2)
+        for (; n + 2 <= g; n += 2) mr == 1 ? tile(I2{}, I1{}, r + n, m) : tile(I2{}, I2{}, r + n, m);
+      for (; n < g; ++n) {
         if (mr == 1) tile(I1{}, I1{}, r + n, m);
         else if (mr == 2) tile(I1{}, I2{}, r + n, m);
         else if (mr == 3) tile(I1{}, I3{}, r + n, m);
