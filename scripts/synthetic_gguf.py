@@ -353,6 +353,10 @@ FIXTURES: tuple[Fixture, ...] = (
             shape=_tiny("qwen2", hidden=64, ffn=128, heads=4, kv_heads=2, qkv_bias=True, tied=True, rope_theta=1e6),
             why="the tiny checkpoints' Qwen2 shape (hidden 64, FFN 128: rows not a multiple of 256) at Q4_K_M: "
                 "llama.cpp falls back to Q5_0 for Q4_K and Q8_0 for Q6_K, as it does for Qwen2.5-0.5B's 896; tied"),
+    Fixture(file="qwen2-tied-q5_1-q8_0.gguf", ftype="Q5_K_M",
+            shape=_tiny("qwen2", hidden=64, ffn=128, heads=4, kv_heads=2, qkv_bias=True, tied=True, rope_theta=1e6),
+            why="the same small shape at Q5_K_M: Q5_K falls back to Q5_1 (as gemma-3-270m's 640 columns do at "
+                "Q5_K_M), Q6_K to Q8_0"),
     Fixture(file="llama3-q4_k_m.gguf", ftype="Q4_K_M", shape=_tiny("llama", rope_theta=500000.0, eps=1e-5),
             why="Llama 3 (8B's layout: GQA, untied, RoPE base 500000) whose q/k rows llama.cpp's converter permutes"),
     Fixture(file="qwen3-q4_k_m.gguf", ftype="Q4_K_M",

@@ -10,7 +10,10 @@ the same file; under `--quantization auto` (the default) the engine starts, deco
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import gguf
@@ -22,6 +25,7 @@ from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.stages.base import StartupFailed
 
 DATA = Path(__file__).parent / "data" / "gguf"
+SCRIPT = Path(__file__).parent.parent / "scripts" / "synthetic_gguf.py"
 
 # file -> the stored types that make its layout: (tensor role, with the layer index dropped) -> types present.
 LAYOUTS: dict[str, dict[str, set[str]]] = {
@@ -34,6 +38,8 @@ LAYOUTS: dict[str, dict[str, set[str]]] = {
     "qwen2-bias-q8_0.gguf": {"attn_v.bias": {"F32"}, "attn_q.weight": {"Q8_0"}, "output.weight": {"Q8_0"}},
     "qwen2-tied-q5_0-q8_0.gguf": {"attn_q.bias": {"F32"}, "attn_q.weight": {"Q5_0"}, "attn_v.weight": {"Q5_0", "Q8_0"},
                                   "token_embd.weight": {"Q8_0"}},
+    "qwen2-tied-q5_1-q8_0.gguf": {"attn_k.bias": {"F32"}, "attn_q.weight": {"Q5_1"}, "ffn_down.weight": {"Q5_1", "Q8_0"},
+                                  "token_embd.weight": {"Q8_0"}},
     "llama3-q4_k_m.gguf": {"attn_q.weight": {"Q4_K"}, "attn_k.weight": {"Q4_K"}, "output.weight": {"Q6_K"}},
     "qwen3-q4_k_m.gguf": {"attn_q_norm.weight": {"F32"}, "attn_k_norm.weight": {"F32"}, "attn_q.weight": {"Q4_K"}},
     "gemma3-q4_k_m.gguf": {"post_attention_norm.weight": {"F32"}, "post_ffw_norm.weight": {"F32"},
@@ -41,7 +47,7 @@ LAYOUTS: dict[str, dict[str, set[str]]] = {
                            "attn_output.weight": {"Q4_K"}, "ffn_down.weight": {"Q4_K", "Q6_K"},
                            "token_embd.weight": {"Q8_0"}},
 }  # fmt: skip
-TIED = {"qwen2-tied-q5_0-q8_0.gguf", "gemma3-q4_k_m.gguf"}
+TIED = {"qwen2-tied-q5_0-q8_0.gguf", "qwen2-tied-q5_1-q8_0.gguf", "gemma3-q4_k_m.gguf"}
 
 # Under auto, a fused q/k/v whose parts repack exactly (Q4_K into int4; Q8_0/Q5_0 into int8) reaches the repack
 # with the F32 biases beside them: gguf_tensors.repack_int4/_int8 look the F32 type up among the block types.
@@ -125,3 +131,37 @@ def test_auto_starts_decodes_and_follows_none(file: str, make_llm: Any) -> None:
     assert cos.min() >= 0.99, cos
     assert top1 >= 0.9, (got.argmax(-1), want.argmax(-1))
     assert len(auto.generate([PROMPT], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("synthetic_gguf", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # pydantic resolves the models' annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_writer_lays_out_a_model_transformers_reads_as_glowplug_does(tmp_path: Path, make_llm: Any) -> None:
+    """scripts/synthetic_gguf.py's writer alone (no llama.cpp: this runs everywhere): the Llama 3 fixture's shape
+    stored as F16 (q/k rows in llama.cpp's permuted order) gives the same fp32 logits in glowplug and transformers."""
+    sg = _script()
+    shape = next(f.shape for f in sg.FIXTURES if f.file == "llama3-q4_k_m.gguf")
+    path = sg.write_random(shape, tmp_path / "llama3-f16.gguf", sg.tiny_tokenizer(), stored="F16",
+                           std=sg.FIXTURE_STD)  # fmt: skip
+    assert set(sg.type_table(path).values()) == {"F16", "F32"}
+    llm = make_llm(str(path), dtype="float32", quantization="none", **COMMON)
+    ids = llm.tokenizer(PROMPT)["input_ids"]
+    with torch.inference_mode():
+        want = _hf(path)(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(_logits(llm.engine.model, ids), want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_committed_files_have_the_types_llama_cpp_gives_today(tmp_path: Path) -> None:
+    """Made again with the installed llama.cpp (skipped without llama-cpp-python, as in CI), every committed
+    fixture has the same tensors and the same type per tensor: the files still show what its quantizer writes."""
+    pytest.importorskip("llama_cpp")
+    sg = _script()
+    for path in sg.make_fixtures(tmp_path):
+        assert sg.type_table(path) == sg.type_table(DATA / path.name), path.name
+    assert sorted(p.name for p in DATA.glob("*.gguf")) == sorted(f.file for f in sg.FIXTURES) == sorted(LAYOUTS)
