@@ -567,6 +567,9 @@ def build_parser(command: str | None = None) -> CommandParser:
     prep = msub.add_parser("prepare", help="Convert a GGUF model (the embedded default) into the cache now.")
     add_model_argument(prep)
     prep.set_defaults(func=cmd_models_prepare)
+    from glowplug import model_fetch
+
+    model_fetch.register(msub)
     return parser
 
 

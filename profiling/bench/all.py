@@ -22,13 +22,16 @@ Order, and why:
   7. decode-auto       the engine's default quantization (auto) against none and int4
   8. decode-isa        decode at the avx2 level (capped), every dtype, vs transformers
   9. decode-portable   decode at the portable level (capped)
+     real-decode       auto (and llama.cpp on the same file) on a real-size model (needs --real-model)
   10. throughput       seed 002's seven named configurations x schemes, Output Throughput without prefill
   11. latency          seed 001's TGI-style tables (prefill, decode token, decode total) per quantization
   12. latency-tp       the same at TP=3 against TP=1 (gloo)
-  13. tune             max-model-len sweep and plan; tune-gemma the same on Gemma 3 (needs --gemma3-gguf)
+  13. tune             max-model-len sweep and plan; tune-gemma the same on Gemma 3 (needs --gemma3-gguf),
+                       real-tune on a real-size model (needs --real-model)
   14. startup          N cold and N warm starts (`glowplug bench startup`)
   15. startup-tp1/tp3  cold and warm starts at TP=1 and TP=3
   16. gemma-startup    the second model's starts (needs --gemma3-gguf; listed as skipped without it)
+      real-startup     cold, warm and bundle starts of a real-size model (needs --real-model; skipped without)
   17. screenshots      the live start-up page of a real `glowplug serve`: starting, READY, phone, under load
                        (`glowplug bench screenshots`; each png is stamped with the commit and date)
   18. cache-verify     cost of verifying a warm cache hit
@@ -68,8 +71,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 STEP_NAMES: tuple[str, ...] = (
     "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "decode-context", "decode-auto", "decode-isa",
-    "decode-portable", "throughput", "latency", "latency-tp", "tune", "tune-gemma", "startup", "startup-tp1", "startup-tp3",
-    "gemma-startup", "screenshots", "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak", "serve-hostile",
+    "decode-portable", "real-decode", "throughput", "latency", "latency-tp", "tune", "tune-gemma", "real-tune", "startup",
+    "startup-tp1", "startup-tp3", "gemma-startup", "real-startup", "screenshots", "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak", "serve-hostile",
 )  # fmt: skip
 SIDECAR = "bench-all.json"  # every report's last outcome in DIR; README.md is rendered from it
 
@@ -90,6 +93,11 @@ class BenchAllConfig(BaseModel):
         "gemma-startup); "
         "without it they are listed as skipped, with this flag as the fix.",
     )  # fmt: skip
+    real_model: Path | None = Field(
+        None, description="A real-size GGUF (Qwen2.5-Coder-1.5B Q4_K_M: `glowplug models fetch qwen2.5-coder-1.5b`; "
+        "or a synthetic 7B from scripts/synthetic_gguf.py) for the real-size reports (real-decode, real-tune, "
+        "real-startup); without it they are listed as skipped, with this flag as the fix.",
+    )  # fmt: skip
     allow_dirty: bool = Field(False, description="Run although tracked files differ from HEAD (outside --out); the "
                               "index and every report then say DIRTY RUN.")
 
@@ -99,6 +107,15 @@ class BenchAllConfig(BaseModel):
         if v is not None and not v.is_file():
             raise ValueError(f"no file at {v}: give the path of a Gemma 3 .gguf file, or leave --gemma3-gguf out "
                              "(the Gemma reports are then listed as skipped)")
+        return v
+
+    @field_validator("real_model")
+    @classmethod
+    def _real_model_is_a_file(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"no file at {v}: give the path of a .gguf file (`glowplug models fetch "
+                             "qwen2.5-coder-1.5b` prints one), or leave --real-model out (the real-size reports are "
+                             "then listed as skipped)")
         return v
 
     def steps(self) -> list[str]:
@@ -146,6 +163,8 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
     serve_common = ["bench", "serve", m, "--dtype", "bfloat16", "--runs", reps_of(q),
                     "--input-len", "16" if q else "128", "--output-len", "4" if q else "64"]  # fmt: skip
     reps = reps_of(q)
+    real = str(cfg.real_model or "REAL_MODEL_GGUF")
+    real_skip = None if cfg.real_model else "no real-size model given: pass --real-model PATH"
     steps = {
         "accuracy": Step("accuracy", ["bench", "accuracy", m, "--quantization", _items(with_auto),
                                       *(["--window", "64", "--continuation-tokens", "0"] if q else []),
@@ -212,6 +231,15 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             "--out", str(o / "decode-portable.md")],
             ["decode-portable.md"], "issue 34: decode at the portable level (capped): the speed any CPU gets",
             env={"GLOWPLUG_MAX_CPU_ISA": "portable", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}),
+        # The engine's default at a size users serve, against llama.cpp on the same file (the bar the memory and
+        # start-up targets are set against); batch 1, as a CPU user runs it.
+        "real-decode": Step("real-decode", [
+            "bench", "decode", real, "--dtype", "bfloat16", "--quantization", "auto", "--batch-sizes", "1",
+            "--compile", "off" if q else "on", "--repeats", reps, "--new-tokens", "8" if q else "32",
+            "--prompt-tokens", "16" if q else "64", "--no-compare-hf", "--peers", "llamacpp",
+            "--out", str(o / "real" / "decode.md")],
+            ["real/decode.md"], "a real-size model (--real-model): auto against llama.cpp on the same file",
+            skip=real_skip),
         "throughput": Step("throughput", [
             # All seven of seed 002's configurations; a scheme accuracy.json marks unusable is listed, not timed.
             "bench", "throughput", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
@@ -250,6 +278,14 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             "--out-dir", str(o / "tune-max-model-len" / "gemma")],
             ["tune-max-model-len/gemma/tune.md"], "the same sweep on Gemma 3 270m (Q4_K_M GGUF)",
             skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH"),
+        # The same sweep at a real size, where the KV pool competes with weights of a GB and more (the default
+        # compile: what a user of that model starts with).
+        "real-tune": Step("real-tune", [
+            "tune", "max-model-len", real, *(["--max-model-len", "256", "--plan"] if q else ["--repeats", reps]),
+            "--min-concurrency", "8", *(["--no-plots"] if q else []),
+            "--out-dir", str(o / "tune-max-model-len" / "real")],
+            ["tune-max-model-len/real/" + ("tune-plan.md" if q else "tune.md")],
+            "the same sweep on a real-size model (--real-model)", skip=real_skip),
         # 80 pairs: a 1% tracing-overhead target on a ~2 s warm start is ~20 ms, inside the noise of 10 pairs.
         "startup": Step("startup", ["bench", "startup", m, "--runs", reps, "--tracing-runs", "2" if q else "80",
                                       *([] if q else ["--bundle-isa-cap", "avx2"]), *_startup_out(o / "startup")],
@@ -269,6 +305,12 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             "--no-bundle", "--no-tracing-overhead", *_startup_out(o / "gemma-startup")],
             ["gemma-startup/startup.md"], "Gemma 3 270m (Q4_K_M GGUF): cold and warm starts",
             skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH"),
+        # Cold, warm and bundle starts at a real size, each against its floor (the tracing-overhead pairs are the
+        # default model's: 80 starts of a GB-sized model would take the run's hours).
+        "real-startup": Step("real-startup", [
+            "bench", "startup", real, "--runs", reps, "--no-tracing-overhead", *_startup_out(o / "real" / "startup")],
+            ["real/startup/startup.md"], "a real-size model (--real-model): cold, warm and bundle starts",
+            skip=real_skip),
         # After startup: the page's ghosts and ETA come from the earlier starts of the same config. 16 clients put
         # visible traffic on the serving charts; the load is stopped once its screenshot is taken.
         "screenshots": Step("screenshots", ["bench", "screenshots", m, "--under-load", "2" if q else "16",

@@ -191,3 +191,28 @@ def test_a_step_without_its_input_is_listed_as_skipped_with_the_fix(monkeypatch:
     assert calls[-1]["name"] == "gemma-startup"
     step = bench_all.plan_steps(BenchAllConfig(out=out, gemma3_gguf=gguf), ["gemma-startup"])[0]
     assert step.skip is None and str(gguf) in step.argv
+
+
+def test_the_real_size_steps_run_on_real_model_and_skip_with_the_flag_without(monkeypatch: pytest.MonkeyPatch,
+                                                                               tmp_path: Path) -> None:  # fmt: skip
+    """--real-model: startup, tune and decode at a real size run on that file; without it the three are listed as
+    skipped with the flag as the fix, and a path that is no file is refused before anything runs."""
+    calls: list[dict[str, Any]] = []
+    _fake_run(monkeypatch, GitState(COMMIT_A, False), calls)
+    out = tmp_path / "out"
+    real = ("real-decode", "real-tune", "real-startup")
+    results = bench_all.run_all(BenchAllConfig(out=out, only=real))
+    assert calls == [] and [r.error for r in results] == ["skipped: no real-size model given: pass --real-model PATH"] * 3
+    readme = (out / "README.md").read_text()
+    for output in ("real/decode.md", "tune-max-model-len/real/tune.md", "real/startup/startup.md"):
+        row = next(ln for ln in readme.splitlines() if output in ln)
+        assert "pass --real-model PATH" in row, row
+
+    gguf = tmp_path / "qwen.gguf"
+    with pytest.raises(ValueError, match="no file at .*models fetch qwen2.5-coder-1.5b.*leave --real-model out"):
+        BenchAllConfig(out=out, real_model=gguf)
+    gguf.write_bytes(b"GGUF")
+    bench_all.run_all(BenchAllConfig(out=out, only=real, real_model=gguf))
+    assert [c["name"] for c in calls] == list(real)
+    for step in bench_all.plan_steps(BenchAllConfig(out=out, real_model=gguf), list(real)):
+        assert step.skip is None and str(gguf) in step.argv, step

@@ -1,0 +1,52 @@
+"""Qwen2.5-Coder-1.5B-Instruct Q4_K_M, the official file as users download it (`glowplug models fetch
+qwen2.5-coder-1.5b`; skipped, naming that command, until it is fetched): de-quantized in fp32 its greedy tokens are
+transformers' reading the same file, and the default start (`--quantization auto`) reaches READY and decodes."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+
+from glowplug.engine.sampling_params import SamplingParams
+from glowplug.engine.stages.base import StartupFailed
+
+pytestmark = pytest.mark.slow
+PROMPT = "def quicksort(items: list[int]) -> list[int]:\n    \"\"\"Sort the items in ascending order.\"\"\"\n"
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+# A 1.5B model in fp32 is 7 GB: one engine at a time, a small KV pool, no compile (its cost is not this test's).
+SMALL: dict[str, object] = dict(compile="off", max_model_len=512, num_gpu_blocks_override=64, max_num_seqs=2)
+
+
+@pytest.mark.timeout(1800)  # two fp32 loads of a 1.5B model and 64 decode steps on 2 cores
+def test_none_fp32_greedy_tokens_equal_transformers(qwen_gguf: Path) -> None:
+    """32 greedy tokens at --quantization none --dtype float32 equal transformers' generate on the same GGUF
+    (fp32). Ours runs first and is freed before transformers loads, so the test peaks at one fp32 copy."""
+    from transformers import AutoModelForCausalLM
+
+    from glowplug.engine.llm import LLM
+
+    llm = LLM(str(qwen_gguf), dtype="float32", quantization="none", **SMALL)
+    ids = llm.tokenizer(PROMPT)["input_ids"]
+    got = llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+    del llm
+    gc.collect()
+    hf = AutoModelForCausalLM.from_pretrained(str(qwen_gguf.parent), gguf_file=qwen_gguf.name,
+                                              dtype=torch.float32).eval()  # fmt: skip
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert got == out[0, len(ids) :].tolist()
+
+
+@pytest.mark.xfail(strict=False, raises=StartupFailed,
+                   reason="auto repacks Qwen2's fused q/k/v with its F32 biases and fails (KeyError: 0 in "
+                          "gguf_tensors.repack_int4); fixed when the in-place GGUF kernels replace the repack")
+def test_the_default_start_reaches_ready_and_decodes(qwen_gguf: Path) -> None:
+    from glowplug.engine.llm import LLM
+
+    llm = LLM(str(qwen_gguf), **SMALL)
+    assert llm.config.quant.quantization == "auto"
+    text = llm.generate([PROMPT], GREEDY)[0].outputs[0]
+    assert len(text.token_ids) == GREEDY.max_tokens
