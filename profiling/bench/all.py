@@ -38,6 +38,8 @@ Order, and why:
   22. serve-fuzz       schemathesis over the server's OpenAPI document, at the default max-model-len
   23. serve-soak       two minutes of mixed streams with hang-ups, then leak and counter checks
   24. serve-hostile    a 20 MB prompt refused under load, the hostile corpus, the limits' cost on throughput
+A report with a target leaves its verdicts beside it (profiling/bench/verdicts.py); the index shows FAIL naming
+the missed targets for such a step, even when its command exited 0.
 Not made here: reports/gpu (scripts/device_check.sh on a GPU machine; its README names its commit).
 The serve reports come last: each starts its own server, and none of the in-process tables above should share
 the cores with one.
@@ -378,9 +380,26 @@ def run_step(step: Step, timeout_s: float, log: Path, out: Path, run_env: dict[s
         # say the report exists, so a FAIL verdict is not mistaken for a crash.
         written = all((out / o).is_file() and (out / o).stat().st_mtime >= started for o in step.outputs)
         reason = _last_line(log)  # e.g. `bench screenshots`: "no chromium found: ..."
-        err = (f"report written, exit {proc.returncode} (a check in it failed; see the report and logs/{log.name})"
-               if written else f"exit {proc.returncode}: {reason + ' ' if reason else ''}(see logs/{log.name})")
+        err = (f"FAIL: report written, exit {proc.returncode} (a check in it failed; see the report and "
+               f"logs/{log.name})" if written else f"exit {proc.returncode}: {reason + ' ' if reason else ''}(see "
+               f"logs/{log.name})")  # fmt: skip
+    missed = missed_targets(step, out, started)
+    if missed:
+        err = f"FAIL: {'; '.join(missed)}" + (f" ({err})" if err else "")
     return StepResult(step, proc.returncode, time.perf_counter() - t0, rss, err)
+
+
+def missed_targets(step: Step, out: Path, since: float) -> list[str]:
+    """The targets the step's reports say were missed (their verdicts sidecars, written by this run)."""
+    from .verdicts import failed_targets, sidecar
+
+    missed: list[str] = []
+    for output in step.outputs:
+        report = out / output
+        side = sidecar(report)
+        if report.suffix == ".md" and side.is_file() and side.stat().st_mtime >= since:
+            missed += failed_targets(report)
+    return missed
 
 
 def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:
