@@ -219,9 +219,16 @@ class PhaseSource:
     kind: str
     basis: str
     inputs: dict[str, float] = field(default_factory=dict)
+    own: bool = False  # recorded by a start of this very config
 
     def to_json(self) -> dict[str, Any]:
         return {"kind": self.kind, "basis": self.basis, "inputs": self.inputs}
+
+    @property
+    def qualifier(self) -> str:
+        """How the progress line qualifies this phase's estimate: "" (this config's own start), "first start for
+        this config" (another config's), "start-up model"."""
+        return "" if self.own else "start-up model" if self.kind == "model" else "first start for this config"
 
 
 @dataclass(frozen=True)
@@ -273,6 +280,10 @@ class PhaseEstimate:
 
     def sources_json(self) -> dict[str, dict[str, Any]]:
         return {s: src.to_json() for s, src in self.sources.items()}
+
+    def qualifiers(self) -> dict[str, str]:
+        """stage -> how the progress line qualifies its estimate (PhaseSource.qualifier)."""
+        return {s: src.qualifier for s, src in self.sources.items()}
 
 
 def _agrees(stage_deps: tuple[str, ...], pattern: Pattern, record: StartRecord) -> bool:
@@ -334,7 +345,7 @@ def predict(pattern: Pattern, caches: Mapping[str, tuple[str, ...]], mine: Seque
             if rec.pattern is not None and dict(rec.pattern) == dict(pattern):
                 what = f"the last {kind} start" if kind else "the last start"
                 basis = f"from {what} of this config"
-                sources = {s: PhaseSource("recorded", f"recorded: {what} of this config") for s in rec.stages}
+                sources = {s: PhaseSource("recorded", f"recorded: {what} of this config", own=True) for s in rec.stages}
                 contention = rec.contention
                 return PhaseEstimate(dict(rec.stages), True, basis, "same_pattern", (), rec.scale, dict(pattern),
                                      sources, rec.deps if contention is not None else None, contention or 1.0)  # fmt: skip
@@ -346,7 +357,7 @@ def predict(pattern: Pattern, caches: Mapping[str, tuple[str, ...]], mine: Seque
         for rec, own in candidates:
             if stage in rec.stages and _agrees(stage_deps, pattern, rec):
                 seconds[stage], source[stage] = rec.stages[stage], (rec, own)
-                sources[stage] = PhaseSource("recorded", _record_basis(rec, own, stage_deps))
+                sources[stage] = PhaseSource("recorded", _record_basis(rec, own, stage_deps), own=own)
                 break
     modelled: list[str] = []
     model_basis = (coefficients or PRIOR).provenance()

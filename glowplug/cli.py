@@ -217,7 +217,8 @@ def _imports_done(args: argparse.Namespace, config: EngineConfig, progress: Star
         progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, None, True)
     else:
         progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, estimate.seconds,
-                              estimate.same_config, estimate.basis, estimate.total_s, estimate.remaining_s)  # fmt: skip
+                              estimate.same_config, estimate.basis, estimate.total_s, estimate.remaining_s,
+                              estimate.qualifiers())  # fmt: skip
     tracing.provider.add_span_processor(progress)
 
 
@@ -232,7 +233,7 @@ def _plan_known(progress: StartupProgress | None) -> Callable[[Any], None] | Non
             progress.plan_known(None, True, plan.basis)
         else:
             progress.plan_known(estimate.seconds, estimate.same_config, estimate.basis, estimate.total_s,
-                                estimate.remaining_s)  # fmt: skip
+                                estimate.remaining_s, estimate.qualifiers())  # fmt: skip
 
     return show
 

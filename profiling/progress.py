@@ -63,14 +63,17 @@ def _seconds(s: float) -> str:
     return f"{s:.1f} s" if s < 100 else f"{s:.0f} s"
 
 
-def eta_phrase(stage: str, estimate: Mapping[str, float] | None, same_config: bool) -> str:
+def eta_phrase(stage: str, estimate: Mapping[str, float] | None, same_config: bool,
+               qualifiers: Mapping[str, str] | None = None) -> str:  # fmt: skip
     """How long `stage` should take, in words: "about 25 s", "first start for this config, about 25 s" (the
-    estimate is another config's), or "" when no start recorded this stage."""
+    estimate is another config's), "start-up model, about 25 s", or "" when nothing predicts this stage.
+    `qualifiers`: stage -> the words before the time (overrides `same_config` for the stages it names)."""
     seconds = None if estimate is None else estimate.get(stage)
     if seconds is None:
-        return ""  # nothing recorded for this stage: the imports line already said there is no estimate
+        return ""  # nothing predicts this stage: the imports line already said so
     about = "under a second" if seconds < 1 else f"about {round(seconds)} s"
-    return about if same_config else f"first start for this config, {about}"
+    qualifier = (qualifiers or {}).get(stage, "" if same_config else "first start for this config")
+    return f"{qualifier}, {about}" if qualifier else about
 
 
 class _Running:
@@ -118,6 +121,7 @@ class StartupProgress(SpanProcessor):
         self._running: dict[str, float] = {}  # stage -> perf_counter at its start; insertion order = start order
         self._finished: set[str] = set()
         self._remaining: Remaining | None = None
+        self._qualifiers: dict[str, str] = {}
         self._console = Console(file=self._stream, highlight=False, soft_wrap=not self._live_wanted,
                                 force_terminal=self._live_wanted or None)  # fmt: skip
         self._live: Live | None = None
@@ -153,20 +157,24 @@ class StartupProgress(SpanProcessor):
 
     def imports_done(self, seconds: float, estimate: Mapping[str, float] | None, same_config: bool,
                      basis: str | None = None, total_s: float | None = None,
-                     remaining: Remaining | None = None) -> None:  # fmt: skip
+                     remaining: Remaining | None = None, qualifiers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         """The imports' time and what the stages should take (`estimate`: seconds per stage, see eta_phrase;
         `basis`: where it comes from, in words; `total_s`: their predicted wall time, else their sum; `remaining`:
-        seconds to READY from the stages finished and running, for the later lines)."""
+        seconds to READY from the stages finished and running, for the later lines; `qualifiers`: per stage, where
+        its estimate comes from, see eta_phrase)."""
         with self._lock:
             self._running.pop("imports", None)
             self._remaining = remaining
+            self._qualifiers = dict(qualifiers or {})
         self._say(f"imports done in {_seconds(seconds)}; {self._expect(estimate, same_config, basis, total_s)}", "dim")
 
     def plan_known(self, estimate: Mapping[str, float] | None, same_config: bool, basis: str | None = None,
-                   total_s: float | None = None, remaining: Remaining | None = None) -> None:  # fmt: skip
+                   total_s: float | None = None, remaining: Remaining | None = None,
+                   qualifiers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         """An estimate made after the imports line (a start from a bundle plans once the bundle is installed)."""
         with self._lock:
             self._remaining = remaining
+            self._qualifiers = dict(qualifiers or {})
         self._say(f"{self._expect(estimate, same_config, basis, total_s)}", "dim")
 
     def ready_in(self) -> float | None:
@@ -190,7 +198,8 @@ class StartupProgress(SpanProcessor):
         now = time.perf_counter()
         with self._lock:
             running = list(self._running.items())
-        return [(stage, stage_label(stage), now - t0, eta_phrase(stage, self._estimate, self._same_config))
+        return [(stage, stage_label(stage), now - t0, eta_phrase(stage, self._estimate, self._same_config,
+                                                                 self._qualifiers))
                 for stage, t0 in running]  # fmt: skip
 
     def close(self, *, ready_s: float | None = None) -> None:
@@ -216,7 +225,7 @@ class StartupProgress(SpanProcessor):
                 return
             self._running[stage] = time.perf_counter()
         if self._live is None:
-            eta = eta_phrase(stage, self._estimate, self._same_config)
+            eta = eta_phrase(stage, self._estimate, self._same_config, self._qualifiers)
             with self._lock:
                 others = [s for s in self._running if s != stage]
             also = f"; also running: {', '.join(others)}" if others else ""

@@ -202,7 +202,7 @@ def test_cold_warm_warm_then_emptied_cold_each_first_eta_from_its_own_kind(tiny_
         if kept.name != "startup_profile":
             shutil.rmtree(kept) if kept.is_dir() else kept.unlink()
     again = _startup(model, cache, tmp_path / "cold2.json")
-    assert again[Attr.CACHE_PATTERN] == "kv_profile=miss"
+    assert again[Attr.CACHE_PATTERN] == "kv_profile=miss, page_cache=hit"
     assert again[Attr.ETA_BASIS] == "from the last cold start of this config"
     cold_record = StartRecord.from_json(records[MISS])
     warm_record = StartRecord.from_json(records[HIT])
