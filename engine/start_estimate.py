@@ -114,8 +114,8 @@ class StartRecord:
     inputs: what was known before it (start_inputs), for the model's fit; deps: the pipeline's waits (stage -> the
     stages it waited for); entries: cache -> the entry key it used (a later prediction without torch checks that
     they are still there); machine: where it ran (the fit takes this machine's starts only); model: the model's
-    cache group; before_s: process creation -> the first stage (None in library use); probe_gbps: the read probe
-    measured right after it. Every field after `wall_s` is None in records from before they were kept.
+    cache group; before_s: process creation -> the first stage (None in library use); imports_s: its imports row
+    (the engine's imports, torch first); probe_gbps: the read probe measured right after it. Every field after `wall_s` is None in records from before they were kept.
     """
 
     stages: dict[str, float]
@@ -128,6 +128,7 @@ class StartRecord:
     model: str | None = None
     before_s: float | None = None
     probe_gbps: float | None = None
+    imports_s: float | None = None
 
     @property
     def scale(self) -> float:
@@ -150,7 +151,7 @@ class StartRecord:
         out: dict[str, Any] = {"stages": self.stages, "pattern": self.pattern, "wall_s": self.wall_s}
         extra = {"inputs": self.inputs, "deps": {k: list(v) for k, v in self.deps.items()} if self.deps else None,
                  "entries": self.entries, "machine": self.machine, "model": self.model, "before_s": self.before_s,
-                 "probe_gbps": self.probe_gbps}  # fmt: skip
+                 "probe_gbps": self.probe_gbps, "imports_s": self.imports_s}  # fmt: skip
         out.update({k: v for k, v in extra.items() if v is not None})
         return out
 
@@ -169,7 +170,8 @@ class StartRecord:
                    str(data["machine"]) if data.get("machine") else None,
                    str(data["model"]) if data.get("model") else None,
                    float(data["before_s"]) if data.get("before_s") is not None else None,
-                   float(data["probe_gbps"]) if data.get("probe_gbps") else None)  # fmt: skip
+                   float(data["probe_gbps"]) if data.get("probe_gbps") else None,
+                   float(data["imports_s"]) if data.get("imports_s") is not None else None)  # fmt: skip
 
 
 def parse_profile(data: Mapping[str, Any]) -> list[StartRecord]:
@@ -243,6 +245,7 @@ class PhaseEstimate:
     sources: stage -> where its seconds come from (PhaseSource).
     deps: the pipeline's waits, for the critical path; contention: see `StartRecord.contention`.
     before_s: predicted seconds from process creation to the first stage (for a prediction made before starting).
+    imports_s: predicted seconds of the engine's imports (a server's ETA while it imports the engine).
     """
 
     seconds: dict[str, float]
@@ -256,6 +259,7 @@ class PhaseEstimate:
     deps: dict[str, tuple[str, ...]] | None = None
     contention: float = 1.0
     before_s: float | None = None
+    imports_s: float | None = None
 
     @property
     def total_s(self) -> float:

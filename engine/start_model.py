@@ -314,6 +314,8 @@ def predict_phase(stage: str, inputs: Inputs, coefficients: Coefficients) -> Mod
             continue  # counted, not worth a word
         if term.unit == "s":
             parts.append(f"{_num(part)} s {term.what(inputs)}")
+        elif term.unit == "x":
+            parts.append(f"{_num(coef[term.key])} x {term.what(inputs)}")
         else:
             parts.append(f"{_num(coef[term.key])} {term.unit} x {term.what(inputs)}")
     n = coefficients.starts.get(stage, 0)

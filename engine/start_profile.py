@@ -243,10 +243,12 @@ def predict_before_start(config: EngineConfig, cache_root: Path) -> StartPlan:
     deps = template.deps if template is not None else None
     estimate = estimate_for(config, store, device, pattern, caches, deps, inputs, entries)
     if estimate is not None:
-        befores = [r.before_s for r in learned if r.before_s is not None][:5]
         from dataclasses import replace
 
-        estimate = replace(estimate, before_s=statistics.median(befores) if befores else None)
+        befores = [r.before_s for r in learned if r.before_s is not None][:5]
+        imports = [r.imports_s for r in learned if r.imports_s is not None][:5]
+        estimate = replace(estimate, before_s=statistics.median(befores) if befores else None,
+                           imports_s=statistics.median(imports) if imports else None)  # fmt: skip
     return StartPlan(pattern, estimate, inputs, deps, {c: p.name for c, p in found.items()}, this_machine(),
                      tuple(notes))  # fmt: skip
 

@@ -204,7 +204,7 @@ def estimate_phase_durations(config: EngineConfig, cache_dir: Path | None = None
 
 
 def _record_phase_durations(ctx: EngineContext, results: list[StageResult], plan: StartPlan,
-                            before_s: float | None, probe_gbps: float | None) -> None:  # fmt: skip
+                            marks: ProcessMarks | None, before_s: float | None, probe_gbps: float | None) -> None:  # fmt: skip
     """Add this start to the config's start-up profile: its seconds per stage with its pattern, inputs and waits,
     keeping the latest start of each other pattern (start_estimate.profile_json)."""
     seconds = {r.name: r.seconds for r in results}
@@ -213,7 +213,9 @@ def _record_phase_durations(ctx: EngineContext, results: list[StageResult], plan
     wall = (max(ends) - min(starts)) / 1e9 if ends and starts else None
     new = StartRecord(seconds, dict(plan.pattern), wall, plan.inputs.to_json() if plan.inputs is not None else None,
                       {k: v for k, v in (plan.deps or {}).items() if k in seconds} or None, dict(plan.entries) or None,
-                      plan.machine or None, model_group(ctx.config.model), before_s, probe_gbps)  # fmt: skip
+                      plan.machine or None, model_group(ctx.config.model), before_s, probe_gbps,
+                      (marks.imports_done_ns - marks.main_entry_ns) / 1e9
+                      if marks is not None and marks.imports_done_ns is not None else None)  # fmt: skip
     store = ArtifactStore(ctx.cache_root)
     try:
         older = _config_records(store, ctx.config)
@@ -412,7 +414,7 @@ def build_engine(
     before_s = (clock.wall_ns(min(begun)) - marks.process_start_ns) / 1e9 if marks is not None and begun else None
     with trace.use_span(root, end_on_exit=False):
         # The install is not a phase a later start repeats (its entries are then present): not recorded.
-        _record_phase_durations(ctx, [r for r in results if r.name != BundleInstall.name], plan, before_s,
+        _record_phase_durations(ctx, [r for r in results if r.name != BundleInstall.name], plan, marks, before_s,
                                 floor.read_gbps if floor is not None else None)  # fmt: skip
         if ctx.compile_cache is not None:
             ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache

@@ -30,7 +30,7 @@ import structlog
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.generation_config import SamplingDefaults, sampling_defaults
 from glowplug.engine.sampling_params import SamplingParams
-from glowplug.profiling.names import PRE_MAIN, STAGE_ROWS
+from glowplug.profiling.names import IMPORTS, PRE_MAIN, STAGE_ROWS
 from glowplug.profiling.process import ProcessMarks
 from glowplug.profiling.tracing import Tracing, setup_tracing
 
@@ -177,9 +177,9 @@ class Service:
         now = self.timeline.now_s()
         elapsed = now if now is not None else snap.startup_elapsed_s
         if not timeline["phases"] and not timeline["running"]:
-            early = self._runner.early_plan
-            before = early.estimate.before_s if early is not None and early.estimate is estimate else None
-            rest = max(before - elapsed, OVERRUN_SHARE * elapsed) if before is not None else 0.0
+            importing = snap.phase == IMPORTS and estimate.imports_s is not None
+            e = snap.phase_elapsed_s
+            rest = max(estimate.imports_s - e, OVERRUN_SHARE * e) if importing else 0.0
             return rest + estimate.total_s
         finished = {p["stage"] for p in timeline["phases"]}
         running = {p["stage"]: max(0.0, elapsed - p["start_s"]) for p in timeline["running"]}

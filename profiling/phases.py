@@ -297,6 +297,8 @@ def work_note(stage: str, attrs: Mapping[str, Any], seconds: float) -> str:
         parts.append(f"generated {_count(attrs, 'glowplug.warmup_tokens')} tokens")
     if attrs.get(Attr.CACHE_HIT) is True and attrs.get(Attr.CACHE_KEY):
         parts.append(f"loaded cache entry {attrs[Attr.CACHE_KEY]}")
+    elif attrs.get(Attr.CACHE_HIT) is False and attrs.get(Attr.CACHE_KEY):
+        parts.append(f"built cache entry {attrs[Attr.CACHE_KEY]}")
     delay = attrs.get("glowplug.test_delay_s")
     if isinstance(delay, (int, float)) and delay > 0:
         parts.append(f"{delay:g} s planted by GLOWPLUG_TEST_STAGE_DELAY")

@@ -26,7 +26,7 @@ Order, and why:
   11. latency          seed 001's TGI-style tables (prefill, decode token, decode total) per quantization
   12. latency-tp       the same at TP=3 against TP=1 (gloo)
   13. tune             max-model-len sweep and plan; tune-gemma the same on Gemma 3 (needs --gemma3-gguf)
-  14. startup          N cold and N warm starts (`glowplug bench startup`)
+  14. startup          N cold and N warm starts (`glowplug bench startup --predict --poll-serve`)
   15. startup-tp1/tp3  cold and warm starts at TP=1 and TP=3
   16. gemma-startup    the second model's starts (needs --gemma3-gguf; listed as skipped without it)
   17. screenshots      the live start-up page of a real `glowplug serve`: starting, READY, phone, under load
@@ -253,8 +253,11 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             ["tune-max-model-len/gemma/tune.md"], "the same sweep on Gemma 3 270m (Q4_K_M GGUF)",
             skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH"),
         # 80 pairs: a 1% tracing-overhead target on a ~2 s warm start is ~20 ms, inside the noise of 10 pairs.
+        # --predict: the prediction made before each start against it; --poll-serve: a serve start's /startup
+        # polled every 0.2 s (every poll names a running stage, its ETA within 30% of the time left).
         "startup": Step("startup", ["bench", "startup", m, "--runs", reps, "--tracing-runs", "2" if q else "80",
-                                      *([] if q else ["--bundle-isa-cap", "avx2"]), *_startup_out(o / "startup")],
+                                      *([] if q else ["--bundle-isa-cap", "avx2"]), "--predict", "--poll-serve",
+                                      *_startup_out(o / "startup")],
                         ["startup/startup.md"], "cold and warm starts: per-phase statistics and time to READY"),
         "startup-tp1": Step("startup-tp1", ["bench", "startup", m, "--runs", reps, "--no-bundle",
                                             "--no-tracing-overhead", *_startup_out(o / "startup-tp" / "tp1")],
@@ -268,7 +271,7 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
         # measures preparation, not Inductor.
         "gemma-startup": Step("gemma-startup", [
             "bench", "startup", str(cfg.gemma3_gguf or "GEMMA3_GGUF"), "--compile", "off", "--runs", reps,
-            "--no-bundle", "--no-tracing-overhead", *_startup_out(o / "gemma-startup")],
+            "--no-bundle", "--no-tracing-overhead", "--predict", *_startup_out(o / "gemma-startup")],
             ["gemma-startup/startup.md"], "Gemma 3 270m (Q4_K_M GGUF): cold and warm starts",
             skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH"),
         # After startup: the page's ghosts and ETA come from the earlier starts of the same config. 16 clients put

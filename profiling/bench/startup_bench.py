@@ -17,6 +17,9 @@ otlp    N more warm starts with OTEL_EXPORTER_OTLP_ENDPOINT set to a receiver in
 --seed-profile  a cache dir (or its startup_profile folder) whose recorded starts are copied into every empty cache
                 dir before its start: the start-up model is then fitted on them (e.g. the default model's starts
                 when benchmarking another model's first start).
+--poll-serve    after the warm starts, one `glowplug serve` in the warm cache dir, `GET /startup` every 0.2 s until
+                READY: every poll must name a running stage, its ETA within 30% of the time left
+                (profiling/bench/startup_poll.py).
 --save-baseline FILE  the cold and warm starts' phases (median and spread) as the baseline `glowplug startup
                 --baseline FILE` gates a later start with.
 Every target gets a verdict on its worst run (the Verdicts section, and startup.verdicts.json beside the report).
@@ -39,6 +42,7 @@ from pydantic import Field, field_validator
 
 from ...engine.config import Quantization
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
+from .startup_poll import ServePoll, poll_serve, poll_text, poll_verdicts
 from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, failure_reason, run_prediction, short
 from .startup_runs import run_startup as _run_startup
 from .stats import PERCENTILE_METHOD, Summary, summarize
@@ -100,6 +104,10 @@ class StartupBenchConfig(BenchEngineFields):
     seed_profile: Path | None = Field(
         None, description="A cache dir (or its startup_profile folder) whose recorded starts are copied into each "
         "empty cache dir before its start, so the start-up model is fitted on them (another model's starts).",
+    )
+    poll_serve: bool = Field(
+        False, description="After the warm starts, one `glowplug serve` in the warm cache dir polled on /startup every "
+        "0.2 s until READY: does every poll name a running stage, and is its ETA within 30% of the time left?",
     )
     save_baseline: Path | None = Field(
         None, description="Write the cold and warm starts' phases (median and spread) to this file: the baseline "
@@ -165,6 +173,7 @@ class StartupBenchResult:
     config: StartupBenchConfig
     runs: dict[Mode, list[StartupRun]]
     bundle: BundleMade | None = None
+    poll: ServePoll | None = None  # --poll-serve
 
 
 LANES_TRACE = "warm-trace.json"
@@ -243,7 +252,7 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
 
     def run_startup(label: str, start_args: list[str], report: Path, **kw: Any) -> StartupRun:
         prediction = None
-        if cfg.predict:
+        if cfg.predict and not label.startswith("otlp"):  # the tracing pairs time export, not the ETA
             prediction = run_prediction(start_args, reports / f"predict-{report.name}", cache_dir=kw.get("cache_dir"),
                                         env=kw.get("env"))  # fmt: skip
         run = _run_startup(label, start_args, reports / report.name, **kw)
@@ -303,10 +312,14 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
                                                        cache_dir=emptied, timeout_s=cfg.timeout_s))  # fmt: skip
         if cfg.tracing_overhead and warm_dir is not None:
             _tracing_runs(cfg, args, out, warm_dir, runs, say, run_startup)
+        polled = None
+        if cfg.poll_serve and warm_dir is not None:
+            say(f"glowplug serve in the warm cache, /startup polled every 0.2 s until READY (cache {warm_dir})")
+            polled = poll_serve(args, warm_dir, cfg.timeout_s)
     finally:
         if not cfg.keep_caches:
             shutil.rmtree(root, ignore_errors=True)
-    return StartupBenchResult(cfg, runs, made)
+    return StartupBenchResult(cfg, runs, made, polled)
 
 
 def _mode_of(label: str) -> str:
@@ -807,7 +820,7 @@ def bench_verdicts(result: StartupBenchResult) -> list[Any]:
                     else ", too few pairs for an interval"))  # fmt: skip
         out.append(Verdict(f"OTLP export adds <= {TRACING_TARGET:.0%} to READY", measured,
                            (overhead.ci_high is not None and overhead.ci_high <= TRACING_TARGET) if resolved else None))
-    return out
+    return out + poll_verdicts(result.poll)
 
 
 def _ranks_text(result: StartupBenchResult) -> str:
@@ -882,8 +895,10 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
         parts += ["## Per rank", "", _ranks_text(result), ""]
     parts += ["## Start from a bundle", "", _bundle_text(result), ""]
     parts += ["## First ETA against the time to READY", "", _eta_text(result), ""]
-    if cfg.predict:
+    if cfg.predict or prediction_figures(result):
         parts += ["## Predicted against actual", "", _prediction_text(result), ""]
+    if cfg.poll_serve or result.poll is not None:
+        parts += ["## A serve start polled every 0.2 s", "", poll_text(result.poll), ""]
     parts += ["## Cache hits", ""]
     counts = {m: cache_hit_counts(result.runs[m]) for m in modes(result)}
     rows_with_cache = sorted(set().union(*counts.values()))
@@ -931,6 +946,7 @@ def result_dict(result: StartupBenchResult) -> dict[str, Any]:
         "seed_004": {m: seed_maps(result.runs[m]) for m in modes(result)},
         "compare_to": _compare_summary(result.config.compare_to),
         "runs": runs_list(result.runs),
+        "poll": None if result.poll is None else result.poll.to_json(),
     }
 
 
@@ -1080,7 +1096,8 @@ def _runs_from_json(cfg: StartupBenchConfig, data: dict[str, Any], path: Path) -
         raise ValueError(f"--from-runs {path}: it holds no cold or warm start")
     b = data.get("bundle")
     made = None if not b else BundleMade(float(b["wall_s"]), int(b["size"]), int(b["model_bytes"]), b.get("error"))
-    return StartupBenchResult(cfg, runs, made)
+    poll = ServePoll.from_json(data["poll"]) if data.get("poll") else None
+    return StartupBenchResult(cfg, runs, made, poll)
 
 
 def main(cfg: StartupBenchConfig, argv: list[str] | None = None) -> int:
