@@ -5,6 +5,8 @@
 Inputs (all floats; `INPUT_NAMES` lists them):
   weights_bytes   the model's weight files as stored (the GGUF, or the safetensors shards): what load_weights reads
                   or maps
+  convert_bytes   of those, the tensors the run does not take as stored or repacked on their own grid, but de-quantizes
+                  (and, quantizing, re-quantizes): CONVERTED says which stored types each --quantization converts
   entry_bytes     the prepared cache entries the start will read (those its cache probes found: the quantized
                   weights, the compiled step, the KV profile)
   read_bytes      weights_bytes + entry_bytes: every byte the start must read or map
@@ -23,6 +25,8 @@ Inputs (all floats; `INPUT_NAMES` lists them):
   kv_measure      1 when the KV profile is measured (a forward), 0 for the analytic peak
   quantized       1 when --quantization is not none
   probe_gbps      streaming-read bandwidth (GB/s) of this machine: the latest recorded probe (measured after READY)
+  cpu_load        the 1-minute load average per usable core when the start is planned: above 1, CPU work (Python,
+                  compiling) runs that many times slower than on an idle machine (engine/start_model.py)
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ from glowplug.base.residency import files_residency
 
 from .config import EngineConfig
 
-INPUT_NAMES = ("weights_bytes", "entry_bytes", "read_bytes", "resident_bytes", "params", "layers", "shapes", "vocab",
+INPUT_NAMES = ("weights_bytes", "convert_bytes", "entry_bytes", "read_bytes", "resident_bytes", "params", "layers", "shapes", "vocab",
                "kv_bytes", "capture_sizes", "batched_tokens", "ranks", "compile", "kv_measure", "quantized",
-               "probe_gbps")  # fmt: skip
+               "probe_gbps", "cpu_load")  # fmt: skip
 # Used when this machine has no recorded probe yet: a modest server's streaming read; the fit corrects it.
 DEFAULT_PROBE_GBPS = 20.0
 _CPU_KV_CAP = 2 << 30  # engine/kv_sizing.py CPU_KV_CAP_BYTES (imported there with its reason)
@@ -87,6 +91,35 @@ _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 1
 _GGUF_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
                         12: "<d"}  # fmt: skip
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+# GGML type ids -> (weights per block, bytes per block), for the types glowplug reads (engine/models/gguf_tensors.py).
+GGML_BLOCKS: dict[int, tuple[int, int]] = {
+    0: (1, 4), 1: (1, 2), 30: (1, 2),  # F32, F16, BF16
+    2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),  # Q2_K .. Q6_K
+}  # fmt: skip
+FLOAT_TYPES = frozenset({0, 1, 30})
+# The stored types each --quantization takes as they are (floats, run as stored or cast) or repacks exactly on their
+# own 32-weight grid (engine/models/gguf_auto.py, gguf_tensors.repack_int4/int8): every other quantized tensor is
+# converted. Under `none` every quantized tensor is de-quantized; int2 and w8a8 repack nothing.
+KEPT_TYPES: dict[str, frozenset[int]] = {
+    "auto": frozenset({2, 3, 12, 8, 6}), "int4": frozenset({2, 3, 12}), "int8": frozenset({8, 6}),
+}
+
+
+def tensor_bytes(kind: int, dims: tuple[int, ...]) -> int:
+    """A GGUF tensor's stored bytes (0 for a type this table does not know)."""
+    from math import prod
+
+    block, size = GGML_BLOCKS.get(kind, (1, 0))
+    return prod(dims) // block * size
+
+
+def converted_bytes(tensors: list[tuple[int, tuple[int, ...]]], quantization: str) -> int:
+    """Bytes of the tensors a run under `quantization` converts (KEPT_TYPES), of two or more dimensions."""
+    kept = KEPT_TYPES.get(quantization, frozenset())
+    return sum(tensor_bytes(k, d) for k, d in tensors if len(d) >= 2 and k not in FLOAT_TYPES and k not in kept)
 
 
 @dataclass(frozen=True)
@@ -204,6 +237,7 @@ class ModelShape:
     vocab: int
     kv_elements_per_token: int  # K and V elements one token adds to the cache, all layers
     positions: int
+    tensors: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # a GGUF's (type id, dims)
 
 
 def model_shape(files: list[Path], folder: Path | None) -> ModelShape:
@@ -222,7 +256,7 @@ def model_shape(files: list[Path], folder: Path | None) -> ModelShape:
                           shapes=len({t for t in layout.tensors if len(t[1]) >= 2}),
                           vocab=int(vocab) if isinstance(vocab, int) else 0,
                           kv_elements_per_token=int(2 * layers * kv_heads * head_dim),
-                          positions=int(layout.arch_value("context_length", 4096.0)))  # fmt: skip
+                          positions=int(layout.arch_value("context_length", 4096.0)), tensors=layout.tensors)  # fmt: skip
     from .models.arch import load_arch
 
     if folder is None:
@@ -232,6 +266,20 @@ def model_shape(files: list[Path], folder: Path | None) -> ModelShape:
                       shapes=len(set(safetensors_matrices(files))), vocab=arch.vocab_size,
                       kv_elements_per_token=2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim,
                       positions=arch.max_position_embeddings)  # fmt: skip
+
+
+def cpu_load() -> float | None:
+    """The 1-minute load average over the cores this process may use; None where the system has none."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        return round(os.getloadavg()[0] / max(1, cores), 3)
+    except (AttributeError, OSError):
+        return None
 
 
 def _device(config: EngineConfig) -> str:
@@ -259,9 +307,13 @@ def gather_inputs(config: EngineConfig, *, entries: Mapping[str, Path] | None = 
     except (OSError, ValueError, KeyError, struct.error) as exc:
         raise ValueError(f"cannot read the model's sizes from {files or config.model}: {exc}") from exc
     weights = sum(p.stat().st_size for p in files)
+    quant = config.quant.quantization
+    # A safetensors checkpoint holds floats: converted (quantized) unless run as stored.
+    convert = converted_bytes(shape.tensors, quant) if shape.tensors else (0 if quant in ("none", "auto") else weights)
     cached = [p for entry in (entries or {}).values() for p in entry_files(entry)]
     entry_bytes = sum(p.stat().st_size for p in cached)
-    values: dict[str, float] = {"weights_bytes": weights, "entry_bytes": entry_bytes, "read_bytes": weights + entry_bytes}
+    values: dict[str, float] = {"weights_bytes": weights, "convert_bytes": convert, "entry_bytes": entry_bytes,
+                                "read_bytes": weights + entry_bytes}  # fmt: skip
     residency = files_residency([*files, *cached])
     if residency is None:
         notes.append("page-cache residency unknown on this system (no mincore)")
@@ -286,5 +338,8 @@ def gather_inputs(config: EngineConfig, *, entries: Mapping[str, Path] | None = 
     })  # fmt: skip
     if not probe_gbps:
         notes.append(f"no recorded read probe on this machine: {DEFAULT_PROBE_GBPS:g} GB/s assumed")
+    load = cpu_load()
+    if load is not None:
+        values["cpu_load"] = load
     return StartInputs({k: float(v) for k, v in values.items()}, tuple(str(p) for p in [*files, *cached]),
                        tuple(notes))  # fmt: skip

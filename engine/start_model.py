@@ -57,12 +57,23 @@ class Inputs:
         return self.get("weights_bytes") / GB / self.ranks
 
     @property
+    def convert_gb(self) -> float:
+        """GB of the weights the run de-quantizes or re-quantizes (start_inputs convert_bytes) per rank."""
+        return self.get("convert_bytes") / GB / self.ranks
+
+    @property
     def cold_gb(self) -> float:
         """Bytes of the files to read that the page cache does not hold; half of them when residency is unknown."""
         read = self.get("read_bytes")
         resident = self.values.get("resident_bytes")
         cold = read / 2 if resident is None else max(0.0, read - float(resident))
         return cold / GB / self.ranks
+
+    @property
+    def slowdown(self) -> float:
+        """How much slower CPU work runs than on an idle machine: the run queue per usable core (the 1-minute load
+        average over the cores, at the plan), at least 1; 1 when the start recorded none."""
+        return max(1.0, self.get("cpu_load", 0.0))
 
     @property
     def probe(self) -> float:
@@ -81,7 +92,9 @@ class Inputs:
 @dataclass(frozen=True)
 class Term:
     """coefficient x value(inputs). `unit` and `what` phrase it in the basis: "2.1 s/GB x 0.80 GB not in the page
-    cache"."""
+    cache". `cpu`: the term is CPU work (Python, compiling, fixed costs), so its value is multiplied by the CPU
+    contention the start meets (Inputs.slowdown); the read terms are already in the read probe's time, which the
+    same contention slows."""
 
     key: str
     prior: float
@@ -89,6 +102,12 @@ class Term:
     value: Callable[[Inputs], float]
     unit: str
     what: Callable[[Inputs], str]
+    cpu: bool = True
+
+    def x(self, inputs: Inputs) -> float:
+        """The term's input as the fit and the prediction use it (times the slowdown for CPU work)."""
+        v = self.value(inputs)
+        return v * inputs.slowdown if self.cpu and v else v
 
 
 def _one(_: Inputs) -> float:
@@ -109,9 +128,21 @@ def _streamed(x: Inputs, gb: float | None = None) -> str:
     return f"the probe's time to stream {gb:.3f} GB ({gb / x.probe:.4f} s at {x.probe:.1f} GB/s)"
 
 
+def _layers(x: Inputs) -> str:
+    return f"{x.get('layers'):.0f} layers"
+
+
+def _per_layer(key: str, prior: float, sd: float, gate: Callable[[Inputs], float] = _one) -> Term:
+    """Python work per decoder layer (building, switching, running each layer's modules)."""
+    return Term(key, prior, sd, lambda x: gate(x) * x.get("layers"), "s/layer", _layers)
+
+
 # The shipped prior: each coefficient from starts measured on a 2-core AMD EPYC (reports/startup/startup.md for
-# the default model, a 135M-parameter Q4_1 GGUF; the 1.5B Q4_K_M GGUF's starts for the per-byte terms), with a wide
-# spread: the fit on this machine's own starts moves them.
+# the default model, a 135M-parameter Q4_1 GGUF; the 1.5B Q4_K_M GGUF's warm start for the per-GB terms), in an
+# idle machine's seconds, with a spread wide enough for the fit on this machine's own starts to move them. The
+# spreads also decide where a small model's surprise goes: a fixed or per-layer cost (which a larger model pays
+# about as much of) rather than a per-GB one (which it pays ten times over), since one model's starts cannot
+# tell them apart.
 PHASES: dict[str, tuple[Term, ...]] = {
     "distributed_init": (
         Term("base", 0.3, 1.0, lambda x: 1.0 if x.ranks > 1 else 0.0, "s", lambda _x: "joining the ranks"),
@@ -128,33 +159,40 @@ PHASES: dict[str, tuple[Term, ...]] = {
         Term("vocab", 0.0015, 0.01, lambda x: x.get("vocab") / 1e3, "s/k tokens",
              lambda x: f"{x.get('vocab') / 1e3:.0f}k-token vocabulary"),
     ),
+    # Reading or mapping the file: at the read probe's speed from the page cache, at the disk's for the rest; what
+    # the loader de-quantizes is CPU work per GB.
     "load_weights": (
         _const("base", 0.05, 0.5),
-        Term("stream", 100.0, 300.0, lambda x: x.stream_s, "x", _streamed),
-        Term("cold", 2.0, 5.0, lambda x: x.cold_gb, "s/GB", lambda x: f"{x.cold_gb:.3f} GB not in the page cache"),
+        _per_layer("layers", 0.002, 0.05),
+        Term("stream", 20.0, 50.0, lambda x: x.stream_s, "x", _streamed, cpu=False),
+        Term("convert", 30.0, 30.0, lambda x: x.convert_gb, "s/GB", lambda x: f"{x.convert_gb:.3f} GB de-quantized"),
+        Term("cold", 2.0, 5.0, lambda x: x.cold_gb, "s/GB", lambda x: f"{x.cold_gb:.3f} GB not in the page cache",
+             cpu=False),
     ),
     "quantize_weights": (
         _const("base", 0.005),
         Term("hit_read", 5.0, 30.0, lambda x: x.get("quantized") * x.hit("quant") * x.entry_stream_s, "x",
-             lambda x: _streamed(x, x.get("entry_bytes") / GB / x.ranks) + " (the quant entry)"),
-        Term("miss", 10.0, 30.0, lambda x: x.get("quantized") * x.miss("quant") * x.weights_gb if "quant" in x.pattern
-             else 0.0, "s/GB", lambda x: f"{x.weights_gb:.3f} GB to quantize (quant cache miss)"),
+             lambda x: _streamed(x, x.get("entry_bytes") / GB / x.ranks) + " (the quant entry)", cpu=False),
+        Term("miss", 40.0, 40.0, lambda x: x.get("quantized") * x.miss("quant") * x.convert_gb if "quant" in x.pattern
+             else 0.0, "s/GB", lambda x: f"{x.convert_gb:.3f} GB to quantize (quant cache miss)"),
     ),
     "model_init": (
         _const("base", 0.05, 0.5),
-        Term("stream", 150.0, 400.0, lambda x: x.stream_s, "x", _streamed),
+        _per_layer("layers", 0.005, 0.05),
+        Term("work", 2.0, 3.0, lambda x: x.weights_gb, "s/GB", lambda x: f"{x.weights_gb:.3f} GB laid out"),
     ),
     "native_kernels": (
         Term("base", 0.02, 0.3, _compiled, "s", lambda _x: "loading the kernels"),
-        Term("stream", 130.0, 400.0, lambda x: _compiled(x) * x.stream_s, "x", _streamed),
+        _per_layer("layers", 0.005, 0.05, _compiled),
+        Term("work", 4.0, 4.0, lambda x: _compiled(x) * x.weights_gb, "s/GB",
+             lambda x: f"{x.weights_gb:.3f} GB of layers switched"),
         Term("miss", 30.0, 60.0, lambda x: _compiled(x) * x.miss("native") if "native" in x.pattern else 0.0, "s",
              lambda _x: "building the kernels (native cache miss)"),
     ),
     "dynamo_transform": (
         Term("hit", 0.01, 0.3, lambda x: _compiled(x) * x.hit("compile"), "s", lambda _x: "reading the compile entry"),
         Term("miss", 1.0, 5.0, lambda x: _compiled(x) * x.miss("compile"), "s", lambda _x: "tracing (compile miss)"),
-        Term("miss_layers", 0.04, 0.3, lambda x: _compiled(x) * x.miss("compile") * x.get("layers"), "s/layer",
-             lambda x: f"{x.get('layers'):.0f} layers traced"),
+        _per_layer("miss_layers", 0.04, 0.3, lambda x: _compiled(x) * x.miss("compile")),
     ),
     "graph_compile": (
         Term("hit", 0.02, 0.3, lambda x: _compiled(x) * x.hit("compile"), "s", lambda _x: "loading the compiled step"),
@@ -172,16 +210,20 @@ PHASES: dict[str, tuple[Term, ...]] = {
     "kv_cache_init": (
         _const("base", 0.01),
         Term("pool", 0.005, 0.05, lambda x: x.get("kv_bytes") / GB, "s/GB",
-             lambda x: f"a {x.get('kv_bytes') / GB:.2f} GB KV pool"),
+             lambda x: f"a {x.get('kv_bytes') / GB:.2f} GB KV pool", cpu=False),
     ),
+    # One decode step per batch size: each walks the layers and streams the weights.
     "graph_capture": (
         Term("base", 0.01, 0.3, _compiled, "s", lambda _x: "checking the guards"),
-        Term("steps", 3.0, 20.0, lambda x: _compiled(x) * x.get("capture_sizes") * x.stream_s, "x",
-             lambda x: f"{x.get('capture_sizes'):.0f} batch sizes x {_streamed(x)}"),
+        Term("size_layers", 0.0002, 0.005, lambda x: _compiled(x) * x.get("capture_sizes") * x.get("layers"),
+             "s per size and layer", lambda x: f"{x.get('capture_sizes'):.0f} batch sizes x {_layers(x)}"),
+        Term("size_gb", 0.05, 0.2, lambda x: _compiled(x) * x.get("capture_sizes") * x.weights_gb, "s per size and GB",
+             lambda x: f"{x.get('capture_sizes'):.0f} batch sizes x {x.weights_gb:.3f} GB"),
     ),
     "warmup": (
         _const("base", 0.01),
-        Term("steps", 10.0, 50.0, lambda x: x.stream_s, "x", _streamed),
+        _per_layer("layers", 0.001, 0.03),
+        Term("work", 0.2, 0.5, lambda x: x.weights_gb, "s/GB", lambda x: f"a few steps over {x.weights_gb:.3f} GB"),
         Term("eager_base", 0.3, 2.0, lambda x: 1.0 - _compiled(x), "s", lambda _x: "the eager path's first calls"),
         Term("eager", 1.0, 5.0, lambda x: (1.0 - _compiled(x)) * x.get("params") / GB, "s per G params",
              lambda x: f"eager steps of {x.get('params') / GB:.2f} G params"),
@@ -250,7 +292,7 @@ def fit_phase(stage: str, observations: Sequence[Observation]) -> dict[str, floa
     terms = list(terms_of(stage))
     free = list(range(len(terms)))
     coef = [t.prior for t in terms]
-    rows = [([t.value(o.inputs) for t in terms], o.seconds, 1.0 / (REL_NOISE * (o.seconds + _WEIGHT_FLOOR_S)) ** 2)
+    rows = [([t.x(o.inputs) for t in terms], o.seconds, 1.0 / (REL_NOISE * (o.seconds + _WEIGHT_FLOOR_S)) ** 2)
             for o in observations]  # fmt: skip
     while free:
         n = len(free)
@@ -304,7 +346,7 @@ def predict_phase(stage: str, inputs: Inputs, coefficients: Coefficients) -> Mod
     used: dict[str, float] = {}
     total = 0.0
     for term in terms_of(stage):
-        value = term.value(inputs)
+        value = term.x(inputs)
         part = coef[term.key] * value
         if value == 0 or part == 0:
             continue
@@ -321,4 +363,6 @@ def predict_phase(stage: str, inputs: Inputs, coefficients: Coefficients) -> Mod
     n = coefficients.starts.get(stage, 0)
     fitted = f"fitted on {n} recorded start{'s' * (n != 1)}" if n else "shipped prior, no recorded start"
     said = " + ".join(parts) or ("nothing to do" if total == 0 else f"{total:.4f} s in small terms")
+    if inputs.slowdown > 1 and any(t.cpu and t.value(inputs) for t in terms_of(stage)):
+        said += f" (CPU work x {inputs.slowdown:.1f}: load {inputs.get('cpu_load'):.1f} per core)"
     return ModelPhase(total, f"model ({fitted}): {said}", used)

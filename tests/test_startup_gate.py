@@ -61,12 +61,16 @@ def test_gate_passes_an_unchanged_start_and_catches_a_planted_regression(tiny_di
     assert "## Verdicts" in (tmp_path / "bench" / "startup.md").read_text()
     assert (tmp_path / "bench" / "startup.verdicts.json").is_file()
 
-    same = _glowplug(["startup", *flags, "--baseline", str(baseline)], cache)
+    # This machine is shared: its load moves whole rows (the imports by seconds) between one start and the next,
+    # beyond what two baseline starts saw. The margin says how much slower than the median counts as noise; the
+    # planted 0.5 s is far beyond it in a row of milliseconds.
+    gate = ["--baseline", str(baseline), "--max-regression", "100%"]
+    same = _glowplug(["startup", *flags, *gate], cache)
     assert same.returncode == 0, same.stdout[-3000:] + same.stderr[-2000:]
     assert "gate: PASS" in same.stderr
 
     report = tmp_path / "planted.json"
-    planted = _glowplug(["startup", *flags, "--baseline", str(baseline), "--report-out", str(report)], cache,
+    planted = _glowplug(["startup", *flags, *gate, "--report-out", str(report)], cache,
                         env={"GLOWPLUG_TEST_STAGE_DELAY": "kv_cache_profiling=0.5"})  # fmt: skip
     assert planted.returncode == 3, planted.stdout[-3000:] + planted.stderr[-2000:]
     assert "regressed beyond noise: kv_cache_profiling" in planted.stderr
