@@ -197,10 +197,23 @@ def test_cold_warm_warm_then_emptied_cold_each_first_eta_from_its_own_kind(tiny_
     assert warm2[Attr.ETA_BASIS] == "from the last warm start of this config"
     assert warm2[Attr.ETA_FIRST_READY_S] <= 1.25 * warm2["actual"]
 
+    # Before a start, without torch: the entries the last start used are still there, so the prediction is the
+    # warm one, from the warm record.
+    from glowplug.engine.config import EngineConfig
+    from glowplug.engine.start_profile import predict_before_start
+
+    config = EngineConfig.from_flat(model=str(model), compile="off", kv_profile="measure")
+    before = predict_before_start(config, cache)
+    assert before.pattern["kv_profile"] == HIT and before.estimate is not None
+    assert before.estimate.kind == "same_pattern" and before.estimate.before_s is not None
+
     records = {r["pattern"]["kv_profile"]: r for r in _profile_records(cache)}
     for kept in cache.iterdir():  # empty the cache, keeping only the start-up profile (the ETA's record)
         if kept.name != "startup_profile":
             shutil.rmtree(kept) if kept.is_dir() else kept.unlink()
+    emptied = predict_before_start(config, cache)
+    assert emptied.pattern["kv_profile"] == MISS  # the entry the warm starts used is gone
+    assert emptied.estimate is not None and emptied.estimate.basis == "from the last cold start of this config"
     again = _startup(model, cache, tmp_path / "cold2.json")
     assert again[Attr.CACHE_PATTERN] == "kv_profile=miss, page_cache=hit"
     assert again[Attr.ETA_BASIS] == "from the last cold start of this config"
