@@ -643,7 +643,7 @@ def build_parser(command: str | None = None) -> CommandParser:
                             "--save-baseline FILE`) and exit 3 naming the phases that regressed beyond noise.")  # fmt: skip
     start.add_argument("--max-regression", default="10%", metavar="PCT",
                        help="With --baseline: how much slower than the baseline's median a phase may be, on top of "
-                            "the baseline's own spread (default 10%%).")  # fmt: skip
+                            "three sigmas of the baseline's own run-to-run noise (default 10%%).")  # fmt: skip
     start.set_defaults(func=cmd_startup)
 
     from glowplug.lifecycle.config import add_serve_flags
