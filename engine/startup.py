@@ -19,6 +19,7 @@ from ..profiling.process import Clock, FullGcDeferral, ProcessMarks, open_startu
 from ..profiling.tracing import RankAttributes, Tracing, setup_tracing, span_from_record, span_record
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import STARTUP_PROFILE
+from glowplug.base.artifacts.store import probes_seen
 from glowplug.base.artifacts.cachedir import cache_dir_from_env
 
 from .config import EngineConfig
@@ -29,7 +30,7 @@ from .llm_engine import LLMEngine
 from .models.arch import ModelArch
 from .models.store import model_group
 from .parallel import launch_rank, tp_factors
-from .stages.base import Stage, StageResult, StartupFailed, check_pipeline, run_stages
+from .stages.base import Stage, StageResult, StartupFailed, check_pipeline, plan_concurrency, run_stages, stage_dependencies
 from .stages.bundle_install import BundleInstall
 from .stages.distributed_init import DistributedInit
 from .stages.context import EngineContext
@@ -45,16 +46,19 @@ from .stages.native_kernels import NativeKernels
 from .stages.quantize_weights import QuantizeWeights
 from .stages.tokenizer_init import TokenizerInit
 from .stages.warmup import Warmup
-from .start_estimate import (
-    MISS,
-    UNKNOWN,
-    PhaseEstimate,
-    StartRecord,
-    parse_profile,
-    pattern_text,
-    predict,
-    profile_json,
-    stage_caches,
+from .start_estimate import MISS, UNKNOWN, PhaseEstimate, StartRecord, pattern_text, profile_json, stage_caches
+from .start_inputs import StartInputs, gather_inputs
+from .start_profile import (
+    PHASES,
+    StartPlan,
+    estimate_for,
+    latest_probe,
+    machine_records,
+    profile_entries,
+    profile_factors,
+    read_records,
+    this_machine,
+    with_page_cache,
 )
 
 __all__ = ["PhaseEstimate", "StartPlan", "StartupFailed", "StartupResult", "build_engine", "default_stages",
@@ -103,23 +107,13 @@ class StartupResult:
     parallel: TPGroup | None = None
 
 
-PHASES = "phases.json"
-
-
 def _profile_factors(config: EngineConfig) -> dict[str, Any]:
-    # The model as a name, not the spec that named it: the default, its file by path and a bundle's copy of it are
-    # one model, so a start from a bundle finds the start-up profile the bundle brought.
-    return {"engine_config": {**config.hash_factors(), "model": model_group(config.model)},
-            "device": config.resolved_device(), **tp_factors(config.tensor_parallel_size)}
-
-
-def _read_profile(folder: Path) -> list[StartRecord]:
-    return parse_profile(json.loads((folder / PHASES).read_text()))
+    return profile_factors(config, config.resolved_device())
 
 
 def _config_records(store: ArtifactStore, config: EngineConfig) -> list[StartRecord]:
     """This config's recorded starts, newest first (empty when none or unreadable)."""
-    return store.lookup(STARTUP_PROFILE, _profile_factors(config), group=model_group(config.model), load=_read_profile).value or []
+    return store.lookup(STARTUP_PROFILE, _profile_factors(config), group=model_group(config.model), load=read_records).value or []
 
 
 def expected_phase_durations(config: EngineConfig, cache_dir: Path | None = None) -> dict[str, float] | None:
@@ -127,22 +121,6 @@ def expected_phase_durations(config: EngineConfig, cache_dir: Path | None = None
     uses `plan_start`, which picks the start with the same cache hits."""
     records = _config_records(ArtifactStore(cache_dir or cache_dir_from_env()), config)
     return dict(records[0].stages) if records else None
-
-
-@dataclass(frozen=True)
-class StartPlan:
-    """What is known before the first stage: which caches will hit (the pattern, engine/start_estimate.py) and the
-    estimate made from it (None when no start of this model was recorded)."""
-
-    pattern: dict[str, str]
-    estimate: PhaseEstimate | None
-
-    @property
-    def basis(self) -> str:
-        """The ETA's basis in words, for every place that shows the ETA."""
-        if self.estimate is None:
-            return "first start of this model: no estimate yet"
-        return self.estimate.basis
 
 
 def probe_cache_pattern(config: EngineConfig, cache_dir: Path | None = None,
@@ -175,30 +153,49 @@ def probe_cache_pattern(config: EngineConfig, cache_dir: Path | None = None,
     return pattern
 
 
+def pipeline_waits(config: EngineConfig, stages: Sequence[Stage]) -> dict[str, tuple[str, ...]]:
+    """stage -> the stages it will wait for, as the runner will schedule them on this machine."""
+    return stage_dependencies(stages, plan_concurrency(stages, config).serial)
+
+
 def plan_start(config: EngineConfig, cache_dir: Path | None = None,
                stages: Sequence[Stage] | None = None) -> StartPlan:  # fmt: skip
-    """The pattern of this start and its estimate (engine/start_estimate.py `predict` says which record serves
-    which phase). Never raises for an unreadable cache dir: that costs the estimate only."""
+    """The pattern of this start, its inputs and its estimate (engine/start_estimate.py `predict` says which record
+    or model term serves which phase). Never raises for an unreadable cache dir: that costs the estimate only."""
     root = cache_dir or cache_dir_from_env()
     pipeline = list(stages) if stages is not None else default_stages(config)
-    try:
-        pattern = probe_cache_pattern(config, root, pipeline)
-    except Exception as exc:  # noqa: BLE001 - the ETA must never stop a start
-        structlog.get_logger("glowplug.startup").info("cache pattern unknown", error=repr(exc))
-        pattern = {}
+    log = structlog.get_logger("glowplug.startup")
+    notes: list[str] = []
+    with probes_seen() as seen:
+        try:
+            pattern = probe_cache_pattern(config, root, pipeline)
+        except Exception as exc:  # noqa: BLE001 - the ETA must never stop a start
+            log.info("cache pattern unknown", error=repr(exc))
+            notes.append(f"cache pattern unknown ({exc!r})")
+            pattern = {}
     store = ArtifactStore(root)
+    keys = {cache: path.name for cache, path, _ in seen}
+    hits = {cache: path for cache, path, hit in seen if hit}
     try:
-        mine = _config_records(store, config)
-        others: list[StartRecord] = []
-        last = store.latest(STARTUP_PROFILE, model_group(config.model), exclude=store.key(STARTUP_PROFILE, _profile_factors(config)))
-        if last is not None:
-            try:
-                others = _read_profile(store.entry_path(STARTUP_PROFILE, last.key))
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                others = []  # an unreadable old profile only costs the estimate
+        entries = profile_entries(store)
     except Exception:  # noqa: BLE001 - an unreadable cache dir costs the estimate only; the start says the rest
-        mine, others = [], []
-    return StartPlan(pattern, predict(pattern, stage_caches(pipeline), mine, others))
+        entries = []
+    try:
+        inputs: StartInputs | None = gather_inputs(config, entries=hits, probe_gbps=latest_probe(machine_records(entries)))
+        notes += inputs.notes if inputs is not None else []
+    except Exception as exc:  # noqa: BLE001 - without inputs the model is left out; the records still serve
+        log.info("start-up inputs unknown", error=repr(exc))
+        notes.append(f"start-up inputs unknown ({exc})")
+        inputs = None
+    pattern = with_page_cache(pattern, inputs)
+    deps = pipeline_waits(config, pipeline)
+    try:
+        estimate = estimate_for(config, store, config.resolved_device(), pattern, stage_caches(pipeline), deps,
+                                inputs, entries)  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - an unreadable profile costs the estimate only
+        log.info("no start-up estimate", error=repr(exc))
+        estimate = None
+    return StartPlan(pattern, estimate, inputs, deps, keys, this_machine(), tuple(notes))
 
 
 def estimate_phase_durations(config: EngineConfig, cache_dir: Path | None = None) -> PhaseEstimate | None:
@@ -206,14 +203,19 @@ def estimate_phase_durations(config: EngineConfig, cache_dir: Path | None = None
     return plan_start(config, cache_dir).estimate
 
 
-def _record_phase_durations(ctx: EngineContext, results: list[StageResult], pattern: dict[str, str] | None) -> None:
-    """Add this start to the config's start-up profile: its seconds per stage with its pattern, keeping the
-    latest start of each other pattern (start_estimate.profile_json)."""
+def _record_phase_durations(ctx: EngineContext, results: list[StageResult], plan: StartPlan,
+                            marks: ProcessMarks | None, before_s: float | None, probe_gbps: float | None) -> None:  # fmt: skip
+    """Add this start to the config's start-up profile: its seconds per stage with its pattern, inputs and waits,
+    keeping the latest start of each other pattern (start_estimate.profile_json)."""
     seconds = {r.name: r.seconds for r in results}
     ends = [r.end_ns for r in results if r.end_ns]
     starts = [r.start_ns for r in results if r.start_ns]
     wall = (max(ends) - min(starts)) / 1e9 if ends and starts else None
-    new = StartRecord(seconds, dict(pattern) if pattern is not None else None, wall)
+    new = StartRecord(seconds, dict(plan.pattern), wall, plan.inputs.to_json() if plan.inputs is not None else None,
+                      {k: v for k, v in (plan.deps or {}).items() if k in seconds} or None, dict(plan.entries) or None,
+                      plan.machine or None, model_group(ctx.config.model), before_s, probe_gbps,
+                      (marks.imports_done_ns - marks.main_entry_ns) / 1e9
+                      if marks is not None and marks.imports_done_ns is not None else None)  # fmt: skip
     store = ArtifactStore(ctx.cache_root)
     try:
         older = _config_records(store, ctx.config)
@@ -236,23 +238,51 @@ def _eta_attributes(plan: StartPlan, marks: ProcessMarks | None, begun_ns: int) 
     stages begin, right after the imports: time so far (from process creation, with marks) + the predicted stages."""
     attrs: dict[str, Any] = {Attr.CACHE_PATTERN: pattern_text(plan.pattern), Attr.ETA_BASIS: plan.basis}
     at_s = (begun_ns - marks.process_start_ns) / 1e9 if marks is not None else 0.0
+    if plan.inputs is not None:
+        attrs[Attr.ETA_INPUTS] = json.dumps(plan.inputs.to_json(), sort_keys=True)
     if plan.estimate is not None:
         stages_s = plan.estimate.total_s
         attrs.update({Attr.ETA_FIRST_AT_S: round(at_s, 6), Attr.ETA_FIRST_STAGES_S: round(stages_s, 6),
-                      Attr.ETA_FIRST_READY_S: round(at_s + stages_s, 6)})  # fmt: skip
+                      Attr.ETA_FIRST_READY_S: round(at_s + stages_s, 6),
+                      Attr.ETA_PHASES: json.dumps(phase_predictions(plan.estimate))})  # fmt: skip
     return attrs
+
+
+def phase_predictions(estimate: PhaseEstimate) -> dict[str, dict[str, Any]]:
+    """stage -> {seconds, kind, basis, inputs}: each predicted phase with where it comes from (the report's and
+    /startup's per-phase basis)."""
+    out: dict[str, dict[str, Any]] = {}
+    for stage, seconds in estimate.seconds.items():
+        src = estimate.sources.get(stage)
+        out[stage] = {"seconds": round(seconds, 6), **(src.to_json() if src is not None else {"kind": "recorded"})}
+    return out
 
 
 FLOOR_PROBE_BYTES = 256 << 20  # larger than the caches, small enough to add ~0.1 s after READY
 FLOOR_PROBE_REPEATS = 3
 
 
-def measure_floor(weights_bytes: int, import_torch_s: float) -> Floor:
-    """The floor of this config: its weights read once at the measured read bandwidth, plus `import torch`."""
+def measure_floor(read_bytes: int, source: str, import_torch_s: float) -> Floor:
+    """The floor of this config: the bytes it must read or map, read once at the measured read bandwidth, plus
+    `import torch`. `source` says what the bytes are."""
     from glowplug.base.machine import measure_probe
 
     gbps = measure_probe(FLOOR_PROBE_REPEATS, FLOOR_PROBE_BYTES)
-    return Floor(weights_bytes=weights_bytes, read_gbps=round(gbps, 3), import_torch_s=import_torch_s)
+    return Floor(weights_bytes=read_bytes, read_gbps=round(gbps, 3), import_torch_s=import_torch_s, source=source)
+
+
+def _floor_bytes(plan: StartPlan, results: Sequence[StageResult], weights_bytes: int) -> tuple[int, str]:
+    """The bytes this start had to read or map: the model's files and the cache entries it loaded (the plan's
+    inputs), else what the stages said they read, else the weights in memory (an over-count for a quantized file
+    de-quantized on load, said so)."""
+    if plan.inputs is not None and plan.inputs.get("read_bytes") > 0:
+        weights, entries = plan.inputs.get("weights_bytes"), plan.inputs.get("entry_bytes")
+        return int(weights + entries), (f"the model's files {weights / 1e9:.3f} GB + cache entries read "
+                                        f"{entries / 1e9:.3f} GB")  # fmt: skip
+    read = sum(int(v) for r in results if isinstance(v := r.report.attributes.get(Attr.BYTES_READ), (int, float)))
+    if read > 0:
+        return read, "bytes the stages read"
+    return weights_bytes, "weights in memory (what was read is unknown)"
 
 
 def _gather_rank_spans(group: TPGroup, tracing: Tracing, trace_id: int | None) -> dict[int, list[Any]]:
@@ -375,18 +405,23 @@ def build_engine(
     engine = ctx.engine
     assert engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
     assert ctx.kv_plan is not None and ctx.arch is not None and ctx.model_dir is not None
+    # After READY, so it costs the start nothing: the floor needs the import time the CLI measured, and its probe
+    # is recorded with the start (the next start's inputs take it).
+    floor = (measure_floor(*_floor_bytes(plan, results, ctx.weights_bytes), marks.import_torch_s)
+             if marks is not None and marks.import_torch_s is not None else None)  # fmt: skip
+    # Process creation -> the first stage: what a prediction made before starting adds to the stages.
+    begun = [r.start_ns for r in results if r.name != BundleInstall.name]
+    before_s = (clock.wall_ns(min(begun)) - marks.process_start_ns) / 1e9 if marks is not None and begun else None
     with trace.use_span(root, end_on_exit=False):
         # The install is not a phase a later start repeats (its entries are then present): not recorded.
-        _record_phase_durations(ctx, [r for r in results if r.name != BundleInstall.name], plan.pattern)
+        _record_phase_durations(ctx, [r for r in results if r.name != BundleInstall.name], plan, marks, before_s,
+                                floor.read_gbps if floor is not None else None)  # fmt: skip
         if ctx.compile_cache is not None:
             ctx.compile_cache.seal()  # graphs compiled after graph_compile (capture) join the verified cache
     root.end(end_time=ready_ns)
     trace_id = results[0].span_context.trace_id if results else None
     group: TPGroup | None = ctx.parallel
     ranks = _gather_rank_spans(group, tracing, trace_id) if group is not None else {}
-    # After READY, so it costs the start nothing: the floor needs the import time the CLI measured.
-    floor = (measure_floor(ctx.weights_bytes, marks.import_torch_s)
-             if marks is not None and marks.import_torch_s is not None else None)  # fmt: skip
     table = build_phase_table(
         [s for s in tracing.finished_spans() if s.name.startswith(STARTUP_SPAN)],
         ready_time_ns=ready_ns,

@@ -6,7 +6,7 @@ against the model before them (engine/config_check.py preflight), so a setting t
 a second. The grammar every command shares (model argument, list flags, errors) is base/flags.py's.
 
 Exit status: 0 done; 1 the start-up (or the command's work) failed; 2 a setting or argument is wrong (the message
-names it); 130 interrupted.
+names it); 3 `startup --baseline`: a phase regressed beyond noise (the message names it); 130 interrupted.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ SAMPLING_DEFAULT_TEXT: dict[str, str] = {
 }
 SETTING_ERROR = 2
 STARTUP_FAILED = 1
+REGRESSED = 3
 
 
 def version_text() -> str:
@@ -216,7 +217,8 @@ def _imports_done(args: argparse.Namespace, config: EngineConfig, progress: Star
         progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, None, True)
     else:
         progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, estimate.seconds,
-                              estimate.same_config, estimate.basis, estimate.total_s)  # fmt: skip
+                              estimate.same_config, estimate.basis, estimate.total_s, estimate.remaining_s,
+                              estimate.qualifiers())  # fmt: skip
     tracing.provider.add_span_processor(progress)
 
 
@@ -230,7 +232,8 @@ def _plan_known(progress: StartupProgress | None) -> Callable[[Any], None] | Non
         if estimate is None or not estimate.seconds:
             progress.plan_known(None, True, plan.basis)
         else:
-            progress.plan_known(estimate.seconds, estimate.same_config, estimate.basis, estimate.total_s)
+            progress.plan_known(estimate.seconds, estimate.same_config, estimate.basis, estimate.total_s,
+                                estimate.remaining_s, estimate.qualifiers())  # fmt: skip
 
     return show
 
@@ -324,11 +327,93 @@ def _startup_imports(args: argparse.Namespace) -> None:
         importlib.import_module(module)
 
 
+def _predict_only(args: argparse.Namespace, config: EngineConfig) -> int:
+    """`startup --predict-only`: the predicted phases of a start of `config`, without starting it (no torch, no
+    weight read: engine/start_profile.py predict_before_start)."""
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from glowplug.base.artifacts.cachedir import cache_dir_from_env
+    from glowplug.engine.start_estimate import pattern_text
+    from glowplug.engine.start_profile import predict_before_start
+
+    plan = predict_before_start(config, cache_dir_from_env())
+    estimate = plan.estimate
+    if estimate is None:
+        raise ValueError(f"no prediction for {config.model}: {'; '.join(plan.notes) or plan.basis}")
+    before = estimate.before_s
+    stages = estimate.total_s
+    data = {"kind": "prediction", "model": config.model, "pattern": plan.pattern, "basis": estimate.basis,
+            "before_s": before, "stages_s": stages, "ready_s": None if before is None else before + stages,
+            "inputs": plan.inputs.to_json() if plan.inputs is not None else None, "notes": list(plan.notes),
+            "phases": {s: {"seconds": v, **(estimate.sources[s].to_json() if s in estimate.sources else {})}
+                       for s, v in estimate.seconds.items()}}  # fmt: skip
+    if args.report_out:
+        if Path(args.report_out).suffix != ".json":
+            raise ValueError(f"--report-out {args.report_out}: a prediction is written as .json")
+        Path(args.report_out).write_text(json.dumps(data, indent=1) + "\n")
+    table = Table(title=f"predicted start-up of {config.model} (not started)", caption=f"cache: "
+                  f"{pattern_text(plan.pattern)}; {estimate.basis}", show_edge=False, pad_edge=False)  # fmt: skip
+    table.add_column("phase", no_wrap=True)
+    table.add_column("seconds", justify="right", no_wrap=True)
+    table.add_column("from", no_wrap=True)
+    table.add_column("basis")
+    if before is not None:
+        table.add_row("process start + imports", f"{before:.3f}", "recorded",
+                      "median of this machine's recorded starts")  # fmt: skip
+    for stage, value in estimate.seconds.items():
+        src = estimate.sources.get(stage)
+        table.add_row(stage, f"{value:.3f}", src.kind if src else "", src.basis if src else "")
+    table.add_row("stages (wall)", f"{stages:.3f}", "", "critical path through the pipeline's waits"
+                  if estimate.deps else "sum of the stages x wall/sum of the recorded start", end_section=True)
+    table.add_row("READY", "--" if before is None else f"{before + stages:.3f}", "",
+                  "from process creation" if before is not None else "no recorded start: process start + imports "
+                  "unknown, add them", style="bold")  # fmt: skip
+    console = Console(width=max(Console().width, 160) if args.wide else None)
+    console.print(table)
+    for note in plan.notes:
+        console.print(f"note: {note}", style="dim")
+    return 0
+
+
+def _gate(args: argparse.Namespace, table: Any) -> int:
+    """`startup --baseline`: this start's phases against the baseline (profiling/baseline.py); 0, or REGRESSED."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from glowplug.profiling.baseline import check, parse_fraction, read_baseline
+    from glowplug.profiling.phases import to_dict
+
+    result = check(to_dict(table), read_baseline(Path(args.baseline)), parse_fraction(args.max_regression))
+    out = Table(title=f"against the {result.kind} baseline {args.baseline}", show_edge=False, pad_edge=False)
+    for name, justify in (("phase", "left"), ("baseline median", "right"), ("spread", "right"), ("this start", "right"),
+                          ("limit", "right"), ("verdict", "left")):  # fmt: skip
+        out.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for c in result.checks:
+        out.add_row(c.phase, f"{c.median:.3f}", f"{c.spread:.3f}", f"{c.seconds:.3f}", f"{c.limit:.3f}",
+                    "REGRESSED" if c.regressed else "ok", style="bold red" if c.regressed else "")  # fmt: skip
+    console = Console()
+    console.print(out)
+    if result.missing:
+        console.print(f"not run by this start: {', '.join(result.missing)}", style="dim")
+    _say(result.summary())
+    return 0 if result.passed else REGRESSED
+
+
 def cmd_startup(args: argparse.Namespace) -> int:
     """Run the start-up pipeline to READY, print the phase table, write the requested reports, exit."""
     from rich.console import Console
 
     config = engine_config(args)
+    if args.predict_only:
+        return _predict_only(args, config)
+    if args.baseline:
+        from glowplug.profiling.baseline import parse_fraction, read_baseline
+
+        read_baseline(Path(args.baseline))  # a wrong file fails now, not after the start
+        parse_fraction(args.max_regression)
     _check_settings(config)
     worker = torchrun_worker(config)
     if worker is not None:
@@ -383,6 +468,8 @@ def cmd_startup(args: argparse.Namespace) -> int:
         width = Measurement.get(console, console.options.update(width=100_000), rendered).maximum
         console = Console(width=max(width, console.width))
     console.print(rendered)
+    if args.baseline:
+        return _gate(args, table)
     return 0
 
 
@@ -417,9 +504,15 @@ def cmd_bench_decode(args: argparse.Namespace) -> int:
     if cfg.out is not None:
         import json
 
+        from glowplug.profiling.bench.decode import decode_verdicts
+        from glowplug.profiling.bench.verdicts import write_verdicts
+
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(text)
         cfg.out.with_suffix(".json").write_text(json.dumps(rows_as_dicts(rows), indent=1))
+        verdicts = decode_verdicts(rows)
+        if verdicts:
+            write_verdicts(cfg.out, verdicts)
     return 0
 
 
@@ -541,6 +634,16 @@ def build_parser(command: str | None = None) -> CommandParser:
     start.add_argument("--import-times", action="store_true",
                        help="After READY, measure the imports row's top 5 packages (-X importtime in a fresh "
                             "interpreter, ~2 s more) and note them on the row.")  # fmt: skip
+    start.add_argument("--predict-only", action="store_true",
+                       help="Print the predicted phases and time to READY of this start without starting it (no "
+                            "torch import, no weight read): from the start-up profile's recorded starts and the "
+                            "start-up model. --report-out FILE.json writes it.")  # fmt: skip
+    start.add_argument("--baseline", type=Path, metavar="FILE",
+                       help="After READY, compare each phase with this baseline (`glowplug bench startup "
+                            "--save-baseline FILE`) and exit 3 naming the phases that regressed beyond noise.")  # fmt: skip
+    start.add_argument("--max-regression", default="10%", metavar="PCT",
+                       help="With --baseline: how much slower than the baseline's median a phase may be, on top of "
+                            "three sigmas of the baseline's own run-to-run noise (default 10%%).")  # fmt: skip
     start.set_defaults(func=cmd_startup)
 
     from glowplug.lifecycle.config import add_serve_flags

@@ -2,11 +2,12 @@
 
 Probes:
   GET /health/live   200 while the process serves HTTP at all (restart me only if this fails).
-  GET /health/ready  200 once the warm-up generation succeeded; 503 with the state and current phase while
+  GET /health/ready  200 once the warm-up generation succeeded; 503 with the state and every running stage while
                      STARTING (with Retry-After = the start-up ETA), DRAINING, FAILED or STOPPED.
-  GET /startup       state, current phase, the phases so far under the phase table's row names (a running one
-                     with its elapsed seconds, marked running), ETA from the last start of this config, and the
-                     full phase table once READY.
+  GET /startup       state, every running stage (`running_phases`; `phase` joins them), the phases so far under the
+                     phase table's row names (a running one with its elapsed seconds, marked running), the ETA and
+                     the predicted time to READY with their basis, per phase too (`eta_phases`: recorded or the
+                     start-up model's terms), from the first second, and the full phase table once READY.
   GET /metrics       Prometheus text format, from the service's own registry.
 With --api-key, /v1/* needs `Authorization: Bearer <key>`; everything above stays open (transport.py says why).
 
@@ -47,14 +48,20 @@ def _round(value: float | None) -> float | None:
 def startup_report(service: Service, snap: StateSnapshot | None = None) -> dict[str, Any]:
     """The `/startup` body."""
     snap = snap or service.snapshot()
+    running = service.running_phases(snap)
     report: dict[str, Any] = {
         "state": snap.state.value,
-        "phase": snap.phase,
+        "phase": ", ".join(running) or None,
+        "running_phases": running,
         "phase_elapsed_s": _round(snap.phase_elapsed_s) if snap.phase else None,
-        "elapsed_s": _round(snap.startup_elapsed_s),
+        # One clock for the whole start: from process creation (the table's origin); the table's total once READY.
+        "elapsed_s": _round(service.startup_total_s(snap)),
         "phases": _finished_phases(service, snap),
         "eta_s": _round(service.eta_s(snap)),
         "eta_basis": service.eta_basis,
+        "predicted_ready_s": _round(service.predicted_ready_s(snap)),
+        "first_predicted_ready_s": _round(service.first_predicted_ready_s),
+        "eta_phases": service.eta_phases(),
         "expected_phases": service.expected_phase_seconds,
         "reason": snap.reason,
         "model": service.model_name,
@@ -80,10 +87,12 @@ def _readiness(service: Service) -> JSONResponse:
     snap = service.snapshot()
     if snap.state is EngineState.READY:
         return JSONResponse({"status": "ready"})
-    body = {"status": snap.state.value, "phase": snap.phase, "reason": snap.reason}
+    running = service.running_phases(snap)
+    body: dict[str, Any] = {"status": snap.state.value, "phase": ", ".join(running) or None, "reason": snap.reason}
     headers = {}
     if snap.state is EngineState.STARTING:
         eta = service.eta_s(snap)
+        body.update(running_phases=running, eta_s=_round(eta))
         headers["Retry-After"] = str(max(1, math.ceil(eta)) if eta is not None else 1)
     return JSONResponse(body, status_code=503, headers=headers)
 
@@ -136,6 +145,7 @@ def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastA
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        service.refresh_prediction()
         body, content_type = service.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -1,18 +1,22 @@
 """`GET /startup/events`: the start-up and serving as server-sent events.
 
 Events (the SSE `event:` field; `data:` is one JSON object):
-  hello        first on every connection: {boot_id, model, config_hash, expected_phases, eta_basis, resumed,
-               history}, where history is the recent `metrics` ticks (oldest first) so charts open with the last minutes
+  hello        first on every connection: {boot_id, model, config_hash, expected_phases, eta_basis, eta_phases,
+               predicted_ready_s, resumed, history}, where history is the recent `metrics` ticks (oldest first) so charts open with the last minutes
   phase_start  {stage, start_s}                                   a stage span started
   phase_end    {stage, row, start_s, end_s, seconds, outcome, note}  a stage span ended; outcome ran|skipped|failed
-  state        {state, reason, failed_stage, cause, elapsed_s, eta_s, eta_basis, end_s, trace_id, phase_table_rows}
+  state        {state, reason, failed_stage, cause, elapsed_s, eta_s, eta_basis, predicted_ready_s, end_s, trace_id,
+               phase_table_rows}
                the life-cycle state changed (phase_table_rows once READY, failed_stage/cause when FAILED; end_s:
                where the start-up span ended, once it has)
-  metrics      about once a second: {t_unix, state, phase, phase_elapsed_s, elapsed_s, now_s, eta_s, eta_basis,
-               expected_phases (while STARTING), running,
+  metrics      about once a second: {t_unix, state, phase (every running stage, joined), running_phases,
+               phase_elapsed_s, elapsed_s, now_s, eta_s, predicted_ready_s, eta_phases and expected_phases (while
+               STARTING), eta_basis, running,
                waiting, kv_usage, kv_used_blocks, kv_total_blocks, tokens_per_s, prompt_tokens_per_s,
                ttft: {p50, p90, p99, n}, tpot: {...}, window_s}
-Offsets (`*_s` of phases, `now_s`) are seconds from the start-up's root span (see `timeline.py`).
+Offsets (`*_s` of phases, `now_s`, `predicted_ready_s`) are seconds from the start-up's root span, which is process
+creation under `glowplug serve` (see `timeline.py`); `elapsed_s` is on the same clock and, once READY, the phase
+table's time to READY.
 
 phase_* and state events form one ordered log per server process, with ids `<boot_id>:<seq>`. A new connection
 gets the whole log replayed first, so it sees every phase event in order however late it connects; a reconnection
@@ -157,9 +161,10 @@ class StartupEvents:
             "reason": snap.reason,
             "failed_stage": None,
             "cause": None,
-            "elapsed_s": snap.startup_elapsed_s,
+            "elapsed_s": service.startup_total_s(snap),
             "eta_s": service.eta_s(snap),
             "eta_basis": service.eta_basis,
+            "predicted_ready_s": service.predicted_ready_s(snap),
             "end_s": service.timeline.end_s(),
             "trace_id": None,
             "phase_table_rows": None,
@@ -219,11 +224,14 @@ class StartupEvents:
         tick: dict[str, Any] = {
             "t_unix": time.time(),
             "state": snap.state.value,
-            "phase": snap.phase,
+            "phase": self._service.phase_text(snap),
+            "running_phases": self._service.running_phases(snap),
             "phase_elapsed_s": snap.phase_elapsed_s if snap.phase else None,
-            "elapsed_s": snap.startup_elapsed_s,
+            "elapsed_s": self._service.startup_total_s(snap),
             "now_s": self._service.timeline.now_s(),
             "eta_s": self._service.eta_s(snap),
+            "predicted_ready_s": self._service.predicted_ready_s(snap),
+            "eta_phases": self._service.eta_phases() if snap.state is EngineState.STARTING else None,
             # Known only once the engine is imported (after hello, for a page opened early): the ghosts need it.
             "expected_phases": self._service.expected_phase_seconds if snap.state is EngineState.STARTING else None,
             "eta_basis": self._service.eta_basis,
@@ -260,6 +268,8 @@ class StartupEvents:
             "config_hash": service.config.compute_hash(),
             "expected_phases": service.expected_phase_seconds,
             "eta_basis": service.eta_basis,
+            "eta_phases": service.eta_phases(),
+            "predicted_ready_s": service.predicted_ready_s(),
             "resumed": resumed,
             "history": history,
         }

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from glowplug.profiling.names import STARTUP_PREDICTED_METRIC
+
 from .live_metrics import RecentRequests
 from .state import EngineState
 
@@ -150,6 +152,14 @@ class ServiceMetrics:
             ["phase"],
             registry=r,
         )
+        self.startup_predicted = Gauge(
+            STARTUP_PREDICTED_METRIC,
+            "Predicted time to READY, seconds from process creation: prediction=first is the first one made (before "
+            "the engine import when the start-up profile allows), prediction=latest the current one while starting "
+            "(it follows the stages as they finish or overrun) and the actual time once READY.",
+            ["prediction"],
+            registry=r,
+        )
         self.state = Enum(
             "glowplug_engine_state", "The engine's life-cycle state.", states=[s.value for s in EngineState], registry=r
         )
@@ -163,6 +173,12 @@ class ServiceMetrics:
     def set_phase_durations(self, seconds: Mapping[str, float]) -> None:
         for phase, value in seconds.items():
             self.phase_duration.labels(phase=phase).set(value)
+
+    def set_startup_predicted(self, *, first: float | None = None, latest: float | None = None) -> None:
+        if first is not None:
+            self.startup_predicted.labels(prediction="first").set(first)
+        if latest is not None:
+            self.startup_predicted.labels(prediction="latest").set(latest)
 
     def set_prompt_cost(self, fixed_s: float, token_s: float) -> None:
         self.prompt_cost.labels(part="fixed").set(fixed_s)

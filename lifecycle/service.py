@@ -30,7 +30,7 @@ import structlog
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.generation_config import SamplingDefaults, sampling_defaults
 from glowplug.engine.sampling_params import SamplingParams
-from glowplug.profiling.names import PRE_MAIN, STAGE_ROWS
+from glowplug.profiling.names import IMPORTS, PRE_MAIN, STAGE_ROWS
 from glowplug.profiling.process import ProcessMarks
 from glowplug.profiling.tracing import Tracing, setup_tracing
 
@@ -123,7 +123,9 @@ class Service:
             factory=engine_factory,
             tracing=self.tracing,
             marks=marks,
+            on_plan=self._plan_made,
         )
+        self._first_predicted_s: float | None = None
         # The start-up's phases as its spans start and end (the page, /startup/events and /startup read it).
         self.timeline = StartupTimeline(
             accept=self._runner.on_startup_thread, origin_ns=marks.process_start_ns if marks is not None else None
@@ -157,8 +159,98 @@ class Service:
         return self.lifecycle.snapshot()
 
     def eta_s(self, snap: StateSnapshot | None = None) -> float | None:
-        return estimate_remaining(snap or self.snapshot(), self._runner.expected_phase_seconds,
-                                  self._runner.eta_scale)  # fmt: skip
+        """Seconds until READY: 0 once READY, None when unknown or not starting. From the plan's estimate
+        (engine/start_estimate.py `remaining_s`) over the stages finished and running now, by their spans, so
+        stages that run at once are all counted and one that overruns its estimate keeps the ETA growing; before
+        the first stage, the early plan's time to the first stage less what has passed, plus the stages."""
+        snap = snap or self.snapshot()
+        if snap.state is EngineState.READY:
+            return 0.0
+        if snap.state is not EngineState.STARTING:
+            return None
+        estimate = self._runner.estimate
+        if estimate is None:
+            return estimate_remaining(snap, self._runner.expected_phase_seconds, self._runner.eta_scale)
+        from glowplug.engine.start_estimate import OVERRUN_SHARE
+
+        timeline = self.timeline.snapshot()
+        now = self.timeline.now_s()
+        elapsed = now if now is not None else snap.startup_elapsed_s
+        if not timeline["phases"] and not timeline["running"]:
+            importing = snap.phase == IMPORTS and estimate.imports_s is not None
+            e = snap.phase_elapsed_s
+            rest = max(estimate.imports_s - e, OVERRUN_SHARE * e) if importing else 0.0
+            return rest + estimate.total_s
+        finished = {p["stage"] for p in timeline["phases"]}
+        running = {p["stage"]: max(0.0, elapsed - p["start_s"]) for p in timeline["running"]}
+        return float(estimate.remaining_s(finished, running))
+
+    def startup_now_s(self, snap: StateSnapshot | None = None) -> float:
+        """Seconds into the start: from process creation when the process marks were taken (the phase table's
+        origin), else from the service's own start."""
+        now = self.timeline.now_s()
+        return now if now is not None else (snap or self.snapshot()).startup_elapsed_s
+
+    def startup_total_s(self, snap: StateSnapshot | None = None) -> float:
+        """The one time to READY every place shows (the log line, /startup, the page): the phase table's
+        actual_total_time once there is a table, else the start-up span's end, else the time so far."""
+        table = getattr(self.startup_result, "phase_table", None)
+        if table is not None:
+            return float(table.actual_total_time)
+        end = self.timeline.end_s()
+        return end if end is not None else self.startup_now_s(snap)
+
+    def predicted_ready_s(self, snap: StateSnapshot | None = None) -> float | None:
+        """The predicted time to READY, seconds from the origin (`startup_now_s`): now + the ETA while starting,
+        the first prediction once READY; None without one."""
+        snap = snap or self.snapshot()
+        if snap.state is not EngineState.STARTING:
+            return self._first_predicted_s
+        eta = self.eta_s(snap)
+        return None if eta is None else self.startup_now_s(snap) + eta
+
+    @property
+    def first_predicted_ready_s(self) -> float | None:
+        return self._first_predicted_s
+
+    def refresh_prediction(self) -> None:
+        """Set the predicted-READY gauge (the latest prediction while starting, the actual time once READY)."""
+        snap = self.snapshot()
+        if snap.state is EngineState.STARTING:
+            self.metrics.set_startup_predicted(first=self._first_predicted_s, latest=self.predicted_ready_s(snap))
+        elif snap.state is EngineState.READY:
+            self.metrics.set_startup_predicted(first=self._first_predicted_s, latest=self.startup_total_s(snap))
+
+    def _plan_made(self) -> None:
+        # On the start-up thread, after each plan: the first prediction is kept for the gauge and /startup.
+        predicted = self.predicted_ready_s()
+        if predicted is not None and self._first_predicted_s is None:
+            self._first_predicted_s = predicted
+        self.refresh_prediction()
+
+    def running_phases(self, snap: StateSnapshot | None = None) -> list[str]:
+        """Every stage running now, in the order they began (stages run at once); before the first stage span
+        (the engine import) the life cycle's phase. Empty once no longer starting."""
+        snap = snap or self.snapshot()
+        if snap.state is not EngineState.STARTING:
+            return []
+        running = sorted(self.timeline.snapshot()["running"], key=lambda p: p["start_s"])
+        names = [p["stage"] for p in running]
+        return names or ([snap.phase] if snap.phase else [])
+
+    def phase_text(self, snap: StateSnapshot | None = None) -> str | None:
+        """The running stages as one string ("load_weights, tokenizer_init"), for fields that held one phase."""
+        return ", ".join(self.running_phases(snap)) or None
+
+    def eta_phases(self) -> dict[str, dict[str, Any]] | None:
+        """stage -> {seconds, kind, basis, inputs}: the current plan per phase (engine/startup.py
+        phase_predictions), None without a plan."""
+        estimate = self._runner.estimate
+        if estimate is None:
+            return None
+        return {s: {"seconds": round(v, 6), **(src.to_json() if (src := estimate.sources.get(s)) is not None
+                                                 else {"kind": "recorded"})}
+                for s, v in estimate.seconds.items()}  # fmt: skip
 
     @property
     def expected_phase_seconds(self) -> dict[str, float] | None:
@@ -219,8 +311,7 @@ class Service:
         if not ranks:
             return None
         snap = snap or self.snapshot()
-        running = [p["stage"] for p in self.timeline.snapshot()["running"]]
-        ranks[0].update(stage=", ".join(running) or snap.phase, state=snap.state.value)
+        ranks[0].update(stage=self.phase_text(snap), state=snap.state.value)
         return [{k: r.get(k) for k in ("rank", "stage", "state")} for r in ranks]
 
     def phase_row_seconds(self, snap: StateSnapshot | None = None) -> dict[str, float]:
@@ -262,8 +353,10 @@ class Service:
             return
         # The phase table (from spans) is the authoritative record once there is one.
         self.metrics.set_phase_durations(phase_table_seconds(result))
-        snap = self.lifecycle.snapshot()
-        log.info("engine ready", startup_s=round(snap.startup_elapsed_s, 3), model=self.model_name)
+        # One total: the phase table's time to READY (process creation -> READY), the same number as the table,
+        # /startup and the page.
+        log.info("engine ready", startup_s=round(self.startup_total_s(), 3), model=self.model_name)
+        self.refresh_prediction()
         # After READY, not in the start-up: commit the KV pool on a thread (the kernel call releases the GIL), so
         # the server's footprint stops growing within seconds of READY instead of creeping up as the block
         # manager first walks the pool, and requests stop paying page faults.
@@ -385,7 +478,7 @@ class Service:
             rejection = self._rejection_for_state(snap)
             remaining = deadline - time.monotonic()
             if rejection is None and remaining <= 0:
-                phase = snap.phase or snap.state.value
+                phase = self.phase_text(snap) or snap.state.value
                 rejection = Rejected(
                     503,
                     f"the engine is starting (phase: {phase}); not ready after waiting {timeout:g} s",

@@ -1,8 +1,10 @@
 """Runs the engine's start-up on a background thread, so the HTTP port is open (and answering 503 with the
 current phase) for the whole start-up instead of after it.
 
-The heavy engine import (torch, transformers) happens on this thread too, booked as the `imports` phase. The
-factory is `glowplug.engine.startup.build_engine` unless one is injected (tests, embedders); it is called with
+The heavy engine import (torch, transformers) happens on this thread too, booked as the `imports` phase. Before it,
+the runner makes a prediction that needs no torch (engine/start_profile.py `predict_before_start`), so `/startup`
+has a predicted READY time and its basis from the first second; the engine's own plan, made after the imports
+with every cache probe, replaces it. The factory is `glowplug.engine.startup.build_engine` unless one is injected (tests, embedders); it is called with
 whichever of `on_phase`, `tracing`, `marks` its signature accepts, so older and newer factories both work.
 """
 
@@ -51,7 +53,8 @@ def phase_table_seconds(result: Any) -> dict[str, float]:
 
 
 class StartupRunner:
-    """Start with `start()`; exactly one of `on_ready(result)` / `on_failed(reason, exc)` is called, on this thread."""
+    """Start with `start()`; exactly one of `on_ready(result)` / `on_failed(reason, exc)` is called, on this thread.
+    `on_plan()` is called on this thread after each plan is taken (the early one, the engine's, a bundle's)."""
 
     def __init__(
         self,
@@ -63,8 +66,10 @@ class StartupRunner:
         factory: EngineFactory | None = None,
         tracing: Tracing | None = None,
         marks: ProcessMarks | None = None,
+        on_plan: Callable[[], None] | None = None,
     ) -> None:
         self._config = config
+        self._on_plan = on_plan
         self._lifecycle = lifecycle
         self._on_ready = on_ready
         self._on_failed = on_failed
@@ -74,6 +79,9 @@ class StartupRunner:
         self._expected: dict[str, float] | None = None
         self._eta_basis: str | None = None
         self._eta_scale = 1.0
+        self._estimate: Any = None  # engine PhaseEstimate of the latest plan
+        self._early: Any = None  # the plan made before the imports (engine StartPlan), if one could be made
+        self._first_ready_s: float | None = None  # the first predicted READY (seconds from the origin)
         self._thread = threading.Thread(target=self._run, name="glowplug-startup", daemon=True)
 
     @property
@@ -93,6 +101,17 @@ class StartupRunner:
         return self._eta_scale
 
     @property
+    def estimate(self) -> Any:
+        """The latest plan's PhaseEstimate (engine/start_estimate.py): per-stage seconds, their sources, the
+        waits; None until a plan is made, or when it predicted nothing."""
+        return self._estimate
+
+    @property
+    def early_plan(self) -> Any:
+        """The plan made before the engine's imports (no torch), whose estimate has `before_s`; None without one."""
+        return self._early
+
+    @property
     def alive(self) -> bool:
         return self._thread.is_alive()
 
@@ -109,6 +128,7 @@ class StartupRunner:
 
     def _run(self) -> None:
         self._lifecycle.enter_phase(IMPORTS)
+        self._predict_early()
         try:
             module = importlib.import_module(_STARTUP_MODULE)
             if self._marks is not None:
@@ -144,6 +164,22 @@ class StartupRunner:
         self._apply_plan(plan)
         return plan
 
+    def _predict_early(self) -> None:
+        """The prediction made before the engine import (module docstring); a failure costs only this early ETA."""
+        if self._factory is not None and self._config.bundle is not None:
+            return
+        try:
+            from glowplug.engine.start_profile import predict_before_start
+            from glowplug.base.artifacts.cachedir import cache_dir_from_env
+
+            plan = predict_before_start(self._config, cache_dir_from_env())
+        except Exception as exc:  # noqa: BLE001 - the engine's own plan follows after the imports
+            log.info("no early start-up prediction", error=f"{type(exc).__name__}: {exc}")
+            return
+        if plan.estimate is not None and plan.estimate.seconds:
+            self._early = plan
+            self._apply_plan(plan)
+
     def _apply_plan(self, plan: Any) -> None:
         """Take the plan's ETA fields (from `_load_plan`, or from the engine once a bundle is installed)."""
         estimate = plan.estimate
@@ -151,6 +187,9 @@ class StartupRunner:
         if estimate is not None and estimate.seconds:
             self._expected = {str(k): float(v) for k, v in estimate.seconds.items()}
             self._eta_scale = float(estimate.scale)
+            self._estimate = estimate
+        if self._on_plan is not None:
+            self._on_plan()
 
     def _load_expected(self, module: Any) -> dict[str, float] | None:
         expected = getattr(module, "expected_phase_durations", None)

@@ -56,6 +56,8 @@ STAGES: Final[tuple[str, ...]] = (
 PROCESS_START: Final = "process_start"  # OS process creation -> first line of our code
 IMPORTS: Final = "imports"  # first line of our code -> heavy imports done
 PRE_MAIN: Final[tuple[str, ...]] = (PROCESS_START, IMPORTS)
+# The Prometheus gauge of the predicted time to READY (seconds from process creation), set from the first plan on.
+STARTUP_PREDICTED_METRIC: Final = "glowplug_startup_predicted_seconds"
 
 
 def stage_span_name(stage: str) -> str:
@@ -110,6 +112,10 @@ class Attr:
     ETA_FIRST_STAGES_S: Final = "glowplug.eta.first_stages_s"
     ETA_FIRST_AT_S: Final = "glowplug.eta.first_at_s"
     ETA_BASIS: Final = "glowplug.eta.basis"
+    # The first ETA per phase, as one JSON object: stage -> {seconds, kind ("recorded" or "model"), basis, inputs}.
+    ETA_PHASES: Final = "glowplug.eta.phases"
+    # The start-up model's inputs as one JSON object (engine/start_inputs.py: bytes to read, resident bytes, ...).
+    ETA_INPUTS: Final = "glowplug.eta.inputs"
     CACHE_KEY: Final = "glowplug.cache_key"
     CACHE_FROM_BUNDLE: Final = "glowplug.cache_from_bundle"  # a hit on an entry a bundle brought: its file name
     CACHE_MISS_REASON: Final = "glowplug.cache_miss_reason"
@@ -170,6 +176,8 @@ class Attr:
     FLOOR_WEIGHTS_BYTES: Final = "glowplug.floor.weights_bytes"
     FLOOR_READ_GBPS: Final = "glowplug.floor.read_gbps"
     FLOOR_IMPORT_TORCH_S: Final = "glowplug.floor.import_torch_s"
+    # What the floor's bytes are: the stages' own bytes read or mapped (load_weights' file, a cache entry's).
+    FLOOR_BYTES_SOURCE: Final = "glowplug.floor.bytes_source"
 
 
 class Event:

@@ -252,8 +252,61 @@ def _row_notes(phase: SpanPhase) -> list[str]:
     return ([f"cache miss: {miss}"] if miss and phase.attributes.get(Attr.CACHE_HIT) is False else []) + own
 
 
+# A row that took longer than this says in its note what it did with the time (`work_note`).
+EXPLAIN_ABOVE_S = 0.5
+
+
+def _gb(value: Any) -> str:
+    return f"{float(value) / 1e9:.3f} GB"
+
+
+def _count(attrs: Mapping[str, Any], key: str) -> int:
+    value = attrs.get(key)
+    return int(value) if isinstance(value, (int, float)) else 0
+
+
+def work_note(stage: str, attrs: Mapping[str, Any], seconds: float) -> str:
+    """What a stage did with its time, from its span's attributes: bytes and rate for a read, layers for a switch,
+    the entry for a cache hit. Every stage that reports such attributes gets its phrase; one that reports none
+    says so, so a slow row is never silent."""
+    parts: list[str] = []
+    read = attrs.get(Attr.BYTES_READ)
+    if isinstance(read, (int, float)) and read > 0:
+        parts.append(f"read {_gb(read)} at {read / 1e9 / max(seconds, 1e-9):.3f} GB/s")
+    layers = {k: _count(attrs, f"glowplug.native_{k}_layers") for k in ("dense", "quantized", "attention")}
+    if any(layers.values()):
+        parts.append("switched " + ", ".join(f"{n} {k}" for k, n in layers.items() if n) + " layers to native kernels")
+    if _count(attrs, Attr.TRITON_DECODE_LAYERS):
+        parts.append(f"switched {_count(attrs, Attr.TRITON_DECODE_LAYERS)} layers to Triton ops")
+    if _count(attrs, "glowplug.weights_bytes"):
+        parts.append(f"built the model over {_gb(attrs['glowplug.weights_bytes'])} of weights")
+    if _count(attrs, "glowplug.quantized_bytes") and stage == "quantize_weights":
+        parts.append(f"{_gb(attrs['glowplug.quantized_bytes'])} of quantized weights")
+    if _count(attrs, "glowplug.graph_nodes"):
+        parts.append(f"traced {_count(attrs, 'glowplug.graph_nodes')} graph nodes")
+    if _count(attrs, "glowplug.kernels_built"):
+        parts.append(f"built {_count(attrs, 'glowplug.kernels_built')} kernels")
+    sizes = attrs.get(Attr.GRAPH_SIZES)
+    if isinstance(sizes, (list, tuple)) and sizes:
+        parts.append(f"ran the step at {len(sizes)} batch sizes")
+    if _count(attrs, "glowplug.vocab_size"):
+        parts.append(f"{_count(attrs, 'glowplug.vocab_size'):,}-token vocabulary")
+    if _count(attrs, "glowplug.kv_cache_bytes"):
+        parts.append(f"allocated a {_gb(attrs['glowplug.kv_cache_bytes'])} KV pool")
+    if _count(attrs, "glowplug.warmup_tokens"):
+        parts.append(f"generated {_count(attrs, 'glowplug.warmup_tokens')} tokens")
+    if attrs.get(Attr.CACHE_HIT) is True and attrs.get(Attr.CACHE_KEY):
+        parts.append(f"loaded cache entry {attrs[Attr.CACHE_KEY]}")
+    elif attrs.get(Attr.CACHE_HIT) is False and attrs.get(Attr.CACHE_KEY):
+        parts.append(f"built cache entry {attrs[Attr.CACHE_KEY]}")
+    delay = attrs.get("glowplug.test_delay_s")
+    if isinstance(delay, (int, float)) and delay > 0:
+        parts.append(f"{delay:g} s planted by GLOWPLUG_TEST_STAGE_DELAY")
+    return "; ".join(parts) if parts else "this stage reports no breakdown of its time"
+
+
 _ROOT_ETA_ATTRS = (Attr.CACHE_PATTERN, Attr.ETA_BASIS, Attr.ETA_FIRST_AT_S, Attr.ETA_FIRST_STAGES_S,
-                   Attr.ETA_FIRST_READY_S)
+                   Attr.ETA_FIRST_READY_S, Attr.ETA_PHASES, Attr.ETA_INPUTS)
 
 
 def _root_eta(roots: Sequence[ReadableSpan]) -> dict[str, Any]:
@@ -305,6 +358,8 @@ def build_phase_table(
             extra_rows.append(row)
         attributes.setdefault(row, {}).update(attrs)
         notes.setdefault(row, []).extend(_row_notes(phase))
+        if phase.outcome == "ran" and stage not in PRE_MAIN and phase.nanos > EXPLAIN_ABOVE_S * 1e9:
+            notes[row].append(work_note(stage, attrs, phase.nanos / 1e9))
         if phase.booked_nanos is not None:
             leaf_ns[row] = leaf_ns.get(row, 0) + phase.booked_nanos
         if phase.reason is not None:
@@ -442,12 +497,14 @@ def _critical_path(phases: Sequence[SpanPhase]) -> tuple[int, list[str]]:
 
 @dataclass(frozen=True)
 class Floor:
-    """The least a start of this config can take: read the weights once at the measured bandwidth, and import
-    torch (measured in this process). Everything else the start-up does is above the floor."""
+    """The least a start of this config can take: read the bytes it must read or map once (the model's files and
+    the cache entries it loads, `source` says) at the measured bandwidth, and import torch (measured in this
+    process). Everything else the start-up does is above the floor."""
 
-    weights_bytes: int
+    weights_bytes: int  # the bytes to read or map (the name is the report's attribute key's)
     read_gbps: float
     import_torch_s: float
+    source: str = "weights"
 
     @property
     def nanos(self) -> int:
@@ -455,10 +512,11 @@ class Floor:
 
     def row(self, actual_ns: int) -> PhaseRow:
         ratio = actual_ns / self.nanos if self.nanos > 0 else float("inf")
-        note = (f"weights {self.weights_bytes / 1e9:.3f} GB / {self.read_gbps:.1f} GB/s read probe + import torch "
-                f"{self.import_torch_s:.3f} s; actual/floor = {ratio:.2f}x")  # fmt: skip
+        note = (f"read {self.weights_bytes / 1e9:.3f} GB ({self.source}) / {self.read_gbps:.1f} GB/s read probe + "
+                f"import torch {self.import_torch_s:.3f} s; actual/floor = {ratio:.2f}x")  # fmt: skip
         attrs = {Attr.FLOOR_WEIGHTS_BYTES: self.weights_bytes, Attr.FLOOR_READ_GBPS: self.read_gbps,
-                 Attr.FLOOR_IMPORT_TORCH_S: self.import_torch_s, Row.ACTUAL_OVER_FLOOR: round(ratio, 3)}  # fmt: skip
+                 Attr.FLOOR_IMPORT_TORCH_S: self.import_torch_s, Row.ACTUAL_OVER_FLOOR: round(ratio, 3),
+                 Attr.FLOOR_BYTES_SOURCE: self.source}  # fmt: skip
         return PhaseRow(Row.FLOOR, "floor", self.nanos, note, attrs)
 
 

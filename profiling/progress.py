@@ -9,7 +9,10 @@ is one plain line. Everything goes to stderr, so stdout stays the command's outp
 text).
 
 The estimate per stage and its basis in words come from the caller (engine/startup.py plan_start: the last start
-with the same cache hits and misses, engine/start_estimate.py): this module only phrases them.
+with the same cache hits and misses, else the start-up model, engine/start_estimate.py), with a `remaining`
+function that turns the stages finished and running into seconds to READY: this module only phrases them. Stages
+run at once, so every line names all the stages running at that moment, and each end line says how long READY
+should still take.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import TextIO
 
 from opentelemetry.context import Context
@@ -48,6 +51,8 @@ STAGE_LABELS: Mapping[str, str] = {
     "warmup": "warming up",
 }
 PREFIX = "glowplug: "
+# (finished stages, running stage -> seconds elapsed) -> seconds until READY (engine PhaseEstimate.remaining_s).
+Remaining = Callable[[Collection[str], Mapping[str, float]], float]
 
 
 def stage_label(stage: str) -> str:
@@ -58,14 +63,17 @@ def _seconds(s: float) -> str:
     return f"{s:.1f} s" if s < 100 else f"{s:.0f} s"
 
 
-def eta_phrase(stage: str, estimate: Mapping[str, float] | None, same_config: bool) -> str:
+def eta_phrase(stage: str, estimate: Mapping[str, float] | None, same_config: bool,
+               qualifiers: Mapping[str, str] | None = None) -> str:  # fmt: skip
     """How long `stage` should take, in words: "about 25 s", "first start for this config, about 25 s" (the
-    estimate is another config's), or "" when no start recorded this stage."""
+    estimate is another config's), "start-up model, about 25 s", or "" when nothing predicts this stage.
+    `qualifiers`: stage -> the words before the time (overrides `same_config` for the stages it names)."""
     seconds = None if estimate is None else estimate.get(stage)
     if seconds is None:
-        return ""  # nothing recorded for this stage: the imports line already said there is no estimate
+        return ""  # nothing predicts this stage: the imports line already said so
     about = "under a second" if seconds < 1 else f"about {round(seconds)} s"
-    return about if same_config else f"first start for this config, {about}"
+    qualifier = (qualifiers or {}).get(stage, "" if same_config else "first start for this config")
+    return f"{qualifier}, {about}" if qualifier else about
 
 
 class _Running:
@@ -82,6 +90,9 @@ class _Running:
         for stage, label, elapsed, eta in rows:
             shown = f"{label} ({stage}) {_seconds(elapsed)}" + (f", {eta}" if eta else "")
             grid.add_row(Spinner("dots", style="cyan"), Text(shown))
+        ready = self._progress.ready_in()
+        if rows and ready is not None:
+            grid.add_row(Text(""), Text(f"READY in about {_seconds(ready)}", style="dim"))
         return Group(grid) if rows else Text("")
 
 
@@ -108,6 +119,9 @@ class StartupProgress(SpanProcessor):
         self._same_config = same_config
         self._lock = threading.Lock()
         self._running: dict[str, float] = {}  # stage -> perf_counter at its start; insertion order = start order
+        self._finished: set[str] = set()
+        self._remaining: Remaining | None = None
+        self._qualifiers: dict[str, str] = {}
         self._console = Console(file=self._stream, highlight=False, soft_wrap=not self._live_wanted,
                                 force_terminal=self._live_wanted or None)  # fmt: skip
         self._live: Live | None = None
@@ -142,17 +156,34 @@ class StartupProgress(SpanProcessor):
         self._say(text, "dim")
 
     def imports_done(self, seconds: float, estimate: Mapping[str, float] | None, same_config: bool,
-                     basis: str | None = None, total_s: float | None = None) -> None:  # fmt: skip
+                     basis: str | None = None, total_s: float | None = None,
+                     remaining: Remaining | None = None, qualifiers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         """The imports' time and what the stages should take (`estimate`: seconds per stage, see eta_phrase;
-        `basis`: where it comes from, in words; `total_s`: their predicted wall time, else their sum)."""
+        `basis`: where it comes from, in words; `total_s`: their predicted wall time, else their sum; `remaining`:
+        seconds to READY from the stages finished and running, for the later lines; `qualifiers`: per stage, where
+        its estimate comes from, see eta_phrase)."""
         with self._lock:
             self._running.pop("imports", None)
+            self._remaining = remaining
+            self._qualifiers = dict(qualifiers or {})
         self._say(f"imports done in {_seconds(seconds)}; {self._expect(estimate, same_config, basis, total_s)}", "dim")
 
     def plan_known(self, estimate: Mapping[str, float] | None, same_config: bool, basis: str | None = None,
-                   total_s: float | None = None) -> None:  # fmt: skip
+                   total_s: float | None = None, remaining: Remaining | None = None,
+                   qualifiers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         """An estimate made after the imports line (a start from a bundle plans once the bundle is installed)."""
+        with self._lock:
+            self._remaining = remaining
+            self._qualifiers = dict(qualifiers or {})
         self._say(f"{self._expect(estimate, same_config, basis, total_s)}", "dim")
+
+    def ready_in(self) -> float | None:
+        """Seconds until READY as the estimate sees the stages now; None without one."""
+        now = time.perf_counter()
+        with self._lock:
+            remaining, finished = self._remaining, set(self._finished)
+            running = {s: now - t0 for s, t0 in self._running.items() if s != "imports"}
+        return None if remaining is None else remaining(finished, running)
 
     def _expect(self, estimate: Mapping[str, float] | None, same_config: bool, basis: str | None,
                 total_s: float | None) -> str:  # fmt: skip
@@ -167,7 +198,8 @@ class StartupProgress(SpanProcessor):
         now = time.perf_counter()
         with self._lock:
             running = list(self._running.items())
-        return [(stage, stage_label(stage), now - t0, eta_phrase(stage, self._estimate, self._same_config))
+        return [(stage, stage_label(stage), now - t0, eta_phrase(stage, self._estimate, self._same_config,
+                                                                 self._qualifiers))
                 for stage, t0 in running]  # fmt: skip
 
     def close(self, *, ready_s: float | None = None) -> None:
@@ -193,8 +225,11 @@ class StartupProgress(SpanProcessor):
                 return
             self._running[stage] = time.perf_counter()
         if self._live is None:
-            eta = eta_phrase(stage, self._estimate, self._same_config)
-            self._say(f"{stage}: {stage_label(stage)}..." + (f" ({eta})" if eta else ""))
+            eta = eta_phrase(stage, self._estimate, self._same_config, self._qualifiers)
+            with self._lock:
+                others = [s for s in self._running if s != stage]
+            also = f"; also running: {', '.join(others)}" if others else ""
+            self._say(f"{stage}: {stage_label(stage)}..." + (f" ({eta})" if eta else "") + also)
 
     def on_end(self, span: ReadableSpan) -> None:
         stage = stage_from_span_name(span.name)
@@ -204,15 +239,20 @@ class StartupProgress(SpanProcessor):
             if self._closed:
                 return
             self._running.pop(stage, None)
+            self._finished.add(stage)
+            still = list(self._running)
         phase = span_phase(span)
         if phase.outcome == "failed":
             return  # the command prints the failure itself, as one line with the cause and the fix
         took = _seconds(phase.nanos / 1e9)
         note = phase.note
+        ready = self.ready_in()
+        after = (f"; still running: {', '.join(still)}" if still else "") + (
+            f"; READY in about {_seconds(ready)}" if ready is not None and (still or ready > 0) else "")
         if phase.outcome == "skipped":
-            self._say(f"{stage}: skipped ({note})", "dim")
+            self._say(f"{stage}: skipped ({note}){after}", "dim")
         else:
-            self._say(f"{stage}: done in {took}" + (f" ({note})" if note else ""), "green")
+            self._say(f"{stage}: done in {took}" + (f" ({note})" if note else "") + after, "green")
 
     def shutdown(self) -> None:
         self.close()

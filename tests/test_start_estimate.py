@@ -91,7 +91,8 @@ def test_profile_keeps_the_latest_start_per_pattern_and_reads_back() -> None:
     warm1, warm2 = StartRecord(WARM_TIMES, WARM, 0.5), StartRecord({**WARM_TIMES, "load_weights": 0.3}, WARM, 0.4)
     data = profile_json(warm2, [warm1, cold])
     assert data["stages"] == warm2.stages  # what readers of the old format take
-    assert parse_profile(json.loads(json.dumps(data))) == [warm2, cold]
+    # The latest few per pattern (rule 1 takes the newest; the start-up model learns from all of them).
+    assert parse_profile(json.loads(json.dumps(data))) == [warm2, warm1, cold]
     assert start_kind(COLD) == "cold" and start_kind(WARM) == "warm" and start_kind({}) == ""
     assert start_kind({"model": HIT, "compile": MISS}) == "partly warm"
 
@@ -126,14 +127,19 @@ def test_pattern_of_a_start_before_and_after_it_ran(tiny_dir, tmp_path: Path) ->
     # analytic KV peak no cache at all (hence a measured one here).
     assert probe_cache_pattern(config, cache) == {"kv_profile": MISS}
     first = plan_start(config, cache)
-    assert first.estimate is None and first.basis.startswith("first start of this model")
+    # Nothing recorded: every phase from the start-up model's shipped prior, on the inputs read before the start.
+    assert first.estimate is not None and first.estimate.kind == "model" and not first.estimate.unknown
+    assert first.inputs is not None and first.inputs.get("read_bytes") > 0
+    assert first.pattern == {"kv_profile": MISS, "page_cache": HIT}  # the checkpoint was just written
     result = build_engine(config, cache_dir=cache)
     attrs = result.phase_table["actual_total_time"].attributes
-    assert attrs[Attr.CACHE_PATTERN] == "kv_profile=miss" and Attr.ETA_FIRST_READY_S not in attrs
+    assert attrs[Attr.CACHE_PATTERN] == "kv_profile=miss, page_cache=hit" and Attr.ETA_FIRST_READY_S in attrs
     assert probe_cache_pattern(config, cache) == {"kv_profile": HIT}
     second = plan_start(config, cache)
-    # Only the cold start is recorded: the hit has nothing to learn from (not the cold profiling's time).
-    assert second.estimate is not None and "kv_cache_profiling" in second.estimate.unknown
+    # Only the cold start is recorded: the hit is the model's (not the cold profiling's time), the rest recorded.
+    assert second.estimate is not None and not second.estimate.unknown
+    assert second.estimate.sources["kv_cache_profiling"].kind == "model"
+    assert second.estimate.sources["load_weights"].kind == "recorded"
 
 
 class _Probing:
@@ -182,26 +188,39 @@ def test_cold_warm_warm_then_emptied_cold_each_first_eta_from_its_own_kind(tiny_
     emptied from the cold one, not from the warm start just before it."""
     model, cache = tiny_dir("llama"), tmp_path / "cache"
     cold = _startup(model, cache, tmp_path / "cold.json")
-    assert cold[Attr.CACHE_PATTERN] == "kv_profile=miss" and Attr.ETA_FIRST_READY_S not in cold
+    assert cold[Attr.CACHE_PATTERN] == "kv_profile=miss, page_cache=hit"
+    assert "start-up model" in cold[Attr.ETA_BASIS]  # nothing recorded yet: the model's first ETA
     warm1 = _startup(model, cache, tmp_path / "warm1.json")
-    assert warm1[Attr.CACHE_PATTERN] == "kv_profile=hit"
+    assert warm1[Attr.CACHE_PATTERN] == "kv_profile=hit, page_cache=hit"
     assert "from the last cold start" not in warm1[Attr.ETA_BASIS]  # the cold record never passes for a warm one
     warm2 = _startup(model, cache, tmp_path / "warm2.json")
     assert warm2[Attr.ETA_BASIS] == "from the last warm start of this config"
     assert warm2[Attr.ETA_FIRST_READY_S] <= 1.25 * warm2["actual"]
 
+    # Before a start, without torch: the entries the last start used are still there, so the prediction is the
+    # warm one, from the warm record.
+    from glowplug.engine.config import EngineConfig
+    from glowplug.engine.start_profile import predict_before_start
+
+    config = EngineConfig.from_flat(model=str(model), compile="off", kv_profile="measure")
+    before = predict_before_start(config, cache)
+    assert before.pattern["kv_profile"] == HIT and before.estimate is not None
+    assert before.estimate.kind == "same_pattern" and before.estimate.before_s is not None
+
     records = {r["pattern"]["kv_profile"]: r for r in _profile_records(cache)}
     for kept in cache.iterdir():  # empty the cache, keeping only the start-up profile (the ETA's record)
         if kept.name != "startup_profile":
             shutil.rmtree(kept) if kept.is_dir() else kept.unlink()
+    emptied = predict_before_start(config, cache)
+    assert emptied.pattern["kv_profile"] == MISS  # the entry the warm starts used is gone
+    assert emptied.estimate is not None and emptied.estimate.basis == "from the last cold start of this config"
     again = _startup(model, cache, tmp_path / "cold2.json")
-    assert again[Attr.CACHE_PATTERN] == "kv_profile=miss"
+    assert again[Attr.CACHE_PATTERN] == "kv_profile=miss, page_cache=hit"
     assert again[Attr.ETA_BASIS] == "from the last cold start of this config"
     cold_record = StartRecord.from_json(records[MISS])
     warm_record = StartRecord.from_json(records[HIT])
-    # The stages' part of the ETA is the cold start's, not the warm start's.
-    expected = max(sum(cold_record.stages.values()) * cold_record.scale, max(cold_record.stages.values()))
-    assert again[Attr.ETA_FIRST_STAGES_S] == pytest.approx(expected, abs=1e-5)
+    # The stages' part of the ETA is the cold start's (its wall time), not the warm start's.
+    assert again[Attr.ETA_FIRST_STAGES_S] == pytest.approx(cold_record.wall_s, abs=1e-5)
     assert cold_record.stages["kv_cache_profiling"] != warm_record.stages["kv_cache_profiling"]
 
 

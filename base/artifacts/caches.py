@@ -77,7 +77,8 @@ KV_PROFILE = CacheSpec(
     "every start runs the profiling forward again",
 )
 STARTUP_PROFILE = CacheSpec(
-    "startup_profile", 1, "seconds per start-up stage of the latest start per cache hit/miss pattern (the ETA)",
+    "startup_profile", 1, "seconds per start-up stage of the latest starts per cache hit/miss pattern, with what was "
+    "known before each (the ETA, and the start-up model's fit)",
     "bypass",
     "no start-up ETA is shown and none is recorded",
 )

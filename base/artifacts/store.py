@@ -23,6 +23,7 @@ miss, which cannot be stored, warns.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import json
 import os
@@ -67,7 +68,24 @@ from .manifest import (
 
 T = TypeVar("T")
 log = structlog.get_logger("glowplug.artifacts")
-__all__ = ["ArtifactStore", "CacheDirUnusable", "CacheSpec", "Fetched"]
+__all__ = ["ArtifactStore", "CacheDirUnusable", "CacheSpec", "Fetched", "probes_seen"]
+
+# The probes made in the current context, when someone listens (`probes_seen`): (cache, entry folder, would hit).
+_PROBES: contextvars.ContextVar[list[tuple[str, Path, bool]] | None] = contextvars.ContextVar("glowplug_probes",
+                                                                                             default=None)
+
+
+@contextmanager
+def probes_seen() -> Iterator[list[tuple[str, Path, bool]]]:
+    """Every `ArtifactStore.probe` made inside the block, as (cache name, entry folder, would hit): the start-up
+    plan reads the entries a start will load (their bytes and page-cache residency) from it."""
+    seen: list[tuple[str, Path, bool]] = []
+    token = _PROBES.set(seen)
+    try:
+        yield seen
+    finally:
+        _PROBES.reset(token)
+
 
 QUARANTINE = ".quarantine"
 LOCKS = ".locks"
@@ -249,11 +267,26 @@ class ArtifactStore:
         recorded size. For a prediction (the start-up ETA), so a damaged entry found later costs only that."""
         key = self.key(spec, factors)
         path = self.entry_path(spec, key)
+        hit = self._sound_sizes(spec, key, factors)
+        seen = _PROBES.get()
+        if seen is not None:
+            seen.append((spec.name, path, hit))
+        return hit
+
+    def present(self, spec: CacheSpec, key: str) -> bool:
+        """Whether the entry `key` is there with every file at its recorded size: `probe` for a caller that knows
+        the key (a recorded start) but not the factors, which it could not compute without importing torch."""
+        return self._sound_sizes(spec, key, None)
+
+    def _sound_sizes(self, spec: CacheSpec, key: str, factors: dict[str, Any] | None) -> bool:
+        path = self.entry_path(spec, key)
         try:
             m = read_manifest(path)
         except ValueError:
             return False
-        if (m.cache, m.version, m.key) != (spec.name, spec.version, key) or m.factors != factors:
+        if (m.cache, m.version, m.key) != (spec.name, spec.version, key):
+            return False
+        if factors is not None and m.factors != factors:
             return False
         for rel, rec in m.files.items():
             try:

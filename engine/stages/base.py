@@ -26,6 +26,10 @@ list order as well, so the overlap is never two stages sharing two cores. The de
 start-up span (`glowplug.stage_concurrency`, `glowplug.usable_cores`) and, on each stage it delayed, which stage it
 now waits for (`glowplug.scheduling`); the extra wait is in `glowplug.waits_for`, so the critical path includes it.
 
+Planted delays (a test hook, off by default): GLOWPLUG_TEST_STAGE_DELAY="stage=seconds[,stage=seconds]" makes the
+runner sleep that long inside the named stage's span before running it, and says so on the span
+(`glowplug.test_delay_s`). The start-up regression gate's test plants a regression with it; nothing else sets it.
+
 Failure: the first stage in pipeline order among those that failed is the one reported (so two stages failing at
 once always give the same answer); no stage starts after a failure, and the ones already running are joined
 before `StartupFailed` is raised, so no thread outlives the start-up.
@@ -149,6 +153,27 @@ def is_barrier(stage: Stage) -> bool:
 # other over 6 interleaved pairs; the quietest pair 16.3 s vs 18.5 s): the compile leaves part of the second core
 # idle (Dynamo and Inductor's code generation are single-threaded Python), which the profile's forward fills.
 SERIAL_CPU_BOUND_BELOW_CORES: Final = 2
+STAGE_DELAY_ENV: Final = "GLOWPLUG_TEST_STAGE_DELAY"
+TEST_DELAY_ATTR: Final = "glowplug.test_delay_s"
+
+
+def planted_delay(stage: str) -> float:
+    """Seconds GLOWPLUG_TEST_STAGE_DELAY plants in `stage` (module docstring), 0 when unset; a malformed value is an
+    error naming the variable, since a test that plants nothing would pass for the wrong reason."""
+    spec = os.environ.get(STAGE_DELAY_ENV, "").strip()
+    if not spec:
+        return 0.0
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if not sep or seconds < 0:
+            raise ValueError(f"{STAGE_DELAY_ENV}={spec!r}: write stage=seconds[,stage=seconds], e.g. warmup=0.5")
+        if name.strip() == stage:
+            return seconds
+    return 0.0
 
 
 def usable_cores() -> int:
@@ -390,6 +415,10 @@ def _run_one(
     # Current for the stage's duration so the stage's own log lines and child spans hang off it.
     with trace.use_span(span, end_on_exit=False, record_exception=False, set_status_on_exception=False):
         try:
+            delay = planted_delay(stage.name)
+            if delay:
+                span.set_attribute(TEST_DELAY_ATTR, delay)
+                time.sleep(delay)
             # The view stands in for the context: it has the same attributes, under the stage's contract.
             report = stage.run(cast(StartupContext, view))
             if view._violations:  # the stage caught the error (a broad `except Exception` fallback): still a bug

@@ -28,7 +28,7 @@ Order, and why:
   12. latency-tp       the same at TP=3 against TP=1 (gloo)
   13. tune             max-model-len sweep and plan; tune-gemma the same on Gemma 3 (needs --gemma3-gguf),
                        real-tune on a real-size model (needs --real-model)
-  14. startup          N cold and N warm starts (`glowplug bench startup`)
+  14. startup          N cold and N warm starts (`glowplug bench startup --predict --poll-serve`)
   15. startup-tp1/tp3  cold and warm starts at TP=1 and TP=3
   16. gemma-startup    the second model's starts (needs --gemma3-gguf; listed as skipped without it)
       real-startup     cold, warm and bundle starts of a real-size model (needs --real-model; skipped without)
@@ -41,6 +41,8 @@ Order, and why:
   22. serve-fuzz       schemathesis over the server's OpenAPI document, at the default max-model-len
   23. serve-soak       two minutes of mixed streams with hang-ups, then leak and counter checks
   24. serve-hostile    a 20 MB prompt refused under load, the hostile corpus, the limits' cost on throughput
+A report with a target leaves its verdicts beside it (profiling/bench/verdicts.py); the index shows FAIL naming
+the missed targets for such a step, even when its command exited 0.
 Not made here: reports/gpu (scripts/device_check.sh on a GPU machine; its README names its commit).
 The serve reports come last: each starts its own server, and none of the in-process tables above should share
 the cores with one.
@@ -287,8 +289,11 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             ["tune-max-model-len/real/" + ("tune-plan.md" if q else "tune.md")],
             "the same sweep on a real-size model (--real-model)", skip=real_skip),
         # 80 pairs: a 1% tracing-overhead target on a ~2 s warm start is ~20 ms, inside the noise of 10 pairs.
+        # --predict: the prediction made before each start against it; --poll-serve: a serve start's /startup
+        # polled every 0.2 s (every poll names a running stage, its ETA within 30% of the time left).
         "startup": Step("startup", ["bench", "startup", m, "--runs", reps, "--tracing-runs", "2" if q else "80",
-                                      *([] if q else ["--bundle-isa-cap", "avx2"]), *_startup_out(o / "startup")],
+                                      *([] if q else ["--bundle-isa-cap", "avx2"]), "--predict", "--poll-serve",
+                                      *_startup_out(o / "startup")],
                         ["startup/startup.md"], "cold and warm starts: per-phase statistics and time to READY"),
         "startup-tp1": Step("startup-tp1", ["bench", "startup", m, "--runs", reps, "--no-bundle",
                                             "--no-tracing-overhead", *_startup_out(o / "startup-tp" / "tp1")],
@@ -302,7 +307,7 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
         # measures preparation, not Inductor.
         "gemma-startup": Step("gemma-startup", [
             "bench", "startup", str(cfg.gemma3_gguf or "GEMMA3_GGUF"), "--compile", "off", "--runs", reps,
-            "--no-bundle", "--no-tracing-overhead", *_startup_out(o / "gemma-startup")],
+            "--no-bundle", "--no-tracing-overhead", "--predict", *_startup_out(o / "gemma-startup")],
             ["gemma-startup/startup.md"], "Gemma 3 270m (Q4_K_M GGUF): cold and warm starts",
             skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH"),
         # Cold, warm and bundle starts at a real size, each against its floor (the tracing-overhead pairs are the
@@ -420,9 +425,26 @@ def run_step(step: Step, timeout_s: float, log: Path, out: Path, run_env: dict[s
         # say the report exists, so a FAIL verdict is not mistaken for a crash.
         written = all((out / o).is_file() and (out / o).stat().st_mtime >= started for o in step.outputs)
         reason = _last_line(log)  # e.g. `bench screenshots`: "no chromium found: ..."
-        err = (f"report written, exit {proc.returncode} (a check in it failed; see the report and logs/{log.name})"
-               if written else f"exit {proc.returncode}: {reason + ' ' if reason else ''}(see logs/{log.name})")
+        err = (f"FAIL: report written, exit {proc.returncode} (a check in it failed; see the report and "
+               f"logs/{log.name})" if written else f"exit {proc.returncode}: {reason + ' ' if reason else ''}(see "
+               f"logs/{log.name})")  # fmt: skip
+    missed = missed_targets(step, out, started)
+    if missed:
+        err = f"FAIL: {'; '.join(missed)}" + (f" ({err})" if err else "")
     return StepResult(step, proc.returncode, time.perf_counter() - t0, rss, err)
+
+
+def missed_targets(step: Step, out: Path, since: float) -> list[str]:
+    """The targets the step's reports say were missed (their verdicts sidecars, written by this run)."""
+    from .verdicts import failed_targets, sidecar
+
+    missed: list[str] = []
+    for output in step.outputs:
+        report = out / output
+        side = sidecar(report)
+        if report.suffix == ".md" and side.is_file() and side.stat().st_mtime >= since:
+            missed += failed_targets(report)
+    return missed
 
 
 def same_run(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -515,6 +515,11 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
     lines += _peer_table(measured)
     lines += _max_len_table(measured)
     lines += _graph_pool_table(measured)
+    verdicts = decode_verdicts(rows)
+    if verdicts:
+        from .verdicts import verdicts_markdown
+
+        lines += ["", "## Verdicts", "", verdicts_markdown(verdicts)]
     left_out = [r for r in rows if r.skipped]
     if left_out:
         lines += ["", "Left out (the KV cache cannot hold the batch at that context):"]
@@ -598,6 +603,62 @@ def _graph_pool_table(rows: list[DecodeRow]) -> list[str]:
         ratio = f"{r.graph_pool_gb / act:.2f}x" if act else "-"
         out.append(f"| {mode} | {dtype} | {quant} | {kv} | {max_len} | {r.graph_largest_size or '-'} "
                    f"| {r.graph_pool_gb:.3f} | {f'{act:.3f}' if act is not None else '-'} | {ratio} |")
+    return out
+
+
+LONG_CONTEXT = 2048  # issue 34's long-context target applies at this context (prompt tokens)
+LONG_CONTEXT_SHARE = 70.0  # ... the extra KV bytes read at >= 70% of the probe
+MAX_LEN_RATIO = 1.05  # issue 38: a step's time at the longest max model len within 5% of the shortest's
+
+
+def _kv_shares(r: DecodeRow, rows: list[DecodeRow]) -> list[float] | None:
+    """Per run, the extra KV bytes over the shortest context as a % of the run's probe (see _long_context)."""
+    if r.engine != "glowplug" or r.kv_mb is None:
+        return None
+    same = [b for b in rows if b.engine == r.engine and b.compile == r.compile and b.dtype == r.dtype
+            and b.quantization == r.quantization and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch
+            and b.max_model_len == r.max_model_len and b.kv_mb is not None]  # fmt: skip
+    short = min(same, key=lambda b: b.context)
+    if short is r or short.kv_mb is None:
+        return None
+    extra = [a - b for a, b in zip(r.step_ms, short.step_ms)]
+    kv_gb = (r.kv_mb - short.kv_mb) * r.batch / 1e3
+    return [100 * kv_gb / (e / 1e3) / p for e, p in zip(extra, r.probe_gbps) if e > 0]
+
+
+def decode_verdicts(rows: list[DecodeRow]) -> list[Any]:
+    """The targets this run's cells can be held to, each on its worst run or pair: the KV read share at
+    LONG_CONTEXT tokens (issue 34) and the step time over max model lens (issue 38)."""
+    from .verdicts import Verdict
+
+    measured = [r for r in rows if not r.skipped and r.engine == "glowplug"]
+    out: list[Verdict] = []
+    for r in measured:
+        if r.context != LONG_CONTEXT:
+            continue
+        shares = _kv_shares(r, measured)
+        if shares is None:
+            continue
+        what = f"{r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}"
+        worst = min(shares) if shares else None
+        out.append(Verdict(f"KV read at >= {LONG_CONTEXT_SHARE:.0f}% of the probe at {LONG_CONTEXT} tokens ({what})",
+                           f"worst run {worst:.1f}%" if worst is not None else "no run read more than the shortest",
+                           None if worst is None else worst >= LONG_CONTEXT_SHARE))  # fmt: skip
+    lens = sorted({r.max_model_len for r in measured})
+    if len(lens) >= 2:
+        for r in measured:
+            if r.max_model_len != lens[-1]:
+                continue
+            base = next((b for b in measured if b.max_model_len == lens[0] and b.compile == r.compile
+                         and b.dtype == r.dtype and b.quantization == r.quantization
+                         and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch and b.context == r.context),
+                        None)  # fmt: skip
+            if base is None:
+                continue
+            worst = max(a / b for a, b in zip(r.step_ms, base.step_ms))
+            what = f"{r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}, context {r.context}"
+            out.append(Verdict(f"step at max model len {lens[-1]} within {100 * (MAX_LEN_RATIO - 1):.0f}% of "
+                               f"{lens[0]}'s ({what})", f"worst pair {worst:.3f}x", worst <= MAX_LEN_RATIO))
     return out
 
 

@@ -28,6 +28,9 @@ class StartupRun:
     wall_s: float  # the subprocess as the parent saw it (includes interpreter exit after READY)
     report: dict[str, Any] = field(default_factory=dict)  # the --report-out JSON (see profiling/phases.py to_dict)
     error: str | None = None  # why the start failed, from the child's stderr
+    # `glowplug startup --predict-only` run right before this start, in the same cache dir (bench startup
+    # --predict): its JSON, or {"error": why} when it could not predict.
+    prediction: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -93,6 +96,29 @@ def run_startup(
     if error is None and not report:
         error = "no report written"
     return StartupRun(label, proc.returncode, wall, report, error)
+
+
+def run_prediction(startup_args: list[str], report_path: Path, *, cache_dir: Path | None = None,
+                   timeout_s: float = 60.0, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`glowplug startup <startup_args> --predict-only --report-out report_path`: the prediction a start would get
+    before it starts, with the command's own wall time (`command_s`); {"error": why} when there is none."""
+    import json
+
+    child_env = dict(os.environ if env is None else env)
+    if cache_dir is not None:
+        child_env[CACHE_ENV] = str(cache_dir)
+    report_path.unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "glowplug.cli", "startup", *startup_args, "--predict-only", "--report-out",
+           str(report_path)]  # fmt: skip
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"--predict-only timed out after {timeout_s:g} s"}
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not report_path.is_file():
+        return {"error": failure_reason(proc.stderr, proc.returncode), "command_s": wall}
+    return {**json.loads(report_path.read_text()), "command_s": wall}
 
 
 def short(reason: str, limit: int = 110) -> str:

@@ -75,3 +75,20 @@ def test_a_max_model_len_shorter_than_the_runs_is_refused_with_the_length_needed
                        r"least 192"):
         DecodeBenchConfig(max_model_len=(64, 8192), prompt_tokens=(64,), new_tokens=128)
     assert DecodeBenchConfig(max_model_len=(512, 8192), prompt_tokens=(64,), new_tokens=128).max_model_len == (512, 8192)
+
+
+def test_the_long_context_target_gets_a_verdict_on_its_worst_run() -> None:
+    """Issue 52: the 70% KV-read target at 2,048 tokens says PASS or FAIL on its worst run, in the report and for
+    `bench all` (decode_verdicts is what `bench decode --out` leaves beside the report)."""
+    from glowplug.profiling.bench.decode import decode_verdicts
+
+    short, long_ = _row("none", 3), _row("none", 3)
+    short.context, long_.context = 64, 2048
+    short.kv_mb, long_.kv_mb = 1.5, 43.5
+    long_.step_ms = [s + d for s, d in zip(short.step_ms, (3.0, 3.0, 4.0))]  # the third run: 52.5% of the probe
+    (verdict,) = decode_verdicts([short, long_])
+    assert verdict.passed is False and verdict.measured == "worst run 52.5%" and "2048 tokens" in verdict.target
+    text = render_markdown([short, long_], DecodeBenchConfig(compare_hf=False, prompt_tokens=(64, 2048)), None)
+    assert "## Verdicts" in text and "**FAIL**" in text.split("## Verdicts")[1]
+    long_.step_ms = [s + 3.0 for s in short.step_ms]
+    assert decode_verdicts([short, long_])[0].passed is True

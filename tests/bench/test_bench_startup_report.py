@@ -91,7 +91,8 @@ def test_startup_json_holds_every_run_and_from_runs_reads_both_forms(tmp_path: P
     result = bench_result(tmp_path)
     write_reports(result)
     out = tmp_path / "out"
-    assert sorted(p.name for p in out.iterdir()) == ["startup.json", "startup.md"]  # no per-run files
+    # No per-run files: the report, its JSON and its verdicts (read by `bench all`).
+    assert sorted(p.name for p in out.iterdir()) == ["startup.json", "startup.md", "startup.verdicts.json"]
     data = json.loads((out / "startup.json").read_text())
     every = [(m, r) for m, rs in result.runs.items() for r in rs]
     assert len(data["runs"]) == len(every)
@@ -226,3 +227,37 @@ def test_plot_kv_capacity_and_stack_render(tmp_path: Path) -> None:
     assert path.read_bytes()[:4] == b"\x89PNG"
     colours = {plots.phase_style(i) for i in range(20)}
     assert len(colours) == 20  # every phase of a 20-row stack looks different
+
+
+def test_a_missed_eta_target_is_a_fail_verdict_and_a_fail_in_the_bench_all_index(tmp_path: Path) -> None:
+    """Issue 52: a report with targets says PASS or FAIL on its worst run, and `bench all` shows FAIL for the step
+    although the command exited 0 (the real `bench startup --from-runs` re-renders the runs in a child process)."""
+    from glowplug.profiling.bench import all as bench_all
+    from glowplug.profiling.bench.machine import GitState
+    from glowplug.profiling.bench.verdicts import failed_targets
+
+    result = bench_result(tmp_path)
+    for run in [*result.runs["cold"], *result.runs["warm"]]:
+        actual = run.report["phases"]["actual_total_time"]
+        eta = actual * (1.8 if run.label == "warm 1" else 1.05)  # the first warm start's ETA 80% off
+        run.report["attributes"]["actual_total_time"] = {"glowplug.eta.first_ready_s": eta,
+                                                         "glowplug.eta.basis": "recorded"}  # fmt: skip
+    write_reports(result)
+    text = (tmp_path / "out" / "startup.md").read_text()
+    verdicts = text[text.index("## Verdicts"):]
+    assert "**FAIL**" in verdicts and "warm after cold" in verdicts and "warm 1: +80.0%" in verdicts
+    assert "warm after warm" in verdicts  # the other kind, within its target
+    assert failed_targets(tmp_path / "out" / "startup.md") == ["first ETA within 20% of READY (warm after cold)"]
+
+    out = tmp_path / "all"
+    (out / "logs").mkdir(parents=True)
+    step = bench_all.Step("startup", ["bench", "startup", "--from-runs", str(tmp_path / "out" / "startup.json"),
+                                      "--no-plots", "--out-dir", str(out / "startup")], ["startup/startup.md"],
+                          "cold and warm starts")  # fmt: skip
+    r = bench_all.run_step(step, 300, out / "logs" / "startup.log", out, GitState("a" * 40, False).env())
+    assert r.returncode == 0 and r.error is not None and r.error.startswith("FAIL: first ETA within 20%")
+    run = {"command": "c", "commit": "a" * 40, "dirty": False, "date": "d", "machine": "m", "probe_gbps": None}
+    readme = bench_all.render_readme(bench_all.BenchAllConfig(out=out), {"run": run, "entries": {
+        "startup": bench_all.entry_of(r, False, "now", run)}})  # fmt: skip
+    row = next(ln for ln in readme.splitlines() if "startup/startup.md" in ln)
+    assert "FAIL: first ETA within 20% of READY (warm after cold)" in row and "| ok |" not in row

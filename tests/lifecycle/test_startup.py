@@ -64,7 +64,10 @@ def test_ready_503_with_phase_then_200_and_queue_bound(tiny_model: Path) -> None
         with srv.http() as http:
             ready = http.get("/health/ready")
             assert ready.status_code == 503
-            assert ready.json() == {"status": "starting", "phase": HOLD, "reason": None}
+            body = ready.json()
+            assert {k: body[k] for k in ("status", "phase", "reason", "running_phases")} == {
+                "status": "starting", "phase": HOLD, "reason": None, "running_phases": [HOLD]}
+            assert body["eta_s"] is not None and body["eta_s"] > 0
             assert int(ready.headers["retry-after"]) >= 1
             assert http.get("/health/live").status_code == 200
             info = http.get("/startup").json()

@@ -281,3 +281,17 @@ def test_clock_maps_perf_counter_onto_wall_time() -> None:
     a, b = clock.now_ns(), clock.now_ns()
     assert b >= a
     assert abs(a - time.time_ns()) < 50_000_000
+
+
+def test_a_slow_row_says_what_it_did_with_its_time() -> None:
+    """Issue 52: a row over 0.5 s names its work: bytes and rate for a load, layers switched, the entry a hit
+    loaded; a stage that reports nothing says so rather than staying silent."""
+    from glowplug.profiling.phases import work_note
+
+    load = work_note("load_weights", {Attr.BYTES_READ: 1_120_000_000}, 10.0)
+    assert load == "read 1.120 GB at 0.112 GB/s"
+    native = work_note("native_kernels", {Attr.CACHE_HIT: True, Attr.CACHE_KEY: "abc",
+                                          "glowplug.native_quantized_layers": 196,
+                                          "glowplug.native_attention_layers": 28}, 4.5)  # fmt: skip
+    assert native == "switched 196 quantized, 28 attention layers to native kernels; loaded cache entry abc"
+    assert work_note("warmup", {}, 2.0) == "this stage reports no breakdown of its time"
