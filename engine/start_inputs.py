@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glowplug.base.ggml import BLOCKS, FLOATS, IN_PLACE, Q4_0, Q4_1, Q4_K, Q5_0, Q8_0
+
 from glowplug.base.residency import files_residency
 
 from .config import EngineConfig
@@ -94,17 +96,14 @@ _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
 # GGML type ids -> (weights per block, bytes per block), for the types glowplug reads (engine/models/gguf_tensors.py).
-GGML_BLOCKS: dict[int, tuple[int, int]] = {
-    0: (1, 4), 1: (1, 2), 30: (1, 2),  # F32, F16, BF16
-    2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),  # Q2_K .. Q6_K
-}  # fmt: skip
-FLOAT_TYPES = frozenset({0, 1, 30})
+GGML_BLOCKS = BLOCKS
+FLOAT_TYPES = FLOATS
 # The stored types each --quantization takes as they are (floats, run as stored or cast) or repacks exactly on their
 # own 32-weight grid (engine/models/gguf_auto.py, gguf_tensors.repack_int4/int8): every other quantized tensor is
 # converted. Under `none` every quantized tensor is de-quantized; int2 and w8a8 repack nothing.
+# Under auto on the CPU every type with a native kernel runs in place (kernels/gguf.py): nothing is converted.
 KEPT_TYPES: dict[str, frozenset[int]] = {
-    "auto": frozenset({2, 3, 12, 8, 6}), "int4": frozenset({2, 3, 12}), "int8": frozenset({8, 6}),
+    "auto": IN_PLACE, "int4": frozenset({Q4_0, Q4_1, Q4_K}), "int8": frozenset({Q8_0, Q5_0}),
 }
 
 

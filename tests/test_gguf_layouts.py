@@ -22,7 +22,6 @@ import torch
 
 from glowplug.engine.attention import AttentionMetadata
 from glowplug.engine.sampling_params import SamplingParams
-from glowplug.engine.stages.base import StartupFailed
 
 DATA = Path(__file__).parent / "data" / "gguf"
 SCRIPT = Path(__file__).parent.parent / "scripts" / "synthetic_gguf.py"
@@ -49,24 +48,13 @@ LAYOUTS: dict[str, dict[str, set[str]]] = {
 }  # fmt: skip
 TIED = {"qwen2-tied-q5_0-q8_0.gguf", "qwen2-tied-q5_1-q8_0.gguf", "gemma3-q4_k_m.gguf"}
 
-# Under auto, a fused q/k/v whose parts repack exactly (Q4_K into int4; Q8_0/Q5_0 into int8) reaches the repack
-# with the F32 biases beside them: gguf_tensors.repack_int4/_int8 look the F32 type up among the block types.
-# The repacking path is being replaced by kernels that read the GGUF's blocks in place.
-AUTO_BIAS_REPACK = pytest.mark.xfail(
-    strict=False, raises=StartupFailed,
-    reason="auto repacks Qwen2's fused q/k/v with its F32 biases and fails (KeyError in gguf_tensors.repack_int4/"
-           "repack_int8 on type 0); fixed when the in-place GGUF kernels replace the repack")  # fmt: skip
-AUTO_FAILS = {"qwen2-bias-q4_k_m.gguf", "qwen2-bias-q8_0.gguf", "qwen2-tied-q5_0-q8_0.gguf"}
-
 PROMPT = "The scheduler mixes prefill chunks and decode steps in one batch"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 COMMON: dict[str, Any] = dict(compile="off", max_model_len=256, num_gpu_blocks_override=64, max_num_seqs=4)
 
 
-def _cases(files: Any, xfail_auto: bool = False) -> list[Any]:
-    return [pytest.param(f, id=f.removesuffix(".gguf"),
-                         marks=[AUTO_BIAS_REPACK] if xfail_auto and f in AUTO_FAILS else [])
-            for f in files]  # fmt: skip
+def _cases(files: Any) -> list[Any]:
+    return [pytest.param(f, id=f.removesuffix(".gguf")) for f in files]
 
 
 def _logits(model: Any, ids: list[int]) -> torch.Tensor:
@@ -110,16 +98,21 @@ def test_none_fp32_logits_and_greedy_tokens_equal_transformers(file: str, make_l
     assert got == hf_tokens[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("file", _cases(LAYOUTS, xfail_auto=True))
-def test_auto_starts_decodes_and_follows_none(file: str, make_llm: Any) -> None:
-    """The default --quantization auto starts on the file and decodes; its logits follow none's with a cosine of at
-    least 0.99 per position and the same top token at 90% of them. Why that far and no closer: auto runs the
-    file's own blocks (int4/int8 repacks, exact) or 5-8-bit types re-quantized to int8 g32 (under 1/254 of each
-    group's range per weight), and its quantized kernels round activations to bf16 (8-bit mantissa): on these
-    random 2-layer models that measures at a cosine of 0.998 or more. A wrongly laid-out tensor measures well
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "repacked"])
+@pytest.mark.parametrize("file", _cases(LAYOUTS))
+def test_auto_starts_decodes_and_follows_none(file: str, in_place: bool, make_llm: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The default --quantization auto starts on the file and decodes, computing on the stored blocks in place (the
+    CPU's default) or, with the native kernels off (GLOWPLUG_NATIVE=0, as on a GPU), repacked and re-quantized; its
+    logits follow none's with a cosine of at least 0.99 per position and the same top token at 90% of them. Why
+    that far and no closer: in place, activations are taken to int8 per 32 or 256 inputs; repacked, the file's own
+    blocks (exact) or 5-8-bit types re-quantized to int8 g32 (under 1/254 of each group's range per weight), with
+    activations rounded to bf16: on these random 2-layer models that measures at a cosine of 0.998 or more. A wrongly laid-out tensor measures well
     below the bar: q/k rows left permuted (Llama 3) 0.19 at the worst position, Gemma's norms with the stored 1
     kept 0.75, Qwen2's q/k/v biases dropped 0.94."""
     path = DATA / file
+    if not in_place:
+        monkeypatch.setenv("GLOWPLUG_NATIVE", "0")
     none = make_llm(str(path), dtype="float32", quantization="none", **COMMON)
     ids = none.tokenizer(PROMPT)["input_ids"]
     want = _logits(none.engine.model, ids)

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from glowplug.engine.sampling_params import SamplingParams
-from glowplug.engine.stages.base import StartupFailed
 
 pytestmark = pytest.mark.slow
 PROMPT = "def quicksort(items: list[int]) -> list[int]:\n    \"\"\"Sort the items in ascending order.\"\"\"\n"
@@ -40,9 +39,6 @@ def test_none_fp32_greedy_tokens_equal_transformers(qwen_gguf: Path) -> None:
     assert got == out[0, len(ids) :].tolist()
 
 
-@pytest.mark.xfail(strict=False, raises=StartupFailed,
-                   reason="auto repacks Qwen2's fused q/k/v with its F32 biases and fails (KeyError: 0 in "
-                          "gguf_tensors.repack_int4); fixed when the in-place GGUF kernels replace the repack")
 def test_the_default_start_reaches_ready_and_decodes(qwen_gguf: Path) -> None:
     from glowplug.engine.llm import LLM
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-from glowplug.kernels.gguf import (
+from glowplug.base.ggml import (
     BF16,
     F16,
     F32,
@@ -52,8 +52,8 @@ from glowplug.kernels.gguf import (
     Q6_K,
     Q8_0,
     TYPE_NAMES,
-    fits,
 )
+from glowplug.kernels.gguf import fits
 
 from .gguf_tensors import TensorEntry, TensorTable, hf_name
 

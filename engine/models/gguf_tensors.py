@@ -44,8 +44,8 @@ from pydantic import BaseModel, ConfigDict
 
 from .arch import ModelArch, ModelError
 
-# ggml's type ids and block shapes (kernels/gguf.py owns them), so that a warm start does not import gguf.
-from glowplug.kernels.gguf import (  # noqa: E402 - after the module docstring's imports
+# ggml's type ids and block shapes (base/ggml.py), so that a warm start does not import gguf.
+from glowplug.base.ggml import (  # noqa: F401 - the type ids, also read as gguf_tensors.Q4_K etc.
     BF16,
     BLOCKS,
     F16,
@@ -61,8 +61,8 @@ from glowplug.kernels.gguf import (  # noqa: E402 - after the module docstring's
     Q6_K,
     Q8_0,
     TYPE_NAMES,
-    GGUFRows,
 )
+from glowplug.kernels.gguf import GGUFRows
 
 _FLOAT = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 _BLOCK_SHAPE = {t: shape for t, shape in BLOCKS.items() if t not in _FLOAT}
@@ -438,7 +438,7 @@ def load_gguf_weights(
             perm = None if order is None else torch.argsort(order).to(torch.int32)
             stored[name] = GGUFRows(map_rows(path, e), e.type, perm)
             continue
-        if module in packed:
+        if module in packed and leaf == "weight":  # a bias beside the blocks (Qwen2's q/k/v) stays a float
             parts = repack_int4(raw, e) if schemes[module] == "int4" else repack_int8(raw, e)
             for suffix, t in parts.items():
                 sd[f"{module}.{suffix}"] = t[order] if order is not None else t
