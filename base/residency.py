@@ -108,6 +108,19 @@ def _resident(addr: int, size: int) -> int:
     return min(size, resident_pages * page)
 
 
+def memory_resident_bytes(addr: int, size: int) -> int | None:
+    """How many bytes of this process's memory [addr, addr + size) are resident (mincore on the pages it spans);
+    None where that cannot be told. A pool allocated but never written holds no pages yet."""
+    if _LIBC is None or size <= 0:
+        return None if _LIBC is None else 0
+    page = mmap.PAGESIZE
+    start = addr - addr % page
+    try:
+        return min(size, _resident(start, addr + size - start))
+    except OSError:
+        return None
+
+
 def files_residency(paths: Iterable[Path | str]) -> Residency | None:
     """The sum over `paths`; None when any of them cannot be told (a partial answer would pass for a whole one)."""
     total = Residency(0, 0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, Literal
 
@@ -77,6 +78,40 @@ def reset_peak_rss() -> bool:
         return _status_kib("VmHWM") <= _status_kib("VmRSS") + 4 * 1024 * 1024
     except (OSError, ValueError):
         return False
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """This process's resident memory now (Linux /proc/self/status): its high-water mark, and the resident pages
+    split into file-backed (a mapped file: a model used where it lies) and anonymous (allocations)."""
+
+    peak_rss_bytes: int
+    rss_bytes: int
+    file_bytes: int
+    anon_bytes: int
+
+
+def process_memory() -> ProcessMemory | None:
+    """The process's memory, None where /proc/self/status has no such fields (not Linux)."""
+    try:
+        return ProcessMemory(_status_kib("VmHWM"), _status_kib("VmRSS"), _status_kib("RssFile"),
+                             _status_kib("RssAnon"))  # fmt: skip
+    except (OSError, ValueError):
+        return None
+
+
+def unique_storage_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of the distinct storages behind `tensors` (views and aliases of one storage count once)."""
+    import torch
+
+    seen: dict[tuple[str, int], int] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        seen[key] = max(seen.get(key, 0), storage.nbytes())
+    return sum(seen.values())
 
 
 def current_rss() -> int:

@@ -97,6 +97,16 @@ class Attr:
     ROW: Final = "glowplug.row"
     BYTES_READ: Final = "glowplug.bytes_read"
     READ_GBPS: Final = "glowplug.read_gbps"
+    # At READY (the warmup row): the process's resident memory and where it goes: its high-water mark, resident file
+    # pages (a model mapped where it lies) and anonymous ones; the model's weights (its distinct storages, mapped or
+    # not), the KV pool, and the rest of the peak (torch, graphs, activations, allocator pages).
+    MEMORY_PEAK_RSS: Final = "glowplug.memory.peak_rss_bytes"
+    MEMORY_RSS_FILE: Final = "glowplug.memory.rss_file_bytes"
+    MEMORY_RSS_ANON: Final = "glowplug.memory.rss_anon_bytes"
+    MEMORY_WEIGHTS: Final = "glowplug.memory.weights_bytes"
+    MEMORY_KV_POOL: Final = "glowplug.memory.kv_pool_bytes"
+    MEMORY_KV_RESIDENT: Final = "glowplug.memory.kv_resident_bytes"  # the pool's pages written so far
+    MEMORY_RUNTIME: Final = "glowplug.memory.runtime_bytes"
     # load_weights: the GGUF tensors used where they lie (mapped and computed on in place), and their bytes.
     GGUF_STORED_TENSORS: Final = "glowplug.gguf_stored_tensors"
     GGUF_STORED_BYTES: Final = "glowplug.gguf_stored_bytes"

@@ -286,8 +286,10 @@ def work_note(stage: str, attrs: Mapping[str, Any], seconds: float) -> str:
         parts.append(f"traced {_count(attrs, 'glowplug.graph_nodes')} graph nodes")
     if _count(attrs, "glowplug.kernels_built"):
         parts.append(f"built {_count(attrs, 'glowplug.kernels_built')} kernels")
-    sizes = attrs.get(Attr.GRAPH_SIZES)
-    if isinstance(sizes, (list, tuple)) and sizes:
+    sizes, warmed = attrs.get(Attr.GRAPH_SIZES), attrs.get(Attr.GRAPH_WARMED_SIZES)
+    if isinstance(warmed, (list, tuple)) and isinstance(sizes, (list, tuple)) and sizes:
+        parts.append(f"checked {len(sizes)} batch sizes, ran the step at {len(warmed)}")
+    elif isinstance(sizes, (list, tuple)) and sizes:
         parts.append(f"ran the step at {len(sizes)} batch sizes")
     if _count(attrs, "glowplug.vocab_size"):
         parts.append(f"{_count(attrs, 'glowplug.vocab_size'):,}-token vocabulary")

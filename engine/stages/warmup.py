@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
 from .base import StageReport
 from .context import EngineContext
@@ -28,4 +29,37 @@ class Warmup:
         stats = engine.stats()
         if stats.kv_used_blocks:
             raise RuntimeError(f"warm-up leaked {stats.kv_used_blocks} KV blocks")
-        return StageReport(attributes={"glowplug.warmup_tokens": generated, "glowplug.warmup_requests": len(reqs)})
+        attrs: dict[str, object] = {"glowplug.warmup_tokens": generated, "glowplug.warmup_requests": len(reqs)}
+        attrs.update(memory_at_ready(engine))
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]
+
+
+def memory_at_ready(engine: LLMEngine) -> dict[str, object]:
+    """The process's peak resident memory split into the model's weights, the KV pool and the rest (runtime), with
+    the resident file-backed and anonymous pages; the row's note says it in one line. Empty off Linux."""
+    from glowplug.base.residency import memory_resident_bytes
+
+    from ...profiling.memory import process_memory, unique_storage_bytes
+    from ...profiling.names import Attr
+
+    mem = process_memory()
+    if mem is None:
+        return {}
+    model = engine.model
+    weights = unique_storage_bytes([*model.parameters(), *model.buffers()])
+    kv = engine.runner.kv_cache.nbytes if engine.runner.device.type == "cpu" else 0
+    # The pool's pages are touched as sequences fill it: only its resident part is in the RSS.
+    kv_resident = 0
+    for t in engine.runner.kv_cache.tensors() if kv else []:
+        got = memory_resident_bytes(t.data_ptr(), t.nbytes)
+        kv_resident += t.nbytes if got is None else got
+    runtime = mem.peak_rss_bytes - weights - kv_resident
+    gb = 1e9
+    return {
+        Attr.MEMORY_PEAK_RSS: mem.peak_rss_bytes, Attr.MEMORY_RSS_FILE: mem.file_bytes,
+        Attr.MEMORY_RSS_ANON: mem.anon_bytes, Attr.MEMORY_WEIGHTS: weights, Attr.MEMORY_KV_POOL: kv,
+        Attr.MEMORY_KV_RESIDENT: kv_resident, Attr.MEMORY_RUNTIME: runtime,
+        Attr.ROW_NOTE: (f"peak RSS {mem.peak_rss_bytes / gb:.2f} GB = weights {weights / gb:.2f} + KV pool "
+                        f"{kv_resident / gb:.2f} resident of {kv / gb:.2f} + runtime {runtime / gb:.2f} (now "
+                        f"{mem.file_bytes / gb:.2f} GB file-backed, {mem.anon_bytes / gb:.2f} GB anonymous)"),
+    }  # fmt: skip

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from glowplug.profiling.memory import unique_storage_bytes
+
 
 @dataclass(frozen=True)
 class MemorySplit:
@@ -34,20 +36,6 @@ class MemorySplit:
     def as_gb(self) -> dict[str, float]:
         return {"peak": self.peak_bytes / 1e9, "weights": self.weights_bytes / 1e9, "kv_pool": self.kv_bytes / 1e9,
                 "peers": self.peers_bytes / 1e9, "rest": self.rest_bytes / 1e9}  # fmt: skip
-
-
-def unique_storage_bytes(tensors: Iterable[Any]) -> int:
-    """Bytes of the distinct storages behind `tensors` (views and aliases of one storage count once)."""
-    import torch
-
-    seen: dict[tuple[str, int], int] = {}
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            continue
-        storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
-        seen[key] = max(seen.get(key, 0), storage.nbytes())
-    return sum(seen.values())
 
 
 def _walk(obj: Any) -> Iterable[Any]:
