@@ -58,6 +58,7 @@ class LoadWeights:
         touched = touch_pages(checked)
         seconds = time.perf_counter() - t0
         ctx.state_dict = fuse_checkpoint(checked, None if quantizing else ctx.dtype)
+        ctx.gguf_stored = None  # a safetensors checkpoint has no quantized rows to run in place
         ctx.weights_bytes = touched
         return StageReport(
             attributes={
