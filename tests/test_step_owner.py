@@ -124,12 +124,15 @@ def test_update_from_output_alone_advances_and_stops(tiny_dir, make_llm) -> None
     while core.has_unfinished():
         out = core.scheduler.schedule()
         assert decode_frame(encode_frame(out), type(out)) == out
-        for part in core.runner.execute(out):
-            assert decode_frame(encode_frame(part), type(part)) == part
+        parts = core.runner.execute(out)
+        while True:
             before = (seq.num_computed_tokens, list(seq.output_token_ids))
+            part = next(parts, None)
+            if part is None:
+                break
             assert (seq.num_computed_tokens, seq.output_token_ids) == before  # the runner changed nothing
-            for update in core.scheduler.update_from_output(out, part):
-                tokens += update.token_ids
+            assert decode_frame(encode_frame(part), type(part)) == part
+            tokens += [u.token_id for u in core.scheduler.update_from_output(out, part)]
     assert tokens == stop_at.outputs[0].token_ids[:4]
     assert seq.finish_reason == "stop" and not seq.block_table
     assert llm.engine.stats().kv_used_blocks == 0
