@@ -13,12 +13,17 @@ imports torch: the API server process imports it without the engine.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Union
 
 import msgspec
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
+from opentelemetry.trace import format_span_id, format_trace_id
 from pydantic import BaseModel
 
 from ..profiling.phases import PhaseTable
+from ..profiling.tracing import span_from_record
 from .outputs import SeqUpdate
 from .sampling_params import SamplingParams
 
@@ -78,6 +83,7 @@ class SpanStarted(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 class SpanEnded(msgspec.Struct, tag=True, array_like=True, gc=False):
     span: SpanRecord
+    live: bool = True  # False: a span another rank ran, gathered at READY (the trace files keep it; no timeline)
 
 
 class PhaseEntered(msgspec.Struct, tag=True, array_like=True, gc=False):
@@ -87,9 +93,10 @@ class PhaseEntered(msgspec.Struct, tag=True, array_like=True, gc=False):
 
 
 class Planned(msgspec.Struct, tag=True, array_like=True, gc=False):
-    """The core's imports are done and the start is planned: what the ETA reads (engine/startup.py StartPlan)."""
+    """The core's imports are done and the start is planned: what the ETA reads (engine/startup.py StartPlan).
+    Sent again when a bundle's install changes the plan."""
 
-    imports_s: float  # the core's first line -> its imports done
+    imports_done_ns: int  # wall clock, when the core's imports were done
     expected: dict[str, float] | None  # seconds per stage, None without a recorded start
     basis: str | None
     scale: float = 1.0
@@ -161,7 +168,83 @@ class Notice(msgspec.Struct, tag=True, array_like=True, gc=False):
     message: str = ""
 
 
+class CoreSpec(msgspec.Struct, gc=False):
+    """What the server hands a core it starts (as JSON in GLOWPLUG_CORE_SPEC, or directly to a core thread)."""
+
+    config_json: str  # the EngineConfig
+    to_core: str  # ZMQ address the core reads frames from
+    from_core: str  # ZMQ address the core sends frames to
+    server_pid: int
+    traceparent: str | None = None  # the server's start-up span: the core's spans hang under it
+    spawn_ns: int | None = None  # wall clock when the server started the process (core_process_start begins)
+    origin_ns: int | None = None  # the server's process creation (the first ETA counts from it)
+    pre_spans: list[SpanRecord] = msgspec.field(default_factory=list)  # the server's finished pre-main spans
+    configure_logs: bool = True  # a core thread shares the server's logging set-up instead
+    log_level: str = "info"
+    log_json: bool | None = None
+    quiet_stages: bool = False  # leave the stages' info records out (a terminal shows progress lines instead)
+    tp_rundir: str | None = None  # where the tensor-parallel ranks record their stages (the server reads it)
+
+
 FromCore = Union[SpanStarted, SpanEnded, PhaseEntered, Planned, Ready, Failed, StepOutputs, Refused, Notice]
+
+# --------------------------------------------------------------------------------------------------- spans
+
+
+def span_to_record(span: ReadableSpan) -> SpanRecord:
+    """A span (running or finished) as plain data."""
+    ctx, parent = span.context, span.parent
+    return SpanRecord(
+        name=span.name, trace_id=format_trace_id(ctx.trace_id) if ctx else "0" * 32,
+        span_id=format_span_id(ctx.span_id) if ctx else "0" * 16,
+        parent_id=format_span_id(parent.span_id) if parent else None, start=span.start_time or 0,
+        end=span.end_time, attributes=dict(span.attributes or {}), status=span.status.status_code.name,
+        description=span.status.description,
+        events=[(e.name, dict(e.attributes or {}), e.timestamp) for e in span.events],
+        resource=dict(span.resource.attributes) if span.resource is not None else {},
+    )  # fmt: skip
+
+
+def record_to_span(record: SpanRecord) -> ReadableSpan:
+    """The span a SpanRecord describes, as this process's tools take it (the timeline, tables, trace exports)."""
+    return span_from_record({
+        "name": record.name, "trace_id": int(record.trace_id, 16), "span_id": int(record.span_id, 16),
+        "parent_id": None if record.parent_id is None else int(record.parent_id, 16), "start": record.start,
+        "end": record.end, "attributes": record.attributes, "status": record.status,
+        "description": record.description, "events": record.events, "resource": record.resource,
+    })  # fmt: skip
+
+
+class SpanForwarder(SpanProcessor):
+    """Sends every span whose name starts with `prefix` as it starts and ends (the core's start-up, to the
+    server). `before_send`: a frame to send first, if it returns one (a signal the core got meanwhile)."""
+
+    def __init__(self, send: Callable[[Any], None], prefix: str, *,
+                 before_send: Callable[[], Any] | None = None) -> None:  # fmt: skip
+        self._send = send
+        self._prefix = prefix
+        self._before = before_send
+
+    def _forward(self, frame: Any) -> None:
+        extra = self._before() if self._before is not None else None
+        if extra is not None:
+            self._send(extra)
+        self._send(frame)
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        if span.name.startswith(self._prefix):
+            self._forward(SpanStarted(span_to_record(span)))
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if span.name.startswith(self._prefix):
+            self._forward(SpanEnded(span_to_record(span)))
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return True
+
 
 # --------------------------------------------------------------------------------------------------- codec
 
