@@ -264,9 +264,13 @@ def _quiet_stages(event: Mapping[str, Any]) -> bool:
     return event.get("level") == "info" and str(event.get("event", "")).startswith("glowplug.startup")
 
 
+def _no_failure() -> str | None:
+    return None
+
+
 def _rank_failure(result: Any) -> Callable[[], str | None]:
     group = getattr(result, "parallel", None)
-    return (lambda: None) if group is None else group.failure
+    return _no_failure if group is None else group.failure
 
 
 def _ready(result: Any, channel: CoreChannel, tracing: Any) -> None:
@@ -319,7 +323,7 @@ class CoreLoop:
     """The busy loop: frames in, one step, its outputs out; until Shutdown (0) or a crash (Failed, then 1)."""
 
     def __init__(self, core: EngineCore, channel: CoreChannel, signals: _Signals, *,
-                 failure: Callable[[], str | None] = lambda: None) -> None:  # fmt: skip
+                 failure: Callable[[], str | None] = _no_failure) -> None:  # fmt: skip
         self.core = core
         self.channel = channel
         self.signals = signals
@@ -338,8 +342,15 @@ class CoreLoop:
         except BaseException as exc:  # noqa: BLE001 - the server ends every request with this reason
             structlog.get_logger("glowplug.core").error("engine core crashed", error=f"{type(exc).__name__}: {exc}",
                                                         exc_info=exc)  # fmt: skip
+            # A collective fails first when a tensor-parallel rank dies: give the group's watch a moment to name it.
+            deadline = time.monotonic() + 1.0
+            named = self.failure()
+            while named is None and self.failure is not _no_failure and time.monotonic() < deadline:
+                time.sleep(0.05)
+                named = self.failure()
+            reason = f"DistributedError: {named}" if named is not None else f"{type(exc).__name__}: {exc}"
             try:
-                self.channel.send(Failed(f"engine loop: {type(exc).__name__}: {exc}", after_ready=True))
+                self.channel.send(Failed(f"engine loop: {reason}", after_ready=True))
             except Exception:  # noqa: BLE001 - the server is gone too: nobody is left to tell
                 pass
             return 1

@@ -143,6 +143,9 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._clock = clock
         self._requests: dict[str, _RequestState] = {}
+        # Tokens the core generated after their request was aborted, or their completion ended on a stop string
+        # here, before it heard so: work nobody receives (counted, as the server's metrics must add up).
+        self.discarded = 0
         # Single-token decodes, one cache per skip_special_tokens setting, shared by every detokenizer.
         self._decode_caches = {True: DecodeCache(), False: DecodeCache()}
 
@@ -192,10 +195,12 @@ class OutputProcessor:
         for u in updates:
             state = requests.get(u.request_id)
             if state is None:
-                continue  # aborted meanwhile
+                self.discarded += 1  # aborted meanwhile
+                continue
             comp = state.completions[u.index]
             if comp.finish_reason is not None:
-                continue  # a stop string ended it; the core's later tokens are nobody's
+                self.discarded += 1  # a stop string ended it; the core's later tokens are nobody's
+                continue
             token = u.token_id
             comp.token_ids.append(token)
             if u.logprobs is not None:

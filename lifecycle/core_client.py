@@ -237,6 +237,7 @@ class CoreClient:
                 log.warning("engine core did not stop in time; killing it", pid=self._proc.pid)
                 self._proc.kill()
                 self._proc.wait()
+            log.info("engine core stopped", pid=self._proc.pid, exit_code=self._proc.returncode)
         elif self._thread is not None:
             self._thread.join(timeout)
 
@@ -346,7 +347,11 @@ class CoreClient:
         if not frame.updates:
             return
         stopped: list[tuple[str, int]] = []
-        for out in processor.process(frame.updates, stopped):
+        discarded = processor.discarded
+        outputs = processor.process(frame.updates, stopped)
+        if processor.discarded > discarded:
+            self.metrics.aborted_generation_tokens.inc(processor.discarded - discarded)
+        for out in outputs:
             sink = sinks.get(out.request_id)
             if sink is None:
                 continue

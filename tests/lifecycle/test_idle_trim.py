@@ -11,6 +11,7 @@ import pytest
 
 import glowplug.engine.core_proc as core_proc
 import glowplug.engine.host_memory as host_memory
+from glowplug.engine.startup import build_engine
 from glowplug.lifecycle.config import ServeConfig
 
 from lifecycle_harness import ThreadServer, engine_config
@@ -27,7 +28,8 @@ def test_trim_once_per_lull(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(host_memory, "release_free_heap", count)  # the core (a thread here) imports it when due
     monkeypatch.setattr(core_proc, "IDLE_TRIM_S", 0.3)
-    srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0)).start()
+    # An engine factory runs the core on a thread of this process, where the patches above apply.
+    srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0), engine_factory=build_engine).start()
     try:
         srv.wait_ready()
         time.sleep(0.6)  # the warm-up steps ran before the loop, so READY alone is no lull
