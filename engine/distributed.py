@@ -23,7 +23,6 @@ gone.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
 import socket
@@ -42,7 +41,7 @@ import torch
 
 from .attention import AttentionMetadata
 from .config import EngineConfig
-from .tp_progress import RUNDIR_ENV, read_progress, write_progress
+from .tp_progress import RUNDIR_ENV, read_progress
 
 CONFIG_ENV = "GLOWPLUG_TP_CONFIG"  # the engine config (JSON) a spawned worker builds
 CACHE_ENV = "GLOWPLUG_CACHE_DIR"

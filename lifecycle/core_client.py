@@ -387,7 +387,7 @@ class CoreClient:
             await self._ready(frame)
         elif isinstance(frame, Failed):
             self._failure = frame.reason
-            self._core_failed(frame.reason, after_ready=frame.after_ready)
+            self._core_failed(frame.reason)
         elif isinstance(frame, Refused):
             self._end(frame.request_id, "error", frame.message, frame.status)
         elif isinstance(frame, Notice):
@@ -423,7 +423,7 @@ class CoreClient:
             # Frames the core sent before it went (Failed, the last outputs) are read first.
             await asyncio.sleep(WATCH_S)
             reason = self._failure or self._exit_words()
-            self._core_failed(reason, after_ready=self._ready_seen)
+            self._core_failed(reason)
             if self._ready_seen and not self._stopping:
                 await self._after_death(reason)
             return
@@ -437,9 +437,9 @@ class CoreClient:
         where = f" during {stage}" if stage else ""
         return f"the engine core (pid {self._proc.pid}) {how}{where}"
 
-    def _core_failed(self, reason: str, *, after_ready: bool) -> None:
+    def _core_failed(self, reason: str) -> None:
         """FAILED, and every open request ends with an error (its stream with an error event)."""
-        self.progress.failed(reason if not after_ready else f"engine core: {reason}")
+        self.progress.failed(reason)
         for rid in list(self._sinks):
             self._end(rid, "error", f"the engine failed: {reason}", 500)
 

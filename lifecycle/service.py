@@ -181,7 +181,7 @@ class Service:
     ) -> Generation:
         """Submit one engine request per prompt; the caller must `close()` the Generation it gets back."""
         core = self.core
-        if not core.alive or core.engine_info is None or self.snapshot().state is not EngineState.READY:
+        if not core.alive or core.engine_info is None or self.snapshot().state is EngineState.FAILED:
             ticket.release_all()
             reason = self.snapshot().reason
             raise self.admission.reject(Rejected(503, f"the engine is not running{': ' + reason if reason else ''}",
