@@ -97,7 +97,8 @@ class EngineCore:
         for i in range(params.n):
             # A seeded request's completions take seed, seed + 1, ...; an unseeded one's a number from the engine's
             # generator (so a whole run is reproducible from the engine seed). The sampler's stream is keyed by it.
-            seed = params.seed + i if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+            seed = (params.seed + i if params.seed is not None
+                    else int(torch.randint(0, 2**62, (1,), generator=self._rng)))  # fmt: skip
             seqs.append(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
                                  prompt_token_ids=prompt_token_ids, params=params, sample_key=key_for_seed(seed),
                                  arrival_time=arrival))  # fmt: skip

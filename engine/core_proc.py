@@ -48,7 +48,8 @@ IDLE_TRIM_S = 1.0
 IDLE_POLL_MS = 100
 PARENT_POLL_S = 0.25
 
-EngineFactory = Callable[..., Any]  # (config, *, on_phase=, tracing=, marks=, plan=, on_plan=, parent=) -> StartupResult
+# (config, *, on_phase=, tracing=, marks=, plan=, on_plan=, parent=) -> a StartupResult (build_engine's signature)
+EngineFactory = Callable[..., Any]
 
 
 def factory_kwargs(factory: EngineFactory, offered: Mapping[str, Any]) -> dict[str, Any]:
@@ -224,10 +225,15 @@ def _start(spec: CoreSpec, channel: CoreChannel, tracing: Any, marks: ProcessMar
                                  float(estimate.scale), estimate.total_s, estimate.same_config))  # fmt: skip
 
     plan = None
-    try:
-        plan = startup.plan_start(config)
-    except Exception:  # noqa: BLE001 - the ETA must never stop a start; the start says what is wrong
-        pass
+    if config.bundle is not None:
+        # The plan needs the bundle installed (its hits): build_engine makes it then and calls `planned`.
+        done = marks.imports_done_ns if marks is not None and marks.imports_done_ns else time.time_ns()
+        channel.send(Planned(done, None, "installing the bundle first; the estimate follows"))
+    else:
+        try:
+            plan = startup.plan_start(config)
+        except Exception:  # noqa: BLE001 - the ETA must never stop a start; the start says what is wrong
+            pass
     if plan is not None:
         planned(plan)
     offered: dict[str, Any] = {"on_phase": lambda name: channel.send(PhaseEntered(name)), "tracing": tracing,

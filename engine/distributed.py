@@ -87,7 +87,8 @@ class Launch:
         n = config.tensor_parallel_size
         if "RANK" not in env:
             # The server that started this process (the engine core) may have chosen the folder, to read it too.
-            rundir = Path(env[RUNDIR_ENV]) if RUNDIR_ENV in env else Path(tempfile.mkdtemp(prefix="glowplug-tp-"))
+            chosen = env.get(RUNDIR_ENV)
+            rundir = Path(chosen) if chosen else Path(tempfile.mkdtemp(prefix="glowplug-tp-"))
             return cls(0, n, 0, "127.0.0.1", free_port(), True, False, rundir)
         world = int(env.get("WORLD_SIZE", n))
         if world != n:

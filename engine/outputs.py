@@ -129,6 +129,8 @@ class _RequestState:
     first_token_time: float | None = None
     finished_time: float | None = None
     open: int = 0  # completions not finished yet
+    single: bool = True  # one completion (n=1): its output is made as its update is read
+    want_logprobs: bool = False
 
     @property
     def finished(self) -> bool:
@@ -160,14 +162,16 @@ class OutputProcessor:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         cache = self._decode_caches[params.skip_special_tokens]
+        skip = params.skip_special_tokens
         completions = [
-            _Completion(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+            _Completion(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=skip,
                                                   stop=params.stop, cache=cache), [], [])  # fmt: skip
             for i in range(params.n)
         ]
         self._requests[request_id] = _RequestState(
             request_id, prompt, prompt_token_ids, params, completions,
-            self._clock() if arrival_time is None else arrival_time, open=params.n,
+            self._clock() if arrival_time is None else arrival_time, open=params.n, single=params.n == 1,
+            want_logprobs=params.logprobs is not None,
         )  # fmt: skip
 
     def abort(self, request_id: str) -> int | None:
@@ -188,12 +192,16 @@ class OutputProcessor:
 
     def process(self, updates: list[SeqUpdate], stopped: list[tuple[str, int]] | None = None) -> list[RequestOutput]:
         """One step's updates -> one RequestOutput per request they advanced; finished requests are forgotten.
-        `stopped` collects (request_id, index) of the completions a stop string ended, for the core to finish."""
+        `stopped` collects (request_id, index) of the completions a stop string ended, for the core to finish. This
+        runs once per sequence per step, so what it reads repeatedly is bound to locals first, and a request of
+        one completion (the usual one) gets its output at once."""
         now = self._clock()
         requests = self._requests
-        touched: dict[str, _RequestState] = {}
+        outputs: list[RequestOutput] = []
+        several: dict[str, _RequestState] = {}  # requests of n > 1 completions, output once all their updates are in
         for u in updates:
-            state = requests.get(u.request_id)
+            rid = u.request_id
+            state = requests.get(rid)
             if state is None:
                 self.discarded += 1  # aborted meanwhile
                 continue
@@ -216,15 +224,30 @@ class OutputProcessor:
             elif comp.detok.append(token):
                 reason = "stop"
                 if u.finish_reason is None and stopped is not None:
-                    stopped.append((u.request_id, u.index))
+                    stopped.append((rid, u.index))
             elif reason == "length":
                 comp.detok.flush()
             if reason is not None:
                 comp.finish_reason = reason
                 state.open -= 1
-            touched[u.request_id] = state
-        outputs = []
-        for rid, state in touched.items():
+            if state.single:
+                done = reason is not None
+                if done:
+                    state.finished_time = now
+                    del requests[rid]
+                detok = comp.detok
+                outputs.append(RequestOutput(
+                    rid, state.prompt, state.prompt_token_ids,
+                    [CompletionOutput(comp.index, detok.output_text, comp.token_ids.copy(), reason,
+                                      detok.take_stream_delta(done),
+                                      comp.logprobs.copy() if state.want_logprobs else None)],
+                    done, comp.num_cached_tokens,
+                    RequestMetrics(state.arrival_time, state.first_scheduled_time, state.first_token_time,
+                                   state.finished_time),
+                ))  # fmt: skip
+            else:
+                several[rid] = state
+        for rid, state in several.items():
             done = state.open == 0
             if done:
                 state.finished_time = now
@@ -234,7 +257,7 @@ class OutputProcessor:
 
     @staticmethod
     def _output(state: _RequestState, done: bool) -> RequestOutput:
-        want_lp = state.params.logprobs is not None
+        want_lp = state.want_logprobs
         comps = [
             CompletionOutput(c.index, c.detok.output_text, c.token_ids.copy(), c.finish_reason,
                              c.detok.take_stream_delta(c.finish_reason is not None),

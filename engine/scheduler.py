@@ -158,7 +158,8 @@ class Scheduler:
             seq.in_runner = True
             seq.num_sent_blocks = len(table)
             out.new_seqs.append(NewSeqData(sid, seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                                           seq.params, seq.sample_key, list(table), seq.num_computed_tokens))  # fmt: skip
+                                           seq.params, seq.sample_key, list(table),
+                                           seq.num_computed_tokens))  # fmt: skip
         elif len(table) != seq.num_sent_blocks:
             out.new_block_ids[sid] = table[seq.num_sent_blocks :]
             seq.num_sent_blocks = len(table)
@@ -173,19 +174,34 @@ class Scheduler:
         bs = bm.block_size
         decode_rows = 0
         preempted = 0
+        # The running sequences' rows, inlined from _row: this loop runs once per decoding sequence per step.
+        inflight = self._inflight
+        seq_ids, num_new = out.seq_ids, out.num_new_tokens
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Most steps a decoding sequence's last block still has room: no call into the block manager.
-            while len(seq.block_table) * bs < seq.num_computed_tokens + n and not bm.allocate(seq, n):
-                victim = self.running.pop()  # the newest arrival
+            table = seq.block_table
+            while len(table) * bs < seq.num_computed_tokens + n and not bm.allocate(seq, n):
+                victim = running.pop()  # the newest arrival
                 self._preempt(victim)
                 preempted += 1
                 if victim is seq:
                     break
             else:
-                self._row(seq, n, out)
+                if seq.in_runner:
+                    sid = seq.seq_id
+                    seq_ids.append(sid)
+                    num_new.append(n)
+                    inflight[sid] = (seq, n)
+                    table = seq.block_table
+                    if len(table) != seq.num_sent_blocks:
+                        out.new_block_ids[sid] = table[seq.num_sent_blocks :]
+                        seq.num_sent_blocks = len(table)
+                else:
+                    self._row(seq, n, out)
                 budget -= n
                 if n == 1:
                     decode_rows += 1

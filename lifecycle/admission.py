@@ -161,7 +161,8 @@ class Admission:
     """
 
     def __init__(self, serve_cfg: ServeConfig, metrics: ServiceMetrics, *, state: Callable[[], StateSnapshot],
-                 eta_s: Callable[[StateSnapshot], float | None], load: Callable[[], CoreLoad | None]) -> None:  # fmt: skip
+                 eta_s: Callable[[StateSnapshot], float | None],
+                 load: Callable[[], CoreLoad | None]) -> None:  # fmt: skip
         self._cfg = serve_cfg
         self._metrics = metrics
         self._state = state

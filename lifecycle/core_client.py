@@ -432,7 +432,8 @@ class CoreClient:
         if self._proc is None:
             return "the engine core thread ended"
         code = self._proc.returncode
-        how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with status {code}"
+        killed = code is not None and code < 0
+        how = f"was killed by {signal.Signals(-code).name}" if killed else f"exited with status {code}"
         stage = self.progress.snapshot().phase
         where = f" during {stage}" if stage else ""
         return f"the engine core (pid {self._proc.pid}) {how}{where}"

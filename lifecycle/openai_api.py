@@ -3,8 +3,8 @@
 One request's path: read the body within its size and time limits (413, 408; transport.py), parse and
 shape-check it (400: depth, UTF-8, JSON, Unicode, fields), validate its SamplingParams (400s come before anything
 waits), take admission slots (429), wait for READY (503 after `ready_wait`), tokenize and check lengths, hand
-the prompts to the engine core's client, then stream or collect. A client that goes away at any point aborts its engine
-requests; `Generation.close()` in the response's `finally` makes that hold even for cancelled handlers. Its
+the prompts to the engine core's client, then stream or collect. A client that goes away at any point aborts its
+engine requests; `Generation.close()` in the response's `finally` makes that hold even for cancelled handlers. Its
 disconnect is noted on the access-log line and counted by stage (never logged as an error).
 
 No request stalls the others: a prompt whose length in characters already proves it longer than max-model-len is
