@@ -34,6 +34,8 @@ from .workload import build_requests
 TARGET_MEDIAN = 0.95  # median of the per-pair ratios
 TARGET_WORST = 0.90  # the worst pair
 STEP_METRIC = "glowplug_engine_step_duration_seconds"
+SERVER_CPU = "process_cpu_seconds_total"  # the API server process
+CORE_CPU = "glowplug_engine_core_process_cpu_seconds_total"  # its engine core process
 
 
 @dataclass
@@ -45,6 +47,8 @@ class ServerRun:
     step_time_s: float
     client_cpu_s: float = 0.0  # CPU time this (the load generator's) process used during the run
     cores: int = 1  # cores this benchmark may run on
+    server_cpu_s: float = 0.0  # the API server process's CPU time over the run (its /metrics)
+    core_cpu_s: float = 0.0  # the engine core process's (0: the server reports none)
 
     @property
     def ceiling(self) -> float:
@@ -139,6 +143,8 @@ def _server_run(cfg: ServeBenchConfig, base_url: str, bodies: list[dict[str, Any
         step_time_s=after.get(f"{STEP_METRIC}_sum", 0.0) - before.get(f"{STEP_METRIC}_sum", 0.0),
         client_cpu_s=client_cpu,
         cores=cores,
+        server_cpu_s=after.get(SERVER_CPU, 0.0) - before.get(SERVER_CPU, 0.0),
+        core_cpu_s=after.get(CORE_CPU, 0.0) - before.get(CORE_CPU, 0.0),
     )
 
 
@@ -217,6 +223,9 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
          spread(offline_step) if offline_step else "no step recorded"],
         ["Engine busy, % (step time / wall)", spread([b * 100 for b in server_busy]),
          spread([b * 100 for b in offline_busy])],
+        ["CPU cores busy: API server / engine core", " / ".join(
+            fmt_spread([getattr(s, f) / s.wall_s for s in r.server], 2) for f in ("server_cpu_s", "core_cpu_s")),
+         "(one process)"],
     ]
     verdict = "PASS" if r.passed else "FAIL"
     return "\n".join([
@@ -240,8 +249,10 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
         "steps and mean step: the server's `glowplug_engine_step_duration_seconds` count and sum over the run; "
         "offline, a clock around each step of the same run. Busy = step time / wall time.",
         "",
-        "Mean step: a server step slower than the offline one means the engine thread lost time to the event loop "
-        "(GIL or CPU); server busy below the offline busy means it sat idle between steps waiting for work.",
+        "Mean step: a server step slower than the offline one means the engine core lost time to the API server "
+        "(CPU); server busy below the offline busy means it sat idle between steps waiting for work. CPU cores busy: "
+        "each process's CPU seconds over the run (its /metrics) / wall time: an API server far below the core is not "
+        "what limits the throughput.",
         "",
     ])  # fmt: skip
 
