@@ -1,9 +1,10 @@
 """The engine's life cycle as the service sees it: STARTING(phase) -> READY -> DRAINING -> STOPPED, or FAILED(reason).
 
-The start-up thread, the engine loop thread and the asyncio side all move the state, so every change goes through
-one lock and observers get an immutable snapshot. Phase timings are taken here from the `on_phase` callbacks (a
-phase ends when the next one starts, the last one at READY), which makes `/startup` work while the start-up is
-still running, before any phase table exists.
+The engine core's frames (read on the event loop) and the server's own signals move the state, and readers on any
+thread look at it, so every change goes through one lock and observers get an immutable snapshot. Phase timings are
+taken here from the phases the core enters (`enter_phase`: a phase ends when the next one starts, the last one at
+READY), which makes `/startup` work while the start-up is still running, before any phase table exists. A core
+that dies after READY turns the state FAILED; a restarted one (`restart`) starts it over at STARTING.
 """
 
 from __future__ import annotations
