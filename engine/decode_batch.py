@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 
 from .attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN
-from .sequence import Sequence
+from .sequence import RunnerSeq
 
 # Block tables are at least this wide: a width of 1 is a size-1 dimension the traced graph would specialise on.
 MIN_TABLE_WIDTH = 2
@@ -58,7 +58,7 @@ class DecodeBatch:
         # Per row, in Python (the pass in `sync` reads them without numpy): the sequence, the block-table entries
         # written, the slot where the row's current block starts, the next token, and the position the row holds,
         # kept as an offset from a step count that `advance` bumps, so a step moves every row on at once.
-        self._seqs: list[Sequence] = []
+        self._seqs: list[RunnerSeq] = []
         self._nblocks: list[int] = []
         self._block_start: list[int] = []
         self._tokens: list[int] = []
@@ -72,7 +72,7 @@ class DecodeBatch:
         return len(self._seqs)
 
     @property
-    def seqs(self) -> tuple[Sequence, ...]:
+    def seqs(self) -> tuple[RunnerSeq, ...]:
         """The sequences, in row order."""
         return tuple(self._seqs)
 
@@ -99,7 +99,7 @@ class DecodeBatch:
         return self.buffer[: count * self.cols].reshape(count, self.cols)
 
     # ------------------------------------------------------------------------------------------------ deltas
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: RunnerSeq) -> None:
         """Append a row for `seq`, which decodes its next token at position `seq.num_computed_tokens`."""
         row = len(self._seqs)
         if row == self.max_rows:
@@ -133,7 +133,7 @@ class DecodeBatch:
         self._tokens = list(tokens)
         self._steps += 1
 
-    def sync(self, seqs: list[Sequence]) -> None:
+    def sync(self, seqs: list[RunnerSeq]) -> None:
         """Make the rows those of `seqs`, this step's decoding sequences in the scheduler's order, and write them:
         rows of sequences that are gone are removed, newcomers added, the order matched."""
         if seqs != self._seqs:  # list equality checks identity first: the steady state costs one pass in C
@@ -164,7 +164,7 @@ class DecodeBatch:
             self._relayout(max(MIN_TABLE_WIDTH, max(self._nblocks, default=0)))
 
     # --------------------------------------------------------------------------------------------- internals
-    def _write(self, row: int, seq: Sequence) -> None:
+    def _write(self, row: int, seq: RunnerSeq) -> None:
         table = seq.block_table
         self._fit(len(table))
         bs, cols = self.block_size, self.cols
@@ -179,7 +179,7 @@ class DecodeBatch:
         self._tokens[row] = seq.last_token_id
         self._base[row] = pos - self._steps
 
-    def _enter_block(self, row: int, seq: Sequence) -> None:
+    def _enter_block(self, row: int, seq: RunnerSeq) -> None:
         """The row's position is the first of a block: copy the table entries the row does not have yet (the
         scheduler has just allocated that block) and point the slot at the block's start."""
         table = seq.block_table
@@ -216,7 +216,7 @@ class DecodeBatch:
         out[:, keep:] = self.scratch_block
         self._width = width
 
-    def _rearrange(self, seqs: list[Sequence]) -> None:
+    def _rearrange(self, seqs: list[RunnerSeq]) -> None:
         wanted = set(seqs)
         for row in range(len(self._seqs) - 1, -1, -1):
             if self._seqs[row] not in wanted:

@@ -23,7 +23,6 @@ gone.
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
 import socket
@@ -42,9 +41,9 @@ import torch
 
 from .attention import AttentionMetadata
 from .config import EngineConfig
+from .tp_progress import RUNDIR_ENV, read_progress
 
 CONFIG_ENV = "GLOWPLUG_TP_CONFIG"  # the engine config (JSON) a spawned worker builds
-RUNDIR_ENV = "GLOWPLUG_TP_RUNDIR"  # the folder where every rank writes the stage it is in
 CACHE_ENV = "GLOWPLUG_CACHE_DIR"
 TRACEPARENT_ENV = "GLOWPLUG_TRACEPARENT"  # rank 0's trace context (W3C traceparent) for the workers' spans
 # How long the control group waits for the next step: a worker waits on it for as long as the server is idle; a
@@ -62,38 +61,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def progress_path(rundir: Path, rank: int) -> Path:
-    return rundir / f"rank-{rank}.json"
-
-
-def write_progress(rundir: Path | None, rank: int, stage: str, state: str = "running") -> None:
-    """Record the stage `rank` just began (or READY/FAILED): what a failure names, and what /startup shows."""
-    if rundir is None:
-        return
-    path = progress_path(rundir, rank)
-    tmp = path.with_suffix(".tmp")
-    try:
-        tmp.write_text(json.dumps({"rank": rank, "pid": os.getpid(), "stage": stage, "state": state,
-                                   "time": time.time()}))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # progress is for the messages only; a lost line must not stop a start
-
-
-def read_progress(rundir: Path | None, world_size: int) -> list[dict[str, Any]]:
-    """Every rank's last recorded stage (a rank that recorded nothing yet: stage None)."""
-    out = []
-    for r in range(world_size):
-        entry: dict[str, Any] = {"rank": r, "stage": None, "state": "starting"}
-        if rundir is not None:
-            try:
-                entry.update(json.loads(progress_path(rundir, r).read_text()))
-            except (OSError, ValueError):
-                pass
-        out.append(entry)
-    return out
 
 
 def _stage_words(entry: dict[str, Any]) -> str:
@@ -119,7 +86,9 @@ class Launch:
         env = os.environ
         n = config.tensor_parallel_size
         if "RANK" not in env:
-            rundir = Path(tempfile.mkdtemp(prefix="glowplug-tp-"))
+            # The server that started this process (the engine core) may have chosen the folder, to read it too.
+            chosen = env.get(RUNDIR_ENV)
+            rundir = Path(chosen) if chosen else Path(tempfile.mkdtemp(prefix="glowplug-tp-"))
             return cls(0, n, 0, "127.0.0.1", free_port(), True, False, rundir)
         world = int(env.get("WORLD_SIZE", n))
         if world != n:

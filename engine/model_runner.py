@@ -11,6 +11,11 @@ padded up to the next captured size with rows that write into the scratch block 
 
 Prefill chunks (or everything, when there is no compiled step or the batch is too big for it) run the eager forward
 over AttentionMetadata; in a mixed step the decode rows still take the compiled step.
+
+The runner keeps its own copy of every sequence it runs (`RunnerSeq`, engine/sequence.py): `execute` applies the
+scheduler's plain-data output to those copies (new sequences whole, block-table deltas, sequences to forget), runs
+the step, moves its copies on by what it computed and sampled, and returns plain data (`ModelRunnerOutput`). It
+never touches the scheduler's sequences; the scheduler books the same tokens from that output.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import collections.abc
 import time
 from dataclasses import dataclass
 from collections.abc import Iterator
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -28,9 +33,37 @@ from .decode_batch import MIN_TABLE_WIDTH, DecodeBatch
 from .graph_buckets import bucket_for, static_span
 from .kv_cache import KVCache
 from .models.llama import DecoderLM
+from .outputs import ModelRunnerOutput, TokenLogprobs
 from .sampler import SampleResult, sample
-from .scheduler import ScheduledSeq
-from .sequence import Sequence
+from .scheduler import is_decode_row
+from .sequence import RunnerSeq
+
+if TYPE_CHECKING:
+    from .scheduler import SchedulerOutput
+
+@dataclass(slots=True)  # one per scheduled sequence per step: no per-object __dict__
+class ScheduledSeq:
+    """One row of a step on the runner's side: its copy of the sequence and how many tokens it runs."""
+
+    seq: RunnerSeq
+    num_new_tokens: int
+
+    @property
+    def start(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """Does this row take the decode path (engine/scheduler.py `is_decode_row`: a generated token, not a prompt's
+        one-token chunk)?"""
+        seq = self.seq
+        return is_decode_row(seq.num_computed_tokens, len(seq.prompt_token_ids), self.num_new_tokens)
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the end of the known tokens, so that it produces the next token?"""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
 
 # packed [B, DECODE_COLS + W] -> logits [B, vocab]
 DecodeFn = Callable[[torch.Tensor], torch.Tensor]
@@ -157,6 +190,55 @@ class ModelRunner:
         # Tensor parallelism on rank 0: called with each eager batch before the model runs, so that the workers
         # run the same call on their shards (engine/distributed.py); None on one rank.
         self._step_hook: Callable[[BatchInputs], None] | None = None
+        # The runner's copies of the sequences it runs, by seq_id (see the module docstring).
+        self._seqs: dict[int, RunnerSeq] = {}
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the runner holds a copy of."""
+        return len(self._seqs)
+
+    def apply(self, out: SchedulerOutput) -> list[ScheduledSeq]:
+        """Bring the runner's copies up to date with the scheduler's step (forget, add, grow block tables); the
+        step's rows, in its order. `execute` calls it; tests and tools that build a step's input without running it
+        call it themselves."""
+        seqs = self._seqs
+        for sid in out.finished_seq_ids:
+            seqs.pop(sid, None)
+        for d in out.new_seqs:
+            seqs[d.seq_id] = RunnerSeq(d.seq_id, d.request_id, d.prompt_token_ids, d.output_token_ids, d.params,
+                                       d.sample_key, d.block_ids, d.num_computed_tokens)  # fmt: skip
+        for sid, blocks in out.new_block_ids.items():
+            seqs[sid].block_table.extend(blocks)
+        return [ScheduledSeq(seqs[sid], n) for sid, n in zip(out.seq_ids, out.num_new_tokens)]
+
+    def execute(self, out: SchedulerOutput) -> Iterator[ModelRunnerOutput]:
+        """Run the step `out`, yielding each part's output as soon as it has it (one part, or two for a mixed step:
+        the prompt chunks, then the decode rows; see execute_parts)."""
+        for (scheds, samples), last in self.execute_parts(self.apply(out)):
+            yield self._book(scheds, samples, last)
+
+    @staticmethod
+    def _book(scheds: list[ScheduledSeq], samples: collections.abc.Sequence[SampleResult | None],
+              last: bool) -> ModelRunnerOutput:  # fmt: skip
+        """Move the runner's copies on by what the part computed and sampled; the part as plain data."""
+        sids: list[int] = []
+        tokens: list[int] = []
+        lps: list[TokenLogprobs | None] | None = None
+        for i, (sched, sample) in enumerate(zip(scheds, samples)):
+            seq = sched.seq
+            seq.num_computed_tokens += sched.num_new_tokens
+            sids.append(seq.seq_id)
+            if sample is None:
+                tokens.append(-1)
+                continue
+            seq.output_token_ids.append(sample.token_id)
+            tokens.append(sample.token_id)
+            if sample.logprobs is not None:
+                if lps is None:
+                    lps = [None] * len(scheds)
+                lps[i] = sample.logprobs
+        return ModelRunnerOutput(sids, tokens, lps, last)
 
     def broadcast_steps(self, hook: Callable[[BatchInputs], None] | None) -> None:
         """Hand every eager batch to `hook` before running it (rank 0 of a tensor-parallel group; see
@@ -273,7 +355,7 @@ class ModelRunner:
                               sum(int(s["allocated_size"]) for s in segments), tuple(blocks[:8]))  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ decode path
-    def _decode_input(self, seqs: list[Sequence], rows: int) -> torch.Tensor:
+    def _decode_input(self, seqs: list[RunnerSeq], rows: int) -> torch.Tensor:
         """This step's input from the persistent decode batch, `rows` rows (the batch, then padding)."""
         batch = self._batch
         batch.sync(seqs)
@@ -374,10 +456,6 @@ class ModelRunner:
             order=order,
             sample_rows=sample_rows,
         )
-
-    def execute(self, scheduled: list[ScheduledSeq]) -> list[tuple[ScheduledSeq, SampleResult | None]]:
-        """Run one scheduled step; the results of all its parts."""
-        return [r for (scheds, samples), _last in self.execute_parts(scheduled) for r in zip(scheds, samples)]
 
     def execute_parts(self, scheduled: list[ScheduledSeq]) -> Iterator[tuple[PartResults, bool]]:
         """Run one scheduled step, yielding each part's results (and whether it is the last part) as soon as it has

@@ -8,7 +8,7 @@ however they mix greedy, sampled and seeded rows: the count depends only on whic
 (any sampled row, any top-k / top-p / min-p, any penalty, any logprobs), never on how many rows use them. All results
 reach the host in one transfer per step.
 
-Where the randomness comes from: each sequence holds a 64-bit key (`Sequence.sample_key`: from the request's seed,
+Where the randomness comes from: each sequence holds a 64-bit key (`RunnerSeq.sample_key`: from the request's seed,
 or drawn from the engine's generator when it has none, see `key_for_seed`), and its draw for its t-th sampled token
 is a counter-based hash of (key, t), computed on the host (`row_uniform`, splitmix64). A uniform per row costs the
 host a few integer operations, against the one-launch-per-row torch.Generator draw of the noise this replaced, and it
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.native import first_max_indices
-from .sequence import Sequence, TokenLogprobs
+from .outputs import TokenLogprobs
+from .sequence import RunnerSeq
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: 2**64 / golden ratio, odd
@@ -106,7 +107,7 @@ def apply_min_p(logits: torch.Tensor, min_p: PerRow | float) -> torch.Tensor:
     return rows.masked_fill(probs < threshold, float("-inf")).reshape(logits.shape)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[RunnerSeq]) -> torch.Tensor:
     """Row rows[j]'s repetition (CTRL-style, over prompt and output, as transformers) and presence/frequency
     (OpenAI-style, over output) penalties from seqs[j], in place on logits [B, V], every row at once: the host
     gathers each penalty's (row, token) pairs (O(the rows' tokens) Python work, as before), and the device applies
@@ -159,7 +160,7 @@ def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
 
 
-def _uniform(seq: Sequence) -> float:
+def _uniform(seq: RunnerSeq) -> float:
     if seq.sample_key is None:
         raise ValueError(f"sequence {seq.seq_id} samples (temperature {seq.params.temperature}) but has no sample_key")
     return row_uniform(seq.sample_key, len(seq.output_token_ids))
@@ -171,12 +172,12 @@ class SampleResult:
     logprobs: TokenLogprobs | None
 
 
-def _has_penalty(seq: Sequence) -> bool:
+def _has_penalty(seq: RunnerSeq) -> bool:
     p = seq.params
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
+def sample(logits: torch.Tensor, seqs: list[RunnerSeq]) -> list[SampleResult]:
     """logits: [len(seqs), vocab] in the model's dtype (float32 or bfloat16), one row per sequence that produces a
     token this step. Arithmetic on them runs in float32: the batch is widened when a row asks for logprobs or
     penalties, and the sampled rows are; greedy rows take their argmax from the logits as they are. A sampled row

@@ -1,43 +1,74 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill and preemption by recompute; the one owner of every sequence's state.
 
 Every step gets a token budget (`max_num_batched_tokens`). Running sequences are served first, in arrival order:
 one token each when decoding, the next chunk of the prompt when still prefilling. When the KV cache runs out, the
 most recently arrived running sequence is preempted: its blocks are freed and it goes back to the front of the
 waiting queue, to be recomputed later (FIFO fairness: the oldest requests keep making progress). Then waiting
 sequences are admitted in arrival order while budget, blocks and `max_num_seqs` allow.
+
+One step, one owner: `schedule()` decides the step and returns it as plain data (`SchedulerOutput`): the sequences
+the runner has not seen (whole), the rows it already holds (how many tokens each runs, and only the block-table
+entries added since the last step), and the sequences it should forget. The runner applies that to its own
+persistent batch and returns plain data too (`ModelRunnerOutput`: the sampled tokens). `update_from_output` alone
+then moves the sequences on: it books the computed tokens, appends the sampled ones, decides stop tokens, EOS and
+the length limits, and frees the blocks of what finished. Nothing outside the scheduler changes a `Sequence`.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+import msgspec
 
-from .config import CacheConfig, SchedulerConfig
 from .block_manager import BlockManager
+from .config import CacheConfig, SchedulerConfig
+from .outputs import ModelRunnerOutput, SeqUpdate, TokenLogprobs
+from .sampling_params import SamplingParams
 from .sequence import Sequence, SeqStatus
 
 
-@dataclass(slots=True)  # one per scheduled sequence per step: no per-object __dict__
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int
+def is_decode_row(num_computed_tokens: int, prompt_len: int, num_new_tokens: int) -> bool:
+    """Does a row compute a generated token (one new token, past the prompt)? A prompt's chunk is no decode row
+    even when it is one token long (a prompt whose earlier tokens the prefix cache held): it runs the prompt path,
+    so that its arithmetic is the same as when the whole prompt runs at once. The scheduler counts its decode rows
+    and the runner splits its step by this one rule."""
+    return num_new_tokens == 1 and num_computed_tokens >= prompt_len
+
+
+class NewSeqData(msgspec.Struct, array_like=True, gc=False):
+    """A sequence the runner does not hold yet (first scheduled, or resumed after a preemption): all it needs."""
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated before a preemption (the sampler's draw counter and penalties read them)
+    params: SamplingParams
+    sample_key: int | None
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hits: the runner starts after them
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
+    """One step, as plain data (see the module docstring)."""
+
+    seq_ids: list[int] = msgspec.field(default_factory=list)  # every row of the step, in the step's order
+    num_new_tokens: list[int] = msgspec.field(default_factory=list)  # parallel to seq_ids
+    new_seqs: list[NewSeqData] = msgspec.field(default_factory=list)
+    new_block_ids: dict[int, list[int]] = msgspec.field(default_factory=dict)  # rows the runner holds that grew
+    finished_seq_ids: list[int] = msgspec.field(default_factory=list)  # forget: finished, aborted or preempted
+    first_scheduled: list[str] = msgspec.field(default_factory=list)  # requests that left the waiting queue
+    num_preempted: int = 0
+    num_prefill_tokens: int = 0  # new tokens of the prompt rows (prompt chunks, even of one token)
+    num_decode_rows: int = 0  # rows that compute a generated token (see `is_decode_row`)
 
     @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_rows
 
     @property
-    def is_decode(self) -> bool:
-        """Does this row compute a generated token (one new token, past the prompt)? A prompt's chunk is no decode
-        row even when it is one token long (a prompt whose earlier tokens the prefix cache held): it runs the prompt
-        path, so that its arithmetic is the same as when the whole prompt runs at once."""
-        return self.num_new_tokens == 1 and self.seq.num_computed_tokens >= len(self.seq.prompt_token_ids)
-
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the end of the known tokens, so that it produces the next token?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    def empty(self) -> bool:
+        return not self.seq_ids
 
 
 @dataclass(frozen=True)
@@ -57,34 +88,24 @@ class SchedulerStats:
     prefix_hits: int  # of those, found
 
 
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    num_prefill_tokens: int = 0  # new tokens of the rows with more than one (prompt chunks)
-    num_decode_rows: int = 0  # rows with exactly one new token
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_prefill_tokens + self.num_decode_rows
-
-    @property
-    def empty(self) -> bool:
-        return not self.scheduled
-
-
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:  # fmt: skip
         self.cfg = sched
         self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
         self._block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
         self._block_size = cache.block_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # The step scheduled last and not yet booked: seq_id -> (sequence, new tokens). update_from_output reads it.
+        self._inflight: dict[int, tuple[Sequence, int]] = {}
+        # Sequences the runner holds that left since the last step (finished, aborted): the next output says so.
+        self._dropped: list[int] = []
 
     def add(self, seq: Sequence) -> None:
-        # LLMEngine.validate_request has checked the length; start-up guarantees one max-model-len sequence fits.
+        # The request was checked (outputs.check_request); start-up guarantees one max-model-len sequence fits.
         self.waiting.append(seq)
 
     @property
@@ -119,49 +140,85 @@ class Scheduler:
         """Tokens per KV block."""
         return self._block_size
 
-    def commit(self, seq: Sequence) -> None:
-        """After a step computed `seq`'s tokens: publish its blocks that are now full to the prefix cache."""
-        # Called for every row of every step, and most steps fill no block: that case returns without a call.
-        if seq.num_computed_tokens >= (seq.num_committed_blocks + 1) * self._block_size:
-            self._block_manager.commit(seq)
+    def _forget(self, seq: Sequence) -> None:
+        """The runner must drop its copy of `seq` (it left, or will come back whole after a preemption)."""
+        if seq.in_runner:
+            seq.in_runner = False
+            seq.num_sent_blocks = 0
+            self._dropped.append(seq.seq_id)
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self._block_manager.free_seq(seq)
+        self._forget(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
-        out.preempted.append(seq)
+
+    def _row(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Add `seq` running `n` tokens to the step: whole when the runner does not hold it, else its new blocks."""
+        sid = seq.seq_id
+        out.seq_ids.append(sid)
+        out.num_new_tokens.append(n)
+        self._inflight[sid] = (seq, n)
+        table = seq.block_table
+        if not seq.in_runner:
+            seq.in_runner = True
+            seq.num_sent_blocks = len(table)
+            out.new_seqs.append(NewSeqData(sid, seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
+                                           seq.params, seq.sample_key, list(table),
+                                           seq.num_computed_tokens))  # fmt: skip
+        elif len(table) != seq.num_sent_blocks:
+            out.new_block_ids[sid] = table[seq.num_sent_blocks :]
+            seq.num_sent_blocks = len(table)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._inflight = {}
         budget = self.cfg.max_num_batched_tokens
         bm = self._block_manager
         now = time.monotonic()
 
         bs = bm.block_size
         decode_rows = 0
+        preempted = 0
+        # The running sequences' rows, inlined from _row: this loop runs once per decoding sequence per step.
+        inflight = self._inflight
+        seq_ids, num_new = out.seq_ids, out.num_new_tokens
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        while i < len(running) and budget > 0:
+            seq = running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # Most steps a decoding sequence's last block still has room: no call into the block manager.
-            while len(seq.block_table) * bs < seq.num_computed_tokens + n and not bm.allocate(seq, n):
-                victim = self.running.pop()  # the newest arrival
-                self._preempt(victim, out)
+            table = seq.block_table
+            while len(table) * bs < seq.num_computed_tokens + n and not bm.allocate(seq, n):
+                victim = running.pop()  # the newest arrival
+                self._preempt(victim)
+                preempted += 1
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n))
+                if seq.in_runner:
+                    sid = seq.seq_id
+                    seq_ids.append(sid)
+                    num_new.append(n)
+                    inflight[sid] = (seq, n)
+                    table = seq.block_table
+                    if len(table) != seq.num_sent_blocks:
+                        out.new_block_ids[sid] = table[seq.num_sent_blocks :]
+                        seq.num_sent_blocks = len(table)
+                else:
+                    self._row(seq, n, out)
                 budget -= n
-                if n == 1:
+                if n == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids):  # is_decode_row, inlined
                     decode_rows += 1
                 i += 1
                 continue
             break  # `seq` itself was preempted: nothing after it is left either
 
         # After a preemption the cache is full: admitting newcomers now would only thrash.
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 bm.allocate_prefix(seq)
@@ -170,7 +227,7 @@ class Scheduler:
             if n < remaining and not self.cfg.enable_chunked_prefill:
                 break
             if not bm.allocate(seq, n):
-                if not self.running and not out.scheduled:
+                if not self.running and not out.seq_ids:
                     # Nothing else holds blocks; shrink the chunk to what fits rather than stall forever.
                     fit = bm.num_free_blocks * bm.block_size + len(seq.block_table) * bm.block_size
                     n = fit - seq.num_computed_tokens
@@ -185,23 +242,66 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+                if seq.index == 0:
+                    out.first_scheduled.append(seq.request_id)
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            self._row(seq, n, out)
             budget -= n
-            if n == 1:
+            if is_decode_row(seq.num_computed_tokens, len(seq.prompt_token_ids), n):
                 decode_rows += 1
+        out.finished_seq_ids, self._dropped = self._dropped, []
+        out.num_preempted = preempted
         out.num_decode_rows = decode_rows
         out.num_prefill_tokens = self.cfg.max_num_batched_tokens - budget - decode_rows
         return out
 
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[SeqUpdate]:
+        """Book what the runner computed for (a part of) the step `out`: every row's computed tokens, the sampled
+        token of each row that sampled one, and the stops those decide (a stop token or EOS: "stop"; max_tokens or
+        max-model-len: "length"), freeing the finished sequences' blocks. Returns one update per sampled row. A
+        row whose sequence finished meanwhile (aborted between schedule and now) is skipped. This runs once per
+        row per step, so what it reads repeatedly is bound to locals first."""
+        inflight, eos, max_len = self._inflight, self.eos_token_ids, self.max_model_len
+        block_size = self._block_size
+        commit = self._block_manager.commit
+        logprobs: list[TokenLogprobs | None] | None = result.logprobs
+        updates: list[SeqUpdate] = []
+        finished = SeqStatus.FINISHED
+        for row, (sid, token) in enumerate(zip(result.seq_ids, result.token_ids)):
+            seq, n = inflight[sid]
+            if seq.status is finished:
+                continue
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if computed >= (seq.num_committed_blocks + 1) * block_size:  # a block filled up: publish its hash
+                commit(seq)
+            if token < 0:
+                continue  # a prompt chunk short of the end: nothing sampled
+            output = seq.output_token_ids
+            output.append(token)
+            p = seq.params
+            reason = None
+            if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
+                reason = "stop"
+            elif len(output) >= p.max_tokens or len(seq.prompt_token_ids) + len(output) >= max_len:
+                reason = "length"
+            if reason is not None:
+                self.finish(seq, reason)
+            updates.append(SeqUpdate(seq.request_id, seq.index, token, None if logprobs is None else logprobs[row],
+                                     reason, seq.num_cached_tokens))  # fmt: skip
+        return updates
+
     def finish(self, seq: Sequence, reason: str) -> None:
+        """End `seq` now (a no-op when it already ended); its KV blocks are free when this returns."""
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self._block_manager.free_seq(seq)
+        self._forget(seq)
         if seq in self.running:
             self.running.remove(seq)
 
     def abort(self, seq: Sequence) -> None:
-        if seq in self.waiting:
-            self.waiting.remove(seq)
         self.finish(seq, "abort")

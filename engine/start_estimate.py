@@ -285,6 +285,13 @@ class PhaseEstimate:
     def sources_json(self) -> dict[str, dict[str, Any]]:
         return {s: src.to_json() for s, src in self.sources.items()}
 
+    def phases_json(self) -> dict[str, dict[str, Any]]:
+        """stage -> {seconds, kind, basis, inputs}: each predicted phase with where it comes from (the report's
+        `glowplug.eta.phases` and /startup's `eta_phases`)."""
+        return {s: {"seconds": round(v, 6), **(src.to_json() if (src := self.sources.get(s)) is not None
+                                                 else {"kind": "recorded"})}
+                for s, v in self.seconds.items()}  # fmt: skip
+
     def qualifiers(self) -> dict[str, str]:
         """stage -> how the progress line qualifies its estimate (PhaseSource.qualifier)."""
         return {s: src.qualifier for s, src in self.sources.items()}

@@ -244,18 +244,8 @@ def _eta_attributes(plan: StartPlan, marks: ProcessMarks | None, begun_ns: int) 
         stages_s = plan.estimate.total_s
         attrs.update({Attr.ETA_FIRST_AT_S: round(at_s, 6), Attr.ETA_FIRST_STAGES_S: round(stages_s, 6),
                       Attr.ETA_FIRST_READY_S: round(at_s + stages_s, 6),
-                      Attr.ETA_PHASES: json.dumps(phase_predictions(plan.estimate))})  # fmt: skip
+                      Attr.ETA_PHASES: json.dumps(plan.estimate.phases_json())})  # fmt: skip
     return attrs
-
-
-def phase_predictions(estimate: PhaseEstimate) -> dict[str, dict[str, Any]]:
-    """stage -> {seconds, kind, basis, inputs}: each predicted phase with where it comes from (the report's and
-    /startup's per-phase basis)."""
-    out: dict[str, dict[str, Any]] = {}
-    for stage, seconds in estimate.seconds.items():
-        src = estimate.sources.get(stage)
-        out[stage] = {"seconds": round(seconds, 6), **(src.to_json() if src is not None else {"kind": "recorded"})}
-    return out
 
 
 FLOOR_PROBE_BYTES = 256 << 20  # larger than the caches, small enough to add ~0.1 s after READY
@@ -325,6 +315,7 @@ def build_engine(
     cache_dir: Path | None = None,
     plan: StartPlan | None = None,
     on_plan: Callable[[StartPlan], None] | None = None,
+    parent: Any = None,
 ) -> StartupResult:
     """Run the start-up pipeline to READY. Raises StartupFailed (stage + one-line cause) when a stage fails.
 
@@ -334,6 +325,10 @@ def build_engine(
         made here when not given. Recorded on the start-up span and, with this start's times, in the profile.
     on_plan: called with the plan made here after a bundle's install (`config.bundle`): a plan made before the
         install could not see the hits it brings, so it is made again, and the caller's ETA follows it.
+    parent: an OpenTelemetry context whose span this start's root span hangs under: the server's start-up span,
+        when this is its engine-core process (engine/core_proc.py). The pre-main spans are then the caller's (the
+        server's and the core's own); `marks` still give the clock, the deferred collections and the floor's
+        import time, and their process_start_ns is the server's creation, which the first ETA counts from.
     """
     # Before anything else: `--device cuda` on a torch without CUDA would otherwise end in an AssertionError from
     # deep inside torch, with no flag named and no fix.
@@ -346,12 +341,14 @@ def build_engine(
     clock = marks.clock if marks is not None else Clock()
     # The root span is ours in both modes so that work after READY (the start-up profile, sealing the compile
     # cache) still has a span to report cache events on.
-    root = (
-        open_startup_span(tracer, marks)
-        if marks is not None
-        else tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION},
-                               context=worker_trace_context())  # fmt: skip
-    )
+    if parent is not None:
+        root = tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), context=parent,
+                                 attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})  # fmt: skip
+    elif marks is not None:
+        root = open_startup_span(tracer, marks)
+    else:
+        root = tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION},
+                                 context=worker_trace_context())  # fmt: skip
     if config.tensor_parallel_size > 1:
         # Every rank's spans go into one trace (a worker's root hangs under rank 0's distributed_init): each says
         # which rank it is.

@@ -15,7 +15,8 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
 from ..profiling.names import STARTUP_SPAN
 from .config import EngineConfig
-from .distributed import CACHE_ENV, CONFIG_ENV, RUNDIR_ENV, serve_worker, watch_parent, write_progress
+from .distributed import CACHE_ENV, CONFIG_ENV, serve_worker, watch_parent
+from .tp_progress import RUNDIR_ENV, write_progress
 
 
 class StageProgress(SpanProcessor):

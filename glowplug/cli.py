@@ -482,9 +482,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     worker = torchrun_worker(config)
     if worker is not None:
         return worker
+    display = None
+    if not args.quiet and sys.stderr.isatty() and serve_cfg.log_format != "json":
+        # On a terminal: one line per stage, as `glowplug startup` prints them (the stages run in the engine core
+        # process; their spans come here). The stages' key=value log records then need --verbose.
+        from glowplug.profiling.progress import StartupProgress
+
+        display = StartupProgress()
+        display.begin(config.model)
     from glowplug.lifecycle.server import exit_process, serve
 
-    exit_process(serve(config, serve_cfg, marks=args.marks))
+    exit_process(serve(config, serve_cfg, marks=args.marks, display=display, verbose=args.verbose))
 
 
 def _bench_config(model_cls: Any, args: argparse.Namespace) -> Any:
@@ -648,7 +656,7 @@ def build_parser(command: str | None = None) -> CommandParser:
 
     from glowplug.lifecycle.config import add_serve_flags
 
-    srv = sub.add_parser("serve", parents=[engine],
+    srv = sub.add_parser("serve", parents=[engine, output],
                          help="OpenAI-compatible HTTP server (http://127.0.0.1:8000/v1 by default).")  # fmt: skip
     add_model_argument(srv)
     add_serve_flags(srv.add_argument_group("serving (one flag per ServeConfig field)"))

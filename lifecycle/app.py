@@ -3,7 +3,8 @@
 Probes:
   GET /health/live   200 while the process serves HTTP at all (restart me only if this fails).
   GET /health/ready  200 once the warm-up generation succeeded; 503 with the state and every running stage while
-                     STARTING (with Retry-After = the start-up ETA), DRAINING, FAILED or STOPPED.
+                     STARTING (with Retry-After = the start-up ETA, and the ETA itself), DRAINING, FAILED (the
+                     reason: a failed start, or an engine core that died) or STOPPED.
   GET /startup       state, every running stage (`running_phases`; `phase` joins them), the phases so far under the
                      phase table's row names (a running one with its elapsed seconds, marked running), the ETA and
                      the predicted time to READY with their basis, per phase too (`eta_phases`: recorded or the
@@ -16,7 +17,6 @@ The live start-up page (`GET /`), its event stream and the trace downloads are i
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -47,51 +47,48 @@ def _round(value: float | None) -> float | None:
 
 def startup_report(service: Service, snap: StateSnapshot | None = None) -> dict[str, Any]:
     """The `/startup` body."""
-    snap = snap or service.snapshot()
-    running = service.running_phases(snap)
+    progress = service.progress
+    snap = snap or progress.snapshot()
+    running = progress.running_phases(snap)
     report: dict[str, Any] = {
         "state": snap.state.value,
         "phase": ", ".join(running) or None,
         "running_phases": running,
         "phase_elapsed_s": _round(snap.phase_elapsed_s) if snap.phase else None,
         # One clock for the whole start: from process creation (the table's origin); the table's total once READY.
-        "elapsed_s": _round(service.startup_total_s(snap)),
-        "phases": _finished_phases(service, snap),
-        "eta_s": _round(service.eta_s(snap)),
-        "eta_basis": service.eta_basis,
-        "predicted_ready_s": _round(service.predicted_ready_s(snap)),
-        "first_predicted_ready_s": _round(service.first_predicted_ready_s),
-        "eta_phases": service.eta_phases(),
-        "expected_phases": service.expected_phase_seconds,
+        "elapsed_s": _round(progress.startup_total_s(snap)),
+        "phases": progress.phases_so_far(snap),
+        "eta_s": _round(progress.eta_s(snap)),
+        "eta_basis": progress.eta_basis,
+        "predicted_ready_s": _round(progress.predicted_ready_s(snap)),
+        "first_predicted_ready_s": _round(progress.first_predicted_ready_s),
+        "eta_phases": progress.eta_phases(),
+        "expected_phases": progress.expected_phase_seconds,
         "reason": snap.reason,
         "model": service.model_name,
         "config_hash": service.config.compute_hash(),
         "phase_table": None,
         # Under --tensor-parallel-size N: each rank's stage and state (None with one rank).
-        "ranks": service.rank_progress(snap),
+        "ranks": progress.rank_progress(snap),
     }
-    table = getattr(service.startup_result, "phase_table", None)
+    table = progress.phase_table
     if table is not None:
         from glowplug.profiling.phases import to_dict
 
         report["phase_table"] = to_dict(table)
-    report.update(startup_fields(service))
+    report.update(startup_fields(progress))
     return report
-
-
-def _finished_phases(service: Service, snap: StateSnapshot) -> list[dict[str, Any]]:
-    return service.phases_so_far(snap)
 
 
 def _readiness(service: Service) -> JSONResponse:
     snap = service.snapshot()
     if snap.state is EngineState.READY:
         return JSONResponse({"status": "ready"})
-    running = service.running_phases(snap)
+    running = service.progress.running_phases(snap)
     body: dict[str, Any] = {"status": snap.state.value, "phase": ", ".join(running) or None, "reason": snap.reason}
     headers = {}
     if snap.state is EngineState.STARTING:
-        eta = service.eta_s(snap)
+        eta = service.progress.eta_s(snap)
         body.update(running_phases=running, eta_s=_round(eta))
         headers["Retry-After"] = str(max(1, math.ceil(eta)) if eta is not None else 1)
     return JSONResponse(body, status_code=503, headers=headers)
@@ -110,8 +107,7 @@ def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastA
             yield
         finally:
             await events.stop()
-            # Joining the engine thread blocks; keep the event loop free while it does.
-            await asyncio.to_thread(service.close)
+            await service.close()
 
     app = FastAPI(title="glowplug", lifespan=lifespan, docs_url=None, redoc_url=None)
     # The last added runs first: the access log wraps the guard, so refusals (401, 413) get their log line too.
@@ -145,7 +141,7 @@ def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastA
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        service.refresh_prediction()
+        service.progress.refresh_prediction()
         body, content_type = service.metrics.render()
         return Response(body, media_type=content_type)
 

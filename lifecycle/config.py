@@ -52,6 +52,17 @@ class ServeConfig(BaseModel):
     ready_wait: float = Field(
         30.0, ge=0.0, description="Seconds a request that arrives during start-up waits for READY before a 503."
     )
+    restart_core: bool = Field(
+        False,
+        description="When the engine core process dies after READY, start a new one (a new start-up, with a new "
+        "trace) instead of exiting; open streams end with an error event either way.",
+    )
+    failed_exit_delay: float = Field(
+        5.0,
+        ge=0.0,
+        description="When the engine core dies after READY (without --restart-core): seconds the server keeps "
+        "answering 503 with the reason, so probes and clients see why, before it exits with status 1.",
+    )
     served_model_name: str | None = Field(
         None, description="The model id in /v1/models and responses (default: the --model value)."
     )

@@ -106,11 +106,13 @@ class StartupEvents:
         self._last_state: str | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        self._progress = progress = service.progress
         self._unsubscribe: list[Callable[[], None]] = [
-            service.timeline.subscribe(self._append),
-            service.lifecycle.subscribe(self._state_changed),
+            progress.timeline.subscribe(self._append),
+            progress.lifecycle.subscribe(self._state_changed),
         ]
-        self._state_changed(service.snapshot())
+        progress.on_restart(self.restart)
+        self._state_changed(progress.snapshot())
 
     # ------------------------------------------------------------ life
 
@@ -135,6 +137,19 @@ class StartupEvents:
         for sub in subscribers:
             self._close(sub)
 
+    def restart(self) -> None:
+        """A new start in this process (a restarted engine core): a new boot, so every page loads the new log."""
+        with self._lock:
+            self.boot_id = uuid.uuid4().hex[:16]
+            self._log = []
+            self._last_state = None
+            subscribers, self._subscribers = list(self._subscribers), set()
+        loop = self._loop
+        for sub in subscribers:
+            if loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._close, sub)
+        self._state_changed(self._progress.snapshot())
+
     # ------------------------------------------------------------ producing (any thread)
 
     def _append(self, kind: str, data: dict[str, Any]) -> None:
@@ -155,31 +170,31 @@ class StartupEvents:
             self._append(STATE, data)
 
     def state_data(self, snap: StateSnapshot) -> dict[str, Any]:
-        service = self._service
+        progress = self._progress
         data: dict[str, Any] = {
             "state": snap.state.value,
             "reason": snap.reason,
             "failed_stage": None,
             "cause": None,
-            "elapsed_s": service.startup_total_s(snap),
-            "eta_s": service.eta_s(snap),
-            "eta_basis": service.eta_basis,
-            "predicted_ready_s": service.predicted_ready_s(snap),
-            "end_s": service.timeline.end_s(),
+            "elapsed_s": progress.startup_total_s(snap),
+            "eta_s": progress.eta_s(snap),
+            "eta_basis": progress.eta_basis,
+            "predicted_ready_s": progress.predicted_ready_s(snap),
+            "end_s": progress.timeline.end_s(),
             "trace_id": None,
             "phase_table_rows": None,
         }
         if snap.state is EngineState.FAILED:
-            failed = service.timeline.failed_phase()
+            failed = progress.timeline.failed_phase()
             if failed is not None:
                 data["failed_stage"] = failed.stage
                 data["cause"] = (failed.reason or "").removeprefix("failed: ") or snap.reason
             else:
-                # Failed outside any stage span (the engine import, or the engine loop after READY).
+                # Failed outside any stage span (the engine import, or the engine core after READY).
                 last = snap.finished_phases[-1] if snap.finished_phases else None
                 data["failed_stage"] = last.name if last is not None and last.failed else None
                 data["cause"] = snap.reason
-        table = getattr(service.startup_result, "phase_table", None)
+        table = progress.phase_table
         if table is not None and snap.state is not EngineState.STARTING:
             from glowplug.profiling.phases import display_rows
 
@@ -220,22 +235,23 @@ class StartupEvents:
 
     def tick(self) -> dict[str, Any]:
         """One `metrics` sample (also kept for hello's history)."""
-        snap = self._service.snapshot()
+        progress = self._progress
+        snap = progress.snapshot()
         tick: dict[str, Any] = {
             "t_unix": time.time(),
             "state": snap.state.value,
-            "phase": self._service.phase_text(snap),
-            "running_phases": self._service.running_phases(snap),
+            "phase": progress.phase_text(snap),
+            "running_phases": progress.running_phases(snap),
             "phase_elapsed_s": snap.phase_elapsed_s if snap.phase else None,
-            "elapsed_s": self._service.startup_total_s(snap),
-            "now_s": self._service.timeline.now_s(),
-            "eta_s": self._service.eta_s(snap),
-            "predicted_ready_s": self._service.predicted_ready_s(snap),
-            "eta_phases": self._service.eta_phases() if snap.state is EngineState.STARTING else None,
+            "elapsed_s": progress.startup_total_s(snap),
+            "now_s": progress.timeline.now_s(),
+            "eta_s": progress.eta_s(snap),
+            "predicted_ready_s": progress.predicted_ready_s(snap),
+            "eta_phases": progress.eta_phases() if snap.state is EngineState.STARTING else None,
             # Known only once the engine is imported (after hello, for a page opened early): the ghosts need it.
-            "expected_phases": self._service.expected_phase_seconds if snap.state is EngineState.STARTING else None,
-            "eta_basis": self._service.eta_basis,
-            "ranks": self._service.rank_progress(snap) if snap.state is EngineState.STARTING else None,
+            "expected_phases": progress.expected_phase_seconds if snap.state is EngineState.STARTING else None,
+            "eta_basis": progress.eta_basis,
+            "ranks": progress.rank_progress(snap) if snap.state is EngineState.STARTING else None,
         }
         tick.update(self._sampler.sample())
         with self._lock:
@@ -266,10 +282,10 @@ class StartupEvents:
             "boot_id": self.boot_id,
             "model": service.model_name,
             "config_hash": service.config.compute_hash(),
-            "expected_phases": service.expected_phase_seconds,
-            "eta_basis": service.eta_basis,
-            "eta_phases": service.eta_phases(),
-            "predicted_ready_s": service.predicted_ready_s(),
+            "expected_phases": self._progress.expected_phase_seconds,
+            "eta_basis": self._progress.eta_basis,
+            "eta_phases": self._progress.eta_phases(),
+            "predicted_ready_s": self._progress.predicted_ready_s(),
             "resumed": resumed,
             "history": history,
         }
@@ -316,7 +332,7 @@ class StartupEvents:
     def startup_extras(self) -> dict[str, Any]:
         """What `/startup` adds from here, for clients that poll: the boot id, the latest metrics tick, and the
         failing stage and its cause (the same as the `state` event's)."""
-        state = self.state_data(self._service.snapshot())
+        state = self.state_data(self._progress.snapshot())
         return {
             "boot_id": self.boot_id,
             "failed_stage": state["failed_stage"],

@@ -1,5 +1,5 @@
-"""The asyncio side of one HTTP generation request: its engine requests (one per prompt), the events the engine
-loop sends back, its admission ticket, and the per-request numbers that end up in metrics and the request span.
+"""The asyncio side of one HTTP generation request: its engine requests (one per prompt), the events the core
+client hands it, its admission ticket, and the per-request numbers that end up in metrics and the request span.
 
 `close()` is the one place a request ends, whatever ended it (finished, client gone, error, cancelled): it aborts
 what is still running in the engine, gives the admission slots back and reports the request's numbers once.
@@ -11,12 +11,33 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TypeAlias
 
-from .engine_loop import Ended, EngineEvent, Scheduled
+from glowplug.engine.outputs import RequestOutput
 
-if TYPE_CHECKING:
-    from glowplug.engine.llm_engine import RequestOutput
+
+@dataclass(frozen=True)
+class Scheduled:
+    """The request's sequences have been scheduled for the first time: it has left the core's waiting queue."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The request ended without a final RequestOutput: aborted by the server, refused by the core, or the core
+    failed. `status` is the HTTP status a response that has not started yet should carry."""
+
+    request_id: str
+    finish_reason: str  # "abort" or "error"
+    message: str
+    status: int
+
+
+# What a sink receives: Scheduled (once), RequestOutput (each step it advanced; the last has finished=True), or Ended.
+EngineEvent: TypeAlias = "Scheduled | RequestOutput | Ended"
+# Called on the event loop by the core client, in the order the core's frames arrive.
+Sink = Callable[[EngineEvent], None]
 
 
 class Ticket:
@@ -110,7 +131,7 @@ class Generation:
         self._abandoned: set[str] = set()
 
     def sink(self, event: EngineEvent) -> None:
-        """Called on the event loop, in the engine loop's per-step batch."""
+        """Called on the event loop by the core client, one step's events at a time."""
         if self._closed:
             self._count_if_abandoned(event)
             return

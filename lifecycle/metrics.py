@@ -2,8 +2,9 @@
 library user's own metrics never collide.
 
 Names follow vLLM's where one exists (with the `glowplug_` prefix), so existing dashboards need a rename only.
-prometheus_client metrics are thread-safe: the engine loop thread sets the engine gauges, the asyncio side
-observes the per-request histograms.
+prometheus_client metrics are thread-safe. The engine gauges, token counters and step times come from the engine
+core's per-step frames (lifecycle/core_client.py); the process metrics are the server's (`process_*`) and the
+core process's (`glowplug_engine_core_process_*`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class ServiceMetrics:
         )
         self.engine_step = Histogram(
             "glowplug_engine_step_duration_seconds",
-            "Wall time of one engine step (schedule, forward, sample, detokenize) on the engine loop thread.",
+            "Wall time of one engine step (schedule, forward, sample, book) in the engine core.",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -122,6 +123,11 @@ class ServiceMetrics:
         # process_resident_memory_bytes, CPU seconds, open fds: what a soak watches for leaks (Linux only;
         # elsewhere the collector exports nothing).
         ProcessCollector(registry=r)
+        self.core_pid: int | None = None  # the engine core's process (None: none, or a core thread)
+        ProcessCollector(namespace="glowplug_engine_core", pid=lambda: self.core_pid or "none", registry=r)
+        self.core_restarts = Counter(
+            "glowplug_engine_core_restarts", "Engine cores started again after one died (--restart-core).", registry=r
+        )
         self.finished = Counter(
             "glowplug_request_finished",
             "Requests finished, by finish reason (stop, length, abort, error).",

@@ -3,8 +3,8 @@
 One request's path: read the body within its size and time limits (413, 408; transport.py), parse and
 shape-check it (400: depth, UTF-8, JSON, Unicode, fields), validate its SamplingParams (400s come before anything
 waits), take admission slots (429), wait for READY (503 after `ready_wait`), tokenize and check lengths, hand
-the prompts to the engine loop, then stream or collect. A client that goes away at any point aborts its engine
-requests; `Generation.close()` in the response's `finally` makes that hold even for cancelled handlers. Its
+the prompts to the engine core's client, then stream or collect. A client that goes away at any point aborts its
+engine requests; `Generation.close()` in the response's `finally` makes that hold even for cancelled handlers. Its
 disconnect is noted on the access-log line and counted by stage (never logged as an error).
 
 No request stalls the others: a prompt whose length in characters already proves it longer than max-model-len is
@@ -30,9 +30,8 @@ from glowplug.engine.models.arch import ModelError
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.tokenizer import PromptTooLong, encode_bounded, encode_chat, max_token_chars
 
-from .engine_loop import Ended
 from .errors import ApiError, bad_request
-from .generation import Generation, PromptEvent
+from .generation import Ended, Generation, PromptEvent
 from .json_limits import min_chars, top_level_string
 from .metrics import DisconnectStage, RejectReason
 from .observe import RequestTrace, access_fields, request_id
@@ -51,7 +50,7 @@ from .service import EngineInfo, Rejected, Service
 from .transport import BodyBuffer, ClientDisconnected, TransportLimits, note_disconnect, read_body
 
 if TYPE_CHECKING:
-    from glowplug.engine.llm_engine import RequestOutput
+    from glowplug.engine.outputs import RequestOutput
 
 T = TypeVar("T")
 
@@ -305,7 +304,7 @@ async def _prepare(
     on_close: Callable[[Generation], None],
 ) -> tuple[Generation, EngineInfo, SamplingParams]:
     """Admit, wait for READY, tokenize, check, submit: the steps between a valid body and a running Generation."""
-    ticket = service.admit(_num_prompts(req))
+    ticket = service.admission.admit(_num_prompts(req))
     try:
         info = await _unless_disconnected(request, service.wait_ready(service.serve_cfg.ready_wait))
         # Tokenizing a long prompt takes a while; off the event loop (and with the GIL released while the tokenizer
@@ -315,7 +314,7 @@ async def _prepare(
             prompts = await asyncio.to_thread(_completion_prompts, info, req, params)
         else:
             prompts, params = await asyncio.to_thread(_chat_prompt, info, req)
-        service.admit_prompts(ticket, [len(p) for p in prompts])
+        service.admission.admit_prompts(ticket, [len(p) for p in prompts])
     except BaseException:
         ticket.release_all()
         raise

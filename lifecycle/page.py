@@ -25,6 +25,7 @@ from .events import StartupEvents
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
 
+    from .progress import Progress
     from .service import Service
 
 PAGE_RESOURCE = "static/startup.html"
@@ -39,7 +40,7 @@ def page_html() -> str:
 
 def startup_spans(service: Service) -> list[ReadableSpan]:
     """The finished spans of this service's start-up trace, oldest first."""
-    trace_id = service.timeline.trace_id
+    trace_id = service.progress.timeline.trace_id
     if trace_id is None:
         raise ApiError(404, "no start-up trace yet: the start-up has not opened its span", code="no_trace")
     spans = [s for s in service.tracing.finished_spans() if s.context is not None and s.context.trace_id == trace_id]
@@ -53,7 +54,7 @@ def startup_spans(service: Service) -> list[ReadableSpan]:
 
 
 def _download(body: str, name: str, service: Service) -> Response:
-    trace_id = service.timeline.snapshot()["trace_id"] or "unknown"
+    trace_id = service.progress.timeline.snapshot()["trace_id"] or "unknown"
     headers = {**_NO_STORE, "Content-Disposition": f'attachment; filename="glowplug-startup-{trace_id}-{name}"'}
     return Response(body, media_type="application/json", headers=headers)
 
@@ -85,12 +86,12 @@ def add_page_routes(app: FastAPI, service: Service, events: StartupEvents) -> No
         return _download(otlp_json_line(startup_spans(service)) + "\n", "otlp.json", service)
 
 
-def startup_fields(service: Service) -> dict[str, Any]:
+def startup_fields(progress: Progress) -> dict[str, Any]:
     """The span-based part of `/startup`: the timeline, and the display rows of the phase table once there is one."""
     from glowplug.profiling.phases import display_rows
 
-    table = getattr(service.startup_result, "phase_table", None)
+    table = progress.phase_table
     return {
-        "timeline": service.timeline.snapshot(),
+        "timeline": progress.timeline.snapshot(),
         "phase_table_rows": None if table is None else [vars(row) for row in display_rows(table)],
     }

@@ -1,9 +1,10 @@
 """The engine's life cycle as the service sees it: STARTING(phase) -> READY -> DRAINING -> STOPPED, or FAILED(reason).
 
-The start-up thread, the engine loop thread and the asyncio side all move the state, so every change goes through
-one lock and observers get an immutable snapshot. Phase timings are taken here from the `on_phase` callbacks (a
-phase ends when the next one starts, the last one at READY), which makes `/startup` work while the start-up is
-still running, before any phase table exists.
+The engine core's frames (read on the event loop) and the server's own signals move the state, and readers on any
+thread look at it, so every change goes through one lock and observers get an immutable snapshot. Phase timings are
+taken here from the phases the core enters (`enter_phase`: a phase ends when the next one starts, the last one at
+READY), which makes `/startup` work while the start-up is still running, before any phase table exists. A core
+that dies after READY turns the state FAILED; a restarted one (`restart`) starts it over at STARTING.
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ class EngineState(str, enum.Enum):
 
 
 # Which states may follow which. DRAINING may start during STARTING (a signal mid start-up); FAILED may follow READY
-# (the engine loop crashed) and DRAINING (the loop crashed while draining).
+# (the engine core died) and DRAINING (it died while draining); STARTING may follow FAILED (a restarted core).
 _ALLOWED: dict[EngineState, frozenset[EngineState]] = {
     EngineState.STARTING: frozenset({EngineState.READY, EngineState.FAILED, EngineState.DRAINING}),
     EngineState.READY: frozenset({EngineState.DRAINING, EngineState.FAILED}),
     EngineState.DRAINING: frozenset({EngineState.STOPPED, EngineState.FAILED}),
-    EngineState.FAILED: frozenset({EngineState.STOPPED}),
+    EngineState.FAILED: frozenset({EngineState.STOPPED, EngineState.STARTING}),
     EngineState.STOPPED: frozenset(),
 }
 
@@ -115,6 +116,20 @@ class Lifecycle:
                 return False
         self._change(lambda now: self._move_locked(EngineState.DRAINING, now))
         return True
+
+    def restart(self) -> bool:
+        """FAILED -> STARTING with a clean slate (a new engine core starts); False from any other state."""
+
+        def move(now: float) -> bool:
+            if self._state is not EngineState.FAILED:
+                return False
+            self._state = EngineState.STARTING
+            self._phase, self._phase_start, self._started = None, now, now
+            self._ended = self._ready_at = self._reason = None
+            self._finished = []
+            return True
+
+        return self._change(move)
 
     def mark_stopped(self) -> None:
         self._change(lambda now: self._move_locked(EngineState.STOPPED, now))

@@ -57,6 +57,15 @@ class StartupTimeline(SpanProcessor):
         self._finished: list[SpanPhase] = []  # in the order the spans ended
         self._listeners: Subscribers[PhaseListener] = Subscribers()
 
+    def reset(self) -> None:
+        """Forget this start: the next root span accepted binds the timeline to a new trace (a restarted core)."""
+        with self._lock:
+            self._trace_id = None
+            self._origin_ns = None
+            self._end_ns = None
+            self._running.clear()
+            self._finished.clear()
+
     def subscribe(self, listener: PhaseListener) -> Callable[[], None]:
         """Call `listener(kind, data)` after each phase start and end (on the span's thread)."""
         return self._listeners.subscribe(listener)

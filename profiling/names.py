@@ -55,7 +55,10 @@ STAGES: Final[tuple[str, ...]] = (
 # (process creation from the OS, then our own marks) as spans with explicit start and end times.
 PROCESS_START: Final = "process_start"  # OS process creation -> first line of our code
 IMPORTS: Final = "imports"  # first line of our code -> heavy imports done
-PRE_MAIN: Final[tuple[str, ...]] = (PROCESS_START, IMPORTS)
+# `glowplug serve` runs the engine core in a process of its own: the server starts it once its own imports are done.
+CORE_PROCESS_START: Final = "core_process_start"  # the server starts the core -> the core's first line
+CORE_IMPORTS: Final = "core_imports"  # the core's first line -> its heavy imports (torch, the engine) done
+PRE_MAIN: Final[tuple[str, ...]] = (PROCESS_START, IMPORTS, CORE_PROCESS_START, CORE_IMPORTS)
 # The Prometheus gauge of the predicted time to READY (seconds from process creation), set from the first plan on.
 STARTUP_PREDICTED_METRIC: Final = "glowplug_startup_predicted_seconds"
 
@@ -229,6 +232,8 @@ class Row:
 
     PROCESS_START: Final = PROCESS_START
     IMPORTS: Final = IMPORTS
+    CORE_PROCESS_START: Final = CORE_PROCESS_START
+    CORE_IMPORTS: Final = CORE_IMPORTS
     MODEL_PREPARE: Final = "model_prepare"
     TOKENIZER_INIT: Final = "tokenizer_init"
     LOAD_WEIGHTS: Final = "load_weights"
@@ -288,6 +293,10 @@ LEAF_ROWS: Final[tuple[str, ...]] = (
     Row.GRAPH_CAPTURING,
     Row.WARMUP,
 )
+
+# Leaves that only a start with an engine-core process has (`glowplug serve`): shown after `imports` when their spans
+# are there, left out of the table otherwise (an in-process start has no such phase, rather than one not measured).
+CORE_ROWS: Final[tuple[str, ...]] = (Row.CORE_PROCESS_START, Row.CORE_IMPORTS)
 
 # Aggregates: each is the sum of its leaves. Unlike vLLM's table, torch.compile includes the graph compile
 # (vLLM prints torch.compile == dynamo_transform_time) and the build of the native kernels the graph calls. init_engine is the engine's own set-up after the model

@@ -1,7 +1,8 @@
 """The start-up phase table, built from finished spans only, and its renderers (rich, Markdown, CSV, JSON).
 
 Row definitions (names from vLLM's start-up table where it has one; see `names.py`):
-  leaves       process_start, imports, then one row per stage span (`glowplug.startup.<stage>`); a stage books to
+  leaves       process_start, imports, then (a start whose engine core is a process of its own, `glowplug serve`)
+               core_process_start and core_imports, then one row per stage span (`glowplug.startup.<stage>`); a stage books to
                its default row or to the row its report chose (graph_compile: general_shape on a miss, cached on
                a hit). A leaf whose phase did not run is None with a reason.
   unattributed actual_total_time - (sum(leaves) - overlap): wall time no phase claims.
@@ -44,6 +45,7 @@ from rich.table import Table
 
 from glowplug.profiling.names import (
     AGGREGATE_ROWS,
+    CORE_ROWS,
     LEAF_ROWS,
     NOTED_EVENTS,
     PRE_MAIN,
@@ -356,7 +358,7 @@ def build_phase_table(
             chain_spans.append(phase)
             if phase.booked_nanos is not None:
                 booked.append((phase.start_ns, phase.end_ns))
-        if row not in LEAF_ROWS and row not in extra_rows:
+        if row not in LEAF_ROWS and row not in CORE_ROWS and row not in extra_rows:
             extra_rows.append(row)
         attributes.setdefault(row, {}).update(attrs)
         notes.setdefault(row, []).extend(_row_notes(phase))
@@ -384,7 +386,9 @@ def build_phase_table(
     actual_ns = ready_time_ns - start_ns
 
     rows: list[PhaseRow] = []
-    for name in (*LEAF_ROWS, *extra_rows):
+    at = LEAF_ROWS.index(Row.IMPORTS) + 1
+    core = tuple(r for r in CORE_ROWS if r in leaf_ns or r in reasons)  # a served start's core process rows
+    for name in (*LEAF_ROWS[:at], *core, *LEAF_ROWS[at:], *extra_rows):
         nanos = leaf_ns.get(name)
         reason = reasons.get(name)
         if nanos is None and reason is None:

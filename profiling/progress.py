@@ -194,6 +194,11 @@ class StartupProgress(SpanProcessor):
         total = sum(self._estimate.values()) if total_s is None else total_s
         return f"the stages should take about {_seconds(total)} ({basis or 'from the last start of this config'})"
 
+    @property
+    def active(self) -> bool:
+        """Still showing the start-up (not closed yet)."""
+        return not self._closed
+
     def running_rows(self) -> list[tuple[str, str, float, str]]:
         now = time.perf_counter()
         with self._lock:

@@ -85,7 +85,7 @@ def test_compiled_step_equals_eager_step_and_writes_the_same_cache(tiny_dir, cac
     for p, n in zip(PROMPTS[:5], (3, 4, 7, 8, 11)):  # prompt lengths around the 4-token blocks
         eng.add_request(None, params, prompt_token_ids=list(range(5, 5 + n)))
     eng.step()  # the prefills (eager); every sequence now decodes
-    scheduled = eng.scheduler.schedule().scheduled
+    scheduled = eng.runner.apply(eng.scheduler.schedule())
     assert all(s.num_new_tokens == 1 for s in scheduled) and len(scheduled) == 5
     runner = eng.runner
     packed = runner.prepare_decode(scheduled).clone()

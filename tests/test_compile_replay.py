@@ -81,7 +81,7 @@ def test_replay_equals_the_aot_step_bit_for_bit(tiny_dir, tmp_path: Path, fields
     for n in (3, 4, 7, 8, 11, 2, 5, 9):
         eng.add_request(None, params, prompt_token_ids=list(range(5, 5 + n)))
     eng.step()  # the prefills
-    scheduled = eng.scheduler.schedule().scheduled
+    scheduled = eng.runner.apply(eng.scheduler.schedule())
     caches = eng.runner.kv_cache.layers
     serve = replay.serving(caches)
     with torch.inference_mode():

@@ -72,7 +72,7 @@ def test_replay_of_a_padded_bucket_equals_the_eager_step(tiny_dir, cache: Path) 
     for n in (3, 4, 7, 8, 11):
         eng.add_request(None, params, prompt_token_ids=list(range(5, 5 + n)))
     eng.step()
-    scheduled = eng.scheduler.schedule().scheduled
+    scheduled = eng.runner.apply(eng.scheduler.schedule())
     runner = eng.runner
     packed = runner.prepare_decode(scheduled, pad_to=8).clone()  # 5 rows padded to the 8 bucket
     caches = runner.kv_cache.layers

@@ -22,18 +22,10 @@ from hypothesis import strategies as st
 
 from glowplug.engine.attention import DECODE_COLS
 from glowplug.engine.decode_batch import MIN_TABLE_WIDTH, DecodeBatch
-from glowplug.engine.detokenizer import IncrementalDetokenizer
 from glowplug.engine.sampling_params import SamplingParams
-from glowplug.engine.sequence import Sequence
+from glowplug.engine.sequence import RunnerSeq as Sequence
 
 SCRATCH = 999
-
-
-class NoText:
-    """A tokenizer for sequences whose text nobody reads here."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        return ""
 
 
 def oracle_rows(seqs: list[Sequence], block_size: int, rows: int, width: int) -> list[list[int]]:
@@ -65,7 +57,7 @@ class World:
     def arrive(self, prompt_len: int, first_token: int) -> Sequence:
         """A new sequence whose prompt was prefilled (eagerly) and sampled its first token."""
         prompt = [(7 * i) % 50 for i in range(prompt_len)]
-        seq = Sequence(next(self.ids), "r", 0, prompt, SamplingParams(), IncrementalDetokenizer(NoText(), prompt), None)
+        seq = Sequence(next(self.ids), "r", prompt, [], SamplingParams(), None, [], 0)
         self.allocate(seq, prompt_len)
         seq.num_computed_tokens = prompt_len
         seq.output_token_ids.append(first_token)
@@ -202,14 +194,14 @@ def _checked_engine(make_llm: Any, model: Any, **kw: Any) -> tuple[Any, list[int
     eng = llm.engine
     runner = eng.runner
     scheduled: list[Any] = []
-    schedule = eng.scheduler.schedule
+    apply = runner.apply
 
-    def recording() -> Any:
-        out = schedule()
-        scheduled[:] = [s for s in out.scheduled if s.num_new_tokens == 1]
-        return out
+    def recording(out: Any) -> Any:
+        rows = apply(out)
+        scheduled[:] = [s for s in rows if s.num_new_tokens == 1]
+        return rows
 
-    eng.scheduler.schedule = recording
+    runner.apply = recording
     calls = [0]
 
     def step(packed: torch.Tensor) -> torch.Tensor:

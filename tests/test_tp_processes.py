@@ -146,30 +146,40 @@ def test_sigterm_drains_and_stops_every_rank(tiny: Path, tmp_path: Path) -> None
             proc.kill()
 
 
-def test_worker_crash_while_serving_turns_rank0_failed(tiny: Path, tmp_path: Path) -> None:
+def test_worker_killed_while_serving_fails_the_core_and_the_server_exits_1(tiny: Path, tmp_path: Path) -> None:
+    """Rank 1 killed under a stream: the engine core (rank 0) fails, the stream ends with an error event, readiness
+    turns 503 naming the rank, new requests get 503, the server exits 1, and no rank is left."""
+    from openai import APIError, OpenAI
+
     port = free_port()
-    proc = _serve(tiny, tmp_path, port)
+    proc = _serve(tiny, tmp_path, port, "--failed-exit-delay", "3")
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, timeout=120)
-        worker = psutil.Process(proc.pid).children(recursive=True)[0]
+        everyone = [c for c in psutil.Process(proc.pid).children(recursive=True)]
+        (worker,) = [c for c in everyone if "glowplug.engine.tp_worker" in " ".join(c.cmdline())]
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model=str(tiny), prompt="hi", max_tokens=200, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
         worker.kill()
-        deadline = time.monotonic() + 20
-        status = 200
-        while status == 200 and time.monotonic() < deadline:
-            status = httpx.get(base + "/health/ready", timeout=5).status_code
-            time.sleep(0.1)
-        assert status == 503
+        t0 = time.monotonic()
+        with pytest.raises(APIError) as seen:
+            for _ in chunks:
+                pass
+        assert "tensor-parallel rank 1" in str(seen.value), seen.value
+        status = httpx.get(base + "/health/ready", timeout=5).status_code
+        assert status == 503 and time.monotonic() - t0 < 20
         body = httpx.get(base + "/startup", timeout=5).json()
         assert body["state"] == "failed" and "tensor-parallel rank 1" in json.dumps(body)
         # No request hangs: refused at once.
         r = httpx.post(base + "/v1/completions", timeout=30, json={"model": str(tiny), "prompt": "hi", "max_tokens": 4})
-        assert r.status_code >= 500
+        assert r.status_code == 503
+        assert proc.wait(60) == 1
+        assert _gone([p.pid for p in everyone])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
+        if proc.poll() is None:
             proc.kill()
 
 

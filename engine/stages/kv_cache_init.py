@@ -44,16 +44,10 @@ class KVCacheInit:
             model, ctx.kv_cache, ctx.device, max_num_seqs=ctx.config.scheduler.max_num_seqs,
             max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
         )  # fmt: skip
-        scheduler = Scheduler(ctx.config.scheduler, ctx.config.cache, plan.num_blocks, plan.max_model_len)
         assert ctx.model_dir is not None
-        ctx.engine = LLMEngine(
-            tokenizer=ctx.tokenizer,
-            runner=ctx.runner,
-            scheduler=scheduler,
-            eos_token_ids=eos_token_ids(ctx.tokenizer, arch, ctx.model_dir),
-            max_model_len=plan.max_model_len,
-            seed=ctx.config.seed,
-        )
+        scheduler = Scheduler(ctx.config.scheduler, ctx.config.cache, plan.num_blocks, plan.max_model_len,
+                              eos_token_ids(ctx.tokenizer, arch, ctx.model_dir))  # fmt: skip
+        ctx.engine = LLMEngine(tokenizer=ctx.tokenizer, runner=ctx.runner, scheduler=scheduler, seed=ctx.config.seed)
         return StageReport(
             attributes={
                 Attr.KV_BLOCKS: plan.num_blocks,

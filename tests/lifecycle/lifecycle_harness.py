@@ -44,7 +44,8 @@ def paced_engine(step_s: float) -> Callable[..., Any]:
         from glowplug.engine.startup import build_engine
 
         result = build_engine(config, **kwargs)
-        real_step = result.engine.step
+        core = result.engine.core
+        real_step = core.step
 
         def step(**kw: Any) -> Any:
             t0 = time.monotonic()
@@ -52,7 +53,7 @@ def paced_engine(step_s: float) -> Callable[..., Any]:
             time.sleep(max(0.0, step_s - (time.monotonic() - t0)))
             return out
 
-        result.engine.step = step
+        core.step = step
         return result
 
     return build

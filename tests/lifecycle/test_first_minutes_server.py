@@ -18,9 +18,9 @@ from opentelemetry import trace
 
 from glowplug.engine.generation_config import GLOWPLUG_SAMPLING_DEFAULTS, sampling_defaults
 from glowplug.lifecycle.config import ServeConfig
-from glowplug.lifecycle.service import Service
+from glowplug.lifecycle.progress import Progress
 from glowplug.lifecycle.timeline import StartupTimeline
-from glowplug.profiling.names import LEAF_ROWS, PRE_MAIN, STAGE_ROWS, STARTUP_SPAN, Row, stage_span_name
+from glowplug.profiling.names import CORE_ROWS, LEAF_ROWS, PRE_MAIN, STAGE_ROWS, STARTUP_SPAN, Row, stage_span_name
 from glowplug.profiling.tracing import setup_tracing
 
 from lifecycle_harness import ThreadServer, engine_config, metric_samples
@@ -95,7 +95,8 @@ def test_metrics_and_startup_name_each_phase_once(server: ThreadServer) -> None:
     samples = metric_samples(server.base_url)
     names = {dict(labels)["phase"] for (name, labels) in samples if name == "glowplug_startup_phase_duration_seconds"}
     assert {"tokenizer_init", "load_weights", "warmup", "kv_cache_init"} <= names
-    assert names <= {*LEAF_ROWS, Row.UNATTRIBUTED}, names - {*LEAF_ROWS, Row.UNATTRIBUTED}
+    rows = {*LEAF_ROWS, *CORE_ROWS, Row.UNATTRIBUTED}
+    assert names <= rows, names - rows
     assert not names & (set(STAGE_ROWS) - set(STAGE_ROWS.values()))  # no stage name beside its row name
     with server.http() as http:
         info = http.get("/startup").json()
@@ -110,23 +111,23 @@ def test_metrics_and_startup_name_each_phase_once(server: ThreadServer) -> None:
 
 
 def test_a_running_stage_shows_its_elapsed_time_marked_running(tiny_model: Path) -> None:
-    service = Service(engine_config(tiny_model), ServeConfig(port=0))  # not started: the timeline is fed here
     tracing = setup_tracing(in_memory=True)
-    service.timeline = StartupTimeline()
-    tracing.provider.add_span_processor(service.timeline)
+    progress = Progress(tracing)  # no server: the timeline is fed here
+    progress.timeline = StartupTimeline()
+    tracing.provider.add_span_processor(progress.timeline)
     tracer = tracing.tracer()
     root = tracer.start_span(STARTUP_SPAN)
     context = trace.set_span_in_context(root)
     tracer.start_span(stage_span_name("kv_cache_init"), context=context).end()
     running = tracer.start_span(stage_span_name("graph_capture"), context=context)
     time.sleep(0.3)
-    phases = {p["stage"]: p for p in service.phases_so_far()}
+    phases = {p["stage"]: p for p in progress.phases_so_far()}
     assert phases["kv_cache_init"]["running"] is False and phases["kv_cache_init"]["name"] == "kv_cache_init"
     now = phases["graph_capture"]
     assert now["running"] is True and now["outcome"] == "running"
     assert now["name"] == "graph_capturing" and now["seconds"] >= 0.3
     running.end()
-    done = {p["stage"]: p for p in service.phases_so_far()}["graph_capture"]
+    done = {p["stage"]: p for p in progress.phases_so_far()}["graph_capture"]
     assert done["running"] is False and done["seconds"] >= now["seconds"]
     root.end()
     tracing.shutdown()

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import glowplug.lifecycle.engine_loop as engine_loop
+import glowplug.engine.core_proc as core_proc
+import glowplug.engine.host_memory as host_memory
+from glowplug.engine.startup import build_engine
 from glowplug.lifecycle.config import ServeConfig
 
 from lifecycle_harness import ThreadServer, engine_config
@@ -24,9 +26,10 @@ def test_trim_once_per_lull(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -
             trims.append(time.monotonic())
         return True
 
-    monkeypatch.setattr(engine_loop, "release_free_heap", count)
-    monkeypatch.setattr(engine_loop, "IDLE_TRIM_S", 0.3)
-    srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0)).start()
+    monkeypatch.setattr(host_memory, "release_free_heap", count)  # the core (a thread here) imports it when due
+    monkeypatch.setattr(core_proc, "IDLE_TRIM_S", 0.3)
+    # An engine factory runs the core on a thread of this process, where the patches above apply.
+    srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0), engine_factory=build_engine).start()
     try:
         srv.wait_ready()
         time.sleep(0.6)  # the warm-up steps ran before the loop, so READY alone is no lull

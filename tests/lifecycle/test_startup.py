@@ -194,7 +194,8 @@ def test_engine_crash_fails_requests_and_readiness(tiny_model: Path) -> None:
         from glowplug.engine.startup import build_engine
 
         result = build_engine(config, **kwargs)
-        real_step = result.engine.step
+        core = result.engine.core
+        real_step = core.step
         calls = {"n": 0}
 
         def step(**kw: Any) -> Any:
@@ -203,7 +204,7 @@ def test_engine_crash_fails_requests_and_readiness(tiny_model: Path) -> None:
                 raise RuntimeError("simulated device fault")
             return real_step(**kw)
 
-        result.engine.step = step
+        core.step = step
         return result
 
     srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0), engine_factory=crashing).start()

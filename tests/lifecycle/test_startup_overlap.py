@@ -5,6 +5,9 @@ runner's documented test hook, GLOWPLUG_TEST_STAGE_DELAY."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,32 @@ from glowplug.lifecycle.config import ServeConfig
 from lifecycle_harness import ThreadServer, engine_config, metric
 
 DELAY_S = 2.0
+
+# The API server's side of a start before it spawns the engine core: the early prediction, in a fresh interpreter.
+_EARLY = """
+import json, sys
+from glowplug.engine.config import EngineConfig
+from glowplug.lifecycle.progress import Progress
+from glowplug.profiling.tracing import setup_tracing
+
+progress = Progress(setup_tracing("glowplug", in_memory=True))
+progress.begin()
+progress.predict_early(EngineConfig.model_validate_json(sys.argv[1]))
+print(json.dumps({"torch": "torch" in sys.modules, "predicted": progress.predicted_ready_s(),
+                  "first": progress.first_predicted_ready_s, "phases": progress.eta_phases(),
+                  "basis": progress.eta_basis}))
+"""
+
+
+def test_the_server_predicts_ready_before_the_core_without_torch(tiny_model: Path) -> None:
+    config = engine_config(tiny_model, max_num_seqs=3)
+    out = subprocess.run([sys.executable, "-c", _EARLY, config.model_dump_json()], capture_output=True, text=True,
+                         timeout=120, check=True)  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["torch"] is False, "the API server imported torch to predict the start"
+    assert got["predicted"] is not None and got["predicted"] > 0 and got["first"] == got["predicted"]
+    assert got["basis"] and {"load_weights", "kv_cache_init", "warmup"} <= set(got["phases"])
+    assert all(v["kind"] in ("recorded", "model") and v["basis"] for v in got["phases"].values())
 
 
 def test_every_running_stage_is_named_and_the_eta_grows_while_they_overrun(tiny_model: Path, monkeypatch) -> None:

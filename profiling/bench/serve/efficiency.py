@@ -17,6 +17,7 @@ here with a clock around each step, so the step figures have one value per run, 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from .workload import build_requests
 TARGET_MEDIAN = 0.95  # median of the per-pair ratios
 TARGET_WORST = 0.90  # the worst pair
 STEP_METRIC = "glowplug_engine_step_duration_seconds"
+SERVER_CPU = "process_cpu_seconds_total"  # the API server process
+CORE_CPU = "glowplug_engine_core_process_cpu_seconds_total"  # its engine core process
 
 
 @dataclass
@@ -42,6 +45,16 @@ class ServerRun:
     failed: int
     steps: float
     step_time_s: float
+    client_cpu_s: float = 0.0  # CPU time this (the load generator's) process used during the run
+    cores: int = 1  # cores this benchmark may run on
+    server_cpu_s: float = 0.0  # the API server process's CPU time over the run (its /metrics)
+    core_cpu_s: float = 0.0  # the engine core process's (0: the server reports none)
+
+    @property
+    def ceiling(self) -> float:
+        """The best server / offline ratio this run allows: the load generator shares the machine with the server
+        (the offline run has it alone), so the server gets at most the cores' time the client leaves."""
+        return max(0.0, 1.0 - self.client_cpu_s / (self.cores * self.wall_s))
 
     @property
     def throughput(self) -> float:
@@ -98,7 +111,8 @@ class EfficiencyResult:
     def as_dict(self) -> dict[str, Any]:
         return {
             **{k: v for k, v in asdict(self).items() if k not in ("server", "offline")},
-            "server_runs": [{**asdict(r), "throughput": r.throughput} for r in self.server],
+            "server_runs": [{**asdict(r), "throughput": r.throughput, "ceiling": r.ceiling} for r in self.server],
+            "client_ceiling": statistics.median(r.ceiling for r in self.server),
             "offline_runs": [{**asdict(r), "throughput": r.throughput} for r in self.offline],
             "server_tokens_per_s": self.server_tps,
             "offline_tokens_per_s": self.offline_tps,
@@ -114,16 +128,23 @@ class EfficiencyResult:
 def _server_run(cfg: ServeBenchConfig, base_url: str, bodies: list[dict[str, Any]]) -> ServerRun:
     before = scrape(base_url)
     t0 = time.perf_counter()
+    c0 = time.process_time()
     results = run_closed(base_url, api_path(cfg.endpoint), bodies, cfg.efficiency_concurrency,
                          max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+    client_cpu = time.process_time() - c0
     wall = time.perf_counter() - t0
     after = scrape(base_url)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return ServerRun(
         wall_s=wall,
         output_tokens=sum(r.output_tokens or 0 for r in results if r.ok),
         failed=sum(1 for r in results if not r.ok),
         steps=after.get(f"{STEP_METRIC}_count", 0.0) - before.get(f"{STEP_METRIC}_count", 0.0),
         step_time_s=after.get(f"{STEP_METRIC}_sum", 0.0) - before.get(f"{STEP_METRIC}_sum", 0.0),
+        client_cpu_s=client_cpu,
+        cores=cores,
+        server_cpu_s=after.get(SERVER_CPU, 0.0) - before.get(SERVER_CPU, 0.0),
+        core_cpu_s=after.get(CORE_CPU, 0.0) - before.get(CORE_CPU, 0.0),
     )
 
 
@@ -202,6 +223,9 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
          spread(offline_step) if offline_step else "no step recorded"],
         ["Engine busy, % (step time / wall)", spread([b * 100 for b in server_busy]),
          spread([b * 100 for b in offline_busy])],
+        ["CPU cores busy: API server / engine core", " / ".join(
+            fmt_spread([getattr(s, f) / s.wall_s for s in r.server], 2) for f in ("server_cpu_s", "core_cpu_s")),
+         "(one process)"],
     ]
     verdict = "PASS" if r.passed else "FAIL"
     return "\n".join([
@@ -212,6 +236,10 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
         "(min–max)",
         f"- **server / offline output-token throughput, paired by run: median {r.ratio:.3f}, worst pair "
         f"{r.worst_ratio:.3f}** (targets: median >= {TARGET_MEDIAN}, worst pair >= {TARGET_WORST}): **{verdict}**",
+        f"- ceiling from the load generator's own CPU: median {statistics.median(s.ceiling for s in r.server):.3f} "
+        f"(per run {', '.join(f'{s.ceiling:.3f}' for s in r.server)}): this process used "
+        f"{statistics.median(s.client_cpu_s / s.wall_s for s in r.server):.2f} of the {r.server[0].cores} cores "
+        "during each server run, time the offline run has for the engine",
         "",
         markdown_table(["", "Server (HTTP)", "Offline (LLM.generate)"], rows),
         "",
@@ -221,8 +249,10 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
         "steps and mean step: the server's `glowplug_engine_step_duration_seconds` count and sum over the run; "
         "offline, a clock around each step of the same run. Busy = step time / wall time.",
         "",
-        "Mean step: a server step slower than the offline one means the engine thread lost time to the event loop "
-        "(GIL or CPU); server busy below the offline busy means it sat idle between steps waiting for work.",
+        "Mean step: a server step slower than the offline one means the engine core lost time to the API server "
+        "(CPU); server busy below the offline busy means it sat idle between steps waiting for work. CPU cores busy: "
+        "each process's CPU seconds over the run (its /metrics) / wall time: an API server far below the core is not "
+        "what limits the throughput.",
         "",
     ])  # fmt: skip
 

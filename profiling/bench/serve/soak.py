@@ -15,10 +15,11 @@ Checks, read from the server's own /metrics once it is idle:
   usages            the sum of the usages the clients read is at most the completed tokens, and equal to them when
                     no client hangs up: a hang-up client can leave after the server sent its end
   idle              KV blocks in use 0, running 0, waiting 0
-  memory            process RSS after the soak <= 1.05 x its RSS after the first full wave (every client done once).
+  memory            RSS after the soak <= 1.05 x the RSS after the first full wave (every client done once): the API
+                    server's plus, when it reports one, its engine core process's (glowplug serve runs two).
                     Both are read with the server idle for IDLE_S: after the first wave every client waits at a
                     barrier until that reading is taken (the pause does not count toward the soak's duration). An idle
-                    glowplug server hands its heap's free pages back (lifecycle/engine_loop.py), so reading both
+                    glowplug engine core hands its heap's free pages back (engine/core_proc.py), so reading both
                     at rest compares what the server holds, not where its allocator stood mid-step. The readings
                     under load (as the first wave ends, and as the last request ends) are reported beside them.
 """
@@ -43,7 +44,8 @@ from .workload import _WORDS
 
 RSS_LIMIT = 1.05
 RSS_METRIC = "process_resident_memory_bytes"
-# Longer than the server's idle trim delay (lifecycle.engine_loop.IDLE_TRIM_S), so both readings are at rest.
+CORE_RSS_METRIC = "glowplug_engine_core_process_resident_memory_bytes"
+# Longer than the engine core's idle trim delay (engine.core_proc.IDLE_TRIM_S), so both readings are at rest.
 IDLE_S = 2.5
 KINDS = ("completion", "completion_n2", "completion_top3", "completion_stop", "chat", "chat_n2", "chat_stop")
 
@@ -152,6 +154,12 @@ def _kind_of(body: dict[str, Any]) -> str:
     return base
 
 
+def _rss(sample: dict[str, float]) -> float | None:
+    """The server's resident memory, its engine core's included when it reports one."""
+    server = sample.get(RSS_METRIC)
+    return None if server is None else server + sample.get(CORE_RSS_METRIC, 0.0)
+
+
 async def _scrape(client: httpx.AsyncClient) -> dict[str, float]:
     return parse_metrics((await client.get("/metrics")).text)
 
@@ -214,8 +222,8 @@ async def run_soak_async(base_url: str, plan: SoakPlan, progress: Callable[[str]
                 resume.set()
                 return
             paused = time.monotonic()
-            rss["first_load"] = (await _scrape(client)).get(RSS_METRIC)
-            rss["first_idle"] = (await _at_rest(client, plan.settle_timeout_s)).get(RSS_METRIC)
+            rss["first_load"] = _rss(await _scrape(client))
+            rss["first_idle"] = _rss(await _at_rest(client, plan.settle_timeout_s))
             deadline[0] += time.monotonic() - paused
             resume.set()
 
@@ -226,7 +234,7 @@ async def run_soak_async(base_url: str, plan: SoakPlan, progress: Callable[[str]
         await rss_task
         settled = await _settle(client, plan.settle_timeout_s)
         after = await _at_rest(client, plan.settle_timeout_s)
-    rss_loads = (rss.get("first_load"), settled.get(RSS_METRIC))
+    rss_loads = (rss.get("first_load"), _rss(settled))
     return _evaluate(plan, results, before, after, rss.get("first_idle"), wall, rss_loads)
 
 
@@ -261,7 +269,7 @@ def _evaluate(
     # The server's own count of the tokens of requests it ended: a hang-up client can leave after the server sent
     # the end (its usage then never counts on the client's side), so the usages alone can fall short of it.
     completed = delta("glowplug_completed_generation_tokens_total")
-    rss_end = after.get(RSS_METRIC)
+    rss_end = _rss(after)
     idle = {k: after.get(k, 0.0) for k in ("glowplug_kv_cache_used_blocks", "glowplug_num_requests_running",
                                            "glowplug_num_requests_waiting")}  # fmt: skip
     result = SoakResult(
