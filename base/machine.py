@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -134,25 +135,92 @@ def cpu_has_native_bf16() -> bool:
     return level_at_least(isa_choice().level, "avx512_bf16")
 
 
-def measure_probe(repeats: int = PROBE_REPEATS, size_bytes: int = PROBE_BYTES, device: str = "cpu") -> float:
-    """Streaming-read bandwidth in GB/s: the fastest of `repeats` torch sums over `size_bytes` of fp32 (far larger
-    than the caches), with torch's own threads: the decode step's memory ceiling. On a GPU (`device` "cuda...") the
-    same sum over 4x the bytes (far larger than any L2), timed with a synchronize on each side."""
+def l3_cache_bytes(cpu_root: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """The machine's last-level (L3) cache in bytes, every instance counted once (from sysfs: one entry per group of
+    CPUs that share one), or None where sysfs does not say. A streaming probe must read several times this, or it
+    times the cache instead of the memory."""
+    seen: dict[str, int] = {}
+    for index in sorted(cpu_root.glob("cpu[0-9]*/cache/index[0-9]*")):
+        try:
+            if (index / "level").read_text().strip() != "3":
+                continue
+            size = (index / "size").read_text().strip()
+            shared = (index / "shared_cpu_list").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        nbytes = int(size[:-1]) * units[size[-1]] if size[-1:] in units else int(size)
+        seen[shared] = nbytes
+    return sum(seen.values()) if seen else None
+
+
+PROBE_PASSES = 7  # passes per sustained measurement: a median of 7 leaves out up to 3 disturbed ones
+PROBE_L3_MULTIPLE = 4  # the probe reads at least this many times the L3
+
+
+def probe_size(l3_bytes: int | None, floor: int = PROBE_BYTES) -> int:
+    """Bytes a sustained probe reads: `floor`, or PROBE_L3_MULTIPLE x the L3 when that is larger."""
+    return max(floor, PROBE_L3_MULTIPLE * (l3_bytes or 0))
+
+
+@dataclass(frozen=True)
+class ProbeStats:
+    """Streaming-read passes over one buffer, in GB/s, in the order they ran. `sustained` (the median) is what a
+    share is quoted against: one pass that ran while the neighbours were idle (`fastest`) says what the memory can
+    do, not what a run of several seconds gets."""
+
+    passes_gbps: tuple[float, ...]
+    size_bytes: int
+    l3_bytes: int | None = None
+
+    @property
+    def sustained(self) -> float:
+        return statistics.median(self.passes_gbps)
+
+    @property
+    def fastest(self) -> float:
+        return max(self.passes_gbps)
+
+    def describe(self) -> str:
+        return describe_probe(self.size_bytes, self.l3_bytes, len(self.passes_gbps))
+
+
+def describe_probe(size_bytes: int, l3_bytes: int | None, passes: int) -> str:
+    """How a sustained probe is measured, for a report's header."""
+    l3 = f", {size_bytes / l3_bytes:.0f}x the {l3_bytes / 2**20:.0f} MiB L3" if l3_bytes else ", L3 size unknown"
+    return (f"torch sum over {size_bytes / 2**20:.0f} MiB of fp32{l3}; {passes} passes: sustained = their median, "
+            "fastest = their maximum")
+
+
+def measure_probe_stats(passes: int = PROBE_PASSES, size_bytes: int | None = None, device: str = "cpu") -> ProbeStats:
+    """Streaming-read bandwidth over `passes` torch sums of `size_bytes` of fp32 (default: PROBE_BYTES or
+    PROBE_L3_MULTIPLE x the L3, the larger), with torch's own threads: the decode step's memory ceiling. On a GPU
+    (`device` "cuda...") the same sum over 4x the bytes (far larger than any L2), timed with a synchronize on each
+    side, after one untimed sum that loads the reduction kernel."""
     import torch
 
     on_gpu = device.startswith("cuda")
-    n = size_bytes * (4 if on_gpu else 1)
+    l3 = None if on_gpu else l3_cache_bytes()
+    n = (size_bytes if size_bytes is not None else probe_size(l3)) * (4 if on_gpu else 1)
     buf = torch.ones(n // 4, dtype=torch.float32, device=device)
-    best = 0.0
-    for _ in range(repeats + (1 if on_gpu else 0)):  # a GPU's first sum also loads the reduction kernel
+    if on_gpu:
+        buf.sum()
+    out = []
+    for _ in range(passes):
         if on_gpu:
             torch.cuda.synchronize(buf.device)
         t0 = time.perf_counter()
         buf.sum()
         if on_gpu:
             torch.cuda.synchronize(buf.device)
-        best = max(best, n / (time.perf_counter() - t0) / 1e9)
-    return best
+        out.append(n / (time.perf_counter() - t0) / 1e9)
+    return ProbeStats(tuple(out), n, l3)
+
+
+def measure_probe(repeats: int = PROBE_REPEATS, size_bytes: int = PROBE_BYTES, device: str = "cpu") -> float:
+    """The fastest of `repeats` streaming-read passes (measure_probe_stats) in GB/s: what the memory can do at its
+    best (the start-up floor's read rate). A share of a run's bandwidth is quoted against the sustained rate."""
+    return measure_probe_stats(repeats, size_bytes, device).fastest
 
 
 @dataclass(frozen=True)

@@ -500,28 +500,9 @@ def _bench_config(model_cls: Any, args: argparse.Namespace) -> Any:
 
 
 def cmd_bench_decode(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.markdown import Markdown
+    from glowplug.profiling.bench.decode import DecodeBenchConfig, main
 
-    from glowplug.profiling.bench.decode import DecodeBenchConfig, render_markdown, rows_as_dicts, run_decode_bench
-
-    cfg = _bench_config(DecodeBenchConfig, args)
-    rows = run_decode_bench(cfg)
-    text = render_markdown(rows, cfg, args.argv)
-    Console().print(Markdown(text))
-    if cfg.out is not None:
-        import json
-
-        from glowplug.profiling.bench.decode import decode_verdicts
-        from glowplug.profiling.bench.verdicts import write_verdicts
-
-        cfg.out.parent.mkdir(parents=True, exist_ok=True)
-        cfg.out.write_text(text)
-        cfg.out.with_suffix(".json").write_text(json.dumps(rows_as_dicts(rows), indent=1))
-        verdicts = decode_verdicts(rows)
-        if verdicts:
-            write_verdicts(cfg.out, verdicts)
-    return 0
+    return main(_bench_config(DecodeBenchConfig, args), args.argv)
 
 
 def _report_command(config_cls: Any, run: Callable[[Any, list[str]], str]) -> Command:

@@ -22,7 +22,10 @@ Order, and why:
   7. decode-auto       the engine's default quantization (auto) against none and int4
   8. decode-isa        decode at the avx2 level (capped), every dtype, vs transformers
   9. decode-portable   decode at the portable level (capped)
-     real-decode       auto (and llama.cpp on the same file) on a real-size model (needs --real-model)
+     real-decode       the real-size targets on a real-size model (needs --real-model): decode at batch 1, 4,
+                       16, 32, prefill of 512 tokens, 2,048-token context, batch invariance, against llama.cpp
+                       (generator loop and batched API) on the same file
+     real-decode-7b    the same targets' batch-1 cell on the synthetic 7B (needs --synthetic-7b)
   10. throughput       seed 002's seven named configurations x schemes, Output Throughput without prefill
   11. latency          seed 001's TGI-style tables (prefill, decode token, decode total) per quantization
   12. latency-tp       the same at TP=3 against TP=1 (gloo)
@@ -73,7 +76,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 STEP_NAMES: tuple[str, ...] = (
     "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "decode-context", "decode-auto", "decode-isa",
-    "decode-portable", "real-decode", "throughput", "latency", "latency-tp", "tune", "tune-gemma", "real-tune", "startup",
+    "decode-portable", "real-decode", "real-decode-7b", "throughput", "latency", "latency-tp", "tune", "tune-gemma", "real-tune", "startup",
     "startup-tp1", "startup-tp3", "gemma-startup", "real-startup", "screenshots", "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak", "serve-hostile",
 )  # fmt: skip
 SIDECAR = "bench-all.json"  # every report's last outcome in DIR; README.md is rendered from it
@@ -100,6 +103,10 @@ class BenchAllConfig(BaseModel):
         "or a synthetic 7B from scripts/synthetic_gguf.py) for the real-size reports (real-decode, real-tune, "
         "real-startup); without it they are listed as skipped, with this flag as the fix.",
     )  # fmt: skip
+    synthetic_7b: Path | None = Field(
+        None, description="A 7B-shape Q4_K_M GGUF (scripts/synthetic_gguf.py's Qwen2.5-7B shape) for real-decode-7b; "
+        "without it that report is listed as skipped, with this flag as the fix.",
+    )  # fmt: skip
     allow_dirty: bool = Field(False, description="Run although tracked files differ from HEAD (outside --out); the "
                               "index and every report then say DIRTY RUN.")
 
@@ -109,6 +116,14 @@ class BenchAllConfig(BaseModel):
         if v is not None and not v.is_file():
             raise ValueError(f"no file at {v}: give the path of a Gemma 3 .gguf file, or leave --gemma3-gguf out "
                              "(the Gemma reports are then listed as skipped)")
+        return v
+
+    @field_validator("synthetic_7b")
+    @classmethod
+    def _synthetic_7b_is_a_file(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_file():
+            raise ValueError(f"no file at {v}: give the path of the synthetic 7B .gguf (scripts/synthetic_gguf.py "
+                             "writes one), or leave --synthetic-7b out (real-decode-7b is then listed as skipped)")
         return v
 
     @field_validator("real_model")
@@ -214,9 +229,12 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none,auto,int4",
             "--batch-sizes", "1" if q else "1,16", "--compile", "off" if q else "on", "--repeats", reps,
             "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64", "--no-compare-hf",
-            # llama.cpp on the same GGUF blocks, paired with every batch-1 run: what a CPU user compares against
-            "--peers", "llamacpp", "--out", str(o / "decode-auto.md")],
-            ["decode-auto.md"], "the engine's default quantization (auto) against none, int4 and llama.cpp"),
+            # llama.cpp on the same GGUF blocks, paired with every run (its generator loop at batch 1, its batched
+            # API at every batch): what a CPU user compares against; the batch-invariance check per engine
+            "--peers", "llamacpp,llamacpp-batched", *([] if q else ["--invariance"]),
+            "--out", str(o / "decode-auto.md")],
+            ["decode-auto.md"], "the engine's default quantization (auto) against none, int4 and llama.cpp; batch "
+            "invariance per format"),
         # The avx2 and portable levels on this machine: glowplug's, torch's and oneDNN's caps together make it run
         # what such a CPU runs (the transformers peer too).
         "decode-isa": Step("decode-isa", [
@@ -233,15 +251,26 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
             "--out", str(o / "decode-portable.md")],
             ["decode-portable.md"], "issue 34: decode at the portable level (capped): the speed any CPU gets",
             env={"GLOWPLUG_MAX_CPU_ISA": "portable", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}),
-        # The engine's default at a size users serve, against llama.cpp on the same file (the bar the memory and
-        # start-up targets are set against); batch 1, as a CPU user runs it.
+        # The real-size targets under the engine's default config, against llama.cpp on the same file (its
+        # generator loop and its batched API, interleaved run by run): batch 1, 4, 16 and 32 at a 64-token prompt,
+        # a 512-token prompt (pp512 and decode after it), the 2,048-token context, and the batch-invariance check.
         "real-decode": Step("real-decode", [
-            "bench", "decode", real, "--dtype", "bfloat16", "--quantization", "auto", "--batch-sizes", "1",
-            "--compile", "off" if q else "on", "--repeats", reps, "--new-tokens", "8" if q else "32",
-            "--prompt-tokens", "16" if q else "64", "--no-compare-hf", "--peers", "llamacpp",
-            "--out", str(o / "real" / "decode.md")],
-            ["real/decode.md"], "a real-size model (--real-model): auto against llama.cpp on the same file",
-            skip=real_skip),
+            "bench", "decode", real, "--quantization", "auto",
+            "--cells", "1x16,4x16" if q else "1x64,4x64,16x64,32x64,1x512,1x2048", "--compile", "off" if q else "on",
+            "--repeats", reps, "--new-tokens", "8" if q else "128", "--no-compare-hf",
+            "--peers", "llamacpp,llamacpp-batched", "--peer-contexts", "16" if q else "64,512",
+            *([] if q else ["--invariance", "--targets"]), "--out", str(o / "real" / "decode.md")],
+            ["real/decode.md"], "a real-size model (--real-model): the decode, batch, prefill, long-context and "
+            "invariance targets against llama.cpp on the same file", skip=real_skip),
+        # The synthetic 7B (the real Qwen2.5-7B's tensors, random weights): its batch-1 targets.
+        "real-decode-7b": Step("real-decode-7b", [
+            "bench", "decode", str(cfg.synthetic_7b or "SYNTHETIC_7B_GGUF"), "--quantization", "auto",
+            "--cells", "1x16" if q else "1x64", "--compile", "off" if q else "on", "--repeats", reps,
+            "--new-tokens", "8" if q else "64", "--no-compare-hf", "--peers", "llamacpp,llamacpp-batched",
+            *([] if q else ["--targets"]), "--out", str(o / "real" / "decode-7b.md")],
+            ["real/decode-7b.md"], "the synthetic 7B (--synthetic-7b): batch-1 decode against the probe and "
+            "llama.cpp on the same file",
+            skip=None if cfg.synthetic_7b else "no synthetic 7B given: pass --synthetic-7b PATH"),
         "throughput": Step("throughput", [
             # All seven of seed 002's configurations; a scheme accuracy.json marks unusable is listed, not timed.
             "bench", "throughput", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
@@ -529,8 +558,10 @@ def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
                   f"- command: `{run['command']}`",
                   f"- machine: {run.get('machine') or machine_summary()}"]  # fmt: skip
         if run.get("probe_gbps") is not None:
-            lines.append(f"- streaming-read bandwidth probe: {run['probe_gbps']:.1f} GB/s ({run['probe']}, measured "
-                         "before the first report)")
+            fastest = (f", fastest pass {run['probe_fastest_gbps']:.1f} GB/s" if run.get("probe_fastest_gbps")
+                       is not None else "")  # fmt: skip
+            lines.append(f"- streaming-read bandwidth probe: {run['probe_gbps']:.1f} GB/s sustained{fastest} "
+                         f"({run['probe']}, measured before the first report)")
         lines += [f"- model: `{cfg.model}`", ""]
     if quick:
         lines += ["> **--quick** rows: one repeat, tiny sizes. They test that the report still renders; they are "
@@ -577,7 +608,7 @@ def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
 def run_all(cfg: BenchAllConfig, argv: list[str] | None = None, progress: Any = None) -> list[StepResult]:
     """Run the selected reports. Raises DirtyTreeError, before anything runs or is written, when tracked files
     outside cfg.out differ from HEAD and cfg.allow_dirty is not set."""
-    from .machine import command_line, git_state, machine_summary, measure_probe
+    from .machine import command_line, git_state, machine_summary, measure_probe_stats
 
     say = progress or (lambda _msg: None)
     # Once, before the first report: every report of the run names this state, whatever happens to the tree later.
@@ -591,12 +622,12 @@ def run_all(cfg: BenchAllConfig, argv: list[str] | None = None, progress: Any = 
     cfg.out.mkdir(parents=True, exist_ok=True)
     logs = cfg.out / "logs"
     logs.mkdir(exist_ok=True)
-    probe = measure_probe(repeats=2 if cfg.quick else 5, size_bytes=(64 << 20) if cfg.quick else (1 << 30))
+    probe = measure_probe_stats(passes=2, size_bytes=64 << 20) if cfg.quick else measure_probe_stats()
     this_run = {
         "command": command_line(argv), "commit": state.commit or f"unknown ({state.error})", "dirty": state.dirty,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_summary(),
-        "probe_gbps": probe, "quick": cfg.quick,
-        "probe": "torch sum over " + ("64 MiB fp32, fastest of 2 (--quick)" if cfg.quick else "1 GiB fp32, fastest of 5"),
+        "probe_gbps": probe.sustained, "probe_fastest_gbps": probe.fastest, "quick": cfg.quick,
+        "probe": probe.describe() + (" (--quick)" if cfg.quick else ""),
     }  # fmt: skip
     # A full run is a fresh index; a chunk joins the index's run only at the same clean commit.
     sidecar = load_sidecar(cfg.out) if cfg.only is not None else {"run": None, "entries": {}}

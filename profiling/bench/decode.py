@@ -6,17 +6,23 @@ Definitions (the report prints them under its table):
   by the time from then to the end of the batch. transformers' decode time is generate(N tokens) minus
   generate(1 token) on the same inputs, so its prefill is excluded the same way.
 - model_size MB (seed 003's model_size): the weight bytes one decode step reads through the kernels this path
-  runs: glowplug's native layouts when compiled (kernels.native), the eager dispatcher's chosen layouts otherwise,
-  the LM head included (an embedding lookup reads a few rows only, so it is left out).
-- % of probe: achieved GB/s (model_size x steps/s) over a streaming-read probe (torch `sum` over 1 GiB fp32, the
-  fastest of 5) measured immediately before the same repeat. The host's memory bandwidth changes from minute to
+  runs: the engine's own count on its native_kernels span when compiled (Attr.BYTES_PER_TOKEN: native layouts, a
+  GGUF layer's stored blocks), else the eager dispatcher's chosen layouts, the LM head included (an embedding lookup
+  reads a few rows only, so it is left out).
+- % of probe: achieved GB/s (model_size x steps/s) over the sustained streaming-read rate (base.machine
+  measure_probe_stats: the median of 7 torch sums over max(1 GiB, 4x the L3) of fp32; the fastest pass is shown
+  beside it) measured immediately before the same repeat. The host's memory bandwidth changes from minute to
   minute on shared machines, so every repeat carries its own probe.
+- prefill: tok/s and FLOP/s of the batch's prompts (prefill_flops), against the cores' int8 peak
+  (machine.compute_peak: threads x clock x the int8 MACs per cycle of the kernels' ISA level x 2).
 - step / batch-1: this cell's ms per step over the batch-1 cell's of the same configuration.
-- vs <peer> (transformers per --hf-dtype, llama.cpp with --peers llamacpp): paired within the run. Each repeat times
-  the glowplug cell and then every peer on the same prompt token ids, back to back after one probe; ratio_i =
-  glowplug tok/s_i / peer tok/s_i; the cell shows the median ratio and the worst pair (peers.py has each peer's
-  decode-time definition). The peers are loaded before the first cell, so they share the process with glowplug
-  (their weights are a column of the memory split).
+- vs <peer> (transformers per --hf-dtype, llama.cpp with --peers llamacpp,llamacpp-batched): paired within the
+  run. Each repeat times the glowplug cell and then every peer on the same prompt token ids, back to back after
+  one probe (A, B, A, B...: the machine's swing reaches every engine); ratio_i = glowplug tok/s_i / peer tok/s_i;
+  the cell shows the median ratio and the worst pair (peers.py has each peer's decode-time definition); the
+  prefill is paired the same way. The peers are loaded before the first cell, so they share the process with
+  glowplug (their weights are a column of the memory split).
+- verdicts (--targets): the real-size targets, each PASS or FAIL on its worst pair or run (real_size_verdicts).
 - memory split (memory_split.py): peak RSS = weights + KV pool + peers + rest, per cell.
 - host ms / step: per decode step, its wall time minus the time inside the model call (the compiled decode step,
   or the eager forward) and inside the sampler, as the runner books them (ModelRunner.step_times); the median over
@@ -34,10 +40,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ...engine.config import EngineConfig
-from .machine import PROBE_REPEATS, measure_probe, report_header
+from .machine import measure_probe_stats, report_header
 from .peers import Peer, PeerRuns, SkippedPeer
 
 PROMPT_WORDS = (
@@ -74,10 +80,25 @@ class DecodeBenchConfig(BaseModel):
         ("auto",), min_length=1,
         description="transformers peer dtypes, one column each (auto: fp32 on a CPU, bf16 on a GPU).",
     )  # fmt: skip
-    peers: tuple[Literal["llamacpp"], ...] = Field(
-        (), description="Other peers, paired like transformers (llamacpp: llama-cpp-python on the same GGUF, the "
-        "threads torch uses, batch 1 only; its column says why when it cannot run).",
+    peers: tuple[Literal["llamacpp", "llamacpp-batched"], ...] = Field(
+        (), description="Other peers, paired like transformers, on the same GGUF with the threads torch uses "
+        "(llamacpp: llama-cpp-python's generator loop, batch 1; llamacpp-batched: llama.cpp's batched API, one "
+        "llama_decode per step for every sequence, n_batch 512; a column says why when its peer cannot run).",
     )  # fmt: skip
+    peer_contexts: tuple[Annotated[int, Field(ge=1)], ...] = Field(
+        (), description="Contexts (of --prompt-tokens) at which the peers run beside glowplug (default: the first).",
+    )  # fmt: skip
+    cells: tuple[Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")], ...] = Field(
+        (), description="BATCHxCONTEXT cells (e.g. 1x64,16x64,1x512,1x2048) to run, in this order, instead of every "
+        "--batch-sizes at every --prompt-tokens; the two lists then default to what the cells name.",
+    )  # fmt: skip
+    invariance: bool = Field(False, description="Per engine, the batch-invariance check: 8 prompts batched against "
+                             "each alone and in reversed rows, 64 greedy tokens each.")
+    targets: bool = Field(False, description="Hold the run to the real-size targets (batch 1 against llama.cpp and "
+                          "the probe, batch 16 against batch 1 and llama.cpp, prefill against pp512, batch "
+                          "invariance): a verdict each, PASS or FAIL on the worst pair.")
+    from_json: Path | None = Field(None, description="Re-render the report from the JSON a run wrote (beside its "
+                                   "--out); nothing is run.")
     group_size: int | None = Field(
         None, description="Quantization group size for the int8/int4/int2 cells (32, 64, 128, 256; int2: 128); "
         "unset: the engine's default. Other formats ignore it.",
@@ -90,6 +111,46 @@ class DecodeBenchConfig(BaseModel):
     )  # fmt: skip
     quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
     out: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lists_from_cells(cls, data: Any) -> Any:
+        """With --cells, --batch-sizes and --prompt-tokens default to the sizes the cells name."""
+        if not isinstance(data, dict) or not data.get("cells"):
+            return data
+        cells = data["cells"]
+        cells = cells.split(",") if isinstance(cells, str) else list(cells)
+        pairs = [str(c).split("x", 1) for c in cells]
+        try:
+            batches = tuple(dict.fromkeys(int(b) for b, _ in pairs))
+            contexts = tuple(dict.fromkeys(int(c) for _, c in pairs))
+        except ValueError:
+            return data  # the field's own pattern names the bad cell
+        data = dict(data)
+        data.setdefault("batch_sizes", tuple(sorted(batches)))
+        data.setdefault("prompt_tokens", contexts)
+        return data
+
+    @model_validator(mode="after")
+    def _cells_and_peer_contexts_are_in_the_lists(self) -> DecodeBenchConfig:
+        for batch, context in self.grid():
+            if batch not in self.batch_sizes or context not in self.prompt_tokens:
+                raise ValueError(f"cell {batch}x{context} is not in --batch-sizes {list(self.batch_sizes)} x "
+                                 f"--prompt-tokens {list(self.prompt_tokens)}: leave those two out with --cells")
+        stray = [c for c in self.peer_contexts if c not in self.prompt_tokens]
+        if stray:
+            raise ValueError(f"--peer-contexts {stray} are not among --prompt-tokens {list(self.prompt_tokens)}")
+        return self
+
+    def grid(self) -> list[tuple[int, int]]:
+        """(batch, context) of every cell, in run order: --cells as given, else batch by batch, every context."""
+        if self.cells:
+            return [(int(b), int(c)) for b, c in (cell.split("x", 1) for cell in self.cells)]
+        return [(b, c) for b in self.batch_sizes for c in self.prompt_tokens]
+
+    def peer_at(self, context: int) -> bool:
+        """Whether the peers run beside glowplug's cells at this context."""
+        return context in (self.peer_contexts or self.prompt_tokens[:1])
 
     @field_validator("max_model_len")
     @classmethod
@@ -136,6 +197,9 @@ class DecodeRow:
     graph_activation_gb: float | None = None
     graph_largest_size: int | None = None
     notes: list[str] = field(default_factory=list)
+    probe_fastest_gbps: list[float] = field(default_factory=list)  # each run's fastest probe pass (probe_gbps: median)
+    prefill_flops: float | None = None  # FLOPs of the cell's whole prefill (prefill_flops below)
+    bytes_source: str = ""  # where mb_per_token comes from (the engine's native_kernels span, or the bench's count)
 
     @property
     def tps(self) -> float:
@@ -157,6 +221,28 @@ class DecodeRow:
         if self.weights_gb is None or self.kv_pool_gb is None:
             return []
         return [p - self.weights_gb - self.kv_pool_gb - (self.peers_gb or 0.0) for p in self.peak_gb]
+
+    @property
+    def prefill_tps(self) -> list[float]:
+        """Per run, prompt tokens over the prefill's time (the whole batch's prompts)."""
+        return [self.batch * self.context / (ms / 1e3) for ms in self.prefill_ms if ms > 0]
+
+    @property
+    def prefill_flops_per_s(self) -> list[float]:
+        if self.prefill_flops is None:
+            return []
+        return [self.prefill_flops / (ms / 1e3) for ms in self.prefill_ms if ms > 0]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DecodeRow:
+        """A row as `as_dict` stored it (the derived keys it added are left out)."""
+        from dataclasses import fields
+
+        from .peers import PeerRuns
+
+        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        kw["peers"] = [PeerRuns.from_dict(p) for p in d.get("peers", [])]
+        return cls(**kw)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -193,12 +279,15 @@ def _tensor_bytes(obj: Any) -> int:
 def weight_bytes_per_token(model: Any, compiled: bool) -> int:
     """Bytes of weights one batch-1 decode step reads through its kernels (see module docstring)."""
     from ...engine.models.llama import RMSNorm, TiedHead
+    from ...kernels.gguf import GGUFLinear
     from ...kernels.modules import DenseLinear, QuantLinear
     from ...kernels.native import native_weight_bytes
 
     total = 0
     for mod in model.modules():
-        if isinstance(mod, QuantLinear):
+        if isinstance(mod, GGUFLinear):  # the stored blocks, read in place
+            total += mod.nbytes + (_tensor_bytes(mod.bias) if mod.bias is not None else 0)
+        elif isinstance(mod, QuantLinear):
             if compiled and mod.native is not None:
                 total += native_weight_bytes(mod.native)
             else:
@@ -211,6 +300,139 @@ def weight_bytes_per_token(model: Any, compiled: bool) -> int:
         elif isinstance(mod, (TiedHead, RMSNorm)):
             total += _tensor_bytes(mod.weight)
     return total
+
+
+def model_bytes_per_token(llm: Any, compiled: bool) -> tuple[int, str]:
+    """(bytes of the model one batch-1 decode step reads, where the figure comes from): the engine's own count on
+    its native_kernels span (Attr.BYTES_PER_TOKEN: every layer switched to a native op, the LM head included) when
+    the start made one, else weight_bytes_per_token's walk over the layers."""
+    from ..names import Attr, Row
+
+    try:
+        engine_count = llm.startup.phase_table[Row.NATIVE_KERNELS].attributes.get(Attr.BYTES_PER_TOKEN)
+    except KeyError:  # a start without that row
+        engine_count = None
+    if engine_count:
+        return int(engine_count), "engine (native_kernels span)"
+    return weight_bytes_per_token(llm.engine.model, compiled), "bench (layer walk)"
+
+
+def prefill_flops(arch: Any, batch: int, context: int) -> float:
+    """FLOPs of prefilling `batch` prompts of `context` tokens: 2 per multiply-accumulate of every projection of
+    every layer for every token, causal attention (QK^T and PV over the positions before each token: heads x
+    head_dim x context^2 MACs per layer, every layer attending to the whole prompt: for a model with sliding-window
+    layers an upper bound), and the LM head for each prompt's last token only (the logits a prefill samples from)."""
+    h, layers = arch.hidden_size, arch.num_hidden_layers
+    q = arch.num_attention_heads * arch.head_dim
+    kv = arch.num_key_value_heads * arch.head_dim
+    per_token = layers * (h * (q + 2 * kv) + q * h + 3 * h * arch.intermediate_size)
+    attention = layers * arch.num_attention_heads * arch.head_dim * context * context
+    head = arch.vocab_size * h
+    return 2.0 * batch * (per_token * context + attention + head)
+
+
+INVARIANCE_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at",
+    "The three primary colors are",
+    "In a paged KV cache, each block",
+    "Once upon a time",
+    "1, 2, 3, 4,",
+    "The largest planet in our solar system is",
+)
+INVARIANCE_TOKENS = 64
+
+
+@dataclass
+class InvarianceResult:
+    """One engine's batch-invariance check: each prompt's greedy tokens in the batch of 8 against the same prompt run
+    alone, and against the batch in reversed row order."""
+
+    compile: str
+    dtype: str
+    quantization: str
+    kv_cache_dtype: str
+    max_model_len: int
+    equal: int  # prompts whose batched tokens equal their tokens alone
+    total: int
+    reversed_equal: int  # prompts whose tokens in the reversed batch equal their tokens alone
+    tokens: int
+    differ: list[str] = field(default_factory=list)  # the prompts whose batched tokens differ from alone
+
+    @property
+    def passed(self) -> bool:
+        return self.equal == self.total and self.reversed_equal == self.total
+
+
+def invariance_check(llm: Any, new_tokens: int = INVARIANCE_TOKENS) -> tuple[int, int, list[str]]:
+    """(batched == alone count, reversed == alone count, differing prompts) through the public LLM.generate."""
+    from ...engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    prompts = list(INVARIANCE_PROMPTS)
+
+    def tokens(outs: list[Any]) -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    batched = tokens(llm.generate(prompts, params))
+    alone = [tokens(llm.generate([p], params))[0] for p in prompts]
+    flipped = tokens(llm.generate(prompts[::-1], params))[::-1]
+    differ = [p for p, a, b in zip(prompts, batched, alone) if a != b]
+    return len(prompts) - len(differ), sum(a == b for a, b in zip(flipped, alone)), differ
+
+
+@dataclass
+class RunFacts:
+    """What a run knows beside its rows: how the probe and the compute peak were made, the peers' builds, the
+    batch-invariance checks. Stored with the rows, so a report re-renders from its JSON alone."""
+
+    probe_method: str = ""
+    threads: int = 0
+    made_by: str = ""  # the run's command, commit and date (a re-rendered report names them)
+    peak: dict[str, Any] | None = None  # machine.ComputePeak's fields
+    peers_info: dict[str, str] = field(default_factory=dict)
+    invariance: list[InvarianceResult] = field(default_factory=list)
+
+    @property
+    def peak_flops(self) -> float | None:
+        from .machine import ComputePeak
+
+        return ComputePeak(**self.peak).flops if self.peak else None
+
+    def peak_text(self) -> str:
+        from .machine import ComputePeak
+
+        return ComputePeak(**self.peak).describe() if self.peak else "unknown"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunFacts:
+        return cls(str(d.get("probe_method", "")), int(d.get("threads", 0)), str(d.get("made_by", "")), d.get("peak"),
+                   dict(d.get("peers_info", {})), [InvarianceResult(**i) for i in d.get("invariance", [])])  # fmt: skip
+
+
+@dataclass
+class DecodeRun:
+    """A `bench decode` run: its config, its facts and its rows (what the JSON beside the report holds)."""
+
+    cfg: DecodeBenchConfig
+    facts: RunFacts
+    rows: list[DecodeRow]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"config": self.cfg.model_dump(mode="json"), "facts": asdict(self.facts),
+                "rows": rows_as_dicts(self.rows)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DecodeRun:
+        cfg = DecodeBenchConfig.model_validate(d["config"])
+        return cls(cfg, RunFacts.from_dict(d.get("facts", {})), [DecodeRow.from_dict(r) for r in d["rows"]])
+
+
+def json_rows(data: Any) -> list[dict[str, Any]]:
+    """The rows of a `bench decode` JSON: a run's {"config", "facts", "rows"}, or the bare row list older runs
+    wrote."""
+    return list(data["rows"]) if isinstance(data, dict) else list(data)
 
 
 @dataclass(frozen=True)
@@ -301,19 +523,23 @@ def load_peers(cfg: DecodeBenchConfig, device: str) -> list[Peer]:
     import torch
 
     from ...engine.models.store import resolve_model
-    from .peers import load_hf_peers, load_llamacpp_peer
+    from .peers import load_hf_peers, load_llamacpp_peers
 
     model_dir = resolve_model(cfg.model, quiet=True)
     out: list[Peer] = []
     if cfg.compare_hf:
         dtypes = list(dict.fromkeys(hf_peer_dtype(device, d) for d in cfg.hf_dtype))
         out += load_hf_peers(model_dir, dtypes, device)
-    if "llamacpp" in cfg.peers:
+    kinds = [k for k in ("llamacpp", "llamacpp-batched") if k in cfg.peers]
+    if kinds:
         if device != "cpu":
-            out.append(SkippedPeer("llama.cpp", f"the bench runs on {device}; the llama.cpp peer is CPU-only here"))
+            labels = {"llamacpp": "llama.cpp", "llamacpp-batched": "llama.cpp batched"}
+            out += [SkippedPeer(labels[k], f"the bench runs on {device}; the llama.cpp peers are CPU-only here")
+                    for k in kinds]  # fmt: skip
         else:
-            n_ctx = cfg.prompt_tokens[0] + cfg.new_tokens + 16
-            out.append(load_llamacpp_peer(model_dir, n_ctx=n_ctx, n_threads=torch.get_num_threads()))
+            longest = max(c for c in cfg.prompt_tokens if cfg.peer_at(c))
+            out += load_llamacpp_peers(model_dir, kinds, seq_tokens=longest + cfg.new_tokens,
+                                       n_threads=torch.get_num_threads())  # fmt: skip
     return out
 
 
@@ -321,7 +547,9 @@ def _engine_fields(cfg: DecodeBenchConfig, mode: str, dtype: str, quant: str, kv
                    device: str) -> dict[str, Any]:  # fmt: skip
     fields: dict[str, Any] = dict(
         model=cfg.model, dtype=dtype, quantization=quant, compile=mode, max_model_len=max_len,
-        max_num_seqs=max(cfg.batch_sizes), max_num_batched_tokens=2048,  # long prompts: chunked
+        # the batch-invariance check runs its 8 prompts as one batch
+        max_num_seqs=max(*cfg.batch_sizes, len(INVARIANCE_PROMPTS) if cfg.invariance else 1),
+        max_num_batched_tokens=2048,  # long prompts: chunked
         quantize_lm_head=cfg.quantize_lm_head, kv_cache_dtype=kv, device=device,
     )  # fmt: skip
     if cfg.group_size is not None and quant in ("int8", "int4", "int2"):
@@ -331,16 +559,19 @@ def _engine_fields(cfg: DecodeBenchConfig, mode: str, dtype: str, quant: str, kv
 
 def _time_cell(engine: Any, row: DecodeRow, prompts: list[list[int]], cfg: DecodeBenchConfig, device: str,
                peers: list[Peer]) -> None:  # fmt: skip
-    """The cell's repeats; at the peer context each repeat also times every peer right after glowplug's run."""
+    """The cell's repeats, each after its own probe; at a peer context each repeat also times every peer right after
+    glowplug's run (glowplug, peer A, peer B, then the next repeat: the machine's swing reaches every engine)."""
     from datetime import datetime
 
     from ..memory import PeakMemory
 
-    paired = row.context == cfg.prompt_tokens[0]
+    paired = cfg.peer_at(row.context)
     if paired:
         row.peers = [PeerRuns(p.label, skipped=p.skip_reason(row.batch) or "") for p in peers]
     for _ in range(cfg.repeats):
-        row.probe_gbps.append(measure_probe(device=device))
+        probe = measure_probe_stats(device=device)
+        row.probe_gbps.append(probe.sustained)
+        row.probe_fastest_gbps.append(probe.fastest)
         row.run_at.append(datetime.now().strftime("%Y%m%d%H%M%S"))
         with PeakMemory(device) as window:
             timing = time_engine_decode(engine, prompts, cfg.new_tokens)
@@ -351,11 +582,8 @@ def _time_cell(engine: Any, row: DecodeRow, prompts: list[list[int]], cfg: Decod
         row.prefill_ms.append(timing.prefill_ms)
         row.host_ms.append(timing.host_ms)
         for peer, runs in zip(peers if paired else [], row.peers):
-            if runs.skipped:
-                continue
-            tps, step_ms = peer.time_decode(prompts, cfg.new_tokens)
-            runs.tokens_per_s.append(tps)
-            runs.step_ms.append(step_ms)
+            if not runs.skipped:
+                runs.append(peer.time_run(prompts, cfg.new_tokens))
 
 
 def graph_pool(llm: Any) -> dict[str, Any]:
@@ -372,13 +600,37 @@ def graph_pool(llm: Any) -> dict[str, Any]:
             "graph_activation_gb": acts[-1] / 1e9 if acts else None}
 
 
-def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
+def main(cfg: DecodeBenchConfig, argv: list[str] | None) -> int:
+    """`glowplug bench decode`: run (or re-render --from-json), print the Markdown, and with --out write it, the
+    run's JSON beside it and the verdicts sidecar `bench all` reads."""
+    from rich.console import Console
+    from rich.markdown import Markdown
+
+    from .verdicts import write_verdicts
+
+    if cfg.from_json is not None:
+        run = DecodeRun.from_dict(json.loads(cfg.from_json.read_text()))
+    else:
+        run = run_decode_bench(cfg, argv)
+    text = render_markdown(run.rows, run.cfg, argv, run.facts, from_json=cfg.from_json)
+    Console().print(Markdown(text))
+    if cfg.out is not None:
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.write_text(text)
+        if cfg.out.with_suffix(".json").resolve() != (cfg.from_json or Path("/nonexistent")).resolve():
+            cfg.out.with_suffix(".json").write_text(json.dumps(run.as_dict(), indent=1))
+        verdicts = decode_verdicts(run.rows, run.cfg, run.facts)
+        if verdicts:
+            write_verdicts(cfg.out, verdicts)
+    return 0
+
+
+def run_decode_bench(cfg: DecodeBenchConfig, argv: list[str] | None = None) -> DecodeRun:
+    import torch
+
     from glowplug.base.errors import require_extra
 
-    from ...engine.llm import LLM
-    from ...kernels.native import loaded_level
-    from ..memory import current_rss
-    from .memory_split import held_weight_bytes, kv_pool_bytes
+    from ...base.machine import PROBE_PASSES, describe_probe, l3_cache_bytes, probe_size
 
     if cfg.compare_hf:
         require_extra(("transformers",), "bench decode's transformers peer (--no-compare-hf skips it)", "bench")
@@ -386,67 +638,102 @@ def run_decode_bench(cfg: DecodeBenchConfig) -> list[DecodeRow]:
     longest = max(cfg.prompt_tokens) + cfg.new_tokens
     device = bench_device(cfg.device)
     lens = cfg.max_model_len or (longest,)  # each at least `longest` (the config's validator)
+    threads = torch.get_num_threads()
+    l3 = l3_cache_bytes() if device == "cpu" else None
+    facts = RunFacts(threads=threads, probe_method=describe_probe(probe_size(l3), l3, PROBE_PASSES) if device == "cpu"
+                     else f"torch sum over {4 * probe_size(None) / 2**20:.0f} MiB of fp32 on {device}; "
+                     f"{PROBE_PASSES} passes: sustained = their median, fastest = their maximum")  # fmt: skip
     # Loaded before the first cell: a paired ratio needs the peer next to every glowplug run.
     peers = load_peers(cfg, device)
+    facts.peers_info = {p.label: p.info for p in peers if p.info}
     peers_gb = sum(p.held_bytes for p in peers) / 1e9
-    for (mode, dtype, quant, kv), max_len in ((c, n) for c in _cells(cfg) for n in lens):
-        rss_before = current_rss() / 1e9
-        llm = LLM(config=EngineConfig.from_flat(**_engine_fields(cfg, mode, dtype, quant, kv, max_len, device)))
-        # The server commits its KV pool (resident, on huge pages) right after READY; a fresh offline pool instead
-        # commits 4 KiB per first write, and the block manager's least-recently-freed order walks the whole pool,
-        # so every run here would page-fault on fresh pages for a while. Committing measures the serving steady
-        # state (engine/host_memory.py says why the offline LLM does not commit on its own).
-        llm.engine.commit_kv_cache()
-        resolved = str(llm.startup.dtype).removeprefix("torch.")
-        compiled = llm.engine.runner.decode_step is not None
-        wbytes = weight_bytes_per_token(llm.engine.model, compiled)
-        groups = group_sizes(llm.engine.model)
-        level = loaded_level() or "-"
-        pool = graph_pool(llm)
-        stats = llm.engine.stats()
-        capacity = stats.kv_blocks * stats.block_size
-        per_token = llm.startup.kv_plan.bytes_per_token
-        for batch in cfg.batch_sizes:
-            for context in cfg.prompt_tokens:
-                need = batch * -(-(context + cfg.new_tokens) // stats.block_size) * stats.block_size
-                if need > capacity:
-                    rows.append(DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], None, kv, groups,
-                                          context=context, level=level, max_model_len=max_len,
-                                          skipped=f"needs {need} KV tokens, the cache holds {capacity}"))  # fmt: skip
-                    continue
-                prompts = make_prompts(llm.tokenizer, batch, context)
-                row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6, kv, groups,
-                                context=context, level=level, max_model_len=max_len,
-                                kv_mb=per_token * (context + cfg.new_tokens / 2) / 1e6,
-                                peers_gb=peers_gb, rss_before_gb=rss_before, **pool)  # fmt: skip
-                if batch > llm.engine.runner.max_decode_batch and compiled:
-                    row.notes.append("above the compiled batch sizes: eager steps")
-                time_engine_decode(llm.engine, prompts[: min(batch, 2)], 8)  # warm this batch shape's allocations
-                # After the warm run: an eager layer prepares its kernel states on its first forward.
-                row.weights_gb = held_weight_bytes(llm.engine.model) / 1e9
-                row.kv_pool_gb = kv_pool_bytes(llm.engine) / 1e9
-                _time_cell(llm.engine, row, prompts, cfg, device, peers)
-                rows.append(row)
-        for row in rows:  # each row's batch-1 step: same configuration and context
-            if (row.compile == mode and row.quantization == quant and row.kv_cache_dtype == kv and not row.skipped
-                    and row.max_model_len == max_len):  # fmt: skip
-                one = next((b for b in rows if b.batch == 1 and b.context == row.context and b.compile == mode
-                            and b.quantization == quant and b.kv_cache_dtype == kv and b.dtype == row.dtype
-                            and b.max_model_len == max_len and not b.skipped), None)  # fmt: skip
-                row.batch1_step_ms = one.ms if one is not None else None
-        if cfg.out is not None:  # a checkpoint per engine: a run stopped early keeps the cells it finished
-            cfg.out.parent.mkdir(parents=True, exist_ok=True)
-            cfg.out.with_suffix(".json").write_text(json.dumps(rows_as_dicts(rows), indent=1))
-        del llm
-        if device == "cuda":
-            # The next cell sizes its KV cache from the GPU's memory: this engine's must be gone first.
-            import gc
+    from .machine import command_line, report_git_state
 
-            import torch
+    facts.made_by = (f"`{command_line(argv)}` at commit {report_git_state().describe()}, "
+                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
+    run = DecodeRun(cfg, facts, rows)
+    try:
+        for (mode, dtype, quant, kv), max_len in ((c, n) for c in _cells(cfg) for n in lens):
+            _run_engine(cfg, run, peers, peers_gb, mode, dtype, quant, kv, max_len, device)
+    finally:
+        for peer in peers:
+            peer.close()
+    return run
 
-            gc.collect()
-            torch.cuda.empty_cache()
-    return rows
+
+def _run_engine(cfg: DecodeBenchConfig, run: DecodeRun, peers: list[Peer], peers_gb: float, mode: str, dtype: str,
+                quant: str, kv: str, max_len: int, device: str) -> None:  # fmt: skip
+    """One engine's cells (and its batch-invariance check), appended to `run`."""
+    from ...base.machine import isa_choice
+    from ...engine.llm import LLM
+    from ...kernels.native import loaded_level
+    from ..memory import current_rss
+    from .machine import compute_peak
+    from .memory_split import held_weight_bytes, kv_pool_bytes
+
+    rows, facts = run.rows, run.facts
+    rss_before = current_rss() / 1e9
+    llm = LLM(config=EngineConfig.from_flat(**_engine_fields(cfg, mode, dtype, quant, kv, max_len, device)))
+    if device == "cpu" and facts.peak is None:  # the level the kernels loaded at is known once an engine started
+        facts.peak = asdict(compute_peak(loaded_level() or isa_choice().level, facts.threads))
+    # The server commits its KV pool (resident, on huge pages) right after READY; a fresh offline pool instead
+    # commits 4 KiB per first write, and the block manager's least-recently-freed order walks the whole pool,
+    # so every run here would page-fault on fresh pages for a while. Committing measures the serving steady
+    # state (engine/host_memory.py says why the offline LLM does not commit on its own).
+    llm.engine.commit_kv_cache()
+    resolved = str(llm.startup.dtype).removeprefix("torch.")
+    compiled = llm.engine.runner.decode_step is not None
+    wbytes, bytes_source = model_bytes_per_token(llm, compiled)
+    groups = group_sizes(llm.engine.model)
+    level = loaded_level() or "-"
+    pool = graph_pool(llm)
+    stats = llm.engine.stats()
+    capacity = stats.kv_blocks * stats.block_size
+    per_token = llm.startup.kv_plan.bytes_per_token
+    for batch, context in cfg.grid():
+        need = batch * -(-(context + cfg.new_tokens) // stats.block_size) * stats.block_size
+        if need > capacity:
+            rows.append(DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], None, kv, groups,
+                                  context=context, level=level, max_model_len=max_len,
+                                  skipped=f"needs {need} KV tokens, the cache holds {capacity}"))  # fmt: skip
+            continue
+        prompts = make_prompts(llm.tokenizer, batch, context)
+        row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6, kv, groups,
+                        context=context, level=level, max_model_len=max_len,
+                        kv_mb=per_token * (context + cfg.new_tokens / 2) / 1e6,
+                        peers_gb=peers_gb, rss_before_gb=rss_before, bytes_source=bytes_source,
+                        prefill_flops=prefill_flops(llm.startup.arch, batch, context), **pool)  # fmt: skip
+        if batch > llm.engine.runner.max_decode_batch and compiled:
+            row.notes.append("above the compiled batch sizes: eager steps")
+        time_engine_decode(llm.engine, prompts[: min(batch, 2)], 8)  # warm this batch shape's allocations
+        # After the warm run: an eager layer prepares its kernel states on its first forward.
+        row.weights_gb = held_weight_bytes(llm.engine.model) / 1e9
+        row.kv_pool_gb = kv_pool_bytes(llm.engine) / 1e9
+        _time_cell(llm.engine, row, prompts, cfg, device, peers)
+        rows.append(row)
+    for row in rows:  # each row's batch-1 step: same configuration and context
+        if (row.compile == mode and row.quantization == quant and row.kv_cache_dtype == kv and not row.skipped
+                and row.max_model_len == max_len):  # fmt: skip
+            one = next((b for b in rows if b.batch == 1 and b.context == row.context and b.compile == mode
+                        and b.quantization == quant and b.kv_cache_dtype == kv and b.dtype == row.dtype
+                        and b.max_model_len == max_len and not b.skipped), None)  # fmt: skip
+            row.batch1_step_ms = one.ms if one is not None else None
+    if cfg.invariance:
+        equal, flipped, differ = invariance_check(llm)
+        facts.invariance.append(InvarianceResult(mode, resolved, quant, kv, max_len, equal, len(INVARIANCE_PROMPTS),
+                                                 flipped, INVARIANCE_TOKENS, differ))  # fmt: skip
+    if cfg.out is not None:  # a checkpoint per engine: a run stopped early keeps the cells it finished
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.with_suffix(".json").write_text(json.dumps(run.as_dict(), indent=1))
+    del llm
+    if device == "cuda":
+        # The next cell sizes its KV cache from the GPU's memory: this engine's must be gone first.
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _paired(a: list[float], b: list[float]) -> str:
@@ -457,31 +744,53 @@ def _paired(a: list[float], b: list[float]) -> str:
     return fmt_ratio(PairedRatio(statistics.median(pairs), min(pairs), len(pairs))) if pairs else "-"
 
 
-def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[str] | None) -> str:
+def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[str] | None,
+                    facts: RunFacts | None = None, from_json: Path | None = None) -> str:  # fmt: skip
+    """The report; `from_json`: the stored run it was re-rendered from (the header then names the run's own
+    command, commit and date)."""
     from .peers import fmt_ratio, paired_ratio
     from .quality import flag_note, load_flags
     from .run_lines import run_lines
     from .tables import fmt_spread
 
+    facts = facts or RunFacts()
     flags = load_flags(cfg.quality_from)
     measured = [r for r in rows if not r.skipped and r.engine == "glowplug"]
     probes = [p for r in measured for p in r.probe_gbps]
+    fastest = [p for r in measured for p in r.probe_fastest_gbps]
     contexts = ", ".join(str(c) for c in cfg.prompt_tokens)
     labels = list(dict.fromkeys(p.label for r in measured for p in r.peers))
-    probe_text = (f"median {statistics.median(probes):.1f} GB/s, {min(probes):.1f}-{max(probes):.1f}" if probes
-                  else "no runs")  # fmt: skip
+    probe_text = (f"sustained {statistics.median(probes):.1f} GB/s (median over the runs; {min(probes):.1f}-"
+                  f"{max(probes):.1f})" if probes else "no runs")  # fmt: skip
+    if fastest:
+        probe_text += f", fastest pass {statistics.median(fastest):.1f} GB/s ({min(fastest):.1f}-{max(fastest):.1f})"
+    peer_contexts = ", ".join(str(c) for c in cfg.prompt_tokens if cfg.peer_at(c))
+    peak = facts.peak_flops
     lines = [
         report_header("Decode throughput", argv),
+        *([f"Re-rendered from `{from_json}`: the runs were made by {facts.made_by or 'an unrecorded command'}.", ""]
+          if from_json is not None else []),
         f"Model `{cfg.model}`, context (prompt tokens) {contexts}, {cfg.new_tokens} new tokens per sequence, greedy, "
-        f"n={cfg.repeats} runs per cell. Streaming-read probe in this run (fastest of {PROBE_REPEATS} sums over 1 GiB, "
-        f"re-measured before every run): {probe_text}. Peers at context {cfg.prompt_tokens[0]}, paired with every run.",
+        f"n={cfg.repeats} runs per cell, {facts.threads or '?'} threads. Streaming-read probe, re-measured before "
+        f"every run ({facts.probe_method or 'fastest of 5 sums over 1 GiB'}): {probe_text}. Every share (% of probe, "
+        f"KV read at % of probe) is against the run's sustained rate. Peers at context {peer_contexts}, paired with "
+        "every run.",
         "",
+    ]
+    if peak:
+        lines += [f"Compute peak (the prefill's % of peak): {facts.peak_text()}.", ""]
+    for label, info in facts.peers_info.items():
+        lines.append(f"- peer {label}: {info}")
+    if facts.peers_info:
+        lines.append("")
+    lines += [
         "| engine | ISA level | compile | dtype | quantization | group | KV cache | max model len | batch | context "
-        "| decode tok/s | ms / step | host ms / step | prefill ms | peak mem GB | weights GB | KV pool GB "
+        "| decode tok/s | ms / step | host ms / step | prefill ms | prefill tok/s | prefill GFLOP/s | % of int8 peak "
+        "| peak mem GB | weights GB | KV pool GB "
         "| peers GB | rest GB | RSS before the engine GB | model_size MB | GB/s | % of probe "
         "| KV MB / step | extra ms over the shortest context | KV read at % of probe "
         "| vs bf16 (same dtype, compile) | " + "".join(f"vs {lb} | " for lb in labels) + "step / batch-1 step |",
-        "|---|---|---|---|---|---|---|" + "---:|" * (21 + len(labels)),
+        "|---|---|---|---|---|---|---|" + "---:|" * (24 + len(labels)),
     ]
     for r in measured:
         mb = f"{r.mb_per_token:.1f}" if r.mb_per_token is not None else "-"
@@ -496,8 +805,12 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
                      and b.max_model_len == r.max_model_len), None)  # fmt: skip
         vs_bf16 = _paired(r.tokens_per_s, base.tokens_per_s) if base is not None and r.quantization != "none" else "-"
         prefill = fmt_spread(r.prefill_ms, 1) if r.prefill_ms else "-"
+        pp_tps = fmt_spread(r.prefill_tps, 1) if r.prefill_tps else "-"
+        pp_flops = r.prefill_flops_per_s
+        pp_gflops = fmt_spread([f / 1e9 for f in pp_flops], 1) if pp_flops else "-"
+        pp_share = fmt_spread([100 * f / peak for f in pp_flops], 1) if pp_flops and peak else "-"
         host = fmt_spread(r.host_ms, 3) if r.host_ms else "-"
-        peak = fmt_spread(r.peak_gb, 2) if r.peak_gb else "-"
+        peak_mem = fmt_spread(r.peak_gb, 2) if r.peak_gb else "-"
         split = [f"{v:.3f}" if v is not None else "-" for v in (r.weights_gb, r.kv_pool_gb, r.peers_gb)]
         rest = fmt_spread(r.rest_gb, 2) if r.rest_gb else "-"
         before = f"{r.rss_before_gb:.2f}" if r.rss_before_gb is not None else "-"
@@ -509,13 +822,15 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
             f"| {r.engine} | {r.level} | {r.compile} | {r.dtype} | {r.quantization}"
             f"{' ' + flags[r.quantization] if r.quantization in flags else ''} | {r.group_size} | {r.kv_cache_dtype} "
             f"| {r.max_model_len or '-'} | {r.batch} | {r.context} | {fmt_spread(r.tokens_per_s, 1)} "
-            f"| {fmt_spread(r.step_ms, 2)} | {host} | {prefill} | {peak} | {' | '.join(split)} | {rest} | {before} "
+            f"| {fmt_spread(r.step_ms, 2)} | {host} | {prefill} | {pp_tps} | {pp_gflops} | {pp_share} | {peak_mem} "
+            f"| {' | '.join(split)} | {rest} | {before} "
             f"| {mb} | {gbps} | {share} | {kv_mb} | {extra} | {kv_share} | {vs_bf16} | {vs_peers}{scale}{note} |"
         )
     lines += _peer_table(measured)
     lines += _max_len_table(measured)
     lines += _graph_pool_table(measured)
-    verdicts = decode_verdicts(rows)
+    lines += _invariance_table(facts, measured)
+    verdicts = decode_verdicts(rows, cfg, facts)
     if verdicts:
         from .verdicts import verdicts_markdown
 
@@ -535,30 +850,56 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
 
 
 def _peer_table(rows: list[DecodeRow]) -> list[str]:
-    """Each peer's own tok/s inside each glowplug cell, beside glowplug's runs it is paired with."""
-    from .peers import paired_ratio
+    """Each peer's own decode and prefill inside each glowplug cell, beside glowplug's runs it is paired with."""
+    from .peers import pair_ratios, paired_ratio
     from .tables import fmt_spread
 
     body = []
     for r in rows:
         for p in r.peers:
+            cells = f"| {r.compile} | {r.dtype} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} | {r.context} "
             if p.skipped:
-                body.append(f"| {r.compile} | {r.dtype} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} "
-                            f"| {r.context} | {p.label} | {fmt_spread(r.tokens_per_s, 1)} | skipped: {p.skipped} "
-                            "| - | - | - |")  # fmt: skip
+                body.append(f"{cells}| {p.label} | {fmt_spread(r.tokens_per_s, 1)} | skipped: {p.skipped} "
+                            "| - | - | - | - | - | - | - |")  # fmt: skip
                 continue
             ratio = paired_ratio(r.tokens_per_s, p)
             assert ratio is not None
-            body.append(f"| {r.compile} | {r.dtype} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} | {r.context} "
-                        f"| {p.label} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(p.tokens_per_s, 1)} "
-                        f"| {fmt_spread(p.step_ms, 2)} | {ratio.median:.2f}x | {ratio.worst:.2f}x |")  # fmt: skip
+            pp = pair_ratios(p.prefill_ms, r.prefill_ms)  # peer time over glowplug's: glowplug's speed-up
+            pp_cells = (f"{fmt_spread(r.prefill_ms, 1)} | {fmt_spread(p.prefill_ms, 1)} | {pp.median:.2f}x "
+                        f"| {pp.worst:.2f}x" if pp is not None else "- | - | - | -")  # fmt: skip
+            body.append(f"{cells}| {p.label} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(p.tokens_per_s, 1)} "
+                        f"| {fmt_spread(p.step_ms, 2)} | {ratio.median:.2f}x | {ratio.worst:.2f}x | {pp_cells} |")
     if not body:
         return []
-    return ["", "Peers, paired run by run (each peer ran right after glowplug's run i, on the same prompts):", "",
+    return ["", "Peers, paired run by run (each peer ran right after glowplug's run i, on the same prompts; prefill "
+            "ratio = the peer's prefill ms over glowplug's, so above 1 glowplug is faster):", "",
             "| compile | dtype | quantization | KV cache | batch | context | peer | glowplug tok/s | peer tok/s "
-            "| peer ms / step | ratio median | worst pair |",
-            "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|",
+            "| peer ms / step | ratio median | worst pair | glowplug prefill ms | peer prefill ms "
+            "| prefill ratio median | prefill worst pair |",
+            "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
             *body]  # fmt: skip
+
+
+def _invariance_table(facts: RunFacts, rows: list[DecodeRow]) -> list[str]:
+    """Per engine, the batch-invariance check and the batch-16 step it runs at (the invariant kernels are the
+    default: that step is what invariance costs at most)."""
+    if not facts.invariance:
+        return []
+    out = ["", f"Batch invariance ({len(INVARIANCE_PROMPTS)} prompts, {INVARIANCE_TOKENS} greedy tokens each: the "
+           "batch of 8 against each prompt alone, and the batch in reversed row order against alone; LLM.generate):",
+           "", "| compile | dtype | quantization | KV cache | max model len | batched = alone | reversed = alone "
+           "| differing prompts | batch-16 ms / step (invariant kernels) |", "|---|---|---|---|---:|---:|---:|---|---:|"]
+    for inv in facts.invariance:
+        b16 = next((r for r in rows if r.batch == 16 and r.compile == inv.compile and r.dtype == inv.dtype
+                    and r.quantization == inv.quantization and r.kv_cache_dtype == inv.kv_cache_dtype
+                    and r.max_model_len == inv.max_model_len), None)  # fmt: skip
+        differ = "; ".join(f"`{p}`" for p in inv.differ) or "none"
+        out.append(f"| {inv.compile} | {inv.dtype} | {inv.quantization} | {inv.kv_cache_dtype} | {inv.max_model_len} "
+                   f"| {inv.equal}/{inv.total} | {inv.reversed_equal}/{inv.total} | {differ} "
+                   f"| {b16.ms:.2f} (context {b16.context}) |" if b16 is not None else
+                   f"| {inv.compile} | {inv.dtype} | {inv.quantization} | {inv.kv_cache_dtype} | {inv.max_model_len} "
+                   f"| {inv.equal}/{inv.total} | {inv.reversed_equal}/{inv.total} | {differ} | no batch-16 cell |")
+    return out
 
 
 def _max_len_table(rows: list[DecodeRow]) -> list[str]:
@@ -626,13 +967,105 @@ def _kv_shares(r: DecodeRow, rows: list[DecodeRow]) -> list[float] | None:
     return [100 * kv_gb / (e / 1e3) / p for e, p in zip(extra, r.probe_gbps) if e > 0]
 
 
-def decode_verdicts(rows: list[DecodeRow]) -> list[Any]:
+# The real-size targets (--targets), each held on its worst pair or run.
+BATCH1_VS_LLAMACPP = 1.05  # batch-1 decode tok/s over llama.cpp's on the same file
+BATCH1_PROBE_SHARE = 85.0  # batch-1 decode at >= 85% of (sustained probe / bytes read per token)
+BATCH16_VS_BATCH1 = 6.0  # aggregate decode at batch 16 over glowplug's batch 1
+BATCH16_VS_LLAMACPP = 1.2  # ... over llama.cpp decoding 16 sequences in one batch
+PREFILL_CONTEXT = 512
+PREFILL_VS_LLAMACPP = 2.0  # a 512-token prompt's prefill over llama.cpp's pp512
+INVARIANCE_COST = 5.0  # batch invariance may cost at most 5% of the batch-16 step
+
+
+def _engine_key(r: DecodeRow) -> tuple[str, str, str, str, int]:
+    return (r.compile, r.dtype, r.quantization, r.kv_cache_dtype, r.max_model_len)
+
+
+def _pair_text(what: str, ratio: Any, a: str, b: str) -> str:
+    return f"{a} vs {b} (medians); {what} median {ratio.median:.2f}x, worst pair {ratio.worst:.2f}x (n={ratio.n})"
+
+
+def real_size_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig, facts: RunFacts) -> list[Any]:
+    """The real-size targets (--targets) per engine, on the cells the run has: batch 1 at the first peer context
+    against every llama.cpp peer and against the sustained probe over the bytes a token reads; batch 16 at that
+    context against batch 1 (paired by run order) and against llama.cpp batched; the prefill at PREFILL_CONTEXT
+    against every llama.cpp peer's; the batch-invariance check; and its cost, which needs kernels that are not
+    invariant to set against, so it has no verdict (the batch-16 step is quoted)."""
+    from .peers import pair_ratios, paired_ratio
+    from .verdicts import Verdict
+
+    measured = [r for r in rows if not r.skipped and r.engine == "glowplug"]
+    contexts = [c for c in cfg.prompt_tokens if cfg.peer_at(c)]
+    out: list[Verdict] = []
+    for key in dict.fromkeys(_engine_key(r) for r in measured):
+        rs = [r for r in measured if _engine_key(r) == key]
+        what = f"{key[0]}/{key[1]}/{key[2]}/KV {key[3]}"
+        base = contexts[0] if contexts else min(r.context for r in rs)
+        one = next((r for r in rs if r.batch == 1 and r.context == base), None)
+        b16 = next((r for r in rs if r.batch == 16 and r.context == base), None)
+        pp = next((r for r in rs if r.batch == 1 and r.context == PREFILL_CONTEXT), None)
+        if one is not None:
+            for p in one.peers:
+                if not p.label.startswith("llama.cpp"):
+                    continue
+                ratio = paired_ratio(one.tokens_per_s, p)
+                target = f"batch-1 decode >= {BATCH1_VS_LLAMACPP:g}x {p.label} ({what}, context {base})"
+                text = (_pair_text("pairs", ratio, f"{one.tps:.1f} tok/s", f"{statistics.median(p.tokens_per_s):.1f}")
+                        if ratio is not None else p.skipped or "no runs")  # fmt: skip
+                out.append(Verdict(target, text, None if ratio is None else ratio.worst >= BATCH1_VS_LLAMACPP))
+            shares = [100 * x for x in one.shares]
+            target = (f"batch-1 decode >= {BATCH1_PROBE_SHARE:g}% of sustained probe / bytes per token ({what}, "
+                      f"{one.mb_per_token or 0:.0f} MB per token)")  # fmt: skip
+            out.append(Verdict(target, f"worst run {min(shares):.1f}% (median {statistics.median(shares):.1f}%, "
+                               f"n={len(shares)})" if shares else "no bytes per token", min(shares) >= BATCH1_PROBE_SHARE
+                               if shares else None))  # fmt: skip
+        if one is not None and b16 is not None:
+            ratio = pair_ratios(b16.tokens_per_s, one.tokens_per_s)
+            target = f"batch-16 aggregate decode >= {BATCH16_VS_BATCH1:g}x glowplug's batch 1 ({what}, context {base})"
+            out.append(Verdict(target, _pair_text("runs paired in order", ratio, f"{b16.tps:.1f} tok/s",
+                                                  f"{one.tps:.1f}") if ratio else "no runs",
+                               None if ratio is None else ratio.worst >= BATCH16_VS_BATCH1))  # fmt: skip
+        if b16 is not None:
+            for p in b16.peers:
+                if not p.label.startswith("llama.cpp") or p.skipped:
+                    continue
+                ratio = paired_ratio(b16.tokens_per_s, p)
+                target = f"batch-16 aggregate decode >= {BATCH16_VS_LLAMACPP:g}x {p.label} at 16 sequences ({what})"
+                out.append(Verdict(target, _pair_text("pairs", ratio, f"{b16.tps:.1f} tok/s",
+                                                      f"{statistics.median(p.tokens_per_s):.1f}") if ratio else "no runs",
+                                   None if ratio is None else ratio.worst >= BATCH16_VS_LLAMACPP))  # fmt: skip
+            out.append(Verdict(f"batch invariance costs <= {INVARIANCE_COST:g}% of the batch-16 step ({what})",
+                               f"batch-16 step {b16.ms:.2f} ms with the invariant kernels (the default); no kernels "
+                               "that vary with the batch to set it against", None))  # fmt: skip
+        if pp is not None:
+            for p in pp.peers:
+                if not p.label.startswith("llama.cpp") or p.skipped:
+                    continue
+                ratio = pair_ratios(p.prefill_ms, pp.prefill_ms)
+                glow = statistics.median(pp.prefill_tps) if pp.prefill_tps else 0.0
+                peer = statistics.median(PREFILL_CONTEXT / (ms / 1e3) for ms in p.prefill_ms) if p.prefill_ms else 0.0
+                target = f"prefill of {PREFILL_CONTEXT} tokens >= {PREFILL_VS_LLAMACPP:g}x {p.label}'s pp512 ({what})"
+                out.append(Verdict(target, _pair_text("pairs", ratio, f"{glow:.1f} tok/s", f"{peer:.1f}") if ratio
+                                   else "no runs", None if ratio is None else ratio.worst >= PREFILL_VS_LLAMACPP))
+    for inv in facts.invariance:
+        what = f"{inv.compile}/{inv.dtype}/{inv.quantization}/KV {inv.kv_cache_dtype}"
+        out.append(Verdict(f"batch invariance: {inv.total} prompts batched = alone = reversed rows, {inv.tokens} "
+                           f"greedy tokens ({what})", f"batched {inv.equal}/{inv.total}, reversed "
+                           f"{inv.reversed_equal}/{inv.total}", inv.passed))  # fmt: skip
+    return out
+
+
+def decode_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig | None = None,
+                    facts: RunFacts | None = None) -> list[Any]:  # fmt: skip
     """The targets this run's cells can be held to, each on its worst run or pair: the KV read share at
-    LONG_CONTEXT tokens (issue 34) and the step time over max model lens (issue 38)."""
+    LONG_CONTEXT tokens (issue 34) and the step time over max model lens (issue 38); with `cfg.targets`, the
+    real-size targets (real_size_verdicts) too."""
     from .verdicts import Verdict
 
     measured = [r for r in rows if not r.skipped and r.engine == "glowplug"]
     out: list[Verdict] = []
+    if cfg is not None and cfg.targets:
+        out += real_size_verdicts(rows, cfg, facts or RunFacts())
     for r in measured:
         if r.context != LONG_CONTEXT:
             continue
@@ -641,7 +1074,8 @@ def decode_verdicts(rows: list[DecodeRow]) -> list[Any]:
             continue
         what = f"{r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}"
         worst = min(shares) if shares else None
-        out.append(Verdict(f"KV read at >= {LONG_CONTEXT_SHARE:.0f}% of the probe at {LONG_CONTEXT} tokens ({what})",
+        out.append(Verdict(f"KV read at >= {LONG_CONTEXT_SHARE:.0f}% of the sustained probe at {LONG_CONTEXT} tokens "
+                           f"({what})",
                            f"worst run {worst:.1f}%" if worst is not None else "no run read more than the shortest",
                            None if worst is None else worst >= LONG_CONTEXT_SHARE))  # fmt: skip
     lens = sorted({r.max_model_len for r in measured})
@@ -689,7 +1123,11 @@ DEFINITIONS = (
     "ms / step: decode time over decode steps; one step produces one token per sequence.",
     "host ms / step: the median decode step's wall time minus its model call (compiled step or eager forward) and "
     "its sampler: the engine's own work per step (scheduling, inputs, booking, detokenizing, outputs).",
-    "prefill ms: requests added -> every sequence of the batch has its first token (seed 000's prefill column).",
+    "prefill ms: requests added -> every sequence of the batch has its first token (seed 000's prefill column). "
+    "prefill tok/s: batch x context over that time. prefill GFLOP/s: the prefill's FLOPs (2 per multiply-accumulate "
+    "of every projection for every prompt token, causal attention's QK^T and PV, the LM head for each prompt's last "
+    "token) over that time; % of int8 peak: against the compute peak above (cores x clock x the int8 MACs per cycle "
+    "of the kernels' ISA level x 2).",
     "peak mem GB: the process's RSS high-water mark during glowplug's run (seed 003's peak_mem; VmHWM reset per "
     "run). glowplug's KV pool is committed before the runs, as the server commits it after READY, so this includes "
     "the whole pool (on the CPU at most 2 GiB by default), and the peers' weights loaded in the same process.",
@@ -704,15 +1142,23 @@ DEFINITIONS = (
     "vs bf16: decode tok/s over the unquantized row at the same dtype, compile mode, KV dtype, batch and context, "
     "run i over run i (median, and the worst pair = the smallest ratio). The two cells ran in different engines "
     "minutes apart, so this pairing is by run order, not back to back like the peers'.",
-    "model_size MB: seed 003's model_size, the weight bytes one batch-1 decode step reads through the kernels the path runs (compile on: "
-    "glowplug's native layouts; off: the eager dispatcher's), LM head included.",
-    "% of probe: GB/s as a percentage of the streaming-read probe measured right before the same run.",
+    "model_size MB: seed 003's model_size, the weight bytes one batch-1 decode step reads through the kernels the "
+    "path runs, LM head included: the engine's own count on its native_kernels span (Attr.BYTES_PER_TOKEN: every "
+    "layer switched to a native op, a GGUF layer's stored blocks as in the file) when the start made one, else the "
+    "bench's walk over the layers (compile off: the eager dispatcher's layouts, a GGUF layer's stored blocks).",
+    "% of probe: GB/s as a percentage of the sustained streaming-read probe (the median of its passes) measured "
+    "right before the same run: the batch-1 decode's share of (sustained probe / bytes read per token).",
     "vs <peer>: paired within the run. Each repeat i times this glowplug cell, then each peer on the same prompt "
     "token ids, back to back after one probe; ratio_i = glowplug tok/s_i / peer tok/s_i; the cell shows the median "
-    "ratio, the worst pair (the smallest ratio, what a verdict uses) and n. Peers run at the first context only. "
-    "transformers: `generate` (greedy) in the column's dtype, decode time = generate(N) - generate(1). llama.cpp: "
-    "llama-cpp-python on the GGUF the engine loaded, n_threads = torch's threads, greedy; the prompt's eval and "
-    "first token are the prefill, decode time = the next N - 1 single-token evals and samples; batch 1 only.",
+    "ratio, the worst pair (the smallest ratio, what a verdict uses) and n. Peers run at --peer-contexts (default: "
+    "the first context). transformers: `generate` (greedy) in the column's dtype, decode time = generate(N) - "
+    "generate(1). llama.cpp: llama-cpp-python's generator loop on the GGUF the engine loaded, n_threads = torch's "
+    "threads, greedy; the prompt's eval and first token are the prefill, decode time = the next N - 1 single-token "
+    "evals and samples; batch 1 only. llama.cpp batched: the library's batched API on the same model and threads, "
+    "n_seq_max = the batch, n_batch = n_ubatch = 512 (so at a 512-token prompt its prefill is llama-bench's pp512), "
+    "prompts evaluated in batches of 512 tokens, then one llama_decode per step for every sequence and a greedy "
+    "argmax per sequence (as llama.cpp's batched-bench, which samples nothing). The peers' builds are listed above "
+    "the table.",
     "max model len: the engine's --max-model-len; a step's time should follow the context held, not this (see "
     "the paired table below the main one when there are several).",
     "step / batch-1 step: this cell's ms per step over the batch-1 cell of the same configuration and context.",

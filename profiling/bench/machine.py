@@ -15,11 +15,13 @@ from pathlib import Path
 
 import psutil
 
-from ...base.machine import PROBE_BYTES, PROBE_REPEATS, cpu_model, measure_probe
+from ...base.machine import (PROBE_BYTES, PROBE_REPEATS, ProbeStats, cpu_model, measure_probe,
+                             measure_probe_stats)  # fmt: skip
 from ..phases import current_versions
 
-__all__ = ["COMMIT_ENV", "DIRTY_ENV", "PROBE_BYTES", "PROBE_REPEATS", "GitState", "command_line", "cpu_model",
-           "git_state", "gpu_summary", "machine_summary", "measure_probe", "report_git_state", "report_header"]
+__all__ = ["COMMIT_ENV", "DIRTY_ENV", "PROBE_BYTES", "PROBE_REPEATS", "ComputePeak", "GitState", "ProbeStats",
+           "command_line", "compute_peak", "cpu_clock", "cpu_model", "git_state", "gpu_summary", "machine_summary",
+           "measure_probe", "measure_probe_stats", "report_git_state", "report_header"]
 
 # Set by `glowplug bench all` on every report process it starts: the commit and dirty state it measured once, at the
 # start of the run, so that every report of one run names the same code (a report cannot tell by itself whether an
@@ -83,6 +85,61 @@ def report_git_state() -> GitState:
         return GitState(commit, os.environ.get(DIRTY_ENV, "0") == "1", None if commit else given)
     return git_state(Path(__file__).resolve().parents[2] / "reports")
 
+
+
+# int8 multiply-accumulates one core retires per cycle in the integer dot products of each ISA level's kernels
+# (kernels/native), and the instruction that bounds it: the prefill's compute ceiling.
+INT8_MACS_PER_CYCLE: dict[str, tuple[int, str]] = {
+    "portable": (8, "SSE2 pmaddwd on int16-widened int8: 8 MACs per 128-bit instruction, one per cycle"),
+    "avx2": (32, "AVX2 vpmaddubsw: 32 u8 x s8 MACs per 256-bit instruction, one per cycle (the vpmaddwd and vpaddd "
+                 "that widen and sum its pairs share the vector ports)"),
+    "avx512": (64, "AVX512-VNNI vpdpbusd: 64 MACs per 512-bit instruction, one per cycle"),
+    "avx512_bf16": (64, "AVX512-VNNI vpdpbusd: 64 MACs per 512-bit instruction, one per cycle"),
+    "amx": (1024, "AMX-INT8 tdpbusd: a 16x64 by 64x16 tile product (16,384 MACs) per 16 cycles"),
+}
+
+
+def cpu_clock(cpu_root: Path = Path("/sys/devices/system/cpu"),
+              cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[float, str]:  # fmt: skip
+    """(Hz, where it came from): cpufreq's cpuinfo_max_freq (the highest clock the cores can run) where the kernel
+    exposes it, else the highest "cpu MHz" in /proc/cpuinfo (under a hypervisor: the nominal clock it reports)."""
+    try:
+        khz = max(int(p.read_text()) for p in cpu_root.glob("cpu[0-9]*/cpufreq/cpuinfo_max_freq"))
+        return khz * 1e3, "cpufreq cpuinfo_max_freq"
+    except (OSError, ValueError):  # no cpufreq (a VM), or an unreadable file
+        pass
+    try:
+        mhz = [float(line.split(":", 1)[1]) for line in cpuinfo.read_text().splitlines() if line.startswith("cpu MHz")]
+    except (OSError, ValueError):
+        mhz = []
+    return (max(mhz) * 1e6, "/proc/cpuinfo cpu MHz") if mhz else (0.0, "unknown (no cpufreq, no cpu MHz)")
+
+
+@dataclass(frozen=True)
+class ComputePeak:
+    """The cores' int8 compute ceiling: threads x clock x MACs per cycle x 2 FLOP per MAC."""
+
+    level: str
+    threads: int
+    clock_hz: float
+    clock_source: str
+    macs_per_cycle: int
+    why: str
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.macs_per_cycle * self.clock_hz * self.threads
+
+    def describe(self) -> str:
+        return (f"{self.flops / 1e9:.0f} GFLOP/s = {self.threads} cores x {self.clock_hz / 1e9:.3f} GHz "
+                f"({self.clock_source}) x {self.macs_per_cycle} int8 MACs per cycle ({self.level}: {self.why}) x 2")
+
+
+def compute_peak(level: str, threads: int) -> ComputePeak:
+    """The int8 peak of `threads` cores at the kernels' ISA `level` (base.machine.ISA_LEVELS)."""
+    macs, why = INT8_MACS_PER_CYCLE.get(level, INT8_MACS_PER_CYCLE["portable"])
+    hz, source = cpu_clock()
+    return ComputePeak(level, threads, hz, source, macs, why)
 
 
 def machine_summary() -> str:

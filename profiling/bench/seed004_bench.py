@@ -546,7 +546,9 @@ def main(cfg: Seed004BenchConfig, argv: list[str] | None = None) -> int:
     else:
         data = run_seed004(cfg, argv, progress=lambda msg: err.print(msg, markup=False))
     if cfg.decode_json is not None:
-        data["decode"] = json.loads(cfg.decode_json.read_text())
+        decode = json.loads(cfg.decode_json.read_text())
+        # a run's {"config", "facts", "rows"} (decode.DecodeRun), or the bare row list of older runs
+        data["decode"] = decode["rows"] if isinstance(decode, dict) else decode
         data["decode_source"] = str(cfg.decode_json)
     paths = write_reports(data, cfg.out_dir, argv)
     print(render_markdown(data, argv))

@@ -48,7 +48,10 @@ def test_git_state_sees_tracked_changes_outside_the_out_folder(tmp_path: Path) -
 def _fake_run(monkeypatch: pytest.MonkeyPatch, state: GitState, calls: list[dict[str, Any]]) -> None:
     """run_all without child processes: the git state is `state`, each step 'runs' in no time and succeeds."""
     monkeypatch.setattr(machine, "git_state", lambda exclude=None, repo=None: state)
-    monkeypatch.setattr(machine, "measure_probe", lambda repeats, size_bytes: 12.5)
+    from glowplug.base.machine import ProbeStats
+
+    monkeypatch.setattr(machine, "measure_probe_stats",
+                        lambda passes=7, size_bytes=None: ProbeStats((12.0, 12.5, 13.0), 1 << 30, 32 << 20))  # fmt: skip
 
     def run_step(step: Step, timeout_s: float, log: Path, out: Path, run_env: dict[str, str] | None = None
                  ) -> StepResult:  # fmt: skip
@@ -201,8 +204,11 @@ def test_the_real_size_steps_run_on_real_model_and_skip_with_the_flag_without(mo
     _fake_run(monkeypatch, GitState(COMMIT_A, False), calls)
     out = tmp_path / "out"
     real = ("real-decode", "real-tune", "real-startup")
-    results = bench_all.run_all(BenchAllConfig(out=out, only=real))
-    assert calls == [] and [r.error for r in results] == ["skipped: no real-size model given: pass --real-model PATH"] * 3
+    results = bench_all.run_all(BenchAllConfig(out=out, only=(*real, "real-decode-7b")))
+    assert calls == [] and [r.error for r in results] == [
+        "skipped: no real-size model given: pass --real-model PATH", "skipped: no synthetic 7B given: pass "
+        "--synthetic-7b PATH", "skipped: no real-size model given: pass --real-model PATH",
+        "skipped: no real-size model given: pass --real-model PATH"]  # fmt: skip
     readme = (out / "README.md").read_text()
     for output in ("real/decode.md", "tune-max-model-len/real/tune.md", "real/startup/startup.md"):
         row = next(ln for ln in readme.splitlines() if output in ln)
@@ -216,3 +222,15 @@ def test_the_real_size_steps_run_on_real_model_and_skip_with_the_flag_without(mo
     assert [c["name"] for c in calls] == list(real)
     for step in bench_all.plan_steps(BenchAllConfig(out=out, real_model=gguf), list(real)):
         assert step.skip is None and str(gguf) in step.argv, step
+    # The real-size decode holds the run to the targets: every cell they quote, both llama.cpp peers, the check.
+    (decode,) = bench_all.plan_steps(BenchAllConfig(out=out, real_model=gguf), ["real-decode"])
+    argv = decode.argv
+    assert argv[argv.index("--cells") + 1] == "1x64,4x64,16x64,32x64,1x512,1x2048"
+    assert argv[argv.index("--peers") + 1] == "llamacpp,llamacpp-batched" and "--targets" in argv
+    assert "--invariance" in argv and argv[argv.index("--quantization") + 1] == "auto" and "--dtype" not in argv
+    seven = tmp_path / "synthetic-7b.gguf"
+    seven.write_bytes(b"GGUF")
+    (step,) = bench_all.plan_steps(BenchAllConfig(out=out, synthetic_7b=seven), ["real-decode-7b"])
+    assert step.skip is None and str(seven) in step.argv and "--targets" in step.argv
+    with pytest.raises(ValueError, match="no file at .*leave --synthetic-7b out"):
+        BenchAllConfig(out=out, synthetic_7b=tmp_path / "none.gguf")

@@ -14,7 +14,8 @@ from conftest import assert_no_blank_or_nan, markdown_cells
 
 from glowplug.profiling.bench import decode as decode_mod
 from glowplug.profiling.bench.decode import DecodeBenchConfig, DecodeRow, render_markdown
-from glowplug.profiling.bench.peers import PeerRuns, SkippedPeer, load_llamacpp_peer, time_llamacpp_decode
+from glowplug.profiling.bench.peers import (PeerRuns, PeerTiming, SkippedPeer, load_llamacpp_peer,
+                                            time_llamacpp_decode)  # fmt: skip
 
 
 def _row(tps: list[float], batch: int = 1, quant: str = "none") -> DecodeRow:
@@ -45,15 +46,16 @@ def test_peer_column_is_the_median_of_paired_ratios_and_its_worst_pair() -> None
     assert cols["vs transformers float32"] == ["2.00x (worst 2.00x, n=3)"]
     assert cols["vs llama.cpp"] == ["1.00x (worst 0.90x, n=3)"]  # 1.0, 0.9, 1.2: worst is the smallest
     peer_rows = [r for r in markdown_cells(text) if len(r) > 6 and r[6] in ("transformers float32", "llama.cpp")]
-    assert [r[-2:] for r in peer_rows] == [["2.00x", "2.00x"], ["1.00x", "0.90x"]]
+    assert [r[10:12] for r in peer_rows] == [["2.00x", "2.00x"], ["1.00x", "0.90x"]]
 
 
 def test_a_peer_that_cannot_run_says_why_in_its_column() -> None:
     one, sixteen = _row([100.0, 100.0, 100.0]), _row([400.0, 400.0, 400.0], batch=16)
     one.peers = [PeerRuns("llama.cpp", [50.0, 50.0, 50.0], [20.0] * 3)]
-    sixteen.peers = [PeerRuns("llama.cpp", skipped="llama.cpp peer runs batch 1 only")]
+    sixteen.peers = [PeerRuns("llama.cpp", skipped="the generator loop decodes one sequence")]
     text = render_markdown([one, sixteen], DecodeBenchConfig(), None)
-    assert _table(text)["vs llama.cpp"] == ["2.00x (worst 2.00x, n=3)", "skipped: llama.cpp peer runs batch 1 only"]
+    assert _table(text)["vs llama.cpp"] == ["2.00x (worst 2.00x, n=3)", "skipped: the generator loop decodes one "
+                                            "sequence"]  # fmt: skip
     assert SkippedPeer("llama.cpp", "no module").skip_reason(1) == "no module"
 
 
@@ -71,10 +73,10 @@ def test_each_repeat_times_glowplug_then_every_peer_after_one_probe(monkeypatch:
         def skip_reason(self, batch: int) -> str | None:
             return None
 
-        def time_decode(self, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+        def time_run(self, prompts: list[list[int]], new_tokens: int) -> PeerTiming:
             calls.append(self.label)
             seen_prompts.append(prompts)
-            return self.tps, 1000 / self.tps
+            return PeerTiming(self.tps, 1000 / self.tps, 7.0)
 
     def fake_engine(engine: Any, prompts: list[list[int]], new_tokens: int) -> Any:
         calls.append("glowplug")
@@ -82,7 +84,10 @@ def test_each_repeat_times_glowplug_then_every_peer_after_one_probe(monkeypatch:
         return decode_mod.EngineDecodeTiming(100.0, 10.0, 5.0, 0.5)
 
     monkeypatch.setattr(decode_mod, "time_engine_decode", fake_engine)
-    monkeypatch.setattr(decode_mod, "measure_probe", lambda device: calls.append("probe") or 20.0)
+    from glowplug.base.machine import ProbeStats
+
+    monkeypatch.setattr(decode_mod, "measure_probe_stats",
+                        lambda device: calls.append("probe") or ProbeStats((18.0, 20.0, 21.0), 1 << 30))  # fmt: skip
     cfg = DecodeBenchConfig(repeats=2, prompt_tokens=(64, 512))
     row, prompts = _row([]), [[1, 2, 3]]
     row.peak_gb, row.run_at, row.prefill_ms, row.host_ms = [], [], [], []
@@ -90,6 +95,8 @@ def test_each_repeat_times_glowplug_then_every_peer_after_one_probe(monkeypatch:
     assert calls == ["probe", "glowplug", "A", "B"] * 2
     assert all(p is prompts for p in seen_prompts)
     assert [p.ratios(row.tokens_per_s) for p in row.peers] == [[2.0, 2.0], [4.0, 4.0]]
+    assert row.probe_gbps == [20.0, 20.0] and row.probe_fastest_gbps == [21.0, 21.0]  # sustained = the median
+    assert [p.prefill_ratios(row.prefill_ms) for p in row.peers] == [[1.4, 1.4]] * 2  # 7 ms against glowplug's 5
     # Away from the peer context (the first one) no peer runs.
     calls.clear()
     far = _row([])
@@ -121,9 +128,10 @@ class _FakeLlama:
 
 def test_llamacpp_decode_time_leaves_out_the_prompt_and_the_first_token() -> None:
     llm = _FakeLlama(prefill_s=5.0, step_s=0.02)
-    tps, step_ms = time_llamacpp_decode(llm, [1, 2, 3], 8, clock=lambda: llm.now)
-    # 7 tokens after the first, 20 ms each: 50 tok/s; the 5 s prefill is nowhere in it.
-    assert tps == pytest.approx(50.0) and step_ms == pytest.approx(20.0)
+    t = time_llamacpp_decode(llm, [1, 2, 3], 8, clock=lambda: llm.now)
+    # 7 tokens after the first, 20 ms each: 50 tok/s; the 5 s prefill is nowhere in it, but is its own figure.
+    assert t.tokens_per_s == pytest.approx(50.0) and t.step_ms == pytest.approx(20.0)
+    assert t.prefill_ms == pytest.approx(5000.0)
     assert llm.resets == 1
     assert llm.kwargs["temp"] == 0.0 and llm.kwargs["repeat_penalty"] == 1.0  # greedy, no penalty
 
@@ -144,9 +152,10 @@ def test_llamacpp_peer_decodes_the_engines_gguf() -> None:
 
     peer = load_llamacpp_peer(resolve_model("smollm2", quiet=True), n_ctx=64, n_threads=torch.get_num_threads())
     assert not isinstance(peer, SkippedPeer), peer.skip_reason(1)
-    tps, step_ms = peer.time_decode([[1, 2, 3, 4]], 8)
-    assert tps > 0 and step_ms == pytest.approx(1000 / tps)
-    assert peer.skip_reason(16) == "llama.cpp peer runs batch 1 only"
+    t = peer.time_run([[1, 2, 3, 4]], 8)
+    assert t.tokens_per_s > 0 and t.step_ms == pytest.approx(1000 / t.tokens_per_s) and t.prefill_ms > 0
+    assert peer.skip_reason(16) is not None and "one sequence" in peer.skip_reason(16)
+    assert "llama_print_system_info" in peer.info and "AVX" in peer.info
 
 
 def test_memory_split_counts_a_shared_storage_once_and_rest_is_what_is_left() -> None:
