@@ -13,6 +13,9 @@ def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "glowplug.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+LLAMA_CPP_CHAT_REPLY = "L'Étoile, la Marseillaise,"
+
+
 @pytest.mark.slow
 def test_readme_main_job_continues_with_paris(smollm2_dir) -> None:
     proc = _run("generate", "The capital of France is", "--max-tokens", "8")
@@ -23,8 +26,10 @@ def test_readme_main_job_continues_with_paris(smollm2_dir) -> None:
 
 @pytest.mark.slow
 def test_chat_and_several_prompts(smollm2_dir) -> None:
+    # The default model's greedy chat reply, run in place on its Q4_1 file, is llama.cpp's on the same file
+    # (llama-cpp-python 0.3.36, create_chat_completion, temperature 0, 12 tokens).
     proc = _run("generate", "--chat", "What is the capital of France?", "--max-tokens", "12")
-    assert proc.returncode == 0 and "Paris" in proc.stdout
+    assert proc.returncode == 0 and LLAMA_CPP_CHAT_REPLY in proc.stdout, proc.stdout
     proc = _run("generate", "One", "Two", "--max-tokens", "4", "--n", "2", "--temperature", "0.8")
     assert proc.returncode == 0
     assert proc.stdout.count("completion 0") == 2 and proc.stdout.count("completion 1") == 2

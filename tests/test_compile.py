@@ -163,7 +163,7 @@ def test_arrivals_during_decoding_split_the_step_and_keep_eager_tokens(tiny_dir,
     run_eager = runner._run_eager
 
     def eager_rows(scheduled: list[Any], **kw: Any) -> Any:
-        seen["eager_decode_rows"] += sum(1 for s in scheduled if s.num_new_tokens == 1)
+        seen["eager_decode_rows"] += sum(1 for s in scheduled if s.is_decode)
         return run_eager(scheduled, **kw)
 
     runner._run_eager = eager_rows

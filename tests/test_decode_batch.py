@@ -198,7 +198,7 @@ def _checked_engine(make_llm: Any, model: Any, **kw: Any) -> tuple[Any, list[int
 
     def recording(out: Any) -> Any:
         rows = apply(out)
-        scheduled[:] = [s for s in rows if s.num_new_tokens == 1]
+        scheduled[:] = [s for s in rows if s.is_decode]  # a one-token prompt runs the prompt path
         return rows
 
     runner.apply = recording

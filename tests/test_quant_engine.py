@@ -96,14 +96,16 @@ def test_smollm2_quantized_perplexity_within_budget() -> None:
     (g64 on its K=576 layers) quantizes a second time on a coarser grid; that cost is measured and reported."""
     from glowplug.profiling.bench.accuracy import AccuracyConfig, run_accuracy
 
-    rows = {r.quantization: r for r in run_accuracy(AccuracyConfig(quantization=("int8", "int4", "w8a8", "int2")))}
+    # Eager rows only (native=False): the native kernels' own scores are the benchmark's, not this budget's.
+    rows = {r.quantization: r for r in run_accuracy(AccuracyConfig(quantization=("int8", "int4", "w8a8", "int2"),
+                                                                    native=False))}  # fmt: skip
     assert rows["int8"].ppl_change_pct <= 1.0
     assert rows["int4"].ppl_change_pct <= 10.0  # default group for this GGUF-sourced model: 32
     assert rows["w8a8"].ppl_change_pct <= 3.0
     assert rows["int2"].perplexity > rows["int4"].perplexity  # measured and reported; 2 bits cost accuracy
     for r in rows.values():
         assert r.tokens > 500 and 0.0 <= r.top1_agreement <= 1.0 and r.mean_kl >= 0.0
-    g128 = run_accuracy(AccuracyConfig(quantization=("int4",), group_size=128, continuation_tokens=0))
+    g128 = run_accuracy(AccuracyConfig(quantization=("int4",), group_size=128, continuation_tokens=0, native=False))
     assert g128[1].ppl_change_pct > rows["int4"].ppl_change_pct  # double quantization on a coarser grid
 
 
