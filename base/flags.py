@@ -202,7 +202,8 @@ def add_model_flags(
         if name in exclude:
             continue
         text = (info.description or "").strip()
-        help_text = f"{text} (default: {_shown_default(name, info, defaults)})".strip()
+        # argparse %-formats help strings: a literal "30%" in a description must reach it as "30%%".
+        help_text = f"{text} (default: {_shown_default(name, info, defaults)})".strip().replace("%", "%%")
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         item = _sequence_item(ann)
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
