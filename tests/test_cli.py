@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -87,3 +88,24 @@ def test_other_commands_do_not_build_the_benchmark_flags() -> None:
     assert "bench" in listed and "tune" in listed
     assert "--batch-sizes" in _run("bench", "decode", "--help").stdout
     assert "max-model-len" in _run("tune", "--help").stdout
+
+
+def _subparsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command path of the CLI (`bench startup`, `models fetch`, ...), leaves and groups alike."""
+    found = [path]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _subparsers(sub, (*path, name))
+    return found
+
+
+def test_every_commands_help_renders() -> None:
+    """argparse formats each help string: one flag's description with a stray % breaks that command's --help."""
+    from glowplug.cli import build_parser
+
+    for path in _subparsers(build_parser()):
+        parser = build_parser()
+        with pytest.raises(SystemExit) as done:
+            parser.parse_args([*path, "--help"])
+        assert done.value.code == 0, path
