@@ -152,9 +152,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[RunnerSeq]
 def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> torch.Tensor:
     """Exclude (set to -inf) the tokens a grammar forbids, in the rows `rows` of `logits` [B, V] only: bitmask [R, W]
     int32, row j the mask of logits row rows[j], bit t % 32 of word t // 32 set when token t is allowed (the layout
-    xgrammar and llguidance fill). Tokens past the mask's 32 * W (logits wider than the tokenizer) are excluded too. The bits are unpacked on the host
-    by numpy (one pass over R * V / 8 bytes) and applied in one masked_fill over the selected rows, so a step pays for
-    its constrained rows only. Returns `logits` (changed in place)."""
+    xgrammar and llguidance fill); tokens past its 32 * W (logits wider than the tokenizer) are excluded too. numpy
+    unpacks the bits (one pass over R * V / 8 bytes) and they are applied in place (one masked_fill when every row
+    is constrained, else one per constrained row), so a step pays for its constrained rows only. Returns `logits`."""
     if not rows:
         return logits
     vocab = logits.shape[-1]
@@ -164,8 +164,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[in
     banned = torch.from_numpy(bits[:, :vocab] == 0).to(logits.device)
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         return logits.masked_fill_(banned, float("-inf"))
-    idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    return logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(banned, float("-inf")))
+    for j, row in enumerate(rows):  # in place, row by row: no copy of the selected rows and back
+        logits[row].masked_fill_(banned[j], float("-inf"))
+    return logits
 
 
 def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

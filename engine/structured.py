@@ -79,9 +79,9 @@ def grammar_key(grammar: str) -> str:
 class GrammarBackend:
     """One engine's grammar machinery: the tokenizer's view for llguidance, parsed grammars by hash, matchers.
 
-    `tokenizer_json`: returns the tokenizer in the `tokenizers` library's JSON (called once, when first needed); `vocab_size`: the model's logits width (a
-    bitmask row covers it); `eos_token_ids`: the tokens that may end a constrained sequence once its grammar
-    accepts. Not thread-safe except `prepare`, which may run once on any thread."""
+    `tokenizer_json`: returns the tokenizer in the `tokenizers` library's JSON (called once, when first needed);
+    `vocab_size`: the model's logits width (a bitmask row covers it); `eos_token_ids`: the tokens that may end a
+    constrained sequence once its grammar accepts. Not thread-safe, except `prepare` (it may run on any thread)."""
 
     def __init__(self, tokenizer_json: Callable[[], str], vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._tokenizer_json = tokenizer_json

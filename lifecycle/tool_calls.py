@@ -37,7 +37,8 @@ def call_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
         params = fn.get("parameters") or {"type": "object", "properties": {}}
         options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
                         "required": ["name", "arguments"], "additionalProperties": False})  # fmt: skip
-    return {"anyOf": options, "x-guidance": _JSON_STYLE} if len(options) > 1 else {**options[0], "x-guidance": _JSON_STYLE}
+    one = {"anyOf": options} if len(options) > 1 else options[0]
+    return {**one, "x-guidance": _JSON_STYLE}
 
 
 def tool_grammar(tools: Sequence[dict[str, Any]], parallel: bool) -> str:

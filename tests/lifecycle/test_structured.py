@@ -157,7 +157,8 @@ def test_json_schema_output_validates(client: openai.OpenAI) -> None:
                                      extra_body={"guided_json": PERSON}, **GREEDY)  # fmt: skip
     jsonschema.validate(json.loads(comp.choices[0].text), PERSON)
     choice = client.completions.create(model="smol", prompt="Is the sky blue? Answer:", max_tokens=8,
-                                       extra_body={"guided_choice": ["yes", "no"]}, temperature=1.0, seed=3)  # fmt: skip
+                                       extra_body={"guided_choice": ["yes", "no"]},
+                                       temperature=1.0, seed=3)  # fmt: skip
     assert choice.choices[0].text in ("yes", "no") and choice.choices[0].finish_reason == "stop"
 
 
@@ -167,8 +168,9 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
         country: str = pydantic.Field(max_length=20)
         population: int = pydantic.Field(ge=0, le=10**9)
 
-    out = client.chat.completions.parse(model="smol", response_format=City, max_tokens=80,
-                                        messages=[{"role": "user", "content": "Describe Paris."}], **GREEDY)  # fmt: skip
+    messages = [{"role": "user", "content": "Describe Paris."}]
+    out = client.chat.completions.parse(model="smol", response_format=City, max_tokens=80, messages=messages,
+                                        **GREEDY)  # type: ignore[arg-type]  # fmt: skip
     assert isinstance(out.choices[0].message.parsed, City)
 
 
