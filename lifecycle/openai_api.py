@@ -236,10 +236,10 @@ def _num_prompts(req: CompletionRequest | ChatCompletionRequest) -> int:
     return 1 if req.prompt and all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
 
 
-def _with_tool_calls(choice: Choice) -> Choice:
-    """A chat choice's text read for tool calls: the calls as OpenAI tool_calls, the rest as content, and finish
-    reason "tool_calls" when the model stopped after calling."""
-    parser = ToolCallParser()
+def _with_tool_calls(choice: Choice, names: list[str]) -> Choice:
+    """A chat choice's text read for tool calls of the functions `names`: the calls as OpenAI tool_calls, the rest
+    as content, and finish reason "tool_calls" when the model stopped after calling."""
+    parser = ToolCallParser(names)
     parser.feed(choice.text)
     parser.finish()
     if not parser.calls:
@@ -249,7 +249,7 @@ def _with_tool_calls(choice: Choice) -> Choice:
                   [c.to_dict() for c in parser.calls])  # fmt: skip
 
 
-async def _collect(gen: Generation, n: int, tools: bool = False) -> list[Choice]:
+async def _collect(gen: Generation, n: int, tools: list[str] | None = None) -> list[Choice]:
     finals: list[tuple[int, RequestOutput]] = []
     async for pe in gen.events():
         if isinstance(pe.event, Ended):
@@ -262,7 +262,7 @@ async def _collect(gen: Generation, n: int, tools: bool = False) -> list[Choice]
         for i, out in finals
         for c in out.outputs
     ]
-    return [_with_tool_calls(c) for c in choices] if tools else choices
+    return [_with_tool_calls(c, tools) for c in choices] if tools is not None else choices
 
 
 def _tool_chunks(header: ResponseHeader, idx: int, parser: ToolCallParser, delta: str, finish_reason: str | None,
@@ -293,7 +293,8 @@ def _tool_chunks(header: ResponseHeader, idx: int, parser: ToolCallParser, delta
 
 
 async def _stream(
-    gen: Generation, header: ResponseHeader, n: int, text: TokenText, include_usage: bool, tools: bool = False
+    gen: Generation, header: ResponseHeader, n: int, text: TokenText, include_usage: bool,
+    tools: list[str] | None = None,
 ) -> AsyncIterator[bytes]:
     total = len(gen.request_ids) * n
     done: set[int] = set()
@@ -329,8 +330,8 @@ async def _stream(
             offsets[idx] = offsets.get(idx, 0) + len(c.delta)
             if c.finish_reason:
                 done.add(idx)
-            if tools:
-                parser = parsers.setdefault(idx, ToolCallParser())
+            if tools is not None:
+                parser = parsers.setdefault(idx, ToolCallParser(tools))
                 yield from _tool_chunks(header, idx, parser, c.delta, c.finish_reason, lp, include_usage)
                 continue
             delta = c.delta if (c.delta or header.kind == "completion") else None
@@ -476,7 +477,9 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
             id=f"{prefix}-{gen.request_ids[0].rsplit('-', 1)[0]}", model=service.model_name, kind=kind
         )
         text = TokenText(info.tokenizer)
-        tools = isinstance(req, ChatCompletionRequest) and req.parses_tools
+        # The functions a chat reply is read for calls of (None: it is not read).
+        tools = [t["function"]["name"] for t in req.tool_dicts()] if (
+            isinstance(req, ChatCompletionRequest) and req.parses_tools) else None
         if req.streaming:
             return GenerationStream(_stream(gen, header, params.n, text, req.include_usage, tools), gen, service)
         try:

@@ -25,6 +25,8 @@ CLOSE = "</tool_call>"
 # The start of a call's JSON up to its arguments' value (its first character seen, so that the whitespace before it
 # is settled): the name is known (and sent) once this matched.
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+# A whole reply that is one JSON object in a markdown fence.
+_FENCED = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
 # What the grammar asks of the call's JSON (and what Qwen writes): separators with one space, nothing else.
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -100,9 +102,14 @@ def _arguments(body: str, head_end: int) -> str:
 
 
 class ToolCallParser:
-    """Splits generated text into content and tool calls as it arrives (see the module docstring)."""
+    """Splits generated text into content and tool calls as it arrives (see the module docstring).
 
-    def __init__(self) -> None:
+    `names`: the functions offered. A reply that is nothing but one JSON object `{"name": <one of them>,
+    "arguments" (or "parameters"): {...}}`, bare or in a ```json fence (what Llama 3 writes, and Qwen2.5-Coder
+    often does instead of `<tool_call>`), is read as that call too; such a reply is held back until it ends."""
+
+    def __init__(self, names: Sequence[str] = ()) -> None:
+        self.names = frozenset(names)
         self.calls: list[ToolCall] = []
         self.content = ""
         self._pending = ""  # text not yet classified: a possible start of OPEN, or the current call's body
@@ -116,6 +123,8 @@ class ToolCallParser:
         while True:
             if not self._in_call:
                 at = self._pending.find(OPEN)
+                if at < 0 and self._maybe_json_call():
+                    return ev
                 if at < 0:
                     keep = _partial_suffix(self._pending, OPEN)
                     self._emit_content(ev, self._pending[: len(self._pending) - keep])
@@ -138,10 +147,34 @@ class ToolCallParser:
         if self._in_call:
             self._advance_call(ev, self._pending)
             self._end_call(ev, self._pending)
-        else:
+        elif not self._json_call(ev, self._pending):
             self._emit_content(ev, self._pending)
         self._pending = ""
         return ev
+
+    def _maybe_json_call(self) -> bool:
+        """Could the reply so far be a whole-reply JSON call (nothing sent yet, and it opens like one)?"""
+        if not self.names or self.content or self.calls:
+            return False
+        head = self._pending.lstrip()
+        return head.startswith(("{", "```")) or "```".startswith(head)
+
+    def _json_call(self, ev: ParseEvents, text: str) -> bool:
+        if not self.names or self.content or self.calls:
+            return False
+        m = _FENCED.fullmatch(text)
+        try:
+            obj = json.loads(m.group(1) if m else text)
+        except ValueError:
+            return False
+        args = obj.get("arguments", obj.get("parameters")) if isinstance(obj, dict) else None
+        if not isinstance(args, dict) or obj.get("name") not in self.names or len(obj) != 2:
+            return False
+        call = ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"], json.dumps(args, ensure_ascii=False))
+        self.calls.append(call)
+        ev.new_calls.append((len(self.calls) - 1, ToolCall(call.id, call.name)))
+        ev.arguments.append((len(self.calls) - 1, call.arguments))
+        return True
 
     def _emit_content(self, ev: ParseEvents, text: str) -> None:
         if text:

@@ -123,6 +123,20 @@ def test_streamed_tool_calls_reassemble_to_the_whole_parse() -> None:
         assert [args[i] for i in sorted(args)] == [c.arguments for c in whole.calls]
 
 
+@pytest.mark.parametrize("text", ['```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```',
+                                  ' {"name": "get_time", "parameters": {"zone": "UTC"}}'])  # fmt: skip
+def test_a_reply_of_one_json_call_is_a_call(text: str) -> None:
+    for pieces in ([text], [text[:5], text[5:9], text[9:]]):
+        parser = ToolCallParser(["get_time"])
+        events = [parser.feed(p) for p in pieces] + [parser.finish()]
+        assert not any(e.content for e in events)
+        assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_time", {"zone": "UTC"})]
+    other = ToolCallParser(["get_weather"])  # not an offered function: the reply stays text
+    other.feed(text)
+    other.finish()
+    assert other.content == text and not other.calls
+
+
 # ------------------------------------------------------------------------------------------------ server
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[ThreadServer]:
@@ -190,9 +204,11 @@ def _check_calls(calls: Any, names: set[str]) -> None:
         jsonschema.validate(json.loads(call.function.arguments), specs[call.function.name])
 
 
+@pytest.mark.slow
 def test_required_tool_choice_on_the_default_model(smol: openai.OpenAI) -> None:
+    # One call (parallel_tool_calls false): the grammar ends the reply after it.
     req = smol.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                         max_tokens=40, **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+                                       parallel_tool_calls=False, max_tokens=48, **GREEDY)  # type: ignore[arg-type]  # fmt: skip
     assert req.choices[0].finish_reason == "tool_calls"
     calls = req.choices[0].message.tool_calls
     _check_calls(calls, {"get_weather", "get_time"})
@@ -212,7 +228,8 @@ def test_named_tool_choice(client: openai.OpenAI) -> None:
     back = client.chat.completions.create(model="smol", messages=follow, tools=[WEATHER, TIME], tool_choice="none",
                                           max_tokens=4, **GREEDY)  # type: ignore[arg-type]  # fmt: skip
     assert back.choices[0].message.tool_calls is None and back.choices[0].finish_reason in ("stop", "length")
-    assert back.usage is not None and back.usage.prompt_tokens > one.usage.prompt_tokens  # type: ignore[union-attr]
+    alone = client.chat.completions.create(model="smol", messages=ASK, max_tokens=1, **GREEDY)  # type: ignore[arg-type]
+    assert back.usage is not None and alone.usage is not None and back.usage.prompt_tokens > alone.usage.prompt_tokens
 
 
 def test_streamed_tool_calls_match_the_whole_response(client: openai.OpenAI) -> None:
@@ -256,3 +273,20 @@ def test_bad_constraints_are_400s(server: ThreadServer, body: dict[str, Any], pa
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
+
+
+@pytest.mark.slow
+def test_auto_tool_call_on_qwen(qwen_gguf: Path) -> None:
+    """Qwen2.5's own template renders the tools; with tool_choice "auto" the model decides to call one (the Coder
+    model writes `<tool_call>` or a fenced JSON object: the parser reads both)."""
+    config = engine_config(qwen_gguf, compile="off", max_model_len=2048)
+    srv = ThreadServer(config, ServeConfig(port=0, served_model_name="qwen")).start()
+    try:
+        srv.wait_ready(timeout=300)
+        out = srv.client(timeout=300).chat.completions.create(
+            model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=48,
+            **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+    finally:
+        srv.stop()
+    assert out.choices[0].finish_reason == "tool_calls", out.choices[0]
+    _check_calls(out.choices[0].message.tool_calls, {"get_weather"})
