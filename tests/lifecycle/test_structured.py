@@ -208,7 +208,8 @@ def _check_calls(calls: Any, names: set[str]) -> None:
 def test_required_tool_choice_on_the_default_model(smol: openai.OpenAI) -> None:
     # One call (parallel_tool_calls false): the grammar ends the reply after it.
     req = smol.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=48, **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+                                       parallel_tool_calls=False, max_tokens=48,
+                                       **GREEDY)  # type: ignore[arg-type]  # fmt: skip
     assert req.choices[0].finish_reason == "tool_calls"
     calls = req.choices[0].message.tool_calls
     _check_calls(calls, {"get_weather", "get_time"})
