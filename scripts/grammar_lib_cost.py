@@ -136,7 +136,8 @@ def main() -> None:
     print(f"llguidance: tokenizer {t_info * 1e3:.0f} ms; schema to matcher cold {t_cold * 1e3:.1f} ms, "
           f"repeated {t_warm * 1e3:.2f} ms (no compile step: the mask is computed lazily)")
     print(f"llguidance: mask per token {ms(masks)}")
-    # Applying a row's mask to its logits: xgrammar's CPU kernel against unpacking the bits with numpy.
+    # Applying the masks to their rows (glowplug's sampler), on one torch thread: on a machine shared with other jobs,
+    # torch's thread pool waiting on busy cores swamps a call this small (the two-thread figure is printed too).
     from glowplug.engine.sampler import apply_token_bitmask
 
     bm = xgr.allocate_token_bitmask(8, n_vocab)
@@ -147,9 +148,17 @@ def main() -> None:
     for _ in range(50):
         lg = torch.randn(16, n_vocab)
         a = time.perf_counter()
-        apply_token_bitmask(lg, bm, list(range(0, 16, 2)))
+        apply_token_bitmask(lg, bm.numpy(), list(range(0, 16, 2)))
         own.append(time.perf_counter() - a)
-    print(f"glowplug apply_token_bitmask, 8 masked rows of a batch of 16: {ms(own)}")
+    print(f"glowplug apply_token_bitmask, 8 masked rows of a batch of 16, {torch.get_num_threads()} threads: {ms(own)}")
+    torch.set_num_threads(1)
+    own = []
+    for _ in range(50):
+        lg = torch.randn(16, n_vocab)
+        a = time.perf_counter()
+        apply_token_bitmask(lg, bm.numpy(), list(range(0, 16, 2)))
+        own.append(time.perf_counter() - a)
+    print(f"glowplug apply_token_bitmask, 8 masked rows of a batch of 16, 1 thread: {ms(own)}")
     print(f"bitmask words per row: {(n_vocab + 31) // 32} int32 ({np.dtype(np.int32).itemsize * ((n_vocab + 31) // 32)} B)")
 
 
