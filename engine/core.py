@@ -22,6 +22,7 @@ from .sampler import key_for_seed
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerStats
 from .sequence import Sequence
+from .structured import GrammarBackend
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,14 @@ class RequestStatus:
 class EngineCore:
     """Not thread-safe: one thread adds, aborts and steps."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, vocab_size: int, seed: int = 0,
+                 grammar: GrammarBackend | None = None) -> None:  # fmt: skip
+        """`grammar`: what constrained requests (SamplingParams.grammar) are matched with; None refuses them."""
         self.runner = runner
         self.scheduler = scheduler
+        self.grammar = grammar
+        if grammar is not None:
+            scheduler.use_grammars(grammar)
         self.vocab_size = vocab_size
         self._requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
@@ -101,12 +107,20 @@ class EngineCore:
                     else int(torch.randint(0, 2**62, (1,), generator=self._rng)))  # fmt: skip
             seqs.append(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
                                  prompt_token_ids=prompt_token_ids, params=params, sample_key=key_for_seed(seed),
-                                 arrival_time=arrival))  # fmt: skip
+                                 arrival_time=arrival, grammar=self._matcher(params)))  # fmt: skip
         for seq in seqs:
             self.scheduler.add(seq)
         self._requests[request_id] = seqs
         self.num_prompt_tokens += len(prompt_token_ids)
         return seqs
+
+    def _matcher(self, params: SamplingParams) -> object | None:
+        """A grammar matcher of its own for each sequence of a constrained request (ValueError: none possible)."""
+        if params.grammar is None:
+            return None
+        if self.grammar is None:
+            raise ValueError("grammar: this engine was built without constrained decoding")
+        return self.grammar.matcher(params.grammar)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now; its KV blocks are free when this returns. False when it is not here."""

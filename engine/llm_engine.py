@@ -16,6 +16,7 @@ from .outputs import CompletionOutput, OutputProcessor, RequestMetrics, RequestO
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .structured import GrammarBackend, tokenizer_json
 
 __all__ = ["CompletionOutput", "EngineStats", "LLMEngine", "Request", "RequestMetrics", "RequestOutput",
            "RequestStatus", "StepShape"]
@@ -35,7 +36,9 @@ class Request:
 class LLMEngine:
     def __init__(self, *, tokenizer: Any, runner: ModelRunner, scheduler: Scheduler, seed: int = 0) -> None:
         self.tokenizer = tokenizer
-        self.core = EngineCore(runner, scheduler, vocab_size=len(tokenizer), seed=seed)
+        grammar = GrammarBackend(tokenizer_json(tokenizer), runner.model.arch.vocab_size,
+                                 sorted(scheduler.eos_token_ids))  # fmt: skip
+        self.core = EngineCore(runner, scheduler, vocab_size=len(tokenizer), seed=seed, grammar=grammar)
         self.output = OutputProcessor(tokenizer)
         self._req_ids = 0
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from .attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN, AttentionMetadata
@@ -34,7 +35,7 @@ from .graph_buckets import bucket_for, static_span
 from .kv_cache import KVCache
 from .models.llama import DecoderLM
 from .outputs import ModelRunnerOutput, TokenLogprobs
-from .sampler import SampleResult, sample
+from .sampler import SampleResult, TokenMasks, sample
 from .scheduler import is_decode_row
 from .sequence import RunnerSeq
 
@@ -192,6 +193,9 @@ class ModelRunner:
         self._step_hook: Callable[[BatchInputs], None] | None = None
         # The runner's copies of the sequences it runs, by seq_id (see the module docstring).
         self._seqs: dict[int, RunnerSeq] = {}
+        # This step's token masks (SchedulerOutput.grammar_*): seq_id -> its row of the bitmask.
+        self._grammar_rows: dict[int, int] = {}
+        self._grammar_mask: np.ndarray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -215,6 +219,8 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> Iterator[ModelRunnerOutput]:
         """Run the step `out`, yielding each part's output as soon as it has it (one part, or two for a mixed step:
         the prompt chunks, then the decode rows; see execute_parts)."""
+        self._grammar_rows = dict(zip(out.grammar_seq_ids, range(len(out.grammar_seq_ids))))
+        self._grammar_mask = out.grammar_bitmask
         for (scheds, samples), last in self.execute_parts(self.apply(out)):
             yield self._book(scheds, samples, last)
 
@@ -484,6 +490,17 @@ class ModelRunner:
         yield self._run_eager(prefills, timed=True), False
         yield self._run_compiled(decodes, padded), True
 
+    def _masks(self, seqs: list[RunnerSeq]) -> TokenMasks | None:
+        """The token masks of the constrained rows among `seqs` (None when there are none: nothing to pay)."""
+        if not self._grammar_rows:
+            return None
+        where = self._grammar_rows
+        rows = [i for i, s in enumerate(seqs) if s.seq_id in where]
+        if not rows:
+            return None
+        assert self._grammar_mask is not None
+        return TokenMasks(self._grammar_mask[[where[seqs[i].seq_id] for i in rows]], rows)
+
     def _run_compiled(self, decodes: list[ScheduledSeq], padded: int) -> PartResults:
         step = self._decode_step
         assert step is not None
@@ -493,7 +510,7 @@ class ModelRunner:
             t0 = time.perf_counter_ns()
             logits = step(packed)
             t1 = time.perf_counter_ns()
-            samples = sample(logits if padded == len(seqs) else logits[: len(seqs)], seqs)
+            samples = sample(logits if padded == len(seqs) else logits[: len(seqs)], seqs, self._masks(seqs))
             t2 = time.perf_counter_ns()
         self._model_ns += t1 - t0
         self._sample_ns += t2 - t1
@@ -527,7 +544,7 @@ class ModelRunner:
         if samplers and logits is not None:
             seqs = [s.seq for s in samplers]
             t2 = time.perf_counter_ns()
-            samples = sample(logits, seqs)
+            samples = sample(logits, seqs, self._masks(seqs))
             self._sample_ns += time.perf_counter_ns() - t2
             scheds += samplers
             results += samples

@@ -32,6 +32,11 @@ class TokenLogprobs(msgspec.Struct, array_like=True, gc=False):
     top: dict[int, float]
 
 
+# The core's finish reason for a constrained sequence whose grammar its last token completed; the processor shows it
+# as "stop" (that token is part of the text, unlike a stop token's).
+GRAMMAR_DONE = "grammar"
+
+
 class SeqUpdate(msgspec.Struct, array_like=True, gc=False):
     """One sequence advanced by one step: the token it sampled, and why it finished when it did."""
 
@@ -39,7 +44,9 @@ class SeqUpdate(msgspec.Struct, array_like=True, gc=False):
     index: int  # which of the request's completions
     token_id: int
     logprobs: TokenLogprobs | None = None
-    finish_reason: str | None = None  # "stop" (a stop token or EOS), "length", or None while it goes on
+    # "stop" (a stop token or EOS: not text), GRAMMAR_DONE (the token completed the grammar: text, then "stop"),
+    # "length", or None while it goes on
+    finish_reason: str | None = None
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
 
@@ -221,6 +228,10 @@ class OutputProcessor:
             # text ends it; at the length limit, whatever is pending is flushed.
             if reason == "stop":
                 pass
+            elif reason == GRAMMAR_DONE:
+                comp.detok.append(token)
+                comp.detok.flush()
+                reason = "stop"
             elif comp.detok.append(token):
                 reason = "stop"
                 if u.finish_reason is None and stopped is not None:

@@ -20,7 +20,9 @@ sequence continues its stream where it stopped).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ..kernels.native import first_max_indices
@@ -147,6 +149,26 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[RunnerSeq]
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> torch.Tensor:
+    """Exclude (set to -inf) the tokens a grammar forbids, in the rows `rows` of `logits` [B, V] only: bitmask [R, W]
+    int32, row j the mask of logits row rows[j], bit t % 32 of word t // 32 set when token t is allowed (the layout
+    xgrammar and llguidance fill); tokens past its 32 * W (logits wider than the tokenizer) are excluded too. numpy
+    unpacks the bits (one pass over R * V / 8 bytes) and they are applied in place (one masked_fill when every row
+    is constrained, else one per constrained row), so a step pays for its constrained rows only. Returns `logits`."""
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    bits = np.unpackbits(np.ascontiguousarray(bitmask[: len(rows)]).view(np.uint8), axis=-1, bitorder="little")
+    if bits.shape[-1] < vocab:
+        bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[-1])))
+    banned = torch.from_numpy(bits[:, :vocab] == 0).to(logits.device)
+    if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
+        return logits.masked_fill_(banned, float("-inf"))
+    for j, row in enumerate(rows):  # in place, row by row: no copy of the selected rows and back
+        logits[row].masked_fill_(banned[j], float("-inf"))
+    return logits
+
+
 def draw(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """One token per row of `logits` [R, V] (float32, -inf for excluded tokens), drawn from softmax(logits) by inverse
     transform with `uniforms` [R] (float64, in (0, 1)): the first token whose cumulative probability reaches U times
@@ -172,16 +194,27 @@ class SampleResult:
     logprobs: TokenLogprobs | None
 
 
+class TokenMasks(NamedTuple):
+    """Grammar masks of some rows of a step: bitmask row j (see apply_token_bitmask) belongs to logits row rows[j]."""
+
+    bitmask: np.ndarray
+    rows: list[int]
+
+
 def _has_penalty(seq: RunnerSeq) -> bool:
     p = seq.params
     return p.repetition_penalty != 1.0 or bool(p.presence_penalty) or bool(p.frequency_penalty)
 
 
-def sample(logits: torch.Tensor, seqs: list[RunnerSeq]) -> list[SampleResult]:
+def sample(logits: torch.Tensor, seqs: list[RunnerSeq], masks: TokenMasks | None = None) -> list[SampleResult]:
     """logits: [len(seqs), vocab] in the model's dtype (float32 or bfloat16), one row per sequence that produces a
     token this step. Arithmetic on them runs in float32: the batch is widened when a row asks for logprobs or
     penalties, and the sampled rows are; greedy rows take their argmax from the logits as they are. A sampled row
-    draws with its sequence's `sample_key` and its number of output tokens so far (see the module docstring)."""
+    draws with its sequence's `sample_key` and its number of output tokens so far (see the module docstring).
+    `masks`: the grammar masks of the constrained rows, applied (in place) before anything else looks at the logits;
+    the other rows are not touched."""
+    if masks is not None:
+        apply_token_bitmask(logits, masks.bitmask, masks.rows)
     params = [s.params for s in seqs]
     want_lp = [p.logprobs for p in params]
     lp_rows = [i for i, n in enumerate(want_lp) if n is not None]

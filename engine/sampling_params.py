@@ -34,6 +34,10 @@ class SamplingParams(BaseModel):
         json_schema_extra={"default_text": "off"},
     )  # fmt: skip
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    # llguidance's grammar text (engine/structured.py builds it from a JSON schema, regex, choices or Lark and checks
+    # it); every sampled token must keep the output inside it, and the sequence ends ("stop") when it is complete.
+    grammar: str | None = Field(None, description="Constrain the output to this llguidance grammar.",
+                                json_schema_extra={"default_text": "off", "free_text": True})
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -19,13 +19,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
+
 import msgspec
 
 from .block_manager import BlockManager
 from .config import CacheConfig, SchedulerConfig
-from .outputs import ModelRunnerOutput, SeqUpdate, TokenLogprobs
+from .outputs import GRAMMAR_DONE, ModelRunnerOutput, SeqUpdate, TokenLogprobs
 from .sampling_params import SamplingParams
 from .sequence import Sequence, SeqStatus
+from .structured import GrammarBackend, advance
 
 
 def is_decode_row(num_computed_tokens: int, prompt_len: int, num_new_tokens: int) -> bool:
@@ -61,6 +64,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     num_preempted: int = 0
     num_prefill_tokens: int = 0  # new tokens of the prompt rows (prompt chunks, even of one token)
     num_decode_rows: int = 0  # rows that compute a generated token (see `is_decode_row`)
+    # Constrained rows that sample this step, and their token masks (engine/structured.py): row j of the int32
+    # bitmask [len(grammar_seq_ids), words] is what grammar_seq_ids[j] may sample. Empty without constrained rows.
+    grammar_seq_ids: list[int] = msgspec.field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +99,9 @@ class Scheduler:
     def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
                  eos_token_ids: frozenset[int] = frozenset()) -> None:  # fmt: skip
         self.cfg = sched
+        # Running sequences with a grammar: a step looks for rows to mask only while there are any.
+        self._num_constrained = 0
+        self._grammar: GrammarBackend | None = None
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self._block_manager = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
@@ -104,9 +114,15 @@ class Scheduler:
         # Sequences the runner holds that left since the last step (finished, aborted): the next output says so.
         self._dropped: list[int] = []
 
+    def use_grammars(self, backend: GrammarBackend) -> None:
+        """Fill the token masks of constrained rows with `backend` (the engine core's; see engine/structured.py)."""
+        self._grammar = backend
+
     def add(self, seq: Sequence) -> None:
         # The request was checked (outputs.check_request); start-up guarantees one max-model-len sequence fits.
         self.waiting.append(seq)
+        if seq.grammar is not None:
+            self._num_constrained += 1
 
     @property
     def has_unfinished(self) -> bool:
@@ -250,10 +266,24 @@ class Scheduler:
             if is_decode_row(seq.num_computed_tokens, len(seq.prompt_token_ids), n):
                 decode_rows += 1
         out.finished_seq_ids, self._dropped = self._dropped, []
+        if self._num_constrained:
+            self._masks(out)
         out.num_preempted = preempted
         out.num_decode_rows = decode_rows
         out.num_prefill_tokens = self.cfg.max_num_batched_tokens - budget - decode_rows
         return out
+
+    def _masks(self, out: SchedulerOutput) -> None:
+        """The token masks of the step's constrained rows that sample (the ones reaching the end of their tokens)."""
+        assert self._grammar is not None
+        matchers = []
+        for sid, n in zip(out.seq_ids, out.num_new_tokens):
+            seq = self._inflight[sid][0]
+            if seq.grammar is not None and seq.num_computed_tokens + n == seq.num_tokens:
+                out.grammar_seq_ids.append(sid)
+                matchers.append(seq.grammar)
+        if matchers:
+            out.grammar_bitmask = self._grammar.fill_bitmask(matchers)
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[SeqUpdate]:
         """Book what the runner computed for (a part of) the step `out`: every row's computed tokens, the sampled
@@ -282,6 +312,8 @@ class Scheduler:
             reason = None
             if token in p.stop_token_ids or (token in eos and not p.ignore_eos):
                 reason = "stop"
+            elif seq.grammar is not None and advance(seq.grammar, token):
+                reason = GRAMMAR_DONE  # the grammar is complete: nothing else may follow
             elif len(output) >= p.max_tokens or len(seq.prompt_token_ids) + len(output) >= max_len:
                 reason = "length"
             if reason is not None:
@@ -298,6 +330,8 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        if seq.grammar is not None:
+            self._num_constrained -= 1
         self._block_manager.free_seq(seq)
         self._forget(seq)
         if seq in self.running:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from .outputs import TokenLogprobs
 from .sampling_params import SamplingParams
@@ -83,6 +84,9 @@ class Sequence(_Tokens):
     # block-table entries it was sent; the entries after those go out as the next step's delta.
     in_runner: bool = False
     num_sent_blocks: int = 0
+    # The grammar matcher of a constrained request (engine/structured.py; an llguidance.LLMatcher), at the state
+    # after this sequence's output so far; None when the request has no grammar.
+    grammar: Any = None
 
     @property
     def is_finished(self) -> bool:

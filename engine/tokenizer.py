@@ -187,8 +187,9 @@ class Tokenizer:
         if self._template is None:
             self._template = ChatTemplate(self.chat_template)
         specials = {k: v for k, v in self.special_tokens.items() if v is not None}
+        tools = kwargs.pop("tools", None)
         text = self._template.render(messages, add_generation_prompt=add_generation_prompt,
-                                     special_tokens={**specials, **kwargs}, tools=None, documents=None)  # fmt: skip
+                                     special_tokens={**specials, **kwargs}, tools=tools, documents=None)  # fmt: skip
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -320,11 +321,20 @@ def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool) -> list[int]:
     return list(tokenizer(prompt)["input_ids"])
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, str]], *, limit: int | None = None) -> list[int]:
-    """The ids of the rendered conversation; with `limit`, tokenized as `encode_bounded` does."""
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Does the chat template render a `tools` list (Qwen2.5's, Llama 3's do)?"""
+    source = getattr(tokenizer, "chat_template", None)
+    return isinstance(source, str) and "tools" in source
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, limit: int | None = None,
+                tools: list[dict[str, Any]] | None = None) -> list[int]:  # fmt: skip
+    """The ids of the rendered conversation (with `tools` for templates that take them); with `limit`, tokenized
+    as `encode_bounded` does."""
     if not getattr(tokenizer, "chat_template", None):
         raise ModelError("this model's tokenizer has no chat template; send a plain prompt instead of chat messages")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     # The template already carries any BOS token; don't let the tokenizer add a second one.
     if limit is not None:
         return encode_bounded(tokenizer, text, limit=limit, add_special_tokens=False)

@@ -90,7 +90,7 @@ def _sampling_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("sampling (one flag per SamplingParams field; unset ones follow the model)")
     # --seed belongs to the engine: it seeds every request that does not bring its own seed.
-    add_model_flags(g, SamplingParams, exclude={"seed"}, defaults=SAMPLING_DEFAULT_TEXT)
+    add_model_flags(g, SamplingParams, exclude={"seed", "grammar"}, defaults=SAMPLING_DEFAULT_TEXT)
     return p
 
 
@@ -154,7 +154,7 @@ def torchrun_worker(config: EngineConfig) -> int | None:
 def sampling_params(args: argparse.Namespace, defaults: Mapping[str, Any]) -> Any:
     from glowplug.engine.sampling_params import SamplingParams
 
-    given = {k: v for k, v in vars(args).items() if k in SamplingParams.model_fields and k != "seed"}
+    given = {k: v for k, v in vars(args).items() if k in SamplingParams.model_fields and k not in ("seed", "grammar")}
     return SamplingParams(**{**defaults, **given})
 
 

@@ -23,12 +23,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from opentelemetry import trace
-from starlette.types import Receive, Scope, Send
-
 from glowplug.engine.models.arch import ModelError
 from glowplug.engine.sampling_params import SamplingParams
-from glowplug.engine.tokenizer import PromptTooLong, encode_bounded, encode_chat, max_token_chars
+from glowplug.engine.tokenizer import (
+    PromptTooLong,
+    encode_bounded,
+    encode_chat,
+    max_token_chars,
+    template_takes_tools,
+)
+from opentelemetry import trace
+from starlette.types import Receive, Scope, Send
 
 from .errors import ApiError, bad_request
 from .generation import Ended, Generation, PromptEvent
@@ -47,7 +52,14 @@ from .responses import (
     sse,
 )
 from .service import EngineInfo, Rejected, Service
-from .transport import BodyBuffer, ClientDisconnected, TransportLimits, note_disconnect, read_body
+from .tool_calls import ParseEvents, ToolCallParser
+from .transport import (
+    BodyBuffer,
+    ClientDisconnected,
+    TransportLimits,
+    note_disconnect,
+    read_body,
+)
 
 if TYPE_CHECKING:
     from glowplug.engine.outputs import RequestOutput
@@ -199,7 +211,9 @@ def _completion_prompts(info: EngineInfo, req: CompletionRequest, params: Sampli
 
 def _chat_prompt(info: EngineInfo, req: ChatCompletionRequest) -> tuple[list[list[int]], SamplingParams]:
     try:
-        tokens = encode_chat(info.tokenizer, req.message_dicts(), limit=info.max_model_len)
+        native = template_takes_tools(info.tokenizer)
+        tools = req.tool_dicts() if req.parses_tools and native else None
+        tokens = encode_chat(info.tokenizer, req.message_dicts(native), limit=info.max_model_len, tools=tools)
     except ModelError as exc:
         raise bad_request(str(exc), "messages") from None
     except PromptTooLong as exc:
@@ -222,7 +236,20 @@ def _num_prompts(req: CompletionRequest | ChatCompletionRequest) -> int:
     return 1 if req.prompt and all(isinstance(x, int) for x in req.prompt) else len(req.prompt)
 
 
-async def _collect(gen: Generation, n: int) -> list[Choice]:
+def _with_tool_calls(choice: Choice, names: list[str]) -> Choice:
+    """A chat choice's text read for tool calls of the functions `names`: the calls as OpenAI tool_calls, the rest
+    as content, and finish reason "tool_calls" when the model stopped after calling."""
+    parser = ToolCallParser(names)
+    parser.feed(choice.text)
+    parser.finish()
+    if not parser.calls:
+        return choice
+    reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+    return Choice(choice.index, parser.content.strip(), reason, choice.logprobs,
+                  [c.to_dict() for c in parser.calls])  # fmt: skip
+
+
+async def _collect(gen: Generation, n: int, tools: list[str] | None = None) -> list[Choice]:
     finals: list[tuple[int, RequestOutput]] = []
     async for pe in gen.events():
         if isinstance(pe.event, Ended):
@@ -230,20 +257,50 @@ async def _collect(gen: Generation, n: int) -> list[Choice]:
             raise ApiError(status, pe.event.message, type=_REJECTION_TYPES.get(status, "server_error"))
         if pe.event.finished:
             finals.append((pe.index, pe.event))
-    return [
+    choices = [
         Choice(index=i * n + c.index, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs)
         for i, out in finals
         for c in out.outputs
     ]
+    return [_with_tool_calls(c, tools) for c in choices] if tools is not None else choices
+
+
+def _tool_chunks(header: ResponseHeader, idx: int, parser: ToolCallParser, delta: str, finish_reason: str | None,
+                 lp: dict[str, Any] | None, usage_field: bool) -> Iterator[bytes]:  # fmt: skip
+    """A chat stream's chunks for one choice whose text is read for tool calls: its content, then each new call's
+    id and name (arguments ""), then argument fragments, then the finish reason ("tool_calls" after calls)."""
+    ev = parser.feed(delta) if delta else ParseEvents()
+    if finish_reason is not None:
+        end = parser.finish()
+        ev.content += end.content
+        ev.new_calls += end.new_calls
+        ev.arguments += end.arguments
+    pieces: list[tuple[str | None, list[dict[str, Any]] | None]] = []
+    if ev.content:
+        pieces.append((ev.content, None))
+    for i, call in ev.new_calls:
+        pieces.append((None, [{"index": i, "id": call.id, "type": "function",
+                               "function": {"name": call.name, "arguments": ""}}]))  # fmt: skip
+    for i, fragment in ev.arguments:
+        pieces.append((None, [{"index": i, "function": {"arguments": fragment}}]))
+    for k, (content, calls) in enumerate(pieces):
+        yield sse(header.chunk(idx, delta=content, finish_reason=None, logprobs=lp if k == 0 else None,
+                               with_usage_field=usage_field, tool_calls=calls))  # fmt: skip
+    if finish_reason is not None or (lp is not None and not pieces):
+        reason = "tool_calls" if finish_reason == "stop" and parser.calls else finish_reason
+        yield sse(header.chunk(idx, delta=None, finish_reason=reason, logprobs=None if pieces else lp,
+                               with_usage_field=usage_field))  # fmt: skip
 
 
 async def _stream(
-    gen: Generation, header: ResponseHeader, n: int, text: TokenText, include_usage: bool
+    gen: Generation, header: ResponseHeader, n: int, text: TokenText, include_usage: bool,
+    tools: list[str] | None = None,
 ) -> AsyncIterator[bytes]:
     total = len(gen.request_ids) * n
     done: set[int] = set()
     sent_lps: dict[int, int] = {}
     offsets: dict[int, int] = {}
+    parsers: dict[int, ToolCallParser] = {}
 
     def chunks(pe: PromptEvent) -> Iterator[bytes]:
         event = pe.event
@@ -273,6 +330,10 @@ async def _stream(
             offsets[idx] = offsets.get(idx, 0) + len(c.delta)
             if c.finish_reason:
                 done.add(idx)
+            if tools is not None:
+                parser = parsers.setdefault(idx, ToolCallParser(tools))
+                yield from _tool_chunks(header, idx, parser, c.delta, c.finish_reason, lp, include_usage)
+                continue
             delta = c.delta if (c.delta or header.kind == "completion") else None
             yield sse(header.chunk(idx, delta=delta, finish_reason=c.finish_reason, logprobs=lp,
                                    with_usage_field=include_usage))  # fmt: skip
@@ -416,10 +477,13 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
             id=f"{prefix}-{gen.request_ids[0].rsplit('-', 1)[0]}", model=service.model_name, kind=kind
         )
         text = TokenText(info.tokenizer)
+        # The functions a chat reply is read for calls of (None: it is not read).
+        tools = [t["function"]["name"] for t in req.tool_dicts()] if (
+            isinstance(req, ChatCompletionRequest) and req.parses_tools) else None
         if req.streaming:
-            return GenerationStream(_stream(gen, header, params.n, text, req.include_usage), gen, service)
+            return GenerationStream(_stream(gen, header, params.n, text, req.include_usage, tools), gen, service)
         try:
-            choices = await _unless_disconnected(request, _collect(gen, params.n))
+            choices = await _unless_disconnected(request, _collect(gen, params.n, tools))
         except ApiError as err:
             outcome["status"] = err.status
             return err.response()

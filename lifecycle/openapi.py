@@ -93,17 +93,29 @@ class ChatLogprobs(_Doc):
     refusal: None
 
 
+class CalledFunctionDoc(_Doc):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallDoc(_Doc):
+    id: str
+    type: Literal["function"]
+    function: CalledFunctionDoc
+
+
 class AssistantMessage(_Doc):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null when the reply is tool calls alone
     refusal: None
+    tool_calls: list[ToolCallDoc] | None = None
 
 
 class ChatChoice(_Doc):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class ChatCompletionResponse(_Doc):
@@ -229,18 +241,6 @@ def _refine_chat(schema: dict[str, Any], ranges: dict[str, dict[str, Any]], defs
     top = _nullable_branch(props["top_logprobs"], "integer")
     if top is not None:
         _copy_range(top, ranges["logprobs"])
-    props["tools"] = {
-        "anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}],
-        "default": None,
-        "description": "Tool calling is not supported: only an empty list or null is accepted.",
-    }
-    props["response_format"] = {
-        "anyOf": [
-            {"type": "object", "properties": {"type": {"type": "string", "enum": ["text"]}}},
-            {"type": "null"},
-        ],
-        "default": None,
-    }
     # One message shape per role group: content is required except on an assistant turn.
     message = defs["ChatMessage"]
     content = message["properties"]["content"]

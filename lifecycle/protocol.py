@@ -15,12 +15,20 @@ import json
 from collections.abc import Mapping
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
-
 from glowplug.engine.sampling_params import SamplingParams
+from glowplug.engine.structured import (
+    GrammarError,
+    check_grammar,
+    choice_grammar,
+    json_schema_grammar,
+    lark_grammar,
+    regex_grammar,
+)
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from .errors import ApiError, bad_request, from_validation_error
 from .json_limits import lone_surrogate, structure_exceeds
+from .tool_calls import render_call, tool_grammar, tools_system_prompt
 from .transport import BodyBuffer
 
 # Default max_tokens of /v1/completions (OpenAI's); chat defaults to whatever the context has left.
@@ -53,6 +61,60 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionSpec(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Body):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
+def _grammar_or_400(build: Any, param: str, fix: str) -> str:
+    """`build()`'s grammar, checked; a 400 naming `param`, llguidance's reason and `fix` when it cannot be used."""
+    try:
+        grammar = build()
+        check_grammar(grammar)
+    except GrammarError as exc:
+        raise bad_request(f"{param}: {str(exc).strip()}; {fix}", param, code="invalid_grammar") from None
+    return grammar
+
+
 class _SamplingFields(_Body):
     model: str | None = None
     n: int | None = None
@@ -74,6 +136,14 @@ class _SamplingFields(_Body):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # Structured outputs: OpenAI's response_format, and vLLM's guided_* fields (one of them per request).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    # The grammar the fields above ask for (llguidance's text), built and checked by check().
+    _grammar: str | None = PrivateAttr(default=None)
     # The served model's sampling defaults, for the fields this request leaves out (not a request field).
     _defaults: dict[str, Any] = PrivateAttr(default_factory=dict)
 
@@ -90,9 +160,56 @@ class _SamplingFields(_Body):
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
         if self.logit_bias:
             raise bad_request("logit_bias: not supported by this server; drop the field", "logit_bias")
+        self._grammar = self._structured_grammar()
+
+    def _structured_grammar(self) -> str | None:
+        """The grammar of response_format or the guided_* field the request sets (a 400 when it sets several, or
+        one that cannot be used)."""
+        rf = self.response_format
+        given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                 if getattr(self, name) is not None]  # fmt: skip
+        if rf is not None and rf.type != "text":
+            given.insert(0, "response_format")
+        if len(given) > 1:
+            raise bad_request(f"{', '.join(given)}: a request takes one output constraint; send only one of them",
+                              given[1])  # fmt: skip
+        if not given:
+            return None
+        fix = "see the README's structured outputs section for what is supported"
+        if given[0] == "response_format":
+            assert rf is not None
+            if rf.type == "json_object":
+                return _grammar_or_400(lambda: json_schema_grammar({"type": "object"}), "response_format", fix)
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise bad_request('response_format.json_schema.schema: required with {"type": "json_schema"}; '
+                                  "send the JSON schema the output must follow", "response_format.json_schema")
+            schema = rf.json_schema.schema_
+            return _grammar_or_400(lambda: json_schema_grammar(schema), "response_format.json_schema.schema",
+                                   "fix the schema or drop the keywords named")  # fmt: skip
+        if given[0] == "guided_json":
+            value = self.guided_json
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as exc:
+                    raise bad_request(f"guided_json: not valid JSON ({exc}); send the schema as an object",
+                                      "guided_json") from None  # fmt: skip
+            return _grammar_or_400(lambda: json_schema_grammar(value), "guided_json", "fix the schema")
+        if given[0] == "guided_regex":
+            regex = self.guided_regex or ""
+            return _grammar_or_400(lambda: regex_grammar(regex), "guided_regex", "fix the regular expression")
+        if given[0] == "guided_choice":
+            choices = self.guided_choice or []
+            if not choices or any(not c for c in choices):
+                raise bad_request("guided_choice: needs at least one choice, none of them empty", "guided_choice")
+            return _grammar_or_400(lambda: choice_grammar(choices), "guided_choice", fix)
+        lark = self.guided_grammar or ""
+        return _grammar_or_400(lambda: lark_grammar(lark), "guided_grammar", "fix the Lark grammar")
 
     def _sampling_fields(self) -> dict[str, Any]:
         given = {name: getattr(self, name) for name in _PASSTHROUGH if getattr(self, name) is not None}
+        if self._grammar is not None:
+            given["grammar"] = self._grammar
         return {**self._defaults, **given}
 
 
@@ -133,6 +250,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: which call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -147,8 +266,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check(self) -> None:
         self._common_checks()
@@ -160,12 +280,54 @@ class ChatCompletionRequest(_SamplingFields):
                     f"messages[{i}].content",
                     code="missing",
                 )
-        if self.tools:
-            raise bad_request("tools: tool calling is not supported by this server", "tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request('response_format: only {"type": "text"} is supported', "response_format")
+        self._tool_checks()
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+
+    def _tool_checks(self) -> None:
+        choice = self.tool_choice
+        if not self.tools:
+            if choice is not None and choice != "none":
+                raise bad_request("tool_choice: needs tools; send the tools it may call, or drop tool_choice",
+                                  "tool_choice")  # fmt: skip
+            return
+        names = [t.function.name for t in self.tools]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise bad_request(f"tools: function names must be unique ({', '.join(sorted(dup))} repeats)", "tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise bad_request(f"tool_choice.function.name: {choice.function.name!r} is not one of the tools "
+                              f"({', '.join(names)})", "tool_choice")  # fmt: skip
+        forced = self.forced_tools
+        if forced is None:
+            return
+        if self._grammar is not None:
+            raise bad_request("tool_choice: a required or named tool call already fixes the output's form; drop "
+                              "response_format / guided_*, or use tool_choice \"auto\"", "tool_choice")  # fmt: skip
+        parallel = self.parallel_tool_calls is not False and not isinstance(choice, NamedToolChoice)
+        specs = [t.model_dump(by_alias=True, exclude_none=True) for t in forced]
+        self._grammar = _grammar_or_400(lambda: tool_grammar(specs, parallel), "tools",
+                                        "fix the function's parameters schema")  # fmt: skip
+
+    @property
+    def forced_tools(self) -> list[ToolSpec] | None:
+        """The tools the output must call (tool_choice "required": any of them; named: that one), or None."""
+        choice = self.tool_choice
+        if not self.tools:
+            return None
+        if choice == "required":
+            return list(self.tools)
+        if isinstance(choice, NamedToolChoice):
+            return [t for t in self.tools if t.function.name == choice.function.name]
+        return None
+
+    @property
+    def parses_tools(self) -> bool:
+        """Does the output get read for tool calls (tools given, and tool_choice not "none")?"""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        return [t.model_dump(by_alias=True, exclude_none=True) for t in self.tools or ()]
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -186,8 +348,38 @@ class ChatCompletionRequest(_SamplingFields):
         rename = {"logprobs": "top_logprobs", "max_tokens": self.max_tokens_param}
         return make_sampling_params(fields, rename)
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def message_dicts(self, template_takes_tools: bool = True) -> list[dict[str, Any]]:
+        """The conversation for the chat template. A template that takes tools gets the calls as structured
+        fields (arguments parsed, as transformers passes them); one that does not gets them written into the
+        text, and the tools described in the system message (tools_system_prompt)."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                if template_takes_tools:
+                    d["tool_calls"] = [{"id": c.id, "type": "function",
+                                        "function": {"name": c.function.name, "arguments": _args(c.function.arguments)}}
+                                       for c in m.tool_calls]  # fmt: skip
+                else:
+                    calls = "\n".join(render_call(c.function.name, c.function.arguments) for c in m.tool_calls)
+                    d["content"] = f"{d['content']}\n{calls}" if d["content"] else calls
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            out.append(d)
+        if self.parses_tools and not template_takes_tools:
+            prompt = tools_system_prompt(self.tool_dicts())
+            if out and out[0]["role"] in ("system", "developer"):
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{prompt}"}
+            else:
+                out.insert(0, {"role": "system", "content": prompt})
+        return out
+
+
+def _args(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def make_sampling_params(fields: Mapping[str, Any], rename: Mapping[str, str] | None = None) -> SamplingParams:

@@ -81,6 +81,7 @@ class Choice:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprobs] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI tool_calls of a chat message (text then holds the rest)
 
 
 @dataclass
@@ -107,7 +108,10 @@ class ResponseHeader:
                 out.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
             else:
                 lp = chat_logprobs(c.logprobs, text) if c.logprobs is not None else None
-                message = {"role": "assistant", "content": c.text, "refusal": None}
+                message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+                if c.tool_calls:
+                    message["content"] = c.text or None
+                    message["tool_calls"] = c.tool_calls
                 out.append({"index": c.index, "message": message, "logprobs": lp, "finish_reason": c.finish_reason})
         return {
             "id": self.id,
@@ -127,6 +131,7 @@ class ResponseHeader:
         logprobs: dict[str, Any] | None = None,
         role: bool = False,
         with_usage_field: bool = False,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         choice: dict[str, Any]
         if self.kind == "completion":
@@ -137,6 +142,8 @@ class ResponseHeader:
                 d["role"] = "assistant"
             if delta is not None:
                 d["content"] = delta
+            if tool_calls is not None:
+                d["tool_calls"] = tool_calls
             choice = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish_reason}
         out = {
             "id": self.id,

@@ -20,6 +20,8 @@ STARTUP_SPAN: Final = "glowplug.startup"
 REQUEST_SPAN: Final = "glowplug.request"
 # The shutdown drain: from the signal until every in-flight request finished or was aborted.
 DRAIN_SPAN: Final = "glowplug.drain"
+# The tokenizer's view for constrained decoding, built by the engine core on the first request with a grammar.
+GRAMMAR_INIT_SPAN: Final = "glowplug.grammar_init"
 
 # Stage names: each is the suffix of its span name `glowplug.startup.<stage>`.
 MODEL_PREPARE: Final = "model_prepare"
@@ -86,6 +88,7 @@ class Attr:
     RANK: Final = "rank"
     WORLD_SIZE: Final = "world_size"
     TP_BACKEND: Final = "glowplug.tp.backend"  # gloo or nccl
+    VOCAB_SIZE: Final = "glowplug.vocab_size"  # the logits width a grammar's token mask covers
     TP_JOIN_S: Final = "glowplug.tp.join_s"  # launch + join + first barrier, as distributed_init measured it
     TP_LAUNCH: Final = "glowplug.tp.launch"  # who started the ranks
     TP_THREADS: Final = "glowplug.tp.threads_per_rank"  # the CPU's cores split between the ranks on it

@@ -89,7 +89,7 @@ BAD = [
     ("completions", {"prompt": "x", "echo": True}, "echo"),
     ("completions", {"prompt": "x", "max_tokens": 100000}, "prompt"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
-    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
 ]
 
 
