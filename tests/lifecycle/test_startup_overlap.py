@@ -43,7 +43,8 @@ def test_the_server_predicts_ready_before_the_core_without_torch(tiny_model: Pat
                          timeout=120, check=True)  # fmt: skip
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["torch"] is False, "the API server imported torch to predict the start"
-    assert got["predicted"] is not None and got["predicted"] > 0 and got["first"] == got["predicted"]
+    assert got["predicted"] is not None and got["predicted"] > 0
+    assert got["first"] == pytest.approx(got["predicted"], abs=0.5)  # the ETA counts on from the first prediction
     assert got["basis"] and {"load_weights", "kv_cache_init", "warmup"} <= set(got["phases"])
     assert all(v["kind"] in ("recorded", "model") and v["basis"] for v in got["phases"].values())
 
