@@ -551,6 +551,8 @@ def _engine_fields(cfg: DecodeBenchConfig, mode: str, dtype: str, quant: str, kv
         max_num_seqs=max(*cfg.batch_sizes, len(INVARIANCE_PROMPTS) if cfg.invariance else 1),
         max_num_batched_tokens=2048,  # long prompts: chunked
         quantize_lm_head=cfg.quantize_lm_head, kv_cache_dtype=kv, device=device,
+        # every repeat prefills its whole prompt: a prefix-cache hit on the previous repeat's blocks is not a prefill
+        enable_prefix_caching=False,
     )  # fmt: skip
     if cfg.group_size is not None and quant in ("int8", "int4", "int2"):
         fields["group_size"] = cfg.group_size  # the engine refuses a group size on the other formats
