@@ -29,11 +29,12 @@ from __future__ import annotations
 import inspect
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
+
+from ..base.process import exit_process
 
 if TYPE_CHECKING:
     from ..profiling.process import ProcessMarks
@@ -439,14 +440,7 @@ def main() -> None:
     from .core_frames import CoreSpec
 
     spec = msgspec.json.decode(os.environ[CORE_SPEC_ENV], type=CoreSpec)
-    code = run_core(spec, marks=marks)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    # Skips the interpreter's teardown (torch's pools, module finalisation): seconds on a loaded machine.
-    os._exit(code)
+    exit_process(run_core(spec, marks=marks))
 
 
 if __name__ == "__main__":

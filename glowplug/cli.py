@@ -490,7 +490,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         display = StartupProgress()
         display.begin(config.model)
-    from glowplug.lifecycle.server import exit_process, serve
+    from glowplug.base.process import exit_process
+    from glowplug.lifecycle.server import serve
 
     exit_process(serve(config, serve_cfg, marks=args.marks, display=display, verbose=args.verbose))
 

@@ -67,6 +67,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from .server import exit_process
+    from ..base.process import exit_process
 
     exit_process(main())

@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 from types import FrameType
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import structlog
 import uvicorn
@@ -245,18 +245,3 @@ def _flush(startup: Tracing, requests: Tracing, own: bool) -> None:
                 t.force_flush(10_000)
         except Exception as exc:
             log.warning("trace flush failed", error=f"{type(exc).__name__}: {exc}")
-
-
-def exit_process(code: int) -> NoReturn:
-    """End the process now with `code`, after `serve()` returned (traces and logs are flushed by then).
-
-    Skips the interpreter's own teardown (module finalisation, torch's pools): on a loaded machine that alone took
-    1-2 s, which would break the promise that a drained server exits within --drain-timeout + 2 s.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
-
