@@ -41,6 +41,10 @@ UNKNOWN = "unknown"
 PAGE_CACHE = "page_cache"
 # The stages whose time depends on how much of what they read is in the page cache.
 READS_FILES = ("load_weights", "quantize_weights")
+# The stages that run the compiled step first: right after a fresh compile they pay for loading its kernels and for
+# the compiler's worker processes still winding down, so their time depends on whether the compile cache hit.
+RUNS_COMPILED = ("graph_capture", "warmup")
+COMPILE = "compile"
 RESIDENT_HIT, RESIDENT_MISS = 0.9, 0.1
 # Bytes a start may read from disk and still count as a page-cache hit: a small model's files (or a few entry files
 # evicted under memory pressure) cost a fraction of a second, not a different kind of start.
@@ -69,9 +73,10 @@ class CacheProbe(Protocol):
 
 def stage_caches(stages: Sequence[Any]) -> dict[str, tuple[str, ...]]:
     """stage name -> the caches whose hit or miss changes its time (`caches`, () for none; the page cache for the
-    stages that read the weights), in pipeline order."""
+    stages that read the weights; the compile cache for those that run the compiled step first), in pipeline
+    order."""
     return {s.name: tuple(getattr(s, "caches", ())) + ((PAGE_CACHE,) if s.name in READS_FILES else ())
-            for s in stages}  # fmt: skip
+            + ((COMPILE,) if s.name in RUNS_COMPILED else ()) for s in stages}  # fmt: skip
 
 
 def page_cache_state(read_bytes: float, resident_bytes: float | None) -> str:

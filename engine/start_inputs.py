@@ -25,8 +25,9 @@ Inputs (all floats; `INPUT_NAMES` lists them):
   kv_measure      1 when the KV profile is measured (a forward), 0 for the analytic peak
   quantized       1 when --quantization is not none
   probe_gbps      streaming-read bandwidth (GB/s) of this machine: the latest recorded probe (measured after READY)
-  cpu_load        the 1-minute load average per usable core when the start is planned: above 1, CPU work (Python,
-                  compiling) runs that many times slower than on an idle machine (engine/start_model.py)
+  cpu_load        the run queue per usable core when the start is planned (other processes' CPU use since this
+                  process began, plus this one: profiling/cpu_busy.py): above 1, CPU work (Python, compiling) runs that
+                  many times slower than on an idle machine (engine/start_model.py)
 """
 
 from __future__ import annotations
@@ -268,15 +269,18 @@ def model_shape(files: list[Path], folder: Path | None) -> ModelShape:
 
 
 def cpu_load() -> float | None:
-    """The 1-minute load average over the cores this process may use; None where the system has none."""
+    """The run queue per usable core now: the other processes' busy cores since this process's entry, plus this
+    process's one, over the cores (profiling/cpu_busy.py); where the entry was not sampled or is too recent, the
+    1-minute load average per core. None where the system has neither."""
     import os
 
+    from glowplug.profiling.cpu_busy import run_queue_per_core, usable_cores
+
+    measured = run_queue_per_core()
+    if measured is not None:
+        return round(measured, 3)
     try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    try:
-        return round(os.getloadavg()[0] / max(1, cores), 3)
+        return round(os.getloadavg()[0] / max(1, len(usable_cores())), 3)
     except (AttributeError, OSError):
         return None
 

@@ -71,7 +71,7 @@ class Inputs:
 
     @property
     def slowdown(self) -> float:
-        """How much slower CPU work runs than on an idle machine: the run queue per usable core (the 1-minute load
+        """How much slower CPU work runs than on an idle machine: the run queue per usable core (start_inputs cpu_load
         average over the cores, at the plan), at least 1; 1 when the start recorded none."""
         return max(1.0, self.get("cpu_load", 0.0))
 
@@ -219,11 +219,15 @@ PHASES: dict[str, tuple[Term, ...]] = {
              "s per size and layer", lambda x: f"{x.get('capture_sizes'):.0f} batch sizes x {_layers(x)}"),
         Term("size_gb", 0.05, 0.2, lambda x: _compiled(x) * x.get("capture_sizes") * x.weights_gb, "s per size and GB",
              lambda x: f"{x.get('capture_sizes'):.0f} batch sizes x {x.weights_gb:.3f} GB"),
+        Term("after_compile", 0.2, 1.0, lambda x: _compiled(x) * x.miss("compile") * x.weights_gb, "s/GB",
+             lambda x: f"{x.weights_gb:.3f} GB run first right after a fresh compile"),
     ),
     "warmup": (
         _const("base", 0.01),
         _per_layer("layers", 0.001, 0.03),
         Term("work", 0.2, 0.5, lambda x: x.weights_gb, "s/GB", lambda x: f"a few steps over {x.weights_gb:.3f} GB"),
+        Term("after_compile", 1.0, 3.0, lambda x: _compiled(x) * x.miss("compile") * x.weights_gb, "s/GB",
+             lambda x: f"{x.weights_gb:.3f} GB run first right after a fresh compile"),
         Term("eager_base", 0.3, 2.0, lambda x: 1.0 - _compiled(x), "s", lambda _x: "the eager path's first calls"),
         Term("eager", 1.0, 5.0, lambda x: (1.0 - _compiled(x)) * x.get("params") / GB, "s per G params",
              lambda x: f"eager steps of {x.get('params') / GB:.2f} G params"),

@@ -149,7 +149,11 @@ class ProcessMarks:
 
 
 def mark_main_entry() -> ProcessMarks:
-    """Call on the first line of our code (the CLI's main, before heavy imports)."""
+    """Call on the first line of our code (the CLI's main, before heavy imports). Also takes the CPU sample that
+    the start-up model's contention input is measured from (profiling/cpu_busy.py)."""
+    from glowplug.profiling.cpu_busy import mark_entry
+
+    mark_entry()
     clock = Clock()
     entry = clock.now_ns()
     created = process_create_time(clock=clock)
