@@ -30,7 +30,9 @@ from .llm_engine import LLMEngine
 from .models.arch import ModelArch
 from .models.store import model_group
 from .parallel import launch_rank, tp_factors
-from .stages.base import Stage, StageResult, StartupFailed, check_pipeline, plan_concurrency, run_stages, stage_dependencies
+from .stages.protocol import Stage, StageResult, StartupFailed, check_pipeline
+from .stages.runner import run_stages
+from .stages.schedule import plan_concurrency, stage_dependencies
 from .stages.bundle_install import BundleInstall
 from .stages.distributed_init import DistributedInit
 from .stages.context import EngineContext

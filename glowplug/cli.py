@@ -694,7 +694,7 @@ def run_command(args: argparse.Namespace) -> int:
     from glowplug.base.errors import MissingExtra
     from glowplug.engine.config import ConfigError
     from glowplug.engine.models.arch import ModelError
-    from glowplug.engine.stages.base import StartupFailed
+    from glowplug.engine.stages.protocol import StartupFailed
 
     verbose = bool(getattr(args, "verbose", False))
     try:

@@ -13,7 +13,7 @@ import pytest
 
 from glowplug.engine import startup
 from glowplug.engine.config import EngineConfig
-from glowplug.engine.stages.base import (
+from glowplug.engine.stages.protocol import (
     StageContractError,
     StageReport,
     StageResult,
@@ -21,8 +21,8 @@ from glowplug.engine.stages.base import (
     StartupFailed,
     check_pipeline,
     declarations,
-    run_stages,
 )
+from glowplug.engine.stages.runner import run_stages
 from glowplug.engine.stages.bundle_install import BundleInstall
 from glowplug.engine.stages.context import EngineContext
 from glowplug.engine.startup import StartupResult, build_engine, default_stages
