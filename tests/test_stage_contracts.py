@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from glowplug.engine import startup
+from glowplug.engine import start_run, startup
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.stages.protocol import (
     StageContractError,
@@ -70,6 +70,7 @@ def _started(config: EngineConfig, cache: Path | None, monkeypatch: pytest.Monke
             made.append(weakref.ref(self))
 
     monkeypatch.setattr(startup, "EngineContext", Tracked)
+    monkeypatch.setattr(start_run, "EngineContext", Tracked)
     result = build_engine(config, tracing=setup_tracing(), cache_dir=cache)
     gc.collect()
     # Two: the pipeline's, and the scratch one the ETA's cache probe fills before the first stage (plan_start).

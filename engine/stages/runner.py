@@ -180,3 +180,22 @@ def run_stages(
             root.end(end_time=clock.now_ns())
     return results
 
+
+
+def run_in_order(hooks: Sequence[Stage], ctx: StartupContext) -> list[StageReport]:
+    """Run `hooks` one after another on this thread, each under its contract (a ContextView of `ctx`), without a
+    span of its own: for work around the pipeline that is no phase of the start (engine/stages/ready.py). An
+    exception propagates as it is; a contract violation raises StageContractError even when the hook caught it."""
+    check_pipeline(hooks, type(ctx))
+    reports: list[StageReport] = []
+    for hook in hooks:
+        needs, provides = declarations(hook)
+        view = ContextView(ctx, hook.name, needs, provides)
+        try:
+            report = hook.run(cast(StartupContext, view))
+        finally:
+            view._close()
+        if view._violations:
+            raise StageContractError(view._violations[0])
+        reports.append(report)
+    return reports
