@@ -25,7 +25,8 @@ from ...profiling.names import Attr, Row
 from glowplug.base.artifacts.caches import file_stamps
 from ..compile import CompiledDecode, LoadedDecode, TracedDecode
 from ..compile_cache import CompileCache, StoredReplay
-from ..compile_replay import ReplayPlan, check_fingerprint, make_plan
+from ..compile_replay import ReplayPlan
+from ..compile_replay_plan import check_fingerprint, make_plan
 from ..kv_cache import KVCache
 from glowplug.base.errors import one_line
 
