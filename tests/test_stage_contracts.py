@@ -233,6 +233,31 @@ def test_build_engine_rejects_a_bad_declaration_before_the_start(tmp_path: Path)
     assert tracing.finished_spans() == ()
 
 
+def test_hooks_at_ready_keep_the_stage_contract() -> None:
+    """The work at READY (engine/stages/ready.py) follows the one stage protocol: its declarations name real slots
+    of ReadyContext, and a hook is held to them as a stage is, even when it catches the error itself."""
+    from glowplug.engine.stages.ready import ReadyContext, ready_hooks
+    from glowplug.engine.stages.runner import run_in_order
+
+    hooks = ready_hooks(EngineConfig(tensor_parallel_size=2))
+    check_pipeline(hooks, ReadyContext)
+    assert [h.name for h in hooks] == ["measure_floor", "record_profile", "seal_compile_cache", "phase_table",
+                                       "serve_steps"]  # fmt: skip
+    written = {slot for hook in hooks for slot in declarations(hook)[1]}
+    assert written == ReadyContext.slot_names()
+
+    def sneaky(ctx: Any) -> None:
+        try:
+            ctx.table = "a table"
+        except StageContractError:
+            pass
+
+    ctx = ReadyContext(**{name: None for name in ReadyContext.INPUTS})
+    with pytest.raises(StageContractError, match="stage 'sneaky' wrote 'table', which it does not declare"):
+        run_in_order([Fake("sneaky", sneaky, provides=("floor",))], ctx)
+    assert ctx.table is None
+
+
 @pytest.mark.parametrize("missing", ["needs", "provides"])
 def test_every_stage_declares_both(missing: str) -> None:
     stage = Fake("quiet", lambda ctx: None)
