@@ -1,5 +1,6 @@
-"""Build an engine by running the start-up stages; the pipeline is a list, so phases are added, skipped or
-reordered by editing `default_stages`."""
+"""Build an engine: plan the start (its cache pattern and ETA), run the start-up stages (engine/start_run.py) and the
+hooks at READY (engine/stages/ready.py), return the result. The pipeline is a list, so phases are added, skipped
+or reordered by editing `default_stages`."""
 
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ from .stages.load_weights import LoadWeights
 from .stages.model_init import ModelInit
 from .stages.model_prepare import ModelPrepare
 from .stages.native_kernels import NativeKernels
-from .stages.ready import ready_hooks
 from .stages.quantize_weights import QuantizeWeights
+from .stages.ready import ready_hooks
 from .stages.tokenizer_init import TokenizerInit
 from .stages.warmup import Warmup
 from .start_estimate import MISS, UNKNOWN, PhaseEstimate, pattern_text, stage_caches
@@ -52,8 +53,8 @@ from .start_profile import (
     StartPlan,
     estimate_for,
     latest_probe,
-    machine_records,
     lookup_records,
+    machine_records,
     profile_entries,
     this_machine,
     with_page_cache,
