@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from opentelemetry.trace import Span, Status, StatusCode
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
 from glowplug.profiling.names import SCHEMA_VERSION, STARTUP_SPAN, Attr
 from glowplug.profiling.process import Clock, FullGcDeferral, ProcessMarks, open_startup_span
@@ -38,6 +38,7 @@ class StartRun:
 
     ctx: EngineContext
     tracing: Tracing
+    tracer: Tracer
     root: Span
     clock: Clock
     marks: ProcessMarks | None
@@ -66,7 +67,7 @@ class StartRun:
             # says which rank it is.
             root.set_attributes({Attr.RANK: launch_rank(), Attr.WORLD_SIZE: config.tensor_parallel_size})
             tracing.provider.add_span_processor(RankAttributes(launch_rank(), config.tensor_parallel_size))
-        return cls(ctx, tracing, root, clock, marks)
+        return cls(ctx, tracing, tracer, root, clock, marks)
 
     @contextmanager
     def running(self) -> Iterator[None]:
@@ -95,7 +96,7 @@ class StartRun:
     def run(self, stages: Sequence[Stage], on_phase: Callable[[str], None] | None,
             ctx: EngineContext | None = None) -> None:  # fmt: skip
         """Run `stages` under the root span on `ctx` (default: this start's context); their results join the run's."""
-        self.results += run_stages(stages, ctx if ctx is not None else self.ctx, tracer=self.tracing.tracer(),
+        self.results += run_stages(stages, ctx if ctx is not None else self.ctx, tracer=self.tracer,
                                    on_phase=on_phase, parent=self.root, clock=self.clock)  # fmt: skip
 
     def install_bundle(self, on_phase: Callable[[str], None] | None) -> None:
