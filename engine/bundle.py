@@ -100,12 +100,12 @@ class CreateResult:
     entries: list[tuple[str, str, int]]  # (cache, key, bytes)
 
 
-def _run_start(model: str, config_file: Path, cache: Path, report: Path) -> float:
-    """One `glowplug startup` in a fresh process on `cache`; its time to READY."""
+def _run_start(config_file: Path, cache: Path, report: Path) -> float:
+    """One start of the config in `config_file` in a fresh process on `cache` (engine/fresh_start.py); its time to
+    READY."""
     from glowplug.profiling.phases import read_report
 
-    cmd = [sys.executable, "-m", "glowplug.cli", "startup", model, "--config", str(config_file), "--quiet",
-           "--report-out", str(report)]  # fmt: skip
+    cmd = [sys.executable, "-m", "glowplug.engine.fresh_start", str(config_file), str(report)]
     env = {**os.environ, "GLOWPLUG_CACHE_DIR": str(cache)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -123,11 +123,11 @@ def create_bundle(config: EngineConfig, out: Path, *, say: Callable[[str], None]
         cache = work / "cache"
         config_file = work / "config.json"
         flags = config.model_dump(mode="json", exclude={"model", "bundle"})
-        config_file.write_text(json.dumps(flags))
+        config_file.write_text(json.dumps({**flags, "model": config.model}))
         say(f"cold start of {config.model} into an empty cache dir (builds every entry)...")
-        cold = _run_start(config.model, config_file, cache, work / "cold.json")
+        cold = _run_start(config_file, cache, work / "cold.json")
         say(f"cold start READY in {cold:.1f} s; warm start (checks every entry hits, records it for the ETA)...")
-        warm = _run_start(config.model, config_file, cache, work / "warm.json")
+        warm = _run_start(config_file, cache, work / "warm.json")
         say(f"warm start READY in {warm:.1f} s; packing")
         store = ArtifactStore(cache)
 

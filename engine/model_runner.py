@@ -29,41 +29,19 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import torch
 
-from .attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN, AttentionMetadata
+from .attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN
+from .cuda_graphs import CapturedDecode, GraphCaptureStat, GraphPoolUsage, capture_decode_graphs, graph_pool_usage
 from .decode_batch import MIN_TABLE_WIDTH, DecodeBatch
 from .graph_buckets import bucket_for, static_span
 from .kv_cache import KVCache
 from .models.llama import DecoderLM
 from .outputs import ModelRunnerOutput, TokenLogprobs
 from .sampler import SampleResult, TokenMasks, sample
-from .scheduler import is_decode_row
 from .sequence import RunnerSeq
+from .step_inputs import BatchInputs, ScheduledSeq, eager_inputs
 
 if TYPE_CHECKING:
     from .scheduler import SchedulerOutput
-
-@dataclass(slots=True)  # one per scheduled sequence per step: no per-object __dict__
-class ScheduledSeq:
-    """One row of a step on the runner's side: its copy of the sequence and how many tokens it runs."""
-
-    seq: RunnerSeq
-    num_new_tokens: int
-
-    @property
-    def start(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        """Does this row take the decode path (engine/scheduler.py `is_decode_row`: a generated token, not a prompt's
-        one-token chunk)?"""
-        seq = self.seq
-        return is_decode_row(seq.num_computed_tokens, len(seq.prompt_token_ids), self.num_new_tokens)
-
-    @property
-    def samples(self) -> bool:
-        """Does this step reach the end of the known tokens, so that it produces the next token?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 # packed [B, DECODE_COLS + W] -> logits [B, vocab]
@@ -85,56 +63,6 @@ class StepTimes:
 
 
 @dataclass(frozen=True)
-class GraphCaptureStat:
-    """One captured batch size: the seconds its capture took (two warm-up calls, then the capture), how much the
-    shared graph pool's reserved memory grew while capturing it (torch.cuda.memory_reserved after minus before), and
-    the step's activations at this size: the allocator's peak during the second, uncaptured warm-up call over what
-    was allocated before it (every tensor the step makes and frees, its output included)."""
-
-    size: int
-    seconds: float
-    pool_bytes: int
-    activation_bytes: int
-
-
-@dataclass(frozen=True)
-class GraphPoolUsage:
-    """The captured graphs' shared memory pool as the CUDA caching allocator holds it (`torch.cuda.memory_snapshot`,
-    the segments whose pool id is the graphs'): what the graphs keep for their replays, apart from the memory the
-    warm-up calls and everything else took from the default pool."""
-
-    segments: int
-    reserved_bytes: int  # the pool's segments, as cudaMalloc'd
-    allocated_bytes: int  # its blocks that live tensors hold (the graphs' outputs)
-    largest_blocks: tuple[int, ...]  # the largest blocks' sizes, held or free, largest first (at most 8)
-
-
-class CapturedDecode:
-    """The decode step replayed from CUDA graphs, one per batch-size bucket, each reading its static input (a prefix
-    of the runner's serving buffer). The serving path writes its rows there already; an input held elsewhere (a
-    test's, a start-up check's) is copied in first, so a call means what it says whatever tensor it is given."""
-
-    def __init__(self, graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]]) -> None:
-        self.graphs = graphs  # size -> (graph, static input, static output)
-
-    def __call__(self, packed: torch.Tensor) -> torch.Tensor:
-        graph, static, out = self.graphs[int(packed.shape[0])]
-        if packed.data_ptr() != static.data_ptr():
-            static.copy_(packed)
-        graph.replay()
-        return out
-
-
-@dataclass
-class BatchInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    order: list[ScheduledSeq]  # prefill chunks first, then decodes: the row order of the batch
-    sample_rows: list[int]  # last row of each sequence that samples this step
-
-
-@dataclass(frozen=True)
 class _ServingViews:
     """One input shape's views of the decode batch's buffer: the flat host and device spans (the same tensor on the
     CPU), and the [rows, cols] input the step runs."""
@@ -142,11 +70,6 @@ class _ServingViews:
     host: torch.Tensor
     device: torch.Tensor
     packed: torch.Tensor
-
-
-def _pad_tables(tables: list[list[int]], width: int, fill: int, device: torch.device) -> torch.Tensor:
-    rows = [t + [fill] * (width - len(t)) for t in tables]
-    return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(tables), width)
 
 
 class ModelRunner:
@@ -310,55 +233,20 @@ class ModelRunner:
         return bucket_for(batch, self._decode_sizes)
 
     def capture_graphs(self, step: DecodeFn, sizes: list[int]) -> list[GraphCaptureStat]:
-        """Capture `step` as one CUDA graph per batch size, largest first so that the smaller ones reuse its memory
-        from the one shared pool, each over the static input buffer the serving path writes (the prefix of it that
-        size's rows take: engine/graph_buckets.py), under inference mode as every serving step runs; then install
-        the replaying step. Returns each size's capture time and pool growth (ascending sizes)."""
+        """Capture `step` as one CUDA graph per batch size over the static input buffer the serving path writes
+        (engine/cuda_graphs.py), then install the replaying step. Returns each size's capture time and pool growth
+        (ascending sizes)."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this runner's is {self.device}")
-        graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
-        stats: list[GraphCaptureStat] = []
-        pool = None
         self._batch.clear()
-        with torch.inference_mode():
-            for size in sorted(sizes, reverse=True):
-                packed = self._decode_input([], size)  # every row padding: reads and writes the scratch block
-                torch.cuda.synchronize(self.device)
-                before = torch.cuda.memory_reserved(self.device)
-                t0 = time.perf_counter()
-                side = torch.cuda.Stream(self.device)
-                side.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(side):
-                    step(packed)  # lazy initialisation and the allocator's first blocks, outside the capture
-                    torch.cuda.synchronize(self.device)
-                    torch.cuda.reset_peak_memory_stats(self.device)
-                    base = torch.cuda.memory_allocated(self.device)
-                    step(packed)  # the step as it runs from now on: its peak is this size's activations
-                    torch.cuda.synchronize(self.device)
-                    activations = torch.cuda.max_memory_allocated(self.device) - base
-                torch.cuda.current_stream(self.device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = step(packed)
-                pool = graph.pool()
-                torch.cuda.synchronize(self.device)
-                graphs[size] = (graph, packed, out)
-                grown = torch.cuda.memory_reserved(self.device) - before
-                stats.append(GraphCaptureStat(size, round(time.perf_counter() - t0, 4), grown, activations))
-        self._graph_pool = None if pool is None else (int(pool[0]), int(pool[1]))
+        graphs, stats, self._graph_pool = capture_decode_graphs(step, sizes, lambda size: self._decode_input([], size),
+                                                                self.device)  # fmt: skip
         self.install_decode(CapturedDecode(graphs), sizes)
-        return sorted(stats, key=lambda s: s.size)
+        return stats
 
     def graph_pool_usage(self) -> GraphPoolUsage | None:
         """The captured graphs' pool as the allocator holds it now (see GraphPoolUsage); None before a capture."""
-        if self._graph_pool is None:
-            return None
-        segments = [s for s in torch.cuda.memory_snapshot()
-                    if tuple(s.get("segment_pool_id", ())) == self._graph_pool
-                    and s.get("device", self.device.index or 0) == (self.device.index or 0)]  # fmt: skip
-        blocks = sorted((int(b["size"]) for s in segments for b in s.get("blocks", ())), reverse=True)
-        return GraphPoolUsage(len(segments), sum(int(s["total_size"]) for s in segments),
-                              sum(int(s["allocated_size"]) for s in segments), tuple(blocks[:8]))  # fmt: skip
+        return None if self._graph_pool is None else graph_pool_usage(self._graph_pool, self.device)
 
     # ------------------------------------------------------------------------------------------ decode path
     def _decode_input(self, seqs: list[RunnerSeq], rows: int) -> torch.Tensor:
@@ -422,46 +310,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------- eager path
     def prepare(self, scheduled: list[ScheduledSeq]) -> BatchInputs:
-        prefills = [s for s in scheduled if not s.is_decode]
-        decodes = [s for s in scheduled if s.is_decode]
-        order = prefills + decodes
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        info: list[tuple[int, int, int]] = []
-        sample_rows: list[int] = []
-        for s in order:
-            seq, start, n = s.seq, s.start, s.num_new_tokens
-            table = seq.block_table
-            if not s.is_decode:
-                info.append((len(ids), n, start + n))
-            ids.extend(seq.token_slice(start, start + n))
-            for p in range(start, start + n):
-                pos.append(p)
-                slots.append(table[p // bs] * bs + p % bs)
-            if s.samples:
-                sample_rows.append(len(ids) - 1)
-        dev = self.device
-        ptables = [s.seq.block_table for s in prefills]
-        meta = AttentionMetadata(
-            prefill_info=torch.tensor(info, dtype=torch.long, device=dev).reshape(-1, 3),
-            prefill_block_tables=_pad_tables(ptables, max(map(len, ptables), default=0), self.scratch_block, dev),
-            kv_cache=self.kv_cache,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefill_rows=[list(r) for r in info],
-        )
-        if decodes:
-            dtables = [s.seq.block_table for s in decodes]
-            meta.decode_block_tables = _pad_tables(dtables, max(2, *map(len, dtables)), self.scratch_block, dev)
-            meta.decode_ctx_lens = torch.tensor([s.start + 1 for s in decodes], dtype=torch.long, device=dev)
-        return BatchInputs(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(pos, dtype=torch.long, device=dev),
-            meta=meta,
-            order=order,
-            sample_rows=sample_rows,
-        )
+        """The eager forward's inputs for `scheduled` (engine/step_inputs.py `eager_inputs`)."""
+        return eager_inputs(scheduled, self.block_size, self.scratch_block, self.kv_cache, self.device)
 
     def execute_parts(self, scheduled: list[ScheduledSeq]) -> Iterator[tuple[PartResults, bool]]:
         """Run one scheduled step, yielding each part's results (and whether it is the last part) as soon as it has

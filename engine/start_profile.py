@@ -76,6 +76,13 @@ def read_records(folder: Path) -> list[StartRecord]:
     return parse_profile(json.loads((folder / PHASES).read_text()))
 
 
+def lookup_records(store: ArtifactStore, config: EngineConfig) -> list[StartRecord]:
+    """This config's recorded starts, newest first (empty when none or unreadable); a damaged entry is reported as
+    the store's lookup reports one."""
+    factors = profile_factors(config, config.resolved_device())
+    return store.lookup(STARTUP_PROFILE, factors, group=model_group(config.model), load=read_records).value or []
+
+
 def config_records(store: ArtifactStore, config: EngineConfig, device: str) -> list[StartRecord]:
     """This config's recorded starts, newest first, read without moving or stamping anything (empty when none or
     unreadable; a start's own lookup deals with a damaged entry)."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -312,21 +311,6 @@ def generate_words(args: argparse.Namespace) -> tuple[str, list[str]]:
     return option or args.model_default, words
 
 
-def _startup_imports(args: argparse.Namespace) -> None:
-    import importlib
-
-    from glowplug.profiling.imports import STARTUP_IMPORTS
-
-    # torch first and timed on its own: the floor's `import torch` term. transformers is not imported here: the
-    # stage that needs it imports it, alongside the weights loading on another thread.
-    t0 = time.perf_counter()
-    import torch  # noqa: F401
-
-    args.marks.import_torch_s = time.perf_counter() - t0
-    for module in STARTUP_IMPORTS:
-        importlib.import_module(module)
-
-
 def _predict_only(args: argparse.Namespace, config: EngineConfig) -> int:
     """`startup --predict-only`: the predicted phases of a start of `config`, without starting it (no torch, no
     weight read: engine/start_profile.py predict_before_start)."""
@@ -420,7 +404,9 @@ def cmd_startup(args: argparse.Namespace) -> int:
         return worker
     _configure_logging(args, args.log_level)
     progress = _begin_progress(args, config)
-    _startup_imports(args)
+    from glowplug.profiling.imports import import_startup_modules
+
+    import_startup_modules(args.marks)
     from glowplug.engine.startup import StartupFailed, build_engine
     from glowplug.profiling import export, phases
     from glowplug.profiling.names import STARTUP_SPAN, Row
@@ -694,7 +680,7 @@ def run_command(args: argparse.Namespace) -> int:
     from glowplug.base.errors import MissingExtra
     from glowplug.engine.config import ConfigError
     from glowplug.engine.models.arch import ModelError
-    from glowplug.engine.stages.base import StartupFailed
+    from glowplug.engine.stages.protocol import StartupFailed
 
     verbose = bool(getattr(args, "verbose", False))
     try:

@@ -239,8 +239,8 @@ def compiler_available() -> bool:
 
 
 def _build_in_background(level: str, cache_dir: Path) -> str:
-    """Start `glowplug kernels build --level LEVEL --dest CACHE` detached, so the next start finds the variant; a
-    start never waits for it. Returns what was started, or why not."""
+    """Start `python -m glowplug.kernels.native_build LEVEL CACHE` detached, so the next start finds the variant;
+    a start never waits for it. Returns what was started, or why not."""
     if _compiler() is None:
         return f"{level} not built: no C++ compiler (g++, or $CXX) on PATH"
     if os.environ.get("GLOWPLUG_NATIVE_BACKGROUND_BUILD", "1") == "0":
@@ -253,8 +253,7 @@ def _build_in_background(level: str, cache_dir: Path) -> str:
     if problem is not None:  # a build could not store its variant (a read-only cache dir): a miss, said once
         store.bypass(NATIVE, problem)
         return f"{level} not built: GLOWPLUG_CACHE_DIR {problem.problem}"
-    cmd = [sys.executable, "-m", "glowplug.cli", "kernels", "build", "--levels", level, "--dest", str(cache_dir),
-           "--quiet"]  # fmt: skip
+    cmd = [sys.executable, "-m", "glowplug.kernels.native_build", level, str(cache_dir)]
     subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                      start_new_session=True)  # fmt: skip
     return f"building {level} in the background for the next start"

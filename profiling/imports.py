@@ -15,7 +15,10 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from glowplug.profiling.process import ProcessMarks
 
 # What `glowplug startup` imports before it marks the imports done (glowplug/cli.py imports this same list, so the
 # measurement and the row cover the same modules). torch first: its time is the floor's `import torch`.
@@ -25,6 +28,21 @@ STARTUP_IMPORTS: Final[tuple[str, ...]] = (
     "glowplug.profiling.export",
     "glowplug.profiling.phases",
 )
+
+
+def import_startup_modules(marks: ProcessMarks) -> None:
+    """Import STARTUP_IMPORTS, as every process that starts an engine from its own main does (`glowplug startup`,
+    engine/fresh_start.py), torch first and timed on its own into `marks.import_torch_s`: the floor's `import torch`
+    term. transformers is not among them: the stage that needs it imports it, beside the weights loading."""
+    import importlib
+    import time
+
+    t0 = time.perf_counter()
+    import torch  # noqa: F401
+
+    marks.import_torch_s = time.perf_counter() - t0
+    for module in STARTUP_IMPORTS:
+        importlib.import_module(module)
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,7 @@ class Attr:
     GRAPH_SIZE_POOL_BYTES: Final = "glowplug.graph_size_pool_bytes"  # list[int], aligned with GRAPH_SIZES
     GRAPH_POOL_BYTES: Final = "glowplug.graph_pool_bytes"  # int
     # CUDA: each size's activations (the allocator's peak over one uncaptured call), aligned with GRAPH_SIZES; and
-    # the graphs' pool after capture as torch.cuda.memory_snapshot holds it (engine/model_runner.py GraphPoolUsage)
+    # the graphs' pool after capture as torch.cuda.memory_snapshot holds it (engine/cuda_graphs.py GraphPoolUsage)
     GRAPH_SIZE_ACTIVATION_BYTES: Final = "glowplug.graph_size_activation_bytes"  # list[int]
     GRAPH_POOL_RESERVED_BYTES: Final = "glowplug.graph_pool.reserved_bytes"  # int
     GRAPH_POOL_ALLOCATED_BYTES: Final = "glowplug.graph_pool.allocated_bytes"  # int

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from glowplug.engine.stages.base import StageReport
+from glowplug.engine.stages.protocol import StageReport
 
 
 @dataclass

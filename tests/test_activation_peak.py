@@ -12,7 +12,7 @@ import pytest
 from glowplug.base.artifacts.cachedir import cache_dir_from_env
 from glowplug.engine.activation_peak import activation_peak
 from glowplug.engine.config import EngineConfig
-from glowplug.engine.stages.base import run_stages
+from glowplug.engine.stages.runner import run_stages
 from glowplug.engine.stages.context import EngineContext
 from glowplug.engine.stages.kv_cache_profiling import ANALYTIC_NOTE, ATTR_KV_PROFILE, _measure, profile_batch
 from glowplug.engine.startup import build_engine, default_stages

@@ -14,7 +14,8 @@ from startup_probe import SlotProbe
 from glowplug.base.artifacts.manifest import read_manifest, record_file, write_manifest
 from glowplug.engine.compile import CompiledDecode
 from glowplug.engine.compile_cache import _clear_inductor_memory
-from glowplug.engine.compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable, _rewrite
+from glowplug.engine.compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable
+from glowplug.engine.compile_replay_plan import _rewrite
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.models.tiny import make_tiny_checkpoint
 from glowplug.engine.sampling_params import SamplingParams

@@ -143,7 +143,7 @@ def test_prepared_folder_as_a_path_reads_its_gguf_or_says_it_is_gone(smollm2_dir
     import shutil
 
     from glowplug.engine.config import EngineConfig
-    from glowplug.engine.stages.base import StartupFailed
+    from glowplug.engine.stages.protocol import StartupFailed
     from glowplug.engine.startup import build_engine
 
     cfg = EngineConfig.from_flat(model=str(smollm2_dir), compile="off", max_num_seqs=2, max_model_len=256)

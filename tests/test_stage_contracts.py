@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from glowplug.engine import startup
+from glowplug.engine import start_run, startup
 from glowplug.engine.config import EngineConfig
-from glowplug.engine.stages.base import (
+from glowplug.engine.stages.protocol import (
     StageContractError,
     StageReport,
     StageResult,
@@ -21,8 +21,8 @@ from glowplug.engine.stages.base import (
     StartupFailed,
     check_pipeline,
     declarations,
-    run_stages,
 )
+from glowplug.engine.stages.runner import run_stages
 from glowplug.engine.stages.bundle_install import BundleInstall
 from glowplug.engine.stages.context import EngineContext
 from glowplug.engine.startup import StartupResult, build_engine, default_stages
@@ -70,6 +70,7 @@ def _started(config: EngineConfig, cache: Path | None, monkeypatch: pytest.Monke
             made.append(weakref.ref(self))
 
     monkeypatch.setattr(startup, "EngineContext", Tracked)
+    monkeypatch.setattr(start_run, "EngineContext", Tracked)
     result = build_engine(config, tracing=setup_tracing(), cache_dir=cache)
     gc.collect()
     # Two: the pipeline's, and the scratch one the ETA's cache probe fills before the first stage (plan_start).
@@ -230,6 +231,31 @@ def test_build_engine_rejects_a_bad_declaration_before_the_start(tmp_path: Path)
         build_engine(EngineConfig.from_flat(model=str(tmp_path)), tracing=tracing, cache_dir=tmp_path,
                      stages=stages)  # fmt: skip
     assert tracing.finished_spans() == ()
+
+
+def test_hooks_at_ready_keep_the_stage_contract() -> None:
+    """The work at READY (engine/stages/ready.py) follows the one stage protocol: its declarations name real slots
+    of ReadyContext, and a hook is held to them as a stage is, even when it catches the error itself."""
+    from glowplug.engine.stages.ready import ReadyContext, ready_hooks
+    from glowplug.engine.stages.runner import run_in_order
+
+    hooks = ready_hooks(EngineConfig(tensor_parallel_size=2))
+    check_pipeline(hooks, ReadyContext)
+    assert [h.name for h in hooks] == ["measure_floor", "record_profile", "seal_compile_cache", "phase_table",
+                                       "serve_steps"]  # fmt: skip
+    written = {slot for hook in hooks for slot in declarations(hook)[1]}
+    assert written == ReadyContext.slot_names()
+
+    def sneaky(ctx: Any) -> None:
+        try:
+            ctx.table = "a table"
+        except StageContractError:
+            pass
+
+    ctx = ReadyContext(**{name: None for name in ReadyContext.INPUTS})
+    with pytest.raises(StageContractError, match="stage 'sneaky' wrote 'table', which it does not declare"):
+        run_in_order([Fake("sneaky", sneaky, provides=("floor",))], ctx)
+    assert ctx.table is None
 
 
 @pytest.mark.parametrize("missing", ["needs", "provides"])

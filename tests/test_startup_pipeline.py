@@ -262,7 +262,7 @@ def _heap_churn() -> None:
 
 
 def test_a_start_defers_full_collections_and_restores_the_thresholds(tiny_dir, tmp_path: Path) -> None:
-    from glowplug.engine.stages.base import StageReport
+    from glowplug.engine.stages.protocol import StageReport
 
     before = gc.get_threshold()
     with _Collections() as baseline:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ...profiling.names import Attr
 from ..bundle import install_for_start
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 

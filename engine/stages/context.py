@@ -20,7 +20,7 @@ from ..model_runner import ModelRunner
 from ..models.arch import ModelArch
 from ..models.llama import DecoderLM
 from ..parallel import TPShard, launch_rank
-from .base import StartupContext
+from .protocol import StartupContext
 
 from glowplug.kernels.gguf import GGUFRows
 
@@ -36,7 +36,7 @@ class StageOrderError(RuntimeError):
 class EngineContext(StartupContext):
     """The start-up's state; it lives until READY, when build_engine keeps what serving needs and drops the rest.
 
-    Stages see it through a ContextView (engine/stages/base.py), which also binds the methods below to the view,
+    Stages see it through a ContextView (engine/stages/view.py), which also binds the methods below to the view,
     so `quant_group_size` reads `model_dir` only for a stage that needs it.
     """
 

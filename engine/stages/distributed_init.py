@@ -9,7 +9,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from ...profiling.names import Attr
 from ..distributed import TPGroup
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 

@@ -22,7 +22,7 @@ from ..kv_cache import KVCache
 from ..model_runner import dummy_decode_batch
 from ..start_estimate import HIT, MISS
 from ..config import EngineConfig
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 TRACE_BATCH = 2  # any size: the batch dimension is unbacked, never specialised
@@ -127,7 +127,7 @@ class DynamoTransform:
     caches: tuple[str, ...] = ("compile",)
 
     def cpu_bound(self, config: EngineConfig) -> bool:
-        """A cold trace or compile keeps every core busy (engine/stages/base.py runs such stages one at a time on
+        """A cold trace or compile keeps every core busy (engine/stages/schedule.py runs such stages one at a time on
         few cores); a warm start's load is short, so holding a stage back behind it costs little."""
         return config.compile_enabled()
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ...profiling.names import Attr
 from ..graph_buckets import bucket_sizes
 from ..model_runner import ModelRunner
-from .base import StageReport
+from .protocol import StageReport
 from .dynamo_transform import skipped_reason
 from .context import EngineContext
 

@@ -25,12 +25,13 @@ from ...profiling.names import Attr, Row
 from glowplug.base.artifacts.caches import file_stamps
 from ..compile import CompiledDecode, LoadedDecode, TracedDecode
 from ..compile_cache import CompileCache, StoredReplay
-from ..compile_replay import ReplayPlan, check_fingerprint, make_plan
+from ..compile_replay import ReplayPlan
+from ..compile_replay_plan import check_fingerprint, make_plan
 from ..kv_cache import KVCache
 from glowplug.base.errors import one_line
 
 from ..config import EngineConfig
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 from .dynamo_transform import fall_back_to_eager, inductor_settings, scratch_cache, skipped_reason, trace
 
@@ -66,7 +67,7 @@ class GraphCompile:
     caches: tuple[str, ...] = ("compile",)
 
     def cpu_bound(self, config: EngineConfig) -> bool:
-        """A cold trace or compile keeps every core busy (engine/stages/base.py runs such stages one at a time on
+        """A cold trace or compile keeps every core busy (engine/stages/schedule.py runs such stages one at a time on
         few cores); a warm start's load is short, so holding a stage back behind it costs little."""
         return config.compile_enabled()
 

@@ -10,7 +10,7 @@ from ..llm_engine import LLMEngine
 from ..model_runner import ModelRunner
 from ..scheduler import Scheduler
 from ..tokenizer import eos_token_ids
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 

@@ -40,7 +40,7 @@ from ..kv_sizing import plan_kv_cache
 from ..models.store import model_group
 from ..parallel import tp_factors
 from ..start_estimate import HIT, MISS
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 PROFILE = "profile.json"
@@ -126,7 +126,7 @@ class KVCacheProfiling:
     name = "kv_cache_profiling"
     # Not the compile stages': the profiling forward runs eagerly and its tensor tracking is per thread, so it may
     # run alongside Dynamo tracing and the Inductor compile (with few cores a measured one runs after them instead:
-    # `cpu_bound`, engine/stages/base.py).
+    # `cpu_bound`, engine/stages/schedule.py).
     # model_dir: the quantization group size it keys the profile on can come from the source GGUF.
     needs: tuple[str, ...] = ("model", "arch", "dtype", "weights_bytes", "model_dir")
     provides: tuple[str, ...] = ("kv_plan",)

@@ -19,7 +19,7 @@ from ..models.gguf_tensors import PackPlan, TensorTable, load_gguf_weights
 from ..models.loader import build_meta_model, check_state_dict, fuse_checkpoint, read_checkpoint
 from ..models.store import gguf_table
 from ..parallel import shard_checkpoint
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 _PAGE = 4096

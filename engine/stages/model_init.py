@@ -10,7 +10,7 @@ from collections.abc import Callable
 from ...profiling.names import Attr
 from ..models.gguf_auto import LayerFormats
 from ..models.loader import build_meta_model, install_stored, materialize
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 

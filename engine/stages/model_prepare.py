@@ -11,7 +11,7 @@ from ..models.arch import ModelError, load_arch
 from ..models.loader import resolve_dtype
 from ..models.store import gguf_file_for, gguf_source, gguf_table, model_factors, prepare_model, source_quant_block
 from ..start_estimate import HIT, MISS
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 

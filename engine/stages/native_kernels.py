@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ...profiling.names import Attr
 from ..start_estimate import HIT, MISS
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 # The row-major dense kernel (fp32 layers, and the tied LM head, which is not copied into a blocked layout) serves

@@ -21,7 +21,7 @@ from ..models.loader import checkpoint_files
 from ..models.store import gguf_table, model_group
 from ..parallel import tp_factors
 from ..start_estimate import HIT, MISS
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 QUANTIZED = "quantized.safetensors"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..tokenizer import load_tokenizer
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 

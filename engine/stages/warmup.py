@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..llm_engine import LLMEngine
 from ..sampling_params import SamplingParams
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 WARMUP_TOKENS = 4

@@ -93,6 +93,21 @@ def test_a_lower_stored_variant_runs_now_and_the_right_one_is_not_waited_for(tmp
     assert not got["available"] and "no prebuilt variant (`glowplug kernels build`" in str(got["reason"])
 
 
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="needs a C++ compiler to build")
+def test_the_background_build_process_stores_a_variant_the_next_start_finds(tmp_path: Path) -> None:
+    """What a start runs detached when its level is not built (kernels/native.py `_build_in_background`): the
+    kernels' own entry point, in a process of its own; the variant it stores is then found, not built again."""
+    from glowplug.kernels.native import build_variant
+
+    cmd = [sys.executable, "-m", "glowplug.kernels.native_build", "portable", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    path, built = build_variant(tmp_path, "portable")
+    assert path.is_file() and not built
+    bad = subprocess.run([*cmd[:3], "sse9", str(tmp_path)], capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "LEVEL: one of portable" in bad.stderr
+
+
 @pytest.mark.slow  # one compile per level this machine runs (prebuilt at install: then none) and the op tests
 @pytest.mark.parametrize("level", ISA_LEVELS)
 def test_every_op_at_every_level_matches_its_reference(level: str, tmp_path: Path) -> None:

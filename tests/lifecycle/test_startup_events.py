@@ -32,7 +32,7 @@ LOGGED = ("phase_start", "phase_end", "state")
 def assert_pipeline_order(events: list[tuple[str, str]]) -> None:
     """(phase_start|phase_end, stage) in stream order: every stage once, started after the stages it waits for
     ended (independent stages overlap, so their relative order is free)."""
-    from glowplug.engine.stages.base import stage_dependencies
+    from glowplug.engine.stages.schedule import stage_dependencies
 
     pos = {ev: i for i, ev in enumerate(events)}
     assert len(pos) == len(events) == 2 * len(PIPELINE)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from glowplug.engine.stages.base import STAGE_DELAY_ENV
+from glowplug.engine.stages.runner import STAGE_DELAY_ENV
 from glowplug.lifecycle.config import ServeConfig
 
 from lifecycle_harness import ThreadServer, engine_config, metric

@@ -12,7 +12,7 @@ from typing import Any
 import structlog
 from opentelemetry import trace
 
-from glowplug.engine.stages.base import AttrValue, StageReport, StartupContext
+from glowplug.engine.stages.protocol import AttrValue, StageReport, StartupContext
 from glowplug.profiling.names import Attr
 
 
@@ -96,7 +96,7 @@ def default_pipeline(seconds: float = 0.005, *, busy: bool = False) -> list[Slee
 def run_startup(tracing: Any, stages: list[Any], *, imports_s: float = 0.0) -> tuple[Any, float, int]:
     """Run a start-up the way the engine does (process marks, root span, the stage runner, READY): returns (phase
     table, wall seconds of run_stages, ready ns). `imports_s` sleeps first, standing in for the heavy imports."""
-    from glowplug.engine.stages.base import run_stages
+    from glowplug.engine.stages.runner import run_stages
     from glowplug.profiling.phases import build_phase_table
     from glowplug.profiling.process import mark_main_entry, open_startup_span
 

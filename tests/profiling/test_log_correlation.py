@@ -8,7 +8,8 @@ import json
 import structlog
 from startup_fakes import SleepStage
 
-from glowplug.engine.stages.base import StartupContext, run_stages
+from glowplug.engine.stages.protocol import StartupContext
+from glowplug.engine.stages.runner import run_stages
 from glowplug.profiling.logs import configure_logging
 from glowplug.profiling.names import STARTUP_SPAN, Attr
 from glowplug.profiling.tracing import Tracing

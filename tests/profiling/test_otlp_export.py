@@ -8,7 +8,8 @@ import pytest
 from otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver, ReceivedSpan
 from startup_fakes import SleepStage, default_pipeline
 
-from glowplug.engine.stages.base import StartupContext, StartupFailed, run_stages
+from glowplug.engine.stages.protocol import StartupContext, StartupFailed
+from glowplug.engine.stages.runner import run_stages
 from glowplug.profiling.names import STAGES, STARTUP_SPAN, Attr, stage_span_name
 from glowplug.profiling.process import mark_main_entry, open_startup_span
 from glowplug.profiling.tracing import otlp_target_from_env, setup_tracing

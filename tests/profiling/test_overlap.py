@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import pytest
 from startup_fakes import FakeContext, SleepStage, run_startup
 
-from glowplug.engine.stages.base import StageReport, StartupContext, StartupFailed, run_stages, stage_dependencies
+from glowplug.engine.stages.protocol import StageReport, StartupContext, StartupFailed
+from glowplug.engine.stages.runner import run_stages
+from glowplug.engine.stages.schedule import stage_dependencies
 from glowplug.profiling.export import chrome_trace
 from glowplug.profiling.names import STARTUP_SPAN, Attr, Row, stage_from_span_name
 from glowplug.profiling.tracing import Tracing
@@ -139,7 +141,7 @@ def _heavy_pipeline() -> list[Declared]:
 @pytest.mark.parametrize("cores", [1, 8])
 def test_few_cores_run_cpu_bound_stages_one_after_another_and_say_so(tracing: Tracing, monkeypatch: pytest.MonkeyPatch,
                                                                       cores: int) -> None:  # fmt: skip
-    import glowplug.engine.stages.base as base
+    import glowplug.engine.stages.schedule as base
 
     monkeypatch.setattr(base, "usable_cores", lambda: cores)
     run_stages(_heavy_pipeline(), FakeContext(), tracer=tracing.tracer())
@@ -163,7 +165,7 @@ def test_few_cores_run_cpu_bound_stages_one_after_another_and_say_so(tracing: Tr
 
 
 def test_one_cpu_bound_stage_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import glowplug.engine.stages.base as base
+    import glowplug.engine.stages.schedule as base
 
     stages = _heavy_pipeline()
     stages[2].heavy = False  # an analytic KV peak: milliseconds, nothing to keep off the cores

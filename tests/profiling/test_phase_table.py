@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from rich.console import Console
 from startup_fakes import SleepStage, default_pipeline, run_startup
 
-from glowplug.engine.stages.base import StartupContext, StartupFailed, run_stages
+from glowplug.engine.stages.protocol import StartupContext, StartupFailed
+from glowplug.engine.stages.runner import run_stages
 from glowplug.profiling.logs import configure_logging
 from glowplug.profiling.names import LEAF_ROWS, STAGE_ROWS, STAGES, Attr, Row, stage_span_name
 from glowplug.profiling.phases import (

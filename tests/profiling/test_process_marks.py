@@ -25,7 +25,8 @@ import json
 from glowplug.profiling.phases import build_phase_table, to_dict
 from glowplug.profiling.process import open_startup_span
 from glowplug.profiling.tracing import setup_tracing
-from glowplug.engine.stages.base import StageReport, StartupContext, run_stages
+from glowplug.engine.stages.protocol import StageReport, StartupContext
+from glowplug.engine.stages.runner import run_stages
 
 class Tokenizer:
     name = "tokenizer_init"

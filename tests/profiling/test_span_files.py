@@ -14,7 +14,8 @@ from opentelemetry.trace import format_span_id, format_trace_id
 from otlp_receiver import flatten
 from startup_fakes import SleepStage, default_pipeline
 
-from glowplug.engine.stages.base import StartupContext, StartupFailed, run_stages
+from glowplug.engine.stages.protocol import StartupContext, StartupFailed
+from glowplug.engine.stages.runner import run_stages
 from glowplug.profiling.export import chrome_trace, read_otlp_json, write_chrome_trace, write_otlp_json
 from glowplug.profiling.names import STARTUP_SPAN, Attr
 from glowplug.profiling.tracing import Tracing

@@ -6,7 +6,8 @@ import pytest
 from opentelemetry.trace import StatusCode
 from startup_fakes import SleepStage, default_pipeline
 
-from glowplug.engine.stages.base import Stage, StartupContext, StartupFailed, run_stages
+from glowplug.engine.stages.protocol import Stage, StartupContext, StartupFailed
+from glowplug.engine.stages.runner import run_stages
 from glowplug.profiling.names import STAGES, STARTUP_SPAN, Attr, stage_span_name
 from glowplug.profiling.process import mark_main_entry, open_startup_span
 from glowplug.profiling.tracing import Tracing
