@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .core import EngineCore, EngineStats, RequestStatus, StepShape
-from .model_runner import ModelRunner
+from .layer_kernels import LayerKernel, layer_kernels
+from .model_runner import ModelRunner, StepTimes
 from .models.llama import DecoderLM
 from .outputs import CompletionOutput, OutputProcessor, RequestMetrics, RequestOutput, SeqUpdate
 from .sampling_params import SamplingParams
@@ -65,6 +66,22 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished()
+
+    def step_times(self) -> StepTimes:
+        """Nanoseconds spent so far inside the model call and inside the sampler, summed over the engine's life.
+        Read before and after a `step()`: the step's wall time minus what both grew by is its host time (scheduling,
+        the step's inputs, booking the results, the text), the part of a step that is the engine's own work."""
+        return self.core.runner.step_times()
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run the compiled decode step (False: every step is eager)."""
+        return self.core.runner.decode_step is not None
+
+    def layer_kernels(self, batch: int = 1) -> list[LayerKernel]:
+        """Each weight-reading layer, the kernel a decode step of `batch` rows runs in it (a quantized eager layer:
+        its dispatcher's choice at that batch) and the weight bytes it reads (engine/layer_kernels.py)."""
+        return layer_kernels(self.core.runner.model, self.compiled, batch)
 
     def stats(self) -> EngineStats:
         return self.core.stats()

@@ -568,10 +568,10 @@ def _add_bench_commands(bench: argparse.ArgumentParser, tune_parser: argparse.Ar
         p.set_defaults(func=_report_command(cls, run))
 
     from glowplug.profiling.bench import all as bench_all
-    from glowplug.profiling.bench import latency, screenshots, seed004_bench, startup_bench, throughput, tune
+    from glowplug.profiling.bench import latency, screenshots, startup_bench, startup_sweep, throughput, tune
     from glowplug.profiling.bench import serve as serve_bench
 
-    for module in (latency, throughput, startup_bench, serve_bench, bench_all, screenshots, seed004_bench):
+    for module in (latency, throughput, startup_bench, serve_bench, bench_all, screenshots, startup_sweep):
         module.register(bsub, add_model_flags)
     tsub = tune_parser.add_subparsers(dest="tune_command", required=True, metavar="TUNE")
     tune.register(tsub, add_model_flags)

@@ -246,7 +246,7 @@ class TransportGuard:
             await self.app(scope, receive, send)
             return
         scope.setdefault("state", {})[RECEIVED_AT] = time.monotonic()
-        refusal = self._refusal(scope)
+        refusal = self.refusal(scope)
         if refusal is not None:
             scope["state"].setdefault("access", {})["error"] = refusal.message
             await refusal.response()(scope, receive, send)
@@ -258,7 +258,9 @@ class TransportGuard:
             # ClientDisconnected and are handled where they are raised.
             note_disconnect(scope, self.metrics, DisconnectStage.BODY)
 
-    def _refusal(self, scope: Scope) -> ApiError | None:
+    def refusal(self, scope: Scope) -> ApiError | None:
+        """The answer a request gets from its head alone (an oversized head, a missing or wrong API key, a declared
+        body over the limit), counted in the rejection metric; None lets it through to the app."""
         limits = self.limits
         path = str(scope.get("path", ""))
         head_bytes = len(scope.get("raw_path", b"")) + sum(len(k) + len(v) + 4 for k, v in scope.get("headers", []))

@@ -1,9 +1,10 @@
 """A/B of the decode step's host time between two source trees, in one run (issue 31's target).
 
 Host time per decode step = the step's wall time minus the compiled model call and the sampler, the same definition
-as `glowplug bench decode`'s "host ms / step" column. Older trees have no ModelRunner.step_times, so this script
-times both trees the same way from outside: it wraps the model runner's `sample` function and the installed decode
-step with perf_counter_ns timers, then subtracts those from each engine.step()'s wall time.
+as `glowplug bench decode`'s "host ms / step" column, by the same loop (profiling/bench/timing.py `time_batch`,
+loaded from this script's tree by its path, so the tree under test needs none of it). Older trees have no
+step_times, so this script times both trees the same way from outside: it wraps the model runner's `sample`
+function and the installed decode step with perf_counter_ns timers, and hands those to the loop as its clock.
 
     python scripts/host_time_ab.py --a /path/to/old/tree --b . --pairs 3 --out reports/decode-host-ab.md
 
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 _PACKAGES = {"engine": "engine", "kernels": "kernels", "lifecycle": "lifecycle", "profiling": "profiling", "base": "base"}
 
@@ -38,6 +40,20 @@ def _shim(tree: Path, where: Path) -> Path:
         if (tree / folder).is_dir():
             (pkg / name).symlink_to(tree / folder)
     return where
+
+
+def _timing_module() -> ModuleType:
+    """profiling/bench/timing.py of this script's tree, loaded by its path (it imports only the standard library
+    at load): the one decode-timing loop, whatever the tree under test holds."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent.parent / "profiling" / "bench" / "timing.py"
+    spec = importlib.util.spec_from_file_location("host_time_ab_timing", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolves the module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
 
 
 def _measure(batches: list[int], new_tokens: int, prompt_tokens: int) -> dict[str, dict[str, float]]:
@@ -79,29 +95,21 @@ def _measure(batches: list[int], new_tokens: int, prompt_tokens: int) -> dict[st
             timers["model"] += time.perf_counter_ns() - t
 
     setattr(runner, attr, timed_step)  # a measurement harness: the same wrapper on both trees
+    def booked() -> SimpleNamespace:  # the wrappers' clock, in the shape of LLMEngine.step_times()
+        return SimpleNamespace(model_ns=timers["model"], sample_ns=timers["sample"])
+
+    time_batch = _timing_module().time_batch
     vocab = 1000
     out: dict[str, dict[str, float]] = {}
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     for batch in batches:
         for rep in range(2):  # the first run warms this batch shape's allocations
             prompts = [[(17 + 31 * i + 7 * j) % vocab + 10 for j in range(prompt_tokens)] for i in range(batch)]
-            reqs = [engine.add_request(None, params, prompt_token_ids=p) for p in prompts]
-            seqs = [s for r in reqs for s in r.seqs]
-            while engine.has_unfinished() and not all(s.output_token_ids for s in seqs):
-                engine.step()
-            host: list[int] = []
-            walls: list[int] = []
-            while engine.has_unfinished():
-                m0, s0 = timers["model"], timers["sample"]
-                a = time.perf_counter_ns()
-                engine.step()
-                wall = time.perf_counter_ns() - a
-                walls.append(wall)
-                host.append(wall - (timers["model"] - m0) - (timers["sample"] - s0))
+            t = time_batch(engine, prompts, params, booked=booked)
             if rep == 1:
                 out[str(batch)] = {
-                    "host_ms": statistics.median(host) / 1e6,
-                    "step_ms": statistics.median(walls) / 1e6,
+                    "host_ms": statistics.median(t.decode_host_s) * 1e3,
+                    "step_ms": statistics.median(t.decode_step_s) * 1e3,
                 }
     return out
 

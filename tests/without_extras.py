@@ -1,8 +1,8 @@
-"""Run a module as `python -m` would, in a process where transformers and accelerate cannot be imported.
+"""Run a module as `python -m` would, in a process where transformers, accelerate and matplotlib cannot be imported.
 
     python tests/without_extras.py MODULE [ARGS...]
 
-They are the `test` and `bench` extras, not runtime dependencies: a meta-path finder placed ahead of every other
+They come with the `test` and `bench` extras, not as runtime dependencies: a meta-path finder placed ahead of every other
 one refuses them as if they were not installed, so whatever MODULE does (serve, generate) proves it needs neither.
 Used by tests/test_without_extras.py.
 """
@@ -16,7 +16,7 @@ from importlib.abc import MetaPathFinder
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 
-BLOCKED = ("transformers", "accelerate")
+BLOCKED = ("transformers", "accelerate", "matplotlib")
 
 
 class RefuseExtras(MetaPathFinder):

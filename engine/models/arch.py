@@ -99,6 +99,16 @@ class ModelArch(BaseModel):
     def kv_bytes_per_token(self, element_size: int) -> int:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * element_size
 
+    def projection_shapes(self, lm_head: bool = True) -> list[tuple[int, int]]:
+        """(N, K) of every distinct projection the quantizer converts: the fused q/k/v, o, the fused gate/up, down,
+        and with `lm_head` the LM head. The kernel dispatcher is calibrated on exactly these."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        h, i = self.hidden_size, self.intermediate_size
+        shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+        if lm_head:
+            shapes.append((self.vocab_size, self.hidden_size))
+        return list(dict.fromkeys(shapes))
+
 
 def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling]:
     # transformers >= 5 writes `rope_parameters`; older checkpoints use `rope_theta` + `rope_scaling`.

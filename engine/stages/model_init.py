@@ -16,13 +16,8 @@ from .context import EngineContext
 
 def layer_shapes(ctx: EngineContext) -> list[tuple[int, int]]:
     """(N, K) of every distinct projection the quantizer converts: the fused layer projections and the head."""
-    a = ctx.need(ctx.arch, "the architecture", "model_prepare")
-    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    shapes = [(q + 2 * kv, a.hidden_size), (a.hidden_size, q), (2 * a.intermediate_size, a.hidden_size),
-              (a.hidden_size, a.intermediate_size)]  # fmt: skip
-    if ctx.config.quant.quantize_lm_head:
-        shapes.append((a.vocab_size, a.hidden_size))
-    return list(dict.fromkeys(shapes))
+    arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
+    return arch.projection_shapes(ctx.config.quant.quantize_lm_head)
 
 
 def kernel_dispatcher(ctx: EngineContext) -> tuple[object, str]:

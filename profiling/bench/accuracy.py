@@ -156,7 +156,7 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
         got = next_token_logprobs(llm.engine.model, windows)
         ppl, kl, top1, n = compare(ref, got, windows)
         rows.append(AccuracyRow(quant, ppl, 100 * (ppl / ref_ppl - 1), kl, top1, n))
-        native = native_logprobs(llm.engine.model, windows) if cfg.native else None
+        native = native_logprobs(llm, windows) if cfg.native else None
         if native is not None:
             label, got = native
             ppl, kl, top1, n = compare(ref, got, windows)
@@ -165,24 +165,18 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
     return rows
 
 
-def native_logprobs(model: Any, windows: list[list[int]]) -> tuple[str, list[Any]] | None:
-    """The windows scored with the quantized layers on glowplug's native kernels, and the row's label ("native
-    <ISA level>"); None where the kernels do not load or no quantized layer has one. Not a flag on the eager row:
-    the kernels compute differently (int4 takes the activations to int8 from the AVX2 level up, int8 to 16-bit
-    fixed point), and the compiled decode step runs them."""
-    import torch
+def native_logprobs(llm: Any, windows: list[list[int]]) -> tuple[str, list[Any]] | None:
+    """The windows scored with the quantized layers on glowplug's native kernels (`LLM.use_native_kernels`), and
+    the row's label ("native <ISA level>"); None where the kernels do not load or no quantized layer has one. Not a
+    flag on the eager row: the kernels compute differently (int4 takes the activations to int8 from the AVX2 level
+    up, int8 to 16-bit fixed point), and the compiled decode step runs them."""
+    from ...kernels.modules import native_kernels_in_eager
 
-    from ...base.artifacts.cachedir import cache_dir_from_env
-    from ...engine.stages.native_kernels import DENSE_SMALL_M
-    from ...kernels.modules import enable_native_decode, native_kernels_in_eager
-    from ...kernels.native import load_native, loaded_level
-
-    if not load_native(cache_dir_from_env()).available:
-        return None
-    if enable_native_decode(model, DENSE_SMALL_M, torch.bfloat16)["quantized"] == 0:
+    level = llm.use_native_kernels()
+    if level is None:
         return None
     with native_kernels_in_eager():
-        return f"native {loaded_level()}", next_token_logprobs(model, windows)
+        return f"native {level}", next_token_logprobs(llm.engine.model, windows)
 
 
 def quality(rows: list[AccuracyRow]) -> dict[str, Any]:

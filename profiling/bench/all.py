@@ -26,8 +26,8 @@ Order, and why:
                        16, 32, prefill of 512 tokens, 2,048-token context, batch invariance, against llama.cpp
                        (generator loop and batched API) on the same file
      real-decode-7b    the same targets' batch-1 cell on the synthetic 7B (needs --synthetic-7b)
-  10. throughput       seed 002's seven named configurations x schemes, Output Throughput without prefill
-  11. latency          seed 001's TGI-style tables (prefill, decode token, decode total) per quantization
+  10. throughput       the reference sweep's seven named configurations x schemes, Output Throughput w/o prefill
+  11. latency          TGI-style tables (prefill, decode token, decode total) per quantization
   12. latency-tp       the same at TP=3 against TP=1 (gloo)
   13. tune             max-model-len sweep and plan; tune-gemma the same on Gemma 3 (needs --gemma3-gguf),
                        real-tune on a real-size model (needs --real-model)

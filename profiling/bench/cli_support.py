@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from glowplug.base.errors import require_extra
 from glowplug.base.flags import add_model_argument, resolve_model_argument
 from glowplug.base.units import ByteSize
 
@@ -109,7 +110,10 @@ def add_command(
 
     def handler(args: argparse.Namespace) -> int:
         resolve_model_argument(args)
-        return runner(config_from_args(config_cls, args), getattr(args, "argv", None))
+        cfg = config_from_args(config_cls, args)
+        if getattr(cfg, "plots", False):  # said before any work, not once the measurements are done
+            require_extra(("matplotlib",), "the report's charts (--no-plots leaves them out)", "bench")
+        return runner(cfg, getattr(args, "argv", None))
 
     p.set_defaults(func=handler)
     return p

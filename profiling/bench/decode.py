@@ -25,7 +25,7 @@ Definitions (the report prints them under its table):
 - verdicts (--targets): the real-size targets, each PASS or FAIL on its worst pair or run (real_size_verdicts).
 - memory split (memory_split.py): peak RSS = weights + KV pool + peers + rest, per cell.
 - host ms / step: per decode step, its wall time minus the time inside the model call (the compiled decode step,
-  or the eager forward) and inside the sampler, as the runner books them (ModelRunner.step_times); the median over
+  or the eager forward) and inside the sampler, as the engine books them (LLMEngine.step_times); the median over
   the run's steps. What is left is the engine's own work: scheduling, the step's input, booking the results,
   detokenizing, the outputs.
 Each cell is run `repeats` times (fresh requests each time); the table shows the median and the min-max spread.
@@ -264,57 +264,11 @@ def make_prompts(tokenizer: Any, batch: int, prompt_tokens: int) -> list[list[in
     return prompts
 
 
-def _tensor_bytes(obj: Any) -> int:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if hasattr(obj, "__dataclass_fields__"):
-        return sum(_tensor_bytes(getattr(obj, f)) for f in obj.__dataclass_fields__)
-    if isinstance(obj, (tuple, list)):
-        return sum(_tensor_bytes(o) for o in obj)
-    return 0
-
-
-def weight_bytes_per_token(model: Any, compiled: bool) -> int:
-    """Bytes of weights one batch-1 decode step reads through its kernels (see module docstring)."""
-    from ...engine.models.llama import RMSNorm, TiedHead
-    from ...kernels.gguf import GGUFLinear
-    from ...kernels.modules import DenseLinear, QuantLinear
-    from ...kernels.native import native_weight_bytes
-
-    total = 0
-    for mod in model.modules():
-        if isinstance(mod, GGUFLinear):  # the stored blocks, read in place
-            total += mod.nbytes + (_tensor_bytes(mod.bias) if mod.bias is not None else 0)
-        elif isinstance(mod, QuantLinear):
-            if compiled and mod.native is not None:
-                total += native_weight_bytes(mod.native)
-            else:
-                rt = mod.runtime
-                total += _tensor_bytes(rt.states[mod.dispatcher.choose(rt, 1)])
-            if mod.bias is not None:
-                total += _tensor_bytes(mod.bias)
-        elif isinstance(mod, DenseLinear):
-            total += _tensor_bytes(mod.weight) + (_tensor_bytes(mod.bias) if mod.bias is not None else 0)
-        elif isinstance(mod, (TiedHead, RMSNorm)):
-            total += _tensor_bytes(mod.weight)
-    return total
-
-
-def model_bytes_per_token(llm: Any, compiled: bool) -> tuple[int, str]:
-    """(bytes of the model one batch-1 decode step reads, where the figure comes from): the engine's own count on
-    its native_kernels span (Attr.BYTES_PER_TOKEN: every layer switched to a native op, the LM head included) when
-    the start made one, else weight_bytes_per_token's walk over the layers."""
-    from ..names import Attr, Row
-
-    try:
-        engine_count = llm.startup.phase_table[Row.NATIVE_KERNELS].attributes.get(Attr.BYTES_PER_TOKEN)
-    except KeyError:  # a start without that row
-        engine_count = None
-    if engine_count:
-        return int(engine_count), "engine (native_kernels span)"
-    return weight_bytes_per_token(llm.engine.model, compiled), "bench (layer walk)"
+def model_bytes_per_token(llm: Any) -> tuple[int, str]:
+    """(bytes of the model one batch-1 decode step reads, where the figure comes from): `LLM.weight_traffic()`,
+    labelled as the stored reports label it."""
+    traffic = llm.weight_traffic()
+    return traffic.bytes_per_step, "engine (native_kernels span)" if traffic.from_start else "bench (layer walk)"
 
 
 def prefill_flops(arch: Any, batch: int, context: int) -> float:
@@ -444,34 +398,16 @@ class EngineDecodeTiming:
 
 
 def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -> EngineDecodeTiming:
-    """One batch run to completion, timed (see EngineDecodeTiming)."""
+    """One greedy batch run to completion through `timing.time_batch`, as this report reads it: decode tok/s over
+    the tokens after the prefill, and the median host time of its decode steps (see EngineDecodeTiming)."""
     from ...engine.sampling_params import SamplingParams
+    from .timing import time_batch
 
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    p0 = time.perf_counter()
-    reqs = [engine.add_request(None, params, prompt_token_ids=p) for p in prompts]
-    seqs = [s for r in reqs for s in r.seqs]
-    while engine.has_unfinished() and not all(s.output_token_ids for s in seqs):
-        engine.step()
-    prefill_ms = (time.perf_counter() - p0) * 1000
-    tokens0 = sum(len(s.output_token_ids) for s in seqs)
-    runner = engine.runner
-    host_ns: list[int] = []
-    t0 = time.perf_counter()
-    while engine.has_unfinished():
-        # Per step, not over the run: each step's own host time, whose median leaves out the odd step that a
-        # garbage collection or another process interrupted.
-        before = runner.step_times()
-        a = time.perf_counter_ns()
-        engine.step()
-        wall = time.perf_counter_ns() - a
-        after = runner.step_times()
-        host_ns.append(wall - (after.model_ns - before.model_ns) - (after.sample_ns - before.sample_ns))
-    elapsed = time.perf_counter() - t0
-    steps = len(host_ns)
-    generated = sum(len(s.output_token_ids) for s in seqs) - tokens0
-    host_ms = statistics.median(host_ns) / 1e6 if host_ns else 0.0
-    return EngineDecodeTiming(generated / elapsed, elapsed / max(steps, 1) * 1000, prefill_ms, host_ms)
+    t = time_batch(engine, prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
+    steps = len(t.decode_step_s)
+    host_ms = statistics.median(t.decode_host_s) * 1e3 if t.decode_host_s else 0.0
+    tokens_per_s = (t.generated_tokens - t.first_tokens) / t.decode_s
+    return EngineDecodeTiming(tokens_per_s, t.decode_s / max(steps, 1) * 1000, t.prefill_s * 1000, host_ms)
 
 
 def _cells(cfg: DecodeBenchConfig) -> list[tuple[str, str, str, str]]:
@@ -684,8 +620,8 @@ def _run_engine(cfg: DecodeBenchConfig, run: DecodeRun, peers: list[Peer], peers
     # state (engine/host_memory.py says why the offline LLM does not commit on its own).
     llm.engine.commit_kv_cache()
     resolved = str(llm.startup.dtype).removeprefix("torch.")
-    compiled = llm.engine.runner.decode_step is not None
-    wbytes, bytes_source = model_bytes_per_token(llm, compiled)
+    compiled = llm.engine.compiled
+    wbytes, bytes_source = model_bytes_per_token(llm)
     groups = group_sizes(llm.engine.model)
     level = loaded_level() or "-"
     pool = graph_pool(llm)
@@ -752,7 +688,7 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
     command, commit and date)."""
     from .peers import fmt_ratio, paired_ratio
     from .quality import flag_note, load_flags
-    from .run_lines import run_lines
+    from .gpt_fast_lines import run_lines
     from .tables import fmt_spread
 
     facts = facts or RunFacts()

@@ -36,16 +36,12 @@ class KernelBenchConfig(BaseModel):
 
 
 def model_layer_shapes(model: str) -> list[tuple[int, int]]:
-    """Distinct (N, K) of the model's projections: q, k/v, o, gate/up, down."""
-    from glowplug.base.artifacts.cachedir import cache_dir_from_env
+    """Distinct (N, K) of the model's projections: q, k/v, o, gate/up, down, and the LM head (the engine's default
+    quantizes it), as the engine's dispatcher is calibrated on them."""
     from ...engine.models.arch import load_arch
     from ...engine.models.store import resolve_model
-    from ...engine.stages.context import EngineContext
-    from ...engine.stages.model_init import layer_shapes
 
-    ctx = EngineContext(cache_root=cache_dir_from_env())
-    ctx.arch = load_arch(resolve_model(model, quiet=True))
-    return layer_shapes(ctx)
+    return load_arch(resolve_model(model, quiet=True)).projection_shapes(lm_head=True)
 
 
 def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:

@@ -7,12 +7,12 @@ Per batch size: `--warmups` untimed batches, then `--runs` timed ones (see `timi
   Decode (token)  one sample per decode step, over all runs (decode-length - 1 steps a run).
   Decode (total)  one sample per run: the sum of that run's decode steps.
 Throughput table, one sample per run each, median (min-max) over the runs:
-  Prefill (requests/s)       seed 001's "Prefill" row, under its definition: batch / prefill time (TGI labels it
+  Prefill (requests/s)       TGI's "Prefill" row, under its definition: batch / prefill time (TGI labels it
                              tokens/secs; it is sequences prefilled, i.e. first tokens, per second)
   Prefill (prompt tokens/s)  glowplug's: batch x sequence length / prefill time (= requests/s x sequence length)
-  Decode (tokens/s)          seed 001's and glowplug's (`BatchTiming.output_tokens_per_s`): batch x (decode length
+  Decode (tokens/s)          TGI's and glowplug's (`BatchTiming.output_tokens_per_s`): batch x (decode length
                              - 1) / Decode (total)
-The defaults are seed 001's grid (sequence length 1024, decode length 8, 10 runs, 1 warm-up, batch 1-32).
+The defaults are TGI's reference grid (sequence length 1024, decode length 8, 10 runs, 1 warm-up, batch 1-32).
 Percentiles use the one method of `stats.py`. A batch size that cannot run (KV cache too small, an engine that does
 not start) gets the reason in every cell, never NaN or blank. The JSON lists every run's values.
 Prefix caching is off: every run sends the same prompts, and a cache hit would time a prefill that never ran.
@@ -46,16 +46,16 @@ class LatencyBenchConfig(BenchEngineFields):
     quantization: tuple[Quantization, ...] = Field(("none",), min_length=1, description="Schemes to compare.")
     batch_size: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32), min_length=1, description="Batch sizes.")
     tensor_parallel_size: tuple[int, ...] = Field(
-        (1,), min_length=1, description="Tensor-parallel sizes to compare (one engine per size and scheme, as seed "
-        "001 measures TGI at --num-shard 1, 2, 4 and 8).",
+        (1,), min_length=1, description="Tensor-parallel sizes to compare (one engine per size and scheme, as TGI's "
+        "reference run measures --num-shard 1, 2, 4 and 8).",
     )
-    # Seed 001's grid by default (TGI's text-generation-benchmark: 1024 / 8 / 10 runs / 1 warm-up).
-    sequence_length: int = Field(1024, ge=1, description="Prompt tokens per sequence (seed 001: 1024).")
+    # TGI's text-generation-benchmark grid by default: 1024 / 8 / 10 runs / 1 warm-up.
+    sequence_length: int = Field(1024, ge=1, description="Prompt tokens per sequence (TGI's grid: 1024).")
     decode_length: int = Field(
-        8, ge=2, description="New tokens per sequence, the first from the prefill (seed 001: 8)."
+        8, ge=2, description="New tokens per sequence, the first from the prefill (TGI's grid: 8)."
     )
-    runs: int = Field(10, ge=1, description="Timed batches per batch size (seed 001: 10).")
-    warmups: int = Field(1, ge=0, description="Untimed batches before them (seed 001: 1).")
+    runs: int = Field(10, ge=1, description="Timed batches per batch size (TGI's grid: 10).")
+    warmups: int = Field(1, ge=0, description="Untimed batches before them (TGI's grid: 1).")
     temperature: float = Field(0.0, ge=0.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 disables.")
@@ -190,7 +190,7 @@ def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None)
         result.kv_blocks[label] = llm.engine.stats().kv_blocks
         result.resolved[label] = (
             str(llm.startup.dtype).removeprefix("torch."),
-            "on" if llm.engine.runner.decode_step is not None else "off",
+            "on" if llm.engine.compiled else "off",
         )
         for batch in cfg.batch_size:
             why_not = why_cannot_run(llm.engine, batch, cfg.sequence_length, cfg.decode_length)

@@ -542,7 +542,7 @@ AGGREGATES_TEXT = """How to read the rows (do not add them up blindly):
 
 
 def _seed_text(result: StartupBenchResult) -> str:
-    from .seed004 import comparison_table, definitions_text
+    from .vllm_startup_rows import comparison_table, definitions_text
 
     table = comparison_table({m: seed_maps(result.runs[m]) for m in modes(result)})
     return (f"{table}\n\n{definitions_text()} glowplug's columns are this report's starts (median (min–max, n) "
@@ -961,10 +961,10 @@ def _compare_summary(before_json: Path | None) -> dict[str, Any] | None:
 
 
 def seed_maps(runs: list[StartupRun]) -> list[dict[str, float | None]]:
-    """Each successful start's phases as seed 004's rows (profiling/bench/seed004.py)."""
-    from .seed004 import map_phases
+    """Each successful start's phases as seed 004's rows (profiling/bench/vllm_startup_rows.py)."""
+    from .vllm_startup_rows import map_phases
 
-    from .seed004 import default_leaves
+    from .vllm_startup_rows import default_leaves
 
     return [map_phases(r.phases, [n for n, k in r.report.get("kinds", {}).items() if k == "leaf"]
                        or default_leaves(r.phases)) for r in runs if r.ok]  # fmt: skip

@@ -1,13 +1,13 @@
-"""`glowplug bench throughput`: seed 002's seven named batch shapes run for each quantization scheme, with
+"""`glowplug bench throughput`: the reference sweep's seven named batch shapes run for each quantization scheme, with
 end-to-end latency, three throughputs, every run's values in one `summary.json`, a Markdown summary and a ranking.
 
 A run is one batch of `batch` prompts of `input` tokens, each generating exactly `output` tokens (EOS ignored):
   latency             requests added -> last sequence finished (seconds)
   input throughput    prompt tokens / prefill time (requests added -> every sequence has its first token);
-                      seed 002 printed 0.00 here for every run because it never measured the prefill
+                      the reference sweep printed 0.00 here for every run: it never measured the prefill
   output throughput   tokens after each sequence's first token / time after the first tokens
-                      (`BatchTiming.output_tokens_per_s`, the one decode rate of every glowplug report). Seed 002
-                      does not state whether it counts the first token; at its lengths (>= 32 tokens a sequence)
+                      (`BatchTiming.output_tokens_per_s`, the one decode rate of every glowplug report). The
+                      reference does not state whether it counts the first token; at its lengths (>= 32 tokens a sequence)
                       the two readings differ by <= 3%, inside its run-to-run spread, so its column name is kept.
   e2e output tput     glowplug's own column: output tokens / latency (prefill included)
   overall throughput  (prompt + output tokens) / latency
@@ -17,7 +17,7 @@ mode, by paired ratios (run i over `none`'s run i); the ranking shows their medi
 A configuration longer than the model allows keeps its output length and has its input clipped to fit, with a
 note. The engine uses its default chunked-prefill scheduling (step token budget: max(2048, longest input)), so a
 large batch is prefilled over several steps, as a server would. Prefix caching is off so that every run prefills.
-Run ids are `<quantization>_<config>_run<i>`, unique by construction (seed 002 listed a run twice).
+Run ids are `<quantization>_<config>_run<i>`, unique by construction (the reference sweep listed a run twice).
 """
 
 from __future__ import annotations
@@ -146,23 +146,30 @@ def engine_fields(cfg: ThroughputBenchConfig, quant: str, shapes: list[Shape]) -
     )
 
 
+# The BatchTiming figures a run's record carries under the same names.
+TIMING_FIELDS = ("latency_s", "prefill_s", "decode_s", "prompt_tokens", "generated_tokens", "decode_tokens")
+
+
+def _shape_fields(quant: str, shape: Shape) -> dict[str, Any]:
+    """What every record of (scheme, configuration) holds, timed or skipped."""
+    return {
+        "config": shape.name,
+        "quantization": quant,
+        "batch_size": shape.batch,
+        "input_len": shape.input_len,
+        "output_len": shape.output_len,
+    }
+
+
 def _record(quant: str, shape: Shape, i: int, t: Any, dtype: str | None = None, compile: str | None = None
             ) -> RunRecord:
+    figures = {name: getattr(t, name) for name in TIMING_FIELDS}
     return RunRecord(
         run_id=f"{quant}_{shape.name}_run{i}",
         status="ok",
-        config=shape.name,
-        quantization=quant,
         run=i,
-        batch_size=shape.batch,
-        input_len=shape.input_len,
-        output_len=shape.output_len,
-        latency_s=t.latency_s,
-        prefill_s=t.prefill_s,
-        decode_s=t.decode_s,
-        prompt_tokens=t.prompt_tokens,
-        generated_tokens=t.generated_tokens,
-        decode_tokens=t.decode_tokens,
+        **_shape_fields(quant, shape),
+        **figures,
         input_throughput=t.prefill_tokens_per_s,
         output_throughput=t.output_tokens_per_s,
         overall_throughput=(t.prompt_tokens + t.generated_tokens) / t.latency_s,
@@ -174,15 +181,7 @@ def _record(quant: str, shape: Shape, i: int, t: Any, dtype: str | None = None, 
 
 def _skipped(quant: str, shape: Shape, reason: str) -> RunRecord:
     return RunRecord(
-        run_id=f"{quant}_{shape.name}",
-        status="skipped",
-        config=shape.name,
-        quantization=quant,
-        run=None,
-        batch_size=shape.batch,
-        input_len=shape.input_len,
-        output_len=shape.output_len,
-        reason=reason,
+        run_id=f"{quant}_{shape.name}", status="skipped", run=None, reason=reason, **_shape_fields(quant, shape)
     )
 
 
@@ -241,7 +240,7 @@ def run_throughput_bench(
                 continue
             params = SamplingParams(temperature=0.0, max_tokens=shape.output_len, ignore_eos=True)
             dtype = str(llm.startup.dtype).removeprefix("torch.")
-            mode = "on" if llm.engine.runner.decode_step is not None else "off"
+            mode = "on" if llm.engine.compiled else "off"
             prompts = make_prompts(llm.tokenizer, shape.batch, shape.input_len)
             try:
                 for _ in range(cfg.warmups):
@@ -536,7 +535,7 @@ def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
     return add_command(
         subparsers,
         "throughput",
-        help_text="Seed 002's named batch shapes x quantization schemes: latency, throughputs, summary and ranking.",
+        help_text="Seven named batch shapes x quantization schemes: latency, throughputs, summary and ranking.",
         description=__doc__,
         config_cls=ThroughputBenchConfig,
         add_model_flags=add_model_flags,

@@ -1,20 +1,33 @@
 """Timing one batch through the engine, split into prefill and decode, plus the checks that decide whether a
 batch shape can run at all (and the sentence that says why not).
 
-The split is the one `decode.time_engine_decode` uses: prefill lasts until every sequence of the batch has its
-first token; decode is everything after. Here each decode step is timed on its own as well (for per-token
-percentiles), the sampling parameters are the caller's, and the clock starts before the requests are added, so
-`prefill_s + decode_s` is the batch's end-to-end latency.
+`time_batch` is the one decode-timing loop of every benchmark (`bench decode`, `bench latency`, `bench throughput`,
+`bench tune`, scripts/host_time_ab.py): prefill lasts until every sequence of the batch has its first token; decode
+is everything after. Each decode step is timed on its own (for per-token percentiles), and so is its host time: the
+step's wall time minus what the engine's `step_times()` (model call, sampler) grew by during it. The clock starts
+before the requests are added, so `prefill_s + decode_s` is the batch's end-to-end latency.
+
+The module imports only the standard library at load: scripts/host_time_ab.py loads this file by its path into
+source trees that may predate it, and hands in its own clock.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from ...engine.config import EngineConfig
+
+class BookedTimes(Protocol):
+    """What `LLMEngine.step_times()` returns: nanoseconds inside the model call and the sampler, summed so far."""
+
+    @property
+    def model_ns(self) -> int: ...
+
+    @property
+    def sample_ns(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -26,6 +39,8 @@ class BatchTiming:
     decode_s: float  # from then until the last sequence finished
     prefill_steps: int  # engine steps the prefill took (> 1 when the step token budget chunks it)
     decode_step_s: tuple[float, ...]  # each decode step's wall time
+    first_tokens: int = 0  # tokens the batch held when the prefill ended (>= batch: a step may add more than one)
+    decode_host_s: tuple[float, ...] = ()  # each decode step's host time: wall - model call - sampler
 
     @property
     def latency_s(self) -> float:
@@ -57,10 +72,14 @@ class BatchTiming:
         return self.prompt_tokens / self.prefill_s
 
 
-def time_batch(engine: Any, prompts: list[list[int]], params: Any) -> BatchTiming:
-    """Run `prompts` as one batch to completion on an idle engine and time it."""
+def time_batch(
+    engine: Any, prompts: list[list[int]], params: Any, booked: Callable[[], BookedTimes] | None = None
+) -> BatchTiming:
+    """Run `prompts` as one batch to completion on an idle engine and time it. `booked`: the clock of model and
+    sampler time the host time leaves out (default: `engine.step_times`)."""
     if engine.has_unfinished():
         raise RuntimeError("the engine has unfinished requests; time batches on an idle engine only")
+    clock = booked or engine.step_times
     t0 = time.perf_counter()
     reqs = [engine.add_request(None, params, prompt_token_ids=p) for p in prompts]
     seqs = [s for r in reqs for s in r.seqs]
@@ -69,11 +88,19 @@ def time_batch(engine: Any, prompts: list[list[int]], params: Any) -> BatchTimin
         engine.step()
         prefill_steps += 1
     t1 = time.perf_counter()
-    steps: list[float] = []
+    first_tokens = sum(len(s.output_token_ids) for s in seqs)
+    walls: list[float] = []
+    hosts: list[float] = []
     while engine.has_unfinished():
-        a = time.perf_counter()
+        # Per step, not over the run: each step's own host time, whose median leaves out the odd step that a
+        # garbage collection or another process interrupted.
+        before = clock()
+        a = time.perf_counter_ns()
         engine.step()
-        steps.append(time.perf_counter() - a)
+        wall = time.perf_counter_ns() - a
+        after = clock()
+        walls.append(wall / 1e9)
+        hosts.append((wall - (after.model_ns - before.model_ns) - (after.sample_ns - before.sample_ns)) / 1e9)
     t2 = time.perf_counter()
     return BatchTiming(
         batch=len(seqs),
@@ -82,7 +109,9 @@ def time_batch(engine: Any, prompts: list[list[int]], params: Any) -> BatchTimin
         prefill_s=t1 - t0,
         decode_s=t2 - t1,
         prefill_steps=prefill_steps,
-        decode_step_s=tuple(steps),
+        decode_step_s=tuple(walls),
+        first_tokens=first_tokens,
+        decode_host_s=tuple(hosts),
     )
 
 
@@ -110,6 +139,7 @@ def build_llm(fields: dict[str, Any]) -> tuple[Any, str | None]:
     """(LLM, None), or (None, why) when the engine cannot start with these settings (e.g. an unwired scheme)."""
     from pydantic import ValidationError
 
+    from ...engine.config import EngineConfig
     from ...engine.llm import LLM
     from ...engine.startup import StartupFailed
 

@@ -368,7 +368,7 @@ def render_markdown(result: TuneResult, argv: list[str] | None = None) -> str:
     parts += ["KV blocks: the cache's blocks after profiling; token capacity = KV blocks x block size "
               f"({cfg.block_size}): tokens the cache holds at once.", ""]
     if result.mode == "sweep" and any(c.ok for c in result.columns):
-        from .seed004 import definitions_text
+        from .vllm_startup_rows import definitions_text
 
         parts += ["## Beside seed 004 (vLLM start-up per max-model-len)", "", seed_table(result), "",
                   definitions_text(), ""]  # fmt: skip
@@ -383,14 +383,14 @@ def render_markdown(result: TuneResult, argv: list[str] | None = None) -> str:
 
 
 def seed_maps(column: Column) -> list[dict[str, float | None]]:
-    """A length's starts as seed 004's rows (profiling/bench/seed004.py)."""
-    from .seed004 import default_leaves, map_phases
+    """A length's starts as seed 004's rows (profiling/bench/vllm_startup_rows.py)."""
+    from .vllm_startup_rows import default_leaves, map_phases
 
     return [map_phases(p, list(column.leaves) or default_leaves(p)) for p in column.samples]
 
 
 def seed_table(result: TuneResult) -> str:
-    from .seed004 import per_length_table
+    from .vllm_startup_rows import per_length_table
 
     return per_length_table({c.length: seed_maps(c) for c in result.columns if c.ok})
 

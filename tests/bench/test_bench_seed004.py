@@ -15,8 +15,8 @@ import pytest
 
 from conftest import assert_no_blank_or_nan, markdown_cells
 
-from glowplug.profiling.bench import seed004_bench as sb
-from glowplug.profiling.bench.seed004 import SEED_004
+from glowplug.profiling.bench import startup_sweep as sb
+from glowplug.profiling.bench.vllm_startup_rows import SEED_004
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).parent / "fixtures" / "seed004"

@@ -14,7 +14,7 @@ import pytest
 from conftest import assert_no_blank_or_nan, markdown_cells
 
 from glowplug.profiling.bench import plots
-from glowplug.profiling.bench import seed004
+from glowplug.profiling.bench import vllm_startup_rows
 from glowplug.profiling.bench.startup_bench import (
     StartupBenchConfig,
     StartupBenchResult,
@@ -50,7 +50,7 @@ def report(scale: float = 1.0) -> dict[str, Any]:
 def test_seed_rows_are_sums_of_the_phases_they_name() -> None:
     phases = report()["phases"]
     leaves = list(LEAVES)
-    got = seed004.map_phases(phases, leaves)
+    got = vllm_startup_rows.map_phases(phases, leaves)
     assert got["model_loading"] == pytest.approx(0.7 + 0.2 + 0.4 + 0.01)
     assert got["torch.compile (= dynamo)"] == pytest.approx(2.5)
     assert got["graph compile"] == pytest.approx(12.0)  # the cached half did not run: 0 s, not a gap
@@ -59,19 +59,19 @@ def test_seed_rows_are_sums_of_the_phases_they_name() -> None:
     assert got["init_engine"] == pytest.approx(0.25 + 2.5 + 12.0 + 0.01 + 0.02 + 0.05 + 0.04)
     assert got["tokenizer_init"] == pytest.approx(0.05)
     total = got["model_loading"] + got["init_engine"] + got["tokenizer_init"]  # the seed's definition
-    assert got[seed004.TOTAL] == pytest.approx(total)
+    assert got[vllm_startup_rows.TOTAL] == pytest.approx(total)
     actual = phases["actual_total_time"]
-    assert got[seed004.ACTUAL] == pytest.approx(actual)
+    assert got[vllm_startup_rows.ACTUAL] == pytest.approx(actual)
     # The gap the seed's total leaves: process start, imports, unattributed, less the overlap.
-    assert got[seed004.UNACCOUNTED] == pytest.approx(0.1 + 0.9 + 0.03 - OVERLAP)
-    assert got[seed004.ACCOUNTED] == pytest.approx(actual)  # every second of the wall clock
+    assert got[vllm_startup_rows.UNACCOUNTED] == pytest.approx(0.1 + 0.9 + 0.03 - OVERLAP)
+    assert got[vllm_startup_rows.ACCOUNTED] == pytest.approx(actual)  # every second of the wall clock
     # The seed's own numbers: its total_time is model_loading + init_engine + tokenizer_init in every column.
-    for model, columns in seed004.SEED_004.items():
+    for model, columns in vllm_startup_rows.SEED_004.items():
         for length, c in columns.items():
             assert c["total_time"] == pytest.approx(c["model_loading"] + c["init_engine"] + c["tokenizer_init"],
                                                     abs=0.02), (model, length)  # fmt: skip
             assert c["torch.compile"] == c["dynamo_transform_time"]
-    assert seed004.seed_values("qwen-4b", seed004.UNACCOUNTED)[1024] == pytest.approx(65.65 - 51.12)
+    assert vllm_startup_rows.seed_values("qwen-4b", vllm_startup_rows.UNACCOUNTED)[1024] == pytest.approx(65.65 - 51.12)
 
 
 def bench_result(tmp_path: Path, plots_on: bool = False) -> StartupBenchResult:
@@ -120,10 +120,10 @@ def test_startup_seed_table_is_the_medians_of_the_mapped_runs(tmp_path: Path) ->
     md = render_markdown(bench_result(tmp_path))
     assert_no_blank_or_nan(md)
     rows = {r[0]: r for r in markdown_cells(md.split("## Beside seed 004")[1].split("##")[0])}
-    cold = [seed004.map_phases(report(s)["phases"], list(LEAVES))["init_engine"] for s in (1.0, 1.1, 0.9)]
+    cold = [vllm_startup_rows.map_phases(report(s)["phases"], list(LEAVES))["init_engine"] for s in (1.0, 1.1, 0.9)]
     want = f"{statistics.median(cold):.2f} ({min(cold):.2f}–{max(cold):.2f}, n=3)"
     assert rows["init_engine"][2] == want
-    assert rows[seed004.TOTAL][1].startswith("model_loading + init_engine + tokenizer_init")
+    assert rows[vllm_startup_rows.TOTAL][1].startswith("model_loading + init_engine + tokenizer_init")
 
 
 def test_phase_plot_gets_the_json_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -149,12 +149,12 @@ def _server_run(cfg: ServeBenchConfig, base_url: str, bodies: list[dict[str, Any
 
 
 def _offline_run(llm: Any, prompts: list[str], params: Any) -> OfflineRun:
-    """LLM.generate's loop (add the batch, step until done), with a clock around each step: the throughput is
+    """LLM.generate's loop (`LLM.add` the batch, step until done), with a clock around each step: the throughput is
     LLM.generate's, and the step count and busy time come from the same run (two perf_counter calls per step, a
     step being tens of ms, cost nothing measurable)."""
     engine = llm.engine
     t0 = time.perf_counter()
-    order = llm._add(prompts, params, False)
+    order = llm.add(prompts, params)
     done: dict[str, Any] = {}
     steps, busy = 0, 0.0
     while engine.has_unfinished():

@@ -174,7 +174,7 @@ def measure_check_cost(tokenizer: Any, body: dict[str, Any]) -> CheckCost:
         body_bytes=len(raw),
         parse_us=_per_call_us(checked),
         parse_plain_us=_per_call_us(plain),
-        key_us=_per_call_us(lambda: guard._refusal(scope)),
+        key_us=_per_call_us(lambda: guard.refusal(scope)),
         tokenize_us=_per_call_us(lambda: tokenizer.encode_bounded(prompt, limit=10**9)),
         tokenize_plain_us=_per_call_us(lambda: tokenizer.encode(prompt)),
     )  # fmt: skip

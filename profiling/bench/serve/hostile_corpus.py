@@ -22,6 +22,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 # A request head longer than h11's limit (16 KiB): uvicorn answers 400 and closes.
@@ -147,7 +148,7 @@ class Raw:
         out = Outcome()
         try:
             while b"\r\n\r\n" not in self.buf:
-                data = self._recv(deadline)
+                data = self.recv(deadline)
                 if not data:
                     out.closed = True
                     out.seconds = time.monotonic() - t0
@@ -159,7 +160,7 @@ class Raw:
             headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
             length = int(headers.get("content-length", "0"))
             while len(rest) < length:
-                data = self._recv(deadline)
+                data = self.recv(deadline)
                 if not data:
                     break
                 rest += data
@@ -183,7 +184,7 @@ class Raw:
         out = Outcome()
         try:
             while True:
-                data = self._recv(deadline)
+                data = self.recv(deadline)
                 if not data:
                     out.closed = True
                     break
@@ -194,7 +195,8 @@ class Raw:
         out.seconds = time.monotonic() - t0
         return out
 
-    def _recv(self, deadline: float) -> bytes:
+    def recv(self, deadline: float) -> bytes:
+        """The next bytes the server sent (b"" once it closed); TimeoutError when none came by `deadline`."""
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError
@@ -355,6 +357,16 @@ def _raw_body(path: str, body: bytes) -> Callable[[Target], Outcome]:
     return lambda t: post(t, path, body)
 
 
+def malformed_body_cases() -> list[Case]:
+    """The encodings group's fixed malformed bodies (package data: data/hostile_bodies.json), in file order."""
+    data = resources.files(__name__.rpartition(".")[0]).joinpath("data", "hostile_bodies.json")
+    bodies = json.loads(data.read_text(encoding="utf-8"))["bodies"]
+    return [
+        Case(b["name"], "encodings", _raw_body(b["path"], b["text"].encode(b["encoding"])), b["expect"], b.get("code"))
+        for b in bodies
+    ]
+
+
 def _surrogate_in(field_name: str) -> Callable[[Target], Outcome]:
     """A body with an escaped lone surrogate in `field_name` (valid JSON, not valid Unicode)."""
 
@@ -434,7 +446,7 @@ def _hangup_during(stream: bool) -> Callable[[Target], Outcome]:
         if stream:
             deadline = time.monotonic() + 30
             while b"data:" not in conn.buf and time.monotonic() < deadline:
-                conn.buf += conn._recv(deadline) or b""
+                conn.buf += conn.recv(deadline) or b""
         else:
             time.sleep(0.3)
         conn.close()
@@ -555,13 +567,7 @@ def corpus(t: Target) -> list[Case]:
         Case("lone surrogate in stop", "encodings", _surrogate_in("stop"), 400, "invalid_unicode"),
         Case("lone surrogate in an unknown field", "encodings", _surrogate_in("x"), 400, "invalid_unicode"),
         Case("surrogate pair (valid)", "encodings", _valid_pair, 200),
-        Case("invalid UTF-8 byte", "encodings", _raw_body("/v1/completions", b'{"prompt": "hi \xff"}'), 400),
-        Case("UTF-8-encoded surrogate (ED A0 80)", "encodings",
-             _raw_body("/v1/completions", b'{"prompt": "hi \xed\xa0\x80"}'), 400),  # fmt: skip
-        Case("UTF-16 body", "encodings",
-             _raw_body("/v1/completions", '{"prompt": "hi"}'.encode("utf-16")), 400),  # fmt: skip
-        Case("truncated JSON", "encodings", _raw_body("/v1/completions", b'{"prompt": "hi'), 400, "invalid_json"),
-        Case("JSON that is not an object", "encodings", _raw_body("/v1/completions", b'["hi"]'), 400, "invalid_json"),
+        *malformed_body_cases(),
         Case("half a body, then silence", "slow", _half_body, 408, "request_timeout"),
         Case("a body trickled a byte at a time", "slow", _trickled_body, 408, "request_timeout"),
         Case("hang-up during the body", "slow", _hangup_during_body, CLOSED),

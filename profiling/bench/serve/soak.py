@@ -40,7 +40,7 @@ import httpx
 
 from .client import RequestResult, make_client, send_streaming
 from .server import parse_metrics
-from .workload import _WORDS
+from .workload import WORDS
 
 RSS_LIMIT = 1.05
 RSS_METRIC = "process_resident_memory_bytes"
@@ -109,7 +109,7 @@ class SoakResult:
 
 
 def _prompt(rng: random.Random) -> str:
-    return " ".join(rng.choices(_WORDS, k=rng.randint(12, 40)))
+    return " ".join(rng.choices(WORDS, k=rng.randint(12, 40)))
 
 
 def soak_body(kind: str, rng: random.Random, plan: SoakPlan) -> dict[str, Any]:

@@ -12,20 +12,20 @@ import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from .config import ServeBenchConfig
 
-_WORDS = (
-    "the engine schedules requests in steps and each step runs one forward pass over every sequence that is ready "
-    "a block of keys and values holds sixteen tokens so memory grows with the context while the weights stay "
-    "quantized to four bits the kernel reads them once per step which is why decode speed follows memory bandwidth "
-    "operators watch the time to first token the time per output token and the queue while clients stream answers "
-    "river mountain lantern harbor copper meadow signal window garden thunder orchard compass pencil marble "
-    "journey quiet bright early distant gentle rapid silver narrow ancient curious hollow steady patient "
-    "because although while after before until unless whenever whereas therefore however meanwhile"
-).split()
+
+def corpus_words() -> tuple[str, ...]:
+    """The words synthetic prompts are drawn from (package data: data/words.txt), in file order."""
+    words = resources.files(__name__.rpartition(".")[0]).joinpath("data", "words.txt")
+    return tuple(words.read_text(encoding="utf-8").split())
+
+
+WORDS = corpus_words()
 
 
 class DatasetError(ValueError):
@@ -55,7 +55,7 @@ def synthetic_text(tokenizer: Any, index: int, tokens: int, rng: random.Random) 
     """Text of exactly `tokens` tokens (as `tokenizer` counts them alone), opening with a unique marker."""
     words = [f"Request {index}:"]
     while True:
-        words += rng.choices(_WORDS, k=max(8, tokens))
+        words += rng.choices(WORDS, k=max(8, tokens))
         ids = tokenizer(" ".join(words), add_special_tokens=False)["input_ids"]
         if len(ids) >= tokens:
             break

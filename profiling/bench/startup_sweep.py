@@ -1,6 +1,6 @@
-"""`glowplug bench seed004 MODEL`: seed 004's start-up sweep, run by glowplug on a model of the seed's shape.
+"""`glowplug bench seed004 MODEL`: vLLM's start-up sweep, run by glowplug on a model of the same shape.
 
-Seed 004 is vLLM's start-up phases for qwen-4b and llama2-13b-hf, one start per max-model-len with its compile
+The reference is vLLM's start-up phases for qwen-4b and llama2-13b-hf, one start per max-model-len with its compile
 cache warm. This command times glowplug the same way, each start a fresh `glowplug startup` process:
 
 probe   the weights' files are evicted from the page cache (fsync, then posix_fadvise DONTNEED) and the first
@@ -9,16 +9,16 @@ cold    the files evicted again, one start with an empty cache directory at the 
         and the weights come from the disk.
 warm    one start per max-model-len (--repeats passes over the lengths) in the cache the cold start filled.
 
-The report sets every start beside the seed's column at the same length (the rows of profiling/bench/seed004.py),
+The report sets every start beside vLLM's column at the same length (the rows of profiling/bench/vllm_startup_rows.py),
 adds the floor (weights / the disk-read probe + the start's own `import torch`), and checks the targets below.
 With --decode-json (what `glowplug bench decode --out X.md` wrote as X.json, on the same model) it also checks the
 decode targets. --from-runs re-renders from the seed004.json a run wrote (a run stopped early leaves the starts it
 finished in it, with "partial": true).
 
 Targets (at the qwen-4b shape on an H200):
-- warm time to READY <= 1.5x its floor, and <= 0.2x the seed's actual_total_time at the same length;
+- warm time to READY <= 1.5x its floor, and <= 0.2x vLLM's actual_total_time at the same length;
   kv_cache_profiling <= 2 s and graph_capturing <= 4 s in every warm start;
-- cold time to READY <= 0.6x the seed's actual_total_time at the cold start's length;
+- cold time to READY <= 0.6x vLLM's actual_total_time at the cold start's length;
 - decode (--decode-json; bf16 = quantization none): batch-1 bf16 at >= 75% of the bandwidth-bound rate (the weight
   bytes a step reads over the probe); batch-1 bf16 >= 3x transformers bf16 (the worst of the paired runs, as the
   decode report's verdicts use); int4 batch 1 >= 1.6x bf16; batch 64 >= 20x batch 1 in tokens/s; the batch-1 step
@@ -46,7 +46,7 @@ from glowplug.base.units import ByteSize
 from ...engine.config import Quantization
 from ..names import Attr, Row
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
-from .seed004 import ACCOUNTED, ACTUAL, DERIVED_HOW, ROW_NAMES, SEED_004, SEED_ROWS, map_phases, seed_values
+from .vllm_startup_rows import ACCOUNTED, ACTUAL, DERIVED_HOW, ROW_NAMES, SEED_004, SEED_ROWS, map_phases, seed_values
 from .startup_runs import StartupRun, run_startup
 from .tables import Cell, Missing, fmt_num, markdown_table
 
@@ -73,13 +73,13 @@ Progress = Callable[[str], None]
 
 
 class Seed004BenchConfig(BenchEngineFields):
-    seed_model: SeedModel = Field("qwen-4b", description="Which of the seed's models this one stands for: its "
+    seed_model: SeedModel = Field("qwen-4b", description="Which of vLLM's reference models this one stands for: its "
                                   "column is set beside each start, and its lengths are the default sweep.")
     max_model_len: tuple[int, ...] | None = Field(
-        None, description="Lengths of the warm starts; unset = the seed's lengths for --seed-model."
+        None, description="Lengths of the warm starts; unset = the reference's lengths for --seed-model."
     )
     cold_max_model_len: int | None = Field(None, ge=16, description="The cold start's length; unset = the shortest.")
-    quantization: Quantization = Field("none", description="As the seed ran: the checkpoint's bf16 weights.")
+    quantization: Quantization = Field("none", description="As the reference ran: the checkpoint's bf16 weights.")
     repeats: int = Field(1, ge=1, description="Passes over the lengths (warm starts per length).")
     cache_dir: Path | None = Field(
         None, description="GLOWPLUG_CACHE_DIR for every start: absent or empty (the cold start needs it empty), "
@@ -560,7 +560,7 @@ def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
     return add_command(
         subparsers,
         "seed004",
-        help_text="Seed 004's start-up sweep on a model of the seed's shape: cold, warm per max-model-len, floor.",
+        help_text="vLLM's start-up sweep on a model of its shape: cold, warm per max-model-len, floor, targets.",
         description=__doc__,
         config_cls=Seed004BenchConfig,
         add_model_flags=add_model_flags,
