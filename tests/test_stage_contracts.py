@@ -1,5 +1,5 @@
 """Stage contracts: a stage reads only the context slots it declares in `needs` and writes only those in `provides`
-(engine/stages/base.py ContextView), declarations name real slots, every declared provide is written, and the
+(engine/stages/view.py ContextView), declarations name real slots, every declared provide is written, and the
 start-up context is gone once READY."""
 
 from __future__ import annotations
