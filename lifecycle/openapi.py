@@ -26,6 +26,7 @@ from pydantic.json_schema import models_json_schema
 from glowplug.engine.sampling_params import SamplingParams
 
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .transport import PROTECTED_PATHS, PROTECTED_PREFIX
 
 _REF = "#/components/schemas/{model}"
 _RANGE_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -343,10 +344,11 @@ SSE_EVENT: dict[str, Any] = {
 
 
 def _require_key(doc: dict[str, Any]) -> None:
-    """A bearer security scheme on every /v1 operation, with its 401."""
+    """A bearer security scheme on every operation the key protects (transport.py: /v1, /tokenize, /detokenize),
+    with its 401."""
     doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, item in doc.get("paths", {}).items():
-        if path == "/v1" or path.startswith("/v1/"):
+        if path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path in PROTECTED_PATHS:
             for op in item.values():
                 op["security"] = [{"bearer": []}]
                 op.setdefault("responses", {})["401"] = _error(
