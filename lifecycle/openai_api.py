@@ -288,16 +288,21 @@ def _with_tool_calls(choice: Choice, names: list[str]) -> Choice:
                   [c.to_dict() for c in parser.calls])  # fmt: skip
 
 
+def _ended_error(event: Ended, grammar_param: str | None) -> ApiError:
+    """The error an engine-side end carries; a 400 (the core refused the request's grammar: one that matches no
+    output) names `grammar_param`, the field the grammar came from."""
+    param = grammar_param if event.status == 400 else None
+    kind = _REJECTION_TYPES.get(event.status, "server_error" if event.status >= 500 else "invalid_request_error")
+    return ApiError(event.status, f"{param}: {event.message}" if param else event.message, param=param, type=kind)
+
+
 async def _collect(gen: Generation, n: int, tools: list[str] | None = None,
                    grammar_param: str | None = None) -> list[Choice]:  # fmt: skip
-    """The finished choices; `grammar_param`: the field a 400 from the engine (a refused grammar) names."""
+    """The finished choices; `grammar_param`: what a 400 from the engine names (`_ended_error`)."""
     finals: list[tuple[int, RequestOutput]] = []
     async for pe in gen.events():
         if isinstance(pe.event, Ended):
-            status, message = pe.event.status, pe.event.message
-            param = grammar_param if status == 400 else None
-            kind = _REJECTION_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-            raise ApiError(status, f"{param}: {message}" if param else message, param=param, type=kind)
+            raise _ended_error(pe.event, grammar_param)
         if pe.event.finished:
             finals.append((pe.index, pe.event))
     choices = [
@@ -337,9 +342,10 @@ def _tool_chunks(header: ResponseHeader, idx: int, parser: ToolCallParser, delta
 
 async def _stream(
     gen: Generation, header: ResponseHeader, n: int, text: TokenText, include_usage: bool,
-    tools: list[str] | None = None, echo: list[str] | None = None,
+    tools: list[str] | None = None, echo: list[str] | None = None, grammar_param: str | None = None,
 ) -> AsyncIterator[bytes]:
-    """`echo`: each prompt's text, sent before the first text of each of its completions."""
+    """`echo`: each prompt's text, sent before the first text of each of its completions; `grammar_param`: what
+    an error event for a grammar the engine refused names."""
     total = len(gen.request_ids) * n
     echoed: set[int] = set()
     done: set[int] = set()
@@ -351,7 +357,7 @@ async def _stream(
         event = pe.event
         if isinstance(event, Ended):
             if event.finish_reason == "error":
-                yield sse(ApiError(event.status, event.message, type="server_error").body())
+                yield sse(_ended_error(event, grammar_param).body())
             for c in range(n):
                 idx = pe.index * n + c
                 if idx not in done:
@@ -532,8 +538,8 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
             isinstance(req, ChatCompletionRequest) and req.parses_tools) else None
         echo = _echo_texts(info, req) if isinstance(req, CompletionRequest) else None
         if req.streaming:
-            return GenerationStream(_stream(gen, header, params.n, text, req.include_usage, tools, echo), gen,
-                                    service)  # fmt: skip
+            stream = _stream(gen, header, params.n, text, req.include_usage, tools, echo, req.grammar_param)
+            return GenerationStream(stream, gen, service)
         try:
             choices = await _unless_disconnected(request, _collect(gen, params.n, tools, req.grammar_param))
             if echo is not None:

@@ -208,6 +208,16 @@ def test_constraints_that_cannot_work_are_400s(server: ThreadServer, body: dict[
     assert err["param"] == param and words in err["message"], err
 
 
+def test_unmatchable_grammar_streamed_is_an_error_naming_it(client: openai.OpenAI) -> None:
+    # Streamed, the response has begun (200) when the engine refuses: the error event names the field.
+    with pytest.raises(openai.APIError) as info:
+        for _ in client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=4, stream=True,
+                                                extra_body={"guided_grammar": 'start: b\nb: b "y"'}):  # fmt: skip
+            pass
+    assert "guided_grammar: the grammar matches no output" in str(info.value)
+
+
 @pytest.mark.slow
 def test_length_mid_object_streamed_is_length(client: openai.OpenAI) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
@@ -258,12 +268,15 @@ def test_fill_in_the_middle_on_the_coder(qwen_gguf: Path) -> None:
     finally:
         srv.stop()
     assert {out.model for out in outs} == {qwen_gguf.name}
+    middles = [out.choices[0].text for out in outs]
+    print("FIM middles:", json.dumps(middles))  # shown with -s: what the model wrote
     bad = []
-    for (prefix, suffix), out in zip(FIM_CASES, outs):
-        middle = out.choices[0].text
+    for (prefix, suffix), middle in zip(FIM_CASES, middles):
         try:
             ast.parse(prefix + middle + suffix)
         except SyntaxError as exc:
             bad.append((prefix, middle, suffix, str(exc)))
+        if not middle.strip():  # some gaps parse empty (`return` alone): the model must write something
+            bad.append((prefix, middle, suffix, "empty middle"))
     assert not bad, bad
     assert fim["count"] == 1
