@@ -100,7 +100,16 @@ def check_request(prompt_token_ids: list[int], params: SamplingParams, *, vocab_
     bad = next((t for t in prompt_token_ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    check_logit_bias(params, vocab_size)
     check_length(len(prompt_token_ids), params, max_model_len)
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    """ValueError naming the first logit_bias key that is not a token of the vocabulary (the sampler indexes the
+    logits with them)."""
+    bad = next((t for t in params.logit_bias or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
 
 
 def check_length(prompt_len: int, params: SamplingParams, max_model_len: int) -> None:

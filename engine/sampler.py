@@ -149,6 +149,25 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[RunnerSeq]
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[int], seqs: list[RunnerSeq]) -> torch.Tensor:
+    """Add row rows[j]'s `logit_bias` (from seqs[j].params: token id -> value) to logits [B, V], in place, every row
+    at once: the host lists the (row, token, value) triples and one index_put_ adds them. A bias of -100 bans its
+    token and +100 forces it, as OpenAI's; a token the grammar excluded (-inf) stays excluded."""
+    at_rows: list[int] = []
+    at_ids: list[int] = []
+    values: list[float] = []
+    for row, seq in zip(rows, seqs):
+        bias = seq.params.logit_bias or {}
+        at_rows += [row] * len(bias)
+        at_ids += bias.keys()
+        values += bias.values()
+    if at_rows:
+        dev = logits.device
+        at = (torch.tensor(at_rows, device=dev), torch.tensor(at_ids, device=dev))
+        logits.index_put_(at, torch.tensor(values, dtype=logits.dtype, device=dev), accumulate=True)
+    return logits
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[int]) -> torch.Tensor:
     """Exclude (set to -inf) the tokens a grammar forbids, in the rows `rows` of `logits` [B, V] only: bitmask [R, W]
     int32, row j the mask of logits row rows[j], bit t % 32 of word t // 32 set when token t is allowed (the layout
@@ -212,17 +231,24 @@ def sample(logits: torch.Tensor, seqs: list[RunnerSeq], masks: TokenMasks | None
     penalties, and the sampled rows are; greedy rows take their argmax from the logits as they are. A sampled row
     draws with its sequence's `sample_key` and its number of output tokens so far (see the module docstring).
     `masks`: the grammar masks of the constrained rows, applied (in place) before anything else looks at the logits;
-    the other rows are not touched."""
+    the other rows are not touched. Penalties and logit biases change the logits the tokens are chosen from, not
+    the logprobs reported (those are the model's, after the grammar's mask), and only a batch with such a row pays
+    for them (a float copy of its logits and one scatter)."""
     if masks is not None:
         apply_token_bitmask(logits, masks.bitmask, masks.rows)
     params = [s.params for s in seqs]
     want_lp = [p.logprobs for p in params]
     lp_rows = [i for i, n in enumerate(want_lp) if n is not None]
     penal = [i for i, s in enumerate(seqs) if _has_penalty(s)]
-    raw = logits.float() if lp_rows or penal else logits
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    raw = logits.float() if lp_rows or penal or biased else logits
     logprobs = torch.log_softmax(raw, dim=-1) if lp_rows else None
-    if penal:
-        logits = apply_penalties(raw.clone(), penal, [seqs[i] for i in penal])
+    if penal or biased:
+        logits = raw.clone()
+        if penal:
+            apply_penalties(logits, penal, [seqs[i] for i in penal])
+        if biased:
+            apply_logit_bias(logits, biased, [seqs[i] for i in biased])
     # Each row's first maximum (torch's max(dim).indices; argmax's CPU reduction took several times as long), on
     # the native op where it is loaded: kernels/native.first_max_indices says why.
     tokens = first_max_indices(logits)

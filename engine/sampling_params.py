@@ -6,6 +6,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
+# A logit bias is added to a token's logit before sampling: -100 bans the token, +100 forces it (OpenAI's range).
+LOGIT_BIAS_LIMIT = 100.0
 # Below this a temperature samples greedily: dividing float32 logits by ~1e-38 overflows to inf, and the softmax of
 # inf is NaN, which crashed the sampler (and with it every request in the batch). vLLM uses the same threshold.
 GREEDY_TEMPERATURE = 1e-5
@@ -38,6 +40,29 @@ class SamplingParams(BaseModel):
     # it); every sampled token must keep the output inside it, and the sequence ends ("stop") when it is complete.
     grammar: str | None = Field(None, description="Constrain the output to this llguidance grammar.",
                                 json_schema_extra={"default_text": "off", "free_text": True})
+
+    # Token id -> value added to its logit (in [-100, 100]); the HTTP API's string keys are read as ids here. Ids are
+    # checked against the served vocabulary where it is known (engine/outputs.py check_request).
+    logit_bias: dict[int, float] | None = Field(None, description="Add this to the token's logit before sampling.",
+                                                json_schema_extra={"default_text": "off"})  # fmt: skip
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_keys(cls, v: object) -> object:
+        if not isinstance(v, dict):
+            return v
+        out: dict[int, object] = {}
+        for key, value in v.items():
+            if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isascii()
+                                                                      and key.isdigit())):  # fmt: skip
+                raise ValueError(f"key {key!r} is not a token id: keys are token ids written as decimal integers "
+                                 f'(e.g. {{"1234": -100}})')  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"the bias of token {key} is {value!r}, not a number in [-100, 100]")
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise ValueError(f"the bias of token {key} is {value}, outside [-100, 100]")
+            out[int(key)] = value
+        return out or None
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -128,6 +128,13 @@ class GrammarBackend:
         self.parse_s += time.perf_counter() - t0
         if parsed.is_error():
             raise GrammarError(parsed.get_error())
+        # A grammar whose language is empty passes every check without a tokenizer; its first mask finds it (a
+        # copy's, once per new grammar), and the request is refused instead of ending at once with nothing.
+        probe = parsed.deep_copy()
+        fill_next_token_bitmask(probe, np.empty((1, self.words), dtype=np.int32), 0)
+        if probe.is_error():
+            raise GrammarError("the grammar matches no output at all (no text satisfies it); fix it so that "
+                               "some text does")  # fmt: skip
         self._parsed[key] = parsed
         if len(self._parsed) > _CACHE_SIZE:
             self._parsed.popitem(last=False)

@@ -89,7 +89,7 @@ def _sampling_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("sampling (one flag per SamplingParams field; unset ones follow the model)")
     # --seed belongs to the engine: it seeds every request that does not bring its own seed.
-    add_model_flags(g, SamplingParams, exclude={"seed", "grammar"}, defaults=SAMPLING_DEFAULT_TEXT)
+    add_model_flags(g, SamplingParams, exclude={"seed", "grammar", "logit_bias"}, defaults=SAMPLING_DEFAULT_TEXT)
     return p
 
 

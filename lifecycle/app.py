@@ -17,6 +17,7 @@ The live start-up page (`GET /`), its event stream and the trace downloads are i
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,6 +34,7 @@ from .events import StartupEvents
 from .observe import AccessLogMiddleware
 from .openai_api import make_router
 from .openapi import install_openapi
+from .tokenize_api import make_tokenize_router
 from .page import add_page_routes, startup_fields
 from .service import Service
 from .state import EngineState, StateSnapshot
@@ -78,6 +80,14 @@ def startup_report(service: Service, snap: StateSnapshot | None = None) -> dict[
         report["phase_table"] = to_dict(table)
     report.update(startup_fields(progress))
     return report
+
+
+def _version() -> str:
+    """The installed package's version (its metadata, as `pip show glowplug` reads it)."""
+    try:
+        return importlib.metadata.version("glowplug")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _readiness(service: Service) -> JSONResponse:
@@ -135,6 +145,15 @@ def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastA
     async def ready() -> Response:
         return _readiness(service)
 
+    @app.get("/health")
+    async def health() -> Response:
+        """vLLM's and llama.cpp's probe: 200 once READY, 503 (with /health/ready's body) otherwise."""
+        return _readiness(service)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
     @app.get("/startup")
     async def startup() -> dict[str, Any]:
         return {**startup_report(service), **events.startup_extras()}
@@ -146,6 +165,7 @@ def create_app(service: Service, *, tracer: trace.Tracer | None = None) -> FastA
         return Response(body, media_type=content_type)
 
     app.include_router(make_router(service, tracer or trace.get_tracer("glowplug")))
+    app.include_router(make_tokenize_router(service))
     install_openapi(app, service.model_name, api_key=service.serve_cfg.api_key is not None)
     add_page_routes(app, service, events)
     return app

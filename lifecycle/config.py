@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
@@ -64,7 +65,8 @@ class ServeConfig(BaseModel):
         "answering 503 with the reason, so probes and clients see why, before it exits with status 1.",
     )
     served_model_name: str | None = Field(
-        None, description="The model id in /v1/models and responses (default: the --model value)."
+        None, description="The model id in /v1/models and responses (default: the --model value; a model file's "
+        "file name, not its path)."
     )
     # ---- the transport: limits checked before any work (lifecycle/transport.py; README, "Hostile input")
     max_body_bytes: int = Field(
@@ -134,7 +136,22 @@ class ServeConfig(BaseModel):
         return v.lower()
 
     def model_name(self, engine_model: str) -> str:
-        return self.served_model_name or engine_model
+        """The model's id in /v1/models and every response: --served-model-name, else the --model value, except
+        that a model file is named by its file name (`qwen2.5-coder-1.5b-instruct-q4_k_m.gguf`), not its path."""
+        if self.served_model_name:
+            return self.served_model_name
+        path = Path(engine_model).expanduser()
+        return path.name if path.is_file() else engine_model
+
+    def model_names(self, engine_model: str) -> tuple[str, ...]:
+        """Every `model` a request may name: the served name; without --served-model-name, also the --model value
+        as given and as an absolute path (what clients written against the path-named server send)."""
+        name = self.model_name(engine_model)
+        if self.served_model_name:
+            return (name,)
+        path = Path(engine_model).expanduser()
+        full = str(path.resolve()) if path.exists() else engine_model
+        return tuple(dict.fromkeys((name, engine_model, full)))
 
 
 def add_serve_flags(parser: argparse.ArgumentParser | Any) -> list[str]:

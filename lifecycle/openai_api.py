@@ -24,11 +24,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from glowplug.engine.models.arch import ModelError
+from glowplug.engine.outputs import check_logit_bias
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.tokenizer import (
+    FimTokens,
     PromptTooLong,
     encode_bounded,
     encode_chat,
+    encode_fim,
+    fim_tokens,
     max_token_chars,
     template_takes_tools,
 )
@@ -138,15 +142,16 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     raise ClientGone()
 
 
-def _rejected(r: Rejected) -> ApiError:
+def rejected_error(r: Rejected) -> ApiError:
     headers = {"Retry-After": str(r.retry_after)} if r.retry_after is not None else None
     kind = _REJECTION_TYPES.get(r.status, "server_error")
     return ApiError(r.status, r.message, type=kind, code=r.reason, headers=headers)
 
 
-def _check_model(service: Service, model: str | None) -> None:
-    """404 `model_not_found` for a model this server does not serve (OpenAI's and vLLM's answer); none = ours."""
-    if model is not None and model != service.model_name:
+def check_model(service: Service, model: str | None) -> None:
+    """404 `model_not_found` for a model this server does not serve (OpenAI's and vLLM's answer); none = ours, and
+    so is any name in `service.model_names` (the served name, and the path it was given as)."""
+    if model is not None and model not in service.model_names:
         raise ApiError(
             404,
             f"the model `{model}` does not exist on this server; it serves `{service.model_name}` (GET /v1/models)",
@@ -186,7 +191,29 @@ def _refuse_long(param: str, exc: PromptTooLong, info: EngineInfo) -> ApiError:
     )
 
 
-def _completion_prompts(info: EngineInfo, req: CompletionRequest, params: SamplingParams) -> list[list[int]]:
+def _check_logit_bias(info: EngineInfo, params: SamplingParams) -> None:
+    try:
+        check_logit_bias(params, info.vocab_size)
+    except ValueError as exc:
+        raise bad_request(str(exc), "logit_bias") from None
+
+
+def _fim(info: EngineInfo, req: CompletionRequest) -> FimTokens | None:
+    """The FIM tokens a request with a `suffix` is built with (None without one); a 400 when the model has none."""
+    if req.suffix is None:
+        return None
+    fim = fim_tokens(info.tokenizer)
+    if fim is None:
+        raise bad_request("suffix: this model has no fill-in-the-middle tokens (such as Qwen2.5-Coder's "
+                          "<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>), so it cannot complete between a prompt "
+                          "and a suffix; drop suffix, or serve a model trained for FIM", "suffix")  # fmt: skip
+    return fim
+
+
+def _completion_prompts(
+    info: EngineInfo, req: CompletionRequest, params: SamplingParams, fim: FimTokens | None = None
+) -> list[list[int]]:
+    """Each prompt's ids; with `fim`, each is the prefix of a fill-in-the-middle prompt with the request's suffix."""
     p = req.prompt
     if isinstance(p, str):
         raw: list[str | list[int]] = [p]
@@ -197,13 +224,15 @@ def _completion_prompts(info: EngineInfo, req: CompletionRequest, params: Sampli
     prompts = []
     for i, item in enumerate(raw):
         param = "prompt" if len(raw) == 1 else f"prompt[{i}]"
-        if isinstance(item, str):
-            try:
+        try:
+            if fim is not None:
+                tokens = encode_fim(info.tokenizer, fim, item, req.suffix or "", limit=info.max_model_len)
+            elif isinstance(item, str):
                 tokens = encode_bounded(info.tokenizer, item, limit=info.max_model_len)
-            except PromptTooLong as exc:
-                raise _refuse_long(param, exc, info) from None
-        else:
-            tokens = list(item)
+            else:
+                tokens = list(item)
+        except PromptTooLong as exc:
+            raise _refuse_long(param, exc, info) from None
         _check_prompt(info, tokens, params, param)
         prompts.append(tokens)
     return prompts
@@ -230,6 +259,16 @@ def _chat_prompt(info: EngineInfo, req: ChatCompletionRequest) -> tuple[list[lis
     return [tokens], params
 
 
+def _echo_texts(info: EngineInfo, req: CompletionRequest) -> list[str] | None:
+    """What `echo` puts before each prompt's completions: the prompt as sent (a string as it is, ids decoded; with
+    a suffix, the prefix); None without echo."""
+    if not req.echo:
+        return None
+    p = req.prompt
+    items: list[Any] = [p] if isinstance(p, str) or (p and all(isinstance(x, int) for x in p)) else list(p)
+    return [x if isinstance(x, str) else info.tokenizer.decode(list(x), skip_special_tokens=False) for x in items]
+
+
 def _num_prompts(req: CompletionRequest | ChatCompletionRequest) -> int:
     if isinstance(req, ChatCompletionRequest) or isinstance(req.prompt, str):
         return 1
@@ -249,12 +288,21 @@ def _with_tool_calls(choice: Choice, names: list[str]) -> Choice:
                   [c.to_dict() for c in parser.calls])  # fmt: skip
 
 
-async def _collect(gen: Generation, n: int, tools: list[str] | None = None) -> list[Choice]:
+def _ended_error(event: Ended, grammar_param: str | None) -> ApiError:
+    """The error an engine-side end carries; a 400 (the core refused the request's grammar: one that matches no
+    output) names `grammar_param`, the field the grammar came from."""
+    param = grammar_param if event.status == 400 else None
+    kind = _REJECTION_TYPES.get(event.status, "server_error" if event.status >= 500 else "invalid_request_error")
+    return ApiError(event.status, f"{param}: {event.message}" if param else event.message, param=param, type=kind)
+
+
+async def _collect(gen: Generation, n: int, tools: list[str] | None = None,
+                   grammar_param: str | None = None) -> list[Choice]:  # fmt: skip
+    """The finished choices; `grammar_param`: what a 400 from the engine names (`_ended_error`)."""
     finals: list[tuple[int, RequestOutput]] = []
     async for pe in gen.events():
         if isinstance(pe.event, Ended):
-            status = pe.event.status
-            raise ApiError(status, pe.event.message, type=_REJECTION_TYPES.get(status, "server_error"))
+            raise _ended_error(pe.event, grammar_param)
         if pe.event.finished:
             finals.append((pe.index, pe.event))
     choices = [
@@ -294,9 +342,12 @@ def _tool_chunks(header: ResponseHeader, idx: int, parser: ToolCallParser, delta
 
 async def _stream(
     gen: Generation, header: ResponseHeader, n: int, text: TokenText, include_usage: bool,
-    tools: list[str] | None = None,
+    tools: list[str] | None = None, echo: list[str] | None = None, grammar_param: str | None = None,
 ) -> AsyncIterator[bytes]:
+    """`echo`: each prompt's text, sent before the first text of each of its completions; `grammar_param`: what
+    an error event for a grammar the engine refused names."""
     total = len(gen.request_ids) * n
+    echoed: set[int] = set()
     done: set[int] = set()
     sent_lps: dict[int, int] = {}
     offsets: dict[int, int] = {}
@@ -306,7 +357,7 @@ async def _stream(
         event = pe.event
         if isinstance(event, Ended):
             if event.finish_reason == "error":
-                yield sse(ApiError(event.status, event.message, type="server_error").body())
+                yield sse(_ended_error(event, grammar_param).body())
             for c in range(n):
                 idx = pe.index * n + c
                 if idx not in done:
@@ -335,6 +386,9 @@ async def _stream(
                 yield from _tool_chunks(header, idx, parser, c.delta, c.finish_reason, lp, include_usage)
                 continue
             delta = c.delta if (c.delta or header.kind == "completion") else None
+            if echo is not None and idx not in echoed:
+                echoed.add(idx)
+                delta = echo[pe.index] + (delta or "")
             yield sse(header.chunk(idx, delta=delta, finish_reason=c.finish_reason, logprobs=lp,
                                    with_usage_field=include_usage))  # fmt: skip
 
@@ -370,9 +424,11 @@ async def _prepare(
         info = await _unless_disconnected(request, service.wait_ready(service.serve_cfg.ready_wait))
         # Tokenizing a long prompt takes a while; off the event loop (and with the GIL released while the tokenizer
         # works), other requests keep streaming meanwhile.
+        _check_logit_bias(info, req.sampling_params())
         if isinstance(req, CompletionRequest):
-            params = req.sampling_params()
-            prompts = await asyncio.to_thread(_completion_prompts, info, req, params)
+            fim = _fim(info, req)
+            params = req.sampling_params(fim.end_ids if fim is not None else ())
+            prompts = await asyncio.to_thread(_completion_prompts, info, req, params, fim)
         else:
             prompts, params = await asyncio.to_thread(_chat_prompt, info, req)
         service.admission.admit_prompts(ticket, [len(p) for p in prompts])
@@ -445,13 +501,13 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
         try:
             model = CompletionRequest if kind == "completion" else ChatCompletionRequest
             req = await _read_request(request, model, limits, service)
-            _check_model(service, req.model)
+            check_model(service, req.model)
             req.sampling_params()  # range checks now, before the request waits for anything
             gen, info, params = await _prepare(
                 service, request, req, received, lambda g: rtrace.finish(g.stats, outcome["status"])
             )
         except Rejected as r:
-            err = _rejected(r)
+            err = rejected_error(r)
             rtrace.fail(err.status, err.message)
             return err.response()
         except ApiError as err:
@@ -480,10 +536,15 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
         # The functions a chat reply is read for calls of (None: it is not read).
         tools = [t["function"]["name"] for t in req.tool_dicts()] if (
             isinstance(req, ChatCompletionRequest) and req.parses_tools) else None
+        echo = _echo_texts(info, req) if isinstance(req, CompletionRequest) else None
         if req.streaming:
-            return GenerationStream(_stream(gen, header, params.n, text, req.include_usage, tools), gen, service)
+            stream = _stream(gen, header, params.n, text, req.include_usage, tools, echo, req.grammar_param)
+            return GenerationStream(stream, gen, service)
         try:
-            choices = await _unless_disconnected(request, _collect(gen, params.n, tools))
+            choices = await _unless_disconnected(request, _collect(gen, params.n, tools, req.grammar_param))
+            if echo is not None:
+                choices = [Choice(c.index, echo[c.index // params.n] + c.text, c.finish_reason, c.logprobs)
+                           for c in choices]  # fmt: skip
         except ApiError as err:
             outcome["status"] = err.status
             return err.response()

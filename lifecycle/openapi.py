@@ -26,6 +26,7 @@ from pydantic.json_schema import models_json_schema
 from glowplug.engine.sampling_params import SamplingParams
 
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .transport import PROTECTED_PATHS, PROTECTED_PREFIX
 
 _REF = "#/components/schemas/{model}"
 _RANGE_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -208,10 +209,15 @@ def _refine_sampling(schema: dict[str, Any], ranges: dict[str, dict[str, Any]], 
         "default": None,
     }
     props["logit_bias"] = {
-        "anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}],
+        "anyOf": [
+            {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
+             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+            {"type": "null"},
+        ],
         "default": None,
-        "description": "Not supported: only an empty object or null is accepted.",
-    }
+        "description": "Token id (a decimal string, inside the vocabulary) -> bias added to its logit before "
+        "sampling: -100 bans the token, +100 forces it.",
+    }  # fmt: skip
 
 
 def _refine_completion(schema: dict[str, Any], ranges: dict[str, dict[str, Any]]) -> None:
@@ -229,8 +235,17 @@ def _refine_completion(schema: dict[str, Any], ranges: dict[str, dict[str, Any]]
     lp = _nullable_branch(props["logprobs"], "integer")
     if lp is not None:
         _copy_range(lp, ranges["logprobs"])
-    props["echo"] = {"anyOf": [{"type": "boolean", "enum": [False]}, {"type": "null"}], "default": False}
-    props["suffix"] = {"anyOf": [{"type": "string", "maxLength": 0}, {"type": "null"}], "default": None}
+    props["echo"] = {
+        "anyOf": [{"type": "boolean"}, {"type": "null"}],
+        "default": False,
+        "description": "Put the prompt's text before each completion's (not with logprobs: 400).",
+    }
+    props["suffix"] = {
+        "anyOf": [{"type": "string"}, {"type": "null"}],
+        "default": None,
+        "description": "Fill in the middle: the completion goes between the prompt and this text, through the "
+        "model's FIM tokens (400 for a model without them).",
+    }
     best_of = _nullable_branch(props["best_of"], "integer")
     if best_of is not None:
         _copy_range(best_of, ranges["n"])
@@ -329,10 +344,11 @@ SSE_EVENT: dict[str, Any] = {
 
 
 def _require_key(doc: dict[str, Any]) -> None:
-    """A bearer security scheme on every /v1 operation, with its 401."""
+    """A bearer security scheme on every operation the key protects (transport.py: /v1, /tokenize, /detokenize),
+    with its 401."""
     doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for path, item in doc.get("paths", {}).items():
-        if path == "/v1" or path.startswith("/v1/"):
+        if path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path in PROTECTED_PATHS:
             for op in item.values():
                 op["security"] = [{"bearer": []}]
                 op.setdefault("responses", {})["401"] = _error(

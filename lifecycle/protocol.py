@@ -50,6 +50,7 @@ _PASSTHROUGH = (
     "stop_token_ids",
     "skip_special_tokens",
     "stop",
+    "logit_bias",
 )
 
 
@@ -127,7 +128,8 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    # Token id (a decimal string) -> bias in [-100, 100]: checked by SamplingParams, ids against the vocabulary.
+    logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # vLLM-style extensions, named as in SamplingParams.
     top_k: int | None = None
@@ -158,9 +160,20 @@ class _SamplingFields(_Body):
     def _common_checks(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
-        if self.logit_bias:
-            raise bad_request("logit_bias: not supported by this server; drop the field", "logit_bias")
         self._grammar = self._structured_grammar()
+
+    @property
+    def grammar_param(self) -> str | None:
+        """The field the request's output constraint comes from (what a refusal of its grammar by the engine, one
+        that matches no output, names); None when the output is free."""
+        if self._grammar is None:
+            return None
+        if getattr(self, "forced_tools", None):
+            return "tools"
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return next(name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                    if getattr(self, name) is not None)  # fmt: skip
 
     def _structured_grammar(self) -> str | None:
         """The grammar of response_format or the guided_* field the request sets (a 400 when it sets several, or
@@ -218,23 +231,26 @@ class CompletionRequest(_SamplingFields):
     # against every other member, and 2^20 of them took 310 ms with the GIL held instead of 27 ms.
     prompt: Union[str, list[int], list[list[int]], list[str]] = Field(union_mode="left_to_right")
     logprobs: int | None = None
-    echo: bool | None = False
+    echo: bool | None = False  # the prompt's text before the completion's
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: str | None = None  # fill in the middle: the text after the completion (the model's FIM tokens)
 
     def check(self) -> None:
         self._common_checks()
-        if self.echo:
-            raise bad_request("echo: not supported by this server; send echo=false", "echo")
-        if self.suffix:
-            raise bad_request("suffix: not supported by this server", "suffix")
+        if self.echo and self.logprobs is not None:
+            # vLLM answers with the prompt tokens' logprobs; this engine computes logits for sampled positions only.
+            raise bad_request("echo: with logprobs it needs the prompt tokens' logprobs, which this server does not "
+                              "compute; send echo without logprobs, or logprobs without echo", "echo")  # fmt: skip
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request("best_of: only best_of == n is supported", "best_of")
         if isinstance(self.prompt, list) and not self.prompt:
             raise bad_request("prompt: must not be an empty list", "prompt")
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        """The request's params; `stop_token_ids` are added to its own (a fill-in-the-middle request's end tokens)."""
         fields = self._sampling_fields()
+        if stop_token_ids:
+            fields["stop_token_ids"] = (*fields.get("stop_token_ids", ()), *stop_token_ids)
         fields["max_tokens"] = self.max_tokens if self.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
         if self.logprobs is not None:
             fields["logprobs"] = self.logprobs
@@ -460,4 +476,51 @@ def parse_body(
         raise from_validation_error(exc) from None
     request.check()  # type: ignore[attr-defined]
     request._defaults = dict(defaults or {})
+    return request
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered as /v1/chat/completions renders them.
+    `add_special_tokens` defaults to true for a prompt (a BOS where the tokenizer adds one) and false for messages
+    (the template writes its own)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    tools: list[ToolSpec] | None = None
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("prompt, messages: send exactly one of them (text to tokenize, or chat messages)",
+                              "prompt")  # fmt: skip
+        if self.tools and self.messages is None:
+            raise bad_request("tools: only with messages (the chat template renders them)", "tools")
+
+    def chat(self) -> ChatCompletionRequest:
+        """The messages (and tools) as a chat request, checked as /v1/chat/completions checks them."""
+        chat = ChatCompletionRequest(messages=self.messages or [], tools=self.tools)
+        chat.check()
+        return chat
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's shape): token ids -> their text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_simple(model: type[TokenizeRequest] | type[DetokenizeRequest], raw: BodyBuffer, max_depth: int,
+                 max_values: int | None = None) -> Any:  # fmt: skip
+    """Parse a body into `model` (the limits and 400s of `parse_json_object`, then a 400 naming the first bad
+    field), and run its own checks."""
+    try:
+        request = model.model_validate(parse_json_object(raw, max_depth, max_values))
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    if isinstance(request, TokenizeRequest):
+        request.check()
     return request

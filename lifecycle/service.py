@@ -83,6 +83,8 @@ class Service:
         self.config = config
         self.serve_cfg = serve_cfg
         self.model_name = serve_cfg.model_name(config.model)
+        # The names a request's `model` may give (the served name first).
+        self.model_names = serve_cfg.model_names(config.model)
         # What a request's unset sampling fields become: the model's generation config, else glowplug's default
         # (greedy), the same as `glowplug generate` uses; logged at start and shown in /v1/models.
         self.sampling_defaults: SamplingDefaults = sampling_defaults(config.model)

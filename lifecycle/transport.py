@@ -48,6 +48,8 @@ log = structlog.get_logger("glowplug.lifecycle.transport")
 # The paths an API key protects (as vLLM's --api-key does). Probes, /metrics, /startup, the page and the OpenAPI
 # document stay open: orchestrators and scrapers carry no key, and none of them shows request content.
 PROTECTED_PREFIX = "/v1"
+# Outside /v1, the routes that take request content (tokenizing is work a stranger should not get for free).
+PROTECTED_PATHS = frozenset({"/tokenize", "/detokenize"})
 _CLOSE = {"Connection": "close"}
 # State keys this module leaves in the ASGI scope for the routes.
 RECEIVED_AT = "received_at"
@@ -269,7 +271,8 @@ class TransportGuard:
             headers = _CLOSE if _has_body(scope) else None
             return ApiError(431, f"the request head is larger than {MAX_HEAD_BYTES:,} bytes", code="head_too_large",
                             headers=headers)  # fmt: skip
-        if limits.key_digest is not None and (path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")):
+        if limits.key_digest is not None and (path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
+                                              or path in PROTECTED_PATHS):  # fmt: skip
             problem = self._key_problem(scope)
             if problem is not None:
                 self.metrics.rejected.labels(reason=RejectReason.UNAUTHORIZED).inc()
@@ -286,7 +289,8 @@ class TransportGuard:
         raw = _header(scope, b"authorization")
         scheme, _, token = (raw or b"").strip().partition(b" ")
         if raw is None or scheme.lower() != b"bearer" or not token.strip():
-            return "missing API key: this server needs `Authorization: Bearer <key>` on /v1 requests"
+            return ("missing API key: this server needs `Authorization: Bearer <key>` on /v1, /tokenize and "
+                    "/detokenize requests")
         # Never echoed back or logged, not even in part.
         if not hmac.compare_digest(_digest(token.strip()), self.limits.key_digest):
             return "invalid API key"

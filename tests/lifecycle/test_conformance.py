@@ -85,8 +85,9 @@ def test_assistant_turn_may_omit_content(server: ThreadServer) -> None:
 BAD = [
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "x", "temperature": 11}, "temperature"),
-    ("completions", {"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
-    ("completions", {"prompt": "x", "echo": True}, "echo"),
+    ("completions", {"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias"),
+    ("completions", {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"prompt": "x", "suffix": "y"}, "suffix"),
     ("completions", {"prompt": "x", "max_tokens": 100000}, "prompt"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),

@@ -83,6 +83,13 @@ def test_openai_client_with_the_right_key_a_wrong_key_and_none(server: ThreadSer
     post = doc["paths"]["/v1/completions"]["post"]
     assert post["security"] == [{"bearer": []}] and {"401", "408", "413"} <= set(post["responses"])
     assert "security" not in doc["paths"]["/health/ready"]["get"]
+    # /tokenize and /detokenize take request content: the key guards them as it guards /v1.
+    assert doc["paths"]["/tokenize"]["post"]["security"] == [{"bearer": []}]
+    tokenize = httpx.post(server.base_url + "/tokenize", json={"prompt": "hello"}, timeout=30)
+    assert tokenize.status_code == 401 and tokenize.json()["error"]["code"] == "invalid_api_key"
+    keyed = httpx.post(server.base_url + "/tokenize", json={"prompt": "hello"}, timeout=30,
+                       headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    assert keyed.status_code == 200 and keyed.json()["count"] >= 1
     # Probes, metrics, /startup and the page stay open; the key is echoed by none of them.
     for path in ("/health/live", "/health/ready", "/metrics", "/startup", "/"):
         resp = httpx.get(server.base_url + path, timeout=30)

@@ -70,6 +70,7 @@ def test_ready_503_with_phase_then_200_and_queue_bound(tiny_model: Path) -> None
             assert body["eta_s"] is not None and body["eta_s"] > 0
             assert int(ready.headers["retry-after"]) >= 1
             assert http.get("/health/live").status_code == 200
+            assert http.get("/health").status_code == 503  # vLLM's probe: 200 only once ready
             info = http.get("/startup").json()
             assert info["state"] == "starting" and info["phase"] == HOLD
             done = {p["name"]: p["seconds"] for p in info["phases"]}
