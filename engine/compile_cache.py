@@ -18,7 +18,7 @@
   fresh folder. A second failure is a real compile error and fails the stage. A compile that failed for want of a
   working C++ compiler is not retried: no cached file is to blame, and a fresh folder would fail the same way.
 - Everything here that needs torch's compiler internals checks that this torch has them first
-  (engine/torch_compat.py): an entry without a replay plan is not even read when it does not.
+  (base/torch_compat.py): an entry without a replay plan is not even read when it does not.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from glowplug.base.artifacts.caches import COMPILE, INDUCTOR, source_digest
 from glowplug.base.artifacts.cachedir import report_event
 from glowplug.base.artifacts.manifest import list_files
 from glowplug.base.artifacts.workspace import open_workspace, renew, seal
-from . import torch_compat
+from glowplug.base import torch_compat
 from .compile import CompiledDecode, InductorSettings, LoadedDecode
 from .compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable
 from .config import EngineConfig
@@ -239,7 +239,7 @@ def _clear_inductor_memory() -> None:
     """Forget what Inductor loaded or concluded from the old folder: compiled modules, and the CPU-feature probe
     results (a truncated probe .so makes the probe fail, and a cached "no AVX" would leave the retry with scalar
     kernels for the life of the process)."""
-    from .torch_compat import clear_inductor_caches, cpu_vec_isa
+    from glowplug.base.torch_compat import clear_inductor_caches, cpu_vec_isa
 
     clear_inductor_caches()
     for obj in vars(cpu_vec_isa).values():

@@ -24,7 +24,7 @@ AOT artifact instead (engine/stages/graph_compile.py). A plan that cannot be mad
 the CPU's C++ ones, as on CUDA, or a torch whose internals moved) is not written, and the warm start loads the full
 AOT artifact as before. A plan that will not load (a kernel library missing or damaged) falls back the same way, and
 says so. What the plan reads of Inductor's output (the wrapper's layout, the compiled graph's attributes) is named in
-engine/torch_compat.py with the engine's other uses of torch internals.
+base/torch_compat.py with the engine's other uses of torch internals.
 
 Guards: the runner builds every input itself (engine/model_runner.py), and the plan checks what Dynamo's guards
 would: the packed input's dtype, rank and layout, and each cache tensor's dtype, trailing shape and layout.
@@ -48,11 +48,11 @@ from typing import Any, Protocol
 
 import torch
 
-from . import torch_compat
+from glowplug.base import torch_compat
 from .attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN
 from .kv_cache import KVCache, LayerKV
 from .model_runner import dummy_decode_batch
-from .torch_compat import (COMPILED_FN_GLOBAL_PREFIX, COMPILED_GRAPH_CLASS, KERNEL_ENTRY, TENSOR_DATA_PTR_ENV,
+from glowplug.base.torch_compat import (COMPILED_FN_GLOBAL_PREFIX, COMPILED_GRAPH_CLASS, KERNEL_ENTRY, TENSOR_DATA_PTR_ENV,
                            WRAPPER_HEAVY_IMPORT, WRAPPER_IMPORT, WRAPPER_KERNEL_DEF, WRAPPER_POOL_CLASS,
                            WRAPPER_POOL_USE)  # fmt: skip
 

@@ -263,8 +263,8 @@ class LiveTensorPeak:
 
     def __enter__(self) -> LiveTensorPeak:
         import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
+
+        from glowplug.base.torch_compat import TorchDispatchMode, tree_flatten
 
         tracker = self
 

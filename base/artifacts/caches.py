@@ -114,14 +114,17 @@ def by_name(name: str) -> CacheSpec:
 
 def source_digest(packages: Iterable[str]) -> str:
     """Hash of the .py files of glowplug subpackages (e.g. ["engine", "kernels"]): a code change must never
-    reuse an artifact the old code made."""
-    import importlib
+    reuse an artifact the old code made. Their folders are found, not imported: base reads the files of layers
+    above it, it does not depend on their code."""
+    import importlib.util
 
     h = hashlib.sha256()
     roots: set[Path] = set()
     for sub in packages:
-        mod = importlib.import_module(f"glowplug.{sub}" if sub else "glowplug")
-        roots |= {Path(p) for p in mod.__path__}
+        spec = importlib.util.find_spec(f"glowplug.{sub}" if sub else "glowplug")
+        if spec is None or spec.submodule_search_locations is None:
+            raise ModuleNotFoundError(f"glowplug.{sub} is not an installed package" if sub else "glowplug")
+        roots |= {Path(p) for p in spec.submodule_search_locations}
     for root in sorted(roots):
         for f in sorted(root.rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())

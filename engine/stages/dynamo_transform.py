@@ -2,7 +2,7 @@
 the stored entry instead (its replay plan, or else the AOT artifact's traced code and guards): the row then says
 "cache hit" with the load's time.
 
-When this torch lacks the internals the compile is made of (engine/torch_compat.py: a version outside the supported
+When this torch lacks the internals the compile is made of (base/torch_compat.py: a version outside the supported
 range, or a private name missing or changed), or the trace fails, `--compile auto` goes on eagerly: the stage is
 skipped with the reason, which `compile_fallback` carries to graph_compile and graph_capture, so every compile row
 says why. `--compile on` fails the start instead.
@@ -14,7 +14,7 @@ import structlog
 import torch
 
 from ...profiling.names import Attr
-from .. import torch_compat
+from glowplug.base import torch_compat
 from ..compile import InductorSettings, TracedDecode, mark_decode_dynamic, trace_decode
 from ..compile_cache import open_compile_cache
 from glowplug.base.errors import one_line
