@@ -264,7 +264,9 @@ def _start(spec: CoreSpec, channel: CoreChannel, tracing: Any, marks: ProcessMar
 
 def _quiet_stages(event: Mapping[str, Any]) -> bool:
     """A stage's info record (key=value, hundreds of characters): the server's progress lines say it instead."""
-    return event.get("level") == "info" and str(event.get("event", "")).startswith("glowplug.startup")
+    from glowplug.profiling.names import STARTUP_SPAN
+
+    return event.get("level") == "info" and str(event.get("event", "")).startswith(STARTUP_SPAN)
 
 
 def _no_failure() -> str | None:

@@ -172,7 +172,9 @@ def _check_settings(config: EngineConfig) -> None:
 
 def _stage_failure_record(event: Mapping[str, Any]) -> bool:
     """The failed stage's own error record: on a terminal the one FAILED line says the same (--verbose keeps it)."""
-    return event.get("level") == "error" and str(event.get("event", "")).startswith("glowplug.startup.")
+    from glowplug.profiling.names import STARTUP_SPAN
+
+    return event.get("level") == "error" and str(event.get("event", "")).startswith(STARTUP_SPAN + ".")
 
 
 def _configure_logging(args: argparse.Namespace, level: str) -> None:

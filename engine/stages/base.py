@@ -154,7 +154,6 @@ def is_barrier(stage: Stage) -> bool:
 # idle (Dynamo and Inductor's code generation are single-threaded Python), which the profile's forward fills.
 SERIAL_CPU_BOUND_BELOW_CORES: Final = 2
 STAGE_DELAY_ENV: Final = "GLOWPLUG_TEST_STAGE_DELAY"
-TEST_DELAY_ATTR: Final = "glowplug.test_delay_s"
 
 
 def planted_delay(stage: str) -> float:
@@ -417,7 +416,7 @@ def _run_one(
         try:
             delay = planted_delay(stage.name)
             if delay:
-                span.set_attribute(TEST_DELAY_ATTR, delay)
+                span.set_attribute(Attr.TEST_DELAY_S, delay)
                 time.sleep(delay)
             # The view stands in for the context: it has the same attributes, under the stage's contract.
             report = stage.run(cast(StartupContext, view))

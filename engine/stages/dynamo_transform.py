@@ -172,7 +172,7 @@ class DynamoTransform:
             ctx.traced = trace(ctx)
         except Exception as exc:  # noqa: BLE001 - under --compile auto any failed trace means eager, with the reason
             return fall_back_to_eager(ctx, f"the decode step did not trace ({one_line(exc)})", exc, attrs)
-        attrs["glowplug.graph_nodes"] = ctx.traced.nodes
+        attrs[Attr.GRAPH_NODES] = ctx.traced.nodes
         if cache.miss_reason:
             attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason
         return StageReport(attributes=attrs)

@@ -34,11 +34,6 @@ from .base import StageReport
 from .context import EngineContext
 from .dynamo_transform import fall_back_to_eager, inductor_settings, scratch_cache, skipped_reason, trace
 
-ATTR_REPLAY = "glowplug.compile_replay"
-ATTR_FINGERPRINT = "glowplug.replay_fingerprint"  # matched / not compared (why) / how the logits differ
-ATTR_FINGERPRINT_S = "glowplug.replay_fingerprint_s"  # the check's cost: one 4-row step and a digest
-ATTR_INDUCTOR_SOURCE = "glowplug.compile_cache_read_only_source"  # the stored Inductor folder, read through links
-
 
 def checkpoint_identity(ctx: EngineContext) -> str:
     """The checkpoint the model's tensors came from, as the replay's fingerprint records it: a digest of the weight
@@ -81,7 +76,7 @@ class GraphCompile:
         except Exception as exc:  # noqa: BLE001 - under --compile auto any failed compile means eager, with the reason
             ctx.decode_fn = None
             return fall_back_to_eager(ctx, f"the decode step did not compile ({one_line(exc)})", exc,
-                                      {Attr.CACHE_KEY: cache.key, "glowplug.compile_cache_dir": str(cache.path)})  # fmt: skip
+                                      {Attr.CACHE_KEY: cache.key, Attr.COMPILE_CACHE_DIR: str(cache.path)})  # fmt: skip
 
     def _compile(self, ctx: EngineContext, traced: TracedDecode | LoadedDecode | StoredReplay,
                  cache: CompileCache) -> StageReport:  # fmt: skip
@@ -100,7 +95,7 @@ class GraphCompile:
                 traced = self._full_or_trace(ctx, traced, cache)
             else:
                 check = check_fingerprint(loaded, traced.plan.fingerprint, _scratch(ctx), weights)
-                attrs[ATTR_FINGERPRINT], attrs[ATTR_FINGERPRINT_S] = check.outcome, check.seconds
+                attrs[Attr.REPLAY_FINGERPRINT], attrs[Attr.REPLAY_FINGERPRINT_S] = check.outcome, check.seconds
                 if check.ok:
                     ctx.decode_fn = loaded
                     replay = "loaded"
@@ -122,7 +117,7 @@ class GraphCompile:
             else:
                 if rejected is not None:
                     aot = check_fingerprint(compiled, rejected, _scratch(ctx), weights)
-                    attrs[ATTR_FINGERPRINT] = f"{attrs[ATTR_FINGERPRINT]}; the AOT artifact: {aot.outcome}"
+                    attrs[Attr.REPLAY_FINGERPRINT] = f"{attrs[Attr.REPLAY_FINGERPRINT]}; the AOT artifact: {aot.outcome}"
                     if not aot.ok:
                         why = (f"the compiled kernels do not reproduce the logits recorded at compile time "
                                f"({aot.outcome})")
@@ -147,12 +142,12 @@ class GraphCompile:
         attrs.update({
             Attr.CACHE_HIT: hit,
             Attr.CACHE_KEY: cache.key,
-            "glowplug.compile_cache_dir": str(cache.path),
-            "glowplug.kernels_built": len(cache.rebuilt_kernels),
-            ATTR_REPLAY: replay,
+            Attr.COMPILE_CACHE_DIR: str(cache.path),
+            Attr.KERNELS_BUILT: len(cache.rebuilt_kernels),
+            Attr.COMPILE_REPLAY: replay,
         })  # fmt: skip
         if cache.workspace.source is not None:  # a read-only cache dir: where the private folder's links point
-            attrs[ATTR_INDUCTOR_SOURCE] = str(cache.workspace.source)
+            attrs[Attr.COMPILE_CACHE_READ_ONLY_SOURCE] = str(cache.workspace.source)
         if not hit:
             attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason or rebuilt or "compiled from the trace"
         elif cache.bundle:

@@ -51,7 +51,7 @@ class KVCacheInit:
         return StageReport(
             attributes={
                 Attr.KV_BLOCKS: plan.num_blocks,
-                "glowplug.kv_cache_bytes": ctx.kv_cache.nbytes,
-                "glowplug.kv_cache_dtype": ctx.config.cache.kv_cache_dtype,
+                Attr.KV_CACHE_BYTES: ctx.kv_cache.nbytes,
+                Attr.KV_CACHE_DTYPE: ctx.config.cache.kv_cache_dtype,
             }
         )

@@ -46,7 +46,6 @@ from .context import EngineContext
 PROFILE = "profile.json"
 ANALYTIC_NOTE = "analytic peak from shapes"
 ANALYTIC_METHOD = "analytic_shapes"
-ATTR_KV_PROFILE = "glowplug.kv_profile"  # "analytic" or "measured": which peak sized the cache
 
 
 class KVProfile(BaseModel):
@@ -154,8 +153,8 @@ class KVCacheProfiling:
             except AnalyticPeakUnsupported as exc:
                 why_measured = str(exc)
             else:
-                return self._plan(ctx, arch, profile, {ATTR_KV_PROFILE: "analytic", Attr.ROW_NOTE: ANALYTIC_NOTE})
-        attrs: dict[str, object] = {ATTR_KV_PROFILE: "measured"}
+                return self._plan(ctx, arch, profile, {Attr.KV_PROFILE: "analytic", Attr.ROW_NOTE: ANALYTIC_NOTE})
+        attrs: dict[str, object] = {Attr.KV_PROFILE: "measured"}
         if ctx.config.cache.kv_profile == "analytic":  # asked for, but it does not apply: the row says why
             attrs[Attr.ROW_NOTE] = f"measured: {why_measured}"
 
@@ -183,13 +182,13 @@ class KVCacheProfiling:
         ctx.kv_plan = plan
         attrs: dict[str, object] = {
             Attr.PEAK_MEMORY_BYTES: peak,
-            "glowplug.memory_method": method,
+            Attr.MEMORY_METHOD: method,
             Attr.KV_BLOCKS: plan.num_blocks,
             Attr.KV_TOKEN_CAPACITY: plan.token_capacity,
             Attr.MAX_CONCURRENCY: round(plan.max_concurrency, 2),
             Attr.MAX_MODEL_LEN: plan.max_model_len,
-            "glowplug.kv_budget_bytes": plan.budget_bytes,
-            "glowplug.kv_budget_source": plan.budget_source,
+            Attr.KV_BUDGET_BYTES: plan.budget_bytes,
+            Attr.KV_BUDGET_SOURCE: plan.budget_source,
             **extra,
         }
         return StageReport(attributes=attrs)

@@ -95,10 +95,10 @@ class ModelInit:
         ctx.gguf_stored = None
         return StageReport(
             attributes={
-                "glowplug.kernel_dispatch": table_source,
+                Attr.KERNEL_DISPATCH: table_source,
                 Attr.PARAM_COUNT: arch.num_params,
                 Attr.DTYPE: str(ctx.dtype).removeprefix("torch."),
                 Attr.QUANTIZATION: q.quantization,
-                "glowplug.weights_bytes": sum(t.nbytes for t in model.state_dict().values()) + stored_bytes,
+                Attr.WEIGHTS_BYTES: sum(t.nbytes for t in model.state_dict().values()) + stored_bytes,
             }
         )

@@ -58,8 +58,8 @@ class ModelPrepare:
         # graphs compiled or the KV cache profiled, with the flag and the fix in the message.
         check_prepared(ctx)
         attrs: dict[str, object] = {
-            "glowplug.model_dir": str(ctx.model_dir),
-            "glowplug.model_type": ctx.arch.model_type,
+            Attr.MODEL_DIR: str(ctx.model_dir),
+            Attr.MODEL_TYPE: ctx.arch.model_type,
             Attr.DTYPE: str(ctx.dtype).removeprefix("torch."),
         }
         # A local folder involves no cache: it is "hit" in the sense that nothing had to be prepared.

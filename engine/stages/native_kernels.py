@@ -75,13 +75,13 @@ class NativeKernels:
 
         build = load_native(ctx.cache_root)
         ctx.native = build
-        attrs: dict[str, object] = {Attr.CACHE_HIT: build.cache_hit, "glowplug.native_build": build.reason}
+        attrs: dict[str, object] = {Attr.CACHE_HIT: build.cache_hit, Attr.NATIVE_BUILD: build.reason}
         if build.path is not None:
-            attrs["glowplug.native_library"] = str(build.path)
+            attrs[Attr.NATIVE_LIBRARY] = str(build.path)
         if build.level:
             attrs[Attr.ISA_LEVEL], attrs[Attr.ISA_REASON] = build.level, build.level_reason
         if build.background:
-            attrs["glowplug.native_background_build"] = build.background
+            attrs[Attr.NATIVE_BACKGROUND_BUILD] = build.background
         if not build.available:
             if in_place:
                 return self._densified(ctx, model, build.reason, attrs)
@@ -94,9 +94,9 @@ class NativeKernels:
         counts = enable_native_decode(model, DENSE_SMALL_M, ctx.dtype, fallbacks)
         ctx.model = model  # the same object, changed in place: the write is what the stage contract sees
         attrs.update({
-            "glowplug.native_dense_layers": counts["dense"],
-            "glowplug.native_quantized_layers": counts["quantized"],
-            "glowplug.native_attention_layers": counts["attention"],
+            Attr.NATIVE_DENSE_LAYERS: counts["dense"],
+            Attr.NATIVE_QUANTIZED_LAYERS: counts["quantized"],
+            Attr.NATIVE_ATTENTION_LAYERS: counts["attention"],
             Attr.BYTES_PER_TOKEN: counts["bytes_per_token"],
         })  # fmt: skip
         # Layers a native op would serve but that keep the stock path (`NativeSwitch.fallback`; no layer of the models

@@ -100,10 +100,10 @@ class QuantizeWeights:
             ctx.weights_bytes = sum(t.nbytes for t in sd.values())
             return StageReport(attributes={
                 Attr.QUANTIZATION: q.quantization,
-                "glowplug.quantized_bytes": scheme.weight_bytes(sd, only_linear=True),
-                "glowplug.group_size": str(scheme.resolve_group_size(group_size)),
-                "glowplug.group_size_reason": why, "glowplug.quantize_lm_head": head,
-                "glowplug.quantized_from": "GGUF blocks, repacked on their own grid",
+                Attr.QUANTIZED_BYTES: scheme.weight_bytes(sd, only_linear=True),
+                Attr.GROUP_SIZE: str(scheme.resolve_group_size(group_size)),
+                Attr.GROUP_SIZE_REASON: why, Attr.QUANTIZE_LM_HEAD: head,
+                Attr.QUANTIZED_FROM: "GGUF blocks, repacked on their own grid",
             })  # fmt: skip
 
         def build(folder: Path | None) -> dict[str, torch.Tensor]:
@@ -125,11 +125,11 @@ class QuantizeWeights:
         ctx.state_dict = merged
         ctx.weights_bytes = sum(t.nbytes for t in merged.values())
         attrs: dict[str, object] = {Attr.QUANTIZATION: q.quantization, **fetched.attributes()}
-        attrs["glowplug.quantized_bytes"] = scheme.weight_bytes(merged, only_linear=True)
-        attrs["glowplug.bits_per_weight"] = round(scheme.bits_per_weight(group_size), 3)
-        attrs["glowplug.group_size"] = str(scheme.resolve_group_size(group_size))
-        attrs["glowplug.group_size_reason"] = why
-        attrs["glowplug.quantize_lm_head"] = head
+        attrs[Attr.QUANTIZED_BYTES] = scheme.weight_bytes(merged, only_linear=True)
+        attrs[Attr.BITS_PER_WEIGHT] = round(scheme.bits_per_weight(group_size), 3)
+        attrs[Attr.GROUP_SIZE] = str(scheme.resolve_group_size(group_size))
+        attrs[Attr.GROUP_SIZE_REASON] = why
+        attrs[Attr.QUANTIZE_LM_HEAD] = head
         return StageReport(attributes=attrs)
 
     def _auto(self, ctx: EngineContext) -> StageReport:
@@ -175,13 +175,13 @@ class QuantizeWeights:
         attrs.update({
             # What each class of tensor became; the phase table prints it on this row.
             Attr.ROW_NOTE: formats.note(str(ctx.dtype).removeprefix("torch.")),
-            "glowplug.layer_formats": formats.signature(),
-            "glowplug.auto.int4_layers": counts["int4"], "glowplug.auto.int8_layers": counts["int8"],
-            "glowplug.auto.dense_layers": counts["dense"], "glowplug.auto.repacked_layers": counts["repacked"],
-            "glowplug.auto.requantized_layers": counts["re-quantized"],
-            "glowplug.quantized_bytes": sum(t.nbytes for k, t in merged.items()
+            Attr.LAYER_FORMATS: formats.signature(),
+            Attr.AUTO_INT4_LAYERS: counts["int4"], Attr.AUTO_INT8_LAYERS: counts["int8"],
+            Attr.AUTO_DENSE_LAYERS: counts["dense"], Attr.AUTO_REPACKED_LAYERS: counts["repacked"],
+            Attr.AUTO_REQUANTIZED_LAYERS: counts["re-quantized"],
+            Attr.QUANTIZED_BYTES: sum(t.nbytes for k, t in merged.items()
                                             if k.rpartition(".")[2] in ("qweight", "scales", "zeros")),
-            "glowplug.group_size": str(AUTO_GROUP), "glowplug.group_size_reason": ctx.quant_group_size()[1],
-            "glowplug.quantize_lm_head": ctx.config.quant.quantize_lm_head,
+            Attr.GROUP_SIZE: str(AUTO_GROUP), Attr.GROUP_SIZE_REASON: ctx.quant_group_size()[1],
+            Attr.QUANTIZE_LM_HEAD: ctx.config.quant.quantize_lm_head,
         })  # fmt: skip
         return StageReport(attributes=attrs)

@@ -29,7 +29,7 @@ class Warmup:
         stats = engine.stats()
         if stats.kv_used_blocks:
             raise RuntimeError(f"warm-up leaked {stats.kv_used_blocks} KV blocks")
-        attrs: dict[str, object] = {"glowplug.warmup_tokens": generated, "glowplug.warmup_requests": len(reqs)}
+        attrs: dict[str, object] = {Attr.WARMUP_TOKENS: generated, Attr.WARMUP_REQUESTS: len(reqs)}
         attrs.update(memory_at_ready(engine))
         return StageReport(attributes=attrs)  # type: ignore[arg-type]
 

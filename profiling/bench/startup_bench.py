@@ -47,6 +47,7 @@ from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, failure_reason, run_
 from .startup_runs import run_startup as _run_startup
 from .stats import PERCENTILE_METHOD, Summary, summarize
 from .tables import Cell, Missing, fmt_num, markdown_table
+from glowplug.profiling.names import Attr
 
 # GLOWPLUG_MAX_CPU_ISA's values (base/machine.py ISA_LEVELS), so a wrong --bundle-isa-cap fails before any run.
 IsaLevel = Literal["portable", "avx2", "avx512", "avx512_bf16", "amx"]
@@ -518,8 +519,8 @@ def _floor_notes(result: StartupBenchResult) -> list[str]:
             continue
         med = lambda k: statistics.median(float(a[k]) for a in attrs)  # noqa: E731
         out.append(f"{mode}: actual/floor {statistics.median(ratios):.2f}x (floor = "
-                   f"{med('glowplug.floor.weights_bytes') / 1e6:.0f} MB at {med('glowplug.floor.read_gbps'):.1f} "
-                   f"GB/s + import torch {med('glowplug.floor.import_torch_s'):.2f} s)")  # fmt: skip
+                   f"{med(Attr.FLOOR_WEIGHTS_BYTES) / 1e6:.0f} MB at {med(Attr.FLOOR_READ_GBPS):.1f} "
+                   f"GB/s + import torch {med(Attr.FLOOR_IMPORT_TORCH_S):.2f} s)")  # fmt: skip
     return out
 
 
@@ -690,14 +691,14 @@ def eta_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
     kinds += [("cold after warm (cache emptied)", r) for r in result.runs.get("cold_after_warm", [])]
     out = []
     for kind, run in kinds:
-        eta = run.attr(READY_ROW, "glowplug.eta.first_ready_s")
+        eta = run.attr(READY_ROW, Attr.ETA_FIRST_READY_S)
         actual = _ready(run)
         if actual is None:
             continue
         err = None if eta is None else float(eta) / actual - 1
         out.append({"kind": kind, "run": run.label, "eta_s": eta, "actual_s": actual,
                     "error": None if err is None else round(err, 4), "target": eta_target(kind),
-                    "basis": run.attr(READY_ROW, "glowplug.eta.basis")})  # fmt: skip
+                    "basis": run.attr(READY_ROW, Attr.ETA_BASIS)})  # fmt: skip
     return out
 
 
@@ -712,9 +713,9 @@ def prediction_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
                 continue
             actual = _ready(run)
             ready = pred.get("ready_s")
-            eta = run.attr(READY_ROW, "glowplug.eta.first_ready_s")
+            eta = run.attr(READY_ROW, Attr.ETA_FIRST_READY_S)
             phases = pred.get("phases") or {}
-            eta_phases = json.loads(run.attr(READY_ROW, "glowplug.eta.phases") or "{}")
+            eta_phases = json.loads(run.attr(READY_ROW, Attr.ETA_PHASES) or "{}")
             out.append({
                 "run": run.label, "mode": mode, "actual_s": actual, "predicted_s": ready, "first_eta_s": eta,
                 "predict_error": None if actual is None or ready is None else round(ready / actual - 1, 4),
@@ -725,7 +726,7 @@ def prediction_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
                 "phases": {s: {"predicted_s": p.get("seconds"), "kind": p.get("kind"), "basis": p.get("basis"),
                                "first_eta_s": (eta_phases.get(s) or {}).get("seconds"),
                                "actual_s": _stage_seconds(run, s)} for s, p in phases.items()},
-                "before_s": pred.get("before_s"), "actual_before_s": run.attr(READY_ROW, "glowplug.eta.first_at_s"),
+                "before_s": pred.get("before_s"), "actual_before_s": run.attr(READY_ROW, Attr.ETA_FIRST_AT_S),
             })  # fmt: skip
     return out
 

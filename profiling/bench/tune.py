@@ -35,6 +35,7 @@ from ...engine.config import QuantConfig, Quantization
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, engine_flag, prepare_out_dir, write_json
 from .startup_runs import KV_ROW, StartupRun, run_startup, short
 from .tables import Cell, Missing, fmt_num, fmt_spread, markdown_table
+from glowplug.profiling.names import Attr
 
 Progress = Callable[[str], None]
 KV_ROWS = ("KV blocks", "token capacity", "max concurrency")
@@ -146,7 +147,7 @@ def column_from_runs(length: int, runs: list[StartupRun], block_size: int) -> Co
     for name in names:
         vals = [v for p in samples if (v := p.get(name)) is not None]
         medians[name] = _median(vals) if vals else None
-    blocks = [int(b) for r in ok if (b := r.attr(KV_ROW, "glowplug.kv_blocks")) is not None]
+    blocks = [int(b) for r in ok if (b := r.attr(KV_ROW, Attr.KV_BLOCKS)) is not None]
     reasons = {k: v for r in ok for k, v in r.reasons.items()}
     leaves = tuple(dict.fromkeys(n for r in ok for n in leaf_names(r)))
     return Column(length, medians, reasons, leaves, int(_median([float(b) for b in blocks])) if blocks else None,
@@ -172,9 +173,9 @@ def predict_columns(cfg: TuneMaxModelLenConfig, run: StartupRun, lengths: list[i
     from ...engine.kv_sizing import bytes_per_token, plan_kv_cache
     from ...engine.models.arch import load_arch
 
-    arch = load_arch(Path(run.attr("model_prepare", "glowplug.model_dir")))
-    dtype = getattr(torch, str(run.attr("model_init", "glowplug.dtype") or run.attr("model_prepare", "glowplug.dtype")))
-    budget = int(run.attr(KV_ROW, "glowplug.kv_budget_bytes"))
+    arch = load_arch(Path(run.attr("model_prepare", Attr.MODEL_DIR)))
+    dtype = getattr(torch, str(run.attr("model_init", Attr.DTYPE) or run.attr("model_prepare", Attr.DTYPE)))
+    budget = int(run.attr(KV_ROW, Attr.KV_BUDGET_BYTES))
     columns = []
     per_token = 0
     for length in lengths:

@@ -30,12 +30,13 @@ from .config import ServeBenchConfig
 from .load import api_path, run_closed
 from .server import engine_fields, scrape, served_model
 from .workload import build_requests
+from glowplug.profiling.names import Metric
 
 TARGET_MEDIAN = 0.95  # median of the per-pair ratios
 TARGET_WORST = 0.90  # the worst pair
-STEP_METRIC = "glowplug_engine_step_duration_seconds"
+STEP_METRIC = Metric.ENGINE_STEP
 SERVER_CPU = "process_cpu_seconds_total"  # the API server process
-CORE_CPU = "glowplug_engine_core_process_cpu_seconds_total"  # its engine core process
+CORE_CPU = f"{Metric.ENGINE_CORE}_process_cpu_seconds_total"  # its engine core process
 
 
 @dataclass
