@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
+import tomllib
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..kernels.triton import attention as triton_attention
+from glowplug.kernels.triton import attention as triton_attention
+
 from .kv_cache import KVCache, LayerKV
 
 # Columns of the decode step's packed input [B, DECODE_COLS + W]: token id, position, cache slot, context length

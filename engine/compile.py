@@ -31,15 +31,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from glowplug.base import torch_compat
+
 from .kv_cache import LayerKV
 from .models.llama import DecoderLM
+
+
 @dataclass(frozen=True)
 class InductorSettings:
     """The Inductor options of the decode graph, chosen by measurement on the 2-core CPU (reports/decode.md):
@@ -103,13 +106,25 @@ class TracedDecode:
     model: DecoderLM
     nodes: int
 
-    def compile(self, settings: InductorSettings) -> "CompiledDecode":
+    def compile(self, settings: InductorSettings) -> CompiledDecode:
         """Inductor on the captured graph, then the guards: what graph_compile does on a cold start."""
-        from glowplug.base.torch_compat import (BundledAOTAutogradSerializableCallable, CheckFunctionManager,
-                                                CompileArtifacts, Hooks, InductorWrapper, SourceInfo, TracingContext,
-                                                aot_compiled_function, dynamo_timed, get_metrics_context,
-                                                get_signature, get_traced_fn, graph_device_type, set_graph_backend_id,
-                                                tracing)  # fmt: skip
+        from glowplug.base.torch_compat import (
+            BundledAOTAutogradSerializableCallable,
+            CheckFunctionManager,
+            CompileArtifacts,
+            Hooks,
+            InductorWrapper,
+            SourceInfo,
+            TracingContext,
+            aot_compiled_function,
+            dynamo_timed,
+            get_metrics_context,
+            get_signature,
+            get_traced_fn,
+            graph_device_type,
+            set_graph_backend_id,
+            tracing,  # fmt: skip
+        )
 
         graph_out, backend_in = self.capture.graph_capture_output, self.capture.backend_input
         gm = backend_in.graph_module
@@ -185,7 +200,7 @@ class LoadedDecode:
     model: DecoderLM
 
     @classmethod
-    def read(cls, data: bytes, model: DecoderLM) -> "LoadedDecode":
+    def read(cls, data: bytes, model: DecoderLM) -> LoadedDecode:
         from glowplug.base.torch_compat import AOTCompileUnpickler, SerializedCode
 
         state = AOTCompileUnpickler({}, io.BytesIO(data)).load()
@@ -196,7 +211,7 @@ class LoadedDecode:
                                               state["runtime_env"].used_globals)  # fmt: skip
         return cls(state, model)
 
-    def compile(self, settings: InductorSettings) -> "CompiledDecode":
+    def compile(self, settings: InductorSettings) -> CompiledDecode:
         """Load Inductor's compiled module from the artifact (kernels from the Inductor folder, built if absent)."""
         from glowplug.base.torch_compat import CompileArtifacts, aot_compiled_function
 

@@ -33,12 +33,15 @@ from typing import Any, TypeVar
 import structlog
 import torch
 
+from glowplug.base import torch_compat
 from glowplug.base.artifacts import ArtifactStore, Workspace
-from glowplug.base.artifacts.caches import COMPILE, INDUCTOR, source_digest
 from glowplug.base.artifacts.cachedir import report_event
+from glowplug.base.artifacts.caches import COMPILE, INDUCTOR, source_digest
 from glowplug.base.artifacts.manifest import list_files
 from glowplug.base.artifacts.workspace import open_workspace, renew, seal
-from glowplug.base import torch_compat
+from glowplug.base.errors import one_line
+from glowplug.profiling.names import Event
+
 from .compile import CompiledDecode, InductorSettings, LoadedDecode
 from .compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable
 from .config import EngineConfig
@@ -46,8 +49,6 @@ from .models.arch import ModelArch
 from .models.llama import DecoderLM
 from .models.store import model_group
 from .parallel import tp_factors
-from ..profiling.names import Event
-from glowplug.base.errors import one_line
 
 T = TypeVar("T")
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"

@@ -37,6 +37,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import struct
 import sys
 import time
@@ -49,12 +50,21 @@ from typing import Any, Protocol
 import torch
 
 from glowplug.base import torch_compat
+from glowplug.base.torch_compat import (
+    COMPILED_FN_GLOBAL_PREFIX,
+    COMPILED_GRAPH_CLASS,
+    KERNEL_ENTRY,
+    TENSOR_DATA_PTR_ENV,
+    WRAPPER_HEAVY_IMPORT,
+    WRAPPER_IMPORT,
+    WRAPPER_KERNEL_DEF,
+    WRAPPER_POOL_CLASS,
+    WRAPPER_POOL_USE,  # fmt: skip
+)
+
 from .attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN
 from .kv_cache import KVCache, LayerKV
 from .model_runner import dummy_decode_batch
-from glowplug.base.torch_compat import (COMPILED_FN_GLOBAL_PREFIX, COMPILED_GRAPH_CLASS, KERNEL_ENTRY, TENSOR_DATA_PTR_ENV,
-                           WRAPPER_HEAVY_IMPORT, WRAPPER_IMPORT, WRAPPER_KERNEL_DEF, WRAPPER_POOL_CLASS,
-                           WRAPPER_POOL_USE)  # fmt: skip
 
 PLAN_FILE = "decode.replay.json"
 PLAN_VERSION = 2  # 2: the fingerprint
@@ -97,7 +107,7 @@ class ReplayPlan:
         return json.dumps({"version": PLAN_VERSION, **self.__dict__}).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "ReplayPlan":
+    def from_json(cls, data: bytes) -> ReplayPlan:
         raw = json.loads(data)
         if raw.pop("version", None) != PLAN_VERSION:
             raise ReplayUnavailable(f"replay plan version is not {PLAN_VERSION}")
@@ -220,7 +230,7 @@ class ReplayDecode:
                 self.statics[i] = t
 
     @classmethod
-    def load(cls, plan: ReplayPlan, inductor_dir: Path, model: torch.nn.Module) -> "ReplayDecode":
+    def load(cls, plan: ReplayPlan, inductor_dir: Path, model: torch.nn.Module) -> ReplayDecode:
         return cls(plan, _exec_wrapper(plan, inductor_dir), model)
 
     def guard_failure(self, packed: torch.Tensor, caches: list[LayerKV]) -> str:

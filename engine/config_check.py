@@ -18,10 +18,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from glowplug.base.machine import ISA_CAP_ENV, IsaCapError, cpu_has_native_bf16, isa_cap, isa_choice, level_at_least
 

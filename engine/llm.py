@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .config import EngineConfig
 from .llm_engine import LLMEngine, RequestOutput
@@ -10,7 +11,7 @@ from .sampling_params import SamplingParams
 from .tokenizer import encode_chat, encode_prompt
 
 if TYPE_CHECKING:
-    from ..profiling.tracing import Tracing
+    from glowplug.profiling.tracing import Tracing
 
 
 class LLM:

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..kernels.native import first_max_indices
+from glowplug.kernels.native import first_max_indices
+
 from .outputs import TokenLogprobs
 from .sequence import RunnerSeq
 

@@ -4,23 +4,23 @@ reordered by editing `default_stages`."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import structlog
 import torch
-
 from opentelemetry import trace
 
-from ..profiling.names import SCHEMA_VERSION, STARTUP_SPAN, Attr
-from ..profiling.phases import Floor, PhaseTable, build_phase_table, with_rank_spread
-from ..profiling.process import Clock, FullGcDeferral, ProcessMarks, open_startup_span
-from ..profiling.tracing import RankAttributes, Tracing, setup_tracing, span_from_record, span_record
 from glowplug.base.artifacts import ArtifactStore
+from glowplug.base.artifacts.cachedir import cache_dir_from_env
 from glowplug.base.artifacts.caches import STARTUP_PROFILE
 from glowplug.base.artifacts.store import probes_seen
-from glowplug.base.artifacts.cachedir import cache_dir_from_env
+from glowplug.profiling.names import SCHEMA_VERSION, STARTUP_SPAN, Attr
+from glowplug.profiling.phases import Floor, PhaseTable, build_phase_table, with_rank_spread
+from glowplug.profiling.process import Clock, FullGcDeferral, ProcessMarks, open_startup_span
+from glowplug.profiling.tracing import RankAttributes, Tracing, setup_tracing, span_from_record, span_record
 
 from .config import EngineConfig
 from .config_check import check_device
@@ -29,11 +29,19 @@ from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
 from .models.arch import ModelArch
 from .models.store import model_group
-from .parallel import launch_rank, tp_factors
-from .stages.base import Stage, StageResult, StartupFailed, check_pipeline, plan_concurrency, run_stages, stage_dependencies
+from .parallel import launch_rank
+from .stages.base import (
+    Stage,
+    StageResult,
+    StartupFailed,
+    check_pipeline,
+    plan_concurrency,
+    run_stages,
+    stage_dependencies,
+)
 from .stages.bundle_install import BundleInstall
-from .stages.distributed_init import DistributedInit
 from .stages.context import EngineContext
+from .stages.distributed_init import DistributedInit
 from .stages.dynamo_transform import DynamoTransform
 from .stages.graph_capture import GraphCapture
 from .stages.graph_compile import GraphCompile

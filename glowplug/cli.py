@@ -15,9 +15,10 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .base.flags import (
     CommandParser,

@@ -189,7 +189,6 @@ class Dispatcher:
 
     def prepare(self, w: PackedWeight, paths: Iterable[str] | None = None) -> Runtime:
         n, k = w.shape
-        dev = w.qweight.device.type
         group = getattr(w, "group_size", None)
         names = self._prepared_names(w, paths)
         registry = kernel_paths()

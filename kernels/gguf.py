@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .modules import DenseLinear, NativeSwitch
-
 from glowplug.base.ggml import (  # noqa: F401 - the type table, re-exported for the kernels' users
     BF16,
     BLOCKS,
@@ -39,6 +37,8 @@ from glowplug.base.ggml import (  # noqa: F401 - the type table, re-exported for
     Q8_0,
     TYPE_NAMES,
 )
+
+from .modules import DenseLinear, NativeSwitch
 
 MAX_PARTS = 3  # the op takes up to three stored tensors (q, k, v)
 

@@ -163,7 +163,7 @@ def enable_dense_native(module: nn.Module, weight: Tensor, small_m: int) -> int:
         module.register_buffer("native_blocked", packed, persistent=False)
         return packed.numel() * packed.element_size()
     if weight.dtype in (torch.bfloat16, torch.float32):
-        setattr(module, "native_small_m", small_m)
+        module.native_small_m = small_m
         return weight.numel() * weight.element_size()
     return 0
 

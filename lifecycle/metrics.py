@@ -14,11 +14,10 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from glowplug.profiling.names import STARTUP_PREDICTED_METRIC
+from glowplug.profiling.names import STARTUP_PREDICTED_METRIC, Metric
 
 from .live_metrics import RecentRequests
 from .state import EngineState
-from glowplug.profiling.names import Metric
 
 
 class RejectReason:

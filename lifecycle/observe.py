@@ -23,10 +23,9 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from glowplug.profiling.names import REQUEST_SPAN, ReqAttr
+from glowplug.profiling.names import REQUEST_SPAN, Attr, ReqAttr
 
 from .generation import GenerationStats
-from glowplug.profiling.names import Attr
 
 access_log = structlog.get_logger("glowplug.access")
 

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from starlette.types import Receive, Scope, Send
+
 from glowplug.engine.models.arch import ModelError
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.tokenizer import (
@@ -32,8 +35,6 @@ from glowplug.engine.tokenizer import (
     max_token_chars,
     template_takes_tools,
 )
-from opentelemetry import trace
-from starlette.types import Receive, Scope, Send
 
 from .errors import ApiError, bad_request
 from .generation import Ended, Generation, PromptEvent

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 

@@ -12,17 +12,17 @@ The compile cases run each start in a fresh process, since Inductor keeps what i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import cache_faults_util as util
 import pytest
 import torch
 
-import cache_faults_util as util
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import by_name
 from glowplug.profiling.names import Attr

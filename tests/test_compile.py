@@ -10,7 +10,6 @@ import torch
 from startup_probe import SlotProbe
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from glowplug.engine.attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.startup import build_engine, default_stages
@@ -82,7 +81,7 @@ def test_compiled_step_equals_eager_step_and_writes_the_same_cache(tiny_dir, cac
     result, _ = _start(tiny_dir("llama"), cache, dtype="float32", block_size=4)
     eng = result.engine
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    for p, n in zip(PROMPTS[:5], (3, 4, 7, 8, 11)):  # prompt lengths around the 4-token blocks
+    for _, n in zip(PROMPTS[:5], (3, 4, 7, 8, 11)):  # prompt lengths around the 4-token blocks
         eng.add_request(None, params, prompt_token_ids=list(range(5, 5 + n)))
     eng.step()  # the prefills (eager); every sequence now decodes
     scheduled = eng.runner.apply(eng.scheduler.schedule())

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import cache_faults_util as util
 import pytest
 import torch
-
-import cache_faults_util as util
 from startup_probe import SlotProbe
+
 from glowplug.base.artifacts.manifest import read_manifest, record_file, write_manifest
 from glowplug.engine.compile import CompiledDecode
 from glowplug.engine.compile_cache import _clear_inductor_memory

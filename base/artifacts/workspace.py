@@ -27,8 +27,19 @@ from pathlib import Path
 from typing import Any
 
 from glowplug.profiling.names import Event
+
 from .cachedir import CacheDirUnusable, classify, report_event
-from .manifest import FORMAT, Manifest, check_file, list_files, now_iso, producer, read_manifest, record_file, write_manifest
+from .manifest import (
+    FORMAT,
+    Manifest,
+    check_file,
+    list_files,
+    now_iso,
+    producer,
+    read_manifest,
+    record_file,
+    write_manifest,
+)
 from .store import QUARANTINE, ArtifactStore, CacheSpec
 
 

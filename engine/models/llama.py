@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.modules import DenseLinear, NativeSwitch, enable_dense_native
-from ..attention import AttentionMetadata, decode_attention, paged_attention
-from ..kv_cache import LayerKV
-from ..parallel import SINGLE, TPShard, all_reduce_sum, gather_vocab
+from glowplug.engine.attention import AttentionMetadata, decode_attention, paged_attention
+from glowplug.engine.kv_cache import LayerKV
+from glowplug.engine.parallel import SINGLE, TPShard, all_reduce_sum, gather_vocab
+from glowplug.kernels.modules import DenseLinear, NativeSwitch, enable_dense_native
+
 from .arch import ModelArch, RopeScaling
 
 # fused module (suffix within a layer) -> the checkpoint modules it concatenates, in row order
@@ -141,7 +142,7 @@ class Attention(nn.Module):
         """kernels.modules.enable_native_decode's switch: decode attention through the native op where the CPU and
         this head_dim allow it (batch size and dtype do not matter to it). A sliding-window layer switches too: the
         op takes the window and reads only the blocks inside it."""
-        from ...kernels.native import attention_supported
+        from glowplug.kernels.native import attention_supported
 
         self.native_attention = attention_supported(self.head_dim)
         return NativeSwitch("attention", self.native_attention)
@@ -355,7 +356,7 @@ class DecoderLM(nn.Module):
     def decode(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
         """Logits [B, vocab] (the model's dtype) for a decode-only batch given as the packed [B, DECODE_COLS + W]
         step input."""
-        from ..attention import POSITION, TOKEN
+        from glowplug.engine.attention import POSITION, TOKEN
 
         m = self.model
         x = m.embed(packed[:, TOKEN])

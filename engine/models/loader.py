@@ -15,9 +15,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from glowplug.engine.parallel import SINGLE, TPShard, shard_checkpoint
 from glowplug.kernels.gguf import GGUFRows
 
-from ..parallel import SINGLE, TPShard, shard_checkpoint
 from .arch import ModelArch, ModelError
 from .gguf_auto import EMBEDDING, LayerFormats
 from .llama import FUSED_MODULES, DecoderLM
@@ -82,7 +82,7 @@ def resolve_dtype(name: str, arch: ModelArch, device: str, *, quantized_source: 
     float16 ones run in bfloat16 on a CPU), except on a CPU where float32 is the faster choice (the rule and its
     measurement: config_check.resolve_dtype_name). A block-quantized source (a Q4/Q8 GGUF) has no float dtype of its
     own; it counts as bfloat16, the dtype such models are trained and published in."""
-    from ..config_check import resolve_dtype_name
+    from glowplug.engine.config_check import resolve_dtype_name
 
     # One rule for both: the CLI's settings check resolves the same name before torch is imported.
     return DTYPES[resolve_dtype_name(name, arch, device, quantized_source=quantized_source, compiled=compiled)]

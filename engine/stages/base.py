@@ -45,7 +45,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, fields as dataclass_fields
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any, ClassVar, Final, Protocol, cast, runtime_checkable
 
 import structlog

@@ -4,8 +4,9 @@ installed; build_engine then runs the pipeline with the model the bundle brought
 
 from __future__ import annotations
 
-from ...profiling.names import Attr
-from ..bundle import install_for_start
+from glowplug.engine.bundle import install_for_start
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 

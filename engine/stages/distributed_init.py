@@ -7,8 +7,9 @@ from __future__ import annotations
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from ...profiling.names import Attr
-from ..distributed import TPGroup
+from glowplug.engine.distributed import TPGroup
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 

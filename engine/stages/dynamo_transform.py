@@ -13,15 +13,16 @@ from __future__ import annotations
 import structlog
 import torch
 
-from ...profiling.names import Attr
 from glowplug.base import torch_compat
-from ..compile import InductorSettings, TracedDecode, mark_decode_dynamic, trace_decode
-from ..compile_cache import open_compile_cache
 from glowplug.base.errors import one_line
-from ..kv_cache import KVCache
-from ..model_runner import dummy_decode_batch
-from ..start_estimate import HIT, MISS
-from ..config import EngineConfig
+from glowplug.engine.compile import InductorSettings, TracedDecode, mark_decode_dynamic, trace_decode
+from glowplug.engine.compile_cache import open_compile_cache
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.kv_cache import KVCache
+from glowplug.engine.model_runner import dummy_decode_batch
+from glowplug.engine.start_estimate import HIT, MISS
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 
@@ -138,8 +139,7 @@ class DynamoTransform:
             return {}
         from glowplug.base.artifacts import ArtifactStore
         from glowplug.base.artifacts.caches import COMPILE
-
-        from ..compile_cache import compile_factors
+        from glowplug.engine.compile_cache import compile_factors
 
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
         factors = compile_factors(ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx), native_level(ctx),

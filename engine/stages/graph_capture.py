@@ -14,12 +14,12 @@ activations (which it should not much exceed).
 
 from __future__ import annotations
 
-from ...profiling.names import Attr
-from ..graph_buckets import bucket_sizes
-from ..model_runner import ModelRunner
+from glowplug.engine.graph_buckets import bucket_sizes
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
-from .dynamo_transform import skipped_reason
 from .context import EngineContext
+from .dynamo_transform import skipped_reason
 
 # How many of the smallest capture sizes the CPU runs (the first-call set-up of every kernel path in the step).
 CPU_WARM_SIZES = 2

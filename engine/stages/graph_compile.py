@@ -21,15 +21,15 @@ from collections.abc import Callable
 
 import structlog
 
-from ...profiling.names import Attr, Row
 from glowplug.base.artifacts.caches import file_stamps
-from ..compile import CompiledDecode, LoadedDecode, TracedDecode
-from ..compile_cache import CompileCache, StoredReplay
-from ..compile_replay import ReplayPlan, check_fingerprint, make_plan
-from ..kv_cache import KVCache
 from glowplug.base.errors import one_line
+from glowplug.engine.compile import CompiledDecode, LoadedDecode, TracedDecode
+from glowplug.engine.compile_cache import CompileCache, StoredReplay
+from glowplug.engine.compile_replay import ReplayPlan, check_fingerprint, make_plan
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.kv_cache import KVCache
+from glowplug.profiling.names import Attr, Row
 
-from ..config import EngineConfig
 from .base import StageReport
 from .context import EngineContext
 from .dynamo_transform import fall_back_to_eager, inductor_settings, scratch_cache, skipped_reason, trace

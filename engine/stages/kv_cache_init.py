@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...profiling.names import Attr
-from ..kv_cache import KVCache
-from ..llm_engine import LLMEngine
-from ..model_runner import ModelRunner
-from ..scheduler import Scheduler
-from ..tokenizer import eos_token_ids
+from glowplug.engine.kv_cache import KVCache
+from glowplug.engine.llm_engine import LLMEngine
+from glowplug.engine.model_runner import ModelRunner
+from glowplug.engine.scheduler import Scheduler
+from glowplug.engine.tokenizer import eos_token_ids
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 

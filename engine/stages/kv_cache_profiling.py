@@ -28,18 +28,19 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from ...profiling.memory import LiveTensorPeak, PeakMemory
-from ...profiling.names import Attr
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import KV_PROFILE
-from ..activation_peak import AnalyticPeakUnsupported, activation_peak, analytic_unsupported
-from ..attention import AttentionMetadata
-from ..config import EngineConfig
-from ..models.arch import ModelArch
-from ..kv_sizing import plan_kv_cache
-from ..models.store import model_group
-from ..parallel import tp_factors
-from ..start_estimate import HIT, MISS
+from glowplug.engine.activation_peak import AnalyticPeakUnsupported, activation_peak, analytic_unsupported
+from glowplug.engine.attention import AttentionMetadata
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.kv_sizing import plan_kv_cache
+from glowplug.engine.models.arch import ModelArch
+from glowplug.engine.models.store import model_group
+from glowplug.engine.parallel import tp_factors
+from glowplug.engine.start_estimate import HIT, MISS
+from glowplug.profiling.memory import LiveTensorPeak, PeakMemory
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
-from ...profiling.names import Attr
-from ..models.gguf_auto import AUTO_GROUP
-from ..models.gguf_tensors import PackPlan, TensorTable, load_gguf_weights
-from ..models.loader import build_meta_model, check_state_dict, fuse_checkpoint, read_checkpoint
-from ..models.store import gguf_table
-from ..parallel import shard_checkpoint
+from glowplug.engine.models.gguf_auto import AUTO_GROUP
+from glowplug.engine.models.gguf_tensors import PackPlan, TensorTable, load_gguf_weights
+from glowplug.engine.models.loader import build_meta_model, check_state_dict, fuse_checkpoint, read_checkpoint
+from glowplug.engine.models.store import gguf_table
+from glowplug.engine.parallel import shard_checkpoint
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...profiling.names import Attr
-from ..models.gguf_auto import LayerFormats
-from ..models.loader import build_meta_model, install_stored, materialize
+from glowplug.engine.models.gguf_auto import LayerFormats
+from glowplug.engine.models.loader import build_meta_model, install_stored, materialize
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import MODEL
-from ...profiling.names import Attr
-from ..config_check import check_prepared
-from ..models.arch import ModelError, load_arch
-from ..models.loader import resolve_dtype
-from ..models.store import gguf_file_for, gguf_source, gguf_table, model_factors, prepare_model, source_quant_block
-from ..start_estimate import HIT, MISS
+from glowplug.engine.config_check import check_prepared
+from glowplug.engine.models.arch import ModelError, load_arch
+from glowplug.engine.models.loader import resolve_dtype
+from glowplug.engine.models.store import (
+    gguf_file_for,
+    gguf_source,
+    gguf_table,
+    model_factors,
+    prepare_model,
+    source_quant_block,
+)
+from glowplug.engine.start_estimate import HIT, MISS
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 

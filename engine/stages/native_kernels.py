@@ -13,8 +13,9 @@ older than Ampere) the row says why, and dynamo_transform keeps the step eager w
 
 from __future__ import annotations
 
-from ...profiling.names import Attr
-from ..start_estimate import HIT, MISS
+from glowplug.engine.start_estimate import HIT, MISS
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 
@@ -54,7 +55,7 @@ class NativeKernels:
             # The GPU's counterpart of these kernels for attention: whether the Triton paged kernel serves decode
             # attention (asking registers its op, before the decode step is traced or loaded), or why the torch
             # ops do; on the span and in the row's skip reason, eager or compiled.
-            from ..attention import triton_attention_unavailable_reason
+            from glowplug.engine.attention import triton_attention_unavailable_reason
 
             why = triton_attention_unavailable_reason(ctx.device)
             gpu[Attr.DECODE_ATTENTION] = "triton" if why is None else f"torch ops: {why}"

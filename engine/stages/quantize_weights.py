@@ -14,13 +14,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ...profiling.names import Attr
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import QUANT, file_stamps, source_digest
-from ..models.loader import checkpoint_files
-from ..models.store import gguf_table, model_group
-from ..parallel import tp_factors
-from ..start_estimate import HIT, MISS
+from glowplug.engine.models.loader import checkpoint_files
+from glowplug.engine.models.store import gguf_table, model_group
+from glowplug.engine.parallel import tp_factors
+from glowplug.engine.start_estimate import HIT, MISS
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 
@@ -135,9 +136,8 @@ class QuantizeWeights:
     def _auto(self, ctx: EngineContext) -> StageReport:
         """--quantization auto: quantize (group 32) only the layers the plan re-quantizes, each to its own scheme,
         caching those; the exact repacks and the float layers pass through as load_weights made them."""
+        from glowplug.engine.models.gguf_auto import AUTO_GROUP, EMBEDDING, HEAD
         from glowplug.kernels.registry import get_scheme
-
-        from ..models.gguf_auto import AUTO_GROUP, EMBEDDING, HEAD
 
         formats = ctx.need(ctx.layer_formats(), "the auto plan (a GGUF's tensor table)", "model_prepare")
         sd = ctx.need(ctx.state_dict, "the checkpoint", "load_weights")

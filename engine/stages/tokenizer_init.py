@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from ..tokenizer import load_tokenizer
+from glowplug.engine.tokenizer import load_tokenizer
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
-from glowplug.profiling.names import Attr
 
 
 class TokenizerInit:

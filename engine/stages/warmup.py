@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from ..llm_engine import LLMEngine
-from ..sampling_params import SamplingParams
+from glowplug.engine.llm_engine import LLMEngine
+from glowplug.engine.sampling_params import SamplingParams
+from glowplug.profiling.names import Attr
+
 from .base import StageReport
 from .context import EngineContext
 
@@ -38,9 +40,7 @@ def memory_at_ready(engine: LLMEngine) -> dict[str, object]:
     """The process's peak resident memory split into the model's weights, the KV pool and the rest (runtime), with
     the resident file-backed and anonymous pages; the row's note says it in one line. Empty off Linux."""
     from glowplug.base.residency import memory_resident_bytes
-
-    from ...profiling.memory import process_memory, unique_storage_bytes
-    from ...profiling.names import Attr
+    from glowplug.profiling.memory import process_memory, unique_storage_bytes
 
     mem = process_memory()
     if mem is None:

@@ -42,7 +42,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ...engine.config import EngineConfig
+from glowplug.engine.config import EngineConfig
+
 from .machine import measure_probe_stats, report_header
 from .peers import Peer, PeerRuns, SkippedPeer
 
@@ -278,10 +279,10 @@ def _tensor_bytes(obj: Any) -> int:
 
 def weight_bytes_per_token(model: Any, compiled: bool) -> int:
     """Bytes of weights one batch-1 decode step reads through its kernels (see module docstring)."""
-    from ...engine.models.llama import RMSNorm, TiedHead
-    from ...kernels.gguf import GGUFLinear
-    from ...kernels.modules import DenseLinear, QuantLinear
-    from ...kernels.native import native_weight_bytes
+    from glowplug.engine.models.llama import RMSNorm, TiedHead
+    from glowplug.kernels.gguf import GGUFLinear
+    from glowplug.kernels.modules import DenseLinear, QuantLinear
+    from glowplug.kernels.native import native_weight_bytes
 
     total = 0
     for mod in model.modules():
@@ -306,7 +307,7 @@ def model_bytes_per_token(llm: Any, compiled: bool) -> tuple[int, str]:
     """(bytes of the model one batch-1 decode step reads, where the figure comes from): the engine's own count on
     its native_kernels span (Attr.BYTES_PER_TOKEN: every layer switched to a native op, the LM head included) when
     the start made one, else weight_bytes_per_token's walk over the layers."""
-    from ..names import Attr, Row
+    from glowplug.profiling.names import Attr, Row
 
     try:
         engine_count = llm.startup.phase_table[Row.NATIVE_KERNELS].attributes.get(Attr.BYTES_PER_TOKEN)
@@ -367,7 +368,7 @@ class InvarianceResult:
 
 def invariance_check(llm: Any, new_tokens: int = INVARIANCE_TOKENS) -> tuple[int, int, list[str]]:
     """(batched == alone count, reversed == alone count, differing prompts) through the public LLM.generate."""
-    from ...engine.sampling_params import SamplingParams
+    from glowplug.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     prompts = list(INVARIANCE_PROMPTS)
@@ -445,7 +446,7 @@ class EngineDecodeTiming:
 
 def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -> EngineDecodeTiming:
     """One batch run to completion, timed (see EngineDecodeTiming)."""
-    from ...engine.sampling_params import SamplingParams
+    from glowplug.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     p0 = time.perf_counter()
@@ -490,7 +491,7 @@ def _cells(cfg: DecodeBenchConfig) -> list[tuple[str, str, str, str]]:
 
 def group_sizes(model: Any) -> str:
     """The distinct group sizes of the model's quantized layers ("-" unquantized, "channel" per output row)."""
-    from ...kernels.modules import QuantLinear
+    from glowplug.kernels.modules import QuantLinear
 
     seen = {getattr(m, "group_size", None) for m in model.modules() if isinstance(m, QuantLinear)}
     if not seen:
@@ -522,7 +523,8 @@ def load_peers(cfg: DecodeBenchConfig, device: str) -> list[Peer]:
         return []
     import torch
 
-    from ...engine.models.store import resolve_model
+    from glowplug.engine.models.store import resolve_model
+
     from .peers import load_hf_peers, load_llamacpp_peers
 
     model_dir = resolve_model(cfg.model, quiet=True)
@@ -565,7 +567,7 @@ def _time_cell(engine: Any, row: DecodeRow, prompts: list[list[int]], cfg: Decod
     glowplug's run (glowplug, peer A, peer B, then the next repeat: the machine's swing reaches every engine)."""
     from datetime import datetime
 
-    from ..memory import PeakMemory
+    from glowplug.profiling.memory import PeakMemory
 
     paired = cfg.peer_at(row.context)
     if paired:
@@ -591,7 +593,7 @@ def _time_cell(engine: Any, row: DecodeRow, prompts: list[list[int]], cfg: Decod
 def graph_pool(llm: Any) -> dict[str, Any]:
     """DecodeRow's graph fields for an engine that captured CUDA graphs (empty otherwise): its pool as the
     allocator's snapshot holds it, and the activations of the largest size it captured (the graph_capturing row)."""
-    from ..names import Attr, Row
+    from glowplug.profiling.names import Attr, Row
 
     usage = llm.engine.runner.graph_pool_usage()
     if usage is None:
@@ -631,8 +633,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, argv: list[str] | None = None) -> D
     import torch
 
     from glowplug.base.errors import require_extra
-
-    from ...base.machine import PROBE_PASSES, describe_probe, l3_cache_bytes, probe_size
+    from glowplug.base.machine import PROBE_PASSES, describe_probe, l3_cache_bytes, probe_size
 
     if cfg.compare_hf:
         require_extra(("transformers",), "bench decode's transformers peer (--no-compare-hf skips it)", "bench")
@@ -666,10 +667,11 @@ def run_decode_bench(cfg: DecodeBenchConfig, argv: list[str] | None = None) -> D
 def _run_engine(cfg: DecodeBenchConfig, run: DecodeRun, peers: list[Peer], peers_gb: float, mode: str, dtype: str,
                 quant: str, kv: str, max_len: int, device: str) -> None:  # fmt: skip
     """One engine's cells (and its batch-invariance check), appended to `run`."""
-    from ...base.machine import isa_choice
-    from ...engine.llm import LLM
-    from ...kernels.native import loaded_level
-    from ..memory import current_rss
+    from glowplug.base.machine import isa_choice
+    from glowplug.engine.llm import LLM
+    from glowplug.kernels.native import loaded_level
+    from glowplug.profiling.memory import current_rss
+
     from .machine import compute_peak
     from .memory_split import held_weight_bytes, kv_pool_bytes
 

@@ -38,10 +38,10 @@ class KernelBenchConfig(BaseModel):
 def model_layer_shapes(model: str) -> list[tuple[int, int]]:
     """Distinct (N, K) of the model's projections: q, k/v, o, gate/up, down."""
     from glowplug.base.artifacts.cachedir import cache_dir_from_env
-    from ...engine.models.arch import load_arch
-    from ...engine.models.store import resolve_model
-    from ...engine.stages.context import EngineContext
-    from ...engine.stages.model_init import layer_shapes
+    from glowplug.engine.models.arch import load_arch
+    from glowplug.engine.models.store import resolve_model
+    from glowplug.engine.stages.context import EngineContext
+    from glowplug.engine.stages.model_init import layer_shapes
 
     ctx = EngineContext(cache_root=cache_dir_from_env())
     ctx.arch = load_arch(resolve_model(model, quiet=True))
@@ -50,11 +50,12 @@ def model_layer_shapes(model: str) -> list[tuple[int, int]]:
 
 def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
     from glowplug.base.artifacts.cachedir import cache_dir_from_env
-    from ...kernels.bench import DEFAULT_BENCH_FORMATS, bench_kernels, render_markdown
-    from ...kernels.dispatch import Dispatcher, calibrate
+    from glowplug.kernels.bench import DEFAULT_BENCH_FORMATS, bench_kernels, render_markdown
+    from glowplug.kernels.dispatch import Dispatcher, calibrate
 
     shapes = model_layer_shapes(cfg.model)
-    from ...kernels.bench import native_available
+    from glowplug.kernels.bench import native_available
+
     from .quality import flag_note, load_flags
 
     formats = cfg.formats or DEFAULT_BENCH_FORMATS

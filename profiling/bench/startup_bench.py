@@ -40,14 +40,15 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ...engine.config import Quantization
+from glowplug.engine.config import Quantization
+from glowplug.profiling.names import Attr
+
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
 from .startup_poll import ServePoll, poll_serve, poll_text, poll_verdicts
 from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, failure_reason, run_prediction, short
 from .startup_runs import run_startup as _run_startup
 from .stats import PERCENTILE_METHOD, Summary, summarize
 from .tables import Cell, Missing, fmt_num, markdown_table
-from glowplug.profiling.names import Attr
 
 # GLOWPLUG_MAX_CPU_ISA's values (base/machine.py ISA_LEVELS), so a wrong --bundle-isa-cap fails before any run.
 IsaLevel = Literal["portable", "avx2", "avx512", "avx512_bf16", "amx"]
@@ -517,7 +518,7 @@ def _floor_notes(result: StartupBenchResult) -> list[str]:
         ratios = [float(a["actual/floor"]) for a in attrs if a.get("actual/floor") is not None]
         if not ratios:
             continue
-        med = lambda k: statistics.median(float(a[k]) for a in attrs)  # noqa: E731
+        med = lambda k, attrs=attrs: statistics.median(float(a[k]) for a in attrs)  # noqa: E731
         out.append(f"{mode}: actual/floor {statistics.median(ratios):.2f}x (floor = "
                    f"{med(Attr.FLOOR_WEIGHTS_BYTES) / 1e6:.0f} MB at {med(Attr.FLOOR_READ_GBPS):.1f} "
                    f"GB/s + import torch {med(Attr.FLOOR_IMPORT_TORCH_S):.2f} s)")  # fmt: skip
@@ -963,9 +964,7 @@ def _compare_summary(before_json: Path | None) -> dict[str, Any] | None:
 
 def seed_maps(runs: list[StartupRun]) -> list[dict[str, float | None]]:
     """Each successful start's phases as seed 004's rows (profiling/bench/seed004.py)."""
-    from .seed004 import map_phases
-
-    from .seed004 import default_leaves
+    from .seed004 import default_leaves, map_phases
 
     return [map_phases(r.phases, [n for n, k in r.report.get("kinds", {}).items() if k == "leaf"]
                        or default_leaves(r.phases)) for r in runs if r.ok]  # fmt: skip

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
 from glowplug.profiling.names import Attr
 
 CACHE_ENV = "GLOWPLUG_CACHE_DIR"

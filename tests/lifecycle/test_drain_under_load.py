@@ -11,12 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from glowplug.profiling.names import DRAIN_SPAN, DrainAttr
-
 from lifecycle_harness import ProcessServer, wait_ready
 from otlp_receiver import OtlpHttpReceiver
 from test_signals import StreamReader
+
+from glowplug.profiling.names import DRAIN_SPAN, DrainAttr
 
 STREAMS = 32
 DRAIN_S = 10.0

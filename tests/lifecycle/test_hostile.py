@@ -18,14 +18,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
 
 from glowplug.lifecycle.config import ServeConfig
-from glowplug.profiling.names import Metric
 from glowplug.lifecycle.state import EngineState
 from glowplug.profiling.bench.serve.hostile_corpus import Target, run_corpus
 from glowplug.profiling.logs import configure_logging
-
-from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
+from glowplug.profiling.names import Metric
 
 KEY = "sk-glowplug-hostile-test-0123456789"
 LIMITS = {"max_body_bytes": 4 << 20, "body_read_timeout": 1.0, "header_read_timeout": 1.0}

@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from ....engine.config import Quantization
-from ..cli_support import BenchEngineFields
+from glowplug.engine.config import Quantization
+from glowplug.profiling.bench.cli_support import BenchEngineFields
 
 Arrival = Literal["poisson", "burst", "constant"]
 Endpoint = Literal["completions", "chat"]

@@ -25,12 +25,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from glowplug.profiling.names import Metric
+
 from .client import request_body
 from .config import ServeBenchConfig
 from .load import api_path, run_closed
 from .server import engine_fields, scrape, served_model
 from .workload import build_requests
-from glowplug.profiling.names import Metric
 
 TARGET_MEDIAN = 0.95  # median of the per-pair ratios
 TARGET_WORST = 0.90  # the worst pair
@@ -174,9 +175,9 @@ def _offline_run(llm: Any, prompts: list[str], params: Any) -> OfflineRun:
 def run_efficiency(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Callable[[str], None]) -> EfficiencyResult:
     import gc
 
-    from ....engine.config import EngineConfig
-    from ....engine.llm import LLM
-    from ....engine.sampling_params import SamplingParams
+    from glowplug.engine.config import EngineConfig
+    from glowplug.engine.llm import LLM
+    from glowplug.engine.sampling_params import SamplingParams
 
     if cfg.endpoint != "completions" or cfg.dataset is not None or cfg.len_distribution != "fixed":
         raise ValueError("--efficiency runs the synthetic set of fixed lengths on /v1/completions (LLM.generate "
@@ -206,7 +207,7 @@ def run_efficiency(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: 
 
 
 def render_efficiency(r: EfficiencyResult, head: str) -> str:
-    from ..tables import fmt_spread, markdown_table
+    from glowplug.profiling.bench.tables import fmt_spread, markdown_table
 
     def spread(values: list[float]) -> str:
         return fmt_spread(values, 1)
@@ -261,8 +262,8 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
 def efficiency_mode(
     cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from ..cli_support import prepare_out_dir, write_json
-    from ..machine import report_header
+    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.machine import report_header
 
     out = prepare_out_dir(cfg.out_dir)
     result = run_efficiency(cfg, tokenizer, server_for, say)

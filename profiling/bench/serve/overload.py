@@ -171,7 +171,8 @@ def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Ca
 
 
 def render_overload(r: OverloadResult, head: str) -> str:
-    from ..tables import fmt_num, markdown_table
+    from glowplug.profiling.bench.tables import fmt_num, markdown_table
+
     from .report import spread_cell
 
     def row(name: str, p: LoadPoint, rate: float) -> list[Any]:
@@ -228,7 +229,7 @@ def render_overload(r: OverloadResult, head: str) -> str:
 
 
 def plot_overload(r: OverloadResult, cfg: ServeBenchConfig, path: Path) -> Path:
-    from ..plots import plot_overload_pairs
+    from glowplug.profiling.bench.plots import plot_overload_pairs
 
     def p99s(p: LoadPoint) -> list[float | None]:
         return [m.figure("ttft_p99") for m in p.runs]
@@ -249,8 +250,8 @@ def plot_overload(r: OverloadResult, cfg: ServeBenchConfig, path: Path) -> Path:
 def overload_mode(
     cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from ..cli_support import prepare_out_dir, write_json
-    from ..machine import report_header
+    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.machine import report_header
 
     out = prepare_out_dir(cfg.out_dir)
     result = run_overload(cfg, tokenizer, server_for, say)

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..stats import PERCENTILE_METHOD
-from ..tables import Cell, Missing, fmt_num, markdown_table
+from glowplug.profiling.bench.stats import PERCENTILE_METHOD
+from glowplug.profiling.bench.tables import Cell, Missing, fmt_num, markdown_table
+
 from .config import ServeBenchConfig
 from .results import LoadPoint, Spread
 
@@ -133,7 +134,7 @@ def sweep_plot_panels(
 
 
 def plot_sweep(cfg: ServeBenchConfig, points: Sequence[LoadPoint], path: Path) -> Path:
-    from ..plots import plot_latency_vs_load
+    from glowplug.profiling.bench.plots import plot_latency_vs_load
 
     panels, xlabels = sweep_plot_panels(points)
     title = (f"glowplug serve latency vs load: {cfg.model}, --dtype {cfg.dtype}, --compile {cfg.compile}, "

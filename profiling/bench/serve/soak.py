@@ -38,10 +38,11 @@ from typing import Any
 
 import httpx
 
+from glowplug.profiling.names import Metric
+
 from .client import RequestResult, make_client, send_streaming
 from .server import parse_metrics
 from .workload import _WORDS
-from glowplug.profiling.names import Metric
 
 RSS_LIMIT = 1.05
 RSS_METRIC = "process_resident_memory_bytes"
@@ -319,7 +320,7 @@ def run_soak(base_url: str, plan: SoakPlan, progress: Callable[[str], None] | No
 
 
 def render_soak(result: SoakResult, head: str, latency_table: str) -> str:
-    from ..tables import markdown_table
+    from glowplug.profiling.bench.tables import markdown_table
 
     p = result.plan
     rows = [[c.name, c.value, c.limit, "pass" if c.passed else "FAIL"] for c in result.checks]
@@ -345,8 +346,9 @@ def render_soak(result: SoakResult, head: str, latency_table: str) -> str:
 def soak_mode(
     cfg: Any, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from ..cli_support import prepare_out_dir, write_json
-    from ..machine import report_header
+    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.machine import report_header
+
     from .report import latency_table
     from .results import LoadPoint, run_metrics
     from .server import served_model
