@@ -71,8 +71,9 @@ class CommandParser(argparse.ArgumentParser):
         finally:
             self.usage = saved
 
-    def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-                         ) -> tuple[argparse.Namespace, list[str]]:  # fmt: skip
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
         # The innermost command parses first and sets this; its parents copy it up and keep it. main() reports
         # leftover arguments through it, so `glowplug serve --bogus` shows serve's usage.

@@ -4,9 +4,9 @@
   that shape the graph, torch, glowplug source, device) holding the serialized AOT artifact (engine/compile.py):
   a warm start loads it instead of tracing and compiling. Beside it, when one could be made and proven, the replay
   plan (engine/compile_replay.py), which a warm start loads first: it runs the same compiled kernels without
-  importing Dynamo or Inductor, and falls back to the AOT artifact if it will not load. A miss is explained like any other cache's (which factor
-  changed since the last compile of the same model, old -> new); an entry that will not unpickle or whose guards
-  will not load is damaged: moved aside, reported, and the step is traced and compiled again.
+  importing Dynamo or Inductor, and falls back to the AOT artifact if it will not load. A miss is explained like
+  any other cache's (which factor changed since the last compile of the same model, old -> new); an entry that will not
+  unpickle or whose guards will not load is damaged: moved aside, reported, and the step is traced and compiled again.
 - cache `inductor`: the TORCHINDUCTOR_CACHE_DIR, a workspace shared by every configuration (Inductor keys its own
   entries by graph and options, and a fresh folder would pay the one-time C++ toolchain probe, 15-20 s here,
   again). Inductor writes it in place; the store seals its file list after each compile and verifies it at the

@@ -113,9 +113,9 @@ def torch_build_cuda() -> str | None:
         for node in tree.body:
             target = node.target if isinstance(node, ast.AnnAssign) else (
                 node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)  # fmt: skip
-            if isinstance(target, ast.Name) and target.id == "cuda" and node.value is not None:
+            if isinstance(target, ast.Name) and target.id == "cuda" and node.value is not None:  # type: ignore[attr-defined]
                 try:
-                    value = ast.literal_eval(node.value)
+                    value = ast.literal_eval(node.value)  # type: ignore[attr-defined]
                 except ValueError:
                     return "unknown"
                 return None if value is None else str(value)

@@ -97,7 +97,7 @@ class CoreChannel:
         zmq = self._zmq
         if timeout_ms and not self._in.poll(timeout_ms):
             return []
-        frames = []
+        frames: list[Any] = []
         while True:
             try:
                 data = self._in.recv(zmq.NOBLOCK, copy=False)

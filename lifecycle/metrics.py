@@ -225,6 +225,6 @@ class ServiceMetrics:
 
 def _value(metric: Gauge | Counter) -> float:
     """The value of an unlabelled gauge or counter, through the public collect() API."""
-    family = metric.collect()[0]
+    family = next(iter(metric.collect()))
     wanted = family.name + "_total" if family.type == "counter" else family.name
     return next((s.value for s in family.samples if s.name == wanted), 0.0)

@@ -308,8 +308,8 @@ async def _stream(
         if isinstance(event, Ended):
             if event.finish_reason == "error":
                 yield sse(ApiError(event.status, event.message, type="server_error").body())
-            for c in range(n):
-                idx = pe.index * n + c
+            for k in range(n):
+                idx = pe.index * n + k
                 if idx not in done:
                     done.add(idx)
                     yield sse(header.chunk(idx, delta=None, finish_reason=event.finish_reason,

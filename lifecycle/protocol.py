@@ -195,7 +195,7 @@ class _SamplingFields(_Body):
                 except json.JSONDecodeError as exc:
                     raise bad_request(f"guided_json: not valid JSON ({exc}); send the schema as an object",
                                       "guided_json") from None  # fmt: skip
-            return _grammar_or_400(lambda: json_schema_grammar(value), "guided_json", "fix the schema")
+            return _grammar_or_400(lambda: json_schema_grammar(value), "guided_json", "fix the schema")  # type: ignore[arg-type]
         if given[0] == "guided_regex":
             regex = self.guided_regex or ""
             return _grammar_or_400(lambda: regex_grammar(regex), "guided_regex", "fix the regular expression")

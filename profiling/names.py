@@ -400,9 +400,10 @@ LEAF_ROWS: Final[tuple[str, ...]] = (
 CORE_ROWS: Final[tuple[str, ...]] = (Row.CORE_PROCESS_START, Row.CORE_IMPORTS)
 
 # Aggregates: each is the sum of its leaves. Unlike vLLM's table, torch.compile includes the graph compile
-# (vLLM prints torch.compile == dynamo_transform_time) and the build of the native kernels the graph calls. init_engine is the engine's own set-up after the model
-# exists and is compiled: profiling, KV allocation, capture and warm-up; compile is not in it because here it is
-# a stage of its own (in vLLM it runs inside the profiling pass, so its init_engine contains it).
+# (vLLM prints torch.compile == dynamo_transform_time) and the build of the native kernels the graph calls.
+# init_engine is the engine's own set-up after the model exists and is compiled: profiling, KV allocation, capture and
+# warm-up; compile is not in it because here it is a stage of its own (in vLLM it runs inside the profiling pass, so its
+# init_engine contains it).
 # model_loading includes model_prepare: finding (cold: converting) the checkpoint is the first step of loading it.
 AGGREGATE_ROWS: Final[dict[str, tuple[str, ...]]] = {
     Row.MODEL_LOADING: (Row.MODEL_PREPARE, Row.LOAD_WEIGHTS, Row.MODEL_INIT, Row.QUANTIZE_WEIGHTS),

@@ -2,9 +2,9 @@
 
 Row definitions (names from vLLM's start-up table where it has one; see `names.py`):
   leaves       process_start, imports, then (a start whose engine core is a process of its own, `glowplug serve`)
-               core_process_start and core_imports, then one row per stage span (`glowplug.startup.<stage>`); a stage books to
-               its default row or to the row its report chose (graph_compile: general_shape on a miss, cached on
-               a hit). A leaf whose phase did not run is None with a reason.
+               core_process_start and core_imports, then one row per stage span (`glowplug.startup.<stage>`); a
+               stage books to its default row or to the row its report chose (graph_compile: general_shape on a miss,
+               cached on a hit). A leaf whose phase did not run is None with a reason.
   unattributed actual_total_time - (sum(leaves) - overlap): wall time no phase claims.
                Leaves + unattributed - overlap == actual_total_time exactly (computed in integer ns).
   aggregates   model_loading = model_prepare + load_weights + model_init + quantize_weights

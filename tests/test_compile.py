@@ -315,8 +315,8 @@ def test_smollm2_compiled_greedy_equals_transformers_fp32(smollm2_dir: Path, mak
 
 
 def test_bf16_dense_step_compiles_without_the_native_kernels(tiny_dir, cache: Path, monkeypatch) -> None:
-    """Where no native kernel serves the dense projections (a GPU; here a CPU whose native library is unavailable), the compiled
-    bf16 step runs them through F.linear inside the layers' nested compile region: the eager path's CPU-only
+    """Where no native kernel serves the dense projections (a GPU; here a CPU whose native library is unavailable), the
+    compiled bf16 step runs them through F.linear inside the layers' nested compile region: the eager path's CPU-only
     workarounds (whose row-count test is a data-dependent guard on the symbolic batch) must not be traced. On an
     H100 that guard failed dynamo_transform for SmolLM2 in bf16."""
     from glowplug.kernels import native

@@ -265,7 +265,8 @@ PLANTED = {
     "kernels/planted_spec.py": "from importlib.util import find_spec\n\nS = find_spec('glowplug.engine.llm')\n",
     "kernels/planted_process.py": "import sys\n\nCMD = [sys.executable, '-m', 'glowplug.engine.core_proc']\n",
     "engine/planted_script.py": "import sys\n\nCMD = (sys.executable, 'scripts/synthetic_gguf.py', '--help')\n",
-    "engine/planted_dynamic.py": "import importlib\n\n\ndef f(x):\n    return importlib.import_module(f'glowplug.{x}')\n",
+    "engine/planted_dynamic.py": "import importlib\n\n\ndef f(x):\n"
+    "    return importlib.import_module(f'glowplug.{x}')\n",
     "profiling/bench/planted_cli.py": "import sys\n\nCMD = [sys.executable, '-m', 'glowplug.cli', 'startup']\n",
 }
 

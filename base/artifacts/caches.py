@@ -14,9 +14,9 @@
 
 Why `model` fails: the engine reads the prepared folder (config, tokenizer, the GGUF's tensor table) from disk, and
 a folder written somewhere else on every start would hide a broken cache dir behind a slower start each time; a
-clear error asking for a usable GLOWPLUG_CACHE_DIR serves the user better. A read-only cache dir that already holds the converted
-model still works (reads need no write access). Every other cache only saves time, so the start goes on without
-it, recomputing what it would have held, with one warning.
+clear error asking for a usable GLOWPLUG_CACHE_DIR serves the user better. A read-only cache dir that already holds
+the converted model still works (reads need no write access). Every other cache only saves time, so the start goes on
+without it, recomputing what it would have held, with one warning.
 
 A read-only cache dir (a container image layer, a shared mount) whose entries hit is a warm start with nothing said
 and no write attempted (store.py, workspace.py): `inductor`, which Inductor writes even when everything hits, is

@@ -108,7 +108,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         # x: [T, heads, D]; the rotate-half convention of HF checkpoints.
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -291,7 +291,7 @@ class Backbone(nn.Module):
         x = self.embed(input_ids)
         ropes = self.rope_tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, ropes[layer.local_rope], meta)
+            x = layer(x, ropes[layer.local_rope], meta)  # type: ignore[index]
         return self.norm(x)
 
 
@@ -313,7 +313,7 @@ class TiedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocked = self.native_blocked if "native_blocked" in self._buffers else None
-        return DenseLinear.project(x, self.weight, None, self.native_small_m, blocked)
+        return DenseLinear.project(x, self.weight, None, self.native_small_m, blocked)  # type: ignore[arg-type]
 
     def enable_native(self, small_m: int, activation_dtype: torch.dtype) -> NativeSwitch:
         """kernels.modules.enable_native_decode's switch, for the shared matrix. In bf16 that is a blocked copy of
@@ -362,8 +362,8 @@ class DecoderLM(nn.Module):
         x = m.embed(packed[:, TOKEN])
         ropes = m.rope_tables(packed[:, POSITION], x.dtype)
         for layer, c in zip(m.layers, caches):
-            cos, sin = ropes[layer.local_rope]
-            x = layer.decode(x, cos, sin, c.k, c.v, c.k_scale, c.v_scale, packed)
+            cos, sin = ropes[layer.local_rope]  # type: ignore[index]
+            x = layer.decode(x, cos, sin, c.k, c.v, c.k_scale, c.v_scale, packed)  # type: ignore[operator]
         return self.compute_logits(m.norm(x))
 
     def untie_head_for_quantization(self) -> None:

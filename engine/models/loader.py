@@ -150,7 +150,7 @@ def _adjacent(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor |
             return None
         offset += t.numel()
     rows = sum(int(t.shape[0]) for t in tensors)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))  # type: ignore[call-overload]
 
 
 def fuse_checkpoint(sd: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -204,7 +204,7 @@ def install_stored(model: DecoderLM, formats: LayerFormats, stored: dict[str, GG
         model.set_submodule(module, GGUFLinear(in_features, parts, bias=bias))
         used.update({p: stored[p] for p in fmt.parts})
     if formats.embedding_in_place:
-        model.model.embed_tokens = GGUFEmbedding(stored[EMBEDDING], model.arch.hidden_size, dtype)
+        model.model.embed_tokens = GGUFEmbedding(stored[EMBEDDING], model.arch.hidden_size, dtype)  # type: ignore[assignment]
         used[EMBEDDING] = stored[EMBEDDING]  # a tied head in place reads the same rows: counted once
     return sum(r.nbytes for r in used.values())
 

@@ -167,7 +167,7 @@ class DynamoTransform:
             attrs[Attr.CACHE_FROM_BUNDLE] = cache.bundle
         if cache.loaded is not None:
             ctx.traced = cache.loaded  # the stored trace and its guards: nothing to trace
-            return StageReport(attributes=attrs)
+            return StageReport(attributes=attrs)  # type: ignore[arg-type]
         try:
             ctx.traced = trace(ctx)
         except Exception as exc:  # noqa: BLE001 - under --compile auto any failed trace means eager, with the reason
@@ -175,4 +175,4 @@ class DynamoTransform:
         attrs[Attr.GRAPH_NODES] = ctx.traced.nodes
         if cache.miss_reason:
             attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

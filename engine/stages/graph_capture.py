@@ -83,4 +83,4 @@ class GraphCapture:
             attrs[Attr.GRAPH_SIZE_TIMES_S] = runner.warm_up(lambda packed: decode_fn.unguarded(packed, caches), warm)
             runner.install_decode(decode_fn.serving(caches), sizes)
         ctx.runner = runner  # the same object, changed in place: the write is what the stage contract sees
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

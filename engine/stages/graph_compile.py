@@ -108,7 +108,7 @@ class GraphCompile:
                     traced = self._full_or_trace(ctx, traced, cache)
         if isinstance(traced, LoadedDecode):
             try:
-                compiled = ctx.decode_fn = cache.run(lambda: traced.compile(settings))
+                compiled = ctx.decode_fn = cache.run(lambda: traced.compile(settings))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - a cached artifact that will not load is a miss
                 log.warning("the stored compiled decode step would not load; tracing and compiling again",
                             error=one_line(exc))  # fmt: skip
@@ -153,7 +153,7 @@ class GraphCompile:
         elif cache.bundle:
             attrs[Attr.CACHE_FROM_BUNDLE] = cache.bundle
         return StageReport(
-            attributes=attrs, row=Row.GRAPH_COMPILE_CACHED if hit else Row.GRAPH_COMPILE_GENERAL_SHAPE
+            attributes=attrs, row=Row.GRAPH_COMPILE_CACHED if hit else Row.GRAPH_COMPILE_GENERAL_SHAPE  # type: ignore[arg-type]
         )
 
     @staticmethod

@@ -192,4 +192,4 @@ class KVCacheProfiling:
             Attr.KV_BUDGET_SOURCE: plan.budget_source,
             **extra,
         }
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

@@ -74,13 +74,13 @@ class ModelInit:
                 if head:
                     model.untie_head_for_quantization()
                 for name in formats.schemes():
-                    get_scheme(name).convert_for_runtime(model, group_size=group_size, dispatcher=dispatcher,
+                    get_scheme(name).convert_for_runtime(model, group_size=group_size, dispatcher=dispatcher,  # type: ignore[arg-type]
                                                          quantize_head=head, skip=_not_in(formats, name))  # fmt: skip
             else:
                 if q.quantize_lm_head:
                     model.untie_head_for_quantization()
                 get_scheme(scheme_name).convert_for_runtime(
-                    model, group_size=group_size, dispatcher=dispatcher, quantize_head=q.quantize_lm_head
+                    model, group_size=group_size, dispatcher=dispatcher, quantize_head=q.quantize_lm_head  # type: ignore[arg-type]
                 )
             keep = frozenset(
                 f"{name}.{buf}"

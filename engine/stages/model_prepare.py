@@ -72,4 +72,4 @@ class ModelPrepare:
         }
         # A local folder involves no cache: it is "hit" in the sense that nothing had to be prepared.
         attrs.update(fetched.attributes() if fetched is not None else {Attr.CACHE_HIT: True})
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

@@ -120,7 +120,7 @@ class NativeKernels:
 
         assert isinstance(model, torch.nn.Module)
         made = densify(model, ctx.dtype)
-        ctx.model = model  # changed in place
+        ctx.model = model  # type: ignore[assignment]  # changed in place
         attrs[Attr.NATIVE_FALLBACK] = f"stored GGUF layers de-quantized to {ctx.dtype}: {reason}"
         attrs[Attr.ROW_NOTE] = (f"native kernels unavailable ({reason}): the GGUF layers planned in place were "
                                 f"de-quantized to {str(ctx.dtype).removeprefix('torch.')} ({made / 1e9:.2f} GB)")

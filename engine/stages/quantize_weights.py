@@ -34,7 +34,7 @@ def quant_factors(ctx: EngineContext) -> dict[str, Any]:
     model_dir = ctx.need(ctx.model_dir, "the model folder", "model_prepare")
     from_gguf = ctx.gguf_path is not None and gguf_table(model_dir) is not None
     factors: dict[str, Any] = {
-        "checkpoint": file_stamps([ctx.gguf_path] if from_gguf else checkpoint_files(model_dir)),
+        "checkpoint": file_stamps([ctx.gguf_path] if from_gguf else checkpoint_files(model_dir)),  # type: ignore[list-item]
         "scheme": ctx.config.quant.quantization,
         "group_size": ctx.quant_group_size()[0],
         "quantize_lm_head": ctx.config.quant.quantize_lm_head,
@@ -131,7 +131,7 @@ class QuantizeWeights:
         attrs[Attr.GROUP_SIZE] = str(scheme.resolve_group_size(group_size))
         attrs[Attr.GROUP_SIZE_REASON] = why
         attrs[Attr.QUANTIZE_LM_HEAD] = head
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]
 
     def _auto(self, ctx: EngineContext) -> StageReport:
         """--quantization auto: quantize (group 32) only the layers the plan re-quantizes, each to its own scheme,
@@ -184,4 +184,4 @@ class QuantizeWeights:
             Attr.GROUP_SIZE: str(AUTO_GROUP), Attr.GROUP_SIZE_REASON: ctx.quant_group_size()[1],
             Attr.QUANTIZE_LM_HEAD: ctx.config.quant.quantize_lm_head,
         })  # fmt: skip
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

@@ -512,7 +512,8 @@ def write_reports(
                 dtypes.append(f"not timed, unusable: {', '.join(untimed)}")
             written.append(plot_ranking(
                 groups, out / "ranking.png",
-                xlabel="Output Throughput, tok/s (tokens after each sequence's first / time after the first tokens)",
+                xlabel="Output Throughput, tok/s (tokens after each sequence's first / time after the first "
+                "tokens)",
                 title=f"Output throughput per configuration ({'; '.join(dtypes)}); bar: median over n runs, "
                       "error bar: min–max",
             ))  # fmt: skip

@@ -167,7 +167,8 @@ def test_traces_as_one_graph_under_torch_compile(spec: str) -> None:
 
 def test_padded_rows_bounds_the_gemm_shapes_and_the_waste() -> None:
     """Eager bf16 GEMMs are padded to a few row counts (kernels/modules.py: oneDNN keeps native memory per distinct
-    M): never fewer rows, at most 15 more up to 128 rows and a quarter more past that, and few distinct sizes up to a 2048-token step."""
+    M): never fewer rows, at most 15 more up to 128 rows and a quarter more past that, and few distinct sizes up to
+    a 2048-token step."""
     from glowplug.kernels.modules import padded_rows
 
     assert padded_rows(1) == 1

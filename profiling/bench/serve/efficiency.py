@@ -245,16 +245,17 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
         "",
         markdown_table(["", "Server (HTTP)", "Offline (LLM.generate)"], rows),
         "",
-        f"Definitions (n = {len(r.server)} pairs): output tokens/s = output tokens / wall time of one run; server / "
+        f"Definitions (n = {len(r.server)} pairs): output tokens/s = output tokens / wall time of one run; "
+        "server / "
         "offline = server run i's tokens/s over offline run i's, the offline run made right after it on the same "
         "requests; the verdict needs the median of those ratios and the worst one within their targets. Engine "
         "steps and mean step: the server's `glowplug_engine_step_duration_seconds` count and sum over the run; "
         "offline, a clock around each step of the same run. Busy = step time / wall time.",
         "",
         "Mean step: a server step slower than the offline one means the engine core lost time to the API server "
-        "(CPU); server busy below the offline busy means it sat idle between steps waiting for work. CPU cores busy: "
-        "each process's CPU seconds over the run (its /metrics) / wall time: an API server far below the core is not "
-        "what limits the throughput.",
+        "(CPU); server busy below the offline busy means it sat idle between steps waiting for work. "
+        "CPU cores busy: each process's CPU seconds over the run (its /metrics) / wall time: an API server far "
+        "below the core is not what limits the throughput.",
         "",
     ])  # fmt: skip
 

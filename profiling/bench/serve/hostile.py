@@ -695,7 +695,8 @@ def render_hostile(r: HostileResult, head: str) -> str:
     parts = [
         head,
         f"- **verdict: {verdict}**, against: every large prompt refused with the right 4xx, the worst run "
-        "within each target (the Worst run column), every corpus case a 4xx or a clean close with the server READY and a normal request "
+        "within each target (the Worst run column), every corpus case a 4xx or a clean close with the server "
+        "READY and a normal request "
         f"succeeding after it. Runs within every target: {sum(1 for x in r.refusals if x.passed)}/"
         f"{len(r.refusals)}. Figures: median over runs (min–max), and the worst run",
         "",

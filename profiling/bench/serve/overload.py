@@ -211,15 +211,16 @@ def render_overload(r: OverloadResult, head: str) -> str:
         "",
         "Pair i: the sustainable-rate run on the server with the default admission, then, right after it, the "
         "overload run on the server with the admission limit; ratio = the second's TTFT p99 (admitted requests) / "
-        "the first's. The verdict needs every 429 with Retry-After, no other failure, and the worst (largest) ratio "
-        f"<= {TTFT_RATIO_LIMIT:g}.",
+        "the first's. The verdict needs every 429 with Retry-After, no other failure, and the worst (largest) "
+        f"ratio <= {TTFT_RATIO_LIMIT:g}.",
         "",
         "## Phases",
         "",
         markdown_table(["Phase", "Offered req/s", "Sent", "Completed", "Failed (by type)", "TTFT p50 (ms)",
                         "TTFT p90 (ms)", "TTFT p99 (ms)", "TPOT p99 (ms)", "Output tok/s"], rows),  # fmt: skip
         "",
-        f"Each cell: median over the {n} runs (min–max). TTFT: request sent -> first output chunk, percentiles over "
+        f"Each cell: median over the {n} runs (min–max). TTFT: request sent -> first output chunk, "
+        "percentiles over "
         "one run's completed requests; TPOT: (E2E - TTFT) / (output tokens - 1); output tok/s over the run's wall "
         "time. Sent and Completed are totals over runs.",
         "",

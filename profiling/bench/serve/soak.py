@@ -329,7 +329,8 @@ def render_soak(result: SoakResult, head: str, latency_table: str) -> str:
         head,
         f"- {p.streams} concurrent streams for {p.duration_s:g} s ({result.wall_s:.1f} s with the last requests), "
         f"{p.hangup_clients} of them hanging up after {p.hangup_after_chunks[0]}-{p.hangup_after_chunks[1]} chunks",
-        f"- {result.requests} requests: {result.finished} finished, {result.hung_up} hung up on purpose; mix: {kinds}",
+        f"- {result.requests} requests: {result.finished} finished, {result.hung_up} hung up on purpose; "
+        f"mix: {kinds}",
         f"- verdict: **{'PASS' if result.passed else 'FAIL'}**",
         "",
         "## Checks (server /metrics once idle)",
