@@ -153,7 +153,8 @@ class GraphCompile:
         elif cache.bundle:
             attrs[Attr.CACHE_FROM_BUNDLE] = cache.bundle
         return StageReport(
-            attributes=attrs, row=Row.GRAPH_COMPILE_CACHED if hit else Row.GRAPH_COMPILE_GENERAL_SHAPE  # type: ignore[arg-type]
+            attributes=attrs,  # type: ignore[arg-type]
+            row=Row.GRAPH_COMPILE_CACHED if hit else Row.GRAPH_COMPILE_GENERAL_SHAPE,
         )
 
     @staticmethod

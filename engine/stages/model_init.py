@@ -6,6 +6,7 @@ layers run int4, int8 or dense kernels as the GGUF stores them."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from glowplug.engine.models.gguf_auto import LayerFormats
 from glowplug.engine.models.loader import build_meta_model, install_stored, materialize
@@ -13,6 +14,9 @@ from glowplug.profiling.names import Attr
 
 from .base import StageReport
 from .context import EngineContext
+
+if TYPE_CHECKING:
+    from glowplug.kernels.dispatch import Dispatcher
 
 
 def layer_shapes(ctx: EngineContext) -> list[tuple[int, int]]:
@@ -26,7 +30,7 @@ def layer_shapes(ctx: EngineContext) -> list[tuple[int, int]]:
     return list(dict.fromkeys(shapes))
 
 
-def kernel_dispatcher(ctx: EngineContext) -> tuple[object, str]:
+def kernel_dispatcher(ctx: EngineContext) -> tuple[Dispatcher, str]:
     """The dispatcher for the quantized layers: the table `glowplug bench kernels` calibrated on this machine for
     these shapes when there is one, else the built-in rules (the measured facts in the kernel notes)."""
     from glowplug.kernels.dispatch import DEFAULT_FORMATS, DEFAULT_MS, Dispatcher, calibration_factors, lookup_table
@@ -74,13 +78,13 @@ class ModelInit:
                 if head:
                     model.untie_head_for_quantization()
                 for name in formats.schemes():
-                    get_scheme(name).convert_for_runtime(model, group_size=group_size, dispatcher=dispatcher,  # type: ignore[arg-type]
+                    get_scheme(name).convert_for_runtime(model, group_size=group_size, dispatcher=dispatcher,
                                                          quantize_head=head, skip=_not_in(formats, name))  # fmt: skip
             else:
                 if q.quantize_lm_head:
                     model.untie_head_for_quantization()
                 get_scheme(scheme_name).convert_for_runtime(
-                    model, group_size=group_size, dispatcher=dispatcher, quantize_head=q.quantize_lm_head  # type: ignore[arg-type]
+                    model, group_size=group_size, dispatcher=dispatcher, quantize_head=q.quantize_lm_head
                 )
             keep = frozenset(
                 f"{name}.{buf}"
