@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tomllib
 import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
+import tomllib
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
@@ -71,8 +71,9 @@ class CommandParser(argparse.ArgumentParser):
         finally:
             self.usage = saved
 
-    def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-                         ) -> tuple[argparse.Namespace, list[str]]:  # fmt: skip
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
         # The innermost command parses first and sets this; its parents copy it up and keep it. main() reports
         # leftover arguments through it, so `glowplug serve --bogus` shows serve's usage.

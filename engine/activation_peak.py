@@ -255,11 +255,11 @@ def _attention(led: _Ledger, s: _Shapes, attn: Attention) -> int:
 def _mlp(led: _Ledger, s: _Shapes, mlp: nn.Module) -> int:
     """llama.py MLP.forward."""
     t, i = s.tokens, mlp.intermediate_size
-    gate_up = _linear(led, s, mlp.gate_up_proj, t)  # gate and up are views of it
-    silu = led.new(t * i * s.itemsize)
-    product = led.new(t * i * s.itemsize)
+    gate_up = _linear(led, s, mlp.gate_up_proj, t)  # type: ignore[arg-type]  # gate and up are views of it
+    silu = led.new(t * i * s.itemsize)  # type: ignore[arg-type, operator]
+    product = led.new(t * i * s.itemsize)  # type: ignore[arg-type, operator]
     led.free(silu)
-    y = _linear(led, s, mlp.down_proj, t)
+    y = _linear(led, s, mlp.down_proj, t)  # type: ignore[arg-type]
     led.free(product, gate_up)
     return y
 
@@ -271,7 +271,7 @@ def activation_peak(model: DecoderLM, dtype: torch.dtype, tokens: int, rows: int
     if not isinstance(model, DecoderLM):
         raise AnalyticPeakUnsupported(f"a {type(model).__name__} model is not modelled")
     arch = model.arch
-    if arch.gemma_norms or any(layer.self_attn.window is not None for layer in model.model.layers):
+    if arch.gemma_norms or any(layer.self_attn.window is not None for layer in model.model.layers):  # type: ignore[union-attr]
         # The ledger mirrors the Llama layer: Gemma 3's four norms, GELU and windowed attention masks are not in it.
         raise AnalyticPeakUnsupported("Gemma 3's layer (four norms, GELU, sliding-window masks) is not modelled")
     s = _Shapes(tokens=tokens, itemsize=torch.empty((), dtype=dtype).element_size(),
@@ -295,12 +295,12 @@ def activation_peak(model: DecoderLM, dtype: torch.dtype, tokens: int, rows: int
             rope.append(indexed)
     for layer in model.model.layers:  # DecoderLayer.forward; the Backbone holds x throughout
         normed = _rms_norm(led, s, tokens * arch.hidden_size, tokens)
-        attn = _attention(led, s, layer.self_attn)
+        attn = _attention(led, s, layer.self_attn)  # type: ignore[arg-type]
         led.free(normed)
         x1 = led.new(h)  # x + self_attn(...)
         led.free(attn)
         normed = _rms_norm(led, s, tokens * arch.hidden_size, tokens)
-        mlp = _mlp(led, s, layer.mlp)
+        mlp = _mlp(led, s, layer.mlp)  # type: ignore[arg-type]
         led.free(normed)
         x2 = led.new(h)  # x + mlp(...)
         led.free(mlp, x1)

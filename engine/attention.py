@@ -30,11 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels.triton import attention as triton_attention
+from glowplug.kernels.triton import attention as triton_attention
+
 from .kv_cache import KVCache, LayerKV
 
 # Columns of the decode step's packed input [B, DECODE_COLS + W]: token id, position, cache slot, context length
@@ -114,7 +116,7 @@ class AttentionMetadata:
         )
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw: object) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **kw: Any) -> torch.Tensor:
     # q: [B, H, Tq, D], k/v: [B, Hkv, Tk, D]; GQA is handled inside SDPA without materialising repeated heads.
     return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **kw)
 

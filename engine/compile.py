@@ -22,7 +22,7 @@ torch.compile(...).aot_compile() does capture and compile in one call; the two h
 (`trace_decode`, `TracedDecode.compile`) so the start-up table books them to dynamo_transform and graph_compile.
 
 The artifact and Inductor's kernel folder live in the artifact store (compile_cache.py); the Inductor settings
-below are one of the compile cache's factors. Every private torch name used here comes from engine/torch_compat.py,
+below are one of the compile cache's factors. Every private torch name used here comes from base/torch_compat.py,
 which checks that this torch has them before the first is used.
 """
 
@@ -31,15 +31,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from . import torch_compat
+from glowplug.base import torch_compat
+
 from .kv_cache import LayerKV
 from .models.llama import DecoderLM
+
+
 @dataclass(frozen=True)
 class InductorSettings:
     """The Inductor options of the decode graph, chosen by measurement on the 2-core CPU (reports/decode.md):
@@ -103,16 +106,29 @@ class TracedDecode:
     model: DecoderLM
     nodes: int
 
-    def compile(self, settings: InductorSettings) -> "CompiledDecode":
+    def compile(self, settings: InductorSettings) -> CompiledDecode:
         """Inductor on the captured graph, then the guards: what graph_compile does on a cold start."""
-        from .torch_compat import (AOTCompiledFunction, BundledAOTAutogradSerializableCallable,
-                                   CheckFunctionManager, CompileArtifacts, Hooks, InductorWrapper, SourceInfo,
-                                   TracingContext, dynamo_timed, get_metrics_context, get_signature, get_traced_fn,
-                                   graph_device_type, tracing)  # fmt: skip
+        from glowplug.base.torch_compat import (
+            BundledAOTAutogradSerializableCallable,
+            CheckFunctionManager,
+            CompileArtifacts,
+            Hooks,
+            InductorWrapper,
+            SourceInfo,
+            TracingContext,
+            aot_compiled_function,
+            dynamo_timed,
+            get_metrics_context,
+            get_signature,
+            get_traced_fn,
+            graph_device_type,
+            set_graph_backend_id,
+            tracing,  # fmt: skip
+        )
 
         graph_out, backend_in = self.capture.graph_capture_output, self.capture.backend_input
         gm = backend_in.graph_module
-        gm._backend_id = backend_in.backend_id
+        set_graph_backend_id(gm, backend_in.backend_id)
         ctx = TracingContext(backend_in.fake_mode)
         ctx.tensor_to_context = backend_in.tensor_to_context
         backend = InductorWrapper(None, None, None)
@@ -143,12 +159,12 @@ class TracedDecode:
             runtime_env=graph_out.get_runtime_env(), source_info=source_info,
             device_type=graph_device_type(gm.graph), backend_name="inductor",
         )  # fmt: skip
-        return CompiledDecode(AOTCompiledFunction(_artifacts=artifacts, _extra_globals=fn.__globals__), self.model)
+        return CompiledDecode(aot_compiled_function(artifacts, fn.__globals__), self.model)
 
 
 def trace_decode(model: DecoderLM, packed: torch.Tensor, caches: list[LayerKV]) -> TracedDecode:
     """Dynamo's full-graph capture of one decode step over example inputs (dims marked by mark_decode_dynamic)."""
-    from .torch_compat import dynamo_timed, fullgraph_capture, get_metrics_context
+    from glowplug.base.torch_compat import dynamo_timed, fullgraph_capture, get_metrics_context
 
     with (_trace_config(), get_metrics_context(), dynamo_timed("glowplug_fullgraph_capture"),
           torch_compat.patch_config("functorch", {"strict_autograd_cache": True})):  # fmt: skip
@@ -161,7 +177,7 @@ def _load_guards(guards_state: bytes, code: Any, used_globals: dict[str, Any]) -
     """A guard manager from serialized guards. A cold compile uses one too, rebuilt from what it is about to store,
     rather than the one Dynamo built in memory: the two read tensors' dispatch keys differently (the in-memory one
     net of inference mode's excluded keys, the loaded one not), and a start must behave the same cold or warm."""
-    from .torch_compat import load_guard_manager, load_guards_state
+    from glowplug.base.torch_compat import load_guard_manager, load_guards_state
 
     return load_guard_manager(load_guards_state(guards_state), code, {**decode_step.__globals__, **used_globals})
 
@@ -184,8 +200,8 @@ class LoadedDecode:
     model: DecoderLM
 
     @classmethod
-    def read(cls, data: bytes, model: DecoderLM) -> "LoadedDecode":
-        from .torch_compat import AOTCompileUnpickler, SerializedCode
+    def read(cls, data: bytes, model: DecoderLM) -> LoadedDecode:
+        from glowplug.base.torch_compat import AOTCompileUnpickler, SerializedCode
 
         state = AOTCompileUnpickler({}, io.BytesIO(data)).load()
         state["runtime_env"] = dataclasses.replace(
@@ -195,15 +211,15 @@ class LoadedDecode:
                                               state["runtime_env"].used_globals)  # fmt: skip
         return cls(state, model)
 
-    def compile(self, settings: InductorSettings) -> "CompiledDecode":
+    def compile(self, settings: InductorSettings) -> CompiledDecode:
         """Load Inductor's compiled module from the artifact (kernels from the Inductor folder, built if absent)."""
-        from .torch_compat import AOTCompiledFunction, CompileArtifacts
+        from glowplug.base.torch_compat import CompileArtifacts, aot_compiled_function
 
         state = dict(self.state)
         deserializer, compiled_state = state["compiled_fn"]
         with settings.patch(), torch_compat.patch_config("inductor", {"enable_autograd_for_aot": True}):
             state["compiled_fn"] = deserializer(compiled_state)
-        fn = AOTCompiledFunction(CompileArtifacts(**state), _extra_globals=decode_step.__globals__)
+        fn = aot_compiled_function(CompileArtifacts(**state), decode_step.__globals__)
         return CompiledDecode(fn, self.model)
 
 
@@ -223,7 +239,7 @@ class CompiledDecode:
     def guard_failure(self, packed: torch.Tensor, caches: list[LayerKV]) -> str:
         with _guard_mode():
             f_locals = self.fn.prepare_f_locals(self.model, packed, *split_caches(caches))
-            return str(self.fn._artifacts.guard_manager.check_verbose(f_locals))
+            return str(torch_compat.aot_guard_manager(self.fn).check_verbose(f_locals))
 
     def __call__(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
         """One step, after checking the guards (a failure names the guard)."""
@@ -245,7 +261,7 @@ class CompiledDecode:
         return lambda packed: step(model, packed, *split)  # type: ignore[no-any-return]
 
     def serialize(self) -> bytes:
-        from .torch_compat import AOTCompiledFunction
+        from glowplug.base.torch_compat import AOTCompiledFunction
 
         return AOTCompiledFunction.serialize(self.fn).serialized_data
 
@@ -253,7 +269,7 @@ class CompiledDecode:
 def mark_decode_dynamic(packed: torch.Tensor, caches: list[LayerKV]) -> None:
     """Declare the dimensions that vary between steps: the batch (unbacked: never specialised, so batch 1 shares the
     graph), the block-table width, and the number of cache blocks (a scratch cache is traced, the real one runs)."""
-    from .torch_compat import mark_dynamic, mark_unbacked
+    from glowplug.base.torch_compat import mark_dynamic, mark_unbacked
 
     mark_unbacked(packed, 0)
     mark_dynamic(packed, 1)

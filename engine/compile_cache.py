@@ -4,9 +4,9 @@
   that shape the graph, torch, glowplug source, device) holding the serialized AOT artifact (engine/compile.py):
   a warm start loads it instead of tracing and compiling. Beside it, when one could be made and proven, the replay
   plan (engine/compile_replay.py), which a warm start loads first: it runs the same compiled kernels without
-  importing Dynamo or Inductor, and falls back to the AOT artifact if it will not load. A miss is explained like any other cache's (which factor
-  changed since the last compile of the same model, old -> new); an entry that will not unpickle or whose guards
-  will not load is damaged: moved aside, reported, and the step is traced and compiled again.
+  importing Dynamo or Inductor, and falls back to the AOT artifact if it will not load. A miss is explained like
+  any other cache's (which factor changed since the last compile of the same model, old -> new); an entry that will not
+  unpickle or whose guards will not load is damaged: moved aside, reported, and the step is traced and compiled again.
 - cache `inductor`: the TORCHINDUCTOR_CACHE_DIR, a workspace shared by every configuration (Inductor keys its own
   entries by graph and options, and a fresh folder would pay the one-time C++ toolchain probe, 15-20 s here,
   again). Inductor writes it in place; the store seals its file list after each compile and verifies it at the
@@ -18,7 +18,7 @@
   fresh folder. A second failure is a real compile error and fails the stage. A compile that failed for want of a
   working C++ compiler is not retried: no cached file is to blame, and a fresh folder would fail the same way.
 - Everything here that needs torch's compiler internals checks that this torch has them first
-  (engine/torch_compat.py): an entry without a replay plan is not even read when it does not.
+  (base/torch_compat.py): an entry without a replay plan is not even read when it does not.
 """
 
 from __future__ import annotations
@@ -33,12 +33,15 @@ from typing import Any, TypeVar
 import structlog
 import torch
 
+from glowplug.base import torch_compat
 from glowplug.base.artifacts import ArtifactStore, Workspace
-from glowplug.base.artifacts.caches import COMPILE, INDUCTOR, source_digest
 from glowplug.base.artifacts.cachedir import report_event
+from glowplug.base.artifacts.caches import COMPILE, INDUCTOR, source_digest
 from glowplug.base.artifacts.manifest import list_files
 from glowplug.base.artifacts.workspace import open_workspace, renew, seal
-from . import torch_compat
+from glowplug.base.errors import one_line
+from glowplug.profiling.names import Event
+
 from .compile import CompiledDecode, InductorSettings, LoadedDecode
 from .compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable
 from .config import EngineConfig
@@ -46,8 +49,6 @@ from .models.arch import ModelArch
 from .models.llama import DecoderLM
 from .models.store import model_group
 from .parallel import tp_factors
-from ..profiling.names import Event
-from glowplug.base.errors import one_line
 
 T = TypeVar("T")
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -239,7 +240,7 @@ def _clear_inductor_memory() -> None:
     """Forget what Inductor loaded or concluded from the old folder: compiled modules, and the CPU-feature probe
     results (a truncated probe .so makes the probe fail, and a cached "no AVX" would leave the retry with scalar
     kernels for the life of the process)."""
-    from .torch_compat import clear_inductor_caches, cpu_vec_isa
+    from glowplug.base.torch_compat import clear_inductor_caches, cpu_vec_isa
 
     clear_inductor_caches()
     for obj in vars(cpu_vec_isa).values():

@@ -24,7 +24,7 @@ longer computes what was compiled (say, a kernel library that is not the one it 
 cannot be made (a wrapper with kernels other than the CPU's C++ ones, as on CUDA, or a torch whose internals moved)
 is not written, and the warm start loads the full AOT artifact as before. A plan that will not load (a kernel
 library missing or damaged) falls back the same way, and says so. What the plan reads of Inductor's output (the
-wrapper's layout, the compiled graph's attributes) is named in engine/torch_compat.py with the engine's other uses
+wrapper's layout, the compiled graph's attributes) is named in base/torch_compat.py with the engine's other uses
 of torch internals.
 
 Guards: the runner builds every input itself (engine/model_runner.py), and the plan checks what Dynamo's guards
@@ -46,10 +46,14 @@ from typing import Any
 
 import torch
 
-from . import torch_compat
+from glowplug.base import torch_compat
+from glowplug.base.torch_compat import (
+    KERNEL_ENTRY,
+    TENSOR_DATA_PTR_ENV,  # fmt: skip
+)
+
 from .attention import DECODE_COLS
 from .kv_cache import LayerKV
-from .torch_compat import KERNEL_ENTRY, TENSOR_DATA_PTR_ENV
 
 PLAN_FILE = "decode.replay.json"
 PLAN_VERSION = 2  # 2: the fingerprint
@@ -75,7 +79,7 @@ class ReplayPlan:
         return json.dumps({"version": PLAN_VERSION, **self.__dict__}).encode()
 
     @classmethod
-    def from_json(cls, data: bytes) -> "ReplayPlan":
+    def from_json(cls, data: bytes) -> ReplayPlan:
         raw = json.loads(data)
         if raw.pop("version", None) != PLAN_VERSION:
             raise ReplayUnavailable(f"replay plan version is not {PLAN_VERSION}")
@@ -198,7 +202,7 @@ class ReplayDecode:
                 self.statics[i] = t
 
     @classmethod
-    def load(cls, plan: ReplayPlan, inductor_dir: Path, model: torch.nn.Module) -> "ReplayDecode":
+    def load(cls, plan: ReplayPlan, inductor_dir: Path, model: torch.nn.Module) -> ReplayDecode:
         return cls(plan, _exec_wrapper(plan, inductor_dir), model)
 
     def guard_failure(self, packed: torch.Tensor, caches: list[LayerKV]) -> str:

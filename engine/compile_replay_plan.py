@@ -19,12 +19,20 @@ from typing import Any, Protocol
 
 import torch
 
+from glowplug.base.torch_compat import (
+    COMPILED_FN_GLOBAL_PREFIX,
+    COMPILED_GRAPH_CLASS,
+    WRAPPER_HEAVY_IMPORT,
+    WRAPPER_IMPORT,
+    WRAPPER_KERNEL_DEF,  # fmt: skip
+    WRAPPER_POOL_CLASS,
+    WRAPPER_POOL_USE,
+)
+
 from .attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN
 from .compile_replay import CACHE_FIELDS, ReplayDecode, ReplayPlan, ReplayUnavailable, tensor_meta
 from .kv_cache import KVCache, LayerKV
 from .model_runner import dummy_decode_batch
-from .torch_compat import (COMPILED_FN_GLOBAL_PREFIX, COMPILED_GRAPH_CLASS, WRAPPER_HEAVY_IMPORT, WRAPPER_IMPORT,
-                           WRAPPER_KERNEL_DEF, WRAPPER_POOL_CLASS, WRAPPER_POOL_USE)  # fmt: skip
 
 # The recorded steps (batch, table width, cache blocks). Every size the plan maps by value differs between them
 # (3 vs 5 rows, packed widths 10 vs 11, 13 vs 17 blocks) and from the other sizes of the same step, and none equals a

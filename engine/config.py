@@ -216,7 +216,7 @@ class EngineConfig(FrozenModel):
         """Build from flat names as users write them (`block_size=8`, `max_num_seqs=4`, `quantization="int8"`),
         routing each to its section; nested dicts (`cache={...}`) are accepted too. One flat namespace is what the
         CLI flags and the config file use, so their names match vLLM-style flags one to one."""
-        sections = {"scheduler": SchedulerConfig, "cache": CacheConfig, "quant": QuantConfig}
+        sections: dict[str, type[BaseModel]] = {"scheduler": SchedulerConfig, "cache": CacheConfig, "quant": QuantConfig}
         nested: dict[str, dict[str, Any]] = {name: {} for name in sections}
         top: dict[str, Any] = {}
         for key, value in fields.items():

@@ -18,10 +18,11 @@ from __future__ import annotations
 import ast
 import importlib.util
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from glowplug.base.machine import ISA_CAP_ENV, IsaCapError, cpu_has_native_bf16, isa_cap, isa_choice, level_at_least
 
@@ -112,9 +113,9 @@ def torch_build_cuda() -> str | None:
         for node in tree.body:
             target = node.target if isinstance(node, ast.AnnAssign) else (
                 node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)  # fmt: skip
-            if isinstance(target, ast.Name) and target.id == "cuda" and node.value is not None:
+            if isinstance(target, ast.Name) and target.id == "cuda" and node.value is not None:  # type: ignore[attr-defined]
                 try:
-                    value = ast.literal_eval(node.value)
+                    value = ast.literal_eval(node.value)  # type: ignore[attr-defined]
                 except ValueError:
                     return "unknown"
                 return None if value is None else str(value)

@@ -14,7 +14,7 @@ imports torch: the API server process imports it without the engine.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 from opentelemetry.context import Context
@@ -22,8 +22,9 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.trace import format_span_id, format_trace_id
 from pydantic import BaseModel
 
-from ..profiling.phases import PhaseTable
-from ..profiling.tracing import span_from_record
+from glowplug.profiling.phases import PhaseTable
+from glowplug.profiling.tracing import span_from_record
+
 from .outputs import SeqUpdate
 from .sampling_params import SamplingParams
 from .start_estimate import PhaseEstimate
@@ -56,7 +57,7 @@ class Shutdown(msgspec.Struct, tag=True, array_like=True, gc=False):
     reason: str
 
 
-ToCore = Union[AddRequest, AbortRequests, FinishSeq, Shutdown]
+ToCore = AddRequest | AbortRequests | FinishSeq | Shutdown
 
 # ------------------------------------------------------------------------------------------- core -> server
 
@@ -187,7 +188,7 @@ class CoreSpec(msgspec.Struct, gc=False):
     tp_rundir: str | None = None  # where the tensor-parallel ranks record their stages (the server reads it)
 
 
-FromCore = Union[SpanStarted, SpanEnded, PhaseEntered, Planned, Ready, Failed, StepOutputs, Refused, Notice]
+FromCore = SpanStarted | SpanEnded | PhaseEntered | Planned | Ready | Failed | StepOutputs | Refused | Notice
 
 # --------------------------------------------------------------------------------------------------- spans
 

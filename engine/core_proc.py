@@ -34,10 +34,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..base.process import exit_process
+from glowplug.base.process import exit_process
 
 if TYPE_CHECKING:
-    from ..profiling.process import ProcessMarks
+    from glowplug.profiling.process import ProcessMarks
+
     from .core import EngineCore
     from .core_frames import CoreLoad, CoreSpec
 
@@ -96,7 +97,7 @@ class CoreChannel:
         zmq = self._zmq
         if timeout_ms and not self._in.poll(timeout_ms):
             return []
-        frames = []
+        frames: list[Any] = []
         while True:
             try:
                 data = self._in.recv(zmq.NOBLOCK, copy=False)
@@ -148,7 +149,7 @@ class _Signals:
 def run_core(spec: CoreSpec, *, marks: ProcessMarks | None = None, factory: EngineFactory | None = None,
              in_thread: bool = False) -> int:  # fmt: skip
     """Start the engine and serve until told to stop; the exit status (0: shut down, 1: it failed, and said so)."""
-    from ..profiling.tracing import setup_tracing
+    from glowplug.profiling.tracing import setup_tracing
 
     channel = CoreChannel(spec.to_core, spec.from_core)
     signals = _Signals()
@@ -176,8 +177,9 @@ def _start(spec: CoreSpec, channel: CoreChannel, tracing: Any, marks: ProcessMar
     from opentelemetry import context as otel_context
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    from ..profiling.logs import configure_logging
-    from ..profiling.names import CORE_IMPORTS, CORE_PROCESS_START, STARTUP_SPAN, Attr, stage_span_name
+    from glowplug.profiling.logs import configure_logging
+    from glowplug.profiling.names import CORE_IMPORTS, CORE_PROCESS_START, STARTUP_SPAN, Attr, stage_span_name
+
     from .config import EngineConfig
     from .core_frames import Failed, PhaseEntered, Planned, SpanForwarder, record_to_span
 
@@ -264,7 +266,9 @@ def _start(spec: CoreSpec, channel: CoreChannel, tracing: Any, marks: ProcessMar
 
 def _quiet_stages(event: Mapping[str, Any]) -> bool:
     """A stage's info record (key=value, hundreds of characters): the server's progress lines say it instead."""
-    return event.get("level") == "info" and str(event.get("event", "")).startswith("glowplug.startup")
+    from glowplug.profiling.names import STARTUP_SPAN
+
+    return event.get("level") == "info" and str(event.get("event", "")).startswith(STARTUP_SPAN)
 
 
 def _no_failure() -> str | None:
@@ -280,7 +284,8 @@ def _ready(result: Any, channel: CoreChannel, tracing: Any) -> None:
     """Tell the server READY (the table, the facts it serves with), and commit the KV pool."""
     import structlog
 
-    from ..profiling.names import STARTUP_SPAN
+    from glowplug.profiling.names import STARTUP_SPAN
+
     from .core_frames import Ready, SpanEnded, span_to_record
 
     engine = result.engine
@@ -431,7 +436,7 @@ class CoreLoop:
 
 
 def main() -> None:
-    from ..profiling.process import mark_main_entry
+    from glowplug.profiling.process import mark_main_entry
 
     marks = mark_main_entry()  # first: the core_process_start row ends here
     marks.defer_full_gc()  # this process builds one engine: see FullGcDeferral

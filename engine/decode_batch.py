@@ -52,7 +52,7 @@ class DecodeBatch:
         self.buffer = np.zeros(size, dtype=np.int64) if buffer is None else buffer
         if self.buffer.dtype != np.int64 or self.buffer.ndim != 1 or len(self.buffer) < size:
             raise ValueError(f"the decode batch needs a flat int64 buffer of at least {size} elements")
-        self._mv = memoryview(self.buffer)
+        self._mv = memoryview(self.buffer)  # type: ignore[arg-type]
         self._fixed = fixed_width
         self._width = max_width if fixed_width else MIN_TABLE_WIDTH
         # Per row, in Python (the pass in `sync` reads them without numpy): the sequence, the block-table entries

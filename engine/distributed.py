@@ -88,7 +88,7 @@ class Launch:
         if "RANK" not in env:
             # The server that started this process (the engine core) may have chosen the folder, to read it too.
             chosen = env.get(RUNDIR_ENV)
-            rundir = Path(chosen) if chosen else Path(tempfile.mkdtemp(prefix="glowplug-tp-"))
+            rundir: Path | None = Path(chosen) if chosen else Path(tempfile.mkdtemp(prefix="glowplug-tp-"))
             return cls(0, n, 0, "127.0.0.1", free_port(), True, False, rundir)
         world = int(env.get("WORLD_SIZE", n))
         if world != n:
@@ -395,7 +395,8 @@ def serve_worker(group: TPGroup, model: torch.nn.Module, kv_cache: Any, device: 
                 return None if t is None else t.to(dev)
 
             meta = AttentionMetadata(
-                prefill_info=on(msg["prefill_info"]), prefill_block_tables=on(msg["prefill_block_tables"]),  # type: ignore[arg-type]
+                prefill_info=on(msg["prefill_info"]),  # type: ignore[arg-type]
+                prefill_block_tables=on(msg["prefill_block_tables"]),  # type: ignore[arg-type]
                 kv_cache=kv_cache, slot_mapping=on(msg["slot_mapping"]),
                 decode_block_tables=on(msg["decode_block_tables"]), decode_ctx_lens=on(msg["decode_ctx_lens"]),
                 prefill_rows=msg["prefill_rows"],

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.formats import dequantize_kv, quantize_kv
-from .host_memory import commit, anonymous_zeros
+from glowplug.kernels.formats import dequantize_kv, quantize_kv
+
+from .host_memory import anonymous_zeros, commit
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

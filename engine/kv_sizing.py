@@ -202,16 +202,18 @@ def plan_kv_cache(
         flag = {"num_gpu_blocks_override": "--num-gpu-blocks-override", "--kv-cache-memory": "--kv-cache-memory"}
         raise KVCacheTooSmall(
             flag.get(source, "--memory-utilization"),
-            f"the KV cache cannot hold one sequence of {'even ' if useful < max_len else ''}{useful} tokens: that needs "
+            f"the KV cache cannot hold one sequence of {'even ' if useful < max_len else ''}{useful} tokens: "
+            f"that needs "
             f"{format_bytes(need_for(useful))} ({per_token:,} bytes/token), the cache has "
             f"{_source_text(source, budget)}; {_memory_fix(config, source, need_for(useful), per_block)} "
             f"(the model's full {limit} positions need {format_bytes(need_for(limit))})",
         )
     if num_blocks * bs < max_len:
-        flag = "--max-model-len" if isinstance(requested, int) else "the default --max-model-len"
+        length_flag = "--max-model-len" if isinstance(requested, int) else "the default --max-model-len"
         raise KVCacheTooSmall(
             "--max-model-len",
-            f"the KV cache cannot hold one sequence of {flag} {max_len}: that needs {format_bytes(need_for(max_len))} "
+            f"the KV cache cannot hold one sequence of {length_flag} {max_len}: "
+            f"that needs {format_bytes(need_for(max_len))} "
             f"({per_token:,} bytes/token), the cache has {_source_text(source, budget)}, room for {largest} tokens; "
             f"use --max-model-len {largest} or less (--max-model-len auto picks the longest that fits), or "
             f"{_memory_fix(config, source, need_for(max_len), per_block)}",

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .config import EngineConfig
 from .layer_kernels import WeightTraffic
@@ -11,7 +12,7 @@ from .sampling_params import SamplingParams
 from .tokenizer import encode_chat, encode_prompt
 
 if TYPE_CHECKING:
-    from ..profiling.tracing import Tracing
+    from glowplug.profiling.tracing import Tracing
 
 
 class LLM:
@@ -57,7 +58,7 @@ class LLM:
     def weight_traffic(self) -> WeightTraffic:
         """The weight bytes one batch-1 decode step reads: the native_kernels stage's own count when the start
         made one, else the sum over `engine.layer_kernels(1)` (engine/layer_kernels.py)."""
-        from ..profiling.names import Attr, Row
+        from glowplug.profiling.names import Attr, Row
 
         try:
             counted = self.startup.phase_table[Row.NATIVE_KERNELS].attributes.get(Attr.BYTES_PER_TOKEN)

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import collections.abc
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -154,19 +154,19 @@ class ModelRunner:
         sids: list[int] = []
         tokens: list[int] = []
         lps: list[TokenLogprobs | None] | None = None
-        for i, (sched, sample) in enumerate(zip(scheds, samples)):
+        for i, (sched, sampled) in enumerate(zip(scheds, samples)):
             seq = sched.seq
             seq.num_computed_tokens += sched.num_new_tokens
             sids.append(seq.seq_id)
-            if sample is None:
+            if sampled is None:
                 tokens.append(-1)
                 continue
-            seq.output_token_ids.append(sample.token_id)
-            tokens.append(sample.token_id)
-            if sample.logprobs is not None:
+            seq.output_token_ids.append(sampled.token_id)
+            tokens.append(sampled.token_id)
+            if sampled.logprobs is not None:
                 if lps is None:
                     lps = [None] * len(scheds)
-                lps[i] = sample.logprobs
+                lps[i] = sampled.logprobs
         return ModelRunnerOutput(sids, tokens, lps, last)
 
     def broadcast_steps(self, hook: Callable[[BatchInputs], None] | None) -> None:

@@ -35,7 +35,8 @@ from .models.arch import ModelArch
 
 @dataclass(frozen=True)
 class HeadSplit:
-    """One rank's attention heads: query heads [q_start, q_start + q_heads), KV heads [kv_start, kv_start + kv_heads)."""
+    """One rank's attention heads: query heads [q_start, q_start + q_heads), KV heads [kv_start, kv_start +
+    kv_heads)."""
 
     q_start: int
     q_heads: int

@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ..kernels.native import first_max_indices
+from glowplug.kernels.native import first_max_indices
+
 from .outputs import TokenLogprobs
 from .sequence import RunnerSeq
 
@@ -281,8 +282,8 @@ def sample(logits: torch.Tensor, seqs: list[RunnerSeq], masks: TokenMasks | None
             top: dict[int, float] = {}
             if want_lp[i]:
                 base = 2 * n
-                ids = host[base + i * kmax : base + i * kmax + want_lp[i]]
-                vals = host[base + n * kmax + i * kmax : base + n * kmax + i * kmax + want_lp[i]]
+                ids = host[base + i * kmax : base + i * kmax + want_lp[i]]  # type: ignore[operator]
+                vals = host[base + n * kmax + i * kmax : base + n * kmax + i * kmax + want_lp[i]]  # type: ignore[operator]
                 top = {int(t): float(v) for t, v in zip(ids, vals)}
             lp = TokenLogprobs(token_id=tok, logprob=float(chosen), top=top)
         results.append(SampleResult(tok, lp))

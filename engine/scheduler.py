@@ -27,7 +27,7 @@ from .block_manager import BlockManager
 from .config import CacheConfig, SchedulerConfig
 from .outputs import GRAMMAR_DONE, ModelRunnerOutput, SeqUpdate, TokenLogprobs
 from .sampling_params import SamplingParams
-from .sequence import Sequence, SeqStatus
+from .sequence import SeqStatus, Sequence
 from .structured import GrammarBackend, advance
 
 

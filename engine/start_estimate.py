@@ -120,7 +120,8 @@ class StartRecord:
     stages it waited for); entries: cache -> the entry key it used (a later prediction without torch checks that
     they are still there); machine: where it ran (the fit takes this machine's starts only); model: the model's
     cache group; before_s: process creation -> the first stage (None in library use); imports_s: its imports row
-    (the engine's imports, torch first); probe_gbps: the read probe measured right after it. Every field after `wall_s` is None in records from before they were kept.
+    (the engine's imports, torch first); probe_gbps: the read probe measured right after it. Every field after
+    `wall_s` is None in records from before they were kept.
     """
 
     stages: dict[str, float]
@@ -361,13 +362,15 @@ def predict(pattern: Pattern, caches: Mapping[str, tuple[str, ...]], mine: Seque
             if rec.pattern is not None and dict(rec.pattern) == dict(pattern):
                 what = f"the last {kind} start" if kind else "the last start"
                 basis = f"from {what} of this config"
-                sources = {s: PhaseSource("recorded", f"recorded: {what} of this config", own=True) for s in rec.stages}
+                sources: dict[str, PhaseSource] = {
+                    s: PhaseSource("recorded", f"recorded: {what} of this config", own=True) for s in rec.stages
+                }
                 contention = rec.contention
                 return PhaseEstimate(dict(rec.stages), True, basis, "same_pattern", (), rec.scale, dict(pattern),
                                      sources, rec.deps if contention is not None else None, contention or 1.0)  # fmt: skip
     candidates = [(rec, True) for rec in mine] + [(rec, False) for rec in others]
     seconds: dict[str, float] = {}
-    sources: dict[str, PhaseSource] = {}
+    sources = {}
     source: dict[str, tuple[StartRecord, bool]] = {}
     for stage, stage_deps in caches.items():
         for rec, own in candidates:

@@ -40,7 +40,6 @@ from pathlib import Path
 from typing import Any
 
 from glowplug.base.ggml import BLOCKS, FLOATS, IN_PLACE, Q4_0, Q4_1, Q4_K, Q5_0, Q8_0
-
 from glowplug.base.residency import files_residency
 
 from .config import EngineConfig

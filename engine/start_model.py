@@ -12,8 +12,8 @@ no recorded start the prior alone answers, with a few starts of small models the
 The fit (`fit`): per phase, minimise sum_i w_i (y_i - x_i . c)^2 + sum_k ((c_k - prior_k) / sd_k)^2 over the
 recorded starts i that ran the phase, with w_i = 1 / (REL_NOISE x (y_i + 0.05 s))^2: a recorded phase is taken as
 known to 25% (relative errors: a 10 s phase and a 50 ms one count alike, and one start of a model already moves a
-prior that is off by more than that); coefficients are kept >= 0 (a negative cost per byte has no meaning). Pure functions: the records
-come in, coefficients and predictions go out.
+prior that is off by more than that); coefficients are kept >= 0 (a negative cost per byte has no meaning). Pure
+functions: the records come in, coefficients and predictions go out.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ HIT, MISS = "hit", "miss"
 GB = 1e9
 _WEIGHT_FLOOR_S = 0.05  # the relative weights' floor: a phase of a few ms is not fitted to the microsecond
 REL_NOISE = 0.25  # how well one recorded start tells a phase's time (run-to-run spread on a busy machine)
+# A phase the model has no terms for (a stage it does not know): its mean, from this prior.
 FALLBACK_PRIOR_S = 0.05
-SAID_ABOVE_S = 0.0005  # a term worth less than this is counted but left out of the basis text  # a phase the model has no terms for (a stage it does not know): its mean, from this prior
+SAID_ABOVE_S = 0.0005  # a term worth less than this is counted but left out of the basis text
 
 
 @dataclass(frozen=True)

@@ -5,22 +5,22 @@ or reordered by editing `default_stages`."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import structlog
 import torch
-
 from opentelemetry import trace
 
-from ..profiling.names import Attr
-from ..profiling.phases import PhaseTable
-from ..profiling.process import ProcessMarks
-from ..profiling.tracing import Tracing, setup_tracing
 from glowplug.base.artifacts import ArtifactStore
-from glowplug.base.artifacts.store import probes_seen
 from glowplug.base.artifacts.cachedir import cache_dir_from_env
+from glowplug.base.artifacts.store import probes_seen
+from glowplug.profiling.names import Attr
+from glowplug.profiling.phases import PhaseTable
+from glowplug.profiling.process import ProcessMarks
+from glowplug.profiling.tracing import Tracing, setup_tracing
 
 from .config import EngineConfig
 from .config_check import check_device
@@ -29,10 +29,8 @@ from .kv_sizing import KVPlan
 from .llm_engine import LLMEngine
 from .models.arch import ModelArch
 from .models.store import model_group
-from .stages.protocol import Stage, StageResult, StartupFailed, check_pipeline
-from .stages.schedule import plan_concurrency, stage_dependencies
-from .stages.distributed_init import DistributedInit
 from .stages.context import EngineContext
+from .stages.distributed_init import DistributedInit
 from .stages.dynamo_transform import DynamoTransform
 from .stages.graph_capture import GraphCapture
 from .stages.graph_compile import GraphCompile
@@ -42,13 +40,14 @@ from .stages.load_weights import LoadWeights
 from .stages.model_init import ModelInit
 from .stages.model_prepare import ModelPrepare
 from .stages.native_kernels import NativeKernels
+from .stages.protocol import Stage, StageResult, StartupFailed, check_pipeline
 from .stages.quantize_weights import QuantizeWeights
 from .stages.ready import ready_hooks
+from .stages.schedule import plan_concurrency, stage_dependencies
 from .stages.tokenizer_init import TokenizerInit
 from .stages.warmup import Warmup
 from .start_estimate import MISS, UNKNOWN, PhaseEstimate, pattern_text, stage_caches
 from .start_inputs import StartInputs, gather_inputs
-from .start_run import StartRun
 from .start_profile import (
     StartPlan,
     estimate_for,
@@ -59,6 +58,7 @@ from .start_profile import (
     this_machine,
     with_page_cache,
 )
+from .start_run import StartRun
 
 __all__ = ["PhaseEstimate", "StartPlan", "StartupFailed", "StartupResult", "build_engine", "default_stages",
            "estimate_phase_durations", "expected_phase_durations", "plan_start", "probe_cache_pattern"]

@@ -28,7 +28,7 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
 
-from ..profiling.names import GRAMMAR_INIT_SPAN, Attr
+from glowplug.profiling.names import GRAMMAR_INIT_SPAN, Attr
 
 # JSON as the model is asked to write it: one space after ':' and ',' (what chat models write unprompted, so the
 # grammar rarely fights the model's first choice), no free whitespace (a small model under free whitespace can

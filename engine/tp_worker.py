@@ -13,7 +13,8 @@ from pathlib import Path
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 
-from ..profiling.names import STARTUP_SPAN
+from glowplug.profiling.names import STARTUP_SPAN
+
 from .config import EngineConfig
 from .distributed import CACHE_ENV, CONFIG_ENV, serve_worker, watch_parent
 from .tp_progress import RUNDIR_ENV, write_progress
@@ -43,10 +44,10 @@ class StageProgress(SpanProcessor):
 def run_worker(config: EngineConfig, cache_dir: Path | None = None) -> int:
     """Start this rank and serve until stopped; the exit status (1: its start-up failed, with one line saying why
     on stderr)."""
-    from ..profiling.tracing import setup_tracing
-    from .startup import build_engine
+    from glowplug.profiling.logs import configure_logging
+    from glowplug.profiling.tracing import setup_tracing
 
-    from ..profiling.logs import configure_logging
+    from .startup import build_engine
 
     # Rank 0 reports the start; a worker says only what goes wrong (its spans are in rank 0's trace).
     configure_logging(level="warning")

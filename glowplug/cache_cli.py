@@ -234,7 +234,7 @@ def _verify(flags: VerifyFlags, store: Any, out: Any) -> int:
     else:
         _show(out, flags, f"glowplug cache verify ({'full' if flags.full else 'quick'}): {store.root}", items,
               result=True)  # fmt: skip
-        tail = f"; remove them with `glowplug cache prune --corrupt`" if bad else ""
+        tail = "; remove them with `glowplug cache prune --corrupt`" if bad else ""
         out.print(f"{len(items)} entr{'y' if len(items) == 1 else 'ies'}, {len(bad)} damaged{tail}")
     return 1 if bad else 0
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .base.flags import (
     CommandParser,
@@ -171,7 +172,9 @@ def _check_settings(config: EngineConfig) -> None:
 
 def _stage_failure_record(event: Mapping[str, Any]) -> bool:
     """The failed stage's own error record: on a terminal the one FAILED line says the same (--verbose keeps it)."""
-    return event.get("level") == "error" and str(event.get("event", "")).startswith("glowplug.startup.")
+    from glowplug.profiling.names import STARTUP_SPAN
+
+    return event.get("level") == "error" and str(event.get("event", "")).startswith(STARTUP_SPAN + ".")
 
 
 def _configure_logging(args: argparse.Namespace, level: str) -> None:

@@ -18,8 +18,9 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 

@@ -188,7 +188,7 @@ def _native_timings(w: Any, ms: Sequence[int], repeats: int, stream_bytes: int, 
         x = torch.randn(m, w.shape[1], generator=gen).to(torch.bfloat16)
         counter = [0]
 
-        def call() -> torch.Tensor:
+        def call(x: torch.Tensor = x, counter: list[int] = counter) -> torch.Tensor:
             counter[0] = (counter[0] + 1) % count
             return kernel(x, counter[0])
 

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from glowplug.base import torch_compat
+
 from .formats import (
     Int2Weight,
     Int4Weight,
@@ -103,7 +105,7 @@ def _pack_aten_int4(codes: Tensor, scales: Tensor, zeros: Tensor, group_size: in
         codes = torch.cat([codes, torch.full((pad, codes.shape[1]), 8, dtype=codes.dtype)])
         scales = torch.cat([scales, torch.zeros(pad, scales.shape[1])])
         zeros = torch.cat([zeros, torch.zeros(pad, zeros.shape[1])])
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+    packed = torch_compat.convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
     # aten wants [G, N, 2] (scale, zero) pairs in the activation dtype.
     sz = torch.stack([scales.t(), zeros.t()], dim=-1).to(_BF16).contiguous()
     return AtenInt4State(packed, sz, group_size, n, halves)
@@ -151,8 +153,8 @@ def prepare_aten_int4(w: PackedWeight) -> AtenInt4State:
 
 def run_aten_int4(x: Tensor, st: AtenInt4State, ws: Workspace | None = None) -> Tensor:
     # The aten kernel assumes a dense row-major x; a bf16 view of a transposed tensor would be misread.
-    out: Tensor = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(_BF16).contiguous(), st.packed, st.group_size,
-                                                             st.scale_zeros)
+    out: Tensor = torch_compat.weight_int4pack_mm_for_cpu(x.to(_BF16).contiguous(), st.packed, st.group_size,
+                                                          st.scale_zeros)
     if st.halves:
         return out[:, : st.n] + out[:, st.n : 2 * st.n]
     return out[:, : st.n]
@@ -184,7 +186,7 @@ def run_int8pack(x: Tensor, st: Int8PackState, ws: Workspace | None = None) -> T
     xb = x.to(_BF16)
     if st.k_pad:
         xb = F.pad(xb, (0, st.k_pad))
-    return torch._weight_int8pack_mm(xb.contiguous(), st.qweight, st.scales)
+    return torch_compat.weight_int8pack_mm(xb.contiguous(), st.qweight, st.scales)
 
 
 # ------------------------------------------------------------------------------------ dequant + bf16 GEMM
@@ -288,7 +290,7 @@ def run_int_mm(x: Tensor, st: W8A8State, ws: Workspace | None = None) -> Tensor:
     if st.inv_smooth is not None:
         xf = xf * st.inv_smooth
     xq, xs = quantize_per_token(xf)
-    y = torch._int_mm(xq, st.qweight_t).float()
+    y = torch_compat.int_mm(xq, st.qweight_t).float()
     return y.mul_(xs).mul_(st.scales)
 
 

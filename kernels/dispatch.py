@@ -189,7 +189,6 @@ class Dispatcher:
 
     def prepare(self, w: PackedWeight, paths: Iterable[str] | None = None) -> Runtime:
         n, k = w.shape
-        dev = w.qweight.device.type
         group = getattr(w, "group_size", None)
         names = self._prepared_names(w, paths)
         registry = kernel_paths()
@@ -385,7 +384,7 @@ def _load_table(folder: Path) -> DispatchTable:
 
 
 def lookup_table(cache_dir: str | os.PathLike[str] | None, factors: dict[str, Any]) -> Fetched[DispatchTable | None]:
-    return ArtifactStore(cache_dir).lookup(KERNEL_DISPATCH, factors, group=str(factors["cpu"]), load=_load_table)
+    return ArtifactStore(cache_dir).lookup(KERNEL_DISPATCH, factors, group=str(factors["cpu"]), load=_load_table)  # type: ignore[arg-type]
 
 
 def save_table(cache_dir: str | os.PathLike[str] | None, factors: dict[str, Any], table: DispatchTable) -> None:
@@ -393,4 +392,4 @@ def save_table(cache_dir: str | os.PathLike[str] | None, factors: dict[str, Any]
         if folder is not None:
             (folder / TABLE).write_text(table.to_json(), encoding="utf-8")
 
-    ArtifactStore(cache_dir).put(KERNEL_DISPATCH, factors, group=str(factors["cpu"]), build=build)
+    ArtifactStore(cache_dir).put(KERNEL_DISPATCH, factors, group=str(factors["cpu"]), build=build)  # type: ignore[arg-type]

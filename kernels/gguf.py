@@ -18,8 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .modules import DenseLinear, NativeSwitch
-
 from glowplug.base.ggml import (  # noqa: F401 - the type table, re-exported for the kernels' users
     BF16,
     BLOCKS,
@@ -39,6 +37,8 @@ from glowplug.base.ggml import (  # noqa: F401 - the type table, re-exported for
     Q8_0,
     TYPE_NAMES,
 )
+
+from .modules import DenseLinear, NativeSwitch
 
 MAX_PARTS = 3  # the op takes up to three stored tensors (q, k, v)
 
@@ -192,13 +192,13 @@ class GGUFEmbedding(nn.Module):
         return out.view(*ids.shape, self.embedding_dim)
 
     def stored(self) -> GGUFRows:
-        return GGUFRows(self.rows, self.ggml_type)
+        return GGUFRows(self.rows, self.ggml_type)  # type: ignore[arg-type]
 
     def to_dense(self) -> nn.Embedding:
         """An ordinary embedding with the de-quantized matrix (when the native op cannot run)."""
         from .reference import gguf_dequantize
 
-        weight = gguf_dequantize(self.rows, self.ggml_type, self.embedding_dim).to(self.dtype)
+        weight = gguf_dequantize(self.rows, self.ggml_type, self.embedding_dim).to(self.dtype)  # type: ignore[arg-type]
         return nn.Embedding(self.num_embeddings, self.embedding_dim, _weight=weight)
 
     def extra_repr(self) -> str:

@@ -111,7 +111,7 @@ class DenseLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         blocked = self.native_blocked if "native_blocked" in self._buffers else None
-        return self.project(x, self.weight, self.bias, self.native_small_m, blocked)
+        return self.project(x, self.weight, self.bias, self.native_small_m, blocked)  # type: ignore[arg-type]
 
     @staticmethod
     def project(x: Tensor, weight: Tensor, bias: Tensor | None, small_m: int | None,
@@ -154,8 +154,8 @@ class DenseLinear(nn.Linear):
 
 def enable_dense_native(module: nn.Module, weight: Tensor, small_m: int) -> int:
     """bf16: the blocked kernel (every ISA level has one), on a packed copy registered as `module.native_blocked`
-    (batches stay near the batch-1 cost); fp32: the row-major kernel on the weight itself (`module.native_small_m`). Returns the bytes a decode step reads through it, 0 if no native kernel serves
-    this dtype."""
+    (batches stay near the batch-1 cost); fp32: the row-major kernel on the weight itself (`module.native_small_m`).
+    Returns the bytes a decode step reads through it, 0 if no native kernel serves this dtype."""
     from .native import pack_blocked
 
     if weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0:
@@ -163,7 +163,7 @@ def enable_dense_native(module: nn.Module, weight: Tensor, small_m: int) -> int:
         module.register_buffer("native_blocked", packed, persistent=False)
         return packed.numel() * packed.element_size()
     if weight.dtype in (torch.bfloat16, torch.float32):
-        setattr(module, "native_small_m", small_m)
+        module.native_small_m = small_m  # type: ignore[assignment]
         return weight.numel() * weight.element_size()
     return 0
 

@@ -50,10 +50,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 # The CPU flags are machine facts (base), read before torch is imported too (the dtype check of the CLI).
 from glowplug.base.machine import ISA_LEVELS, isa_choice, on_x86
-from torch import Tensor
 
 from .formats import Int2Weight, Int4Weight, Int8Weight, PackedWeight, W8A8Weight
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -169,7 +170,7 @@ class NoQuant(QuantScheme):
         return model
 
 
-def _module_kwargs(linear: nn.Linear, dispatcher: Dispatcher | None) -> dict[str, object]:
+def _module_kwargs(linear: nn.Linear, dispatcher: Dispatcher | None) -> dict[str, Any]:
     bias = linear.bias
     return {"bias": bias is not None, "device": linear.weight.device, "dispatcher": dispatcher,
             "bias_dtype": bias.dtype if bias is not None else torch.float32}
@@ -187,7 +188,7 @@ class Int8Scheme(QuantScheme):
     def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None
                     ) -> QuantLinear:
         return Int8Linear(linear.in_features, linear.out_features, group_size=group_size,
-                          **_module_kwargs(linear, dispatcher))  # type: ignore[arg-type]
+                          **_module_kwargs(linear, dispatcher))
 
 
 class Int4Scheme(QuantScheme):
@@ -205,7 +206,7 @@ class Int4Scheme(QuantScheme):
     def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None
                     ) -> QuantLinear:
         return Int4Linear(linear.in_features, linear.out_features, group_size=group_size or 128,
-                          symmetric=self.symmetric, **_module_kwargs(linear, dispatcher))  # type: ignore[arg-type]
+                          symmetric=self.symmetric, **_module_kwargs(linear, dispatcher))
 
     def _has_zeros(self) -> bool:
         return not self.symmetric
@@ -223,7 +224,7 @@ class Int2Scheme(QuantScheme):
     def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None
                     ) -> QuantLinear:
         return Int2Linear(linear.in_features, linear.out_features, group_size=group_size or 128,
-                          **_module_kwargs(linear, dispatcher))  # type: ignore[arg-type]
+                          **_module_kwargs(linear, dispatcher))
 
     def _has_zeros(self) -> bool:
         return True
@@ -248,7 +249,7 @@ class W8A8Scheme(QuantScheme):
     def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None
                     ) -> QuantLinear:
         return W8A8Linear(linear.in_features, linear.out_features,
-                          **_module_kwargs(linear, dispatcher))  # type: ignore[arg-type]
+                          **_module_kwargs(linear, dispatcher))
 
 
 SCHEMES: Mapping[str, type[QuantScheme]] = MappingProxyType({

@@ -67,6 +67,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from ..base.process import exit_process
+    from glowplug.base.process import exit_process
 
     exit_process(main())

@@ -34,10 +34,10 @@ from .events import StartupEvents
 from .observe import AccessLogMiddleware
 from .openai_api import make_router
 from .openapi import install_openapi
-from .tokenize_api import make_tokenize_router
 from .page import add_page_routes, startup_fields
 from .service import Service
 from .state import EngineState, StateSnapshot
+from .tokenize_api import make_tokenize_router
 from .transport import TransportGuard, TransportLimits
 
 log = structlog.get_logger("glowplug.lifecycle.app")

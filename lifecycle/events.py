@@ -2,7 +2,8 @@
 
 Events (the SSE `event:` field; `data:` is one JSON object):
   hello        first on every connection: {boot_id, model, config_hash, expected_phases, eta_basis, eta_phases,
-               predicted_ready_s, resumed, history}, where history is the recent `metrics` ticks (oldest first) so charts open with the last minutes
+               predicted_ready_s, resumed, history}, where history is the recent `metrics` ticks (oldest first)
+               so charts open with the last minutes
   phase_start  {stage, start_s}                                   a stage span started
   phase_end    {stage, row, start_s, end_s, seconds, outcome, note}  a stage span ended; outcome ran|skipped|failed
   state        {state, reason, failed_stage, cause, elapsed_s, eta_s, eta_basis, predicted_ready_s, end_s, trace_id,
@@ -316,7 +317,7 @@ class StartupEvents:
                 return  # nothing more will happen on this server; don't hold the shutdown up
             while True:
                 try:
-                    event = await asyncio.wait_for(sub.queue.get(), KEEPALIVE_S)
+                    event = await asyncio.wait_for(sub.queue.get(), KEEPALIVE_S)  # type: ignore[arg-type]
                 except asyncio.TimeoutError:
                     yield b": keep-alive\n\n"
                     continue

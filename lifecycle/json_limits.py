@@ -21,12 +21,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 
 # A request body as the server holds it: bytes, a bytearray, or a view of an anonymous mapping (transport.py).
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 # Chunks of every scan here: its temporaries are a few arrays of this many elements (at most 1 MiB each, never a
 # copy of the body), and no single numpy call holds the GIL for long.

@@ -14,15 +14,10 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Enum, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from glowplug.profiling.names import STARTUP_PREDICTED_METRIC
+from glowplug.profiling.names import STARTUP_PREDICTED_METRIC, Metric
 
 from .live_metrics import RecentRequests
 from .state import EngineState
-
-# Metric names other modules and tests refer to.
-REQUEST_REJECTED = "glowplug_request_rejected"
-CLIENT_DISCONNECTS = "glowplug_client_disconnects"
-CONNECTIONS_TIMED_OUT = "glowplug_connections_timed_out"
 
 
 class RejectReason:
@@ -57,65 +52,65 @@ class ServiceMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
-            "glowplug_time_to_first_token_seconds",
+            Metric.TTFT,
             "Request received -> first output token.",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.tpot = Histogram(
-            "glowplug_time_per_output_token_seconds",
+            Metric.TPOT,
             "Mean time between output tokens after the first, per request.",
             buckets=_TPOT_BUCKETS,
             registry=r,
         )
         self.e2e = Histogram(
-            "glowplug_e2e_request_latency_seconds",
+            Metric.E2E_LATENCY,
             "Request received -> last token.",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.queue_time = Histogram(
-            "glowplug_request_queue_time_seconds",
+            Metric.QUEUE_TIME,
             "Request received -> first scheduled in the engine (includes waiting for READY).",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.engine_step = Histogram(
-            "glowplug_engine_step_duration_seconds",
+            Metric.ENGINE_STEP,
             "Wall time of one engine step (schedule, forward, sample, book) in the engine core.",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.running = Gauge(
-            "glowplug_num_requests_running", "Requests with sequences in the engine batch.", registry=r
+            Metric.REQUESTS_RUNNING, "Requests with sequences in the engine batch.", registry=r
         )
         self.waiting = Gauge(
-            "glowplug_num_requests_waiting", "Requests admitted and not yet running (admission queue).", registry=r
+            Metric.REQUESTS_WAITING, "Requests admitted and not yet running (admission queue).", registry=r
         )
         self.prompt_cost = Gauge(
-            "glowplug_prompt_cost_seconds",
+            Metric.PROMPT_COST,
             "Admission's fit of a step's prompt part: seconds = fixed + per_token * tokens (0 until fitted).",
             ["part"],
             registry=r,
         )
         self.waiting_prompt_tokens = Gauge(
-            "glowplug_num_prompt_tokens_waiting",
+            Metric.PROMPT_TOKENS_WAITING,
             "Prompt tokens of the admitted requests not yet running (what admission's expected wait counts).",
             registry=r,
         )
-        self.kv_usage = Gauge("glowplug_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use (0..1).", registry=r)
-        self.kv_used_blocks = Gauge("glowplug_kv_cache_used_blocks", "KV-cache blocks in use.", registry=r)
-        self.kv_total_blocks = Gauge("glowplug_kv_cache_total_blocks", "KV-cache blocks in all.", registry=r)
-        self.prompt_tokens = Counter("glowplug_prompt_tokens", "Prompt tokens admitted to the engine.", registry=r)
-        self.generation_tokens = Counter("glowplug_generation_tokens", "Tokens generated.", registry=r)
+        self.kv_usage = Gauge(Metric.KV_USAGE, "Fraction of KV-cache blocks in use (0..1).", registry=r)
+        self.kv_used_blocks = Gauge(Metric.KV_USED_BLOCKS, "KV-cache blocks in use.", registry=r)
+        self.kv_total_blocks = Gauge(Metric.KV_TOTAL_BLOCKS, "KV-cache blocks in all.", registry=r)
+        self.prompt_tokens = Counter(Metric.PROMPT_TOKENS, "Prompt tokens admitted to the engine.", registry=r)
+        self.generation_tokens = Counter(Metric.GENERATION_TOKENS, "Tokens generated.", registry=r)
         self.completed_generation_tokens = Counter(
-            "glowplug_completed_generation_tokens",
+            Metric.COMPLETED_GENERATION_TOKENS,
             "Tokens of requests that ended with stop or length once the server had read their end: together with the "
             "aborted tokens, every generated token. A client may still hang up before the last bytes reach it.",
             registry=r,
         )
         self.aborted_generation_tokens = Counter(
-            "glowplug_aborted_generation_tokens",
+            Metric.ABORTED_GENERATION_TOKENS,
             "Tokens generated for requests whose client was gone before their end arrived (hung up, drained), "
             "whether the engine aborted them or had just finished them: work nobody received.",
             registry=r,
@@ -124,36 +119,36 @@ class ServiceMetrics:
         # elsewhere the collector exports nothing).
         ProcessCollector(registry=r)
         self.core_pid: int | None = None  # the engine core's process (None: none, or a core thread)
-        ProcessCollector(namespace="glowplug_engine_core", pid=lambda: self.core_pid or "none", registry=r)
+        ProcessCollector(namespace=Metric.ENGINE_CORE, pid=lambda: self.core_pid or "none", registry=r)
         self.core_restarts = Counter(
-            "glowplug_engine_core_restarts", "Engine cores started again after one died (--restart-core).", registry=r
+            Metric.ENGINE_CORE_RESTARTS, "Engine cores started again after one died (--restart-core).", registry=r
         )
         self.finished = Counter(
-            "glowplug_request_finished",
+            Metric.REQUEST_FINISHED,
             "Requests finished, by finish reason (stop, length, abort, error).",
             ["finish_reason"],
             registry=r,
         )
         self.rejected = Counter(
-            REQUEST_REJECTED,
+            Metric.REQUEST_REJECTED,
             "Requests turned away before generation, by reason.",
             ["reason"],
             registry=r,
         )
         self.client_disconnects = Counter(
-            CLIENT_DISCONNECTS,
+            Metric.CLIENT_DISCONNECTS,
             "Clients that disconnected before their response was complete, by what the server was doing (body, "
             "waiting, response). A client's fault, never a server error.",
             ["stage"],
             registry=r,
         )
         self.connections_timed_out = Counter(
-            CONNECTIONS_TIMED_OUT,
+            Metric.CONNECTIONS_TIMED_OUT,
             "Connections closed because no complete request head arrived within --header-read-timeout.",
             registry=r,
         )
         self.phase_duration = Gauge(
-            "glowplug_startup_phase_duration_seconds",
+            Metric.STARTUP_PHASE_DURATION,
             "Duration of each finished start-up phase of this process.",
             ["phase"],
             registry=r,
@@ -167,7 +162,7 @@ class ServiceMetrics:
             registry=r,
         )
         self.state = Enum(
-            "glowplug_engine_state", "The engine's life-cycle state.", states=[s.value for s in EngineState], registry=r
+            Metric.ENGINE_STATE, "The engine's life-cycle state.", states=[s.value for s in EngineState], registry=r
         )
         self.state.state(EngineState.STARTING.value)
         # Exact latency percentiles of the last minute for the live page (the histograms above keep buckets only).
@@ -230,6 +225,6 @@ class ServiceMetrics:
 
 def _value(metric: Gauge | Counter) -> float:
     """The value of an unlabelled gauge or counter, through the public collect() API."""
-    family = metric.collect()[0]
+    family = next(iter(metric.collect()))
     wanted = family.name + "_total" if family.type == "counter" else family.name
     return next((s.value for s in family.samples if s.name == wanted), 0.0)

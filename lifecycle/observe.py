@@ -23,14 +23,13 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from glowplug.profiling.names import REQUEST_SPAN, ReqAttr
+from glowplug.profiling.names import REQUEST_SPAN, Attr, ReqAttr
 
 from .generation import GenerationStats
 
 access_log = structlog.get_logger("glowplug.access")
 
 REQUEST_ID_HEADER = "x-request-id"
-REQUEST_ID_ATTR = "glowplug.request_id"
 # A client's id is echoed into logs and headers, so only a harmless shape is taken over.
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -114,7 +113,7 @@ class RequestTrace:
             REQUEST_SPAN,
             context=parent,
             kind=SpanKind.SERVER,
-            attributes={"http.route": route, "http.request.method": "POST", REQUEST_ID_ATTR: request_id},
+            attributes={"http.route": route, "http.request.method": "POST", ReqAttr.REQUEST_ID: request_id},
         )
         self._access = access
         self._ended = False
@@ -157,6 +156,6 @@ class RequestTrace:
         self.span.set_attribute("http.response.status_code", status)
         if status >= 500:
             self.span.set_status(Status(StatusCode.ERROR, message))
-        self.span.set_attribute("glowplug.error", message)
+        self.span.set_attribute(Attr.ERROR, message)
         self._access["error"] = message
         self.span.end()

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
+from starlette.types import Receive, Scope, Send
+
 from glowplug.engine.models.arch import ModelError
 from glowplug.engine.outputs import check_logit_bias
 from glowplug.engine.sampling_params import SamplingParams
@@ -36,8 +39,6 @@ from glowplug.engine.tokenizer import (
     max_token_chars,
     template_takes_tools,
 )
-from opentelemetry import trace
-from starlette.types import Receive, Scope, Send
 
 from .errors import ApiError, bad_request
 from .generation import Ended, Generation, PromptEvent
@@ -358,8 +359,8 @@ async def _stream(
         if isinstance(event, Ended):
             if event.finish_reason == "error":
                 yield sse(_ended_error(event, grammar_param).body())
-            for c in range(n):
-                idx = pe.index * n + c
+            for k in range(n):
+                idx = pe.index * n + k
                 if idx not in done:
                     done.add(idx)
                     yield sse(header.chunk(idx, delta=None, finish_reason=event.finish_reason,

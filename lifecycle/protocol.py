@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Literal, Union
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.structured import (
@@ -24,7 +26,6 @@ from glowplug.engine.structured import (
     lark_grammar,
     regex_grammar,
 )
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from .errors import ApiError, bad_request, from_validation_error
 from .json_limits import lone_surrogate, structure_exceeds
@@ -207,7 +208,7 @@ class _SamplingFields(_Body):
                 except json.JSONDecodeError as exc:
                     raise bad_request(f"guided_json: not valid JSON ({exc}); send the schema as an object",
                                       "guided_json") from None  # fmt: skip
-            return _grammar_or_400(lambda: json_schema_grammar(value), "guided_json", "fix the schema")
+            return _grammar_or_400(lambda: json_schema_grammar(value), "guided_json", "fix the schema")  # type: ignore[arg-type]
         if given[0] == "guided_regex":
             regex = self.guided_regex or ""
             return _grammar_or_400(lambda: regex_grammar(regex), "guided_regex", "fix the regular expression")
@@ -229,7 +230,7 @@ class _SamplingFields(_Body):
 class CompletionRequest(_SamplingFields):
     # Tried in this order, first match wins: in pydantic's default "smart" mode a list of ids was also validated
     # against every other member, and 2^20 of them took 310 ms with the GIL held instead of 27 ms.
-    prompt: Union[str, list[int], list[list[int]], list[str]] = Field(union_mode="left_to_right")
+    prompt: str | list[int] | list[list[int]] | list[str] = Field(union_mode="left_to_right")
     logprobs: int | None = None
     echo: bool | None = False  # the prompt's text before the completion's
     best_of: int | None = None

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 import structlog
 import uvicorn
-
 from opentelemetry import trace
 
 from glowplug.engine.config import EngineConfig

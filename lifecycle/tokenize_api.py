@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
+
 from glowplug.engine.models.arch import ModelError
 from glowplug.engine.tokenizer import encode_bounded, encode_chat, template_takes_tools
 

@@ -11,8 +11,8 @@ standard deviations of the phase over the baseline's starts, estimated from thei
 chart does (sigma = range / d2(N), d2 the expected range of N normal samples), and at least NOISE_FLOOR_S: a phase
 of a few milliseconds that doubles is not a regression anyone can see, and one the baseline itself saw vary by
 0.2 s must move by more than that. Fewer starts give a wider margin for the same range (3 / d2(2) = 2.7 range
-widths for two starts, 1.0 for ten). The phases gated are the table's leaves (each stage's own time, the pre-main rows) and the time to READY;
-derived rows (overlap, critical path, the floor's probe) are not.
+widths for two starts, 1.0 for ten). The phases gated are the table's leaves (each stage's own time, the pre-main
+rows) and the time to READY; derived rows (overlap, critical path, the floor's probe) are not.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
 
@@ -263,8 +263,8 @@ class LiveTensorPeak:
 
     def __enter__(self) -> LiveTensorPeak:
         import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_flatten
+
+        from glowplug.base.torch_compat import TorchDispatchMode, tree_flatten
 
         tracker = self
 

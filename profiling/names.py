@@ -194,6 +194,71 @@ class Attr:
     FLOOR_IMPORT_TORCH_S: Final = "glowplug.floor.import_torch_s"
     # What the floor's bytes are: the stages' own bytes read or mapped (load_weights' file, a cache entry's).
     FLOOR_BYTES_SOURCE: Final = "glowplug.floor.bytes_source"
+    # Each stage's own keys, by stage.
+    # model_prepare: the model's folder and its architecture.
+    MODEL_DIR: Final = "glowplug.model_dir"
+    MODEL_TYPE: Final = "glowplug.model_type"
+    # tokenizer_init: whether the model has a chat template.
+    CHAT_TEMPLATE: Final = "glowplug.chat_template"
+    # load_weights: the checkpoint's files and tensors, and the GGUF layers repacked at load.
+    FILES: Final = "glowplug.files"
+    TENSORS: Final = "glowplug.tensors"
+    GGUF_REPACKED_LAYERS: Final = "glowplug.gguf_repacked_layers"
+    # model_init: the kernel each quantized layer runs, and the weights' bytes.
+    KERNEL_DISPATCH: Final = "glowplug.kernel_dispatch"
+    WEIGHTS_BYTES: Final = "glowplug.weights_bytes"
+    # quantize_weights: what was quantized, how, and from what; --quantization auto's choice per layer kind.
+    QUANTIZED_BYTES: Final = "glowplug.quantized_bytes"
+    BITS_PER_WEIGHT: Final = "glowplug.bits_per_weight"
+    GROUP_SIZE: Final = "glowplug.group_size"
+    GROUP_SIZE_REASON: Final = "glowplug.group_size_reason"
+    QUANTIZE_LM_HEAD: Final = "glowplug.quantize_lm_head"
+    QUANTIZED_FROM: Final = "glowplug.quantized_from"
+    LAYER_FORMATS: Final = "glowplug.layer_formats"
+    AUTO_INT4_LAYERS: Final = "glowplug.auto.int4_layers"
+    AUTO_INT8_LAYERS: Final = "glowplug.auto.int8_layers"
+    AUTO_DENSE_LAYERS: Final = "glowplug.auto.dense_layers"
+    AUTO_REPACKED_LAYERS: Final = "glowplug.auto.repacked_layers"
+    AUTO_REQUANTIZED_LAYERS: Final = "glowplug.auto.requantized_layers"
+    # native_kernels: the build, the library loaded, a background build, and the layers switched per kind.
+    NATIVE_BUILD: Final = "glowplug.native_build"
+    NATIVE_LIBRARY: Final = "glowplug.native_library"
+    NATIVE_BACKGROUND_BUILD: Final = "glowplug.native_background_build"
+    NATIVE_DENSE_LAYERS: Final = "glowplug.native_dense_layers"
+    NATIVE_QUANTIZED_LAYERS: Final = "glowplug.native_quantized_layers"
+    NATIVE_ATTENTION_LAYERS: Final = "glowplug.native_attention_layers"
+    # dynamo_transform: the traced graph's nodes.
+    GRAPH_NODES: Final = "glowplug.graph_nodes"
+    # graph_compile: the cache folder, the kernels built, and the replay plan: written, loaded or why not, its
+    # fingerprint check (matched / not compared (why) / how the logits differ) and that check's cost, and the stored
+    # Inductor folder read through links.
+    COMPILE_CACHE_DIR: Final = "glowplug.compile_cache_dir"
+    KERNELS_BUILT: Final = "glowplug.kernels_built"
+    COMPILE_REPLAY: Final = "glowplug.compile_replay"
+    REPLAY_FINGERPRINT: Final = "glowplug.replay_fingerprint"
+    REPLAY_FINGERPRINT_S: Final = "glowplug.replay_fingerprint_s"
+    COMPILE_CACHE_READ_ONLY_SOURCE: Final = "glowplug.compile_cache_read_only_source"
+    # kv_cache_profiling: which peak sized the cache ("analytic" or "measured"), how memory was read, the budget.
+    KV_PROFILE: Final = "glowplug.kv_profile"
+    MEMORY_METHOD: Final = "glowplug.memory_method"
+    KV_BUDGET_BYTES: Final = "glowplug.kv_budget_bytes"
+    KV_BUDGET_SOURCE: Final = "glowplug.kv_budget_source"
+    # kv_cache_init: the pool's bytes and dtype.
+    KV_CACHE_BYTES: Final = "glowplug.kv_cache_bytes"
+    KV_CACHE_DTYPE: Final = "glowplug.kv_cache_dtype"
+    # warmup: the tokens and requests it ran.
+    WARMUP_TOKENS: Final = "glowplug.warmup_tokens"
+    WARMUP_REQUESTS: Final = "glowplug.warmup_requests"
+    # bundle_install: the bundle, what became of its entries, the model it brought and how the machine differs.
+    BUNDLE_PATH: Final = "glowplug.bundle.path"
+    BUNDLE_INSTALLED: Final = "glowplug.bundle.installed"
+    BUNDLE_PRESENT: Final = "glowplug.bundle.present"
+    BUNDLE_DAMAGED: Final = "glowplug.bundle.damaged"
+    BUNDLE_SKIPPED: Final = "glowplug.bundle.skipped"
+    BUNDLE_MODEL: Final = "glowplug.bundle.model"
+    BUNDLE_DIFFERENCES: Final = "glowplug.bundle.differences"
+    # A delay a test planted in a stage (GLOWPLUG_TEST_STAGE_DELAY), seconds.
+    TEST_DELAY_S: Final = "glowplug.test_delay_s"
 
 
 class Event:
@@ -212,6 +277,7 @@ NOTED_EVENTS: Final[tuple[str, ...]] = (Event.CACHE_CORRUPT, Event.CACHE_UNUSABL
 class ReqAttr:
     """Attribute keys of `glowplug.request` spans."""
 
+    REQUEST_ID: Final = "glowplug.request_id"
     PROMPT_TOKENS: Final = "glowplug.prompt_tokens"
     COMPLETION_TOKENS: Final = "glowplug.completion_tokens"
     TTFT_S: Final = "glowplug.ttft_s"
@@ -227,6 +293,38 @@ class DrainAttr:
     FINISHED: Final = "glowplug.drain.finished"  # of those, finished within the timeout
     ABORTED: Final = "glowplug.drain.aborted"  # of those, aborted at the timeout
     CLEAN: Final = "glowplug.drain.clean"  # bool: nothing had to be aborted
+
+
+# ---------------------------------------------------------------- metrics
+class Metric:
+    """Prometheus metric names of `/metrics` (vLLM's where it has one, with the `glowplug_` prefix). A counter is
+    exposed with `_total` appended; the engine core's process metrics are ENGINE_CORE_PROCESS + `_<metric>`."""
+
+    TTFT: Final = "glowplug_time_to_first_token_seconds"
+    TPOT: Final = "glowplug_time_per_output_token_seconds"
+    E2E_LATENCY: Final = "glowplug_e2e_request_latency_seconds"
+    QUEUE_TIME: Final = "glowplug_request_queue_time_seconds"
+    ENGINE_STEP: Final = "glowplug_engine_step_duration_seconds"
+    REQUESTS_RUNNING: Final = "glowplug_num_requests_running"
+    REQUESTS_WAITING: Final = "glowplug_num_requests_waiting"
+    PROMPT_COST: Final = "glowplug_prompt_cost_seconds"
+    PROMPT_TOKENS_WAITING: Final = "glowplug_num_prompt_tokens_waiting"
+    KV_USAGE: Final = "glowplug_kv_cache_usage_ratio"
+    KV_USED_BLOCKS: Final = "glowplug_kv_cache_used_blocks"
+    KV_TOTAL_BLOCKS: Final = "glowplug_kv_cache_total_blocks"
+    PROMPT_TOKENS: Final = "glowplug_prompt_tokens"
+    GENERATION_TOKENS: Final = "glowplug_generation_tokens"
+    COMPLETED_GENERATION_TOKENS: Final = "glowplug_completed_generation_tokens"
+    ABORTED_GENERATION_TOKENS: Final = "glowplug_aborted_generation_tokens"
+    ENGINE_CORE: Final = "glowplug_engine_core"  # the namespace of the core process's process_* metrics
+    ENGINE_CORE_RESTARTS: Final = "glowplug_engine_core_restarts"
+    REQUEST_FINISHED: Final = "glowplug_request_finished"
+    REQUEST_REJECTED: Final = "glowplug_request_rejected"
+    CLIENT_DISCONNECTS: Final = "glowplug_client_disconnects"
+    CONNECTIONS_TIMED_OUT: Final = "glowplug_connections_timed_out"
+    STARTUP_PHASE_DURATION: Final = "glowplug_startup_phase_duration_seconds"
+    STARTUP_PREDICTED: Final = STARTUP_PREDICTED_METRIC
+    ENGINE_STATE: Final = "glowplug_engine_state"
 
 
 # ---------------------------------------------------------------- phase-table rows
@@ -302,9 +400,10 @@ LEAF_ROWS: Final[tuple[str, ...]] = (
 CORE_ROWS: Final[tuple[str, ...]] = (Row.CORE_PROCESS_START, Row.CORE_IMPORTS)
 
 # Aggregates: each is the sum of its leaves. Unlike vLLM's table, torch.compile includes the graph compile
-# (vLLM prints torch.compile == dynamo_transform_time) and the build of the native kernels the graph calls. init_engine is the engine's own set-up after the model
-# exists and is compiled: profiling, KV allocation, capture and warm-up; compile is not in it because here it is
-# a stage of its own (in vLLM it runs inside the profiling pass, so its init_engine contains it).
+# (vLLM prints torch.compile == dynamo_transform_time) and the build of the native kernels the graph calls.
+# init_engine is the engine's own set-up after the model exists and is compiled: profiling, KV allocation, capture and
+# warm-up; compile is not in it because here it is a stage of its own (in vLLM it runs inside the profiling pass, so its
+# init_engine contains it).
 # model_loading includes model_prepare: finding (cold: converting) the checkpoint is the first step of loading it.
 AGGREGATE_ROWS: Final[dict[str, tuple[str, ...]]] = {
     Row.MODEL_LOADING: (Row.MODEL_PREPARE, Row.LOAD_WEIGHTS, Row.MODEL_INIT, Row.QUANTIZE_WEIGHTS),

@@ -2,9 +2,9 @@
 
 Row definitions (names from vLLM's start-up table where it has one; see `names.py`):
   leaves       process_start, imports, then (a start whose engine core is a process of its own, `glowplug serve`)
-               core_process_start and core_imports, then one row per stage span (`glowplug.startup.<stage>`); a stage books to
-               its default row or to the row its report chose (graph_compile: general_shape on a miss, cached on
-               a hit). A leaf whose phase did not run is None with a reason.
+               core_process_start and core_imports, then one row per stage span (`glowplug.startup.<stage>`); a
+               stage books to its default row or to the row its report chose (graph_compile: general_shape on a miss,
+               cached on a hit). A leaf whose phase did not run is None with a reason.
   unattributed actual_total_time - (sum(leaves) - overlap): wall time no phase claims.
                Leaves + unattributed - overlap == actual_total_time exactly (computed in integer ns).
   aggregates   model_loading = model_prepare + load_weights + model_init + quantize_weights
@@ -275,35 +275,37 @@ def work_note(stage: str, attrs: Mapping[str, Any], seconds: float) -> str:
     read = attrs.get(Attr.BYTES_READ)
     if isinstance(read, (int, float)) and read > 0:
         parts.append(f"read {_gb(read)} at {read / 1e9 / max(seconds, 1e-9):.3f} GB/s")
-    layers = {k: _count(attrs, f"glowplug.native_{k}_layers") for k in ("dense", "quantized", "attention")}
+    native = {"dense": Attr.NATIVE_DENSE_LAYERS, "quantized": Attr.NATIVE_QUANTIZED_LAYERS,
+              "attention": Attr.NATIVE_ATTENTION_LAYERS}  # fmt: skip
+    layers = {k: _count(attrs, key) for k, key in native.items()}
     if any(layers.values()):
         parts.append("switched " + ", ".join(f"{n} {k}" for k, n in layers.items() if n) + " layers to native kernels")
     if _count(attrs, Attr.TRITON_DECODE_LAYERS):
         parts.append(f"switched {_count(attrs, Attr.TRITON_DECODE_LAYERS)} layers to Triton ops")
-    if _count(attrs, "glowplug.weights_bytes"):
-        parts.append(f"built the model over {_gb(attrs['glowplug.weights_bytes'])} of weights")
-    if _count(attrs, "glowplug.quantized_bytes") and stage == "quantize_weights":
-        parts.append(f"{_gb(attrs['glowplug.quantized_bytes'])} of quantized weights")
-    if _count(attrs, "glowplug.graph_nodes"):
-        parts.append(f"traced {_count(attrs, 'glowplug.graph_nodes')} graph nodes")
-    if _count(attrs, "glowplug.kernels_built"):
-        parts.append(f"built {_count(attrs, 'glowplug.kernels_built')} kernels")
+    if _count(attrs, Attr.WEIGHTS_BYTES):
+        parts.append(f"built the model over {_gb(attrs[Attr.WEIGHTS_BYTES])} of weights")
+    if _count(attrs, Attr.QUANTIZED_BYTES) and stage == "quantize_weights":
+        parts.append(f"{_gb(attrs[Attr.QUANTIZED_BYTES])} of quantized weights")
+    if _count(attrs, Attr.GRAPH_NODES):
+        parts.append(f"traced {_count(attrs, Attr.GRAPH_NODES)} graph nodes")
+    if _count(attrs, Attr.KERNELS_BUILT):
+        parts.append(f"built {_count(attrs, Attr.KERNELS_BUILT)} kernels")
     sizes, warmed = attrs.get(Attr.GRAPH_SIZES), attrs.get(Attr.GRAPH_WARMED_SIZES)
     if isinstance(warmed, (list, tuple)) and isinstance(sizes, (list, tuple)) and sizes:
         parts.append(f"checked {len(sizes)} batch sizes, ran the step at {len(warmed)}")
     elif isinstance(sizes, (list, tuple)) and sizes:
         parts.append(f"ran the step at {len(sizes)} batch sizes")
-    if _count(attrs, "glowplug.vocab_size"):
-        parts.append(f"{_count(attrs, 'glowplug.vocab_size'):,}-token vocabulary")
-    if _count(attrs, "glowplug.kv_cache_bytes"):
-        parts.append(f"allocated a {_gb(attrs['glowplug.kv_cache_bytes'])} KV pool")
-    if _count(attrs, "glowplug.warmup_tokens"):
-        parts.append(f"generated {_count(attrs, 'glowplug.warmup_tokens')} tokens")
+    if _count(attrs, Attr.VOCAB_SIZE):
+        parts.append(f"{_count(attrs, Attr.VOCAB_SIZE):,}-token vocabulary")
+    if _count(attrs, Attr.KV_CACHE_BYTES):
+        parts.append(f"allocated a {_gb(attrs[Attr.KV_CACHE_BYTES])} KV pool")
+    if _count(attrs, Attr.WARMUP_TOKENS):
+        parts.append(f"generated {_count(attrs, Attr.WARMUP_TOKENS)} tokens")
     if attrs.get(Attr.CACHE_HIT) is True and attrs.get(Attr.CACHE_KEY):
         parts.append(f"loaded cache entry {attrs[Attr.CACHE_KEY]}")
     elif attrs.get(Attr.CACHE_HIT) is False and attrs.get(Attr.CACHE_KEY):
         parts.append(f"built cache entry {attrs[Attr.CACHE_KEY]}")
-    delay = attrs.get("glowplug.test_delay_s")
+    delay = attrs.get(Attr.TEST_DELAY_S)
     if isinstance(delay, (int, float)) and delay > 0:
         parts.append(f"{delay:g} s planted by GLOWPLUG_TEST_STAGE_DELAY")
     return "; ".join(parts) if parts else "this stage reports no breakdown of its time"

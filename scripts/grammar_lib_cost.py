@@ -41,7 +41,8 @@ INSTANCE = {"name": "Ada Lovelace", "age": 36, "role": "admin", "tags": ["math",
 
 def ms(xs: list[float]) -> str:
     xs = sorted(xs)
-    return f"mean {statistics.mean(xs) * 1e3:.3f} ms, p50 {xs[len(xs) // 2] * 1e3:.3f} ms, p99 {xs[int(len(xs) * 0.99)] * 1e3:.3f} ms"
+    p50, p99 = xs[len(xs) // 2], xs[int(len(xs) * 0.99)]
+    return f"mean {statistics.mean(xs) * 1e3:.3f} ms, p50 {p50 * 1e3:.3f} ms, p99 {p99 * 1e3:.3f} ms"
 
 
 def main() -> None:
@@ -159,7 +160,8 @@ def main() -> None:
         apply_token_bitmask(lg, bm.numpy(), list(range(0, 16, 2)))
         own.append(time.perf_counter() - a)
     print(f"glowplug apply_token_bitmask, 8 masked rows of a batch of 16, 1 thread: {ms(own)}")
-    print(f"bitmask words per row: {(n_vocab + 31) // 32} int32 ({np.dtype(np.int32).itemsize * ((n_vocab + 31) // 32)} B)")
+    words = (n_vocab + 31) // 32
+    print(f"bitmask words per row: {words} int32 ({np.dtype(np.int32).itemsize * words} B)")
 
 
 if __name__ == "__main__":

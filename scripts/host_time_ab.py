@@ -149,7 +149,8 @@ def main() -> None:
         "",
         f"A = `{args.a}`, B = `{args.b}`. smollm2, bf16, compiled step, {args.prompt_tokens}-token prompts, "
         f"{args.new_tokens} new tokens, greedy; per run the median over its decode steps; runs alternate A, B.",
-        "Host time = step wall time minus the compiled model call and the sampler (timed by the same wrappers in both).",
+        "Host time = step wall time minus the compiled model call and the sampler (timed by the same wrappers in "
+        "both).",
         "",
         "| batch | A host ms (median, range) | B host ms (median, range) | B/A per pair (median, worst) "
         "| A step ms | B step ms | B/A step per pair (median, worst) |",
@@ -164,8 +165,10 @@ def main() -> None:
         wr = [y / x for x, y in zip(aw, bw)]
         lines.append(
             f"| {b} | {statistics.median(ah):.3f} ({min(ah):.3f}-{max(ah):.3f}) "
-            f"| {statistics.median(bh):.3f} ({min(bh):.3f}-{max(bh):.3f}) | {statistics.median(hr):.2f} ({max(hr):.2f}) "
-            f"| {statistics.median(aw):.2f} | {statistics.median(bw):.2f} | {statistics.median(wr):.2f} ({max(wr):.2f}) |"
+            f"| {statistics.median(bh):.3f} ({min(bh):.3f}-{max(bh):.3f}) "
+            f"| {statistics.median(hr):.2f} ({max(hr):.2f}) "
+            f"| {statistics.median(aw):.2f} | {statistics.median(bw):.2f} "
+            f"| {statistics.median(wr):.2f} ({max(wr):.2f}) |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

@@ -27,15 +27,15 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Literal, Sequence
-
-import numpy as np
-from pydantic import BaseModel, ConfigDict
+from typing import Any, Literal
 
 import gguf
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
+from pydantic import BaseModel, ConfigDict
 
 Arch = Literal["llama", "qwen2", "qwen3", "gemma3"]
 Stored = Literal["F32", "F16", "Q8_0"]

@@ -12,9 +12,9 @@ import pytest
 from glowplug.base.artifacts.cachedir import cache_dir_from_env
 from glowplug.engine.activation_peak import activation_peak
 from glowplug.engine.config import EngineConfig
-from glowplug.engine.stages.runner import run_stages
 from glowplug.engine.stages.context import EngineContext
-from glowplug.engine.stages.kv_cache_profiling import ANALYTIC_NOTE, ATTR_KV_PROFILE, _measure, profile_batch
+from glowplug.engine.stages.kv_cache_profiling import ANALYTIC_NOTE, _measure, profile_batch
+from glowplug.engine.stages.runner import run_stages
 from glowplug.engine.startup import build_engine, default_stages
 from glowplug.profiling.names import Attr
 from glowplug.profiling.tracing import setup_tracing
@@ -69,7 +69,7 @@ def test_stage_uses_the_analytic_peak_on_the_cpu_and_says_so(tiny_dir, tmp_path:
     result = build_engine(EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off"), tracing=tracing,
                           cache_dir=tmp_path)  # fmt: skip
     span = _kv_span(tracing)
-    assert span.attributes[ATTR_KV_PROFILE] == "analytic"
+    assert span.attributes[Attr.KV_PROFILE] == "analytic"
     assert span.attributes["glowplug.memory_method"] == "analytic_shapes"
     assert result.phase_table["kv_cache_profiling"].notes == (ANALYTIC_NOTE,)
     assert Attr.CACHE_HIT not in span.attributes  # nothing cached: recomputing is cheaper than a lookup
@@ -78,7 +78,7 @@ def test_stage_uses_the_analytic_peak_on_the_cpu_and_says_so(tiny_dir, tmp_path:
     measured = build_engine(EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off", kv_profile="measure"),
                             tracing=measured_tracing, cache_dir=tmp_path)  # fmt: skip
     measured_span = _kv_span(measured_tracing)
-    assert measured_span.attributes[ATTR_KV_PROFILE] == "measured" and measured_span.attributes[Attr.CACHE_HIT] is False
+    assert measured_span.attributes[Attr.KV_PROFILE] == "measured" and measured_span.attributes[Attr.CACHE_HIT] is False
     assert measured_span.attributes[Attr.PEAK_MEMORY_BYTES] == span.attributes[Attr.PEAK_MEMORY_BYTES]
     assert measured.kv_plan == result.kv_plan
 
@@ -87,6 +87,6 @@ def test_where_the_analytic_peak_does_not_apply_the_row_says_why(tiny_dir, tmp_p
     tracing = setup_tracing()
     result = build_engine(EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off", quantization="w8a8"),
                           tracing=tracing, cache_dir=tmp_path)  # fmt: skip
-    assert _kv_span(tracing).attributes[ATTR_KV_PROFILE] == "measured"
+    assert _kv_span(tracing).attributes[Attr.KV_PROFILE] == "measured"
     assert result.phase_table["kv_cache_profiling"].notes == (
         "cache miss: first start for this model", "measured: w8a8's per-row activation quantization is not modelled")

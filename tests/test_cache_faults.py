@@ -12,20 +12,19 @@ The compile cases run each start in a fresh process, since Inductor keeps what i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 import json
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import cache_faults_util as util
 import pytest
 import torch
 
-import cache_faults_util as util
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import by_name
-from glowplug.engine.stages.graph_compile import ATTR_REPLAY
 from glowplug.profiling.names import Attr
 
 CACHES = ("model", "quant", "kv_profile", "startup_profile", "kernel_dispatch")
@@ -256,7 +255,7 @@ def _damage_compile_cache_and_start(warm_compiled: dict[str, Any], cache: Path, 
     if damage in ("truncated", "bitflip", "empty", "missing", "truncated_unverified"):
         # The replay plan names kernel libraries that were moved aside (or, unverified, will not load): the start
         # falls back to the AOT artifact, which has Inductor rebuild them.
-        assert res["attrs"]["graph_compile"][ATTR_REPLAY].startswith("would not load"), res["attrs"]["graph_compile"]
+        assert res["attrs"]["graph_compile"][Attr.COMPILE_REPLAY].startswith("would not load"), res["attrs"]["graph_compile"]
     assert util.leftovers(cache) == []
     if damage == "stale_torch":
         assert not res["events"]

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import pytest
 
-from glowplug.engine.stages.graph_compile import ATTR_INDUCTOR_SOURCE, ATTR_REPLAY
 from glowplug.profiling.names import Attr
 
 TESTS = Path(__file__).parent
@@ -212,7 +211,7 @@ def test_read_only_mount_starts_warm(tiny_dir, gguf: Path, tmp_path: Path) -> No
     assert cold.returncode == 0, cold.stderr
     wrap = _read_only_mount(cache)
     cold_attrs = json.loads(cold_r.read_text())["attributes"]
-    assert cold_attrs["graph_compile_general_shape"][ATTR_REPLAY] == "written", cold_attrs
+    assert cold_attrs["graph_compile_general_shape"][Attr.COMPILE_REPLAY] == "written", cold_attrs
     log = tmp_path / "strace.log"
     traced = _strace(log)
     proc = _cli("startup", str(gguf), *COMPILED, "--report-out", str(r), cache=cache,
@@ -228,8 +227,8 @@ def test_read_only_mount_starts_warm(tiny_dir, gguf: Path, tmp_path: Path) -> No
     assert report["reasons"]["graph_compile_general_shape"] == "cache hit"
     compiled = attrs["graph_compile_cached"]
     assert compiled[Attr.CACHE_HIT] is True and compiled["glowplug.kernels_built"] == 0, compiled
-    assert compiled[ATTR_REPLAY] == "loaded", compiled
-    assert compiled[ATTR_INDUCTOR_SOURCE].startswith(str(cache / "inductor")), compiled
+    assert compiled[Attr.COMPILE_REPLAY] == "loaded", compiled
+    assert compiled[Attr.COMPILE_CACHE_READ_ONLY_SOURCE].startswith(str(cache / "inductor")), compiled
     # No cache event of any kind: every row's note is a plain hit (the native row also names its ISA level).
     events = [n for ns in notes.values() for n in ns if n.startswith(("cache_unusable", "cache_corrupt"))]
     assert not events, notes

@@ -10,7 +10,6 @@ import torch
 from startup_probe import SlotProbe
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from glowplug.engine.attention import CONTEXT, DECODE_COLS, POSITION, SLOT, TOKEN
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.startup import build_engine, default_stages
@@ -82,7 +81,7 @@ def test_compiled_step_equals_eager_step_and_writes_the_same_cache(tiny_dir, cac
     result, _ = _start(tiny_dir("llama"), cache, dtype="float32", block_size=4)
     eng = result.engine
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    for p, n in zip(PROMPTS[:5], (3, 4, 7, 8, 11)):  # prompt lengths around the 4-token blocks
+    for _, n in zip(PROMPTS[:5], (3, 4, 7, 8, 11)):  # prompt lengths around the 4-token blocks
         eng.add_request(None, params, prompt_token_ids=list(range(5, 5 + n)))
     eng.step()  # the prefills (eager); every sequence now decodes
     scheduled = eng.runner.apply(eng.scheduler.schedule())
@@ -316,8 +315,8 @@ def test_smollm2_compiled_greedy_equals_transformers_fp32(smollm2_dir: Path, mak
 
 
 def test_bf16_dense_step_compiles_without_the_native_kernels(tiny_dir, cache: Path, monkeypatch) -> None:
-    """Where no native kernel serves the dense projections (a GPU; here a CPU whose native library is unavailable), the compiled
-    bf16 step runs them through F.linear inside the layers' nested compile region: the eager path's CPU-only
+    """Where no native kernel serves the dense projections (a GPU; here a CPU whose native library is unavailable), the
+    compiled bf16 step runs them through F.linear inside the layers' nested compile region: the eager path's CPU-only
     workarounds (whose row-count test is a data-dependent guard on the symbolic batch) must not be traced. On an
     H100 that guard failed dynamo_transform for SmolLM2 in bf16."""
     from glowplug.kernels import native

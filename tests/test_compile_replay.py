@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import cache_faults_util as util
 import pytest
 import torch
-
-import cache_faults_util as util
 from startup_probe import SlotProbe
+
 from glowplug.base.artifacts.manifest import read_manifest, record_file, write_manifest
 from glowplug.engine.compile import CompiledDecode
 from glowplug.engine.compile_cache import _clear_inductor_memory
@@ -20,7 +20,6 @@ from glowplug.engine.config import EngineConfig
 from glowplug.engine.models.tiny import make_tiny_checkpoint
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.startup import build_engine, default_stages
-from glowplug.engine.stages.graph_compile import ATTR_FINGERPRINT, ATTR_FINGERPRINT_S, ATTR_REPLAY
 from glowplug.profiling.names import Attr
 from glowplug.profiling.tracing import setup_tracing
 
@@ -35,28 +34,28 @@ def test_warm_start_replays_without_dynamo_or_inductor_and_falls_back(tiny_dir, 
     model, cache = str(tiny_dir("llama")), tmp_path / "cache"
     args = {"model": model, "cache": str(cache), "config": COMPILE}
     cold = util.worker_result(util.run_worker(args), timeout=900)
-    assert cold["attrs"]["graph_compile"][ATTR_REPLAY] == "written"
+    assert cold["attrs"]["graph_compile"][Attr.COMPILE_REPLAY] == "written"
     assert any(m.startswith("torch._inductor") for m in cold["compiler_modules_at_ready"])
 
     warm = util.worker_result(util.run_worker(args))
-    assert warm["attrs"]["graph_compile"][ATTR_REPLAY] == "loaded"
+    assert warm["attrs"]["graph_compile"][Attr.COMPILE_REPLAY] == "loaded"
     assert warm["attrs"]["graph_compile"][Attr.CACHE_HIT] is True
     assert warm["attrs"]["dynamo_transform"][Attr.CACHE_HIT] is True
     assert warm["compiler_modules_at_ready"] == []
     assert warm["tokens"] == cold["tokens"]
     # The plan's fingerprint was replayed before serving, and its cost is on the span.
-    assert warm["attrs"]["graph_compile"][ATTR_FINGERPRINT] == "matched"
-    assert 0 < warm["attrs"]["graph_compile"][ATTR_FINGERPRINT_S] < 5
+    assert warm["attrs"]["graph_compile"][Attr.REPLAY_FINGERPRINT] == "matched"
+    assert 0 < warm["attrs"]["graph_compile"][Attr.REPLAY_FINGERPRINT_S] < 5
 
     (entry,) = util.entries(cache, "compile")
     (ws,) = util.entries(cache, "inductor")
     plan = ReplayPlan.from_json((entry / PLAN_FILE).read_bytes())
     (ws / next(iter(plan.kernels.values()))[1]).unlink()
     healed = util.worker_result(util.run_worker(args), timeout=900)
-    assert healed["attrs"]["graph_compile"][ATTR_REPLAY].startswith("would not load")
+    assert healed["attrs"]["graph_compile"][Attr.COMPILE_REPLAY].startswith("would not load")
     assert healed["tokens"] == cold["tokens"]
     again = util.worker_result(util.run_worker(args))  # Inductor rebuilt the library where the plan expects it
-    assert again["attrs"]["graph_compile"][ATTR_REPLAY] == "loaded" and again["tokens"] == cold["tokens"]
+    assert again["attrs"]["graph_compile"][Attr.COMPILE_REPLAY] == "loaded" and again["tokens"] == cold["tokens"]
 
 
 @pytest.mark.slow
@@ -74,7 +73,7 @@ def test_replay_equals_the_aot_step_bit_for_bit(tiny_dir, tmp_path: Path, fields
     eng, decode_fn, compile_cache = result.engine, probe.seen["decode_fn"], probe.seen["compile_cache"]
     assert isinstance(decode_fn, CompiledDecode)  # a cold start serves the AOT-compiled step
     (span,) = [s for s in tracing.finished_spans() if s.name == "glowplug.startup.graph_compile"]
-    assert span.attributes[ATTR_REPLAY] == "written", span.attributes[ATTR_REPLAY]
+    assert span.attributes[Attr.COMPILE_REPLAY] == "written", span.attributes[Attr.COMPILE_REPLAY]
     (entry,) = util.entries(tmp_path, "compile")
     replay = ReplayDecode.load(ReplayPlan.from_json((entry / PLAN_FILE).read_bytes()), compile_cache.path,
                                eng.model)  # fmt: skip
@@ -118,7 +117,7 @@ def test_a_plan_running_another_valid_kernel_library_is_caught_by_its_fingerprin
     make_tiny_checkpoint(other, "llama", rms_norm_eps=0.25)
     cache = tmp_path / "cache"
     cold = util.worker_result(util.run_worker({"model": model, "cache": str(cache), "config": COMPILE}), timeout=900)
-    assert cold["attrs"]["graph_compile"][ATTR_REPLAY] == "written"
+    assert cold["attrs"]["graph_compile"][Attr.COMPILE_REPLAY] == "written"
     util.worker_result(util.run_worker({"model": str(other), "cache": str(cache), "config": COMPILE}), timeout=900)
     entry = _entry_of(cache, model)
     mine = ReplayPlan.from_json((entry / PLAN_FILE).read_bytes())
@@ -135,9 +134,9 @@ def test_a_plan_running_another_valid_kernel_library_is_caught_by_its_fingerprin
 
     warm = util.worker_result(util.run_worker({"model": model, "cache": str(cache), "config": COMPILE}))
     attrs = warm["attrs"]["graph_compile"]
-    assert attrs[ATTR_REPLAY].startswith("rejected (the replayed step does not reproduce"), attrs[ATTR_REPLAY]
-    assert attrs[ATTR_FINGERPRINT].startswith("logits differ") and attrs[ATTR_FINGERPRINT].endswith(
-        "the AOT artifact: matched"), attrs[ATTR_FINGERPRINT]  # fmt: skip
+    assert attrs[Attr.COMPILE_REPLAY].startswith("rejected (the replayed step does not reproduce"), attrs[Attr.COMPILE_REPLAY]
+    assert attrs[Attr.REPLAY_FINGERPRINT].startswith("logits differ") and attrs[Attr.REPLAY_FINGERPRINT].endswith(
+        "the AOT artifact: matched"), attrs[Attr.REPLAY_FINGERPRINT]  # fmt: skip
     assert attrs[Attr.CACHE_HIT] is True  # served from the same entry's AOT artifact
     (event,) = [e for e in warm["events"] if e["event"] == "cache_corrupt"]
     assert event["stage"] == "graph_compile" and event[Attr.CACHE_NAME] == "compile"

@@ -21,10 +21,10 @@ from glowplug.engine.models.gguf_meta import build_config, sentencepiece_merges
 from glowplug.engine.models.loader import load_model
 from glowplug.engine.sampling_params import SamplingParams
 
-
 # Long enough (about 700 tokens) that the 270m model's sliding-window layers (512 keys) drop the prompt's start.
 LONG_PROMPT = " ".join(
-    f"Step {i}: the scheduler mixes prefill chunks and decode steps, and block {i} of the cache holds sixteen tokens."
+    f"Step {i}: the scheduler mixes prefill chunks and decode steps, and block {i} of the cache holds sixteen "
+    "tokens."
     for i in range(30)
 ) + " In summary, the scheduler"
 

@@ -107,9 +107,9 @@ def test_auto_starts_decodes_and_follows_none(file: str, in_place: bool, make_ll
     logits follow none's with a cosine of at least 0.99 per position and the same top token at 90% of them. Why
     that far and no closer: in place, activations are taken to int8 per 32 or 256 inputs; repacked, the file's own
     blocks (exact) or 5-8-bit types re-quantized to int8 g32 (under 1/254 of each group's range per weight), with
-    activations rounded to bf16: on these random 2-layer models that measures at a cosine of 0.998 or more. A wrongly laid-out tensor measures well
-    below the bar: q/k rows left permuted (Llama 3) 0.19 at the worst position, Gemma's norms with the stored 1
-    kept 0.75, Qwen2's q/k/v biases dropped 0.94."""
+    activations rounded to bf16: on these random 2-layer models that measures at a cosine of 0.998 or more. A wrongly
+    laid-out tensor measures well below the bar: q/k rows left permuted (Llama 3) 0.19 at the worst position, Gemma's
+    norms with the stored 1 kept 0.75, Qwen2's q/k/v biases dropped 0.94."""
     path = DATA / file
     if not in_place:
         monkeypatch.setenv("GLOWPLUG_NATIVE", "0")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from glowplug.engine.host_memory import commit, anonymous_zeros, limit_native_caches, release_free_heap
+from glowplug.engine.host_memory import anonymous_zeros, commit, limit_native_caches, release_free_heap
 from glowplug.engine.kv_cache import KVCache
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")

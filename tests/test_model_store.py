@@ -24,7 +24,7 @@ def _fake_convert(source: Path, out: Path, console: Console) -> None:
     (out / "model.safetensors").write_bytes(source.read_bytes() * 3)
 
 
-def _prepare_in_child(source: str, cache: str, q: "mp.Queue[str]") -> None:
+def _prepare_in_child(source: str, cache: str, q: mp.Queue[str]) -> None:
     store._convert_gguf = _fake_convert  # type: ignore[assignment]
     q.put(str(store.prepare_gguf(Path(source), "fake", Path(cache), quiet=True).value))
 
@@ -61,7 +61,7 @@ def test_manifest_records_factors_and_files(fake_source: Path, tmp_path: Path) -
 
 def test_two_processes_prepare_at_once(fake_source: Path, tmp_path: Path) -> None:
     ctx = mp.get_context("fork")
-    q: "mp.Queue[str]" = ctx.Queue()
+    q: mp.Queue[str] = ctx.Queue()
     procs = [ctx.Process(target=_prepare_in_child, args=(str(fake_source), str(tmp_path / "cache"), q)) for _ in range(2)]
     for p in procs:
         p.start()

@@ -10,7 +10,13 @@ import torch
 from glowplug.engine.attention import AttentionMetadata
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.models.arch import load_arch
-from glowplug.engine.models.loader import build_meta_model, check_state_dict, fuse_checkpoint, materialize, read_checkpoint
+from glowplug.engine.models.loader import (
+    build_meta_model,
+    check_state_dict,
+    fuse_checkpoint,
+    materialize,
+    read_checkpoint,
+)
 from glowplug.engine.startup import build_engine
 from glowplug.kernels import reference
 from glowplug.kernels.registry import get_scheme, is_target_module

@@ -13,6 +13,8 @@ import pytest
 
 from glowplug.engine import start_run, startup
 from glowplug.engine.config import EngineConfig
+from glowplug.engine.stages.bundle_install import BundleInstall
+from glowplug.engine.stages.context import EngineContext
 from glowplug.engine.stages.protocol import (
     StageContractError,
     StageReport,
@@ -23,8 +25,6 @@ from glowplug.engine.stages.protocol import (
     declarations,
 )
 from glowplug.engine.stages.runner import run_stages
-from glowplug.engine.stages.bundle_install import BundleInstall
-from glowplug.engine.stages.context import EngineContext
 from glowplug.engine.startup import StartupResult, build_engine, default_stages
 from glowplug.profiling.tracing import Tracing, setup_tracing
 

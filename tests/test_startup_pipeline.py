@@ -246,7 +246,7 @@ class _Collections:
         if phase == "stop":
             self.generations.append(info["generation"])
 
-    def __enter__(self) -> "_Collections":
+    def __enter__(self) -> _Collections:
         gc.callbacks.append(self)
         return self
 

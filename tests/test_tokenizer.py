@@ -151,7 +151,8 @@ _PIECES = ["ab", "cd", " ", "  ", "\n", "\r\n", "\t", "!", ".", "'s", "'ll", "12
 
 
 def _backend(kind: str):  # -> tokenizers.Tokenizer
-    from tokenizers import Regex, Tokenizer as Backend, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as Backend
 
     from glowplug.engine.models.tiny import _CORPUS
 

@@ -1,4 +1,4 @@
-"""The one door to torch's internals (engine/torch_compat.py): nothing else in the engine uses them, the capability
+"""The one door to torch's internals (base/torch_compat.py): nothing else in the engine uses them, the capability
 check names what is missing, and a start whose torch fails the check, or that cannot compile, still reaches READY
 under `--compile auto` (eagerly, saying why on the rows) while `--compile on` fails naming the reason."""
 
@@ -13,20 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from glowplug.engine import torch_compat
-from glowplug.engine.torch_compat import FAIL_ENV, SUPPORTED_RANGE, TorchInternalsUnavailable, _Need
+from glowplug.base import torch_compat
+from glowplug.base.torch_compat import FAIL_ENV, SUPPORTED_RANGE, TorchInternalsUnavailable, _Need
 
 ROOT = Path(__file__).resolve().parents[1]
-DOOR = ROOT / "engine" / "torch_compat.py"
-# Private torch uses below the engine's layer, which cannot import the door (tests/test_layers.py: kernels and
-# profiling sit under engine). Each is an aten operator or a utility that the code using it tests directly: the
-# quantized CPU paths are checked against their references (tests/kernels), the live-tensor tracker by the KV-cache
-# profile tests. Any other private use anywhere fails this test.
-BELOW_THE_ENGINE = {
-    "kernels/cpu.py": {"torch._weight_int8pack_mm", "torch._int_mm", "torch.ops.aten._convert_weight_to_int4pack_for_cpu",
-                       "torch.ops.aten._weight_int4pack_mm_for_cpu"},  # fmt: skip
-    "profiling/memory.py": {"torch.utils._python_dispatch", "torch.utils._pytree"},
-}
+DOOR = ROOT / "base" / "torch_compat.py"
+# The whole package: every layer reaches torch's internals through the door (it sits below all of them), no exceptions.
 SOURCES = ("base", "engine", "kernels", "lifecycle", "profiling", "glowplug")
 
 
@@ -45,44 +37,54 @@ def _dotted(node: ast.AST) -> str | None:
     return None
 
 
-def private_torch_uses(path: Path) -> set[str]:
-    """`torch._x...` attribute chains and imports of private torch modules in one file (the longest chain counts:
-    `torch._dynamo.config.patch` is one use)."""
-    found: set[str] = set()
+def private_torch_uses(path: Path) -> dict[str, int]:
+    """`torch._x...` attribute chains and imports of private torch modules in one file, each with the line of its
+    first use (the longest chain counts, cut after its first private part: `torch._dynamo.config.patch` is one use,
+    `torch._dynamo`)."""
+    found: dict[str, int] = {}
     tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
     inner: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             inner.add(id(node.value))
     for node in ast.walk(tree):
+        uses: list[str] = []
         if isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if _private(a.name)}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and _private(node.module):
-            found.add(node.module)
+            uses = [a.name for a in node.names if _private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if _private(node.module):
+                uses = [node.module]
+            elif node.module.split(".")[0] == "torch":  # `from torch import _C`, `from torch.utils import _pytree`
+                uses = [f"{node.module}.{a.name}" for a in node.names if _private(f"{node.module}.{a.name}")]
         elif isinstance(node, ast.Attribute) and id(node) not in inner:
             dotted = _dotted(node)
             if dotted is not None and _private(dotted):
-                # Up to the first private part and the one after it: what names the private API.
                 parts = dotted.split(".")
                 first = next(i for i, p in enumerate(parts) if i and p.startswith("_") and not p.startswith("__"))
-                found.add(".".join(parts[: first + 1]))
+                uses = [".".join(parts[: first + 1])]
+        for use in uses:
+            found.setdefault(use, node.lineno)  # type: ignore[attr-defined]
     return found
 
 
-def test_no_private_torch_outside_the_door(tmp_path: Path) -> None:
+def test_the_scan_finds_each_kind_of_private_use(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("import torch._dynamo\nfrom torch._guards import tracing\nimport torch.nn\n"
-                      "x = torch._dynamo.config.patch(a=1)\ny = torch.ops.aten._int_mm\nz = torch.__version__\n")
-    assert private_torch_uses(sample) == {"torch._dynamo", "torch._guards", "torch.ops.aten._int_mm"}
+                      "x = torch._dynamo.config.patch(a=1)\ny = torch.ops.aten._int_mm\nz = torch.__version__\n"
+                      "from torch.utils import _pytree\n")  # fmt: skip
+    assert private_torch_uses(sample) == {"torch._dynamo": 1, "torch._guards": 2, "torch.ops.aten._int_mm": 5,
+                                          "torch.utils._pytree": 7}  # fmt: skip
+
+
+def test_no_private_torch_outside_the_door() -> None:
     wrong = []
     for folder in SOURCES:
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path == DOOR:
                 continue
-            rel = str(path.relative_to(ROOT))
-            uses = private_torch_uses(path) - BELOW_THE_ENGINE.get(rel, set())
-            wrong += [f"{rel}: {use}" for use in sorted(uses)]
-    assert not wrong, "private torch APIs outside engine/torch_compat.py:\n" + "\n".join(wrong)
+            rel = path.relative_to(ROOT)
+            wrong += [f"{rel}:{line}: {use}" for use, line in sorted(private_torch_uses(path).items())]
+    assert not wrong, "private torch APIs outside base/torch_compat.py (add them to the door):\n" + "\n".join(wrong)
 
 
 def test_this_torch_passes_and_the_range_is_stated_once() -> None:

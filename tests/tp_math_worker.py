@@ -12,8 +12,14 @@ import torch
 from glowplug.engine.attention import AttentionMetadata
 from glowplug.engine.models.arch import load_arch
 from glowplug.engine.models.llama import DecoderLM
-from glowplug.engine.models.loader import build_meta_model, check_state_dict, fuse_checkpoint, materialize, read_checkpoint
-from glowplug.engine.parallel import SINGLE, TPShard, shard_checkpoint
+from glowplug.engine.models.loader import (
+    build_meta_model,
+    check_state_dict,
+    fuse_checkpoint,
+    materialize,
+    read_checkpoint,
+)
+from glowplug.engine.parallel import TPShard, shard_checkpoint
 from glowplug.kernels.dispatch import Dispatcher, DispatchTable
 from glowplug.kernels.modules import QuantLinear
 from glowplug.kernels.registry import get_scheme

@@ -37,6 +37,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from glowplug.profiling.names import Event
+
 from .cachedir import report_event, warn_once
 from .caches import ALL, SOURCE, by_name
 from .manifest import Manifest, first_error, read_manifest, write_manifest

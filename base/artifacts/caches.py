@@ -14,9 +14,9 @@
 
 Why `model` fails: the engine reads the prepared folder (config, tokenizer, the GGUF's tensor table) from disk, and
 a folder written somewhere else on every start would hide a broken cache dir behind a slower start each time; a
-clear error asking for a usable GLOWPLUG_CACHE_DIR serves the user better. A read-only cache dir that already holds the converted
-model still works (reads need no write access). Every other cache only saves time, so the start goes on without
-it, recomputing what it would have held, with one warning.
+clear error asking for a usable GLOWPLUG_CACHE_DIR serves the user better. A read-only cache dir that already holds
+the converted model still works (reads need no write access). Every other cache only saves time, so the start goes on
+without it, recomputing what it would have held, with one warning.
 
 A read-only cache dir (a container image layer, a shared mount) whose entries hit is a warm start with nothing said
 and no write attempted (store.py, workspace.py): `inductor`, which Inductor writes even when everything hits, is
@@ -114,14 +114,17 @@ def by_name(name: str) -> CacheSpec:
 
 def source_digest(packages: Iterable[str]) -> str:
     """Hash of the .py files of glowplug subpackages (e.g. ["engine", "kernels"]): a code change must never
-    reuse an artifact the old code made."""
-    import importlib
+    reuse an artifact the old code made. Their folders are found, not imported: base reads the files of layers
+    above it, it does not depend on their code."""
+    import importlib.util
 
     h = hashlib.sha256()
     roots: set[Path] = set()
     for sub in packages:
-        mod = importlib.import_module(f"glowplug.{sub}" if sub else "glowplug")
-        roots |= {Path(p) for p in mod.__path__}
+        spec = importlib.util.find_spec(f"glowplug.{sub}" if sub else "glowplug")
+        if spec is None or spec.submodule_search_locations is None:
+            raise ModuleNotFoundError(f"glowplug.{sub} is not an installed package" if sub else "glowplug")
+        roots |= {Path(p) for p in spec.submodule_search_locations}
     for root in sorted(roots):
         for f in sorted(root.rglob("*.py")):
             h.update(str(f.relative_to(root)).encode())

@@ -34,13 +34,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 import structlog
 from filelock import FileLock, Timeout
 
 from glowplug.profiling.names import Attr, Event
-from .caches import ALL, CacheSpec
+
 from .cachedir import (
     CacheDirUnusable,
     cache_dir_from_env,
@@ -51,6 +51,7 @@ from .cachedir import (
     warn_once,
     write_problem,
 )
+from .caches import ALL, CacheSpec
 from .manifest import (
     FORMAT,
     Manifest,

@@ -27,8 +27,19 @@ from pathlib import Path
 from typing import Any
 
 from glowplug.profiling.names import Event
+
 from .cachedir import CacheDirUnusable, classify, report_event
-from .manifest import FORMAT, Manifest, check_file, list_files, now_iso, producer, read_manifest, record_file, write_manifest
+from .manifest import (
+    FORMAT,
+    Manifest,
+    check_file,
+    list_files,
+    now_iso,
+    producer,
+    read_manifest,
+    record_file,
+    write_manifest,
+)
 from .store import QUARANTINE, ArtifactStore, CacheSpec
 
 
@@ -142,13 +153,13 @@ def _heal(store: ArtifactStore, ws: Workspace) -> None:
     kept = dict(m.files)
     bad: list[str] = []
     for rel, rec in m.files.items():
-        why = check_file(ws.path / rel, rec, store.verify)
-        if why is None:
+        problem = check_file(ws.path / rel, rec, store.verify)
+        if problem is None:
             continue
         del kept[rel]
-        bad.append(why)
+        bad.append(problem)
         if (ws.path / rel).exists():
-            store.quarantine(ws.spec, ws.path / rel, why, report=False)
+            store.quarantine(ws.spec, ws.path / rel, problem, report=False)
     if bad:
         # One event for the lot: a damaged cache tends to be damaged in many files at once.
         more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""

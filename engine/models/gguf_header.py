@@ -135,7 +135,7 @@ class _Cursor:
 
     def strings(self, count: int) -> list[str]:
         # The hot loop of a 262k-token vocabulary: locals only, one unpack and one slice per string.
-        buf, at, unpack, out = self.buf, self.at, struct.Struct("<Q").unpack_from, []
+        buf, at, unpack, out = self.buf, self.at, struct.Struct("<Q").unpack_from, []  # type: ignore[var-annotated]
         append = out.append
         for _ in range(count):
             (n,) = unpack(buf, at)

@@ -188,7 +188,7 @@ def _byte_level_model(tokens: list[str], merges: list[str]) -> tuple[Any, list[s
     spelled = [_spell(t, alphabet, byte_map) for t in tokens]
     vocab = {t: i for i, t in enumerate(spelled)}
     pairs = [tuple(x.split(" ", 1)) for x in merges]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=None, fuse_unk=False, byte_fallback=False))  # type: ignore[arg-type]
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     return tok, spelled

@@ -42,8 +42,6 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from .arch import ModelArch, ModelError
-
 # ggml's type ids and block shapes (base/ggml.py), so that a warm start does not import gguf.
 from glowplug.base.ggml import (  # noqa: F401 - the type ids, also read as gguf_tensors.Q4_K etc.
     BF16,
@@ -63,6 +61,8 @@ from glowplug.base.ggml import (  # noqa: F401 - the type ids, also read as gguf
     TYPE_NAMES,
 )
 from glowplug.kernels.gguf import GGUFRows
+
+from .arch import ModelArch, ModelError
 
 _FLOAT = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 _BLOCK_SHAPE = {t: shape for t, shape in BLOCKS.items() if t not in _FLOAT}

@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...kernels.modules import DenseLinear, NativeSwitch, enable_dense_native
-from ..attention import AttentionMetadata, decode_attention, paged_attention
-from ..kv_cache import LayerKV
-from ..parallel import SINGLE, TPShard, all_reduce_sum, gather_vocab
+from glowplug.engine.attention import AttentionMetadata, decode_attention, paged_attention
+from glowplug.engine.kv_cache import LayerKV
+from glowplug.engine.parallel import SINGLE, TPShard, all_reduce_sum, gather_vocab
+from glowplug.kernels.modules import DenseLinear, NativeSwitch, enable_dense_native
+
 from .arch import ModelArch, RopeScaling
 
 # fused module (suffix within a layer) -> the checkpoint modules it concatenates, in row order
@@ -107,7 +108,7 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
     @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         # x: [T, heads, D]; the rotate-half convention of HF checkpoints.
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -141,7 +142,7 @@ class Attention(nn.Module):
         """kernels.modules.enable_native_decode's switch: decode attention through the native op where the CPU and
         this head_dim allow it (batch size and dtype do not matter to it). A sliding-window layer switches too: the
         op takes the window and reads only the blocks inside it."""
-        from ...kernels.native import attention_supported
+        from glowplug.kernels.native import attention_supported
 
         self.native_attention = attention_supported(self.head_dim)
         return NativeSwitch("attention", self.native_attention)
@@ -290,7 +291,7 @@ class Backbone(nn.Module):
         x = self.embed(input_ids)
         ropes = self.rope_tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, ropes[layer.local_rope], meta)
+            x = layer(x, ropes[layer.local_rope], meta)  # type: ignore[index]
         return self.norm(x)
 
 
@@ -312,7 +313,7 @@ class TiedHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         blocked = self.native_blocked if "native_blocked" in self._buffers else None
-        return DenseLinear.project(x, self.weight, None, self.native_small_m, blocked)
+        return DenseLinear.project(x, self.weight, None, self.native_small_m, blocked)  # type: ignore[arg-type]
 
     def enable_native(self, small_m: int, activation_dtype: torch.dtype) -> NativeSwitch:
         """kernels.modules.enable_native_decode's switch, for the shared matrix. In bf16 that is a blocked copy of
@@ -355,14 +356,14 @@ class DecoderLM(nn.Module):
     def decode(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
         """Logits [B, vocab] (the model's dtype) for a decode-only batch given as the packed [B, DECODE_COLS + W]
         step input."""
-        from ..attention import POSITION, TOKEN
+        from glowplug.engine.attention import POSITION, TOKEN
 
         m = self.model
         x = m.embed(packed[:, TOKEN])
         ropes = m.rope_tables(packed[:, POSITION], x.dtype)
         for layer, c in zip(m.layers, caches):
-            cos, sin = ropes[layer.local_rope]
-            x = layer.decode(x, cos, sin, c.k, c.v, c.k_scale, c.v_scale, packed)
+            cos, sin = ropes[layer.local_rope]  # type: ignore[index]
+            x = layer.decode(x, cos, sin, c.k, c.v, c.k_scale, c.v_scale, packed)  # type: ignore[operator]
         return self.compute_logits(m.norm(x))
 
     def untie_head_for_quantization(self) -> None:

@@ -15,9 +15,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from glowplug.engine.parallel import SINGLE, TPShard, shard_checkpoint
 from glowplug.kernels.gguf import GGUFRows
 
-from ..parallel import SINGLE, TPShard, shard_checkpoint
 from .arch import ModelArch, ModelError
 from .gguf_auto import EMBEDDING, LayerFormats
 from .llama import FUSED_MODULES, DecoderLM
@@ -82,7 +82,7 @@ def resolve_dtype(name: str, arch: ModelArch, device: str, *, quantized_source: 
     float16 ones run in bfloat16 on a CPU), except on a CPU where float32 is the faster choice (the rule and its
     measurement: config_check.resolve_dtype_name). A block-quantized source (a Q4/Q8 GGUF) has no float dtype of its
     own; it counts as bfloat16, the dtype such models are trained and published in."""
-    from ..config_check import resolve_dtype_name
+    from glowplug.engine.config_check import resolve_dtype_name
 
     # One rule for both: the CLI's settings check resolves the same name before torch is imported.
     return DTYPES[resolve_dtype_name(name, arch, device, quantized_source=quantized_source, compiled=compiled)]
@@ -150,7 +150,7 @@ def _adjacent(tensors: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor |
             return None
         offset += t.numel()
     rows = sum(int(t.shape[0]) for t in tensors)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))  # type: ignore[call-overload]
 
 
 def fuse_checkpoint(sd: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -204,7 +204,7 @@ def install_stored(model: DecoderLM, formats: LayerFormats, stored: dict[str, GG
         model.set_submodule(module, GGUFLinear(in_features, parts, bias=bias))
         used.update({p: stored[p] for p in fmt.parts})
     if formats.embedding_in_place:
-        model.model.embed_tokens = GGUFEmbedding(stored[EMBEDDING], model.arch.hidden_size, dtype)
+        model.model.embed_tokens = GGUFEmbedding(stored[EMBEDDING], model.arch.hidden_size, dtype)  # type: ignore[assignment]
         used[EMBEDDING] = stored[EMBEDDING]  # a tied head in place reads the same rows: counted once
     return sum(r.nbytes for r in used.values())
 

@@ -22,7 +22,8 @@ from rich.console import Console
 from glowplug.base.artifacts import ArtifactStore, Fetched
 from glowplug.base.artifacts.caches import MODEL
 from glowplug.base.artifacts.manifest import package_version, read_manifest
-from ..config import DEFAULT_MODEL
+from glowplug.engine.config import DEFAULT_MODEL
+
 from .arch import ModelError
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def _convert_gguf(source: Path, out: Path, console: Console) -> None:
     console.print(f"prepared {source.name}: {len(table.tensors)} tensors, config and tokenizer written")
 
 
-def gguf_table(model_dir: Path) -> "TensorTable | None":
+def gguf_table(model_dir: Path) -> TensorTable | None:
     """The tensor table of a folder prepared from a GGUF (its weights are read from the GGUF), else None."""
     from .gguf_tensors import TensorTable
 

@@ -71,6 +71,8 @@ def _config(variant: str, vocab: int, eos: int, bos: int, **overrides: Any) -> A
         pad_token_id=bos,
         tie_word_embeddings=False,
     )
+    cls: Any
+    extra: dict[str, Any]
     if variant == "llama":
         cls, extra = tf.LlamaConfig, dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     elif variant == "llama3-rope":

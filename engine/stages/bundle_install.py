@@ -4,10 +4,11 @@ installed; build_engine then runs the pipeline with the model the bundle brought
 
 from __future__ import annotations
 
-from ...profiling.names import Attr
-from ..bundle import install_for_start
-from .protocol import StageReport
+from glowplug.engine.bundle import install_for_start
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 
 class BundleInstall:
@@ -25,13 +26,13 @@ class BundleInstall:
         if start.model_note:
             note += f"; {start.model_note}"
         attrs: dict[str, object] = {
-            "glowplug.bundle.path": str(report.bundle),
-            "glowplug.bundle.installed": report.count("installed"),
-            "glowplug.bundle.present": report.count("present"),
-            "glowplug.bundle.damaged": report.count("damaged"),
-            "glowplug.bundle.skipped": report.count("skipped"),
-            "glowplug.bundle.model": start.model,
-            "glowplug.bundle.differences": start.differences,
+            Attr.BUNDLE_PATH: str(report.bundle),
+            Attr.BUNDLE_INSTALLED: report.count("installed"),
+            Attr.BUNDLE_PRESENT: report.count("present"),
+            Attr.BUNDLE_DAMAGED: report.count("damaged"),
+            Attr.BUNDLE_SKIPPED: report.count("skipped"),
+            Attr.BUNDLE_MODEL: start.model,
+            Attr.BUNDLE_DIFFERENCES: start.differences,
             Attr.ROW_NOTE: note,
         }
         return StageReport(attributes=attrs)  # type: ignore[arg-type]

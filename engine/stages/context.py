@@ -9,23 +9,23 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..compile import CompiledDecode, LoadedDecode, TracedDecode
-from ..compile_cache import CompileCache, StoredReplay
-from ..compile_replay import ReplayDecode
-from ..config import EngineConfig
-from ..kv_cache import KVCache
-from ..kv_sizing import KVPlan
-from ..llm_engine import LLMEngine
-from ..model_runner import ModelRunner
-from ..models.arch import ModelArch
-from ..models.llama import DecoderLM
-from ..parallel import TPShard, launch_rank
-from .protocol import StartupContext
-
+from glowplug.engine.compile import CompiledDecode, LoadedDecode, TracedDecode
+from glowplug.engine.compile_cache import CompileCache, StoredReplay
+from glowplug.engine.compile_replay import ReplayDecode
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.kv_cache import KVCache
+from glowplug.engine.kv_sizing import KVPlan
+from glowplug.engine.llm_engine import LLMEngine
+from glowplug.engine.model_runner import ModelRunner
+from glowplug.engine.models.arch import ModelArch
+from glowplug.engine.models.llama import DecoderLM
+from glowplug.engine.parallel import TPShard, launch_rank
 from glowplug.kernels.gguf import GGUFRows
 
+from .protocol import StartupContext
+
 if TYPE_CHECKING:
-    from ..models.gguf_auto import LayerFormats
+    from glowplug.engine.models.gguf_auto import LayerFormats
 
 
 class StageOrderError(RuntimeError):
@@ -76,8 +76,8 @@ class EngineContext(StartupContext):
         under another setting, or for a checkpoint that is no GGUF (auto runs its floats as `none` would)."""
         if self.config.quant.quantization != "auto" or self.model_dir is None:
             return None
-        from ..models.gguf_auto import plan_layers
-        from ..models.store import gguf_table
+        from glowplug.engine.models.gguf_auto import plan_layers
+        from glowplug.engine.models.store import gguf_table
 
         table = gguf_table(self.model_dir)
         return None if table is None else plan_layers(table, self.config.quant.quantize_lm_head, self.in_place())
@@ -105,7 +105,7 @@ class EngineContext(StartupContext):
         layer's format is in `layer_formats`)."""
         q = self.config.quant
         if q.quantization == "auto":
-            from ..models.gguf_auto import AUTO_GROUP
+            from glowplug.engine.models.gguf_auto import AUTO_GROUP
 
             if self.quant_scheme() == "auto":
                 return AUTO_GROUP, f"auto: the GGUF's {AUTO_GROUP}-weight blocks"
@@ -113,7 +113,7 @@ class EngineContext(StartupContext):
         if q.group_size is not None:
             return q.group_size, "configured"
         if q.quantization == "int4" and self.model_dir is not None:
-            from ..models.store import source_quant_block
+            from glowplug.engine.models.store import source_quant_block
 
             block = source_quant_block(self.model_dir)
             if block is not None:

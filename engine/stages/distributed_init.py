@@ -7,10 +7,11 @@ from __future__ import annotations
 from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from ...profiling.names import Attr
-from ..distributed import TPGroup
-from .protocol import StageReport
+from glowplug.engine.distributed import TPGroup
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 
 def current_traceparent() -> str | None:

@@ -2,7 +2,7 @@
 the stored entry instead (its replay plan, or else the AOT artifact's traced code and guards): the row then says
 "cache hit" with the load's time.
 
-When this torch lacks the internals the compile is made of (engine/torch_compat.py: a version outside the supported
+When this torch lacks the internals the compile is made of (base/torch_compat.py: a version outside the supported
 range, or a private name missing or changed), or the trace fails, `--compile auto` goes on eagerly: the stage is
 skipped with the reason, which `compile_fallback` carries to graph_compile and graph_capture, so every compile row
 says why. `--compile on` fails the start instead.
@@ -13,17 +13,18 @@ from __future__ import annotations
 import structlog
 import torch
 
-from ...profiling.names import Attr
-from .. import torch_compat
-from ..compile import InductorSettings, TracedDecode, mark_decode_dynamic, trace_decode
-from ..compile_cache import open_compile_cache
+from glowplug.base import torch_compat
 from glowplug.base.errors import one_line
-from ..kv_cache import KVCache
-from ..model_runner import dummy_decode_batch
-from ..start_estimate import HIT, MISS
-from ..config import EngineConfig
-from .protocol import StageReport
+from glowplug.engine.compile import InductorSettings, TracedDecode, mark_decode_dynamic, trace_decode
+from glowplug.engine.compile_cache import open_compile_cache
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.kv_cache import KVCache
+from glowplug.engine.model_runner import dummy_decode_batch
+from glowplug.engine.start_estimate import HIT, MISS
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 TRACE_BATCH = 2  # any size: the batch dimension is unbacked, never specialised
 TRACE_BLOCKS = 5  # scratch cache blocks (the real cache is not allocated yet; its size is symbolic in the graph)
@@ -138,8 +139,7 @@ class DynamoTransform:
             return {}
         from glowplug.base.artifacts import ArtifactStore
         from glowplug.base.artifacts.caches import COMPILE
-
-        from ..compile_cache import compile_factors
+        from glowplug.engine.compile_cache import compile_factors
 
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
         factors = compile_factors(ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx), native_level(ctx),
@@ -167,12 +167,12 @@ class DynamoTransform:
             attrs[Attr.CACHE_FROM_BUNDLE] = cache.bundle
         if cache.loaded is not None:
             ctx.traced = cache.loaded  # the stored trace and its guards: nothing to trace
-            return StageReport(attributes=attrs)
+            return StageReport(attributes=attrs)  # type: ignore[arg-type]
         try:
             ctx.traced = trace(ctx)
         except Exception as exc:  # noqa: BLE001 - under --compile auto any failed trace means eager, with the reason
             return fall_back_to_eager(ctx, f"the decode step did not trace ({one_line(exc)})", exc, attrs)
-        attrs["glowplug.graph_nodes"] = ctx.traced.nodes
+        attrs[Attr.GRAPH_NODES] = ctx.traced.nodes
         if cache.miss_reason:
             attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

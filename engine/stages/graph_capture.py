@@ -14,12 +14,12 @@ activations (which it should not much exceed).
 
 from __future__ import annotations
 
-from ...profiling.names import Attr
-from ..graph_buckets import bucket_sizes
-from ..model_runner import ModelRunner
-from .protocol import StageReport
-from .dynamo_transform import skipped_reason
+from glowplug.engine.graph_buckets import bucket_sizes
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .dynamo_transform import skipped_reason
+from .protocol import StageReport
 
 # How many of the smallest capture sizes the CPU runs (the first-call set-up of every kernel path in the step).
 CPU_WARM_SIZES = 2
@@ -83,4 +83,4 @@ class GraphCapture:
             attrs[Attr.GRAPH_SIZE_TIMES_S] = runner.warm_up(lambda packed: decode_fn.unguarded(packed, caches), warm)
             runner.install_decode(decode_fn.serving(caches), sizes)
         ctx.runner = runner  # the same object, changed in place: the write is what the stage contract sees
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

@@ -21,24 +21,19 @@ from collections.abc import Callable
 
 import structlog
 
-from ...profiling.names import Attr, Row
 from glowplug.base.artifacts.caches import file_stamps
-from ..compile import CompiledDecode, LoadedDecode, TracedDecode
-from ..compile_cache import CompileCache, StoredReplay
-from ..compile_replay import ReplayPlan
-from ..compile_replay_plan import check_fingerprint, make_plan
-from ..kv_cache import KVCache
 from glowplug.base.errors import one_line
+from glowplug.engine.compile import CompiledDecode, LoadedDecode, TracedDecode
+from glowplug.engine.compile_cache import CompileCache, StoredReplay
+from glowplug.engine.compile_replay import ReplayPlan
+from glowplug.engine.compile_replay_plan import check_fingerprint, make_plan
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.kv_cache import KVCache
+from glowplug.profiling.names import Attr, Row
 
-from ..config import EngineConfig
-from .protocol import StageReport
 from .context import EngineContext
 from .dynamo_transform import fall_back_to_eager, inductor_settings, scratch_cache, skipped_reason, trace
-
-ATTR_REPLAY = "glowplug.compile_replay"
-ATTR_FINGERPRINT = "glowplug.replay_fingerprint"  # matched / not compared (why) / how the logits differ
-ATTR_FINGERPRINT_S = "glowplug.replay_fingerprint_s"  # the check's cost: one 4-row step and a digest
-ATTR_INDUCTOR_SOURCE = "glowplug.compile_cache_read_only_source"  # the stored Inductor folder, read through links
+from .protocol import StageReport
 
 
 def checkpoint_identity(ctx: EngineContext) -> str:
@@ -82,7 +77,7 @@ class GraphCompile:
         except Exception as exc:  # noqa: BLE001 - under --compile auto any failed compile means eager, with the reason
             ctx.decode_fn = None
             return fall_back_to_eager(ctx, f"the decode step did not compile ({one_line(exc)})", exc,
-                                      {Attr.CACHE_KEY: cache.key, "glowplug.compile_cache_dir": str(cache.path)})  # fmt: skip
+                                      {Attr.CACHE_KEY: cache.key, Attr.COMPILE_CACHE_DIR: str(cache.path)})  # fmt: skip
 
     def _compile(self, ctx: EngineContext, traced: TracedDecode | LoadedDecode | StoredReplay,
                  cache: CompileCache) -> StageReport:  # fmt: skip
@@ -101,7 +96,7 @@ class GraphCompile:
                 traced = self._full_or_trace(ctx, traced, cache)
             else:
                 check = check_fingerprint(loaded, traced.plan.fingerprint, _scratch(ctx), weights)
-                attrs[ATTR_FINGERPRINT], attrs[ATTR_FINGERPRINT_S] = check.outcome, check.seconds
+                attrs[Attr.REPLAY_FINGERPRINT], attrs[Attr.REPLAY_FINGERPRINT_S] = check.outcome, check.seconds
                 if check.ok:
                     ctx.decode_fn = loaded
                     replay = "loaded"
@@ -114,7 +109,7 @@ class GraphCompile:
                     traced = self._full_or_trace(ctx, traced, cache)
         if isinstance(traced, LoadedDecode):
             try:
-                compiled = ctx.decode_fn = cache.run(lambda: traced.compile(settings))
+                compiled = ctx.decode_fn = cache.run(lambda: traced.compile(settings))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - a cached artifact that will not load is a miss
                 log.warning("the stored compiled decode step would not load; tracing and compiling again",
                             error=one_line(exc))  # fmt: skip
@@ -123,7 +118,7 @@ class GraphCompile:
             else:
                 if rejected is not None:
                     aot = check_fingerprint(compiled, rejected, _scratch(ctx), weights)
-                    attrs[ATTR_FINGERPRINT] = f"{attrs[ATTR_FINGERPRINT]}; the AOT artifact: {aot.outcome}"
+                    attrs[Attr.REPLAY_FINGERPRINT] = f"{attrs[Attr.REPLAY_FINGERPRINT]}; the AOT artifact: {aot.outcome}"
                     if not aot.ok:
                         why = (f"the compiled kernels do not reproduce the logits recorded at compile time "
                                f"({aot.outcome})")
@@ -148,18 +143,19 @@ class GraphCompile:
         attrs.update({
             Attr.CACHE_HIT: hit,
             Attr.CACHE_KEY: cache.key,
-            "glowplug.compile_cache_dir": str(cache.path),
-            "glowplug.kernels_built": len(cache.rebuilt_kernels),
-            ATTR_REPLAY: replay,
+            Attr.COMPILE_CACHE_DIR: str(cache.path),
+            Attr.KERNELS_BUILT: len(cache.rebuilt_kernels),
+            Attr.COMPILE_REPLAY: replay,
         })  # fmt: skip
         if cache.workspace.source is not None:  # a read-only cache dir: where the private folder's links point
-            attrs[ATTR_INDUCTOR_SOURCE] = str(cache.workspace.source)
+            attrs[Attr.COMPILE_CACHE_READ_ONLY_SOURCE] = str(cache.workspace.source)
         if not hit:
             attrs[Attr.CACHE_MISS_REASON] = cache.miss_reason or rebuilt or "compiled from the trace"
         elif cache.bundle:
             attrs[Attr.CACHE_FROM_BUNDLE] = cache.bundle
         return StageReport(
-            attributes=attrs, row=Row.GRAPH_COMPILE_CACHED if hit else Row.GRAPH_COMPILE_GENERAL_SHAPE
+            attributes=attrs,  # type: ignore[arg-type]
+            row=Row.GRAPH_COMPILE_CACHED if hit else Row.GRAPH_COMPILE_GENERAL_SHAPE,
         )
 
     @staticmethod

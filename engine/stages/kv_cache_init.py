@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...profiling.names import Attr
-from ..kv_cache import KVCache
-from ..llm_engine import LLMEngine
-from ..model_runner import ModelRunner
-from ..scheduler import Scheduler
-from ..tokenizer import eos_token_ids
-from .protocol import StageReport
+from glowplug.engine.kv_cache import KVCache
+from glowplug.engine.llm_engine import LLMEngine
+from glowplug.engine.model_runner import ModelRunner
+from glowplug.engine.scheduler import Scheduler
+from glowplug.engine.tokenizer import eos_token_ids
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 
 class KVCacheInit:
@@ -51,7 +52,7 @@ class KVCacheInit:
         return StageReport(
             attributes={
                 Attr.KV_BLOCKS: plan.num_blocks,
-                "glowplug.kv_cache_bytes": ctx.kv_cache.nbytes,
-                "glowplug.kv_cache_dtype": ctx.config.cache.kv_cache_dtype,
+                Attr.KV_CACHE_BYTES: ctx.kv_cache.nbytes,
+                Attr.KV_CACHE_DTYPE: ctx.config.cache.kv_cache_dtype,
             }
         )

@@ -28,25 +28,25 @@ from typing import Any
 import torch
 from pydantic import BaseModel, ConfigDict
 
-from ...profiling.memory import LiveTensorPeak, PeakMemory
-from ...profiling.names import Attr
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import KV_PROFILE
-from ..activation_peak import AnalyticPeakUnsupported, activation_peak, analytic_unsupported
-from ..attention import AttentionMetadata
-from ..config import EngineConfig
-from ..models.arch import ModelArch
-from ..kv_sizing import plan_kv_cache
-from ..models.store import model_group
-from ..parallel import tp_factors
-from ..start_estimate import HIT, MISS
-from .protocol import StageReport
+from glowplug.engine.activation_peak import AnalyticPeakUnsupported, activation_peak, analytic_unsupported
+from glowplug.engine.attention import AttentionMetadata
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.kv_sizing import plan_kv_cache
+from glowplug.engine.models.arch import ModelArch
+from glowplug.engine.models.store import model_group
+from glowplug.engine.parallel import tp_factors
+from glowplug.engine.start_estimate import HIT, MISS
+from glowplug.profiling.memory import LiveTensorPeak, PeakMemory
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 PROFILE = "profile.json"
 ANALYTIC_NOTE = "analytic peak from shapes"
 ANALYTIC_METHOD = "analytic_shapes"
-ATTR_KV_PROFILE = "glowplug.kv_profile"  # "analytic" or "measured": which peak sized the cache
 
 
 class KVProfile(BaseModel):
@@ -154,8 +154,8 @@ class KVCacheProfiling:
             except AnalyticPeakUnsupported as exc:
                 why_measured = str(exc)
             else:
-                return self._plan(ctx, arch, profile, {ATTR_KV_PROFILE: "analytic", Attr.ROW_NOTE: ANALYTIC_NOTE})
-        attrs: dict[str, object] = {ATTR_KV_PROFILE: "measured"}
+                return self._plan(ctx, arch, profile, {Attr.KV_PROFILE: "analytic", Attr.ROW_NOTE: ANALYTIC_NOTE})
+        attrs: dict[str, object] = {Attr.KV_PROFILE: "measured"}
         if ctx.config.cache.kv_profile == "analytic":  # asked for, but it does not apply: the row says why
             attrs[Attr.ROW_NOTE] = f"measured: {why_measured}"
 
@@ -183,13 +183,13 @@ class KVCacheProfiling:
         ctx.kv_plan = plan
         attrs: dict[str, object] = {
             Attr.PEAK_MEMORY_BYTES: peak,
-            "glowplug.memory_method": method,
+            Attr.MEMORY_METHOD: method,
             Attr.KV_BLOCKS: plan.num_blocks,
             Attr.KV_TOKEN_CAPACITY: plan.token_capacity,
             Attr.MAX_CONCURRENCY: round(plan.max_concurrency, 2),
             Attr.MAX_MODEL_LEN: plan.max_model_len,
-            "glowplug.kv_budget_bytes": plan.budget_bytes,
-            "glowplug.kv_budget_source": plan.budget_source,
+            Attr.KV_BUDGET_BYTES: plan.budget_bytes,
+            Attr.KV_BUDGET_SOURCE: plan.budget_source,
             **extra,
         }
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

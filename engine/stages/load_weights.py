@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from ...profiling.names import Attr
-from ..models.gguf_auto import AUTO_GROUP
-from ..models.gguf_tensors import PackPlan, TensorTable, load_gguf_weights
-from ..models.loader import build_meta_model, check_state_dict, fuse_checkpoint, read_checkpoint
-from ..models.store import gguf_table
-from ..parallel import shard_checkpoint
-from .protocol import StageReport
+from glowplug.engine.models.gguf_auto import AUTO_GROUP
+from glowplug.engine.models.gguf_tensors import PackPlan, TensorTable, load_gguf_weights
+from glowplug.engine.models.loader import build_meta_model, check_state_dict, fuse_checkpoint, read_checkpoint
+from glowplug.engine.models.store import gguf_table
+from glowplug.engine.parallel import shard_checkpoint
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 _PAGE = 4096
 
@@ -65,8 +66,8 @@ class LoadWeights:
                 Attr.BYTES_READ: ckpt.bytes_read if not ctx.tp_shard().active else touched,
                 # Throughput for the span; the span itself still holds the authoritative duration.
                 Attr.READ_GBPS: round(ckpt.bytes_read / max(seconds, 1e-9) / 1e9, 3),
-                "glowplug.files": [str(f) for f in ckpt.files],
-                "glowplug.tensors": len(ckpt.state_dict),
+                Attr.FILES: [str(f) for f in ckpt.files],
+                Attr.TENSORS: len(ckpt.state_dict),
             }
         )
 
@@ -100,10 +101,10 @@ class LoadWeights:
         attrs: dict[str, object] = {
             Attr.BYTES_READ: w.bytes_read,
             Attr.READ_GBPS: round(w.bytes_read / max(seconds, 1e-9) / 1e9, 3),
-            "glowplug.files": [str(ctx.gguf_path)],
-            "glowplug.tensors": len(table.tensors),
+            Attr.FILES: [str(ctx.gguf_path)],
+            Attr.TENSORS: len(table.tensors),
             # Layers taken on the GGUF's own grid (no de-quantize, no re-rounding).
-            "glowplug.gguf_repacked_layers": len(w.packed),
+            Attr.GGUF_REPACKED_LAYERS: len(w.packed),
             # Tensors used where they lie (mapped, computed on in place) and their bytes.
             Attr.GGUF_STORED_TENSORS: len(w.stored),
             Attr.GGUF_STORED_BYTES: stored_bytes,

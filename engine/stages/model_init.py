@@ -6,12 +6,17 @@ layers run int4, int8 or dense kernels as the GGUF stores them."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from ...profiling.names import Attr
-from ..models.gguf_auto import LayerFormats
-from ..models.loader import build_meta_model, install_stored, materialize
-from .protocol import StageReport
+from glowplug.engine.models.gguf_auto import LayerFormats
+from glowplug.engine.models.loader import build_meta_model, install_stored, materialize
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
+
+if TYPE_CHECKING:
+    from glowplug.kernels.dispatch import Dispatcher
 
 
 def layer_shapes(ctx: EngineContext) -> list[tuple[int, int]]:
@@ -20,7 +25,7 @@ def layer_shapes(ctx: EngineContext) -> list[tuple[int, int]]:
     return arch.projection_shapes(ctx.config.quant.quantize_lm_head)
 
 
-def kernel_dispatcher(ctx: EngineContext) -> tuple[object, str]:
+def kernel_dispatcher(ctx: EngineContext) -> tuple[Dispatcher, str]:
     """The dispatcher for the quantized layers: the table `glowplug bench kernels` calibrated on this machine for
     these shapes when there is one, else the built-in rules (the measured facts in the kernel notes)."""
     from glowplug.kernels.dispatch import DEFAULT_FORMATS, DEFAULT_MS, Dispatcher, calibration_factors, lookup_table
@@ -90,10 +95,10 @@ class ModelInit:
         ctx.gguf_stored = None
         return StageReport(
             attributes={
-                "glowplug.kernel_dispatch": table_source,
+                Attr.KERNEL_DISPATCH: table_source,
                 Attr.PARAM_COUNT: arch.num_params,
                 Attr.DTYPE: str(ctx.dtype).removeprefix("torch."),
                 Attr.QUANTIZATION: q.quantization,
-                "glowplug.weights_bytes": sum(t.nbytes for t in model.state_dict().values()) + stored_bytes,
+                Attr.WEIGHTS_BYTES: sum(t.nbytes for t in model.state_dict().values()) + stored_bytes,
             }
         )

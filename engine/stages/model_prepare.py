@@ -5,14 +5,22 @@ from __future__ import annotations
 
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import MODEL
-from ...profiling.names import Attr
-from ..config_check import check_prepared
-from ..models.arch import ModelError, load_arch
-from ..models.loader import resolve_dtype
-from ..models.store import gguf_file_for, gguf_source, gguf_table, model_factors, prepare_model, source_quant_block
-from ..start_estimate import HIT, MISS
-from .protocol import StageReport
+from glowplug.engine.config_check import check_prepared
+from glowplug.engine.models.arch import ModelError, load_arch
+from glowplug.engine.models.loader import resolve_dtype
+from glowplug.engine.models.store import (
+    gguf_file_for,
+    gguf_source,
+    gguf_table,
+    model_factors,
+    prepare_model,
+    source_quant_block,
+)
+from glowplug.engine.start_estimate import HIT, MISS
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 
 class ModelPrepare:
@@ -58,10 +66,10 @@ class ModelPrepare:
         # graphs compiled or the KV cache profiled, with the flag and the fix in the message.
         check_prepared(ctx)
         attrs: dict[str, object] = {
-            "glowplug.model_dir": str(ctx.model_dir),
-            "glowplug.model_type": ctx.arch.model_type,
+            Attr.MODEL_DIR: str(ctx.model_dir),
+            Attr.MODEL_TYPE: ctx.arch.model_type,
             Attr.DTYPE: str(ctx.dtype).removeprefix("torch."),
         }
         # A local folder involves no cache: it is "hit" in the sense that nothing had to be prepared.
         attrs.update(fetched.attributes() if fetched is not None else {Attr.CACHE_HIT: True})
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

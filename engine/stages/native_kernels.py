@@ -13,10 +13,11 @@ older than Ampere) the row says why, and dynamo_transform keeps the step eager w
 
 from __future__ import annotations
 
-from ...profiling.names import Attr
-from ..start_estimate import HIT, MISS
-from .protocol import StageReport
+from glowplug.engine.start_estimate import HIT, MISS
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 # The row-major dense kernel (fp32 layers, and the tied LM head, which is not copied into a blocked layout) serves
 # decode batches up to this size; larger ones go to aten's GEMM (oneDNN). The blocked bf16 and packed kernels serve
@@ -54,7 +55,7 @@ class NativeKernels:
             # The GPU's counterpart of these kernels for attention: whether the Triton paged kernel serves decode
             # attention (asking registers its op, before the decode step is traced or loaded), or why the torch
             # ops do; on the span and in the row's skip reason, eager or compiled.
-            from ..attention import triton_attention_unavailable_reason
+            from glowplug.engine.attention import triton_attention_unavailable_reason
 
             why = triton_attention_unavailable_reason(ctx.device)
             gpu[Attr.DECODE_ATTENTION] = "triton" if why is None else f"torch ops: {why}"
@@ -75,13 +76,13 @@ class NativeKernels:
 
         build = load_native(ctx.cache_root)
         ctx.native = build
-        attrs: dict[str, object] = {Attr.CACHE_HIT: build.cache_hit, "glowplug.native_build": build.reason}
+        attrs: dict[str, object] = {Attr.CACHE_HIT: build.cache_hit, Attr.NATIVE_BUILD: build.reason}
         if build.path is not None:
-            attrs["glowplug.native_library"] = str(build.path)
+            attrs[Attr.NATIVE_LIBRARY] = str(build.path)
         if build.level:
             attrs[Attr.ISA_LEVEL], attrs[Attr.ISA_REASON] = build.level, build.level_reason
         if build.background:
-            attrs["glowplug.native_background_build"] = build.background
+            attrs[Attr.NATIVE_BACKGROUND_BUILD] = build.background
         if not build.available:
             if in_place:
                 return self._densified(ctx, model, build.reason, attrs)
@@ -94,9 +95,9 @@ class NativeKernels:
         counts = enable_native_decode(model, DENSE_SMALL_M, ctx.dtype, fallbacks)
         ctx.model = model  # the same object, changed in place: the write is what the stage contract sees
         attrs.update({
-            "glowplug.native_dense_layers": counts["dense"],
-            "glowplug.native_quantized_layers": counts["quantized"],
-            "glowplug.native_attention_layers": counts["attention"],
+            Attr.NATIVE_DENSE_LAYERS: counts["dense"],
+            Attr.NATIVE_QUANTIZED_LAYERS: counts["quantized"],
+            Attr.NATIVE_ATTENTION_LAYERS: counts["attention"],
             Attr.BYTES_PER_TOKEN: counts["bytes_per_token"],
         })  # fmt: skip
         # Layers a native op would serve but that keep the stock path (`NativeSwitch.fallback`; no layer of the models
@@ -119,7 +120,7 @@ class NativeKernels:
 
         assert isinstance(model, torch.nn.Module)
         made = densify(model, ctx.dtype)
-        ctx.model = model  # changed in place
+        ctx.model = model  # type: ignore[assignment]  # changed in place
         attrs[Attr.NATIVE_FALLBACK] = f"stored GGUF layers de-quantized to {ctx.dtype}: {reason}"
         attrs[Attr.ROW_NOTE] = (f"native kernels unavailable ({reason}): the GGUF layers planned in place were "
                                 f"de-quantized to {str(ctx.dtype).removeprefix('torch.')} ({made / 1e9:.2f} GB)")

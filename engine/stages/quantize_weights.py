@@ -14,15 +14,16 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from ...profiling.names import Attr
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import QUANT, file_stamps, source_digest
-from ..models.loader import checkpoint_files
-from ..models.store import gguf_table, model_group
-from ..parallel import tp_factors
-from ..start_estimate import HIT, MISS
-from .protocol import StageReport
+from glowplug.engine.models.loader import checkpoint_files
+from glowplug.engine.models.store import gguf_table, model_group
+from glowplug.engine.parallel import tp_factors
+from glowplug.engine.start_estimate import HIT, MISS
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 QUANTIZED = "quantized.safetensors"
 
@@ -33,7 +34,7 @@ def quant_factors(ctx: EngineContext) -> dict[str, Any]:
     model_dir = ctx.need(ctx.model_dir, "the model folder", "model_prepare")
     from_gguf = ctx.gguf_path is not None and gguf_table(model_dir) is not None
     factors: dict[str, Any] = {
-        "checkpoint": file_stamps([ctx.gguf_path] if from_gguf else checkpoint_files(model_dir)),
+        "checkpoint": file_stamps([ctx.gguf_path] if from_gguf else checkpoint_files(model_dir)),  # type: ignore[list-item]
         "scheme": ctx.config.quant.quantization,
         "group_size": ctx.quant_group_size()[0],
         "quantize_lm_head": ctx.config.quant.quantize_lm_head,
@@ -100,10 +101,10 @@ class QuantizeWeights:
             ctx.weights_bytes = sum(t.nbytes for t in sd.values())
             return StageReport(attributes={
                 Attr.QUANTIZATION: q.quantization,
-                "glowplug.quantized_bytes": scheme.weight_bytes(sd, only_linear=True),
-                "glowplug.group_size": str(scheme.resolve_group_size(group_size)),
-                "glowplug.group_size_reason": why, "glowplug.quantize_lm_head": head,
-                "glowplug.quantized_from": "GGUF blocks, repacked on their own grid",
+                Attr.QUANTIZED_BYTES: scheme.weight_bytes(sd, only_linear=True),
+                Attr.GROUP_SIZE: str(scheme.resolve_group_size(group_size)),
+                Attr.GROUP_SIZE_REASON: why, Attr.QUANTIZE_LM_HEAD: head,
+                Attr.QUANTIZED_FROM: "GGUF blocks, repacked on their own grid",
             })  # fmt: skip
 
         def build(folder: Path | None) -> dict[str, torch.Tensor]:
@@ -125,19 +126,18 @@ class QuantizeWeights:
         ctx.state_dict = merged
         ctx.weights_bytes = sum(t.nbytes for t in merged.values())
         attrs: dict[str, object] = {Attr.QUANTIZATION: q.quantization, **fetched.attributes()}
-        attrs["glowplug.quantized_bytes"] = scheme.weight_bytes(merged, only_linear=True)
-        attrs["glowplug.bits_per_weight"] = round(scheme.bits_per_weight(group_size), 3)
-        attrs["glowplug.group_size"] = str(scheme.resolve_group_size(group_size))
-        attrs["glowplug.group_size_reason"] = why
-        attrs["glowplug.quantize_lm_head"] = head
-        return StageReport(attributes=attrs)
+        attrs[Attr.QUANTIZED_BYTES] = scheme.weight_bytes(merged, only_linear=True)
+        attrs[Attr.BITS_PER_WEIGHT] = round(scheme.bits_per_weight(group_size), 3)
+        attrs[Attr.GROUP_SIZE] = str(scheme.resolve_group_size(group_size))
+        attrs[Attr.GROUP_SIZE_REASON] = why
+        attrs[Attr.QUANTIZE_LM_HEAD] = head
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]
 
     def _auto(self, ctx: EngineContext) -> StageReport:
         """--quantization auto: quantize (group 32) only the layers the plan re-quantizes, each to its own scheme,
         caching those; the exact repacks and the float layers pass through as load_weights made them."""
+        from glowplug.engine.models.gguf_auto import AUTO_GROUP, EMBEDDING, HEAD
         from glowplug.kernels.registry import get_scheme
-
-        from ..models.gguf_auto import AUTO_GROUP, EMBEDDING, HEAD
 
         formats = ctx.need(ctx.layer_formats(), "the auto plan (a GGUF's tensor table)", "model_prepare")
         sd = ctx.need(ctx.state_dict, "the checkpoint", "load_weights")
@@ -175,13 +175,13 @@ class QuantizeWeights:
         attrs.update({
             # What each class of tensor became; the phase table prints it on this row.
             Attr.ROW_NOTE: formats.note(str(ctx.dtype).removeprefix("torch.")),
-            "glowplug.layer_formats": formats.signature(),
-            "glowplug.auto.int4_layers": counts["int4"], "glowplug.auto.int8_layers": counts["int8"],
-            "glowplug.auto.dense_layers": counts["dense"], "glowplug.auto.repacked_layers": counts["repacked"],
-            "glowplug.auto.requantized_layers": counts["re-quantized"],
-            "glowplug.quantized_bytes": sum(t.nbytes for k, t in merged.items()
+            Attr.LAYER_FORMATS: formats.signature(),
+            Attr.AUTO_INT4_LAYERS: counts["int4"], Attr.AUTO_INT8_LAYERS: counts["int8"],
+            Attr.AUTO_DENSE_LAYERS: counts["dense"], Attr.AUTO_REPACKED_LAYERS: counts["repacked"],
+            Attr.AUTO_REQUANTIZED_LAYERS: counts["re-quantized"],
+            Attr.QUANTIZED_BYTES: sum(t.nbytes for k, t in merged.items()
                                             if k.rpartition(".")[2] in ("qweight", "scales", "zeros")),
-            "glowplug.group_size": str(AUTO_GROUP), "glowplug.group_size_reason": ctx.quant_group_size()[1],
-            "glowplug.quantize_lm_head": ctx.config.quant.quantize_lm_head,
+            Attr.GROUP_SIZE: str(AUTO_GROUP), Attr.GROUP_SIZE_REASON: ctx.quant_group_size()[1],
+            Attr.QUANTIZE_LM_HEAD: ctx.config.quant.quantize_lm_head,
         })  # fmt: skip
-        return StageReport(attributes=attrs)
+        return StageReport(attributes=attrs)  # type: ignore[arg-type]

@@ -21,19 +21,19 @@ from opentelemetry.trace import Span
 
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import STARTUP_PROFILE
+from glowplug.engine.compile_cache import CompileCache
+from glowplug.engine.config import EngineConfig
+from glowplug.engine.distributed import TPGroup, step_payload
+from glowplug.engine.llm_engine import LLMEngine
+from glowplug.engine.models.store import model_group
+from glowplug.engine.parallel import launch_rank
+from glowplug.engine.start_estimate import StartRecord, profile_json
+from glowplug.engine.start_profile import PHASES, StartPlan, lookup_records, profile_factors
 from glowplug.profiling.names import STARTUP_SPAN, Attr
 from glowplug.profiling.phases import Floor, PhaseTable, build_phase_table, with_rank_spread
 from glowplug.profiling.process import Clock, ProcessMarks
 from glowplug.profiling.tracing import Tracing, span_from_record, span_record
 
-from ..compile_cache import CompileCache
-from ..config import EngineConfig
-from ..distributed import TPGroup, step_payload
-from ..llm_engine import LLMEngine
-from ..models.store import model_group
-from ..parallel import launch_rank
-from ..start_estimate import StartRecord, profile_json
-from ..start_profile import PHASES, StartPlan, lookup_records, profile_factors
 from .bundle_install import BundleInstall
 from .kv_cache_init import KVCacheInit
 from .protocol import Stage, StageReport, StageResult, StartupContext

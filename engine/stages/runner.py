@@ -34,9 +34,7 @@ from .protocol import (
 from .schedule import plan_concurrency, run_scheduled
 from .view import ContextView
 
-
 STAGE_DELAY_ENV: Final = "GLOWPLUG_TEST_STAGE_DELAY"
-TEST_DELAY_ATTR: Final = "glowplug.test_delay_s"
 
 
 def planted_delay(stage: str) -> float:
@@ -85,7 +83,7 @@ def _run_one(
         try:
             delay = planted_delay(stage.name)
             if delay:
-                span.set_attribute(TEST_DELAY_ATTR, delay)
+                span.set_attribute(Attr.TEST_DELAY_S, delay)
                 time.sleep(delay)
             # The view stands in for the context: it has the same attributes, under the stage's contract.
             report = stage.run(cast(StartupContext, view))

@@ -32,7 +32,6 @@ from typing import Any, Final
 
 from .protocol import Stage, StageContractError, StageResult, declarations, is_barrier, names_text
 
-
 # Below this many usable cores, CPU-bound stages run one after another instead of side by side. 2, so only a single
 # core serializes them: there, two such stages can only share it. On the 2-core AMD EPYC, cold default-model starts
 # with a measured KV profile beside the compile were not slower than with it after the compile (READY minus the

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from ..tokenizer import load_tokenizer
-from .protocol import StageReport
+from glowplug.engine.tokenizer import load_tokenizer
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 
 class TokenizerInit:
@@ -17,7 +19,7 @@ class TokenizerInit:
         ctx.tokenizer = load_tokenizer(ctx.need(ctx.model_dir, "the model folder", "model_prepare"))
         return StageReport(
             attributes={
-                "glowplug.vocab_size": len(ctx.tokenizer),
-                "glowplug.chat_template": bool(getattr(ctx.tokenizer, "chat_template", None)),
+                Attr.VOCAB_SIZE: len(ctx.tokenizer),
+                Attr.CHAT_TEMPLATE: bool(getattr(ctx.tokenizer, "chat_template", None)),
             }
         )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from ..llm_engine import LLMEngine
-from ..sampling_params import SamplingParams
-from .protocol import StageReport
+from glowplug.engine.llm_engine import LLMEngine
+from glowplug.engine.sampling_params import SamplingParams
+from glowplug.profiling.names import Attr
+
 from .context import EngineContext
+from .protocol import StageReport
 
 WARMUP_TOKENS = 4
 
@@ -29,7 +31,7 @@ class Warmup:
         stats = engine.stats()
         if stats.kv_used_blocks:
             raise RuntimeError(f"warm-up leaked {stats.kv_used_blocks} KV blocks")
-        attrs: dict[str, object] = {"glowplug.warmup_tokens": generated, "glowplug.warmup_requests": len(reqs)}
+        attrs: dict[str, object] = {Attr.WARMUP_TOKENS: generated, Attr.WARMUP_REQUESTS: len(reqs)}
         attrs.update(memory_at_ready(engine))
         return StageReport(attributes=attrs)  # type: ignore[arg-type]
 
@@ -38,9 +40,7 @@ def memory_at_ready(engine: LLMEngine) -> dict[str, object]:
     """The process's peak resident memory split into the model's weights, the KV pool and the rest (runtime), with
     the resident file-backed and anonymous pages; the row's note says it in one line. Empty off Linux."""
     from glowplug.base.residency import memory_resident_bytes
-
-    from ...profiling.memory import process_memory, unique_storage_bytes
-    from ...profiling.names import Attr
+    from glowplug.profiling.memory import process_memory, unique_storage_bytes
 
     mem = process_memory()
     if mem is None:

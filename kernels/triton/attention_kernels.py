@@ -8,10 +8,10 @@ block table[t // BLOCK_SIZE], offset t % BLOCK_SIZE), in a flash-decoding split:
   [p * PART, (p + 1) * PART) of its context, intersected with the tokens the row sees: [lo, L), L the context length
   and lo = max(L - window, 0) with a sliding window, else 0. Its loop runs over exactly that range, BLOCK_N tokens
   at a time, so a partition past the context (or before a window) loads the context length and its query heads
-  (L2 hits after the first program of the row) and no K/V, and a windowed layer reads only its window's K/V. One program serves all G = H / Hkv query heads of its KV head (padded to
-  G_PAD rows, at least 16 for tl.dot), so each K/V tile is read once. Softmax is online (running max and sum) in
-  fp32. With one partition (SPLIT False) it normalises and writes the output; else it writes the partition's
-  running max, sum and unnormalised accumulator.
+  (L2 hits after the first program of the row) and no K/V, and a windowed layer reads only its window's K/V. One
+  program serves all G = H / Hkv query heads of its KV head (padded to G_PAD rows, at least 16 for tl.dot), so each
+  K/V tile is read once. Softmax is online (running max and sum) in fp32. With one partition (SPLIT False) it normalises
+  and writes the output; else it writes the partition's running max, sum and unnormalised accumulator.
 - `paged_decode_combine_kernel`, grid (B, H): merges the partitions the row's range touched, recomputing which from
   L and the window (so partitions that did nothing are never read, and the scratch needs no initialisation).
 

@@ -42,6 +42,7 @@ class DecodeOp:
 def decode_op(st: ops.TritonWeight | ops.TritonW8A8) -> tuple[DecodeOp, tuple[Tensor | None, ...]]:
     """The op call for a prepared weight, and the tensors it takes after x (in the op's argument order)."""
     tensors: tuple[Tensor | None, ...]
+    ints: tuple[int, ...]
     if isinstance(st, ops.TritonW8A8):
         tensors, ints, w8a8 = (st.qweight, st.scales, st.inv_smooth), (st.n, st.k), True
     else:

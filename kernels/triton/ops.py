@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from ..formats import (
+from glowplug.kernels.formats import (
     Int2Weight,
     Int4Weight,
     Int8Weight,
@@ -20,6 +20,7 @@ from ..formats import (
     W8A8Weight,
     quantize_per_token,
 )
+
 from . import available, interpreting
 
 # Block shapes: GEMV streams wide K tiles per row; GEMM uses tensor-core friendly 32x64x64 tiles. Tests pass

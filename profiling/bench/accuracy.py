@@ -97,7 +97,7 @@ def next_token_logprobs(model: Any, windows: list[list[int]]) -> list[Any]:
     """log-softmax of the next-token logits at every position of every window (fp32), one tensor per window."""
     import torch
 
-    from ...engine.attention import AttentionMetadata
+    from glowplug.engine.attention import AttentionMetadata
 
     out = []
     with torch.inference_mode():
@@ -123,9 +123,10 @@ def compare(ref: list[Any], test: list[Any], windows: list[list[int]]) -> tuple[
 
 
 def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
-    from ...engine.config import EngineConfig
-    from ...engine.llm import LLM
-    from ...engine.sampling_params import SamplingParams
+    from glowplug.engine.config import EngineConfig
+    from glowplug.engine.llm import LLM
+    from glowplug.engine.sampling_params import SamplingParams
+
     from .timing import model_position_limit
 
     def build(quant: str) -> Any:
@@ -143,7 +144,7 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
 
     def continuations(prompts: list[str], n: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=n)
-        outs = ref_llm.generate(prompts, params, chat=True)
+        outs = ref_llm.generate(prompts, params, chat=True)  # noqa: F821 - bound above, deleted once it is done
         return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
 
     windows = eval_token_windows(ref_llm.tokenizer, continuations, cfg.window, cfg.continuation_tokens)
@@ -170,7 +171,7 @@ def native_logprobs(llm: Any, windows: list[list[int]]) -> tuple[str, list[Any]]
     the row's label ("native <ISA level>"); None where the kernels do not load or no quantized layer has one. Not a
     flag on the eager row: the kernels compute differently (int4 takes the activations to int8 from the AVX2 level
     up, int8 to 16-bit fixed point), and the compiled decode step runs them."""
-    from ...kernels.modules import native_kernels_in_eager
+    from glowplug.kernels.modules import native_kernels_in_eager
 
     level = llm.use_native_kernels()
     if level is None:

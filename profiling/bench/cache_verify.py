@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ def run_cache_verify_bench(cfg: CacheVerifyConfig, argv: list[str] | None) -> st
     from glowplug.base.artifacts import ArtifactStore
     from glowplug.base.artifacts.caches import INDUCTOR, MODEL
     from glowplug.base.artifacts.manifest import check_file, read_manifest, sha256_file
-    from ...engine.models.store import DEFAULT_ALIASES, default_gguf_path, prepare_model
+    from glowplug.engine.models.store import DEFAULT_ALIASES, default_gguf_path, prepare_model
 
     model_dir, fetched = prepare_model(cfg.model, quiet=True)
     if fetched is None:
@@ -57,8 +58,8 @@ def run_cache_verify_bench(cfg: CacheVerifyConfig, argv: list[str] | None) -> st
         path = model_dir / rel
         sha256_file(path)  # warm the page cache
         kind = rec.quick.split(":", 1)[0]
-        rows.append(f"| {rel} | {_mb(rec.size)} | {kind} | {_ms(lambda: check_file(path, rec, 'quick'), n)} | "
-                    f"{_ms(lambda: check_file(path, rec, 'full'), n)} |")  # fmt: skip
+        rows.append(f"| {rel} | {_mb(rec.size)} | {kind} | {_ms(partial(check_file, path, rec, 'quick'), n)} | "
+                    f"{_ms(partial(check_file, path, rec, 'full'), n)} |")  # fmt: skip
     total = sum(r.size for r in m.files.values())
     rows.append(f"| **whole entry** | {_mb(total)} | | {_ms(lambda: store.check_entry(model_dir, MODEL, mode='quick'), n)}"
                 f" | {_ms(lambda: store.check_entry(model_dir, MODEL, mode='full'), n)} |")  # fmt: skip
@@ -72,8 +73,8 @@ def run_cache_verify_bench(cfg: CacheVerifyConfig, argv: list[str] | None) -> st
         wm = read_manifest(ws)
         size = sum(r.size for r in wm.files.values())
         extra.append(f"| Inductor cache {ws.name} ({len(wm.files)} files) | {_mb(size)} | sha256 (small files) | "
-                     f"{_ms(lambda: store.check_entry(ws, INDUCTOR, mode='quick'), n)} | "
-                     f"{_ms(lambda: store.check_entry(ws, INDUCTOR, mode='full'), n)} |")  # fmt: skip
+                     f"{_ms(partial(store.check_entry, ws, INDUCTOR, mode='quick'), n)} | "
+                     f"{_ms(partial(store.check_entry, ws, INDUCTOR, mode='full'), n)} |")  # fmt: skip
     return "\n".join([
         report_header("Cache verification cost on a warm hit: quick vs full", argv),
         f"Model cache entry `{model_dir}`. Times in ms: median (min-max) of {n} runs, page cache warm.",

@@ -19,8 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from glowplug.base.errors import require_extra
 from glowplug.base.flags import add_model_argument, resolve_model_argument
 from glowplug.base.units import ByteSize
-
-from ...engine.config import CompileMode, DType
+from glowplug.engine.config import CompileMode, DType
 
 C = TypeVar("C", bound="BenchEngineFields")
 AddModelFlags = Callable[..., list[str]]

@@ -42,7 +42,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ...engine.config import EngineConfig
+from glowplug.engine.config import EngineConfig
+
 from .machine import measure_probe_stats, report_header
 from .peers import Peer, PeerRuns, SkippedPeer
 
@@ -321,7 +322,7 @@ class InvarianceResult:
 
 def invariance_check(llm: Any, new_tokens: int = INVARIANCE_TOKENS) -> tuple[int, int, list[str]]:
     """(batched == alone count, reversed == alone count, differing prompts) through the public LLM.generate."""
-    from ...engine.sampling_params import SamplingParams
+    from glowplug.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     prompts = list(INVARIANCE_PROMPTS)
@@ -400,7 +401,8 @@ class EngineDecodeTiming:
 def time_engine_decode(engine: Any, prompts: list[list[int]], new_tokens: int) -> EngineDecodeTiming:
     """One greedy batch run to completion through `timing.time_batch`, as this report reads it: decode tok/s over
     the tokens after the prefill, and the median host time of its decode steps (see EngineDecodeTiming)."""
-    from ...engine.sampling_params import SamplingParams
+    from glowplug.engine.sampling_params import SamplingParams
+
     from .timing import time_batch
 
     t = time_batch(engine, prompts, SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True))
@@ -426,7 +428,7 @@ def _cells(cfg: DecodeBenchConfig) -> list[tuple[str, str, str, str]]:
 
 def group_sizes(model: Any) -> str:
     """The distinct group sizes of the model's quantized layers ("-" unquantized, "channel" per output row)."""
-    from ...kernels.modules import QuantLinear
+    from glowplug.kernels.modules import QuantLinear
 
     seen = {getattr(m, "group_size", None) for m in model.modules() if isinstance(m, QuantLinear)}
     if not seen:
@@ -458,7 +460,8 @@ def load_peers(cfg: DecodeBenchConfig, device: str) -> list[Peer]:
         return []
     import torch
 
-    from ...engine.models.store import resolve_model
+    from glowplug.engine.models.store import resolve_model
+
     from .peers import load_hf_peers, load_llamacpp_peers
 
     model_dir = resolve_model(cfg.model, quiet=True)
@@ -501,7 +504,7 @@ def _time_cell(engine: Any, row: DecodeRow, prompts: list[list[int]], cfg: Decod
     glowplug's run (glowplug, peer A, peer B, then the next repeat: the machine's swing reaches every engine)."""
     from datetime import datetime
 
-    from ..memory import PeakMemory
+    from glowplug.profiling.memory import PeakMemory
 
     paired = cfg.peer_at(row.context)
     if paired:
@@ -527,7 +530,7 @@ def _time_cell(engine: Any, row: DecodeRow, prompts: list[list[int]], cfg: Decod
 def graph_pool(llm: Any) -> dict[str, Any]:
     """DecodeRow's graph fields for an engine that captured CUDA graphs (empty otherwise): its pool as the
     allocator's snapshot holds it, and the activations of the largest size it captured (the graph_capturing row)."""
-    from ..names import Attr, Row
+    from glowplug.profiling.names import Attr, Row
 
     usage = llm.engine.runner.graph_pool_usage()
     if usage is None:
@@ -567,8 +570,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, argv: list[str] | None = None) -> D
     import torch
 
     from glowplug.base.errors import require_extra
-
-    from ...base.machine import PROBE_PASSES, describe_probe, l3_cache_bytes, probe_size
+    from glowplug.base.machine import PROBE_PASSES, describe_probe, l3_cache_bytes, probe_size
 
     if cfg.compare_hf:
         require_extra(("transformers",), "bench decode's transformers peer (--no-compare-hf skips it)", "bench")
@@ -602,10 +604,11 @@ def run_decode_bench(cfg: DecodeBenchConfig, argv: list[str] | None = None) -> D
 def _run_engine(cfg: DecodeBenchConfig, run: DecodeRun, peers: list[Peer], peers_gb: float, mode: str, dtype: str,
                 quant: str, kv: str, max_len: int, device: str) -> None:  # fmt: skip
     """One engine's cells (and its batch-invariance check), appended to `run`."""
-    from ...base.machine import isa_choice
-    from ...engine.llm import LLM
-    from ...kernels.native import loaded_level
-    from ..memory import current_rss
+    from glowplug.base.machine import isa_choice
+    from glowplug.engine.llm import LLM
+    from glowplug.kernels.native import loaded_level
+    from glowplug.profiling.memory import current_rss
+
     from .machine import compute_peak
     from .memory_split import held_weight_bytes, kv_pool_bytes
 
@@ -686,9 +689,9 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
                     facts: RunFacts | None = None, from_json: Path | None = None) -> str:  # fmt: skip
     """The report; `from_json`: the stored run it was re-rendered from (the header then names the run's own
     command, commit and date)."""
+    from .gpt_fast_lines import run_lines
     from .peers import fmt_ratio, paired_ratio
     from .quality import flag_note, load_flags
-    from .gpt_fast_lines import run_lines
     from .tables import fmt_spread
 
     facts = facts or RunFacts()

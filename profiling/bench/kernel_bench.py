@@ -38,19 +38,20 @@ class KernelBenchConfig(BaseModel):
 def model_layer_shapes(model: str) -> list[tuple[int, int]]:
     """Distinct (N, K) of the model's projections: q, k/v, o, gate/up, down, and the LM head (the engine's default
     quantizes it), as the engine's dispatcher is calibrated on them."""
-    from ...engine.models.arch import load_arch
-    from ...engine.models.store import resolve_model
+    from glowplug.engine.models.arch import load_arch
+    from glowplug.engine.models.store import resolve_model
 
     return load_arch(resolve_model(model, quiet=True)).projection_shapes(lm_head=True)
 
 
 def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
     from glowplug.base.artifacts.cachedir import cache_dir_from_env
-    from ...kernels.bench import DEFAULT_BENCH_FORMATS, bench_kernels, render_markdown
-    from ...kernels.dispatch import Dispatcher, calibrate
+    from glowplug.kernels.bench import DEFAULT_BENCH_FORMATS, bench_kernels, render_markdown
+    from glowplug.kernels.dispatch import Dispatcher, calibrate
 
     shapes = model_layer_shapes(cfg.model)
-    from ...kernels.bench import native_available
+    from glowplug.kernels.bench import native_available
+
     from .quality import flag_note, load_flags
 
     formats = cfg.formats or DEFAULT_BENCH_FORMATS

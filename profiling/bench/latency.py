@@ -27,7 +27,8 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from ...engine.config import Quantization
+from glowplug.engine.config import Quantization
+
 from .cli_support import (
     AddModelFlags,
     BenchEngineFields,
@@ -119,7 +120,7 @@ class LatencyResult:
 
 
 def _sampling(cfg: LatencyBenchConfig) -> Any:
-    from ...engine.sampling_params import SamplingParams
+    from glowplug.engine.sampling_params import SamplingParams
 
     return SamplingParams(
         temperature=cfg.temperature,
@@ -172,7 +173,8 @@ def _measure(engine: Any, cfg: LatencyBenchConfig, cell: LatencyCell, prompts: l
 def run_latency_bench(cfg: LatencyBenchConfig, progress: Progress | None = None) -> LatencyResult:
     import gc
 
-    from ...base.errors import one_line
+    from glowplug.base.errors import one_line
+
     from .decode import make_prompts
     from .timing import build_llm, why_cannot_run
 
@@ -408,7 +410,7 @@ def plot_latency(result: LatencyResult, path: Path) -> Path:
 def main(cfg: LatencyBenchConfig, argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    from ..logs import configure_logging
+    from glowplug.profiling.logs import configure_logging
 
     configure_logging(level="warning")
     err = Console(stderr=True)

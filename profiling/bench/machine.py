@@ -15,9 +15,15 @@ from pathlib import Path
 
 import psutil
 
-from ...base.machine import (PROBE_BYTES, PROBE_REPEATS, ProbeStats, cpu_model, measure_probe,
-                             measure_probe_stats)  # fmt: skip
-from ..phases import current_versions
+from glowplug.base.machine import (
+    PROBE_BYTES,
+    PROBE_REPEATS,
+    ProbeStats,
+    cpu_model,
+    measure_probe,
+    measure_probe_stats,  # fmt: skip
+)
+from glowplug.profiling.phases import current_versions
 
 __all__ = ["COMMIT_ENV", "DIRTY_ENV", "PROBE_BYTES", "PROBE_REPEATS", "ComputePeak", "GitState", "ProbeStats",
            "command_line", "compute_peak", "cpu_clock", "cpu_model", "git_state", "gpu_summary", "machine_summary",

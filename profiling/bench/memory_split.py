@@ -57,7 +57,7 @@ def _walk(obj: Any) -> Iterable[Any]:
 def held_weight_tensors(model: Any) -> Iterable[Any]:
     """Every tensor the model holds for its weights. A quantized layer's prepared states are read without preparing
     them (`prepared_runtime`: the `runtime` property would prepare, and allocate, what the step never used)."""
-    from ...kernels.modules import QuantLinear
+    from glowplug.kernels.modules import QuantLinear
 
     yield from model.parameters()
     yield from model.buffers()

@@ -204,7 +204,7 @@ def load_hf_peers(model_dir: Path, dtypes: Sequence[Any], device: str) -> list[P
     """One transformers peer per dtype (the same folder or GGUF the engine loaded)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ...engine.models.store import transformers_args
+    from glowplug.engine.models.store import transformers_args
 
     where, kw = transformers_args(model_dir)  # a folder prepared from a GGUF: transformers reads the GGUF
     tok = AutoTokenizer.from_pretrained(where, **kw)
@@ -411,7 +411,7 @@ def load_llamacpp_peers(model_dir: Path, kinds: Sequence[str], seq_tokens: int, 
         import llama_cpp
     except ImportError as exc:
         return [SkippedPeer(labels[k], f"llama_cpp not importable ({exc})") for k in kinds]
-    from ...engine.models.store import gguf_file_for
+    from glowplug.engine.models.store import gguf_file_for
 
     gguf = gguf_file_for(model_dir)
     if gguf is None:

@@ -42,7 +42,7 @@ _STAMP_JS = """(text) => {
   el.textContent = text;
   el.setAttribute("style", "max-width:1100px;margin:8px auto;padding:4px 16px;font:12px ui-monospace,monospace;" +
     "color:#777;text-align:right;border-top:1px dashed #999");
-}""" % (STAMP_ID, STAMP_ID)
+}""" % (STAMP_ID, STAMP_ID)  # noqa: UP031 - JavaScript braces read better unescaped
 
 
 class ScreenshotsConfig(BaseModel):

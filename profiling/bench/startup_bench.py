@@ -40,7 +40,9 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from ...engine.config import Quantization
+from glowplug.engine.config import Quantization
+from glowplug.profiling.names import Attr
+
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
 from .startup_poll import ServePoll, poll_serve, poll_text, poll_verdicts
 from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, failure_reason, run_prediction, short
@@ -516,10 +518,10 @@ def _floor_notes(result: StartupBenchResult) -> list[str]:
         ratios = [float(a["actual/floor"]) for a in attrs if a.get("actual/floor") is not None]
         if not ratios:
             continue
-        med = lambda k: statistics.median(float(a[k]) for a in attrs)  # noqa: E731
+        med = lambda k, attrs=attrs: statistics.median(float(a[k]) for a in attrs)  # noqa: E731
         out.append(f"{mode}: actual/floor {statistics.median(ratios):.2f}x (floor = "
-                   f"{med('glowplug.floor.weights_bytes') / 1e6:.0f} MB at {med('glowplug.floor.read_gbps'):.1f} "
-                   f"GB/s + import torch {med('glowplug.floor.import_torch_s'):.2f} s)")  # fmt: skip
+                   f"{med(Attr.FLOOR_WEIGHTS_BYTES) / 1e6:.0f} MB at {med(Attr.FLOOR_READ_GBPS):.1f} "
+                   f"GB/s + import torch {med(Attr.FLOOR_IMPORT_TORCH_S):.2f} s)")  # fmt: skip
     return out
 
 
@@ -690,14 +692,14 @@ def eta_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
     kinds += [("cold after warm (cache emptied)", r) for r in result.runs.get("cold_after_warm", [])]
     out = []
     for kind, run in kinds:
-        eta = run.attr(READY_ROW, "glowplug.eta.first_ready_s")
+        eta = run.attr(READY_ROW, Attr.ETA_FIRST_READY_S)
         actual = _ready(run)
         if actual is None:
             continue
         err = None if eta is None else float(eta) / actual - 1
         out.append({"kind": kind, "run": run.label, "eta_s": eta, "actual_s": actual,
                     "error": None if err is None else round(err, 4), "target": eta_target(kind),
-                    "basis": run.attr(READY_ROW, "glowplug.eta.basis")})  # fmt: skip
+                    "basis": run.attr(READY_ROW, Attr.ETA_BASIS)})  # fmt: skip
     return out
 
 
@@ -712,9 +714,9 @@ def prediction_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
                 continue
             actual = _ready(run)
             ready = pred.get("ready_s")
-            eta = run.attr(READY_ROW, "glowplug.eta.first_ready_s")
+            eta = run.attr(READY_ROW, Attr.ETA_FIRST_READY_S)
             phases = pred.get("phases") or {}
-            eta_phases = json.loads(run.attr(READY_ROW, "glowplug.eta.phases") or "{}")
+            eta_phases = json.loads(run.attr(READY_ROW, Attr.ETA_PHASES) or "{}")
             out.append({
                 "run": run.label, "mode": mode, "actual_s": actual, "predicted_s": ready, "first_eta_s": eta,
                 "predict_error": None if actual is None or ready is None else round(ready / actual - 1, 4),
@@ -725,7 +727,7 @@ def prediction_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
                 "phases": {s: {"predicted_s": p.get("seconds"), "kind": p.get("kind"), "basis": p.get("basis"),
                                "first_eta_s": (eta_phases.get(s) or {}).get("seconds"),
                                "actual_s": _stage_seconds(run, s)} for s, p in phases.items()},
-                "before_s": pred.get("before_s"), "actual_before_s": run.attr(READY_ROW, "glowplug.eta.first_at_s"),
+                "before_s": pred.get("before_s"), "actual_before_s": run.attr(READY_ROW, Attr.ETA_FIRST_AT_S),
             })  # fmt: skip
     return out
 
@@ -962,9 +964,7 @@ def _compare_summary(before_json: Path | None) -> dict[str, Any] | None:
 
 def seed_maps(runs: list[StartupRun]) -> list[dict[str, float | None]]:
     """Each successful start's phases as seed 004's rows (profiling/bench/vllm_startup_rows.py)."""
-    from .vllm_startup_rows import map_phases
-
-    from .vllm_startup_rows import default_leaves
+    from .vllm_startup_rows import default_leaves, map_phases
 
     return [map_phases(r.phases, [n for n, k in r.report.get("kinds", {}).items() if k == "leaf"]
                        or default_leaves(r.phases)) for r in runs if r.ok]  # fmt: skip

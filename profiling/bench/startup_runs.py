@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from glowplug.profiling.names import Attr
+
 CACHE_ENV = "GLOWPLUG_CACHE_DIR"
 KV_ROW = "kv_cache_profiling"  # the row whose span carries the KV plan's attributes
 READY_ROW = "actual_total_time"
@@ -51,8 +53,8 @@ class StartupRun:
         """Row -> whether that phase's cache hit, for every row that reports a cache."""
         out = {}
         for row, attrs in self.report.get("attributes", {}).items():
-            if "glowplug.cache_hit" in attrs:
-                out[row] = bool(attrs["glowplug.cache_hit"])
+            if Attr.CACHE_HIT in attrs:
+                out[row] = bool(attrs[Attr.CACHE_HIT])
         return out
 
 

@@ -42,13 +42,13 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from glowplug.base.units import ByteSize
+from glowplug.engine.config import Quantization
+from glowplug.profiling.names import Attr, Row
 
-from ...engine.config import Quantization
-from ..names import Attr, Row
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
-from .vllm_startup_rows import ACCOUNTED, ACTUAL, DERIVED_HOW, ROW_NAMES, SEED_004, SEED_ROWS, map_phases, seed_values
 from .startup_runs import StartupRun, run_startup
 from .tables import Cell, Missing, fmt_num, markdown_table
+from .vllm_startup_rows import ACCOUNTED, ACTUAL, DERIVED_HOW, ROW_NAMES, SEED_004, SEED_ROWS, map_phases, seed_values
 
 SeedModel = Literal["qwen-4b", "llama2-13b-hf"]
 REPORT_JSON = "seed004.json"
@@ -180,8 +180,8 @@ def _entry(kind: str, length: int, run: StartupRun) -> dict[str, Any]:
 def run_seed004(cfg: Seed004BenchConfig, argv: list[str] | None = None, progress: Progress | None = None
                 ) -> dict[str, Any]:  # fmt: skip
     """Probe, cold start, warm sweep; returns what seed004.json holds (written after every start as well)."""
-    from ...engine.models.loader import checkpoint_files
-    from ...engine.models.store import resolve_model
+    from glowplug.engine.models.loader import checkpoint_files
+    from glowplug.engine.models.store import resolve_model
 
     say = progress or (lambda _msg: None)
     out = prepare_out_dir(cfg.out_dir)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 Align = Literal["l", "r"]
 
@@ -24,7 +24,7 @@ class Missing:
         return f"n/a ({self.reason})"
 
 
-Cell = Union[str, float, int, Missing]
+Cell = str | float | int | Missing
 
 
 def fmt_num(value: float, digits: int = 2) -> str:

@@ -29,7 +29,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ...engine.config import Quantization
+from glowplug.engine.config import Quantization
+
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
 from .stats import Summary, summarize
 from .tables import Cell, Missing, fmt_num, fmt_spread, markdown_table
@@ -209,12 +210,12 @@ def run_throughput_bench(
 ) -> tuple[list[Shape], list[RunRecord]]:
     import gc
 
-    from ...engine.sampling_params import SamplingParams
-    from ...base.errors import one_line
-    from .decode import make_prompts
-    from .timing import build_llm, model_position_limit, time_batch, why_cannot_run
+    from glowplug.base.errors import one_line
+    from glowplug.engine.sampling_params import SamplingParams
 
+    from .decode import make_prompts
     from .quality import load_flags
+    from .timing import build_llm, model_position_limit, time_batch, why_cannot_run
 
     say = progress or (lambda _msg: None)
     shapes = resolve_shapes(cfg.configs, model_position_limit(cfg.model))
@@ -510,7 +511,8 @@ def write_reports(
                 dtypes.append(f"not timed, unusable: {', '.join(untimed)}")
             written.append(plot_ranking(
                 groups, out / "ranking.png",
-                xlabel="Output Throughput, tok/s (tokens after each sequence's first / time after the first tokens)",
+                xlabel="Output Throughput, tok/s (tokens after each sequence's first / time after the first "
+                "tokens)",
                 title=f"Output throughput per configuration ({'; '.join(dtypes)}); bar: median over n runs, "
                       "error bar: min–max",
             ))  # fmt: skip
@@ -520,7 +522,7 @@ def write_reports(
 def main(cfg: ThroughputBenchConfig, argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    from ..logs import configure_logging
+    from glowplug.profiling.logs import configure_logging
 
     configure_logging(level="warning")
     err = Console(stderr=True)

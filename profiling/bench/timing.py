@@ -139,9 +139,9 @@ def build_llm(fields: dict[str, Any]) -> tuple[Any, str | None]:
     """(LLM, None), or (None, why) when the engine cannot start with these settings (e.g. an unwired scheme)."""
     from pydantic import ValidationError
 
-    from ...engine.config import EngineConfig
-    from ...engine.llm import LLM
-    from ...engine.startup import StartupFailed
+    from glowplug.engine.config import EngineConfig
+    from glowplug.engine.llm import LLM
+    from glowplug.engine.startup import StartupFailed
 
     try:
         return LLM(config=EngineConfig.from_flat(**fields)), None
@@ -156,8 +156,8 @@ def build_llm(fields: dict[str, Any]) -> tuple[Any, str | None]:
 
 def model_position_limit(model: str, cache_dir: Path | None = None) -> int:
     """The longest max-model-len the model allows (converting the embedded default into the cache if needed)."""
-    from ...engine.kv_sizing import model_len_limit
-    from ...engine.models.arch import load_arch
-    from ...engine.models.store import resolve_model
+    from glowplug.engine.kv_sizing import model_len_limit
+    from glowplug.engine.models.arch import load_arch
+    from glowplug.engine.models.store import resolve_model
 
     return model_len_limit(load_arch(resolve_model(model, cache_dir, quiet=True)))

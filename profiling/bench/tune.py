@@ -31,7 +31,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ...engine.config import QuantConfig, Quantization
+from glowplug.engine.config import QuantConfig, Quantization
+from glowplug.profiling.names import Attr
+
 from .cli_support import AddModelFlags, BenchEngineFields, add_command, engine_flag, prepare_out_dir, write_json
 from .startup_runs import KV_ROW, StartupRun, run_startup, short
 from .tables import Cell, Missing, fmt_num, fmt_spread, markdown_table
@@ -146,7 +148,7 @@ def column_from_runs(length: int, runs: list[StartupRun], block_size: int) -> Co
     for name in names:
         vals = [v for p in samples if (v := p.get(name)) is not None]
         medians[name] = _median(vals) if vals else None
-    blocks = [int(b) for r in ok if (b := r.attr(KV_ROW, "glowplug.kv_blocks")) is not None]
+    blocks = [int(b) for r in ok if (b := r.attr(KV_ROW, Attr.KV_BLOCKS)) is not None]
     reasons = {k: v for r in ok for k, v in r.reasons.items()}
     leaves = tuple(dict.fromkeys(n for r in ok for n in leaf_names(r)))
     return Column(length, medians, reasons, leaves, int(_median([float(b) for b in blocks])) if blocks else None,
@@ -168,13 +170,13 @@ def predict_columns(cfg: TuneMaxModelLenConfig, run: StartupRun, lengths: list[i
     """Columns for `lengths` from one successful start `run`; also (budget bytes, bytes per token) it used."""
     import torch
 
-    from ...engine.config import EngineConfig
-    from ...engine.kv_sizing import bytes_per_token, plan_kv_cache
-    from ...engine.models.arch import load_arch
+    from glowplug.engine.config import EngineConfig
+    from glowplug.engine.kv_sizing import bytes_per_token, plan_kv_cache
+    from glowplug.engine.models.arch import load_arch
 
-    arch = load_arch(Path(run.attr("model_prepare", "glowplug.model_dir")))
-    dtype = getattr(torch, str(run.attr("model_init", "glowplug.dtype") or run.attr("model_prepare", "glowplug.dtype")))
-    budget = int(run.attr(KV_ROW, "glowplug.kv_budget_bytes"))
+    arch = load_arch(Path(run.attr("model_prepare", Attr.MODEL_DIR)))
+    dtype = getattr(torch, str(run.attr("model_init", Attr.DTYPE) or run.attr("model_prepare", Attr.DTYPE)))
+    budget = int(run.attr(KV_ROW, Attr.KV_BUDGET_BYTES))
     columns = []
     per_token = 0
     for length in lengths:
@@ -202,7 +204,7 @@ def run_tune(cfg: TuneMaxModelLenConfig, progress: Progress | None = None) -> Tu
     say = progress or (lambda _msg: None)
     limit = model_position_limit(cfg.model, cfg.cache_dir)
     lengths = sorted(set(cfg.max_model_len or default_lengths(limit)))
-    out = prepare_out_dir(cfg.out_dir)
+    prepare_out_dir(cfg.out_dir)
     with tempfile.TemporaryDirectory(prefix="glowplug-tune-") as tmp:
         if cfg.plan:
             say(f"one start-up at max-model-len {lengths[0]}, then predicting {len(lengths)} lengths")
@@ -251,7 +253,7 @@ def recommend(result: TuneResult) -> Recommendation | None:
         return Recommendation(k, None, bound, [], text)
     best = max(fits, key=lambda c: c.length)
     flags = engine_flag("max_model_len", best.length)
-    from ...engine.config import SchedulerConfig
+    from glowplug.engine.config import SchedulerConfig
 
     default_seqs = int(SchedulerConfig.model_fields["max_num_seqs"].default)
     if cfg.max_num_seqs is not None or k > default_seqs:
@@ -373,7 +375,7 @@ def render_markdown(result: TuneResult, argv: list[str] | None = None) -> str:
         parts += ["## Beside seed 004 (vLLM start-up per max-model-len)", "", seed_table(result), "",
                   definitions_text(), ""]  # fmt: skip
     if result.mode == "sweep" and cfg.plots and any(c.ok for c in result.columns):
-        parts += [f"![KV capacity against max-model-len](tune_kv_capacity.png) KV capacity (token capacity, and "
+        parts += ["![KV capacity against max-model-len](tune_kv_capacity.png) KV capacity (token capacity, and "
                   "max concurrent full-length sequences) against max-model-len: median over the starts per length, "
                   "error bars min–max, n in the legend.", ""]  # fmt: skip
     rec = recommend(result)
@@ -427,9 +429,7 @@ def write_reports(result: TuneResult, argv: list[str] | None = None) -> list[Pat
     ok = [c for c in result.columns if c.ok]
     # A plan's phase columns are copies of one start: a stacked plot of them would be identical bars.
     if result.config.plots and ok and result.mode == "sweep":
-        from .plots import plot_phase_stack
-
-        from .plots import plot_kv_capacity
+        from .plots import plot_kv_capacity, plot_phase_stack
 
         leaves = list(dict.fromkeys(n for c in ok for n in c.leaves))
         stacks = {n: [c.phases.get(n) for c in ok] for n in leaves}

@@ -14,8 +14,13 @@ from conftest import assert_no_blank_or_nan, markdown_cells
 
 from glowplug.profiling.bench import decode as decode_mod
 from glowplug.profiling.bench.decode import DecodeBenchConfig, DecodeRow, render_markdown
-from glowplug.profiling.bench.peers import (PeerRuns, PeerTiming, SkippedPeer, load_llamacpp_peer,
-                                            time_llamacpp_decode)  # fmt: skip
+from glowplug.profiling.bench.peers import (
+    PeerRuns,
+    PeerTiming,
+    SkippedPeer,
+    load_llamacpp_peer,
+    time_llamacpp_decode,  # fmt: skip
+)
 
 
 def _row(tps: list[float], batch: int = 1, quant: str = "none") -> DecodeRow:

@@ -68,8 +68,8 @@ def test_long_context_rows_pair_their_extra_time_with_the_kv_bytes_read() -> Non
 
 
 def test_a_max_model_len_shorter_than_the_runs_is_refused_with_the_length_needed() -> None:
-    from pydantic import ValidationError
     import pytest
+    from pydantic import ValidationError
 
     with pytest.raises(ValidationError, match=r"64 is shorter than the longest prompt \+ new tokens \(192\); pass at "
                        r"least 192"):

@@ -11,8 +11,17 @@ from pathlib import Path
 
 from conftest import assert_no_blank_or_nan, markdown_cells
 
-from glowplug.profiling.bench.decode import (BATCH1_VS_LLAMACPP, BATCH16_VS_BATCH1, PREFILL_VS_LLAMACPP, DecodeBenchConfig,
-                                             DecodeRow, DecodeRun, decode_verdicts, main, render_markdown)  # fmt: skip
+from glowplug.profiling.bench.decode import (
+    BATCH1_VS_LLAMACPP,
+    BATCH16_VS_BATCH1,
+    PREFILL_VS_LLAMACPP,
+    DecodeBenchConfig,
+    DecodeRow,  # fmt: skip
+    DecodeRun,
+    decode_verdicts,
+    main,
+    render_markdown,
+)
 
 FIXTURE = Path(__file__).parent / "fixtures" / "decode47" / "decode.json"
 

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_no_blank_or_nan, markdown_cells
 
 from glowplug.profiling.bench.latency import LatencyBenchConfig, render_markdown, run_latency_bench, write_reports

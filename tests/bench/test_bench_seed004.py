@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import assert_no_blank_or_nan, markdown_cells
 
 from glowplug.profiling.bench import startup_sweep as sb

@@ -155,7 +155,7 @@ def test_efficiency_verdict_reads_the_worst_pair_not_a_median_over_medians() -> 
     steady = result([960, 955, 990], [1000, 1000, 1000])
     assert steady.passed and steady.worst_ratio == pytest.approx(0.955)
     with pytest.raises(ValueError):  # a run without its pair is a bug in the driver, never silently dropped
-        result([1000, 1000], [1000, 1000, 1000]).pair_ratios
+        result([1000, 1000], [1000, 1000, 1000]).pair_ratios  # noqa: B018 - the property raises
 
 
 def test_hostile_mode_end_to_end(tiny_model: str, tmp_path: Path) -> None:

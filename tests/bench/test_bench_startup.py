@@ -11,8 +11,8 @@ from conftest import assert_no_blank_or_nan
 from glowplug.profiling.bench.startup_bench import (
     StartupBenchConfig,
     bundle_figures,
-    eta_figures,
     cache_hit_counts,
+    eta_figures,
     phase_stat,
     render_markdown,
     run_startup_bench,

@@ -10,11 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import assert_no_blank_or_nan, markdown_cells
 
-from glowplug.profiling.bench import plots
-from glowplug.profiling.bench import vllm_startup_rows
+from glowplug.profiling.bench import plots, vllm_startup_rows
 from glowplug.profiling.bench.startup_bench import (
     StartupBenchConfig,
     StartupBenchResult,

@@ -11,10 +11,10 @@ from conftest import assert_no_blank_or_nan, markdown_cells
 
 from glowplug.profiling.bench import timing
 from glowplug.profiling.bench.throughput import (
-    ThroughputBenchConfig,
     NAMED_CONFIGS,
     RunRecord,
     Shape,
+    ThroughputBenchConfig,
     paired_ratios,
     ranking,
     ranking_plot_groups,

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_no_blank_or_nan, markdown_cells
 
 from glowplug.profiling.bench.tune import (

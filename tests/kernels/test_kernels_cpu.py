@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernels_testutil import MS, assert_matches, cases, tol_for
+
 from glowplug.kernels import cpu
 from glowplug.kernels import formats as F
 from glowplug.kernels import reference as R
 from glowplug.kernels.dispatch import Dispatcher, kernel_paths
-from kernels_testutil import MS, assert_matches, cases, tol_for
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:

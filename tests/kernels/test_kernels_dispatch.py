@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernels_testutil import assert_matches, cases, tol_for
+
 from glowplug.kernels import dispatch as D
 from glowplug.kernels import formats as F
 from glowplug.kernels import reference as R
 from glowplug.kernels.bench import bench_kernels, render_markdown
-from kernels_testutil import assert_matches, cases, tol_for
 
 
 def _w(spec: str, n: int = 64, k: int = 256) -> F.PackedWeight:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from glowplug.kernels import formats as F
-from glowplug.kernels import reference as R
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from glowplug.kernels import formats as F
+from glowplug.kernels import reference as R
 
 
 # ------------------------------------------------------------------------------------------------ packing

@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 import torch
+from kernels_testutil import assert_matches, tol_for
+
 from glowplug.kernels import formats as F
 from glowplug.kernels import reference as R
 from glowplug.kernels.dispatch import Dispatcher
@@ -19,7 +21,6 @@ from glowplug.kernels.modules import (
     W8A8Linear,
     prepare_modules,
 )
-from kernels_testutil import assert_matches, tol_for
 
 SPECS = ("int8", "int8-g32", "int4-g64", "int4s-g32", "int2-g128", "w8a8")
 N, K = 72, 256
@@ -101,7 +102,7 @@ def test_layer_reports_its_kernel_and_prepared_runtime() -> None:
     rt = mod.runtime
     assert rt is mod.runtime and mod.dispatcher.choose(rt, 1) in rt.states
     with pytest.raises(RuntimeError, match="meta device"):
-        Int4Linear(K, N, device="meta").runtime
+        Int4Linear(K, N, device="meta").runtime  # noqa: B018 - the property raises
 
 
 def test_sub_byte_layers_share_one_constructor() -> None:
@@ -166,7 +167,8 @@ def test_traces_as_one_graph_under_torch_compile(spec: str) -> None:
 
 def test_padded_rows_bounds_the_gemm_shapes_and_the_waste() -> None:
     """Eager bf16 GEMMs are padded to a few row counts (kernels/modules.py: oneDNN keeps native memory per distinct
-    M): never fewer rows, at most 15 more up to 128 rows and a quarter more past that, and few distinct sizes up to a 2048-token step."""
+    M): never fewer rows, at most 15 more up to 128 rows and a quarter more past that, and few distinct sizes up to
+    a 2048-token step."""
     from glowplug.kernels.modules import padded_rows
 
     assert padded_rows(1) == 1

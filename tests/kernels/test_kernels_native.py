@@ -11,7 +11,6 @@ import torch
 from glowplug.kernels import formats, reference
 from glowplug.kernels import native as native_mod
 from glowplug.kernels.native import (
-    load_native,
     native_linear,
     pack_blocked,
     prepare_native,

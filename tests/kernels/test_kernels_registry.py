@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+
 from glowplug.kernels import reference as R
 from glowplug.kernels.formats import Int4Weight
 from glowplug.kernels.modules import Int4Linear, QuantLinear, W8A8Linear
 from glowplug.kernels.registry import LINEAR_NAMES, SCHEMES, get_scheme, is_target_module
-from torch import nn
 
-H, I, KV = 128, 256, 64
+H, I, KV = 128, 256, 64  # noqa: E741 - the intermediate size, as the model configs name it
 
 
 class Attn(nn.Module):
@@ -140,7 +141,10 @@ def test_quantize_convert_load_forward(scheme: str, group_size: int | None, tol:
 def test_skip_keeps_layers_float_on_both_sides() -> None:
     model = _float_model()
     s = get_scheme("int4")
-    skip = lambda name: name.endswith("down_proj") or name.startswith("layers.1.")
+
+    def skip(name: str) -> bool:
+        return name.endswith("down_proj") or name.startswith("layers.1.")
+
     qsd = s.quantize_state_dict(model.state_dict(), group_size=64, skip=skip)
     assert "layers.0.mlp.down_proj.weight" in qsd and "layers.1.self_attn.q_proj.weight" in qsd
     assert "layers.0.mlp.up_proj.qweight" in qsd

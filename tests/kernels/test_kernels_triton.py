@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from child_cases import load_cases
+
 from glowplug.kernels import triton as triton_pkg
 
 if not triton_pkg.available():

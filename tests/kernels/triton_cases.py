@@ -32,6 +32,7 @@ def main() -> int:
         print("TRITON_INTERPRET=1 must be set before launching this script", file=sys.stderr)
         return 2
     import torch
+
     from glowplug.kernels import formats as F
     from glowplug.kernels import reference as R
     from glowplug.kernels.dispatch import kernel_paths

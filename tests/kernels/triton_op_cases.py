@@ -34,6 +34,7 @@ def case_ids() -> list[str]:
 
 def _weight(spec: str, n: int, k: int, device: str) -> Any:
     import torch
+
     from glowplug.kernels import formats as F
 
     gen = torch.Generator().manual_seed(n * k + len(spec))
@@ -54,6 +55,7 @@ def _rel(y: Any, ref: Any) -> dict[str, float]:
 def op_cases(device: str) -> dict[str, dict[str, Any]]:
     """Each op call against reference.linear, and against the launcher the op should have chosen at that M."""
     import torch
+
     from glowplug.kernels import reference as R
     from glowplug.kernels.triton import graph_ops, ops
 
@@ -81,6 +83,7 @@ def trace_cases(device: str) -> dict[str, dict[str, Any]]:
     """A QuantLinear switched to the Triton op, compiled with a symbolic batch: one graph for every M, holding the op
     as one node, whose outputs equal the same layer run eagerly through the op (and the reference)."""
     import torch
+
     from glowplug.kernels import reference as R
     from glowplug.kernels.modules import DecodeKernel, QuantLinear, native_kernels_in_eager
 
@@ -95,7 +98,7 @@ def trace_cases(device: str) -> dict[str, dict[str, Any]]:
             switch = mod.enable_triton()
             graphs: list[Any] = []
 
-            def count(gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> Any:
+            def count(gm: torch.fx.GraphModule, example: list[torch.Tensor], graphs: list[Any] = graphs) -> Any:
                 graphs.append(gm)
                 return gm
 
@@ -127,6 +130,7 @@ def gpu_cases() -> dict[str, dict[str, Any]]:
     """CUDA only: each layer compiled by Inductor with a symbolic batch, and captured in a CUDA graph (the decode
     step's graphs hold these ops), against the same layer run eagerly through the op."""
     import torch
+
     from glowplug.kernels.modules import QuantLinear, native_kernels_in_eager
 
     out: dict[str, dict[str, Any]] = {}
@@ -167,6 +171,7 @@ def gpu_cases() -> dict[str, dict[str, Any]]:
 def bf16_case(device: str) -> dict[str, Any]:
     """bf16 activations: the op (and its fake) write bf16, GEMV and GEMM alike."""
     import torch
+
     from glowplug.kernels import reference as R
     from glowplug.kernels.triton import graph_ops, ops
 
@@ -187,6 +192,7 @@ def skipped_reason_case() -> dict[str, Any]:
     from types import SimpleNamespace
 
     import torch
+
     from glowplug.engine.stages.dynamo_transform import skipped_reason
     from glowplug.kernels.modules import DenseLinear, QuantLinear, enable_triton_decode
 
@@ -219,6 +225,7 @@ def stage_case() -> dict[str, Any]:
     from types import SimpleNamespace
 
     import torch
+
     from glowplug.engine.stages.native_kernels import NativeKernels
     from glowplug.kernels.modules import DecodeKernel, DenseLinear, QuantLinear
 
@@ -236,6 +243,7 @@ def decode_step_case(tmp: Path) -> dict[str, Any]:
     engine's unbacked batch (engine.compile.mark_decode_dynamic): one graph for batches 2 and 5, one op node per
     quantized layer, and the logits of the eager step through the same ops."""
     import torch
+
     from glowplug.engine.compile import decode_step, mark_decode_dynamic, split_caches
     from glowplug.engine.config import EngineConfig
     from glowplug.engine.kv_cache import KVCache

@@ -12,10 +12,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from lifecycle_harness import ThreadServer, engine_config, metric
 
 from glowplug.lifecycle.config import ServeConfig
-
-from lifecycle_harness import ThreadServer, engine_config, metric
 
 SLOTS = 2
 

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from lifecycle_harness import engine_config
 
 from glowplug.lifecycle.admission import FinishRate, PrefillCost, expected_wait_s, theil_sen
 from glowplug.lifecycle.generation import Ticket
-
-from lifecycle_harness import engine_config
 
 
 def test_prefill_cost_separates_the_fixed_part_from_the_per_token_part() -> None:

@@ -12,14 +12,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from lifecycle_harness import ThreadServer, engine_config, metric, metric_samples, paced_engine
 from openai import AsyncOpenAI
 
 from glowplug.lifecycle.config import ServeConfig
 from glowplug.profiling.logs import configure_logging
 from glowplug.profiling.names import REQUEST_SPAN, ReqAttr
 from glowplug.profiling.tracing import Tracing, setup_tracing
-
-from lifecycle_harness import ThreadServer, engine_config, metric, metric_samples, paced_engine
 
 GREEDY = {"temperature": 0.0}
 LONG = {"ignore_eos": True}  # the tiny model's EOS would end some answers early; token counts must be exact

@@ -13,11 +13,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from lifecycle_harness import ThreadServer, engine_config, paced_engine
 
 from glowplug.lifecycle.config import ServeConfig
 from glowplug.lifecycle.openapi import ErrorResponse
-
-from lifecycle_harness import ThreadServer, engine_config, paced_engine
 
 LONG = {"ignore_eos": True}
 

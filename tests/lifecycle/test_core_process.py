@@ -19,7 +19,6 @@ import httpx
 import openai
 import psutil
 import pytest
-
 from lifecycle_harness import free_port, wait_ready
 
 FAST = ["--compile", "off", "--num-gpu-blocks-override", "512", "--log-format", "json", "--served-model-name", "tiny"]

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from glowplug.profiling.names import DRAIN_SPAN, DrainAttr
-
 from lifecycle_harness import ProcessServer, wait_ready
 from otlp_receiver import OtlpHttpReceiver
 from test_signals import StreamReader
+
+from glowplug.profiling.names import DRAIN_SPAN, DrainAttr
 
 STREAMS = 32
 DRAIN_S = 10.0
@@ -123,7 +122,8 @@ def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> 
             assert attrs[DrainAttr.CLEAN] is False and attrs[DrainAttr.TIMEOUT_S] == DRAIN_S
             # The figures behind the issue note (shown with `pytest -s`).
             print(f"SIGTERM with {len(in_flight)} streams in flight: drain span in_flight={attrs[DrainAttr.IN_FLIGHT]} "
-                  f"finished={attrs[DrainAttr.FINISHED]} (short streams of {short_tokens} tokens at {rate:.0f} tok/s) aborted={attrs[DrainAttr.ABORTED]}; {len(statuses)} late "
+                  f"finished={attrs[DrainAttr.FINISHED]} (short streams of {short_tokens} tokens at {rate:.0f} tok/s) "
+                  f"aborted={attrs[DrainAttr.ABORTED]}; {len(statuses)} late "
                   f"requests, last status {statuses[-1]}; exit {code} {exited_after:.2f} s after the signal "
                   f"(limit {DRAIN_S + 2.0:g} s)")  # fmt: skip
         finally:

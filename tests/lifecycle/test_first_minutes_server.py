@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from lifecycle_harness import ThreadServer, engine_config, metric_samples
 from opentelemetry import trace
 
 from glowplug.engine.generation_config import GLOWPLUG_SAMPLING_DEFAULTS, sampling_defaults
@@ -22,8 +23,6 @@ from glowplug.lifecycle.progress import Progress
 from glowplug.lifecycle.timeline import StartupTimeline
 from glowplug.profiling.names import CORE_ROWS, LEAF_ROWS, PRE_MAIN, STAGE_ROWS, STARTUP_SPAN, Row, stage_span_name
 from glowplug.profiling.tracing import setup_tracing
-
-from lifecycle_harness import ThreadServer, engine_config, metric_samples
 
 PROMPT = "The scheduler mixes prefill chunks"
 

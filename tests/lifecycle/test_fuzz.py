@@ -12,11 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from lifecycle_harness import ThreadServer, engine_config
 
 from glowplug.lifecycle.config import ServeConfig
 from glowplug.profiling.bench.serve.fuzz import GENERATION_OPERATIONS, run_fuzz
-
-from lifecycle_harness import ThreadServer, engine_config
 
 CI_CASES = 60
 

@@ -18,14 +18,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
 
 from glowplug.lifecycle.config import ServeConfig
-from glowplug.lifecycle.metrics import CLIENT_DISCONNECTS, CONNECTIONS_TIMED_OUT, REQUEST_REJECTED
 from glowplug.lifecycle.state import EngineState
 from glowplug.profiling.bench.serve.hostile_corpus import Target, run_corpus
 from glowplug.profiling.logs import configure_logging
-
-from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
+from glowplug.profiling.names import Metric
 
 KEY = "sk-glowplug-hostile-test-0123456789"
 LIMITS = {"max_body_bytes": 4 << 20, "body_read_timeout": 1.0, "header_read_timeout": 1.0}
@@ -118,7 +117,7 @@ def test_the_corpus_ends_in_4xx_or_a_clean_close_and_a_healthy_server(server: Th
 
 
 def _run_corpus_and_check(server: ThreadServer, logs: io.StringIO, stdlib: _Records) -> None:
-    before = {stage: metric(server.base_url, CLIENT_DISCONNECTS + "_total", stage=stage)
+    before = {stage: metric(server.base_url, Metric.CLIENT_DISCONNECTS + "_total", stage=stage)
               for stage in ("body", "response")}  # fmt: skip
     result = run_corpus(_target(server))
     failed = [(c.name, c.expected, c.outcome, c.ready_after, c.normal_after) for c in result.cases if not c.passed]
@@ -133,12 +132,12 @@ def _run_corpus_and_check(server: ThreadServer, logs: io.StringIO, stdlib: _Reco
 
     # Client faults are counted, by stage; a refused request by its reason.
     base = server.base_url
-    assert metric(base, CLIENT_DISCONNECTS + "_total", stage="body") >= before["body"] + 2
-    assert metric(base, CLIENT_DISCONNECTS + "_total", stage="response") >= before["response"] + 2
-    assert metric(base, CONNECTIONS_TIMED_OUT + "_total") >= 300 + 2
+    assert metric(base, Metric.CLIENT_DISCONNECTS + "_total", stage="body") >= before["body"] + 2
+    assert metric(base, Metric.CLIENT_DISCONNECTS + "_total", stage="response") >= before["response"] + 2
+    assert metric(base, Metric.CONNECTIONS_TIMED_OUT + "_total") >= 300 + 2
     for reason in ("body_too_large", "body_timeout", "json_too_deep", "invalid_unicode", "unauthorized",
                    "head_too_large", "too_many_values"):  # fmt: skip
-        assert metric(base, REQUEST_REJECTED + "_total", reason=reason) >= 1, reason
+        assert metric(base, Metric.REQUEST_REJECTED + "_total", reason=reason) >= 1, reason
 
     # No traceback and no error line anywhere: a client's fault is an info line on its request's access log.
     text = logs.getvalue()

@@ -8,13 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+from lifecycle_harness import ThreadServer, engine_config
 
 import glowplug.engine.core_proc as core_proc
 import glowplug.engine.host_memory as host_memory
 from glowplug.engine.startup import build_engine
 from glowplug.lifecycle.config import ServeConfig
-
-from lifecycle_harness import ThreadServer, engine_config
 
 
 def test_trim_once_per_lull(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,11 +10,10 @@ import time
 from pathlib import Path
 
 import httpx
-
-from glowplug.profiling.names import REQUEST_SPAN, STARTUP_SPAN, ReqAttr
-
 from lifecycle_harness import ProcessServer, wait_ready
 from otlp_receiver import OtlpHttpReceiver
+
+from glowplug.profiling.names import REQUEST_SPAN, STARTUP_SPAN, ReqAttr
 
 TRACE_ID, PARENT_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-from glowplug.profiling.bench.serve.soak import KINDS, SoakPlan, run_soak
-
 from lifecycle_harness import ProcessServer, wait_ready
+
+from glowplug.profiling.bench.serve.soak import KINDS, SoakPlan, run_soak
 
 
 def test_soak_small_scale(tiny_model: Path, tmp_path: Path) -> None:

@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
 
 from glowplug.lifecycle.config import ServeConfig
-
-from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
 
 # A stage nothing runs beside (it needs both the runner and the compiled step): with stages overlapping, an
 # earlier one may run beside another that started later, and the reported phase is the latest started.

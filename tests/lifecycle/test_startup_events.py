@@ -14,6 +14,8 @@ import httpx
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
+from lifecycle_harness import ThreadServer, engine_config, free_port
+from page_support import PacedStartup
 
 from glowplug.engine.startup import default_stages
 from glowplug.lifecycle.config import ServeConfig
@@ -21,9 +23,6 @@ from glowplug.lifecycle.live_metrics import RecentRequests, ServingSampler, perc
 from glowplug.lifecycle.metrics import ServiceMetrics
 from glowplug.lifecycle.page import page_html
 from glowplug.profiling.names import CORE_ROWS, STARTUP_SPAN, stage_span_name
-
-from lifecycle_harness import ThreadServer, engine_config, free_port
-from page_support import PacedStartup
 
 PIPELINE = tuple(stage.name for stage in default_stages())
 LOGGED = ("phase_start", "phase_end", "state")

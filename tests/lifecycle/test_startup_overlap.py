@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lifecycle_harness import ThreadServer, engine_config, metric
 
 from glowplug.engine.stages.runner import STAGE_DELAY_ENV
 from glowplug.lifecycle.config import ServeConfig
-
-from lifecycle_harness import ThreadServer, engine_config, metric
 
 DELAY_S = 2.0
 

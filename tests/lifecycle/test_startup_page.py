@@ -14,13 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
+from lifecycle_harness import ThreadServer, engine_config, free_port
+from page_support import PacedStartup, artifacts_dir, browser  # noqa: F401 - the fixture
 
 from glowplug.engine.startup import default_stages
 from glowplug.lifecycle.config import ServeConfig
 from glowplug.profiling.names import Row
-
-from lifecycle_harness import ThreadServer, engine_config, free_port
-from page_support import PacedStartup, artifacts_dir, browser  # noqa: F401 - the fixture
 
 PIPELINE = tuple(stage.name for stage in default_stages())
 WAIT_MS = 60_000
@@ -48,7 +47,7 @@ def _fmt(seconds: float | None) -> str:
 
 
 @pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
+def page(browser: Any) -> Iterator[Any]:  # noqa: F811 - the fixture
     p = browser.new_page()
     yield p
     p.close()

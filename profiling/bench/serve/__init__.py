@@ -34,7 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..cli_support import AddModelFlags, add_command, prepare_out_dir, write_json
+from glowplug.profiling.bench.cli_support import AddModelFlags, add_command, prepare_out_dir, write_json
+
 from .config import ServeBenchConfig
 
 Progress = Callable[[str], None]
@@ -53,14 +54,15 @@ def server_for(cfg: ServeBenchConfig, **serve_overrides: Any) -> Iterator[tuple[
 
 
 def load_bench_tokenizer(model: str) -> Any:
-    from ....engine.models.store import resolve_model
-    from ....engine.tokenizer import load_tokenizer
+    from glowplug.engine.models.store import resolve_model
+    from glowplug.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model(model, quiet=True))
 
 
 def sweep_mode(cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Progress) -> list[Path]:
-    from ..machine import report_header
+    from glowplug.profiling.bench.machine import report_header
+
     from .report import plot_sweep, render_sweep, sweep_json, workload_lines
     from .server import served_model
     from .sweep import run_sweep
@@ -85,7 +87,7 @@ def sweep_mode(cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, sa
 def main(cfg: ServeBenchConfig, argv: list[str] | None = None) -> int:
     from rich.console import Console
 
-    from ...logs import configure_logging
+    from glowplug.profiling.logs import configure_logging
 
     configure_logging(level="warning")
     err = Console(stderr=True)

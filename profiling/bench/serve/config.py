@@ -10,8 +10,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from ....engine.config import Quantization
-from ..cli_support import BenchEngineFields
+from glowplug.engine.config import Quantization
+from glowplug.profiling.bench.cli_support import BenchEngineFields
 
 Arrival = Literal["poisson", "burst", "constant"]
 Endpoint = Literal["completions", "chat"]
@@ -20,7 +20,8 @@ LengthDistribution = Literal["fixed", "uniform"]
 
 class ServeBenchConfig(BenchEngineFields):
     """Load against an OpenAI-compatible server: a sweep of load points, or the soak / efficiency / overload /
-    fuzz / hostile modes. Without --base-url the benchmark starts `glowplug serve` itself with the engine flags given here."""
+    fuzz / hostile modes. Without --base-url the benchmark starts `glowplug serve` itself with the engine flags given
+    here."""
 
     base_url: str | None = Field(
         None, description="A running server (http://127.0.0.1:8000); unset = start one with the engine flags."

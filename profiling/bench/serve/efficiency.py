@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from glowplug.profiling.names import Metric
+
 from .client import request_body
 from .config import ServeBenchConfig
 from .load import api_path, run_closed
@@ -33,9 +35,9 @@ from .workload import build_requests
 
 TARGET_MEDIAN = 0.95  # median of the per-pair ratios
 TARGET_WORST = 0.90  # the worst pair
-STEP_METRIC = "glowplug_engine_step_duration_seconds"
+STEP_METRIC = Metric.ENGINE_STEP
 SERVER_CPU = "process_cpu_seconds_total"  # the API server process
-CORE_CPU = "glowplug_engine_core_process_cpu_seconds_total"  # its engine core process
+CORE_CPU = f"{Metric.ENGINE_CORE}_process_cpu_seconds_total"  # its engine core process
 
 
 @dataclass
@@ -173,9 +175,9 @@ def _offline_run(llm: Any, prompts: list[str], params: Any) -> OfflineRun:
 def run_efficiency(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Callable[[str], None]) -> EfficiencyResult:
     import gc
 
-    from ....engine.config import EngineConfig
-    from ....engine.llm import LLM
-    from ....engine.sampling_params import SamplingParams
+    from glowplug.engine.config import EngineConfig
+    from glowplug.engine.llm import LLM
+    from glowplug.engine.sampling_params import SamplingParams
 
     if cfg.endpoint != "completions" or cfg.dataset is not None or cfg.len_distribution != "fixed":
         raise ValueError("--efficiency runs the synthetic set of fixed lengths on /v1/completions (LLM.generate "
@@ -205,7 +207,7 @@ def run_efficiency(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: 
 
 
 def render_efficiency(r: EfficiencyResult, head: str) -> str:
-    from ..tables import fmt_spread, markdown_table
+    from glowplug.profiling.bench.tables import fmt_spread, markdown_table
 
     def spread(values: list[float]) -> str:
         return fmt_spread(values, 1)
@@ -243,16 +245,17 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
         "",
         markdown_table(["", "Server (HTTP)", "Offline (LLM.generate)"], rows),
         "",
-        f"Definitions (n = {len(r.server)} pairs): output tokens/s = output tokens / wall time of one run; server / "
+        f"Definitions (n = {len(r.server)} pairs): output tokens/s = output tokens / wall time of one run; "
+        "server / "
         "offline = server run i's tokens/s over offline run i's, the offline run made right after it on the same "
         "requests; the verdict needs the median of those ratios and the worst one within their targets. Engine "
         "steps and mean step: the server's `glowplug_engine_step_duration_seconds` count and sum over the run; "
         "offline, a clock around each step of the same run. Busy = step time / wall time.",
         "",
         "Mean step: a server step slower than the offline one means the engine core lost time to the API server "
-        "(CPU); server busy below the offline busy means it sat idle between steps waiting for work. CPU cores busy: "
-        "each process's CPU seconds over the run (its /metrics) / wall time: an API server far below the core is not "
-        "what limits the throughput.",
+        "(CPU); server busy below the offline busy means it sat idle between steps waiting for work. "
+        "CPU cores busy: each process's CPU seconds over the run (its /metrics) / wall time: an API server far "
+        "below the core is not what limits the throughput.",
         "",
     ])  # fmt: skip
 
@@ -260,8 +263,8 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
 def efficiency_mode(
     cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from ..cli_support import prepare_out_dir, write_json
-    from ..machine import report_header
+    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.machine import report_header
 
     out = prepare_out_dir(cfg.out_dir)
     result = run_efficiency(cfg, tokenizer, server_for, say)

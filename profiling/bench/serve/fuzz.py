@@ -212,7 +212,7 @@ def run_fuzz(
 
 
 def render_fuzz(r: FuzzResult, head: str) -> str:
-    from ..tables import markdown_table
+    from glowplug.profiling.bench.tables import markdown_table
 
     rows = [
         [f"`{op.method} {op.path}`", op.cases, ", ".join(f"{s}: {n}" for s, n in op.statuses.items()),
@@ -244,8 +244,8 @@ def render_fuzz(r: FuzzResult, head: str) -> str:
 def fuzz_mode(
     cfg: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from ..cli_support import prepare_out_dir, write_json
-    from ..machine import report_header
+    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.machine import report_header
 
     out = prepare_out_dir(cfg.out_dir)
     with server_for(cfg) as (base_url, _pid):

@@ -58,7 +58,7 @@ _API_KEY_ENV = "GLOWPLUG_API_KEY"
 
 def _p(values: list[float], q: float) -> float:
     """The q-th percentile; NaN for no samples (a cell then says so, and no target is met by NaN)."""
-    from ..stats import percentile
+    from glowplug.profiling.bench.stats import percentile
 
     return percentile(values, q) if values else math.nan
 
@@ -148,10 +148,10 @@ def _per_call_us(fn: Callable[[], object], seconds: float = 0.5) -> float:
 def measure_check_cost(tokenizer: Any, body: dict[str, Any]) -> CheckCost:
     import json
 
-    from ....lifecycle.config import ServeConfig
-    from ....lifecycle.metrics import ServiceMetrics
-    from ....lifecycle.protocol import CompletionRequest, parse_body
-    from ....lifecycle.transport import BodyBuffer, TransportGuard, TransportLimits
+    from glowplug.lifecycle.config import ServeConfig
+    from glowplug.lifecycle.metrics import ServiceMetrics
+    from glowplug.lifecycle.protocol import CompletionRequest, parse_body
+    from glowplug.lifecycle.transport import BodyBuffer, TransportGuard, TransportLimits
 
     raw = json.dumps(body).encode()
     cfg = ServeConfig(api_key="sk-" + "x" * 40)
@@ -524,7 +524,7 @@ def run_hostile(cfg: ServeBenchConfig, tokenizer: Any, say: Progress) -> Hostile
     # The key reaches the server through the environment, never its command line (which `ps` shows).
     with _server(cfg, {_API_KEY_ENV: key}, **timeouts, **_NO_WAIT_LIMIT) as (base_url, pid):
         model = cfg.served_model_name or served_model(base_url, {"Authorization": f"Bearer {key}"})
-        from ....lifecycle.config import ServeConfig
+        from glowplug.lifecycle.config import ServeConfig
 
         bodies = hostile_bodies(model, cfg.hostile_prompt_mb, ServeConfig().max_body_bytes)
         # As long as the context allows: the streams must outlast a run (they are hung up at its end).
@@ -573,7 +573,7 @@ def request_body_bytes(model: str, prompt: str) -> bytes:
 
 def _target(cfg: ServeBenchConfig, base_url: str, model: str, key: str, timeouts: float | None,
             max_model_len: int) -> Target:  # fmt: skip
-    from ....lifecycle.config import ServeConfig
+    from glowplug.lifecycle.config import ServeConfig
 
     defaults = ServeConfig()
     port = int(base_url.rsplit(":", 1)[1])
@@ -619,7 +619,7 @@ def _cost_pairs(cfg: ServeBenchConfig, limited: str, plain: str, key: str, path:
 
 
 def render_hostile(r: HostileResult, head: str) -> str:
-    from ..tables import Missing, fmt_num, fmt_spread, markdown_table
+    from glowplug.profiling.bench.tables import Missing, fmt_num, fmt_spread, markdown_table
 
     def spread(values: list[float], digits: int = 1) -> str:
         return fmt_spread(values, digits)
@@ -688,14 +688,15 @@ def render_hostile(r: HostileResult, head: str) -> str:
                  for i, p in enumerate(r.pairs)]  # fmt: skip
     failed_cases = [c for c in r.corpus.cases if not c.passed]
     verdict = "PASS" if r.passed else "FAIL"
-    from ....lifecycle.config import ServeConfig
+    from glowplug.lifecycle.config import ServeConfig
 
     defaults = ServeConfig()
     bodies = " and ".join(f"{mb:g} MiB" for mb in sizes)
     parts = [
         head,
         f"- **verdict: {verdict}**, against: every large prompt refused with the right 4xx, the worst run "
-        "within each target (the Worst run column), every corpus case a 4xx or a clean close with the server READY and a normal request "
+        "within each target (the Worst run column), every corpus case a 4xx or a clean close with the server "
+        "READY and a normal request "
         f"succeeding after it. Runs within every target: {sum(1 for x in r.refusals if x.passed)}/"
         f"{len(r.refusals)}. Figures: median over runs (min–max), and the worst run",
         "",
@@ -776,8 +777,8 @@ def render_hostile(r: HostileResult, head: str) -> str:
 def hostile_mode(
     cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Progress
 ) -> tuple[bool, list[Path]]:
-    from ..cli_support import prepare_out_dir, write_json
-    from ..machine import report_header
+    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.machine import report_header
 
     out = prepare_out_dir(cfg.out_dir)
     result = run_hostile(cfg, tokenizer, say)

@@ -203,7 +203,7 @@ class Raw:
         self.sock.settimeout(left)
         try:
             return self.sock.recv(_CHUNK)
-        except socket.timeout:
+        except TimeoutError:
             raise TimeoutError from None
 
     def close(self) -> None:
@@ -496,7 +496,7 @@ def _idle_connections(t: Target) -> Outcome:
                 closed += c.recv(1) == b""
             except ConnectionResetError:
                 reset += 1
-            except socket.timeout:
+            except TimeoutError:
                 pass
         note = (f"{len(conns)} idle: a request meanwhile got {served.status} in {served.seconds * 1000:.0f} ms, "
                 f"/health/ready {ready.status}; {closed} closed cleanly, {reset} reset")  # fmt: skip

@@ -171,7 +171,8 @@ def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Ca
 
 
 def render_overload(r: OverloadResult, head: str) -> str:
-    from ..tables import fmt_num, markdown_table
+    from glowplug.profiling.bench.tables import fmt_num, markdown_table
+
     from .report import spread_cell
 
     def row(name: str, p: LoadPoint, rate: float) -> list[Any]:
@@ -210,15 +211,16 @@ def render_overload(r: OverloadResult, head: str) -> str:
         "",
         "Pair i: the sustainable-rate run on the server with the default admission, then, right after it, the "
         "overload run on the server with the admission limit; ratio = the second's TTFT p99 (admitted requests) / "
-        "the first's. The verdict needs every 429 with Retry-After, no other failure, and the worst (largest) ratio "
-        f"<= {TTFT_RATIO_LIMIT:g}.",
+        "the first's. The verdict needs every 429 with Retry-After, no other failure, and the worst (largest) "
+        f"ratio <= {TTFT_RATIO_LIMIT:g}.",
         "",
         "## Phases",
         "",
         markdown_table(["Phase", "Offered req/s", "Sent", "Completed", "Failed (by type)", "TTFT p50 (ms)",
                         "TTFT p90 (ms)", "TTFT p99 (ms)", "TPOT p99 (ms)", "Output tok/s"], rows),  # fmt: skip
         "",
-        f"Each cell: median over the {n} runs (min–max). TTFT: request sent -> first output chunk, percentiles over "
+        f"Each cell: median over the {n} runs (min–max). TTFT: request sent -> first output chunk, "
+        "percentiles over "
         "one run's completed requests; TPOT: (E2E - TTFT) / (output tokens - 1); output tok/s over the run's wall "
         "time. Sent and Completed are totals over runs.",
         "",
@@ -228,7 +230,7 @@ def render_overload(r: OverloadResult, head: str) -> str:
 
 
 def plot_overload(r: OverloadResult, cfg: ServeBenchConfig, path: Path) -> Path:
-    from ..plots import plot_overload_pairs
+    from glowplug.profiling.bench.plots import plot_overload_pairs
 
     def p99s(p: LoadPoint) -> list[float | None]:
         return [m.figure("ttft_p99") for m in p.runs]
@@ -249,8 +251,8 @@ def plot_overload(r: OverloadResult, cfg: ServeBenchConfig, path: Path) -> Path:
 def overload_mode(
     cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from ..cli_support import prepare_out_dir, write_json
-    from ..machine import report_header
+    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.machine import report_header
 
     out = prepare_out_dir(cfg.out_dir)
     result = run_overload(cfg, tokenizer, server_for, say)

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..stats import PERCENTILE_METHOD
-from ..tables import Cell, Missing, fmt_num, markdown_table
+from glowplug.profiling.bench.stats import PERCENTILE_METHOD
+from glowplug.profiling.bench.tables import Cell, Missing, fmt_num, markdown_table
+
 from .config import ServeBenchConfig
 from .results import LoadPoint, Spread
 
@@ -77,11 +78,13 @@ def workload_lines(cfg: ServeBenchConfig, lengths: dict[str, float], model: str,
     if cfg.slo_tpot_ms is not None:
         slo.append(f"TPOT <= {cfg.slo_tpot_ms:g} ms")
     return [
-        f"- server: {server}, model `{model}`, endpoint `/v1/{'chat/completions' if cfg.endpoint == 'chat' else 'completions'}`, "
+        f"- server: {server}, model `{model}`, "
+        f"endpoint `/v1/{'chat/completions' if cfg.endpoint == 'chat' else 'completions'}`, "
         f"streaming, temperature {cfg.temperature:g}, ignore_eos {cfg.ignore_eos}",
         f"- prompts: {source}; prompt tokens mean {lengths['prompt_tokens_mean']:.0f} "
         f"(min {lengths['prompt_tokens_min']:.0f}, max {lengths['prompt_tokens_max']:.0f}); output tokens mean "
-        f"{lengths['output_tokens_mean']:.0f} (min {lengths['output_tokens_min']:.0f}, max {lengths['output_tokens_max']:.0f})",
+        f"{lengths['output_tokens_mean']:.0f} (min {lengths['output_tokens_min']:.0f}, "
+        f"max {lengths['output_tokens_max']:.0f})",
         f"- engine: max-num-seqs {cfg.max_num_seqs}" + (f", max-model-len {cfg.max_model_len}" if cfg.max_model_len else "")
         + ("" if started else " (of the started server; ignored with --base-url)"),
         f"- goodput SLO: {', '.join(slo)}" if slo else "- goodput: no SLO given (--slo-ttft-ms, --slo-tpot-ms)",
@@ -133,7 +136,7 @@ def sweep_plot_panels(
 
 
 def plot_sweep(cfg: ServeBenchConfig, points: Sequence[LoadPoint], path: Path) -> Path:
-    from ..plots import plot_latency_vs_load
+    from glowplug.profiling.bench.plots import plot_latency_vs_load
 
     panels, xlabels = sweep_plot_panels(points)
     title = (f"glowplug serve latency vs load: {cfg.model}, --dtype {cfg.dtype}, --compile {cfg.compile}, "

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..stats import Summary, summarize
+from glowplug.profiling.bench.stats import Summary, summarize
+
 from .client import RequestResult
 
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2e")

@@ -45,7 +45,7 @@ def engine_fields(cfg: ServeBenchConfig, **overrides: Any) -> dict[str, Any]:
 
 def serve_argv(cfg: ServeBenchConfig, port: int, **overrides: Any) -> list[str]:
     """`python -m glowplug.lifecycle ...` for the benchmark's server."""
-    from ..cli_support import engine_flag
+    from glowplug.profiling.bench.cli_support import engine_flag
 
     fields = engine_fields(cfg)
     argv = [sys.executable, "-m", "glowplug.lifecycle", str(fields.pop("model"))]

@@ -38,13 +38,15 @@ from typing import Any
 
 import httpx
 
+from glowplug.profiling.names import Metric
+
 from .client import RequestResult, make_client, send_streaming
 from .server import parse_metrics
 from .workload import WORDS
 
 RSS_LIMIT = 1.05
 RSS_METRIC = "process_resident_memory_bytes"
-CORE_RSS_METRIC = "glowplug_engine_core_process_resident_memory_bytes"
+CORE_RSS_METRIC = f"{Metric.ENGINE_CORE}_process_resident_memory_bytes"
 # Longer than the engine core's idle trim delay (engine.core_proc.IDLE_TRIM_S), so both readings are at rest.
 IDLE_S = 2.5
 KINDS = ("completion", "completion_n2", "completion_top3", "completion_stop", "chat", "chat_n2", "chat_stop")
@@ -169,8 +171,8 @@ async def _settle(client: httpx.AsyncClient, timeout: float) -> dict[str, float]
     deadline = time.monotonic() + timeout
     while True:
         m = await _scrape(client)
-        idle = all(m.get(k, 0.0) == 0.0 for k in ("glowplug_num_requests_running", "glowplug_num_requests_waiting",
-                                                    "glowplug_kv_cache_used_blocks"))  # fmt: skip
+        idle = all(m.get(k, 0.0) == 0.0 for k in (Metric.REQUESTS_RUNNING, Metric.REQUESTS_WAITING,
+                                                    Metric.KV_USED_BLOCKS))  # fmt: skip
         if idle or time.monotonic() > deadline:
             return m
         await asyncio.sleep(0.1)
@@ -264,14 +266,14 @@ def _evaluate(
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    counter = delta("glowplug_generation_tokens_total")
-    aborted = delta("glowplug_aborted_generation_tokens_total")
+    counter = delta(f"{Metric.GENERATION_TOKENS}_total")
+    aborted = delta(f"{Metric.ABORTED_GENERATION_TOKENS}_total")
     # The server's own count of the tokens of requests it ended: a hang-up client can leave after the server sent
     # the end (its usage then never counts on the client's side), so the usages alone can fall short of it.
-    completed = delta("glowplug_completed_generation_tokens_total")
+    completed = delta(f"{Metric.COMPLETED_GENERATION_TOKENS}_total")
     rss_end = _rss(after)
-    idle = {k: after.get(k, 0.0) for k in ("glowplug_kv_cache_used_blocks", "glowplug_num_requests_running",
-                                           "glowplug_num_requests_waiting")}  # fmt: skip
+    idle = {k: after.get(k, 0.0) for k in (Metric.KV_USED_BLOCKS, Metric.REQUESTS_RUNNING,
+                                           Metric.REQUESTS_WAITING)}  # fmt: skip
     result = SoakResult(
         plan=plan, wall_s=wall, requests=len(results), finished=len(finished), hung_up=len(hung),
         errors=dict(errors), by_kind=dict(Counter(k for k, _ in results)), usage_tokens=usage,
@@ -318,7 +320,7 @@ def run_soak(base_url: str, plan: SoakPlan, progress: Callable[[str], None] | No
 
 
 def render_soak(result: SoakResult, head: str, latency_table: str) -> str:
-    from ..tables import markdown_table
+    from glowplug.profiling.bench.tables import markdown_table
 
     p = result.plan
     rows = [[c.name, c.value, c.limit, "pass" if c.passed else "FAIL"] for c in result.checks]
@@ -327,7 +329,8 @@ def render_soak(result: SoakResult, head: str, latency_table: str) -> str:
         head,
         f"- {p.streams} concurrent streams for {p.duration_s:g} s ({result.wall_s:.1f} s with the last requests), "
         f"{p.hangup_clients} of them hanging up after {p.hangup_after_chunks[0]}-{p.hangup_after_chunks[1]} chunks",
-        f"- {result.requests} requests: {result.finished} finished, {result.hung_up} hung up on purpose; mix: {kinds}",
+        f"- {result.requests} requests: {result.finished} finished, {result.hung_up} hung up on purpose; "
+        f"mix: {kinds}",
         f"- verdict: **{'PASS' if result.passed else 'FAIL'}**",
         "",
         "## Checks (server /metrics once idle)",
@@ -344,8 +347,9 @@ def render_soak(result: SoakResult, head: str, latency_table: str) -> str:
 def soak_mode(
     cfg: Any, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from ..cli_support import prepare_out_dir, write_json
-    from ..machine import report_header
+    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.machine import report_header
+
     from .report import latency_table
     from .results import LoadPoint, run_metrics
     from .server import served_model

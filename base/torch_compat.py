@@ -2,9 +2,11 @@
 
 The compiled decode step is built from pieces of torch that are not public API: Dynamo's full-graph capture and
 its AOT-compile artifacts, the guard serialization, Inductor's and functorch's config options, Inductor's in-memory
-caches and errors, and the layout of the Python wrapper Inductor generates (which the replay plan parses). Any torch
-release may move them. Every one the engine uses is named in this module and nowhere else (tests/test_torch_compat.py
-scans the engine for `torch._` outside it), so that:
+caches and errors, and the layout of the Python wrapper Inductor generates (which the replay plan parses). The CPU
+kernels call aten operators whose names start with an underscore, and the live-tensor tracker uses torch's dispatch
+mode. Any torch release may move them. Every private torch name glowplug uses is named in this module and nowhere
+else (tests/test_torch_compat.py scans the whole package for `torch._` outside it). It sits below every layer and
+imports nothing of glowplug's, so kernels, profiling and the engine all reach torch's internals through it, so that:
 - the supported torch range is one statement (SUPPORTED_RANGE, which pyproject.toml and the README repeat), and
 - a capability check, run once per process, says whether this torch has those internals with the shapes the engine
   relies on (attributes and dataclass fields present, parameters where a signature is cheap to read, config options
@@ -17,9 +19,12 @@ Inductor (that import was half of a warm start):
 - check_compiler(): that, and every Dynamo, Inductor, functorch and guard name below; imports `torch._dynamo`. It
   runs the first time one of those names is asked for (by the trace, or a warm start without a replay plan), which
   imports Dynamo then, as the direct imports it replaces did, so a replayed warm start never pays for it.
-Names are resolved on first use through this module's `__getattr__`: `from .torch_compat import fullgraph_capture`
-inside a function is what `from torch._dynamo.convert_frame import fullgraph_capture` was. A name asked for while
-its tier's check fails raises TorchInternalsUnavailable with the check's reason.
+A third tier, _DIRECT, is not gated: the kernels' aten operators and the dispatch-mode utilities are needed by eager
+serving whatever the compiler check says, and the code calling each is tested against its reference directly.
+Names are resolved on first use through this module's `__getattr__` (then bound as plain module attributes, so a
+kernel's call costs what `torch._int_mm` cost): `from glowplug.base.torch_compat import fullgraph_capture` inside a
+function is what `from torch._dynamo.convert_frame import fullgraph_capture` was. A name asked for while its tier's
+check fails raises TorchInternalsUnavailable with the check's reason.
 
 The generated wrapper's layout (WRAPPER_* below) is not checked here: it can only be seen in a compiled graph, and a
 replay plan is written only after it reproduced the compiled step bit for bit (engine/compile_replay.py), so a torch
@@ -156,6 +161,17 @@ _COMPILER: dict[str, _Need] = {
     "clear_inductor_caches": _Need("torch._inductor.utils:clear_caches"),
     "InductorError": _Need("torch._inductor.exc:InductorError"),
     "InvalidCxxCompiler": _Need("torch._inductor.exc:InvalidCxxCompiler"),
+}
+
+# Ungated (see the module docstring): the CPU kernels' underscore aten operators (kernels/cpu.py) and the dispatch
+# mode the live-tensor tracker runs under (profiling/memory.py).
+_DIRECT: dict[str, _Need] = {
+    "weight_int8pack_mm": _Need("torch:_weight_int8pack_mm"),
+    "int_mm": _Need("torch:_int_mm"),
+    "convert_weight_to_int4pack_for_cpu": _Need("torch:ops.aten._convert_weight_to_int4pack_for_cpu"),
+    "weight_int4pack_mm_for_cpu": _Need("torch:ops.aten._weight_int4pack_mm_for_cpu"),
+    "TorchDispatchMode": _Need("torch.utils._python_dispatch:TorchDispatchMode"),
+    "tree_flatten": _Need("torch.utils._pytree:tree_flatten"),
 }
 
 # Inductor's generated Python wrapper, as the replay plan reads it (see the module docstring for how it is checked):
@@ -315,6 +331,22 @@ def is_toolchain_error(exc: BaseException) -> bool:
     return any(isinstance(e, invalid) for e in inner_errors(exc))
 
 
+def set_graph_backend_id(graph_module: torch.fx.GraphModule, backend_id: str) -> None:
+    """Tag a captured graph with its Dynamo backend id, as torch.compile's backend call does before Inductor runs
+    (Inductor's AOT bundle reads it back)."""
+    graph_module._backend_id = backend_id  # type: ignore[assignment]
+
+
+def aot_compiled_function(artifacts: Any, extra_globals: dict[str, Any]) -> Any:
+    """An AOTCompiledFunction over `artifacts` (CompileArtifacts), its bytecode run with `extra_globals`."""
+    return __getattr__("AOTCompiledFunction")(_artifacts=artifacts, _extra_globals=extra_globals)
+
+
+def aot_guard_manager(fn: Any) -> Any:
+    """The guard manager of an AOTCompiledFunction (its `check_verbose` names a failing guard)."""
+    return fn._artifacts.guard_manager
+
+
 def __getattr__(name: str) -> Any:
     """A private torch name, resolved on first use once its tier's check passed (see the module docstring)."""
     if name in _RUNTIME:
@@ -323,6 +355,8 @@ def __getattr__(name: str) -> Any:
     elif name in _COMPILER:
         require_compiler()
         value = _resolve(_COMPILER[name])
+    elif name in _DIRECT:
+        value = _resolve(_DIRECT[name])
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value  # the next lookup is a plain module attribute
