@@ -44,10 +44,6 @@ PROCESS_ALLOWED = {("bench", "front")}
 # Known exceptions: (file, what it names) -> why. Each must still be there (test_known_exceptions_are_current), so
 # one removed from the code is removed here.
 KNOWN: dict[tuple[str, str], str] = {
-    ("engine/bundle.py", "glowplug.cli"): "runs `glowplug startup` in a fresh process to build a bundle; to become a "
-    "Python entry point below the CLI",
-    ("kernels/native.py", "glowplug.cli"): "runs `glowplug kernels build` in the background; to become a Python "
-    "entry point below the CLI",
     ("base/artifacts/caches.py", "glowplug.{sub}"): "source_digest hashes the .py files of the subpackages its "
     "caller names (the cache key of code-made artifacts): it reads their folders and imports none of them",
 }
