@@ -82,7 +82,7 @@ def capture_decode_graphs(
                 activations = torch.cuda.max_memory_allocated(device) - base
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool):  # type: ignore[arg-type]
                 out = step(packed)
             pool = graph.pool()
             torch.cuda.synchronize(device)

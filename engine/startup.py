@@ -260,6 +260,7 @@ def build_engine(
         plan = _planned(run, pipeline, plan, on_plan)
         run.run(pipeline, on_phase)
     ready, ctx = run.ready(plan, ready_hooks(config)), run.ctx
+    assert ready.table is not None and ctx.kv_plan is not None and ctx.arch is not None and ctx.model_dir is not None
     return StartupResult(engine=ready.engine, stages=run.results, phase_table=ready.table, tracing=run.tracing,
                          kv_plan=ctx.kv_plan, arch=ctx.arch, model_dir=ctx.model_dir, dtype=ctx.dtype, plan=plan,
                          parallel=ctx.parallel)  # fmt: skip
