@@ -70,24 +70,43 @@ class AccuracyConfig(BaseModel):
     continuation_tokens: int = Field(48, ge=0, le=512)
     native: bool = Field(True, description="Also score each scheme through glowplug's native kernels (what the "
                          "compiled decode step runs), where they load.")  # fmt: skip
+    peer: bool = Field(True, description="Also score llama.cpp (llama-cpp-python) on the same GGUF file and windows.")
     out: Path | None = None
+
+
+PEER_ROW = "llama.cpp (same file)"
+# The target: the default scheme's perplexity on the project's text within this much of the reference's.
+AUTO_TARGET_PCT = 1.5
 
 
 @dataclass
 class AccuracyRow:
+    """One scheme's scores against the reference. `perplexity` is over every window; `text_perplexity` over the
+    project's text only, which no model under test wrote (the continuation windows are the reference's own greedy
+    output, on which the reference's perplexity is low by construction: they serve the KL and top-1 columns)."""
+
     quantization: str
     perplexity: float
     ppl_change_pct: float
     mean_kl: float
     top1_agreement: float
     tokens: int
+    text_perplexity: float = float("nan")
+    text_change_pct: float = float("nan")
+    text_tokens: int = 0
+
+
+def text_windows(tokenizer: Any, window: int) -> list[list[int]]:
+    """The project's text cut into windows of `window` tokens (a tail under 16 tokens is dropped)."""
+    ids = list(tokenizer(EVAL_TEXT)["input_ids"])
+    windows = [ids[i : i + window] for i in range(0, len(ids) - 1, window)]
+    return [w for w in windows if len(w) >= 16]
 
 
 def eval_token_windows(tokenizer: Any, generate_continuations: Any, window: int, cont_tokens: int) -> list[list[int]]:
-    """The project's text cut into windows, plus one window per bf16 continuation (prompt + generated)."""
-    ids = list(tokenizer(EVAL_TEXT)["input_ids"])
-    windows = [ids[i : i + window] for i in range(0, len(ids) - 1, window)]
-    windows = [w for w in windows if len(w) >= 16]
+    """The project's text cut into windows (text_windows, first), plus one window per bf16 continuation (prompt +
+    generated)."""
+    windows = text_windows(tokenizer, window)
     if cont_tokens:
         windows += generate_continuations(list(CONTINUATION_PROMPTS), cont_tokens)
     return windows
@@ -105,6 +124,43 @@ def next_token_logprobs(model: Any, windows: list[list[int]]) -> list[Any]:
             ids = torch.tensor(w)
             hidden = model(ids, torch.arange(len(w)), AttentionMetadata.causal([len(w)]))
             out.append(torch.log_softmax(model.compute_logits(hidden[:-1]).float(), dim=-1))
+    return out
+
+
+def perplexity(test: list[Any], windows: list[list[int]]) -> tuple[float, int]:
+    """(perplexity of the log-probabilities `test` on `windows`, tokens scored)."""
+    import torch
+
+    nll, n = 0.0, 0
+    for t, w in zip(test, windows):
+        nll -= float(t.gather(1, torch.tensor(w[1:])[:, None]).sum())
+        n += len(w) - 1
+    return math.exp(nll / n), n
+
+
+def llama_cpp_logprobs(model: str, windows: list[list[int]]) -> list[Any] | None:
+    """The windows scored by llama.cpp (llama-cpp-python, one thread per usable core) on the same
+    GGUF file: the peer's own kernels and activations; None when the model is not a GGUF or llama_cpp is absent."""
+    import os
+
+    import numpy as np
+    import torch
+
+    if not model.endswith(".gguf"):
+        return None
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    peer = Llama(model_path=model, n_ctx=max(len(w) for w in windows), n_threads=len(os.sched_getaffinity(0)),
+                 logits_all=True, verbose=False)  # fmt: skip
+    out = []
+    for w in windows:
+        peer.reset()
+        peer.eval(w)
+        logits = torch.from_numpy(np.array(peer.scores[: len(w) - 1], dtype=np.float32))
+        out.append(torch.log_softmax(logits, dim=-1))
+    peer.close()
     return out
 
 
@@ -148,21 +204,30 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
         return [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
 
     windows = eval_token_windows(ref_llm.tokenizer, continuations, cfg.window, cfg.continuation_tokens)
+    n_text = len(text_windows(ref_llm.tokenizer, cfg.window))
     ref = next_token_logprobs(ref_llm.engine.model, windows)
-    ref_ppl, _, _, n = compare(ref, ref, windows)
-    rows = [AccuracyRow("none (bf16)", ref_ppl, 0.0, 0.0, 1.0, n)]
+    ref_text_ppl, _ = perplexity(ref[:n_text], windows[:n_text])
+
+    def row(label: str, got: list[Any]) -> AccuracyRow:
+        ppl, kl, top1, n = compare(ref, got, windows)
+        text_ppl, text_n = perplexity(got[:n_text], windows[:n_text])
+        return AccuracyRow(label, ppl, 100 * (ppl / ref_ppl - 1), kl, top1, n, text_ppl,
+                           100 * (text_ppl / ref_text_ppl - 1), text_n)  # fmt: skip
+
+    ref_ppl = compare(ref, ref, windows)[0]
+    rows = [row("none (bf16)", ref)]
     del ref_llm
     for quant in cfg.quantization:
         llm = build(quant)
-        got = next_token_logprobs(llm.engine.model, windows)
-        ppl, kl, top1, n = compare(ref, got, windows)
-        rows.append(AccuracyRow(quant, ppl, 100 * (ppl / ref_ppl - 1), kl, top1, n))
+        rows.append(row(quant, next_token_logprobs(llm.engine.model, windows)))
         native = native_logprobs(llm, windows) if cfg.native else None
         if native is not None:
             label, got = native
-            ppl, kl, top1, n = compare(ref, got, windows)
-            rows.append(AccuracyRow(f"{quant} ({label})", ppl, 100 * (ppl / ref_ppl - 1), kl, top1, n))
+            rows.append(row(f"{quant} ({label})", got))
         del llm
+    peer = llama_cpp_logprobs(cfg.model, windows) if cfg.peer else None
+    if peer is not None:
+        rows.append(row(PEER_ROW, peer))
     return rows
 
 
@@ -193,19 +258,46 @@ def render_markdown(rows: list[AccuracyRow]) -> str:
 
     flags = quality(rows)["flags"]
     lines = [
-        "| quantization | perplexity | vs bf16 | mean KL (nats) | top-1 agreement | tokens |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| quantization | perplexity, text | vs bf16, text | perplexity, all windows | vs bf16, all windows "
+        "| mean KL (nats) | top-1 agreement | tokens (text / all) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         mark = f" {flags[r.quantization]}" if r.quantization in flags else ""
         lines.append(
-            f"| {r.quantization}{mark} | {r.perplexity:.3f} | {r.ppl_change_pct:+.2f}% | {r.mean_kl:.4f} "
-            f"| {100 * r.top1_agreement:.1f}% | {r.tokens} |"
+            f"| {r.quantization}{mark} | {r.text_perplexity:.3f} | {r.text_change_pct:+.2f}% | {r.perplexity:.3f} "
+            f"| {r.ppl_change_pct:+.2f}% | {r.mean_kl:.4f} | {100 * r.top1_agreement:.1f}% "
+            f"| {r.text_tokens} / {r.tokens} |"
         )
     lines += ["", "All schemes in bfloat16 activations, compile off (eager), against the bf16 model in the same "
               "dtype and compile mode. A \"(native <level>)\" row scores the same quantized weights through glowplug's "
               "native kernels at that ISA level, what the compiled decode step runs (int4 from AVX2 up: int8 "
               "activations per group; int8: 16-bit fixed-point activations)."]  # fmt: skip
+    lines += ["", "Perplexity, text: the project's text only, which no model under test wrote. Perplexity, all "
+              "windows: with the bf16 model's own greedy continuations added, on which the bf16 model's perplexity "
+              "is low by construction (they are its argmax tokens), so every other row looks worse there than it "
+              "is; those windows serve the KL and top-1 columns. The target is judged on the text column, and the "
+              "all-windows figure is shown beside it."]  # fmt: skip
     if flags:
         lines += ["", flag_note(flags)]
     return "\n".join(lines) + "\n"
+
+
+def accuracy_verdicts(rows: list[AccuracyRow]) -> list[Any]:
+    """The default scheme against the reference (AUTO_TARGET_PCT on the text column), and against llama.cpp on the
+    same file where that row exists (no worse than the peer's perplexity on the text)."""
+    from .verdicts import Verdict
+
+    by = {r.quantization: r for r in rows}
+    out = []
+    auto = by.get("auto")
+    if auto is not None:
+        out.append(Verdict(f"auto's perplexity within {AUTO_TARGET_PCT}% of none's (text)",
+                           f"{auto.text_change_pct:+.2f}% (all windows {auto.ppl_change_pct:+.2f}%)",
+                           auto.text_change_pct <= AUTO_TARGET_PCT))  # fmt: skip
+        peer = by.get(PEER_ROW)
+        if peer is not None:
+            out.append(Verdict("auto's perplexity no higher than llama.cpp's on the same file (text)",
+                               f"{auto.text_perplexity:.3f} vs {peer.text_perplexity:.3f}",
+                               auto.text_perplexity <= peer.text_perplexity))  # fmt: skip
+    return out

@@ -127,8 +127,9 @@ def _other_levels(cfg: KernelBenchConfig) -> tuple[list[dict[str, Any]], str]:
 
 
 def run_accuracy_report(cfg: object, argv: list[str] | None) -> str:
-    from .accuracy import AccuracyConfig, quality, render_markdown, run_accuracy
+    from .accuracy import AccuracyConfig, accuracy_verdicts, quality, render_markdown, run_accuracy
     from .cli_support import write_json
+    from .verdicts import verdicts_markdown, write_verdicts
 
     assert isinstance(cfg, AccuracyConfig)
     rows = run_accuracy(cfg)
@@ -136,6 +137,9 @@ def run_accuracy_report(cfg: object, argv: list[str] | None) -> str:
         # The perplexities next to the report: the speed reports flag unusable formats from it (--quality-from).
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         write_json(cfg.out.with_suffix(".json"), quality(rows))
+    verdicts = accuracy_verdicts(rows)
+    if cfg.out is not None and verdicts:
+        write_verdicts(cfg.out, verdicts)
     return "\n".join(
         [
             report_header("Quantization accuracy against bf16", argv),
@@ -147,5 +151,9 @@ def run_accuracy_report(cfg: object, argv: list[str] | None) -> str:
             "allowed group that divides K.",
             "",
             render_markdown(rows),
+            "## Verdicts",
+            "",
+            verdicts_markdown(verdicts),
+            "",
         ]
     )
