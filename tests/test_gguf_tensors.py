@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from glowplug.engine.models import gguf_blocks as gb
 from glowplug.engine.models import gguf_tensors as gt
 from glowplug.engine.models.arch import ModelError
 from glowplug.kernels.formats import Int8Weight, quantize_int4, unpack_bits
@@ -88,7 +89,7 @@ def _oracle(r: Any) -> torch.Tensor:
 def test_the_list_of_types_is_ggmls(gguf_file: Path) -> None:
     # The ids and block shapes spelled out in gguf_tensors (so a warm start need not import gguf) are ggml's.
     assert {Q(t).name for t in gt.TYPE_NAMES} == {gt.TYPE_NAMES[t] for t in gt.TYPE_NAMES}
-    for t, shape in gt._BLOCK_SHAPE.items():
+    for t, shape in gb._BLOCK_SHAPE.items():
         assert gguf.GGML_QUANT_SIZES[Q(t)] == shape, gt.TYPE_NAMES[t]
 
 
@@ -96,7 +97,7 @@ def test_every_type_unpacks_as_gguf_dequantize_does(gguf_file: Path) -> None:
     table, data, ref = _table(gguf_file)
     assert {e.type for e in table.tensors} == set(gt.TYPE_NAMES)  # the file holds every type glowplug reads
     for e in table.tensors:
-        got = gt.dequantize(gt.raw_bytes(data, e), e)
+        got = gb.dequantize(gb.raw_bytes(data, e), e)
         assert got.shape == (N, K) and got.dtype == torch.float32
         assert torch.equal(got, _oracle(ref[e.name]).reshape(got.shape)), e.name  # bit for bit
 
@@ -104,14 +105,14 @@ def test_every_type_unpacks_as_gguf_dequantize_does(gguf_file: Path) -> None:
 def test_row_order_chunks_and_destination(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The loader's way in: rows reordered on the packed bytes, de-quantized a few rows at a time (5 here, so the
     last step is short) straight into a bf16 slice of a larger buffer."""
-    monkeypatch.setattr(gt, "_CHUNK_WEIGHTS", 5 * K)
+    monkeypatch.setattr(gb, "_CHUNK_WEIGHTS", 5 * K)
     table, data, ref = _table(gguf_file)
     order = torch.randperm(N, generator=torch.Generator().manual_seed(0))
     for e in table.tensors:
         if e.type in (gt.F32, gt.F16, gt.BF16):
             continue
         buffer = torch.zeros((N + 3, K), dtype=torch.bfloat16)
-        got = gt.dequantize(gt.raw_bytes(data, e), e, torch.bfloat16, order, buffer[3:])
+        got = gb.dequantize(gb.raw_bytes(data, e), e, torch.bfloat16, order, buffer[3:])
         want = _oracle(ref[e.name]).reshape(N, K)[order].to(torch.bfloat16)
         assert torch.equal(got, want) and torch.equal(buffer[3:], want), e.name
         assert not buffer[:3].any()
@@ -122,7 +123,7 @@ def test_int4_repack_keeps_the_codes_and_the_grid(gguf_file: Path, name: str) ->
     table, data, ref = _table(gguf_file)
     e = next(t for t in table.tensors if t.name == f"{name}.weight")
     want = _oracle(ref[e.name]).reshape(e.shape)
-    packed = gt.repack_int4(gt.raw_bytes(data, e), e)
+    packed = gb.repack_int4(gb.raw_bytes(data, e), e)
     assert packed["qweight"].shape == (N, K // 2) and packed["scales"].shape == packed["zeros"].shape == (N, K // 32)
     codes = unpack_bits(packed["qweight"], 4, 32).float().reshape(N, K // 32, 32)
     scales, zeros = packed["scales"][..., None], packed["zeros"][..., None]
@@ -149,7 +150,7 @@ def test_int8_repack_is_exact(gguf_file: Path, name: str) -> None:
     table, data, ref = _table(gguf_file)
     e = next(t for t in table.tensors if t.name == f"{name}.weight")
     want = _oracle(ref[e.name]).reshape(e.shape)
-    w = Int8Weight(**gt.repack_int8(gt.raw_bytes(data, e), e), group_size=32)
+    w = Int8Weight(**gb.repack_int8(gb.raw_bytes(data, e), e), group_size=32)
     got = (w.qweight.float().reshape(N, K // 32, 32) * w.scales[..., None]).reshape(e.shape)
     assert torch.equal(got, want)
 
@@ -238,7 +239,7 @@ def test_float_tensors_are_mapped_apart_and_exact(gguf_file: Path) -> None:
     floats = [e for e in table.tensors if e.type in (gt.F32, gt.F16, gt.BF16)]
     mapped = [gt.map_float(gguf_file, e) for e in floats]
     for e, t in zip(floats, mapped):
-        assert torch.equal(t.float(), gt.dequantize(gt.raw_bytes(data, e), e))
+        assert torch.equal(t.float(), gb.dequantize(gb.raw_bytes(data, e), e))
     # One storage each: torch.compile refuses graph inputs that alias (views of one mapping would).
     assert len({t.untyped_storage().data_ptr() for t in mapped}) == len(mapped)
 
@@ -263,13 +264,13 @@ def test_a_real_k_quant_file_reads_every_tensor(gemma3_gguf: Path) -> None:
         else:
             want = _oracle(r)
         want = want.reshape(e.shape)
-        assert torch.equal(gt.dequantize(gt.raw_bytes(data, e), e), want), e.name
+        assert torch.equal(gb.dequantize(gb.raw_bytes(data, e), e), want), e.name
         if e.type == gt.Q4_K:
-            p = gt.repack_int4(gt.raw_bytes(data, e), e)
+            p = gb.repack_int4(gb.raw_bytes(data, e), e)
             codes = unpack_bits(p["qweight"], 4, 32).float().reshape(e.shape[0], -1, 32)
             got = ((codes - 8) * p["scales"][..., None] + p["zeros"][..., None]).reshape(e.shape)
             torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=0)
         elif e.type in (gt.Q5_0, gt.Q8_0):
-            w = Int8Weight(**gt.repack_int8(gt.raw_bytes(data, e), e), group_size=32)
+            w = Int8Weight(**gb.repack_int8(gb.raw_bytes(data, e), e), group_size=32)
             assert torch.equal((w.qweight.float().reshape(e.shape[0], -1, 32) * w.scales[..., None]).reshape(e.shape),
                                want), e.name  # fmt: skip
