@@ -28,13 +28,14 @@ from __future__ import annotations
 
 import inspect
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from glowplug.base.process import exit_process
+
+from .core_channel import CoreChannel, Signals, watch_server
 
 if TYPE_CHECKING:
     from glowplug.profiling.process import ProcessMarks
@@ -48,7 +49,6 @@ CORE_SPEC_ENV = "GLOWPLUG_CORE_SPEC"
 IDLE_TRIM_S = 1.0
 # How long an idle core sleeps on its socket before it looks at its other duties (a rank that failed, a signal).
 IDLE_POLL_MS = 100
-PARENT_POLL_S = 0.25
 
 # (config, *, on_phase=, tracing=, marks=, plan=, on_plan=, parent=) -> a StartupResult (build_engine's signature)
 EngineFactory = Callable[..., Any]
@@ -65,96 +65,15 @@ def factory_kwargs(factory: EngineFactory, offered: Mapping[str, Any]) -> dict[s
     return {k: v for k, v in offered.items() if k in params}
 
 
-class CoreChannel:
-    """The core's two sockets: frames in (PULL), frames out (PUSH). Sends come from the stage threads during the
-    start-up (spans) and from the loop afterwards, so they share a lock (a ZMQ socket is not thread-safe)."""
-
-    def __init__(self, to_core: str, from_core: str) -> None:
-        import zmq
-
-        self._zmq = zmq
-        self._ctx = zmq.Context(1)
-        self._in = self._ctx.socket(zmq.PULL)
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._in.connect(to_core)
-        self._out = self._ctx.socket(zmq.PUSH)
-        # Sent frames are delivered even while the loop is already closing down (Failed, the last outputs).
-        self._out.setsockopt(zmq.LINGER, 2000)
-        self._out.connect(from_core)
-        self._lock = threading.Lock()
-        from .core_frames import ToCore, decode_frame, encode_frame
-
-        self._encode = encode_frame
-        self._decode = lambda data: decode_frame(data, ToCore)
-
-    def send(self, frame: Any) -> None:
-        data = self._encode(frame)
-        with self._lock:
-            self._out.send(data, copy=False)
-
-    def receive(self, timeout_ms: int) -> list[Any]:
-        """Every frame waiting now, after waiting up to `timeout_ms` for the first (0: do not wait)."""
-        zmq = self._zmq
-        if timeout_ms and not self._in.poll(timeout_ms):
-            return []
-        frames: list[Any] = []
-        while True:
-            try:
-                data = self._in.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return frames
-            frames.append(self._decode(data.buffer))
-
-    def close(self) -> None:
-        self._in.close(0)
-        self._out.close()
-        self._ctx.term()
-
-
-def _watch_server(pid: int) -> None:
-    """Exit at once when the server that started this core is gone (no core outlives its server)."""
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != pid:
-                os._exit(1)
-            time.sleep(PARENT_POLL_S)
-
-    threading.Thread(target=watch, name="glowplug-core-parent", daemon=True).start()
-
-
-class _Signals:
-    """SIGTERM / SIGINT: remembered, and turned into a Notice by whoever sends next (a handler must not send)."""
-
-    def __init__(self) -> None:
-        self.pending: str | None = None
-        self.told = False
-
-    def install(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, sig: int, _frame: Any) -> None:
-        self.pending = signal.Signals(sig).name
-
-    def notice(self) -> Any:
-        if self.pending is None or self.told:
-            return None
-        from .core_frames import Notice
-
-        self.told = True
-        return Notice("sigterm", f"the engine core got {self.pending}")
-
-
 def run_core(spec: CoreSpec, *, marks: ProcessMarks | None = None, factory: EngineFactory | None = None,
              in_thread: bool = False) -> int:  # fmt: skip
     """Start the engine and serve until told to stop; the exit status (0: shut down, 1: it failed, and said so)."""
     from glowplug.profiling.tracing import setup_tracing
 
     channel = CoreChannel(spec.to_core, spec.from_core)
-    signals = _Signals()
+    signals = Signals()
     if not in_thread:
-        _watch_server(spec.server_pid)
+        watch_server(spec.server_pid)
         signals.install()
     tracing = setup_tracing("glowplug", in_memory=True)
     result = None
@@ -172,7 +91,7 @@ def run_core(spec: CoreSpec, *, marks: ProcessMarks | None = None, factory: Engi
 
 
 def _start(spec: CoreSpec, channel: CoreChannel, tracing: Any, marks: ProcessMarks | None,
-           factory: EngineFactory | None, signals: _Signals) -> Any:  # fmt: skip
+           factory: EngineFactory | None, signals: Signals) -> Any:  # fmt: skip
     """The start-up, reported as it happens; the StartupResult, or None once Failed was sent."""
     from opentelemetry import context as otel_context
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -330,7 +249,7 @@ def load_of(core: EngineCore) -> CoreLoad:
 class CoreLoop:
     """The busy loop: frames in, one step, its outputs out; until Shutdown (0) or a crash (Failed, then 1)."""
 
-    def __init__(self, core: EngineCore, channel: CoreChannel, signals: _Signals, *,
+    def __init__(self, core: EngineCore, channel: CoreChannel, signals: Signals, *,
                  failure: Callable[[], str | None] = _no_failure) -> None:  # fmt: skip
         self.core = core
         self.channel = channel

@@ -24,19 +24,9 @@ from glowplug.base.artifacts.manifest import read_manifest
 
 from .config import EngineConfig
 from .models.store import model_group
-from .start_estimate import (
-    HIT,
-    MISS,
-    PAGE_CACHE,
-    UNKNOWN,
-    PhaseEstimate,
-    StartRecord,
-    fit_records,
-    page_cache_state,
-    parse_profile,
-    predict,
-)
+from .start_estimate import HIT, MISS, PAGE_CACHE, UNKNOWN, PhaseEstimate, fit_records, page_cache_state, predict
 from .start_inputs import StartInputs, gather_inputs
+from .start_record import StartRecord, parse_profile
 
 PHASES = "phases.json"
 # The stages of the default pipeline in order, for a prediction on a machine that recorded no start yet.

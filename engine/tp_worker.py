@@ -16,8 +16,9 @@ from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from glowplug.profiling.names import STARTUP_SPAN
 
 from .config import EngineConfig
-from .distributed import CACHE_ENV, CONFIG_ENV, serve_worker, watch_parent
+from .distributed import CACHE_ENV, CONFIG_ENV, watch_parent
 from .tp_progress import RUNDIR_ENV, write_progress
+from .tp_step import serve_worker
 
 
 class StageProgress(SpanProcessor):

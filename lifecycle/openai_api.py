@@ -26,16 +26,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from starlette.types import Receive, Scope, Send
 
+from glowplug.engine.fim import FimTokens, encode_fim, fim_tokens
 from glowplug.engine.models.arch import ModelError
 from glowplug.engine.outputs import check_logit_bias
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.tokenizer import (
-    FimTokens,
     PromptTooLong,
     encode_bounded,
     encode_chat,
-    encode_fim,
-    fim_tokens,
     max_token_chars,
     template_takes_tools,
 )

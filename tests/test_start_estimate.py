@@ -17,16 +17,8 @@ import pytest
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import CacheSpec
 from glowplug.engine.models.store import model_group
-from glowplug.engine.start_estimate import (
-    HIT,
-    MISS,
-    UNKNOWN,
-    StartRecord,
-    parse_profile,
-    predict,
-    profile_json,
-    start_kind,
-)
+from glowplug.engine.start_estimate import HIT, MISS, UNKNOWN, predict, start_kind
+from glowplug.engine.start_record import StartRecord, parse_profile, profile_json
 from glowplug.profiling.names import Attr
 
 CACHES = {"model_prepare": ("model",), "load_weights": (), "graph_compile": ("compile",),

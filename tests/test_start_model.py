@@ -18,15 +18,13 @@ from glowplug.engine.start_estimate import (
     OVERRUN_SHARE,
     PAGE_CACHE,
     PhaseEstimate,
-    StartRecord,
-    critical_path,
     fit_records,
     page_cache_state,
     predict,
-    profile_json,
 )
 from glowplug.engine.start_model import PHASES, PRIOR, Inputs, predict_phase
 from glowplug.engine.start_profile import DEFAULT_CACHES
+from glowplug.engine.start_record import StartRecord, critical_path, profile_json
 
 FIXTURES = Path(__file__).parent / "fixtures" / "start_profiles.json"
 

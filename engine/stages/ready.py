@@ -23,12 +23,13 @@ from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import STARTUP_PROFILE
 from glowplug.engine.compile_cache import CompileCache
 from glowplug.engine.config import EngineConfig
-from glowplug.engine.distributed import TPGroup, step_payload
+from glowplug.engine.distributed import TPGroup
 from glowplug.engine.llm_engine import LLMEngine
 from glowplug.engine.models.store import model_group
 from glowplug.engine.parallel import launch_rank
-from glowplug.engine.start_estimate import StartRecord, profile_json
 from glowplug.engine.start_profile import PHASES, StartPlan, lookup_records, profile_factors
+from glowplug.engine.start_record import StartRecord, profile_json
+from glowplug.engine.tp_step import step_payload
 from glowplug.profiling.names import STARTUP_SPAN, Attr
 from glowplug.profiling.phases import Floor, PhaseTable, build_phase_table, with_rank_spread
 from glowplug.profiling.process import Clock, ProcessMarks
@@ -117,7 +118,7 @@ class MeasureFloor:
 def _record_phase_durations(ctx: ReadyContext, results: list[StageResult], plan: StartPlan,
                             marks: ProcessMarks | None, before_s: float | None, probe_gbps: float | None) -> None:  # fmt: skip
     """Add this start to the config's start-up profile: its seconds per stage with its pattern, inputs and waits,
-    keeping the latest start of each other pattern (start_estimate.profile_json)."""
+    keeping the latest start of each other pattern (start_record.profile_json)."""
     seconds = {r.name: r.seconds for r in results}
     ends = [r.end_ns for r in results if r.end_ns]
     starts = [r.start_ns for r in results if r.start_ns]
