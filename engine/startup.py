@@ -259,7 +259,12 @@ def build_engine(
             run.install_bundle(on_phase)
         plan = _planned(run, pipeline, plan, on_plan)
         run.run(pipeline, on_phase)
-    ready, ctx = run.ready(plan, ready_hooks(config)), run.ctx
+    return _result(run, run.ready(plan, ready_hooks(config)), plan)
+
+
+def _result(run: StartRun, ready: Any, plan: StartPlan) -> StartupResult:
+    """What build_engine returns: the engine, the record of the start, and the model's facts the context held."""
+    ctx = run.ctx
     assert ready.table is not None and ctx.kv_plan is not None and ctx.arch is not None and ctx.model_dir is not None
     return StartupResult(engine=ready.engine, stages=run.results, phase_table=ready.table, tracing=run.tracing,
                          kv_plan=ctx.kv_plan, arch=ctx.arch, model_dir=ctx.model_dir, dtype=ctx.dtype, plan=plan,
