@@ -5,9 +5,10 @@ from a JSON schema, a regex, a list of choices or a Lark grammar, and checked (`
 tokenizer, so the API server refuses a bad one with a 400 before the engine sees it. The engine core holds one
 `GrammarBackend`: the tokenizer's grammar view (built once, on the first constrained request, traced as the
 `glowplug.grammar_init` span) and a cache of parsed grammars by their text's hash, from which each sequence gets a
-matcher of its own (a copy: no parse per request for a repeated schema). The scheduler fills one bitmask row per
-constrained row of a step (`fill_bitmask`), the sampler applies it (engine/sampler.py `apply_token_bitmask`), and
-`update_from_output` feeds the sampled token back (`advance`).
+matcher of its own (a copy: no parse per request for a repeated schema). The scheduler starts the bitmask of a
+step's constrained rows when it plans the step (`fill_bitmask_async`: on the backend's own thread, while the model's
+forward runs; llguidance releases the GIL while it computes a mask), the sampler waits for it and applies it
+(engine/sampler.py `apply_token_bitmask`), and `update_from_output` feeds the sampled token back (`advance`).
 
 llguidance rather than xgrammar: its import takes ~0.1 s and pulls neither torch nor transformers (xgrammar's
 ~4.7 s pulls both, which the API server must not import), it has no per-schema compile step, and its per-token
@@ -22,6 +23,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
@@ -90,6 +92,7 @@ class GrammarBackend:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self._parsed: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None  # fill_bitmask_async's thread, started on first use
         self.init_s: float | None = None  # seconds the tokenizer's grammar view took to build
         self.parse_s = 0.0  # seconds spent parsing new grammars, summed
         self.cache_hits = 0
@@ -139,6 +142,13 @@ class GrammarBackend:
         for j, m in enumerate(matchers):
             fill_next_token_bitmask(m, mask, j)
         return mask
+
+    def fill_bitmask_async(self, matchers: Sequence[llguidance.LLMatcher]) -> Future[np.ndarray]:
+        """`fill_bitmask(matchers)` on the backend's own thread. Every matcher's state is final when this is called
+        (the previous step's tokens are consumed) and none may be advanced before the result is taken."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glowplug-grammar-mask")
+        return self._pool.submit(self.fill_bitmask, list(matchers))
 
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
