@@ -45,6 +45,7 @@ from .stages.model_prepare import ModelPrepare
 from .stages.native_kernels import NativeKernels
 from .stages.quantize_weights import QuantizeWeights
 from .stages.tokenizer_init import TokenizerInit
+from .stages.grammar_init import GrammarInit
 from .stages.warmup import Warmup
 from .start_estimate import MISS, UNKNOWN, PhaseEstimate, StartRecord, pattern_text, profile_json, stage_caches
 from .start_inputs import StartInputs, gather_inputs
@@ -72,6 +73,7 @@ def default_stages(config: EngineConfig | None = None) -> list[Stage]:
     return parallel + [
         ModelPrepare(),
         TokenizerInit(),
+        GrammarInit(),
         LoadWeights(),
         QuantizeWeights(),
         ModelInit(),

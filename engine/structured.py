@@ -3,8 +3,8 @@
 A request's grammar travels as llguidance's own grammar text (`SamplingParams.grammar`), built by the helpers here
 from a JSON schema, a regex, a list of choices or a Lark grammar, and checked (`check_grammar`) without a
 tokenizer, so the API server refuses a bad one with a 400 before the engine sees it. The engine core holds one
-`GrammarBackend`: the tokenizer's grammar view (built once, on the first constrained request, traced as the
-`glowplug.grammar_init` span) and a cache of parsed grammars by their text's hash, from which each sequence gets a
+`GrammarBackend`: the tokenizer's grammar view (built at start by the `grammar_init` stage, its own row of the phase
+table) and a cache of parsed grammars by their text's hash, from which each sequence gets a
 matcher of its own (a copy: no parse per request for a repeated schema). The scheduler starts the bitmask of a
 step's constrained rows when it plans the step (`fill_bitmask_async`: on the backend's own thread, while the model's
 forward runs; llguidance releases the GIL while it computes a mask), the sampler waits for it and applies it
@@ -30,7 +30,6 @@ import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
 
-from ..profiling.names import GRAMMAR_INIT_SPAN, Attr
 
 # JSON as the model is asked to write it: one space after ':' and ',' (what chat models write unprompted, so the
 # grammar rarely fights the model's first choice), no free whitespace (a small model under free whitespace can
@@ -103,18 +102,14 @@ class GrammarBackend:
         return (self.vocab_size + 31) // 32
 
     def prepare(self) -> llguidance.LLTokenizer:
-        """The tokenizer's grammar view, built on first use (its own span; it costs ~0.5 s at a 49k vocabulary,
-        ~1.7 s at 151k), so a server that never constrains a request never pays it)."""
+        """The tokenizer's grammar view, built on the first call (the grammar_init stage makes it at start: ~0.5 s
+        at a 49k vocabulary, ~1.8 s at 151k, with the GIL held)."""
         with self._lock:
             if self._tokenizer is None:
-                from opentelemetry import trace
-
-                with trace.get_tracer(__name__).start_as_current_span(GRAMMAR_INIT_SPAN) as span:
-                    t0 = time.perf_counter()
-                    self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
-                                                             eos_token=self._eos or None)  # fmt: skip
-                    self.init_s = time.perf_counter() - t0
-                    span.set_attribute(Attr.VOCAB_SIZE, self.vocab_size)
+                t0 = time.perf_counter()
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
+                                                         eos_token=self._eos or None)  # fmt: skip
+                self.init_s = time.perf_counter() - t0
             return self._tokenizer
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
