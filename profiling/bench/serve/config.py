@@ -112,6 +112,9 @@ class ServeBenchConfig(BenchEngineFields):
         None, description="--structured: a GGUF whose server (--quantization auto) also generates the objects and "
         "the tool calls.",
     )
+    structured_real_only: bool = Field(
+        False, description="--structured: only --real-model's objects and tool calls -> structured_real.{json,md}."
+    )
     structured_objects: int = Field(200, ge=1, description="--structured: objects generated per model.")
     structured_max_tokens: int = Field(160, ge=8, description="--structured: max_tokens of each object.")
     structured_tpot_tokens: int = Field(64, ge=4, description="--structured: tokens per stream of the TPOT batches.")

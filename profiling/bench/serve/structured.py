@@ -313,7 +313,9 @@ def _server(cfg: ServeBenchConfig, server_for: Any, model: Path | None) -> Itera
         with server_for(cfg) as (base_url, _pid):
             yield base_url, cfg.served_model_name or served_model(base_url)
         return
-    real = cfg.model_copy(update={"model": str(model), "quantization": "auto"})
+    # A 1.5B model's queue of 16 tool requests waits longer than the default admission allows (429): let it wait.
+    real = cfg.model_copy(update={"model": str(model), "quantization": "auto",
+                                  "max_queue_wait": max(cfg.max_queue_wait or 0.0, cfg.request_timeout)})
     with StartedServer(real) as srv:
         yield srv.base_url, served_model(srv.base_url)
 
@@ -337,6 +339,8 @@ def structured_mode(cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | Non
     out = prepare_out_dir(cfg.out_dir)
     load_start = _load()
     say(f"structured: load average at start {load_start}")
+    if cfg.structured_real_only:
+        return _real_only(cfg, argv, data, out, load_start, say, server_for)
     with _server(cfg, server_for, None) as (base_url, model):
         ttft = run_ttft_trials(cfg, base_url, model, data, say)
         pairs = run_tpot_pairs(cfg, base_url, model, data, say)
@@ -369,7 +373,7 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
            real: dict[str, Any], say: Say) -> bool:  # fmt: skip
     """Write structured.{md,json} and the verdicts; True when every target passed."""
     from ..cli_support import write_json
-    from ..machine import report_header
+    from ..machine import report_git_state, report_header
     from ..tables import markdown_table
     from ..verdicts import Verdict, verdicts_markdown, write_verdicts
 
@@ -483,7 +487,7 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
     md.write_text(text)
     write_verdicts(md, verdicts)
     write_json(out / "structured.json", {
-        "command": argv, "config": cfg.model_dump(mode="json"), "load_average": {"start": load_start, "end": load_end},
+        "command": argv, "commit": report_git_state().describe(), "config": cfg.model_dump(mode="json"), "load_average": {"start": load_start, "end": load_end},
         "tpot_pairs": [{"unconstrained": asdict(u), "constrained": asdict(c), "ratio": r}
                        for (u, c), r in zip(pairs, ratios)],
         "ttft_trials": [{**asdict(t), "extra_new_ms": t.extra_new_ms, "extra_repeat_ms": t.extra_repeat_ms}
@@ -497,6 +501,83 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
     print(text)
     say(f"structured: wrote {md}")
     return passed
+
+
+def _run_real(cfg: ServeBenchConfig, data: dict[str, Any], say: Say, server_for: Any) -> dict[str, Any]:
+    assert cfg.real_model is not None
+    say(f"structured: {cfg.real_model.name}: objects, then tool calls (auto, required, named)")
+    prompts = data["tool_prompts"]
+    forced = prompts[:: max(1, len(prompts) // cfg.structured_forced_prompts)][: cfg.structured_forced_prompts]
+    real: dict[str, Any] = {}
+    with _server(cfg, server_for, cfg.real_model) as (base_url, rmodel):
+        real["objects"] = run_objects(base_url, rmodel, data, cfg.structured_objects, cfg.structured_max_tokens,
+                                      cfg.request_timeout, say)  # fmt: skip
+        for choice, chosen in (("auto", prompts), ("required", forced), ("named", forced)):
+            real[choice] = run_tools(base_url, rmodel, data, choice, chosen, cfg.structured_tool_tokens,
+                                     cfg.request_timeout, say)  # fmt: skip
+    return real
+
+
+def _real_verdicts(data: dict[str, Any], real: dict[str, Any]) -> list[Any]:
+    from ..verdicts import Verdict
+
+    ro: ObjectResults = real["objects"]
+    out = [Verdict(f"{ro.requested} objects over {len(data['schemas'])} schemas parse and validate ({ro.model})",
+                   f"{ro.valid}/{ro.requested}", ro.passed)]  # fmt: skip
+    auto: ToolResults = real["auto"]
+    out.append(Verdict(f"tool_choice auto, {auto.prompts} prompts: every emitted call names an offered tool with "
+                       "validating arguments", f"{auto.valid_calls}/{auto.calls} calls valid; {auto.with_call}/"
+                       f"{auto.prompts} prompts produced a call", auto.passed))  # fmt: skip
+    for key in ("required", "named"):
+        t: ToolResults = real[key]
+        out.append(Verdict(f"tool_choice {key}: a valid call for every prompt (100%)", f"{t.with_call}/{t.prompts}",
+                           t.passed))  # fmt: skip
+    return out
+
+
+def _tools_md(cfg: ServeBenchConfig, data: dict[str, Any], real: dict[str, Any]) -> list[str]:
+    lines = [_objects_md(real["objects"]), "", "Tool calls (" + real["objects"].model + "): "
+             f"{len(data['tools'])} tools; auto over all {real['auto'].prompts} prompts, required and named over "
+             f"{real['required'].prompts} of them; max_tokens {cfg.structured_tool_tokens}, greedy.", ""]  # fmt: skip
+    for key in ("auto", "required", "named"):
+        t = real[key]
+        lines.append(f"- {key}: {t.with_call}/{t.prompts} prompts produced a valid call; {t.valid_calls} valid "
+                     f"calls, {len(t.invalid)} invalid" + (": " + "; ".join(
+                         f"{i['name']}({i['arguments']}): {i.get('why', '')}" for i in t.invalid[:5])
+                         if t.invalid else ""))  # fmt: skip
+    return lines
+
+
+def _real_only(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], out: Path, load_start: str,
+               say: Say, server_for: Any) -> tuple[bool, list[Path]]:  # fmt: skip
+    """--structured-real-only: the real model's objects and tool calls alone -> structured_real.{md,json}."""
+    from ..cli_support import write_json
+    from ..machine import report_git_state, report_header
+    from ..verdicts import verdicts_markdown, write_verdicts
+
+    if cfg.real_model is None:
+        raise ValueError("--structured-real-only needs --real-model PATH")
+    real = _run_real(cfg, data, say, server_for)
+    verdicts = _real_verdicts(data, real)
+    load_end = _load()
+    text = "\n".join([
+        report_header("Structured outputs and tool calls on a real model: validity", argv),
+        f"- load average (1 / 5 / 15 min) at start: {load_start}; at end: {load_end} (the machine is shared; "
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, inherited by the server)",
+        "", "## Verdicts", "", verdicts_markdown(verdicts), "", "## Validity", "", *_tools_md(cfg, data, real), "",
+    ])  # fmt: skip
+    md = out / "structured_real.md"
+    md.write_text(text)
+    write_verdicts(md, verdicts)
+    write_json(out / "structured_real.json", {
+        "command": argv, "commit": report_git_state().describe(), "config": cfg.model_dump(mode="json"),
+        "load_average": {"start": load_start, "end": load_end},
+        "real": {k: (_objects_json(v) if isinstance(v, ObjectResults) else {**asdict(v), "passed": v.passed})
+                 for k, v in real.items()},
+        "verdicts": [asdict(v) for v in verdicts], "passed": all(v.passed for v in verdicts),
+    })  # fmt: skip
+    print(text)
+    return all(v.passed for v in verdicts), [md, out / "structured_real.json"]
 
 
 def _objects_md(r: ObjectResults) -> str:
