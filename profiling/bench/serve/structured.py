@@ -353,19 +353,7 @@ def structured_mode(cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | Non
     passed = _write(cfg, argv, data, out, cost, {}, say)  # the default model's part stays if the real one fails
     if cfg.real_model is None:
         return passed, [md, out / "structured.json"]
-    say(f"structured: {cfg.real_model.name}: objects, then tool calls (auto, required, named)")
-    prompts = data["tool_prompts"]
-    forced = prompts[:: max(1, len(prompts) // cfg.structured_forced_prompts)][: cfg.structured_forced_prompts]
-    real: dict[str, Any] = {}
-    with _server(cfg, server_for, cfg.real_model) as (base_url, rmodel):
-        real["objects"] = run_objects(base_url, rmodel, data, cfg.structured_objects, cfg.structured_max_tokens,
-                                      cfg.request_timeout, say)  # fmt: skip
-        real["auto"] = run_tools(base_url, rmodel, data, "auto", prompts, cfg.structured_tool_tokens,
-                                 cfg.request_timeout, say)  # fmt: skip
-        real["required"] = run_tools(base_url, rmodel, data, "required", forced, cfg.structured_tool_tokens,
-                                     cfg.request_timeout, say)  # fmt: skip
-        real["named"] = run_tools(base_url, rmodel, data, "named", forced, cfg.structured_tool_tokens,
-                                  cfg.request_timeout, say)  # fmt: skip
+    real = _run_real(cfg, data, say, server_for)
     return _write(cfg, argv, data, out, cost, real, say), [md, out / "structured.json"]
 
 
@@ -397,18 +385,7 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
                 f"{objects.valid}/{objects.requested}", objects.passed),
     ]  # fmt: skip
     if real:
-        ro: ObjectResults = real["objects"]
-        verdicts.append(Verdict(f"{ro.requested} objects over {len(data['schemas'])} schemas parse and validate "
-                                f"({ro.model})", f"{ro.valid}/{ro.requested}", ro.passed))  # fmt: skip
-        auto: ToolResults = real["auto"]
-        verdicts.append(Verdict(f"tool_choice auto, {auto.prompts} prompts: every emitted call names an offered tool "
-                                "with validating arguments",
-                                f"{auto.valid_calls}/{auto.calls} calls valid; {auto.with_call}/{auto.prompts} prompts "
-                                "produced a call", auto.passed))  # fmt: skip
-        for key in ("required", "named"):
-            t: ToolResults = real[key]
-            verdicts.append(Verdict(f"tool_choice {key}: a valid call for every prompt (100%)",
-                                    f"{t.with_call}/{t.prompts}", t.passed))  # fmt: skip
+        verdicts += _real_verdicts(data, real)
     passed = all(v.passed for v in verdicts)
 
     pair_rows = [[str(i + 1), f"{u.tpot_ms:.1f}", f"{c.tpot_ms:.1f}", f"{r:.3f}",
@@ -451,8 +428,8 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
         markdown_table(["trial", "unconstrained (ms)", "new schema (ms)", "repeated (ms)", "extra, new (ms)",
                         "extra, repeated (ms)"], ttft_rows),  # fmt: skip
         "",
-        f"Extra TTFT, new schema: median {statistics.median(new):.1f} ms ({_spread(new, 1)}), worst {max(new):.1f} ms; "
-        f"repeated: median {statistics.median(rep):.1f} ms ({_spread(rep, 1)}), worst {max(rep):.1f} ms.",
+        f"Extra TTFT (ms), new schema: {_spread(new, 1)}, worst {max(new):.1f}; repeated: {_spread(rep, 1)}, worst "
+        f"{max(rep):.1f} (median (min–max)).",
         "",
         "## llguidance's own costs (this process, the model's tokenizer)",
         "",
@@ -468,15 +445,7 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
         _objects_md(objects),
     ]
     if real:
-        lines += [_objects_md(real["objects"]), "", "Tool calls (" + real["objects"].model + "): "
-                  f"{len(data['tools'])} tools; auto over all {real['auto'].prompts} prompts, required and named over "
-                  f"{real['required'].prompts} of them; max_tokens {cfg.structured_tool_tokens}, greedy.", ""]
-        for key in ("auto", "required", "named"):
-            t = real[key]
-            lines.append(f"- {key}: {t.with_call}/{t.prompts} prompts produced a valid call; {t.valid_calls} valid "
-                         f"calls, {len(t.invalid)} invalid" + (": " + "; ".join(
-                             f"{i['name']}({i['arguments']}): {i.get('why', '')}" for i in t.invalid[:5])
-                             if t.invalid else ""))  # fmt: skip
+        lines += _tools_md(cfg, data, real)
     else:
         lines.append("The real model's part (objects and tool calls) is not in this report: " + (
             f"{cfg.real_model.name} was still running when it was written." if cfg.real_model else
