@@ -191,6 +191,11 @@ class EngineConfig(FrozenModel):
         description="Seconds a rank may take to join, or to answer a collective, before the whole engine fails "
         "naming it.",
     )
+    structured_outputs: bool = Field(
+        True,
+        description="Constrained decoding (response_format json_schema/json_object, guided_*, forced tool calls): "
+        "its tokenizer view is built at start; off skips that and refuses constrained requests with a 400.",
+    )
     cudagraph_capture_sizes: tuple[int, ...] | None = Field(
         None,
         description="Decode batch sizes to capture (CUDA) or pre-compile (CPU).",
@@ -255,6 +260,8 @@ class EngineConfig(FrozenModel):
         data.pop("bundle", None)
         # How long to wait for a rank changes nothing built; TP=1 keeps the keys it had before the field existed.
         data.pop("distributed_timeout", None)
+        # Constrained decoding builds nothing any cache holds.
+        data.pop("structured_outputs", None)
         if self.tensor_parallel_size == 1:
             data.pop("tensor_parallel_size", None)
         return data

@@ -119,7 +119,8 @@ class EngineCore:
         if params.grammar is None:
             return None
         if self.grammar is None:
-            raise ValueError("grammar: this engine was built without constrained decoding")
+            raise ValueError("grammar: structured outputs are off on this server (--no-structured-outputs); start it "
+                             "without that flag to send response_format, guided_* or tool_choice")
         return self.grammar.matcher(params.grammar)
 
     def abort(self, request_id: str) -> bool:

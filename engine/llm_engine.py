@@ -17,7 +17,7 @@ from .outputs import CompletionOutput, OutputProcessor, RequestMetrics, RequestO
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .structured import GrammarBackend, tokenizer_json
+from .structured import GrammarBackend
 
 __all__ = ["CompletionOutput", "EngineStats", "LLMEngine", "Request", "RequestMetrics", "RequestOutput",
            "RequestStatus", "StepShape"]
@@ -35,10 +35,11 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, *, tokenizer: Any, runner: ModelRunner, scheduler: Scheduler, seed: int = 0) -> None:
+    def __init__(self, *, tokenizer: Any, runner: ModelRunner, scheduler: Scheduler, seed: int = 0,
+                 grammar: GrammarBackend | None = None) -> None:  # fmt: skip
+        """`grammar`: constrained decoding's backend (the grammar_init stage builds it); None refuses constrained
+        requests."""
         self.tokenizer = tokenizer
-        grammar = GrammarBackend(tokenizer_json(tokenizer), runner.model.arch.vocab_size,
-                                 sorted(scheduler.eos_token_ids))  # fmt: skip
         self.core = EngineCore(runner, scheduler, vocab_size=len(tokenizer), seed=seed, grammar=grammar)
         self.output = OutputProcessor(tokenizer)
         self._req_ids = 0

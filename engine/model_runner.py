@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections.abc
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -116,9 +117,10 @@ class ModelRunner:
         self._step_hook: Callable[[BatchInputs], None] | None = None
         # The runner's copies of the sequences it runs, by seq_id (see the module docstring).
         self._seqs: dict[int, RunnerSeq] = {}
-        # This step's token masks (SchedulerOutput.grammar_*): seq_id -> its row of the bitmask.
+        # This step's token masks (SchedulerOutput.grammar_*): seq_id -> its row of the bitmask, and the bitmask
+        # (a Future: computed while the forward runs, waited for by the sampling).
         self._grammar_rows: dict[int, int] = {}
-        self._grammar_mask: np.ndarray | None = None
+        self._grammar_mask: Future[np.ndarray] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -349,7 +351,7 @@ class ModelRunner:
         if not rows:
             return None
         assert self._grammar_mask is not None
-        return TokenMasks(self._grammar_mask[[where[seqs[i].seq_id] for i in rows]], rows)
+        return TokenMasks(self._grammar_mask.result()[[where[seqs[i].seq_id] for i in rows]], rows)
 
     def _run_compiled(self, decodes: list[ScheduledSeq], padded: int) -> PartResults:
         step = self._decode_step

@@ -65,7 +65,8 @@ class SchedulerOutput(msgspec.Struct, array_like=True, gc=False):
     num_prefill_tokens: int = 0  # new tokens of the prompt rows (prompt chunks, even of one token)
     num_decode_rows: int = 0  # rows that compute a generated token (see `is_decode_row`)
     # Constrained rows that sample this step, and their token masks (engine/structured.py): row j of the int32
-    # bitmask [len(grammar_seq_ids), words] is what grammar_seq_ids[j] may sample. Empty without constrained rows.
+    # bitmask [len(grammar_seq_ids), words] is what grammar_seq_ids[j] may sample, as a Future (computed while the
+    # step's forward runs: GrammarBackend.fill_bitmask_async). Empty without constrained rows.
     grammar_seq_ids: list[int] = msgspec.field(default_factory=list)
     grammar_bitmask: Any = None
 
@@ -283,7 +284,7 @@ class Scheduler:
                 out.grammar_seq_ids.append(sid)
                 matchers.append(seq.grammar)
         if matchers:
-            out.grammar_bitmask = self._grammar.fill_bitmask(matchers)
+            out.grammar_bitmask = self._grammar.fill_bitmask_async(matchers)
 
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[SeqUpdate]:
         """Book what the runner computed for (a part of) the step `out`: every row's computed tokens, the sampled
@@ -291,6 +292,8 @@ class Scheduler:
         max-model-len: "length"), freeing the finished sequences' blocks. Returns one update per sampled row. A
         row whose sequence finished meanwhile (aborted between schedule and now) is skipped. This runs once per
         row per step, so what it reads repeatedly is bound to locals first."""
+        if out.grammar_bitmask is not None:
+            out.grammar_bitmask.result()  # the masks are read from the matchers this advances: let them finish
         inflight, eos, max_len = self._inflight, self.eos_token_ids, self.max_model_len
         block_size = self._block_size
         commit = self._block_manager.commit

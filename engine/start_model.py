@@ -160,6 +160,11 @@ PHASES: dict[str, tuple[Term, ...]] = {
         Term("vocab", 0.0015, 0.01, lambda x: x.get("vocab") / 1e3, "s/k tokens",
              lambda x: f"{x.get('vocab') / 1e3:.0f}k-token vocabulary"),
     ),
+    "grammar_init": (
+        _const("base", 0.02),
+        Term("vocab", 0.011, 0.03, lambda x: x.get("vocab") / 1e3, "s/k tokens",
+             lambda x: f"{x.get('vocab') / 1e3:.0f}k-token vocabulary (the grammar view)"),
+    ),
     # Reading or mapping the file: at the read probe's speed from the page cache, at the disk's for the rest; what
     # the loader de-quantizes is CPU work per GB.
     "load_weights": (

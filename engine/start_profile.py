@@ -30,7 +30,7 @@ from .start_record import StartRecord, parse_profile
 
 PHASES = "phases.json"
 # The stages of the default pipeline in order, for a prediction on a machine that recorded no start yet.
-DEFAULT_PIPELINE = ("model_prepare", "tokenizer_init", "load_weights", "quantize_weights", "model_init",
+DEFAULT_PIPELINE = ("model_prepare", "tokenizer_init", "grammar_init", "load_weights", "quantize_weights", "model_init",
                     "native_kernels", "dynamo_transform", "graph_compile", "kv_cache_profiling", "kv_cache_init",
                     "graph_capture", "warmup")  # fmt: skip
 # The caches each of those stages depends on (their `caches`, and the page cache for the weight readers).

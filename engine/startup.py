@@ -32,6 +32,7 @@ from .models.store import model_group
 from .stages.context import EngineContext
 from .stages.distributed_init import DistributedInit
 from .stages.dynamo_transform import DynamoTransform
+from .stages.grammar_init import GrammarInit
 from .stages.graph_capture import GraphCapture
 from .stages.graph_compile import GraphCompile
 from .stages.kv_cache_init import KVCacheInit
@@ -71,6 +72,7 @@ def default_stages(config: EngineConfig | None = None) -> list[Stage]:
     return parallel + [
         ModelPrepare(),
         TokenizerInit(),
+        GrammarInit(),
         LoadWeights(),
         QuantizeWeights(),
         ModelInit(),

@@ -3,11 +3,12 @@
 A request's grammar travels as llguidance's own grammar text (`SamplingParams.grammar`), built by the helpers here
 from a JSON schema, a regex, a list of choices or a Lark grammar, and checked (`check_grammar`) without a
 tokenizer, so the API server refuses a bad one with a 400 before the engine sees it. The engine core holds one
-`GrammarBackend`: the tokenizer's grammar view (built once, on the first constrained request, traced as the
-`glowplug.grammar_init` span) and a cache of parsed grammars by their text's hash, from which each sequence gets a
-matcher of its own (a copy: no parse per request for a repeated schema). The scheduler fills one bitmask row per
-constrained row of a step (`fill_bitmask`), the sampler applies it (engine/sampler.py `apply_token_bitmask`), and
-`update_from_output` feeds the sampled token back (`advance`).
+`GrammarBackend`: the tokenizer's grammar view (built at start by the `grammar_init` stage, its own row of the phase
+table) and a cache of parsed grammars by their text's hash, from which each sequence gets a
+matcher of its own (a copy: no parse per request for a repeated schema). The scheduler starts the bitmask of a
+step's constrained rows when it plans the step (`fill_bitmask_async`: on the backend's own thread, while the model's
+forward runs; llguidance releases the GIL while it computes a mask), the sampler waits for it and applies it
+(engine/sampler.py `apply_token_bitmask`), and `update_from_output` feeds the sampled token back (`advance`).
 
 llguidance rather than xgrammar: its import takes ~0.1 s and pulls neither torch nor transformers (xgrammar's
 ~4.7 s pulls both, which the API server must not import), it has no per-schema compile step, and its per-token
@@ -22,13 +23,12 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import llguidance
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
-
-from glowplug.profiling.names import GRAMMAR_INIT_SPAN, Attr
 
 # JSON as the model is asked to write it: one space after ':' and ',' (what chat models write unprompted, so the
 # grammar rarely fights the model's first choice), no free whitespace (a small model under free whitespace can
@@ -90,6 +90,7 @@ class GrammarBackend:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
         self._parsed: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None  # fill_bitmask_async's thread, started on first use
         self.init_s: float | None = None  # seconds the tokenizer's grammar view took to build
         self.parse_s = 0.0  # seconds spent parsing new grammars, summed
         self.cache_hits = 0
@@ -100,18 +101,14 @@ class GrammarBackend:
         return (self.vocab_size + 31) // 32
 
     def prepare(self) -> llguidance.LLTokenizer:
-        """The tokenizer's grammar view, built on first use (its own span; it costs ~0.5 s at a 49k vocabulary,
-        ~1.7 s at 151k), so a server that never constrains a request never pays it)."""
+        """The tokenizer's grammar view, built on the first call (the grammar_init stage makes it at start: ~0.5 s
+        at a 49k vocabulary, ~1.8 s at 151k, with the GIL held)."""
         with self._lock:
             if self._tokenizer is None:
-                from opentelemetry import trace
-
-                with trace.get_tracer(__name__).start_as_current_span(GRAMMAR_INIT_SPAN) as span:
-                    t0 = time.perf_counter()
-                    self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
-                                                             eos_token=self._eos or None)  # fmt: skip
-                    self.init_s = time.perf_counter() - t0
-                    span.set_attribute(Attr.VOCAB_SIZE, self.vocab_size)
+                t0 = time.perf_counter()
+                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
+                                                         eos_token=self._eos or None)  # fmt: skip
+                self.init_s = time.perf_counter() - t0
             return self._tokenizer
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
@@ -146,6 +143,13 @@ class GrammarBackend:
         for j, m in enumerate(matchers):
             fill_next_token_bitmask(m, mask, j)
         return mask
+
+    def fill_bitmask_async(self, matchers: Sequence[llguidance.LLMatcher]) -> Future[np.ndarray]:
+        """`fill_bitmask(matchers)` on the backend's own thread. Every matcher's state is final when this is called
+        (the previous step's tokens are consumed) and none may be advanced before the result is taken."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glowplug-grammar-mask")
+        return self._pool.submit(self.fill_bitmask, list(matchers))
 
 
 def advance(matcher: llguidance.LLMatcher, token: int) -> bool:

@@ -20,12 +20,11 @@ STARTUP_SPAN: Final = "glowplug.startup"
 REQUEST_SPAN: Final = "glowplug.request"
 # The shutdown drain: from the signal until every in-flight request finished or was aborted.
 DRAIN_SPAN: Final = "glowplug.drain"
-# The tokenizer's view for constrained decoding, built by the engine core on the first request with a grammar.
-GRAMMAR_INIT_SPAN: Final = "glowplug.grammar_init"
 
 # Stage names: each is the suffix of its span name `glowplug.startup.<stage>`.
 MODEL_PREPARE: Final = "model_prepare"
 TOKENIZER_INIT: Final = "tokenizer_init"
+GRAMMAR_INIT: Final = "grammar_init"  # the tokenizer's view for constrained decoding
 LOAD_WEIGHTS: Final = "load_weights"
 MODEL_INIT: Final = "model_init"
 QUANTIZE_WEIGHTS: Final = "quantize_weights"
@@ -41,6 +40,7 @@ WARMUP: Final = "warmup"
 STAGES: Final[tuple[str, ...]] = (
     MODEL_PREPARE,
     TOKENIZER_INIT,
+    GRAMMAR_INIT,
     LOAD_WEIGHTS,
     MODEL_INIT,
     QUANTIZE_WEIGHTS,
@@ -337,6 +337,7 @@ class Row:
     CORE_IMPORTS: Final = CORE_IMPORTS
     MODEL_PREPARE: Final = "model_prepare"
     TOKENIZER_INIT: Final = "tokenizer_init"
+    GRAMMAR_INIT: Final = "grammar_init"
     LOAD_WEIGHTS: Final = "load_weights"
     MODEL_INIT: Final = "model_init"
     QUANTIZE_WEIGHTS: Final = "quantize_weights"
@@ -382,6 +383,7 @@ LEAF_ROWS: Final[tuple[str, ...]] = (
     Row.IMPORTS,
     Row.MODEL_PREPARE,
     Row.TOKENIZER_INIT,
+    Row.GRAMMAR_INIT,
     Row.LOAD_WEIGHTS,
     Row.MODEL_INIT,
     Row.QUANTIZE_WEIGHTS,

@@ -39,6 +39,7 @@ STAGE_LABELS: Mapping[str, str] = {
     "imports": "importing torch and the engine",
     "model_prepare": "preparing the model",
     "tokenizer_init": "loading the tokenizer",
+    "grammar_init": "building the tokenizer's grammar view",
     "load_weights": "loading the weights",
     "quantize_weights": "quantizing the weights",
     "model_init": "building the model",

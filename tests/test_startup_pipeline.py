@@ -56,6 +56,35 @@ def test_span_tree_order_parentage_and_attributes(tiny_dir, tmp_path: Path) -> N
     assert result.engine.stats().kv_used_blocks == 0
 
 
+def test_grammar_view_is_built_at_start_and_skipped_when_off(tiny_dir, tmp_path: Path) -> None:
+    """grammar_init builds the tokenizer's grammar view as its own row beside the weights (no request pays it; the
+    row says why it is not cached); a constrained request then decodes valid JSON. Off, the row is skipped with the
+    flag as its reason and a constrained request is refused naming the flag."""
+    from glowplug.engine.sampling_params import SamplingParams
+    from glowplug.engine.structured import json_schema_grammar
+
+    on, tracing = _start(tiny_dir("llama"), tmp_path, compile="off")
+    span = next(s for s in tracing.finished_spans() if s.name == "glowplug.startup.grammar_init")
+    assert set(span.attributes[Attr.WAITS_FOR]) <= {"model_prepare", "tokenizer_init"}
+    row = on.phase_table["grammar_init"]
+    assert row.seconds is not None and row.seconds > 0 and any("cannot be serialized" in n for n in row.notes)
+    backend = on.engine.core.grammar
+    assert backend is not None and backend.init_s is not None  # built at start, before any request
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}  # fmt: skip
+    params = SamplingParams(max_tokens=12, temperature=0.0, grammar=json_schema_grammar(schema))
+    on.engine.add_request(prompt_token_ids=[1, 2, 3], params=params, request_id="r")
+    done = []
+    while on.engine.has_unfinished():
+        done += [o for o in on.engine.step() if o.finished]
+    assert json.loads(done[0].outputs[0].text) in ({"ok": True}, {"ok": False})
+    off, _ = _start(tiny_dir("llama"), tmp_path, compile="off", structured_outputs=False)
+    assert off.phase_table["grammar_init"].reason == "skipped: --no-structured-outputs (constrained requests are refused)"
+    assert off.engine.core.grammar is None
+    with pytest.raises(ValueError, match="--no-structured-outputs"):
+        off.engine.core.add("r", [1, 2, 3], params)
+
+
 def test_second_start_reads_profile_cache(tiny_dir, tmp_path: Path) -> None:
     _start(tiny_dir("llama"), tmp_path, compile="off", kv_profile="measure")
     second, _ = _start(tiny_dir("llama"), tmp_path, compile="off", kv_profile="measure")

@@ -52,6 +52,8 @@ class EngineContext(StartupContext):
     arch: ModelArch | None = None  # model_prepare
     dtype: torch.dtype = torch.float32  # model_prepare
     tokenizer: Any = None  # tokenizer_init
+    # grammar_init (engine.structured.GrammarBackend, its tokenizer view built); None under --no-structured-outputs
+    grammar: Any = None
     # load_weights (replaced by quantize_weights; model_init drops it once the model owns the tensors)
     state_dict: dict[str, torch.Tensor] | None = None
     # load_weights: the tensors kept as the GGUF stores them (Hugging Face weight name -> mapped rows), for the

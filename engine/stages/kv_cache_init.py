@@ -18,7 +18,7 @@ from .protocol import StageReport
 class KVCacheInit:
     name = "kv_cache_init"
     # parallel: under tensor parallelism the ranks agree on one block count (each sized its budget on its own).
-    needs: tuple[str, ...] = ("kv_plan", "arch", "model", "tokenizer", "model_dir", "dtype", "parallel")
+    needs: tuple[str, ...] = ("kv_plan", "arch", "model", "tokenizer", "model_dir", "dtype", "parallel", "grammar")
     provides: tuple[str, ...] = ("kv_cache", "runner", "engine")
 
     def run(self, ctx: EngineContext) -> StageReport:
@@ -48,7 +48,8 @@ class KVCacheInit:
         assert ctx.model_dir is not None
         scheduler = Scheduler(ctx.config.scheduler, ctx.config.cache, plan.num_blocks, plan.max_model_len,
                               eos_token_ids(ctx.tokenizer, arch, ctx.model_dir))  # fmt: skip
-        ctx.engine = LLMEngine(tokenizer=ctx.tokenizer, runner=ctx.runner, scheduler=scheduler, seed=ctx.config.seed)
+        ctx.engine = LLMEngine(tokenizer=ctx.tokenizer, runner=ctx.runner, scheduler=scheduler, seed=ctx.config.seed,
+                               grammar=ctx.grammar)  # fmt: skip
         return StageReport(
             attributes={
                 Attr.KV_BLOCKS: plan.num_blocks,

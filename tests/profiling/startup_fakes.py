@@ -72,6 +72,7 @@ def default_pipeline(seconds: float = 0.005, *, busy: bool = False) -> list[Slee
     stages = [
         SleepStage("model_prepare", seconds, {Attr.CACHE_HIT: True}),
         SleepStage("tokenizer_init", seconds),
+        SleepStage("grammar_init", seconds, {Attr.VOCAB_SIZE: 49152, Attr.ROW_NOTE: "not cached"}),
         SleepStage("load_weights", seconds, {Attr.BYTES_READ: 1 << 20, Attr.READ_GBPS: 1.5, Attr.DTYPE: "bfloat16"}),
         SleepStage("model_init", seconds, {Attr.PARAM_COUNT: 135_000_000}),
         SleepStage("quantize_weights", seconds, {Attr.QUANTIZATION: "int8"}),

@@ -22,6 +22,10 @@ Modes (the sweep when none is given; several may be combined):
                 p99 against a quiet window, RSS growth against the body), the tokenizer's hold on other threads,
                 the hostile corpus (sizes, depths, encodings, slow bodies, idle connections, API keys) with 0 5xx,
                 and the limits' cost on throughput in paired runs -> hostile.{json,md}
+  --structured  TPOT of 16 streams with 8 constrained (json_schema) against 16 unconstrained, interleaved pairs
+                (worst <= 1.05); a grammar's extra TTFT, new schema (<= 50 ms) and repeated (<= 5 ms); llguidance's
+                own times; --structured-objects objects over 20 schemas that must all validate, and with
+                --real-model the same plus tool calls (auto, required, named) -> structured.{json,md}
 Without --base-url the benchmark starts `python -m glowplug.lifecycle` on 127.0.0.1 with the engine flags given
 here and stops it (SIGTERM) at the end. All traffic goes to that one address; every loop is bounded in requests
 and in time.
@@ -125,6 +129,12 @@ def main(cfg: ServeBenchConfig, argv: list[str] | None = None) -> int:
             passed, paths = fuzz_mode(cfg, argv, say, server_for)
             ok &= passed
             written += paths
+        elif mode == "structured":
+            from .structured import structured_mode
+
+            passed, paths = structured_mode(cfg, tokenizer, argv, say, server_for)
+            ok &= passed
+            written += paths
         elif mode == "hostile":
             from .hostile import hostile_mode
 
@@ -140,7 +150,7 @@ def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
         subparsers,
         "serve",
         help_text="Load against the HTTP server: latency percentiles, throughput, goodput; soak, efficiency, "
-        "overload, fuzz and hostile modes.",
+        "overload, fuzz, hostile and structured modes.",
         description=__doc__,
         config_cls=ServeBenchConfig,
         add_model_flags=add_model_flags,

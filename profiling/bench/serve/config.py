@@ -103,6 +103,27 @@ class ServeBenchConfig(BenchEngineFields):
         None, gt=0, description="--body-read-timeout and --header-read-timeout of the server with the limits "
         "(default: the server's, 60 s and 20 s); the corpus's slow cases last that long.",
     )
+    structured: bool = Field(False, description="Structured outputs and tool calls: TPOT of 8 constrained rows in a "
+                             "batch of 16, a grammar's extra TTFT, llguidance's own times, and the validity of "
+                             "generated objects and tool calls (with --real-model).")  # fmt: skip
+    structured_data: Path | None = Field(
+        None, description="--structured: the schemas, prompts and tools (JSON; default: the packaged set)."
+    )
+    real_model: Path | None = Field(
+        None, description="--structured: a GGUF whose server (--quantization auto) also generates the objects and "
+        "the tool calls.",
+    )
+    structured_real_only: bool = Field(
+        False, description="--structured: only --real-model's objects and tool calls -> structured_real.{json,md}."
+    )
+    structured_objects: int = Field(200, ge=1, description="--structured: objects generated per model.")
+    structured_max_tokens: int = Field(160, ge=8, description="--structured: max_tokens of each object.")
+    structured_tpot_tokens: int = Field(64, ge=4, description="--structured: tokens per stream of the TPOT batches.")
+    structured_ttft_trials: int = Field(5, ge=1, description="--structured: TTFT trials (at least --runs).")
+    structured_tool_tokens: int = Field(96, ge=8, description="--structured: max_tokens of each tool-call request.")
+    structured_forced_prompts: int = Field(
+        15, ge=1, description="--structured: tool prompts run with tool_choice required and named."
+    )
     # ---- output
     # Under the working directory, named after the command: never the checkout's reports/ unless asked.
     out_dir: Path = Field(Path("serve"), description="Where the JSON, Markdown and PNG go.")
@@ -124,6 +145,10 @@ class ServeBenchConfig(BenchEngineFields):
             raise ValueError(f"--base-url {self.base_url!r}: give a URL such as http://127.0.0.1:8000")
         if self.hostile and self.base_url is not None:
             raise ValueError("--hostile starts its own servers (with and without the limits); drop --base-url")
+        if self.structured_data is not None and not self.structured_data.is_file():
+            raise ValueError(f"--structured-data {self.structured_data}: file not found")
+        if self.real_model is not None and not self.real_model.is_file():
+            raise ValueError(f"--real-model {self.real_model}: file not found (a .gguf)")
         if self.efficiency and self.base_url is not None:
             raise ValueError("--efficiency builds the offline engine from the engine flags; drop --base-url")
         return self
@@ -131,5 +156,5 @@ class ServeBenchConfig(BenchEngineFields):
     @property
     def modes(self) -> tuple[str, ...]:
         """The modes asked for; the sweep when none is."""
-        chosen = tuple(m for m in ("soak", "efficiency", "overload", "fuzz", "hostile") if getattr(self, m))
+        chosen = tuple(m for m in ("soak", "efficiency", "overload", "fuzz", "hostile", "structured") if getattr(self, m))
         return chosen or ("sweep",)
