@@ -55,7 +55,7 @@ from .responses import (
     sse,
 )
 from .service import EngineInfo, Rejected, Service
-from .tool_calls import ParseEvents, ToolCallParser
+from .tool_calls import ParseEvents, ToolCallParser, tag_token_ids
 from .transport import (
     BodyBuffer,
     ClientDisconnected,
@@ -254,6 +254,9 @@ def _chat_prompt(info: EngineInfo, req: ChatCompletionRequest) -> tuple[list[lis
             code="context_length_exceeded",
         )
     params = req.sampling_params(max_tokens=left)
+    tags = tag_token_ids(info.tokenizer) if req.forced_tools is not None else None
+    if tags is not None:  # the forced calls' tags as the vocabulary's own tokens
+        params = params.model_copy(update={"grammar": req.forced_tool_grammar(tags)})
     _check_prompt(info, tokens, params, "messages")
     return [tokens], params
 

@@ -321,10 +321,18 @@ class ChatCompletionRequest(_SamplingFields):
         if self._grammar is not None:
             raise bad_request("tool_choice: a required or named tool call already fixes the output's form; drop "
                               "response_format / guided_*, or use tool_choice \"auto\"", "tool_choice")  # fmt: skip
-        parallel = self.parallel_tool_calls is not False and not isinstance(choice, NamedToolChoice)
-        specs = [t.model_dump(by_alias=True, exclude_none=True) for t in forced]
-        self._grammar = _grammar_or_400(lambda: tool_grammar(specs, parallel), "tools",
+        self._grammar = _grammar_or_400(lambda: self.forced_tool_grammar(None) or "", "tools",
                                         "fix the function's parameters schema")  # fmt: skip
+
+    def forced_tool_grammar(self, tags: tuple[int, int] | None) -> str | None:
+        """The grammar of the forced calls (tool_grammar, with the tags' token ids where the vocabulary has them),
+        or None when no call is forced."""
+        forced = self.forced_tools
+        if forced is None:
+            return None
+        parallel = self.parallel_tool_calls is not False and not isinstance(self.tool_choice, NamedToolChoice)
+        specs = [t.model_dump(by_alias=True, exclude_none=True) for t in forced]
+        return tool_grammar(specs, parallel, tags)
 
     @property
     def forced_tools(self) -> list[ToolSpec] | None:

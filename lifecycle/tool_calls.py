@@ -43,11 +43,22 @@ def call_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {**one, "x-guidance": _JSON_STYLE}
 
 
-def tool_grammar(tools: Sequence[dict[str, Any]], parallel: bool) -> str:
-    """The grammar of one or more calls (`parallel`) of `tools`, and nothing else."""
+def tool_grammar(tools: Sequence[dict[str, Any]], parallel: bool, tags: tuple[int, int] | None = None) -> str:
+    """The grammar of one or more calls (`parallel`) of `tools`, and nothing else. `tags`: the token ids of OPEN and
+    CLOSE where the vocabulary has each as one token (tag_token_ids): the grammar then asks for those tokens, since
+    a matcher does not take a special token as the text it spells; without them, the tags as text."""
     schema = json.dumps(call_schema(tools))
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return lark_grammar(f'{start}\ncall: "{OPEN}\\n" %json {schema} "\\n{CLOSE}"\n')
+    opening, closing = (f"<[{tags[0]}]>", f"<[{tags[1]}]>") if tags else (f'"{OPEN}"', f'"{CLOSE}"')
+    return lark_grammar(f'{start}\ncall: {opening} "\\n" %json {schema} "\\n" {closing}\n')
+
+
+def tag_token_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """The ids of OPEN and CLOSE when `tokenizer` encodes each as one token (Qwen2.5's added tokens), else None."""
+    from glowplug.engine.tokenizer import encode_bounded
+
+    ids = [encode_bounded(tokenizer, tag, limit=8, add_special_tokens=False) for tag in (OPEN, CLOSE)]
+    return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
 
 
 def tools_system_prompt(tools: Sequence[dict[str, Any]]) -> str:

@@ -6,7 +6,7 @@ from glowplug.engine.structured import GrammarBackend, tokenizer_json
 from glowplug.engine.tokenizer import eos_token_ids
 from glowplug.profiling.names import Attr
 
-from .base import StageReport
+from .protocol import StageReport
 from .context import EngineContext
 
 # Why the row has no cache: the view is a Rust object llguidance cannot write out or read back.

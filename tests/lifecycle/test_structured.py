@@ -317,10 +317,23 @@ def test_auto_tool_call_on_qwen(qwen_gguf: Path) -> None:
     srv = ThreadServer(config, ServeConfig(port=0, served_model_name="qwen")).start()
     try:
         srv.wait_ready(timeout=300)
-        out = srv.client(timeout=300).chat.completions.create(
+        client = srv.client(timeout=300)
+        out = client.chat.completions.create(
             model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=48,
             **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+        # Forced calls: the grammar asks for Qwen's own <tool_call> tokens, which a matcher does not take as text.
+        # One call: under greedy decoding the 1.5B follows a call with another one rather than end its turn.
+        required = client.chat.completions.create(
+            model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=64,
+            parallel_tool_calls=False, **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+        named = client.chat.completions.create(
+            model="qwen", messages=ASK, tools=[WEATHER, TIME], max_tokens=64,
+            tool_choice={"type": "function", "function": {"name": "get_time"}}, **GREEDY)  # type: ignore[arg-type]  # fmt: skip
     finally:
         srv.stop()
     assert out.choices[0].finish_reason == "tool_calls", out.choices[0]
     _check_calls(out.choices[0].message.tool_calls, {"get_weather"})
+    assert required.choices[0].finish_reason == "tool_calls", required.choices[0]
+    _check_calls(required.choices[0].message.tool_calls, {"get_weather", "get_time"})
+    assert named.choices[0].finish_reason == "tool_calls", named.choices[0]
+    _check_calls(named.choices[0].message.tool_calls, {"get_time"})
