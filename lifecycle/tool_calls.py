@@ -55,9 +55,12 @@ def tool_grammar(tools: Sequence[dict[str, Any]], parallel: bool, tags: tuple[in
 
 def tag_token_ids(tokenizer: Any) -> tuple[int, int] | None:
     """The ids of OPEN and CLOSE when `tokenizer` encodes each as one token (Qwen2.5's added tokens), else None."""
-    from glowplug.engine.tokenizer import encode_bounded
+    from glowplug.engine.tokenizer import PromptTooLong, encode_bounded
 
-    ids = [encode_bounded(tokenizer, tag, limit=8, add_special_tokens=False) for tag in (OPEN, CLOSE)]
+    try:
+        ids = [encode_bounded(tokenizer, tag, limit=64, add_special_tokens=False) for tag in (OPEN, CLOSE)]
+    except PromptTooLong:
+        return None
     return (ids[0][0], ids[1][0]) if all(len(i) == 1 for i in ids) else None
 
 
