@@ -53,8 +53,11 @@ class CommandParser(argparse.ArgumentParser):
                 parts.append(f"{action.metavar or 'COMMAND'} ...")
                 continue
             name = action.metavar if isinstance(action.metavar, str) else action.dest.upper()
-            parts.append({"?": f"[{name}]", "+": f"{name} [{name} ...]", "*": f"[{name} ...]"}.get(
-                action.nargs if isinstance(action.nargs, str) else "", name))  # fmt: skip
+            parts.append(
+                {"?": f"[{name}]", "+": f"{name} [{name} ...]", "*": f"[{name} ...]"}.get(
+                    action.nargs if isinstance(action.nargs, str) else "", name
+                )
+            )
         if has_options:
             parts.append("[options]")
         return " ".join(parts)
@@ -174,8 +177,13 @@ class _AppendItems(argparse.Action):
         self.split = split
         super().__init__(option_strings, dest, nargs=None, **kwargs)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:  # fmt: skip
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         items = list(getattr(namespace, self.dest, None) or [])
         text = str(values)
         items += [v.strip() for v in text.split(",") if v.strip()] if self.split else [text]
@@ -216,8 +224,9 @@ def add_model_flags(
             # Free text (stop strings) may contain commas; numbers and names never do.
             split = not extra.get("free_text", False)
             metavar = _metavar(name, item, FieldInfo(annotation=item))
-            kwargs["help"] = help_text + (" Repeat the flag for more values" + (", or separate them with commas."
-                                          if split else "."))  # fmt: skip
+            kwargs["help"] = help_text + (
+                " Repeat the flag for more values" + (", or separate them with commas." if split else ".")
+            )
             parser.add_argument(*names, action=_AppendItems, split=split, metavar=metavar, **kwargs)
         else:
             parser.add_argument(*names, metavar=_metavar(name, ann, info), **kwargs)
@@ -225,15 +234,22 @@ def add_model_flags(
     return added
 
 
-def add_model_argument(parser: argparse.ArgumentParser, *, default: str | None = DEFAULT_MODEL_NAME,
-                       positional: bool = True) -> None:  # fmt: skip
+def add_model_argument(
+    parser: argparse.ArgumentParser, *, default: str | None = DEFAULT_MODEL_NAME, positional: bool = True
+) -> None:
     """The model, as every command takes it: the first positional argument or `--model` (the same thing; giving
     both with different values is an error). `resolve_model_argument` merges them into `args.model`."""
     if positional:
-        parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                            help=f"{MODEL_HELP} (default: {default or 'unset'}); the same as --model.")  # fmt: skip
-    parser.add_argument("--model", dest="model_option", metavar="MODEL", default=None,
-                        help="The model, as a flag: " + MODEL_HELP + ".")
+        parser.add_argument(
+            "model",
+            nargs="?",
+            default=None,
+            metavar="MODEL",
+            help=f"{MODEL_HELP} (default: {default or 'unset'}); the same as --model.",
+        )
+    parser.add_argument(
+        "--model", dest="model_option", metavar="MODEL", default=None, help="The model, as a flag: " + MODEL_HELP + "."
+    )
     parser.set_defaults(model_default=default)
 
 

@@ -116,8 +116,10 @@ def isa_cap() -> str | None:
     if not raw:
         return None
     if raw not in ISA_LEVELS:
-        raise IsaCapError(f"{ISA_CAP_ENV}={raw!r} is not an ISA level: set it to one of {', '.join(ISA_LEVELS)}, "
-                          "or unset it to use the CPU's highest")  # fmt: skip
+        raise IsaCapError(
+            f"{ISA_CAP_ENV}={raw!r} is not an ISA level: set it to one of {', '.join(ISA_LEVELS)}, "
+            "or unset it to use the CPU's highest"
+        )
     return raw
 
 
@@ -188,8 +190,10 @@ class ProbeStats:
 def describe_probe(size_bytes: int, l3_bytes: int | None, passes: int) -> str:
     """How a sustained probe is measured, for a report's header."""
     l3 = f", {size_bytes / l3_bytes:.0f}x the {l3_bytes / 2**20:.0f} MiB L3" if l3_bytes else ", L3 size unknown"
-    return (f"torch sum over {size_bytes / 2**20:.0f} MiB of fp32{l3}; {passes} passes: sustained = their median, "
-            "fastest = their maximum")
+    return (
+        f"torch sum over {size_bytes / 2**20:.0f} MiB of fp32{l3}; {passes} passes: sustained = their median, "
+        "fastest = their maximum"
+    )
 
 
 def measure_probe_stats(passes: int = PROBE_PASSES, size_bytes: int | None = None, device: str = "cpu") -> ProbeStats:

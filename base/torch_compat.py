@@ -113,23 +113,44 @@ _RUNTIME: dict[str, _Need] = {
 # Everything else: Dynamo's capture and AOT artifacts, guards, Inductor's and functorch's options and caches.
 _COMPILER: dict[str, _Need] = {
     "dynamo_config": _Need("torch._dynamo.config", options=("specialize_float", "automatic_dynamic_shapes")),
-    "inductor_config": _Need("torch._inductor.config", options=(
-        "cpp_wrapper", "freezing", "max_autotune", "cpp.vec_isa_ok", "size_asserts", "scalar_asserts",
-        "alignment_asserts", "enable_autograd_for_aot")),  # fmt: skip
-    "functorch_config": _Need("torch._functorch.config", options=(
-        "strict_autograd_cache", "bypass_autograd_cache_key", "bundled_autograd_cache",
-        "force_non_lazy_backward_lowering", "force_autograd_cache")),  # fmt: skip
+    "inductor_config": _Need(
+        "torch._inductor.config",
+        options=(
+            "cpp_wrapper",
+            "freezing",
+            "max_autotune",
+            "cpp.vec_isa_ok",
+            "size_asserts",
+            "scalar_asserts",
+            "alignment_asserts",
+            "enable_autograd_for_aot",
+        ),
+    ),
+    "functorch_config": _Need(
+        "torch._functorch.config",
+        options=(
+            "strict_autograd_cache",
+            "bypass_autograd_cache_key",
+            "bundled_autograd_cache",
+            "force_non_lazy_backward_lowering",
+            "force_autograd_cache",
+        ),
+    ),
     # The capture (dynamo_transform) and what it hands to the compile.
     "fullgraph_capture": _Need(f"{_CONVERT_FRAME}:fullgraph_capture", positional=3),
     "get_traced_fn": _Need(f"{_CONVERT_FRAME}:get_traced_fn", positional=1),
     "get_signature": _Need(f"{_CONVERT_FRAME}:_get_signature", positional=1),
     "CaptureOutput": _Need(f"{_CONVERT_FRAME}:CaptureOutput", attrs=("graph_capture_output", "backend_input")),
-    "BackendInput": _Need(f"{_CONVERT_FRAME}:BackendInput", attrs=(
-        "backend_id", "graph_module", "example_inputs", "fake_mode", "tensor_to_context")),  # fmt: skip
-    "GraphCaptureOutput": _Need(f"{_CONVERT_FRAME}:GraphCaptureOutput",
-                                attrs=("traced_code", "build_guards", "get_runtime_env")),  # fmt: skip
-    "build_guards": _Need(f"{_CONVERT_FRAME}:GraphCaptureOutput.build_guards", positional=2,
-                          keywords=("hooks", "save", "strict_error")),  # fmt: skip
+    "BackendInput": _Need(
+        f"{_CONVERT_FRAME}:BackendInput",
+        attrs=("backend_id", "graph_module", "example_inputs", "fake_mode", "tensor_to_context"),
+    ),
+    "GraphCaptureOutput": _Need(
+        f"{_CONVERT_FRAME}:GraphCaptureOutput", attrs=("traced_code", "build_guards", "get_runtime_env")
+    ),
+    "build_guards": _Need(
+        f"{_CONVERT_FRAME}:GraphCaptureOutput.build_guards", positional=2, keywords=("hooks", "save", "strict_error")
+    ),
     "GraphRuntimeEnv": _Need(f"{_CONVERT_FRAME}:GraphRuntimeEnv", attrs=("bytecode", "used_globals")),
     "graph_device_type": _Need("torch._dynamo.graph_utils:_graph_device_type", positional=1),
     "mark_dynamic": _Need("torch._dynamo:mark_dynamic", positional=2),
@@ -140,18 +161,35 @@ _COMPILER: dict[str, _Need] = {
     "tracing": _Need("torch._guards:tracing", positional=1),
     # The compile (graph_compile): Inductor as torch.compile calls it, the bundled output, the guards.
     "InductorWrapper": _Need("torch:_TorchCompileInductorWrapper", positional=3),
-    "BundledAOTAutogradSerializableCallable": _Need("torch._dynamo.aot_compile_types:"
-                                                    "BundledAOTAutogradSerializableCallable", positional=1),
-    "CheckFunctionManager": _Need("torch._dynamo.guards:CheckFunctionManager",
-                                  attrs=("UNSUPPORTED_SERIALIZATION_GUARD_TYPES",)),  # fmt: skip
+    "BundledAOTAutogradSerializableCallable": _Need(
+        "torch._dynamo.aot_compile_types:BundledAOTAutogradSerializableCallable", positional=1
+    ),
+    "CheckFunctionManager": _Need(
+        "torch._dynamo.guards:CheckFunctionManager", attrs=("UNSUPPORTED_SERIALIZATION_GUARD_TYPES",)
+    ),
     "Hooks": _Need("torch._dynamo.hooks:Hooks", keywords=("guard_filter_fn",)),
     "SourceInfo": _Need(f"{_PACKAGE}:SourceInfo", attrs=("add_code",), keywords=("inlined_sources",)),
     # The artifact: made, serialized, read back, its guards rebuilt.
-    "CompileArtifacts": _Need(f"{_AOT}:CompileArtifacts", keywords=(
-        "signature", "guard_manager", "guards_state", "backend_id", "compiled_fn", "original_code", "runtime_env",
-        "source_info", "device_type", "backend_name")),  # fmt: skip
-    "AOTCompiledFunction": _Need(f"{_AOT}:AOTCompiledFunction", attrs=("guard_check", "prepare_f_locals", "serialize"),
-                                 keywords=("_artifacts", "_extra_globals")),  # fmt: skip
+    "CompileArtifacts": _Need(
+        f"{_AOT}:CompileArtifacts",
+        keywords=(
+            "signature",
+            "guard_manager",
+            "guards_state",
+            "backend_id",
+            "compiled_fn",
+            "original_code",
+            "runtime_env",
+            "source_info",
+            "device_type",
+            "backend_name",
+        ),
+    ),
+    "AOTCompiledFunction": _Need(
+        f"{_AOT}:AOTCompiledFunction",
+        attrs=("guard_check", "prepare_f_locals", "serialize"),
+        keywords=("_artifacts", "_extra_globals"),
+    ),
     "AOTCompileUnpickler": _Need(f"{_AOT}:AOTCompileUnpickler", attrs=("load",), positional=2),
     "SerializedCode": _Need(f"{_PACKAGE}:SerializedCode", attrs=("to_code_object",)),
     "load_guard_manager": _Need(f"{_PACKAGE}:load_guard_manager", positional=3),
@@ -303,8 +341,10 @@ def patch_config(which: Config, changes: Mapping[str, Any]) -> AbstractContextMa
     name = f"{which}_config"
     undeclared = sorted(set(changes) - set(_COMPILER[name].options))
     if undeclared:
-        raise KeyError(f"{', '.join(undeclared)}: declare the option in torch_compat._COMPILER[{name!r}] so the "
-                       f"capability check verifies it")  # fmt: skip
+        raise KeyError(
+            f"{', '.join(undeclared)}: declare the option in torch_compat._COMPILER[{name!r}] so the "
+            f"capability check verifies it"
+        )
     return __getattr__(name).patch(dict(changes))  # type: ignore[no-any-return]
 
 

@@ -120,8 +120,10 @@ def _quant_linear(led: _Ledger, s: _Shapes, layer: QuantLinear, m: int) -> int:
     weight = layer.packed()
     path = layer.dispatcher.plan(weight, m)
     if path not in MODELLED_PATHS:
-        raise AnalyticPeakUnsupported(f"{type(layer).__name__} {layer.out_features}x{layer.in_features} takes the "
-                                      f"{path!r} kernel path at {m} rows, which is not modelled")  # fmt: skip
+        raise AnalyticPeakUnsupported(
+            f"{type(layer).__name__} {layer.out_features}x{layer.in_features} takes the "
+            f"{path!r} kernel path at {m} rows, which is not modelled"
+        )
     n, k = layer.out_features, layer.in_features
     xb = led.new(m * k * BF16) if s.dtype != torch.bfloat16 else 0  # x.to(bf16)
     out_dtype = torch.bfloat16
@@ -237,8 +239,10 @@ def _attention(led: _Ledger, s: _Shapes, attn: Attention) -> int:
     qkv = _linear(led, s, attn.qkv_proj, t)  # v stays a view of it until the end
     normed: list[int] = []
     if hasattr(attn, "q_norm"):  # q, k = self.q_norm(q), self.k_norm(k)
-        normed = [_rms_norm(led, s, t * attn.num_heads * d, t * attn.num_heads),
-                  _rms_norm(led, s, t * attn.num_kv_heads * d, t * attn.num_kv_heads)]  # fmt: skip
+        normed = [
+            _rms_norm(led, s, t * attn.num_heads * d, t * attn.num_heads),
+            _rms_norm(led, s, t * attn.num_kv_heads * d, t * attn.num_kv_heads),
+        ]
     q = _rotary(led, s, attn.num_heads, d)
     k = _rotary(led, s, attn.num_kv_heads, d)
     led.free(*normed)  # _qkv returns
@@ -274,8 +278,12 @@ def activation_peak(model: DecoderLM, dtype: torch.dtype, tokens: int, rows: int
     if arch.gemma_norms or any(layer.self_attn.window is not None for layer in model.model.layers):  # type: ignore[union-attr]
         # The ledger mirrors the Llama layer: Gemma 3's four norms, GELU and windowed attention masks are not in it.
         raise AnalyticPeakUnsupported("Gemma 3's layer (four norms, GELU, sliding-window masks) is not modelled")
-    s = _Shapes(tokens=tokens, itemsize=torch.empty((), dtype=dtype).element_size(),
-                native_bf16=cpu_has_native_bf16(), dtype=dtype)  # fmt: skip
+    s = _Shapes(
+        tokens=tokens,
+        itemsize=torch.empty((), dtype=dtype).element_size(),
+        native_bf16=cpu_has_native_bf16(),
+        dtype=dtype,
+    )
     h = tokens * arch.hidden_size * s.itemsize
     led = _Ledger()
     # Backbone.forward

@@ -131,9 +131,16 @@ def _chunk_mask(q_len: int, ctx_len: int, window: int | None, device: torch.devi
 
 
 def _prefill(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata,
-    cache: LayerKV | None, block_size: int, scale: float, window: int | None,
-) -> None:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    cache: LayerKV | None,
+    block_size: int,
+    scale: float,
+    window: int | None,
+) -> None:
     if meta.prefill_rows is None:
         meta.prefill_rows = meta.prefill_info.tolist()  # once per step, not per layer
     tables = meta.prefill_block_tables
@@ -176,15 +183,23 @@ def _decode_mask(meta: AttentionMetadata, width: int, window: int | None, device
     return mask
 
 
-def _decode_eager(q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, cache: LayerKV, block_size: int,
-                  scale: float, window: int | None) -> None:
+def _decode_eager(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    meta: AttentionMetadata,
+    cache: LayerKV,
+    block_size: int,
+    scale: float,
+    window: int | None,
+) -> None:
     tables, ctx_lens = meta.decode_block_tables, meta.decode_ctx_lens
     assert tables is not None and ctx_lens is not None
     p = q.shape[0] - tables.shape[0]
     if _use_triton(q):
         # Each row reads its own blocks up to its own context: nothing is gathered or padded to the longest.
-        out[p:] = triton_attention.paged_decode_attention(q[p:], cache.k, cache.v, cache.k_scale, cache.v_scale,
-                                                          tables, ctx_lens, scale, window)  # fmt: skip
+        out[p:] = triton_attention.paged_decode_attention(
+            q[p:], cache.k, cache.v, cache.k_scale, cache.v_scale, tables, ctx_lens, scale, window
+        )
         return
     # fp32: the CPU's masked SDPA is ~6x slower in bf16 than in fp32 at these shapes, and the precision is free.
     qd = q[p:].unsqueeze(2).float()  # [B, H, 1, D]
@@ -195,9 +210,14 @@ def _decode_eager(q: torch.Tensor, out: torch.Tensor, meta: AttentionMetadata, c
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float,
     window: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Eager attention for a mixed step. q: [T, H, D], k/v: [T, Hkv, D] for the new tokens. Returns [T, H, D].
     `window`: this layer's sliding window (None: full causal attention)."""
     cache = meta.kv_cache
@@ -214,9 +234,15 @@ def paged_attention(
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKV, packed: torch.Tensor, scale: float,
-    native: bool = False, window: int | None = None,
-) -> torch.Tensor:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: LayerKV,
+    packed: torch.Tensor,
+    scale: float,
+    native: bool = False,
+    window: int | None = None,
+) -> torch.Tensor:
     """One decode step for B sequences, traceable with no host synchronisation.
 
     q [B, H, D], k/v [B, Hkv, D] are the new tokens; `packed` is the step's [B, DECODE_COLS + W] input. The new k/v
@@ -236,14 +262,16 @@ def decode_attention(
     cache.store(k, v, slots)
     if not native and _use_triton(q):
         paged: torch.Tensor = torch.ops.glowplug_triton.paged_decode_attention(
-            q, cache.k, cache.v, cache.k_scale, cache.v_scale, packed, scale, window)
+            q, cache.k, cache.v, cache.k_scale, cache.v_scale, packed, scale, window
+        )
         return paged
     if native:
         ops = torch.ops.glowplug_native
         win = window or 0
         if cache.k_scale is not None and cache.v_scale is not None:
-            out: torch.Tensor = ops.decode_attention_int8(q.contiguous(), cache.k, cache.v, cache.k_scale,
-                                                          cache.v_scale, packed, scale, win)  # fmt: skip
+            out: torch.Tensor = ops.decode_attention_int8(
+                q.contiguous(), cache.k, cache.v, cache.k_scale, cache.v_scale, packed, scale, win
+            )
         else:
             out = ops.decode_attention(q.contiguous(), cache.k, cache.v, packed, scale, win)
         return out

@@ -109,7 +109,9 @@ def _run_start(config_file: Path, cache: Path, report: Path) -> float:
     env = {**os.environ, "GLOWPLUG_CACHE_DIR": str(cache)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        lines = [ln for ln in done.stderr.strip().splitlines() if ln.startswith("glowplug:")] or done.stderr.splitlines()
+        lines = [
+            ln for ln in done.stderr.strip().splitlines() if ln.startswith("glowplug:")
+        ] or done.stderr.splitlines()
         raise BundleError(f"the start that builds the bundle failed: {lines[-1] if lines else done.returncode}")
     return float(read_report(report).actual_total_time or 0.0)
 
@@ -156,15 +158,20 @@ def create_bundle(config: EngineConfig, out: Path, *, say: Callable[[str], None]
                 found.append((NATIVE.name, folder.name, folder, read_manifest(folder)))
         entries = [BundleEntry(cache=c, key=k, manifest=m) for c, k, _, m in found]
         header = BundleHeader(
-            format=BUNDLE_FORMAT, created=now_iso(), glowplug=package_version("glowplug"),
-            machine=bundle_facts(config.resolved_device()), config=flags,
+            format=BUNDLE_FORMAT,
+            created=now_iso(),
+            glowplug=package_version("glowplug"),
+            machine=bundle_facts(config.resolved_device()),
+            config=flags,
             model={"spec": config.model, "name": model_group(config.model), "source_key": source.key, "file": name},
-            entries=entries, info={"cold_start_s": round(cold, 3), "warm_start_s": round(warm, 3)},
-        )  # fmt: skip
+            entries=entries,
+            info={"cold_start_s": round(cold, 3), "warm_start_s": round(warm, 3)},
+        )
         size = write_bundle(out, header, [f for _, _, f, _ in found])
         sizes = [(c, k, sum(r.size for r in m.files.values())) for c, k, _, m in found]
-        return CreateResult(out, size, sum(f.stat().st_size for f in files), cold, warm, time.perf_counter() - t0,
-                            sizes)  # fmt: skip
+        return CreateResult(
+            out, size, sum(f.stat().st_size for f in files), cold, warm, time.perf_counter() - t0, sizes
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -212,7 +219,8 @@ def install_for_start(config: EngineConfig, cache_root: Path) -> BundleStart:
     model, note = config.model, None
     copy = installed_model(store, header)
     same_model = config.model == header.model.get("spec") or (
-        config.model in DEFAULT_ALIASES and header.model.get("spec") in DEFAULT_ALIASES)
+        config.model in DEFAULT_ALIASES and header.model.get("spec") in DEFAULT_ALIASES
+    )
     if same_model and copy is not None:
         outcome = report.outcome_of(SOURCE.name, str(header.model.get("source_key")))
         if outcome is not None and outcome.outcome in ("installed", "present") and copy.exists():

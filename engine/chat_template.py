@@ -19,8 +19,13 @@ def _raise(message: str) -> None:
     raise ModelError(f"the chat template refused the conversation: {message}")
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
     # jinja2's own tojson escapes HTML characters, which would change the prompt; templates expect plain JSON.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -47,8 +52,7 @@ class ChatTemplate:
                 body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
                 return jinja2.nodes.Scope(body, lineno=lineno)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[Generation, loopcontrols])  # fmt: skip
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
@@ -58,7 +62,14 @@ class ChatTemplate:
             raise ModelError(f"the model's chat template is not valid jinja ({exc}); fix chat_template") from exc
         self.source = source
 
-    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-               special_tokens: dict[str, str | None], **extra: Any) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     **special_tokens, **extra)  # fmt: skip
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        special_tokens: dict[str, str | None],
+        **extra: Any,
+    ) -> str:
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens, **extra
+        )

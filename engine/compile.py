@@ -65,15 +65,28 @@ class InductorSettings:
     threads: int = 0
 
     def patch(self) -> Any:
-        return torch_compat.patch_config("inductor", {
-            "cpp_wrapper": self.cpp_wrapper, "freezing": self.freezing, "max_autotune": self.max_autotune,
-            "cpp.vec_isa_ok": self.vec_isa_ok, "size_asserts": self.runtime_asserts,
-            "scalar_asserts": self.runtime_asserts, "alignment_asserts": self.runtime_asserts,
-        })  # fmt: skip
+        return torch_compat.patch_config(
+            "inductor",
+            {
+                "cpp_wrapper": self.cpp_wrapper,
+                "freezing": self.freezing,
+                "max_autotune": self.max_autotune,
+                "cpp.vec_isa_ok": self.vec_isa_ok,
+                "size_asserts": self.runtime_asserts,
+                "scalar_asserts": self.runtime_asserts,
+                "alignment_asserts": self.runtime_asserts,
+            },
+        )
 
 
-def decode_step(model: DecoderLM, packed: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
-                kss: list[torch.Tensor | None], vss: list[torch.Tensor | None]) -> torch.Tensor:  # fmt: skip
+def decode_step(
+    model: DecoderLM,
+    packed: torch.Tensor,
+    ks: list[torch.Tensor],
+    vs: list[torch.Tensor],
+    kss: list[torch.Tensor | None],
+    vss: list[torch.Tensor | None],
+) -> torch.Tensor:
     """The traced function. Module level with the model as an argument: a serialized artifact can only refer to
     its function's globals and arguments, not to a closure over one engine's model."""
     return model.decode(packed, [LayerKV(*c) for c in zip(ks, vs, kss, vss)])
@@ -94,8 +107,13 @@ def _trace_config() -> Any:
 
 
 # What torch's own AOT compile sets while compiling, so that the Inductor output is bundled into the artifact.
-_BUNDLE_AUTOGRAD = {"strict_autograd_cache": True, "bypass_autograd_cache_key": True, "bundled_autograd_cache": True,
-                    "force_non_lazy_backward_lowering": True, "force_autograd_cache": True}  # fmt: skip
+_BUNDLE_AUTOGRAD = {
+    "strict_autograd_cache": True,
+    "bypass_autograd_cache_key": True,
+    "bundled_autograd_cache": True,
+    "force_non_lazy_backward_lowering": True,
+    "force_autograd_cache": True,
+}
 
 
 @dataclass
@@ -123,7 +141,7 @@ class TracedDecode:
             get_traced_fn,
             graph_device_type,
             set_graph_backend_id,
-            tracing,  # fmt: skip
+            tracing,
         )
 
         graph_out, backend_in = self.capture.graph_capture_output, self.capture.backend_input
@@ -143,22 +161,27 @@ class TracedDecode:
         # Inductor and the guard builder book their timings into Dynamo's metrics context, which torch.compile would
         # have opened. The guards include the global grad state, built as it was while tracing (inference mode):
         # so is every call.
-        with (_trace_config(), get_metrics_context(), dynamo_timed("glowplug_graph_compile"),
-              torch.inference_mode()):  # fmt: skip
+        with _trace_config(), get_metrics_context(), dynamo_timed("glowplug_graph_compile"), torch.inference_mode():
             with settings.patch(), tracing(ctx), torch_compat.patch_config("functorch", _BUNDLE_AUTOGRAD):
                 compiled = BundledAOTAutogradSerializableCallable(backend(gm, backend_in.example_inputs))
-            check = graph_out.build_guards(fn.__code__, hooks=Hooks(guard_filter_fn=serializable), save=True,
-                                           strict_error=True)  # fmt: skip
+            check = graph_out.build_guards(
+                fn.__code__, hooks=Hooks(guard_filter_fn=serializable), save=True, strict_error=True
+            )
         source_info = SourceInfo(inlined_sources=set())
         for code in graph_out.traced_code:
             source_info.add_code(code)
         artifacts = CompileArtifacts(
-            signature=get_signature(fn), guard_manager=_load_guards(check.guards_state, fn.__code__, {}),
+            signature=get_signature(fn),
+            guard_manager=_load_guards(check.guards_state, fn.__code__, {}),
             guards_state=check.guards_state,
-            backend_id=backend_in.backend_id, compiled_fn=compiled, original_code=fn.__code__,
-            runtime_env=graph_out.get_runtime_env(), source_info=source_info,
-            device_type=graph_device_type(gm.graph), backend_name="inductor",
-        )  # fmt: skip
+            backend_id=backend_in.backend_id,
+            compiled_fn=compiled,
+            original_code=fn.__code__,
+            runtime_env=graph_out.get_runtime_env(),
+            source_info=source_info,
+            device_type=graph_device_type(gm.graph),
+            backend_name="inductor",
+        )
         return CompiledDecode(aot_compiled_function(artifacts, fn.__globals__), self.model)
 
 
@@ -166,8 +189,12 @@ def trace_decode(model: DecoderLM, packed: torch.Tensor, caches: list[LayerKV]) 
     """Dynamo's full-graph capture of one decode step over example inputs (dims marked by mark_decode_dynamic)."""
     from glowplug.base.torch_compat import dynamo_timed, fullgraph_capture, get_metrics_context
 
-    with (_trace_config(), get_metrics_context(), dynamo_timed("glowplug_fullgraph_capture"),
-          torch_compat.patch_config("functorch", {"strict_autograd_cache": True})):  # fmt: skip
+    with (
+        _trace_config(),
+        get_metrics_context(),
+        dynamo_timed("glowplug_fullgraph_capture"),
+        torch_compat.patch_config("functorch", {"strict_autograd_cache": True}),
+    ):
         capture = fullgraph_capture(decode_step, (model, packed, *split_caches(caches)), {})
     nodes = len(capture.backend_input.graph_module.graph.nodes)
     return TracedDecode(capture, model, nodes)
@@ -205,10 +232,12 @@ class LoadedDecode:
 
         state = AOTCompileUnpickler({}, io.BytesIO(data)).load()
         state["runtime_env"] = dataclasses.replace(
-            state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode))
+            state["runtime_env"], bytecode=SerializedCode.to_code_object(state["runtime_env"].bytecode)
+        )
         state["original_code"] = SerializedCode.to_code_object(state["original_code"])
-        state["guard_manager"] = _load_guards(state["guards_state"], state["original_code"],
-                                              state["runtime_env"].used_globals)  # fmt: skip
+        state["guard_manager"] = _load_guards(
+            state["guards_state"], state["original_code"], state["runtime_env"].used_globals
+        )
         return cls(state, model)
 
     def compile(self, settings: InductorSettings) -> CompiledDecode:
@@ -244,8 +273,9 @@ class CompiledDecode:
     def __call__(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:
         """One step, after checking the guards (a failure names the guard)."""
         if not self.guards_pass(packed, caches):
-            raise RuntimeError(f"the compiled decode step's guards reject these inputs: "
-                               f"{self.guard_failure(packed, caches)}")  # fmt: skip
+            raise RuntimeError(
+                f"the compiled decode step's guards reject these inputs: {self.guard_failure(packed, caches)}"
+            )
         return self.unguarded(packed, caches)
 
     def unguarded(self, packed: torch.Tensor, caches: list[LayerKV]) -> torch.Tensor:

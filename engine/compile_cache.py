@@ -72,9 +72,15 @@ def device_label(device: str) -> str:
     return f"cpu/{cpu_model()}" + (f"/aten_cpu_capability={capped}" if capped else "")
 
 
-def compile_factors(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, device: str,
-                    settings: InductorSettings, native_level: str | None = None,
-                    layer_formats: str | None = None) -> dict[str, Any]:  # fmt: skip
+def compile_factors(
+    config: EngineConfig,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: str,
+    settings: InductorSettings,
+    native_level: str | None = None,
+    layer_formats: str | None = None,
+) -> dict[str, Any]:
     """What the compiled decode step depends on. Scheduler sizes, max_model_len and capture sizes are not here:
     the graph is traced with dynamic batch, context and cache sizes, so they change no compiled code.
 
@@ -90,8 +96,11 @@ def compile_factors(config: EngineConfig, arch: ModelArch, dtype: torch.dtype, d
         "model_config": arch.model_dump(mode="json"),
         "dtype": str(dtype).removeprefix("torch."),
         "engine_config": {
-            "quant": {"quantization": config.quant.quantization, "group_size": config.quant.group_size,
-                      "quantize_lm_head": config.quant.quantize_lm_head},
+            "quant": {
+                "quantization": config.quant.quantization,
+                "group_size": config.quant.group_size,
+                "quantize_lm_head": config.quant.quantize_lm_head,
+            },
             "cache": {"kv_cache_dtype": config.cache.kv_cache_dtype, "block_size": config.cache.block_size},
         },
         "torch": torch.__version__,
@@ -119,8 +128,13 @@ class StoredReplay:
     def reject(self, reason: str) -> None:
         """The plan loaded but does not compute what was compiled: a `cache_corrupt` event; the start goes on
         from the AOT artifact in the same entry."""
-        report_event(Event.CACHE_CORRUPT, cache=COMPILE.name, path=self.folder, reason=reason,
-                     action="the replay plan is not used; loading the AOT artifact of the same entry")  # fmt: skip
+        report_event(
+            Event.CACHE_CORRUPT,
+            cache=COMPILE.name,
+            path=self.folder,
+            reason=reason,
+            action="the replay plan is not used; loading the AOT artifact of the same entry",
+        )
 
 
 def read_entry(folder: Path, model: DecoderLM) -> StoredReplay | LoadedDecode:
@@ -130,8 +144,9 @@ def read_entry(folder: Path, model: DecoderLM) -> StoredReplay | LoadedDecode:
         try:
             return StoredReplay(ReplayPlan.from_json(plan_path.read_bytes()), folder, model)
         except ReplayUnavailable as exc:
-            structlog.get_logger("glowplug.compile").info("replay plan not used; loading the AOT artifact",
-                                                          reason=str(exc))  # fmt: skip
+            structlog.get_logger("glowplug.compile").info(
+                "replay plan not used; loading the AOT artifact", reason=str(exc)
+            )
     return LoadedDecode.read((folder / ARTIFACT).read_bytes(), model)
 
 
@@ -193,10 +208,17 @@ class CompileCache:
         if self.loaded is None or not self.rebuilt_kernels:
             return None
         n = len(self.rebuilt_kernels)
-        reason = (f"Inductor rebuilt {n} compiled kernel librar{'y' if n == 1 else 'ies'} behind a compile-cache hit "
-                  f"(the cached ones were missing or would not load), e.g. {self.rebuilt_kernels[0]}")
-        report_event(Event.CACHE_CORRUPT, cache=INDUCTOR.name, path=self.path, reason=reason,
-                     action="rebuilt by Inductor in place; the folder is sealed again")
+        reason = (
+            f"Inductor rebuilt {n} compiled kernel librar{'y' if n == 1 else 'ies'} behind a compile-cache hit "
+            f"(the cached ones were missing or would not load), e.g. {self.rebuilt_kernels[0]}"
+        )
+        report_event(
+            Event.CACHE_CORRUPT,
+            cache=INDUCTOR.name,
+            path=self.path,
+            reason=reason,
+            action="rebuilt by Inductor in place; the folder is sealed again",
+        )
         return reason
 
     def record(self, step: CompiledDecode | None, plan: ReplayPlan | None = None) -> None:
@@ -208,8 +230,10 @@ class CompileCache:
             except Exception as exc:  # noqa: BLE001 - the cache is an optimisation
                 structlog.get_logger("glowplug.compile").warning(
                     "the compiled decode step could not be serialized; the next start compiles again",
-                    error=one_line(exc))  # fmt: skip
+                    error=one_line(exc),
+                )
             else:
+
                 def build(folder: Path | None) -> None:
                     if folder is not None:
                         (folder / ARTIFACT).write_bytes(data)
@@ -249,9 +273,17 @@ def _clear_inductor_memory() -> None:
                 member.cache_clear()
 
 
-def open_compile_cache(cache_root: Path, config: EngineConfig, arch: ModelArch, dtype: torch.dtype,
-                       device: str, settings: InductorSettings, model: DecoderLM,
-                       native_level: str | None = None, layer_formats: str | None = None) -> CompileCache:  # fmt: skip
+def open_compile_cache(
+    cache_root: Path,
+    config: EngineConfig,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: str,
+    settings: InductorSettings,
+    model: DecoderLM,
+    native_level: str | None = None,
+    layer_formats: str | None = None,
+) -> CompileCache:
     """Look this configuration up, loading its artifact and guards (or explaining the miss), verify the Inductor
     folder and point Inductor at it."""
     store = ArtifactStore(cache_root)
@@ -261,14 +293,17 @@ def open_compile_cache(cache_root: Path, config: EngineConfig, arch: ModelArch, 
         # No replay plan to load: the AOT artifact or a trace, both made of compiler internals. Checked before the
         # lookup, whose loader would take this torch's failure for a damaged entry and move a sound one aside.
         torch_compat.require_compiler()
-    workspace = open_workspace(store, INDUCTOR, {"torch": torch.__version__, "device": label}, group=label,
-                               skip=_INDUCTOR_SKIP)  # fmt: skip
+    workspace = open_workspace(
+        store, INDUCTOR, {"torch": torch.__version__, "device": label}, group=label, skip=_INDUCTOR_SKIP
+    )
     _point_inductor_at(workspace.path)
-    index = store.lookup(COMPILE, factors, group=model_group(config.model),
-                         load=lambda folder: read_entry(folder, model))  # fmt: skip
+    index = store.lookup(
+        COMPILE, factors, group=model_group(config.model), load=lambda folder: read_entry(folder, model)
+    )
     reason = index.miss_reason if not index.hit else None
     if reason is None and workspace.healed:
         where = "left out of the read-only cache dir" if workspace.source is not None else "moved aside"
         reason = f"damaged Inductor artifacts {where} and rebuilt ({workspace.healed[0]})"
-    return CompileCache(store, index.key, factors, model_group(config.model), reason, workspace, index.value,
-                        bundle=index.bundle)
+    return CompileCache(
+        store, index.key, factors, model_group(config.model), reason, workspace, index.value, bundle=index.bundle
+    )

@@ -49,7 +49,7 @@ import torch
 from glowplug.base import torch_compat
 from glowplug.base.torch_compat import (
     KERNEL_ENTRY,
-    TENSOR_DATA_PTR_ENV,  # fmt: skip
+    TENSOR_DATA_PTR_ENV,
 )
 
 from .attention import DECODE_COLS
@@ -166,15 +166,23 @@ def _exec_wrapper(plan: ReplayPlan, inductor_dir: Path) -> Callable[[list[Any]],
     # The libraries find torch's tensor-pointer helper through this variable (Inductor sets it the same way).
     os.environ[TENSOR_DATA_PTR_ENV] = str(torch_compat.tensor_data_ptr_address)
 
-    scope: dict[str, Any] = {"__name__": "glowplug_decode_replay", "__glowplug_kernel__": kernel,
-                             "__glowplug_deferred__": _Deferred, "__glowplug_pool__": _InertPool}  # fmt: skip
+    scope: dict[str, Any] = {
+        "__name__": "glowplug_decode_replay",
+        "__glowplug_kernel__": kernel,
+        "__glowplug_deferred__": _Deferred,
+        "__glowplug_pool__": _InertPool,
+    }
     exec(compile(plan.source, "<glowplug decode replay>", "exec"), scope)  # noqa: S102 - our own cached wrapper
     return scope["call"]  # type: ignore[no-any-return]
 
 
 def tensor_meta(t: torch.Tensor, skip_first: bool = False) -> list[Any]:
     shape, stride = list(t.shape), list(t.stride())
-    return [str(t.dtype).removeprefix("torch."), shape[1:] if skip_first else shape, stride[1:] if skip_first else stride]
+    return [
+        str(t.dtype).removeprefix("torch."),
+        shape[1:] if skip_first else shape,
+        stride[1:] if skip_first else stride,
+    ]
 
 
 def _model_tensor(model: torch.nn.Module, where: str) -> torch.Tensor:
@@ -197,8 +205,9 @@ class ReplayDecode:
             if src[0] == "model":
                 t = _model_tensor(model, src[1])
                 if tensor_meta(t) != plan.model_meta[src[1]]:
-                    raise ReplayUnavailable(f"model tensor {src[1]} is {tensor_meta(t)}, the plan was made for "
-                                            f"{plan.model_meta[src[1]]}")  # fmt: skip
+                    raise ReplayUnavailable(
+                        f"model tensor {src[1]} is {tensor_meta(t)}, the plan was made for {plan.model_meta[src[1]]}"
+                    )
                 self.statics[i] = t
 
     @classmethod
@@ -258,8 +267,10 @@ class ReplayDecode:
         copies one prepared list and fills three slots."""
         dummy = torch.zeros((1, DECODE_COLS + 1), dtype=torch.int64)
         template = self.arguments(dummy, caches)
-        packed_at, rows_at, cols_at = ([i for i, s in enumerate(self.plan.args) if s == want]
-                                       for want in (["packed"], ["packed_size", 0], ["packed_size", 1]))  # fmt: skip
+        packed_at, rows_at, cols_at = (
+            [i for i, s in enumerate(self.plan.args) if s == want]
+            for want in (["packed"], ["packed_size", 0], ["packed_size", 1])
+        )
         call = self.call
 
         def step(packed: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from glowplug.base.torch_compat import (
     COMPILED_GRAPH_CLASS,
     WRAPPER_HEAVY_IMPORT,
     WRAPPER_IMPORT,
-    WRAPPER_KERNEL_DEF,  # fmt: skip
+    WRAPPER_KERNEL_DEF,
     WRAPPER_POOL_CLASS,
     WRAPPER_POOL_USE,
 )
@@ -143,15 +143,19 @@ def _arg_sources(steps: list[_Recorded], model: torch.nn.Module) -> tuple[list[l
                 t = getattr(c, field)
                 if t is not None:
                     where.setdefault(id(t), ["cache", layer, field])
-        sizes = [(["packed_size", 0], step.packed.size(0)), (["packed_size", 1], step.packed.size(1)),
-                 (["cache_size", "k", 0], step.caches[0].k.size(0))]  # fmt: skip
+        sizes = [
+            (["packed_size", 0], step.packed.size(0)),
+            (["packed_size", 1], step.packed.size(1)),
+            (["cache_size", "k", 0], step.caches[0].k.size(0)),
+        ]
         explained: list[list[list[Any]]] = []
         for a in step.args:
             if isinstance(a, torch.Tensor):
                 src = where.get(id(a)) or model_where.get(id(a))
                 if src is None:
-                    raise ReplayUnavailable(f"a graph input {list(a.shape)} {a.dtype} is none of the model's or step's "
-                                            f"tensors")  # fmt: skip
+                    raise ReplayUnavailable(
+                        f"a graph input {list(a.shape)} {a.dtype} is none of the model's or step's tensors"
+                    )
                 explained.append([src])
             elif isinstance(a, int) and not isinstance(a, bool):
                 explained.append([src for src, size in sizes if size == a] + [["const", a]])
@@ -166,8 +170,9 @@ def _arg_sources(steps: list[_Recorded], model: torch.nn.Module) -> tuple[list[l
         common = [src for src in options[0] if all(src in other for other in options[1:])]
         if len(common) != 1:
             seen = [step.args[i] if not isinstance(step.args[i], torch.Tensor) else "a tensor" for step in steps]
-            raise ReplayUnavailable(f"graph argument {i} ({seen} over the recorded steps) is explained by "
-                                    f"{common or 'no single source'}")  # fmt: skip
+            raise ReplayUnavailable(
+                f"graph argument {i} ({seen} over the recorded steps) is explained by {common or 'no single source'}"
+            )
         src = common[0]
         if src[0] == "model":
             model_meta[src[1]] = tensor_meta(steps[0].args[i])
@@ -199,8 +204,12 @@ def take_fingerprint(step: DecodeStep, scratch: ScratchCache, weights: str) -> d
     packed, caches = _fingerprint_input(scratch)
     with torch.inference_mode():
         logits = step.unguarded(packed, caches)
-    return {"weights": weights, "sha256": _logits_digest(logits), "shape": list(logits.shape),
-            "argmax": logits.argmax(-1).tolist()}  # fmt: skip
+    return {
+        "weights": weights,
+        "sha256": _logits_digest(logits),
+        "shape": list(logits.shape),
+        "argmax": logits.argmax(-1).tolist(),
+    }
 
 
 @dataclass(frozen=True)
@@ -216,24 +225,28 @@ class FingerprintCheck:
     seconds: float
 
 
-def check_fingerprint(step: DecodeStep, fingerprint: dict[str, Any], scratch: ScratchCache,
-                      weights: str) -> FingerprintCheck:  # fmt: skip
+def check_fingerprint(
+    step: DecodeStep, fingerprint: dict[str, Any], scratch: ScratchCache, weights: str
+) -> FingerprintCheck:
     t0 = time.perf_counter()
     if fingerprint.get("weights") != weights:
-        return FingerprintCheck(True, "not compared: recorded for another checkpoint of this architecture",
-                                round(time.perf_counter() - t0, 6))  # fmt: skip
+        return FingerprintCheck(
+            True,
+            "not compared: recorded for another checkpoint of this architecture",
+            round(time.perf_counter() - t0, 6),
+        )
     got = take_fingerprint(step, scratch, weights)
     seconds = round(time.perf_counter() - t0, 6)
     if got["sha256"] == fingerprint["sha256"] and got["shape"] == fingerprint["shape"]:
         return FingerprintCheck(True, "matched", seconds)
     if got["shape"] != fingerprint["shape"]:
         return FingerprintCheck(False, f"logits {got['shape']}, recorded {fingerprint['shape']}", seconds)
-    return FingerprintCheck(False, f"logits differ (argmax per row {got['argmax']}, recorded {fingerprint['argmax']})",
-                            seconds)  # fmt: skip
+    return FingerprintCheck(
+        False, f"logits differ (argmax per row {got['argmax']}, recorded {fingerprint['argmax']})", seconds
+    )
 
 
-def make_plan(step: Any, model: torch.nn.Module, scratch: ScratchCache, inductor_dir: Path,
-              weights: str) -> ReplayPlan:  # fmt: skip
+def make_plan(step: Any, model: torch.nn.Module, scratch: ScratchCache, inductor_dir: Path, weights: str) -> ReplayPlan:
     """Record the compiled step's graph arguments over PROOF_STEPS, build the plan, and prove it: the replay must
     rebuild the arguments Dynamo passed and produce bit-identical logits at each recorded step, and at the held-out
     fingerprint step, whose logits become the plan's fingerprint. `scratch(blocks)` gives a fresh zeroed cache shaped
@@ -272,8 +285,10 @@ def make_plan(step: Any, model: torch.nn.Module, scratch: ScratchCache, inductor
     sources, model_meta = _arg_sources(steps, model)
     source, kernels = _rewrite(graph.source_code, live, inductor_dir)
     caches = steps[0].caches
-    cache_meta = {f: None if getattr(caches[0], f) is None else tensor_meta(getattr(caches[0], f), skip_first=True)
-                  for f in CACHE_FIELDS}  # fmt: skip
+    cache_meta = {
+        f: None if getattr(caches[0], f) is None else tensor_meta(getattr(caches[0], f), skip_first=True)
+        for f in CACHE_FIELDS
+    }
     fingerprint = take_fingerprint(step, scratch, weights)
     plan = ReplayPlan(source, kernels, sources, model_meta, cache_meta, len(caches), torch.__version__, fingerprint)
     replay = ReplayDecode.load(plan, inductor_dir, model)
@@ -281,7 +296,8 @@ def make_plan(step: Any, model: torch.nn.Module, scratch: ScratchCache, inductor
         for rec in steps:
             rebuilt = replay.arguments(rec.packed, rec.caches)
             same = len(rebuilt) == len(rec.args) and all(
-                (r is a) if isinstance(a, torch.Tensor) else (r == a) for r, a in zip(rebuilt, rec.args))  # fmt: skip
+                (r is a) if isinstance(a, torch.Tensor) else (r == a) for r, a in zip(rebuilt, rec.args)
+            )
             if not same:
                 raise ReplayUnavailable("the plan does not rebuild the arguments Dynamo passed")
             rejects = replay.guard_failure(rec.packed, rec.caches)
@@ -291,6 +307,7 @@ def make_plan(step: Any, model: torch.nn.Module, scratch: ScratchCache, inductor
                 raise ReplayUnavailable("the replayed step's logits differ from the compiled step's")
     held_out = check_fingerprint(replay, fingerprint, scratch, weights)
     if not held_out.ok or held_out.outcome != "matched":
-        raise ReplayUnavailable(f"the replayed step does not reproduce the compiled step's fingerprint: "
-                                f"{held_out.outcome}")  # fmt: skip
+        raise ReplayUnavailable(
+            f"the replayed step does not reproduce the compiled step's fingerprint: {held_out.outcome}"
+        )
     return plan

@@ -71,11 +71,14 @@ class CacheConfig(FrozenModel):
         None,
         ge=1,
         description="KV-cache budget: a size such as 2GiB, 512MiB or 1G (a plain number is bytes).",
-        json_schema_extra={"default_text": "--memory-utilization x free memory - weights - activations, at most "
-                           "2 GiB on a CPU"},
+        json_schema_extra={
+            "default_text": "--memory-utilization x free memory - weights - activations, at most 2 GiB on a CPU"
+        },
     )
     memory_utilization: float = Field(
-        0.9, gt=0.0, le=1.0,
+        0.9,
+        gt=0.0,
+        le=1.0,
         description="Fraction of device memory the engine may use in total (on a GPU: of its total memory, as "
         "vLLM's --gpu-memory-utilization, which is accepted too; on a CPU: of the RAM available at start).",
         validation_alias=AliasChoices("memory_utilization", "gpu_memory_utilization"),
@@ -106,8 +109,10 @@ class QuantConfig(FrozenModel):
     group_size: int | None = Field(
         None,
         description="Weights per quantization group for int8/int4/int2: 32, 64, 128 or 256 (int2: 128).",
-        json_schema_extra={"default_text": "per channel for int8; for int4 the GGUF's 32-weight blocks, else 128; "
-                           "auto takes the GGUF's blocks"},
+        json_schema_extra={
+            "default_text": "per channel for int8; for int4 the GGUF's 32-weight blocks, else 128; "
+            "auto takes the GGUF's blocks"
+        },
     )
     quantize_lm_head: bool = Field(
         True,
@@ -181,13 +186,16 @@ class EngineConfig(FrozenModel):
         "are installed into the cache before the start, and its engine flags are the defaults of flags not given.",
     )
     tensor_parallel_size: int = Field(
-        1, ge=1, le=64,
+        1,
+        ge=1,
+        le=64,
         description="Split the model across this many ranks (Megatron-style tensor parallelism over "
         "torch.distributed: gloo on the CPU, NCCL on CUDA); glowplug starts N-1 worker processes on this machine, "
         "or takes the ranks torchrun launched.",
     )
     distributed_timeout: float = Field(
-        120.0, gt=0,
+        120.0,
+        gt=0,
         description="Seconds a rank may take to join, or to answer a collective, before the whole engine fails "
         "naming it.",
     )
@@ -221,15 +229,20 @@ class EngineConfig(FrozenModel):
         """Build from flat names as users write them (`block_size=8`, `max_num_seqs=4`, `quantization="int8"`),
         routing each to its section; nested dicts (`cache={...}`) are accepted too. One flat namespace is what the
         CLI flags and the config file use, so their names match vLLM-style flags one to one."""
-        sections: dict[str, type[BaseModel]] = {"scheduler": SchedulerConfig, "cache": CacheConfig, "quant": QuantConfig}
+        sections: dict[str, type[BaseModel]] = {
+            "scheduler": SchedulerConfig,
+            "cache": CacheConfig,
+            "quant": QuantConfig,
+        }
         nested: dict[str, dict[str, Any]] = {name: {} for name in sections}
         top: dict[str, Any] = {}
         for key, value in fields.items():
             if key in sections and isinstance(value, dict):
                 nested[key].update(value)
                 continue
-            owner = next((name for name, sec in sections.items() if key in sec.model_fields
-                          or key in _aliases(sec)), None)  # fmt: skip
+            owner = next(
+                (name for name, sec in sections.items() if key in sec.model_fields or key in _aliases(sec)), None
+            )
             if owner is not None:
                 nested[owner][key] = value
             else:
@@ -242,8 +255,10 @@ class EngineConfig(FrozenModel):
     def compile_off_reason(self) -> str:
         """Why the decode step runs eagerly when `compile_enabled()` is False, for the stages' rows."""
         if self.compile != "off" and self.tensor_parallel_size > 1:
-            return (f"--tensor-parallel-size {self.tensor_parallel_size}: the decode step runs eagerly (the compiled "
-                    f"step has no collectives yet)")
+            return (
+                f"--tensor-parallel-size {self.tensor_parallel_size}: the decode step runs eagerly (the compiled "
+                f"step has no collectives yet)"
+            )
         return f"--compile {self.compile}"
 
     def resolved_device(self) -> str:

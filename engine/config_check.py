@@ -75,8 +75,9 @@ def model_facts(spec: str) -> ModelFacts:
     )
 
 
-def resolve_dtype_name(name: str, arch: ModelArch, device: str, *, quantized_source: bool = False,
-                       compiled: bool = True) -> str:  # fmt: skip
+def resolve_dtype_name(
+    name: str, arch: ModelArch, device: str, *, quantized_source: bool = False, compiled: bool = True
+) -> str:
     """`--dtype auto` as a dtype name (the rule is models/loader.resolve_dtype's, which calls this): the checkpoint's
     dtype (bfloat16 for a block-quantized source). On a CPU, bfloat16 where it is the faster choice: with hardware
     bf16 (the avx512_bf16 and amx levels), or at the avx2 and avx512 levels when the decode step is compiled
@@ -111,8 +112,11 @@ def torch_build_cuda() -> str | None:
         except (OSError, SyntaxError):
             continue
         for node in tree.body:
-            target = node.target if isinstance(node, ast.AnnAssign) else (
-                node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)  # fmt: skip
+            target = (
+                node.target
+                if isinstance(node, ast.AnnAssign)
+                else (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+            )
             if isinstance(target, ast.Name) and target.id == "cuda" and node.value is not None:  # type: ignore[attr-defined]
                 try:
                     value = ast.literal_eval(node.value)  # type: ignore[attr-defined]
@@ -178,8 +182,11 @@ def check_quantization(config: EngineConfig, arch: ModelArch, group_size: int | 
     gs = scheme.resolve_group_size(group_size)
     if gs is None:
         return  # per channel (int8, w8a8): any shape
-    widths = {"hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,
-              "attention output (heads x head_dim)": arch.num_attention_heads * arch.head_dim}  # fmt: skip
+    widths = {
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "attention output (heads x head_dim)": arch.num_attention_heads * arch.head_dim,
+    }
     for what, k in widths.items():
         try:
             scheme.layer_group_size(k, gs)
@@ -192,8 +199,9 @@ def check_quantization(config: EngineConfig, arch: ModelArch, group_size: int | 
             ) from None
 
 
-def check_tensor_parallel_config(config: EngineConfig, arch: ModelArch,
-                                 group: Callable[[int], int | str | None] | None = None) -> None:  # fmt: skip
+def check_tensor_parallel_config(
+    config: EngineConfig, arch: ModelArch, group: Callable[[int], int | str | None] | None = None
+) -> None:
     """--tensor-parallel-size against the model's heads and widths (engine/parallel.py says how each tensor splits)
     and, once the quantization's groups are known (`group`: a row-parallel input width -> its layer's group, or
     PER_CHANNEL), against their boundaries."""
@@ -203,8 +211,11 @@ def check_tensor_parallel_config(config: EngineConfig, arch: ModelArch,
     from .parallel import check_tensor_parallel
 
     if config.compile == "on":
-        raise ConfigError("--compile", f"--compile on with --tensor-parallel-size {n}: the compiled decode step has "
-                          f"no collectives yet; use --compile auto (tensor parallel runs the step eagerly)")
+        raise ConfigError(
+            "--compile",
+            f"--compile on with --tensor-parallel-size {n}: the compiled decode step has "
+            f"no collectives yet; use --compile auto (tensor parallel runs the step eagerly)",
+        )
     why = check_tensor_parallel(arch, n, group)
     if why is not None:
         raise ConfigError("--tensor-parallel-size", why)
@@ -252,9 +263,13 @@ def preflight(config: EngineConfig) -> ModelFacts:
     check_isa_cap()
     facts = model_facts(config.model)
     device = preflight_device(config)
-    dtype = resolve_dtype_name(config.dtype, facts.arch, "cpu" if device == "unknown" else device,
-                               compiled=config.compile_enabled(),
-                               quantized_source=facts.quantized_source)  # fmt: skip
+    dtype = resolve_dtype_name(
+        config.dtype,
+        facts.arch,
+        "cpu" if device == "unknown" else device,
+        compiled=config.compile_enabled(),
+        quantized_source=facts.quantized_source,
+    )
     check_config(config, facts.arch, dtype=dtype, device=device)
     return facts
 
@@ -267,4 +282,3 @@ def check_prepared(ctx: EngineContext) -> None:
     group_size = ctx.quant_group_size()[0]
     check_quantization(ctx.config, arch, group_size)
     check_tensor_parallel_config(ctx.config, arch, _tp_group(ctx.config, group_size))
-

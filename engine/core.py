@@ -62,8 +62,15 @@ class RequestStatus:
 class EngineCore:
     """Not thread-safe: one thread adds, aborts and steps."""
 
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, *, vocab_size: int, seed: int = 0,
-                 grammar: GrammarBackend | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        *,
+        vocab_size: int,
+        seed: int = 0,
+        grammar: GrammarBackend | None = None,
+    ) -> None:
         """`grammar`: what constrained requests (SamplingParams.grammar) are matched with; None refuses them."""
         self.runner = runner
         self.scheduler = scheduler
@@ -92,8 +99,9 @@ class EngineCore:
         """ValueError naming what is wrong with the request (outputs.check_request)."""
         check_request(prompt_token_ids, params, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float | None = None) -> list[Sequence]:  # fmt: skip
+    def add(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float | None = None
+    ) -> list[Sequence]:
         """Queue a request (ValueError when it cannot run or its id is in use); its sequences, one per completion."""
         self.check(prompt_token_ids, params)
         if request_id in self._requests:
@@ -103,11 +111,21 @@ class EngineCore:
         for i in range(params.n):
             # A seeded request's completions take seed, seed + 1, ...; an unseeded one's a number from the engine's
             # generator (so a whole run is reproducible from the engine seed). The sampler's stream is keyed by it.
-            seed = (params.seed + i if params.seed is not None
-                    else int(torch.randint(0, 2**62, (1,), generator=self._rng)))  # fmt: skip
-            seqs.append(Sequence(seq_id=next(self._seq_ids), request_id=request_id, index=i,
-                                 prompt_token_ids=prompt_token_ids, params=params, sample_key=key_for_seed(seed),
-                                 arrival_time=arrival, grammar=self._matcher(params)))  # fmt: skip
+            seed = (
+                params.seed + i if params.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+            )
+            seqs.append(
+                Sequence(
+                    seq_id=next(self._seq_ids),
+                    request_id=request_id,
+                    index=i,
+                    prompt_token_ids=prompt_token_ids,
+                    params=params,
+                    sample_key=key_for_seed(seed),
+                    arrival_time=arrival,
+                    grammar=self._matcher(params),
+                )
+            )
         for seq in seqs:
             self.scheduler.add(seq)
         self._requests[request_id] = seqs
@@ -119,8 +137,10 @@ class EngineCore:
         if params.grammar is None:
             return None
         if self.grammar is None:
-            raise ValueError("grammar: structured outputs are off on this server (--no-structured-outputs); start it "
-                             "without that flag to send response_format, guided_* or tool_choice")
+            raise ValueError(
+                "grammar: structured outputs are off on this server (--no-structured-outputs); start it "
+                "without that flag to send response_format, guided_* or tool_choice"
+            )
         return self.grammar.matcher(params.grammar)
 
     def abort(self, request_id: str) -> bool:
@@ -174,17 +194,22 @@ class EngineCore:
                     del self._requests[u.request_id]
 
     def stats(self) -> EngineStats:
-        return EngineStats(**asdict(self.scheduler.stats()), num_requests=len(self._requests),
-                           num_prompt_tokens=self.num_prompt_tokens,
-                           num_generated_tokens=self.num_generated_tokens)  # fmt: skip
+        return EngineStats(
+            **asdict(self.scheduler.stats()),
+            num_requests=len(self._requests),
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+        )
 
     def request_status(self, request_id: str) -> RequestStatus | None:
         """None once the request has finished or was aborted."""
         seqs = self._requests.get(request_id)
         if seqs is None:
             return None
-        return RequestStatus(scheduled=any(s.first_scheduled_time is not None for s in seqs),
-                             generated_tokens=sum(len(s.output_token_ids) for s in seqs))  # fmt: skip
+        return RequestStatus(
+            scheduled=any(s.first_scheduled_time is not None for s in seqs),
+            generated_tokens=sum(len(s.output_token_ids) for s in seqs),
+        )
 
     def request_ids(self) -> list[str]:
         """The unfinished requests, oldest first."""

@@ -197,32 +197,46 @@ def span_to_record(span: ReadableSpan) -> SpanRecord:
     """A span (running or finished) as plain data."""
     ctx, parent = span.context, span.parent
     return SpanRecord(
-        name=span.name, trace_id=format_trace_id(ctx.trace_id) if ctx else "0" * 32,
+        name=span.name,
+        trace_id=format_trace_id(ctx.trace_id) if ctx else "0" * 32,
         span_id=format_span_id(ctx.span_id) if ctx else "0" * 16,
-        parent_id=format_span_id(parent.span_id) if parent else None, start=span.start_time or 0,
-        end=span.end_time, attributes=dict(span.attributes or {}), status=span.status.status_code.name,
+        parent_id=format_span_id(parent.span_id) if parent else None,
+        start=span.start_time or 0,
+        end=span.end_time,
+        attributes=dict(span.attributes or {}),
+        status=span.status.status_code.name,
         description=span.status.description,
         events=[(e.name, dict(e.attributes or {}), e.timestamp) for e in span.events],
         resource=dict(span.resource.attributes) if span.resource is not None else {},
-    )  # fmt: skip
+    )
 
 
 def record_to_span(record: SpanRecord) -> ReadableSpan:
     """The span a SpanRecord describes, as this process's tools take it (the timeline, tables, trace exports)."""
-    return span_from_record({
-        "name": record.name, "trace_id": int(record.trace_id, 16), "span_id": int(record.span_id, 16),
-        "parent_id": None if record.parent_id is None else int(record.parent_id, 16), "start": record.start,
-        "end": record.end, "attributes": record.attributes, "status": record.status,
-        "description": record.description, "events": record.events, "resource": record.resource,
-    })  # fmt: skip
+    return span_from_record(
+        {
+            "name": record.name,
+            "trace_id": int(record.trace_id, 16),
+            "span_id": int(record.span_id, 16),
+            "parent_id": None if record.parent_id is None else int(record.parent_id, 16),
+            "start": record.start,
+            "end": record.end,
+            "attributes": record.attributes,
+            "status": record.status,
+            "description": record.description,
+            "events": record.events,
+            "resource": record.resource,
+        }
+    )
 
 
 class SpanForwarder(SpanProcessor):
     """Sends every span whose name starts with `prefix` as it starts and ends (the core's start-up, to the
     server). `before_send`: a frame to send first, if it returns one (a signal the core got meanwhile)."""
 
-    def __init__(self, send: Callable[[Any], None], prefix: str, *,
-                 before_send: Callable[[], Any] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, send: Callable[[Any], None], prefix: str, *, before_send: Callable[[], Any] | None = None
+    ) -> None:
         self._send = send
         self._prefix = prefix
         self._before = before_send

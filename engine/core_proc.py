@@ -65,8 +65,9 @@ def factory_kwargs(factory: EngineFactory, offered: Mapping[str, Any]) -> dict[s
     return {k: v for k, v in offered.items() if k in params}
 
 
-def run_core(spec: CoreSpec, *, marks: ProcessMarks | None = None, factory: EngineFactory | None = None,
-             in_thread: bool = False) -> int:  # fmt: skip
+def run_core(
+    spec: CoreSpec, *, marks: ProcessMarks | None = None, factory: EngineFactory | None = None, in_thread: bool = False
+) -> int:
     """Start the engine and serve until told to stop; the exit status (0: shut down, 1: it failed, and said so)."""
     from glowplug.profiling.tracing import setup_tracing
 
@@ -90,8 +91,14 @@ def run_core(spec: CoreSpec, *, marks: ProcessMarks | None = None, factory: Engi
         channel.close()
 
 
-def _start(spec: CoreSpec, channel: CoreChannel, tracing: Any, marks: ProcessMarks | None,
-           factory: EngineFactory | None, signals: Signals) -> Any:  # fmt: skip
+def _start(
+    spec: CoreSpec,
+    channel: CoreChannel,
+    tracing: Any,
+    marks: ProcessMarks | None,
+    factory: EngineFactory | None,
+    signals: Signals,
+) -> Any:
     """The start-up, reported as it happens; the StartupResult, or None once Failed was sent."""
     from opentelemetry import context as otel_context
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -103,16 +110,18 @@ def _start(spec: CoreSpec, channel: CoreChannel, tracing: Any, marks: ProcessMar
     from .core_frames import Failed, PhaseEntered, Planned, SpanForwarder, record_to_span
 
     if spec.configure_logs:
-        configure_logging(level=spec.log_level, json=spec.log_json,
-                          drop=_quiet_stages if spec.quiet_stages else None)  # fmt: skip
+        configure_logging(level=spec.log_level, json=spec.log_json, drop=_quiet_stages if spec.quiet_stages else None)
     config = EngineConfig.model_validate_json(spec.config_json)
     tracing.provider.add_span_processor(SpanForwarder(channel.send, STARTUP_SPAN, before_send=signals.notice))
     tracer = tracing.tracer()
-    parent = (TraceContextTextMapPropagator().extract({"traceparent": spec.traceparent})
-              if spec.traceparent else None)  # fmt: skip
+    parent = TraceContextTextMapPropagator().extract({"traceparent": spec.traceparent}) if spec.traceparent else None
     if marks is not None and spec.spawn_ns is not None:
-        span = tracer.start_span(stage_span_name(CORE_PROCESS_START), context=parent, start_time=spec.spawn_ns,
-                                 attributes={Attr.STAGE: CORE_PROCESS_START, Attr.PID: os.getpid()})  # fmt: skip
+        span = tracer.start_span(
+            stage_span_name(CORE_PROCESS_START),
+            context=parent,
+            start_time=spec.spawn_ns,
+            attributes={Attr.STAGE: CORE_PROCESS_START, Attr.PID: os.getpid()},
+        )
         span.end(end_time=marks.main_entry_ns)
     t0 = time.perf_counter()
     import torch  # noqa: F401  (the floor's import term, as `glowplug startup` measures it)
@@ -125,8 +134,12 @@ def _start(spec: CoreSpec, channel: CoreChannel, tracing: Any, marks: ProcessMar
     if marks is not None:
         marks.import_torch_s = import_torch_s
         imports_done = marks.mark_imports_done()
-        span = tracer.start_span(stage_span_name(CORE_IMPORTS), context=parent, start_time=marks.main_entry_ns,
-                                 attributes={Attr.STAGE: CORE_IMPORTS})  # fmt: skip
+        span = tracer.start_span(
+            stage_span_name(CORE_IMPORTS),
+            context=parent,
+            start_time=marks.main_entry_ns,
+            attributes={Attr.STAGE: CORE_IMPORTS},
+        )
         span.end(end_time=imports_done)
         # The first ETA counts from the server's creation: the start the user sees began there.
         if spec.origin_ns is not None:
@@ -154,8 +167,12 @@ def _start(spec: CoreSpec, channel: CoreChannel, tracing: Any, marks: ProcessMar
             pass
     if plan is not None:
         planned(plan)
-    offered: dict[str, Any] = {"on_phase": lambda name: channel.send(PhaseEntered(name)), "tracing": tracing,
-                               "marks": marks, "on_plan": planned}  # fmt: skip
+    offered: dict[str, Any] = {
+        "on_phase": lambda name: channel.send(PhaseEntered(name)),
+        "tracing": tracing,
+        "marks": marks,
+        "on_plan": planned,
+    }
     if plan is not None:
         offered["plan"] = plan
     build = factory or startup.build_engine
@@ -216,11 +233,25 @@ def _ready(result: Any, channel: CoreChannel, tracing: Any) -> None:
         channel.send(SpanEnded(span_to_record(span), live=False))
     # READY is where this start's root span ended (build_engine ends it there, before the table and the floor).
     trace_id = int(table.trace_id, 16) if table is not None and table.trace_id else None
-    roots = [s.end_time for s in tracing.finished_spans() if s.name == STARTUP_SPAN and s.end_time
-             and (trace_id is None or (s.context is not None and s.context.trace_id == trace_id))]  # fmt: skip
+    roots = [
+        s.end_time
+        for s in tracing.finished_spans()
+        if s.name == STARTUP_SPAN
+        and s.end_time
+        and (trace_id is None or (s.context is not None and s.context.trace_id == trace_id))
+    ]
     ready_ns = max(roots) if roots else time.time_ns()
-    channel.send(Ready(ready_ns, core.vocab_size, core.max_model_len, str(getattr(result, "model_dir", "")),
-                       load_of(core), table, os.getpid()))  # fmt: skip
+    channel.send(
+        Ready(
+            ready_ns,
+            core.vocab_size,
+            core.max_model_len,
+            str(getattr(result, "model_dir", "")),
+            load_of(core),
+            table,
+            os.getpid(),
+        )
+    )
     log = structlog.get_logger("glowplug.core")
 
     def commit() -> None:
@@ -228,8 +259,10 @@ def _ready(result: Any, channel: CoreChannel, tracing: Any) -> None:
         # seconds of READY instead of creeping up as the block manager first walks the pool.
         t0 = time.perf_counter()
         committed = core.commit_kv_cache()
-        log.info("kv cache committed" if committed else "kv cache commits on first use (the host cannot prefault)",
-                 seconds=round(time.perf_counter() - t0, 3))  # fmt: skip
+        log.info(
+            "kv cache committed" if committed else "kv cache commits on first use (the host cannot prefault)",
+            seconds=round(time.perf_counter() - t0, 3),
+        )
 
     threading.Thread(target=commit, name="kv-commit", daemon=True).start()
 
@@ -241,16 +274,30 @@ def load_of(core: EngineCore) -> CoreLoad:
     sched = core.scheduler
     running = sched.running
     stats = sched.stats()
-    return CoreLoad(len(running), len(sched.waiting), len({s.request_id for s in running}), stats.max_num_seqs,
-                    stats.prefill_backlog, stats.kv_blocks - stats.kv_free_blocks, stats.kv_blocks,
-                    core.num_prompt_tokens, core.num_generated_tokens)  # fmt: skip
+    return CoreLoad(
+        len(running),
+        len(sched.waiting),
+        len({s.request_id for s in running}),
+        stats.max_num_seqs,
+        stats.prefill_backlog,
+        stats.kv_blocks - stats.kv_free_blocks,
+        stats.kv_blocks,
+        core.num_prompt_tokens,
+        core.num_generated_tokens,
+    )
 
 
 class CoreLoop:
     """The busy loop: frames in, one step, its outputs out; until Shutdown (0) or a crash (Failed, then 1)."""
 
-    def __init__(self, core: EngineCore, channel: CoreChannel, signals: Signals, *,
-                 failure: Callable[[], str | None] = _no_failure) -> None:  # fmt: skip
+    def __init__(
+        self,
+        core: EngineCore,
+        channel: CoreChannel,
+        signals: Signals,
+        *,
+        failure: Callable[[], str | None] = _no_failure,
+    ) -> None:
         self.core = core
         self.channel = channel
         self.signals = signals
@@ -267,8 +314,9 @@ class CoreLoop:
         try:
             return self._serve()
         except BaseException as exc:  # noqa: BLE001 - the server ends every request with this reason
-            structlog.get_logger("glowplug.core").error("engine core crashed", error=f"{type(exc).__name__}: {exc}",
-                                                        exc_info=exc)  # fmt: skip
+            structlog.get_logger("glowplug.core").error(
+                "engine core crashed", error=f"{type(exc).__name__}: {exc}", exc_info=exc
+            )
             # A collective fails first when a tensor-parallel rank dies: give the group's watch a moment to name it.
             deadline = time.monotonic() + 1.0
             named = self.failure()
@@ -348,8 +396,18 @@ class CoreLoop:
         step_s = time.perf_counter() - t0
         first = [] if self._first_sent else core.last_first_scheduled
         shape = core.last_step
-        self.channel.send(StepOutputs(updates, first, core.last_schedule_time, load_of(core), step_s,
-                                      shape.prefill_tokens, shape.decode_rows, shape.prefill_s))  # fmt: skip
+        self.channel.send(
+            StepOutputs(
+                updates,
+                first,
+                core.last_schedule_time,
+                load_of(core),
+                step_s,
+                shape.prefill_tokens,
+                shape.decode_rows,
+                shape.prefill_s,
+            )
+        )
         self._last_step = time.monotonic()
         self._trim_pending = True
 

@@ -54,7 +54,10 @@ class CapturedDecode:
 
 
 def capture_decode_graphs(
-    step: Callable[[torch.Tensor], torch.Tensor], sizes: list[int], padding: Callable[[int], torch.Tensor], device: torch.device
+    step: Callable[[torch.Tensor], torch.Tensor],
+    sizes: list[int],
+    padding: Callable[[int], torch.Tensor],
+    device: torch.device,
 ) -> tuple[dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]], list[GraphCaptureStat], PoolId | None]:
     """Capture `step` as one CUDA graph per batch size, largest first so that the smaller ones reuse its memory
     from the one shared pool, each over `padding(size)`: the static input the serving path writes (the prefix of its
@@ -94,9 +97,15 @@ def capture_decode_graphs(
 
 def graph_pool_usage(pool: PoolId, device: torch.device) -> GraphPoolUsage:
     """The captured graphs' pool `pool` as the allocator holds it now (see GraphPoolUsage)."""
-    segments = [s for s in torch.cuda.memory_snapshot()
-                if tuple(s.get("segment_pool_id", ())) == pool
-                and s.get("device", device.index or 0) == (device.index or 0)]  # fmt: skip
+    segments = [
+        s
+        for s in torch.cuda.memory_snapshot()
+        if tuple(s.get("segment_pool_id", ())) == pool and s.get("device", device.index or 0) == (device.index or 0)
+    ]
     blocks = sorted((int(b["size"]) for s in segments for b in s.get("blocks", ())), reverse=True)
-    return GraphPoolUsage(len(segments), sum(int(s["total_size"]) for s in segments),
-                          sum(int(s["allocated_size"]) for s in segments), tuple(blocks[:8]))  # fmt: skip
+    return GraphPoolUsage(
+        len(segments),
+        sum(int(s["total_size"]) for s in segments),
+        sum(int(s["allocated_size"]) for s in segments),
+        tuple(blocks[:8]),
+    )

@@ -41,9 +41,15 @@ class DecodeBatch:
     CUDA graphs); otherwise its width follows the longest table, at least MIN_TABLE_WIDTH."""
 
     def __init__(
-        self, max_rows: int, max_width: int, block_size: int, scratch_block: int, *, buffer: np.ndarray | None = None,
+        self,
+        max_rows: int,
+        max_width: int,
+        block_size: int,
+        scratch_block: int,
+        *,
+        buffer: np.ndarray | None = None,
         fixed_width: bool = False,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.max_rows = max_rows
         self.max_width = max_width
         self.block_size = block_size

@@ -55,8 +55,22 @@ class DecodeCache:
 
 class IncrementalDetokenizer:
     # One per sequence, used every step: compact objects without a per-instance dict.
-    __slots__ = ("tokenizer", "tokens", "prefix_offset", "read_offset", "skip_special_tokens", "stop", "_stop_reach",
-                 "_pieces", "_follows", "_cache", "_decode_list", "output_text", "stopped_by", "emitted")  # fmt: skip
+    __slots__ = (
+        "tokenizer",
+        "tokens",
+        "prefix_offset",
+        "read_offset",
+        "skip_special_tokens",
+        "stop",
+        "_stop_reach",
+        "_pieces",
+        "_follows",
+        "_cache",
+        "_decode_list",
+        "output_text",
+        "stopped_by",
+        "emitted",
+    )
 
     def __init__(
         self,

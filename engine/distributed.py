@@ -93,8 +93,16 @@ class Launch:
         if world != n:
             raise DistributedError(f"WORLD_SIZE is {world} but --tensor-parallel-size is {n}: they must agree")
         rundir = Path(env[RUNDIR_ENV]) if RUNDIR_ENV in env else None
-        return cls(int(env["RANK"]), world, int(env.get("LOCAL_RANK", env["RANK"])), env.get("MASTER_ADDR", "127.0.0.1"),
-                   int(env["MASTER_PORT"]), False, env.get("TORCHELASTIC_USE_AGENT_STORE") == "True", rundir)  # fmt: skip
+        return cls(
+            int(env["RANK"]),
+            world,
+            int(env.get("LOCAL_RANK", env["RANK"])),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env["MASTER_PORT"]),
+            False,
+            env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            rundir,
+        )
 
 
 @dataclass
@@ -157,24 +165,40 @@ class TPGroup:
         t0 = time.perf_counter()
         try:
             if launch.spawner:
-                group.store = dist.TCPStore("127.0.0.1", launch.master_port, launch.world_size, is_master=True,
-                                            timeout=timeout, wait_for_workers=False)  # fmt: skip
+                group.store = dist.TCPStore(
+                    "127.0.0.1",
+                    launch.master_port,
+                    launch.world_size,
+                    is_master=True,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                )
                 group._spawn(cache_root, traceparent)
                 group._monitor = threading.Thread(target=group._watch, name="glowplug-tp-watch", daemon=True)
                 group._monitor.start()
             else:
                 # The master does not wait for the others here: _wait_for_joins does, and names who is missing.
-                group.store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                                            is_master=launch.rank == 0 and not launch.agent_store, timeout=timeout,
-                                            wait_for_workers=False)  # fmt: skip
+                group.store = dist.TCPStore(
+                    launch.master_addr,
+                    launch.master_port,
+                    launch.world_size,
+                    is_master=launch.rank == 0 and not launch.agent_store,
+                    timeout=timeout,
+                    wait_for_workers=False,
+                )
             group.store.set(f"glowplug/joined/{launch.rank}", "1")
             group._wait_for_joins()
             if backend == "nccl":
                 torch.cuda.set_device(launch.local_rank)
             else:
                 group.threads = group._share_cores()
-            dist.init_process_group(backend, store=dist.PrefixStore("glowplug/pg", group.store), rank=launch.rank,
-                                    world_size=launch.world_size, timeout=timeout)  # fmt: skip
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("glowplug/pg", group.store),
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timeout,
+            )
             group.control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
             if backend == "gloo":
                 # Names the rank that does not arrive, where a plain barrier would only time out.
@@ -203,17 +227,25 @@ class TPGroup:
     def _spawn(self, cache_root: Path, traceparent: str | None) -> None:
         launch = self.launch
         for r in range(1, launch.world_size):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(launch.world_size), "LOCAL_RANK": str(r),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(launch.master_port),
-                   CONFIG_ENV: self.config.model_dump_json(), CACHE_ENV: str(cache_root),
-                   "GLOWPLUG_TP_PARENT": str(os.getpid())}  # fmt: skip
+            env = {
+                **os.environ,
+                "RANK": str(r),
+                "WORLD_SIZE": str(launch.world_size),
+                "LOCAL_RANK": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(launch.master_port),
+                CONFIG_ENV: self.config.model_dump_json(),
+                CACHE_ENV: str(cache_root),
+                "GLOWPLUG_TP_PARENT": str(os.getpid()),
+            }
             if launch.rundir is not None:
                 env[RUNDIR_ENV] = str(launch.rundir)
             if traceparent is not None:
                 env[TRACEPARENT_ENV] = traceparent
             # A session of its own: Ctrl-C in the terminal reaches rank 0, which stops the workers itself.
-            self.workers[r] = subprocess.Popen([sys.executable, "-m", "glowplug.engine.tp_worker"], env=env,
-                                               start_new_session=True)  # fmt: skip
+            self.workers[r] = subprocess.Popen(
+                [sys.executable, "-m", "glowplug.engine.tp_worker"], env=env, start_new_session=True
+            )
 
     def _wait_for_joins(self) -> None:
         """Every rank's key in the store, or the first that cannot come: a worker that exited, or the timeout."""
@@ -228,8 +260,10 @@ class TPGroup:
             if time.monotonic() > deadline:
                 progress = read_progress(self.launch.rundir, self.world_size)
                 names = ", ".join(f"rank {r} ({_stage_words(progress[r])})" for r in missing)
-                raise DistributedError(f"{names} never joined the tensor-parallel group within "
-                                       f"--distributed-timeout {self.config.distributed_timeout:g} s")
+                raise DistributedError(
+                    f"{names} never joined the tensor-parallel group within "
+                    f"--distributed-timeout {self.config.distributed_timeout:g} s"
+                )
             time.sleep(POLL_S)
 
     def _watch(self) -> None:

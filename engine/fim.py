@@ -12,12 +12,23 @@ from .tokenizer import Tokenizer, encode_bounded
 # that end a middle (besides EOS). Qwen2.5-Coder's; StarCoder's and its descendants' (also DeepSeek-Coder-V2 Lite's
 # base uses them). llama.cpp finds the same names when a GGUF does not give the ids.
 _FIM_FAMILIES = (
-    (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
-     ("<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<|endoftext|>", "<|fim_prefix|>", "<|fim_suffix|>",
-      "<|fim_middle|>")),
-    (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
-     ("<fim_pad>", "<file_sep>", "<reponame>", "<|endoftext|>", "<fim_prefix>", "<fim_suffix>", "<fim_middle>")),
-)  # fmt: skip
+    (
+        ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+        (
+            "<|fim_pad|>",
+            "<|file_sep|>",
+            "<|repo_name|>",
+            "<|endoftext|>",
+            "<|fim_prefix|>",
+            "<|fim_suffix|>",
+            "<|fim_middle|>",
+        ),
+    ),
+    (
+        ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+        ("<fim_pad>", "<file_sep>", "<reponame>", "<|endoftext|>", "<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -56,7 +67,10 @@ def encode_fim(tokenizer: Any, fim: FimTokens, prefix: str | list[int], suffix: 
     trained on; the model writes the middle next), behind a BOS where the tokenizer adds one. `prefix` is text or
     ids; the texts are tokenized without special tokens, as encode_bounded does (PromptTooLong past `limit`)."""
     head = encode_bounded(tokenizer, "", limit=limit)
-    pre = list(prefix) if isinstance(prefix, list) else encode_bounded(tokenizer, prefix, limit=limit,
-                                                                       add_special_tokens=False)  # fmt: skip
+    pre = (
+        list(prefix)
+        if isinstance(prefix, list)
+        else encode_bounded(tokenizer, prefix, limit=limit, add_special_tokens=False)
+    )
     suf = encode_bounded(tokenizer, suffix, limit=limit, add_special_tokens=False)
     return [*head, fim.prefix, *pre, fim.suffix, *suf, fim.middle]

@@ -52,8 +52,10 @@ class SamplingDefaults:
 
     def describe(self) -> str:
         """`temperature 0 (greedy), from glowplug default (greedy)`: one phrase for a log line or the CLI."""
-        parts = [f"{k.replace('_', ' ')} {v:g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
-                 for k, v in self.values.items()]  # fmt: skip
+        parts = [
+            f"{k.replace('_', ' ')} {v:g}" if isinstance(v, float) else f"{k.replace('_', ' ')} {v}"
+            for k, v in self.values.items()
+        ]
         greedy = " (greedy)" if float(self.values.get("temperature", 1.0)) == 0.0 else ""
         return f"{', '.join(parts)}{greedy}, from {self.source}"
 

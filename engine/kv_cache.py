@@ -132,7 +132,9 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
 
-    def gather(self, layer: int, block_table: torch.Tensor, ctx_len: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(
+        self, layer: int, block_table: torch.Tensor, ctx_len: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `ctx_len` keys and values: [ctx_len, kv_heads, head_dim] each."""
         nb = -(-ctx_len // self.block_size)
         k, v = self.layers[layer].read(block_table[:nb], dtype)

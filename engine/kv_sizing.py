@@ -112,9 +112,14 @@ def kv_budget(config: EngineConfig, *, device: str, weights_bytes: int, activati
         free, _ = torch.cuda.mem_get_info(torch.device(device))
         room = free - activation_peak_bytes - GPU_HEADROOM_BYTES
         if budget > room:
-            budget, source = room, (f"free GPU memory ({free / 2**30:.1f} GiB) - activation peak - "
-                                    f"{GPU_HEADROOM_BYTES >> 20} MiB headroom, less than {source}: other processes "
-                                    "or engines hold the rest")  # fmt: skip
+            budget, source = (
+                room,
+                (
+                    f"free GPU memory ({free / 2**30:.1f} GiB) - activation peak - "
+                    f"{GPU_HEADROOM_BYTES >> 20} MiB headroom, less than {source}: other processes "
+                    "or engines hold the rest"
+                ),
+            )
     return budget, source
 
 
@@ -148,8 +153,10 @@ def _memory_fix(config: EngineConfig, source: str, need: int, per_block: int) ->
         return f"raise --num-gpu-blocks-override to {-(-need // per_block)}"
     if source == "--kv-cache-memory":
         return f"raise --kv-cache-memory to {size_flag_value(need)}"
-    return (f"set --kv-cache-memory {size_flag_value(need)} (or raise --memory-utilization, now "
-            f"{config.cache.memory_utilization}, or free memory)")  # fmt: skip
+    return (
+        f"set --kv-cache-memory {size_flag_value(need)} (or raise --memory-utilization, now "
+        f"{config.cache.memory_utilization}, or free memory)"
+    )
 
 
 def _source_text(source: str, budget: int) -> str:

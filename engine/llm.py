@@ -23,9 +23,13 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | None = None, *, config: EngineConfig | None = None, tracing: Tracing | None = None,
+        self,
+        model: str | None = None,
+        *,
+        config: EngineConfig | None = None,
+        tracing: Tracing | None = None,
         **kwargs: Any,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """tracing: the start-up's tracer provider (the CLI adds its progress display to it); default: a private
         in-memory one."""
         from .startup import build_engine
@@ -52,7 +56,8 @@ class LLM:
         for tokens in encoded:
             self.engine.validate_request(tokens, params or SamplingParams())
         return [
-            self.engine.add_request(p, params, prompt_token_ids=tokens).request_id for p, tokens in zip(prompts, encoded)
+            self.engine.add_request(p, params, prompt_token_ids=tokens).request_id
+            for p, tokens in zip(prompts, encoded)
         ]
 
     def weight_traffic(self) -> WeightTraffic:

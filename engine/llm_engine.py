@@ -19,8 +19,16 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .structured import GrammarBackend
 
-__all__ = ["CompletionOutput", "EngineStats", "LLMEngine", "Request", "RequestMetrics", "RequestOutput",
-           "RequestStatus", "StepShape"]
+__all__ = [
+    "CompletionOutput",
+    "EngineStats",
+    "LLMEngine",
+    "Request",
+    "RequestMetrics",
+    "RequestOutput",
+    "RequestStatus",
+    "StepShape",
+]
 
 
 @dataclass(slots=True)
@@ -35,8 +43,15 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, *, tokenizer: Any, runner: ModelRunner, scheduler: Scheduler, seed: int = 0,
-                 grammar: GrammarBackend | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        seed: int = 0,
+        grammar: GrammarBackend | None = None,
+    ) -> None:
         """`grammar`: constrained decoding's backend (the grammar_init stage builds it); None refuses constrained
         requests."""
         self.tokenizer = tokenizer

@@ -75,9 +75,14 @@ class _ServingViews:
 
 class ModelRunner:
     def __init__(
-        self, model: DecoderLM, kv_cache: KVCache, device: str = "cpu", *, max_num_seqs: int = 1,
+        self,
+        model: DecoderLM,
+        kv_cache: KVCache,
+        device: str = "cpu",
+        *,
+        max_num_seqs: int = 1,
         max_blocks_per_seq: int = MIN_TABLE_WIDTH,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
@@ -100,9 +105,13 @@ class ModelRunner:
         # must not overwrite them), which the compiled step reads through views made once per shape.
         serve = torch.zeros(size, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._batch = DecodeBatch(
-            max_num_seqs, self._max_width, self.block_size, self.scratch_block, buffer=serve.numpy(),
+            max_num_seqs,
+            self._max_width,
+            self.block_size,
+            self.scratch_block,
+            buffer=serve.numpy(),
             fixed_width=self.pad_decode,
-        )  # fmt: skip
+        )
         self._serve_host = serve
         self._serve_device = serve if self.device.type == "cpu" else serve.to(self.device)
         self._views: dict[tuple[int, int], _ServingViews] = {}
@@ -135,8 +144,16 @@ class ModelRunner:
         for sid in out.finished_seq_ids:
             seqs.pop(sid, None)
         for d in out.new_seqs:
-            seqs[d.seq_id] = RunnerSeq(d.seq_id, d.request_id, d.prompt_token_ids, d.output_token_ids, d.params,
-                                       d.sample_key, d.block_ids, d.num_computed_tokens)  # fmt: skip
+            seqs[d.seq_id] = RunnerSeq(
+                d.seq_id,
+                d.request_id,
+                d.prompt_token_ids,
+                d.output_token_ids,
+                d.params,
+                d.sample_key,
+                d.block_ids,
+                d.num_computed_tokens,
+            )
         for sid, blocks in out.new_block_ids.items():
             seqs[sid].block_table.extend(blocks)
         return [ScheduledSeq(seqs[sid], n) for sid, n in zip(out.seq_ids, out.num_new_tokens)]
@@ -150,8 +167,9 @@ class ModelRunner:
             yield self._book(scheds, samples, last)
 
     @staticmethod
-    def _book(scheds: list[ScheduledSeq], samples: collections.abc.Sequence[SampleResult | None],
-              last: bool) -> ModelRunnerOutput:  # fmt: skip
+    def _book(
+        scheds: list[ScheduledSeq], samples: collections.abc.Sequence[SampleResult | None], last: bool
+    ) -> ModelRunnerOutput:
         """Move the runner's copies on by what the part computed and sampled; the part as plain data."""
         sids: list[int] = []
         tokens: list[int] = []
@@ -241,8 +259,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; this runner's is {self.device}")
         self._batch.clear()
-        graphs, stats, self._graph_pool = capture_decode_graphs(step, sizes, lambda size: self._decode_input([], size),
-                                                                self.device)  # fmt: skip
+        graphs, stats, self._graph_pool = capture_decode_graphs(
+            step, sizes, lambda size: self._decode_input([], size), self.device
+        )
         self.install_decode(CapturedDecode(graphs), sizes)
         return stats
 

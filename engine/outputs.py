@@ -173,22 +173,40 @@ class OutputProcessor:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float | None = None) -> None:  # fmt: skip
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         cache = self._decode_caches[params.skip_special_tokens]
         skip = params.skip_special_tokens
         completions = [
-            _Completion(i, IncrementalDetokenizer(self.tokenizer, prompt_token_ids, skip_special_tokens=skip,
-                                                  stop=params.stop, cache=cache), [], [])  # fmt: skip
+            _Completion(
+                i,
+                IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids, skip_special_tokens=skip, stop=params.stop, cache=cache
+                ),
+                [],
+                [],
+            )
             for i in range(params.n)
         ]
         self._requests[request_id] = _RequestState(
-            request_id, prompt, prompt_token_ids, params, completions,
-            self._clock() if arrival_time is None else arrival_time, open=params.n, single=params.n == 1,
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            completions,
+            self._clock() if arrival_time is None else arrival_time,
+            open=params.n,
+            single=params.n == 1,
             want_logprobs=params.logprobs is not None,
-        )  # fmt: skip
+        )
 
     def abort(self, request_id: str) -> int | None:
         """Forget a request; the tokens it had generated (None when it was not here)."""
@@ -256,15 +274,28 @@ class OutputProcessor:
                     state.finished_time = now
                     del requests[rid]
                 detok = comp.detok
-                outputs.append(RequestOutput(
-                    rid, state.prompt, state.prompt_token_ids,
-                    [CompletionOutput(comp.index, detok.output_text, comp.token_ids.copy(), reason,
-                                      detok.take_stream_delta(done),
-                                      comp.logprobs.copy() if state.want_logprobs else None)],
-                    done, comp.num_cached_tokens,
-                    RequestMetrics(state.arrival_time, state.first_scheduled_time, state.first_token_time,
-                                   state.finished_time),
-                ))  # fmt: skip
+                outputs.append(
+                    RequestOutput(
+                        rid,
+                        state.prompt,
+                        state.prompt_token_ids,
+                        [
+                            CompletionOutput(
+                                comp.index,
+                                detok.output_text,
+                                comp.token_ids.copy(),
+                                reason,
+                                detok.take_stream_delta(done),
+                                comp.logprobs.copy() if state.want_logprobs else None,
+                            )
+                        ],
+                        done,
+                        comp.num_cached_tokens,
+                        RequestMetrics(
+                            state.arrival_time, state.first_scheduled_time, state.first_token_time, state.finished_time
+                        ),
+                    )
+                )
             else:
                 several[rid] = state
         for rid, state in several.items():
@@ -279,13 +310,18 @@ class OutputProcessor:
     def _output(state: _RequestState, done: bool) -> RequestOutput:
         want_lp = state.want_logprobs
         comps = [
-            CompletionOutput(c.index, c.detok.output_text, c.token_ids.copy(), c.finish_reason,
-                             c.detok.take_stream_delta(c.finish_reason is not None),
-                             c.logprobs.copy() if want_lp else None)  # fmt: skip
+            CompletionOutput(
+                c.index,
+                c.detok.output_text,
+                c.token_ids.copy(),
+                c.finish_reason,
+                c.detok.take_stream_delta(c.finish_reason is not None),
+                c.logprobs.copy() if want_lp else None,
+            )
             for c in state.completions
         ]
-        metrics = RequestMetrics(state.arrival_time, state.first_scheduled_time, state.first_token_time,
-                                 state.finished_time)  # fmt: skip
+        metrics = RequestMetrics(
+            state.arrival_time, state.first_scheduled_time, state.first_token_time, state.finished_time
+        )
         cached = max(c.num_cached_tokens for c in state.completions)
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, done, cached,
-                             metrics)  # fmt: skip
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, comps, done, cached, metrics)

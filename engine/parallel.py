@@ -79,8 +79,13 @@ class TPShard:
         if not self.active:
             return arch
         split = self.heads(arch)
-        return arch.model_copy(update={"num_attention_heads": split.q_heads, "num_key_value_heads": split.kv_heads,
-                                       "intermediate_size": self.intermediate(arch)})  # fmt: skip
+        return arch.model_copy(
+            update={
+                "num_attention_heads": split.q_heads,
+                "num_key_value_heads": split.kv_heads,
+                "intermediate_size": self.intermediate(arch),
+            }
+        )
 
 
 SINGLE = TPShard()
@@ -98,6 +103,7 @@ def tp_factors(tensor_parallel_size: int) -> dict[str, Any]:
     if tensor_parallel_size == 1:
         return {}
     return {"tensor_parallel": {"world_size": tensor_parallel_size, "rank": launch_rank()}}
+
 
 # Per-channel schemes: one scale over a whole input row (w8a8 also quantizes each token's activations over it).
 PER_CHANNEL = "per channel"
@@ -121,11 +127,15 @@ def _divisors_check(arch: ModelArch, n: int, group: Group | Callable[[int], Grou
     for what, k in (("o_proj input (heads x head_dim)", h * d), ("down_proj input (intermediate)", i)):
         g = group(k) if callable(group) else group
         if g == PER_CHANNEL:
-            return ("a per-channel format takes each scale over a whole input row, which the row-parallel o_proj "
-                    "and down_proj split across ranks; pass --group-size (32, 64, 128)")  # fmt: skip
+            return (
+                "a per-channel format takes each scale over a whole input row, which the row-parallel o_proj "
+                "and down_proj split across ranks; pass --group-size (32, 64, 128)"
+            )
         if isinstance(g, int) and (k // n) % g:
-            return (f"the {what} width {k} splits into {k // n} columns per rank, not a multiple of the "
-                    f"{g}-weight quantization group")
+            return (
+                f"the {what} width {k} splits into {k // n} columns per rank, not a multiple of the "
+                f"{g}-weight quantization group"
+            )
     return None
 
 
@@ -156,8 +166,9 @@ def _rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
     return torch.cat([part, pad])
 
 
-def shard_checkpoint(sd: dict[str, torch.Tensor], arch: ModelArch, shard: TPShard,
-                     copy: bool = False) -> dict[str, torch.Tensor]:  # fmt: skip
+def shard_checkpoint(
+    sd: dict[str, torch.Tensor], arch: ModelArch, shard: TPShard, copy: bool = False
+) -> dict[str, torch.Tensor]:
     """This rank's slice of every tensor of a checkpoint in Hugging Face names (before q/k/v and gate/up are fused),
     float or packed (`qweight`/`scales`/`zeros`, whose dim 0 is the output row and dim 1 runs along the input in
     whole groups). Row slices stay views unless `copy` (a row slice of a mapped file touches only its pages; a
@@ -169,6 +180,7 @@ def shard_checkpoint(sd: dict[str, torch.Tensor], arch: ModelArch, shard: TPShar
     inter = shard.intermediate(arch)
     v0, vn = shard.vocab_rows(arch.vocab_size)
     out: dict[str, torch.Tensor] = {}
+
     def rows(t: torch.Tensor, start: int, count: int) -> torch.Tensor:
         part = _rows(t, start, count)
         return part.clone() if copy and part.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() else part

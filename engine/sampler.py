@@ -142,8 +142,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[int], seqs: list[RunnerSeq]
         logits[at] = torch.where(vals > 0, vals / factor, vals * factor)
     if out_rows:
         at = (torch.tensor(out_rows, device=dev), torch.tensor(out_ids, device=dev))
-        counts = torch.zeros_like(logits).index_put_(at, torch.ones((), dtype=logits.dtype, device=dev),
-                                                     accumulate=True)  # fmt: skip
+        counts = torch.zeros_like(logits).index_put_(
+            at, torch.ones((), dtype=logits.dtype, device=dev), accumulate=True
+        )
         # Rows without these penalties have 0 for both and no counts: logits - 0 leaves them as they were.
         coef = torch.tensor([freq, pres], dtype=logits.dtype, device=dev)
         logits -= coef[0, :, None] * counts + coef[1, :, None] * (counts > 0).to(logits.dtype)
@@ -192,8 +193,9 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: np.ndarray, rows: list[in
     if not rows:
         return logits
     count, vocab = len(rows), logits.shape[-1]
-    banned = np.unpackbits(np.invert(bitmask[:count]).view(np.uint8), axis=-1, count=min(vocab, 32 * bitmask.shape[-1]),
-                           bitorder="little")  # fmt: skip
+    banned = np.unpackbits(
+        np.invert(bitmask[:count]).view(np.uint8), axis=-1, count=min(vocab, 32 * bitmask.shape[-1]), bitorder="little"
+    )
     if banned.shape[-1] < vocab:  # logits wider than the mask: the tokens past it are banned
         banned = np.pad(banned, ((0, 0), (0, vocab - banned.shape[-1])), constant_values=1)
     lanes = _NEG_INF_BITS.get(logits.dtype)

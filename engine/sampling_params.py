@@ -32,19 +32,26 @@ class SamplingParams(BaseModel):
     stop_token_ids: tuple[int, ...] = Field((), description="Stop after any of these token ids.")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
     logprobs: int | None = Field(
-        None, ge=0, le=MAX_LOGPROBS, description="Top-n logprobs per output token.",
+        None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="Top-n logprobs per output token.",
         json_schema_extra={"default_text": "off"},
-    )  # fmt: skip
+    )
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     # llguidance's grammar text (engine/structured.py builds it from a JSON schema, regex, choices or Lark and checks
     # it); every sampled token must keep the output inside it, and the sequence ends ("stop") when it is complete.
-    grammar: str | None = Field(None, description="Constrain the output to this llguidance grammar.",
-                                json_schema_extra={"default_text": "off", "free_text": True})
+    grammar: str | None = Field(
+        None,
+        description="Constrain the output to this llguidance grammar.",
+        json_schema_extra={"default_text": "off", "free_text": True},
+    )
 
     # Token id -> value added to its logit (in [-100, 100]); the HTTP API's string keys are read as ids here. Ids are
     # checked against the served vocabulary where it is known (engine/outputs.py check_request).
-    logit_bias: dict[int, float] | None = Field(None, description="Add this to the token's logit before sampling.",
-                                                json_schema_extra={"default_text": "off"})  # fmt: skip
+    logit_bias: dict[int, float] | None = Field(
+        None, description="Add this to the token's logit before sampling.", json_schema_extra={"default_text": "off"}
+    )
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -53,10 +60,13 @@ class SamplingParams(BaseModel):
             return v
         out: dict[int, object] = {}
         for key, value in v.items():
-            if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and key.isascii()
-                                                                      and key.isdigit())):  # fmt: skip
-                raise ValueError(f"key {key!r} is not a token id: keys are token ids written as decimal integers "
-                                 f'(e.g. {{"1234": -100}})')  # fmt: skip
+            if isinstance(key, bool) or not (
+                isinstance(key, int) or (isinstance(key, str) and key.isascii() and key.isdigit())
+            ):
+                raise ValueError(
+                    f"key {key!r} is not a token id: keys are token ids written as decimal integers "
+                    f'(e.g. {{"1234": -100}})'
+                )
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"the bias of token {key} is {value!r}, not a number in [-100, 100]")
             if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:

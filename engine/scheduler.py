@@ -97,8 +97,14 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, sched: SchedulerConfig, cache: CacheConfig, num_blocks: int, max_model_len: int,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sched: SchedulerConfig,
+        cache: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
         self.cfg = sched
         # Running sequences with a grammar: a step looks for rows to mask only while there are any.
         self._num_constrained = 0
@@ -182,9 +188,18 @@ class Scheduler:
         if not seq.in_runner:
             seq.in_runner = True
             seq.num_sent_blocks = len(table)
-            out.new_seqs.append(NewSeqData(sid, seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids),
-                                           seq.params, seq.sample_key, list(table),
-                                           seq.num_computed_tokens))  # fmt: skip
+            out.new_seqs.append(
+                NewSeqData(
+                    sid,
+                    seq.request_id,
+                    seq.prompt_token_ids,
+                    list(seq.output_token_ids),
+                    seq.params,
+                    seq.sample_key,
+                    list(table),
+                    seq.num_computed_tokens,
+                )
+            )
         elif len(table) != seq.num_sent_blocks:
             out.new_block_ids[sid] = table[seq.num_sent_blocks :]
             seq.num_sent_blocks = len(table)
@@ -321,8 +336,16 @@ class Scheduler:
                 reason = "length"
             if reason is not None:
                 self.finish(seq, reason)
-            updates.append(SeqUpdate(seq.request_id, seq.index, token, None if logprobs is None else logprobs[row],
-                                     reason, seq.num_cached_tokens))  # fmt: skip
+            updates.append(
+                SeqUpdate(
+                    seq.request_id,
+                    seq.index,
+                    token,
+                    None if logprobs is None else logprobs[row],
+                    reason,
+                    seq.num_cached_tokens,
+                )
+            )
         return updates
 
     def finish(self, seq: Sequence, reason: str) -> None:

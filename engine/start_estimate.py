@@ -32,8 +32,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .start_model import PRIOR, Coefficients, Inputs, Observation, fit, predict_phase
+from .start_model import PRIOR, Coefficients, Observation, fit, predict_phase
 from .start_record import StartRecord, critical_path
+from .start_terms import Inputs
 
 HIT = "hit"
 MISS = "miss"
@@ -72,8 +73,12 @@ def stage_caches(stages: Sequence[Any]) -> dict[str, tuple[str, ...]]:
     """stage name -> the caches whose hit or miss changes its time (`caches`, () for none; the page cache for the
     stages that read the weights; the compile cache for those that run the compiled step first), in pipeline
     order."""
-    return {s.name: tuple(getattr(s, "caches", ())) + ((PAGE_CACHE,) if s.name in READS_FILES else ())
-            + ((COMPILE,) if s.name in RUNS_COMPILED else ()) for s in stages}  # fmt: skip
+    return {
+        s.name: tuple(getattr(s, "caches", ()))
+        + ((PAGE_CACHE,) if s.name in READS_FILES else ())
+        + ((COMPILE,) if s.name in RUNS_COMPILED else ())
+        for s in stages
+    }
 
 
 def page_cache_state(read_bytes: float, resident_bytes: float | None) -> str:
@@ -94,7 +99,7 @@ def pattern_text(pattern: Pattern) -> str:
 
 
 def start_kind(pattern: Pattern) -> str:
-    """"warm" (every probed cache hits), "cold" (none does), "partly warm" (some do), or "" (no cache involved).
+    """ "warm" (every probed cache hits), "cold" (none does), "partly warm" (some do), or "" (no cache involved).
     The page cache is left out: a cold start of a model whose file was just read is still a cold start."""
     states = [v for k, v in pattern.items() if v != UNKNOWN and k != PAGE_CACHE]
     if not states:
@@ -179,9 +184,13 @@ class PhaseEstimate:
     def phases_json(self) -> dict[str, dict[str, Any]]:
         """stage -> {seconds, kind, basis, inputs}: each predicted phase with where it comes from (the report's
         `glowplug.eta.phases` and /startup's `eta_phases`)."""
-        return {s: {"seconds": round(v, 6), **(src.to_json() if (src := self.sources.get(s)) is not None
-                                                 else {"kind": "recorded"})}
-                for s, v in self.seconds.items()}  # fmt: skip
+        return {
+            s: {
+                "seconds": round(v, 6),
+                **(src.to_json() if (src := self.sources.get(s)) is not None else {"kind": "recorded"}),
+            }
+            for s, v in self.seconds.items()
+        }
 
     def qualifiers(self) -> dict[str, str]:
         """stage -> how the progress line qualifies its estimate (PhaseSource.qualifier)."""
@@ -229,10 +238,16 @@ def fit_records(records: Sequence[StartRecord]) -> Coefficients:
     return fit(observations(used), len(used), len({r.model for r in used if r.model}))
 
 
-def predict(pattern: Pattern, caches: Mapping[str, tuple[str, ...]], mine: Sequence[StartRecord],
-            others: Sequence[StartRecord], *, inputs: Mapping[str, float] | None = None,
-            coefficients: Coefficients | None = None,
-            deps: Mapping[str, Sequence[str]] | None = None) -> PhaseEstimate | None:  # fmt: skip
+def predict(
+    pattern: Pattern,
+    caches: Mapping[str, tuple[str, ...]],
+    mine: Sequence[StartRecord],
+    others: Sequence[StartRecord],
+    *,
+    inputs: Mapping[str, float] | None = None,
+    coefficients: Coefficients | None = None,
+    deps: Mapping[str, Sequence[str]] | None = None,
+) -> PhaseEstimate | None:
     """The estimate for a start with `pattern` of a pipeline whose stages depend on `caches` (stage_caches),
     from this config's records (`mine`) and another config's of the same model (`others`), both newest first, and
     for the phases no record serves, the start-up model on `inputs` with `coefficients` (rule 3). `deps`: the
@@ -251,8 +266,18 @@ def predict(pattern: Pattern, caches: Mapping[str, tuple[str, ...]], mine: Seque
                     s: PhaseSource("recorded", f"recorded: {what} of this config", own=True) for s in rec.stages
                 }
                 contention = rec.contention
-                return PhaseEstimate(dict(rec.stages), True, basis, "same_pattern", (), rec.scale, dict(pattern),
-                                     sources, rec.deps if contention is not None else None, contention or 1.0)  # fmt: skip
+                return PhaseEstimate(
+                    dict(rec.stages),
+                    True,
+                    basis,
+                    "same_pattern",
+                    (),
+                    rec.scale,
+                    dict(pattern),
+                    sources,
+                    rec.deps if contention is not None else None,
+                    contention or 1.0,
+                )
     candidates = [(rec, True) for rec in mine] + [(rec, False) for rec in others]
     seconds: dict[str, float] = {}
     sources = {}
@@ -278,8 +303,10 @@ def predict(pattern: Pattern, caches: Mapping[str, tuple[str, ...]], mine: Seque
     same_config = not modelled and all(own for _, own in source.values())
     if source and modelled:
         where = "this config" if all(own for _, own in source.values()) else "this model"
-        basis = (f"phase by phase: {len(source)} from earlier starts of {where} with the same cache hits and "
-                 f"misses, {len(modelled)} ({', '.join(modelled)}) from the start-up model{model_basis}")
+        basis = (
+            f"phase by phase: {len(source)} from earlier starts of {where} with the same cache hits and "
+            f"misses, {len(modelled)} ({', '.join(modelled)}) from the start-up model{model_basis}"
+        )
     elif modelled:
         basis = f"start-up model{model_basis}: no start of this model with these cache hits recorded"
     else:
@@ -294,5 +321,15 @@ def predict(pattern: Pattern, caches: Mapping[str, tuple[str, ...]], mine: Seque
         scale = longest_rec.scale
         contention = longest_rec.contention or 1.0
     use_deps = waits if waits is not None else next((r.deps for r, _ in candidates if r.deps is not None), None)
-    return PhaseEstimate(seconds, same_config, basis, "model" if not source else "per_phase", unknown, scale,
-                         dict(pattern), sources, use_deps, contention)  # fmt: skip
+    return PhaseEstimate(
+        seconds,
+        same_config,
+        basis,
+        "model" if not source else "per_phase",
+        unknown,
+        scale,
+        dict(pattern),
+        sources,
+        use_deps,
+        contention,
+    )

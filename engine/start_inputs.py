@@ -44,9 +44,26 @@ from glowplug.base.residency import files_residency
 
 from .config import EngineConfig
 
-INPUT_NAMES = ("weights_bytes", "convert_bytes", "entry_bytes", "read_bytes", "resident_bytes", "params", "layers", "shapes", "vocab",
-               "kv_bytes", "capture_sizes", "batched_tokens", "ranks", "compile", "kv_measure", "quantized",
-               "probe_gbps", "cpu_load")  # fmt: skip
+INPUT_NAMES = (
+    "weights_bytes",
+    "convert_bytes",
+    "entry_bytes",
+    "read_bytes",
+    "resident_bytes",
+    "params",
+    "layers",
+    "shapes",
+    "vocab",
+    "kv_bytes",
+    "capture_sizes",
+    "batched_tokens",
+    "ranks",
+    "compile",
+    "kv_measure",
+    "quantized",
+    "probe_gbps",
+    "cpu_load",
+)
 # Used when this machine has no recorded probe yet: a modest server's streaming read; the fit corrects it.
 DEFAULT_PROBE_GBPS = 20.0
 _CPU_KV_CAP = 2 << 30  # engine/kv_sizing.py CPU_KV_CAP_BYTES (imported there with its reason)
@@ -90,8 +107,19 @@ def weight_files(config: EngineConfig) -> list[Path]:
 
 
 _GGUF_SCALARS = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_SCALAR_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-                        12: "<d"}  # fmt: skip
+_GGUF_SCALAR_FORMATS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
@@ -103,7 +131,9 @@ FLOAT_TYPES = FLOATS
 # converted. Under `none` every quantized tensor is de-quantized; int2 and w8a8 repack nothing.
 # Under auto on the CPU every type with a native kernel runs in place (kernels/gguf.py): nothing is converted.
 KEPT_TYPES: dict[str, frozenset[int]] = {
-    "auto": IN_PLACE, "int4": frozenset({Q4_0, Q4_1, Q4_K}), "int8": frozenset({Q8_0, Q5_0}),
+    "auto": IN_PLACE,
+    "int4": frozenset({Q4_0, Q4_1, Q4_K}),
+    "int8": frozenset({Q8_0, Q5_0}),
 }
 
 
@@ -214,8 +244,6 @@ def safetensors_matrices(files: Iterable[Path]) -> list[tuple[str, tuple[int, ..
     return out
 
 
-
-
 # ---------------------------------------------------------------- the inputs
 
 
@@ -251,20 +279,28 @@ def model_shape(files: list[Path], folder: Path | None) -> ModelShape:
         head_dim = layout.arch_value("attention.key_length", 0.0) or layout.arch_value("embedding_length") / heads
         layers = int(layout.arch_value("block_count"))
         vocab = layout.metadata.get("tokenizer.ggml.tokens")
-        return ModelShape(params=sum(prod(d) for _, d in layout.tensors), layers=layers,
-                          shapes=len({t for t in layout.tensors if len(t[1]) >= 2}),
-                          vocab=int(vocab) if isinstance(vocab, int) else 0,
-                          kv_elements_per_token=int(2 * layers * kv_heads * head_dim),
-                          positions=int(layout.arch_value("context_length", 4096.0)), tensors=layout.tensors)  # fmt: skip
+        return ModelShape(
+            params=sum(prod(d) for _, d in layout.tensors),
+            layers=layers,
+            shapes=len({t for t in layout.tensors if len(t[1]) >= 2}),
+            vocab=int(vocab) if isinstance(vocab, int) else 0,
+            kv_elements_per_token=int(2 * layers * kv_heads * head_dim),
+            positions=int(layout.arch_value("context_length", 4096.0)),
+            tensors=layout.tensors,
+        )
     from .models.arch import load_arch
 
     if folder is None:
         raise ValueError("no model folder and no GGUF file")
     arch = load_arch(folder)
-    return ModelShape(params=arch.num_params, layers=arch.num_hidden_layers,
-                      shapes=len(set(safetensors_matrices(files))), vocab=arch.vocab_size,
-                      kv_elements_per_token=2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim,
-                      positions=arch.max_position_embeddings)  # fmt: skip
+    return ModelShape(
+        params=arch.num_params,
+        layers=arch.num_hidden_layers,
+        shapes=len(set(safetensors_matrices(files))),
+        vocab=arch.vocab_size,
+        kv_elements_per_token=2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim,
+        positions=arch.max_position_embeddings,
+    )
 
 
 def cpu_load() -> float | None:
@@ -294,8 +330,9 @@ def _device(config: EngineConfig) -> str:
 _KV_ELEMENT_BYTES = {"float32": 4, "int8": 1}  # anything else (auto, bf16, fp16): 2
 
 
-def gather_inputs(config: EngineConfig, *, entries: Mapping[str, Path] | None = None,
-                  probe_gbps: float | None = None) -> StartInputs:  # fmt: skip
+def gather_inputs(
+    config: EngineConfig, *, entries: Mapping[str, Path] | None = None, probe_gbps: float | None = None
+) -> StartInputs:
     """The inputs of a start of `config` (module docstring). `entries`: the cache entries its probes found (cache
     name -> entry folder), read on a hit; `probe_gbps`: the machine's latest recorded probe. What cannot be read is
     left out and named in `notes`; raises ValueError only when the model's files cannot be read at all."""
@@ -314,8 +351,12 @@ def gather_inputs(config: EngineConfig, *, entries: Mapping[str, Path] | None = 
     convert = converted_bytes(shape.tensors, quant) if shape.tensors else (0 if quant in ("none", "auto") else weights)
     cached = [p for entry in (entries or {}).values() for p in entry_files(entry)]
     entry_bytes = sum(p.stat().st_size for p in cached)
-    values: dict[str, float] = {"weights_bytes": weights, "convert_bytes": convert, "entry_bytes": entry_bytes,
-                                "read_bytes": weights + entry_bytes}  # fmt: skip
+    values: dict[str, float] = {
+        "weights_bytes": weights,
+        "convert_bytes": convert,
+        "entry_bytes": entry_bytes,
+        "read_bytes": weights + entry_bytes,
+    }
     residency = files_residency([*files, *cached])
     if residency is None:
         notes.append("page-cache residency unknown on this system (no mincore)")
@@ -328,20 +369,29 @@ def gather_inputs(config: EngineConfig, *, entries: Mapping[str, Path] | None = 
     want = shape.kv_elements_per_token * element * positions * sched.max_num_seqs
     budget = cache.kv_cache_memory if cache.kv_cache_memory is not None else _CPU_KV_CAP
     compiled = config.compile_enabled()
-    values.update({
-        "params": shape.params, "layers": shape.layers, "shapes": shape.shapes, "vocab": shape.vocab,
-        "kv_bytes": min(want, budget),
-        "capture_sizes": len(bucket_sizes(sched.max_num_seqs, config.cudagraph_capture_sizes,
-                                          include_limit=device == "cuda")) if compiled else 0,
-        "batched_tokens": sched.max_num_batched_tokens, "ranks": config.tensor_parallel_size,
-        "compile": 1.0 if compiled else 0.0, "kv_measure": 1.0 if cache.kv_profile == "measure" else 0.0,
-        "quantized": 0.0 if config.quant.quantization == "none" else 1.0,
-        "probe_gbps": probe_gbps if probe_gbps else DEFAULT_PROBE_GBPS,
-    })  # fmt: skip
+    values.update(
+        {
+            "params": shape.params,
+            "layers": shape.layers,
+            "shapes": shape.shapes,
+            "vocab": shape.vocab,
+            "kv_bytes": min(want, budget),
+            "capture_sizes": len(
+                bucket_sizes(sched.max_num_seqs, config.cudagraph_capture_sizes, include_limit=device == "cuda")
+            )
+            if compiled
+            else 0,
+            "batched_tokens": sched.max_num_batched_tokens,
+            "ranks": config.tensor_parallel_size,
+            "compile": 1.0 if compiled else 0.0,
+            "kv_measure": 1.0 if cache.kv_profile == "measure" else 0.0,
+            "quantized": 0.0 if config.quant.quantization == "none" else 1.0,
+            "probe_gbps": probe_gbps if probe_gbps else DEFAULT_PROBE_GBPS,
+        }
+    )
     if not probe_gbps:
         notes.append(f"no recorded read probe on this machine: {DEFAULT_PROBE_GBPS:g} GB/s assumed")
     load = cpu_load()
     if load is not None:
         values["cpu_load"] = load
-    return StartInputs({k: float(v) for k, v in values.items()}, tuple(str(p) for p in [*files, *cached]),
-                       tuple(notes))  # fmt: skip
+    return StartInputs({k: float(v) for k, v in values.items()}, tuple(str(p) for p in [*files, *cached]), tuple(notes))

@@ -30,15 +30,31 @@ from .start_record import StartRecord, parse_profile
 
 PHASES = "phases.json"
 # The stages of the default pipeline in order, for a prediction on a machine that recorded no start yet.
-DEFAULT_PIPELINE = ("model_prepare", "tokenizer_init", "grammar_init", "load_weights", "quantize_weights", "model_init",
-                    "native_kernels", "dynamo_transform", "graph_compile", "kv_cache_profiling", "kv_cache_init",
-                    "graph_capture", "warmup")  # fmt: skip
+DEFAULT_PIPELINE = (
+    "model_prepare",
+    "tokenizer_init",
+    "grammar_init",
+    "load_weights",
+    "quantize_weights",
+    "model_init",
+    "native_kernels",
+    "dynamo_transform",
+    "graph_compile",
+    "kv_cache_profiling",
+    "kv_cache_init",
+    "graph_capture",
+    "warmup",
+)
 # The caches each of those stages depends on (their `caches`, and the page cache for the weight readers).
 DEFAULT_CACHES: dict[str, tuple[str, ...]] = {
-    "model_prepare": ("model",), "load_weights": (PAGE_CACHE,), "quantize_weights": ("quant", PAGE_CACHE),
-    "native_kernels": ("native",), "dynamo_transform": ("compile",), "graph_compile": ("compile",),
+    "model_prepare": ("model",),
+    "load_weights": (PAGE_CACHE,),
+    "quantize_weights": ("quant", PAGE_CACHE),
+    "native_kernels": ("native",),
+    "dynamo_transform": ("compile",),
+    "graph_compile": ("compile",),
     "kv_cache_profiling": ("kv_profile",),
-}  # fmt: skip
+}
 # Caches whose entries belong to one model (the others, such as the native kernels, serve every model).
 PER_MODEL = ("model", "quant", "compile", "kv_profile")
 
@@ -104,7 +120,9 @@ def profile_entries(store: ArtifactStore) -> list[ProfileEntry]:
             continue
         try:
             m = read_manifest(entry)
-            out.append(ProfileEntry(entry.name, m.group, read_records(entry), (entry / "manifest.json").stat().st_mtime))
+            out.append(
+                ProfileEntry(entry.name, m.group, read_records(entry), (entry / "manifest.json").stat().st_mtime)
+            )
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
     return sorted(out, key=lambda e: e.used, reverse=True)
@@ -144,9 +162,16 @@ class StartPlan:
         return self.estimate.basis
 
 
-def estimate_for(config: EngineConfig, store: ArtifactStore, device: str, pattern: dict[str, str],
-                 caches: dict[str, tuple[str, ...]], deps: dict[str, tuple[str, ...]] | None,
-                 inputs: StartInputs | None, entries: Sequence[ProfileEntry]) -> PhaseEstimate | None:  # fmt: skip
+def estimate_for(
+    config: EngineConfig,
+    store: ArtifactStore,
+    device: str,
+    pattern: dict[str, str],
+    caches: dict[str, tuple[str, ...]],
+    deps: dict[str, tuple[str, ...]] | None,
+    inputs: StartInputs | None,
+    entries: Sequence[ProfileEntry],
+) -> PhaseEstimate | None:
     """The estimate (start_estimate.predict) from this config's records, the latest other config's of the same
     model, and the model fitted on this machine's records."""
     mine = config_records(store, config, device)
@@ -155,8 +180,15 @@ def estimate_for(config: EngineConfig, store: ArtifactStore, device: str, patter
     others = next((e.records for e in entries if e.group == group and e.key != own_key), [])
     learned = machine_records(entries)
     coefficients = fit_records(learned)
-    return predict(pattern, caches, mine, others, inputs=inputs.values if inputs is not None else None,
-                   coefficients=coefficients, deps=deps)  # fmt: skip
+    return predict(
+        pattern,
+        caches,
+        mine,
+        others,
+        inputs=inputs.values if inputs is not None else None,
+        coefficients=coefficients,
+        deps=deps,
+    )
 
 
 def with_page_cache(pattern: dict[str, str], inputs: StartInputs | None) -> dict[str, str]:
@@ -176,8 +208,9 @@ def _device(config: EngineConfig) -> str:
     return config.resolved_device() if device == "unknown" else device
 
 
-def predicted_pattern(config: EngineConfig, store: ArtifactStore, device: str,
-                      entries: Sequence[ProfileEntry]) -> tuple[dict[str, str], dict[str, Path], list[str]]:  # fmt: skip
+def predicted_pattern(
+    config: EngineConfig, store: ArtifactStore, device: str, entries: Sequence[ProfileEntry]
+) -> tuple[dict[str, str], dict[str, Path], list[str]]:
     """The cache states a start of `config` would meet, read from the store alone (module docstring), the entry
     folders it would read, and how each state was told."""
     group = model_group(config.model)
@@ -188,8 +221,13 @@ def predicted_pattern(config: EngineConfig, store: ArtifactStore, device: str,
         template = next((r for e in entries if e.group == group for r in e.records if r.pattern is not None), None)
     if template is None:
         template = next((r for e in entries for r in e.records if r.pattern is not None), None)
-    caches = [c for c in (template.pattern or {}) if c != PAGE_CACHE] if template is not None else \
-        ["model", "compile"] if config.compile_enabled() else ["model"]  # fmt: skip
+    caches = (
+        [c for c in (template.pattern or {}) if c != PAGE_CACHE]
+        if template is not None
+        else ["model", "compile"]
+        if config.compile_enabled()
+        else ["model"]
+    )
     pattern: dict[str, str] = {}
     found: dict[str, Path] = {}
     for cache in caches:
@@ -205,8 +243,9 @@ def predicted_pattern(config: EngineConfig, store: ArtifactStore, device: str,
             pattern[cache] = MISS
         elif cache in PER_MODEL:
             pattern[cache] = UNKNOWN
-            how.append(f"{cache}: an entry of this model exists, but no start of this config used it: predicted "
-                       "as a miss")  # fmt: skip
+            how.append(
+                f"{cache}: an entry of this model exists, but no start of this config used it: predicted as a miss"
+            )
         else:
             # A cache every model shares (the native kernels): any entry there serves this start too.
             folder = store.folder(spec)
@@ -244,8 +283,11 @@ def predict_before_start(config: EngineConfig, cache_root: Path) -> StartPlan:
 
         befores = [r.before_s for r in learned if r.before_s is not None][:5]
         imports = [r.imports_s for r in learned if r.imports_s is not None][:5]
-        estimate = replace(estimate, before_s=statistics.median(befores) if befores else None,
-                           imports_s=statistics.median(imports) if imports else None)  # fmt: skip
-    return StartPlan(pattern, estimate, inputs, deps, {c: p.name for c, p in found.items()}, this_machine(),
-                     tuple(notes))  # fmt: skip
-
+        estimate = replace(
+            estimate,
+            before_s=statistics.median(befores) if befores else None,
+            imports_s=statistics.median(imports) if imports else None,
+        )
+    return StartPlan(
+        pattern, estimate, inputs, deps, {c: p.name for c, p in found.items()}, this_machine(), tuple(notes)
+    )

@@ -62,9 +62,16 @@ class StartRecord:
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"stages": self.stages, "pattern": self.pattern, "wall_s": self.wall_s}
-        extra = {"inputs": self.inputs, "deps": {k: list(v) for k, v in self.deps.items()} if self.deps else None,
-                 "entries": self.entries, "machine": self.machine, "model": self.model, "before_s": self.before_s,
-                 "probe_gbps": self.probe_gbps, "imports_s": self.imports_s}  # fmt: skip
+        extra = {
+            "inputs": self.inputs,
+            "deps": {k: list(v) for k, v in self.deps.items()} if self.deps else None,
+            "entries": self.entries,
+            "machine": self.machine,
+            "model": self.model,
+            "before_s": self.before_s,
+            "probe_gbps": self.probe_gbps,
+            "imports_s": self.imports_s,
+        }
         out.update({k: v for k, v in extra.items() if v is not None})
         return out
 
@@ -74,17 +81,19 @@ class StartRecord:
         wall = data.get("wall_s")
         deps = data.get("deps")
         entries = data.get("entries")
-        return cls({str(k): float(v) for k, v in data["stages"].items()},
-                   {str(k): str(v) for k, v in pattern.items()} if isinstance(pattern, Mapping) else None,
-                   float(wall) if wall is not None else None,
-                   _floats(data.get("inputs")),
-                   {str(k): tuple(str(d) for d in v) for k, v in deps.items()} if isinstance(deps, Mapping) else None,
-                   {str(k): str(v) for k, v in entries.items()} if isinstance(entries, Mapping) else None,
-                   str(data["machine"]) if data.get("machine") else None,
-                   str(data["model"]) if data.get("model") else None,
-                   float(data["before_s"]) if data.get("before_s") is not None else None,
-                   float(data["probe_gbps"]) if data.get("probe_gbps") else None,
-                   float(data["imports_s"]) if data.get("imports_s") is not None else None)  # fmt: skip
+        return cls(
+            {str(k): float(v) for k, v in data["stages"].items()},
+            {str(k): str(v) for k, v in pattern.items()} if isinstance(pattern, Mapping) else None,
+            float(wall) if wall is not None else None,
+            _floats(data.get("inputs")),
+            {str(k): tuple(str(d) for d in v) for k, v in deps.items()} if isinstance(deps, Mapping) else None,
+            {str(k): str(v) for k, v in entries.items()} if isinstance(entries, Mapping) else None,
+            str(data["machine"]) if data.get("machine") else None,
+            str(data["model"]) if data.get("model") else None,
+            float(data["before_s"]) if data.get("before_s") is not None else None,
+            float(data["probe_gbps"]) if data.get("probe_gbps") else None,
+            float(data["imports_s"]) if data.get("imports_s") is not None else None,
+        )
 
 
 def parse_profile(data: Mapping[str, Any]) -> list[StartRecord]:
@@ -113,8 +122,9 @@ def profile_json(new: StartRecord, older: Sequence[StartRecord]) -> dict[str, An
     return {"stages": new.stages, "pattern": new.pattern, "records": [r.to_json() for r in kept]}
 
 
-def critical_path(seconds: Mapping[str, float], deps: Mapping[str, Sequence[str]],
-                  done_at: Mapping[str, float] | None = None) -> float:  # fmt: skip
+def critical_path(
+    seconds: Mapping[str, float], deps: Mapping[str, Sequence[str]], done_at: Mapping[str, float] | None = None
+) -> float:
     """When the last stage ends if each starts as soon as the stages it waits for have ended (from 0): stages in
     `seconds` order (the pipeline's). `done_at`: stages whose end is already known (0 for a finished one, the
     expected rest for a running one); a stage missing from `seconds` takes no time."""

@@ -45,8 +45,9 @@ class StartRun:
     results: list[StageResult] = field(default_factory=list)
 
     @classmethod
-    def open(cls, config: EngineConfig, cache_root: Path, tracing: Tracing, marks: ProcessMarks | None,
-             parent: Any) -> StartRun:  # fmt: skip
+    def open(
+        cls, config: EngineConfig, cache_root: Path, tracing: Tracing, marks: ProcessMarks | None, parent: Any
+    ) -> StartRun:
         """The context and the open root span (see build_engine for `marks` and `parent`)."""
         tracer = tracing.tracer()
         ctx = EngineContext(config=config, cache_root=cache_root, device=config.resolved_device())
@@ -54,14 +55,21 @@ class StartRun:
         # The root span is ours in both modes so that work after READY (the start-up profile, sealing the compile
         # cache) still has a span to report cache events on.
         if parent is not None:
-            root = tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(), context=parent,
-                                     attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION})  # fmt: skip
+            root = tracer.start_span(
+                STARTUP_SPAN,
+                start_time=clock.now_ns(),
+                context=parent,
+                attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION},
+            )
         elif marks is not None:
             root = open_startup_span(tracer, marks)
         else:
-            root = tracer.start_span(STARTUP_SPAN, start_time=clock.now_ns(),
-                                     attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION},
-                                     context=worker_trace_context())  # fmt: skip
+            root = tracer.start_span(
+                STARTUP_SPAN,
+                start_time=clock.now_ns(),
+                attributes={Attr.SCHEMA_VERSION: SCHEMA_VERSION},
+                context=worker_trace_context(),
+            )
         if config.tensor_parallel_size > 1:
             # Every rank's spans go into one trace (a worker's root hangs under rank 0's distributed_init): each
             # says which rank it is.
@@ -93,11 +101,18 @@ class StartRun:
             if self.marks is not None and self.marks.gc_deferral is not None:
                 self.marks.gc_deferral.resume(freeze=self.ctx.engine is not None)
 
-    def run(self, stages: Sequence[Stage], on_phase: Callable[[str], None] | None,
-            ctx: EngineContext | None = None) -> None:  # fmt: skip
+    def run(
+        self, stages: Sequence[Stage], on_phase: Callable[[str], None] | None, ctx: EngineContext | None = None
+    ) -> None:
         """Run `stages` under the root span on `ctx` (default: this start's context); their results join the run's."""
-        self.results += run_stages(stages, ctx if ctx is not None else self.ctx, tracer=self.tracer,
-                                   on_phase=on_phase, parent=self.root, clock=self.clock)  # fmt: skip
+        self.results += run_stages(
+            stages,
+            ctx if ctx is not None else self.ctx,
+            tracer=self.tracer,
+            on_phase=on_phase,
+            parent=self.root,
+            clock=self.clock,
+        )
 
     def install_bundle(self, on_phase: Callable[[str], None] | None) -> None:
         """The config's bundle, installed first and alone (the plan's cache probes and the stages must see what it
@@ -113,10 +128,21 @@ class StartRun:
         ctx = self.ctx
         assert ctx.engine is not None, "the pipeline ended without building an engine (is kv_cache_init in it?)"
         assert ctx.kv_plan is not None and ctx.arch is not None and ctx.model_dir is not None
-        at = ReadyContext(config=ctx.config, cache_root=ctx.cache_root, plan=plan, marks=self.marks, clock=self.clock,
-                          root=self.root, tracing=self.tracing, results=self.results, ready_ns=ready_ns,
-                          engine=ctx.engine, weights_bytes=ctx.weights_bytes, compile_cache=ctx.compile_cache,
-                          parallel=ctx.parallel)  # fmt: skip
+        at = ReadyContext(
+            config=ctx.config,
+            cache_root=ctx.cache_root,
+            plan=plan,
+            marks=self.marks,
+            clock=self.clock,
+            root=self.root,
+            tracing=self.tracing,
+            results=self.results,
+            ready_ns=ready_ns,
+            engine=ctx.engine,
+            weights_bytes=ctx.weights_bytes,
+            compile_cache=ctx.compile_cache,
+            parallel=ctx.parallel,
+        )
         run_in_order(hooks, at)
         assert at.table is not None, "the hooks at READY built no phase table (is phase_table among them?)"
         return at

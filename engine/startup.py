@@ -61,8 +61,18 @@ from .start_profile import (
 )
 from .start_run import StartRun
 
-__all__ = ["PhaseEstimate", "StartPlan", "StartupFailed", "StartupResult", "build_engine", "default_stages",
-           "estimate_phase_durations", "expected_phase_durations", "plan_start", "probe_cache_pattern"]
+__all__ = [
+    "PhaseEstimate",
+    "StartPlan",
+    "StartupFailed",
+    "StartupResult",
+    "build_engine",
+    "default_stages",
+    "estimate_phase_durations",
+    "expected_phase_durations",
+    "plan_start",
+    "probe_cache_pattern",
+]
 
 
 def default_stages(config: EngineConfig | None = None) -> list[Stage]:
@@ -115,8 +125,9 @@ def expected_phase_durations(config: EngineConfig, cache_dir: Path | None = None
     return dict(records[0].stages) if records else None
 
 
-def probe_cache_pattern(config: EngineConfig, cache_dir: Path | None = None,
-                        stages: Sequence[Stage] | None = None) -> dict[str, str]:  # fmt: skip
+def probe_cache_pattern(
+    config: EngineConfig, cache_dir: Path | None = None, stages: Sequence[Stage] | None = None
+) -> dict[str, str]:
     """Which cache entries a start of `config` will hit, asked of each stage that owns a cache's factors
     (`cache_probe`), in pipeline order, on a scratch context: nothing is loaded, built or moved. A probe that
     cannot tell (say the model folder is not prepared yet, so later factors are unknown) leaves its caches
@@ -150,8 +161,7 @@ def pipeline_waits(config: EngineConfig, stages: Sequence[Stage]) -> dict[str, t
     return stage_dependencies(stages, plan_concurrency(stages, config).serial)
 
 
-def plan_start(config: EngineConfig, cache_dir: Path | None = None,
-               stages: Sequence[Stage] | None = None) -> StartPlan:  # fmt: skip
+def plan_start(config: EngineConfig, cache_dir: Path | None = None, stages: Sequence[Stage] | None = None) -> StartPlan:
     """The pattern of this start, its inputs and its estimate (engine/start_estimate.py `predict` says which record
     or model term serves which phase). Never raises for an unreadable cache dir: that costs the estimate only."""
     root = cache_dir or cache_dir_from_env()
@@ -173,7 +183,9 @@ def plan_start(config: EngineConfig, cache_dir: Path | None = None,
     except Exception:  # noqa: BLE001 - an unreadable cache dir costs the estimate only; the start says the rest
         entries = []
     try:
-        inputs: StartInputs | None = gather_inputs(config, entries=hits, probe_gbps=latest_probe(machine_records(entries)))
+        inputs: StartInputs | None = gather_inputs(
+            config, entries=hits, probe_gbps=latest_probe(machine_records(entries))
+        )
         notes += inputs.notes if inputs is not None else []
     except Exception as exc:  # noqa: BLE001 - without inputs the model is left out; the records still serve
         log.info("start-up inputs unknown", error=repr(exc))
@@ -182,8 +194,9 @@ def plan_start(config: EngineConfig, cache_dir: Path | None = None,
     pattern = with_page_cache(pattern, inputs)
     deps = pipeline_waits(config, pipeline)
     try:
-        estimate = estimate_for(config, store, config.resolved_device(), pattern, stage_caches(pipeline), deps,
-                                inputs, entries)  # fmt: skip
+        estimate = estimate_for(
+            config, store, config.resolved_device(), pattern, stage_caches(pipeline), deps, inputs, entries
+        )
     except Exception as exc:  # noqa: BLE001 - an unreadable profile costs the estimate only
         log.info("no start-up estimate", error=repr(exc))
         estimate = None
@@ -204,14 +217,20 @@ def _eta_attributes(plan: StartPlan, marks: ProcessMarks | None, begun_ns: int) 
         attrs[Attr.ETA_INPUTS] = json.dumps(plan.inputs.to_json(), sort_keys=True)
     if plan.estimate is not None:
         stages_s = plan.estimate.total_s
-        attrs.update({Attr.ETA_FIRST_AT_S: round(at_s, 6), Attr.ETA_FIRST_STAGES_S: round(stages_s, 6),
-                      Attr.ETA_FIRST_READY_S: round(at_s + stages_s, 6),
-                      Attr.ETA_PHASES: json.dumps(plan.estimate.phases_json())})  # fmt: skip
+        attrs.update(
+            {
+                Attr.ETA_FIRST_AT_S: round(at_s, 6),
+                Attr.ETA_FIRST_STAGES_S: round(stages_s, 6),
+                Attr.ETA_FIRST_READY_S: round(at_s + stages_s, 6),
+                Attr.ETA_PHASES: json.dumps(plan.estimate.phases_json()),
+            }
+        )
     return attrs
 
 
-def _planned(run: StartRun, pipeline: Sequence[Stage], plan: StartPlan | None,
-             on_plan: Callable[[StartPlan], None] | None) -> StartPlan:  # fmt: skip
+def _planned(
+    run: StartRun, pipeline: Sequence[Stage], plan: StartPlan | None, on_plan: Callable[[StartPlan], None] | None
+) -> StartPlan:
     """The plan the stages run under, recorded on the start-up span: the caller's, else made here; after a bundle's
     install always made again (a plan made before could not see the hits it brings), and handed to `on_plan`."""
     bundle = run.ctx.config.bundle is not None
@@ -254,8 +273,9 @@ def build_engine(
     check_device(config)  # first: `--device cuda` without CUDA fails deep in torch otherwise, naming no flag
     pipeline = list(stages) if stages is not None else default_stages(config)
     check_pipeline(pipeline, EngineContext)  # a bad declaration fails here, before the start-up span opens
-    run = StartRun.open(config, cache_dir or cache_dir_from_env(), tracing or setup_tracing(in_memory=True), marks,
-                        parent)  # fmt: skip
+    run = StartRun.open(
+        config, cache_dir or cache_dir_from_env(), tracing or setup_tracing(in_memory=True), marks, parent
+    )
     with run.running():
         if config.bundle is not None:
             run.install_bundle(on_phase)
@@ -268,6 +288,15 @@ def _result(run: StartRun, ready: Any, plan: StartPlan) -> StartupResult:
     """What build_engine returns: the engine, the record of the start, and the model's facts the context held."""
     ctx = run.ctx
     assert ready.table is not None and ctx.kv_plan is not None and ctx.arch is not None and ctx.model_dir is not None
-    return StartupResult(engine=ready.engine, stages=run.results, phase_table=ready.table, tracing=run.tracing,
-                         kv_plan=ctx.kv_plan, arch=ctx.arch, model_dir=ctx.model_dir, dtype=ctx.dtype, plan=plan,
-                         parallel=ctx.parallel)  # fmt: skip
+    return StartupResult(
+        engine=ready.engine,
+        stages=run.results,
+        phase_table=ready.table,
+        tracing=run.tracing,
+        kv_plan=ctx.kv_plan,
+        arch=ctx.arch,
+        model_dir=ctx.model_dir,
+        dtype=ctx.dtype,
+        plan=plan,
+        parallel=ctx.parallel,
+    )

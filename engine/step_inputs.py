@@ -51,8 +51,9 @@ def pad_tables(tables: list[list[int]], width: int, fill: int, device: torch.dev
     return torch.tensor(rows, dtype=torch.long, device=device).reshape(len(tables), width)
 
 
-def eager_inputs(scheduled: list[ScheduledSeq], block_size: int, scratch_block: int, kv_cache: KVCache,
-                 device: torch.device) -> BatchInputs:  # fmt: skip
+def eager_inputs(
+    scheduled: list[ScheduledSeq], block_size: int, scratch_block: int, kv_cache: KVCache, device: torch.device
+) -> BatchInputs:
     """The eager forward's inputs for `scheduled`; block tables padded with `scratch_block`."""
     prefills = [s for s in scheduled if not s.is_decode]
     decodes = [s for s in scheduled if s.is_decode]

@@ -106,8 +106,9 @@ class GrammarBackend:
         with self._lock:
             if self._tokenizer is None:
                 t0 = time.perf_counter()
-                self._tokenizer = llguidance.LLTokenizer(self._tokenizer_json(), n_vocab=self.vocab_size,
-                                                         eos_token=self._eos or None)  # fmt: skip
+                self._tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self._eos or None
+                )
                 self.init_s = time.perf_counter() - t0
             return self._tokenizer
 
@@ -130,8 +131,9 @@ class GrammarBackend:
         probe = parsed.deep_copy()
         fill_next_token_bitmask(probe, np.empty((1, self.words), dtype=np.int32), 0)
         if probe.is_error():
-            raise GrammarError("the grammar matches no output at all (no text satisfies it); fix it so that "
-                               "some text does")  # fmt: skip
+            raise GrammarError(
+                "the grammar matches no output at all (no text satisfies it); fix it so that some text does"
+            )
         self._parsed[key] = parsed
         if len(self._parsed) > _CACHE_SIZE:
             self._parsed.popitem(last=False)

@@ -31,12 +31,14 @@ PIECE_CHARS = 16_384
 # ids of the whole text. Printable ASCII keeps the test independent of what each regex engine calls whitespace.
 _SPLIT_POINT = re.compile(r"[!-~](?= )")
 # Pre-tokenizer regexes known to keep that property besides ByteLevel's own (GPT-2's): Llama 3's and Qwen2's.
-_SAFE_SPLIT_PATTERNS = frozenset({
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
-    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-})  # fmt: skip
+_SAFE_SPLIT_PATTERNS = frozenset(
+    {
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    }
+)
 # Normalizers that never make a text shorter (the characters-per-token bound counts the input's characters) and
 # work character by character (a split point stays a split point).
 _GROWING_NORMALIZERS = frozenset({"Lowercase", "NFD", "NFKD"})
@@ -149,8 +151,10 @@ class Tokenizer:
         if shape.max_token_chars is not None:
             at_least = math.ceil(len(text) / shape.max_token_chars) + specials
             if at_least > limit:
-                basis = (f"it is {len(text):,} characters and no token of this tokenizer covers more than "
-                         f"{shape.max_token_chars}")  # fmt: skip
+                basis = (
+                    f"it is {len(text):,} characters and no token of this tokenizer covers more than "
+                    f"{shape.max_token_chars}"
+                )
                 raise PromptTooLong(at_least, limit, len(text), basis)
         pieces = _pieces(text) if shape.split_exact else [text]
         encodings: list[Any] = []
@@ -182,16 +186,27 @@ class Tokenizer:
         arguments, since keywords cost the backend as much again as the call)."""
         return self.backend.decode  # type: ignore[no-any-return]
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], *, tokenize: bool = False,
-                            add_generation_prompt: bool = True, **kwargs: Any) -> Any:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tokenize: bool = False,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> Any:
         if not self.chat_template:
             raise ModelError("this model's tokenizer has no chat template; send a plain prompt instead")
         if self._template is None:
             self._template = ChatTemplate(self.chat_template)
         specials = {k: v for k, v in self.special_tokens.items() if v is not None}
         tools = kwargs.pop("tools", None)
-        text = self._template.render(messages, add_generation_prompt=add_generation_prompt,
-                                     special_tokens={**specials, **kwargs}, tools=tools, documents=None)  # fmt: skip
+        text = self._template.render(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            special_tokens={**specials, **kwargs},
+            tools=tools,
+            documents=None,
+        )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -261,7 +276,11 @@ def _split_exact(spec: dict[str, Any]) -> bool:
             regexes += bool(pre.get("use_regex", True))
         elif kind == "Split":
             pattern = pre.get("pattern") or {}
-            if pattern.get("Regex") not in _SAFE_SPLIT_PATTERNS or pre.get("invert") or pre.get("behavior") != "Isolated":
+            if (
+                pattern.get("Regex") not in _SAFE_SPLIT_PATTERNS
+                or pre.get("invert")
+                or pre.get("behavior") != "Isolated"
+            ):
                 return False
             regexes += 1
         elif kind == "Digits":
@@ -329,17 +348,22 @@ def template_takes_tools(tokenizer: Any) -> bool:
     return isinstance(source, str) and "tools" in source
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], *, limit: int | None = None,
-                tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-                add_special_tokens: bool = False) -> list[int]:  # fmt: skip
+def encode_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    *,
+    limit: int | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+) -> list[int]:
     """The ids of the rendered conversation (with `tools` for templates that take them; ending with the assistant
     turn's opening unless `add_generation_prompt` is false); with `limit`, tokenized as `encode_bounded` does. The
     template writes its own special tokens: `add_special_tokens` adds the tokenizer's too (/tokenize's option)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ModelError("this model's tokenizer has no chat template; send a plain prompt instead of chat messages")
     extra = {"tools": tools} if tools else {}
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **extra)  # fmt: skip
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra)
     # The template already carries any BOS token; don't let the tokenizer add a second one.
     if limit is not None:
         return encode_bounded(tokenizer, text, limit=limit, add_special_tokens=add_special_tokens)

@@ -26,8 +26,9 @@ def write_progress(rundir: Path | None, rank: int, stage: str, state: str = "run
     path = progress_path(rundir, rank)
     tmp = path.with_suffix(".tmp")
     try:
-        tmp.write_text(json.dumps({"rank": rank, "pid": os.getpid(), "stage": stage, "state": state,
-                                   "time": time.time()}))
+        tmp.write_text(
+            json.dumps({"rank": rank, "pid": os.getpid(), "stage": stage, "state": state, "time": time.time()})
+        )
         os.replace(tmp, path)
     except OSError:
         pass  # progress is for the messages only; a lost line must not stop a start

@@ -61,9 +61,11 @@ def cmd_create(args: argparse.Namespace, engine_config: Callable[[argparse.Names
         _say(f"error: {exc}")
         return 1
     over = result.size - result.model_bytes
-    _say(f"wrote {result.path}: {_size(result.size)} ({_size(result.model_bytes)} model as stored + "
-         f"{_size(over)} of entries) in {result.seconds:.1f} s (cold start {result.cold_s:.1f} s, warm "
-         f"{result.warm_s:.1f} s)")  # fmt: skip
+    _say(
+        f"wrote {result.path}: {_size(result.size)} ({_size(result.model_bytes)} model as stored + "
+        f"{_size(over)} of entries) in {result.seconds:.1f} s (cold start {result.cold_s:.1f} s, warm "
+        f"{result.warm_s:.1f} s)"
+    )
     for cache, key, size in result.entries:
         print(f"  {cache:<16} {key}  {_size(size):>10}")
     return 0
@@ -104,21 +106,28 @@ def cmd_show(args: argparse.Namespace) -> int:
     for k, v in header.info.items():
         print(f"  {k}: {v}")
     for e in header.entries:
-        print(f"  {e.cache:<16} {e.key}  {_size(sum(r.size for r in e.manifest.files.values())):>10}  "
-              f"{len(e.manifest.files)} files")  # fmt: skip
+        print(
+            f"  {e.cache:<16} {e.key}  {_size(sum(r.size for r in e.manifest.files.values())):>10}  "
+            f"{len(e.manifest.files)} files"
+        )
     return 0
 
 
-def register(sub: Any, engine_parent: argparse.ArgumentParser, engine_config: Callable[[argparse.Namespace], Any],
-             output_parent: argparse.ArgumentParser) -> None:  # fmt: skip
+def register(
+    sub: Any,
+    engine_parent: argparse.ArgumentParser,
+    engine_config: Callable[[argparse.Namespace], Any],
+    output_parent: argparse.ArgumentParser,
+) -> None:
     """Add `glowplug bundle ...` to the top-level subparsers."""
     bundle = sub.add_parser("bundle", help="Ready-engine bundles: everything a start builds, in one file.")
     bsub = bundle.add_subparsers(dest="bundle_command", required=True, metavar="ACTION")
     create = bsub.add_parser(
-        "create", parents=[engine_parent, output_parent],
+        "create",
+        parents=[engine_parent, output_parent],
         help="Start MODEL with these flags (cold, then warm, in an empty private cache dir) and write one file with "
-             "the model, the compiled step, the kernels and the profiles.",
-    )  # fmt: skip
+        "the model, the compiled step, the kernels and the profiles.",
+    )
     add_model_argument(create)
     create.add_argument("--out", required=True, type=Path, help=BundleOut.model_fields["out"].description)
     create.set_defaults(func=lambda a: cmd_create(a, engine_config))

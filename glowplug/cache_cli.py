@@ -27,7 +27,9 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 class CacheFlags(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
 
-    cache: str | None = Field(None, description="Only this cache (model, quant, compile, ...: see `glowplug cache ls`).")
+    cache: str | None = Field(
+        None, description="Only this cache (model, quant, compile, ...: see `glowplug cache ls`)."
+    )
     as_json: bool = Field(False, alias="json", description="JSON on stdout instead of a table.")
     wide: bool = Field(False, description="One wide row per entry with every column and the full factors.")
 
@@ -116,8 +118,14 @@ def _width() -> int:
 
 def _wrap(text: str, width: int) -> list[str]:
     """`text` as indented lines under an entry, broken at spaces only (a key, a path or a name stays whole)."""
-    return textwrap.wrap(text, width=max(width, 20), initial_indent="    ", subsequent_indent="      ",
-                         break_long_words=False, break_on_hyphens=False)  # fmt: skip
+    return textwrap.wrap(
+        text,
+        width=max(width, 20),
+        initial_indent="    ",
+        subsequent_indent="      ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
 
 
 def _listing(title: str, items: list[Any], width: int, *, result: bool = False) -> list[Text]:
@@ -171,8 +179,9 @@ def _table(title: str, items: list[Any], *, result: bool = False) -> Any:
         last = "" if result else _factors(m.factors if m else None, full=True) or (it.problem or "")
         if result:
             last = "ok" if it.problem is None else f"[red]{it.problem}[/red]"
-        t.add_row(it.cache, it.name, it.kind, m.group if m else "", _size(it.size), _ago(it.last_used),
-                  _made_by(it), last)  # fmt: skip
+        t.add_row(
+            it.cache, it.name, it.kind, m.group if m else "", _size(it.size), _ago(it.last_used), _made_by(it), last
+        )
     return t
 
 
@@ -225,15 +234,19 @@ def _ls(flags: CacheFlags, store: Any, out: Any) -> int:
 def _verify(flags: VerifyFlags, store: Any, out: Any) -> int:
     from glowplug.base.artifacts.admin import scan, verify
 
-    items = [i for i in verify(store, scan(store, flags.cache), "full" if flags.full else "quick")
-             if i.kind in ("entry", "damaged")]  # fmt: skip
+    items = [
+        i
+        for i in verify(store, scan(store, flags.cache), "full" if flags.full else "quick")
+        if i.kind in ("entry", "damaged")
+    ]
     bad = [i for i in items if i.problem is not None]
     if flags.as_json:
         rows = [{**i.to_dict(), "ok": i.problem is None} for i in items]
         print(json.dumps({"root": str(store.root), "mode": "full" if flags.full else "quick", "items": rows}, indent=1))
     else:
-        _show(out, flags, f"glowplug cache verify ({'full' if flags.full else 'quick'}): {store.root}", items,
-              result=True)  # fmt: skip
+        _show(
+            out, flags, f"glowplug cache verify ({'full' if flags.full else 'quick'}): {store.root}", items, result=True
+        )
         tail = "; remove them with `glowplug cache prune --corrupt`" if bad else ""
         out.print(f"{len(items)} entr{'y' if len(items) == 1 else 'ies'}, {len(bad)} damaged{tail}")
     return 1 if bad else 0
@@ -253,8 +266,11 @@ def _prune(flags: PruneFlags, store: Any, out: Any) -> int:
     verb = "would remove" if flags.dry_run else "removed"
     if flags.as_json:
         rows = [{**it.to_dict(), "why": why} for it, why in plan]
-        print(json.dumps({"root": str(store.root), "dry_run": flags.dry_run, "removed": rows, "freed_bytes": freed},
-                         indent=1))  # fmt: skip
+        print(
+            json.dumps(
+                {"root": str(store.root), "dry_run": flags.dry_run, "removed": rows, "freed_bytes": freed}, indent=1
+            )
+        )
         return 0
     for it, why in plan:
         out.print(f"{verb} {it.path} ({_size(it.size)}): {why}", markup=False)

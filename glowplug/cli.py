@@ -99,9 +99,11 @@ def _output_parent() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("output")
     g.add_argument("--quiet", action="store_true", help="No start-up progress (stderr); errors still show.")
-    g.add_argument("--verbose", action="store_true",
-                   help="On a failure, also the log record and the traceback (by default one line with the "
-                        "cause and the fix).")  # fmt: skip
+    g.add_argument(
+        "--verbose",
+        action="store_true",
+        help="On a failure, also the log record and the traceback (by default one line with the cause and the fix).",
+    )
     return p
 
 
@@ -195,8 +197,9 @@ def _begin_progress(args: argparse.Namespace, config: EngineConfig) -> StartupPr
     return progress
 
 
-def _imports_done(args: argparse.Namespace, config: EngineConfig, progress: StartupProgress | None,
-                  tracing: Tracing) -> None:  # fmt: skip
+def _imports_done(
+    args: argparse.Namespace, config: EngineConfig, progress: StartupProgress | None, tracing: Tracing
+) -> None:
     """Say how long the imports took and what to expect, and follow the stages from here on."""
     marks = args.marks
     marks.mark_imports_done()
@@ -206,8 +209,12 @@ def _imports_done(args: argparse.Namespace, config: EngineConfig, progress: Star
         # The plan needs the bundle installed (its hits); build_engine makes it then and calls `_plan_known`.
         args.start_plan = None
         if progress is not None:
-            progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, None, True,
-                                  "installing the bundle first; the estimate follows")  # fmt: skip
+            progress.imports_done(
+                (marks.imports_done_ns - marks.main_entry_ns) / 1e9,
+                None,
+                True,
+                "installing the bundle first; the estimate follows",
+            )
             tracing.provider.add_span_processor(progress)
         return
     # Made with or without progress: the start records it (its cache pattern, the first ETA) in its report.
@@ -218,9 +225,15 @@ def _imports_done(args: argparse.Namespace, config: EngineConfig, progress: Star
     if estimate is None or not estimate.seconds:
         progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, None, True)
     else:
-        progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, estimate.seconds,
-                              estimate.same_config, estimate.basis, estimate.total_s, estimate.remaining_s,
-                              estimate.qualifiers())  # fmt: skip
+        progress.imports_done(
+            (marks.imports_done_ns - marks.main_entry_ns) / 1e9,
+            estimate.seconds,
+            estimate.same_config,
+            estimate.basis,
+            estimate.total_s,
+            estimate.remaining_s,
+            estimate.qualifiers(),
+        )
     tracing.provider.add_span_processor(progress)
 
 
@@ -234,8 +247,14 @@ def _plan_known(progress: StartupProgress | None) -> Callable[[Any], None] | Non
         if estimate is None or not estimate.seconds:
             progress.plan_known(None, True, plan.basis)
         else:
-            progress.plan_known(estimate.seconds, estimate.same_config, estimate.basis, estimate.total_s,
-                                estimate.remaining_s, estimate.qualifiers())  # fmt: skip
+            progress.plan_known(
+                estimate.seconds,
+                estimate.same_config,
+                estimate.basis,
+                estimate.total_s,
+                estimate.remaining_s,
+                estimate.qualifiers(),
+            )
 
     return show
 
@@ -332,32 +351,60 @@ def _predict_only(args: argparse.Namespace, config: EngineConfig) -> int:
         raise ValueError(f"no prediction for {config.model}: {'; '.join(plan.notes) or plan.basis}")
     before = estimate.before_s
     stages = estimate.total_s
-    data = {"kind": "prediction", "model": config.model, "pattern": plan.pattern, "basis": estimate.basis,
-            "before_s": before, "stages_s": stages, "ready_s": None if before is None else before + stages,
-            "inputs": plan.inputs.to_json() if plan.inputs is not None else None, "notes": list(plan.notes),
-            "phases": {s: {"seconds": v, **(estimate.sources[s].to_json() if s in estimate.sources else {})}
-                       for s, v in estimate.seconds.items()}}  # fmt: skip
+    data = {
+        "kind": "prediction",
+        "model": config.model,
+        "pattern": plan.pattern,
+        "basis": estimate.basis,
+        "before_s": before,
+        "stages_s": stages,
+        "ready_s": None if before is None else before + stages,
+        "inputs": plan.inputs.to_json() if plan.inputs is not None else None,
+        "notes": list(plan.notes),
+        "phases": {
+            s: {"seconds": v, **(estimate.sources[s].to_json() if s in estimate.sources else {})}
+            for s, v in estimate.seconds.items()
+        },
+    }
     if args.report_out:
         if Path(args.report_out).suffix != ".json":
             raise ValueError(f"--report-out {args.report_out}: a prediction is written as .json")
         Path(args.report_out).write_text(json.dumps(data, indent=1) + "\n")
-    table = Table(title=f"predicted start-up of {config.model} (not started)", caption=f"cache: "
-                  f"{pattern_text(plan.pattern)}; {estimate.basis}", show_edge=False, pad_edge=False)  # fmt: skip
+    table = Table(
+        title=f"predicted start-up of {config.model} (not started)",
+        caption=f"cache: {pattern_text(plan.pattern)}; {estimate.basis}",
+        show_edge=False,
+        pad_edge=False,
+    )
     table.add_column("phase", no_wrap=True)
     table.add_column("seconds", justify="right", no_wrap=True)
     table.add_column("from", no_wrap=True)
     table.add_column("basis")
     if before is not None:
-        table.add_row("process start + imports", f"{before:.3f}", "recorded",
-                      "median of this machine's recorded starts")  # fmt: skip
+        table.add_row(
+            "process start + imports", f"{before:.3f}", "recorded", "median of this machine's recorded starts"
+        )
     for stage, value in estimate.seconds.items():
         src = estimate.sources.get(stage)
         table.add_row(stage, f"{value:.3f}", src.kind if src else "", src.basis if src else "")
-    table.add_row("stages (wall)", f"{stages:.3f}", "", "critical path through the pipeline's waits"
-                  if estimate.deps else "sum of the stages x wall/sum of the recorded start", end_section=True)
-    table.add_row("READY", "--" if before is None else f"{before + stages:.3f}", "",
-                  "from process creation" if before is not None else "no recorded start: process start + imports "
-                  "unknown, add them", style="bold")  # fmt: skip
+    table.add_row(
+        "stages (wall)",
+        f"{stages:.3f}",
+        "",
+        "critical path through the pipeline's waits"
+        if estimate.deps
+        else "sum of the stages x wall/sum of the recorded start",
+        end_section=True,
+    )
+    table.add_row(
+        "READY",
+        "--" if before is None else f"{before + stages:.3f}",
+        "",
+        "from process creation"
+        if before is not None
+        else "no recorded start: process start + imports unknown, add them",
+        style="bold",
+    )
     console = Console(width=max(Console().width, 160) if args.wide else None)
     console.print(table)
     for note in plan.notes:
@@ -375,12 +422,25 @@ def _gate(args: argparse.Namespace, table: Any) -> int:
 
     result = check(to_dict(table), read_baseline(Path(args.baseline)), parse_fraction(args.max_regression))
     out = Table(title=f"against the {result.kind} baseline {args.baseline}", show_edge=False, pad_edge=False)
-    for name, justify in (("phase", "left"), ("baseline median", "right"), ("spread", "right"), ("this start", "right"),
-                          ("limit", "right"), ("verdict", "left")):  # fmt: skip
+    for name, justify in (
+        ("phase", "left"),
+        ("baseline median", "right"),
+        ("spread", "right"),
+        ("this start", "right"),
+        ("limit", "right"),
+        ("verdict", "left"),
+    ):
         out.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for c in result.checks:
-        out.add_row(c.phase, f"{c.median:.3f}", f"{c.spread:.3f}", f"{c.seconds:.3f}", f"{c.limit:.3f}",
-                    "REGRESSED" if c.regressed else "ok", style="bold red" if c.regressed else "")  # fmt: skip
+        out.add_row(
+            c.phase,
+            f"{c.median:.3f}",
+            f"{c.spread:.3f}",
+            f"{c.seconds:.3f}",
+            f"{c.limit:.3f}",
+            "REGRESSED" if c.regressed else "ok",
+            style="bold red" if c.regressed else "",
+        )
     console = Console()
     console.print(out)
     if result.missing:
@@ -419,8 +479,9 @@ def cmd_startup(args: argparse.Namespace) -> int:
     failed: StartupFailed | None = None
     try:
         _imports_done(args, config, progress, tracing)
-        table = build_engine(config, tracing=tracing, marks=args.marks, plan=args.start_plan,
-                             on_plan=_plan_known(progress)).phase_table  # fmt: skip
+        table = build_engine(
+            config, tracing=tracing, marks=args.marks, plan=args.start_plan, on_plan=_plan_known(progress)
+        ).phase_table
         if progress is not None:
             progress.close(ready_s=table.actual_total_time)
         # For whoever times this process from outside (tests, benchmarks): READY has been reached.
@@ -437,8 +498,9 @@ def cmd_startup(args: argparse.Namespace) -> int:
         from glowplug.profiling.names import Attr
 
         costs = measure_import_costs()
-        table = phases.with_row_note(table, Row.IMPORTS, top_note(costs),
-                                     {Attr.IMPORT_TOP: [f"{c.package} {c.self_s:.3f}" for c in costs[:5]]})  # fmt: skip
+        table = phases.with_row_note(
+            table, Row.IMPORTS, top_note(costs), {Attr.IMPORT_TOP: [f"{c.package} {c.self_s:.3f}" for c in costs[:5]]}
+        )
     spans = list(tracing.finished_spans())
     if args.report_out:
         phases.write_report(table, args.report_out)
@@ -538,11 +600,18 @@ def _add_report_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--report-out", type=_writable_file((".md", ".csv", ".json")), help="Phase table (.md/.csv/.json).")
     g.add_argument("--trace-out", type=_writable_file((".json",)), help="Spans as OTLP JSON.")
     g.add_argument("--chrome-trace", type=_writable_file((".json",)), help="Chrome/Perfetto trace-event JSON.")
-    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="Log records at this level and above go to stderr (default: warning).")  # fmt: skip
-    g.add_argument("--wide", action="store_true",
-                   help="The phase table with every note on its row (by default notes wrap under the row name "
-                        "to fit the terminal).")  # fmt: skip
+    g.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="Log records at this level and above go to stderr (default: warning).",
+    )
+    g.add_argument(
+        "--wide",
+        action="store_true",
+        help="The phase table with every note on its row (by default notes wrap under the row name "
+        "to fit the terminal).",
+    )
 
 
 def _add_bench_commands(bench: argparse.ArgumentParser, tune_parser: argparse.ArgumentParser) -> None:
@@ -563,7 +632,12 @@ def _add_bench_commands(bench: argparse.ArgumentParser, tune_parser: argparse.Ar
     for name, cls, run, text in (
         ("kernels", KernelBenchConfig, run_kernel_bench, "Every quantized linear path per M on the model's shapes."),
         ("accuracy", AccuracyConfig, run_accuracy_report, "Perplexity, KL and top-1 agreement of each scheme vs bf16."),
-        ("cache-verify", CacheVerifyConfig, run_cache_verify_bench, "Cost of verifying a warm cache hit, quick vs full."),
+        (
+            "cache-verify",
+            CacheVerifyConfig,
+            run_cache_verify_bench,
+            "Cost of verifying a warm cache hit, quick vs full.",
+        ),
     ):
         p = bsub.add_parser(name, help=text)
         add_model_argument(p)
@@ -584,7 +658,9 @@ def build_parser(command: str | None = None) -> CommandParser:
     """The CLI. `command` (the first word of the command line) skips building the bench and tune commands'
     flags when another command runs: they import every benchmark's config, a visible share of `glowplug startup`'s
     imports row. None builds everything (help, docs, tests)."""
-    parser = CommandParser(prog="glowplug", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(
+        prog="glowplug", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=version_text())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     engine = _engine_parent()
@@ -610,25 +686,40 @@ def build_parser(command: str | None = None) -> CommandParser:
     )
     add_model_argument(start)
     _add_report_flags(start)
-    start.add_argument("--import-times", action="store_true",
-                       help="After READY, measure the imports row's top 5 packages (-X importtime in a fresh "
-                            "interpreter, ~2 s more) and note them on the row.")  # fmt: skip
-    start.add_argument("--predict-only", action="store_true",
-                       help="Print the predicted phases and time to READY of this start without starting it (no "
-                            "torch import, no weight read): from the start-up profile's recorded starts and the "
-                            "start-up model. --report-out FILE.json writes it.")  # fmt: skip
-    start.add_argument("--baseline", type=Path, metavar="FILE",
-                       help="After READY, compare each phase with this baseline (`glowplug bench startup "
-                            "--save-baseline FILE`) and exit 3 naming the phases that regressed beyond noise.")  # fmt: skip
-    start.add_argument("--max-regression", default="10%", metavar="PCT",
-                       help="With --baseline: how much slower than the baseline's median a phase may be, on top of "
-                            "three sigmas of the baseline's own run-to-run noise (default 10%%).")  # fmt: skip
+    start.add_argument(
+        "--import-times",
+        action="store_true",
+        help="After READY, measure the imports row's top 5 packages (-X importtime in a fresh "
+        "interpreter, ~2 s more) and note them on the row.",
+    )
+    start.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="Print the predicted phases and time to READY of this start without starting it (no "
+        "torch import, no weight read): from the start-up profile's recorded starts and the "
+        "start-up model. --report-out FILE.json writes it.",
+    )
+    start.add_argument(
+        "--baseline",
+        type=Path,
+        metavar="FILE",
+        help="After READY, compare each phase with this baseline (`glowplug bench startup "
+        "--save-baseline FILE`) and exit 3 naming the phases that regressed beyond noise.",
+    )
+    start.add_argument(
+        "--max-regression",
+        default="10%",
+        metavar="PCT",
+        help="With --baseline: how much slower than the baseline's median a phase may be, on top of "
+        "three sigmas of the baseline's own run-to-run noise (default 10%%).",
+    )
     start.set_defaults(func=cmd_startup)
 
     from glowplug.lifecycle.config import add_serve_flags
 
-    srv = sub.add_parser("serve", parents=[engine, output],
-                         help="OpenAI-compatible HTTP server (http://127.0.0.1:8000/v1 by default).")  # fmt: skip
+    srv = sub.add_parser(
+        "serve", parents=[engine, output], help="OpenAI-compatible HTTP server (http://127.0.0.1:8000/v1 by default)."
+    )
     add_model_argument(srv)
     add_serve_flags(srv.add_argument_group("serving (one flag per ServeConfig field)"))
     srv.set_defaults(func=cmd_serve)
@@ -693,8 +784,12 @@ def run_command(args: argparse.Namespace) -> int:
         if isinstance(exc.cause, ConfigError):  # a setting the model cannot take, found in model_prepare
             return _fail(SETTING_ERROR, f"error: {exc.cause}", exc, verbose)
         hint = "" if verbose or isinstance(exc.cause, (ModelError, CacheDirUnusable)) else " (--verbose: traceback)"
-        return _fail(STARTUP_FAILED, f"state FAILED: start-up failed in {exc.stage}: {_first_line(exc.cause)}{hint}",
-                     exc, verbose)  # fmt: skip
+        return _fail(
+            STARTUP_FAILED,
+            f"state FAILED: start-up failed in {exc.stage}: {_first_line(exc.cause)}{hint}",
+            exc,
+            verbose,
+        )
     except ValidationError as exc:
         return _fail(SETTING_ERROR, f"invalid setting:\n{explain(exc)}", exc, verbose)
     except (ConfigError, FlagError, ModelError, CacheDirUnusable, MissingExtra) as exc:

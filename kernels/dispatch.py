@@ -48,8 +48,10 @@ _DEFAULT_RULES: dict[str, list[tuple[int | None, str]]] = {
     "cpu/int4": [(32, "aten_int4"), (None, "dequant_bf16")],
     "cpu/int2": [(32, "aten_int4"), (None, "dequant_bf16")],
     "cpu/w8a8": [(2, "int_mm_rows"), (None, "int_mm")],
-    **{f"cuda/{k}": [(triton_ops.GEMV_MAX_M, "triton_gemv"), (None, "triton_gemm")]
-       for k in ("int8_channel", "int8_group", "int4", "int2", "w8a8")},
+    **{
+        f"cuda/{k}": [(triton_ops.GEMV_MAX_M, "triton_gemv"), (None, "triton_gemm")]
+        for k in ("int8_channel", "int8_group", "int4", "int2", "w8a8")
+    },
 }
 _FALLBACKS: dict[str, tuple[str, ...]] = {
     "cpu": ("dequant_bf16", "int_mm", "reference"),
@@ -79,20 +81,52 @@ def _on_cpu(w: PackedWeight) -> bool:
 @functools.lru_cache(maxsize=1)
 def kernel_paths() -> dict[str, KernelPath]:
     paths = [
-        KernelPath("int8pack", frozenset({"int8_channel"}), "cpu", cpu.supports_int8pack, cpu.prepare_int8pack,
-                   cpu.run_int8pack),
-        KernelPath("aten_int4", frozenset({"int4", "int2", "int8_channel", "int8_group"}), "cpu",
-                   cpu.supports_aten_int4, cpu.prepare_aten_int4, cpu.run_aten_int4),
+        KernelPath(
+            "int8pack",
+            frozenset({"int8_channel"}),
+            "cpu",
+            cpu.supports_int8pack,
+            cpu.prepare_int8pack,
+            cpu.run_int8pack,
+        ),
+        KernelPath(
+            "aten_int4",
+            frozenset({"int4", "int2", "int8_channel", "int8_group"}),
+            "cpu",
+            cpu.supports_aten_int4,
+            cpu.prepare_aten_int4,
+            cpu.run_aten_int4,
+        ),
         KernelPath("dequant_bf16", _WEIGHT_ONLY, "cpu", _on_cpu, cpu.prepare_dequant, cpu.run_dequant),
         KernelPath("int_mm", frozenset({"w8a8"}), "cpu", cpu.supports_int_mm, cpu.prepare_int_mm, cpu.run_int_mm),
-        KernelPath("int_mm_rows", frozenset({"w8a8"}), "cpu", cpu.supports_int_mm, cpu.prepare_int_mm,
-                   cpu.run_int_mm_rows, max_m=8),
-        KernelPath("triton_gemv", _ALL_KINDS, "cuda", triton_ops.supports, triton_ops.prepare,
-                   lambda x, st, ws: triton_ops.gemv(x, st)),
-        KernelPath("triton_gemm", _ALL_KINDS, "cuda", triton_ops.supports, triton_ops.prepare,
-                   lambda x, st, ws: triton_ops.gemm(x, st)),
-        KernelPath("reference", _ALL_KINDS, "any", lambda w: True, lambda w: w,
-                   lambda x, st, ws: reference.linear(x, st)),
+        KernelPath(
+            "int_mm_rows",
+            frozenset({"w8a8"}),
+            "cpu",
+            cpu.supports_int_mm,
+            cpu.prepare_int_mm,
+            cpu.run_int_mm_rows,
+            max_m=8,
+        ),
+        KernelPath(
+            "triton_gemv",
+            _ALL_KINDS,
+            "cuda",
+            triton_ops.supports,
+            triton_ops.prepare,
+            lambda x, st, ws: triton_ops.gemv(x, st),
+        ),
+        KernelPath(
+            "triton_gemm",
+            _ALL_KINDS,
+            "cuda",
+            triton_ops.supports,
+            triton_ops.prepare,
+            lambda x, st, ws: triton_ops.gemm(x, st),
+        ),
+        KernelPath(
+            "reference", _ALL_KINDS, "any", lambda w: True, lambda w: w, lambda x, st, ws: reference.linear(x, st)
+        ),
     ]
     return {p.name: p for p in paths}
 
@@ -106,12 +140,12 @@ class DispatchTable:
     """Default rules plus calibrated per-shape winners; JSON round-trippable."""
 
     rules: dict[str, list[tuple[int | None, str]]] = field(
-        default_factory=lambda: {key: list(rule) for key, rule in _DEFAULT_RULES.items()})
+        default_factory=lambda: {key: list(rule) for key, rule in _DEFAULT_RULES.items()}
+    )
     measured: dict[str, list[tuple[int, str]]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def lookup(self, device_type: str, kind: str, group_size: int | None, n: int, k: int, m: int
-               ) -> list[str]:
+    def lookup(self, device_type: str, kind: str, group_size: int | None, n: int, k: int, m: int) -> list[str]:
         """Paths in preference order for one call (the caller takes the first it has prepared)."""
         out: list[str] = []
         entries = self.measured.get(shape_key(device_type, kind, group_size, n, k))
@@ -132,8 +166,11 @@ class DispatchTable:
         return list(dict.fromkeys(names))
 
     def to_json(self) -> str:
-        return json.dumps({"version": TABLE_VERSION, "rules": self.rules, "measured": self.measured,
-                           "meta": self.meta}, indent=1, sort_keys=True)
+        return json.dumps(
+            {"version": TABLE_VERSION, "rules": self.rules, "measured": self.measured, "meta": self.meta},
+            indent=1,
+            sort_keys=True,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> DispatchTable:
@@ -184,8 +221,11 @@ class Dispatcher:
 
     def valid_paths(self, w: PackedWeight) -> list[str]:
         dev = w.qweight.device.type
-        return [p.name for p in kernel_paths().values()
-                if w.kind in p.kinds and p.device_type in (dev, "any") and p.supports(w)]
+        return [
+            p.name
+            for p in kernel_paths().values()
+            if w.kind in p.kinds and p.device_type in (dev, "any") and p.supports(w)
+        ]
 
     def prepare(self, w: PackedWeight, paths: Iterable[str] | None = None) -> Runtime:
         n, k = w.shape
@@ -194,8 +234,16 @@ class Dispatcher:
         registry = kernel_paths()
         # The path objects travel with the runtime so the per-call code never touches the lru_cache'd registry
         # (which torch.compile would re-trace on every call).
-        return Runtime(w.kind, group, n, k, w.qweight.device, {name: registry[name].prepare(w) for name in names},
-                       {name: registry[name] for name in names}, self.table_version)
+        return Runtime(
+            w.kind,
+            group,
+            n,
+            k,
+            w.qweight.device,
+            {name: registry[name].prepare(w) for name in names},
+            {name: registry[name] for name in names},
+            self.table_version,
+        )
 
     def _prepared_names(self, w: PackedWeight, paths: Iterable[str] | None) -> list[str]:
         """The paths `prepare` builds for `w`, in preference order."""
@@ -211,8 +259,16 @@ class Dispatcher:
             wanted = list(paths)
         return [name for name in dict.fromkeys(wanted) if name in valid] or ["reference"]
 
-    def _pick(self, device_type: str, kind: str, group_size: int | None, n: int, k: int, m: int,
-              prepared: dict[str, KernelPath]) -> str | None:  # fmt: skip
+    def _pick(
+        self,
+        device_type: str,
+        kind: str,
+        group_size: int | None,
+        n: int,
+        k: int,
+        m: int,
+        prepared: dict[str, KernelPath],
+    ) -> str | None:
         for name in self.table.lookup(device_type, kind, group_size, n, k, m):
             path = prepared.get(name)
             if path is not None and (path.max_m is None or m <= path.max_m):
@@ -287,8 +343,15 @@ def streamed_copies(nbytes: int, stream_bytes: int) -> int:
     return max(1, min(256, -(-stream_bytes // max(nbytes, 1))))
 
 
-def measure_path_samples(dispatcher: Dispatcher, w: PackedWeight, ms: Sequence[int], *, repeats: int = 10,
-                         stream_bytes: int = 96 << 20, seed: int = 0) -> dict[int, dict[str, list[float]]]:
+def measure_path_samples(
+    dispatcher: Dispatcher,
+    w: PackedWeight,
+    ms: Sequence[int],
+    *,
+    repeats: int = 10,
+    stream_bytes: int = 96 << 20,
+    seed: int = 0,
+) -> dict[int, dict[str, list[float]]]:
     """Every timed call (µs) of every valid path of w at each M (weights rotated through `streamed_copies`
     clones)."""
     nbytes = sum(t.numel() * t.element_size() for t in w.tensors().values())
@@ -310,8 +373,15 @@ def measure_path_samples(dispatcher: Dispatcher, w: PackedWeight, ms: Sequence[i
     return out
 
 
-def measure_paths(dispatcher: Dispatcher, w: PackedWeight, ms: Sequence[int], *, repeats: int = 10,
-                  stream_bytes: int = 96 << 20, seed: int = 0) -> dict[int, dict[str, float]]:
+def measure_paths(
+    dispatcher: Dispatcher,
+    w: PackedWeight,
+    ms: Sequence[int],
+    *,
+    repeats: int = 10,
+    stream_bytes: int = 96 << 20,
+    seed: int = 0,
+) -> dict[int, dict[str, float]]:
     """µs of every valid path of w at each M: the fastest call (see time_us), which calibration ranks by."""
     samples = measure_path_samples(dispatcher, w, ms, repeats=repeats, stream_bytes=stream_bytes, seed=seed)
     return {m: {name: min(v) for name, v in per_path.items()} for m, per_path in samples.items()}
@@ -330,21 +400,35 @@ def _rotating(dispatcher: Dispatcher, name: str, x: Tensor, runtimes: list[Runti
 def _clone(w: PackedWeight) -> PackedWeight:
     import dataclasses
 
-    return dataclasses.replace(w, **{f.name: getattr(w, f.name).clone() for f in dataclasses.fields(w)
-                                     if isinstance(getattr(w, f.name), Tensor)})
+    return dataclasses.replace(
+        w,
+        **{f.name: getattr(w, f.name).clone() for f in dataclasses.fields(w) if isinstance(getattr(w, f.name), Tensor)},
+    )
 
 
-def calibration_factors(shapes: Sequence[tuple[int, int]], formats: Sequence[str], ms: Sequence[int]
-                        ) -> dict[str, Any]:
+def calibration_factors(shapes: Sequence[tuple[int, int]], formats: Sequence[str], ms: Sequence[int]) -> dict[str, Any]:
     """What a calibration depends on: the artifact-store key factors of the `kernel_dispatch` cache."""
-    return {"torch": torch.__version__, "cpu": cpu_model(), "threads": torch.get_num_threads(),
-            "shapes": sorted([list(s) for s in shapes]), "formats": list(formats), "ms": list(ms),
-            "table_version": TABLE_VERSION}
+    return {
+        "torch": torch.__version__,
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "shapes": sorted([list(s) for s in shapes]),
+        "formats": list(formats),
+        "ms": list(ms),
+        "table_version": TABLE_VERSION,
+    }
 
 
-def calibrate(shapes: Sequence[tuple[int, int]], cache_dir: str | os.PathLike[str], *,
-              formats: Sequence[str] = DEFAULT_FORMATS, ms: Sequence[int] = DEFAULT_MS, repeats: int = 10,
-              force: bool = False, stream_bytes: int = 96 << 20) -> DispatchTable:
+def calibrate(
+    shapes: Sequence[tuple[int, int]],
+    cache_dir: str | os.PathLike[str],
+    *,
+    formats: Sequence[str] = DEFAULT_FORMATS,
+    ms: Sequence[int] = DEFAULT_MS,
+    repeats: int = 10,
+    force: bool = False,
+    stream_bytes: int = 96 << 20,
+) -> DispatchTable:
     """Benchmark every valid CPU path for each (N, K) shape, format and M; cache the winners as JSON.
 
     The table is an artifact-store entry under `cache_dir` (the cache root) keyed by torch version, CPU model,
@@ -354,8 +438,15 @@ def calibrate(shapes: Sequence[tuple[int, int]], cache_dir: str | os.PathLike[st
     cached = None if force else lookup_table(cache_dir, factors).value
     if cached is not None:
         return cached
-    table = DispatchTable(meta={"torch": torch.__version__, "cpu": cpu_model(), "threads": torch.get_num_threads(),
-                                "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "timings_us": {}})
+    table = DispatchTable(
+        meta={
+            "torch": torch.__version__,
+            "cpu": cpu_model(),
+            "threads": torch.get_num_threads(),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "timings_us": {},
+        }
+    )
     dispatcher = Dispatcher(table)
     gen = torch.Generator().manual_seed(0)
     for n, k in shapes:
@@ -366,8 +457,7 @@ def calibrate(shapes: Sequence[tuple[int, int]], cache_dir: str | os.PathLike[st
             timings = measure_paths(dispatcher, w, ms, repeats=repeats, stream_bytes=stream_bytes)
             key = shape_key("cpu", w.kind, getattr(w, "group_size", None), n, k)
             table.measured[key] = [(m, min(t, key=t.__getitem__)) for m, t in timings.items() if t]
-            table.meta["timings_us"][key] = {str(m): {p: round(v, 1) for p, v in t.items()}
-                                             for m, t in timings.items()}
+            table.meta["timings_us"][key] = {str(m): {p: round(v, 1) for p, v in t.items()} for m, t in timings.items()}
     save_table(cache_dir, factors, table)
     return table
 

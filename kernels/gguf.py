@@ -88,16 +88,22 @@ class GGUFLinear(nn.Module):
     The stored rows are non-persistent buffers (the state dict holds only the bias), so they are never copied into
     a checkpoint or a cache entry: the file is the weight."""
 
-    def __init__(self, in_features: int, parts: list[GGUFRows], bias: bool = False,
-                 bias_dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+    def __init__(
+        self, in_features: int, parts: list[GGUFRows], bias: bool = False, bias_dtype: torch.dtype = torch.float32
+    ) -> None:
         super().__init__()
         if not 1 <= len(parts) <= MAX_PARTS:
             raise ValueError(f"GGUFLinear takes 1 to {MAX_PARTS} stored tensors, got {len(parts)}")
         for p in parts:
-            if not fits(p.ggml_type, in_features) or p.data.dim() != 2 or p.data.shape[1] != row_bytes(p.ggml_type,
-                                                                                                          in_features):
-                raise ValueError(f"a stored tensor of type {p.ggml_type} with rows of {tuple(p.data.shape)} bytes "
-                                 f"does not hold {in_features}-weight rows")  # fmt: skip
+            if (
+                not fits(p.ggml_type, in_features)
+                or p.data.dim() != 2
+                or p.data.shape[1] != row_bytes(p.ggml_type, in_features)
+            ):
+                raise ValueError(
+                    f"a stored tensor of type {p.ggml_type} with rows of {tuple(p.data.shape)} bytes "
+                    f"does not hold {in_features}-weight rows"
+                )
         self.in_features = in_features
         self.out_features = sum(p.rows for p in parts)
         self.types = tuple(p.ggml_type for p in parts) + (0,) * (MAX_PARTS - len(parts))
@@ -107,8 +113,9 @@ class GGUFLinear(nn.Module):
             perm = part.perm if part is not None and part.perm is not None else _empty_perm()
             self.register_buffer(f"perm{i}", perm, persistent=False)
         if bias:
-            self.bias = nn.Parameter(torch.zeros(self.out_features, dtype=bias_dtype, device="meta"),
-                                     requires_grad=False)  # fmt: skip
+            self.bias = nn.Parameter(
+                torch.zeros(self.out_features, dtype=bias_dtype, device="meta"), requires_grad=False
+            )
         else:
             self.register_parameter("bias", None)
 
@@ -133,9 +140,17 @@ class GGUFLinear(nn.Module):
         if x2.dtype not in (torch.bfloat16, torch.float32):
             x2 = x2.float()
         y: Tensor = torch.ops.glowplug_native.gguf_linear(
-            x2.contiguous(), self.rows0, self.types[0], self.perm0, self.rows1, self.types[1], self.perm1,
-            self.rows2, self.types[2], self.perm2,
-        )  # fmt: skip
+            x2.contiguous(),
+            self.rows0,
+            self.types[0],
+            self.perm0,
+            self.rows1,
+            self.types[1],
+            self.perm1,
+            self.rows2,
+            self.types[2],
+            self.perm2,
+        )
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         if self.bias is not None:
@@ -185,8 +200,9 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         flat = ids.reshape(-1)
-        out: Tensor = torch.ops.glowplug_native.gguf_rows(self.rows, self.ggml_type, self.embedding_dim, flat,
-                                                          1 if self.dtype == torch.bfloat16 else 0)  # fmt: skip
+        out: Tensor = torch.ops.glowplug_native.gguf_rows(
+            self.rows, self.ggml_type, self.embedding_dim, flat, 1 if self.dtype == torch.bfloat16 else 0
+        )
         if out.dtype != self.dtype:
             out = out.to(self.dtype)
         return out.view(*ids.shape, self.embedding_dim)

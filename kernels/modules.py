@@ -114,8 +114,9 @@ class DenseLinear(nn.Linear):
         return self.project(x, self.weight, self.bias, self.native_small_m, blocked)  # type: ignore[arg-type]
 
     @staticmethod
-    def project(x: Tensor, weight: Tensor, bias: Tensor | None, small_m: int | None,
-                blocked: Tensor | None = None) -> Tensor:
+    def project(
+        x: Tensor, weight: Tensor, bias: Tensor | None, small_m: int | None, blocked: Tensor | None = None
+    ) -> Tensor:
         """x @ weight^T (+ bias): inside a compiled decode step the blocked native op (`blocked`, the weight in
         kernels.native.pack_blocked's layout) or the row-major one when enabled, else F.linear."""
         if blocked is not None and torch.compiler.is_compiling() and x.dim() == 2:
@@ -130,8 +131,7 @@ class DenseLinear(nn.Linear):
         # seen on an H100, where the bf16 decode step's dense projections reach this code).
         if torch.compiler.is_compiling() or x.device.type != "cpu":
             return F.linear(x, weight, bias)
-        if (x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[0] >= FP32_PROMPT_ROWS
-                and not cpu_has_native_bf16()):
+        if x.dim() == 2 and x.dtype == torch.bfloat16 and x.shape[0] >= FP32_PROMPT_ROWS and not cpu_has_native_bf16():
             # A prompt's bf16 projection on a CPU without hardware bf16 (the avx2 and avx512 levels, where --dtype
             # auto picks bf16 for the decode's sake): oneDNN's emulated bf16 GEMM there made prompts several times
             # slower than in float32 (the prefill column of reports/decode-isa.md has both dtypes); widening the
@@ -177,16 +177,22 @@ class QuantLinear(nn.Module):
     qweight: Tensor
     scales: Tensor
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
-                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
-                 dispatcher: Dispatcher | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.float32,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
         if bias:
             # A frozen Parameter, like nn.Linear's, so code that walks parameters() still sees it.
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device),
-                                     requires_grad=False)
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=bias_dtype, device=device), requires_grad=False)
         else:
             self.register_parameter("bias", None)
         self._dispatcher = dispatcher
@@ -338,8 +344,13 @@ class QuantLinear(nn.Module):
         """The name of a buffer holding exactly `t` (same memory, shape, strides and dtype), registering `t` as
         `triton_<field>` when none does."""
         for name, b in self._buffers.items():
-            if (b is not None and b.dtype == t.dtype and b.shape == t.shape and b.stride() == t.stride()
-                    and b.data_ptr() == t.data_ptr()):
+            if (
+                b is not None
+                and b.dtype == t.dtype
+                and b.shape == t.shape
+                and b.stride() == t.stride()
+                and b.data_ptr() == t.data_ptr()
+            ):
                 return name
         name = f"triton_{field}"
         self.register_buffer(name, t, persistent=False)
@@ -362,12 +373,17 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
     @classmethod
-    def from_packed(cls, w: PackedWeight, bias: Tensor | None = None, *,
-                    dispatcher: Dispatcher | None = None) -> QuantLinear:
+    def from_packed(
+        cls, w: PackedWeight, bias: Tensor | None = None, *, dispatcher: Dispatcher | None = None
+    ) -> QuantLinear:
         """Build the module for an already-quantized weight (tests, benchmarks, ad-hoc use)."""
         n, k = w.shape
-        common: dict[str, Any] = {"bias": bias is not None, "device": w.qweight.device, "dispatcher": dispatcher,
-                                  "bias_dtype": bias.dtype if bias is not None else torch.float32}
+        common: dict[str, Any] = {
+            "bias": bias is not None,
+            "device": w.qweight.device,
+            "dispatcher": dispatcher,
+            "bias_dtype": bias.dtype if bias is not None else torch.float32,
+        }
         mod: QuantLinear
         if isinstance(w, Int8Weight):
             mod = Int8Linear(k, n, group_size=w.group_size, **common)
@@ -409,8 +425,9 @@ def native_kernels_in_eager() -> Iterator[None]:
         _NATIVE_EAGER.reset(token)
 
 
-def enable_native_decode(model: nn.Module, small_m: int, activation_dtype: torch.dtype,
-                         fallbacks: dict[str, int] | None = None) -> dict[str, int]:
+def enable_native_decode(
+    model: nn.Module, small_m: int, activation_dtype: torch.dtype, fallbacks: dict[str, int] | None = None
+) -> dict[str, int]:
     """Switch every layer of `model` that can run a native op in its compiled decode step (a `NativeDecodeLayer`:
     the linear layers, the model's attention) to it where one serves it (call after loading, once
     `kernels.native.load_native` succeeded). Returns how many layers of each kind switched and the bytes one
@@ -466,11 +483,18 @@ def _groups(k: int, group_size: int | None) -> int:
 class Int8Linear(QuantLinear):
     """int8 weight-only; per-channel (group_size=None) or group-wise."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int | None = None,
-                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
-                 dispatcher: Dispatcher | None = None) -> None:
-        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype,
-                         dispatcher=dispatcher)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        group_size: int | None = None,
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.float32,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype, dispatcher=dispatcher)
         self.group_size = group_size
         g = _groups(in_features, group_size)
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
@@ -491,18 +515,27 @@ class SubByteLinear(QuantLinear):
     bits: int
     has_symmetric: bool = False
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group_size: int = 128,
-                 symmetric: bool = False, device: torch.device | str | None = None,
-                 bias_dtype: torch.dtype = torch.float32, dispatcher: Dispatcher | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        group_size: int = 128,
+        symmetric: bool = False,
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.float32,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
         if symmetric and not self.has_symmetric:
             raise ValueError(f"{type(self).__name__} has no symmetric layout (its format always has zeros)")
-        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype,
-                         dispatcher=dispatcher)
+        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype, dispatcher=dispatcher)
         self.group_size = group_size
         self.symmetric = symmetric
         g = _groups(in_features, group_size)
-        self.register_buffer("qweight", torch.zeros(out_features, in_features * self.bits // 8, dtype=torch.uint8,
-                                                    device=device))
+        self.register_buffer(
+            "qweight", torch.zeros(out_features, in_features * self.bits // 8, dtype=torch.uint8, device=device)
+        )
         self.register_buffer("scales", torch.ones(out_features, g, dtype=torch.float32, device=device))
         if symmetric:
             self.zeros: Tensor | None = None
@@ -539,11 +572,17 @@ class W8A8Linear(QuantLinear):
 
     smooth: Tensor
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
-                 device: torch.device | str | None = None, bias_dtype: torch.dtype = torch.float32,
-                 dispatcher: Dispatcher | None = None) -> None:
-        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype,
-                         dispatcher=dispatcher)
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.float32,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype, dispatcher=dispatcher)
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32, device=device))
         self.register_buffer("smooth", torch.ones(in_features, dtype=torch.float32, device=device))

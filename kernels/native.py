@@ -121,15 +121,35 @@ def build_factors(level: str) -> dict[str, str]:
     h = hashlib.sha256()
     for name in (*SOURCES, *HEADERS):
         h.update((_SOURCE_DIR / name).read_bytes())
-    return {"sources": h.hexdigest()[:16], "torch": torch.__version__, "level": level,
-            "machine": platform.machine().lower()}  # fmt: skip
+    return {
+        "sources": h.hexdigest()[:16],
+        "torch": torch.__version__,
+        "level": level,
+        "machine": platform.machine().lower(),
+    }
 
 
 def compile_command(compiler: str, out: Path, level: str) -> list[str]:
     include, lib = _torch_dirs()
-    return [compiler, "-O3", *LEVEL_FLAGS[level], "-shared", "-fPIC", "-std=c++17", "-I", str(include),
-            *[str(_SOURCE_DIR / s) for s in SOURCES], "-o", str(out), "-L", str(lib), "-ltorch_cpu", "-lc10",
-            "-ltorch", f"-Wl,-rpath,{lib}"]  # fmt: skip
+    return [
+        compiler,
+        "-O3",
+        *LEVEL_FLAGS[level],
+        "-shared",
+        "-fPIC",
+        "-std=c++17",
+        "-I",
+        str(include),
+        *[str(_SOURCE_DIR / s) for s in SOURCES],
+        "-o",
+        str(out),
+        "-L",
+        str(lib),
+        "-ltorch_cpu",
+        "-lc10",
+        "-ltorch",
+        f"-Wl,-rpath,{lib}",
+    ]
 
 
 def _compile(compiler: str, out: Path, level: str) -> None:
@@ -140,8 +160,11 @@ def _compile(compiler: str, out: Path, level: str) -> None:
         tail = "\n".join(done.stderr.strip().splitlines()[-20:])
         raise RuntimeError(f"building the {level} native kernels failed ({' '.join(cmd[:3])} ...):\n{tail}")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    info = {"compiler": version.splitlines()[0] if version else compiler, "flags": list(LEVEL_FLAGS[level]),
-            "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
+    info = {
+        "compiler": version.splitlines()[0] if version else compiler,
+        "flags": list(LEVEL_FLAGS[level]),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
     (out.parent / BUILD_INFO).write_text(json.dumps(info))
 
 
@@ -160,8 +183,9 @@ def build_variant(store_root: Path, level: str, *, compiler: str | None = None) 
         _compile(cxx, target, level)
         return target
 
-    fetched = ArtifactStore(store_root).fetch(NATIVE, build_factors(level), group=f"native-{level}", build=build,
-                                              load=_library_file)  # fmt: skip
+    fetched = ArtifactStore(store_root).fetch(
+        NATIVE, build_factors(level), group=f"native-{level}", build=build, load=_library_file
+    )
     path = fetched.value if fetched.hit or fetched.path is None else fetched.path / LIBRARY
     return path, not fetched.hit
 
@@ -254,8 +278,9 @@ def _build_in_background(level: str, cache_dir: Path) -> str:
         store.bypass(NATIVE, problem)
         return f"{level} not built: GLOWPLUG_CACHE_DIR {problem.problem}"
     cmd = [sys.executable, "-m", "glowplug.kernels.native_build", level, str(cache_dir)]
-    subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True)  # fmt: skip
+    subprocess.Popen(
+        cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     return f"building {level} in the background for the next start"
 
 
@@ -297,8 +322,9 @@ def _register_fakes() -> None:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "decode_attention_int8")
-    def _attention_int8(q: Tensor, k: Tensor, v: Tensor, ks: Tensor, vs: Tensor, packed: Tensor, scale: float,
-                        window: int = 0) -> Tensor:
+    def _attention_int8(
+        q: Tensor, k: Tensor, v: Tensor, ks: Tensor, vs: Tensor, packed: Tensor, scale: float, window: int = 0
+    ) -> Tensor:
         return q.new_empty(q.shape)
 
     @torch.library.register_fake(lib + "argmax_rows")
@@ -306,8 +332,9 @@ def _register_fakes() -> None:
         return x.new_empty((x.shape[0],), dtype=torch.long)
 
     @torch.library.register_fake(lib + "gguf_linear")
-    def _gguf_linear(x: Tensor, w0: Tensor, t0: int, p0: Tensor, w1: Tensor, t1: int, p1: Tensor, w2: Tensor,
-                     t2: int, p2: Tensor) -> Tensor:  # fmt: skip
+    def _gguf_linear(
+        x: Tensor, w0: Tensor, t0: int, p0: Tensor, w1: Tensor, t1: int, p1: Tensor, w2: Tensor, t2: int, p2: Tensor
+    ) -> Tensor:
         return x.new_empty((x.shape[0], w0.shape[0] + w1.shape[0] + w2.shape[0]))
 
     @torch.library.register_fake(lib + "gguf_rows")
@@ -334,8 +361,15 @@ def load_native(cache_dir: Path) -> NativeBuild:
     choice = isa_choice()
     if _loaded():
         level = _LOADED.get("level", choice.level)
-        return NativeBuild(True, None, True, time.perf_counter() - t0, "already loaded in this process", level,
-                           choice.reason if level == choice.level else f"{level}: loaded earlier in this process")
+        return NativeBuild(
+            True,
+            None,
+            True,
+            time.perf_counter() - t0,
+            "already loaded in this process",
+            level,
+            choice.reason if level == choice.level else f"{level}: loaded earlier in this process",
+        )
     if os.environ.get("GLOWPLUG_NATIVE", "1") == "0":
         return NativeBuild(False, None, False, 0.0, "disabled by GLOWPLUG_NATIVE=0")
     level = choice.level
@@ -351,9 +385,14 @@ def load_native(cache_dir: Path) -> NativeBuild:
                 why = f"{below}: the best variant stored ({level} is not built yet)"
                 return _loaded_build(found[0], below, found[1], True, why, t0, started)
         if _compiler() is None:
-            return NativeBuild(False, None, False, time.perf_counter() - t0,
-                               "no C++ compiler (g++, or $CXX) on PATH, and no prebuilt variant (`glowplug kernels "
-                               "build` at install time makes them)")  # fmt: skip
+            return NativeBuild(
+                False,
+                None,
+                False,
+                time.perf_counter() - t0,
+                "no C++ compiler (g++, or $CXX) on PATH, and no prebuilt variant (`glowplug kernels "
+                "build` at install time makes them)",
+            )
         path, built = build_variant(cache_dir, level)
         torch.ops.load_library(str(path))
         return _loaded_build(path, level, "built" if built else "cached", not built, choice.reason, t0)
@@ -361,8 +400,9 @@ def load_native(cache_dir: Path) -> NativeBuild:
         return NativeBuild(False, None, False, time.perf_counter() - t0, str(exc).splitlines()[0])
 
 
-def _loaded_build(path: Path, level: str, where: str, hit: bool, why: str, t0: float,
-                  background: str = "") -> NativeBuild:  # fmt: skip
+def _loaded_build(
+    path: Path, level: str, where: str, hit: bool, why: str, t0: float, background: str = ""
+) -> NativeBuild:
     """The answer for a variant just loaded into this process."""
     _LOADED["level"] = level
     _register_fakes()
@@ -443,8 +483,11 @@ def pack_blocked(w: PackedWeight | Tensor) -> tuple[Tensor, int]:
         scales = w.scales.float()
         zeros = torch.zeros_like(scales) if w.zeros is None else w.zeros.float()
         # w = q * scale + min, min = zero - mid * scale; fp16 keeps a GGUF source's fp16 block scales exact.
-        parts = [_plane_words(w.codes(), bits), _per_block(scales, torch.float16),
-                 _per_block(zeros - mid * scales, torch.float16)]  # fmt: skip
+        parts = [
+            _plane_words(w.codes(), bits),
+            _per_block(scales, torch.float16),
+            _per_block(zeros - mid * scales, torch.float16),
+        ]
         return torch.cat(parts, dim=1).contiguous(), w.group_size
     if isinstance(w, Int8Weight):
         # A chunk holds 4 codes of each row: dword j = row j's codes at k0..k0 + 3 as unsigned bytes q + 128.

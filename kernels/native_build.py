@@ -19,8 +19,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 2 or args[0] not in ISA_LEVELS:
-        print(f"usage: python -m glowplug.kernels.native_build LEVEL DEST (LEVEL: one of {', '.join(ISA_LEVELS)})",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"usage: python -m glowplug.kernels.native_build LEVEL DEST (LEVEL: one of {', '.join(ISA_LEVELS)})",
+            file=sys.stderr,
+        )
         return 2
     from .native import build_variant
 

@@ -94,9 +94,15 @@ def attention_int8_kv(
 
 
 def paged_decode_attention_reference(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, packed: Tensor,
-    scale: float, window: int | None = None,
-) -> Tensor:  # fmt: skip
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    packed: Tensor,
+    scale: float,
+    window: int | None = None,
+) -> Tensor:
     """fp32 oracle of the paged decode attention ops (kernels/triton/attention.py, and the native CPU ops of
     kernels/native/attention.cpp), from the same operands: q [B, H, D] one token per row; caches [blocks, block_size,
     Hkv, D] (int8 with fp32 scales [blocks, block_size, Hkv]); `packed` the decode step's [B, 4 + W] int64 input
@@ -190,8 +196,16 @@ def quantize_x8(x: Tensor, group_size: int) -> Tensor:
     return (q * (amax / 127)).reshape(x.shape[0], -1)
 
 
-def native_linear(x: Tensor, kind: str, tensors: tuple[Tensor, ...], n: int, k: int, bits: int = 0,
-                  group_size: int = 0, int8_activations: bool = False) -> Tensor:
+def native_linear(
+    x: Tensor,
+    kind: str,
+    tensors: tuple[Tensor, ...],
+    n: int,
+    k: int,
+    bits: int = 0,
+    group_size: int = 0,
+    int8_activations: bool = False,
+) -> Tensor:
     """fp32 oracle for each native op (kernels/native.py), from the same operands the op receives: kind "dense"
     (row-major weight), "dense_blocked", "intn"/"int8" (blocked layouts) or "w8a8". int8_activations: the int4
     kernel's activations at the levels that take them to int8 (`quantize_x8`)."""

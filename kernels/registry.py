@@ -37,8 +37,17 @@ from .formats import (
 from .modules import Int2Linear, Int4Linear, Int8Linear, QuantLinear, W8A8Linear
 
 # The decoder's projections: glowplug's fused names and the Hugging Face ones (state dicts straight from a checkpoint).
-LINEAR_NAMES: tuple[str, ...] = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj",
-                                 "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # fmt: skip
+LINEAR_NAMES: tuple[str, ...] = (
+    "qkv_proj",
+    "o_proj",
+    "gate_up_proj",
+    "down_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "gate_proj",
+    "up_proj",
+)
 HEAD_NAME = "lm_head"
 SkipFn = Callable[[str], bool]
 
@@ -69,8 +78,7 @@ class QuantScheme:
     def quantize_weight(self, weight: Tensor, group_size: int | None, name: str) -> PackedWeight:
         raise NotImplementedError
 
-    def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None
-                    ) -> QuantLinear:
+    def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None) -> QuantLinear:
         raise NotImplementedError
 
     # -- public API ----------------------------------------------------------------------------------------
@@ -88,16 +96,26 @@ class QuantScheme:
             return None
         return effective_group_size(k, group_size, GROUP_SIZES)
 
-    def quantize_state_dict(self, sd: Mapping[str, Tensor], *, group_size: int | None = None,
-                            skip: SkipFn | None = None, quantize_head: bool = False) -> dict[str, Tensor]:
+    def quantize_state_dict(
+        self,
+        sd: Mapping[str, Tensor],
+        *,
+        group_size: int | None = None,
+        skip: SkipFn | None = None,
+        quantize_head: bool = False,
+    ) -> dict[str, Tensor]:
         """Quantize the 2-D `.weight` of every target projection not skipped; pass all else through unchanged."""
         gs = self.resolve_group_size(group_size)
         skip = skip or _never
         out: dict[str, Tensor] = {}
         for key, tensor in sd.items():
             module = key[: -len(".weight")] if key.endswith(".weight") else None
-            if (module is None or tensor.ndim != 2 or not is_target_module(module, quantize_head=quantize_head)
-                    or skip(module)):
+            if (
+                module is None
+                or tensor.ndim != 2
+                or not is_target_module(module, quantize_head=quantize_head)
+                or skip(module)
+            ):
                 out[key] = tensor
                 continue
             packed = self.quantize_weight(tensor, self.layer_group_size(int(tensor.shape[1]), gs), module)
@@ -105,16 +123,24 @@ class QuantScheme:
                 out[f"{module}.{suffix}"] = t
         return out
 
-    def convert_for_runtime(self, model: nn.Module, *, group_size: int | None = None,
-                            skip: SkipFn | None = None, dispatcher: Dispatcher | None = None,
-                            quantize_head: bool = False) -> nn.Module:
+    def convert_for_runtime(
+        self,
+        model: nn.Module,
+        *,
+        group_size: int | None = None,
+        skip: SkipFn | None = None,
+        dispatcher: Dispatcher | None = None,
+        quantize_head: bool = False,
+    ) -> nn.Module:
         """Swap target nn.Linear modules in place for this scheme's QuantLinear (on the Linear's device, with
         its bias dtype). Returns `model` for chaining."""
         gs = self.resolve_group_size(group_size)
         skip = skip or _never
-        targets = [(name, mod) for name, mod in model.named_modules()
-                   if isinstance(mod, nn.Linear) and is_target_module(name, quantize_head=quantize_head)
-                   and not skip(name)]
+        targets = [
+            (name, mod)
+            for name, mod in model.named_modules()
+            if isinstance(mod, nn.Linear) and is_target_module(name, quantize_head=quantize_head) and not skip(name)
+        ]
         for name, linear in targets:
             layer_gs = self.layer_group_size(linear.in_features, gs)
             model.set_submodule(name, self.make_module(linear, layer_gs, dispatcher))
@@ -158,22 +184,38 @@ class NoQuant(QuantScheme):
             raise ValueError("group_size does not apply to quantization 'none'")
         return None
 
-    def quantize_state_dict(self, sd: Mapping[str, Tensor], *, group_size: int | None = None,
-                            skip: SkipFn | None = None, quantize_head: bool = False) -> dict[str, Tensor]:
+    def quantize_state_dict(
+        self,
+        sd: Mapping[str, Tensor],
+        *,
+        group_size: int | None = None,
+        skip: SkipFn | None = None,
+        quantize_head: bool = False,
+    ) -> dict[str, Tensor]:
         self.resolve_group_size(group_size)
         return dict(sd)
 
-    def convert_for_runtime(self, model: nn.Module, *, group_size: int | None = None,
-                            skip: SkipFn | None = None, dispatcher: Dispatcher | None = None,
-                            quantize_head: bool = False) -> nn.Module:
+    def convert_for_runtime(
+        self,
+        model: nn.Module,
+        *,
+        group_size: int | None = None,
+        skip: SkipFn | None = None,
+        dispatcher: Dispatcher | None = None,
+        quantize_head: bool = False,
+    ) -> nn.Module:
         self.resolve_group_size(group_size)
         return model
 
 
 def _module_kwargs(linear: nn.Linear, dispatcher: Dispatcher | None) -> dict[str, Any]:
     bias = linear.bias
-    return {"bias": bias is not None, "device": linear.weight.device, "dispatcher": dispatcher,
-            "bias_dtype": bias.dtype if bias is not None else torch.float32}
+    return {
+        "bias": bias is not None,
+        "device": linear.weight.device,
+        "dispatcher": dispatcher,
+        "bias_dtype": bias.dtype if bias is not None else torch.float32,
+    }
 
 
 class Int8Scheme(QuantScheme):
@@ -185,10 +227,10 @@ class Int8Scheme(QuantScheme):
     def quantize_weight(self, weight: Tensor, group_size: int | None, name: str) -> PackedWeight:
         return quantize_int8(weight, group_size)
 
-    def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None
-                    ) -> QuantLinear:
-        return Int8Linear(linear.in_features, linear.out_features, group_size=group_size,
-                          **_module_kwargs(linear, dispatcher))
+    def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None) -> QuantLinear:
+        return Int8Linear(
+            linear.in_features, linear.out_features, group_size=group_size, **_module_kwargs(linear, dispatcher)
+        )
 
 
 class Int4Scheme(QuantScheme):
@@ -203,10 +245,14 @@ class Int4Scheme(QuantScheme):
     def quantize_weight(self, weight: Tensor, group_size: int | None, name: str) -> PackedWeight:
         return quantize_int4(weight, group_size or 128, symmetric=self.symmetric)
 
-    def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None
-                    ) -> QuantLinear:
-        return Int4Linear(linear.in_features, linear.out_features, group_size=group_size or 128,
-                          symmetric=self.symmetric, **_module_kwargs(linear, dispatcher))
+    def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None) -> QuantLinear:
+        return Int4Linear(
+            linear.in_features,
+            linear.out_features,
+            group_size=group_size or 128,
+            symmetric=self.symmetric,
+            **_module_kwargs(linear, dispatcher),
+        )
 
     def _has_zeros(self) -> bool:
         return not self.symmetric
@@ -221,10 +267,10 @@ class Int2Scheme(QuantScheme):
     def quantize_weight(self, weight: Tensor, group_size: int | None, name: str) -> PackedWeight:
         return quantize_int2(weight, group_size or 128)
 
-    def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None
-                    ) -> QuantLinear:
-        return Int2Linear(linear.in_features, linear.out_features, group_size=group_size or 128,
-                          **_module_kwargs(linear, dispatcher))
+    def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None) -> QuantLinear:
+        return Int2Linear(
+            linear.in_features, linear.out_features, group_size=group_size or 128, **_module_kwargs(linear, dispatcher)
+        )
 
     def _has_zeros(self) -> bool:
         return True
@@ -246,15 +292,19 @@ class W8A8Scheme(QuantScheme):
         smooth = smoothquant_factors(stats, weight, self.alpha) if stats is not None else None
         return quantize_w8a8(weight, smooth)
 
-    def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None
-                    ) -> QuantLinear:
-        return W8A8Linear(linear.in_features, linear.out_features,
-                          **_module_kwargs(linear, dispatcher))
+    def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None) -> QuantLinear:
+        return W8A8Linear(linear.in_features, linear.out_features, **_module_kwargs(linear, dispatcher))
 
 
-SCHEMES: Mapping[str, type[QuantScheme]] = MappingProxyType({
-    "none": NoQuant, "int8": Int8Scheme, "int4": Int4Scheme, "int2": Int2Scheme, "w8a8": W8A8Scheme,
-})
+SCHEMES: Mapping[str, type[QuantScheme]] = MappingProxyType(
+    {
+        "none": NoQuant,
+        "int8": Int8Scheme,
+        "int4": Int4Scheme,
+        "int2": Int2Scheme,
+        "w8a8": W8A8Scheme,
+    }
+)
 
 
 def get_scheme(name: str, **options: object) -> QuantScheme:

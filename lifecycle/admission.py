@@ -160,9 +160,15 @@ class Admission:
     queueing without bound. What is not known yet (a fresh server) counts as no wait.
     """
 
-    def __init__(self, serve_cfg: ServeConfig, metrics: ServiceMetrics, *, state: Callable[[], StateSnapshot],
-                 eta_s: Callable[[StateSnapshot], float | None],
-                 load: Callable[[], CoreLoad | None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        serve_cfg: ServeConfig,
+        metrics: ServiceMetrics,
+        *,
+        state: Callable[[], StateSnapshot],
+        eta_s: Callable[[StateSnapshot], float | None],
+        load: Callable[[], CoreLoad | None],
+    ) -> None:
         self._cfg = serve_cfg
         self._metrics = metrics
         self._state = state
@@ -211,8 +217,12 @@ class Admission:
         free = max(0, load.max_num_seqs - load.running_seqs)
         ahead_tokens = self._queued_prompt_tokens + load.prefill_backlog if prompt_tokens else 0
         self._wait_basis = f"{self._queued + count} requests for {free} free slots, {ahead_tokens} prompt tokens ahead"
-        return expected_wait_s(ahead_seqs=self._queued + count, free_slots=free, finish_rate=self.finish_rate(),
-                               prompt_wait_s=self.prefill_cost.seconds(ahead_tokens))  # fmt: skip
+        return expected_wait_s(
+            ahead_seqs=self._queued + count,
+            free_slots=free,
+            finish_rate=self.finish_rate(),
+            prompt_wait_s=self.prefill_cost.seconds(ahead_tokens),
+        )
 
     def _over_wait_limit(self, wait: float | None) -> Rejected | None:
         limit = self._cfg.max_queue_wait

@@ -65,8 +65,9 @@ class ServeConfig(BaseModel):
         "answering 503 with the reason, so probes and clients see why, before it exits with status 1.",
     )
     served_model_name: str | None = Field(
-        None, description="The model id in /v1/models and responses (default: the --model value; a model file's "
-        "file name, not its path)."
+        None,
+        description="The model id in /v1/models and responses (default: the --model value; a model file's "
+        "file name, not its path).",
     )
     # ---- the transport: limits checked before any work (lifecycle/transport.py; README, "Hostile input")
     max_body_bytes: int = Field(

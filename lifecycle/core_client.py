@@ -188,14 +188,23 @@ class CoreClient:
             tp_rundir.mkdir()
             self.progress.tp_rundir = tp_rundir
         spec = CoreSpec(
-            config_json=self.config.model_dump_json(), to_core=f"ipc://{self._dir}/to-core",
-            from_core=f"ipc://{self._dir}/from-core", server_pid=os.getpid(), traceparent=start.traceparent,
-            origin_ns=start.origin_ns, pre_spans=start.pre_spans, configure_logs=self._configure_core_logs,
-            log_level=self.serve_cfg.log_level, log_json=self._log_json, quiet_stages=self._quiet_stages,
+            config_json=self.config.model_dump_json(),
+            to_core=f"ipc://{self._dir}/to-core",
+            from_core=f"ipc://{self._dir}/from-core",
+            server_pid=os.getpid(),
+            traceparent=start.traceparent,
+            origin_ns=start.origin_ns,
+            pre_spans=start.pre_spans,
+            configure_logs=self._configure_core_logs,
+            log_level=self.serve_cfg.log_level,
+            log_json=self._log_json,
+            quiet_stages=self._quiet_stages,
             tp_rundir=None if tp_rundir is None else str(tp_rundir),
-        )  # fmt: skip
-        self._tasks = [self._loop.create_task(self._receive(), name="glowplug-core-receive"),
-                       self._loop.create_task(self._watch(), name="glowplug-core-watch")]  # fmt: skip
+        )
+        self._tasks = [
+            self._loop.create_task(self._receive(), name="glowplug-core-receive"),
+            self._loop.create_task(self._watch(), name="glowplug-core-watch"),
+        ]
         if self._factory is not None:
             self._start_thread(spec)
         else:
@@ -206,8 +215,9 @@ class CoreClient:
         spec.spawn_ns = clock.now_ns() if clock is not None else time.time_ns()
         env = {**os.environ, CORE_SPEC_ENV: msgspec.json.encode(spec).decode()}
         # A session of its own: Ctrl-C in the terminal reaches the server, which drains and then stops the core.
-        self._proc = subprocess.Popen([sys.executable, "-m", "glowplug.engine.core_proc"], env=env,
-                                      start_new_session=True)  # fmt: skip
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "glowplug.engine.core_proc"], env=env, start_new_session=True
+        )
         self._thread = None
         self.metrics.core_pid = self._proc.pid
         log.info("engine core started", pid=self._proc.pid)
@@ -217,8 +227,13 @@ class CoreClient:
 
         factory = self._factory
         self._proc = None
-        self._thread = threading.Thread(target=run_core, args=(spec,), kwargs={"factory": factory, "in_thread": True},
-                                        name="glowplug-engine-core", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=run_core,
+            args=(spec,),
+            kwargs={"factory": factory, "in_thread": True},
+            name="glowplug-engine-core",
+            daemon=True,
+        )
         self._thread.start()
 
     async def stop(self, reason: str = "the server is shutting down") -> None:
@@ -271,8 +286,9 @@ class CoreClient:
         if self._push is not None:
             self._push.send(encode_frame(frame), copy=False)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink,
-               arrival_time: float) -> None:  # fmt: skip
+    def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink: Sink, arrival_time: float
+    ) -> None:
         processor = self._processor
         assert processor is not None, "submit before READY"
         processor.add(request_id, None, prompt_token_ids, params, arrival_time)
@@ -367,8 +383,7 @@ class CoreClient:
     def _note_load(self, load: CoreLoad) -> None:
         self.load = load
         m = self.metrics
-        m.set_engine_gauges(running=load.running_requests, used_blocks=load.kv_used_blocks,
-                            total_blocks=load.kv_blocks)  # fmt: skip
+        m.set_engine_gauges(running=load.running_requests, used_blocks=load.kv_used_blocks, total_blocks=load.kv_blocks)
         if load.num_prompt_tokens > self._prompt_seen:
             m.prompt_tokens.inc(load.num_prompt_tokens - self._prompt_seen)
         if load.num_generated_tokens > self._generated_seen:
@@ -411,8 +426,12 @@ class CoreClient:
         self.metrics.set_phase_durations(self.progress.table_seconds())
         # One total: the phase table's time to READY (process creation -> READY), the same number as the table,
         # /startup and the page.
-        log.info("engine ready", startup_s=round(self.progress.startup_total_s(), 3), model=self.config.model,
-                 core_pid=frame.pid or None)  # fmt: skip
+        log.info(
+            "engine ready",
+            startup_s=round(self.progress.startup_total_s(), 3),
+            model=self.config.model,
+            core_pid=frame.pid or None,
+        )
 
     # ------------------------------------------------------------ faults
 

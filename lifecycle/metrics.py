@@ -81,9 +81,7 @@ class ServiceMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.running = Gauge(
-            Metric.REQUESTS_RUNNING, "Requests with sequences in the engine batch.", registry=r
-        )
+        self.running = Gauge(Metric.REQUESTS_RUNNING, "Requests with sequences in the engine batch.", registry=r)
         self.waiting = Gauge(
             Metric.REQUESTS_WAITING, "Requests admitted and not yet running (admission queue).", registry=r
         )

@@ -203,9 +203,12 @@ def _fim(info: EngineInfo, req: CompletionRequest) -> FimTokens | None:
         return None
     fim = fim_tokens(info.tokenizer)
     if fim is None:
-        raise bad_request("suffix: this model has no fill-in-the-middle tokens (such as Qwen2.5-Coder's "
-                          "<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>), so it cannot complete between a prompt "
-                          "and a suffix; drop suffix, or serve a model trained for FIM", "suffix")  # fmt: skip
+        raise bad_request(
+            "suffix: this model has no fill-in-the-middle tokens (such as Qwen2.5-Coder's "
+            "<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>), so it cannot complete between a prompt "
+            "and a suffix; drop suffix, or serve a model trained for FIM",
+            "suffix",
+        )
     return fim
 
 
@@ -286,8 +289,7 @@ def _with_tool_calls(choice: Choice, names: list[str]) -> Choice:
     if not parser.calls:
         return choice
     reason = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
-    return Choice(choice.index, parser.content.strip(), reason, choice.logprobs,
-                  [c.to_dict() for c in parser.calls])  # fmt: skip
+    return Choice(choice.index, parser.content.strip(), reason, choice.logprobs, [c.to_dict() for c in parser.calls])
 
 
 def _ended_error(event: Ended, grammar_param: str | None) -> ApiError:
@@ -298,8 +300,9 @@ def _ended_error(event: Ended, grammar_param: str | None) -> ApiError:
     return ApiError(event.status, f"{param}: {event.message}" if param else event.message, param=param, type=kind)
 
 
-async def _collect(gen: Generation, n: int, tools: list[str] | None = None,
-                   grammar_param: str | None = None) -> list[Choice]:  # fmt: skip
+async def _collect(
+    gen: Generation, n: int, tools: list[str] | None = None, grammar_param: str | None = None
+) -> list[Choice]:
     """The finished choices; `grammar_param`: what a 400 from the engine names (`_ended_error`)."""
     finals: list[tuple[int, RequestOutput]] = []
     async for pe in gen.events():
@@ -315,8 +318,15 @@ async def _collect(gen: Generation, n: int, tools: list[str] | None = None,
     return [_with_tool_calls(c, tools) for c in choices] if tools is not None else choices
 
 
-def _tool_chunks(header: ResponseHeader, idx: int, parser: ToolCallParser, delta: str, finish_reason: str | None,
-                 lp: dict[str, Any] | None, usage_field: bool) -> Iterator[bytes]:  # fmt: skip
+def _tool_chunks(
+    header: ResponseHeader,
+    idx: int,
+    parser: ToolCallParser,
+    delta: str,
+    finish_reason: str | None,
+    lp: dict[str, Any] | None,
+    usage_field: bool,
+) -> Iterator[bytes]:
     """A chat stream's chunks for one choice whose text is read for tool calls: its content, then each new call's
     id and name (arguments ""), then argument fragments, then the finish reason ("tool_calls" after calls)."""
     ev = parser.feed(delta) if delta else ParseEvents()
@@ -329,22 +339,40 @@ def _tool_chunks(header: ResponseHeader, idx: int, parser: ToolCallParser, delta
     if ev.content:
         pieces.append((ev.content, None))
     for i, call in ev.new_calls:
-        pieces.append((None, [{"index": i, "id": call.id, "type": "function",
-                               "function": {"name": call.name, "arguments": ""}}]))  # fmt: skip
+        pieces.append(
+            (None, [{"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}])
+        )
     for i, fragment in ev.arguments:
         pieces.append((None, [{"index": i, "function": {"arguments": fragment}}]))
     for k, (content, calls) in enumerate(pieces):
-        yield sse(header.chunk(idx, delta=content, finish_reason=None, logprobs=lp if k == 0 else None,
-                               with_usage_field=usage_field, tool_calls=calls))  # fmt: skip
+        yield sse(
+            header.chunk(
+                idx,
+                delta=content,
+                finish_reason=None,
+                logprobs=lp if k == 0 else None,
+                with_usage_field=usage_field,
+                tool_calls=calls,
+            )
+        )
     if finish_reason is not None or (lp is not None and not pieces):
         reason = "tool_calls" if finish_reason == "stop" and parser.calls else finish_reason
-        yield sse(header.chunk(idx, delta=None, finish_reason=reason, logprobs=None if pieces else lp,
-                               with_usage_field=usage_field))  # fmt: skip
+        yield sse(
+            header.chunk(
+                idx, delta=None, finish_reason=reason, logprobs=None if pieces else lp, with_usage_field=usage_field
+            )
+        )
 
 
 async def _stream(
-    gen: Generation, header: ResponseHeader, n: int, text: TokenText, include_usage: bool,
-    tools: list[str] | None = None, echo: list[str] | None = None, grammar_param: str | None = None,
+    gen: Generation,
+    header: ResponseHeader,
+    n: int,
+    text: TokenText,
+    include_usage: bool,
+    tools: list[str] | None = None,
+    echo: list[str] | None = None,
+    grammar_param: str | None = None,
 ) -> AsyncIterator[bytes]:
     """`echo`: each prompt's text, sent before the first text of each of its completions; `grammar_param`: what
     an error event for a grammar the engine refused names."""
@@ -364,8 +392,9 @@ async def _stream(
                 idx = pe.index * n + k
                 if idx not in done:
                     done.add(idx)
-                    yield sse(header.chunk(idx, delta=None, finish_reason=event.finish_reason,
-                                           with_usage_field=include_usage))  # fmt: skip
+                    yield sse(
+                        header.chunk(idx, delta=None, finish_reason=event.finish_reason, with_usage_field=include_usage)
+                    )
             return
         for c in event.outputs:
             idx = pe.index * n + c.index
@@ -391,13 +420,18 @@ async def _stream(
             if echo is not None and idx not in echoed:
                 echoed.add(idx)
                 delta = echo[pe.index] + (delta or "")
-            yield sse(header.chunk(idx, delta=delta, finish_reason=c.finish_reason, logprobs=lp,
-                                   with_usage_field=include_usage))  # fmt: skip
+            yield sse(
+                header.chunk(
+                    idx, delta=delta, finish_reason=c.finish_reason, logprobs=lp, with_usage_field=include_usage
+                )
+            )
 
     out: list[bytes] = []
     if header.kind == "chat":
-        out += [sse(header.chunk(i, delta="", finish_reason=None, role=True, with_usage_field=include_usage))
-                for i in range(total)]  # fmt: skip
+        out += [
+            sse(header.chunk(i, delta="", finish_reason=None, role=True, with_usage_field=include_usage))
+            for i in range(total)
+        ]
         yield b"".join(out)
         out.clear()
     async for pe in gen.events():
@@ -460,8 +494,11 @@ def _refuse_raw_prompt(raw: BodyBuffer, info: EngineInfo) -> None:
 
 
 def _parse_large(
-    model: type[CompletionRequest] | type[ChatCompletionRequest], raw: BodyBuffer, limits: TransportLimits,
-    info: EngineInfo | None, defaults: Mapping[str, Any],
+    model: type[CompletionRequest] | type[ChatCompletionRequest],
+    raw: BodyBuffer,
+    limits: TransportLimits,
+    info: EngineInfo | None,
+    defaults: Mapping[str, Any],
 ) -> CompletionRequest | ChatCompletionRequest:
     try:
         if model is CompletionRequest and info is not None:
@@ -473,15 +510,18 @@ def _parse_large(
 
 
 async def _read_request(
-    request: Request, model: type[CompletionRequest] | type[ChatCompletionRequest], limits: TransportLimits,
+    request: Request,
+    model: type[CompletionRequest] | type[ChatCompletionRequest],
+    limits: TransportLimits,
     service: Service,
 ) -> CompletionRequest | ChatCompletionRequest:
     """Read the body within its limits and parse it into `model` (ApiError or ClientDisconnected otherwise)."""
     raw = await read_body(request.scope, request.receive, limits, service.metrics)
     if len(raw) > _THREAD_PARSE_BYTES:
         # Before READY there is no tokenizer to bound the prompt with; it is then checked after tokenizing.
-        return await asyncio.to_thread(_parse_large, model, raw, limits, service.engine_info,
-                                       service.sampling_defaults.values)  # fmt: skip
+        return await asyncio.to_thread(
+            _parse_large, model, raw, limits, service.engine_info, service.sampling_defaults.values
+        )
     return parse_body(model, raw, limits.max_json_depth, limits.max_json_values, service.sampling_defaults.values)
 
 
@@ -536,8 +576,11 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
         )
         text = TokenText(info.tokenizer)
         # The functions a chat reply is read for calls of (None: it is not read).
-        tools = [t["function"]["name"] for t in req.tool_dicts()] if (
-            isinstance(req, ChatCompletionRequest) and req.parses_tools) else None
+        tools = (
+            [t["function"]["name"] for t in req.tool_dicts()]
+            if (isinstance(req, ChatCompletionRequest) and req.parses_tools)
+            else None
+        )
         echo = _echo_texts(info, req) if isinstance(req, CompletionRequest) else None
         if req.streaming:
             stream = _stream(gen, header, params.n, text, req.include_usage, tools, echo, req.grammar_param)
@@ -545,8 +588,9 @@ def make_router(service: Service, tracer: trace.Tracer) -> APIRouter:
         try:
             choices = await _unless_disconnected(request, _collect(gen, params.n, tools, req.grammar_param))
             if echo is not None:
-                choices = [Choice(c.index, echo[c.index // params.n] + c.text, c.finish_reason, c.logprobs)
-                           for c in choices]  # fmt: skip
+                choices = [
+                    Choice(c.index, echo[c.index // params.n] + c.text, c.finish_reason, c.logprobs) for c in choices
+                ]
         except ApiError as err:
             outcome["status"] = err.status
             return err.response()

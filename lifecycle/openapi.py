@@ -210,14 +210,17 @@ def _refine_sampling(schema: dict[str, Any], ranges: dict[str, dict[str, Any]], 
     }
     props["logit_bias"] = {
         "anyOf": [
-            {"type": "object", "propertyNames": {"pattern": "^[0-9]+$"},
-             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}},
+            {
+                "type": "object",
+                "propertyNames": {"pattern": "^[0-9]+$"},
+                "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            },
             {"type": "null"},
         ],
         "default": None,
         "description": "Token id (a decimal string, inside the vocabulary) -> bias added to its logit before "
         "sampling: -100 bans the token, +100 forces it.",
-    }  # fmt: skip
+    }
 
 
 def _refine_completion(schema: dict[str, Any], ranges: dict[str, dict[str, Any]]) -> None:
@@ -296,7 +299,10 @@ def _ref(name: str) -> dict[str, str]:
 
 
 def _error(description: str, *, retry_after: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {"description": description, "content": {"application/json": {"schema": _ref("ErrorResponse")}}}
+    out: dict[str, Any] = {
+        "description": description,
+        "content": {"application/json": {"schema": _ref("ErrorResponse")}},
+    }
     if retry_after:
         out["headers"] = {
             "Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}
@@ -318,8 +324,10 @@ def _generation_operation(request: str, response: str, summary: str) -> dict[str
                     "text/event-stream": {"schema": SSE_EVENT},
                 },
             },
-            "400": _error("Invalid request: the message names the field, `param` holds its path (also JSON nested "
-                          "past --max-json-depth, a body that is not UTF-8, a string that is not Unicode)."),
+            "400": _error(
+                "Invalid request: the message names the field, `param` holds its path (also JSON nested "
+                "past --max-json-depth, a body that is not UTF-8, a string that is not Unicode)."
+            ),
             "404": _error("The model is not served here (`code`: model_not_found)."),
             "408": _error("The body did not arrive within --body-read-timeout (`code`: request_timeout)."),
             "413": _error("The body is larger than --max-body-bytes (`code`: request_too_large)."),
@@ -374,15 +382,20 @@ def _refine_document(doc: dict[str, Any], model_name: str, api_key: bool = False
     if "get" in paths.get("/health/ready", {}):
         not_ready = {
             "type": "object",
-            "properties": {"status": {"type": "string"}, "phase": {"type": ["string", "null"]},
-                           "reason": {"type": ["string", "null"]}},
+            "properties": {
+                "status": {"type": "string"},
+                "phase": {"type": ["string", "null"]},
+                "reason": {"type": ["string", "null"]},
+            },
             "required": ["status"],
-        }  # fmt: skip
+        }
         paths["/health/ready"]["get"]["responses"] = {
             "200": {"description": "READY.", "content": {"application/json": {"schema": not_ready}}},
-            "503": {"description": "Starting, draining, failed or stopped.",
-                    "content": {"application/json": {"schema": not_ready}}},
-        }  # fmt: skip
+            "503": {
+                "description": "Starting, draining, failed or stopped.",
+                "content": {"application/json": {"schema": not_ready}},
+            },
+        }
     if "get" in paths.get("/metrics", {}):
         paths["/metrics"]["get"]["responses"] = {
             "200": {"description": "Prometheus text format.", "content": {"text/plain": {"schema": {"type": "string"}}}}

@@ -66,9 +66,15 @@ class TraceStart:
 
 
 class Progress:
-    def __init__(self, tracing: Tracing, *, marks: ProcessMarks | None = None,
-                 display: StartupProgress | None = None, world_size: int = 1,
-                 metrics: ServiceMetrics | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tracing: Tracing,
+        *,
+        marks: ProcessMarks | None = None,
+        display: StartupProgress | None = None,
+        world_size: int = 1,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
         """metrics: where the predicted-READY gauge goes (`refresh_prediction`), when there is a registry."""
         self.tracing = tracing
         self._metrics = metrics
@@ -76,8 +82,9 @@ class Progress:
         self._marks = marks
         self._display = display
         self._opening = False
-        self.timeline = StartupTimeline(accept=lambda: self._opening,
-                                        origin_ns=marks.process_start_ns if marks is not None else None)  # fmt: skip
+        self.timeline = StartupTimeline(
+            accept=lambda: self._opening, origin_ns=marks.process_start_ns if marks is not None else None
+        )
         tracing.provider.add_span_processor(self.timeline)
         self._root: Any = None
         self._expected: dict[str, float] | None = None
@@ -112,8 +119,11 @@ class Progress:
         carrier: dict[str, str] = {}
         TraceContextTextMapPropagator().inject(carrier, context=trace.set_span_in_context(self._root))
         trace_id = self._root.get_span_context().trace_id
-        pre = [span_to_record(s) for s in self.tracing.finished_spans()
-               if s.context is not None and s.context.trace_id == trace_id]  # fmt: skip
+        pre = [
+            span_to_record(s)
+            for s in self.tracing.finished_spans()
+            if s.context is not None and s.context.trace_id == trace_id
+        ]
         origin = self._marks.process_start_ns if self._marks is not None and self.boot == 1 else None
         return TraceStart(carrier.get("traceparent"), pre, origin)
 
@@ -177,9 +187,18 @@ class Progress:
         estimate = plan.estimate if plan.estimate is not None and plan.estimate.seconds else None
         display = self._display
         if display is not None:
-            shown: tuple[Any, ...] = ((None, True, plan.basis) if estimate is None else
-                                      (estimate.seconds, estimate.same_config, estimate.basis, estimate.total_s,
-                                       estimate.remaining_s, estimate.qualifiers()))  # fmt: skip
+            shown: tuple[Any, ...] = (
+                (None, True, plan.basis)
+                if estimate is None
+                else (
+                    estimate.seconds,
+                    estimate.same_config,
+                    estimate.basis,
+                    estimate.total_s,
+                    estimate.remaining_s,
+                    estimate.qualifiers(),
+                )
+            )
             if not self._planned and self._marks is not None:
                 display.imports_done((plan.imports_done_ns - self._marks.main_entry_ns) / 1e9, *shown)
             else:
@@ -337,19 +356,46 @@ class Progress:
         timeline = self.timeline.snapshot()
         spans = {p["stage"] for p in timeline["phases"]} | {p["stage"] for p in timeline["running"]}
         out: list[dict[str, Any]] = [
-            {"name": p.name, "stage": p.name, "seconds": _round6(p.seconds), "failed": p.failed, "running": False,
-             "outcome": "failed" if p.failed else "ran"}
+            {
+                "name": p.name,
+                "stage": p.name,
+                "seconds": _round6(p.seconds),
+                "failed": p.failed,
+                "running": False,
+                "outcome": "failed" if p.failed else "ran",
+            }
             for p in snap.finished_phases
             if p.name in PRE_MAIN and p.name not in spans
         ]
-        entries = [(p["start_s"], {"name": p["row"], "stage": p["stage"], "seconds": _round6(p["seconds"]),
-                                   "failed": p["outcome"] == "failed", "running": False, "outcome": p["outcome"]})
-                   for p in timeline["phases"]]  # fmt: skip
+        entries = [
+            (
+                p["start_s"],
+                {
+                    "name": p["row"],
+                    "stage": p["stage"],
+                    "seconds": _round6(p["seconds"]),
+                    "failed": p["outcome"] == "failed",
+                    "running": False,
+                    "outcome": p["outcome"],
+                },
+            )
+            for p in timeline["phases"]
+        ]
         now = self.timeline.now_s()
-        entries += [(p["start_s"], {"name": STAGE_ROWS.get(p["stage"], p["stage"]), "stage": p["stage"],
-                                    "seconds": _round6(max(0.0, (now or p["start_s"]) - p["start_s"])),
-                                    "failed": False, "running": True, "outcome": "running"})
-                    for p in timeline["running"]]  # fmt: skip
+        entries += [
+            (
+                p["start_s"],
+                {
+                    "name": STAGE_ROWS.get(p["stage"], p["stage"]),
+                    "stage": p["stage"],
+                    "seconds": _round6(max(0.0, (now or p["start_s"]) - p["start_s"])),
+                    "failed": False,
+                    "running": True,
+                    "outcome": "running",
+                },
+            )
+            for p in timeline["running"]
+        ]
         return out + [entry for _, entry in sorted(entries, key=lambda e: e[0])]
 
     def rank_progress(self, snap: StateSnapshot | None = None) -> list[dict[str, Any]] | None:

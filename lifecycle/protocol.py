@@ -173,20 +173,27 @@ class _SamplingFields(_Body):
             return "tools"
         if self.response_format is not None and self.response_format.type != "text":
             return "response_format"
-        return next(name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                    if getattr(self, name) is not None)  # fmt: skip
+        return next(
+            name
+            for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, name) is not None
+        )
 
     def _structured_grammar(self) -> str | None:
         """The grammar of response_format or the guided_* field the request sets (a 400 when it sets several, or
         one that cannot be used)."""
         rf = self.response_format
-        given = [name for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-                 if getattr(self, name) is not None]  # fmt: skip
+        given = [
+            name
+            for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(self, name) is not None
+        ]
         if rf is not None and rf.type != "text":
             given.insert(0, "response_format")
         if len(given) > 1:
-            raise bad_request(f"{', '.join(given)}: a request takes one output constraint; send only one of them",
-                              given[1])  # fmt: skip
+            raise bad_request(
+                f"{', '.join(given)}: a request takes one output constraint; send only one of them", given[1]
+            )
         if not given:
             return None
         fix = "see the README's structured outputs section for what is supported"
@@ -195,19 +202,26 @@ class _SamplingFields(_Body):
             if rf.type == "json_object":
                 return _grammar_or_400(lambda: json_schema_grammar({"type": "object"}), "response_format", fix)
             if rf.json_schema is None or rf.json_schema.schema_ is None:
-                raise bad_request('response_format.json_schema.schema: required with {"type": "json_schema"}; '
-                                  "send the JSON schema the output must follow", "response_format.json_schema")
+                raise bad_request(
+                    'response_format.json_schema.schema: required with {"type": "json_schema"}; '
+                    "send the JSON schema the output must follow",
+                    "response_format.json_schema",
+                )
             schema = rf.json_schema.schema_
-            return _grammar_or_400(lambda: json_schema_grammar(schema), "response_format.json_schema.schema",
-                                   "fix the schema or drop the keywords named")  # fmt: skip
+            return _grammar_or_400(
+                lambda: json_schema_grammar(schema),
+                "response_format.json_schema.schema",
+                "fix the schema or drop the keywords named",
+            )
         if given[0] == "guided_json":
             value = self.guided_json
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
                 except json.JSONDecodeError as exc:
-                    raise bad_request(f"guided_json: not valid JSON ({exc}); send the schema as an object",
-                                      "guided_json") from None  # fmt: skip
+                    raise bad_request(
+                        f"guided_json: not valid JSON ({exc}); send the schema as an object", "guided_json"
+                    ) from None
             return _grammar_or_400(lambda: json_schema_grammar(value), "guided_json", "fix the schema")  # type: ignore[arg-type]
         if given[0] == "guided_regex":
             regex = self.guided_regex or ""
@@ -240,8 +254,11 @@ class CompletionRequest(_SamplingFields):
         self._common_checks()
         if self.echo and self.logprobs is not None:
             # vLLM answers with the prompt tokens' logprobs; this engine computes logits for sampled positions only.
-            raise bad_request("echo: with logprobs it needs the prompt tokens' logprobs, which this server does not "
-                              "compute; send echo without logprobs, or logprobs without echo", "echo")  # fmt: skip
+            raise bad_request(
+                "echo: with logprobs it needs the prompt tokens' logprobs, which this server does not "
+                "compute; send echo without logprobs, or logprobs without echo",
+                "echo",
+            )
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise bad_request("best_of: only best_of == n is supported", "best_of")
         if isinstance(self.prompt, list) and not self.prompt:
@@ -305,24 +322,31 @@ class ChatCompletionRequest(_SamplingFields):
         choice = self.tool_choice
         if not self.tools:
             if choice is not None and choice != "none":
-                raise bad_request("tool_choice: needs tools; send the tools it may call, or drop tool_choice",
-                                  "tool_choice")  # fmt: skip
+                raise bad_request(
+                    "tool_choice: needs tools; send the tools it may call, or drop tool_choice", "tool_choice"
+                )
             return
         names = [t.function.name for t in self.tools]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise bad_request(f"tools: function names must be unique ({', '.join(sorted(dup))} repeats)", "tools")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise bad_request(f"tool_choice.function.name: {choice.function.name!r} is not one of the tools "
-                              f"({', '.join(names)})", "tool_choice")  # fmt: skip
+            raise bad_request(
+                f"tool_choice.function.name: {choice.function.name!r} is not one of the tools ({', '.join(names)})",
+                "tool_choice",
+            )
         forced = self.forced_tools
         if forced is None:
             return
         if self._grammar is not None:
-            raise bad_request("tool_choice: a required or named tool call already fixes the output's form; drop "
-                              "response_format / guided_*, or use tool_choice \"auto\"", "tool_choice")  # fmt: skip
-        self._grammar = _grammar_or_400(lambda: self.forced_tool_grammar(None) or "", "tools",
-                                        "fix the function's parameters schema")  # fmt: skip
+            raise bad_request(
+                "tool_choice: a required or named tool call already fixes the output's form; drop "
+                'response_format / guided_*, or use tool_choice "auto"',
+                "tool_choice",
+            )
+        self._grammar = _grammar_or_400(
+            lambda: self.forced_tool_grammar(None) or "", "tools", "fix the function's parameters schema"
+        )
 
     def forced_tool_grammar(self, tags: tuple[int, int] | None) -> str | None:
         """The grammar of the forced calls (tool_grammar, with the tags' token ids where the vocabulary has them),
@@ -382,9 +406,14 @@ class ChatCompletionRequest(_SamplingFields):
             d: dict[str, Any] = {"role": m.role, "content": m.text()}
             if m.tool_calls:
                 if template_takes_tools:
-                    d["tool_calls"] = [{"id": c.id, "type": "function",
-                                        "function": {"name": c.function.name, "arguments": _args(c.function.arguments)}}
-                                       for c in m.tool_calls]  # fmt: skip
+                    d["tool_calls"] = [
+                        {
+                            "id": c.id,
+                            "type": "function",
+                            "function": {"name": c.function.name, "arguments": _args(c.function.arguments)},
+                        }
+                        for c in m.tool_calls
+                    ]
                 else:
                     calls = "\n".join(render_call(c.function.name, c.function.arguments) for c in m.tool_calls)
                     d["content"] = f"{d['content']}\n{calls}" if d["content"] else calls
@@ -473,7 +502,10 @@ def parse_json_object(
 
 
 def parse_body(
-    model: type[_SamplingFields], raw: BodyBuffer | bytes | bytearray, max_depth: int, max_values: int | None = None,
+    model: type[_SamplingFields],
+    raw: BodyBuffer | bytes | bytearray,
+    max_depth: int,
+    max_values: int | None = None,
     defaults: Mapping[str, Any] | None = None,
 ) -> Any:
     """Parse and shape-check a request body into `model` (nesting deeper than `max_depth`, or more than `max_values`
@@ -503,8 +535,9 @@ class TokenizeRequest(_Body):
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
-            raise bad_request("prompt, messages: send exactly one of them (text to tokenize, or chat messages)",
-                              "prompt")  # fmt: skip
+            raise bad_request(
+                "prompt, messages: send exactly one of them (text to tokenize, or chat messages)", "prompt"
+            )
         if self.tools and self.messages is None:
             raise bad_request("tools: only with messages (the chat template renders them)", "tools")
 
@@ -522,8 +555,12 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
-def parse_simple(model: type[TokenizeRequest] | type[DetokenizeRequest], raw: BodyBuffer, max_depth: int,
-                 max_values: int | None = None) -> Any:  # fmt: skip
+def parse_simple(
+    model: type[TokenizeRequest] | type[DetokenizeRequest],
+    raw: BodyBuffer,
+    max_depth: int,
+    max_values: int | None = None,
+) -> Any:
     """Parse a body into `model` (the limits and 400s of `parse_json_object`, then a 400 naming the first bad
     field), and run its own checks."""
     try:

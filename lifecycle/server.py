@@ -97,11 +97,17 @@ class ServiceServer(uvicorn.Server):
                 display.note(f"listening on http://{self.config.host}:{self.bound_port} (503 until READY)")
             cfg = self.service.serve_cfg
             log.info(
-                "listening", host=self.config.host, port=self.bound_port, model=self.service.model_name,
+                "listening",
+                host=self.config.host,
+                port=self.bound_port,
+                model=self.service.model_name,
                 api_key_required=cfg.api_key is not None,  # whether, never which
-                max_body_bytes=cfg.max_body_bytes, max_json_depth=cfg.max_json_depth,
-                max_json_values=cfg.max_json_values, body_read_timeout_s=cfg.body_read_timeout, header_read_timeout_s=cfg.header_read_timeout,
-            )  # fmt: skip
+                max_body_bytes=cfg.max_body_bytes,
+                max_json_depth=cfg.max_json_depth,
+                max_json_values=cfg.max_json_values,
+                body_read_timeout_s=cfg.body_read_timeout,
+                header_read_timeout_s=cfg.header_read_timeout,
+            )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the main thread between bytecodes, i.e. possibly inside the event loop: only hand work over.
@@ -138,9 +144,12 @@ class ServiceServer(uvicorn.Server):
                 span.set_attribute(DrainAttr.ABORTED, report.aborted)
                 span.set_attribute(DrainAttr.CLEAN, report.clean)
             log.info(
-                "drained", clean=report.clean, in_flight=report.in_flight, finished=report.finished,
+                "drained",
+                clean=report.clean,
+                in_flight=report.in_flight,
+                finished=report.finished,
                 aborted=report.aborted,
-            )  # fmt: skip
+            )
         finally:
             self.should_exit = True
 
@@ -158,8 +167,16 @@ def build_server(
     quiet_stages: bool = False,
 ) -> ServiceServer:
     """The server, not yet running: `.run()` blocks (signals handled when on the main thread)."""
-    service = Service(config, serve_cfg, tracing=tracing, marks=marks, engine_factory=engine_factory, display=display,
-                      log_json=log_json, quiet_stages=quiet_stages)  # fmt: skip
+    service = Service(
+        config,
+        serve_cfg,
+        tracing=tracing,
+        marks=marks,
+        engine_factory=engine_factory,
+        display=display,
+        log_json=log_json,
+        quiet_stages=quiet_stages,
+    )
     spans = request_tracing or tracing
     app = create_app(service, tracer=spans.tracer() if spans is not None else None)
     uv_config = uvicorn.Config(

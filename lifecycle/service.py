@@ -91,13 +91,26 @@ class Service:
         self.metrics = metrics or ServiceMetrics()
         # The start-up's spans (the server's and, forwarded, the core's) are kept for the phases and the downloads.
         self.tracing = tracing or setup_tracing("glowplug", in_memory=True)
-        self.progress = Progress(self.tracing, marks=marks, display=display, world_size=config.tensor_parallel_size,
-                                 metrics=self.metrics)  # fmt: skip
-        self.core = CoreClient(config, serve_cfg, progress=self.progress, metrics=self.metrics,
-                               factory=engine_factory, marks=marks, log_json=log_json,
-                               quiet_stages=quiet_stages)  # fmt: skip
-        self.admission = Admission(serve_cfg, self.metrics, state=self.progress.snapshot, eta_s=self.progress.eta_s,
-                                   load=lambda: self.core.load)  # fmt: skip
+        self.progress = Progress(
+            self.tracing, marks=marks, display=display, world_size=config.tensor_parallel_size, metrics=self.metrics
+        )
+        self.core = CoreClient(
+            config,
+            serve_cfg,
+            progress=self.progress,
+            metrics=self.metrics,
+            factory=engine_factory,
+            marks=marks,
+            log_json=log_json,
+            quiet_stages=quiet_stages,
+        )
+        self.admission = Admission(
+            serve_cfg,
+            self.metrics,
+            state=self.progress.snapshot,
+            eta_s=self.progress.eta_s,
+            load=lambda: self.core.load,
+        )
         self.core.on_step = self._step_done
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
@@ -114,8 +127,12 @@ class Service:
         self._idle = asyncio.Event()
         self._idle.set()
         self._unsubscribe = self.progress.lifecycle.subscribe(self._state_changed)
-        log.info("sampling defaults", model=self.model_name, source=self.sampling_defaults.source,
-                 **self.sampling_defaults.values)  # fmt: skip
+        log.info(
+            "sampling defaults",
+            model=self.model_name,
+            source=self.sampling_defaults.source,
+            **self.sampling_defaults.values,
+        )
         self.core.start()
 
     def snapshot(self) -> StateSnapshot:
@@ -187,8 +204,9 @@ class Service:
         if not core.alive or core.engine_info is None or self.snapshot().state is EngineState.FAILED:
             ticket.release_all()
             reason = self.snapshot().reason
-            raise self.admission.reject(Rejected(503, f"the engine is not running{': ' + reason if reason else ''}",
-                                                 "failed"))  # fmt: skip
+            raise self.admission.reject(
+                Rejected(503, f"the engine is not running{': ' + reason if reason else ''}", "failed")
+            )
         base = uuid.uuid4().hex
         request_ids = [f"{base}-{i}" for i in range(len(prompts))]
 

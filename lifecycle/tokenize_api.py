@@ -35,9 +35,14 @@ def tokenize(info: EngineInfo, req: TokenizeRequest) -> list[int]:
     native = template_takes_tools(tokenizer)
     tools = chat.tool_dicts() if chat.parses_tools and native else None
     try:
-        return encode_chat(tokenizer, chat.message_dicts(native), limit=sys.maxsize, tools=tools,
-                           add_generation_prompt=req.add_generation_prompt,
-                           add_special_tokens=bool(req.add_special_tokens))  # fmt: skip
+        return encode_chat(
+            tokenizer,
+            chat.message_dicts(native),
+            limit=sys.maxsize,
+            tools=tools,
+            add_generation_prompt=req.add_generation_prompt,
+            add_special_tokens=bool(req.add_special_tokens),
+        )
     except ModelError as exc:
         raise bad_request(str(exc), "messages") from None
 
@@ -45,8 +50,10 @@ def tokenize(info: EngineInfo, req: TokenizeRequest) -> list[int]:
 def detokenize(info: EngineInfo, req: DetokenizeRequest) -> str:
     bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < info.vocab_size), None)
     if bad is not None:
-        raise bad_request(f"tokens[{bad}]: token id {req.tokens[bad]} is outside the vocabulary "
-                          f"(0..{info.vocab_size - 1})", f"tokens[{bad}]")  # fmt: skip
+        raise bad_request(
+            f"tokens[{bad}]: token id {req.tokens[bad]} is outside the vocabulary (0..{info.vocab_size - 1})",
+            f"tokens[{bad}]",
+        )
     return str(info.tokenizer.decode(req.tokens, skip_special_tokens=False))
 
 

@@ -37,8 +37,14 @@ def call_schema(tools: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for tool in tools:
         fn = tool["function"]
         params = fn.get("parameters") or {"type": "object", "properties": {}}
-        options.append({"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
-                        "required": ["name", "arguments"], "additionalProperties": False})  # fmt: skip
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": fn["name"]}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
     one = {"anyOf": options} if len(options) > 1 else options[0]
     return {**one, "x-guidance": _JSON_STYLE}
 
@@ -83,7 +89,7 @@ def render_call(name: str, arguments: str) -> str:
         args: Any = json.loads(arguments)
     except ValueError:
         args = arguments
-    return f'{OPEN}\n{json.dumps({"name": name, "arguments": args}, ensure_ascii=False)}\n{CLOSE}'
+    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': args}, ensure_ascii=False)}\n{CLOSE}"
 
 
 @dataclass

@@ -269,10 +269,12 @@ class TransportGuard:
         if head_bytes > MAX_HEAD_BYTES:
             self.metrics.rejected.labels(reason=RejectReason.HEAD_TOO_LARGE).inc()
             headers = _CLOSE if _has_body(scope) else None
-            return ApiError(431, f"the request head is larger than {MAX_HEAD_BYTES:,} bytes", code="head_too_large",
-                            headers=headers)  # fmt: skip
-        if limits.key_digest is not None and (path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/")
-                                              or path in PROTECTED_PATHS):  # fmt: skip
+            return ApiError(
+                431, f"the request head is larger than {MAX_HEAD_BYTES:,} bytes", code="head_too_large", headers=headers
+            )
+        if limits.key_digest is not None and (
+            path == PROTECTED_PREFIX or path.startswith(PROTECTED_PREFIX + "/") or path in PROTECTED_PATHS
+        ):
             problem = self._key_problem(scope)
             if problem is not None:
                 self.metrics.rejected.labels(reason=RejectReason.UNAUTHORIZED).inc()
@@ -289,8 +291,10 @@ class TransportGuard:
         raw = _header(scope, b"authorization")
         scheme, _, token = (raw or b"").strip().partition(b" ")
         if raw is None or scheme.lower() != b"bearer" or not token.strip():
-            return ("missing API key: this server needs `Authorization: Bearer <key>` on /v1, /tokenize and "
-                    "/detokenize requests")
+            return (
+                "missing API key: this server needs `Authorization: Bearer <key>` on /v1, /tokenize and "
+                "/detokenize requests"
+            )
         # Never echoed back or logged, not even in part.
         if not hmac.compare_digest(_digest(token.strip()), self.limits.key_digest):
             return "invalid API key"

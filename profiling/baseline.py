@@ -37,7 +37,7 @@ NOT_GATED = frozenset({Row.UNATTRIBUTED})
 
 
 def start_kind_of(report: Mapping[str, Any]) -> str:
-    """"cold", "warm", "partly warm" or "" from a report's cache pattern ("compile=hit, model=hit, ..."); the page
+    """ "cold", "warm", "partly warm" or "" from a report's cache pattern ("compile=hit, model=hit, ..."); the page
     cache is left out, as the ETA's kinds leave it out."""
     pattern = str(report.get("attributes", {}).get(Row.ACTUAL_TOTAL_TIME, {}).get(Attr.CACHE_PATTERN, ""))
     states = [kv.split("=", 1)[1] for kv in pattern.split(", ") if "=" in kv and not kv.startswith("page_cache=")]
@@ -80,11 +80,15 @@ def baseline_from_reports(reports: Sequence[Mapping[str, Any]]) -> dict[str, Pha
     return out
 
 
-def write_baseline(path: Path, by_kind: Mapping[str, Sequence[Mapping[str, Any]]], *, command: str,
-                   machine: str, commit: str) -> Path:  # fmt: skip
+def write_baseline(
+    path: Path, by_kind: Mapping[str, Sequence[Mapping[str, Any]]], *, command: str, machine: str, commit: str
+) -> Path:
     """Write a baseline of every kind of start in `by_kind` (kind -> its starts' reports)."""
-    kinds = {k: {"starts": len(rs), "phases": {n: b.to_json() for n, b in baseline_from_reports(rs).items()}}
-             for k, rs in by_kind.items() if rs}  # fmt: skip
+    kinds = {
+        k: {"starts": len(rs), "phases": {n: b.to_json() for n, b in baseline_from_reports(rs).items()}}
+        for k, rs in by_kind.items()
+        if rs
+    }
     data = {"format": BASELINE_FORMAT, "command": command, "machine": machine, "commit": commit, "kinds": kinds}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -96,11 +100,14 @@ def read_baseline(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--baseline {path}: cannot read it ({exc}); write one with `glowplug bench startup "
-                         "--save-baseline FILE`") from exc  # fmt: skip
+        raise ValueError(
+            f"--baseline {path}: cannot read it ({exc}); write one with `glowplug bench startup --save-baseline FILE`"
+        ) from exc
     if not isinstance(data, dict) or data.get("format") != BASELINE_FORMAT:
-        raise ValueError(f"--baseline {path}: not a start-up baseline (format {BASELINE_FORMAT}); write one with "
-                         "`glowplug bench startup --save-baseline FILE`")  # fmt: skip
+        raise ValueError(
+            f"--baseline {path}: not a start-up baseline (format {BASELINE_FORMAT}); write one with "
+            "`glowplug bench startup --save-baseline FILE`"
+        )
     return data
 
 
@@ -141,8 +148,10 @@ class GateResult:
         """One line: PASS, or FAIL naming every regressed phase with its change and limit."""
         if self.passed:
             return f"start-up regression gate: PASS ({len(self.checks)} phases within the {self.kind} baseline)"
-        named = "; ".join(f"{c.phase} {c.seconds:.3f} s vs median {c.median:.3f} s ({100 * c.change:+.0f}%, limit "
-                          f"{c.limit:.3f} s)" for c in self.regressed)  # fmt: skip
+        named = "; ".join(
+            f"{c.phase} {c.seconds:.3f} s vs median {c.median:.3f} s ({100 * c.change:+.0f}%, limit {c.limit:.3f} s)"
+            for c in self.regressed
+        )
         return f"start-up regression gate: FAIL, regressed beyond noise: {named}"
 
 
@@ -157,8 +166,12 @@ def limit_of(median: float, spread: float, max_regression: float, starts: int = 
     return median * (1 + max_regression) + noise_of(spread, starts)
 
 
-def check(report: Mapping[str, Any], baseline: Mapping[str, Any], max_regression: float = DEFAULT_MAX_REGRESSION,
-          kind: str | None = None) -> GateResult:  # fmt: skip
+def check(
+    report: Mapping[str, Any],
+    baseline: Mapping[str, Any],
+    max_regression: float = DEFAULT_MAX_REGRESSION,
+    kind: str | None = None,
+) -> GateResult:
     """The start in `report` (phase-table JSON) against the baseline of its kind. ValueError when the baseline
     has no starts of that kind."""
     kind = kind if kind is not None else start_kind_of(report)
@@ -167,8 +180,10 @@ def check(report: Mapping[str, Any], baseline: Mapping[str, Any], max_regression
         kind = "warm"  # a start no cache is involved in: every start of it is as warm as it gets
     if kind not in kinds:
         have = ", ".join(sorted(kinds)) or "none"
-        raise ValueError(f"the baseline has no {kind or 'unclassified'} starts (it has: {have}); save one with the "
-                         f"starts of this kind")  # fmt: skip
+        raise ValueError(
+            f"the baseline has no {kind or 'unclassified'} starts (it has: {have}); save one with the "
+            f"starts of this kind"
+        )
     phases: Mapping[str, Mapping[str, Any]] = kinds[kind]["phases"]
     seconds: Mapping[str, Any] = report.get("phases", {})
     checks, missing = [], []
@@ -184,7 +199,7 @@ def check(report: Mapping[str, Any], baseline: Mapping[str, Any], max_regression
 
 
 def parse_fraction(text: str) -> float:
-    """"10%", "10 %" or "0.1" -> 0.1; ValueError naming the value otherwise."""
+    """ "10%", "10 %" or "0.1" -> 0.1; ValueError naming the value otherwise."""
     raw = text.strip()
     try:
         value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)

@@ -70,8 +70,9 @@ def parse_importtime(stderr: str) -> list[ImportCost]:
 def measure_import_costs(modules: Sequence[str] = STARTUP_IMPORTS, *, timeout_s: float = 120.0) -> list[ImportCost]:
     """Import `modules` in a fresh interpreter under `-X importtime`; self time per top-level package."""
     code = "; ".join(f"import {m}" for m in modules)
-    proc = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True,
-                          timeout=timeout_s, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, timeout=timeout_s, check=False
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"importing {', '.join(modules)} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return parse_importtime(proc.stderr)

@@ -94,8 +94,7 @@ class ProcessMemory:
 def process_memory() -> ProcessMemory | None:
     """The process's memory, None where /proc/self/status has no such fields (not Linux)."""
     try:
-        return ProcessMemory(_status_kib("VmHWM"), _status_kib("VmRSS"), _status_kib("RssFile"),
-                             _status_kib("RssAnon"))  # fmt: skip
+        return ProcessMemory(_status_kib("VmHWM"), _status_kib("VmRSS"), _status_kib("RssFile"), _status_kib("RssAnon"))
     except (OSError, ValueError):
         return None
 

@@ -409,7 +409,11 @@ CORE_ROWS: Final[tuple[str, ...]] = (Row.CORE_PROCESS_START, Row.CORE_IMPORTS)
 # model_loading includes model_prepare: finding (cold: converting) the checkpoint is the first step of loading it.
 AGGREGATE_ROWS: Final[dict[str, tuple[str, ...]]] = {
     Row.MODEL_LOADING: (Row.MODEL_PREPARE, Row.LOAD_WEIGHTS, Row.MODEL_INIT, Row.QUANTIZE_WEIGHTS),
-    Row.TORCH_COMPILE: (Row.NATIVE_KERNELS, Row.DYNAMO_TRANSFORM_TIME, Row.GRAPH_COMPILE_GENERAL_SHAPE,
-                        Row.GRAPH_COMPILE_CACHED),
+    Row.TORCH_COMPILE: (
+        Row.NATIVE_KERNELS,
+        Row.DYNAMO_TRANSFORM_TIME,
+        Row.GRAPH_COMPILE_GENERAL_SHAPE,
+        Row.GRAPH_COMPILE_CACHED,
+    ),
     Row.INIT_ENGINE: (Row.KV_CACHE_PROFILING, Row.KV_CACHE_INIT, Row.GRAPH_CAPTURING, Row.WARMUP),
 }

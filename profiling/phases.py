@@ -237,8 +237,10 @@ def event_notes(span: ReadableSpan) -> tuple[str, ...]:
         if ev.name in NOTED_EVENTS:
             a = ev.attributes or {}
             action = str(a.get(Attr.CACHE_ACTION, "")).split(";")[-1].strip()
-            out.append(f"{ev.name} ({a.get(Attr.CACHE_NAME, '?')}): {a.get(Attr.CACHE_REASON, '')}"
-                       + (f" -> {action}" if action else ""))  # fmt: skip
+            out.append(
+                f"{ev.name} ({a.get(Attr.CACHE_NAME, '?')}): {a.get(Attr.CACHE_REASON, '')}"
+                + (f" -> {action}" if action else "")
+            )
     return tuple(out)
 
 
@@ -275,8 +277,11 @@ def work_note(stage: str, attrs: Mapping[str, Any], seconds: float) -> str:
     read = attrs.get(Attr.BYTES_READ)
     if isinstance(read, (int, float)) and read > 0:
         parts.append(f"read {_gb(read)} at {read / 1e9 / max(seconds, 1e-9):.3f} GB/s")
-    native = {"dense": Attr.NATIVE_DENSE_LAYERS, "quantized": Attr.NATIVE_QUANTIZED_LAYERS,
-              "attention": Attr.NATIVE_ATTENTION_LAYERS}  # fmt: skip
+    native = {
+        "dense": Attr.NATIVE_DENSE_LAYERS,
+        "quantized": Attr.NATIVE_QUANTIZED_LAYERS,
+        "attention": Attr.NATIVE_ATTENTION_LAYERS,
+    }
     layers = {k: _count(attrs, key) for k, key in native.items()}
     if any(layers.values()):
         parts.append("switched " + ", ".join(f"{n} {k}" for k, n in layers.items() if n) + " layers to native kernels")
@@ -311,8 +316,15 @@ def work_note(stage: str, attrs: Mapping[str, Any], seconds: float) -> str:
     return "; ".join(parts) if parts else "this stage reports no breakdown of its time"
 
 
-_ROOT_ETA_ATTRS = (Attr.CACHE_PATTERN, Attr.ETA_BASIS, Attr.ETA_FIRST_AT_S, Attr.ETA_FIRST_STAGES_S,
-                   Attr.ETA_FIRST_READY_S, Attr.ETA_PHASES, Attr.ETA_INPUTS)
+_ROOT_ETA_ATTRS = (
+    Attr.CACHE_PATTERN,
+    Attr.ETA_BASIS,
+    Attr.ETA_FIRST_AT_S,
+    Attr.ETA_FIRST_STAGES_S,
+    Attr.ETA_FIRST_READY_S,
+    Attr.ETA_PHASES,
+    Attr.ETA_INPUTS,
+)
 
 
 def _root_eta(roots: Sequence[ReadableSpan]) -> dict[str, Any]:
@@ -339,8 +351,10 @@ def build_phase_table(
     ready_time_ns: wall-clock ns (same time line as the spans, e.g. `ProcessMarks.clock.now_ns()`) at READY;
         default: the end of the root `glowplug.startup` span, else of the last stage span.
     """
-    group = sorted((s for s in _select_trace(spans, trace_id) if (s.attributes or {}).get(Attr.RANK, 0) == rank),
-                   key=lambda s: s.start_time or 0)  # fmt: skip
+    group = sorted(
+        (s for s in _select_trace(spans, trace_id) if (s.attributes or {}).get(Attr.RANK, 0) == rank),
+        key=lambda s: s.start_time or 0,
+    )
     roots = [s for s in group if s.name == STARTUP_SPAN]
     stage_spans = [s for s in group if s.name != STARTUP_SPAN]
 
@@ -372,7 +386,9 @@ def build_phase_table(
             reasons[row] = phase.reason
         for other in STAGE_ALTERNATIVE_ROWS.get(stage, ()):
             if other != row:
-                reasons.setdefault(other, phase.reason if phase.outcome == "skipped" else _alternative_reason(row, attrs))
+                reasons.setdefault(
+                    other, phase.reason if phase.outcome == "skipped" else _alternative_reason(row, attrs)
+                )
 
     pre = [s for s in stage_spans if stage_from_span_name(s.name) == Row.PROCESS_START]
     starts = [s.start_time or 0 for s in (pre or roots or stage_spans)]
@@ -415,14 +431,20 @@ def build_phase_table(
     root_notes = tuple(n for r in roots for n in event_notes(r))
     path_ns, path = _critical_path(chain_spans)
     derived = [
-        PhaseRow(Row.OVERLAP, "derived", overlap_ns, "stages that ran at once: sum of their own times - the wall "
-                 "time they covered; leaves + unattributed - overlap = actual_total_time"),
+        PhaseRow(
+            Row.OVERLAP,
+            "derived",
+            overlap_ns,
+            "stages that ran at once: sum of their own times - the wall "
+            "time they covered; leaves + unattributed - overlap = actual_total_time",
+        ),
         PhaseRow(Row.CRITICAL_PATH, "derived", path_ns, " -> ".join(path) if path else "no stages"),
     ]
     totals = [
         PhaseRow(Row.TOTAL_TIME, "total", total_ns, "sum of stage spans"),
-        PhaseRow(Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY", _root_eta(roots),
-                 notes=root_notes),
+        PhaseRow(
+            Row.ACTUAL_TOTAL_TIME, "total", actual_ns, "process creation -> READY", _root_eta(roots), notes=root_notes
+        ),
     ]
     if floor is not None:
         totals.append(floor.row(actual_ns))
@@ -434,8 +456,9 @@ def build_phase_table(
     )
 
 
-def with_rank_spread(table: PhaseTable, per_rank: Mapping[int, PhaseTable],
-                     arrivals: Mapping[int, int] | None = None, barrier: str = "") -> PhaseTable:  # fmt: skip
+def with_rank_spread(
+    table: PhaseTable, per_rank: Mapping[int, PhaseTable], arrivals: Mapping[int, int] | None = None, barrier: str = ""
+) -> PhaseTable:
     """Rank 0's table with, on each row that several ranks ran, the slowest rank and the spread across ranks
     (slowest - fastest), and on actual_total_time the rank that held READY back: the last to arrive at `barrier`,
     the first stage every rank waits in for all the others (`arrivals`: rank -> wall ns it began that stage)."""
@@ -451,16 +474,22 @@ def with_rank_spread(table: PhaseTable, per_rank: Mapping[int, PhaseTable],
         slow = max(ran, key=lambda r: (ran[r], -r))
         spread = ran[slow] - min(ran.values())
         note = f"slowest rank {slow} ({ran[slow]:.3f} s), spread {spread:.3f} s over {len(ran)} ranks"
-        attrs = {Attr.TP_SLOWEST_RANK: slow, Attr.TP_SPREAD_S: round(spread, 6),
-                 Attr.TP_RANK_SECONDS: [round(ran[r], 6) for r in sorted(ran)]}  # fmt: skip
+        attrs = {
+            Attr.TP_SLOWEST_RANK: slow,
+            Attr.TP_SPREAD_S: round(spread, 6),
+            Attr.TP_RANK_SECONDS: [round(ran[r], 6) for r in sorted(ran)],
+        }
         rows.append(replace(row, notes=(*row.notes, note), attributes={**row.attributes, **attrs}))
     out = replace(table, rows=tuple(rows))
     if arrivals and len(arrivals) > 1:
         last = max(arrivals, key=lambda r: (arrivals[r], -r))
         lag = (arrivals[last] - min(arrivals.values())) / 1e9
-        out = with_row_note(out, Row.ACTUAL_TOTAL_TIME, f"rank {last} held READY back: it reached {barrier} "
-                            f"{lag:.3f} s after the first rank", {Attr.TP_HELD_BACK_RANK: last,
-                                                                  Attr.TP_HELD_BACK_S: round(lag, 6)})  # fmt: skip
+        out = with_row_note(
+            out,
+            Row.ACTUAL_TOTAL_TIME,
+            f"rank {last} held READY back: it reached {barrier} {lag:.3f} s after the first rank",
+            {Attr.TP_HELD_BACK_RANK: last, Attr.TP_HELD_BACK_S: round(lag, 6)},
+        )
     return out
 
 
@@ -520,11 +549,17 @@ class Floor:
 
     def row(self, actual_ns: int) -> PhaseRow:
         ratio = actual_ns / self.nanos if self.nanos > 0 else float("inf")
-        note = (f"read {self.weights_bytes / 1e9:.3f} GB ({self.source}) / {self.read_gbps:.1f} GB/s read probe + "
-                f"import torch {self.import_torch_s:.3f} s; actual/floor = {ratio:.2f}x")  # fmt: skip
-        attrs = {Attr.FLOOR_WEIGHTS_BYTES: self.weights_bytes, Attr.FLOOR_READ_GBPS: self.read_gbps,
-                 Attr.FLOOR_IMPORT_TORCH_S: self.import_torch_s, Row.ACTUAL_OVER_FLOOR: round(ratio, 3),
-                 Attr.FLOOR_BYTES_SOURCE: self.source}  # fmt: skip
+        note = (
+            f"read {self.weights_bytes / 1e9:.3f} GB ({self.source}) / {self.read_gbps:.1f} GB/s read probe + "
+            f"import torch {self.import_torch_s:.3f} s; actual/floor = {ratio:.2f}x"
+        )
+        attrs = {
+            Attr.FLOOR_WEIGHTS_BYTES: self.weights_bytes,
+            Attr.FLOOR_READ_GBPS: self.read_gbps,
+            Attr.FLOOR_IMPORT_TORCH_S: self.import_torch_s,
+            Row.ACTUAL_OVER_FLOOR: round(ratio, 3),
+            Attr.FLOOR_BYTES_SOURCE: self.source,
+        }
         return PhaseRow(Row.FLOOR, "floor", self.nanos, note, attrs)
 
 
@@ -592,8 +627,14 @@ def to_rich(table: PhaseTable, *, wide: bool = False) -> Table:
     word boundaries in the space that is left. `wide`: every note on one line (print it on a wide console)."""
     rows = display_rows(table)
     # No vertical rules or outer padding: at 80 columns the notes need the room more than the table needs lines.
-    out = Table(title="glowplug start-up phases", caption=_versions_line(table), box=box.SIMPLE_HEAD,
-                show_edge=False, pad_edge=False, collapse_padding=True)  # fmt: skip
+    out = Table(
+        title="glowplug start-up phases",
+        caption=_versions_line(table),
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     name_width = max((len(r.label) for r in rows), default=5)
     out.add_column("phase", no_wrap=True, min_width=name_width)
     out.add_column("seconds", justify="right", no_wrap=True)
@@ -604,8 +645,12 @@ def to_rich(table: PhaseTable, *, wide: bool = False) -> Table:
         style = {"aggregate": "bold cyan", "derived": "magenta", "total": "bold", "floor": "green"}.get(row.kind, "")
         if row.name == Row.UNATTRIBUTED:
             style = "yellow"
-        last_before_totals = (row.kind not in ("total", "floor") and i + 1 < len(rows)
-                              and rows[i + 1].kind in ("total", "derived") and row.kind != rows[i + 1].kind)  # fmt: skip
+        last_before_totals = (
+            row.kind not in ("total", "floor")
+            and i + 1 < len(rows)
+            and rows[i + 1].kind in ("total", "derived")
+            and row.kind != rows[i + 1].kind
+        )
         out.add_row(row.label, row.seconds, row.share, row.note, style=style, end_section=last_before_totals)
     return out
 

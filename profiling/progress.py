@@ -64,8 +64,9 @@ def _seconds(s: float) -> str:
     return f"{s:.1f} s" if s < 100 else f"{s:.0f} s"
 
 
-def eta_phrase(stage: str, estimate: Mapping[str, float] | None, same_config: bool,
-               qualifiers: Mapping[str, str] | None = None) -> str:  # fmt: skip
+def eta_phrase(
+    stage: str, estimate: Mapping[str, float] | None, same_config: bool, qualifiers: Mapping[str, str] | None = None
+) -> str:
     """How long `stage` should take, in words: "about 25 s", "first start for this config, about 25 s" (the
     estimate is another config's), "start-up model, about 25 s", or "" when nothing predicts this stage.
     `qualifiers`: stage -> the words before the time (overrides `same_config` for the stages it names)."""
@@ -123,8 +124,12 @@ class StartupProgress(SpanProcessor):
         self._finished: set[str] = set()
         self._remaining: Remaining | None = None
         self._qualifiers: dict[str, str] = {}
-        self._console = Console(file=self._stream, highlight=False, soft_wrap=not self._live_wanted,
-                                force_terminal=self._live_wanted or None)  # fmt: skip
+        self._console = Console(
+            file=self._stream,
+            highlight=False,
+            soft_wrap=not self._live_wanted,
+            force_terminal=self._live_wanted or None,
+        )
         self._live: Live | None = None
         self._closed = False
 
@@ -142,8 +147,14 @@ class StartupProgress(SpanProcessor):
     def begin(self, model: str) -> None:
         """The first line, printed before the heavy imports, so a cold start is never silent."""
         if self._live_wanted:
-            self._live = Live(_Running(self), console=self._console, transient=True, refresh_per_second=8,
-                              redirect_stdout=False, redirect_stderr=False)  # fmt: skip
+            self._live = Live(
+                _Running(self),
+                console=self._console,
+                transient=True,
+                refresh_per_second=8,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
             self._live.start()
             # On a terminal the imports get a spinner of their own: they are the first long wait.
             with self._lock:
@@ -156,9 +167,16 @@ class StartupProgress(SpanProcessor):
         """A line of context between the stages (the sampling defaults of `generate`)."""
         self._say(text, "dim")
 
-    def imports_done(self, seconds: float, estimate: Mapping[str, float] | None, same_config: bool,
-                     basis: str | None = None, total_s: float | None = None,
-                     remaining: Remaining | None = None, qualifiers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    def imports_done(
+        self,
+        seconds: float,
+        estimate: Mapping[str, float] | None,
+        same_config: bool,
+        basis: str | None = None,
+        total_s: float | None = None,
+        remaining: Remaining | None = None,
+        qualifiers: Mapping[str, str] | None = None,
+    ) -> None:
         """The imports' time and what the stages should take (`estimate`: seconds per stage, see eta_phrase;
         `basis`: where it comes from, in words; `total_s`: their predicted wall time, else their sum; `remaining`:
         seconds to READY from the stages finished and running, for the later lines; `qualifiers`: per stage, where
@@ -169,9 +187,15 @@ class StartupProgress(SpanProcessor):
             self._qualifiers = dict(qualifiers or {})
         self._say(f"imports done in {_seconds(seconds)}; {self._expect(estimate, same_config, basis, total_s)}", "dim")
 
-    def plan_known(self, estimate: Mapping[str, float] | None, same_config: bool, basis: str | None = None,
-                   total_s: float | None = None, remaining: Remaining | None = None,
-                   qualifiers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    def plan_known(
+        self,
+        estimate: Mapping[str, float] | None,
+        same_config: bool,
+        basis: str | None = None,
+        total_s: float | None = None,
+        remaining: Remaining | None = None,
+        qualifiers: Mapping[str, str] | None = None,
+    ) -> None:
         """An estimate made after the imports line (a start from a bundle plans once the bundle is installed)."""
         with self._lock:
             self._remaining = remaining
@@ -186,8 +210,9 @@ class StartupProgress(SpanProcessor):
             running = {s: now - t0 for s, t0 in self._running.items() if s != "imports"}
         return None if remaining is None else remaining(finished, running)
 
-    def _expect(self, estimate: Mapping[str, float] | None, same_config: bool, basis: str | None,
-                total_s: float | None) -> str:  # fmt: skip
+    def _expect(
+        self, estimate: Mapping[str, float] | None, same_config: bool, basis: str | None, total_s: float | None
+    ) -> str:
         self._estimate = dict(estimate) if estimate else None
         self._same_config = same_config
         if self._estimate is None:
@@ -204,9 +229,15 @@ class StartupProgress(SpanProcessor):
         now = time.perf_counter()
         with self._lock:
             running = list(self._running.items())
-        return [(stage, stage_label(stage), now - t0, eta_phrase(stage, self._estimate, self._same_config,
-                                                                 self._qualifiers))
-                for stage, t0 in running]  # fmt: skip
+        return [
+            (
+                stage,
+                stage_label(stage),
+                now - t0,
+                eta_phrase(stage, self._estimate, self._same_config, self._qualifiers),
+            )
+            for stage, t0 in running
+        ]
 
     def close(self, *, ready_s: float | None = None) -> None:
         """Stop the live display (before anything else is printed) and, at READY, say so."""
@@ -254,7 +285,8 @@ class StartupProgress(SpanProcessor):
         note = phase.note
         ready = self.ready_in()
         after = (f"; still running: {', '.join(still)}" if still else "") + (
-            f"; READY in about {_seconds(ready)}" if ready is not None and (still or ready > 0) else "")
+            f"; READY in about {_seconds(ready)}" if ready is not None and (still or ready > 0) else ""
+        )
         if phase.outcome == "skipped":
             self._say(f"{stage}: skipped ({note}){after}", "dim")
         else:
@@ -265,4 +297,3 @@ class StartupProgress(SpanProcessor):
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         return True
-

@@ -185,13 +185,18 @@ def span_record(span: ReadableSpan) -> dict[str, Any]:
     """A finished span as plain data (spans hold locks and cannot be pickled): what a worker hands rank 0."""
     ctx, parent = span.context, span.parent
     return {
-        "name": span.name, "trace_id": ctx.trace_id if ctx else 0, "span_id": ctx.span_id if ctx else 0,
-        "parent_id": parent.span_id if parent else None, "start": span.start_time, "end": span.end_time,
-        "attributes": dict(span.attributes or {}), "status": span.status.status_code.name,
+        "name": span.name,
+        "trace_id": ctx.trace_id if ctx else 0,
+        "span_id": ctx.span_id if ctx else 0,
+        "parent_id": parent.span_id if parent else None,
+        "start": span.start_time,
+        "end": span.end_time,
+        "attributes": dict(span.attributes or {}),
+        "status": span.status.status_code.name,
         "description": span.status.description,
         "events": [(e.name, dict(e.attributes or {}), e.timestamp) for e in span.events],
         "resource": dict(span.resource.attributes) if span.resource is not None else {},
-    }  # fmt: skip
+    }
 
 
 def span_from_record(record: Mapping[str, Any]) -> ReadableSpan:
@@ -200,11 +205,19 @@ def span_from_record(record: Mapping[str, Any]) -> ReadableSpan:
     from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
     ctx = SpanContext(record["trace_id"], record["span_id"], False, TraceFlags(TraceFlags.SAMPLED))
-    parent = (SpanContext(record["trace_id"], record["parent_id"], False, TraceFlags(TraceFlags.SAMPLED))
-              if record["parent_id"] is not None else None)  # fmt: skip
+    parent = (
+        SpanContext(record["trace_id"], record["parent_id"], False, TraceFlags(TraceFlags.SAMPLED))
+        if record["parent_id"] is not None
+        else None
+    )
     return ReadableSpan(
-        name=record["name"], context=ctx, parent=parent, resource=Resource.create(record["resource"]),
-        attributes=record["attributes"], events=[Event(n, a, t) for n, a, t in record["events"]],
-        status=Status(StatusCode[record["status"]], record["description"]), start_time=record["start"],
+        name=record["name"],
+        context=ctx,
+        parent=parent,
+        resource=Resource.create(record["resource"]),
+        attributes=record["attributes"],
+        events=[Event(n, a, t) for n, a, t in record["events"]],
+        status=Status(StatusCode[record["status"]], record["description"]),
+        start_time=record["start"],
         end_time=record["end"],
-    )  # fmt: skip
+    )

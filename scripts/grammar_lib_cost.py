@@ -35,8 +35,14 @@ SCHEMA = {
     "required": ["name", "age", "role", "tags", "address", "active"],
     "additionalProperties": False,
 }
-INSTANCE = {"name": "Ada Lovelace", "age": 36, "role": "admin", "tags": ["math", "engines", "poetry"],
-            "address": {"street": "12 St James's Square", "city": "London", "zip": "SW1Y"}, "active": True}
+INSTANCE = {
+    "name": "Ada Lovelace",
+    "age": 36,
+    "role": "admin",
+    "tags": ["math", "engines", "poetry"],
+    "address": {"street": "12 St James's Square", "city": "London", "zip": "SW1Y"},
+    "active": True,
+}
 
 
 def ms(xs: list[float]) -> str:
@@ -58,7 +64,9 @@ def main() -> None:
     t0 = time.perf_counter()
     tok_json, tok_cfg = build_tokenizer(open_reader(Path(args.gguf)), Path(args.gguf))
     backend = Tokenizer.from_str(tok_json)
-    print(f"tokenizer from {Path(args.gguf).name}: {backend.get_vocab_size()} tokens ({time.perf_counter() - t0:.1f} s)")
+    print(
+        f"tokenizer from {Path(args.gguf).name}: {backend.get_vocab_size()} tokens ({time.perf_counter() - t0:.1f} s)"
+    )
     vocab = backend.get_vocab(with_added_tokens=True)
     n_vocab = max(vocab.values()) + 1
     eos = vocab.get(tok_cfg.get("eos_token") or "<|im_end|>", vocab.get("<|endoftext|>"))
@@ -105,8 +113,10 @@ def main() -> None:
             applies.append(time.perf_counter() - a)
             assert m.accept_token(t), t
         assert m.is_terminated()
-    print(f"xgrammar: tokenizer info {t_info * 1e3:.0f} ms (serialize {t_ser * 1e3:.0f} ms, {len(blob) / 1e6:.1f} MB; "
-          f"deserialize {t_de * 1e3:.0f} ms); schema compile cold {t_cold * 1e3:.1f} ms, repeated {t_warm * 1e3:.2f} ms")
+    print(
+        f"xgrammar: tokenizer info {t_info * 1e3:.0f} ms (serialize {t_ser * 1e3:.0f} ms, {len(blob) / 1e6:.1f} MB; "
+        f"deserialize {t_de * 1e3:.0f} ms); schema compile cold {t_cold * 1e3:.1f} ms, repeated {t_warm * 1e3:.2f} ms"
+    )
     print(f"xgrammar: mask per token {ms(masks)}; apply {ms(applies)}")
 
     # --- llguidance
@@ -117,7 +127,9 @@ def main() -> None:
     lltok = llguidance.LLTokenizer(tok_json, n_vocab=n_vocab, eos_token=eos)
     t_info = time.perf_counter() - t0
     t0 = time.perf_counter()
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        SCHEMA, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+    )
     m = llguidance.LLMatcher(lltok, grammar)
     t_cold = time.perf_counter() - t0
     assert not m.is_error(), m.get_error()
@@ -134,8 +146,10 @@ def main() -> None:
             masks.append(time.perf_counter() - a)
             assert m.consume_token(t), (t, m.get_error())
         assert m.is_stopped() or m.is_accepting()
-    print(f"llguidance: tokenizer {t_info * 1e3:.0f} ms; schema to matcher cold {t_cold * 1e3:.1f} ms, "
-          f"repeated {t_warm * 1e3:.2f} ms (no compile step: the mask is computed lazily)")
+    print(
+        f"llguidance: tokenizer {t_info * 1e3:.0f} ms; schema to matcher cold {t_cold * 1e3:.1f} ms, "
+        f"repeated {t_warm * 1e3:.2f} ms (no compile step: the mask is computed lazily)"
+    )
     print(f"llguidance: mask per token {ms(masks)}")
     # Applying the masks to their rows (glowplug's sampler), on one torch thread: on a machine shared with other jobs,
     # torch's thread pool waiting on busy cores swamps a call this small (the two-thread figure is printed too).

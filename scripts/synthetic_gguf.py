@@ -76,9 +76,21 @@ class ModelShape(BaseModel):
 # Qwen2.5-7B(-Instruct)'s config.json: 28 layers, 3584 hidden, 18944 FFN, 28 heads of 128, 4 KV heads, q/k/v
 # biases, an untied head, a 152064-row embedding (llama.cpp's converter pads the token list to it).
 PRESETS: dict[str, ModelShape] = {
-    "qwen2.5-7b": ModelShape(arch="qwen2", name="Qwen2.5 7B (synthetic)", layers=28, hidden=3584, ffn=18944,
-                             heads=28, kv_heads=4, vocab=152064, qkv_bias=True, tied=False, context=32768,
-                             rope_theta=1e6, eps=1e-6),  # fmt: skip
+    "qwen2.5-7b": ModelShape(
+        arch="qwen2",
+        name="Qwen2.5 7B (synthetic)",
+        layers=28,
+        hidden=3584,
+        ffn=18944,
+        heads=28,
+        kv_heads=4,
+        vocab=152064,
+        qkv_bias=True,
+        tied=False,
+        context=32768,
+        rope_theta=1e6,
+        eps=1e-6,
+    ),
 }
 
 
@@ -140,9 +152,11 @@ def tokenizer_from_gguf(path: Path, vocab: int) -> Metadata:
     if len(tokens) > vocab:
         raise ValueError(f"{path} has {len(tokens)} tokens, more than the model's {vocab} embedding rows")
     pad = range(len(tokens), vocab)
-    for key, extra in (("tokenizer.ggml.tokens", [f"[PAD{i}]" for i in pad]),
-                       ("tokenizer.ggml.token_type", [TOKEN_UNUSED] * len(pad)),
-                       ("tokenizer.ggml.scores", [0.0] * len(pad))):  # fmt: skip
+    for key, extra in (
+        ("tokenizer.ggml.tokens", [f"[PAD{i}]" for i in pad]),
+        ("tokenizer.ggml.token_type", [TOKEN_UNUSED] * len(pad)),
+        ("tokenizer.ggml.scores", [0.0] * len(pad)),
+    ):
         if key in items and extra:
             value, vtype, sub = items[key]
             items[key] = (list(value) + extra, vtype, sub)
@@ -166,8 +180,11 @@ def tiny_tokenizer() -> Metadata:
         "tokenizer.ggml.model": ("gpt2", VT.STRING, None),
         "tokenizer.ggml.pre": ("gpt2", VT.STRING, None),
         "tokenizer.ggml.tokens": (tokens, VT.ARRAY, VT.STRING),
-        "tokenizer.ggml.token_type": ([TOKEN_CONTROL if t in special else TOKEN_NORMAL for t in tokens], VT.ARRAY,
-                                      VT.INT32),  # fmt: skip
+        "tokenizer.ggml.token_type": (
+            [TOKEN_CONTROL if t in special else TOKEN_NORMAL for t in tokens],
+            VT.ARRAY,
+            VT.INT32,
+        ),
         "tokenizer.ggml.merges": (merges, VT.ARRAY, VT.STRING),
         "tokenizer.ggml.bos_token_id": (tok.bos_token_id, VT.UINT32, None),
         "tokenizer.ggml.eos_token_id": (tok.eos_token_id, VT.UINT32, None),
@@ -217,8 +234,9 @@ def _random_tensor(name: str, shape: tuple[int, ...], qtype: QT, rng: np.random.
     return out
 
 
-def write_random(s: ModelShape, out: Path, tokenizer: Metadata, *, stored: Stored = "F16", seed: int = 0,
-                 std: float = 0.02) -> Path:  # fmt: skip
+def write_random(
+    s: ModelShape, out: Path, tokenizer: Metadata, *, stored: Stored = "F16", seed: int = 0, std: float = 0.02
+) -> Path:
     """Write `s` with random weights to `out` as llama.cpp's converter lays a model out (its metadata keys,
     tensor names and order, `general.file_type` of the stored type), one tensor in memory at a time."""
     w = gguf.GGUFWriter(str(out), s.arch)
@@ -243,10 +261,18 @@ def write_random(s: ModelShape, out: Path, tokenizer: Metadata, *, stored: Store
         w.add_key_value(key, value, vtype, sub)
     plan = [(name, shape, _stored_type(name, shape, stored)) for name, shape in tensors(s)]
     for name, shape, qtype in plan:
-        nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(shape, qtype))) if qtype not in (QT.F32, QT.F16) else (
-            int(np.prod(shape)) * (4 if qtype == QT.F32 else 2))  # fmt: skip
-        w.add_tensor_info(name, shape, np.dtype(np.float32 if qtype == QT.F32 else np.float16), nbytes,
-                          raw_dtype=qtype if qtype not in (QT.F32, QT.F16) else None)  # fmt: skip
+        nbytes = (
+            int(np.prod(gguf.quant_shape_to_byte_shape(shape, qtype)))
+            if qtype not in (QT.F32, QT.F16)
+            else (int(np.prod(shape)) * (4 if qtype == QT.F32 else 2))
+        )
+        w.add_tensor_info(
+            name,
+            shape,
+            np.dtype(np.float32 if qtype == QT.F32 else np.float16),
+            nbytes,
+            raw_dtype=qtype if qtype not in (QT.F32, QT.F16) else None,
+        )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -259,8 +285,22 @@ def write_random(s: ModelShape, out: Path, tokenizer: Metadata, *, stored: Store
 
 # -- quantizing with llama.cpp ---------------------------------------------------------------------------------------
 
-FTYPES = ("F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_S", "Q4_K_M", "Q5_K_S",
-          "Q5_K_M", "Q6_K")  # fmt: skip
+FTYPES = (
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K_M",
+    "Q4_K_S",
+    "Q4_K_M",
+    "Q5_K_S",
+    "Q5_K_M",
+    "Q6_K",
+)
 
 
 def quantize(src: Path, dst: Path, ftype: str = "Q4_K_M", *, threads: int = 2, quiet: bool = False) -> Path:
@@ -293,8 +333,18 @@ def _silence_llama_log(llama_cpp: Any) -> None:
         llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
-def synthetic(s: ModelShape, out: Path, tokenizer: Metadata, *, ftype: str = "Q4_K_M", stored: Stored = "F16",
-              seed: int = 0, std: float = 0.02, threads: int = 2, quiet: bool = False) -> Path:  # fmt: skip
+def synthetic(
+    s: ModelShape,
+    out: Path,
+    tokenizer: Metadata,
+    *,
+    ftype: str = "Q4_K_M",
+    stored: Stored = "F16",
+    seed: int = 0,
+    std: float = 0.02,
+    threads: int = 2,
+    quiet: bool = False,
+) -> Path:
     """`s` with random weights at `ftype`: written at `stored` into a temporary file beside `out` (deleted after),
     then quantized by llama.cpp."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -333,43 +383,84 @@ class Fixture(BaseModel):
 
 
 def _tiny(arch: Arch, **kw: Any) -> ModelShape:
-    base: dict[str, Any] = dict(arch=arch, name=f"tiny {arch}", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2,
-                                vocab=320, context=2048)  # fmt: skip
+    base: dict[str, Any] = dict(
+        arch=arch, name=f"tiny {arch}", layers=2, hidden=256, ffn=512, heads=4, kv_heads=2, vocab=320, context=2048
+    )
     return ModelShape(**{**base, **kw})
 
 
 FIXTURES: tuple[Fixture, ...] = (
-    Fixture(file="qwen2-bias-q4_k_m.gguf", ftype="Q4_K_M",
-            shape=_tiny("qwen2", qkv_bias=True, rope_theta=1e6),
-            why="Qwen2.5 as llama.cpp's Q4_K_M writes it: F32 q/k/v biases beside Q4_K q/k and a Q6_K v (layer 0; "
-                "Q4_K in layer 1), Q4_K/Q6_K ffn_down, an untied Q6_K head and a Q4_K embedding"),
-    Fixture(file="qwen2-bias-q5_k_m.gguf", ftype="Q5_K_M", shape=_tiny("qwen2", qkv_bias=True, rope_theta=1e6),
-            why="the same model at Q5_K_M: Q5_K with Q6_K where Q4_K_M has it"),
-    Fixture(file="qwen2-bias-q6_k.gguf", ftype="Q6_K", shape=_tiny("qwen2", qkv_bias=True, rope_theta=1e6),
-            why="the same model at Q6_K: every matrix Q6_K"),
-    Fixture(file="qwen2-bias-q8_0.gguf", ftype="Q8_0", shape=_tiny("qwen2", qkv_bias=True, rope_theta=1e6),
-            why="the same model at Q8_0: every matrix Q8_0"),
-    Fixture(file="qwen2-tied-q5_0-q8_0.gguf", ftype="Q4_K_M",
-            shape=_tiny("qwen2", hidden=64, ffn=128, heads=4, kv_heads=2, qkv_bias=True, tied=True, rope_theta=1e6),
-            why="the tiny checkpoints' Qwen2 shape (hidden 64, FFN 128: rows not a multiple of 256) at Q4_K_M: "
-                "llama.cpp falls back to Q5_0 for Q4_K and Q8_0 for Q6_K, as it does for Qwen2.5-0.5B's 896; tied"),
-    Fixture(file="qwen2-tied-q5_1-q8_0.gguf", ftype="Q5_K_M",
-            shape=_tiny("qwen2", hidden=64, ffn=128, heads=4, kv_heads=2, qkv_bias=True, tied=True, rope_theta=1e6),
-            why="the same small shape at Q5_K_M: Q5_K falls back to Q5_1 (as gemma-3-270m's 640 columns do at "
-                "Q5_K_M), Q6_K to Q8_0"),
-    Fixture(file="llama3-q4_k_m.gguf", ftype="Q4_K_M", shape=_tiny("llama", rope_theta=500000.0, eps=1e-5),
-            why="Llama 3 (8B's layout: GQA, untied, RoPE base 500000) whose q/k rows llama.cpp's converter permutes"),
-    Fixture(file="qwen3-q4_k_m.gguf", ftype="Q4_K_M",
-            shape=_tiny("qwen3", heads=2, kv_heads=1, head_dim=128, rope_theta=1e6),
-            why="Qwen3: per-head q/k RMSNorms, no biases, heads of 128 (every Qwen3's; transformers' GGUF reader "
-                "assumes it)"),
-    Fixture(file="gemma3-q4_k_m.gguf", ftype="Q4_K_M",
-            shape=_tiny("gemma3", hidden=384, heads=2, kv_heads=1, head_dim=256, ffn=512, tied=True,
-                        sliding_window=8, rope_theta=1e6),
-            why="Gemma 3 as gemma-3-270m's file has it: four norms per layer stored as 1 + w, q/k norms, heads of "
-                "256, a hidden size not a multiple of 256 (Q5_0 q/k/v/gate/up, Q5_0/Q8_0 v, a Q8_0 tied "
-                "embedding) beside Q4_K/Q6_K attn_output and ffn_down, sliding layers of 8 keys"),
-)  # fmt: skip
+    Fixture(
+        file="qwen2-bias-q4_k_m.gguf",
+        ftype="Q4_K_M",
+        shape=_tiny("qwen2", qkv_bias=True, rope_theta=1e6),
+        why="Qwen2.5 as llama.cpp's Q4_K_M writes it: F32 q/k/v biases beside Q4_K q/k and a Q6_K v (layer 0; "
+        "Q4_K in layer 1), Q4_K/Q6_K ffn_down, an untied Q6_K head and a Q4_K embedding",
+    ),
+    Fixture(
+        file="qwen2-bias-q5_k_m.gguf",
+        ftype="Q5_K_M",
+        shape=_tiny("qwen2", qkv_bias=True, rope_theta=1e6),
+        why="the same model at Q5_K_M: Q5_K with Q6_K where Q4_K_M has it",
+    ),
+    Fixture(
+        file="qwen2-bias-q6_k.gguf",
+        ftype="Q6_K",
+        shape=_tiny("qwen2", qkv_bias=True, rope_theta=1e6),
+        why="the same model at Q6_K: every matrix Q6_K",
+    ),
+    Fixture(
+        file="qwen2-bias-q8_0.gguf",
+        ftype="Q8_0",
+        shape=_tiny("qwen2", qkv_bias=True, rope_theta=1e6),
+        why="the same model at Q8_0: every matrix Q8_0",
+    ),
+    Fixture(
+        file="qwen2-tied-q5_0-q8_0.gguf",
+        ftype="Q4_K_M",
+        shape=_tiny("qwen2", hidden=64, ffn=128, heads=4, kv_heads=2, qkv_bias=True, tied=True, rope_theta=1e6),
+        why="the tiny checkpoints' Qwen2 shape (hidden 64, FFN 128: rows not a multiple of 256) at Q4_K_M: "
+        "llama.cpp falls back to Q5_0 for Q4_K and Q8_0 for Q6_K, as it does for Qwen2.5-0.5B's 896; tied",
+    ),
+    Fixture(
+        file="qwen2-tied-q5_1-q8_0.gguf",
+        ftype="Q5_K_M",
+        shape=_tiny("qwen2", hidden=64, ffn=128, heads=4, kv_heads=2, qkv_bias=True, tied=True, rope_theta=1e6),
+        why="the same small shape at Q5_K_M: Q5_K falls back to Q5_1 (as gemma-3-270m's 640 columns do at "
+        "Q5_K_M), Q6_K to Q8_0",
+    ),
+    Fixture(
+        file="llama3-q4_k_m.gguf",
+        ftype="Q4_K_M",
+        shape=_tiny("llama", rope_theta=500000.0, eps=1e-5),
+        why="Llama 3 (8B's layout: GQA, untied, RoPE base 500000) whose q/k rows llama.cpp's converter permutes",
+    ),
+    Fixture(
+        file="qwen3-q4_k_m.gguf",
+        ftype="Q4_K_M",
+        shape=_tiny("qwen3", heads=2, kv_heads=1, head_dim=128, rope_theta=1e6),
+        why="Qwen3: per-head q/k RMSNorms, no biases, heads of 128 (every Qwen3's; transformers' GGUF reader "
+        "assumes it)",
+    ),
+    Fixture(
+        file="gemma3-q4_k_m.gguf",
+        ftype="Q4_K_M",
+        shape=_tiny(
+            "gemma3",
+            hidden=384,
+            heads=2,
+            kv_heads=1,
+            head_dim=256,
+            ffn=512,
+            tied=True,
+            sliding_window=8,
+            rope_theta=1e6,
+        ),
+        why="Gemma 3 as gemma-3-270m's file has it: four norms per layer stored as 1 + w, q/k norms, heads of "
+        "256, a hidden size not a multiple of 256 (Q5_0 q/k/v/gate/up, Q5_0/Q8_0 v, a Q8_0 tied "
+        "embedding) beside Q4_K/Q6_K attn_output and ffn_down, sliding layers of 8 keys",
+    ),
+)
 
 # The fixtures' weights: wide enough that logits are far from uniform and greedy tokens mean something.
 FIXTURE_STD = 0.1
@@ -380,8 +471,7 @@ def make_fixtures(dest: Path, *, quiet: bool = True) -> list[Path]:
     tok = tiny_tokenizer()
     made = []
     for f in FIXTURES:
-        made.append(synthetic(f.shape, dest / f.file, tok, ftype=f.ftype, stored="F32", std=FIXTURE_STD,
-                              quiet=quiet))  # fmt: skip
+        made.append(synthetic(f.shape, dest / f.file, tok, ftype=f.ftype, stored="F32", std=FIXTURE_STD, quiet=quiet))
     return made
 
 
@@ -401,12 +491,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     r = sub.add_parser("random", help="A preset model's exact tensors with random weights, quantized by llama.cpp.")
     r.add_argument("preset", choices=list(PRESETS))
     r.add_argument("out", type=Path)
-    r.add_argument("--tokenizer-from", type=Path, required=True,
-                   help="A GGUF whose tokenizer.* keys to copy (padded to the preset's vocabulary); for qwen2.5-7b, "
-                        "the Qwen2.5-Coder-1.5B file (`glowplug models fetch qwen2.5-coder-1.5b`).")  # fmt: skip
+    r.add_argument(
+        "--tokenizer-from",
+        type=Path,
+        required=True,
+        help="A GGUF whose tokenizer.* keys to copy (padded to the preset's vocabulary); for qwen2.5-7b, "
+        "the Qwen2.5-Coder-1.5B file (`glowplug models fetch qwen2.5-coder-1.5b`).",
+    )
     r.add_argument("--ftype", default="Q4_K_M", choices=FTYPES)
-    r.add_argument("--stored", default="F16", choices=["F32", "F16", "Q8_0"],
-                   help="Type the random weights are written in before llama.cpp quantizes them.")  # fmt: skip
+    r.add_argument(
+        "--stored",
+        default="F16",
+        choices=["F32", "F16", "Q8_0"],
+        help="Type the random weights are written in before llama.cpp quantizes them.",
+    )
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--threads", type=int, default=2)
     q = sub.add_parser("requantize", help="A GGUF re-quantized by llama.cpp at another ftype.")
@@ -422,8 +520,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.cmd == "random":
         s = PRESETS[args.preset]
-        synthetic(s, args.out, tokenizer_from_gguf(args.tokenizer_from, s.vocab), ftype=args.ftype,
-                  stored=args.stored, seed=args.seed, threads=args.threads)  # fmt: skip
+        synthetic(
+            s,
+            args.out,
+            tokenizer_from_gguf(args.tokenizer_from, s.vocab),
+            ftype=args.ftype,
+            stored=args.stored,
+            seed=args.seed,
+            threads=args.threads,
+        )
         _print_summary(args.out)
     elif args.cmd == "requantize":
         quantize(args.src, args.out, args.ftype, threads=args.threads)

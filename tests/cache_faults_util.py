@@ -68,14 +68,20 @@ def start(model: str, cache: Path, config: dict[str, Any]) -> dict[str, Any]:
     events, attrs = [], {}
     for span in tracing.finished_spans():
         stage = stage_from_span_name(span.name) or span.name
-        attrs[stage] = {k: v if isinstance(v, (str, int, float, bool)) else list(v)
-                        for k, v in (span.attributes or {}).items()}  # fmt: skip
+        attrs[stage] = {
+            k: v if isinstance(v, (str, int, float, bool)) else list(v) for k, v in (span.attributes or {}).items()
+        }
         for ev in span.events:
             if ev.name in (Event.CACHE_CORRUPT, Event.CACHE_UNUSABLE):
                 events.append({"stage": stage, "event": ev.name, **dict(ev.attributes or {})})
     notes = {r.name: list(r.notes) for r in result.phase_table.rows if r.notes}
-    return {"tokens": [out[p] for p in PROMPTS], "events": events, "attrs": attrs, "notes": notes,
-            "compiler_modules_at_ready": compiler_modules}
+    return {
+        "tokens": [out[p] for p in PROMPTS],
+        "events": events,
+        "attrs": attrs,
+        "notes": notes,
+        "compiler_modules_at_ready": compiler_modules,
+    }
 
 
 WORKER = Path(__file__).with_name("cache_fault_worker.py")
@@ -83,15 +89,20 @@ WORKER = Path(__file__).with_name("cache_fault_worker.py")
 
 def run_worker(args: dict[str, Any]) -> subprocess.Popen[str]:
     """One start-up in a fresh process (tests/cache_fault_worker.py); its result with worker_result()."""
-    return subprocess.Popen([sys.executable, str(WORKER), json.dumps(args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ})  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
+    )
 
 
 def worker_result(proc: subprocess.Popen[str], timeout: int = 600) -> dict[str, Any]:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, f"worker failed (rc {proc.returncode}):\n{err[-4000:]}"
     line = next(ln for ln in out.splitlines()[::-1] if ln.startswith("RESULT:"))
-    return json.loads(line[len("RESULT:"):])  # type: ignore[no-any-return]
+    return json.loads(line[len("RESULT:") :])  # type: ignore[no-any-return]
 
 
 def entries(cache: Path, name: str) -> list[Path]:

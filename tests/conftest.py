@@ -81,8 +81,7 @@ def real_model(name: str) -> Path:
     named = os.environ.get(r.test_env)
     if named:
         if not Path(named).is_file():
-            pytest.fail(f"{r.test_env}={named} is not a file: run `{r.fetch_command}` and point it at the path "
-                        f"printed")  # fmt: skip
+            pytest.fail(f"{r.test_env}={named} is not a file: run `{r.fetch_command}` and point it at the path printed")
         return Path(named)
     path = model_path(r)
     if not path.is_file():

@@ -59,8 +59,11 @@ def test_hit_miss_and_the_explanation_of_a_miss(tmp_path: Path) -> None:
     assert changed.miss_reason == "changed: engine_config.cache.block_size 16 -> 32; torch '2.13.0' -> '2.14.0'"
     other = store.fetch(SPEC, f1 | {"torch": "9"}, group="another model", build=_text_build("3", calls), load=_load)
     assert other.miss_reason == "first start for this model"
-    assert changed.attributes() == {Attr.CACHE_HIT: False, Attr.CACHE_KEY: changed.key,
-                                    Attr.CACHE_MISS_REASON: changed.miss_reason}  # fmt: skip
+    assert changed.attributes() == {
+        Attr.CACHE_HIT: False,
+        Attr.CACHE_KEY: changed.key,
+        Attr.CACHE_MISS_REASON: changed.miss_reason,
+    }
 
 
 def _safetensors_entry(store: ArtifactStore, numel: int) -> Path:
@@ -194,9 +197,15 @@ def test_a_file_as_cache_dir(tmp_path: Path) -> None:
     assert store.lookup(SPEC, {"a": 1}, group="m", load=_load).value is None
 
 
-@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
-                                   RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
-                                                "message: \"No space left on device\" })")])  # fmt: skip
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        ),
+    ],
+)
 def test_a_full_disk_while_writing(tmp_path: Path, error: Exception) -> None:
     store = ArtifactStore(tmp_path)
     calls: list[Path | None] = []

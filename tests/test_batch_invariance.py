@@ -44,8 +44,10 @@ def test_tiny_gguf_in_place_is_batch_invariant(tiny_dir, tmp_path: Path, make_ll
     import gguf
     from test_quant_auto import MIXED, write_gguf
 
-    quantized = {name: gguf.GGMLQuantizationType.Q8_0 if kind == gguf.GGMLQuantizationType.F16 else kind
-                 for name, kind in MIXED.items()}  # fmt: skip
+    quantized = {
+        name: gguf.GGMLQuantizationType.Q8_0 if kind == gguf.GGMLQuantizationType.F16 else kind
+        for name, kind in MIXED.items()
+    }
     path = write_gguf(tiny_dir("llama"), tmp_path / "tiny-quantized.gguf", quantized)
     _check(make_llm(path, max_num_seqs=8))
 

@@ -31,15 +31,27 @@ ENTRY_KINDS = ("quant", "compile", "inductor", "startup_profile", "source", "nat
 
 
 def _cli(*args: str, cache: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "glowplug.cli", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache), **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "glowplug.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache), **(env or {})},
+    )
 
 
 @pytest.fixture(scope="module")
 def made(tiny_dir: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("bundle") / "tiny.glowplug"
-    proc = _cli("bundle", "create", str(tiny_dir("llama")), *FLAGS, "--out", str(out),
-                cache=tmp_path_factory.mktemp("unused-cache"))  # fmt: skip
+    proc = _cli(
+        "bundle",
+        "create",
+        str(tiny_dir("llama")),
+        *FLAGS,
+        "--out",
+        str(out),
+        cache=tmp_path_factory.mktemp("unused-cache"),
+    )
     assert proc.returncode == 0, proc.stderr
     return out
 
@@ -80,8 +92,9 @@ def _flip(data: bytes, at: int | None = None) -> bytes:
     return data[:i] + bytes([data[i] ^ 0x40]) + data[i + 1 :]
 
 
-def test_round_trip_starts_warm_with_the_same_tokens(made: Path, tiny_dir: Callable[[str], Path],
-                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_round_trip_starts_warm_with_the_same_tokens(
+    made: Path, tiny_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
     """A fresh cache dir and a fresh process: every cache row is a hit from the bundle, nothing is compiled,
     traced or profiled, and the greedy tokens equal those of a start without the bundle."""
     cache = tmp_path / "fresh"
@@ -103,10 +116,30 @@ def test_round_trip_starts_warm_with_the_same_tokens(made: Path, tiny_dir: Calla
     # The first ETA comes from the warm start `bundle create` recorded.
     assert "warm start of this config" in str(attrs["actual_total_time"].get(Attr.ETA_BASIS, "")), attrs
 
-    with_bundle = _cli("generate", "--bundle", str(made), PROMPT, "--temperature", "0", "--max-tokens", "12",
-                       "--quiet", cache=tmp_path / "fresh2")  # fmt: skip
-    without = _cli("generate", str(tiny_dir("llama")), PROMPT, *FLAGS, "--temperature", "0", "--max-tokens", "12",
-                   "--quiet", cache=tmp_path / "own")  # fmt: skip
+    with_bundle = _cli(
+        "generate",
+        "--bundle",
+        str(made),
+        PROMPT,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "12",
+        "--quiet",
+        cache=tmp_path / "fresh2",
+    )
+    without = _cli(
+        "generate",
+        str(tiny_dir("llama")),
+        PROMPT,
+        *FLAGS,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "12",
+        "--quiet",
+        cache=tmp_path / "own",
+    )
     assert with_bundle.returncode == 0 and without.returncode == 0, (with_bundle.stderr, without.stderr)
     assert with_bundle.stdout == without.stdout and PROMPT in with_bundle.stdout
 

@@ -33,12 +33,23 @@ CACHES = ("model", "quant", "kv_profile", "startup_profile", "kernel_dispatch")
 # kv_profile measure: the KV profile is one of the caches under test (the analytic default uses none).
 CONFIG = {"quantization": "int8", "compile": "off", "max_num_seqs": 4, "kv_profile": "measure"}
 # The stage that reads each cache (the start-up profile is written after the last stage, under the root span).
-READER = {"model": "model_prepare", "quant": "quantize_weights", "kv_profile": "kv_cache_profiling",
-          "startup_profile": "glowplug.startup", "kernel_dispatch": "model_init",
-          "compile": "dynamo_transform", "inductor": "dynamo_transform"}  # fmt: skip
-ROW = {"model_prepare": "model_prepare", "quantize_weights": "quantize_weights", "model_init": "model_init",
-       "kv_cache_profiling": "kv_cache_profiling", "glowplug.startup": "actual_total_time",
-       "dynamo_transform": "dynamo_transform_time"}  # fmt: skip
+READER = {
+    "model": "model_prepare",
+    "quant": "quantize_weights",
+    "kv_profile": "kv_cache_profiling",
+    "startup_profile": "glowplug.startup",
+    "kernel_dispatch": "model_init",
+    "compile": "dynamo_transform",
+    "inductor": "dynamo_transform",
+}
+ROW = {
+    "model_prepare": "model_prepare",
+    "quantize_weights": "quantize_weights",
+    "model_init": "model_init",
+    "kv_cache_profiling": "kv_cache_profiling",
+    "glowplug.startup": "actual_total_time",
+    "dynamo_transform": "dynamo_transform_time",
+}
 
 
 _worker, _result = util.run_worker, util.worker_result
@@ -155,13 +166,16 @@ def two_writers(gguf, warm, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     ctx.arch = load_arch(tiny)
     shapes = [list(s) for s in layer_shapes(ctx)]
     at = time.time() + 8  # both are past their imports by then
-    procs = [_worker({"model": str(src), "cache": str(cache), "config": CONFIG, "fake_gguf_from": str(tiny),
-                      "start_at": at}) for _ in range(2)]  # fmt: skip
+    procs = [
+        _worker({"model": str(src), "cache": str(cache), "config": CONFIG, "fake_gguf_from": str(tiny), "start_at": at})
+        for _ in range(2)
+    ]
     starts = [_result(p) for p in procs]
     cal_cache = tmp_path_factory.mktemp("two-calibrators")
     at = time.time() + 8
-    cals = [_result(p) for p in [_worker({"cache": str(cal_cache), "calibrate": shapes, "start_at": at})
-                                 for _ in range(2)]]  # fmt: skip
+    cals = [
+        _result(p) for p in [_worker({"cache": str(cal_cache), "calibrate": shapes, "start_at": at}) for _ in range(2)]
+    ]
     return {"cache": cache, "starts": starts, "cal_cache": cal_cache, "cals": cals}
 
 
@@ -255,7 +269,9 @@ def _damage_compile_cache_and_start(warm_compiled: dict[str, Any], cache: Path, 
     if damage in ("truncated", "bitflip", "empty", "missing", "truncated_unverified"):
         # The replay plan names kernel libraries that were moved aside (or, unverified, will not load): the start
         # falls back to the AOT artifact, which has Inductor rebuild them.
-        assert res["attrs"]["graph_compile"][Attr.COMPILE_REPLAY].startswith("would not load"), res["attrs"]["graph_compile"]
+        assert res["attrs"]["graph_compile"][Attr.COMPILE_REPLAY].startswith("would not load"), res["attrs"][
+            "graph_compile"
+        ]
     assert util.leftovers(cache) == []
     if damage == "stale_torch":
         assert not res["events"]
@@ -288,8 +304,7 @@ def test_failed_compile_is_retried_once_in_a_fresh_inductor_folder(tiny_dir, tmp
     tracing = setup_tracing(in_memory=True)
     model = tiny_dir("llama")
     # No model: with no stored artifact in this fresh cache, nothing is loaded for one.
-    args = (EngineConfig.from_flat(model=str(model)), load_arch(model), torch.float32, "cpu", InductorSettings(),
-            None)  # fmt: skip
+    args = (EngineConfig.from_flat(model=str(model)), load_arch(model), torch.float32, "cpu", InductorSettings(), None)
     cache = open_compile_cache(tmp_path, *args)
     (cache.path / "stale.so").write_bytes(b"not a library")
     calls: list[Path] = []

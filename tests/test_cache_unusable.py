@@ -32,10 +32,14 @@ FAKE_CONVERT_CLI = (
 )
 
 
-def _cli(*args: str, cache: Path, tiny_for_gguf: Path | None = None, wrap: list[str] | None = None
-         ) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    cmd = ([sys.executable, "-c", FAKE_CONVERT_CLI, str(tiny_for_gguf)] if tiny_for_gguf is not None
-           else [sys.executable, "-m", "glowplug.cli"])  # fmt: skip
+def _cli(
+    *args: str, cache: Path, tiny_for_gguf: Path | None = None, wrap: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    cmd = (
+        [sys.executable, "-c", FAKE_CONVERT_CLI, str(tiny_for_gguf)]
+        if tiny_for_gguf is not None
+        else [sys.executable, "-m", "glowplug.cli"]
+    )
     env = {**os.environ, "GLOWPLUG_CACHE_DIR": str(cache), "PYTHONPATH": str(TESTS)}
     return subprocess.run([*(wrap or []), *cmd, *args], capture_output=True, text=True, timeout=300, env=env)
 
@@ -69,8 +73,18 @@ def gguf(tmp_path: Path) -> Path:
 
 def _startup(model: str, report: Path) -> tuple[str, ...]:
     # --kv-profile measure: the KV profile is one of the caches that must run without the dir.
-    return ("startup", model, "--compile", "off", "--quantization", "int8", "--kv-profile", "measure", "--report-out",
-            str(report))
+    return (
+        "startup",
+        model,
+        "--compile",
+        "off",
+        "--quantization",
+        "int8",
+        "--kv-profile",
+        "measure",
+        "--report-out",
+        str(report),
+    )
 
 
 # ---------------------------------------------------------------- a file
@@ -81,8 +95,9 @@ def test_cache_dir_is_a_file(tiny_dir, gguf: Path, tmp_path: Path) -> None:
     cache.write_text("")
     r = tmp_path / "r.json"
     _check_bypassed(_cli(*_startup(str(tiny_dir("llama")), r), cache=cache), cache, "is a file, not a folder", r)
-    _check_failed(_cli(*_startup(str(gguf), r), cache=cache, tiny_for_gguf=tiny_dir("llama")), cache,
-                  "is a file, not a folder")  # fmt: skip
+    _check_failed(
+        _cli(*_startup(str(gguf), r), cache=cache, tiny_for_gguf=tiny_dir("llama")), cache, "is a file, not a folder"
+    )
     proc = _cli("cache", "ls", cache=cache)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith(f"glowplug: error: GLOWPLUG_CACHE_DIR={cache} is a file") and "fix:" in proc.stderr
@@ -99,8 +114,10 @@ def _read_only(path: Path) -> Iterator[None]:
             p.chmod(0o555 if p.is_dir() else 0o444)
         undo = ["chmod", "-R", "u+w", str(path)]
     else:
-        if shutil.which("chattr") is None or subprocess.run(["chattr", "-R", "+i", str(path)],
-                                                            capture_output=True).returncode != 0:  # fmt: skip
+        if (
+            shutil.which("chattr") is None
+            or subprocess.run(["chattr", "-R", "+i", str(path)], capture_output=True).returncode != 0
+        ):
             pytest.skip("cannot make a folder read-only here (root without chattr support)")
         undo = ["chattr", "-R", "-i", str(path)]
     try:
@@ -121,8 +138,9 @@ def test_cache_dir_is_read_only(tiny_dir, gguf: Path, tmp_path: Path) -> None:
     r = tmp_path / "r.json"
     with _read_only(cache):
         _check_bypassed(_cli(*_startup(str(tiny_dir("llama")), r), cache=cache), cache, "is read-only", r)
-        _check_failed(_cli(*_startup(str(gguf), r), cache=cache, tiny_for_gguf=tiny_dir("llama")), cache,
-                      "is read-only")  # fmt: skip
+        _check_failed(
+            _cli(*_startup(str(gguf), r), cache=cache, tiny_for_gguf=tiny_dir("llama")), cache, "is read-only"
+        )
 
 
 def test_read_only_cache_dir_still_serves_its_entries(tiny_dir, gguf: Path, tmp_path: Path) -> None:
@@ -157,8 +175,11 @@ def _read_only_mount(path: Path) -> list[str]:
         pytest.skip("no unshare(1)")
     unshare = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
     script = f'mount --bind "{path}" "{path}" && mount -o remount,bind,ro "{path}" && exec "$@"'
-    probe = subprocess.run([*unshare, "sh", "-c", script, "sh", "sh", "-c", f'! touch "{path}/.probe" 2>/dev/null'],
-                           capture_output=True, text=True)  # fmt: skip
+    probe = subprocess.run(
+        [*unshare, "sh", "-c", script, "sh", "sh", "-c", f'! touch "{path}/.probe" 2>/dev/null'],
+        capture_output=True,
+        text=True,
+    )
     (path / ".probe").unlink(missing_ok=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot make a read-only bind mount here: {probe.stderr.strip() or 'it stayed writable'}")
@@ -167,15 +188,35 @@ def _read_only_mount(path: Path) -> list[str]:
 
 # What strace shows of a write into the cache dir: these calls name the path they change (the first quoted one;
 # symlink's is its last, and a link from the private Inductor folder to a stored file changes nothing stored).
-_MUTATING = ("mkdir", "mkdirat", "rmdir", "unlink", "unlinkat", "rename", "renameat", "renameat2", "utimensat",
-             "truncate", "chmod", "fchmodat", "chown", "fchownat", "link", "linkat", "symlink", "symlinkat")
+_MUTATING = (
+    "mkdir",
+    "mkdirat",
+    "rmdir",
+    "unlink",
+    "unlinkat",
+    "rename",
+    "renameat",
+    "renameat2",
+    "utimensat",
+    "truncate",
+    "chmod",
+    "fchmodat",
+    "chown",
+    "fchownat",
+    "link",
+    "linkat",
+    "symlink",
+    "symlinkat",
+)
 _OPEN_FOR_WRITING = re.compile(r"O_WRONLY|O_RDWR|O_CREAT|O_TRUNC")
 
 
 def _strace(log: Path) -> list[str]:
     """strace's prefix logging every open and every call that changes a file, or [] where strace cannot run."""
-    if shutil.which("strace") is None or subprocess.run(["strace", "-f", "-o", os.devnull, "true"],
-                                                        capture_output=True).returncode != 0:  # fmt: skip
+    if (
+        shutil.which("strace") is None
+        or subprocess.run(["strace", "-f", "-o", os.devnull, "true"], capture_output=True).returncode != 0
+    ):
         return []
     return ["strace", "-f", "-qq", "-o", str(log), "-e", f"trace=open,openat,creat,{','.join(_MUTATING)}"]
 
@@ -206,16 +247,25 @@ def test_read_only_mount_starts_warm(tiny_dir, gguf: Path, tmp_path: Path) -> No
     """A cache dir filled by a cold compiled start, then mounted read-only: every cache hits, the compile rows
     load the stored step and kernels (no kernel rebuilt), no write is attempted in the dir and nothing is said."""
     cache, cold_r, r = tmp_path / "image-layer", tmp_path / "cold.json", tmp_path / "r.json"
-    cold = _cli("startup", str(gguf), *COMPILED, "--report-out", str(cold_r), cache=cache,
-                tiny_for_gguf=tiny_dir("llama"))  # fmt: skip
+    cold = _cli(
+        "startup", str(gguf), *COMPILED, "--report-out", str(cold_r), cache=cache, tiny_for_gguf=tiny_dir("llama")
+    )
     assert cold.returncode == 0, cold.stderr
     wrap = _read_only_mount(cache)
     cold_attrs = json.loads(cold_r.read_text())["attributes"]
     assert cold_attrs["graph_compile_general_shape"][Attr.COMPILE_REPLAY] == "written", cold_attrs
     log = tmp_path / "strace.log"
     traced = _strace(log)
-    proc = _cli("startup", str(gguf), *COMPILED, "--report-out", str(r), cache=cache,
-                tiny_for_gguf=tiny_dir("llama"), wrap=[*wrap, *traced])  # fmt: skip
+    proc = _cli(
+        "startup",
+        str(gguf),
+        *COMPILED,
+        "--report-out",
+        str(r),
+        cache=cache,
+        tiny_for_gguf=tiny_dir("llama"),
+        wrap=[*wrap, *traced],
+    )
     assert proc.returncode == 0, proc.stderr
     assert not [ln for ln in proc.stderr.splitlines() if "GLOWPLUG_CACHE_DIR" in ln], proc.stderr
     report = json.loads(r.read_text())
@@ -241,8 +291,9 @@ def test_read_only_mount_miss_runs_uncached(tiny_dir, tmp_path: Path) -> None:
     folders and reaches READY with one warning line naming GLOWPLUG_CACHE_DIR."""
     cache, r = tmp_path / "empty-layer", tmp_path / "r.json"
     cache.mkdir()
-    proc = _cli("startup", str(tiny_dir("llama")), *COMPILED, "--report-out", str(r), cache=cache,
-                wrap=_read_only_mount(cache))  # fmt: skip
+    proc = _cli(
+        "startup", str(tiny_dir("llama")), *COMPILED, "--report-out", str(r), cache=cache, wrap=_read_only_mount(cache)
+    )
     assert proc.returncode == 0, proc.stderr
     (line,) = [ln for ln in proc.stderr.splitlines() if "GLOWPLUG_CACHE_DIR" in ln]
     assert f"GLOWPLUG_CACHE_DIR={cache} is read-only" in line and "without caching" in line
@@ -259,8 +310,10 @@ def _full_disk(mountpoint: Path) -> list[str]:
     """A command prefix running the rest in a private mount namespace where `mountpoint` is a full tmpfs."""
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1)")
-    script = (f'mount -t tmpfs -o size=512k glowplug-full "{mountpoint}" && mkdir "{mountpoint}/cache" && '
-              f'(dd if=/dev/zero of="{mountpoint}/fill" bs=4k 2>/dev/null; true) && exec "$@"')  # fmt: skip
+    script = (
+        f'mount -t tmpfs -o size=512k glowplug-full "{mountpoint}" && mkdir "{mountpoint}/cache" && '
+        f'(dd if=/dev/zero of="{mountpoint}/fill" bs=4k 2>/dev/null; true) && exec "$@"'
+    )
     probe = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a private tmpfs here: {probe.stderr.strip()}")
@@ -273,5 +326,8 @@ def test_cache_dir_on_a_full_disk(tiny_dir, gguf: Path, tmp_path: Path) -> None:
     wrap = _full_disk(mnt)
     cache, r = mnt / "cache", tmp_path / "r.json"
     _check_bypassed(_cli(*_startup(str(tiny_dir("llama")), r), cache=cache, wrap=wrap), cache, "is on a full disk", r)
-    _check_failed(_cli(*_startup(str(gguf), r), cache=cache, tiny_for_gguf=tiny_dir("llama"), wrap=wrap), cache,
-                  "is on a full disk")  # fmt: skip
+    _check_failed(
+        _cli(*_startup(str(gguf), r), cache=cache, tiny_for_gguf=tiny_dir("llama"), wrap=wrap),
+        cache,
+        "is on a full disk",
+    )

@@ -11,7 +11,9 @@ import pytest
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "glowplug.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "glowplug.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 LLAMA_CPP_CHAT_REPLY = "L'Étoile, la Marseillaise,"
@@ -42,7 +44,10 @@ def test_chat_and_several_prompts(smollm2_dir) -> None:
         (["--temperature", "-1"], "--temperature: Input should be greater than or equal to 0"),
         (["--max-model-len", "abc"], "--max-model-len: Input should be a valid integer"),
         (["--block-size", "12"], "--block-size: block_size must be a power of two"),
-        (["--quantization", "int3"], "--quantization: Input should be 'auto', 'none', 'int8', 'int4', 'int2' or 'w8a8'"),
+        (
+            ["--quantization", "int3"],
+            "--quantization: Input should be 'auto', 'none', 'int8', 'int4', 'int2' or 'w8a8'",
+        ),
         (["--top-p", "0"], "--top-p: Input should be greater than 0"),
     ],
 )
@@ -54,7 +59,7 @@ def test_bad_flags_name_the_flag_and_exit_2(flags: list[str], message: str) -> N
 
 def test_config_file_is_validated_by_the_same_schema(tmp_path) -> None:
     cfg = tmp_path / "engine.toml"
-    cfg.write_text('max_num_seqs = 0\n')
+    cfg.write_text("max_num_seqs = 0\n")
     proc = _run("generate", "hi", "--config", str(cfg), timeout=60)
     assert proc.returncode == 2 and "--max-num-seqs: Input should be greater than or equal to 1" in proc.stderr
     bad = tmp_path / "engine.yaml"
@@ -72,16 +77,21 @@ def test_kernels_package_is_not_shadowed(tmp_path) -> None:
     """Installed, our code lives under `glowplug.`: a bare `import kernels` must not find it."""
     proc = subprocess.run(
         [sys.executable, "-c", "import glowplug.kernels, importlib.util as u; print(u.find_spec('kernels'))"],
-        capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": ""},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "None"
 
 
 def test_other_commands_do_not_build_the_benchmark_flags() -> None:
     """`glowplug startup` and `serve` skip importing every benchmark's config (a share of their imports row);
     `bench` and `tune` still get every flag, and help still lists every command."""
-    code = ("import sys; from glowplug import cli; cli.build_parser('startup'); "
-            "print(sorted(m for m in sys.modules if m.startswith('glowplug.profiling.bench.')))")  # fmt: skip
+    code = (
+        "import sys; from glowplug import cli; cli.build_parser('startup'); "
+        "print(sorted(m for m in sys.modules if m.startswith('glowplug.profiling.bench.')))"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
     listed = _run("--help").stdout

@@ -189,8 +189,9 @@ def test_arrivals_during_decoding_split_the_step_and_keep_eager_tokens(tiny_dir,
         assert outs[p] == out.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("fields", [{"quantization": "int8"}, {"quantization": "int4"}, {"quantization": "w8a8"},
-                                    {"kv_cache_dtype": "int8"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "fields", [{"quantization": "int8"}, {"quantization": "int4"}, {"quantization": "w8a8"}, {"kv_cache_dtype": "int8"}]
+)
 def test_quantized_and_int8_kv_compiled_match_eager(tiny_dir, cache: Path, fields: dict[str, str]) -> None:
     """Each format compiled (glowplug's native packed kernels) against the same step eager (the stock dispatcher's
     kernels), on identical inputs at every decode step of a real generation: logits within the kernels' tolerance
@@ -200,8 +201,11 @@ def test_quantized_and_int8_kv_compiled_match_eager(tiny_dir, cache: Path, field
     compiled, _ = _start(model, cache, **fields)
     runner = compiled.engine.runner
     inner = runner.decode_step
-    assert inner is not None and compiled.phase_table.seconds("graph_compile_general_shape") is not None or (
-        compiled.phase_table.seconds("graph_compile_cached") is not None)
+    assert (
+        inner is not None
+        and compiled.phase_table.seconds("graph_compile_general_shape") is not None
+        or (compiled.phase_table.seconds("graph_compile_cached") is not None)
+    )
     errors: list[float] = []
     agree: list[float] = []
 
@@ -323,8 +327,11 @@ def test_bf16_dense_step_compiles_without_the_native_kernels(tiny_dir, cache: Pa
     from glowplug.kernels.modules import DenseLinear
 
     # Not GLOWPLUG_NATIVE=0: a library an earlier test loaded stays loaded in this process.
-    monkeypatch.setattr(native, "load_native", lambda *_a, **_k: native.NativeBuild(
-        False, None, False, 0.0, "unavailable for this test"))  # fmt: skip
+    monkeypatch.setattr(
+        native,
+        "load_native",
+        lambda *_a, **_k: native.NativeBuild(False, None, False, 0.0, "unavailable for this test"),
+    )
     result, _ = _start(tiny_dir("llama"), cache, dtype="bfloat16")
     dense = [m for m in result.engine.model.modules() if isinstance(m, DenseLinear)]
     assert dense and not any("native_blocked" in m._buffers or m.native_small_m for m in dense)  # all on F.linear

@@ -75,8 +75,7 @@ def test_replay_equals_the_aot_step_bit_for_bit(tiny_dir, tmp_path: Path, fields
     (span,) = [s for s in tracing.finished_spans() if s.name == "glowplug.startup.graph_compile"]
     assert span.attributes[Attr.COMPILE_REPLAY] == "written", span.attributes[Attr.COMPILE_REPLAY]
     (entry,) = util.entries(tmp_path, "compile")
-    replay = ReplayDecode.load(ReplayPlan.from_json((entry / PLAN_FILE).read_bytes()), compile_cache.path,
-                               eng.model)  # fmt: skip
+    replay = ReplayDecode.load(ReplayPlan.from_json((entry / PLAN_FILE).read_bytes()), compile_cache.path, eng.model)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for n in (3, 4, 7, 8, 11, 2, 5, 9):
         eng.add_request(None, params, prompt_token_ids=list(range(5, 5 + n)))
@@ -122,21 +121,28 @@ def test_a_plan_running_another_valid_kernel_library_is_caught_by_its_fingerprin
     entry = _entry_of(cache, model)
     mine = ReplayPlan.from_json((entry / PLAN_FILE).read_bytes())
     theirs = ReplayPlan.from_json((_entry_of(cache, str(other)) / PLAN_FILE).read_bytes())
-    swapped = {name: theirs.kernels[name] for name, lib in mine.kernels.items()
-               if name in theirs.kernels and theirs.kernels[name] != lib}  # fmt: skip
+    swapped = {
+        name: theirs.kernels[name]
+        for name, lib in mine.kernels.items()
+        if name in theirs.kernels and theirs.kernels[name] != lib
+    }
     assert swapped, "the other config compiled other kernel libraries"
     raw = json.loads((entry / PLAN_FILE).read_bytes())
     raw["kernels"].update(swapped)
     (entry / PLAN_FILE).write_text(json.dumps(raw))
     manifest = read_manifest(entry)
-    write_manifest(entry, manifest.model_copy(update={"files": {**manifest.files,
-                                                                PLAN_FILE: record_file(entry / PLAN_FILE)}}))  # fmt: skip
+    write_manifest(
+        entry, manifest.model_copy(update={"files": {**manifest.files, PLAN_FILE: record_file(entry / PLAN_FILE)}})
+    )
 
     warm = util.worker_result(util.run_worker({"model": model, "cache": str(cache), "config": COMPILE}))
     attrs = warm["attrs"]["graph_compile"]
-    assert attrs[Attr.COMPILE_REPLAY].startswith("rejected (the replayed step does not reproduce"), attrs[Attr.COMPILE_REPLAY]
+    assert attrs[Attr.COMPILE_REPLAY].startswith("rejected (the replayed step does not reproduce"), attrs[
+        Attr.COMPILE_REPLAY
+    ]
     assert attrs[Attr.REPLAY_FINGERPRINT].startswith("logits differ") and attrs[Attr.REPLAY_FINGERPRINT].endswith(
-        "the AOT artifact: matched"), attrs[Attr.REPLAY_FINGERPRINT]  # fmt: skip
+        "the AOT artifact: matched"
+    ), attrs[Attr.REPLAY_FINGERPRINT]
     assert attrs[Attr.CACHE_HIT] is True  # served from the same entry's AOT artifact
     (event,) = [e for e in warm["events"] if e["event"] == "cache_corrupt"]
     assert event["stage"] == "graph_compile" and event[Attr.CACHE_NAME] == "compile"
@@ -147,7 +153,9 @@ def test_a_plan_running_another_valid_kernel_library_is_caught_by_its_fingerprin
 def test_a_wrapper_with_other_kernels_gets_no_plan(tmp_path: Path) -> None:
     """A GPU wrapper defines Triton kernels, which the replay cannot load: no plan (warm starts use the AOT
     artifact), with the reason named."""
-    source = "from torch._inductor.async_compile import AsyncCompile\nasync_compile = AsyncCompile()\n" \
-             "triton_poi_0 = async_compile.triton('triton_poi_0', '''\\n@triton.jit\\ndef k(): pass\\n''')\n"
+    source = (
+        "from torch._inductor.async_compile import AsyncCompile\nasync_compile = AsyncCompile()\n"
+        "triton_poi_0 = async_compile.triton('triton_poi_0', '''\\n@triton.jit\\ndef k(): pass\\n''')\n"
+    )
     with pytest.raises(ReplayUnavailable, match="triton"):
         _rewrite(source, torch, tmp_path)

@@ -30,35 +30,69 @@ hexes = st.integers(0, 2**128 - 1).map(lambda v: f"{v:032x}")
 
 params = st.builds(
     SamplingParams,
-    n=st.integers(1, 16), temperature=st.floats(0.0, 10.0), top_p=st.floats(0.01, 1.0), top_k=st.integers(-1, 50),
-    seed=st.none() | st.integers(0, 2**63 - 1), max_tokens=st.integers(1, 4096),
+    n=st.integers(1, 16),
+    temperature=st.floats(0.0, 10.0),
+    top_p=st.floats(0.01, 1.0),
+    top_k=st.integers(-1, 50),
+    seed=st.none() | st.integers(0, 2**63 - 1),
+    max_tokens=st.integers(1, 4096),
     stop=st.lists(st.text(min_size=1, max_size=5), max_size=3).map(tuple),
-    stop_token_ids=st.lists(st.integers(0, 1000), max_size=3).map(tuple), ignore_eos=st.booleans(),
-    logprobs=st.none() | st.integers(0, 20), skip_special_tokens=st.booleans(),
-)  # fmt: skip
+    stop_token_ids=st.lists(st.integers(0, 1000), max_size=3).map(tuple),
+    ignore_eos=st.booleans(),
+    logprobs=st.none() | st.integers(0, 20),
+    skip_special_tokens=st.booleans(),
+)
 logprobs = st.builds(TokenLogprobs, small, floats, st.dictionaries(small, floats, max_size=3))
-update = st.builds(SeqUpdate, text, st.integers(0, 15), small, st.none() | logprobs,
-                   st.sampled_from([None, "stop", "length"]), small)  # fmt: skip
-record = st.builds(cf.SpanRecord, text, hexes, hexes.map(lambda h: h[:16]), st.none() | hexes.map(lambda h: h[:16]),
-                   ints, st.none() | ints, attrs, st.sampled_from(["UNSET", "OK", "ERROR"]), st.none() | text,
-                   st.lists(st.tuples(text, attrs, ints), max_size=2), attrs)  # fmt: skip
+update = st.builds(
+    SeqUpdate, text, st.integers(0, 15), small, st.none() | logprobs, st.sampled_from([None, "stop", "length"]), small
+)
+record = st.builds(
+    cf.SpanRecord,
+    text,
+    hexes,
+    hexes.map(lambda h: h[:16]),
+    st.none() | hexes.map(lambda h: h[:16]),
+    ints,
+    st.none() | ints,
+    attrs,
+    st.sampled_from(["UNSET", "OK", "ERROR"]),
+    st.none() | text,
+    st.lists(st.tuples(text, attrs, ints), max_size=2),
+    attrs,
+)
 load = st.builds(cf.CoreLoad, *[small] * 9)
-row = st.builds(PhaseRow, text, st.sampled_from(["leaf", "aggregate", "derived", "total", "floor"]),
-                st.none() | ints, st.none() | text, attrs, st.lists(text, max_size=3).map(tuple),
-                st.lists(text, max_size=3).map(tuple))  # fmt: skip
-table = st.builds(PhaseTable, st.lists(row, max_size=4).map(tuple), st.dictionaries(text, text, max_size=3),
-                  st.none() | hexes)  # fmt: skip
+row = st.builds(
+    PhaseRow,
+    text,
+    st.sampled_from(["leaf", "aggregate", "derived", "total", "floor"]),
+    st.none() | ints,
+    st.none() | text,
+    attrs,
+    st.lists(text, max_size=3).map(tuple),
+    st.lists(text, max_size=3).map(tuple),
+)
+table = st.builds(
+    PhaseTable, st.lists(row, max_size=4).map(tuple), st.dictionaries(text, text, max_size=3), st.none() | hexes
+)
 
-source = st.builds(PhaseSource, st.sampled_from(["recorded", "model"]), text,
-                   st.dictionaries(text, floats, max_size=3), st.booleans())  # fmt: skip
+source = st.builds(
+    PhaseSource, st.sampled_from(["recorded", "model"]), text, st.dictionaries(text, floats, max_size=3), st.booleans()
+)
 estimate = st.builds(
-    PhaseEstimate, st.dictionaries(text, floats, max_size=4), st.booleans(), text,
-    st.sampled_from(["same_pattern", "per_phase", "model"]), st.lists(text, max_size=2).map(tuple), floats,
+    PhaseEstimate,
+    st.dictionaries(text, floats, max_size=4),
+    st.booleans(),
+    text,
+    st.sampled_from(["same_pattern", "per_phase", "model"]),
+    st.lists(text, max_size=2).map(tuple),
+    floats,
     st.dictionaries(text, st.sampled_from(["hit", "miss", "partial", "unknown"]), max_size=3),
     st.dictionaries(text, source, max_size=3),
-    st.none() | st.dictionaries(text, st.lists(text, max_size=2).map(tuple), max_size=3), floats,
-    st.none() | floats, st.none() | floats,
-)  # fmt: skip
+    st.none() | st.dictionaries(text, st.lists(text, max_size=2).map(tuple), max_size=3),
+    floats,
+    st.none() | floats,
+    st.none() | floats,
+)
 
 TO_CORE = [
     st.builds(cf.AddRequest, text, ids, params, floats),
@@ -73,21 +107,58 @@ FROM_CORE = [
     st.builds(cf.Planned, ints, st.none() | text, st.none() | estimate),
     st.builds(cf.Ready, ints, small, small, text, load, st.none() | table, small),
     st.builds(cf.Failed, text, st.none() | text, st.booleans()),
-    st.builds(cf.StepOutputs, st.lists(update, max_size=6), st.lists(text, max_size=3), floats, st.none() | load,
-              floats, small, small, floats, st.booleans()),  # fmt: skip
+    st.builds(
+        cf.StepOutputs,
+        st.lists(update, max_size=6),
+        st.lists(text, max_size=3),
+        floats,
+        st.none() | load,
+        floats,
+        small,
+        small,
+        floats,
+        st.booleans(),
+    ),
     st.builds(cf.Refused, text, text, st.sampled_from([400, 413, 503])),
     st.builds(cf.Notice, text, text),
 ]
 STEP = [
-    st.builds(SchedulerOutput, ids, ids,
-              st.lists(st.builds(NewSeqData, small, text, ids, ids, params, st.none() | small, ids, small), max_size=3),
-              st.dictionaries(small, ids, max_size=3), ids, st.lists(text, max_size=3), small, small, small),
-    st.builds(ModelRunnerOutput, ids, st.lists(st.integers(-1, 2**31), max_size=8),
-              st.none() | st.lists(st.none() | logprobs, max_size=4), st.booleans()),
-    st.builds(cf.CoreSpec, text, text, text, small, st.none() | text, st.none() | ints, st.none() | ints,
-              st.lists(record, max_size=2), st.booleans(), text, st.none() | st.booleans(), st.booleans(),
-              st.none() | text),
-]  # fmt: skip
+    st.builds(
+        SchedulerOutput,
+        ids,
+        ids,
+        st.lists(st.builds(NewSeqData, small, text, ids, ids, params, st.none() | small, ids, small), max_size=3),
+        st.dictionaries(small, ids, max_size=3),
+        ids,
+        st.lists(text, max_size=3),
+        small,
+        small,
+        small,
+    ),
+    st.builds(
+        ModelRunnerOutput,
+        ids,
+        st.lists(st.integers(-1, 2**31), max_size=8),
+        st.none() | st.lists(st.none() | logprobs, max_size=4),
+        st.booleans(),
+    ),
+    st.builds(
+        cf.CoreSpec,
+        text,
+        text,
+        text,
+        small,
+        st.none() | text,
+        st.none() | ints,
+        st.none() | ints,
+        st.lists(record, max_size=2),
+        st.booleans(),
+        text,
+        st.none() | st.booleans(),
+        st.booleans(),
+        st.none() | text,
+    ),
+]
 
 
 def _frames(kinds: list[Any]) -> Any:

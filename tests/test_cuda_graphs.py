@@ -27,8 +27,15 @@ def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _start(model: Path, cache: Path, **fields: object) -> Any:
-    fields = {"compile": "on", "max_num_seqs": 8, "device": "cuda", "dtype": "float32", "block_size": 4,
-              "kv_cache_memory": "256MiB", **fields}
+    fields = {
+        "compile": "on",
+        "max_num_seqs": 8,
+        "device": "cuda",
+        "dtype": "float32",
+        "block_size": 4,
+        "kv_cache_memory": "256MiB",
+        **fields,
+    }
     return build_engine(EngineConfig.from_flat(model=str(model), **fields), tracing=setup_tracing(), cache_dir=cache)
 
 
@@ -97,8 +104,9 @@ def test_kv_profile_is_measured_by_the_allocator_and_follows_gpu_memory_utilizat
     assert a.engine.stats().kv_blocks > b.engine.stats().kv_blocks
 
 
-def test_a_cache_larger_than_32_bit_indexing_is_capped_and_the_compiled_step_still_captures(tiny_dir, cache: Path
-                                                                                            ) -> None:  # fmt: skip
+def test_a_cache_larger_than_32_bit_indexing_is_capped_and_the_compiled_step_still_captures(
+    tiny_dir, cache: Path
+) -> None:
     """The tiny model's few bytes per token make 0.5 x an H100 tens of millions of blocks: the plan caps them (the
     row says so) so that the compiled step's 32-bit-indexing guards hold and capture succeeds."""
     started = _start(tiny_dir("llama"), cache, kv_cache_memory=None, gpu_memory_utilization=0.5)

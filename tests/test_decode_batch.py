@@ -220,7 +220,9 @@ def test_runner_feeds_the_rebuilt_rows_and_keeps_eager_tokens(tiny_dir, make_llm
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     sampled = SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=20, ignore_eos=True, n=2)
     plain = make_llm(model, compile="off", block_size=4)
-    want = [o.outputs for o in plain.generate(PROMPTS, params)] + [o.outputs for o in plain.generate(PROMPTS[:2], sampled)]
+    want = [o.outputs for o in plain.generate(PROMPTS, params)] + [
+        o.outputs for o in plain.generate(PROMPTS[:2], sampled)
+    ]
     llm, calls = _checked_engine(make_llm, model, block_size=4)
     eng = llm.engine
     # Arrivals while others decode (mixed steps), an abort mid-way, sampled rows beside greedy ones.
@@ -249,8 +251,7 @@ def test_runner_batch_survives_preemption(tiny_dir, make_llm) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     roomy = make_llm(model, compile="off", num_gpu_blocks_override=512, max_model_len=80)
     want = [o.outputs[0].token_ids for o in roomy.generate(PROMPTS, params)]
-    llm, calls = _checked_engine(make_llm, model, num_gpu_blocks_override=20, cache={"block_size": 4},
-                                 max_model_len=80)  # fmt: skip
+    llm, calls = _checked_engine(make_llm, model, num_gpu_blocks_override=20, cache={"block_size": 4}, max_model_len=80)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert llm.engine.stats().num_preemptions > 0 and calls[0] > 0
     assert got == want

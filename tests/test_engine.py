@@ -135,7 +135,9 @@ def test_top_k_one_equals_greedy(tiny_dir, make_llm) -> None:
 
 def test_too_long_request_is_rejected_with_both_numbers(tiny_dir, make_llm) -> None:
     llm = make_llm(tiny_dir("llama"), max_model_len=64)
-    with pytest.raises(ValueError, match=r"prompt tokens \(\d+\) \+ max_tokens \(60\) = \d+ exceeds max-model-len \(64\)"):
+    with pytest.raises(
+        ValueError, match=r"prompt tokens \(\d+\) \+ max_tokens \(60\) = \d+ exceeds max-model-len \(64\)"
+    ):
         llm.generate([PROMPTS[3]], SamplingParams(max_tokens=60))
 
 

@@ -26,11 +26,17 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 CONFIG_ERROR_BUDGET_S = 2.0
 
 
-def _run(*args: str, cache: Path, timeout: float = 120, env: dict[str, str] | None = None
-         ) -> tuple[subprocess.CompletedProcess[str], float]:  # fmt: skip
+def _run(
+    *args: str, cache: Path, timeout: float = 120, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], float]:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "glowplug.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache), **(env or {})})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "glowplug.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache), **(env or {})},
+    )
     return proc, time.perf_counter() - t0
 
 
@@ -106,31 +112,45 @@ def test_progress_lines_when_piped(tiny_dir, tmp_path: Path) -> None:
     start of the same config has an ETA per stage; --quiet prints none of it; stdout holds only the table."""
     cache = tmp_path / "cache"
     # --kv-profile measure: the KV profile's cache gives a row whose outcome changes between the two starts.
-    first, _ = _run("startup", str(tiny_dir("llama")), "--compile", "off", "--kv-profile", "measure", cache=cache,
-                    timeout=300)
+    first, _ = _run(
+        "startup", str(tiny_dir("llama")), "--compile", "off", "--kv-profile", "measure", cache=cache, timeout=300
+    )
     assert first.returncode == 0, first.stderr
     err = first.stderr.splitlines()
     assert err[0] == f"glowplug: starting {tiny_dir('llama')}: importing torch and the engine..."
     # The first start of a model already has an ETA per stage, the start-up model's.
-    assert any(ln.startswith("glowplug: kv_cache_profiling: sizing the KV cache... (start-up model, ")
-               for ln in err), err  # fmt: skip
+    assert any(ln.startswith("glowplug: kv_cache_profiling: sizing the KV cache... (start-up model, ") for ln in err), (
+        err
+    )
     done = next(ln for ln in err if ln.startswith("glowplug: kv_cache_profiling: done in "))
     assert "(cache miss: first start for this model)" in done and "READY in about" in done
     assert any(ln.startswith("glowplug: graph_compile: skipped (--compile off)") for ln in err), err
     assert "starting" not in first.stdout and "glowplug start-up phases" in first.stdout
-    second, _ = _run("startup", str(tiny_dir("llama")), "--compile", "off", "--kv-profile", "measure", cache=cache,
-                     timeout=300)
+    second, _ = _run(
+        "startup", str(tiny_dir("llama")), "--compile", "off", "--kv-profile", "measure", cache=cache, timeout=300
+    )
     assert second.returncode == 0, second.stderr
     # The ETA says where it comes from: the cold first start predicts the phases whose cache did the same, the
     # start-up model the KV profile, which now hits.
     imports_line = next(ln for ln in second.stderr.splitlines() if "imports done in" in ln)
     assert "the stages should take about" in imports_line and "phase by phase" in imports_line, imports_line
     assert "kv_cache_profiling) from the start-up model" in imports_line, imports_line
-    assert any(re.fullmatch(r"glowplug: warmup: warming up\.\.\. \((about \d+ s|under a second)\)", ln)
-               for ln in second.stderr.splitlines()), second.stderr  # fmt: skip
+    assert any(
+        re.fullmatch(r"glowplug: warmup: warming up\.\.\. \((about \d+ s|under a second)\)", ln)
+        for ln in second.stderr.splitlines()
+    ), second.stderr
     assert "glowplug: kv_cache_profiling: done in" in second.stderr and "(cache hit)" in second.stderr
-    quiet, _ = _run("startup", str(tiny_dir("llama")), "--compile", "off", "--kv-profile", "measure", "--quiet",
-                    cache=cache, timeout=300)
+    quiet, _ = _run(
+        "startup",
+        str(tiny_dir("llama")),
+        "--compile",
+        "off",
+        "--kv-profile",
+        "measure",
+        "--quiet",
+        cache=cache,
+        timeout=300,
+    )
     assert quiet.returncode == 0 and not [ln for ln in quiet.stderr.splitlines() if ln != "glowplug: READY"]
 
 
@@ -161,8 +181,15 @@ def test_kv_memory_too_small_says_what_one_sequence_needs(empty_cache: Path) -> 
 
 
 def test_sizes_take_units_everywhere(empty_cache: Path) -> None:
-    for text, value in (("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1G", 1 << 30), ("1GB", 10**9),
-                        ("1.5 gib", 3 << 29), ("4096", 4096), (4096, 4096)):  # fmt: skip
+    for text, value in (
+        ("2GiB", 2 << 30),
+        ("512MiB", 512 << 20),
+        ("1G", 1 << 30),
+        ("1GB", 10**9),
+        ("1.5 gib", 3 << 29),
+        ("4096", 4096),
+        (4096, 4096),
+    ):
         assert parse_byte_size(text) == value, text
     from pydantic import TypeAdapter, ValidationError
 
@@ -195,7 +222,9 @@ def test_bad_report_suffix_is_short(empty_cache: Path) -> None:
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2 and len(lines) <= 3, proc.stderr
     assert lines[0] == "usage: glowplug startup [MODEL] [options]"
-    assert lines[1] == "glowplug startup: error: argument --report-out: x.txt: use a file ending in .md or .csv or .json"
+    assert (
+        lines[1] == "glowplug startup: error: argument --report-out: x.txt: use a file ending in .md or .csv or .json"
+    )
 
 
 def _pty_run(argv: list[str], env: dict[str, str], timeout: float) -> tuple[int, str]:
@@ -237,8 +266,9 @@ def test_a_failed_start_is_one_line_on_a_terminal_and_log_then_line_piped(tmp_pa
     err = [ln for ln in piped.stderr.splitlines() if "gpt-neo" in ln]
     assert piped.returncode == 1 and len(err) == 2
     assert json.loads(err[0])["level"] == "error" and err[1].startswith("glowplug: state FAILED")
-    code, out = _pty_run([sys.executable, "-m", "glowplug.cli", "startup", str(bad), "--compile", "off",
-                          "--verbose"], env, 240)  # fmt: skip
+    code, out = _pty_run(
+        [sys.executable, "-m", "glowplug.cli", "startup", str(bad), "--compile", "off", "--verbose"], env, 240
+    )
     assert code == 1 and "Traceback" in out and "glowplug.startup.model_prepare" in out
 
 
@@ -250,22 +280,32 @@ def test_help_lists_the_schema_values_and_real_defaults() -> None:
     assert "import" not in text.lower() and "timestamp" not in text  # nothing for developers at the front door
     sub = {a.dest: a for a in build_parser()._actions if a.dest == "command"}["command"].choices  # type: ignore[attr-defined]
     startup = sub["startup"].format_help()
-    for values in ("{auto,none,int8,int4,int2,w8a8}", "{auto,float32,bfloat16,float16}", "{auto,cpu,cuda}",
-                   "{auto,int8}", "{auto,on,off}"):  # fmt: skip
+    for values in (
+        "{auto,none,int8,int4,int2,w8a8}",
+        "{auto,float32,bfloat16,float16}",
+        "{auto,cpu,cuda}",
+        "{auto,int8}",
+        "{auto,on,off}",
+    ):
         assert values in startup, values
     squashed = " ".join(startup.split())
     assert "--max-model-len N|auto" in squashed and "(default: the model's limit (max_position_embeddings))" in squashed
     assert "4096" not in squashed and "--kv-cache-memory SIZE" in squashed
     generate = " ".join(sub["generate"].format_help().split())
     assert "(default: the model's generation config, else 0 = greedy)" in generate
-    tune_mml = subprocess.run([sys.executable, "-m", "glowplug.cli", "tune", "max-model-len", "--help"],
-                              capture_output=True, text=True, timeout=60).stdout  # fmt: skip
+    tune_mml = subprocess.run(
+        [sys.executable, "-m", "glowplug.cli", "tune", "max-model-len", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert "seed 0" not in tune_mml and "sorted them as text" not in tune_mml
 
 
 def test_version() -> None:
-    proc = subprocess.run([sys.executable, "-m", "glowplug.cli", "--version"], capture_output=True, text=True,
-                          timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "glowplug.cli", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0 and re.fullmatch(r"glowplug \S+ \(torch \S+, python \S+\)\n", proc.stdout)
 
 
@@ -274,7 +314,8 @@ def test_version() -> None:
 
 def test_list_flags_never_swallow_the_prompt() -> None:
     args, extras = build_parser("generate").parse_known_args(
-        ["generate", "--stop", ".", "The capital of France is", "--stop", "!", "--stop-token-ids", "2,3"])
+        ["generate", "--stop", ".", "The capital of France is", "--stop", "!", "--stop-token-ids", "2,3"]
+    )
     assert not extras and args.words == ["The capital of France is"]
     assert args.stop == [".", "!"] and args.stop_token_ids == ["2", "3"]
     # A stop string is free text: a comma in it is kept.
@@ -292,12 +333,20 @@ def test_the_model_is_positional_or_a_flag_everywhere(tiny_dir, empty_cache: Pat
     model = str(tiny_dir("llama"))
     gen = build_parser("generate")
     assert generate_words(gen.parse_known_args(["generate", model, "hi"])[0]) == (model, ["hi"])
-    assert generate_words(gen.parse_known_args(["generate", "smollm2", "hi", "there"])[0]) == ("smollm2", ["hi", "there"])
+    assert generate_words(gen.parse_known_args(["generate", "smollm2", "hi", "there"])[0]) == (
+        "smollm2",
+        ["hi", "there"],
+    )
     # One word is a prompt, whatever it says; --model makes every word a prompt.
     assert generate_words(gen.parse_known_args(["generate", "smollm2"])[0]) == ("smollm2", ["smollm2"])
     assert generate_words(gen.parse_known_args(["generate", "--model", model, "smollm2", "x"])[0]) == (
-        model, ["smollm2", "x"])  # fmt: skip
-    assert generate_words(gen.parse_known_args(["generate", "The capital", "of"])[0]) == ("smollm2", ["The capital", "of"])
+        model,
+        ["smollm2", "x"],
+    )
+    assert generate_words(gen.parse_known_args(["generate", "The capital", "of"])[0]) == (
+        "smollm2",
+        ["The capital", "of"],
+    )
     # serve takes --model (it was "unrecognized arguments"): the error here is the setting, found at once.
     proc, took = _run("serve", "--model", "smollm2", "--max-model-len", "999999", cache=empty_cache)
     assert proc.returncode == 2 and "--max-model-len 999999" in _one_error_line(proc) and took <= CONFIG_ERROR_BUDGET_S
@@ -306,9 +355,11 @@ def test_the_model_is_positional_or_a_flag_everywhere(tiny_dir, empty_cache: Pat
 
 
 def test_an_error_shows_the_commands_own_short_usage(empty_cache: Path) -> None:
-    for argv, usage in ((["generate", "hi", "--bogus"], "usage: glowplug generate [MODEL] PROMPT [PROMPT ...] [options]"),
-                        (["serve", "--bogus"], "usage: glowplug serve [MODEL] [options]"),
-                        (["cache", "ls", "--bogus"], "usage: glowplug cache ls [options]")):  # fmt: skip
+    for argv, usage in (
+        (["generate", "hi", "--bogus"], "usage: glowplug generate [MODEL] PROMPT [PROMPT ...] [options]"),
+        (["serve", "--bogus"], "usage: glowplug serve [MODEL] [options]"),
+        (["cache", "ls", "--bogus"], "usage: glowplug cache ls [options]"),
+    ):
         proc, _ = _run(*argv, cache=empty_cache)
         lines = proc.stderr.splitlines()
         assert proc.returncode == 2 and len(lines) == 3, proc.stderr
@@ -335,12 +386,20 @@ def test_phase_table_fits_80_columns_and_breaks_no_name() -> None:
     names = [*LEAF_ROWS, *AGGREGATE_ROWS, "unattributed", "overlap", "critical_path", "actual_total_time"]
     kinds = {n: "leaf" for n in LEAF_ROWS} | {n: "aggregate" for n in AGGREGATE_ROWS}
     kinds |= {"unattributed": "leaf", "overlap": "derived", "critical_path": "derived", "actual_total_time": "total"}
-    table = from_dict({
-        "schema": "1", "trace_id": "0" * 32, "versions": {"python": "3", "torch": "2", "glowplug": "0"},
-        "phases": {n: 1.5 for n in names}, "kinds": kinds, "components": {k: list(v) for k, v in AGGREGATE_ROWS.items()},
-        "reasons": {"graph_compile_cached": "cache miss: changed: max_num_batched_tokens 2048 -> 1024",
-                    "critical_path": " -> ".join(LEAF_ROWS)},
-    })  # fmt: skip
+    table = from_dict(
+        {
+            "schema": "1",
+            "trace_id": "0" * 32,
+            "versions": {"python": "3", "torch": "2", "glowplug": "0"},
+            "phases": {n: 1.5 for n in names},
+            "kinds": kinds,
+            "components": {k: list(v) for k, v in AGGREGATE_ROWS.items()},
+            "reasons": {
+                "graph_compile_cached": "cache miss: changed: max_num_batched_tokens 2048 -> 1024",
+                "critical_path": " -> ".join(LEAF_ROWS),
+            },
+        }
+    )
     console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
     console.print(to_rich(table))
     text = console.export_text()
@@ -355,11 +414,18 @@ def test_cache_ls_fits_80_columns_and_honours_columns_when_piped(tmp_path: Path)
     from glowplug.base.artifacts.caches import COMPILE, STARTUP_PROFILE
 
     store = ArtifactStore(tmp_path)
-    long_factors = {"engine_config": {f"field_{i}": i for i in range(20)}, "device": "cpu",
-                    "source": {"file": "a-model-with-a-very-long-file-name-Instruct.Q4_K_M.gguf", "size": 123456789}}  # fmt: skip
+    long_factors = {
+        "engine_config": {f"field_{i}": i for i in range(20)},
+        "device": "cpu",
+        "source": {"file": "a-model-with-a-very-long-file-name-Instruct.Q4_K_M.gguf", "size": 123456789},
+    }
     for i in range(6):
-        store.put(STARTUP_PROFILE if i % 2 else COMPILE, {**long_factors, "n": i},
-                  group="SmolLM2-135M-Instruct-with-an-even-longer-name", build=lambda f: None)  # fmt: skip
+        store.put(
+            STARTUP_PROFILE if i % 2 else COMPILE,
+            {**long_factors, "n": i},
+            group="SmolLM2-135M-Instruct-with-an-even-longer-name",
+            build=lambda f: None,
+        )
     line_counts = {}
     for columns in ("80", "160"):
         proc, _ = _run("cache", "ls", cache=tmp_path, env={"COLUMNS": columns})
@@ -382,13 +448,15 @@ def test_quantization_is_checked_against_the_shapes_in_the_first_stage(tmp_path:
     from glowplug.engine.models.tiny import make_tiny_checkpoint
 
     odd = make_tiny_checkpoint(tmp_path / "odd", "llama", intermediate_size=40)  # 40 inputs: no group of 32 fits
-    proc, _ = _run("startup", str(odd), "--quantization", "int4", "--compile", "off", cache=tmp_path / "c",
-                   timeout=300)  # fmt: skip
+    proc, _ = _run("startup", str(odd), "--quantization", "int4", "--compile", "off", cache=tmp_path / "c", timeout=300)
     last = proc.stderr.splitlines()[-1]
-    assert proc.returncode == 2 and last.startswith("glowplug: error: --quantization int4 (group size 128)"), proc.stderr
+    assert proc.returncode == 2 and last.startswith("glowplug: error: --quantization int4 (group size 128)"), (
+        proc.stderr
+    )
     assert "intermediate_size is 40" in last and "use --quantization int8 (per channel, any shape)" in last
     assert "load_weights" not in proc.stderr  # failed in model_prepare, before the weights were read
     # int8 per channel takes any shape: the same model starts.
-    ok, _ = _run("startup", str(odd), "--quantization", "int8", "--compile", "off", "--quiet", cache=tmp_path / "c",
-                 timeout=300)  # fmt: skip
+    ok, _ = _run(
+        "startup", str(odd), "--quantization", "int8", "--compile", "off", "--quiet", cache=tmp_path / "c", timeout=300
+    )
     assert ok.returncode == 0, ok.stderr

@@ -22,11 +22,14 @@ from glowplug.engine.models.loader import load_model
 from glowplug.engine.sampling_params import SamplingParams
 
 # Long enough (about 700 tokens) that the 270m model's sliding-window layers (512 keys) drop the prompt's start.
-LONG_PROMPT = " ".join(
-    f"Step {i}: the scheduler mixes prefill chunks and decode steps, and block {i} of the cache holds sixteen "
-    "tokens."
-    for i in range(30)
-) + " In summary, the scheduler"
+LONG_PROMPT = (
+    " ".join(
+        f"Step {i}: the scheduler mixes prefill chunks and decode steps, and block {i} of the cache holds sixteen "
+        "tokens."
+        for i in range(30)
+    )
+    + " In summary, the scheduler"
+)
 
 
 class _Field:
@@ -46,13 +49,22 @@ class _Reader:
 
 def _gemma3_header(**extra: Any) -> dict[str, Any]:
     return {
-        "general.architecture": "gemma3", "gemma3.context_length": 32768, "gemma3.embedding_length": 640,
-        "gemma3.block_count": 18, "gemma3.feed_forward_length": 2048, "gemma3.attention.head_count": 4,
-        "gemma3.attention.head_count_kv": 1, "gemma3.attention.key_length": 256, "gemma3.rope.freq_base": 1e6,
-        "gemma3.attention.layer_norm_rms_epsilon": 1e-6, "gemma3.attention.sliding_window": 512,
-        "tokenizer.ggml.tokens": ["<pad>"] * 262144, "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1,
+        "general.architecture": "gemma3",
+        "gemma3.context_length": 32768,
+        "gemma3.embedding_length": 640,
+        "gemma3.block_count": 18,
+        "gemma3.feed_forward_length": 2048,
+        "gemma3.attention.head_count": 4,
+        "gemma3.attention.head_count_kv": 1,
+        "gemma3.attention.key_length": 256,
+        "gemma3.rope.freq_base": 1e6,
+        "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+        "gemma3.attention.sliding_window": 512,
+        "tokenizer.ggml.tokens": ["<pad>"] * 262144,
+        "tokenizer.ggml.bos_token_id": 2,
+        "tokenizer.ggml.eos_token_id": 1,
         **extra,
-    }  # fmt: skip
+    }
 
 
 def test_gguf_header_maps_to_the_gemma3_architecture() -> None:
@@ -62,7 +74,11 @@ def test_gguf_header_maps_to_the_gemma3_architecture() -> None:
     arch = parse_hf_config(cfg, path)
     assert arch.model_type == "gemma3" and arch.gemma_norms and arch.qk_norm and arch.tie_word_embeddings
     assert (arch.hidden_act, arch.query_pre_attn_scalar, arch.rope_theta, arch.rope_local_theta) == (
-        "gelu_pytorch_tanh", 256.0, 1e6, 1e4)
+        "gelu_pytorch_tanh",
+        256.0,
+        1e6,
+        1e4,
+    )
     # Every 6th layer full, the others a 512-key window.
     assert [arch.layer_window(i) for i in range(12)] == [512] * 5 + [None] + [512] * 5 + [None]
     # The window is applied per layer, so it does not cap the context as Mistral's uniform one does.
@@ -70,16 +86,26 @@ def test_gguf_header_maps_to_the_gemma3_architecture() -> None:
 
     assert model_len_limit(arch) == 32768
     # llama.cpp's 27B rule: queries scaled by (hidden / heads) ** -0.5 there.
-    big = build_config(_Reader(_gemma3_header(**{"gemma3.block_count": 62, "gemma3.embedding_length": 5376,
-                                                 "gemma3.attention.head_count": 32})), path, tied=True)  # fmt: skip
+    big = build_config(
+        _Reader(
+            _gemma3_header(
+                **{"gemma3.block_count": 62, "gemma3.embedding_length": 5376, "gemma3.attention.head_count": 32}
+            )
+        ),
+        path,
+        tied=True,
+    )
     assert big["query_pre_attn_scalar"] == 168
 
 
 def test_gemma3_config_refuses_what_it_does_not_run() -> None:
     path = Path("config.json")
     cfg = build_config(_Reader(_gemma3_header()), path, tied=True)
-    for bad in ({"final_logit_softcapping": 30.0}, {"use_bidirectional_attention": True},
-                {"hidden_activation": "silu"}):  # fmt: skip
+    for bad in (
+        {"final_logit_softcapping": 30.0},
+        {"use_bidirectional_attention": True},
+        {"hidden_activation": "silu"},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             parse_hf_config({**cfg, **bad}, path)
 
@@ -106,8 +132,9 @@ def test_decode_window_hides_only_the_keys_before_it() -> None:
     lens = torch.tensor([17, 5])  # one longer than the window, one shorter
     tables = torch.arange(width_blocks * b).reshape(b, width_blocks)
     slots = torch.stack([tables[i, (n - 1) // bs] * bs + (n - 1) % bs for i, n in enumerate(lens.tolist())])
-    packed = torch.cat([torch.zeros(b, 1, dtype=torch.long), (lens - 1)[:, None], slots[:, None], lens[:, None],
-                        tables], dim=1)  # fmt: skip
+    packed = torch.cat(
+        [torch.zeros(b, 1, dtype=torch.long), (lens - 1)[:, None], slots[:, None], lens[:, None], tables], dim=1
+    )
     q, k, v = torch.randn(b, h, d), torch.randn(b, kvh, d), torch.randn(b, kvh, d)
     got = decode_attention(q, k, v, LayerKV(k_cache, v_cache, None, None), packed, 0.25, window=window)
     for i, n in enumerate(lens.tolist()):
@@ -127,7 +154,9 @@ def test_sliding_layers_switch_to_native_attention_too(tiny_dir: Any) -> None:
     switches = [layer.self_attn.enable_native(16, torch.float32) for layer in model.model.layers]
     assert [(s.kind, s.switched, s.fallback) for s in switches] == [("attention", True, "")] * 2
     assert [(layer.self_attn.window, layer.self_attn.native_attention) for layer in model.model.layers] == [
-        (8, True), (None, True)]
+        (8, True),
+        (None, True),
+    ]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -152,10 +181,17 @@ def test_tiny_greedy_across_the_window_matches_transformers(tiny_dir: Any, make_
     assert len(ids) > 8
     got = whole.generate([prompt], GREEDY)[0].outputs[0].token_ids
     assert got == _hf_greedy(str(d), ids, GREEDY.max_tokens)
-    chunked = make_llm(d, compile="off", dtype="float32", cache={"block_size": 4}, num_gpu_blocks_override=64,
-                       scheduler={"max_num_batched_tokens": 16})  # fmt: skip
+    chunked = make_llm(
+        d,
+        compile="off",
+        dtype="float32",
+        cache={"block_size": 4},
+        num_gpu_blocks_override=64,
+        scheduler={"max_num_batched_tokens": 16},
+    )
     assert chunked.generate([prompt * 2, "A"], GREEDY)[0].outputs[0].token_ids == (
-        whole.generate([prompt * 2], GREEDY)[0].outputs[0].token_ids)
+        whole.generate([prompt * 2], GREEDY)[0].outputs[0].token_ids
+    )
 
 
 @pytest.mark.slow  # Inductor compiles the tiny model's step (two layer variants)
@@ -167,8 +203,12 @@ def test_tiny_compiled_decode_equals_eager(tiny_dir: Any, make_llm: Any, tmp_pat
     from glowplug.profiling.names import Attr
 
     d, _ = _tiny_arch(tiny_dir)
-    prompts = ["The scheduler mixes prefill chunks and decode steps in one batch", "A", "emoji 🚀 and more text",
-               "One two three four five six seven eight nine ten eleven twelve thirteen fourteen"]  # fmt: skip
+    prompts = [
+        "The scheduler mixes prefill chunks and decode steps in one batch",
+        "A",
+        "emoji 🚀 and more text",
+        "One two three four five six seven eight nine ten eleven twelve thirteen fourteen",
+    ]
     common: dict[str, Any] = dict(dtype="float32", cache={"block_size": 4}, num_gpu_blocks_override=64)
     eager_llm = make_llm(d, compile="off", **common)
     eager = [o.outputs[0].token_ids for o in eager_llm.generate(prompts, GREEDY)]
@@ -209,8 +249,13 @@ def test_tokenizer_matches_transformers(gemma_dir: Path, gemma3_gguf: Path) -> N
     path = gemma3_gguf
     ours, ref = load_tokenizer(gemma_dir), AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert ours.backend.to_str() == ref.backend_tokenizer.to_str()
-    for text in ("The capital of France is", "  hello   world\n\nfoo\tbar", "Ünïcödé 🚀 你好世界",
-                 "<start_of_turn>user\nhi<end_of_turn>", LONG_PROMPT):  # fmt: skip
+    for text in (
+        "The capital of France is",
+        "  hello   world\n\nfoo\tbar",
+        "Ünïcödé 🚀 你好世界",
+        "<start_of_turn>user\nhi<end_of_turn>",
+        LONG_PROMPT,
+    ):
         ids = ours(text)["input_ids"]
         assert ids == ref(text)["input_ids"], text
         assert ours.decode(ids) == ref.decode(ids)

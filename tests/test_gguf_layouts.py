@@ -28,24 +28,46 @@ SCRIPT = Path(__file__).parent.parent / "scripts" / "synthetic_gguf.py"
 
 # file -> the stored types that make its layout: (tensor role, with the layer index dropped) -> types present.
 LAYOUTS: dict[str, dict[str, set[str]]] = {
-    "qwen2-bias-q4_k_m.gguf": {"attn_q.bias": {"F32"}, "attn_q.weight": {"Q4_K"}, "attn_v.weight": {"Q4_K", "Q6_K"},
-                               "ffn_down.weight": {"Q4_K", "Q6_K"}, "output.weight": {"Q6_K"},
-                               "token_embd.weight": {"Q4_K"}},
-    "qwen2-bias-q5_k_m.gguf": {"attn_k.bias": {"F32"}, "attn_q.weight": {"Q5_K"}, "attn_v.weight": {"Q5_K", "Q6_K"},
-                               "token_embd.weight": {"Q5_K"}},
+    "qwen2-bias-q4_k_m.gguf": {
+        "attn_q.bias": {"F32"},
+        "attn_q.weight": {"Q4_K"},
+        "attn_v.weight": {"Q4_K", "Q6_K"},
+        "ffn_down.weight": {"Q4_K", "Q6_K"},
+        "output.weight": {"Q6_K"},
+        "token_embd.weight": {"Q4_K"},
+    },
+    "qwen2-bias-q5_k_m.gguf": {
+        "attn_k.bias": {"F32"},
+        "attn_q.weight": {"Q5_K"},
+        "attn_v.weight": {"Q5_K", "Q6_K"},
+        "token_embd.weight": {"Q5_K"},
+    },
     "qwen2-bias-q6_k.gguf": {"attn_v.bias": {"F32"}, "attn_q.weight": {"Q6_K"}, "ffn_up.weight": {"Q6_K"}},
     "qwen2-bias-q8_0.gguf": {"attn_v.bias": {"F32"}, "attn_q.weight": {"Q8_0"}, "output.weight": {"Q8_0"}},
-    "qwen2-tied-q5_0-q8_0.gguf": {"attn_q.bias": {"F32"}, "attn_q.weight": {"Q5_0"}, "attn_v.weight": {"Q5_0", "Q8_0"},
-                                  "token_embd.weight": {"Q8_0"}},
-    "qwen2-tied-q5_1-q8_0.gguf": {"attn_k.bias": {"F32"}, "attn_q.weight": {"Q5_1"}, "ffn_down.weight": {"Q5_1", "Q8_0"},
-                                  "token_embd.weight": {"Q8_0"}},
+    "qwen2-tied-q5_0-q8_0.gguf": {
+        "attn_q.bias": {"F32"},
+        "attn_q.weight": {"Q5_0"},
+        "attn_v.weight": {"Q5_0", "Q8_0"},
+        "token_embd.weight": {"Q8_0"},
+    },
+    "qwen2-tied-q5_1-q8_0.gguf": {
+        "attn_k.bias": {"F32"},
+        "attn_q.weight": {"Q5_1"},
+        "ffn_down.weight": {"Q5_1", "Q8_0"},
+        "token_embd.weight": {"Q8_0"},
+    },
     "llama3-q4_k_m.gguf": {"attn_q.weight": {"Q4_K"}, "attn_k.weight": {"Q4_K"}, "output.weight": {"Q6_K"}},
     "qwen3-q4_k_m.gguf": {"attn_q_norm.weight": {"F32"}, "attn_k_norm.weight": {"F32"}, "attn_q.weight": {"Q4_K"}},
-    "gemma3-q4_k_m.gguf": {"post_attention_norm.weight": {"F32"}, "post_ffw_norm.weight": {"F32"},
-                           "attn_q.weight": {"Q5_0"}, "attn_v.weight": {"Q5_0", "Q8_0"},
-                           "attn_output.weight": {"Q4_K"}, "ffn_down.weight": {"Q4_K", "Q6_K"},
-                           "token_embd.weight": {"Q8_0"}},
-}  # fmt: skip
+    "gemma3-q4_k_m.gguf": {
+        "post_attention_norm.weight": {"F32"},
+        "post_ffw_norm.weight": {"F32"},
+        "attn_q.weight": {"Q5_0"},
+        "attn_v.weight": {"Q5_0", "Q8_0"},
+        "attn_output.weight": {"Q4_K"},
+        "ffn_down.weight": {"Q4_K", "Q6_K"},
+        "token_embd.weight": {"Q8_0"},
+    },
+}
 TIED = {"qwen2-tied-q5_0-q8_0.gguf", "qwen2-tied-q5_1-q8_0.gguf", "gemma3-q4_k_m.gguf"}
 
 PROMPT = "The scheduler mixes prefill chunks and decode steps in one batch"
@@ -100,8 +122,9 @@ def test_none_fp32_logits_and_greedy_tokens_equal_transformers(file: str, make_l
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "repacked"])
 @pytest.mark.parametrize("file", _cases(LAYOUTS))
-def test_auto_starts_decodes_and_follows_none(file: str, in_place: bool, make_llm: Any,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_auto_starts_decodes_and_follows_none(
+    file: str, in_place: bool, make_llm: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The default --quantization auto starts on the file and decodes, computing on the stored blocks in place (the
     CPU's default) or, with the native kernels off (GLOWPLUG_NATIVE=0, as on a GPU), repacked and re-quantized; its
     logits follow none's with a cosine of at least 0.99 per position and the same top token at 90% of them. Why
@@ -140,8 +163,7 @@ def test_the_writer_lays_out_a_model_transformers_reads_as_glowplug_does(tmp_pat
     stored as F16 (q/k rows in llama.cpp's permuted order) gives the same fp32 logits in glowplug and transformers."""
     sg = _script()
     shape = next(f.shape for f in sg.FIXTURES if f.file == "llama3-q4_k_m.gguf")
-    path = sg.write_random(shape, tmp_path / "llama3-f16.gguf", sg.tiny_tokenizer(), stored="F16",
-                           std=sg.FIXTURE_STD)  # fmt: skip
+    path = sg.write_random(shape, tmp_path / "llama3-f16.gguf", sg.tiny_tokenizer(), stored="F16", std=sg.FIXTURE_STD)
     assert set(sg.type_table(path).values()) == {"F16", "F32"}
     llm = make_llm(str(path), dtype="float32", quantization="none", **COMMON)
     ids = llm.tokenizer(PROMPT)["input_ids"]

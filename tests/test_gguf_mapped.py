@@ -44,9 +44,14 @@ def test_two_engines_share_the_files_pages(tmp_path: Path) -> None:
     results = []
     try:
         for _ in range(2):
-            p = subprocess.Popen([sys.executable, "-c", _WORKER, str(FILE)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                 cwd=tmp_path)  # fmt: skip
+            p = subprocess.Popen(
+                [sys.executable, "-c", _WORKER, str(FILE)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+                cwd=tmp_path,
+            )
             procs.append(p)
             assert p.stdout is not None
             line = "{"

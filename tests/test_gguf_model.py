@@ -50,8 +50,7 @@ def ours_tok(smollm2_dir: Path):
 def _model(tmp_path: Path, **flags: object):
     # De-quantized unless a test asks for a scheme: transformers, the oracle, de-quantizes the GGUF too.
     flags = {"quantization": "none", **flags}
-    ctx = EngineContext(config=EngineConfig.from_flat(model="smollm2", dtype="float32", **flags),
-                        cache_root=tmp_path)  # fmt: skip
+    ctx = EngineContext(config=EngineConfig.from_flat(model="smollm2", dtype="float32", **flags), cache_root=tmp_path)
     for stage in (ModelPrepare(), LoadWeights(), QuantizeWeights(), ModelInit()):
         stage.run(ctx)
     return ctx.model
@@ -102,8 +101,17 @@ def test_int4_repacked_logits_follow_transformers(tmp_path_factory, hf_model, hf
     assert cos.min() > 0.97, cos
 
 
-TEXTS = ["Hello 123 world", "  leading spaces\tand tabs\n\nnewlines", "Ünïcödé 🚀🔥 你好世界", "<|im_start|>user\nhi<|im_end|>",
-         "don't 'quote' \"me\"", "x" * 300, "", "1234567890 3.14159 -42", "<|endoftext|>tail"]  # fmt: skip
+TEXTS = [
+    "Hello 123 world",
+    "  leading spaces\tand tabs\n\nnewlines",
+    "Ünïcödé 🚀🔥 你好世界",
+    "<|im_start|>user\nhi<|im_end|>",
+    "don't 'quote' \"me\"",
+    "x" * 300,
+    "",
+    "1234567890 3.14159 -42",
+    "<|endoftext|>tail",
+]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -129,8 +137,12 @@ def test_special_tokens_match_transformers(ours_tok, hf_tok) -> None:
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "Ünïcödé 🚀?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "Ünïcödé 🚀?"},
+    ],
     [{"role": "user", "content": "a\n\n  b"}, {"role": "assistant", "content": ""}],
 ]
 

@@ -70,8 +70,10 @@ def _write(path: Path, tensors: dict[str, tuple[np.ndarray, object]], arch: str 
 
 @pytest.fixture
 def gguf_file(tmp_path: Path) -> Path:
-    tensors = {f"{n}.weight": (_k_blocks(k, seed=i) if k in K_QUANTS.values() else _weights(seed=i), k)
-               for i, (n, k) in enumerate(KINDS.items())}  # fmt: skip
+    tensors = {
+        f"{n}.weight": (_k_blocks(k, seed=i) if k in K_QUANTS.values() else _weights(seed=i), k)
+        for i, (n, k) in enumerate(KINDS.items())
+    }
     return _write(tmp_path / "t.gguf", tensors)
 
 
@@ -158,17 +160,25 @@ def test_int8_repack_is_exact(gguf_file: Path, name: str) -> None:
 def test_pack_plan_takes_exact_layers_only() -> None:
     """A Q4_K_M-style layer: q/k/gate/up Q5_0, v Q8_0, o Q4_K, down Q6_K. int8 g32 takes the legacy blocks, int4
     g32 takes Q4_K; a fused projection goes whole or not at all; coarser groups take nothing."""
+
     def entry(name: str, kind: int, n: int, k: int) -> gt.TensorEntry:
         return gt.TensorEntry(name=name, type=kind, shape=(n, k), offset=0, nbytes=0)
 
     layer = "model.layers.0"
-    kinds = {"self_attn.q_proj": gt.Q5_0, "self_attn.k_proj": gt.Q5_0, "self_attn.v_proj": gt.Q8_0,
-             "self_attn.o_proj": gt.Q4_K, "mlp.gate_proj": gt.Q5_0, "mlp.up_proj": gt.Q5_0,
-             "mlp.down_proj": gt.Q6_K}  # fmt: skip
+    kinds = {
+        "self_attn.q_proj": gt.Q5_0,
+        "self_attn.k_proj": gt.Q5_0,
+        "self_attn.v_proj": gt.Q8_0,
+        "self_attn.o_proj": gt.Q4_K,
+        "mlp.gate_proj": gt.Q5_0,
+        "mlp.up_proj": gt.Q5_0,
+        "mlp.down_proj": gt.Q6_K,
+    }
     entries = {f"{layer}.{m}.weight": entry(m, t, 256, 512) for m, t in kinds.items()}
     modules = lambda *ms: {f"{layer}.{m}" for m in ms}  # noqa: E731
     assert gt._packable(entries, gt.PackPlan("int8", 32)) == modules(
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"
+    )
     assert gt._packable(entries, gt.PackPlan("int4", 32)) == modules("self_attn.o_proj")
     assert gt._packable(entries, gt.PackPlan("int4", 128)) == set()
     # A Q4_K member among Q5_0 ones keeps the fused q/k/v out of the int8 repack (and int4 has no Q5_0).
@@ -272,5 +282,6 @@ def test_a_real_k_quant_file_reads_every_tensor(gemma3_gguf: Path) -> None:
             torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=0)
         elif e.type in (gt.Q5_0, gt.Q8_0):
             w = Int8Weight(**gb.repack_int8(gb.raw_bytes(data, e), e), group_size=32)
-            assert torch.equal((w.qweight.float().reshape(e.shape[0], -1, 32) * w.scales[..., None]).reshape(e.shape),
-                               want), e.name  # fmt: skip
+            assert torch.equal(
+                (w.qweight.float().reshape(e.shape[0], -1, 32) * w.scales[..., None]).reshape(e.shape), want
+            ), e.name

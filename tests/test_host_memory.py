@@ -41,8 +41,9 @@ def test_an_anonymous_buffer_is_zero_and_commits_only_when_asked() -> None:
 
 @linux_only
 def test_the_kv_cache_commits_every_layer_and_reads_back_zeros() -> None:
-    cache = KVCache(num_layers=3, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16,
-                    int8=True)  # fmt: skip
+    cache = KVCache(
+        num_layers=3, num_blocks=64, block_size=16, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16, int8=True
+    )
     tensors = cache.tensors()
     assert len(tensors) == 3 * 4  # k, v and both scale tensors per layer
     assert sum(t.nbytes for t in tensors) == cache.nbytes

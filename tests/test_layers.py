@@ -20,9 +20,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Source folder -> installed package (pyproject's package-dir); scripts/ is not installed, its files are `scripts.x`.
-PACKAGES = {"glowplug": "glowplug", "base": "glowplug.base", "engine": "glowplug.engine",
-            "kernels": "glowplug.kernels", "lifecycle": "glowplug.lifecycle", "profiling": "glowplug.profiling",
-            "scripts": "scripts"}  # fmt: skip
+PACKAGES = {
+    "glowplug": "glowplug",
+    "base": "glowplug.base",
+    "engine": "glowplug.engine",
+    "kernels": "glowplug.kernels",
+    "lifecycle": "glowplug.lifecycle",
+    "profiling": "glowplug.profiling",
+    "scripts": "scripts",
+}
 DOOR = "glowplug.base.torch_compat"
 
 # Higher may import lower or equal; equal only within the same layer. The front door (the CLI) and the benchmarks
@@ -111,7 +117,9 @@ def _alternatives(arg: ast.expr) -> list[ast.expr]:
     return [arg]
 
 
-def _references(name: str, path: Path, modules: dict[str, Path]) -> tuple[list[tuple[str, Edge]], list[tuple[str, int]]]:
+def _references(
+    name: str, path: Path, modules: dict[str, Path]
+) -> tuple[list[tuple[str, Edge]], list[tuple[str, int]]]:
     """What one file depends on: (target, edge) pairs, and the glowplug names it builds at run time (unreadable)."""
     found: list[tuple[str, Edge]] = []
     unreadable: list[tuple[str, int]] = []
@@ -121,15 +129,20 @@ def _references(name: str, path: Path, modules: dict[str, Path]) -> tuple[list[t
             found += [(a.name, Edge(node.lineno, "import")) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             mod = _resolve(name, is_package, node)
-            found += [(f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod, Edge(node.lineno, "import"))
-                      for a in node.names]  # fmt: skip
+            found += [
+                (f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod, Edge(node.lineno, "import"))
+                for a in node.names
+            ]
         elif isinstance(node, ast.Call) and _callee(node.func) in IMPORTERS and node.args:
             for arg in _alternatives(node.args[0]):
                 if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
                     found.append((arg.value, Edge(node.lineno, _callee(node.func))))
                 elif isinstance(arg, ast.JoinedStr):
-                    text = "".join(v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}"
-                                   for v in arg.values if isinstance(v, (ast.Constant, ast.FormattedValue)))  # fmt: skip
+                    text = "".join(
+                        v.value if isinstance(v, ast.Constant) else "{" + ast.unparse(v.value) + "}"
+                        for v in arg.values
+                        if isinstance(v, (ast.Constant, ast.FormattedValue))
+                    )
                     if text.startswith("glowplug"):
                         unreadable.append((text, node.lineno))
         elif isinstance(node, (ast.List, ast.Tuple)):
@@ -182,9 +195,12 @@ def upward(graph: dict[str, dict[str, Edge]], modules: dict[str, Path] = MODULES
             a, b = _layer(importer), _layer(imported)
             if edge.process and (a, b) in PROCESS_ALLOWED:
                 continue
-            if (LAYERS[b] > LAYERS[a] or (LAYERS[b] == LAYERS[a] and a != b)) and not _known(importer, imported,
-                                                                                             modules):  # fmt: skip
-                wrong.append(f"{_where(importer, edge.line, modules)} ({a}) {edge.how} {_where(imported, None, modules)} ({b})")
+            if (LAYERS[b] > LAYERS[a] or (LAYERS[b] == LAYERS[a] and a != b)) and not _known(
+                importer, imported, modules
+            ):
+                wrong.append(
+                    f"{_where(importer, edge.line, modules)} ({a}) {edge.how} {_where(imported, None, modules)} ({b})"
+                )
     return sorted(wrong)
 
 
@@ -200,7 +216,8 @@ def test_every_import_points_down() -> None:
 def test_every_glowplug_name_is_readable() -> None:
     wrong = unreadable(UNREADABLE)
     assert not wrong, "glowplug modules named at run time (name them literally, or give the reason in KNOWN):\n" + (
-        "\n".join(wrong))
+        "\n".join(wrong)
+    )
 
 
 def test_known_exceptions_are_current() -> None:

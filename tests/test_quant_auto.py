@@ -31,29 +31,54 @@ gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
 # GGUF name (per layer) -> Hugging Face name, for the tensors the tiny llama holds.
-_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
-          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}  # fmt: skip
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 # The mixed file: layer 0 int4 attention, int8 MLP in, float MLP out; layer 1 a q/k/v fused across Q4_0 and Q8_0
 # (int8, the wider), gate/up fused across F16 and Q4_0 (float), int4 down; an untied Q8_0 head.
 MIXED = {
-    "blk.0.attn_q": Q.Q4_0, "blk.0.attn_k": Q.Q4_0, "blk.0.attn_v": Q.Q4_0, "blk.0.attn_output": Q.Q4_0,
-    "blk.0.ffn_gate": Q.Q8_0, "blk.0.ffn_up": Q.Q8_0, "blk.0.ffn_down": Q.F16,
-    "blk.1.attn_q": Q.Q4_0, "blk.1.attn_k": Q.Q4_0, "blk.1.attn_v": Q.Q8_0, "blk.1.attn_output": Q.Q8_0,
-    "blk.1.ffn_gate": Q.F16, "blk.1.ffn_up": Q.Q4_0, "blk.1.ffn_down": Q.Q4_0,
-    "output": Q.Q8_0, "token_embd": Q.F16,
-}  # fmt: skip
+    "blk.0.attn_q": Q.Q4_0,
+    "blk.0.attn_k": Q.Q4_0,
+    "blk.0.attn_v": Q.Q4_0,
+    "blk.0.attn_output": Q.Q4_0,
+    "blk.0.ffn_gate": Q.Q8_0,
+    "blk.0.ffn_up": Q.Q8_0,
+    "blk.0.ffn_down": Q.F16,
+    "blk.1.attn_q": Q.Q4_0,
+    "blk.1.attn_k": Q.Q4_0,
+    "blk.1.attn_v": Q.Q8_0,
+    "blk.1.attn_output": Q.Q8_0,
+    "blk.1.ffn_gate": Q.F16,
+    "blk.1.ffn_up": Q.Q4_0,
+    "blk.1.ffn_down": Q.Q4_0,
+    "output": Q.Q8_0,
+    "token_embd": Q.F16,
+}
 EXPECTED = {
-    "model.layers.0.self_attn.qkv_proj": Int4Linear, "model.layers.0.self_attn.o_proj": Int4Linear,
-    "model.layers.0.mlp.gate_up_proj": Int8Linear, "model.layers.0.mlp.down_proj": DenseLinear,
-    "model.layers.1.self_attn.qkv_proj": Int8Linear, "model.layers.1.self_attn.o_proj": Int8Linear,
-    "model.layers.1.mlp.gate_up_proj": DenseLinear, "model.layers.1.mlp.down_proj": Int4Linear,
+    "model.layers.0.self_attn.qkv_proj": Int4Linear,
+    "model.layers.0.self_attn.o_proj": Int4Linear,
+    "model.layers.0.mlp.gate_up_proj": Int8Linear,
+    "model.layers.0.mlp.down_proj": DenseLinear,
+    "model.layers.1.self_attn.qkv_proj": Int8Linear,
+    "model.layers.1.self_attn.o_proj": Int8Linear,
+    "model.layers.1.mlp.gate_up_proj": DenseLinear,
+    "model.layers.1.mlp.down_proj": Int4Linear,
     "lm_head": Int8Linear,
-}  # fmt: skip
+}
 # The same file in place: every layer with a quantized part computes on its stored blocks (a float part included);
 # only the all-F16 down projection is dense.
-IN_PLACE = {name: (DenseLinear if cls is DenseLinear and name != "model.layers.1.mlp.gate_up_proj" else GGUFLinear)
-            for name, cls in EXPECTED.items()}  # fmt: skip
+IN_PLACE = {
+    name: (DenseLinear if cls is DenseLinear and name != "model.layers.1.mlp.gate_up_proj" else GGUFLinear)
+    for name, cls in EXPECTED.items()
+}
 PROMPTS = ["The scheduler", "glowplug starts", "Numbers 0 1 2", "The quick"]
 
 
@@ -87,8 +112,11 @@ def write_gguf(hf_dir: Path, path: Path, types: dict[str, Any]) -> Path:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
     w.add_bos_token_id(cfg["bos_token_id"])
     w.add_eos_token_id(cfg["eos_token_id"])
-    tensors: dict[str, np.ndarray] = {"token_embd": sd["model.embed_tokens.weight"],
-                                      "output_norm": sd["model.norm.weight"], "output": sd["lm_head.weight"]}
+    tensors: dict[str, np.ndarray] = {
+        "token_embd": sd["model.embed_tokens.weight"],
+        "output_norm": sd["model.norm.weight"],
+        "output": sd["lm_head.weight"],
+    }
     for i in range(cfg["num_hidden_layers"]):
         for name, hf in _LAYER.items():
             t = sd[f"model.layers.{i}.{hf}.weight"]
@@ -144,15 +172,27 @@ def test_the_plan_in_place() -> None:
     """On the CPU (one rank) a layer whose parts all have a native kernel runs on its stored blocks, whatever mix of
     types it fuses (Q4_K+Q4_K+Q6_K, a float part beside quantized ones); a layer with a Q2_K/Q3_K part follows the
     repack/re-quantize rules; a tied head reads the embedding's blocks, which are looked up in place too."""
+
     def entry(name: str, kind: int) -> gt.TensorEntry:
         return gt.TensorEntry(name=name, type=kind, shape=(256, 512), offset=0, nbytes=0)
 
     kinds = {
-        "blk.0.attn_q": gt.Q4_K, "blk.0.attn_k": gt.Q4_K, "blk.0.attn_v": gt.Q6_K, "blk.0.attn_output": gt.Q2_K,
-        "blk.0.ffn_gate": gt.BF16, "blk.0.ffn_up": gt.Q5_0, "blk.0.ffn_down": gt.Q5_K,
-        "blk.1.attn_q": gt.Q4_0, "blk.1.attn_k": gt.Q4_1, "blk.1.attn_v": gt.Q8_0, "blk.1.attn_output": gt.Q5_1,
-        "blk.1.ffn_gate": gt.F16, "blk.1.ffn_up": gt.Q3_K, "blk.1.ffn_down": gt.F16, "token_embd": gt.Q6_K,
-    }  # fmt: skip
+        "blk.0.attn_q": gt.Q4_K,
+        "blk.0.attn_k": gt.Q4_K,
+        "blk.0.attn_v": gt.Q6_K,
+        "blk.0.attn_output": gt.Q2_K,
+        "blk.0.ffn_gate": gt.BF16,
+        "blk.0.ffn_up": gt.Q5_0,
+        "blk.0.ffn_down": gt.Q5_K,
+        "blk.1.attn_q": gt.Q4_0,
+        "blk.1.attn_k": gt.Q4_1,
+        "blk.1.attn_v": gt.Q8_0,
+        "blk.1.attn_output": gt.Q5_1,
+        "blk.1.ffn_gate": gt.F16,
+        "blk.1.ffn_up": gt.Q3_K,
+        "blk.1.ffn_down": gt.F16,
+        "token_embd": gt.Q6_K,
+    }
     table = gt.TensorTable(file_size=0, tensors=tuple(entry(f"{n}.weight", k) for n, k in kinds.items()))
     plan = plan_layers(table, quantize_head=True, in_place=True)
     got = {f.module: (f.scheme, f.how) for f in plan.layers}
@@ -166,7 +206,7 @@ def test_the_plan_in_place() -> None:
         "model.layers.1.mlp.gate_up_proj": ("none", "de-quantized"),  # F16 + Q3_K
         "model.layers.1.mlp.down_proj": ("none", "as stored"),
         "lm_head": ("gguf", "in place"),
-    }  # fmt: skip
+    }
     assert plan.embedding_in_place
     assert "model.embed_tokens.weight" in plan.stored_parts()
     assert "model.layers.0.self_attn.v_proj.weight" in plan.stored_parts()
@@ -187,15 +227,27 @@ def test_the_plan_per_type_and_per_fused_layer() -> None:
     Q5_0 and Q8_0 repack into int8, a float part keeps its fused layer float; a tied head runs as the embedding is
     stored (Q6_K: int8, re-quantized; Q8_0: int8 repacked from the same blocks, the embedding staying float). The
     row note says it per class of tensor."""
+
     def entry(name: str, kind: int) -> gt.TensorEntry:
         return gt.TensorEntry(name=name, type=kind, shape=(256, 512), offset=0, nbytes=0)
 
     kinds = {
-        "blk.0.attn_q": gt.Q4_K, "blk.0.attn_k": gt.Q4_K, "blk.0.attn_v": gt.Q6_K, "blk.0.attn_output": gt.Q4_K,
-        "blk.0.ffn_gate": gt.Q4_K, "blk.0.ffn_up": gt.Q4_K, "blk.0.ffn_down": gt.Q6_K,
-        "blk.1.attn_q": gt.Q5_0, "blk.1.attn_k": gt.Q8_0, "blk.1.attn_v": gt.Q8_0, "blk.1.attn_output": gt.Q2_K,
-        "blk.1.ffn_gate": gt.BF16, "blk.1.ffn_up": gt.Q3_K, "blk.1.ffn_down": gt.Q5_K, "token_embd": gt.Q6_K,
-    }  # fmt: skip
+        "blk.0.attn_q": gt.Q4_K,
+        "blk.0.attn_k": gt.Q4_K,
+        "blk.0.attn_v": gt.Q6_K,
+        "blk.0.attn_output": gt.Q4_K,
+        "blk.0.ffn_gate": gt.Q4_K,
+        "blk.0.ffn_up": gt.Q4_K,
+        "blk.0.ffn_down": gt.Q6_K,
+        "blk.1.attn_q": gt.Q5_0,
+        "blk.1.attn_k": gt.Q8_0,
+        "blk.1.attn_v": gt.Q8_0,
+        "blk.1.attn_output": gt.Q2_K,
+        "blk.1.ffn_gate": gt.BF16,
+        "blk.1.ffn_up": gt.Q3_K,
+        "blk.1.ffn_down": gt.Q5_K,
+        "token_embd": gt.Q6_K,
+    }
     table = gt.TensorTable(file_size=0, tensors=tuple(entry(f"{n}.weight", k) for n, k in kinds.items()))
     plan = plan_layers(table, quantize_head=True)
     got = {f.module: (f.scheme, f.how) for f in plan.layers}
@@ -209,21 +261,28 @@ def test_the_plan_per_type_and_per_fused_layer() -> None:
         "model.layers.1.mlp.gate_up_proj": ("none", "de-quantized"),
         "model.layers.1.mlp.down_proj": ("int8", "re-quantized"),
         "lm_head": ("int8", "re-quantized"),  # the embedding's Q6_K: 6 bits run on int8
-    }  # fmt: skip
+    }
     note = plan.note("bfloat16")
-    assert ("attn_qkv Q4_K+Q6_K → int8 g32 (re-quantized; the widest of its fused parts) (attn_qkv: 1 of 2 "
-            "layers)") in note
+    assert (
+        "attn_qkv Q4_K+Q6_K → int8 g32 (re-quantized; the widest of its fused parts) (attn_qkv: 1 of 2 layers)"
+    ) in note
     assert "attn_output Q2_K → int4 g32 (re-quantized; no 2/3-bit kernel)" in note
     assert "ffn_gate_up BF16+Q3_K → bfloat16 (de-quantized; fused with a float part)" in note
     assert "lm_head Q6_K (tied embedding) → int8 g32 (re-quantized)" in note
-    assert plan.repack() == {"model.layers.0.self_attn.o_proj": "int4", "model.layers.0.mlp.gate_proj": "int4",
-                             "model.layers.0.mlp.up_proj": "int4", "model.layers.1.self_attn.q_proj": "int8",
-                             "model.layers.1.self_attn.k_proj": "int8", "model.layers.1.self_attn.v_proj": "int8"}
+    assert plan.repack() == {
+        "model.layers.0.self_attn.o_proj": "int4",
+        "model.layers.0.mlp.gate_proj": "int4",
+        "model.layers.0.mlp.up_proj": "int4",
+        "model.layers.1.self_attn.q_proj": "int8",
+        "model.layers.1.self_attn.k_proj": "int8",
+        "model.layers.1.self_attn.v_proj": "int8",
+    }
     assert "model.embed_tokens.weight" in plan.fp32_tensors() and plan.tied_repack() is None
     assert plan_layers(table, quantize_head=False).head_scheme == "none"
     # A Q8_0 embedding: the head is its own blocks as int8 g32, and the embedding is not repacked (the lookup).
-    q8 = gt.TensorTable(file_size=0, tensors=tuple(
-        entry(f"{n}.weight", gt.Q8_0 if n == "token_embd" else k) for n, k in kinds.items()))  # fmt: skip
+    q8 = gt.TensorTable(
+        file_size=0, tensors=tuple(entry(f"{n}.weight", gt.Q8_0 if n == "token_embd" else k) for n, k in kinds.items())
+    )
     plan8 = plan_layers(q8, quantize_head=True)
     assert plan8.tied_repack() == "int8" and "model.embed_tokens" not in plan8.repack()
     assert "model.embed_tokens.weight" not in plan8.fp32_tensors()
@@ -257,8 +316,11 @@ def test_mixed_file_runs_mixed_and_none_dequantizes(mixed_gguf: Path, tiny_dir, 
     assert set(groups.values()) == {32}
     attrs = _attrs(tr, "quantize_weights")
     assert attrs[Attr.QUANTIZATION] == "auto"
-    assert (attrs["glowplug.auto.int4_layers"], attrs["glowplug.auto.int8_layers"],
-            attrs["glowplug.auto.dense_layers"]) == (3, 4, 2)  # fmt: skip
+    assert (
+        attrs["glowplug.auto.int4_layers"],
+        attrs["glowplug.auto.int8_layers"],
+        attrs["glowplug.auto.dense_layers"],
+    ) == (3, 4, 2)
     assert (attrs["glowplug.auto.repacked_layers"], attrs["glowplug.auto.requantized_layers"]) == (6, 1)
     note = attrs[Attr.ROW_NOTE]
     assert note.startswith("auto: ") and "attn_qkv Q4_0+Q8_0 → int8 g32 (re-quantized; the widest" in note
@@ -286,22 +348,29 @@ def test_mixed_file_runs_mixed_and_none_dequantizes(mixed_gguf: Path, tiny_dir, 
     from glowplug.engine.stages.dynamo_transform import layer_formats
 
     ctx = EngineContext(config=EngineConfig.from_flat(model=str(mixed_gguf)), model_dir=auto.model_dir)
-    assert layer_formats(ctx) == ("layers 0: qkv_proj gguf Q4_0+Q4_0+Q4_0, o_proj gguf Q4_0, gate_up_proj gguf "
-                                  "Q8_0+Q8_0, down_proj dense; layers 1: qkv_proj gguf Q4_0+Q4_0+Q8_0, o_proj gguf "
-                                  "Q8_0, gate_up_proj gguf F16+Q4_0, down_proj gguf Q4_0; lm_head gguf Q8_0")
-    ctx = EngineContext(config=EngineConfig.from_flat(model=str(mixed_gguf), tensor_parallel_size=2),
-                        model_dir=auto.model_dir)  # fmt: skip
-    assert layer_formats(ctx) == ("layers 0: qkv_proj int4-g32, o_proj int4-g32, gate_up_proj int8-g32, down_proj "
-                                  "dense; layers 1: qkv_proj int8-g32, o_proj int8-g32, gate_up_proj dense, down_proj "
-                                  "int4-g32; lm_head int8-g32")  # fmt: skip
-    ctx = EngineContext(config=EngineConfig.from_flat(model=str(mixed_gguf), quantization="int4"),
-                        model_dir=auto.model_dir)  # fmt: skip
+    assert layer_formats(ctx) == (
+        "layers 0: qkv_proj gguf Q4_0+Q4_0+Q4_0, o_proj gguf Q4_0, gate_up_proj gguf "
+        "Q8_0+Q8_0, down_proj dense; layers 1: qkv_proj gguf Q4_0+Q4_0+Q8_0, o_proj gguf "
+        "Q8_0, gate_up_proj gguf F16+Q4_0, down_proj gguf Q4_0; lm_head gguf Q8_0"
+    )
+    ctx = EngineContext(
+        config=EngineConfig.from_flat(model=str(mixed_gguf), tensor_parallel_size=2), model_dir=auto.model_dir
+    )
+    assert layer_formats(ctx) == (
+        "layers 0: qkv_proj int4-g32, o_proj int4-g32, gate_up_proj int8-g32, down_proj "
+        "dense; layers 1: qkv_proj int8-g32, o_proj int8-g32, gate_up_proj dense, down_proj "
+        "int4-g32; lm_head int8-g32"
+    )
+    ctx = EngineContext(
+        config=EngineConfig.from_flat(model=str(mixed_gguf), quantization="int4"), model_dir=auto.model_dir
+    )
     assert layer_formats(ctx) is None
 
     folder, tr = _start(tiny_dir("llama"), cache, compile="off")
     assert not any(isinstance(m, QuantLinear) for m in folder.engine.model.modules())
     assert _attrs(tr, "quantize_weights")["glowplug.skipped_reason"] == (
-        "quantization none (auto: the checkpoint's weights are floats, run as stored)")
+        "quantization none (auto: the checkpoint's weights are floats, run as stored)"
+    )
 
 
 @pytest.mark.slow
@@ -367,7 +436,8 @@ def test_smollm2_auto_runs_the_file_as_stored(tmp_path: Path) -> None:
     assert head.parts()[0].data.data_ptr() == embedding.rows.data_ptr()  # one mapping, read by both
     assert _attrs(tr, "quantize_weights")[Attr.ROW_NOTE] == (
         "auto: attn_qkv/attn_output/ffn_gate_up/ffn_down Q4_1 → stored blocks (in place); lm_head Q8_0 (tied "
-        "embedding) → stored blocks (in place; the embedding's blocks); token_embd looked up from its stored blocks")
+        "embedding) → stored blocks (in place; the embedding's blocks); token_embd looked up from its stored blocks"
+    )
     embd = tensors["token_embd.weight"]
     ids = torch.tensor([0, 17, 4242, 49151])
     want = torch.from_numpy(np.asarray(gguf.quants.dequantize(embd.data, embd.tensor_type), dtype=np.float32))

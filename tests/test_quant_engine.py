@@ -103,8 +103,10 @@ def test_smollm2_quantized_perplexity_within_budget() -> None:
     from glowplug.profiling.bench.accuracy import AccuracyConfig, run_accuracy
 
     # Eager rows only (native=False): the native kernels' own scores are the benchmark's, not this budget's.
-    rows = {r.quantization: r for r in run_accuracy(AccuracyConfig(quantization=("int8", "int4", "w8a8", "int2"),
-                                                                    native=False))}  # fmt: skip
+    rows = {
+        r.quantization: r
+        for r in run_accuracy(AccuracyConfig(quantization=("int8", "int4", "w8a8", "int2"), native=False))
+    }
     assert rows["int8"].ppl_change_pct <= 1.0
     assert rows["int4"].ppl_change_pct <= 10.0  # default group for this GGUF-sourced model: 32
     assert rows["w8a8"].ppl_change_pct <= 3.0
@@ -124,8 +126,9 @@ def test_native_decode_switch_reaches_every_layer_kind(tiny_dir, tmp_path: Path)
 
     if not load_native(tmp_path / "native").available:
         pytest.skip("the native kernels are unavailable here (no prebuilt variant and no C++ compiler)")
-    cfg = EngineConfig.from_flat(model=str(tiny_dir("qwen2")), compile="off", dtype="bfloat16", quantization="int4",
-                                 quantize_lm_head=False)  # fmt: skip
+    cfg = EngineConfig.from_flat(
+        model=str(tiny_dir("qwen2")), compile="off", dtype="bfloat16", quantization="int4", quantize_lm_head=False
+    )
     model = build_engine(cfg, cache_dir=tmp_path).engine.model
     counts = enable_native_decode(model, 16, torch.bfloat16)
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
@@ -135,14 +138,18 @@ def test_native_decode_switch_reaches_every_layer_kind(tiny_dir, tmp_path: Path)
     assert all(m.kernel is DecodeKernel.NATIVE for m in quant)
     assert all(m.native_attention == attention_supported(m.head_dim) for m in attention)
     assert counts == {
-        "dense": 1, "quantized": len(quant), "attention": sum(m.native_attention for m in attention),
+        "dense": 1,
+        "quantized": len(quant),
+        "attention": sum(m.native_attention for m in attention),
         "bytes_per_token": sum(m.native.nbytes for m in quant) + head.native_blocked.nbytes,
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
-                    reason="needs a CUDA GPU of compute capability 8.0 or newer")  # fmt: skip
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+    reason="needs a CUDA GPU of compute capability 8.0 or newer",
+)
 @pytest.mark.parametrize("scheme", ["int4", "int8", "w8a8"])
 def test_cuda_quantized_start_compiles_through_the_triton_ops(tiny_dir, make_llm, scheme: str) -> None:
     """On CUDA the native_kernels stage switches every quantized layer to the Triton ops, so dynamo_transform traces

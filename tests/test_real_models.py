@@ -13,7 +13,7 @@ import torch
 from glowplug.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
-PROMPT = "def quicksort(items: list[int]) -> list[int]:\n    \"\"\"Sort the items in ascending order.\"\"\"\n"
+PROMPT = 'def quicksort(items: list[int]) -> list[int]:\n    """Sort the items in ascending order."""\n'
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 # A 1.5B model in fp32 is 7 GB: one engine at a time, a small KV pool, no compile (its cost is not this test's).
 SMALL: dict[str, object] = dict(compile="off", max_model_len=512, num_gpu_blocks_override=64, max_num_seqs=2)
@@ -32,8 +32,9 @@ def test_none_fp32_greedy_tokens_equal_transformers(qwen_gguf: Path) -> None:
     got = llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
     del llm
     gc.collect()
-    hf = AutoModelForCausalLM.from_pretrained(str(qwen_gguf.parent), gguf_file=qwen_gguf.name,
-                                              dtype=torch.float32).eval()  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(qwen_gguf.parent), gguf_file=qwen_gguf.name, dtype=torch.float32
+    ).eval()
     with torch.inference_mode():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert got == out[0, len(ids) :].tolist()

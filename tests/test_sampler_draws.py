@@ -20,8 +20,16 @@ VOCAB = 512
 
 
 def _seq(params: SamplingParams, key: int | None, outputs: list[int] | None = None, seq_id: int = 0) -> Sequence:
-    return cast(Sequence, SimpleNamespace(seq_id=seq_id, params=params, sample_key=key, prompt_token_ids=[1, 7, 42, 7],
-                                          output_token_ids=list(outputs or [])))  # fmt: skip
+    return cast(
+        Sequence,
+        SimpleNamespace(
+            seq_id=seq_id,
+            params=params,
+            sample_key=key,
+            prompt_token_ids=[1, 7, 42, 7],
+            output_token_ids=list(outputs or []),
+        ),
+    )
 
 
 class _CountOps(TorchDispatchMode):
@@ -38,8 +46,16 @@ class _CountOps(TorchDispatchMode):
 
 GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.01)
-PENALISED = SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.01, repetition_penalty=1.2,
-                           frequency_penalty=0.4, presence_penalty=0.3, logprobs=2)  # fmt: skip
+PENALISED = SamplingParams(
+    temperature=0.7,
+    top_k=40,
+    top_p=0.9,
+    min_p=0.01,
+    repetition_penalty=1.2,
+    frequency_penalty=0.4,
+    presence_penalty=0.3,
+    logprobs=2,
+)
 
 # Each mix gives row i its parameters and whether it is seeded. Row 0 alone already uses every feature its mix uses
 # (a filter, a penalty, logprobs), so that 1, 4 and 32 rows differ in their number of rows only.
@@ -135,8 +151,10 @@ def test_a_zero_probability_token_is_never_drawn() -> None:
 def _run(rows: int, at: int, steps: int = 24, device: str = "cpu") -> list[int]:
     """`steps` tokens of one seeded sequence at row `at` of a batch of `rows`, its neighbours of every kind."""
     me = _seq(SamplingParams(temperature=0.9, top_p=0.95, seed=7), key_for_seed(7))
-    others = [_seq(MIXES["penalties" if j % 3 else "mixed"](j)[0], key_for_seed(99 + j), [3, 4], j + 1)
-              for j in range(rows - 1)]  # fmt: skip
+    others = [
+        _seq(MIXES["penalties" if j % 3 else "mixed"](j)[0], key_for_seed(99 + j), [3, 4], j + 1)
+        for j in range(rows - 1)
+    ]
     gen = torch.Generator().manual_seed(5)
     for _ in range(steps):
         mine = torch.randn(VOCAB, generator=gen) * 2  # the row this sequence's model output would be
@@ -210,10 +228,14 @@ def test_vectorised_penalties_match_a_per_row_loop() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 48, generator=g) * 3
     logits[2, 5] = float("-inf")
-    kinds = [SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.5),
-             SamplingParams(presence_penalty=-0.7, repetition_penalty=0.8), SamplingParams(),
-             SamplingParams(frequency_penalty=1.1, presence_penalty=0.2, repetition_penalty=2.0),
-             SamplingParams(presence_penalty=0.4)]  # fmt: skip
+    kinds = [
+        SamplingParams(repetition_penalty=1.3),
+        SamplingParams(frequency_penalty=0.5),
+        SamplingParams(presence_penalty=-0.7, repetition_penalty=0.8),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=1.1, presence_penalty=0.2, repetition_penalty=2.0),
+        SamplingParams(presence_penalty=0.4),
+    ]
     outputs = [[5, 5, 9], [1, 1, 1, 47], [5, 0], [2], [], [7, 8, 7]]
     seqs = [_seq(k, 0, o) for k, o in zip(kinds, outputs)]
     want = logits.clone()

@@ -96,8 +96,9 @@ def _assert_contracts_kept(result: StartupResult) -> None:
 
 
 @pytest.mark.parametrize("fields", [{}, {"quantization": "int4", "kv_cache_dtype": "int8"}])
-def test_tiny_model_start_keeps_every_contract(tiny_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               fields: dict[str, str]) -> None:  # fmt: skip
+def test_tiny_model_start_keeps_every_contract(
+    tiny_dir, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fields: dict[str, str]
+) -> None:
     """Eager starts of the tiny model (the compile stages skip; quantize_weights runs in the int4 one)."""
     config = EngineConfig.from_flat(model=str(tiny_dir("llama")), compile="off", max_model_len=128, **fields)
     result = _started(config, tmp_path, monkeypatch)
@@ -130,8 +131,10 @@ def test_an_undeclared_write_fails_the_stage_naming_slot_and_declarations() -> N
         ctx.gguf_path = None
 
     message = _contract_error([Fake("model_prepare", prepare, provides=("model_dir", "arch", "dtype"))])
-    assert message == ("stage 'model_prepare' wrote 'gguf_path', which it does not declare in provides "
-                       "(provides: model_dir, arch, dtype)")  # fmt: skip
+    assert message == (
+        "stage 'model_prepare' wrote 'gguf_path', which it does not declare in provides "
+        "(provides: model_dir, arch, dtype)"
+    )
 
 
 def test_an_undeclared_read_fails_the_stage() -> None:
@@ -139,10 +142,13 @@ def test_an_undeclared_read_fails_the_stage() -> None:
         ctx.model_dir = Path("m")
         ctx.tokenizer = "t"
 
-    stages = [Fake("prepare", init, provides=("model_dir", "tokenizer")),
-              Fake("weights", lambda ctx: ctx.tokenizer, needs=("model_dir",))]  # fmt: skip
-    assert _contract_error(stages) == ("stage 'weights' read 'tokenizer', which it does not declare in needs "
-                                       "(needs: model_dir)")  # fmt: skip
+    stages = [
+        Fake("prepare", init, provides=("model_dir", "tokenizer")),
+        Fake("weights", lambda ctx: ctx.tokenizer, needs=("model_dir",)),
+    ]
+    assert _contract_error(stages) == (
+        "stage 'weights' read 'tokenizer', which it does not declare in needs (needs: model_dir)"
+    )
 
 
 def test_a_stage_reads_its_own_writes_but_not_the_value_before_them() -> None:
@@ -152,8 +158,9 @@ def test_a_stage_reads_its_own_writes_but_not_the_value_before_them() -> None:
 
     results = _run([Fake("own", rewrite, provides=("weights_bytes",))])
     assert results[0].reads == frozenset() and results[0].writes == {"weights_bytes"}
-    message = _contract_error([Fake("bump", lambda ctx: setattr(ctx, "weights_bytes", ctx.weights_bytes + 1),
-                                    provides=("weights_bytes",))])  # fmt: skip
+    message = _contract_error(
+        [Fake("bump", lambda ctx: setattr(ctx, "weights_bytes", ctx.weights_bytes + 1), provides=("weights_bytes",))]
+    )
     assert message.startswith("stage 'bump' read 'weights_bytes', which it does not declare in needs")
 
 
@@ -184,8 +191,10 @@ def test_context_methods_read_through_the_view() -> None:
     """quant_group_size reads model_dir (int4 without a group size): only for a stage that needs it."""
     config = EngineConfig.from_flat(quantization="int4")
     group: dict[str, Any] = {}
-    stages = [Fake("prepare", lambda ctx: setattr(ctx, "model_dir", None), provides=("model_dir",)),
-              Fake("quantize", lambda ctx: group.update(size=ctx.quant_group_size()), needs=("model_dir",))]  # fmt: skip
+    stages = [
+        Fake("prepare", lambda ctx: setattr(ctx, "model_dir", None), provides=("model_dir",)),
+        Fake("quantize", lambda ctx: group.update(size=ctx.quant_group_size()), needs=("model_dir",)),
+    ]
     _run(stages, EngineContext(config=config))
     assert group["size"] == (None, "scheme default")
     message = _contract_error([Fake("quantize", lambda ctx: ctx.quant_group_size())], EngineContext(config=config))
@@ -206,19 +215,25 @@ def test_a_view_kept_past_its_stage_fails_loudly() -> None:
 @pytest.mark.parametrize(
     ("needs", "provides", "match"),
     [
-        (("modle",), (), "stage 'typo' declares 'modle' in needs, which is not a slot of EngineContext; did you mean "
-                         "'model'?"),  # fmt: skip
+        (
+            ("modle",),
+            (),
+            "stage 'typo' declares 'modle' in needs, which is not a slot of EngineContext; did you mean 'model'?",
+        ),
         ((), ("kv_plann",), "declares 'kv_plann' in provides, which is not a slot"),
         (("config",), (), "declares 'config' in needs, but it is an input"),
         ((), ("device",), "declares 'device' in provides, but it is an input"),
     ],
 )
-def test_a_bad_declaration_fails_before_any_stage_runs(needs: tuple[str, ...], provides: tuple[str, ...],
-                                                       match: str) -> None:  # fmt: skip
+def test_a_bad_declaration_fails_before_any_stage_runs(
+    needs: tuple[str, ...], provides: tuple[str, ...], match: str
+) -> None:
     tracing = setup_tracing()
     ran: list[str] = []
-    stages = [Fake("first", lambda ctx: ran.append("first")), Fake("typo", lambda ctx: None, needs=needs,
-                                                                   provides=provides)]  # fmt: skip
+    stages = [
+        Fake("first", lambda ctx: ran.append("first")),
+        Fake("typo", lambda ctx: None, needs=needs, provides=provides),
+    ]
     with pytest.raises(StageContractError, match=match):
         _run(stages, tracing=tracing)
     assert ran == [] and tracing.finished_spans() == ()
@@ -228,8 +243,7 @@ def test_build_engine_rejects_a_bad_declaration_before_the_start(tmp_path: Path)
     tracing = setup_tracing()
     stages = [*default_stages(), Fake("probe", lambda ctx: None, needs=("engnie",))]
     with pytest.raises(StageContractError, match="'engnie' in needs.*did you mean 'engine'"):
-        build_engine(EngineConfig.from_flat(model=str(tmp_path)), tracing=tracing, cache_dir=tmp_path,
-                     stages=stages)  # fmt: skip
+        build_engine(EngineConfig.from_flat(model=str(tmp_path)), tracing=tracing, cache_dir=tmp_path, stages=stages)
     assert tracing.finished_spans() == ()
 
 
@@ -241,8 +255,13 @@ def test_hooks_at_ready_keep_the_stage_contract() -> None:
 
     hooks = ready_hooks(EngineConfig(tensor_parallel_size=2))
     check_pipeline(hooks, ReadyContext)
-    assert [h.name for h in hooks] == ["measure_floor", "record_profile", "seal_compile_cache", "phase_table",
-                                       "serve_steps"]  # fmt: skip
+    assert [h.name for h in hooks] == [
+        "measure_floor",
+        "record_profile",
+        "seal_compile_cache",
+        "phase_table",
+        "serve_steps",
+    ]
     written = {slot for hook in hooks for slot in declarations(hook)[1]}
     assert written == ReadyContext.slot_names()
 

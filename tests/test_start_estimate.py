@@ -21,8 +21,12 @@ from glowplug.engine.start_estimate import HIT, MISS, UNKNOWN, predict, start_ki
 from glowplug.engine.start_record import StartRecord, parse_profile, profile_json
 from glowplug.profiling.names import Attr
 
-CACHES = {"model_prepare": ("model",), "load_weights": (), "graph_compile": ("compile",),
-          "kv_cache_profiling": ("kv_profile",)}  # fmt: skip
+CACHES = {
+    "model_prepare": ("model",),
+    "load_weights": (),
+    "graph_compile": ("compile",),
+    "kv_cache_profiling": ("kv_profile",),
+}
 COLD = {"model": MISS, "compile": MISS, "kv_profile": MISS}
 WARM = {"model": HIT, "compile": HIT, "kv_profile": HIT}
 COLD_TIMES = {"model_prepare": 1.0, "load_weights": 0.5, "graph_compile": 20.0, "kv_cache_profiling": 10.0}
@@ -51,8 +55,12 @@ def test_phase_by_phase_from_starts_whose_hits_agree_and_unknown_is_not_counted(
     warm = StartRecord(WARM_TIMES, WARM)
     est = predict(mixed, CACHES, [warm, cold], [])
     assert est is not None and est.kind == "per_phase" and est.same_config
-    assert est.seconds == {"model_prepare": 0.01, "load_weights": 0.4, "graph_compile": 0.03,
-                           "kv_cache_profiling": 10.0}  # fmt: skip
+    assert est.seconds == {
+        "model_prepare": 0.01,
+        "load_weights": 0.4,
+        "graph_compile": 0.03,
+        "kv_cache_profiling": 10.0,
+    }
     assert est.unknown == () and "phase by phase" in est.basis
     # Only a cold start recorded: the hits have no start to learn from, so they are left out and said so.
     only_cold = predict(WARM, CACHES, [cold], [])
@@ -165,10 +173,26 @@ def test_a_probe_that_cannot_tell_is_unknown_or_a_miss_on_an_empty_cache(tiny_di
 
 
 def _startup(model: Path, cache: Path, report: Path) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "glowplug.cli", "startup", str(model), "--compile", "off",
-                           "--kv-profile", "measure", "--quiet", "--report-out", str(report)], capture_output=True,
-                          text=True, timeout=300,
-                          env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache)})  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "glowplug.cli",
+            "startup",
+            str(model),
+            "--compile",
+            "off",
+            "--kv-profile",
+            "measure",
+            "--quiet",
+            "--report-out",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache)},
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(report.read_text())
     return {"actual": data["actual_total_time"], **data["attributes"]["actual_total_time"]}

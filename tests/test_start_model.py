@@ -22,9 +22,10 @@ from glowplug.engine.start_estimate import (
     page_cache_state,
     predict,
 )
-from glowplug.engine.start_model import PHASES, PRIOR, Inputs, predict_phase
+from glowplug.engine.start_model import PRIOR, predict_phase
 from glowplug.engine.start_profile import DEFAULT_CACHES
 from glowplug.engine.start_record import StartRecord, critical_path, profile_json
+from glowplug.engine.start_terms import PHASES, Inputs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "start_profiles.json"
 
@@ -41,12 +42,20 @@ def _caches(rec: StartRecord) -> dict[str, tuple[str, ...]]:
     return {s: DEFAULT_CACHES.get(s, ()) for s in rec.stages}
 
 
-def _predict_like(target: StartRecord, mine: list[StartRecord], others: list[StartRecord],
-                  learned: list[StartRecord]) -> PhaseEstimate:  # fmt: skip
+def _predict_like(
+    target: StartRecord, mine: list[StartRecord], others: list[StartRecord], learned: list[StartRecord]
+) -> PhaseEstimate:
     """The estimate `target`'s start would get from these records, with the inputs and pattern it planned with."""
     assert target.inputs is not None and target.pattern is not None
-    est = predict(target.pattern, _caches(target), mine, others, inputs=target.inputs,
-                  coefficients=fit_records(learned), deps=target.deps)  # fmt: skip
+    est = predict(
+        target.pattern,
+        _caches(target),
+        mine,
+        others,
+        inputs=target.inputs,
+        coefficients=fit_records(learned),
+        deps=target.deps,
+    )
     assert est is not None
     return est
 
@@ -128,7 +137,9 @@ def test_fitted_terms_stay_non_negative_and_the_prior_is_the_fit_of_nothing() ->
 
 
 def test_an_overrunning_stage_keeps_the_eta_growing() -> None:
-    est = PhaseEstimate({"load_weights": 2.0, "warmup": 1.0}, True, deps={"load_weights": (), "warmup": ("load_weights",)})
+    est = PhaseEstimate(
+        {"load_weights": 2.0, "warmup": 1.0}, True, deps={"load_weights": (), "warmup": ("load_weights",)}
+    )
     assert est.total_s == pytest.approx(3.0)
     etas = [est.remaining_s((), {"load_weights": t}) for t in (0.5, 1.5, 2.0, 3.0, 6.0)]
     assert etas[0] == pytest.approx(2.5) and etas[1] == pytest.approx(1.5)

@@ -22,10 +22,16 @@ from glowplug.profiling.names import Attr
 COLD_ETA_TARGET = 0.30  # the tolerance for a model's first start
 
 
-def _glowplug(args: list[str], cache: Path, *, env: dict[str, str] | None = None,
-              timeout: float = 600) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "glowplug.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache), **(env or {})})  # fmt: skip
+def _glowplug(
+    args: list[str], cache: Path, *, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "glowplug.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache), **(env or {})},
+    )
 
 
 def test_noise_margin_and_fraction_parsing() -> None:
@@ -36,10 +42,21 @@ def test_noise_margin_and_fraction_parsing() -> None:
     assert noise_of(0.3, 2) > noise_of(0.3, 10) >= 0.29
     assert noise_of(0.0, 5) == pytest.approx(0.1)  # never below the floor
     assert limit_of(2.0, 0.0, 0.10, 5) == pytest.approx(2.3)
-    report = {"kinds": {"warmup": "leaf", "actual_total_time": "total"}, "phases": {"warmup": 0.9,
-              "actual_total_time": 2.4}, "attributes": {"actual_total_time": {Attr.CACHE_PATTERN: "page_cache=hit"}}}
-    base = {"kinds": {"warm": {"phases": {"warmup": {"median": 0.3, "spread": 0.02, "samples": [0.29, 0.3, 0.31]},
-                                          "actual_total_time": {"median": 2.0, "spread": 0.1, "samples": [1.9, 2.0, 2.0]}}}}}
+    report = {
+        "kinds": {"warmup": "leaf", "actual_total_time": "total"},
+        "phases": {"warmup": 0.9, "actual_total_time": 2.4},
+        "attributes": {"actual_total_time": {Attr.CACHE_PATTERN: "page_cache=hit"}},
+    }
+    base = {
+        "kinds": {
+            "warm": {
+                "phases": {
+                    "warmup": {"median": 0.3, "spread": 0.02, "samples": [0.29, 0.3, 0.31]},
+                    "actual_total_time": {"median": 2.0, "spread": 0.1, "samples": [1.9, 2.0, 2.0]},
+                }
+            }
+        }
+    }
     result = check(report, base)
     assert result.kind == "warm"  # no cache involved: compared with the warm starts
     assert [c.phase for c in result.regressed] == ["warmup", "actual_total_time"]
@@ -50,9 +67,25 @@ def test_gate_passes_an_unchanged_start_and_catches_a_planted_regression(tiny_di
     model, cache = tiny_dir("llama"), tmp_path / "cache"
     flags = [str(model), "--compile", "off", "--quiet"]
     baseline = tmp_path / "baseline.json"
-    bench = _glowplug(["bench", "startup", str(model), "--compile", "off", "--runs", "2", "--no-bundle",
-                       "--no-tracing-overhead", "--no-plots", "--out-dir", str(tmp_path / "bench"),
-                       "--save-baseline", str(baseline)], cache)  # fmt: skip
+    bench = _glowplug(
+        [
+            "bench",
+            "startup",
+            str(model),
+            "--compile",
+            "off",
+            "--runs",
+            "2",
+            "--no-bundle",
+            "--no-tracing-overhead",
+            "--no-plots",
+            "--out-dir",
+            str(tmp_path / "bench"),
+            "--save-baseline",
+            str(baseline),
+        ],
+        cache,
+    )
     assert bench.returncode == 0, bench.stderr[-2000:]
     saved = json.loads(baseline.read_text())
     assert set(saved["kinds"]) == {"cold", "warm"} and saved["kinds"]["warm"]["starts"] == 2
@@ -70,8 +103,11 @@ def test_gate_passes_an_unchanged_start_and_catches_a_planted_regression(tiny_di
     assert "gate: PASS" in same.stderr
 
     report = tmp_path / "planted.json"
-    planted = _glowplug(["startup", *flags, *gate, "--report-out", str(report)], cache,
-                        env={"GLOWPLUG_TEST_STAGE_DELAY": "kv_cache_profiling=0.5"})  # fmt: skip
+    planted = _glowplug(
+        ["startup", *flags, *gate, "--report-out", str(report)],
+        cache,
+        env={"GLOWPLUG_TEST_STAGE_DELAY": "kv_cache_profiling=0.5"},
+    )
     assert planted.returncode == 3, planted.stdout[-3000:] + planted.stderr[-2000:]
     assert "regressed beyond noise: kv_cache_profiling" in planted.stderr
     table = json.loads(report.read_text())
@@ -98,12 +134,29 @@ def test_another_shapes_first_start_from_the_model_fitted_on_the_tiny_models_sta
     _start(llama, cache, tmp_path / "llama-2.json")
 
     # Before starting: no torch imported, and the phases predicted with their basis.
-    code = ("import sys, glowplug.cli as c; rc = c.main(sys.argv[1:]); "
-            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")  # fmt: skip
+    code = (
+        "import sys, glowplug.cli as c; rc = c.main(sys.argv[1:]); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
     predicted = tmp_path / "predicted.json"
-    proc = subprocess.run([sys.executable, "-c", code, "startup", str(qwen), "--compile", "off", "--predict-only",
-                           "--report-out", str(predicted)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache)})  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "startup",
+            str(qwen),
+            "--compile",
+            "off",
+            "--predict-only",
+            "--report-out",
+            str(predicted),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "GLOWPLUG_CACHE_DIR": str(cache)},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     prediction = json.loads(predicted.read_text())
     assert prediction["ready_s"] > 0 and all(p["kind"] == "model" for p in prediction["phases"].values())

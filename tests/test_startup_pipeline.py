@@ -70,8 +70,12 @@ def test_grammar_view_is_built_at_start_and_skipped_when_off(tiny_dir, tmp_path:
     assert row.seconds is not None and row.seconds > 0 and any("cannot be serialized" in n for n in row.notes)
     backend = on.engine.core.grammar
     assert backend is not None and backend.init_s is not None  # built at start, before any request
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
     params = SamplingParams(max_tokens=12, temperature=0.0, grammar=json_schema_grammar(schema))
     on.engine.add_request(prompt_token_ids=[1, 2, 3], params=params, request_id="r")
     done = []
@@ -79,7 +83,9 @@ def test_grammar_view_is_built_at_start_and_skipped_when_off(tiny_dir, tmp_path:
         done += [o for o in on.engine.step() if o.finished]
     assert json.loads(done[0].outputs[0].text) in ({"ok": True}, {"ok": False})
     off, _ = _start(tiny_dir("llama"), tmp_path, compile="off", structured_outputs=False)
-    assert off.phase_table["grammar_init"].reason == "skipped: --no-structured-outputs (constrained requests are refused)"
+    assert (
+        off.phase_table["grammar_init"].reason == "skipped: --no-structured-outputs (constrained requests are refused)"
+    )
     assert off.engine.core.grammar is None
     with pytest.raises(ValueError, match="--no-structured-outputs"):
         off.engine.core.add("r", [1, 2, 3], params)
@@ -100,11 +106,14 @@ def test_kv_profile_ignores_max_model_len_and_names_what_changed(tiny_dir, tmp_p
     other_len, _ = _start(tiny_dir("llama"), tmp_path, compile="off", max_model_len=256, kv_profile="measure")
     assert other_len.phase_table["kv_cache_profiling"].notes == ("cache hit",)
     assert other_len.kv_plan.max_model_len == 256
-    other_batch, tracing = _start(tiny_dir("llama"), tmp_path, compile="off", max_num_batched_tokens=1024,
-                                  kv_profile="measure")
+    other_batch, tracing = _start(
+        tiny_dir("llama"), tmp_path, compile="off", max_num_batched_tokens=1024, kv_profile="measure"
+    )
     span = next(s for s in tracing.finished_spans() if s.name == "glowplug.startup.kv_cache_profiling")
     assert span.attributes[Attr.CACHE_MISS_REASON] == "changed: max_num_batched_tokens 2048 -> 1024"
-    assert other_batch.phase_table["kv_cache_profiling"].notes == ("cache miss: changed: max_num_batched_tokens 2048 -> 1024",)
+    assert other_batch.phase_table["kv_cache_profiling"].notes == (
+        "cache miss: changed: max_num_batched_tokens 2048 -> 1024",
+    )
 
 
 def test_kv_too_small_fails_before_allocating(tiny_dir, tmp_path: Path) -> None:
@@ -152,7 +161,9 @@ def test_a_budget_past_32_bit_indexing_is_capped_and_says_so(tiny_dir) -> None:
 
 
 def test_max_model_len_auto_picks_largest_that_fits(tiny_dir, tmp_path: Path) -> None:
-    result, _ = _start(tiny_dir("llama"), tmp_path, compile="off", kv_cache_memory=512 * 16 * 7 + 100, max_model_len="auto")
+    result, _ = _start(
+        tiny_dir("llama"), tmp_path, compile="off", kv_cache_memory=512 * 16 * 7 + 100, max_model_len="auto"
+    )
     assert result.kv_plan.num_blocks == 7 and result.engine.max_model_len == 7 * 16
     roomy, _ = _start(tiny_dir("llama"), tmp_path, compile="off", kv_cache_memory=10_000_000, max_model_len="auto")
     assert roomy.engine.max_model_len == 256  # the model's own limit
@@ -173,8 +184,21 @@ def test_cli_actual_total_time_against_a_clock_outside_the_process(tiny_dir, tmp
     READY. The child's actual_total_time (process creation -> READY, from its own spans) must fit inside that, and
     not be a small part of it (the child cannot have missed most of its own start)."""
     report, trace, chrome = tmp_path / "r.json", tmp_path / "t.json", tmp_path / "c.json"
-    cmd = [sys.executable, "-m", "glowplug.cli", "startup", str(tiny_dir("qwen2")), "--compile", "off",
-           "--report-out", str(report), "--trace-out", str(trace), "--chrome-trace", str(chrome)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "glowplug.cli",
+        "startup",
+        str(tiny_dir("qwen2")),
+        "--compile",
+        "off",
+        "--report-out",
+        str(report),
+        "--trace-out",
+        str(trace),
+        "--chrome-trace",
+        str(chrome),
+    ]
     env = {**os.environ, "GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
@@ -202,8 +226,16 @@ def test_cli_actual_total_time_against_a_clock_outside_the_process(tiny_dir, tmp
 
 def test_cli_import_times_names_the_costliest_packages(tiny_dir, tmp_path: Path) -> None:
     report = tmp_path / "r.json"
-    proc = _glowplug("startup", str(tiny_dir("llama")), "--compile", "off", "--import-times", "--report-out",
-                     str(report), env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+    proc = _glowplug(
+        "startup",
+        str(tiny_dir("llama")),
+        "--compile",
+        "off",
+        "--import-times",
+        "--report-out",
+        str(report),
+        env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(report.read_text())
     top = data["attributes"]["imports"][Attr.IMPORT_TOP]
@@ -217,15 +249,27 @@ def test_cli_failing_stage_exits_nonzero_with_one_line_cause(tiny_dir, tmp_path:
     bad = tmp_path / "bad"
     shutil.copytree(tiny_dir("llama"), bad)
     (bad / "model.safetensors").write_bytes(b"\x00" * 64)
-    proc = _glowplug("startup", str(bad), "--compile", "off", "--trace-out", str(tmp_path / "t.json"),
-                     env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+    proc = _glowplug(
+        "startup",
+        str(bad),
+        "--compile",
+        "off",
+        "--trace-out",
+        str(tmp_path / "t.json"),
+        env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")},
+    )
     assert proc.returncode == 1
     lines = [line for line in proc.stderr.splitlines() if line.startswith("glowplug: state FAILED")]
     assert len(lines) == 1 and "load_weights" in lines[0] and "truncated or corrupt" in lines[0]
     from glowplug.profiling.export import read_otlp_json
 
-    spans = [s for req in read_otlp_json(tmp_path / "t.json") for rs in req.resource_spans
-             for ss in rs.scope_spans for s in ss.spans]  # fmt: skip
+    spans = [
+        s
+        for req in read_otlp_json(tmp_path / "t.json")
+        for rs in req.resource_spans
+        for ss in rs.scope_spans
+        for s in ss.spans
+    ]
     failed = next(s for s in spans if s.name == "glowplug.startup.load_weights")
     assert failed.status.code == 2  # STATUS_CODE_ERROR
 
@@ -234,8 +278,13 @@ def test_startup_spans_reach_a_real_otlp_receiver(tiny_dir, tmp_path: Path) -> N
     from otlp_receiver import OtlpHttpReceiver
 
     with OtlpHttpReceiver() as rx:
-        proc = _glowplug("startup", str(tiny_dir("llama")), "--compile", "off",
-                         env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache"), "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint})  # fmt: skip
+        proc = _glowplug(
+            "startup",
+            str(tiny_dir("llama")),
+            "--compile",
+            "off",
+            env={"GLOWPLUG_CACHE_DIR": str(tmp_path / "cache"), "OTEL_EXPORTER_OTLP_ENDPOINT": rx.endpoint},
+        )
         assert proc.returncode == 0, proc.stderr
         spans = rx.wait_for_spans(len(STAGE_ORDER) + 3)
     by_name = {s.name: s for s in spans}

@@ -30,8 +30,15 @@ PROMPTS = [
     "glowplug starts",
     "glowplug starts",  # the prompt of the stop-token request again: a prefix hit, and the stop string's text
 ]
-ENGINE = {"compile": "off", "dtype": "float32", "num_gpu_blocks_override": 24, "cache": {"block_size": 4},
-          "scheduler": {"max_num_batched_tokens": 16}, "max_model_len": 96, "seed": 7}  # fmt: skip
+ENGINE = {
+    "compile": "off",
+    "dtype": "float32",
+    "num_gpu_blocks_override": 24,
+    "cache": {"block_size": 4},
+    "scheduler": {"max_num_batched_tokens": 16},
+    "max_model_len": 96,
+    "seed": 7,
+}
 
 
 def _params(stop_token: int, stop_text: str) -> list[SamplingParams]:
@@ -40,8 +47,16 @@ def _params(stop_token: int, stop_text: str) -> list[SamplingParams]:
         greedy,
         SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=18, ignore_eos=True, n=2),
         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3),
-        SamplingParams(temperature=1.1, top_p=0.8, min_p=0.05, max_tokens=20, ignore_eos=True,
-                       repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4),  # fmt: skip
+        SamplingParams(
+            temperature=1.1,
+            top_p=0.8,
+            min_p=0.05,
+            max_tokens=20,
+            ignore_eos=True,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.4,
+        ),
         greedy.model_copy(update={"stop_token_ids": (stop_token,), "max_tokens": 30}),
         greedy.model_copy(update={"stop": (stop_text,), "max_tokens": 30}),
     ]
@@ -78,12 +93,24 @@ def scenario(llm: Any) -> dict[str, Any]:
         out = finals[rid]
         comps = []
         for c in out.outputs:
-            lps = None if c.logprobs is None else [[lp.token_id, round(lp.logprob, 4),
-                                                    sorted((int(t), round(v, 4)) for t, v in lp.top.items())]
-                                                   for lp in c.logprobs]  # fmt: skip
+            lps = (
+                None
+                if c.logprobs is None
+                else [
+                    [lp.token_id, round(lp.logprob, 4), sorted((int(t), round(v, 4)) for t, v in lp.top.items())]
+                    for lp in c.logprobs
+                ]
+            )
             assert streamed[f"{rid}/{c.index}"] == c.text  # the deltas add up to the text
-            comps.append({"index": c.index, "token_ids": c.token_ids, "text": c.text,
-                          "finish_reason": c.finish_reason, "logprobs": lps})  # fmt: skip
+            comps.append(
+                {
+                    "index": c.index,
+                    "token_ids": c.token_ids,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": lps,
+                }
+            )
         result["requests"].append({"num_cached_tokens": out.num_cached_tokens, "outputs": comps})
     result["preemptions"] = eng.stats().num_preemptions
     return result
@@ -96,8 +123,9 @@ def test_the_split_step_generates_what_the_old_engine_did(tiny_dir, make_llm) ->
     assert (got["stop_token"], got["stop_text"]) == (want["stop_token"], want["stop_text"])
     for g, w in zip(got["requests"], want["requests"], strict=True):
         for gc, wc in zip(g["outputs"], w["outputs"], strict=True):
-            assert {k: gc[k] for k in ("index", "token_ids", "text", "finish_reason")} == \
-                   {k: wc[k] for k in ("index", "token_ids", "text", "finish_reason")}  # fmt: skip
+            assert {k: gc[k] for k in ("index", "token_ids", "text", "finish_reason")} == {
+                k: wc[k] for k in ("index", "token_ids", "text", "finish_reason")
+            }
             if wc["logprobs"] is None:
                 assert gc["logprobs"] is None
                 continue
@@ -117,8 +145,11 @@ def test_update_from_output_alone_advances_and_stops(tiny_dir, make_llm) -> None
     core = llm.engine.core
     stop_at = llm.generate(["The"], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     stop_token = stop_at.outputs[0].token_ids[3]
-    core.add("r", llm.tokenizer("The")["input_ids"],
-             SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(stop_token,)))  # fmt: skip
+    core.add(
+        "r",
+        llm.tokenizer("The")["input_ids"],
+        SamplingParams(temperature=0.0, max_tokens=6, stop_token_ids=(stop_token,)),
+    )
     (seq,) = core.scheduler.running or list(core.scheduler.waiting)
     tokens: list[int] = []
     while core.has_unfinished():

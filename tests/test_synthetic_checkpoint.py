@@ -34,8 +34,9 @@ def tokenizer_dir(smollm2_dir: Path) -> Path:
 
 
 @pytest.mark.parametrize("shape", PUBLISHED)
-def test_published_shapes_are_what_transformers_builds_from_their_config(shape: str, tokenizer_dir: Path,
-                                                                        tmp_path: Path) -> None:  # fmt: skip
+def test_published_shapes_are_what_transformers_builds_from_their_config(
+    shape: str, tokenizer_dir: Path, tmp_path: Path
+) -> None:
     """The config round-trips through AutoConfig, and the tensors the writer lays out are, name for name and shape
     for shape, the state dict transformers builds from it (on the meta device: no memory), less a tied head."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -46,8 +47,17 @@ def test_published_shapes_are_what_transformers_builds_from_their_config(shape: 
     (tmp_path / "config.json").write_text(json.dumps(config))
     hf = AutoConfig.from_pretrained(tmp_path)
     published = syn.SHAPES[shape]
-    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings", "rms_norm_eps"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "rms_norm_eps",
+    ):
         assert getattr(hf, key) == published[key], key
     assert hf.model_type == published["model_type"]
     with torch.device("meta"):
@@ -116,8 +126,10 @@ def test_a_small_shape_loads_generates_and_gives_transformers_logits(shape: str,
     folder = tiny[shape]
     llm = LLM(str(folder), dtype="float32", compile="off")
     assert llm.startup.arch.vocab_size == syn.SHAPES[shape]["vocab_size"]
-    out = llm.generate(["The scheduler mixes prefill chunks"],
-                       SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1))[0]  # fmt: skip
+    out = llm.generate(
+        ["The scheduler mixes prefill chunks"],
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=1),
+    )[0]
     prompt, tokens = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
     assert len(tokens) == 10
     assert prompt == AutoTokenizer.from_pretrained(folder)("The scheduler mixes prefill chunks")["input_ids"]
@@ -130,8 +142,9 @@ def test_a_small_shape_loads_generates_and_gives_transformers_logits(shape: str,
         assert abs(float(row[token]) - lp.logprob) < 1e-4, i
 
 
-def test_a_tokenizer_larger_than_the_vocabulary_is_cut_to_fit(tokenizer_dir: Path, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_tokenizer_larger_than_the_vocabulary_is_cut_to_fit(
+    tokenizer_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Llama-2-13b's vocabulary is smaller than SmolLM2's tokenizer: the tokenizer is cut to the model's ids and still
     encodes any text (byte-level BPE), which the model then generates from."""
     from tokenizers import Tokenizer
@@ -149,5 +162,6 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_cut_to_fit(tokenizer_dir: Pat
     assert max(ids) < 1000 and len(ids) > len(full.encode(text).ids)
     assert cut.decode(ids, skip_special_tokens=False) == full.decode(full.encode(text).ids, skip_special_tokens=False)
     out = LLM(str(folder), dtype="float32", compile="off").generate(
-        [text], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+        [text], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )[0]
     assert len(out.outputs[0].token_ids) == 4 and max(out.outputs[0].token_ids) < 1000

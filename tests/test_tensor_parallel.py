@@ -22,9 +22,21 @@ import tp_math_worker  # noqa: E402
 def _run_ranks(world: int, tmp: Path, cases: list[str]) -> dict[str, torch.Tensor]:
     out = tmp / f"logits-{world}.pt"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "tp_math_worker.py"), str(r), str(world),
-                               str(tmp / f"rdv-{world}"), str(out), *cases], env=env)
-             for r in range(world)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).parent / "tp_math_worker.py"),
+                str(r),
+                str(world),
+                str(tmp / f"rdv-{world}"),
+                str(out),
+                *cases,
+            ],
+            env=env,
+        )
+        for r in range(world)
+    ]
     try:
         codes = [p.wait(timeout=240) for p in procs]
     finally:
@@ -48,21 +60,49 @@ def tp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # one KV head: replicated on every rank
         "mqa": make_tiny_checkpoint(mk("tp-mqa"), "llama", num_key_value_heads=1),
         # 6 heads over 3 KV heads, head_dim 16, intermediate 192: splits 3 ways (320 vocab rows do not: padded)
-        "six": make_tiny_checkpoint(mk("tp-six"), "llama", num_attention_heads=6, num_key_value_heads=3,
-                                    head_dim=16, hidden_size=96, intermediate_size=192),  # fmt: skip
+        "six": make_tiny_checkpoint(
+            mk("tp-six"),
+            "llama",
+            num_attention_heads=6,
+            num_key_value_heads=3,
+            head_dim=16,
+            hidden_size=96,
+            intermediate_size=192,
+        ),
         # the same with one KV head, tied: replicated on the three ranks
-        "six1": make_tiny_checkpoint(mk("tp-six1"), "llama", num_attention_heads=6, num_key_value_heads=1,
-                                     head_dim=16, hidden_size=96, intermediate_size=192, tie_word_embeddings=True),
+        "six1": make_tiny_checkpoint(
+            mk("tp-six1"),
+            "llama",
+            num_attention_heads=6,
+            num_key_value_heads=1,
+            head_dim=16,
+            hidden_size=96,
+            intermediate_size=192,
+            tie_word_embeddings=True,
+        ),
         # 8 heads over 2 KV heads, wide enough that every split at TP=4 falls on 32-column groups (o_proj: 64 input
         # columns per rank, down_proj: 128): each KV head serves two ranks
-        "wide": make_tiny_checkpoint(mk("tp-wide"), "llama", num_attention_heads=8, num_key_value_heads=2,
-                                     head_dim=32, hidden_size=256, intermediate_size=512),  # fmt: skip
+        "wide": make_tiny_checkpoint(
+            mk("tp-wide"),
+            "llama",
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=32,
+            hidden_size=256,
+            intermediate_size=512,
+        ),
     }
 
 
 CASES = {
-    2: [("llama", "none", None), ("qwen2", "none", None), ("mqa", "none", None), ("llama", "int8", 32),
-        ("qwen2", "int4", 32), ("llama", "int4", 32)],
+    2: [
+        ("llama", "none", None),
+        ("qwen2", "none", None),
+        ("mqa", "none", None),
+        ("llama", "int8", 32),
+        ("qwen2", "int4", 32),
+        ("llama", "int4", 32),
+    ],
     3: [("six", "none", None), ("six1", "none", None), ("six", "int8", 32), ("six1", "int4", 32)],
     4: [("llama", "none", None), ("wide", "none", None), ("wide", "int8", 32), ("wide", "int4", 32)],
 }
@@ -85,8 +125,11 @@ def test_shard_math_smollm2_heads(smollm2_dir: Path) -> None:
     arch = load_arch(smollm2_dir)
     assert (arch.num_attention_heads, arch.num_key_value_heads) == (9, 3)
     splits = [TPShard(r, 3).heads(arch) for r in range(3)]
-    assert [(s.q_start, s.q_heads, s.kv_start, s.kv_heads) for s in splits] == [(0, 3, 0, 1), (3, 3, 1, 1),
-                                                                                (6, 3, 2, 1)]
+    assert [(s.q_start, s.q_heads, s.kv_start, s.kv_heads) for s in splits] == [
+        (0, 3, 0, 1),
+        (3, 3, 1, 1),
+        (6, 3, 2, 1),
+    ]
     assert valid_tp_sizes(arch, None, limit=9) == [1, 3]  # 9 would split 1536 intermediate columns unevenly
     msg = check_tensor_parallel(arch, 2, None)
     assert msg is not None and "9 attention heads are not divisible by 2" in msg and "sizes that do: 1, 3" in msg
@@ -135,8 +178,9 @@ def _greedy(config_fields: dict, cache: Path, prompt: str, tokens: int) -> tuple
 
 def test_smollm2_tp3_greedy_equals_tp1(smollm2_dir: Path, tmp_path: Path) -> None:
     """The default model (9 heads, 3 KV heads: one per rank) at fp32, TP=3 against TP=1, 64 greedy tokens."""
-    fields = dict(model="smollm2", dtype="float32", quantization="none", kv_cache_memory="64MiB", max_model_len=512,
-                  compile="off")  # eager on both sides: TP runs the decode step eagerly
+    fields = dict(
+        model="smollm2", dtype="float32", quantization="none", kv_cache_memory="64MiB", max_model_len=512, compile="off"
+    )  # eager on both sides: TP runs the decode step eagerly
     prompt = "The three laws of thermodynamics say that"
     want, _ = _greedy(fields, tmp_path, prompt, 64)
     got, result = _greedy({**fields, "tensor_parallel_size": 3}, tmp_path, prompt, 64)
@@ -169,8 +213,9 @@ def test_tp2_start_is_one_trace_and_the_table_names_the_slower_rank(tp_models: d
     from glowplug.profiling.tracing import setup_tracing
 
     tracing = setup_tracing()
-    config = EngineConfig.from_flat(model=str(tp_models["llama"]), tensor_parallel_size=2, dtype="float32",
-                                    num_gpu_blocks_override=64)  # fmt: skip
+    config = EngineConfig.from_flat(
+        model=str(tp_models["llama"]), tensor_parallel_size=2, dtype="float32", num_gpu_blocks_override=64
+    )
     result = build_engine(config, tracing=tracing, cache_dir=tmp_path)
     result.parallel.close()
     spans = [s for s in tracing.finished_spans() if s.name.startswith(STARTUP_SPAN + ".")]
@@ -219,8 +264,9 @@ def test_packed_column_slices_equal_the_slices_quantized(scheme: str) -> None:
     from glowplug.engine.models.arch import ModelArch
     from glowplug.kernels.registry import get_scheme
 
-    arch = ModelArch.model_construct(num_attention_heads=6, num_key_value_heads=3, head_dim=16, intermediate_size=192,
-                                     vocab_size=10)  # fmt: skip
+    arch = ModelArch.model_construct(
+        num_attention_heads=6, num_key_value_heads=3, head_dim=16, intermediate_size=192, vocab_size=10
+    )
     torch.manual_seed(0)
     w = torch.randn(40, 192)
     s = get_scheme(scheme)
@@ -228,7 +274,10 @@ def test_packed_column_slices_equal_the_slices_quantized(scheme: str) -> None:
     packed = {k: v for k, v in packed.items() if not k.endswith(".weight")}
     for rank in range(3):
         mine = shard_checkpoint(packed, arch, TPShard(rank, 3))
-        want = s.quantize_state_dict({"model.layers.0.mlp.down_proj.weight": w[:, rank * 64:(rank + 1) * 64]},
-                                     group_size=32, quantize_head=False)  # fmt: skip
+        want = s.quantize_state_dict(
+            {"model.layers.0.mlp.down_proj.weight": w[:, rank * 64 : (rank + 1) * 64]},
+            group_size=32,
+            quantize_head=False,
+        )
         for k, v in mine.items():
             assert torch.equal(v, want[k]), (k, rank)

@@ -17,12 +17,22 @@ from glowplug.engine.detokenizer import IncrementalDetokenizer
 from glowplug.engine.models.arch import ModelError
 from glowplug.engine.tokenizer import encode_chat, load_tokenizer
 
-TEXTS = ["glowplug starts an inference server.", "Ünïcödé 🚀🔥 你好世界", "  two  spaces\n\ttab",
-         "<|im_start|>user\nhi<|im_end|>", "", "Numbers 0 1 2 3 10 100"]  # fmt: skip
+TEXTS = [
+    "glowplug starts an inference server.",
+    "Ünïcödé 🚀🔥 你好世界",
+    "  two  spaces\n\ttab",
+    "<|im_start|>user\nhi<|im_end|>",
+    "",
+    "Numbers 0 1 2 3 10 100",
+]
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
-    [{"role": "system", "content": "sys"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-     {"role": "user", "content": "Ünïcödé 🚀"}],
+    [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "user", "content": "Ünïcödé 🚀"},
+    ],
 ]
 # Uses what transformers offers templates: tojson (non-ASCII kept), loop controls, special tokens by name, and
 # trim_blocks/lstrip_blocks whitespace handling.
@@ -66,9 +76,12 @@ def test_chat_template_from_jinja_file_matches_transformers(tiny: Path, messages
     for gen in (True, False):
         want = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
         assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen) == want
-    assert encode_chat(ours, messages) == ref(ref.apply_chat_template(messages, tokenize=False,
-                                                                       add_generation_prompt=True),
-                                              add_special_tokens=False)["input_ids"]  # fmt: skip
+    assert (
+        encode_chat(ours, messages)
+        == ref(ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False)[
+            "input_ids"
+        ]
+    )
 
 
 def _with_config_template(tiny: Path, dest: Path, template: str) -> Path:
@@ -81,7 +94,9 @@ def _with_config_template(tiny: Path, dest: Path, template: str) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("messages", [*CONVERSATIONS, [{"role": "skip", "content": "x"}, {"role": "user", "content": "y"}]])
+@pytest.mark.parametrize(
+    "messages", [*CONVERSATIONS, [{"role": "skip", "content": "x"}, {"role": "user", "content": "y"}]]
+)
 def test_chat_template_from_tokenizer_config_matches_transformers(tiny: Path, tmp_path: Path, messages) -> None:
     folder = _with_config_template(tiny, tmp_path / "old", FEATURES)
     ours, ref = load_tokenizer(folder), _hf(folder)
@@ -146,8 +161,34 @@ _LLAMA3_REGEX = (
 )
 # Texts where piece boundaries could go wrong: runs of spaces, newlines after punctuation, digit groups, multi-byte
 # characters, special tokens (also split by a space), contractions.
-_PIECES = ["ab", "cd", " ", "  ", "\n", "\r\n", "\t", "!", ".", "'s", "'ll", "123", "4567", "你好", "🚀", "é",
-           "<|im_start|>", "<|im_end|>", "<|im_", "start|>", "\u00a0", "\u3000", "x y", "-", "--", "$"]  # fmt: skip
+_PIECES = [
+    "ab",
+    "cd",
+    " ",
+    "  ",
+    "\n",
+    "\r\n",
+    "\t",
+    "!",
+    ".",
+    "'s",
+    "'ll",
+    "123",
+    "4567",
+    "你好",
+    "🚀",
+    "é",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|im_",
+    "start|>",
+    "\u00a0",
+    "\u3000",
+    "x y",
+    "-",
+    "--",
+    "$",
+]
 
 
 def _backend(kind: str):  # -> tokenizers.Tokenizer
@@ -164,10 +205,12 @@ def _backend(kind: str):  # -> tokenizers.Tokenizer
     else:
         tok = Backend(models.BPE())
         if kind == "llama3":
-            tok.pre_tokenizer = pre_tokenizers.Sequence([
-                pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ])  # fmt: skip
+            tok.pre_tokenizer = pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(_LLAMA3_REGEX), behavior="isolated", invert=False),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
             tok.post_processor = processors.TemplateProcessing(
                 single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 0)]
             )
@@ -177,8 +220,9 @@ def _backend(kind: str):  # -> tokenizers.Tokenizer
         else:
             raise ValueError(kind)
         alphabet = pre_tokenizers.ByteLevel.alphabet() if kind == "llama3" else []
-        trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=specials, initial_alphabet=alphabet,
-                                      show_progress=False)  # fmt: skip
+        trainer = trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+        )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     return tok
 
@@ -214,7 +258,8 @@ def test_bounded_tokenization_gives_the_ids_of_the_whole_text(
     text = "".join(parts)
     for tok in (load_tokenizer(tiny), llama3_like):
         assert tok.encode_bounded(text, limit=10**9, add_special_tokens=special) == tok.encode(
-            text, add_special_tokens=special)  # fmt: skip
+            text, add_special_tokens=special
+        )
 
 
 def test_a_prompt_too_long_is_refused_before_it_is_tokenized(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -303,8 +348,9 @@ def _metaspace_tokenizer():
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])  # fmt: skip
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     bytes_ = [f"<0x{i:02X}>" for i in range(256)]
     trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", *bytes_], show_progress=False)
     tok.train_from_iterator([t * 20 for t in TEXTS] + ["the quick brown fox jumps over the lazy dog " * 30], trainer)
@@ -315,10 +361,14 @@ _SHARED: dict[str, object] = {}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(texts=st.lists(st.text(max_size=40), min_size=1, max_size=4), which=st.sampled_from(["tiny", "metaspace"]),
-       skip=st.booleans())  # fmt: skip
-def test_incremental_text_equals_one_decode_with_a_shared_cache(tiny: Path, texts: list[str], which: str,
-                                                                skip: bool) -> None:
+@given(
+    texts=st.lists(st.text(max_size=40), min_size=1, max_size=4),
+    which=st.sampled_from(["tiny", "metaspace"]),
+    skip=st.booleans(),
+)
+def test_incremental_text_equals_one_decode_with_a_shared_cache(
+    tiny: Path, texts: list[str], which: str, skip: bool
+) -> None:
     """Every sequence's streamed text is the tokenizer's own decode of its tokens, while one DecodeCache (the
     learned single-token texts and continuations) is shared across all of them, as the engine shares it."""
     from glowplug.engine.detokenizer import DecodeCache
@@ -341,4 +391,4 @@ def test_incremental_text_equals_one_decode_with_a_shared_cache(tiny: Path, text
         # The oracle: decode the prompt and the output together, and take what the output added.
         whole, head = decode(prompt + ids, skip), decode(prompt, skip)
         assert whole.startswith(head)
-        assert detok.output_text == streamed == whole[len(head):]
+        assert detok.output_text == streamed == whole[len(head) :]

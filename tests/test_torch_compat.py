@@ -69,11 +69,17 @@ def private_torch_uses(path: Path) -> dict[str, int]:
 
 def test_the_scan_finds_each_kind_of_private_use(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
-    sample.write_text("import torch._dynamo\nfrom torch._guards import tracing\nimport torch.nn\n"
-                      "x = torch._dynamo.config.patch(a=1)\ny = torch.ops.aten._int_mm\nz = torch.__version__\n"
-                      "from torch.utils import _pytree\n")  # fmt: skip
-    assert private_torch_uses(sample) == {"torch._dynamo": 1, "torch._guards": 2, "torch.ops.aten._int_mm": 5,
-                                          "torch.utils._pytree": 7}  # fmt: skip
+    sample.write_text(
+        "import torch._dynamo\nfrom torch._guards import tracing\nimport torch.nn\n"
+        "x = torch._dynamo.config.patch(a=1)\ny = torch.ops.aten._int_mm\nz = torch.__version__\n"
+        "from torch.utils import _pytree\n"
+    )
+    assert private_torch_uses(sample) == {
+        "torch._dynamo": 1,
+        "torch._guards": 2,
+        "torch.ops.aten._int_mm": 5,
+        "torch.utils._pytree": 7,
+    }
 
 
 def test_no_private_torch_outside_the_door() -> None:
@@ -95,31 +101,39 @@ def test_this_torch_passes_and_the_range_is_stated_once() -> None:
     assert f"torch{SUPPORTED_RANGE}" in (ROOT / "README.md").read_text()
 
 
-@pytest.mark.parametrize(("version", "problem"), [
-    ("2.4.1", f"torch 2.4.1 is outside the supported range {SUPPORTED_RANGE}"),
-    ("2.10.0", f"torch 2.10.0 is outside the supported range {SUPPORTED_RANGE}"),
-    ("2.14.0a0+git1234", f"torch 2.14.0a0+git1234 is outside the supported range {SUPPORTED_RANGE}"),
-    ("2.14.1", f"torch 2.14.1 is outside the supported range {SUPPORTED_RANGE}"),
-    ("2.11.0", None),
-    ("2.12.0", None),
-    ("2.13.0+cpu", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("version", "problem"),
+    [
+        ("2.4.1", f"torch 2.4.1 is outside the supported range {SUPPORTED_RANGE}"),
+        ("2.10.0", f"torch 2.10.0 is outside the supported range {SUPPORTED_RANGE}"),
+        ("2.14.0a0+git1234", f"torch 2.14.0a0+git1234 is outside the supported range {SUPPORTED_RANGE}"),
+        ("2.14.1", f"torch 2.14.1 is outside the supported range {SUPPORTED_RANGE}"),
+        ("2.11.0", None),
+        ("2.12.0", None),
+        ("2.13.0+cpu", None),
+    ],
+)
 def test_the_version_range(version: str, problem: str | None) -> None:
     assert torch_compat._version_problem(version) == problem
 
 
 def test_a_missing_or_changed_internal_is_named() -> None:
     assert torch_compat._problems({"x": _Need("torch._dynamo.utils:no_such_name")}) == (
-        "torch._dynamo.utils.no_such_name is missing")  # fmt: skip
+        "torch._dynamo.utils.no_such_name is missing"
+    )
     assert torch_compat._problems({"x": _Need("torch._no_such_module")}) == "torch._no_such_module is missing"
     assert torch_compat._problems({"x": _Need("torch._dynamo.package:SourceInfo", keywords=("renamed",))}) == (
-        "torch._dynamo.package.SourceInfo takes no 'renamed' argument")  # fmt: skip
+        "torch._dynamo.package.SourceInfo takes no 'renamed' argument"
+    )
     assert torch_compat._problems({"x": _Need("torch._dynamo.package:load_guards_state", positional=2)}) == (
-        "torch._dynamo.package.load_guards_state takes 1 positional arguments, glowplug passes 2")  # fmt: skip
+        "torch._dynamo.package.load_guards_state takes 1 positional arguments, glowplug passes 2"
+    )
     assert torch_compat._problems({"x": _Need("torch._inductor.config", options=("cpp.no_such_option",))}) == (
-        "torch._inductor.config has no option 'cpp.no_such_option'")  # fmt: skip
+        "torch._inductor.config has no option 'cpp.no_such_option'"
+    )
     assert torch_compat._problems({"x": _Need("torch._dynamo.convert_frame:CaptureOutput", attrs=("gone",))}) == (
-        "torch._dynamo.convert_frame.CaptureOutput has no 'gone'")  # fmt: skip
+        "torch._dynamo.convert_frame.CaptureOutput has no 'gone'"
+    )
 
 
 def test_a_failed_check_closes_the_door(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,7 +143,9 @@ def test_a_failed_check_closes_the_door(monkeypatch: pytest.MonkeyPatch) -> None
     try:
         for check in (torch_compat.check_runtime, torch_compat.check_compiler):
             verdict = check()
-            assert not verdict.ok and verdict.reason == f"simulated: torch._dynamo.aot_compile is gone ({FAIL_ENV} is set)"
+            assert (
+                not verdict.ok and verdict.reason == f"simulated: torch._dynamo.aot_compile is gone ({FAIL_ENV} is set)"
+            )
         for name in ("tensor_data_ptr_address", "fullgraph_capture"):
             with pytest.raises(TorchInternalsUnavailable, match="aot_compile is gone"):
                 torch_compat.__getattr__(name)
@@ -148,13 +164,31 @@ def test_config_options_must_be_declared() -> None:
 # ------------------------------------------------------------------ whole starts, as a user runs them
 
 
-def _startup(model: Path, tmp_path: Path, compile_mode: str, env: dict[str, str],
-             tag: str) -> tuple[subprocess.CompletedProcess[str], dict[str, object] | None]:  # fmt: skip
+def _startup(
+    model: Path, tmp_path: Path, compile_mode: str, env: dict[str, str], tag: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, object] | None]:
     report = tmp_path / f"{tag}.json"
     # Not from the repository root: there `glowplug` would be the source folder, not the installed package.
-    proc = subprocess.run([sys.executable, "-m", "glowplug.cli", "startup", str(model), "--compile", compile_mode,
-                           "--max-num-seqs", "4", "--report-out", str(report)],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "glowplug.cli",
+            "startup",
+            str(model),
+            "--compile",
+            compile_mode,
+            "--max-num-seqs",
+            "4",
+            "--report-out",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env=env,
+    )
     return proc, json.loads(report.read_text()) if report.is_file() else None
 
 
@@ -201,7 +235,9 @@ def test_no_cxx_compiler_runs_eagerly_under_auto_and_fails_on(tiny_dir, tmp_path
         assert report["attributes"]["native_kernels"]["glowplug.native_build"] == "prebuilt"
     assert report["phases"]["dynamo_transform_time"] > 0 and "dynamo_transform_time" not in reasons  # it traced
     for row in ("graph_compile_general_shape", "graph_compile_cached", "graph_capturing"):
-        assert reasons[row].startswith("eager: the decode step did not compile") and "InvalidCxxCompiler" in reasons[row]
+        assert (
+            reasons[row].startswith("eager: the decode step did not compile") and "InvalidCxxCompiler" in reasons[row]
+        )
     assert not (tmp_path / "cache" / ".quarantine").exists(), "no cache folder was moved aside"
 
     proc, _ = _startup(tiny_dir("llama"), tmp_path, "on", env, "on")

@@ -25,8 +25,12 @@ FAST = ["--dtype", "float32", "--quantization", "none", "--num-gpu-blocks-overri
 
 def _env(tmp: Path) -> dict[str, str]:
     # TMPDIR: where rank 0 makes the run folder the ranks write their stage to (the test reads it).
-    return {**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", "TMPDIR": str(tmp),
-            "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}",
+        "TMPDIR": str(tmp),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def _cli(*args: str) -> list[str]:
@@ -62,9 +66,22 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_worker_killed_during_load_weights_fails_the_start_naming_it(smollm2_dir: Path, tmp_path: Path) -> None:
-    proc = subprocess.Popen(_cli("startup", "smollm2", "--tensor-parallel-size", "3", "--distributed-timeout", "60",
-                                 "--compile", "off", *FAST),
-                            env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        _cli(
+            "startup",
+            "smollm2",
+            "--tensor-parallel-size",
+            "3",
+            "--distributed-timeout",
+            "60",
+            "--compile",
+            "off",
+            *FAST,
+        ),
+        env=_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     victim = None
     deadline = time.monotonic() + 120
     while victim is None and time.monotonic() < deadline and proc.poll() is None:
@@ -81,28 +98,46 @@ def test_worker_killed_during_load_weights_fails_the_start_naming_it(smollm2_dir
     assert time.monotonic() - t0 < 60
     text = err.decode()
     # load_weights, and what ran beside it (tokenizer_init) when it did
-    assert re.search(rf"tensor-parallel rank 1 \(pid {victim}\) was killed by signal 9 in [a-z_, ]*load_weights",
-                     text), text[-2000:]
+    assert re.search(
+        rf"tensor-parallel rank 1 \(pid {victim}\) was killed by signal 9 in [a-z_, ]*load_weights", text
+    ), text[-2000:]
     assert _gone(workers + [proc.pid])
 
 
 def test_rank_that_never_joins_fails_within_the_timeout(tiny: Path, tmp_path: Path) -> None:
     # Rank 0 as torchrun would start it, with no rank 1 ever started.
-    env = {**_env(tmp_path), "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}  # fmt: skip
+    env = {
+        **_env(tmp_path),
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     t0 = time.monotonic()
-    proc = subprocess.run(_cli("startup", str(tiny), "--tensor-parallel-size", "2", "--distributed-timeout", "4",
-                               *FAST), env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        _cli("startup", str(tiny), "--tensor-parallel-size", "2", "--distributed-timeout", "4", *FAST),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert time.monotonic() - t0 < 40
-    assert "rank 1 (before its first stage) never joined the tensor-parallel group within --distributed-timeout 4 s" \
-        in proc.stderr, proc.stderr[-2000:]
+    assert (
+        "rank 1 (before its first stage) never joined the tensor-parallel group within --distributed-timeout 4 s"
+        in proc.stderr
+    ), proc.stderr[-2000:]
 
 
 def _serve(tiny: Path, tmp: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
     log = open(tmp / "serve.log", "wb")  # noqa: SIM115 - the process owns it
-    return subprocess.Popen(_cli("serve", str(tiny), "--port", str(port), "--tensor-parallel-size", "2", *FAST,
-                                 *extra), env=_env(tmp), stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        _cli("serve", str(tiny), "--port", str(port), "--tensor-parallel-size", "2", *FAST, *extra),
+        env=_env(tmp),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def test_sigterm_drains_and_stops_every_rank(tiny: Path, tmp_path: Path) -> None:
@@ -132,8 +167,11 @@ def test_sigterm_drains_and_stops_every_rank(tiny: Path, tmp_path: Path) -> None
         assert [r["state"] for r in ready] == ["ready", "ready"], ready
         workers = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         assert workers
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       json={"model": str(tiny), "prompt": "hello", "max_tokens": 8, "temperature": 0})
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=60,
+            json={"model": str(tiny), "prompt": "hello", "max_tokens": 8, "temperature": 0},
+        )
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -159,8 +197,9 @@ def test_worker_killed_while_serving_fails_the_core_and_the_server_exits_1(tiny:
         everyone = [c for c in psutil.Process(proc.pid).children(recursive=True)]
         (worker,) = [c for c in everyone if "glowplug.engine.tp_worker" in " ".join(c.cmdline())]
         client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-        stream = client.completions.create(model=str(tiny), prompt="hi", max_tokens=200, stream=True,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+        stream = client.completions.create(
+            model=str(tiny), prompt="hi", max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
         chunks = iter(stream)
         next(chunks)
         worker.kill()
@@ -188,11 +227,30 @@ def test_torchrun_two_ranks_serve_a_request_with_the_openai_client(tiny: Path, t
 
     port = free_port()
     log = open(tmp_path / "torchrun.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                             "-m", "glowplug.cli", "serve", str(tiny), "--port", str(port), *FAST],
-                            env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{free_port()}",
+            "-m",
+            "glowplug.cli",
+            "serve",
+            str(tiny),
+            "--port",
+            str(port),
+            *FAST,
+        ],
+        env=_env(tmp_path),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         wait_ready(f"http://127.0.0.1:{port}", timeout=120)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")

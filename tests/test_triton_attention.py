@@ -89,13 +89,24 @@ def make_case(name: str, seed: int = 0) -> dict[str, Any]:
     else:
         k[~visible], v[~visible] = float("nan"), float("nan")
         caches = (k.to(dtype).view(shape), v.to(dtype).view(shape), None, None)
-    return {"q": q, "k": caches[0], "v": caches[1], "k_scale": caches[2], "v_scale": caches[3], "packed": packed,
-            "scale": d**-0.5, "window": window, "partition": partition, "block_n": block_n}  # fmt: skip
+    return {
+        "q": q,
+        "k": caches[0],
+        "v": caches[1],
+        "k_scale": caches[2],
+        "v_scale": caches[3],
+        "packed": packed,
+        "scale": d**-0.5,
+        "window": window,
+        "partition": partition,
+        "block_n": block_n,
+    }
 
 
 def _reference(c: dict[str, Any]) -> torch.Tensor:
-    return paged_decode_attention_reference(c["q"], c["k"], c["v"], c["k_scale"], c["v_scale"], c["packed"],
-                                            c["scale"], c["window"])  # fmt: skip
+    return paged_decode_attention_reference(
+        c["q"], c["k"], c["v"], c["k_scale"], c["v_scale"], c["packed"], c["scale"], c["window"]
+    )
 
 
 # ------------------------------------------------------------------------------------------- the child process
@@ -122,8 +133,7 @@ def _engine_cases() -> dict[str, dict[str, Any]]:
             packed[i, ea.SLOT] = packed[i, ea.DECODE_COLS + pos // bs] * bs + pos % bs
         step = torch.compile(ea.decode_attention, backend="eager", fullgraph=True)
         got = step(c["q"], knew, vnew, cache, packed, c["scale"], False, 6)
-        out[f"engine-decode-{'int8' if int8 else 'fp32'}"] = {
-            **c, "packed": packed, "window": 6, "out": got}
+        out[f"engine-decode-{'int8' if int8 else 'fp32'}"] = {**c, "packed": packed, "window": 6, "out": got}
     # The eager path: one prefill chunk (2 tokens of a fresh sequence), then decode rows over scattered blocks.
     bs, kv_heads, d, heads = 4, 2, 16, 6
     kv = KVCache(num_layers=1, num_blocks=14, block_size=bs, num_kv_heads=kv_heads, head_dim=d, dtype=torch.float32)
@@ -133,21 +143,39 @@ def _engine_cases() -> dict[str, dict[str, Any]]:
     tables = torch.tensor([[5, 2, 9, 12], [7, 3, 13, 13], [0, 13, 13, 13]])  # block 13: the scratch
     ctx = torch.tensor([15, 6, 1])
     slots = torch.tensor([10 * bs, 10 * bs + 1, 12 * bs + 2, 3 * bs + 1, 0])
-    meta = ea.AttentionMetadata(prefill_info=torch.tensor([[0, 2, 2]]), prefill_block_tables=torch.tensor([[10]]),
-                                kv_cache=kv, slot_mapping=slots, decode_block_tables=tables,
-                                decode_ctx_lens=ctx)  # fmt: skip
+    meta = ea.AttentionMetadata(
+        prefill_info=torch.tensor([[0, 2, 2]]),
+        prefill_block_tables=torch.tensor([[10]]),
+        kv_cache=kv,
+        slot_mapping=slots,
+        decode_block_tables=tables,
+        decode_ctx_lens=ctx,
+    )
     q = torch.randn(5, heads, d, generator=g)
     knew, vnew = torch.randn(5, kv_heads, d, generator=g), torch.randn(5, kv_heads, d, generator=g)
     got = ea.paged_attention(q, knew, vnew, 0, meta, d**-0.5, window=8)
     packed = torch.cat([torch.zeros(3, 3, dtype=torch.long), ctx[:, None], tables], 1)
-    out["engine-eager"] = {"q": q[2:], "k": kv[0].k, "v": kv[0].v, "k_scale": None, "v_scale": None,
-                           "packed": packed, "scale": d**-0.5, "window": 8, "out": got[2:]}  # fmt: skip
+    out["engine-eager"] = {
+        "q": q[2:],
+        "k": kv[0].k,
+        "v": kv[0].v,
+        "k_scale": None,
+        "v_scale": None,
+        "packed": packed,
+        "scale": d**-0.5,
+        "window": 8,
+        "out": got[2:],
+    }
     return out
 
 
 # (q dtype, int8 cache, G, head_dim, split): the variants compiled for a GPU target below.
-GPU_VARIANTS = (("bf16", False, 3, 64, True), ("fp16", True, 8, 128, False), ("fp32", False, 1, 256, True),
-                ("bf16", True, 4, 256, True))  # fmt: skip
+GPU_VARIANTS = (
+    ("bf16", False, 3, 64, True),
+    ("fp16", True, 8, 128, False),
+    ("fp32", False, 1, 256, True),
+    ("bf16", True, 4, 256, True),
+)
 
 
 def compile_for_gpu(arch: int) -> list[str]:
@@ -165,25 +193,61 @@ def compile_for_gpu(arch: int) -> list[str]:
     lines = []
     for qdt, int8, group, d, split in GPU_VARIANTS:
         cdt = "i8" if int8 else qdt
-        sig = {"q_ptr": f"*{qdt}", "k_ptr": f"*{cdt}", "v_ptr": f"*{cdt}", "ks_ptr": "*fp32", "vs_ptr": "*fp32",
-               "table_ptr": "*i64", "ctx_ptr": "*i64", "out_ptr": f"*{qdt}", "m_ptr": "*fp32", "l_ptr": "*fp32",
-               "acc_ptr": "*fp32", "scale": "fp32", "window": "i32", "block_size": "i32", "partition": "i32",
-               **dict.fromkeys(strides, "i32")}  # fmt: skip
+        sig = {
+            "q_ptr": f"*{qdt}",
+            "k_ptr": f"*{cdt}",
+            "v_ptr": f"*{cdt}",
+            "ks_ptr": "*fp32",
+            "vs_ptr": "*fp32",
+            "table_ptr": "*i64",
+            "ctx_ptr": "*i64",
+            "out_ptr": f"*{qdt}",
+            "m_ptr": "*fp32",
+            "l_ptr": "*fp32",
+            "acc_ptr": "*fp32",
+            "scale": "fp32",
+            "window": "i32",
+            "block_size": "i32",
+            "partition": "i32",
+            **dict.fromkeys(strides, "i32"),
+        }
         block_d = max(tri.MIN_DOT, 1 << (d - 1).bit_length())
-        const = {"G": group, "G_PAD": max(tri.MIN_DOT, 1 << (group - 1).bit_length()), "D": d, "BLOCK_D": block_d,
-                 "BLOCK_N": tri.default_block_n(block_d, int8 or qdt == "fp32"), "INT8": int8, "SPLIT": split,
-                 "DOT_F32": qdt == "fp32"}  # fmt: skip
+        const = {
+            "G": group,
+            "G_PAD": max(tri.MIN_DOT, 1 << (group - 1).bit_length()),
+            "D": d,
+            "BLOCK_D": block_d,
+            "BLOCK_N": tri.default_block_n(block_d, int8 or qdt == "fp32"),
+            "INT8": int8,
+            "SPLIT": split,
+            "DOT_F32": qdt == "fp32",
+        }
         sig.update(dict.fromkeys(const, "constexpr"))
         name = f"sm{arch} {qdt}{' int8' if int8 else ''} G={group} D={d}{' split' if split else ''}"
         try:
-            triton_compile(ASTSource(kern.paged_decode_kernel, sig, constexprs=const), target=target,
-                           options={"num_warps": 8 if qdt == "fp32" and block_d >= 128 else 4})  # fmt: skip
+            triton_compile(
+                ASTSource(kern.paged_decode_kernel, sig, constexprs=const),
+                target=target,
+                options={"num_warps": 8 if qdt == "fp32" and block_d >= 128 else 4},
+            )
             if split:
-                csig = {"ctx_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "out_ptr": f"*{qdt}",
-                        "window": "i32", "partition": "i32", "D": "constexpr", "BLOCK_D": "constexpr",
-                        **{n: "i32" for n in kern.paged_decode_combine_kernel.arg_names if n.startswith("stride_")}}
-                triton_compile(ASTSource(kern.paged_decode_combine_kernel, csig, constexprs={"D": d, "BLOCK_D": block_d}),
-                               target=target, options={"num_warps": 4})  # fmt: skip
+                csig = {
+                    "ctx_ptr": "*i64",
+                    "m_ptr": "*fp32",
+                    "l_ptr": "*fp32",
+                    "acc_ptr": "*fp32",
+                    "out_ptr": f"*{qdt}",
+                    "window": "i32",
+                    "partition": "i32",
+                    "D": "constexpr",
+                    "BLOCK_D": "constexpr",
+                    **{n: "i32" for n in kern.paged_decode_combine_kernel.arg_names if n.startswith("stride_")},
+                }
+                triton_compile(
+                    ASTSource(kern.paged_decode_combine_kernel, csig, constexprs={"D": d, "BLOCK_D": block_d}),
+                    target=target,
+                    options={"num_warps": 4},
+                )
             lines.append(f"{name}: ok")
         except Exception as exc:  # noqa: BLE001 - reported per variant
             lines.append(f"{name}: {type(exc).__name__}: {exc}")
@@ -200,10 +264,19 @@ def main(path: str) -> int:
     results: dict[str, dict[str, Any]] = {}
     for name in CASES:
         c = make_case(name)
-        c["out"] = tri.paged_decode_attention(c["q"], c["k"], c["v"], c["k_scale"], c["v_scale"],
-                                              c["packed"][:, tri.PACKED_TABLE :], c["packed"][:, tri.PACKED_CONTEXT],
-                                              c["scale"], c["window"], partition=c["partition"],
-                                              block_n=c["block_n"])  # fmt: skip
+        c["out"] = tri.paged_decode_attention(
+            c["q"],
+            c["k"],
+            c["v"],
+            c["k_scale"],
+            c["v_scale"],
+            c["packed"][:, tri.PACKED_TABLE :],
+            c["packed"][:, tri.PACKED_CONTEXT],
+            c["scale"],
+            c["window"],
+            partition=c["partition"],
+            block_n=c["block_n"],
+        )
         results[name] = c
     # Through the custom op (the launcher's default tiles) as the compiled step calls it.
     c = make_case("gqa9x3-fp32-split", seed=4)
@@ -221,8 +294,9 @@ def main(path: str) -> int:
 def interpreted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     path = tmp_path_factory.mktemp("triton-attention") / "results.pt"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__, str(path)], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, str(path)], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, f"the interpreted kernels failed:\n{proc.stderr[-4000:]}"
     results: dict[str, dict[str, Any]] = torch.load(path, weights_only=False)
     return results
@@ -242,8 +316,9 @@ def test_kernels_compile_for_an_ampere_gpu(tmp_path: Path) -> None:
     the interpreter runs the Python semantics only, this is the compiler a GPU's first launch would run."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
     env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run([sys.executable, __file__, "--compile"], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, "--compile"], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == len(GPU_VARIANTS) and all(line.endswith(": ok") for line in lines), proc.stdout
@@ -305,8 +380,9 @@ def test_the_op_traces_as_one_node() -> None:
     c = make_case("int8-bf16-window-split")
     op = tri.register_op()
 
-    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-             packed: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def step(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor, packed: torch.Tensor
+    ) -> torch.Tensor:
         return op(q, k, v, ks, vs, packed, c["scale"], c["window"]) + 1  # type: ignore[operator,no-any-return]
 
     gm = make_fx(step, tracing_mode="fake")(c["q"], c["k"], c["v"], c["k_scale"], c["v_scale"], c["packed"])
@@ -343,11 +419,15 @@ def test_native_kernels_stage_says_which_decode_attention_runs_on_cuda(compile_m
     from glowplug.engine.stages.native_kernels import NativeKernels
     from glowplug.profiling.names import Attr
 
-    config = SimpleNamespace(compile=compile_mode, compile_enabled=lambda: compile_mode != "off",
-                             compile_off_reason=lambda: f"--compile {compile_mode}")  # fmt: skip
+    config = SimpleNamespace(
+        compile=compile_mode,
+        compile_enabled=lambda: compile_mode != "off",
+        compile_off_reason=lambda: f"--compile {compile_mode}",
+    )
     # A dense model: on CUDA the stage then has no quantized layer to switch to the Triton linears, and says so.
-    ctx = SimpleNamespace(config=config, device="cuda", model=torch.nn.Sequential(torch.nn.Linear(4, 4)),
-                          need=lambda value, *_: value)  # fmt: skip
+    ctx = SimpleNamespace(
+        config=config, device="cuda", model=torch.nn.Sequential(torch.nn.Linear(4, 4)), need=lambda value, *_: value
+    )
     report = NativeKernels().run(ctx)  # type: ignore[arg-type]
     assert report.skipped_reason is not None
     said = report.attributes[Attr.DECODE_ATTENTION]
@@ -373,9 +453,18 @@ def test_cuda_kernel_matches_reference(name: str, tiles: str) -> None:
     case's small tiles and the launcher's defaults."""
     c = _cuda_case(name)
     kw = {"partition": c["partition"], "block_n": c["block_n"]} if tiles == "case" else {}
-    c["out"] = tri.paged_decode_attention(c["q"], c["k"], c["v"], c["k_scale"], c["v_scale"],
-                                          c["packed"][:, tri.PACKED_TABLE :], c["packed"][:, tri.PACKED_CONTEXT],
-                                          c["scale"], c["window"], **kw)  # fmt: skip
+    c["out"] = tri.paged_decode_attention(
+        c["q"],
+        c["k"],
+        c["v"],
+        c["k_scale"],
+        c["v_scale"],
+        c["packed"][:, tri.PACKED_TABLE :],
+        c["packed"][:, tri.PACKED_CONTEXT],
+        c["scale"],
+        c["window"],
+        **kw,
+    )
     dtype = c["q"].dtype
     want = _reference(c)
     assert torch.isfinite(c["out"].float()).all()
@@ -385,8 +474,9 @@ def test_cuda_kernel_matches_reference(name: str, tiles: str) -> None:
 
 @pytest.mark.cuda
 @needs_cuda
-@pytest.mark.parametrize("dtype,int8,window", [(torch.bfloat16, False, None), (torch.bfloat16, True, None),
-                                               (torch.float16, False, 300)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype,int8,window", [(torch.bfloat16, False, None), (torch.bfloat16, True, None), (torch.float16, False, 300)]
+)
 def test_cuda_graph_replays_as_the_context_grows(dtype: torch.dtype, int8: bool, window: int | None) -> None:
     """A CUDA graph captured around the op at short contexts, replayed after the contexts grew (more blocks in
     the tables, more partitions live): each replay equals the reference, and equals an eager call."""

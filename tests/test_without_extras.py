@@ -40,7 +40,8 @@ def test_a_bench_report_with_charts_names_the_extra_before_any_work() -> None:
 @pytest.mark.slow
 def test_default_model_starts_and_generates_without_transformers_or_accelerate() -> None:
     """The default model (a GGUF) from preparation to READY and a greedy completion, eager (`--compile off`)."""
-    proc = _run("glowplug.cli", "generate", "The capital of France is", "--compile", "off", "--max-tokens", "4",
-                timeout=600)  # fmt: skip
+    proc = _run(
+        "glowplug.cli", "generate", "The capital of France is", "--compile", "off", "--max-tokens", "4", timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("The capital of France is Paris"), proc.stdout

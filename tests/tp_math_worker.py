@@ -47,8 +47,12 @@ def build(model_dir: Path, shard: TPShard, scheme: str, group_size: int | None) 
         kinds = ("int8_channel", "int8_group", "int4", "int2", "w8a8")
         exact = Dispatcher(DispatchTable(rules={f"cpu/{k}": [(None, "reference")] for k in kinds}))
         s.convert_for_runtime(model, group_size=group_size, quantize_head=True, dispatcher=exact)
-        keep = frozenset(f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, QuantLinear)
-                         for b, _ in m.named_buffers(recurse=False))
+        keep = frozenset(
+            f"{n}.{b}"
+            for n, m in model.named_modules()
+            if isinstance(m, QuantLinear)
+            for b, _ in m.named_buffers(recurse=False)
+        )
     materialize(model, sd, torch.float32, "cpu", model_dir, keep_dtype=keep)
     model.model.build_rope(arch.max_position_embeddings, "cpu")
     return model

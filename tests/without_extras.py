@@ -2,8 +2,8 @@
 
     python tests/without_extras.py MODULE [ARGS...]
 
-They come with the `test` and `bench` extras, not as runtime dependencies: a meta-path finder placed ahead of every other
-one refuses them as if they were not installed, so whatever MODULE does (serve, generate) proves it needs neither.
+They come with the `test` and `bench` extras, not as runtime dependencies: a meta-path finder placed ahead of every
+other one refuses them as if they were not installed, so whatever MODULE does (serve, generate) proves it needs neither.
 Used by tests/test_without_extras.py.
 """
 
@@ -20,11 +20,13 @@ BLOCKED = ("transformers", "accelerate", "matplotlib")
 
 
 class RefuseExtras(MetaPathFinder):
-    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
-                  target: ModuleType | None = None) -> ModuleSpec | None:  # fmt: skip
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if fullname.split(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {fullname!r} (refused by tests/without_extras.py)",
-                                      name=fullname)  # fmt: skip
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r} (refused by tests/without_extras.py)", name=fullname
+            )
         return None  # everything else: the normal finders
 
 

@@ -128,7 +128,7 @@ def verify(store: ArtifactStore, items: list[Item], mode: VerifyMode) -> list[It
 
 
 def _writer_alive(store: ArtifactStore, item: Item) -> bool:
-    key = item.name[len(TMP_PREFIX):].split("-", 1)[0]
+    key = item.name[len(TMP_PREFIX) :].split("-", 1)[0]
     lock = FileLock(str(store.root / item.cache / LOCKS / f"{key}.lock"))
     try:
         lock.acquire(timeout=0)
@@ -138,8 +138,9 @@ def _writer_alive(store: ArtifactStore, item: Item) -> bool:
     return False
 
 
-def prune_plan(store: ArtifactStore, items: list[Item], *, older_than_s: float | None, corrupt: bool,
-               everything: bool) -> list[tuple[Item, str]]:  # fmt: skip
+def prune_plan(
+    store: ArtifactStore, items: list[Item], *, older_than_s: float | None, corrupt: bool, everything: bool
+) -> list[tuple[Item, str]]:
     """What `prune` removes, with why. Always: quarantined things and leftovers of writers that are gone."""
     now = time.time()
     plan: list[tuple[Item, str]] = []

@@ -51,8 +51,17 @@ SUFFIX = ".glowplug"
 MTIME_NS = "GLOWPLUG.mtime_ns"  # a vendor PAX record per member
 _CHUNK = 1 << 22
 
-__all__ = ["BUNDLE_FORMAT", "BundleEntry", "BundleHeader", "EntryOutcome", "InstallReport", "NotABundle",
-           "install_bundle", "read_header", "write_bundle"]  # fmt: skip
+__all__ = [
+    "BUNDLE_FORMAT",
+    "BundleEntry",
+    "BundleHeader",
+    "EntryOutcome",
+    "InstallReport",
+    "NotABundle",
+    "install_bundle",
+    "read_header",
+    "write_bundle",
+]
 
 
 class NotABundle(ValueError):
@@ -145,15 +154,19 @@ def read_header(path: Path) -> BundleHeader:
             raise
         raise NotABundle(f"{path} is not a glowplug bundle ({type(exc).__name__}: {exc}); {fix}") from None
     if hashlib.sha256(text).hexdigest() != want:
-        raise NotABundle(f"{path} is a damaged glowplug bundle: its header fails its checksum; make it again "
-                         f"with `glowplug bundle create`")  # fmt: skip
+        raise NotABundle(
+            f"{path} is a damaged glowplug bundle: its header fails its checksum; make it again "
+            f"with `glowplug bundle create`"
+        )
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
         raise NotABundle(f"{path}: the bundle header is not JSON; {fix}") from None
     if isinstance(data, dict) and data.get("format") != BUNDLE_FORMAT:
-        raise NotABundle(f"{path} is a bundle of format {data.get('format')!r}, not {BUNDLE_FORMAT!r} (made by "
-                         f"another glowplug version); make it again with this version's `glowplug bundle create`")  # fmt: skip
+        raise NotABundle(
+            f"{path} is a bundle of format {data.get('format')!r}, not {BUNDLE_FORMAT!r} (made by "
+            f"another glowplug version); make it again with this version's `glowplug bundle create`"
+        )
     try:
         return BundleHeader.model_validate(data)
     except ValidationError as exc:
@@ -218,8 +231,13 @@ def _member_parts(name: str) -> tuple[str, str, str] | None:
     return p.parts[1], p.parts[2], str(PurePosixPath(*p.parts[3:]))
 
 
-def install_bundle(path: Path, store: ArtifactStore, *, info: dict[str, Any] | None = None,
-                   wanted: Callable[[BundleEntry], str | None] | None = None) -> InstallReport:  # fmt: skip
+def install_bundle(
+    path: Path,
+    store: ArtifactStore,
+    *,
+    info: dict[str, Any] | None = None,
+    wanted: Callable[[BundleEntry], str | None] | None = None,
+) -> InstallReport:
     """Unpack `path`'s entries into `store`, each checked file by file against its manifest's sha256.
 
     An entry already sound in the store is left as it is ("present"); one whose files do not match is not
@@ -234,11 +252,17 @@ def install_bundle(path: Path, store: ArtifactStore, *, info: dict[str, Any] | N
     if problem is not None:
         # Nothing can be installed (a read-only image layer, say): the start runs without the bundle, warned
         # once, as any cache that cannot store runs without the dir.
-        report_event(Event.CACHE_UNUSABLE, cache="bundle", path=store.root, reason=problem.problem,
-                     action=f"not installing {path.name}; the start builds what it needs")  # fmt: skip
+        report_event(
+            Event.CACHE_UNUSABLE,
+            cache="bundle",
+            path=store.root,
+            reason=problem.problem,
+            action=f"not installing {path.name}; the start builds what it needs",
+        )
         warn_once(problem, [s.name for s in ALL if s.on_unusable == "bypass"])
-        report.entries = [EntryOutcome(e.cache, e.key, "skipped", f"cache dir unusable: {problem.problem}")
-                          for e in header.entries]  # fmt: skip
+        report.entries = [
+            EntryOutcome(e.cache, e.key, "skipped", f"cache dir unusable: {problem.problem}") for e in header.entries
+        ]
         return report
     plan: dict[tuple[str, str], BundleEntry] = {}
     for entry in header.entries:
@@ -258,8 +282,13 @@ def install_bundle(path: Path, store: ArtifactStore, *, info: dict[str, Any] | N
                 continue
         plan[(entry.cache, entry.key)] = entry
     if plan:
-        _unpack(path, store, plan, report, {"bundle": path.name, "bundle_created": header.created,
-                                            "machine": header.machine, **(info or {})})  # fmt: skip
+        _unpack(
+            path,
+            store,
+            plan,
+            report,
+            {"bundle": path.name, "bundle_created": header.created, "machine": header.machine, **(info or {})},
+        )
     order = {(e.cache, e.key): i for i, e in enumerate(header.entries)}
     report.entries.sort(key=lambda e: order.get((e.cache, e.key), len(order)))
     return report
@@ -272,8 +301,13 @@ def _spec(name: str) -> Any:
         return None
 
 
-def _unpack(path: Path, store: ArtifactStore, plan: dict[tuple[str, str], BundleEntry], report: InstallReport,
-            info: dict[str, Any]) -> None:  # fmt: skip
+def _unpack(
+    path: Path,
+    store: ArtifactStore,
+    plan: dict[tuple[str, str], BundleEntry],
+    report: InstallReport,
+    info: dict[str, Any],
+) -> None:
     """One pass over the tar: each planned entry's files into a temporary folder in its cache, hashed on the way;
     a whole, matching entry gets its manifest and is renamed into place."""
     open_dirs: dict[tuple[str, str], Path] = {}
@@ -353,8 +387,9 @@ def _mtime_ns(member: tarfile.TarInfo) -> int:
     return int(exact) if exact.isdigit() else int(member.mtime * 1e9)
 
 
-def _settle(store: ArtifactStore, entry: BundleEntry, tmp: Path | None, why: str | None, info: dict[str, Any],
-            bundle: Path) -> EntryOutcome:  # fmt: skip
+def _settle(
+    store: ArtifactStore, entry: BundleEntry, tmp: Path | None, why: str | None, info: dict[str, Any], bundle: Path
+) -> EntryOutcome:
     spec = by_name(entry.cache)
     final = store.entry_path(spec, entry.key)
     if why is None and tmp is not None:
@@ -374,8 +409,13 @@ def _settle(store: ArtifactStore, entry: BundleEntry, tmp: Path | None, why: str
     if tmp is not None and tmp.exists():  # not renamed into place: a damaged entry, or the rename failed
         shutil.rmtree(tmp, ignore_errors=True)
     why = why or "nothing of it could be read"
-    report_event(Event.CACHE_CORRUPT, cache=entry.cache, path=bundle, reason=f"bundle entry {entry.key}: {why}",
-                 action="not installed; the start rebuilds it")  # fmt: skip
+    report_event(
+        Event.CACHE_CORRUPT,
+        cache=entry.cache,
+        path=bundle,
+        reason=f"bundle entry {entry.key}: {why}",
+        action="not installed; the start rebuilds it",
+    )
     return EntryOutcome(entry.cache, entry.key, "damaged", why)
 
 

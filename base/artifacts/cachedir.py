@@ -51,7 +51,9 @@ def warn_once(problem: CacheDirUnusable, bypassing: list[str]) -> None:
     if str(problem) in _WARNED:
         return
     _WARNED.add(str(problem))
-    log.warning(f"{problem}. Meanwhile glowplug runs without caching ({', '.join(bypassing)}: recomputed on every start)")
+    log.warning(
+        f"{problem}. Meanwhile glowplug runs without caching ({', '.join(bypassing)}: recomputed on every start)"
+    )
 
 
 def read_problem(root: Path) -> CacheDirUnusable | None:
@@ -80,8 +82,9 @@ def refusal(root: Path, folder: Path) -> CacheDirUnusable | None:
     if existing is None or os.access(existing, os.W_OK):
         return None
     ro = os.statvfs(existing).f_flag & os.ST_RDONLY
-    return CacheDirUnusable(root, f"is read-only ({os.strerror(errno.EROFS if ro else errno.EACCES)})",
-                            f"make it writable or {FIX_FOLDER}")  # fmt: skip
+    return CacheDirUnusable(
+        root, f"is read-only ({os.strerror(errno.EROFS if ro else errno.EACCES)})", f"make it writable or {FIX_FOLDER}"
+    )
 
 
 def write_problem(root: Path, folder: Path) -> CacheDirUnusable | None:

@@ -56,53 +56,87 @@ class CacheSpec:
 
 
 MODEL = CacheSpec(
-    "model", 2, "GGUF checkpoints prepared as folders (config, tokenizer, tensor table; weights stay in the GGUF)",
-    "fail", "the prepared model must be written to disk before the engine can read it",
+    "model",
+    2,
+    "GGUF checkpoints prepared as folders (config, tokenizer, tensor table; weights stay in the GGUF)",
+    "fail",
+    "the prepared model must be written to disk before the engine can read it",
 )
 QUANT = CacheSpec(
-    "quant", 1, "quantized projection weights of one checkpoint for one scheme and group size", "bypass",
+    "quant",
+    1,
+    "quantized projection weights of one checkpoint for one scheme and group size",
+    "bypass",
     "every start quantizes the weights again",
 )
 COMPILE = CacheSpec(
-    "compile", 2, "the AOT-compiled decode step (traced bytecode, guards, bundled Inductor output)", "bypass",
+    "compile",
+    2,
+    "the AOT-compiled decode step (traced bytecode, guards, bundled Inductor output)",
+    "bypass",
     "every start traces the decode step with Dynamo and compiles it with Inductor again",
 )
 INDUCTOR = CacheSpec(
-    "inductor", 1, "Inductor's cache folder: generated code, compiled kernels (.so), FX graphs, CPU probes", "bypass",
+    "inductor",
+    1,
+    "Inductor's cache folder: generated code, compiled kernels (.so), FX graphs, CPU probes",
+    "bypass",
     "Inductor compiles into a private temporary folder, so every start compiles cold",
 )
 # v2: the CPU peak is live tensor bytes (profiling/memory.py LiveTensorPeak), no longer RSS growth.
 KV_PROFILE = CacheSpec(
-    "kv_profile", 2, "activation peak of one forward at max_num_batched_tokens (sizes the KV cache)", "bypass",
+    "kv_profile",
+    2,
+    "activation peak of one forward at max_num_batched_tokens (sizes the KV cache)",
+    "bypass",
     "every start runs the profiling forward again",
 )
 STARTUP_PROFILE = CacheSpec(
-    "startup_profile", 1, "seconds per start-up stage of the latest starts per cache hit/miss pattern, with what was "
+    "startup_profile",
+    1,
+    "seconds per start-up stage of the latest starts per cache hit/miss pattern, with what was "
     "known before each (the ETA, and the start-up model's fit)",
     "bypass",
     "no start-up ETA is shown and none is recorded",
 )
 KERNEL_DISPATCH = CacheSpec(
-    "kernel_dispatch", 1, "quantized-kernel dispatch table calibrated on this machine", "bypass",
+    "kernel_dispatch",
+    1,
+    "quantized-kernel dispatch table calibrated on this machine",
+    "bypass",
     "quantized layers use the built-in dispatch rules and a calibration is not kept",
     first="not calibrated on this machine yet",
 )
 
 NATIVE = CacheSpec(
-    "native", 2, "glowplug's native CPU kernels, one variant per ISA level (.so), when none was prebuilt", "bypass",
-    "the kernels are built again (several seconds) into a temporary folder at every start that has no prebuilt "
-    "variant",
+    "native",
+    2,
+    "glowplug's native CPU kernels, one variant per ISA level (.so), when none was prebuilt",
+    "bypass",
+    "the kernels are built again (several seconds) into a temporary folder at every start that has no prebuilt variant",
 )
 
 # Only a bundle (bundle.py, engine/bundle.py) writes it: a model file is otherwise read where the user keeps it.
 SOURCE = CacheSpec(
-    "source", 1, "model files as downloaded (a GGUF, or a model folder's files), brought by a bundle", "fail",
+    "source",
+    1,
+    "model files as downloaded (a GGUF, or a model folder's files), brought by a bundle",
+    "fail",
     "a bundle's model cannot be installed, and the start needs the model where the bundle was made",
     first="no bundle brought this model",
 )
 
-ALL: tuple[CacheSpec, ...] = (MODEL, QUANT, COMPILE, INDUCTOR, KV_PROFILE, STARTUP_PROFILE, KERNEL_DISPATCH, NATIVE,
-                              SOURCE)
+ALL: tuple[CacheSpec, ...] = (
+    MODEL,
+    QUANT,
+    COMPILE,
+    INDUCTOR,
+    KV_PROFILE,
+    STARTUP_PROFILE,
+    KERNEL_DISPATCH,
+    NATIVE,
+    SOURCE,
+)
 
 
 def by_name(name: str) -> CacheSpec:

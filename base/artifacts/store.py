@@ -72,8 +72,9 @@ log = structlog.get_logger("glowplug.artifacts")
 __all__ = ["ArtifactStore", "CacheDirUnusable", "CacheSpec", "Fetched", "probes_seen"]
 
 # The probes made in the current context, when someone listens (`probes_seen`): (cache, entry folder, would hit).
-_PROBES: contextvars.ContextVar[list[tuple[str, Path, bool]] | None] = contextvars.ContextVar("glowplug_probes",
-                                                                                             default=None)
+_PROBES: contextvars.ContextVar[list[tuple[str, Path, bool]] | None] = contextvars.ContextVar(
+    "glowplug_probes", default=None
+)
 
 
 @contextmanager
@@ -151,8 +152,13 @@ class ArtifactStore:
         cache must not run without the dir."""
         if spec.on_unusable == "fail":
             raise problem
-        report_event(Event.CACHE_UNUSABLE, cache=spec.name, path=self.root, reason=problem.problem,
-                     action=f"running without the {spec.name} cache")  # fmt: skip
+        report_event(
+            Event.CACHE_UNUSABLE,
+            cache=spec.name,
+            path=self.root,
+            reason=problem.problem,
+            action=f"running without the {spec.name} cache",
+        )
         warn_once(problem, [s.name for s in ALL if s.on_unusable == "bypass"])
         return f"{problem}. Running without the {spec.name} cache: {spec.without}"
 
@@ -218,8 +224,14 @@ class ArtifactStore:
 
     # ------------------------------------------------------------ reading entries
 
-    def check_entry(self, path: Path, spec: CacheSpec | None = None, key: str | None = None,
-                    factors: dict[str, Any] | None = None, mode: VerifyMode | None = None) -> tuple[Manifest | None, str | None]:  # fmt: skip
+    def check_entry(
+        self,
+        path: Path,
+        spec: CacheSpec | None = None,
+        key: str | None = None,
+        factors: dict[str, Any] | None = None,
+        mode: VerifyMode | None = None,
+    ) -> tuple[Manifest | None, str | None]:
         """(manifest, None) for a sound entry, else (manifest or None, why it is damaged or stale)."""
         try:
             m = read_manifest(path)
@@ -240,8 +252,9 @@ class ArtifactStore:
                 return m, why
         return m, None
 
-    def _open(self, spec: CacheSpec, key: str, factors: dict[str, Any], load: Callable[[Path], T]
-              ) -> tuple[bool, T | None, str | None, str | None]:  # fmt: skip
+    def _open(
+        self, spec: CacheSpec, key: str, factors: dict[str, Any], load: Callable[[Path], T]
+    ) -> tuple[bool, T | None, str | None, str | None]:
         """(found, value, damage, bundle): found with its loaded value and the bundle that brought the entry (if
         one did: the phase table notes it), or not, with why when an entry was there."""
         path = self.entry_path(spec, key)
@@ -254,7 +267,12 @@ class ArtifactStore:
         try:
             value = load(path)
         except Exception as exc:  # noqa: BLE001 - any failure to load a cached entry makes it a miss
-            return False, None, f"cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})", None
+            return (
+                False,
+                None,
+                f"cannot be loaded ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
+                None,
+            )
         if refusal(self.root, path) is None:  # a read-only dir keeps its stamps: bookkeeping, not worth a warning
             try:
                 os.utime(path / "manifest.json")  # last use, for `cache ls` and `prune --older-than`
@@ -344,8 +362,15 @@ class ArtifactStore:
 
     # ------------------------------------------------------------ the operations caches use
 
-    def fetch(self, spec: CacheSpec, factors: dict[str, Any], *, group: str,
-              build: Callable[[Path | None], T], load: Callable[[Path], T]) -> Fetched[T]:  # fmt: skip
+    def fetch(
+        self,
+        spec: CacheSpec,
+        factors: dict[str, Any],
+        *,
+        group: str,
+        build: Callable[[Path | None], T],
+        load: Callable[[Path], T],
+    ) -> Fetched[T]:
         """The entry for `factors`, loaded; built (and stored) first when missing or damaged.
 
         build(folder) computes the value and writes the entry's files into `folder` (a temporary folder renamed
@@ -365,8 +390,13 @@ class ArtifactStore:
         problem = problem or self.write_problem(spec)
         if problem is not None:
             if bad is not None:  # cannot move it aside; say so and do without it
-                report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=bad,
-                             action="left in place (the cache dir is unusable); not using it")  # fmt: skip
+                report_event(
+                    Event.CACHE_CORRUPT,
+                    cache=spec.name,
+                    path=path,
+                    reason=bad,
+                    action="left in place (the cache dir is unusable); not using it",
+                )
                 corrupt.append(f"{spec.name} {key}: {bad}")
             message = self.bypass(spec, problem)
             return Fetched(build(None), key, False, None, f"cache dir unusable: {problem.problem}", corrupt, message)
@@ -387,8 +417,9 @@ class ArtifactStore:
             message = self.bypass(spec, unusable)
             return Fetched(build(None), key, False, None, f"cache dir unusable: {unusable.problem}", corrupt, message)
 
-    def lookup(self, spec: CacheSpec, factors: dict[str, Any], *, group: str,
-               load: Callable[[Path], T]) -> Fetched[T | None]:  # fmt: skip
+    def lookup(
+        self, spec: CacheSpec, factors: dict[str, Any], *, group: str, load: Callable[[Path], T]
+    ) -> Fetched[T | None]:
         """Read-only fetch: the loaded entry, or value None with the miss explained (damaged entries moved aside)."""
         key = self.key(spec, factors)
         path = self.entry_path(spec, key)
@@ -408,14 +439,26 @@ class ArtifactStore:
                     if bad is not None:
                         corrupt.append(self.quarantine(spec, path, bad))
             else:
-                report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=bad,
-                             action="left in place (the cache dir is unusable); not using it")  # fmt: skip
+                report_event(
+                    Event.CACHE_CORRUPT,
+                    cache=spec.name,
+                    path=path,
+                    reason=bad,
+                    action="left in place (the cache dir is unusable); not using it",
+                )
                 corrupt.append(f"{spec.name} {key}: {bad}")
         reason = f"entry was damaged ({bad})" if bad else self.explain(spec, key, factors, group)
         return Fetched(None, key, False, None, reason, corrupt)
 
-    def put(self, spec: CacheSpec, factors: dict[str, Any], *, group: str,
-            build: Callable[[Path | None], T], refresh: bool = False) -> Fetched[T]:  # fmt: skip
+    def put(
+        self,
+        spec: CacheSpec,
+        factors: dict[str, Any],
+        *,
+        group: str,
+        build: Callable[[Path | None], T],
+        refresh: bool = False,
+    ) -> Fetched[T]:
         """Write (or replace) the entry for `factors` unconditionally, e.g. a profile refreshed by every start.
 
         refresh: the new entry only updates a sound existing one (the start-up profile's latest timings), so when the
@@ -445,16 +488,26 @@ class ArtifactStore:
         message = self.bypass(spec, problem)
         return Fetched(build(None), key, False, None, f"cache dir unusable: {problem.problem}", [], message)
 
-    def _write(self, spec: CacheSpec, key: str, factors: dict[str, Any], group: str,
-               build: Callable[[Path | None], T]) -> T:  # fmt: skip
+    def _write(
+        self, spec: CacheSpec, key: str, factors: dict[str, Any], group: str, build: Callable[[Path | None], T]
+    ) -> T:
         """Build into a temporary folder, add the manifest, rename into place (the caller holds the lock)."""
         self._remove_leftovers(spec, key)
         tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{key}-", dir=self.folder(spec)))
         try:
             value = build(tmp)
             files = {rel: record_file(tmp / rel) for rel in list_files(tmp)}
-            manifest = Manifest(format=FORMAT, cache=spec.name, version=spec.version, key=key,
-                                group=group, factors=factors, files=files, created=now_iso(), producer=producer())  # fmt: skip
+            manifest = Manifest(
+                format=FORMAT,
+                cache=spec.name,
+                version=spec.version,
+                key=key,
+                group=group,
+                factors=factors,
+                files=files,
+                created=now_iso(),
+                producer=producer(),
+            )
             write_manifest(tmp, manifest)
             self._install(tmp, self.entry_path(spec, key))
             return value

@@ -67,8 +67,9 @@ def _private(store: ArtifactStore, spec: CacheSpec, key: str, factors: dict[str,
     return Workspace(spec, key, path, group, factors, False)
 
 
-def open_workspace(store: ArtifactStore, spec: CacheSpec, factors: dict[str, Any], *, group: str,
-                   skip: tuple[str, ...] = ()) -> Workspace:  # fmt: skip
+def open_workspace(
+    store: ArtifactStore, spec: CacheSpec, factors: dict[str, Any], *, group: str, skip: tuple[str, ...] = ()
+) -> Workspace:
     """The verified workspace for `factors` (see module docstring); a temporary one when the dir is unusable,
     linking to the stored one when the dir is only read-only. skip: path prefixes that are not artifacts (the
     tool's lock files), never linked: a lock taken through a link would write into the read-only dir."""
@@ -97,8 +98,16 @@ def open_workspace(store: ArtifactStore, spec: CacheSpec, factors: dict[str, Any
     return ws
 
 
-def _linked(store: ArtifactStore, spec: CacheSpec, key: str, factors: dict[str, Any], group: str, stored: Path,
-            problem: CacheDirUnusable, skip: tuple[str, ...]) -> Workspace:  # fmt: skip
+def _linked(
+    store: ArtifactStore,
+    spec: CacheSpec,
+    key: str,
+    factors: dict[str, Any],
+    group: str,
+    stored: Path,
+    problem: CacheDirUnusable,
+    skip: tuple[str, ...],
+) -> Workspace:
     """A private folder linking to the sound files of the read-only workspace `stored`, verified as `_heal` does,
     except that nothing damaged can be moved aside: it is left out (the tool rebuilds it privately) and reported."""
     ws = _private(store, spec, key, factors, group)
@@ -130,8 +139,13 @@ def _linked(store: ArtifactStore, spec: CacheSpec, key: str, factors: dict[str, 
     if bad:
         more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
         reason = f"{len(bad)} damaged: {bad[0]}{more}"
-        report_event(Event.CACHE_CORRUPT, cache=spec.name, path=stored, reason=reason,
-                     action="left in place (the cache dir is unusable); not using it")  # fmt: skip
+        report_event(
+            Event.CACHE_CORRUPT,
+            cache=spec.name,
+            path=stored,
+            reason=reason,
+            action="left in place (the cache dir is unusable); not using it",
+        )
         ws.healed.append(f"{spec.name}: {reason}")
         ws.bypassed = True  # what was left out is rebuilt and cannot be stored: a miss on a read-only dir
         store.bypass(spec, problem)
@@ -164,8 +178,13 @@ def _heal(store: ArtifactStore, ws: Workspace) -> None:
         # One event for the lot: a damaged cache tends to be damaged in many files at once.
         more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
         reason = f"{len(bad)} of {len(m.files)} files damaged: {bad[0]}{more}"
-        report_event(Event.CACHE_CORRUPT, cache=ws.spec.name, path=ws.path, reason=reason,
-                     action=f"damaged files moved to {store.root / QUARANTINE}; rebuilt on demand")  # fmt: skip
+        report_event(
+            Event.CACHE_CORRUPT,
+            cache=ws.spec.name,
+            path=ws.path,
+            reason=reason,
+            action=f"damaged files moved to {store.root / QUARANTINE}; rebuilt on demand",
+        )
         ws.healed.append(f"{ws.spec.name}: {reason}")
         write_manifest(ws.path, m.model_copy(update={"files": kept}))
 
@@ -207,9 +226,20 @@ def seal(store: ArtifactStore, ws: Workspace, *, skip: tuple[str, ...] = ()) -> 
                     files[rel] = prev
                 else:
                     files[rel] = record_file(ws.path / rel, with_mtime=True)
-            write_manifest(ws.path, Manifest(format=FORMAT, cache=ws.spec.name, version=ws.spec.version, key=ws.key,
-                                             group=ws.group, factors=ws.factors, files=files, created=now_iso(),
-                                             producer=producer()))  # fmt: skip
+            write_manifest(
+                ws.path,
+                Manifest(
+                    format=FORMAT,
+                    cache=ws.spec.name,
+                    version=ws.spec.version,
+                    key=ws.key,
+                    group=ws.group,
+                    factors=ws.factors,
+                    files=files,
+                    created=now_iso(),
+                    producer=producer(),
+                ),
+            )
     except OSError as exc:
         unusable = classify(store.root, exc)
         if unusable is None:

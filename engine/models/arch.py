@@ -118,9 +118,7 @@ def _rope(cfg: dict[str, Any], path: Path) -> tuple[float, RopeScaling]:
     merged = {**legacy, **params}
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type not in ("default", "linear", "llama3"):
-        raise ModelError(
-            f"{path}: rope type {rope_type!r} is not supported; supported: default, linear, llama3"
-        )
+        raise ModelError(f"{path}: rope type {rope_type!r} is not supported; supported: default, linear, llama3")
     merged["rope_type"] = rope_type
     return theta, RopeScaling.model_validate(merged)
 
@@ -130,11 +128,15 @@ def _gemma3_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     defaults where a field is missing). What glowplug does not run is refused rather than ignored."""
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if cfg.get(key) is not None:
-            raise ModelError(f"{path}: {key} = {cfg[key]} is set; glowplug's Gemma 3 has no soft-capping (Gemma 3 "
-                             f"checkpoints leave it null)")  # fmt: skip
+            raise ModelError(
+                f"{path}: {key} = {cfg[key]} is set; glowplug's Gemma 3 has no soft-capping (Gemma 3 "
+                f"checkpoints leave it null)"
+            )
     if cfg.get("use_bidirectional_attention"):
-        raise ModelError(f"{path}: use_bidirectional_attention is set (an embedding model); glowplug runs causal "
-                         f"language models only")  # fmt: skip
+        raise ModelError(
+            f"{path}: use_bidirectional_attention is set (an embedding model); glowplug runs causal "
+            f"language models only"
+        )
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
         raise ModelError(f"{path}: hidden_activation {act!r} is not supported for gemma3_text (gelu_pytorch_tanh is)")
@@ -144,8 +146,10 @@ def _gemma3_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         pattern = int(cfg.get("sliding_window_pattern") or GEMMA3_SLIDING_WINDOW_PATTERN)
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     if len(types) != layers or not set(types) <= {"full_attention", "sliding_attention"}:
-        raise ModelError(f"{path}: layer_types must name full_attention or sliding_attention for each of the "
-                         f"{layers} layers (got {types})")  # fmt: skip
+        raise ModelError(
+            f"{path}: layer_types must name full_attention or sliding_attention for each of the "
+            f"{layers} layers (got {types})"
+        )
     # transformers >= 5 nests the RoPE parameters per layer type; older configs give rope_theta and
     # rope_local_base_freq (and a rope_scaling that applies to the full-attention layers only).
     params = cfg.get("rope_parameters") or {}

@@ -64,10 +64,20 @@ How = Literal["in place", "repacked", "re-quantized", "as stored", "de-quantized
 # weights; re-quantized layers take the same so a fused layer's parts and its kernels agree.
 AUTO_GROUP = 32
 _SCHEME_OF: dict[int, Scheme] = {
-    Q4_0: "int4", Q4_1: "int4", Q4_K: "int4", Q2_K: "int4", Q3_K: "int4",
-    Q5_0: "int8", Q5_1: "int8", Q5_K: "int8", Q6_K: "int8", Q8_0: "int8",
-    F32: "none", F16: "none", BF16: "none",
-}  # fmt: skip
+    Q4_0: "int4",
+    Q4_1: "int4",
+    Q4_K: "int4",
+    Q2_K: "int4",
+    Q3_K: "int4",
+    Q5_0: "int8",
+    Q5_1: "int8",
+    Q5_K: "int8",
+    Q6_K: "int8",
+    Q8_0: "int8",
+    F32: "none",
+    F16: "none",
+    BF16: "none",
+}
 # Types whose blocks are taken as they are into the scheme's g32 layout (gguf_tensors.repack_int4/int8).
 _EXACT: dict[Scheme, frozenset[int]] = {"int4": frozenset({Q4_0, Q4_1, Q4_K}), "int8": frozenset({Q8_0, Q5_0})}
 _WIDTH: dict[Scheme, int] = {"gguf": 0, "int4": 1, "int8": 2, "none": 3}
@@ -157,8 +167,12 @@ class LayerFormats:
     def repack(self) -> dict[str, str]:
         """Checkpoint modules (Hugging Face names) that load_weights repacks exactly -> their scheme. A tied head
         is not one of them: its blocks are the embedding's, which also stays float for the lookup (`tied_repack`)."""
-        return {p.removesuffix(".weight"): f.scheme for f in self.layers
-                if f.how == "repacked" and f.parts != (EMBEDDING,) for p in f.parts}  # fmt: skip
+        return {
+            p.removesuffix(".weight"): f.scheme
+            for f in self.layers
+            if f.how == "repacked" and f.parts != (EMBEDDING,)
+            for p in f.parts
+        }
 
     def tied_repack(self) -> str | None:
         """The scheme a tied head is repacked into from the embedding's own blocks, else None."""
@@ -191,8 +205,13 @@ class LayerFormats:
         per_layer: list[str] = []
         for i in range(self.num_layers):
             prefix = f"model.layers.{i}."
-            per_layer.append(", ".join(f"{f.module.removeprefix(prefix).rsplit('.', 1)[-1]} {f.spec}"
-                                       for f in self.layers if f.module.startswith(prefix)))  # fmt: skip
+            per_layer.append(
+                ", ".join(
+                    f"{f.module.removeprefix(prefix).rsplit('.', 1)[-1]} {f.spec}"
+                    for f in self.layers
+                    if f.module.startswith(prefix)
+                )
+            )
         runs: list[str] = []
         start = 0
         for i in range(1, self.num_layers + 1):
@@ -210,7 +229,9 @@ class LayerFormats:
         groups: dict[tuple[str, str, str], dict[str, int]] = {}
         for f in self.layers:
             stored = "+".join(dict.fromkeys(f.sources))
-            target = dtype if f.scheme == "none" else "stored blocks" if f.scheme == "gguf" else f"{f.scheme} g{AUTO_GROUP}"
+            target = (
+                dtype if f.scheme == "none" else "stored blocks" if f.scheme == "gguf" else f"{f.scheme} g{AUTO_GROUP}"
+            )
             how = {"repacked": "repacked exactly"}.get(f.how, f.how) + (f"; {f.why}" if f.why else "")
             classes = groups.setdefault((stored, target, how), {})
             classes[f.kind] = classes.get(f.kind, 0) + 1
@@ -228,8 +249,9 @@ class LayerFormats:
         return "auto: " + "; ".join(parts)
 
 
-def _part_entries(entries: Mapping[str, TensorEntry], layer: str, parts: tuple[str, ...]
-                  ) -> list[tuple[str, TensorEntry]] | None:  # fmt: skip
+def _part_entries(
+    entries: Mapping[str, TensorEntry], layer: str, parts: tuple[str, ...]
+) -> list[tuple[str, TensorEntry]] | None:
     found = [(f"{layer}.{p}.weight", entries.get(f"{layer}.{p}.weight")) for p in parts]
     if any(e is None or len(e.shape) != 2 for _, e in found):
         return None  # not a projection this plan can place: check_state_dict names what is wrong with the file
@@ -242,7 +264,7 @@ def _layer(module: str, kind: str, found: list[tuple[str, TensorEntry]], in_plac
     names = tuple(n for n, _ in found)
     sources = tuple(TYPE_NAMES[e.type] for _, e in found)
     size = sum(e.shape[0] * e.shape[1] for _, e in found)
-    if (in_place and all(fits(e.type, e.shape[1]) for _, e in found) and any(e.type in IN_PLACE for _, e in found)):
+    if in_place and all(fits(e.type, e.shape[1]) for _, e in found) and any(e.type in IN_PLACE for _, e in found):
         return LayerFormat(module, kind, "gguf", names, sources, "in place", size)
     schemes = [_SCHEME_OF[e.type] for _, e in found]
     scheme = max(schemes, key=_WIDTH.__getitem__)
@@ -250,8 +272,9 @@ def _layer(module: str, kind: str, found: list[tuple[str, TensorEntry]], in_plac
     if scheme == "none":
         quantized_parts = any(s != "none" for s in schemes)
         how: How = "de-quantized" if quantized_parts else "as stored"
-        return LayerFormat(module, kind, scheme, names, sources, how, size,
-                           "fused with a float part" if quantized_parts else "")  # fmt: skip
+        return LayerFormat(
+            module, kind, scheme, names, sources, how, size, "fused with a float part" if quantized_parts else ""
+        )
     if all(e.type in _EXACT[scheme] for _, e in found):
         return LayerFormat(module, kind, scheme, names, sources, "repacked", size)
     if mixed:
@@ -280,13 +303,19 @@ def plan_layers(table: TensorTable, quantize_head: bool, in_place: bool = False)
     if head is not None and len(head.shape) == 2:
         fmt = _layer(HEAD, "lm_head", [(f"{HEAD}.weight", head)], in_place and quantize_head)
         if not quantize_head and fmt.scheme != "none":
-            fmt = LayerFormat(HEAD, "lm_head", "none", fmt.parts, fmt.sources, "de-quantized", fmt.size,
-                              "--no-quantize-lm-head")  # fmt: skip
+            fmt = LayerFormat(
+                HEAD, "lm_head", "none", fmt.parts, fmt.sources, "de-quantized", fmt.size, "--no-quantize-lm-head"
+            )
         layers.append(fmt)
     elif embedding is not None:
         layers.append(_tied_head(embedding, quantize_head, in_place))
-    embedding_in_place = (in_place and embedding is not None and len(embedding.shape) == 2
-                          and embedding.type in IN_PLACE and fits(embedding.type, embedding.shape[1]))  # fmt: skip
+    embedding_in_place = (
+        in_place
+        and embedding is not None
+        and len(embedding.shape) == 2
+        and embedding.type in IN_PLACE
+        and fits(embedding.type, embedding.shape[1])
+    )
     return LayerFormats(tuple(layers), len(indices), embedding_in_place)
 
 
@@ -305,8 +334,16 @@ def _tied_head(embedding: TensorEntry, quantize_head: bool, in_place: bool = Fal
     scheme = _SCHEME_OF[embedding.type] if quantize_head else "none"
     if scheme == "none":
         stored = _SCHEME_OF[embedding.type] == "none"
-        return LayerFormat(HEAD, "lm_head", "none", (EMBEDDING,), source, "as stored" if stored else "de-quantized",
-                           size, "" if quantize_head else "--no-quantize-lm-head")  # fmt: skip
+        return LayerFormat(
+            HEAD,
+            "lm_head",
+            "none",
+            (EMBEDDING,),
+            source,
+            "as stored" if stored else "de-quantized",
+            size,
+            "" if quantize_head else "--no-quantize-lm-head",
+        )
     if embedding.type in _EXACT[scheme]:
         return LayerFormat(HEAD, "lm_head", scheme, (EMBEDDING,), source, "repacked", size, "the embedding's blocks")
     why = "no 2/3-bit kernel" if embedding.type in (Q2_K, Q3_K) else ""

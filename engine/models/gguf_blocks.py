@@ -49,8 +49,9 @@ def _blocks(raw: torch.Tensor, e: TensorEntry) -> torch.Tensor:
     k = e.shape[-1]
     weights, nbytes = _BLOCK_SHAPE[e.type]
     if k % weights:
-        raise ModelError(f"tensor {e.name!r}: row length {k} is not a multiple of the {weights}-weight "
-                         f"{TYPE_NAMES[e.type]} block")  # fmt: skip
+        raise ModelError(
+            f"tensor {e.name!r}: row length {k} is not a multiple of the {weights}-weight {TYPE_NAMES[e.type]} block"
+        )
     rows = e.nbytes // (k // weights * nbytes)
     return raw.view(rows, k // weights, nbytes)
 
@@ -101,8 +102,13 @@ def _dequantize_blocks(blocks: torch.Tensor, kind: int) -> torch.Tensor:
     return w.reshape(rows, -1)
 
 
-def dequantize(raw: torch.Tensor, e: TensorEntry, dtype: torch.dtype = torch.float32,
-               order: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(
+    raw: torch.Tensor,
+    e: TensorEntry,
+    dtype: torch.dtype = torch.float32,
+    order: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """A tensor's weights in `dtype` (computed in fp32, as gguf.quants.dequantize does, then rounded once).
 
     order: a row order to apply (un-permuting q/k), taken on the packed bytes, before expanding them.
@@ -145,7 +151,7 @@ def _repack_q4_k(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
     qweight = (codes[..., :16] | (codes[..., 16:] << 4)).reshape(rows, -1)
     # d * sc is exact in fp32 (11-bit by 6-bit mantissas); the zero moves gguf's -dmin*m to the formats' code 8.
     scales = (d * sc.float()).reshape(rows, -1)
-    zeros = (8.0 * scales - (dmin * mn.float()).reshape(rows, -1))
+    zeros = 8.0 * scales - (dmin * mn.float()).reshape(rows, -1)
     return {"qweight": qweight.contiguous(), "scales": scales.contiguous(), "zeros": zeros.contiguous()}
 
 

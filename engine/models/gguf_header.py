@@ -21,9 +21,18 @@ from typing import IO, Any
 from .arch import ModelError
 
 _SCALARS: dict[int, tuple[str, int]] = {
-    0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
-    7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8),
-}  # fmt: skip
+    0: ("<B", 1),
+    1: ("<b", 1),
+    2: ("<H", 2),
+    3: ("<h", 2),
+    4: ("<I", 4),
+    5: ("<i", 4),
+    6: ("<f", 4),
+    7: ("<?", 1),
+    10: ("<Q", 8),
+    11: ("<q", 8),
+    12: ("<d", 8),
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -95,8 +104,19 @@ def read_gguf_metadata(path: Path, stop_at: str | None = None) -> dict[str, Any]
     return out
 
 
-_NUMPY: dict[int, str] = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
-                          11: "<i8", 12: "<f8"}  # fmt: skip
+_NUMPY: dict[int, str] = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 DEFAULT_ALIGNMENT = 32
 
 

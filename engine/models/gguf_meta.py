@@ -63,12 +63,29 @@ def build_config(reader: Any, path: Path, tied: bool) -> dict[str, Any]:
         raise _unsupported_architecture(path, arch)
     p = f"{arch}."
     m = metadata(
-        reader, *(p + k for k in ("block_count", "context_length", "embedding_length", "feed_forward_length",
-                                  "attention.head_count", "attention.head_count_kv", "rope.freq_base",
-                                  "attention.layer_norm_rms_epsilon", "vocab_size", "attention.key_length",
-                                  "rope.scaling.type", "rope.scaling.factor", "attention.sliding_window")),
-        "tokenizer.ggml.tokens", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-    )  # fmt: skip
+        reader,
+        *(
+            p + k
+            for k in (
+                "block_count",
+                "context_length",
+                "embedding_length",
+                "feed_forward_length",
+                "attention.head_count",
+                "attention.head_count_kv",
+                "rope.freq_base",
+                "attention.layer_norm_rms_epsilon",
+                "vocab_size",
+                "attention.key_length",
+                "rope.scaling.type",
+                "rope.scaling.factor",
+                "attention.sliding_window",
+            )
+        ),
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+    )
     try:
         heads = int(m[p + "attention.head_count"])
         hidden = int(m[p + "embedding_length"])
@@ -109,8 +126,9 @@ def _gemma3_config(m: dict[str, Any], p: str, cfg: dict[str, Any]) -> dict[str, 
     return {
         "sliding_window": int(m.get(p + "attention.sliding_window", 4096)),
         # Every 6th layer attends to everything, the others to the window (llama.cpp's and transformers' pattern).
-        "layer_types": ["sliding_attention" if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else "full_attention"
-                        for i in range(layers)],  # fmt: skip
+        "layer_types": [
+            "sliding_attention" if (i + 1) % GEMMA3_SLIDING_WINDOW_PATTERN else "full_attention" for i in range(layers)
+        ],
         "rope_local_base_freq": GEMMA3_ROPE_LOCAL_THETA,
         "query_pre_attn_scalar": scalar,
         "hidden_activation": "gelu_pytorch_tanh",
@@ -170,8 +188,16 @@ def _gemma_model(tokens: list[str]) -> tuple[Any, list[str]]:
 
     spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in enumerate(spelled)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=sentencepiece_merges(spelled), fuse_unk=True,
-                               unk_token="<unk>", dropout=None, byte_fallback=True))  # fmt: skip
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=sentencepiece_merges(spelled),
+            fuse_unk=True,
+            unk_token="<unk>",
+            dropout=None,
+            byte_fallback=True,
+        )
+    )
     tok.normalizer = normalizers.Replace(" ", "\u2581")
     tok.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
@@ -200,10 +226,20 @@ def build_tokenizer(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     no merges) the BPE transformers' GGUF converter builds for it."""
     from tokenizers import AddedToken, processors
 
-    m = metadata(reader, "tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                 "tokenizer.ggml.token_type", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-                 "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
-                 "tokenizer.ggml.add_bos_token", "tokenizer.chat_template", "general.architecture")  # fmt: skip
+    m = metadata(
+        reader,
+        "tokenizer.ggml.model",
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.unknown_token_id",
+        "tokenizer.ggml.padding_token_id",
+        "tokenizer.ggml.add_bos_token",
+        "tokenizer.chat_template",
+        "general.architecture",
+    )
     kind = m.get("tokenizer.ggml.model")
     arch = m.get("general.architecture")
     tokens: list[str] = list(m["tokenizer.ggml.tokens"])
@@ -222,8 +258,11 @@ def build_tokenizer(reader: Any, path: Path) -> tuple[str, dict[str, Any]]:
     vocab = {t: i for i, t in enumerate(spelled)}
     types = list(m.get("tokenizer.ggml.token_type") or [])
     # A control token outside the byte alphabet is a mislabel in the file; adding it would grow the vocabulary.
-    control = [AddedToken(t, normalized=False, special=True) for t, ty in zip(tokens, types)
-               if ty == _CONTROL and (alphabet is None or set(t) <= alphabet)]  # fmt: skip
+    control = [
+        AddedToken(t, normalized=False, special=True)
+        for t, ty in zip(tokens, types)
+        if ty == _CONTROL and (alphabet is None or set(t) <= alphabet)
+    ]
     tok.add_special_tokens(control)
     user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
     tok.add_tokens([u for u in user if u.content in vocab])

@@ -69,17 +69,26 @@ SUPPORTED = ", ".join(TYPE_NAMES.values())
 
 # GGUF name -> Hugging Face name; "{i}" is the layer index.
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}  # fmt: skip
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
 # Gemma 3 norms each sublayer's input and output: llama.cpp's ffn_norm is the MLP's input norm there, which
 # Hugging Face calls pre_feedforward_layernorm (post_attention_layernorm is the attention output's norm).
 _GEMMA3_LAYER_NAMES = {
-    **_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
-}  # fmt: skip
+}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # Tensors llama.cpp writes that the model derives itself.
 _IGNORED = ("rope_freqs.weight",)
@@ -123,8 +132,9 @@ def read_table(reader: Any, path: Path) -> TensorTable:
                 f"(Q4_K_M, Q5_K_M, Q8_0, ...), or pass a Hugging Face folder."
             )
         shape = tuple(int(d) for d in reversed([int(x) for x in t.shape]))
-        entries.append(TensorEntry(name=t.name, type=kind, shape=shape, offset=int(t.data_offset),
-                                   nbytes=int(t.n_bytes)))  # fmt: skip
+        entries.append(
+            TensorEntry(name=t.name, type=kind, shape=shape, offset=int(t.data_offset), nbytes=int(t.n_bytes))
+        )
     return TensorTable(file_size=path.stat().st_size, tensors=tuple(entries), source=str(path.resolve()))
 
 
@@ -132,8 +142,10 @@ def map_file(path: Path, table: TensorTable) -> torch.Tensor:
     """The file's bytes as a uint8 tensor backed by a private (copy-on-write) mapping: nothing is read yet."""
     size = path.stat().st_size
     if size != table.file_size:
-        raise ModelError(f"{path}: the file is {size} bytes, the prepared table says {table.file_size}; "
-                         f"the GGUF changed after it was prepared: start again to re-prepare it")  # fmt: skip
+        raise ModelError(
+            f"{path}: the file is {size} bytes, the prepared table says {table.file_size}; "
+            f"the GGUF changed after it was prepared: start again to re-prepare it"
+        )
     return torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c"))
 
 
@@ -193,8 +205,12 @@ def _packable(entries: Mapping[str, TensorEntry], plan: PackPlan | None) -> set[
 
     def fits(module: str) -> bool:
         e = entries.get(f"{module}.weight")
-        return (e is not None and e.type in _PACKS[plan.scheme] and plan.group_size is not None
-                and effective_group_size(e.shape[-1], plan.group_size) == BLOCK)  # fmt: skip
+        return (
+            e is not None
+            and e.type in _PACKS[plan.scheme]
+            and plan.group_size is not None
+            and effective_group_size(e.shape[-1], plan.group_size) == BLOCK
+        )
 
     layers = {n.rsplit(".", 3)[0] for n in entries if n.startswith("model.layers.")}
     out: set[str] = set()
@@ -219,8 +235,9 @@ class GGUFWeights:
     stored: dict[str, GGUFRows] = field(default_factory=dict)
 
 
-def _fused_buffers(entries: Mapping[str, TensorEntry], packed: set[str], dtype: torch.dtype,
-                   fp32: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:  # fmt: skip
+def _fused_buffers(
+    entries: Mapping[str, TensorEntry], packed: set[str], dtype: torch.dtype, fp32: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
     """One buffer per fused projection (q/k/v, gate/up) that is de-quantized, with each member's rows a slice of
     it, so fuse_checkpoint finds them adjacent and joins them without a second copy (in fp32 when its members are
     in `fp32`: the parts of one fused layer are loaded for the same use)."""
@@ -246,7 +263,11 @@ def _fused_buffers(entries: Mapping[str, TensorEntry], packed: set[str], dtype: 
 
 
 def load_gguf_weights(
-    path: Path, table: TensorTable, arch: ModelArch, dtype: torch.dtype | None, plan: PackPlan | None = None,
+    path: Path,
+    table: TensorTable,
+    arch: ModelArch,
+    dtype: torch.dtype | None,
+    plan: PackPlan | None = None,
     fp32: frozenset[str] = frozenset(),
 ) -> GGUFWeights:
     """The state dict (HF names) of a GGUF: repacked per `plan`, floats in `dtype` (fp32 when None, the precision
@@ -257,8 +278,11 @@ def load_gguf_weights(
     data = map_file(path, table)
     entries = {name: e for e in table.tensors if (name := hf_name(e.name, arch.model_type)) is not None}
     packed = _packable(entries, plan)
-    schemes = dict(plan.modules) if plan is not None and plan.modules is not None else {
-        m: plan.scheme for m in packed if plan is not None}  # fmt: skip
+    schemes = (
+        dict(plan.modules)
+        if plan is not None and plan.modules is not None
+        else {m: plan.scheme for m in packed if plan is not None}
+    )
     target = dtype or torch.float32
     kept = {n.rpartition(".")[0] for n in plan.stored} if plan is not None else set()
     into = _fused_buffers(entries, packed | kept, target, fp32)
@@ -304,5 +328,6 @@ def load_gguf_weights(
             sd[name] = map_float(path, e).to(wanted)
             continue
         sd[name] = dequantize(raw, e, wanted, order, into.get(name))
-    return GGUFWeights(state_dict=sd, shapes=shapes, packed=packed, bytes_read=total, tied_head=tied_head,
-                       stored=stored)  # fmt: skip
+    return GGUFWeights(
+        state_dict=sd, shapes=shapes, packed=packed, bytes_read=total, tied_head=tied_head, stored=stored
+    )

@@ -39,7 +39,11 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
 
 def fused_rows(arch: ModelArch) -> dict[str, tuple[int, ...]]:
     """Rows each part contributes to its fused module."""
-    q, kv, i = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim, arch.intermediate_size
+    q, kv, i = (
+        arch.num_attention_heads * arch.head_dim,
+        arch.num_key_value_heads * arch.head_dim,
+        arch.intermediate_size,
+    )
     return {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (i, i)}
 
 
@@ -150,18 +154,26 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t, d = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
-        q, k, v = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, self.num_kv_heads, d)
+        q, k, v = (
+            q.reshape(t, self.num_heads, d),
+            k.reshape(t, self.num_kv_heads, d),
+            v.reshape(t, self.num_kv_heads, d),
+        )
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
         q, k, v = self._qkv(x, *rope)
         o = paged_attention(q, k, v, self.layer, meta, self.scale, self.window)
         y = self.o_proj(o.reshape(x.shape[0], -1))
         return all_reduce_sum(y) if self.reduce else y
 
-    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV, packed: torch.Tensor) -> torch.Tensor:
+    def decode(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerKV, packed: torch.Tensor
+    ) -> torch.Tensor:
         q, k, v = self._qkv(x, cos, sin)
         o = decode_attention(q, k, v, cache, packed, self.scale, self.native_attention, self.window)
         y = self.o_proj(o.reshape(x.shape[0], -1))
@@ -215,7 +227,9 @@ class DecoderLayer(nn.Module):
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
         # Spelled out rather than through _residual: the attention output must die at its addition, not live on
         # through the MLP as an argument would (one hidden state more at the peak the KV sizing counts on:
         # engine/activation_peak.py mirrors this order).
@@ -227,9 +241,16 @@ class DecoderLayer(nn.Module):
 
     @torch.compiler.nested_compile_region
     def decode(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, packed: torch.Tensor,
-    ) -> torch.Tensor:  # fmt: skip
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        k_scale: torch.Tensor | None,
+        v_scale: torch.Tensor | None,
+        packed: torch.Tensor,
+    ) -> torch.Tensor:
         """One layer of the decode step. A nested compile region: traced and compiled once, reused by every layer
         (the cache tensors come in one by one so that the regions' inputs never alias)."""
         cache = LayerKV(k_cache, v_cache, k_scale, v_scale)
@@ -279,8 +300,7 @@ class Backbone(nn.Module):
             x = self.embed_tokens(input_ids)
         return x * self.embed_scales[x.dtype] if self.embed_scales else x
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype
-                    ) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """cos/sin rows for `positions`, keyed by `DecoderLayer.local_rope`: looked up once per forward."""
         tables = {False: self.rotary_emb.tables(positions, dtype)}
         if hasattr(self, "rotary_emb_local"):

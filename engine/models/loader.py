@@ -76,8 +76,9 @@ def read_checkpoint(model_dir: Path) -> CheckpointData:
     return CheckpointData(state_dict=sd, files=files, bytes_read=total)
 
 
-def resolve_dtype(name: str, arch: ModelArch, device: str, *, quantized_source: bool = False,
-                  compiled: bool = True) -> torch.dtype:  # fmt: skip
+def resolve_dtype(
+    name: str, arch: ModelArch, device: str, *, quantized_source: bool = False, compiled: bool = True
+) -> torch.dtype:
     """`--dtype auto` follows the checkpoint's dtype, as vLLM does (a float32 checkpoint runs in float32; bfloat16 and
     float16 ones run in bfloat16 on a CPU), except on a CPU where float32 is the faster choice (the rule and its
     measurement: config_check.resolve_dtype_name). A block-quantized source (a Q4/Q8 GGUF) has no float dtype of its
@@ -108,8 +109,11 @@ def check_state_dict(
     if logical is not None:
         checked = check_state_dict(model, {k: torch.empty(v, device="meta") for k, v in logical.items()}, where)
         modules = {k.rsplit(".", 1)[0] for k in checked}
-        return {k: v for k, v in sd.items() if k in checked or (k.rsplit(".", 1)[0] in modules
-                                                                 and not k.endswith((".weight", ".bias")))}
+        return {
+            k: v
+            for k, v in sd.items()
+            if k in checked or (k.rsplit(".", 1)[0] in modules and not k.endswith((".weight", ".bias")))
+        }
     tied = model.arch.tie_word_embeddings
     missing = [k for k in expected if k not in sd]
     if missing:
@@ -236,7 +240,11 @@ def materialize(
 
 
 def load_model(
-    model_dir: Path, arch: ModelArch, dtype: torch.dtype, device: str, max_positions: int,
+    model_dir: Path,
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: str,
+    max_positions: int,
     shard: TPShard = SINGLE,
 ) -> tuple[DecoderLM, CheckpointData]:
     """The model in `dtype` on `device`; under tensor parallelism (`shard`) this rank's slice of it."""

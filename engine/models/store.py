@@ -188,7 +188,9 @@ def source_quant_block(model_dir: Path) -> int | None:
     return 32 if _GGUF_BLOCK_32.search(str(source)) else None
 
 
-def prepare_model(spec: str, cache_dir: Path | None = None, *, quiet: bool = False) -> tuple[Path, Fetched[Path] | None]:
+def prepare_model(
+    spec: str, cache_dir: Path | None = None, *, quiet: bool = False
+) -> tuple[Path, Fetched[Path] | None]:
     """'smollm2' (or an alias) -> the converted default; a .gguf file -> converted; a folder -> itself.
     The second item is the model cache's answer when a conversion was involved (hit or miss, and why)."""
     if spec in DEFAULT_ALIASES:

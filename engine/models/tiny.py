@@ -96,10 +96,16 @@ def _config(variant: str, vocab: int, eos: int, bos: int, **overrides: Any) -> A
     elif variant == "gemma3":
         # A window of 8 keys so short prompts already cross it; one sliding and one full layer, each with its own
         # RoPE base; a query scale other than head_dim's.
-        cls, extra = tf.Gemma3TextConfig, dict(
-            head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-            query_pre_attn_scalar=24, tie_word_embeddings=True,
-        )  # fmt: skip
+        cls, extra = (
+            tf.Gemma3TextConfig,
+            dict(
+                head_dim=16,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                query_pre_attn_scalar=24,
+                tie_word_embeddings=True,
+            ),
+        )
     else:
         raise ValueError(f"unknown tiny variant {variant!r}; choose one of {', '.join(TINY_VARIANTS)}")
     return cls(**{**common, **extra, **overrides})

@@ -89,8 +89,11 @@ class EngineContext(StartupContext):
         kernels not switched off (GLOWPLUG_NATIVE=0); elsewhere its layers are repacked or de-quantized."""
         import os
 
-        return (self.device == "cpu" and self.config.tensor_parallel_size == 1
-                and os.environ.get("GLOWPLUG_NATIVE", "1") != "0")  # fmt: skip
+        return (
+            self.device == "cpu"
+            and self.config.tensor_parallel_size == 1
+            and os.environ.get("GLOWPLUG_NATIVE", "1") != "0"
+        )
 
     def quant_scheme(self) -> str:
         """How the weights are converted: the configured scheme; under auto, "auto" when the GGUF holds quantized

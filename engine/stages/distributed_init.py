@@ -29,9 +29,13 @@ class DistributedInit:
     def run(self, ctx: EngineContext) -> StageReport:
         group = TPGroup.start(ctx.config, ctx.cache_root, ctx.device, current_traceparent())
         ctx.parallel = group
-        return StageReport(attributes={
-            Attr.RANK: group.rank, Attr.WORLD_SIZE: group.world_size, Attr.TP_BACKEND: group.backend,
-            Attr.TP_JOIN_S: round(group.join_s, 6),
-            **({Attr.TP_THREADS: group.threads} if group.threads is not None else {}),
-            Attr.TP_LAUNCH: "spawned workers" if group.launch.spawner else "launched by torchrun (or RANK set)",
-        })  # fmt: skip
+        return StageReport(
+            attributes={
+                Attr.RANK: group.rank,
+                Attr.WORLD_SIZE: group.world_size,
+                Attr.TP_BACKEND: group.backend,
+                Attr.TP_JOIN_S: round(group.join_s, 6),
+                **({Attr.TP_THREADS: group.threads} if group.threads is not None else {}),
+                Attr.TP_LAUNCH: "spawned workers" if group.launch.spawner else "launched by torchrun (or RANK set)",
+            }
+        )

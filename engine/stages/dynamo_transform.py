@@ -75,14 +75,18 @@ def skipped_reason(ctx: EngineContext, fallback: str | None) -> str | None:
             why = unsupported_reason(ctx.device) or "the native_kernels stage did not switch them"
             return f"eager: {missing} quantized layers have no Triton decode kernel ({why})"
         if missing:
-            why = ctx.native.reason if ctx.native is not None and not ctx.native.available else (
-                "they need AVX512-BF16 and an input size that is a multiple of 32")  # fmt: skip
+            why = (
+                ctx.native.reason
+                if ctx.native is not None and not ctx.native.available
+                else ("they need AVX512-BF16 and an input size that is a multiple of 32")
+            )
             return f"eager: {missing} quantized layers have no native decode kernel ({why})"
     return None
 
 
-def fall_back_to_eager(ctx: EngineContext, why: str, exc: BaseException | None = None,
-                       attributes: dict[str, object] | None = None) -> StageReport:  # fmt: skip
+def fall_back_to_eager(
+    ctx: EngineContext, why: str, exc: BaseException | None = None, attributes: dict[str, object] | None = None
+) -> StageReport:
     """`--compile auto`: run the decode step eagerly, and say why on this stage's row and (through
     `compile_fallback`) on the later compile stages'. `--compile on` asked for the compile: the start fails, with
     `exc` itself when there is one (the same error a start without this fallback raised)."""
@@ -142,8 +146,9 @@ class DynamoTransform:
         from glowplug.engine.compile_cache import compile_factors
 
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
-        factors = compile_factors(ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx), native_level(ctx),
-                                  layer_formats(ctx))  # fmt: skip
+        factors = compile_factors(
+            ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx), native_level(ctx), layer_formats(ctx)
+        )
         return {"compile": HIT if ArtifactStore(ctx.cache_root).probe(COMPILE, factors) else MISS}
 
     def run(self, ctx: EngineContext) -> StageReport:
@@ -157,8 +162,17 @@ class DynamoTransform:
         if not compat.ok:
             return fall_back_to_eager(ctx, f"torch internals unavailable ({compat.reason})")
         try:
-            cache = open_compile_cache(ctx.cache_root, ctx.config, arch, ctx.dtype, ctx.device, inductor_settings(ctx),
-                                       model, native_level(ctx), layer_formats(ctx))  # fmt: skip
+            cache = open_compile_cache(
+                ctx.cache_root,
+                ctx.config,
+                arch,
+                ctx.dtype,
+                ctx.device,
+                inductor_settings(ctx),
+                model,
+                native_level(ctx),
+                layer_formats(ctx),
+            )
         except torch_compat.TorchInternalsUnavailable as exc:
             return fall_back_to_eager(ctx, f"torch internals unavailable ({exc})")
         ctx.compile_cache = cache

@@ -6,8 +6,8 @@ from glowplug.engine.structured import GrammarBackend, tokenizer_json
 from glowplug.engine.tokenizer import eos_token_ids
 from glowplug.profiling.names import Attr
 
-from .protocol import StageReport
 from .context import EngineContext
+from .protocol import StageReport
 
 # Why the row has no cache: the view is a Rust object llguidance cannot write out or read back.
 NOT_CACHED = "not cached: llguidance's tokenizer view cannot be serialized, so every start builds it"
@@ -31,8 +31,9 @@ class GrammarInit:
         tokenizer = ctx.need(ctx.tokenizer, "the tokenizer", "tokenizer_init")
         arch = ctx.need(ctx.arch, "the architecture", "model_prepare")
         model_dir = ctx.need(ctx.model_dir, "the model folder", "model_prepare")
-        backend = GrammarBackend(tokenizer_json(tokenizer), arch.vocab_size,
-                                 sorted(eos_token_ids(tokenizer, arch, model_dir)))  # fmt: skip
+        backend = GrammarBackend(
+            tokenizer_json(tokenizer), arch.vocab_size, sorted(eos_token_ids(tokenizer, arch, model_dir))
+        )
         backend.prepare()
         ctx.grammar = backend
         return StageReport(attributes={Attr.VOCAB_SIZE: arch.vocab_size, Attr.ROW_NOTE: NOT_CACHED})

@@ -28,15 +28,18 @@ CPU_WARM_SIZES = 2
 def capture_sizes(ctx: EngineContext) -> list[int]:
     """Batch sizes to capture (CUDA) or warm (CPU), up to --max-num-seqs. CUDA also captures --max-num-seqs itself,
     so every batch has a captured size to pad up to."""
-    return bucket_sizes(ctx.config.scheduler.max_num_seqs, ctx.config.cudagraph_capture_sizes,
-                        include_limit=ctx.device == "cuda")  # fmt: skip
+    return bucket_sizes(
+        ctx.config.scheduler.max_num_seqs, ctx.config.cudagraph_capture_sizes, include_limit=ctx.device == "cuda"
+    )
 
 
 def pool_note(reserved: int, size: int, activations: int) -> str:
     """The row's note: the graphs' pool against the largest captured size's activations (what it should hold)."""
     ratio = f"{reserved / activations:.2f}x" if activations > 0 else "n/a"
-    return (f"graph pool {reserved / 1e9:.3f} GB (allocator snapshot); size {size}'s activations "
-            f"{activations / 1e9:.3f} GB; pool / activations {ratio}")
+    return (
+        f"graph pool {reserved / 1e9:.3f} GB (allocator snapshot); size {size}'s activations "
+        f"{activations / 1e9:.3f} GB; pool / activations {ratio}"
+    )
 
 
 class GraphCapture:
@@ -72,10 +75,14 @@ class GraphCapture:
             attrs[Attr.GRAPH_SIZE_ACTIVATION_BYTES] = [s.activation_bytes for s in stats]
             usage = runner.graph_pool_usage()
             if usage is not None:
-                attrs.update({Attr.GRAPH_POOL_RESERVED_BYTES: usage.reserved_bytes,
-                              Attr.GRAPH_POOL_ALLOCATED_BYTES: usage.allocated_bytes,
-                              Attr.GRAPH_POOL_SEGMENTS: usage.segments,
-                              Attr.GRAPH_POOL_LARGEST_BLOCKS: list(usage.largest_blocks)})  # fmt: skip
+                attrs.update(
+                    {
+                        Attr.GRAPH_POOL_RESERVED_BYTES: usage.reserved_bytes,
+                        Attr.GRAPH_POOL_ALLOCATED_BYTES: usage.allocated_bytes,
+                        Attr.GRAPH_POOL_SEGMENTS: usage.segments,
+                        Attr.GRAPH_POOL_LARGEST_BLOCKS: list(usage.largest_blocks),
+                    }
+                )
                 attrs[Attr.ROW_NOTE] = pool_note(usage.reserved_bytes, stats[-1].size, stats[-1].activation_bytes)
         else:
             warm = sizes[:CPU_WARM_SIZES]

@@ -54,8 +54,17 @@ class GraphCompile:
     name = "graph_compile"
     # model, native, arch, dtype: skipped_reason, inductor_settings, the replay plan's scratch cache, a re-trace;
     # model_dir, gguf_path: the checkpoint's identity in the replay fingerprint.
-    needs: tuple[str, ...] = ("traced", "compile_cache", "compile_fallback", "model_dir", "gguf_path", "model",
-                              "native", "arch", "dtype")
+    needs: tuple[str, ...] = (
+        "traced",
+        "compile_cache",
+        "compile_fallback",
+        "model_dir",
+        "gguf_path",
+        "model",
+        "native",
+        "arch",
+        "dtype",
+    )
     # traced: replaced only when the stored entry will not load (the one provide not written on every path).
     provides: tuple[str, ...] = ("decode_fn", "traced", "compile_fallback")
     # Its time depends on the compile entry, whose factors dynamo_transform owns (and probes, for the ETA).
@@ -76,11 +85,16 @@ class GraphCompile:
             return self._compile(ctx, traced, cache)
         except Exception as exc:  # noqa: BLE001 - under --compile auto any failed compile means eager, with the reason
             ctx.decode_fn = None
-            return fall_back_to_eager(ctx, f"the decode step did not compile ({one_line(exc)})", exc,
-                                      {Attr.CACHE_KEY: cache.key, Attr.COMPILE_CACHE_DIR: str(cache.path)})  # fmt: skip
+            return fall_back_to_eager(
+                ctx,
+                f"the decode step did not compile ({one_line(exc)})",
+                exc,
+                {Attr.CACHE_KEY: cache.key, Attr.COMPILE_CACHE_DIR: str(cache.path)},
+            )
 
-    def _compile(self, ctx: EngineContext, traced: TracedDecode | LoadedDecode | StoredReplay,
-                 cache: CompileCache) -> StageReport:  # fmt: skip
+    def _compile(
+        self, ctx: EngineContext, traced: TracedDecode | LoadedDecode | StoredReplay, cache: CompileCache
+    ) -> StageReport:
         settings = inductor_settings(ctx)
         log = structlog.get_logger("glowplug.compile")
         attrs: dict[str, object] = {}
@@ -111,17 +125,21 @@ class GraphCompile:
             try:
                 compiled = ctx.decode_fn = cache.run(lambda: traced.compile(settings))  # type: ignore[union-attr]
             except Exception as exc:  # noqa: BLE001 - a cached artifact that will not load is a miss
-                log.warning("the stored compiled decode step would not load; tracing and compiling again",
-                            error=one_line(exc))  # fmt: skip
+                log.warning(
+                    "the stored compiled decode step would not load; tracing and compiling again", error=one_line(exc)
+                )
                 cache.drop_artifact(f"the compiled module would not load: {one_line(exc)}")
                 traced = ctx.traced = trace(ctx)
             else:
                 if rejected is not None:
                     aot = check_fingerprint(compiled, rejected, _scratch(ctx), weights)
-                    attrs[Attr.REPLAY_FINGERPRINT] = f"{attrs[Attr.REPLAY_FINGERPRINT]}; the AOT artifact: {aot.outcome}"
+                    attrs[Attr.REPLAY_FINGERPRINT] = (
+                        f"{attrs[Attr.REPLAY_FINGERPRINT]}; the AOT artifact: {aot.outcome}"
+                    )
                     if not aot.ok:
-                        why = (f"the compiled kernels do not reproduce the logits recorded at compile time "
-                               f"({aot.outcome})")
+                        why = (
+                            f"the compiled kernels do not reproduce the logits recorded at compile time ({aot.outcome})"
+                        )
                         log.warning("the stored kernels compute other logits; compiling again", reason=why)
                         cache.drop_artifact(why)
                         cache.renew_inductor(why)
@@ -135,18 +153,22 @@ class GraphCompile:
                 replay = "written"
             except Exception as exc:  # noqa: BLE001 - without a plan, warm starts load the AOT artifact
                 replay = f"not written ({one_line(exc)})"
-                log.info("no replay plan for the compiled decode step; warm starts load the AOT artifact",
-                         reason=one_line(exc))  # fmt: skip
+                log.info(
+                    "no replay plan for the compiled decode step; warm starts load the AOT artifact",
+                    reason=one_line(exc),
+                )
         rebuilt = cache.explain_rebuilt()
         hit = cache.served_from_cache()
         cache.record(step, plan)
-        attrs.update({
-            Attr.CACHE_HIT: hit,
-            Attr.CACHE_KEY: cache.key,
-            Attr.COMPILE_CACHE_DIR: str(cache.path),
-            Attr.KERNELS_BUILT: len(cache.rebuilt_kernels),
-            Attr.COMPILE_REPLAY: replay,
-        })  # fmt: skip
+        attrs.update(
+            {
+                Attr.CACHE_HIT: hit,
+                Attr.CACHE_KEY: cache.key,
+                Attr.COMPILE_CACHE_DIR: str(cache.path),
+                Attr.KERNELS_BUILT: len(cache.rebuilt_kernels),
+                Attr.COMPILE_REPLAY: replay,
+            }
+        )
         if cache.workspace.source is not None:  # a read-only cache dir: where the private folder's links point
             attrs[Attr.COMPILE_CACHE_READ_ONLY_SOURCE] = str(cache.workspace.source)
         if not hit:

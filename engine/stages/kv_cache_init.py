@@ -42,14 +42,23 @@ class KVCacheInit:
             int8=ctx.config.cache.kv_cache_dtype == "int8",
         )
         ctx.runner = ModelRunner(
-            model, ctx.kv_cache, ctx.device, max_num_seqs=ctx.config.scheduler.max_num_seqs,
+            model,
+            ctx.kv_cache,
+            ctx.device,
+            max_num_seqs=ctx.config.scheduler.max_num_seqs,
             max_blocks_per_seq=-(-plan.max_model_len // plan.block_size),
-        )  # fmt: skip
+        )
         assert ctx.model_dir is not None
-        scheduler = Scheduler(ctx.config.scheduler, ctx.config.cache, plan.num_blocks, plan.max_model_len,
-                              eos_token_ids(ctx.tokenizer, arch, ctx.model_dir))  # fmt: skip
-        ctx.engine = LLMEngine(tokenizer=ctx.tokenizer, runner=ctx.runner, scheduler=scheduler, seed=ctx.config.seed,
-                               grammar=ctx.grammar)  # fmt: skip
+        scheduler = Scheduler(
+            ctx.config.scheduler,
+            ctx.config.cache,
+            plan.num_blocks,
+            plan.max_model_len,
+            eos_token_ids(ctx.tokenizer, arch, ctx.model_dir),
+        )
+        ctx.engine = LLMEngine(
+            tokenizer=ctx.tokenizer, runner=ctx.runner, scheduler=scheduler, seed=ctx.config.seed, grammar=ctx.grammar
+        )
         return StageReport(
             attributes={
                 Attr.KV_BLOCKS: plan.num_blocks,

@@ -68,9 +68,12 @@ def profile_factors(ctx: EngineContext) -> dict[str, Any]:
     return {
         "model": arch.model_dump(mode="json"),
         "dtype": str(ctx.dtype).removeprefix("torch."),
-        "quantization": {"scheme": q.quantization, "group_size": ctx.quant_group_size()[0],
-                         # auto: what the file's layers run as (the forward's temporaries depend on the kernels).
-                         **({"layer_formats": formats.signature()} if formats is not None else {})},
+        "quantization": {
+            "scheme": q.quantization,
+            "group_size": ctx.quant_group_size()[0],
+            # auto: what the file's layers run as (the forward's temporaries depend on the kernels).
+            **({"layer_formats": formats.signature()} if formats is not None else {}),
+        },
         "max_num_batched_tokens": ctx.config.scheduler.max_num_batched_tokens,
         "max_num_seqs": ctx.config.scheduler.max_num_seqs,
         "device": ctx.device,
@@ -96,8 +99,9 @@ def analytic_skipped(config: EngineConfig) -> str | None:
 def _analytic(ctx: EngineContext) -> KVProfile:
     model = ctx.need(ctx.model, "the model", "model_init")
     tokens, rows = profile_batch(ctx)
-    return KVProfile(activation_peak_bytes=activation_peak(model, ctx.dtype, tokens, rows), method=ANALYTIC_METHOD,
-                     tokens=tokens)  # fmt: skip
+    return KVProfile(
+        activation_peak_bytes=activation_peak(model, ctx.dtype, tokens, rows), method=ANALYTIC_METHOD, tokens=tokens
+    )
 
 
 def _measure(ctx: EngineContext) -> KVProfile:
@@ -115,8 +119,9 @@ def _measure(ctx: EngineContext) -> KVProfile:
         with torch.inference_mode(), PeakMemory(ctx.device) as window:
             forward()
         assert window.snapshot is not None
-        return KVProfile(activation_peak_bytes=window.snapshot.peak_increase_bytes, method=window.snapshot.method,
-                         tokens=tokens)  # fmt: skip
+        return KVProfile(
+            activation_peak_bytes=window.snapshot.peak_increase_bytes, method=window.snapshot.method, tokens=tokens
+        )
     with torch.inference_mode(), LiveTensorPeak() as live:
         forward()
     return KVProfile(activation_peak_bytes=live.peak_bytes, method=live.method, tokens=tokens)
@@ -166,9 +171,12 @@ class KVCacheProfiling:
             return profile
 
         fetched = ArtifactStore(ctx.cache_root).fetch(
-            KV_PROFILE, profile_factors(ctx), group=model_group(ctx.config.model), build=build,
+            KV_PROFILE,
+            profile_factors(ctx),
+            group=model_group(ctx.config.model),
+            build=build,
             load=lambda folder: KVProfile.model_validate_json((folder / PROFILE).read_text()),
-        )  # fmt: skip
+        )
         # A hit still ran (it read the profile): its time is booked to the row, which the table notes "cache hit".
         return self._plan(ctx, arch, fetched.value, {**attrs, **fetched.attributes()})
 
@@ -178,7 +186,12 @@ class KVCacheProfiling:
         weights = 0 if ctx.device == "cpu" else ctx.weights_bytes
         # Under tensor parallelism a rank's cache holds its KV heads only: its bytes per token are its shard's.
         plan = plan_kv_cache(
-            ctx.config, ctx.tp_shard().local_arch(arch), model_dtype=ctx.dtype, device=ctx.device, weights_bytes=weights, activation_peak_bytes=peak
+            ctx.config,
+            ctx.tp_shard().local_arch(arch),
+            model_dtype=ctx.dtype,
+            device=ctx.device,
+            weights_bytes=weights,
+            activation_peak_bytes=peak,
         )
         ctx.kv_plan = plan
         attrs: dict[str, object] = {

@@ -54,8 +54,9 @@ class LoadWeights:
             return self._from_gguf(ctx, table, quantizing, t0)
         ckpt = read_checkpoint(model_dir)
         # Names and shapes against the whole model; then this rank's slices, whose pages alone are read.
-        checked = shard_checkpoint(check_state_dict(build_meta_model(arch), ckpt.state_dict, model_dir), arch,
-                                   ctx.tp_shard())  # fmt: skip
+        checked = shard_checkpoint(
+            check_state_dict(build_meta_model(arch), ckpt.state_dict, model_dir), arch, ctx.tp_shard()
+        )
         touched = touch_pages(checked)
         seconds = time.perf_counter() - t0
         ctx.state_dict = fuse_checkpoint(checked, None if quantizing else ctx.dtype)
@@ -81,8 +82,9 @@ class LoadWeights:
             # auto: the layers run in place keep their stored rows (mapped, not loaded); the layers that stay float
             # load straight into the model dtype, the quantizer's inputs in fp32 (fuse_checkpoint then casts nothing:
             # every tensor already has the dtype its use wants).
-            plan: PackPlan | None = PackPlan("auto", AUTO_GROUP, formats.repack(), formats.tied_repack(),
-                                             formats.stored_parts())  # fmt: skip
+            plan: PackPlan | None = PackPlan(
+                "auto", AUTO_GROUP, formats.repack(), formats.tied_repack(), formats.stored_parts()
+            )
             w = load_gguf_weights(ctx.gguf_path, table, ctx.arch, ctx.dtype, plan, formats.fp32_tensors())
         else:
             plan = PackPlan(q.quantization, ctx.quant_group_size()[0]) if quantizing else None
@@ -110,6 +112,8 @@ class LoadWeights:
             Attr.GGUF_STORED_BYTES: stored_bytes,
         }
         if w.stored:
-            attrs[Attr.ROW_NOTE] = (f"{len(w.stored)} tensors mapped in place ({stored_bytes / 1e9:.2f} GB at "
-                                    f"{stored_bytes / max(seconds, 1e-9) / 1e9:.1f} GB/s)")  # fmt: skip
+            attrs[Attr.ROW_NOTE] = (
+                f"{len(w.stored)} tensors mapped in place ({stored_bytes / 1e9:.2f} GB at "
+                f"{stored_bytes / max(seconds, 1e-9) / 1e9:.1f} GB/s)"
+            )
         return StageReport(attributes=attrs)  # type: ignore[arg-type]

@@ -73,8 +73,13 @@ class ModelInit:
                 if head:
                     model.untie_head_for_quantization()
                 for name in formats.schemes():
-                    get_scheme(name).convert_for_runtime(model, group_size=group_size, dispatcher=dispatcher,
-                                                         quantize_head=head, skip=_not_in(formats, name))  # fmt: skip
+                    get_scheme(name).convert_for_runtime(
+                        model,
+                        group_size=group_size,
+                        dispatcher=dispatcher,
+                        quantize_head=head,
+                        skip=_not_in(formats, name),
+                    )
             else:
                 if q.quantize_lm_head:
                     model.untie_head_for_quantization()

@@ -45,9 +45,13 @@ class ModelPrepare:
         ctx.model_dir = model_dir
         ctx.gguf_path = source if source is not None else gguf_file_for(model_dir)  # as `run` finds it
         ctx.arch = load_arch(model_dir)
-        ctx.dtype = resolve_dtype(ctx.config.dtype, ctx.arch, ctx.device,
-                                  quantized_source=source_quant_block(model_dir) is not None,
-                                  compiled=ctx.config.compile_enabled())  # fmt: skip
+        ctx.dtype = resolve_dtype(
+            ctx.config.dtype,
+            ctx.arch,
+            ctx.device,
+            quantized_source=source_quant_block(model_dir) is not None,
+            compiled=ctx.config.compile_enabled(),
+        )
         return state
 
     def run(self, ctx: EngineContext) -> StageReport:
@@ -56,10 +60,15 @@ class ModelPrepare:
         # A folder glowplug prepared from a GGUF, passed as a path (tools and tests do), reads the same GGUF.
         ctx.gguf_path = gguf_source(ctx.config.model) if fetched is not None else gguf_file_for(ctx.model_dir)
         if ctx.gguf_path is None and gguf_table(ctx.model_dir) is not None:
-            raise ModelError(f"{ctx.model_dir} was prepared from a GGUF file that is no longer there; pass the "
-                             f".gguf file (or `smollm2`) instead of this folder")  # fmt: skip
+            raise ModelError(
+                f"{ctx.model_dir} was prepared from a GGUF file that is no longer there; pass the "
+                f".gguf file (or `smollm2`) instead of this folder"
+            )
         ctx.dtype = resolve_dtype(
-            ctx.config.dtype, ctx.arch, ctx.device, quantized_source=source_quant_block(ctx.model_dir) is not None,
+            ctx.config.dtype,
+            ctx.arch,
+            ctx.device,
+            quantized_source=source_quant_block(ctx.model_dir) is not None,
             compiled=ctx.config.compile_enabled(),
         )
         # Here, not in a later stage: a setting the model cannot take fails before the weights are read, the

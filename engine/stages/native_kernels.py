@@ -88,18 +88,22 @@ class NativeKernels:
                 return self._densified(ctx, model, build.reason, attrs)
             return StageReport.skipped(f"native kernels unavailable: {build.reason}", attrs)  # type: ignore[arg-type]
         if not ctx.config.compile_enabled():
-            attrs[Attr.ROW_NOTE] = (f"ISA {build.level_reason}; {in_place} layers compute on their stored GGUF blocks; "
-                                    f"{ctx.config.compile_off_reason()}")  # fmt: skip
+            attrs[Attr.ROW_NOTE] = (
+                f"ISA {build.level_reason}; {in_place} layers compute on their stored GGUF blocks; "
+                f"{ctx.config.compile_off_reason()}"
+            )
             return StageReport(attributes=attrs)  # type: ignore[arg-type]
         fallbacks: dict[str, int] = {}
         counts = enable_native_decode(model, DENSE_SMALL_M, ctx.dtype, fallbacks)
         ctx.model = model  # the same object, changed in place: the write is what the stage contract sees
-        attrs.update({
-            Attr.NATIVE_DENSE_LAYERS: counts["dense"],
-            Attr.NATIVE_QUANTIZED_LAYERS: counts["quantized"],
-            Attr.NATIVE_ATTENTION_LAYERS: counts["attention"],
-            Attr.BYTES_PER_TOKEN: counts["bytes_per_token"],
-        })  # fmt: skip
+        attrs.update(
+            {
+                Attr.NATIVE_DENSE_LAYERS: counts["dense"],
+                Attr.NATIVE_QUANTIZED_LAYERS: counts["quantized"],
+                Attr.NATIVE_ATTENTION_LAYERS: counts["attention"],
+                Attr.BYTES_PER_TOKEN: counts["bytes_per_token"],
+            }
+        )
         # Layers a native op would serve but that keep the stock path (`NativeSwitch.fallback`; no layer of the models
         # here gives one today: sliding-window attention layers switch too, the op takes the window), each reason with
         # its layer count: on the span and the row.
@@ -107,8 +111,11 @@ class NativeKernels:
         if fallen:
             attrs[Attr.NATIVE_FALLBACK] = fallen
         # The row's note: the level, and why it is not the CPU's best when it is not (degrade loudly).
-        attrs[Attr.ROW_NOTE] = (f"ISA {build.level_reason}" + (f"; {build.background}" if build.background else "")
-                                + (f"; {fallen}" if fallen else ""))  # fmt: skip
+        attrs[Attr.ROW_NOTE] = (
+            f"ISA {build.level_reason}"
+            + (f"; {build.background}" if build.background else "")
+            + (f"; {fallen}" if fallen else "")
+        )
         return StageReport(attributes=attrs)  # type: ignore[arg-type]
 
     def _densified(self, ctx: EngineContext, model: object, reason: str, attrs: dict[str, object]) -> StageReport:
@@ -122,8 +129,10 @@ class NativeKernels:
         made = densify(model, ctx.dtype)
         ctx.model = model  # type: ignore[assignment]  # changed in place
         attrs[Attr.NATIVE_FALLBACK] = f"stored GGUF layers de-quantized to {ctx.dtype}: {reason}"
-        attrs[Attr.ROW_NOTE] = (f"native kernels unavailable ({reason}): the GGUF layers planned in place were "
-                                f"de-quantized to {str(ctx.dtype).removeprefix('torch.')} ({made / 1e9:.2f} GB)")
+        attrs[Attr.ROW_NOTE] = (
+            f"native kernels unavailable ({reason}): the GGUF layers planned in place were "
+            f"de-quantized to {str(ctx.dtype).removeprefix('torch.')} ({made / 1e9:.2f} GB)"
+        )
         return StageReport(attributes=attrs)  # type: ignore[arg-type]
 
     def _triton(self, ctx: EngineContext, gpu: dict[str, str], said: str) -> StageReport:
@@ -136,15 +145,20 @@ class NativeKernels:
         counts = enable_triton_decode(model, fallbacks)
         ctx.model = model  # changed in place, as on the CPU
         if counts["quantized"] == 0:
-            return StageReport.skipped(f"no quantized layers: the dense projections trace as they are on CUDA{said}",
-                                       gpu)  # fmt: skip
-        attrs: dict[str, object] = {**gpu, Attr.TRITON_DECODE_LAYERS: counts["switched"],
-                                    Attr.BYTES_PER_TOKEN: counts["bytes_per_token"]}
+            return StageReport.skipped(
+                f"no quantized layers: the dense projections trace as they are on CUDA{said}", gpu
+            )
+        attrs: dict[str, object] = {
+            **gpu,
+            Attr.TRITON_DECODE_LAYERS: counts["switched"],
+            Attr.BYTES_PER_TOKEN: counts["bytes_per_token"],
+        }
         fallen = "; ".join(f"{n} layers: {why}" for why, n in fallbacks.items())
         if fallen:
             attrs[Attr.NATIVE_FALLBACK] = fallen
         if counts["switched"] == 0:
             return StageReport.skipped(f"Triton decode kernels unavailable: {fallen}{said}", attrs)  # type: ignore[arg-type]
-        attrs[Attr.ROW_NOTE] = (f"Triton GEMV/GEMM ops for {counts['switched']} quantized layers"
-                                + (f"; {fallen}" if fallen else "") + said)
+        attrs[Attr.ROW_NOTE] = (
+            f"Triton GEMV/GEMM ops for {counts['switched']} quantized layers" + (f"; {fallen}" if fallen else "") + said
+        )
         return StageReport(attributes=attrs)  # type: ignore[arg-type]

@@ -96,8 +96,10 @@ def declarations(stage: Stage) -> tuple[tuple[str, ...], tuple[str, ...]]:
     for kind in ("needs", "provides"):
         value = getattr(stage, kind, None)
         if value is None:
-            raise StageContractError(f"stage {stage.name!r} declares no `{kind}`: every stage declares the context "
-                                     f"slots it reads (needs) and writes (provides), `()` for none")  # fmt: skip
+            raise StageContractError(
+                f"stage {stage.name!r} declares no `{kind}`: every stage declares the context "
+                f"slots it reads (needs) and writes (provides), `()` for none"
+            )
         if isinstance(value, str) or not all(isinstance(slot, str) for slot in value):
             raise StageContractError(f"stage {stage.name!r}: `{kind}` must be a tuple of slot names, not {value!r}")
         declared.append(tuple(value))
@@ -122,15 +124,15 @@ def check_pipeline(stages: Sequence[Stage], context_type: type[StartupContext]) 
                 if slot in context_type.INPUTS:
                     raise StageContractError(
                         f"stage {stage.name!r} declares {slot!r} in {kind}, but it is an input: every stage reads "
-                        f"the inputs ({names_text(context_type.INPUTS)}) without declaring them, and none writes them")
+                        f"the inputs ({names_text(context_type.INPUTS)}) without declaring them, and none writes them"
+                    )
                 if slot not in slots:
                     close = difflib.get_close_matches(slot, sorted(slots), n=1)
                     hint = f"; did you mean {close[0]!r}?" if close else ""
                     raise StageContractError(
                         f"stage {stage.name!r} declares {slot!r} in {kind}, which is not a slot of "
-                        f"{context_type.__name__}{hint} (slots: {names_text(slots)})")
-
-
+                        f"{context_type.__name__}{hint} (slots: {names_text(slots)})"
+                    )
 
 
 def names_text(names: Sequence[str] | frozenset[str]) -> str:
@@ -172,4 +174,3 @@ def _check_names(stages: Sequence[Stage]) -> None:
         if name in seen:
             raise ValueError(f"stage {name!r} appears twice in the pipeline")
         seen.add(name)
-

@@ -78,8 +78,10 @@ class QuantizeWeights:
         scheme_name = ctx.quant_scheme()
         if scheme_name == "none":
             if q.quantization == "auto":
-                return StageReport.skipped("quantization none (auto: the checkpoint's weights are floats, run as "
-                                           "stored)", {Attr.QUANTIZATION: "auto"})  # fmt: skip
+                return StageReport.skipped(
+                    "quantization none (auto: the checkpoint's weights are floats, run as stored)",
+                    {Attr.QUANTIZATION: "auto"},
+                )
             return StageReport.skipped("quantization none", {Attr.QUANTIZATION: "none"})
         if scheme_name == "auto":
             return self._auto(ctx)
@@ -99,13 +101,16 @@ class QuantizeWeights:
             # the head to quantize); stored back, since a stage writes every slot it provides.
             ctx.state_dict = sd
             ctx.weights_bytes = sum(t.nbytes for t in sd.values())
-            return StageReport(attributes={
-                Attr.QUANTIZATION: q.quantization,
-                Attr.QUANTIZED_BYTES: scheme.weight_bytes(sd, only_linear=True),
-                Attr.GROUP_SIZE: str(scheme.resolve_group_size(group_size)),
-                Attr.GROUP_SIZE_REASON: why, Attr.QUANTIZE_LM_HEAD: head,
-                Attr.QUANTIZED_FROM: "GGUF blocks, repacked on their own grid",
-            })  # fmt: skip
+            return StageReport(
+                attributes={
+                    Attr.QUANTIZATION: q.quantization,
+                    Attr.QUANTIZED_BYTES: scheme.weight_bytes(sd, only_linear=True),
+                    Attr.GROUP_SIZE: str(scheme.resolve_group_size(group_size)),
+                    Attr.GROUP_SIZE_REASON: why,
+                    Attr.QUANTIZE_LM_HEAD: head,
+                    Attr.QUANTIZED_FROM: "GGUF blocks, repacked on their own grid",
+                }
+            )
 
         def build(folder: Path | None) -> dict[str, torch.Tensor]:
             # Quantize from fp32 so the result does not depend on the serving dtype's rounding.
@@ -116,9 +121,12 @@ class QuantizeWeights:
             return added
 
         fetched = ArtifactStore(ctx.cache_root).fetch(
-            QUANT, quant_factors(ctx), group=model_group(ctx.config.model), build=build,
+            QUANT,
+            quant_factors(ctx),
+            group=model_group(ctx.config.model),
+            build=build,
             load=lambda folder: load_file(str(folder / QUANTIZED)),
-        )  # fmt: skip
+        )
         added = fetched.value
         replaced = {k.rsplit(".", 1)[0] for k in added}
         merged = {k: v for k, v in sd.items() if not (k.endswith(".weight") and k[: -len(".weight")] in replaced)}
@@ -160,9 +168,12 @@ class QuantizeWeights:
         attrs: dict[str, object] = {Attr.QUANTIZATION: "auto"}
         if targets:
             fetched = ArtifactStore(ctx.cache_root).fetch(
-                QUANT, quant_factors(ctx), group=model_group(ctx.config.model), build=build,
+                QUANT,
+                quant_factors(ctx),
+                group=model_group(ctx.config.model),
+                build=build,
                 load=lambda folder: load_file(str(folder / QUANTIZED)),
-            )  # fmt: skip
+            )
             added = fetched.value
             attrs.update(fetched.attributes())
         else:
@@ -172,16 +183,22 @@ class QuantizeWeights:
         ctx.state_dict = merged
         ctx.weights_bytes = sum(t.nbytes for t in merged.values())
         counts = formats.counts()
-        attrs.update({
-            # What each class of tensor became; the phase table prints it on this row.
-            Attr.ROW_NOTE: formats.note(str(ctx.dtype).removeprefix("torch.")),
-            Attr.LAYER_FORMATS: formats.signature(),
-            Attr.AUTO_INT4_LAYERS: counts["int4"], Attr.AUTO_INT8_LAYERS: counts["int8"],
-            Attr.AUTO_DENSE_LAYERS: counts["dense"], Attr.AUTO_REPACKED_LAYERS: counts["repacked"],
-            Attr.AUTO_REQUANTIZED_LAYERS: counts["re-quantized"],
-            Attr.QUANTIZED_BYTES: sum(t.nbytes for k, t in merged.items()
-                                            if k.rpartition(".")[2] in ("qweight", "scales", "zeros")),
-            Attr.GROUP_SIZE: str(AUTO_GROUP), Attr.GROUP_SIZE_REASON: ctx.quant_group_size()[1],
-            Attr.QUANTIZE_LM_HEAD: ctx.config.quant.quantize_lm_head,
-        })  # fmt: skip
+        attrs.update(
+            {
+                # What each class of tensor became; the phase table prints it on this row.
+                Attr.ROW_NOTE: formats.note(str(ctx.dtype).removeprefix("torch.")),
+                Attr.LAYER_FORMATS: formats.signature(),
+                Attr.AUTO_INT4_LAYERS: counts["int4"],
+                Attr.AUTO_INT8_LAYERS: counts["int8"],
+                Attr.AUTO_DENSE_LAYERS: counts["dense"],
+                Attr.AUTO_REPACKED_LAYERS: counts["repacked"],
+                Attr.AUTO_REQUANTIZED_LAYERS: counts["re-quantized"],
+                Attr.QUANTIZED_BYTES: sum(
+                    t.nbytes for k, t in merged.items() if k.rpartition(".")[2] in ("qweight", "scales", "zeros")
+                ),
+                Attr.GROUP_SIZE: str(AUTO_GROUP),
+                Attr.GROUP_SIZE_REASON: ctx.quant_group_size()[1],
+                Attr.QUANTIZE_LM_HEAD: ctx.config.quant.quantize_lm_head,
+            }
+        )
         return StageReport(attributes=attrs)  # type: ignore[arg-type]

@@ -44,10 +44,23 @@ from .protocol import Stage, StageReport, StageResult, StartupContext
 class ReadyContext(StartupContext):
     """What the start left at READY (the inputs), and what the hooks hand on (the slots)."""
 
-    INPUTS: ClassVar[frozenset[str]] = frozenset({
-        "config", "cache_root", "plan", "marks", "clock", "root", "tracing", "results", "ready_ns", "engine",
-        "weights_bytes", "compile_cache", "parallel",
-    })  # fmt: skip
+    INPUTS: ClassVar[frozenset[str]] = frozenset(
+        {
+            "config",
+            "cache_root",
+            "plan",
+            "marks",
+            "clock",
+            "root",
+            "tracing",
+            "results",
+            "ready_ns",
+            "engine",
+            "weights_bytes",
+            "compile_cache",
+            "parallel",
+        }
+    )
 
     config: EngineConfig
     cache_root: Path
@@ -91,8 +104,9 @@ def _floor_bytes(plan: StartPlan, results: Sequence[StageResult], weights_bytes:
     de-quantized on load, said so)."""
     if plan.inputs is not None and plan.inputs.get("read_bytes") > 0:
         weights, entries = plan.inputs.get("weights_bytes"), plan.inputs.get("entry_bytes")
-        return int(weights + entries), (f"the model's files {weights / 1e9:.3f} GB + cache entries read "
-                                        f"{entries / 1e9:.3f} GB")  # fmt: skip
+        return int(weights + entries), (
+            f"the model's files {weights / 1e9:.3f} GB + cache entries read {entries / 1e9:.3f} GB"
+        )
     read = sum(int(v) for r in results if isinstance(v := r.report.attributes.get(Attr.BYTES_READ), (int, float)))
     if read > 0:
         return read, "bytes the stages read"
@@ -115,19 +129,35 @@ class MeasureFloor:
         return StageReport()
 
 
-def _record_phase_durations(ctx: ReadyContext, results: list[StageResult], plan: StartPlan,
-                            marks: ProcessMarks | None, before_s: float | None, probe_gbps: float | None) -> None:  # fmt: skip
+def _record_phase_durations(
+    ctx: ReadyContext,
+    results: list[StageResult],
+    plan: StartPlan,
+    marks: ProcessMarks | None,
+    before_s: float | None,
+    probe_gbps: float | None,
+) -> None:
     """Add this start to the config's start-up profile: its seconds per stage with its pattern, inputs and waits,
     keeping the latest start of each other pattern (start_record.profile_json)."""
     seconds = {r.name: r.seconds for r in results}
     ends = [r.end_ns for r in results if r.end_ns]
     starts = [r.start_ns for r in results if r.start_ns]
     wall = (max(ends) - min(starts)) / 1e9 if ends and starts else None
-    new = StartRecord(seconds, dict(plan.pattern), wall, plan.inputs.to_json() if plan.inputs is not None else None,
-                      {k: v for k, v in (plan.deps or {}).items() if k in seconds} or None, dict(plan.entries) or None,
-                      plan.machine or None, model_group(ctx.config.model), before_s, probe_gbps,
-                      (marks.imports_done_ns - marks.main_entry_ns) / 1e9
-                      if marks is not None and marks.imports_done_ns is not None else None)  # fmt: skip
+    new = StartRecord(
+        seconds,
+        dict(plan.pattern),
+        wall,
+        plan.inputs.to_json() if plan.inputs is not None else None,
+        {k: v for k, v in (plan.deps or {}).items() if k in seconds} or None,
+        dict(plan.entries) or None,
+        plan.machine or None,
+        model_group(ctx.config.model),
+        before_s,
+        probe_gbps,
+        (marks.imports_done_ns - marks.main_entry_ns) / 1e9
+        if marks is not None and marks.imports_done_ns is not None
+        else None,
+    )
     store = ArtifactStore(ctx.cache_root)
     try:
         older = lookup_records(store, ctx.config)
@@ -140,8 +170,13 @@ def _record_phase_durations(ctx: ReadyContext, results: list[StageResult], plan:
 
     try:
         # refresh: on a read-only cache dir the profile of this config's last start stays, silently (bookkeeping).
-        store.put(STARTUP_PROFILE, profile_factors(ctx.config, ctx.config.resolved_device()),
-                  group=model_group(ctx.config.model), build=build, refresh=True)  # fmt: skip
+        store.put(
+            STARTUP_PROFILE,
+            profile_factors(ctx.config, ctx.config.resolved_device()),
+            group=model_group(ctx.config.model),
+            build=build,
+            refresh=True,
+        )
     except Exception as exc:  # noqa: BLE001 - the engine is READY; a lost ETA record must not undo that
         structlog.get_logger("glowplug.startup").warning("start-up profile not recorded", error=repr(exc))
 
@@ -159,11 +194,18 @@ class RecordProfile:
         results, marks, floor = ctx.results, ctx.marks, ctx.floor
         # Process creation -> the first stage: what a prediction made before starting adds to the stages.
         begun = [r.start_ns for r in results if r.name != BundleInstall.name]
-        before_s = ((ctx.clock.wall_ns(min(begun)) - marks.process_start_ns) / 1e9
-                    if marks is not None and begun else None)  # fmt: skip
+        before_s = (
+            (ctx.clock.wall_ns(min(begun)) - marks.process_start_ns) / 1e9 if marks is not None and begun else None
+        )
         with trace.use_span(ctx.root, end_on_exit=False):
-            _record_phase_durations(ctx, [r for r in results if r.name != BundleInstall.name], ctx.plan, marks,
-                                    before_s, floor.read_gbps if floor is not None else None)  # fmt: skip
+            _record_phase_durations(
+                ctx,
+                [r for r in results if r.name != BundleInstall.name],
+                ctx.plan,
+                marks,
+                before_s,
+                floor.read_gbps if floor is not None else None,
+            )
         return StageReport()
 
 
@@ -185,8 +227,11 @@ class SealCompileCache:
 def _gather_rank_spans(group: TPGroup, tracing: Tracing, trace_id: int | None) -> dict[int, list[Any]]:
     """Every rank's start-up spans, on rank 0 (a collective: every rank calls it once at READY). Rank 0 keeps the
     workers' spans with its own, so its reports and trace files hold every rank under one trace id."""
-    mine = [span_record(s) for s in tracing.finished_spans()
-            if s.name.startswith(STARTUP_SPAN) and s.context is not None and s.context.trace_id == trace_id]
+    mine = [
+        span_record(s)
+        for s in tracing.finished_spans()
+        if s.name.startswith(STARTUP_SPAN) and s.context is not None and s.context.trace_id == trace_id
+    ]
     gathered = group.gather_objects(mine)
     if group.rank != 0:
         return {}
@@ -250,7 +295,8 @@ class ServeSteps:
         group = ctx.parallel
         if group is None or group.rank != 0:
             return StageReport.skipped("not rank 0 of a tensor-parallel group")
-        ctx.engine.runner.broadcast_steps(lambda b: group.send_step(step_payload(b.input_ids, b.positions, b.meta,
-                                                                                b.sample_rows)))  # fmt: skip
+        ctx.engine.runner.broadcast_steps(
+            lambda b: group.send_step(step_payload(b.input_ids, b.positions, b.meta, b.sample_rows))
+        )
         group.serving = True
         return StageReport()

@@ -56,9 +56,13 @@ def planted_delay(stage: str) -> float:
     return 0.0
 
 
-
 def _run_one(
-    stage: Stage, ctx: StartupContext, tracer: Tracer, parent: Span, clock: Clock, waits_for: Sequence[str] = (),
+    stage: Stage,
+    ctx: StartupContext,
+    tracer: Tracer,
+    parent: Span,
+    clock: Clock,
+    waits_for: Sequence[str] = (),
     scheduling: str | None = None,
 ) -> StageResult:
     log = structlog.get_logger("glowplug.startup")
@@ -71,8 +75,12 @@ def _run_one(
         start_time=clock.wall_ns(t0),
         # The waited-for stages let the phase table find the critical path from the spans alone; the thread lets
         # a trace viewer draw one lane per thread.
-        attributes={Attr.STAGE: stage.name, Attr.WAITS_FOR: list(waits_for), Attr.THREAD_NAME: thread.name,
-                    Attr.THREAD_ID: thread.native_id or 0},  # fmt: skip
+        attributes={
+            Attr.STAGE: stage.name,
+            Attr.WAITS_FOR: list(waits_for),
+            Attr.THREAD_NAME: thread.name,
+            Attr.THREAD_ID: thread.native_id or 0,
+        },
     )
     if scheduling is not None:
         span.set_attribute(Attr.SCHEDULING, scheduling)
@@ -124,9 +132,18 @@ def _run_one(
         if report.skipped_reason is not None:
             fields[Attr.SKIPPED_REASON] = report.skipped_reason
         log.info(span_name, **fields)
-    return StageResult(name=stage.name, row=row, seconds=seconds, report=report, span_context=span.get_span_context(),
-                       start_ns=t0, end_ns=t1, thread=thread.name, reads=frozenset(view._reads),
-                       writes=frozenset(view._writes))  # fmt: skip
+    return StageResult(
+        name=stage.name,
+        row=row,
+        seconds=seconds,
+        report=report,
+        span_context=span.get_span_context(),
+        start_ns=t0,
+        end_ns=t1,
+        thread=thread.name,
+        reads=frozenset(view._reads),
+        writes=frozenset(view._writes),
+    )
 
 
 def run_stages(
@@ -177,7 +194,6 @@ def run_stages(
         if own_root:
             root.end(end_time=clock.now_ns())
     return results
-
 
 
 def run_in_order(hooks: Sequence[Stage], ctx: StartupContext) -> list[StageReport]:

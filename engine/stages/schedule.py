@@ -57,8 +57,9 @@ def is_cpu_bound(stage: Stage, config: Any) -> bool:
         return False
     verdict = probe(config)
     if not isinstance(verdict, bool):
-        raise StageContractError(f"stage {stage.name!r}: `cpu_bound(config)` must return True or False, not "
-                                 f"{verdict!r}")  # fmt: skip
+        raise StageContractError(
+            f"stage {stage.name!r}: `cpu_bound(config)` must return True or False, not {verdict!r}"
+        )
     return verdict
 
 
@@ -83,9 +84,11 @@ def plan_concurrency(stages: Sequence[Stage], config: Any, cores: int | None = N
         return Concurrency(cores, (), f"{have}: CPU-bound stages may run side by side")
     if len(heavy) < 2:
         return Concurrency(cores, (), f"{have}: at most one CPU-bound stage ({names_text(heavy)})")
-    return Concurrency(cores, heavy, f"{have} (under {SERIAL_CPU_BOUND_BELOW_CORES}): CPU-bound "
-                                     f"stages run one after another ({' -> '.join(heavy)})")  # fmt: skip
-
+    return Concurrency(
+        cores,
+        heavy,
+        f"{have} (under {SERIAL_CPU_BOUND_BELOW_CORES}): CPU-bound stages run one after another ({' -> '.join(heavy)})",
+    )
 
 
 def stage_dependencies(stages: Sequence[Stage], serial: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
@@ -172,8 +175,9 @@ def run_scheduled(stages: Sequence[Stage], concurrency: Concurrency, run_one: Ru
                 pending.remove(stage)
                 # A copy of this thread's contextvars: the OpenTelemetry context, structlog's bound fields.
                 context = contextvars.copy_context()
-                thread = threading.Thread(target=context.run, args=(on_thread, stage),
-                                          name=f"glowplug-stage-{stage.name}", daemon=True)  # fmt: skip
+                thread = threading.Thread(
+                    target=context.run, args=(on_thread, stage), name=f"glowplug-stage-{stage.name}", daemon=True
+                )
                 threads[stage.name] = thread
                 thread.start()
             pending.remove(inline)

@@ -40,8 +40,10 @@ class ContextView:
 
     def _context(self, name: str) -> StartupContext:
         if self._ctx is None:
-            raise StageContractError(f"stage {self._stage!r}'s view of the start-up context was used for {name!r} "
-                                     f"after the stage ended; keep the values, not the context")  # fmt: skip
+            raise StageContractError(
+                f"stage {self._stage!r}'s view of the start-up context was used for {name!r} "
+                f"after the stage ended; keep the values, not the context"
+            )
         return cast(StartupContext, self._ctx)
 
     def _violate(self, message: str) -> StageContractError:
@@ -53,8 +55,10 @@ class ContextView:
         if name in self._slots:
             if name not in self._writes:
                 if name not in self._needs:
-                    raise self._violate(f"stage {self._stage!r} read {name!r}, which it does not declare in needs "
-                                        f"(needs: {names_text(self._needs)})")  # fmt: skip
+                    raise self._violate(
+                        f"stage {self._stage!r} read {name!r}, which it does not declare in needs "
+                        f"(needs: {names_text(self._needs)})"
+                    )
                 self._reads.add(name)
             return getattr(ctx, name)
         if name in self._inputs:
@@ -70,14 +74,17 @@ class ContextView:
     def __setattr__(self, name: str, value: Any) -> None:
         ctx = self._context(name)
         if name in self._inputs:
-            raise self._violate(f"stage {self._stage!r} wrote {name!r}, an input of the start-up: inputs are "
-                                f"read-only")  # fmt: skip
+            raise self._violate(f"stage {self._stage!r} wrote {name!r}, an input of the start-up: inputs are read-only")
         if name not in self._slots:
-            raise self._violate(f"stage {self._stage!r} wrote {name!r}, which is not a slot of "
-                                f"{type(ctx).__name__} (slots: {names_text(self._slots)})")  # fmt: skip
+            raise self._violate(
+                f"stage {self._stage!r} wrote {name!r}, which is not a slot of "
+                f"{type(ctx).__name__} (slots: {names_text(self._slots)})"
+            )
         if name not in self._provides:
-            raise self._violate(f"stage {self._stage!r} wrote {name!r}, which it does not declare in provides "
-                                f"(provides: {names_text(self._provides)})")  # fmt: skip
+            raise self._violate(
+                f"stage {self._stage!r} wrote {name!r}, which it does not declare in provides "
+                f"(provides: {names_text(self._provides)})"
+            )
         self._writes.add(name)
         setattr(ctx, name, value)
 
@@ -89,4 +96,3 @@ class ContextView:
 
     def __repr__(self) -> str:
         return f"<ContextView of stage {self._stage!r}>"
-

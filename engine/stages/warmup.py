@@ -56,10 +56,16 @@ def memory_at_ready(engine: LLMEngine) -> dict[str, object]:
     runtime = mem.peak_rss_bytes - weights - kv_resident
     gb = 1e9
     return {
-        Attr.MEMORY_PEAK_RSS: mem.peak_rss_bytes, Attr.MEMORY_RSS_FILE: mem.file_bytes,
-        Attr.MEMORY_RSS_ANON: mem.anon_bytes, Attr.MEMORY_WEIGHTS: weights, Attr.MEMORY_KV_POOL: kv,
-        Attr.MEMORY_KV_RESIDENT: kv_resident, Attr.MEMORY_RUNTIME: runtime,
-        Attr.ROW_NOTE: (f"peak RSS {mem.peak_rss_bytes / gb:.2f} GB = weights {weights / gb:.2f} + KV pool "
-                        f"{kv_resident / gb:.2f} resident of {kv / gb:.2f} + runtime {runtime / gb:.2f} (now "
-                        f"{mem.file_bytes / gb:.2f} GB file-backed, {mem.anon_bytes / gb:.2f} GB anonymous)"),
-    }  # fmt: skip
+        Attr.MEMORY_PEAK_RSS: mem.peak_rss_bytes,
+        Attr.MEMORY_RSS_FILE: mem.file_bytes,
+        Attr.MEMORY_RSS_ANON: mem.anon_bytes,
+        Attr.MEMORY_WEIGHTS: weights,
+        Attr.MEMORY_KV_POOL: kv,
+        Attr.MEMORY_KV_RESIDENT: kv_resident,
+        Attr.MEMORY_RUNTIME: runtime,
+        Attr.ROW_NOTE: (
+            f"peak RSS {mem.peak_rss_bytes / gb:.2f} GB = weights {weights / gb:.2f} + KV pool "
+            f"{kv_resident / gb:.2f} resident of {kv / gb:.2f} + runtime {runtime / gb:.2f} (now "
+            f"{mem.file_bytes / gb:.2f} GB file-backed, {mem.anon_bytes / gb:.2f} GB anonymous)"
+        ),
+    }

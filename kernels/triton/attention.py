@@ -104,10 +104,19 @@ def _next_pow2(n: int) -> int:
 
 
 def paged_decode_attention(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None, tables: Tensor,
-    ctx_lens: Tensor, scale: float, window: int | None = None, *, partition: int = PARTITION_TOKENS,
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    tables: Tensor,
+    ctx_lens: Tensor,
+    scale: float,
+    window: int | None = None,
+    *,
+    partition: int = PARTITION_TOKENS,
     block_n: int | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """[B, H, D] attention of q [B, H, D] (one token per row) over the paged cache, in q's dtype.
 
     k_cache/v_cache [blocks, block_size, Hkv, D] in q's dtype, or int8 with fp32 k_scale/v_scale [blocks,
@@ -115,8 +124,10 @@ def paged_decode_attention(
     row b sees tokens 0 .. ctx_lens[b] - 1 of its table, or with `window` only the last `window` of them.
     `partition`, `block_n`: tokens per split and per loop step (tests shrink them to cover several of each)."""
     if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"q [B, H, D] and caches [blocks, block_size, Hkv, D] expected, got q {tuple(q.shape)}, "
-                         f"k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}")  # fmt: skip
+        raise ValueError(
+            f"q [B, H, D] and caches [blocks, block_size, Hkv, D] expected, got q {tuple(q.shape)}, "
+            f"k {tuple(k_cache.shape)}, v {tuple(v_cache.shape)}"
+        )
     b, heads, d = q.shape
     _, block_size, kv_heads, dk = k_cache.shape
     if dk != d or heads % kv_heads:
@@ -150,32 +161,88 @@ def paged_decode_attention(
     vs = v_scale if v_scale is not None else v_cache
     win = int(window) if window is not None else 0
     kern.paged_decode_kernel[(b, kv_heads, num_parts)](
-        q, k_cache, v_cache, ks, vs, tables, ctx_lens, out, m, l_, acc,
-        float(scale), win, block_size, part_len,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        ks.stride(0) if int8 else 0, ks.stride(1) if int8 else 0, ks.stride(2) if int8 else 0,
-        tables.stride(0), ctx_lens.stride(0),
-        out.stride(0), out.stride(1),
-        m.stride(0), m.stride(1),
-        acc.stride(0), acc.stride(1), acc.stride(2) if split else 0,
-        G=group, G_PAD=max(MIN_DOT, _next_pow2(group)), D=d, BLOCK_D=block_d, BLOCK_N=bn,
-        INT8=int8, SPLIT=split, DOT_F32=dot_f32, num_warps=8 if dot_f32 and block_d >= 128 else 4,
-    )  # fmt: skip
+        q,
+        k_cache,
+        v_cache,
+        ks,
+        vs,
+        tables,
+        ctx_lens,
+        out,
+        m,
+        l_,
+        acc,
+        float(scale),
+        win,
+        block_size,
+        part_len,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        ks.stride(0) if int8 else 0,
+        ks.stride(1) if int8 else 0,
+        ks.stride(2) if int8 else 0,
+        tables.stride(0),
+        ctx_lens.stride(0),
+        out.stride(0),
+        out.stride(1),
+        m.stride(0),
+        m.stride(1),
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2) if split else 0,
+        G=group,
+        G_PAD=max(MIN_DOT, _next_pow2(group)),
+        D=d,
+        BLOCK_D=block_d,
+        BLOCK_N=bn,
+        INT8=int8,
+        SPLIT=split,
+        DOT_F32=dot_f32,
+        num_warps=8 if dot_f32 and block_d >= 128 else 4,
+    )
     if split:
         kern.paged_decode_combine_kernel[(b, heads)](
-            ctx_lens, m, l_, acc, out, win, part_len,
-            ctx_lens.stride(0), m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-            out.stride(0), out.stride(1), D=d, BLOCK_D=block_d, num_warps=4,
-        )  # fmt: skip
+            ctx_lens,
+            m,
+            l_,
+            acc,
+            out,
+            win,
+            part_len,
+            ctx_lens.stride(0),
+            m.stride(0),
+            m.stride(1),
+            acc.stride(0),
+            acc.stride(1),
+            acc.stride(2),
+            out.stride(0),
+            out.stride(1),
+            D=d,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
     return out
 
 
-def _from_packed(q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
-                 packed: Tensor, scale: float, window: int | None) -> Tensor:  # fmt: skip
-    return paged_decode_attention(q, k_cache, v_cache, k_scale, v_scale, packed[:, PACKED_TABLE:],
-                                  packed[:, PACKED_CONTEXT], scale, window)  # fmt: skip
+def _from_packed(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k_scale: Tensor | None,
+    v_scale: Tensor | None,
+    packed: Tensor,
+    scale: float,
+    window: int | None,
+) -> Tensor:
+    return paged_decode_attention(
+        q, k_cache, v_cache, k_scale, v_scale, packed[:, PACKED_TABLE:], packed[:, PACKED_CONTEXT], scale, window
+    )
 
 
 _REGISTER = threading.Lock()
@@ -193,16 +260,28 @@ def register_op() -> object:
 def _register_op() -> object:
     @torch.library.custom_op(OP_NAME, mutates_args=())
     def paged_decode_attention_op(
-        q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
-        packed: Tensor, scale: float, window: int | None,
-    ) -> Tensor:  # fmt: skip
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        k_scale: Tensor | None,
+        v_scale: Tensor | None,
+        packed: Tensor,
+        scale: float,
+        window: int | None,
+    ) -> Tensor:
         return _from_packed(q, k_cache, v_cache, k_scale, v_scale, packed, scale, window)
 
     @paged_decode_attention_op.register_fake
     def _fake(
-        q: Tensor, k_cache: Tensor, v_cache: Tensor, k_scale: Tensor | None, v_scale: Tensor | None,
-        packed: Tensor, scale: float, window: int | None,
-    ) -> Tensor:  # fmt: skip
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        k_scale: Tensor | None,
+        v_scale: Tensor | None,
+        packed: Tensor,
+        scale: float,
+        window: int | None,
+    ) -> Tensor:
         return q.new_empty(q.shape)
 
     return getattr(torch.ops, NAMESPACE).paged_decode_attention

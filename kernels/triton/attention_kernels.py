@@ -33,19 +33,50 @@ import triton.language as tl
 
 @triton.jit
 def paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, ctx_ptr, out_ptr, m_ptr, l_ptr, acc_ptr,
-    scale, window, block_size, partition,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
-    stride_sb, stride_ss, stride_sh,
-    stride_tb, stride_cb,
-    stride_ob, stride_oh,
-    stride_mb, stride_mh,
-    stride_ab, stride_ah, stride_ap,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    INT8: tl.constexpr, SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    ks_ptr,
+    vs_ptr,
+    table_ptr,
+    ctx_ptr,
+    out_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    scale,
+    window,
+    block_size,
+    partition,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    stride_tb,
+    stride_cb,
+    stride_ob,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ab,
+    stride_ah,
+    stride_ap,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INT8: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
     part = tl.program_id(2).to(tl.int64)
@@ -62,8 +93,11 @@ def paged_decode_kernel(
     g_ok = offs_g < G
     d_ok = offs_d < D
     heads = kvh * G + offs_g
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # fmt: skip
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if DOT_F32:
         q = q.to(tl.float32)
     # exp2 instead of exp: fold log2(e) into the score scale once.
@@ -121,17 +155,33 @@ def paged_decode_kernel(
     else:
         # A row that sees nothing (context 0) writes zeros rather than 0 / 0.
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask)  # fmt: skip
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
 
 
 @triton.jit
 def paged_decode_combine_kernel(
-    ctx_ptr, m_ptr, l_ptr, acc_ptr, out_ptr,
-    window, partition,
-    stride_cb, stride_mb, stride_mh, stride_ab, stride_ah, stride_ap, stride_ob, stride_oh,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    ctx_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    window,
+    partition,
+    stride_cb,
+    stride_mb,
+    stride_mh,
+    stride_ab,
+    stride_ah,
+    stride_ap,
+    stride_ob,
+    stride_oh,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ctx = tl.load(ctx_ptr + b * stride_cb)

@@ -24,8 +24,9 @@ from torch import Tensor
 from . import ops
 
 NAMESPACE = "glowplug_triton"
-_WQ_SCHEMA = ("(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int n, int k, int group, int bits, int mid)"
-              " -> Tensor")
+_WQ_SCHEMA = (
+    "(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, int n, int k, int group, int bits, int mid) -> Tensor"
+)
 _W8A8_SCHEMA = "(Tensor x, Tensor qweight, Tensor scales, Tensor? inv_smooth, int n, int k) -> Tensor"
 
 
@@ -62,16 +63,18 @@ def _empty(x: Tensor, n: int) -> Tensor:
     return x.new_empty((x.shape[0], n), dtype=ops.out_dtype(x.dtype))
 
 
-def _wq_linear(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, n: int, k: int, group: int,
-               bits: int, mid: int) -> Tensor:  # fmt: skip
+def _wq_linear(
+    x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, n: int, k: int, group: int, bits: int, mid: int
+) -> Tensor:
     if x.shape[0] == 0:  # no grid to launch
         return _empty(x, n)
     st = ops.TritonWeight(qweight, scales, zeros, n, k, group, bits, mid)
     return ops.gemv(x, st) if x.shape[0] <= ops.GEMV_MAX_M else ops.gemm(x, st)
 
 
-def _wq_fake(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, n: int, k: int, group: int,
-             bits: int, mid: int) -> Tensor:  # fmt: skip
+def _wq_fake(
+    x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, n: int, k: int, group: int, bits: int, mid: int
+) -> Tensor:
     return _empty(x, n)
 
 

@@ -19,8 +19,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_wn, n_groups,
-                  GROUP, BITS: tl.constexpr, MID: tl.constexpr, HAS_ZERO: tl.constexpr):
+def _dequant_tile(
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    offs_n,
+    offs_k,
+    N,
+    K,
+    stride_wn,
+    n_groups,
+    GROUP,
+    BITS: tl.constexpr,
+    MID: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+):
     """fp32 [BLOCK_N, BLOCK_K] tile of the dequantized weight (zeros outside N x K)."""
     mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
     g = offs_k // GROUP
@@ -42,9 +55,26 @@ def _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_wn, n_groups
 
 
 @triton.jit
-def wq_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, n_groups, GROUP,
-                   BITS: tl.constexpr, MID: tl.constexpr, HAS_ZERO: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def wq_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    n_groups,
+    GROUP,
+    BITS: tl.constexpr,
+    MID: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Small-M path: one program per (row of x, BLOCK_N outputs); weight bytes are read once per row, in
     registers, with no tensor-core tile padding wasted on M=1."""
     pid_n = tl.program_id(0)
@@ -54,17 +84,34 @@ def wq_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + m * stride_xm + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)
-        w = _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_wn, n_groups, GROUP, BITS, MID,
-                          HAS_ZERO)
+        w = _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_wn, n_groups, GROUP, BITS, MID, HAS_ZERO)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(y_ptr + m * stride_ym + offs_n, acc, mask=offs_n < N)
 
 
 @triton.jit
-def wq_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, n_groups, GROUP,
-                   BITS: tl.constexpr, MID: tl.constexpr, HAS_ZERO: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+def wq_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    n_groups,
+    GROUP,
+    BITS: tl.constexpr,
+    MID: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """Larger-M path: dequantize a [BLOCK_N, BLOCK_K] weight tile in registers, then tl.dot against x."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -75,16 +122,30 @@ def wq_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, stride_xm, stride
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x_mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=x_mask, other=0.0)
-        w = _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_wn, n_groups, GROUP, BITS, MID,
-                          HAS_ZERO)
+        w = _dequant_tile(w_ptr, s_ptr, z_ptr, offs_n, offs_k, N, K, stride_wn, n_groups, GROUP, BITS, MID, HAS_ZERO)
         acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision=DOT_PRECISION)
     y_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=y_mask)
 
 
 @triton.jit
-def w8a8_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+def w8a8_kernel(
+    xq_ptr,
+    xs_ptr,
+    w_ptr,
+    ws_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
     """int8 x int8 -> int32, then y = acc * x_scale[m] * w_scale[n]. USE_DOT=False is the GEMV form (CUDA-core
     multiply-add; tl.dot needs M tiles of at least 16 rows, wasteful at M=1)."""
     pid_m = tl.program_id(0)

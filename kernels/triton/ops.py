@@ -82,8 +82,10 @@ def unsupported_reason(device: torch.device | str) -> str | None:
         # TF32 and int8 tl.dot need Ampere or newer; older GPUs take the dispatcher's reference fallback.
         cap = torch.cuda.get_device_capability(dev)
         if cap < MIN_CAPABILITY:
-            return (f"compute capability {cap[0]}.{cap[1]} is below {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
-                    f"(the kernels' TF32 and int8 tl.dot need Ampere or newer)")
+            return (
+                f"compute capability {cap[0]}.{cap[1]} is below {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+                f"(the kernels' TF32 and int8 tl.dot need Ampere or newer)"
+            )
         return None
     if interpreting():
         return None
@@ -104,8 +106,16 @@ def prepare(w: PackedWeight) -> TritonWeight | TritonW8A8:
         zeros = None if w.zeros is None else w.zeros.float().contiguous()
         return TritonWeight(w.qweight.contiguous(), w.scales.float().contiguous(), zeros, n, k, w.group_size, 4, 8)
     if isinstance(w, Int2Weight):
-        return TritonWeight(w.qweight.contiguous(), w.scales.float().contiguous(), w.zeros.float().contiguous(),
-                            n, k, w.group_size, 2, 2)
+        return TritonWeight(
+            w.qweight.contiguous(),
+            w.scales.float().contiguous(),
+            w.zeros.float().contiguous(),
+            n,
+            k,
+            w.group_size,
+            2,
+            2,
+        )
     raise TypeError(f"no Triton kernel for {type(w).__name__}")
 
 
@@ -121,8 +131,21 @@ def _out(x: Tensor, n: int) -> Tensor:
 
 def _wq_args(x: Tensor, st: TritonWeight, y: Tensor) -> tuple[object, ...]:
     zeros = st.zeros if st.zeros is not None else st.scales  # never read when HAS_ZERO is False
-    return (x, st.qweight, st.scales, zeros, y, x.shape[0], st.n, st.k, x.stride(0), st.qweight.stride(0),
-            y.stride(0), st.scales.shape[1], st.group)
+    return (
+        x,
+        st.qweight,
+        st.scales,
+        zeros,
+        y,
+        x.shape[0],
+        st.n,
+        st.k,
+        x.stride(0),
+        st.qweight.stride(0),
+        y.stride(0),
+        st.scales.shape[1],
+        st.group,
+    )
 
 
 def _w8a8(x: Tensor, st: TritonW8A8, use_dot: bool, blocks: dict[str, int]) -> Tensor:
@@ -134,8 +157,21 @@ def _w8a8(x: Tensor, st: TritonW8A8, use_dot: bool, blocks: dict[str, int]) -> T
     y = _out(x, st.n)
     m = x.shape[0]
     grid = (_cdiv(m, blocks["BLOCK_M"]), _cdiv(st.n, blocks["BLOCK_N"]))
-    k.w8a8_kernel[grid](xq, xs.reshape(-1).contiguous(), st.qweight, st.scales, y, m, st.n, st.k, xq.stride(0),
-                        st.qweight.stride(0), y.stride(0), USE_DOT=use_dot, **blocks)
+    k.w8a8_kernel[grid](
+        xq,
+        xs.reshape(-1).contiguous(),
+        st.qweight,
+        st.scales,
+        y,
+        m,
+        st.n,
+        st.k,
+        xq.stride(0),
+        st.qweight.stride(0),
+        y.stride(0),
+        USE_DOT=use_dot,
+        **blocks,
+    )
     return y
 
 
@@ -169,6 +205,7 @@ def gemm(x: Tensor, st: TritonWeight | TritonW8A8, blocks: dict[str, int] | None
     grid = (_cdiv(x.shape[0], b["BLOCK_M"]), _cdiv(st.n, b["BLOCK_N"]))
     # The interpreter computes tl.dot exactly in fp32 whatever is asked; on a GPU, fp32 operands go through TF32.
     precision = "ieee" if interpreting() else "tf32"
-    k.wq_gemm_kernel[grid](*_wq_args(x, st, y), BITS=st.bits, MID=st.mid, HAS_ZERO=st.zeros is not None,
-                           DOT_PRECISION=precision, **b)
+    k.wq_gemm_kernel[grid](
+        *_wq_args(x, st, y), BITS=st.bits, MID=st.mid, HAS_ZERO=st.zeros is not None, DOT_PRECISION=precision, **b
+    )
     return y

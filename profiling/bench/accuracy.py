@@ -68,8 +68,11 @@ class AccuracyConfig(BaseModel):
     quantize_lm_head: bool = True
     window: int = Field(256, ge=16, le=4096, description="Tokens per evaluation window.")
     continuation_tokens: int = Field(48, ge=0, le=512)
-    native: bool = Field(True, description="Also score each scheme through glowplug's native kernels (what the "
-                         "compiled decode step runs), where they load.")  # fmt: skip
+    native: bool = Field(
+        True,
+        description="Also score each scheme through glowplug's native kernels (what the "
+        "compiled decode step runs), where they load.",
+    )
     peer: bool = Field(True, description="Also score llama.cpp (llama-cpp-python) on the same GGUF file and windows.")
     out: Path | None = None
 
@@ -152,8 +155,13 @@ def llama_cpp_logprobs(model: str, windows: list[list[int]]) -> list[Any] | None
         from llama_cpp import Llama
     except ImportError:
         return None
-    peer = Llama(model_path=model, n_ctx=max(len(w) for w in windows), n_threads=len(os.sched_getaffinity(0)),
-                 logits_all=True, verbose=False)  # fmt: skip
+    peer = Llama(
+        model_path=model,
+        n_ctx=max(len(w) for w in windows),
+        n_threads=len(os.sched_getaffinity(0)),
+        logits_all=True,
+        verbose=False,
+    )
     out = []
     for w in windows:
         peer.reset()
@@ -188,8 +196,13 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
     def build(quant: str) -> Any:
         # Eager (compile off): this measures the quantization's error, and every prompt here is a prefill; the
         # compiled decode kernels are held to the eager ones by tests/test_compile.py.
-        fields: dict[str, Any] = {"model": cfg.model, "dtype": "bfloat16", "quantization": quant, "compile": "off",
-                                  "quantize_lm_head": cfg.quantize_lm_head}  # fmt: skip
+        fields: dict[str, Any] = {
+            "model": cfg.model,
+            "dtype": "bfloat16",
+            "quantization": quant,
+            "compile": "off",
+            "quantize_lm_head": cfg.quantize_lm_head,
+        }
         if quant != "none" and cfg.group_size is not None and quant in ("int8", "int4"):
             fields["group_size"] = cfg.group_size
         # 1024 leaves room for the chat-templated continuations; a smaller model (the tests' tiny one) gets its limit.
@@ -211,8 +224,9 @@ def run_accuracy(cfg: AccuracyConfig) -> list[AccuracyRow]:
     def row(label: str, got: list[Any]) -> AccuracyRow:
         ppl, kl, top1, n = compare(ref, got, windows)
         text_ppl, text_n = perplexity(got[:n_text], windows[:n_text])
-        return AccuracyRow(label, ppl, 100 * (ppl / ref_ppl - 1), kl, top1, n, text_ppl,
-                           100 * (text_ppl / ref_text_ppl - 1), text_n)  # fmt: skip
+        return AccuracyRow(
+            label, ppl, 100 * (ppl / ref_ppl - 1), kl, top1, n, text_ppl, 100 * (text_ppl / ref_text_ppl - 1), text_n
+        )
 
     ref_ppl = compare(ref, ref, windows)[0]
     rows = [row("none (bf16)", ref)]
@@ -269,15 +283,21 @@ def render_markdown(rows: list[AccuracyRow]) -> str:
             f"| {r.ppl_change_pct:+.2f}% | {r.mean_kl:.4f} | {100 * r.top1_agreement:.1f}% "
             f"| {r.text_tokens} / {r.tokens} |"
         )
-    lines += ["", "All schemes in bfloat16 activations, compile off (eager), against the bf16 model in the same "
-              "dtype and compile mode. A \"(native <level>)\" row scores the same quantized weights through glowplug's "
-              "native kernels at that ISA level, what the compiled decode step runs (int4 from AVX2 up: int8 "
-              "activations per group; int8: 16-bit fixed-point activations)."]  # fmt: skip
-    lines += ["", "Perplexity, text: the project's text only, which no model under test wrote. Perplexity, all "
-              "windows: with the bf16 model's own greedy continuations added, on which the bf16 model's perplexity "
-              "is low by construction (they are its argmax tokens), so every other row looks worse there than it "
-              "is; those windows serve the KL and top-1 columns. The target is judged on the text column, and the "
-              "all-windows figure is shown beside it."]  # fmt: skip
+    lines += [
+        "",
+        "All schemes in bfloat16 activations, compile off (eager), against the bf16 model in the same "
+        'dtype and compile mode. A "(native <level>)" row scores the same quantized weights through glowplug\'s '
+        "native kernels at that ISA level, what the compiled decode step runs (int4 from AVX2 up: int8 "
+        "activations per group; int8: 16-bit fixed-point activations).",
+    ]
+    lines += [
+        "",
+        "Perplexity, text: the project's text only, which no model under test wrote. Perplexity, all "
+        "windows: with the bf16 model's own greedy continuations added, on which the bf16 model's perplexity "
+        "is low by construction (they are its argmax tokens), so every other row looks worse there than it "
+        "is; those windows serve the KL and top-1 columns. The target is judged on the text column, and the "
+        "all-windows figure is shown beside it.",
+    ]
     if flags:
         lines += ["", flag_note(flags)]
     return "\n".join(lines) + "\n"
@@ -292,12 +312,20 @@ def accuracy_verdicts(rows: list[AccuracyRow]) -> list[Any]:
     out = []
     auto = by.get("auto")
     if auto is not None:
-        out.append(Verdict(f"auto's perplexity within {AUTO_TARGET_PCT}% of none's (text)",
-                           f"{auto.text_change_pct:+.2f}% (all windows {auto.ppl_change_pct:+.2f}%)",
-                           auto.text_change_pct <= AUTO_TARGET_PCT))  # fmt: skip
+        out.append(
+            Verdict(
+                f"auto's perplexity within {AUTO_TARGET_PCT}% of none's (text)",
+                f"{auto.text_change_pct:+.2f}% (all windows {auto.ppl_change_pct:+.2f}%)",
+                auto.text_change_pct <= AUTO_TARGET_PCT,
+            )
+        )
         peer = by.get(PEER_ROW)
         if peer is not None:
-            out.append(Verdict("auto's perplexity no higher than llama.cpp's on the same file (text)",
-                               f"{auto.text_perplexity:.3f} vs {peer.text_perplexity:.3f}",
-                               auto.text_perplexity <= peer.text_perplexity))  # fmt: skip
+            out.append(
+                Verdict(
+                    "auto's perplexity no higher than llama.cpp's on the same file (text)",
+                    f"{auto.text_perplexity:.3f} vs {peer.text_perplexity:.3f}",
+                    auto.text_perplexity <= peer.text_perplexity,
+                )
+            )
     return out

@@ -75,10 +75,37 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 STEP_NAMES: tuple[str, ...] = (
-    "accuracy", "kernels", "decode", "decode-quantized", "decode-kv", "decode-context", "decode-auto", "decode-isa",
-    "decode-portable", "real-decode", "real-decode-7b", "throughput", "latency", "latency-tp", "tune", "tune-gemma", "real-tune", "startup",
-    "startup-tp1", "startup-tp3", "gemma-startup", "real-startup", "screenshots", "cache-verify", "serve", "serve-efficiency", "serve-overload", "serve-fuzz", "serve-soak", "serve-hostile",
-)  # fmt: skip
+    "accuracy",
+    "kernels",
+    "decode",
+    "decode-quantized",
+    "decode-kv",
+    "decode-context",
+    "decode-auto",
+    "decode-isa",
+    "decode-portable",
+    "real-decode",
+    "real-decode-7b",
+    "throughput",
+    "latency",
+    "latency-tp",
+    "tune",
+    "tune-gemma",
+    "real-tune",
+    "startup",
+    "startup-tp1",
+    "startup-tp3",
+    "gemma-startup",
+    "real-startup",
+    "screenshots",
+    "cache-verify",
+    "serve",
+    "serve-efficiency",
+    "serve-overload",
+    "serve-fuzz",
+    "serve-soak",
+    "serve-hostile",
+)
 SIDECAR = "bench-all.json"  # every report's last outcome in DIR; README.md is rendered from it
 
 
@@ -94,45 +121,57 @@ class BenchAllConfig(BaseModel):
     quantization: tuple[str, ...] = Field(("int8", "int4", "int2", "w8a8"), description="Schemes besides none.")
     timeout_s: float = Field(3600.0, gt=0, description="Per report.")
     gemma3_gguf: Path | None = Field(
-        None, description="A Gemma 3 GGUF (gemma-3-270m Q4_K_M) for the second-model reports (tune-gemma, "
+        None,
+        description="A Gemma 3 GGUF (gemma-3-270m Q4_K_M) for the second-model reports (tune-gemma, "
         "gemma-startup); "
         "without it they are listed as skipped, with this flag as the fix.",
-    )  # fmt: skip
+    )
     real_model: Path | None = Field(
-        None, description="A real-size GGUF (Qwen2.5-Coder-1.5B Q4_K_M: `glowplug models fetch qwen2.5-coder-1.5b`; "
+        None,
+        description="A real-size GGUF (Qwen2.5-Coder-1.5B Q4_K_M: `glowplug models fetch qwen2.5-coder-1.5b`; "
         "or a synthetic 7B from scripts/synthetic_gguf.py) for the real-size reports (real-decode, real-tune, "
         "real-startup); without it they are listed as skipped, with this flag as the fix.",
-    )  # fmt: skip
+    )
     synthetic_7b: Path | None = Field(
-        None, description="A 7B-shape Q4_K_M GGUF (scripts/synthetic_gguf.py's Qwen2.5-7B shape) for real-decode-7b; "
+        None,
+        description="A 7B-shape Q4_K_M GGUF (scripts/synthetic_gguf.py's Qwen2.5-7B shape) for real-decode-7b; "
         "without it that report is listed as skipped, with this flag as the fix.",
-    )  # fmt: skip
-    allow_dirty: bool = Field(False, description="Run although tracked files differ from HEAD (outside --out); the "
-                              "index and every report then say DIRTY RUN.")
+    )
+    allow_dirty: bool = Field(
+        False,
+        description="Run although tracked files differ from HEAD (outside --out); the "
+        "index and every report then say DIRTY RUN.",
+    )
 
     @field_validator("gemma3_gguf")
     @classmethod
     def _gguf_is_a_file(cls, v: Path | None) -> Path | None:
         if v is not None and not v.is_file():
-            raise ValueError(f"no file at {v}: give the path of a Gemma 3 .gguf file, or leave --gemma3-gguf out "
-                             "(the Gemma reports are then listed as skipped)")
+            raise ValueError(
+                f"no file at {v}: give the path of a Gemma 3 .gguf file, or leave --gemma3-gguf out "
+                "(the Gemma reports are then listed as skipped)"
+            )
         return v
 
     @field_validator("synthetic_7b")
     @classmethod
     def _synthetic_7b_is_a_file(cls, v: Path | None) -> Path | None:
         if v is not None and not v.is_file():
-            raise ValueError(f"no file at {v}: give the path of the synthetic 7B .gguf (scripts/synthetic_gguf.py "
-                             "writes one), or leave --synthetic-7b out (real-decode-7b is then listed as skipped)")
+            raise ValueError(
+                f"no file at {v}: give the path of the synthetic 7B .gguf (scripts/synthetic_gguf.py "
+                "writes one), or leave --synthetic-7b out (real-decode-7b is then listed as skipped)"
+            )
         return v
 
     @field_validator("real_model")
     @classmethod
     def _real_model_is_a_file(cls, v: Path | None) -> Path | None:
         if v is not None and not v.is_file():
-            raise ValueError(f"no file at {v}: give the path of a .gguf file (`glowplug models fetch "
-                             "qwen2.5-coder-1.5b` prints one), or leave --real-model out (the real-size reports are "
-                             "then listed as skipped)")
+            raise ValueError(
+                f"no file at {v}: give the path of a .gguf file (`glowplug models fetch "
+                "qwen2.5-coder-1.5b` prints one), or leave --real-model out (the real-size reports are "
+                "then listed as skipped)"
+            )
         return v
 
     def steps(self) -> list[str]:
@@ -177,215 +216,679 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
     quality = ["--quality-from", str(o / "accuracy.json")] if has_accuracy else []
     serve_dir = str(o / "serve")
     # Every serve report: one bf16 server started by the benchmark, the same request shape unless a mode needs less.
-    serve_common = ["bench", "serve", m, "--dtype", "bfloat16", "--runs", reps_of(q),
-                    "--input-len", "16" if q else "128", "--output-len", "4" if q else "64"]  # fmt: skip
+    serve_common = [
+        "bench",
+        "serve",
+        m,
+        "--dtype",
+        "bfloat16",
+        "--runs",
+        reps_of(q),
+        "--input-len",
+        "16" if q else "128",
+        "--output-len",
+        "4" if q else "64",
+    ]
     reps = reps_of(q)
     real = str(cfg.real_model or "REAL_MODEL_GGUF")
     real_skip = None if cfg.real_model else "no real-size model given: pass --real-model PATH"
     steps = {
-        "accuracy": Step("accuracy", ["bench", "accuracy", m, "--quantization", _items(with_auto),
-                                      *(["--window", "64", "--continuation-tokens", "0"] if q else []),
-                                      "--out", str(o / "accuracy.md")],
-                         ["accuracy.md"], "perplexity, KL and top-1 agreement of each scheme vs bf16"),
-        "kernels": Step("kernels", ["bench", "kernels", m, "--repeats", "3" if q else "10",
-                                    *([] if q else ["--isa-levels", "portable,avx2,avx512"]),
-                                    *(["--ms", "1", "--formats", "bf16,int4-g32,int2-g128"] if q else []),
-                                    *quality, "--out", str(o / "kernels.md")],
-                        ["kernels.md"], "every quantized linear path and native kernel per M; calibrates dispatch"),
+        "accuracy": Step(
+            "accuracy",
+            [
+                "bench",
+                "accuracy",
+                m,
+                "--quantization",
+                _items(with_auto),
+                *(["--window", "64", "--continuation-tokens", "0"] if q else []),
+                "--out",
+                str(o / "accuracy.md"),
+            ],
+            ["accuracy.md"],
+            "perplexity, KL and top-1 agreement of each scheme vs bf16",
+        ),
+        "kernels": Step(
+            "kernels",
+            [
+                "bench",
+                "kernels",
+                m,
+                "--repeats",
+                "3" if q else "10",
+                *([] if q else ["--isa-levels", "portable,avx2,avx512"]),
+                *(["--ms", "1", "--formats", "bf16,int4-g32,int2-g128"] if q else []),
+                *quality,
+                "--out",
+                str(o / "kernels.md"),
+            ],
+            ["kernels.md"],
+            "every quantized linear path and native kernel per M; calibrates dispatch",
+        ),
         # The peers (transformers fp32 and bf16, llama.cpp on the same GGUF when llama-cpp-python is installed) are
         # timed right after each glowplug run, on the same prompts: every ratio is a pair from one moment.
-        "decode": Step("decode", ["bench", "decode", m, "--batch-sizes", "1" if q else "1,8,32",
-                                  "--dtype", "float32,bfloat16", "--compile", "off" if q else "on,off",
-                                  "--repeats", reps, "--new-tokens", "8" if q else "32",
-                                  "--prompt-tokens", "16" if q else "64",
-                                  "--hf-dtype", "float32" if q else "float32,bfloat16", "--peers", "llamacpp",
-                                  "--out", str(o / "decode.md")],
-                       ["decode.md"], "decode tok/s vs transformers (fp32, bf16) and llama.cpp, paired run by run"),
+        "decode": Step(
+            "decode",
+            [
+                "bench",
+                "decode",
+                m,
+                "--batch-sizes",
+                "1" if q else "1,8,32",
+                "--dtype",
+                "float32,bfloat16",
+                "--compile",
+                "off" if q else "on,off",
+                "--repeats",
+                reps,
+                "--new-tokens",
+                "8" if q else "32",
+                "--prompt-tokens",
+                "16" if q else "64",
+                "--hf-dtype",
+                "float32" if q else "float32,bfloat16",
+                "--peers",
+                "llamacpp",
+                "--out",
+                str(o / "decode.md"),
+            ],
+            ["decode.md"],
+            "decode tok/s vs transformers (fp32, bf16) and llama.cpp, paired run by run",
+        ),
         # Seed 000's grid: group size 128 (for the formats that take one), batch 1 and 16, a 2048-token context
         # beside a short one.
-        "decode-quantized": Step("decode-quantized", [
-            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", _items(["none", *with_auto]),
-            "--group-size", "128", "--batch-sizes", "1" if q else "1,16", "--compile", "off" if q else "on",
-            "--repeats", reps, "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64,2048",
-            "--no-compare-hf", *quality, "--out", str(o / "decode-quantized.md")],
-            ["decode-quantized.md"], "seed 000: decode and prefill per format, batch and context, group 128"),
-        "decode-kv": Step("decode-kv", [
-            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none,int4",
-            "--kv-cache-dtype", "auto,int8", "--batch-sizes", "1", "--compile", "off" if q else "on,off",
-            "--repeats", reps, "--new-tokens", "8" if q else "64", "--prompt-tokens", "16" if q else "512,2048",
-            # seed 003's cache-size sweep: the same runs with the cache sized for 2112 and for 8192 tokens
-            "--max-model-len", "32,1024" if q else "2112,8192",
-            "--no-compare-hf", *quality, "--out", str(o / "decode-kv.md")],
-            ["decode-kv.md"], "seed 003: per-run lines, tok/s, GB/s, KV-quant, context and cache-size sweeps"),
-        "decode-context": Step("decode-context", [
-            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none,int4", "--kv-cache-dtype", "auto,int8",
-            "--batch-sizes", "1", "--compile", "on", "--repeats", reps, "--new-tokens", "8" if q else "32",
-            "--prompt-tokens", "16,64" if q else "64,512,2048,8064", "--no-compare-hf", *quality,
-            "--out", str(o / "decode-context.md")],
-            ["decode-context.md"], "issue 34: the decode step at contexts up to 8,192 tokens, KV bytes against time"),
+        "decode-quantized": Step(
+            "decode-quantized",
+            [
+                "bench",
+                "decode",
+                m,
+                "--dtype",
+                "bfloat16",
+                "--quantization",
+                _items(["none", *with_auto]),
+                "--group-size",
+                "128",
+                "--batch-sizes",
+                "1" if q else "1,16",
+                "--compile",
+                "off" if q else "on",
+                "--repeats",
+                reps,
+                "--new-tokens",
+                "8" if q else "32",
+                "--prompt-tokens",
+                "16" if q else "64,2048",
+                "--no-compare-hf",
+                *quality,
+                "--out",
+                str(o / "decode-quantized.md"),
+            ],
+            ["decode-quantized.md"],
+            "seed 000: decode and prefill per format, batch and context, group 128",
+        ),
+        "decode-kv": Step(
+            "decode-kv",
+            [
+                "bench",
+                "decode",
+                m,
+                "--dtype",
+                "bfloat16",
+                "--quantization",
+                "none,int4",
+                "--kv-cache-dtype",
+                "auto,int8",
+                "--batch-sizes",
+                "1",
+                "--compile",
+                "off" if q else "on,off",
+                "--repeats",
+                reps,
+                "--new-tokens",
+                "8" if q else "64",
+                "--prompt-tokens",
+                "16" if q else "512,2048",
+                # seed 003's cache-size sweep: the same runs with the cache sized for 2112 and for 8192 tokens
+                "--max-model-len",
+                "32,1024" if q else "2112,8192",
+                "--no-compare-hf",
+                *quality,
+                "--out",
+                str(o / "decode-kv.md"),
+            ],
+            ["decode-kv.md"],
+            "seed 003: per-run lines, tok/s, GB/s, KV-quant, context and cache-size sweeps",
+        ),
+        "decode-context": Step(
+            "decode-context",
+            [
+                "bench",
+                "decode",
+                m,
+                "--dtype",
+                "bfloat16",
+                "--quantization",
+                "none,int4",
+                "--kv-cache-dtype",
+                "auto,int8",
+                "--batch-sizes",
+                "1",
+                "--compile",
+                "on",
+                "--repeats",
+                reps,
+                "--new-tokens",
+                "8" if q else "32",
+                "--prompt-tokens",
+                "16,64" if q else "64,512,2048,8064",
+                "--no-compare-hf",
+                *quality,
+                "--out",
+                str(o / "decode-context.md"),
+            ],
+            ["decode-context.md"],
+            "issue 34: the decode step at contexts up to 8,192 tokens, KV bytes against time",
+        ),
         # The engine's default (auto: each tensor as the GGUF stores it) against none and int4; the README's
         # batch-1 figure for auto comes from here.
-        "decode-auto": Step("decode-auto", [
-            "bench", "decode", m, "--dtype", "bfloat16", "--quantization", "none,auto,int4",
-            "--batch-sizes", "1" if q else "1,16", "--compile", "off" if q else "on", "--repeats", reps,
-            "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64", "--no-compare-hf",
-            # llama.cpp on the same GGUF blocks, paired with every run (its generator loop at batch 1, its batched
-            # API at every batch): what a CPU user compares against; the batch-invariance check per engine
-            "--peers", "llamacpp,llamacpp-batched", *([] if q else ["--invariance"]),
-            "--out", str(o / "decode-auto.md")],
-            ["decode-auto.md"], "the engine's default quantization (auto) against none, int4 and llama.cpp; batch "
-            "invariance per format"),
+        "decode-auto": Step(
+            "decode-auto",
+            [
+                "bench",
+                "decode",
+                m,
+                "--dtype",
+                "bfloat16",
+                "--quantization",
+                "none,auto,int4",
+                "--batch-sizes",
+                "1" if q else "1,16",
+                "--compile",
+                "off" if q else "on",
+                "--repeats",
+                reps,
+                "--new-tokens",
+                "8" if q else "32",
+                "--prompt-tokens",
+                "16" if q else "64",
+                "--no-compare-hf",
+                # llama.cpp on the same GGUF blocks, paired with every run (its generator loop at batch 1, its batched
+                # API at every batch): what a CPU user compares against; the batch-invariance check per engine
+                "--peers",
+                "llamacpp,llamacpp-batched",
+                *([] if q else ["--invariance"]),
+                "--out",
+                str(o / "decode-auto.md"),
+            ],
+            ["decode-auto.md"],
+            "the engine's default quantization (auto) against none, int4 and llama.cpp; batch invariance per format",
+        ),
         # The avx2 and portable levels on this machine: glowplug's, torch's and oneDNN's caps together make it run
         # what such a CPU runs (the transformers peer too).
-        "decode-isa": Step("decode-isa", [
-            # auto is bfloat16 at this level (engine/config_check.py); int4 runs in the first dtype
-            "bench", "decode", m, "--dtype", "bfloat16,float32", "--quantization", "none,int4",
-            "--batch-sizes", "1" if q else "1,16", "--compile", "on", "--repeats", reps,
-            "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64", *quality,
-            "--out", str(o / "decode-isa.md")],
-            ["decode-isa.md"], "issue 34: decode at the avx2 level (capped), every dtype, vs transformers fp32",
-            env={"GLOWPLUG_MAX_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}),
-        "decode-portable": Step("decode-portable", [
-            "bench", "decode", m, "--dtype", "auto", "--batch-sizes", "1", "--compile", "on", "--repeats", reps,
-            "--new-tokens", "8" if q else "32", "--prompt-tokens", "16" if q else "64", "--no-compare-hf",
-            "--out", str(o / "decode-portable.md")],
-            ["decode-portable.md"], "issue 34: decode at the portable level (capped): the speed any CPU gets",
-            env={"GLOWPLUG_MAX_CPU_ISA": "portable", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}),
+        "decode-isa": Step(
+            "decode-isa",
+            [
+                # auto is bfloat16 at this level (engine/config_check.py); int4 runs in the first dtype
+                "bench",
+                "decode",
+                m,
+                "--dtype",
+                "bfloat16,float32",
+                "--quantization",
+                "none,int4",
+                "--batch-sizes",
+                "1" if q else "1,16",
+                "--compile",
+                "on",
+                "--repeats",
+                reps,
+                "--new-tokens",
+                "8" if q else "32",
+                "--prompt-tokens",
+                "16" if q else "64",
+                *quality,
+                "--out",
+                str(o / "decode-isa.md"),
+            ],
+            ["decode-isa.md"],
+            "issue 34: decode at the avx2 level (capped), every dtype, vs transformers fp32",
+            env={"GLOWPLUG_MAX_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+        ),
+        "decode-portable": Step(
+            "decode-portable",
+            [
+                "bench",
+                "decode",
+                m,
+                "--dtype",
+                "auto",
+                "--batch-sizes",
+                "1",
+                "--compile",
+                "on",
+                "--repeats",
+                reps,
+                "--new-tokens",
+                "8" if q else "32",
+                "--prompt-tokens",
+                "16" if q else "64",
+                "--no-compare-hf",
+                "--out",
+                str(o / "decode-portable.md"),
+            ],
+            ["decode-portable.md"],
+            "issue 34: decode at the portable level (capped): the speed any CPU gets",
+            env={"GLOWPLUG_MAX_CPU_ISA": "portable", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+        ),
         # The real-size targets under the engine's default config, against llama.cpp on the same file (its
         # generator loop and its batched API, interleaved run by run): batch 1, 4, 16 and 32 at a 64-token prompt,
         # a 512-token prompt (pp512 and decode after it), the 2,048-token context, and the batch-invariance check.
-        "real-decode": Step("real-decode", [
-            "bench", "decode", real, "--quantization", "auto",
-            "--cells", "1x16,4x16" if q else "1x64,4x64,16x64,32x64,1x512,1x2048", "--compile", "off" if q else "on",
-            "--repeats", reps, "--new-tokens", "8" if q else "128", "--no-compare-hf",
-            "--peers", "llamacpp,llamacpp-batched", "--peer-contexts", "16" if q else "64,512",
-            *([] if q else ["--invariance", "--targets"]), "--out", str(o / "real" / "decode.md")],
-            ["real/decode.md"], "a real-size model (--real-model): the decode, batch, prefill, long-context and "
-            "invariance targets against llama.cpp on the same file", skip=real_skip),
+        "real-decode": Step(
+            "real-decode",
+            [
+                "bench",
+                "decode",
+                real,
+                "--quantization",
+                "auto",
+                "--cells",
+                "1x16,4x16" if q else "1x64,4x64,16x64,32x64,1x512,1x2048",
+                "--compile",
+                "off" if q else "on",
+                "--repeats",
+                reps,
+                "--new-tokens",
+                "8" if q else "128",
+                "--no-compare-hf",
+                "--peers",
+                "llamacpp,llamacpp-batched",
+                "--peer-contexts",
+                "16" if q else "64,512",
+                *([] if q else ["--invariance", "--targets"]),
+                "--out",
+                str(o / "real" / "decode.md"),
+            ],
+            ["real/decode.md"],
+            "a real-size model (--real-model): the decode, batch, prefill, long-context and "
+            "invariance targets against llama.cpp on the same file",
+            skip=real_skip,
+        ),
         # The synthetic 7B (the real Qwen2.5-7B's tensors, random weights): its batch-1 targets.
-        "real-decode-7b": Step("real-decode-7b", [
-            "bench", "decode", str(cfg.synthetic_7b or "SYNTHETIC_7B_GGUF"), "--quantization", "auto",
-            "--cells", "1x16" if q else "1x64", "--compile", "off" if q else "on", "--repeats", reps,
-            "--new-tokens", "8" if q else "64", "--no-compare-hf", "--peers", "llamacpp,llamacpp-batched",
-            *([] if q else ["--targets"]), "--out", str(o / "real" / "decode-7b.md")],
-            ["real/decode-7b.md"], "the synthetic 7B (--synthetic-7b): batch-1 decode against the probe and "
-            "llama.cpp on the same file",
-            skip=None if cfg.synthetic_7b else "no synthetic 7B given: pass --synthetic-7b PATH"),
-        "throughput": Step("throughput", [
-            # All seven of seed 002's configurations; a scheme accuracy.json marks unusable is listed, not timed.
-            "bench", "throughput", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
-            "--configs", "interactive" if q else
-            "interactive,decode_bound,prefill_bound,long_context,medium_batch,base,high_concurrency",
-            "--runs", reps, "--warmups", "0", *quality, *([] if q else ["--skip-unusable"]),
-            *(["--no-plots"] if q else []), "--out-dir", str(o / "throughput")],
-            ["throughput/summary.md"], "seed 002: named configurations x schemes, Output Throughput w/o prefill"),
-        "latency": Step("latency", [
-            # Seed 001's grid (sequence 1024, decode 8, 10 runs, 1 warm-up) at the batch sizes of its list that
-            # fit this machine's minutes (1, 2, 4; batch 8 would double the report's time).
-            "bench", "latency", m, "--dtype", "bfloat16", "--quantization", _items(["none", *schemes]),
-            "--batch-size", "1" if q else "1,2,4", "--sequence-length", "16" if q else "1024",
-            "--decode-length", "4" if q else "8", "--runs", reps if q else "10", "--warmups", "0" if q else "1",
-            *(["--no-plots"] if q else []), "--out-dir", str(o / "latency")],
-            ["latency/latency.md"], "seed 001: TGI latency and throughput tables per quantization"),
+        "real-decode-7b": Step(
+            "real-decode-7b",
+            [
+                "bench",
+                "decode",
+                str(cfg.synthetic_7b or "SYNTHETIC_7B_GGUF"),
+                "--quantization",
+                "auto",
+                "--cells",
+                "1x16" if q else "1x64",
+                "--compile",
+                "off" if q else "on",
+                "--repeats",
+                reps,
+                "--new-tokens",
+                "8" if q else "64",
+                "--no-compare-hf",
+                "--peers",
+                "llamacpp,llamacpp-batched",
+                *([] if q else ["--targets"]),
+                "--out",
+                str(o / "real" / "decode-7b.md"),
+            ],
+            ["real/decode-7b.md"],
+            "the synthetic 7B (--synthetic-7b): batch-1 decode against the probe and llama.cpp on the same file",
+            skip=None if cfg.synthetic_7b else "no synthetic 7B given: pass --synthetic-7b PATH",
+        ),
+        "throughput": Step(
+            "throughput",
+            [
+                # All seven of seed 002's configurations; a scheme accuracy.json marks unusable is listed, not timed.
+                "bench",
+                "throughput",
+                m,
+                "--dtype",
+                "bfloat16",
+                "--quantization",
+                _items(["none", *schemes]),
+                "--configs",
+                "interactive"
+                if q
+                else "interactive,decode_bound,prefill_bound,long_context,medium_batch,base,high_concurrency",
+                "--runs",
+                reps,
+                "--warmups",
+                "0",
+                *quality,
+                *([] if q else ["--skip-unusable"]),
+                *(["--no-plots"] if q else []),
+                "--out-dir",
+                str(o / "throughput"),
+            ],
+            ["throughput/summary.md"],
+            "seed 002: named configurations x schemes, Output Throughput w/o prefill",
+        ),
+        "latency": Step(
+            "latency",
+            [
+                # Seed 001's grid (sequence 1024, decode 8, 10 runs, 1 warm-up) at the batch sizes of its list that
+                # fit this machine's minutes (1, 2, 4; batch 8 would double the report's time).
+                "bench",
+                "latency",
+                m,
+                "--dtype",
+                "bfloat16",
+                "--quantization",
+                _items(["none", *schemes]),
+                "--batch-size",
+                "1" if q else "1,2,4",
+                "--sequence-length",
+                "16" if q else "1024",
+                "--decode-length",
+                "4" if q else "8",
+                "--runs",
+                reps if q else "10",
+                "--warmups",
+                "0" if q else "1",
+                *(["--no-plots"] if q else []),
+                "--out-dir",
+                str(o / "latency"),
+            ],
+            ["latency/latency.md"],
+            "seed 001: TGI latency and throughput tables per quantization",
+        ),
         # Tensor parallel over gloo on this CPU: what the TP machinery costs a step, against TP=1 in the same run.
-        "latency-tp": Step("latency-tp", [
-            "bench", "latency", m, "--dtype", "bfloat16", "--quantization", "none",
-            "--tensor-parallel-size", "1,3", "--batch-size", "1" if q else "1,4",
-            "--sequence-length", "16" if q else "256", "--decode-length", "4" if q else "16", "--runs", reps,
-            "--warmups", "0" if q else "1", *(["--no-plots"] if q else []), "--out-dir", str(o / "latency" / "tp")],
-            ["latency/tp/latency.md"], "tensor parallel (TP=3 over gloo) against TP=1: prefill and decode latency"),
-        "tune": Step("tune", ["tune", "max-model-len", m,
-                              *(["--max-model-len", "128", "--plan"] if q else ["--repeats", reps]),
-                              "--min-concurrency", "8", *(["--no-plots"] if q else []),
-                              "--out-dir", str(o / "tune-max-model-len")],
-                     ["tune-max-model-len/" + ("tune-plan.md" if q else "tune.md")],
-                     "start-up phases and KV capacity per max-model-len"),
+        "latency-tp": Step(
+            "latency-tp",
+            [
+                "bench",
+                "latency",
+                m,
+                "--dtype",
+                "bfloat16",
+                "--quantization",
+                "none",
+                "--tensor-parallel-size",
+                "1,3",
+                "--batch-size",
+                "1" if q else "1,4",
+                "--sequence-length",
+                "16" if q else "256",
+                "--decode-length",
+                "4" if q else "16",
+                "--runs",
+                reps,
+                "--warmups",
+                "0" if q else "1",
+                *(["--no-plots"] if q else []),
+                "--out-dir",
+                str(o / "latency" / "tp"),
+            ],
+            ["latency/tp/latency.md"],
+            "tensor parallel (TP=3 over gloo) against TP=1: prefill and decode latency",
+        ),
+        "tune": Step(
+            "tune",
+            [
+                "tune",
+                "max-model-len",
+                m,
+                *(["--max-model-len", "128", "--plan"] if q else ["--repeats", reps]),
+                "--min-concurrency",
+                "8",
+                *(["--no-plots"] if q else []),
+                "--out-dir",
+                str(o / "tune-max-model-len"),
+            ],
+            ["tune-max-model-len/" + ("tune-plan.md" if q else "tune.md")],
+            "start-up phases and KV capacity per max-model-len",
+        ),
         # Seed 004 sweeps two models; ours are the default model and Gemma 3 (compile off, as gemma-startup: its
         # Inductor compile of a 262k-vocabulary head would be a minute per start on 2 cores).
-        "tune-gemma": Step("tune-gemma", [
-            "tune", "max-model-len", str(cfg.gemma3_gguf or "GEMMA3_GGUF"), "--quantization", "auto",
-            "--compile", "off", *(["--max-model-len", "256", "--repeats", "1"] if q else ["--repeats", reps]),
-            "--min-concurrency", "8", *(["--no-plots"] if q else []),
-            "--out-dir", str(o / "tune-max-model-len" / "gemma")],
-            ["tune-max-model-len/gemma/tune.md"], "the same sweep on Gemma 3 270m (Q4_K_M GGUF)",
-            skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH"),
+        "tune-gemma": Step(
+            "tune-gemma",
+            [
+                "tune",
+                "max-model-len",
+                str(cfg.gemma3_gguf or "GEMMA3_GGUF"),
+                "--quantization",
+                "auto",
+                "--compile",
+                "off",
+                *(["--max-model-len", "256", "--repeats", "1"] if q else ["--repeats", reps]),
+                "--min-concurrency",
+                "8",
+                *(["--no-plots"] if q else []),
+                "--out-dir",
+                str(o / "tune-max-model-len" / "gemma"),
+            ],
+            ["tune-max-model-len/gemma/tune.md"],
+            "the same sweep on Gemma 3 270m (Q4_K_M GGUF)",
+            skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH",
+        ),
         # The same sweep at a real size, where the KV pool competes with weights of a GB and more (the default
         # compile: what a user of that model starts with).
-        "real-tune": Step("real-tune", [
-            "tune", "max-model-len", real, *(["--max-model-len", "256", "--plan"] if q else ["--repeats", reps]),
-            "--min-concurrency", "8", *(["--no-plots"] if q else []),
-            "--out-dir", str(o / "tune-max-model-len" / "real")],
+        "real-tune": Step(
+            "real-tune",
+            [
+                "tune",
+                "max-model-len",
+                real,
+                *(["--max-model-len", "256", "--plan"] if q else ["--repeats", reps]),
+                "--min-concurrency",
+                "8",
+                *(["--no-plots"] if q else []),
+                "--out-dir",
+                str(o / "tune-max-model-len" / "real"),
+            ],
             ["tune-max-model-len/real/" + ("tune-plan.md" if q else "tune.md")],
-            "the same sweep on a real-size model (--real-model)", skip=real_skip),
+            "the same sweep on a real-size model (--real-model)",
+            skip=real_skip,
+        ),
         # 80 pairs: a 1% tracing-overhead target on a ~2 s warm start is ~20 ms, inside the noise of 10 pairs.
         # --predict: the prediction made before each start against it; --poll-serve: a serve start's /startup
         # polled every 0.2 s (every poll names a running stage, its ETA within 30% of the time left).
-        "startup": Step("startup", ["bench", "startup", m, "--runs", reps, "--tracing-runs", "2" if q else "80",
-                                      *([] if q else ["--bundle-isa-cap", "avx2"]), "--predict", "--poll-serve",
-                                      *_startup_out(o / "startup")],
-                        ["startup/startup.md"], "cold and warm starts: per-phase statistics and time to READY"),
-        "startup-tp1": Step("startup-tp1", ["bench", "startup", m, "--runs", reps, "--no-bundle",
-                                            "--no-tracing-overhead", *_startup_out(o / "startup-tp" / "tp1")],
-                            ["startup-tp/tp1/startup.md"], "cold and warm starts at TP=1, the baseline of startup-tp3"),
-        "startup-tp3": Step("startup-tp3", ["bench", "startup", m, "--tensor-parallel-size", "3", "--runs", reps,
-                                            "--no-bundle", "--no-tracing-overhead",
-                                            *_startup_out(o / "startup-tp" / "tp3")],
-                            ["startup-tp/tp3/startup.md"], "cold and warm starts at TP=3: per-rank phases, "
-                            "distributed_init"),
+        "startup": Step(
+            "startup",
+            [
+                "bench",
+                "startup",
+                m,
+                "--runs",
+                reps,
+                "--tracing-runs",
+                "2" if q else "80",
+                *([] if q else ["--bundle-isa-cap", "avx2"]),
+                "--predict",
+                "--poll-serve",
+                *_startup_out(o / "startup"),
+            ],
+            ["startup/startup.md"],
+            "cold and warm starts: per-phase statistics and time to READY",
+        ),
+        "startup-tp1": Step(
+            "startup-tp1",
+            [
+                "bench",
+                "startup",
+                m,
+                "--runs",
+                reps,
+                "--no-bundle",
+                "--no-tracing-overhead",
+                *_startup_out(o / "startup-tp" / "tp1"),
+            ],
+            ["startup-tp/tp1/startup.md"],
+            "cold and warm starts at TP=1, the baseline of startup-tp3",
+        ),
+        "startup-tp3": Step(
+            "startup-tp3",
+            [
+                "bench",
+                "startup",
+                m,
+                "--tensor-parallel-size",
+                "3",
+                "--runs",
+                reps,
+                "--no-bundle",
+                "--no-tracing-overhead",
+                *_startup_out(o / "startup-tp" / "tp3"),
+            ],
+            ["startup-tp/tp3/startup.md"],
+            "cold and warm starts at TP=3: per-rank phases, distributed_init",
+        ),
         # The second model: Gemma 3 (sliding-window layers, SentencePiece vocabulary), compile off as its report
         # measures preparation, not Inductor.
-        "gemma-startup": Step("gemma-startup", [
-            "bench", "startup", str(cfg.gemma3_gguf or "GEMMA3_GGUF"), "--compile", "off", "--runs", reps,
-            "--no-bundle", "--no-tracing-overhead", "--predict", *_startup_out(o / "gemma-startup")],
-            ["gemma-startup/startup.md"], "Gemma 3 270m (Q4_K_M GGUF): cold and warm starts",
-            skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH"),
+        "gemma-startup": Step(
+            "gemma-startup",
+            [
+                "bench",
+                "startup",
+                str(cfg.gemma3_gguf or "GEMMA3_GGUF"),
+                "--compile",
+                "off",
+                "--runs",
+                reps,
+                "--no-bundle",
+                "--no-tracing-overhead",
+                "--predict",
+                *_startup_out(o / "gemma-startup"),
+            ],
+            ["gemma-startup/startup.md"],
+            "Gemma 3 270m (Q4_K_M GGUF): cold and warm starts",
+            skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH",
+        ),
         # Cold, warm and bundle starts at a real size, each against its floor (the tracing-overhead pairs are the
         # default model's: 80 starts of a GB-sized model would take the run's hours).
-        "real-startup": Step("real-startup", [
-            "bench", "startup", real, "--runs", reps, "--no-tracing-overhead", *_startup_out(o / "real" / "startup")],
-            ["real/startup/startup.md"], "a real-size model (--real-model): cold, warm and bundle starts",
-            skip=real_skip),
+        "real-startup": Step(
+            "real-startup",
+            ["bench", "startup", real, "--runs", reps, "--no-tracing-overhead", *_startup_out(o / "real" / "startup")],
+            ["real/startup/startup.md"],
+            "a real-size model (--real-model): cold, warm and bundle starts",
+            skip=real_skip,
+        ),
         # After startup: the page's ghosts and ETA come from the earlier starts of the same config. 16 clients put
         # visible traffic on the serving charts; the load is stopped once its screenshot is taken.
-        "screenshots": Step("screenshots", ["bench", "screenshots", m, "--under-load", "2" if q else "16",
-                                            "--out", str(o / "screenshots")],
-                            [f"screenshots/{n}" for n in ("page.png", "page-phone.png", "page-serving.png",
-                                                          "screenshots.json")],
-                            "the live start-up page (starting, READY, phone, under load), stamped with the commit"),
-        "cache-verify": Step("cache-verify", ["bench", "cache-verify", m, "--out", str(o / "cache-verify.md")],
-                             ["cache-verify.md"], "cost of verifying a warm cache hit, quick vs full"),
+        "screenshots": Step(
+            "screenshots",
+            ["bench", "screenshots", m, "--under-load", "2" if q else "16", "--out", str(o / "screenshots")],
+            [f"screenshots/{n}" for n in ("page.png", "page-phone.png", "page-serving.png", "screenshots.json")],
+            "the live start-up page (starting, READY, phone, under load), stamped with the commit",
+        ),
+        "cache-verify": Step(
+            "cache-verify",
+            ["bench", "cache-verify", m, "--out", str(o / "cache-verify.md")],
+            ["cache-verify.md"],
+            "cost of verifying a warm cache hit, quick vs full",
+        ),
         # The issue's loads (1, 8, 32, 64); 64 prompts, so that concurrency 64 has that many in flight. About 5
         # minutes on 2 cores: concurrency 1 dominates (64 requests one after another).
-        "serve": Step("serve", [*serve_common, "--concurrency", "1,2" if q else "1,8,32,64",
-                                "--num-prompts", "2" if q else "64", "--out-dir", serve_dir],
-                      ["serve/serve.md"], "HTTP sweep: TTFT, TPOT, ITL, E2E percentiles, throughput per load"),
-        "serve-efficiency": Step("serve-efficiency", [
-            # Concurrency = the request count: the offline side runs them as one batch, so the server must be
-            # offered the same batch, else the ratio measures batch size rather than serving overhead.
-            *serve_common, "--efficiency", "--efficiency-concurrency", "2" if q else "32",
-            "--num-prompts", "2" if q else "32", "--out-dir", serve_dir],
-            ["serve/efficiency.md"], "server vs offline (LLM.generate) token throughput on one request set"),
-        "serve-overload": Step("serve-overload", [
-            *serve_common, "--overload", "--max-num-seqs", "2" if q else "8", "--num-prompts", "4" if q else "16",
-            "--out-dir", serve_dir],
-            ["serve/overload.md"], "capacity, sustainable rate, 4x overload: 429s and admitted p99 TTFT"),
+        "serve": Step(
+            "serve",
+            [
+                *serve_common,
+                "--concurrency",
+                "1,2" if q else "1,8,32,64",
+                "--num-prompts",
+                "2" if q else "64",
+                "--out-dir",
+                serve_dir,
+            ],
+            ["serve/serve.md"],
+            "HTTP sweep: TTFT, TPOT, ITL, E2E percentiles, throughput per load",
+        ),
+        "serve-efficiency": Step(
+            "serve-efficiency",
+            [
+                # Concurrency = the request count: the offline side runs them as one batch, so the server must be
+                # offered the same batch, else the ratio measures batch size rather than serving overhead.
+                *serve_common,
+                "--efficiency",
+                "--efficiency-concurrency",
+                "2" if q else "32",
+                "--num-prompts",
+                "2" if q else "32",
+                "--out-dir",
+                serve_dir,
+            ],
+            ["serve/efficiency.md"],
+            "server vs offline (LLM.generate) token throughput on one request set",
+        ),
+        "serve-overload": Step(
+            "serve-overload",
+            [
+                *serve_common,
+                "--overload",
+                "--max-num-seqs",
+                "2" if q else "8",
+                "--num-prompts",
+                "4" if q else "16",
+                "--out-dir",
+                serve_dir,
+            ],
+            ["serve/overload.md"],
+            "capacity, sustainable rate, 4x overload: 429s and admitted p99 TTFT",
+        ),
         # The server's own max-model-len; each generated case's work is bounded instead (max_tokens <= 16, n <= 2,
         # prompt strings <= 64 characters and lists <= 4 items): unbounded cases asked for thousands of tokens.
-        "serve-fuzz": Step("serve-fuzz", [*serve_common, "--fuzz", "--fuzz-cases", "5" if q else "500",
-                                          "--fuzz-max-tokens", "16", "--fuzz-max-n", "2", "--out-dir", serve_dir],
-                           ["serve/fuzz.md"], "schemathesis over the OpenAPI document: 5xx and schema violations"),
-        "serve-soak": Step("serve-soak", [*serve_common, "--soak", "--soak-duration", "10" if q else "120",
-                                          "--soak-streams", "2" if q else "64", "--hangup-fraction", "0.1",
-                                          "--max-num-seqs", "4" if q else "128", "--out-dir", serve_dir],
-                           ["serve/soak.md"], "mixed streams with hang-ups; leaks, counters and RSS checked after"),
+        "serve-fuzz": Step(
+            "serve-fuzz",
+            [
+                *serve_common,
+                "--fuzz",
+                "--fuzz-cases",
+                "5" if q else "500",
+                "--fuzz-max-tokens",
+                "16",
+                "--fuzz-max-n",
+                "2",
+                "--out-dir",
+                serve_dir,
+            ],
+            ["serve/fuzz.md"],
+            "schemathesis over the OpenAPI document: 5xx and schema violations",
+        ),
+        "serve-soak": Step(
+            "serve-soak",
+            [
+                *serve_common,
+                "--soak",
+                "--soak-duration",
+                "10" if q else "120",
+                "--soak-streams",
+                "2" if q else "64",
+                "--hangup-fraction",
+                "0.1",
+                "--max-num-seqs",
+                "4" if q else "128",
+                "--out-dir",
+                serve_dir,
+            ],
+            ["serve/soak.md"],
+            "mixed streams with hang-ups; leaks, counters and RSS checked after",
+        ),
         # The server's own default max-model-len (the issue's setting); the corpus runs with the default limits, so
         # its slow cases take the default 60 s body and 20 s head timeouts.
         # 32 requests per run of the cost pairs: each pair is four runs (A B B A), and three pairs must fit.
-        "serve-hostile": Step("serve-hostile", [*serve_common, "--hostile", "--hostile-prompt-mb", "2" if q else "20",
-                                                "--num-prompts", "8" if q else "32", "--out-dir", serve_dir],
-                              ["serve/hostile.md"], "a large prompt refused under load, the hostile corpus, the "
-                              "limits' cost on throughput"),
-    }  # fmt: skip
+        "serve-hostile": Step(
+            "serve-hostile",
+            [
+                *serve_common,
+                "--hostile",
+                "--hostile-prompt-mb",
+                "2" if q else "20",
+                "--num-prompts",
+                "8" if q else "32",
+                "--out-dir",
+                serve_dir,
+            ],
+            ["serve/hostile.md"],
+            "a large prompt refused under load, the hostile corpus, the limits' cost on throughput",
+        ),
+    }
     return [steps[name] for name in (cfg.steps() if names is None else names)]
 
 
@@ -432,8 +935,9 @@ def run_step(step: Step, timeout_s: float, log: Path, out: Path, run_env: dict[s
     t0 = time.perf_counter()
     started = time.time() - 1.0  # file mtimes are wall-clock; 1 s of slack for coarse filesystem timestamps
     with log.open("w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(run_env or {}), **step.env})  # fmt: skip
+        proc = subprocess.Popen(
+            cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(run_env or {}), **step.env}
+        )
         deadline = t0 + timeout_s
         while True:
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -454,9 +958,11 @@ def run_step(step: Step, timeout_s: float, log: Path, out: Path, run_env: dict[s
         # say the report exists, so a FAIL verdict is not mistaken for a crash.
         written = all((out / o).is_file() and (out / o).stat().st_mtime >= started for o in step.outputs)
         reason = _last_line(log)  # e.g. `bench screenshots`: "no chromium found: ..."
-        err = (f"FAIL: report written, exit {proc.returncode} (a check in it failed; see the report and "
-               f"logs/{log.name})" if written else f"exit {proc.returncode}: {reason + ' ' if reason else ''}(see "
-               f"logs/{log.name})")  # fmt: skip
+        err = (
+            f"FAIL: report written, exit {proc.returncode} (a check in it failed; see the report and logs/{log.name})"
+            if written
+            else f"exit {proc.returncode}: {reason + ' ' if reason else ''}(see logs/{log.name})"
+        )
     missed = missed_targets(step, out, started)
     if missed:
         err = f"FAIL: {'; '.join(missed)}" + (f" ({err})" if err else "")
@@ -486,19 +992,34 @@ def entry_of(r: StepResult, quick: bool, finished: str, run: dict[str, Any]) -> 
     """One report's outcome as stored in the sidecar (what README.md is rendered from), with the run it belongs
     to: a report that did not come from the index's run shows as such."""
     return {
-        "argv": r.step.argv, "outputs": r.step.outputs, "what": r.step.what, "returncode": r.returncode,
-        "wall_s": r.wall_s, "peak_rss_gb": r.peak_rss_gb, "error": r.error, "quick": quick, "finished": finished,
-        "commit": run["commit"], "dirty": run["dirty"], "run": run,
-    }  # fmt: skip
+        "argv": r.step.argv,
+        "outputs": r.step.outputs,
+        "what": r.step.what,
+        "returncode": r.returncode,
+        "wall_s": r.wall_s,
+        "peak_rss_gb": r.peak_rss_gb,
+        "error": r.error,
+        "quick": quick,
+        "finished": finished,
+        "commit": run["commit"],
+        "dirty": run["dirty"],
+        "run": run,
+    }
 
 
 def _legacy_run(commit_text: str, date: str, inv: dict[str, Any] | None) -> dict[str, Any]:
     """A run header for an entry of the older sidecar format (one "commit" string, "(with uncommitted changes)")."""
     head = str(commit_text).split(" ", 1)[0]
-    return {"command": inv["command"] if inv else "unknown (older sidecar)", "commit": head,
-            "dirty": "uncommitted" in str(commit_text), "date": inv["date"] if inv else date,
-            "machine": "unknown (older sidecar)", "probe_gbps": inv.get("probe_gbps") if inv else None,
-            "probe": inv.get("probe", "") if inv else "", "quick": False}  # fmt: skip
+    return {
+        "command": inv["command"] if inv else "unknown (older sidecar)",
+        "commit": head,
+        "dirty": "uncommitted" in str(commit_text),
+        "date": inv["date"] if inv else date,
+        "machine": "unknown (older sidecar)",
+        "probe_gbps": inv.get("probe_gbps") if inv else None,
+        "probe": inv.get("probe", "") if inv else "",
+        "quick": False,
+    }
 
 
 def load_sidecar(out: Path) -> dict[str, Any]:
@@ -541,9 +1062,12 @@ def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
     lines = ["# Reports" + (" — INCLUDES QUICK SMOKE TESTS, NOT MEASUREMENTS" if quick else ""), ""]
     if others:
         commits = {(e["run"]["commit"], bool(e["run"].get("dirty"))) for e in entries.values()}
-        lines += [f"> **⚠ MIXED INDEX: these reports come from {len(commits)} different runs / commits**, not from "
-                  "the one run below. Numbers from different code are not comparable; rerun `glowplug bench all` "
-                  "without --only for one run. Which report came from which commit:", ">"]  # fmt: skip
+        lines += [
+            f"> **⚠ MIXED INDEX: these reports come from {len(commits)} different runs / commits**, not from "
+            "the one run below. Numbers from different code are not comparable; rerun `glowplug bench all` "
+            "without --only for one run. Which report came from which commit:",
+            ">",
+        ]
         for name in STEP_NAMES:
             if name in entries:
                 e = entries[name]
@@ -552,20 +1076,31 @@ def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
         lines.append("")
     if run is not None:
         dirty = " — **DIRTY RUN: the code differed from this commit**" if run.get("dirty") else ""
-        lines += [f"## Run{dirty}", "",
-                  f"- commit: {_commit_cell(run)}",
-                  f"- date: {run['date']}",
-                  f"- command: `{run['command']}`",
-                  f"- machine: {run.get('machine') or machine_summary()}"]  # fmt: skip
+        lines += [
+            f"## Run{dirty}",
+            "",
+            f"- commit: {_commit_cell(run)}",
+            f"- date: {run['date']}",
+            f"- command: `{run['command']}`",
+            f"- machine: {run.get('machine') or machine_summary()}",
+        ]
         if run.get("probe_gbps") is not None:
-            fastest = (f", fastest pass {run['probe_fastest_gbps']:.1f} GB/s" if run.get("probe_fastest_gbps")
-                       is not None else "")  # fmt: skip
-            lines.append(f"- streaming-read bandwidth probe: {run['probe_gbps']:.1f} GB/s sustained{fastest} "
-                         f"({run['probe']}, measured before the first report)")
+            fastest = (
+                f", fastest pass {run['probe_fastest_gbps']:.1f} GB/s"
+                if run.get("probe_fastest_gbps") is not None
+                else ""
+            )
+            lines.append(
+                f"- streaming-read bandwidth probe: {run['probe_gbps']:.1f} GB/s sustained{fastest} "
+                f"({run['probe']}, measured before the first report)"
+            )
         lines += [f"- model: `{cfg.model}`", ""]
     if quick:
-        lines += ["> **--quick** rows: one repeat, tiny sizes. They test that the report still renders; they are "
-                  "not benchmark results. Run without --quick for the real reports.", ""]
+        lines += [
+            "> **--quick** rows: one repeat, tiny sizes. They test that the report still renders; they are "
+            "not benchmark results. Run without --quick for the real reports.",
+            "",
+        ]
     lines += [
         "Every report ran in its own process in the order below (the order is part of the method: "
         "accuracy first, so later tables flag unusable formats; kernels second, so later engines dispatch "
@@ -585,20 +1120,33 @@ def render_readme(cfg: BenchAllConfig, sidecar: dict[str, Any]) -> str:
             continue
         links = ", ".join(f"[{p}]({p})" for p in e["outputs"])
         status = ("ok" if e["returncode"] == 0 and not e["error"] else (e["error"] or f"exit {e['returncode']}")) + (
-            " (--quick)" if e.get("quick") else "")
+            " (--quick)" if e.get("quick") else ""
+        )
         rss = f"{e['peak_rss_gb']:.2f}" if e.get("peak_rss_gb") is not None else "n/a (not measured)"
         cmd = "glowplug " + " ".join(shlex.quote(a) for a in e["argv"])
-        commit = ("the run's" + (" (**DIRTY RUN**)" if e["run"].get("dirty") else "") if name not in others
-                  else f"⚠ OTHER RUN: {_commit_cell(e['run'])}")  # fmt: skip
-        lines.append(f"| {i} | {links} | {e['what']} | `{cmd}` | {status} | {e['finished']}, {commit} | "
-                     f"{e['wall_s']:.0f} | {rss} |")
+        commit = (
+            "the run's" + (" (**DIRTY RUN**)" if e["run"].get("dirty") else "")
+            if name not in others
+            else f"⚠ OTHER RUN: {_commit_cell(e['run'])}"
+        )
+        lines.append(
+            f"| {i} | {links} | {e['what']} | `{cmd}` | {status} | {e['finished']}, {commit} | "
+            f"{e['wall_s']:.0f} | {rss} |"
+        )
     if (cfg.out / "gpu" / "README.md").is_file():
         # The one report this CPU run cannot make; it names its own commit, GPU and torch.
-        lines += ["", "Not made by this run: [gpu/README.md](gpu/README.md), `scripts/device_check.sh` on a lent GPU "
-                  "machine (its README names the commit, the GPU and the torch it ran on)."]
-    lines += ["", "Logs of every command: `logs/<report>.log`. Peak RSS: the high-water mark of the largest single "
-              f"process of that report (getrusage of the child and the children it waited for, such as a serve "
-              f"report's server). Outcomes are kept in `{SIDECAR}`; this file is regenerated from it.", ""]
+        lines += [
+            "",
+            "Not made by this run: [gpu/README.md](gpu/README.md), `scripts/device_check.sh` on a lent GPU "
+            "machine (its README names the commit, the GPU and the torch it ran on).",
+        ]
+    lines += [
+        "",
+        "Logs of every command: `logs/<report>.log`. Peak RSS: the high-water mark of the largest single "
+        f"process of that report (getrusage of the child and the children it waited for, such as a serve "
+        f"report's server). Outcomes are kept in `{SIDECAR}`; this file is regenerated from it.",
+        "",
+    ]
     pngs = sorted(p.relative_to(cfg.out) for p in cfg.out.rglob("*.png"))
     if pngs:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in pngs] + [""]
@@ -615,20 +1163,29 @@ def run_all(cfg: BenchAllConfig, argv: list[str] | None = None, progress: Any = 
     state = git_state(cfg.out)
     if state.dirty and not cfg.allow_dirty:
         why = f" ({state.error})" if state.error else ""
-        what = (f"the code differs from HEAD {state.commit}{why} (outside {cfg.out}): commit it"
-                if state.commit else f"the code's commit is unknown{why}: run from a git checkout")
-        raise DirtyTreeError(f"{what}, or pass --allow-dirty to run anyway (the index and every report then say "
-                             "DIRTY RUN)")
+        what = (
+            f"the code differs from HEAD {state.commit}{why} (outside {cfg.out}): commit it"
+            if state.commit
+            else f"the code's commit is unknown{why}: run from a git checkout"
+        )
+        raise DirtyTreeError(
+            f"{what}, or pass --allow-dirty to run anyway (the index and every report then say DIRTY RUN)"
+        )
     cfg.out.mkdir(parents=True, exist_ok=True)
     logs = cfg.out / "logs"
     logs.mkdir(exist_ok=True)
     probe = measure_probe_stats(passes=2, size_bytes=64 << 20) if cfg.quick else measure_probe_stats()
     this_run = {
-        "command": command_line(argv), "commit": state.commit or f"unknown ({state.error})", "dirty": state.dirty,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine_summary(),
-        "probe_gbps": probe.sustained, "probe_fastest_gbps": probe.fastest, "quick": cfg.quick,
+        "command": command_line(argv),
+        "commit": state.commit or f"unknown ({state.error})",
+        "dirty": state.dirty,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine_summary(),
+        "probe_gbps": probe.sustained,
+        "probe_fastest_gbps": probe.fastest,
+        "quick": cfg.quick,
         "probe": probe.describe() + (" (--quick)" if cfg.quick else ""),
-    }  # fmt: skip
+    }
     # A full run is a fresh index; a chunk joins the index's run only at the same clean commit.
     sidecar = load_sidecar(cfg.out) if cfg.only is not None else {"run": None, "entries": {}}
     if sidecar["run"] is None or not same_run(sidecar["run"], this_run):
@@ -669,8 +1226,12 @@ def register(subparsers: Any, add_model_flags: Any) -> Any:
 
     from glowplug.base.flags import add_model_argument, resolve_model_argument
 
-    p = subparsers.add_parser("all", help="Regenerate every report into --out, in a fixed order, with README.md.",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "all",
+        help="Regenerate every report into --out, in a fixed order, with README.md.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_argument(p)
     add_model_flags(p, BenchAllConfig, exclude={"model"})
 
@@ -682,4 +1243,3 @@ def register(subparsers: Any, add_model_flags: Any) -> Any:
 
     p.set_defaults(func=handler)
     return p
-

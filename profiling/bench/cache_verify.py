@@ -58,29 +58,41 @@ def run_cache_verify_bench(cfg: CacheVerifyConfig, argv: list[str] | None) -> st
         path = model_dir / rel
         sha256_file(path)  # warm the page cache
         kind = rec.quick.split(":", 1)[0]
-        rows.append(f"| {rel} | {_mb(rec.size)} | {kind} | {_ms(partial(check_file, path, rec, 'quick'), n)} | "
-                    f"{_ms(partial(check_file, path, rec, 'full'), n)} |")  # fmt: skip
+        rows.append(
+            f"| {rel} | {_mb(rec.size)} | {kind} | {_ms(partial(check_file, path, rec, 'quick'), n)} | "
+            f"{_ms(partial(check_file, path, rec, 'full'), n)} |"
+        )
     total = sum(r.size for r in m.files.values())
-    rows.append(f"| **whole entry** | {_mb(total)} | | {_ms(lambda: store.check_entry(model_dir, MODEL, mode='quick'), n)}"
-                f" | {_ms(lambda: store.check_entry(model_dir, MODEL, mode='full'), n)} |")  # fmt: skip
+    rows.append(
+        f"| **whole entry** | {_mb(total)} | | {_ms(lambda: store.check_entry(model_dir, MODEL, mode='quick'), n)}"
+        f" | {_ms(lambda: store.check_entry(model_dir, MODEL, mode='full'), n)} |"
+    )
     extra = []
     if cfg.model in DEFAULT_ALIASES or cfg.model.endswith(".gguf"):
         source = default_gguf_path() if cfg.model in DEFAULT_ALIASES else Path(cfg.model)
         sha256_file(source)
-        extra.append(f"| source {source.name} (not hashed: the key uses name, size, mtime) | "
-                     f"{_mb(source.stat().st_size)} | stat | {_ms(source.stat, n)} | {_ms(lambda: sha256_file(source), n)} |")  # fmt: skip
+        extra.append(
+            f"| source {source.name} (not hashed: the key uses name, size, mtime) | "
+            f"{_mb(source.stat().st_size)} | stat | {_ms(source.stat, n)} | {_ms(lambda: sha256_file(source), n)} |"
+        )
     for ws in sorted((store.root / INDUCTOR.name).glob("[0-9a-f]*")):
         wm = read_manifest(ws)
         size = sum(r.size for r in wm.files.values())
-        extra.append(f"| Inductor cache {ws.name} ({len(wm.files)} files) | {_mb(size)} | sha256 (small files) | "
-                     f"{_ms(partial(store.check_entry, ws, INDUCTOR, mode='quick'), n)} | "
-                     f"{_ms(partial(store.check_entry, ws, INDUCTOR, mode='full'), n)} |")  # fmt: skip
-    return "\n".join([
-        report_header("Cache verification cost on a warm hit: quick vs full", argv),
-        f"Model cache entry `{model_dir}`. Times in ms: median (min-max) of {n} runs, page cache warm.",
-        "Quick check: every file's size; files up to 8 MiB hashed whole (sha256); larger safetensors files by "
-        "their header (names, dtypes, shapes, offsets); other large files by their first and last MiB. Full check: "
-        "sha256 of every byte (`glowplug cache verify --full`, or GLOWPLUG_CACHE_VERIFY=full for every start).",
-        "",
-        *rows, *extra, "",
-    ])  # fmt: skip
+        extra.append(
+            f"| Inductor cache {ws.name} ({len(wm.files)} files) | {_mb(size)} | sha256 (small files) | "
+            f"{_ms(partial(store.check_entry, ws, INDUCTOR, mode='quick'), n)} | "
+            f"{_ms(partial(store.check_entry, ws, INDUCTOR, mode='full'), n)} |"
+        )
+    return "\n".join(
+        [
+            report_header("Cache verification cost on a warm hit: quick vs full", argv),
+            f"Model cache entry `{model_dir}`. Times in ms: median (min-max) of {n} runs, page cache warm.",
+            "Quick check: every file's size; files up to 8 MiB hashed whole (sha256); larger safetensors files by "
+            "their header (names, dtypes, shapes, offsets); other large files by their first and last MiB. Full check: "
+            "sha256 of every byte (`glowplug cache verify --full`, or GLOWPLUG_CACHE_VERIFY=full for every start).",
+            "",
+            *rows,
+            *extra,
+            "",
+        ]
+    )

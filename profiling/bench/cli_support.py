@@ -36,7 +36,9 @@ class BenchEngineFields(BaseModel):
     compile: CompileMode = "auto"
     block_size: int = Field(16, ge=1, le=256, description="Tokens per KV-cache block.")
     kv_cache_memory: ByteSize | None = Field(
-        None, ge=1, description="KV-cache budget, e.g. 2GiB or 512MiB (plain numbers are bytes); unset = the engine's own sizing."
+        None,
+        ge=1,
+        description="KV-cache budget, e.g. 2GiB or 512MiB (plain numbers are bytes); unset = the engine's own sizing.",
     )
     num_gpu_blocks_override: int | None = Field(None, ge=1, description="Force the number of KV blocks.")
     max_num_batched_tokens: int | None = Field(
@@ -46,8 +48,16 @@ class BenchEngineFields(BaseModel):
 
     def engine_fields(self, **overrides: Any) -> dict[str, Any]:
         """Flat EngineConfig fields; unset optional knobs are left to the engine's defaults."""
-        names = ("model", "dtype", "compile", "block_size", "kv_cache_memory", "num_gpu_blocks_override",
-                 "max_num_batched_tokens", "seed")  # fmt: skip
+        names = (
+            "model",
+            "dtype",
+            "compile",
+            "block_size",
+            "kv_cache_memory",
+            "num_gpu_blocks_override",
+            "max_num_batched_tokens",
+            "seed",
+        )
         fields = {n: getattr(self, n) for n in names}
         fields.update(overrides)
         return {k: v for k, v in fields.items() if v is not None}
@@ -116,4 +126,3 @@ def add_command(
 
     p.set_defaults(func=handler)
     return p
-

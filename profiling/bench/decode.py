@@ -48,9 +48,29 @@ from .machine import measure_probe_stats, report_header
 from .peers import Peer, PeerRuns, SkippedPeer
 
 PROMPT_WORDS = (
-    "glowplug", "schedules", "prefill", "chunks", "while", "decode", "steps", "stream", "tokens", "from", "a",
-    "paged", "cache", "of", "blocks", "that", "share", "prefixes", "and", "free", "on", "abort",
-)  # fmt: skip
+    "glowplug",
+    "schedules",
+    "prefill",
+    "chunks",
+    "while",
+    "decode",
+    "steps",
+    "stream",
+    "tokens",
+    "from",
+    "a",
+    "paged",
+    "cache",
+    "of",
+    "blocks",
+    "that",
+    "share",
+    "prefixes",
+    "and",
+    "free",
+    "on",
+    "abort",
+)
 
 
 class DecodeBenchConfig(BaseModel):
@@ -61,55 +81,74 @@ class DecodeBenchConfig(BaseModel):
     quantization: tuple[Literal["auto", "none", "int8", "int4", "int2", "w8a8"], ...] = ("none",)
     compile: tuple[Literal["on", "off"], ...] = Field(("on", "off"), min_length=1)
     dtype: tuple[Literal["auto", "float32", "bfloat16", "float16"], ...] = Field(
-        ("auto",), min_length=1,
+        ("auto",),
+        min_length=1,
         description="Model dtypes: unquantized runs in each; quantized formats run in the first one only.",
-    )  # fmt: skip
+    )
     kv_cache_dtype: tuple[Literal["auto", "int8"], ...] = Field(
         ("auto",), min_length=1, description="KV-cache dtypes (int8: quantized KV)."
     )
     prompt_tokens: tuple[Annotated[int, Field(ge=1, le=32768)], ...] = Field(
-        (64,), min_length=1,
+        (64,),
+        min_length=1,
         description="Prompt lengths: each is a context column (the tokens in the KV cache when decoding starts). "
         "Cells whose batch x (prompt + new tokens) exceeds the KV cache are left out, and listed under the table.",
-    )  # fmt: skip
+    )
     new_tokens: int = Field(128, ge=4, le=4096)
     repeats: int = Field(3, ge=1, le=50, description="Timed runs per cell (median and min-max are reported).")
     quantize_lm_head: bool = True
-    compare_hf: bool = Field(True, description="Time transformers' generate on the same prompts, paired with every "
-                             "glowplug run at the first context (one peer per --hf-dtype).")
+    compare_hf: bool = Field(
+        True,
+        description="Time transformers' generate on the same prompts, paired with every "
+        "glowplug run at the first context (one peer per --hf-dtype).",
+    )
     hf_dtype: tuple[Literal["auto", "float32", "bfloat16", "float16"], ...] = Field(
-        ("auto",), min_length=1,
+        ("auto",),
+        min_length=1,
         description="transformers peer dtypes, one column each (auto: fp32 on a CPU, bf16 on a GPU).",
-    )  # fmt: skip
+    )
     peers: tuple[Literal["llamacpp", "llamacpp-batched"], ...] = Field(
-        (), description="Other peers, paired like transformers, on the same GGUF with the threads torch uses "
+        (),
+        description="Other peers, paired like transformers, on the same GGUF with the threads torch uses "
         "(llamacpp: llama-cpp-python's generator loop, batch 1; llamacpp-batched: llama.cpp's batched API, one "
         "llama_decode per step for every sequence, n_batch 512; a column says why when its peer cannot run).",
-    )  # fmt: skip
+    )
     peer_contexts: tuple[Annotated[int, Field(ge=1)], ...] = Field(
-        (), description="Contexts (of --prompt-tokens) at which the peers run beside glowplug (default: the first).",
-    )  # fmt: skip
+        (),
+        description="Contexts (of --prompt-tokens) at which the peers run beside glowplug (default: the first).",
+    )
     cells: tuple[Annotated[str, Field(pattern=r"^[1-9][0-9]*x[1-9][0-9]*$")], ...] = Field(
-        (), description="BATCHxCONTEXT cells (e.g. 1x64,16x64,1x512,1x2048) to run, in this order, instead of every "
+        (),
+        description="BATCHxCONTEXT cells (e.g. 1x64,16x64,1x512,1x2048) to run, in this order, instead of every "
         "--batch-sizes at every --prompt-tokens; the two lists then default to what the cells name.",
-    )  # fmt: skip
-    invariance: bool = Field(False, description="Per engine, the batch-invariance check: 8 prompts batched against "
-                             "each alone and in reversed rows, 64 greedy tokens each.")
-    targets: bool = Field(False, description="Hold the run to the real-size targets (batch 1 against llama.cpp and "
-                          "the probe, batch 16 against batch 1 and llama.cpp, prefill against pp512, batch "
-                          "invariance): a verdict each, PASS or FAIL on the worst pair.")
-    from_json: Path | None = Field(None, description="Re-render the report from the JSON a run wrote (beside its "
-                                   "--out); nothing is run.")
+    )
+    invariance: bool = Field(
+        False,
+        description="Per engine, the batch-invariance check: 8 prompts batched against "
+        "each alone and in reversed rows, 64 greedy tokens each.",
+    )
+    targets: bool = Field(
+        False,
+        description="Hold the run to the real-size targets (batch 1 against llama.cpp and "
+        "the probe, batch 16 against batch 1 and llama.cpp, prefill against pp512, batch "
+        "invariance): a verdict each, PASS or FAIL on the worst pair.",
+    )
+    from_json: Path | None = Field(
+        None, description="Re-render the report from the JSON a run wrote (beside its --out); nothing is run."
+    )
     group_size: int | None = Field(
-        None, description="Quantization group size for the int8/int4/int2 cells (32, 64, 128, 256; int2: 128); "
+        None,
+        description="Quantization group size for the int8/int4/int2 cells (32, 64, 128, 256; int2: 128); "
         "unset: the engine's default. Other formats ignore it.",
-    )  # fmt: skip
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where both engines run (auto: CUDA if "
-                                                   "torch sees a GPU).")
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where both engines run (auto: CUDA if torch sees a GPU)."
+    )
     max_model_len: tuple[Annotated[int, Field(ge=16)], ...] = Field(
-        (), description="Max model lengths, each a cell (default: the longest prompt + new tokens): a decode step's "
+        (),
+        description="Max model lengths, each a cell (default: the longest prompt + new tokens): a decode step's "
         "time must not grow with the length allowed, only with the context held.",
-    )  # fmt: skip
+    )
     quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
     out: Path | None = None
 
@@ -136,8 +175,10 @@ class DecodeBenchConfig(BaseModel):
     def _cells_and_peer_contexts_are_in_the_lists(self) -> DecodeBenchConfig:
         for batch, context in self.grid():
             if batch not in self.batch_sizes or context not in self.prompt_tokens:
-                raise ValueError(f"cell {batch}x{context} is not in --batch-sizes {list(self.batch_sizes)} x "
-                                 f"--prompt-tokens {list(self.prompt_tokens)}: leave those two out with --cells")
+                raise ValueError(
+                    f"cell {batch}x{context} is not in --batch-sizes {list(self.batch_sizes)} x "
+                    f"--prompt-tokens {list(self.prompt_tokens)}: leave those two out with --cells"
+                )
         stray = [c for c in self.peer_contexts if c not in self.prompt_tokens]
         if stray:
             raise ValueError(f"--peer-contexts {stray} are not among --prompt-tokens {list(self.prompt_tokens)}")
@@ -160,8 +201,10 @@ class DecodeBenchConfig(BaseModel):
             return v  # unset, or those fields failed their own checks (reported on their own)
         longest = max(info.data["prompt_tokens"]) + info.data["new_tokens"]
         if min(v) < longest:
-            raise ValueError(f"{min(v)} is shorter than the longest prompt + new tokens ({longest}); pass at least "
-                             f"{longest}, or fewer --prompt-tokens/--new-tokens")
+            raise ValueError(
+                f"{min(v)} is shorter than the longest prompt + new tokens ({longest}); pass at least "
+                f"{longest}, or fewer --prompt-tokens/--new-tokens"
+            )
         return v
 
 
@@ -249,9 +292,14 @@ class DecodeRow:
         d = asdict(self)
         if self.skipped:
             return d
-        d.update(median_tokens_per_s=self.tps, median_step_ms=self.ms, probe_share=self.shares,
-                 model_size_mb=self.mb_per_token, rest_gb=self.rest_gb,
-                 peer_ratios={p.label: p.ratios(self.tokens_per_s) for p in self.peers})  # fmt: skip
+        d.update(
+            median_tokens_per_s=self.tps,
+            median_step_ms=self.ms,
+            probe_share=self.shares,
+            model_size_mb=self.mb_per_token,
+            rest_gb=self.rest_gb,
+            peer_ratios={p.label: p.ratios(self.tokens_per_s) for p in self.peers},
+        )
         return d
 
 
@@ -362,8 +410,14 @@ class RunFacts:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunFacts:
-        return cls(str(d.get("probe_method", "")), int(d.get("threads", 0)), str(d.get("made_by", "")), d.get("peak"),
-                   dict(d.get("peers_info", {})), [InvarianceResult(**i) for i in d.get("invariance", [])])  # fmt: skip
+        return cls(
+            str(d.get("probe_method", "")),
+            int(d.get("threads", 0)),
+            str(d.get("made_by", "")),
+            d.get("peak"),
+            dict(d.get("peers_info", {})),
+            [InvarianceResult(**i) for i in d.get("invariance", [])],
+        )
 
 
 @dataclass
@@ -375,8 +429,11 @@ class DecodeRun:
     rows: list[DecodeRow]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"config": self.cfg.model_dump(mode="json"), "facts": asdict(self.facts),
-                "rows": rows_as_dicts(self.rows)}  # fmt: skip
+        return {
+            "config": self.cfg.model_dump(mode="json"),
+            "facts": asdict(self.facts),
+            "rows": rows_as_dicts(self.rows),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DecodeRun:
@@ -473,33 +530,44 @@ def load_peers(cfg: DecodeBenchConfig, device: str) -> list[Peer]:
     if kinds:
         if device != "cpu":
             labels = {"llamacpp": "llama.cpp", "llamacpp-batched": "llama.cpp batched"}
-            out += [SkippedPeer(labels[k], f"the bench runs on {device}; the llama.cpp peers are CPU-only here")
-                    for k in kinds]  # fmt: skip
+            out += [
+                SkippedPeer(labels[k], f"the bench runs on {device}; the llama.cpp peers are CPU-only here")
+                for k in kinds
+            ]
         else:
             longest = max(c for c in cfg.prompt_tokens if cfg.peer_at(c))
-            out += load_llamacpp_peers(model_dir, kinds, seq_tokens=longest + cfg.new_tokens,
-                                       n_threads=torch.get_num_threads())  # fmt: skip
+            out += load_llamacpp_peers(
+                model_dir, kinds, seq_tokens=longest + cfg.new_tokens, n_threads=torch.get_num_threads()
+            )
     return out
 
 
-def _engine_fields(cfg: DecodeBenchConfig, mode: str, dtype: str, quant: str, kv: str, max_len: int,
-                   device: str) -> dict[str, Any]:  # fmt: skip
+def _engine_fields(
+    cfg: DecodeBenchConfig, mode: str, dtype: str, quant: str, kv: str, max_len: int, device: str
+) -> dict[str, Any]:
     fields: dict[str, Any] = dict(
-        model=cfg.model, dtype=dtype, quantization=quant, compile=mode, max_model_len=max_len,
+        model=cfg.model,
+        dtype=dtype,
+        quantization=quant,
+        compile=mode,
+        max_model_len=max_len,
         # the batch-invariance check runs its 8 prompts as one batch
         max_num_seqs=max(*cfg.batch_sizes, len(INVARIANCE_PROMPTS) if cfg.invariance else 1),
         max_num_batched_tokens=2048,  # long prompts: chunked
-        quantize_lm_head=cfg.quantize_lm_head, kv_cache_dtype=kv, device=device,
+        quantize_lm_head=cfg.quantize_lm_head,
+        kv_cache_dtype=kv,
+        device=device,
         # every repeat prefills its whole prompt: a prefix-cache hit on the previous repeat's blocks is not a prefill
         enable_prefix_caching=False,
-    )  # fmt: skip
+    )
     if cfg.group_size is not None and quant in ("int8", "int4", "int2"):
         fields["group_size"] = cfg.group_size  # the engine refuses a group size on the other formats
     return fields
 
 
-def _time_cell(engine: Any, row: DecodeRow, prompts: list[list[int]], cfg: DecodeBenchConfig, device: str,
-               peers: list[Peer]) -> None:  # fmt: skip
+def _time_cell(
+    engine: Any, row: DecodeRow, prompts: list[list[int]], cfg: DecodeBenchConfig, device: str, peers: list[Peer]
+) -> None:
     """The cell's repeats, each after its own probe; at a peer context each repeat also times every peer right after
     glowplug's run (glowplug, peer A, peer B, then the next repeat: the machine's swing reaches every engine)."""
     from datetime import datetime
@@ -537,8 +605,11 @@ def graph_pool(llm: Any) -> dict[str, Any]:
         return {}
     attrs = llm.startup.phase_table[Row.GRAPH_CAPTURING].attributes
     sizes, acts = list(attrs.get(Attr.GRAPH_SIZES) or []), list(attrs.get(Attr.GRAPH_SIZE_ACTIVATION_BYTES) or [])
-    return {"graph_pool_gb": usage.reserved_bytes / 1e9, "graph_largest_size": max(sizes) if sizes else None,
-            "graph_activation_gb": acts[-1] / 1e9 if acts else None}
+    return {
+        "graph_pool_gb": usage.reserved_bytes / 1e9,
+        "graph_largest_size": max(sizes) if sizes else None,
+        "graph_activation_gb": acts[-1] / 1e9 if acts else None,
+    }
 
 
 def main(cfg: DecodeBenchConfig, argv: list[str] | None) -> int:
@@ -580,17 +651,23 @@ def run_decode_bench(cfg: DecodeBenchConfig, argv: list[str] | None = None) -> D
     lens = cfg.max_model_len or (longest,)  # each at least `longest` (the config's validator)
     threads = torch.get_num_threads()
     l3 = l3_cache_bytes() if device == "cpu" else None
-    facts = RunFacts(threads=threads, probe_method=describe_probe(probe_size(l3), l3, PROBE_PASSES) if device == "cpu"
-                     else f"torch sum over {4 * probe_size(None) / 2**20:.0f} MiB of fp32 on {device}; "
-                     f"{PROBE_PASSES} passes: sustained = their median, fastest = their maximum")  # fmt: skip
+    facts = RunFacts(
+        threads=threads,
+        probe_method=describe_probe(probe_size(l3), l3, PROBE_PASSES)
+        if device == "cpu"
+        else f"torch sum over {4 * probe_size(None) / 2**20:.0f} MiB of fp32 on {device}; "
+        f"{PROBE_PASSES} passes: sustained = their median, fastest = their maximum",
+    )
     # Loaded before the first cell: a paired ratio needs the peer next to every glowplug run.
     peers = load_peers(cfg, device)
     facts.peers_info = {p.label: p.info for p in peers if p.info}
     peers_gb = sum(p.held_bytes for p in peers) / 1e9
     from .machine import command_line, report_git_state
 
-    facts.made_by = (f"`{command_line(argv)}` at commit {report_git_state().describe()}, "
-                     f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")  # fmt: skip
+    facts.made_by = (
+        f"`{command_line(argv)}` at commit {report_git_state().describe()}, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
+    )
     run = DecodeRun(cfg, facts, rows)
     try:
         for (mode, dtype, quant, kv), max_len in ((c, n) for c in _cells(cfg) for n in lens):
@@ -601,8 +678,18 @@ def run_decode_bench(cfg: DecodeBenchConfig, argv: list[str] | None = None) -> D
     return run
 
 
-def _run_engine(cfg: DecodeBenchConfig, run: DecodeRun, peers: list[Peer], peers_gb: float, mode: str, dtype: str,
-                quant: str, kv: str, max_len: int, device: str) -> None:  # fmt: skip
+def _run_engine(
+    cfg: DecodeBenchConfig,
+    run: DecodeRun,
+    peers: list[Peer],
+    peers_gb: float,
+    mode: str,
+    dtype: str,
+    quant: str,
+    kv: str,
+    max_len: int,
+    device: str,
+) -> None:
     """One engine's cells (and its batch-invariance check), appended to `run`."""
     from glowplug.base.machine import isa_choice
     from glowplug.engine.llm import LLM
@@ -634,16 +721,49 @@ def _run_engine(cfg: DecodeBenchConfig, run: DecodeRun, peers: list[Peer], peers
     for batch, context in cfg.grid():
         need = batch * -(-(context + cfg.new_tokens) // stats.block_size) * stats.block_size
         if need > capacity:
-            rows.append(DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], None, kv, groups,
-                                  context=context, level=level, max_model_len=max_len,
-                                  skipped=f"needs {need} KV tokens, the cache holds {capacity}"))  # fmt: skip
+            rows.append(
+                DecodeRow(
+                    "glowplug",
+                    mode,
+                    resolved,
+                    quant,
+                    batch,
+                    [],
+                    [],
+                    [],
+                    None,
+                    kv,
+                    groups,
+                    context=context,
+                    level=level,
+                    max_model_len=max_len,
+                    skipped=f"needs {need} KV tokens, the cache holds {capacity}",
+                )
+            )
             continue
         prompts = make_prompts(llm.tokenizer, batch, context)
-        row = DecodeRow("glowplug", mode, resolved, quant, batch, [], [], [], wbytes / 1e6, kv, groups,
-                        context=context, level=level, max_model_len=max_len,
-                        kv_mb=per_token * (context + cfg.new_tokens / 2) / 1e6,
-                        peers_gb=peers_gb, rss_before_gb=rss_before, bytes_source=bytes_source,
-                        prefill_flops=prefill_flops(llm.startup.arch, batch, context), **pool)  # fmt: skip
+        row = DecodeRow(
+            "glowplug",
+            mode,
+            resolved,
+            quant,
+            batch,
+            [],
+            [],
+            [],
+            wbytes / 1e6,
+            kv,
+            groups,
+            context=context,
+            level=level,
+            max_model_len=max_len,
+            kv_mb=per_token * (context + cfg.new_tokens / 2) / 1e6,
+            peers_gb=peers_gb,
+            rss_before_gb=rss_before,
+            bytes_source=bytes_source,
+            prefill_flops=prefill_flops(llm.startup.arch, batch, context),
+            **pool,
+        )
         if batch > llm.engine.runner.max_decode_batch and compiled:
             row.notes.append("above the compiled batch sizes: eager steps")
         time_engine_decode(llm.engine, prompts[: min(batch, 2)], 8)  # warm this batch shape's allocations
@@ -653,16 +773,36 @@ def _run_engine(cfg: DecodeBenchConfig, run: DecodeRun, peers: list[Peer], peers
         _time_cell(llm.engine, row, prompts, cfg, device, peers)
         rows.append(row)
     for row in rows:  # each row's batch-1 step: same configuration and context
-        if (row.compile == mode and row.quantization == quant and row.kv_cache_dtype == kv and not row.skipped
-                and row.max_model_len == max_len):  # fmt: skip
-            one = next((b for b in rows if b.batch == 1 and b.context == row.context and b.compile == mode
-                        and b.quantization == quant and b.kv_cache_dtype == kv and b.dtype == row.dtype
-                        and b.max_model_len == max_len and not b.skipped), None)  # fmt: skip
+        if (
+            row.compile == mode
+            and row.quantization == quant
+            and row.kv_cache_dtype == kv
+            and not row.skipped
+            and row.max_model_len == max_len
+        ):
+            one = next(
+                (
+                    b
+                    for b in rows
+                    if b.batch == 1
+                    and b.context == row.context
+                    and b.compile == mode
+                    and b.quantization == quant
+                    and b.kv_cache_dtype == kv
+                    and b.dtype == row.dtype
+                    and b.max_model_len == max_len
+                    and not b.skipped
+                ),
+                None,
+            )
             row.batch1_step_ms = one.ms if one is not None else None
     if cfg.invariance:
         equal, flipped, differ = invariance_check(llm)
-        facts.invariance.append(InvarianceResult(mode, resolved, quant, kv, max_len, equal, len(INVARIANCE_PROMPTS),
-                                                 flipped, INVARIANCE_TOKENS, differ))  # fmt: skip
+        facts.invariance.append(
+            InvarianceResult(
+                mode, resolved, quant, kv, max_len, equal, len(INVARIANCE_PROMPTS), flipped, INVARIANCE_TOKENS, differ
+            )
+        )
     if cfg.out is not None:  # a checkpoint per engine: a run stopped early keeps the cells it finished
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.with_suffix(".json").write_text(json.dumps(run.as_dict(), indent=1))
@@ -685,8 +825,13 @@ def _paired(a: list[float], b: list[float]) -> str:
     return fmt_ratio(PairedRatio(statistics.median(pairs), min(pairs), len(pairs))) if pairs else "-"
 
 
-def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[str] | None,
-                    facts: RunFacts | None = None, from_json: Path | None = None) -> str:  # fmt: skip
+def render_markdown(
+    rows: list[DecodeRow],
+    cfg: DecodeBenchConfig,
+    argv: list[str] | None,
+    facts: RunFacts | None = None,
+    from_json: Path | None = None,
+) -> str:
     """The report; `from_json`: the stored run it was re-rendered from (the header then names the run's own
     command, commit and date)."""
     from .gpt_fast_lines import run_lines
@@ -701,16 +846,22 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
     fastest = [p for r in measured for p in r.probe_fastest_gbps]
     contexts = ", ".join(str(c) for c in cfg.prompt_tokens)
     labels = list(dict.fromkeys(p.label for r in measured for p in r.peers))
-    probe_text = (f"sustained {statistics.median(probes):.1f} GB/s (median over the runs; {min(probes):.1f}-"
-                  f"{max(probes):.1f})" if probes else "no runs")  # fmt: skip
+    probe_text = (
+        f"sustained {statistics.median(probes):.1f} GB/s (median over the runs; {min(probes):.1f}-{max(probes):.1f})"
+        if probes
+        else "no runs"
+    )
     if fastest:
         probe_text += f", fastest pass {statistics.median(fastest):.1f} GB/s ({min(fastest):.1f}-{max(fastest):.1f})"
     peer_contexts = ", ".join(str(c) for c in cfg.prompt_tokens if cfg.peer_at(c))
     peak = facts.peak_flops
     lines = [
         report_header("Decode throughput", argv),
-        *([f"Re-rendered from `{from_json}`: the runs were made by {facts.made_by or 'an unrecorded command'}.", ""]
-          if from_json is not None else []),
+        *(
+            [f"Re-rendered from `{from_json}`: the runs were made by {facts.made_by or 'an unrecorded command'}.", ""]
+            if from_json is not None
+            else []
+        ),
         f"Model `{cfg.model}`, context (prompt tokens) {contexts}, {cfg.new_tokens} new tokens per sequence, greedy, "
         f"n={cfg.repeats} runs per cell, {facts.threads or '?'} threads. Streaming-read probe, re-measured before "
         f"every run ({facts.probe_method or 'fastest of 5 sums over 1 GiB'}): {probe_text}. Every share (% of probe, "
@@ -738,12 +889,26 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
         share = fmt_spread([100 * s for s in r.shares], 1) if r.shares else "-"
         by_label = {p.label: p for p in r.peers}
         vs_peers = "".join(
-            f"{fmt_ratio(paired_ratio(r.tokens_per_s, by_label[lb]), by_label[lb].skipped)} | " if lb in by_label
-            else "- | " for lb in labels)  # fmt: skip
+            f"{fmt_ratio(paired_ratio(r.tokens_per_s, by_label[lb]), by_label[lb].skipped)} | "
+            if lb in by_label
+            else "- | "
+            for lb in labels
+        )
         gbps = fmt_spread([r.mb_per_token / ms for ms in r.step_ms], 1) if r.mb_per_token is not None else "-"
-        base = next((b for b in measured if b.quantization == "none" and b.dtype == r.dtype and b.compile == r.compile
-                     and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch and b.context == r.context
-                     and b.max_model_len == r.max_model_len), None)  # fmt: skip
+        base = next(
+            (
+                b
+                for b in measured
+                if b.quantization == "none"
+                and b.dtype == r.dtype
+                and b.compile == r.compile
+                and b.kv_cache_dtype == r.kv_cache_dtype
+                and b.batch == r.batch
+                and b.context == r.context
+                and b.max_model_len == r.max_model_len
+            ),
+            None,
+        )
         vs_bf16 = _paired(r.tokens_per_s, base.tokens_per_s) if base is not None and r.quantization != "none" else "-"
         prefill = fmt_spread(r.prefill_ms, 1) if r.prefill_ms else "-"
         pp_tps = fmt_spread(r.prefill_tps, 1) if r.prefill_tps else "-"
@@ -779,14 +944,23 @@ def render_markdown(rows: list[DecodeRow], cfg: DecodeBenchConfig, argv: list[st
     left_out = [r for r in rows if r.skipped]
     if left_out:
         lines += ["", "Left out (the KV cache cannot hold the batch at that context):"]
-        lines += [f"- {r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}, context "
-                  f"{r.context}: {r.skipped}" for r in left_out]  # fmt: skip
+        lines += [
+            f"- {r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}, context "
+            f"{r.context}: {r.skipped}"
+            for r in left_out
+        ]
     lines += ["", *[f"- {line}" for line in DEFINITIONS], *([f"- {flag_note(flags)}"] if flags else [])]
     per_run = [line for r in measured for line in run_lines(r, cfg, bench_device(cfg.device))]
     if per_run:
-        lines += ["", "Per-run lines (seed 003's generate.py format: one line per timed run; mem/s = model_size over "
-                  "that run's ms / step, peak_mem = that run's RSS high-water mark, cache_size = max model len):",
-                  "", "```text", *per_run, "```"]  # fmt: skip
+        lines += [
+            "",
+            "Per-run lines (seed 003's generate.py format: one line per timed run; mem/s = model_size over "
+            "that run's ms / step, peak_mem = that run's RSS high-water mark, cache_size = max model len):",
+            "",
+            "```text",
+            *per_run,
+            "```",
+        ]
     return "\n".join([*lines, ""])
 
 
@@ -800,25 +974,36 @@ def _peer_table(rows: list[DecodeRow]) -> list[str]:
         for p in r.peers:
             cells = f"| {r.compile} | {r.dtype} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} | {r.context} "
             if p.skipped:
-                body.append(f"{cells}| {p.label} | {fmt_spread(r.tokens_per_s, 1)} | skipped: {p.skipped} "
-                            "| - | - | - | - | - | - | - |")  # fmt: skip
+                body.append(
+                    f"{cells}| {p.label} | {fmt_spread(r.tokens_per_s, 1)} | skipped: {p.skipped} "
+                    "| - | - | - | - | - | - | - |"
+                )
                 continue
             ratio = paired_ratio(r.tokens_per_s, p)
             assert ratio is not None
             pp = pair_ratios(p.prefill_ms, r.prefill_ms)  # peer time over glowplug's: glowplug's speed-up
-            pp_cells = (f"{fmt_spread(r.prefill_ms, 1)} | {fmt_spread(p.prefill_ms, 1)} | {pp.median:.2f}x "
-                        f"| {pp.worst:.2f}x" if pp is not None else "- | - | - | -")  # fmt: skip
-            body.append(f"{cells}| {p.label} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(p.tokens_per_s, 1)} "
-                        f"| {fmt_spread(p.step_ms, 2)} | {ratio.median:.2f}x | {ratio.worst:.2f}x | {pp_cells} |")
+            pp_cells = (
+                f"{fmt_spread(r.prefill_ms, 1)} | {fmt_spread(p.prefill_ms, 1)} | {pp.median:.2f}x | {pp.worst:.2f}x"
+                if pp is not None
+                else "- | - | - | -"
+            )
+            body.append(
+                f"{cells}| {p.label} | {fmt_spread(r.tokens_per_s, 1)} | {fmt_spread(p.tokens_per_s, 1)} "
+                f"| {fmt_spread(p.step_ms, 2)} | {ratio.median:.2f}x | {ratio.worst:.2f}x | {pp_cells} |"
+            )
     if not body:
         return []
-    return ["", "Peers, paired run by run (each peer ran right after glowplug's run i, on the same prompts; prefill "
-            "ratio = the peer's prefill ms over glowplug's, so above 1 glowplug is faster):", "",
-            "| compile | dtype | quantization | KV cache | batch | context | peer | glowplug tok/s | peer tok/s "
-            "| peer ms / step | ratio median | worst pair | glowplug prefill ms | peer prefill ms "
-            "| prefill ratio median | prefill worst pair |",
-            "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-            *body]  # fmt: skip
+    return [
+        "",
+        "Peers, paired run by run (each peer ran right after glowplug's run i, on the same prompts; prefill "
+        "ratio = the peer's prefill ms over glowplug's, so above 1 glowplug is faster):",
+        "",
+        "| compile | dtype | quantization | KV cache | batch | context | peer | glowplug tok/s | peer tok/s "
+        "| peer ms / step | ratio median | worst pair | glowplug prefill ms | peer prefill ms "
+        "| prefill ratio median | prefill worst pair |",
+        "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *body,
+    ]
 
 
 def _invariance_table(facts: RunFacts, rows: list[DecodeRow]) -> list[str]:
@@ -826,20 +1011,38 @@ def _invariance_table(facts: RunFacts, rows: list[DecodeRow]) -> list[str]:
     default: that step is what invariance costs at most)."""
     if not facts.invariance:
         return []
-    out = ["", f"Batch invariance ({len(INVARIANCE_PROMPTS)} prompts, {INVARIANCE_TOKENS} greedy tokens each: the "
-           "batch of 8 against each prompt alone, and the batch in reversed row order against alone; LLM.generate):",
-           "", "| compile | dtype | quantization | KV cache | max model len | batched = alone | reversed = alone "
-           "| differing prompts | batch-16 ms / step (invariant kernels) |", "|---|---|---|---|---:|---:|---:|---|---:|"]
+    out = [
+        "",
+        f"Batch invariance ({len(INVARIANCE_PROMPTS)} prompts, {INVARIANCE_TOKENS} greedy tokens each: the "
+        "batch of 8 against each prompt alone, and the batch in reversed row order against alone; LLM.generate):",
+        "",
+        "| compile | dtype | quantization | KV cache | max model len | batched = alone | reversed = alone "
+        "| differing prompts | batch-16 ms / step (invariant kernels) |",
+        "|---|---|---|---|---:|---:|---:|---|---:|",
+    ]
     for inv in facts.invariance:
-        b16 = next((r for r in rows if r.batch == 16 and r.compile == inv.compile and r.dtype == inv.dtype
-                    and r.quantization == inv.quantization and r.kv_cache_dtype == inv.kv_cache_dtype
-                    and r.max_model_len == inv.max_model_len), None)  # fmt: skip
+        b16 = next(
+            (
+                r
+                for r in rows
+                if r.batch == 16
+                and r.compile == inv.compile
+                and r.dtype == inv.dtype
+                and r.quantization == inv.quantization
+                and r.kv_cache_dtype == inv.kv_cache_dtype
+                and r.max_model_len == inv.max_model_len
+            ),
+            None,
+        )
         differ = "; ".join(f"`{p}`" for p in inv.differ) or "none"
-        out.append(f"| {inv.compile} | {inv.dtype} | {inv.quantization} | {inv.kv_cache_dtype} | {inv.max_model_len} "
-                   f"| {inv.equal}/{inv.total} | {inv.reversed_equal}/{inv.total} | {differ} "
-                   f"| {b16.ms:.2f} (context {b16.context}) |" if b16 is not None else
-                   f"| {inv.compile} | {inv.dtype} | {inv.quantization} | {inv.kv_cache_dtype} | {inv.max_model_len} "
-                   f"| {inv.equal}/{inv.total} | {inv.reversed_equal}/{inv.total} | {differ} | no batch-16 cell |")
+        out.append(
+            f"| {inv.compile} | {inv.dtype} | {inv.quantization} | {inv.kv_cache_dtype} | {inv.max_model_len} "
+            f"| {inv.equal}/{inv.total} | {inv.reversed_equal}/{inv.total} | {differ} "
+            f"| {b16.ms:.2f} (context {b16.context}) |"
+            if b16 is not None
+            else f"| {inv.compile} | {inv.dtype} | {inv.quantization} | {inv.kv_cache_dtype} | {inv.max_model_len} "
+            f"| {inv.equal}/{inv.total} | {inv.reversed_equal}/{inv.total} | {differ} | no batch-16 cell |"
+        )
     return out
 
 
@@ -849,21 +1052,40 @@ def _max_len_table(rows: list[DecodeRow]) -> list[str]:
     lens = sorted({r.max_model_len for r in rows if r.engine == "glowplug"})
     if len(lens) < 2:
         return []
-    out = ["", f"Step time against max model len {lens[0]} (same configuration, batch and context; runs paired in "
-           "order):", "", "| compile | dtype | quantization | KV cache | batch | context | max model len "
-           "| ms / step | ratio median | worst pair |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = [
+        "",
+        f"Step time against max model len {lens[0]} (same configuration, batch and context; runs paired in order):",
+        "",
+        "| compile | dtype | quantization | KV cache | batch | context | max model len "
+        "| ms / step | ratio median | worst pair |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if r.engine != "glowplug" or r.max_model_len == lens[0]:
             continue
-        base = next((b for b in rows if b.engine == "glowplug" and b.max_model_len == lens[0] and b.compile == r.compile
-                     and b.dtype == r.dtype and b.quantization == r.quantization and b.kv_cache_dtype == r.kv_cache_dtype
-                     and b.batch == r.batch and b.context == r.context), None)  # fmt: skip
+        base = next(
+            (
+                b
+                for b in rows
+                if b.engine == "glowplug"
+                and b.max_model_len == lens[0]
+                and b.compile == r.compile
+                and b.dtype == r.dtype
+                and b.quantization == r.quantization
+                and b.kv_cache_dtype == r.kv_cache_dtype
+                and b.batch == r.batch
+                and b.context == r.context
+            ),
+            None,
+        )
         if base is None:
             continue
         pairs = [a / b for a, b in zip(r.step_ms, base.step_ms)]
-        out.append(f"| {r.compile} | {r.dtype} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} | {r.context} "
-                   f"| {r.max_model_len} | {r.ms:.3f} vs {base.ms:.3f} | {statistics.median(pairs):.3f}x "
-                   f"| {max(pairs):.3f}x |")  # fmt: skip
+        out.append(
+            f"| {r.compile} | {r.dtype} | {r.quantization} | {r.kv_cache_dtype} | {r.batch} | {r.context} "
+            f"| {r.max_model_len} | {r.ms:.3f} vs {base.ms:.3f} | {statistics.median(pairs):.3f}x "
+            f"| {max(pairs):.3f}x |"
+        )
     return out
 
 
@@ -876,15 +1098,22 @@ def _graph_pool_table(rows: list[DecodeRow]) -> list[str]:
             seen.setdefault((r.compile, r.dtype, r.quantization, r.kv_cache_dtype, r.max_model_len), r)
     if not seen:
         return []
-    out = ["", "CUDA graph pool per engine (torch.cuda.memory_snapshot after capture, the graphs' pool only) against "
-           "the activations of the largest captured batch (the allocator's peak over one uncaptured step):", "",
-           "| compile | dtype | quantization | KV cache | max model len | largest captured batch | graph pool GB "
-           "| activations GB | pool / activations |", "|---|---|---|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    out = [
+        "",
+        "CUDA graph pool per engine (torch.cuda.memory_snapshot after capture, the graphs' pool only) against "
+        "the activations of the largest captured batch (the allocator's peak over one uncaptured step):",
+        "",
+        "| compile | dtype | quantization | KV cache | max model len | largest captured batch | graph pool GB "
+        "| activations GB | pool / activations |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for (mode, dtype, quant, kv, max_len), r in seen.items():
         act = r.graph_activation_gb
         ratio = f"{r.graph_pool_gb / act:.2f}x" if act else "-"
-        out.append(f"| {mode} | {dtype} | {quant} | {kv} | {max_len} | {r.graph_largest_size or '-'} "
-                   f"| {r.graph_pool_gb:.3f} | {f'{act:.3f}' if act is not None else '-'} | {ratio} |")
+        out.append(
+            f"| {mode} | {dtype} | {quant} | {kv} | {max_len} | {r.graph_largest_size or '-'} "
+            f"| {r.graph_pool_gb:.3f} | {f'{act:.3f}' if act is not None else '-'} | {ratio} |"
+        )
     return out
 
 
@@ -897,9 +1126,18 @@ def _kv_shares(r: DecodeRow, rows: list[DecodeRow]) -> list[float] | None:
     """Per run, the extra KV bytes over the shortest context as a % of the run's probe (see _long_context)."""
     if r.engine != "glowplug" or r.kv_mb is None:
         return None
-    same = [b for b in rows if b.engine == r.engine and b.compile == r.compile and b.dtype == r.dtype
-            and b.quantization == r.quantization and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch
-            and b.max_model_len == r.max_model_len and b.kv_mb is not None]  # fmt: skip
+    same = [
+        b
+        for b in rows
+        if b.engine == r.engine
+        and b.compile == r.compile
+        and b.dtype == r.dtype
+        and b.quantization == r.quantization
+        and b.kv_cache_dtype == r.kv_cache_dtype
+        and b.batch == r.batch
+        and b.max_model_len == r.max_model_len
+        and b.kv_mb is not None
+    ]
     short = min(same, key=lambda b: b.context)
     if short is r or short.kv_mb is None:
         return None
@@ -951,33 +1189,61 @@ def real_size_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig, facts: Run
                     continue
                 ratio = paired_ratio(one.tokens_per_s, p)
                 target = f"batch-1 decode >= {BATCH1_VS_LLAMACPP:g}x {p.label} ({what}, context {base})"
-                text = (_pair_text("pairs", ratio, f"{one.tps:.1f} tok/s", f"{statistics.median(p.tokens_per_s):.1f}")
-                        if ratio is not None else p.skipped or "no runs")  # fmt: skip
+                text = (
+                    _pair_text("pairs", ratio, f"{one.tps:.1f} tok/s", f"{statistics.median(p.tokens_per_s):.1f}")
+                    if ratio is not None
+                    else p.skipped or "no runs"
+                )
                 out.append(Verdict(target, text, None if ratio is None else ratio.worst >= BATCH1_VS_LLAMACPP))
             shares = [100 * x for x in one.shares]
-            target = (f"batch-1 decode >= {BATCH1_PROBE_SHARE:g}% of sustained probe / bytes per token ({what}, "
-                      f"{one.mb_per_token or 0:.0f} MB per token)")  # fmt: skip
-            out.append(Verdict(target, f"worst run {min(shares):.1f}% (median {statistics.median(shares):.1f}%, "
-                               f"n={len(shares)})" if shares else "no bytes per token", min(shares) >= BATCH1_PROBE_SHARE
-                               if shares else None))  # fmt: skip
+            target = (
+                f"batch-1 decode >= {BATCH1_PROBE_SHARE:g}% of sustained probe / bytes per token ({what}, "
+                f"{one.mb_per_token or 0:.0f} MB per token)"
+            )
+            out.append(
+                Verdict(
+                    target,
+                    f"worst run {min(shares):.1f}% (median {statistics.median(shares):.1f}%, n={len(shares)})"
+                    if shares
+                    else "no bytes per token",
+                    min(shares) >= BATCH1_PROBE_SHARE if shares else None,
+                )
+            )
         if one is not None and b16 is not None:
             ratio = pair_ratios(b16.tokens_per_s, one.tokens_per_s)
             target = f"batch-16 aggregate decode >= {BATCH16_VS_BATCH1:g}x glowplug's batch 1 ({what}, context {base})"
-            out.append(Verdict(target, _pair_text("runs paired in order", ratio, f"{b16.tps:.1f} tok/s",
-                                                  f"{one.tps:.1f}") if ratio else "no runs",
-                               None if ratio is None else ratio.worst >= BATCH16_VS_BATCH1))  # fmt: skip
+            out.append(
+                Verdict(
+                    target,
+                    _pair_text("runs paired in order", ratio, f"{b16.tps:.1f} tok/s", f"{one.tps:.1f}")
+                    if ratio
+                    else "no runs",
+                    None if ratio is None else ratio.worst >= BATCH16_VS_BATCH1,
+                )
+            )
         if b16 is not None:
             for p in b16.peers:
                 if not p.label.startswith("llama.cpp") or p.skipped:
                     continue
                 ratio = paired_ratio(b16.tokens_per_s, p)
                 target = f"batch-16 aggregate decode >= {BATCH16_VS_LLAMACPP:g}x {p.label} at 16 sequences ({what})"
-                out.append(Verdict(target, _pair_text("pairs", ratio, f"{b16.tps:.1f} tok/s",
-                                                      f"{statistics.median(p.tokens_per_s):.1f}") if ratio else "no runs",
-                                   None if ratio is None else ratio.worst >= BATCH16_VS_LLAMACPP))  # fmt: skip
-            out.append(Verdict(f"batch invariance costs <= {INVARIANCE_COST:g}% of the batch-16 step ({what})",
-                               f"batch-16 step {b16.ms:.2f} ms with the invariant kernels (the default); no kernels "
-                               "that vary with the batch to set it against", None))  # fmt: skip
+                out.append(
+                    Verdict(
+                        target,
+                        _pair_text("pairs", ratio, f"{b16.tps:.1f} tok/s", f"{statistics.median(p.tokens_per_s):.1f}")
+                        if ratio
+                        else "no runs",
+                        None if ratio is None else ratio.worst >= BATCH16_VS_LLAMACPP,
+                    )
+                )
+            out.append(
+                Verdict(
+                    f"batch invariance costs <= {INVARIANCE_COST:g}% of the batch-16 step ({what})",
+                    f"batch-16 step {b16.ms:.2f} ms with the invariant kernels (the default); no kernels "
+                    "that vary with the batch to set it against",
+                    None,
+                )
+            )
         if pp is not None:
             for p in pp.peers:
                 if not p.label.startswith("llama.cpp") or p.skipped:
@@ -986,18 +1252,29 @@ def real_size_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig, facts: Run
                 glow = statistics.median(pp.prefill_tps) if pp.prefill_tps else 0.0
                 peer = statistics.median(PREFILL_CONTEXT / (ms / 1e3) for ms in p.prefill_ms) if p.prefill_ms else 0.0
                 target = f"prefill of {PREFILL_CONTEXT} tokens >= {PREFILL_VS_LLAMACPP:g}x {p.label}'s pp512 ({what})"
-                out.append(Verdict(target, _pair_text("pairs", ratio, f"{glow:.1f} tok/s", f"{peer:.1f}") if ratio
-                                   else "no runs", None if ratio is None else ratio.worst >= PREFILL_VS_LLAMACPP))
+                out.append(
+                    Verdict(
+                        target,
+                        _pair_text("pairs", ratio, f"{glow:.1f} tok/s", f"{peer:.1f}") if ratio else "no runs",
+                        None if ratio is None else ratio.worst >= PREFILL_VS_LLAMACPP,
+                    )
+                )
     for inv in facts.invariance:
         what = f"{inv.compile}/{inv.dtype}/{inv.quantization}/KV {inv.kv_cache_dtype}"
-        out.append(Verdict(f"batch invariance: {inv.total} prompts batched = alone = reversed rows, {inv.tokens} "
-                           f"greedy tokens ({what})", f"batched {inv.equal}/{inv.total}, reversed "
-                           f"{inv.reversed_equal}/{inv.total}", inv.passed))  # fmt: skip
+        out.append(
+            Verdict(
+                f"batch invariance: {inv.total} prompts batched = alone = reversed rows, {inv.tokens} "
+                f"greedy tokens ({what})",
+                f"batched {inv.equal}/{inv.total}, reversed {inv.reversed_equal}/{inv.total}",
+                inv.passed,
+            )
+        )
     return out
 
 
-def decode_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig | None = None,
-                    facts: RunFacts | None = None) -> list[Any]:  # fmt: skip
+def decode_verdicts(
+    rows: list[DecodeRow], cfg: DecodeBenchConfig | None = None, facts: RunFacts | None = None
+) -> list[Any]:
     """The targets this run's cells can be held to, each on its worst run or pair: the KV read share at
     LONG_CONTEXT tokens (issue 34) and the step time over max model lens (issue 38); with `cfg.targets`, the
     real-size targets (real_size_verdicts) too."""
@@ -1015,25 +1292,43 @@ def decode_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig | None = None,
             continue
         what = f"{r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}"
         worst = min(shares) if shares else None
-        out.append(Verdict(f"KV read at >= {LONG_CONTEXT_SHARE:.0f}% of the sustained probe at {LONG_CONTEXT} tokens "
-                           f"({what})",
-                           f"worst run {worst:.1f}%" if worst is not None else "no run read more than the shortest",
-                           None if worst is None else worst >= LONG_CONTEXT_SHARE))  # fmt: skip
+        out.append(
+            Verdict(
+                f"KV read at >= {LONG_CONTEXT_SHARE:.0f}% of the sustained probe at {LONG_CONTEXT} tokens ({what})",
+                f"worst run {worst:.1f}%" if worst is not None else "no run read more than the shortest",
+                None if worst is None else worst >= LONG_CONTEXT_SHARE,
+            )
+        )
     lens = sorted({r.max_model_len for r in measured})
     if len(lens) >= 2:
         for r in measured:
             if r.max_model_len != lens[-1]:
                 continue
-            base = next((b for b in measured if b.max_model_len == lens[0] and b.compile == r.compile
-                         and b.dtype == r.dtype and b.quantization == r.quantization
-                         and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch and b.context == r.context),
-                        None)  # fmt: skip
+            base = next(
+                (
+                    b
+                    for b in measured
+                    if b.max_model_len == lens[0]
+                    and b.compile == r.compile
+                    and b.dtype == r.dtype
+                    and b.quantization == r.quantization
+                    and b.kv_cache_dtype == r.kv_cache_dtype
+                    and b.batch == r.batch
+                    and b.context == r.context
+                ),
+                None,
+            )
             if base is None:
                 continue
             worst = max(a / b for a, b in zip(r.step_ms, base.step_ms))
             what = f"{r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}, context {r.context}"
-            out.append(Verdict(f"step at max model len {lens[-1]} within {100 * (MAX_LEN_RATIO - 1):.0f}% of "
-                               f"{lens[0]}'s ({what})", f"worst pair {worst:.3f}x", worst <= MAX_LEN_RATIO))
+            out.append(
+                Verdict(
+                    f"step at max model len {lens[-1]} within {100 * (MAX_LEN_RATIO - 1):.0f}% of {lens[0]}'s ({what})",
+                    f"worst pair {worst:.3f}x",
+                    worst <= MAX_LEN_RATIO,
+                )
+            )
     return out
 
 
@@ -1045,9 +1340,18 @@ def _long_context(r: DecodeRow, rows: list[DecodeRow]) -> tuple[str, str]:
 
     if r.engine != "glowplug" or r.kv_mb is None:
         return "-", "-"
-    same = [b for b in rows if b.engine == r.engine and b.compile == r.compile and b.dtype == r.dtype
-            and b.quantization == r.quantization and b.kv_cache_dtype == r.kv_cache_dtype and b.batch == r.batch
-            and b.max_model_len == r.max_model_len and b.kv_mb is not None]  # fmt: skip
+    same = [
+        b
+        for b in rows
+        if b.engine == r.engine
+        and b.compile == r.compile
+        and b.dtype == r.dtype
+        and b.quantization == r.quantization
+        and b.kv_cache_dtype == r.kv_cache_dtype
+        and b.batch == r.batch
+        and b.max_model_len == r.max_model_len
+        and b.kv_mb is not None
+    ]
     short = min(same, key=lambda b: b.context)
     if short is r:
         return "-", "-"

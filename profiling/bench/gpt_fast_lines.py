@@ -20,9 +20,28 @@ FLOAT_QUANT = {"none": "None"}  # gpt-fast prints the unquantized run as quant: 
 
 def repro_argv(row: Any, cfg: Any) -> list[str]:
     """`glowplug bench decode` narrowed to this row's cell, one repeat."""
-    argv = ["glowplug", "bench", "decode", cfg.model, "--dtype", row.dtype, "--quantization", row.quantization,
-            "--kv-cache-dtype", row.kv_cache_dtype, "--compile", row.compile, "--batch-sizes", str(row.batch),
-            "--prompt-tokens", str(row.context), "--new-tokens", str(cfg.new_tokens), "--repeats", "1"]  # fmt: skip
+    argv = [
+        "glowplug",
+        "bench",
+        "decode",
+        cfg.model,
+        "--dtype",
+        row.dtype,
+        "--quantization",
+        row.quantization,
+        "--kv-cache-dtype",
+        row.kv_cache_dtype,
+        "--compile",
+        row.compile,
+        "--batch-sizes",
+        str(row.batch),
+        "--prompt-tokens",
+        str(row.context),
+        "--new-tokens",
+        str(cfg.new_tokens),
+        "--repeats",
+        "1",
+    ]
     if row.max_model_len:
         argv += ["--max-model-len", str(row.max_model_len)]
     if cfg.group_size is not None and row.quantization in ("int8", "int4", "int2"):

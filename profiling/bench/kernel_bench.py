@@ -26,9 +26,10 @@ class KernelBenchConfig(BaseModel):
     repeats: int = Field(10, ge=3, le=1000, description="Timed calls per path and M (median and min–max shown).")
     native: bool = Field(True, description="Also time glowplug's native kernels (the compiled decode step's).")
     isa_levels: tuple[Literal["portable", "avx2", "avx512", "avx512_bf16", "amx"], ...] = Field(
-        (), description="Also time the native kernels at these ISA levels (each in a child process capped with "
+        (),
+        description="Also time the native kernels at these ISA levels (each in a child process capped with "
         "GLOWPLUG_MAX_CPU_ISA; levels above this CPU's are left out, and the report says so).",
-    )  # fmt: skip
+    )
     native_only: bool = Field(False, description="Time only the native kernels (what --isa-levels runs per level).")
     rows_json: Path | None = Field(None, description="Also write the rows as JSON here (for --isa-levels).")
     quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
@@ -66,8 +67,13 @@ def run_kernel_bench(cfg: KernelBenchConfig, argv: list[str] | None) -> str:
     table = calibrate(shapes, cache_dir_from_env(), repeats=cfg.repeats)
     native, why = native_available(cache_dir_from_env()) if cfg.native else (False, "--no-native")
     rows = bench_kernels(
-        shapes, ms=cfg.ms, formats=formats, repeats=cfg.repeats, dispatcher=Dispatcher(table), native=native,
-    )  # fmt: skip
+        shapes,
+        ms=cfg.ms,
+        formats=formats,
+        repeats=cfg.repeats,
+        dispatcher=Dispatcher(table),
+        native=native,
+    )
     levels_note = ""
     if cfg.isa_levels:
         extra, levels_note = _other_levels(cfg)
@@ -112,9 +118,22 @@ def _other_levels(cfg: KernelBenchConfig) -> tuple[list[dict[str, Any]], str]:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "rows.json"
-            cmd = [sys.executable, "-m", "glowplug.cli", "bench", "kernels", cfg.model, "--native-only",
-                   "--repeats", str(cfg.repeats), "--ms", ",".join(str(m) for m in cfg.ms), "--rows-json", str(out),
-                   *(["--formats", ",".join(cfg.formats)] if cfg.formats else [])]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "glowplug.cli",
+                "bench",
+                "kernels",
+                cfg.model,
+                "--native-only",
+                "--repeats",
+                str(cfg.repeats),
+                "--ms",
+                ",".join(str(m) for m in cfg.ms),
+                "--rows-json",
+                str(out),
+                *(["--formats", ",".join(cfg.formats)] if cfg.formats else []),
+            ]
             env = {**os.environ, "GLOWPLUG_MAX_CPU_ISA": level}
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             if done.returncode != 0 or not out.is_file():

@@ -47,7 +47,9 @@ class LatencyBenchConfig(BenchEngineFields):
     quantization: tuple[Quantization, ...] = Field(("none",), min_length=1, description="Schemes to compare.")
     batch_size: tuple[int, ...] = Field((1, 2, 4, 8, 16, 32), min_length=1, description="Batch sizes.")
     tensor_parallel_size: tuple[int, ...] = Field(
-        (1,), min_length=1, description="Tensor-parallel sizes to compare (one engine per size and scheme, as TGI's "
+        (1,),
+        min_length=1,
+        description="Tensor-parallel sizes to compare (one engine per size and scheme, as TGI's "
         "reference run measures --num-shard 1, 2, 4 and 8).",
     )
     # TGI's text-generation-benchmark grid by default: 1024 / 8 / 10 runs / 1 warm-up.
@@ -112,7 +114,7 @@ class LatencyResult:
     resolved: dict[str, tuple[str, str]] = field(default_factory=dict)  # quantization -> (dtype, "on" | "off")
 
     def setting(self, quant: str) -> str:
-        """"dtype bfloat16, compile off" for a quantization that started; the requested flags otherwise."""
+        """ "dtype bfloat16, compile off" for a quantization that started; the requested flags otherwise."""
         if quant in self.resolved:
             dtype, mode = self.resolved[quant]
             return f"dtype {dtype}, compile {mode}"
@@ -265,13 +267,21 @@ def render_tables(result: LatencyResult, quant: str, tp: int = 1) -> str:
     lat_rows: list[list[Cell]] = []
     for label, attr in LATENCY_ROWS:
         for c in cells:
-            lat_rows.append([label, c.batch, _samples(c, attr),
-                             *_stat_cells(cell_summary(c, attr, 1000.0), stats, "ms", c.reason)])  # fmt: skip
+            lat_rows.append(
+                [label, c.batch, _samples(c, attr), *_stat_cells(cell_summary(c, attr, 1000.0), stats, "ms", c.reason)]
+            )
     tput_rows: list[list[Cell]] = []
     for c in cells:
-        tput_rows.append([c.batch, _samples(c, "prefill_s"), *(
-            fmt_spread(getattr(c, attr)) if c.ok and getattr(c, attr) else Missing(c.reason or "no samples")
-            for _, attr in THROUGHPUT_COLUMNS)])  # fmt: skip
+        tput_rows.append(
+            [
+                c.batch,
+                _samples(c, "prefill_s"),
+                *(
+                    fmt_spread(getattr(c, attr)) if c.ok and getattr(c, attr) else Missing(c.reason or "no samples")
+                    for _, attr in THROUGHPUT_COLUMNS
+                ),
+            ]
+        )
     head = ["Step", "Batch Size", "n", "Average", "Lowest", "Highest", "p50", "p90", "p99"]
     latency_table = markdown_table(head, lat_rows, ["l"] * 2 + ["r"] * 7)
     tput_head = ["Batch Size", "n (runs)", *(h for h, _ in THROUGHPUT_COLUMNS)]
@@ -279,10 +289,17 @@ def render_tables(result: LatencyResult, quant: str, tp: int = 1) -> str:
     setting = result.setting(run_label(result.config, quant, tp))
     if result.config.tensor_parallel_size != (1,):
         setting = f"tensor parallel {tp}, {setting}"
-    return (f"Latency ({setting}, sequence length {result.config.sequence_length}, decode length "
-            f"{result.config.decode_length}):\n\n" + latency_table + "\n\n" + LATENCY_DEFINITIONS
-            + f"\n\nThroughput ({setting}):\n\n" + markdown_table(tput_head, tput_rows, ["l"] + ["r"] * 4)
-            + "\n\n" + THROUGHPUT_DEFINITIONS)
+    return (
+        f"Latency ({setting}, sequence length {result.config.sequence_length}, decode length "
+        f"{result.config.decode_length}):\n\n"
+        + latency_table
+        + "\n\n"
+        + LATENCY_DEFINITIONS
+        + f"\n\nThroughput ({setting}):\n\n"
+        + markdown_table(tput_head, tput_rows, ["l"] + ["r"] * 4)
+        + "\n\n"
+        + THROUGHPUT_DEFINITIONS
+    )
 
 
 def _arguments(result: LatencyResult) -> str:
@@ -293,9 +310,13 @@ def _arguments(result: LatencyResult) -> str:
         ["Model", cfg.model],
         ["Quantization", ", ".join(cfg.quantization)],
         ["Tensor Parallel", ", ".join(map(str, cfg.tensor_parallel_size))],
-        ["dtype / compile", "; ".join(f"{label}: {result.setting(label)}" for label in
-                                      (run_label(cfg, q, tp) for tp in cfg.tensor_parallel_size
-                                       for q in cfg.quantization))],
+        [
+            "dtype / compile",
+            "; ".join(
+                f"{label}: {result.setting(label)}"
+                for label in (run_label(cfg, q, tp) for tp in cfg.tensor_parallel_size for q in cfg.quantization)
+            ),
+        ],
         ["Sequence Length", cfg.sequence_length],
         ["Decode Length", cfg.decode_length],
         ["N Runs", cfg.runs],
@@ -336,10 +357,16 @@ def render_markdown(result: LatencyResult, argv: list[str] | None = None) -> str
         "- Each table's caption states the dtype and compile mode the engine resolved (compile on: the decode step "
         "as one compiled graph; off: eager).",
         "- Prefix caching is off, so every run prefills its prompts in full.",
-        *(["- Tensor parallel N runs N ranks on this machine (gloo on the CPU), each with its shard of the "
-           "weights, two all-reduces per layer and a gather of the logits per step; on a CPU the ranks share its "
-           "cores and memory bandwidth, so TP > 1 is slower here: it shows correctness and the per-rank start-up, "
-           "not the speed of a GPU per rank."] if result.config.tensor_parallel_size != (1,) else []),
+        *(
+            [
+                "- Tensor parallel N runs N ranks on this machine (gloo on the CPU), each with its shard of the "
+                "weights, two all-reduces per layer and a gather of the logits per step; on a CPU the ranks share its "
+                "cores and memory bandwidth, so TP > 1 is slower here: it shows correctness and the per-rank start-up, "
+                "not the speed of a GPU per rank."
+            ]
+            if result.config.tensor_parallel_size != (1,)
+            else []
+        ),
         "",
     ]
     return "\n".join(parts)
@@ -358,18 +385,26 @@ def result_dict(result: LatencyResult) -> dict[str, Any]:
         # Each run's values side by side (as seed 002's "Individual runs"); decode_token_s stays a flat list above.
         steps = max(c.runs_decode_steps(), 0)
         entry["runs"] = [
-            {"run": i + 1, "prefill_s": c.prefill_s[i], "decode_total_s": c.decode_total_s[i],
-             "decode_token_s": c.decode_token_s[i * steps:(i + 1) * steps],
-             "prefill_requests_per_s": c.prefill_requests_per_s[i], "prefill_tokens_per_s": c.prefill_tokens_per_s[i],
-             "decode_tokens_per_s": c.decode_tokens_per_s[i]}
+            {
+                "run": i + 1,
+                "prefill_s": c.prefill_s[i],
+                "decode_total_s": c.decode_total_s[i],
+                "decode_token_s": c.decode_token_s[i * steps : (i + 1) * steps],
+                "prefill_requests_per_s": c.prefill_requests_per_s[i],
+                "prefill_tokens_per_s": c.prefill_tokens_per_s[i],
+                "decode_tokens_per_s": c.decode_tokens_per_s[i],
+            }
             for i in range(len(c.prefill_s))
-        ]  # fmt: skip
+        ]
         cells.append(entry)
     return {
         "config": result.config.model_dump(mode="json"),
         "percentile_method": PERCENTILE_METHOD,
-        "units": {"*_s": "seconds", "prefill_requests_per_s": "sequences per second (seed 001's Prefill)",
-              "*tokens_per_s": "tokens per second"},
+        "units": {
+            "*_s": "seconds",
+            "prefill_requests_per_s": "sequences per second (seed 001's Prefill)",
+            "*tokens_per_s": "tokens per second",
+        },
         "kv_blocks": result.kv_blocks,
         "cells": cells,
     }
@@ -396,14 +431,17 @@ def plot_latency(result: LatencyResult, path: Path) -> Path:
     for title, attr in (("Prefill", "prefill_s"), ("Decode (token)", "decode_token_s")):
         panels[title] = {
             f"{run_label(cfg, q, tp)} ({result.setting(run_label(cfg, q, tp))})": [
-                (c.batch, s) for c in result.cells
+                (c.batch, s)
+                for c in result.cells
                 if c.quantization == q and c.tensor_parallel_size == tp and (s := cell_summary(c, attr, 1000.0))
             ]
             for tp in cfg.tensor_parallel_size
             for q in cfg.quantization
         }
-    title = (f"glowplug latency vs batch size: {cfg.model}, sequence length {cfg.sequence_length} prompt tokens, "
-             f"decode length {cfg.decode_length} tokens, {cfg.runs} runs per batch size")
+    title = (
+        f"glowplug latency vs batch size: {cfg.model}, sequence length {cfg.sequence_length} prompt tokens, "
+        f"decode length {cfg.decode_length} tokens, {cfg.runs} runs per batch size"
+    )
     return plot_latency_vs_batch(panels, path, title=title)
 
 
@@ -431,4 +469,3 @@ def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
         add_model_flags=add_model_flags,
         runner=main,
     )
-

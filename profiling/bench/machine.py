@@ -21,13 +21,30 @@ from glowplug.base.machine import (
     ProbeStats,
     cpu_model,
     measure_probe,
-    measure_probe_stats,  # fmt: skip
+    measure_probe_stats,
 )
 from glowplug.profiling.phases import current_versions
 
-__all__ = ["COMMIT_ENV", "DIRTY_ENV", "PROBE_BYTES", "PROBE_REPEATS", "ComputePeak", "GitState", "ProbeStats",
-           "command_line", "compute_peak", "cpu_clock", "cpu_model", "git_state", "gpu_summary", "machine_summary",
-           "measure_probe", "measure_probe_stats", "report_git_state", "report_header"]
+__all__ = [
+    "COMMIT_ENV",
+    "DIRTY_ENV",
+    "PROBE_BYTES",
+    "PROBE_REPEATS",
+    "ComputePeak",
+    "GitState",
+    "ProbeStats",
+    "command_line",
+    "compute_peak",
+    "cpu_clock",
+    "cpu_model",
+    "git_state",
+    "gpu_summary",
+    "machine_summary",
+    "measure_probe",
+    "measure_probe_stats",
+    "report_git_state",
+    "report_header",
+]
 
 # Set by `glowplug bench all` on every report process it starts: the commit and dirty state it measured once, at the
 # start of the run, so that every report of one run names the same code (a report cannot tell by itself whether an
@@ -65,14 +82,20 @@ def git_state(exclude: Path | None = None, repo: Path | None = None) -> GitState
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
             return GitState(None, True, "not a git checkout")  # code that cannot be pinned is not clean code
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True,
-                             timeout=10).stdout.strip()  # fmt: skip
+        top = subprocess.run(
+            ["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
         spec = [":/"]
         # git refuses a pathspec outside the repository: an out folder elsewhere excludes nothing of it anyway.
         if exclude is not None and top and exclude.resolve().is_relative_to(Path(top).resolve()):
             spec.append(f":(exclude){exclude.resolve()}")
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *spec],
-                                cwd=here, capture_output=True, text=True, timeout=10)  # fmt: skip
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *spec],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return GitState(None, True, f"git not available: {e}")
     if status.returncode != 0:  # an unreadable state must not pass for a clean one
@@ -92,21 +115,24 @@ def report_git_state() -> GitState:
     return git_state(Path(__file__).resolve().parents[2] / "reports")
 
 
-
 # int8 multiply-accumulates one core retires per cycle in the integer dot products of each ISA level's kernels
 # (kernels/native), and the instruction that bounds it: the prefill's compute ceiling.
 INT8_MACS_PER_CYCLE: dict[str, tuple[int, str]] = {
     "portable": (8, "SSE2 pmaddwd on int16-widened int8: 8 MACs per 128-bit instruction, one per cycle"),
-    "avx2": (32, "AVX2 vpmaddubsw: 32 u8 x s8 MACs per 256-bit instruction, one per cycle (the vpmaddwd and vpaddd "
-                 "that widen and sum its pairs share the vector ports)"),
+    "avx2": (
+        32,
+        "AVX2 vpmaddubsw: 32 u8 x s8 MACs per 256-bit instruction, one per cycle (the vpmaddwd and vpaddd "
+        "that widen and sum its pairs share the vector ports)",
+    ),
     "avx512": (64, "AVX512-VNNI vpdpbusd: 64 MACs per 512-bit instruction, one per cycle"),
     "avx512_bf16": (64, "AVX512-VNNI vpdpbusd: 64 MACs per 512-bit instruction, one per cycle"),
     "amx": (1024, "AMX-INT8 tdpbusd: a 16x64 by 64x16 tile product (16,384 MACs) per 16 cycles"),
 }
 
 
-def cpu_clock(cpu_root: Path = Path("/sys/devices/system/cpu"),
-              cpuinfo: Path = Path("/proc/cpuinfo")) -> tuple[float, str]:  # fmt: skip
+def cpu_clock(
+    cpu_root: Path = Path("/sys/devices/system/cpu"), cpuinfo: Path = Path("/proc/cpuinfo")
+) -> tuple[float, str]:
     """(Hz, where it came from): cpufreq's cpuinfo_max_freq (the highest clock the cores can run) where the kernel
     exposes it, else the highest "cpu MHz" in /proc/cpuinfo (under a hypervisor: the nominal clock it reports)."""
     try:
@@ -137,8 +163,10 @@ class ComputePeak:
         return 2.0 * self.macs_per_cycle * self.clock_hz * self.threads
 
     def describe(self) -> str:
-        return (f"{self.flops / 1e9:.0f} GFLOP/s = {self.threads} cores x {self.clock_hz / 1e9:.3f} GHz "
-                f"({self.clock_source}) x {self.macs_per_cycle} int8 MACs per cycle ({self.level}: {self.why}) x 2")
+        return (
+            f"{self.flops / 1e9:.0f} GFLOP/s = {self.threads} cores x {self.clock_hz / 1e9:.3f} GHz "
+            f"({self.clock_source}) x {self.macs_per_cycle} int8 MACs per cycle ({self.level}: {self.why}) x 2"
+        )
 
 
 def compute_peak(level: str, threads: int) -> ComputePeak:
@@ -158,7 +186,7 @@ def machine_summary() -> str:
 
 
 def gpu_summary() -> str | None:
-    """"GPU <name> (sm_XY, N GiB), CUDA V" when torch is imported and sees a GPU, else None."""
+    """ "GPU <name> (sm_XY, N GiB), CUDA V" when torch is imported and sees a GPU, else None."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_available():
         return None

@@ -34,8 +34,13 @@ class MemorySplit:
         return self.peak_bytes - self.weights_bytes - self.kv_bytes - self.peers_bytes
 
     def as_gb(self) -> dict[str, float]:
-        return {"peak": self.peak_bytes / 1e9, "weights": self.weights_bytes / 1e9, "kv_pool": self.kv_bytes / 1e9,
-                "peers": self.peers_bytes / 1e9, "rest": self.rest_bytes / 1e9}  # fmt: skip
+        return {
+            "peak": self.peak_bytes / 1e9,
+            "weights": self.weights_bytes / 1e9,
+            "kv_pool": self.kv_bytes / 1e9,
+            "peers": self.peers_bytes / 1e9,
+            "rest": self.rest_bytes / 1e9,
+        }
 
 
 def _walk(obj: Any) -> Iterable[Any]:

@@ -68,8 +68,13 @@ class PeerRuns:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PeerRuns:
-        return cls(str(d["label"]), list(d.get("tokens_per_s", [])), list(d.get("step_ms", [])),
-                   str(d.get("skipped", "")), list(d.get("prefill_ms", [])))  # fmt: skip
+        return cls(
+            str(d["label"]),
+            list(d.get("tokens_per_s", [])),
+            list(d.get("step_ms", [])),
+            str(d.get("skipped", "")),
+            list(d.get("prefill_ms", [])),
+        )
 
 
 @dataclass(frozen=True)
@@ -179,7 +184,8 @@ class HFPeer:
     @property
     def held_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters()) + sum(
-            b.numel() * b.element_size() for b in self.model.buffers())  # fmt: skip
+            b.numel() * b.element_size() for b in self.model.buffers()
+        )
 
     @property
     def info(self) -> str:
@@ -228,13 +234,15 @@ def llamacpp_build() -> str:
     return f"llama-cpp-python {getattr(llama_cpp, '__version__', '?')}; llama_print_system_info: {flags}"
 
 
-def time_llamacpp_decode(llm: Any, prompt: Sequence[int], new_tokens: int, clock: Clock = time.perf_counter
-                         ) -> PeerTiming:  # fmt: skip
+def time_llamacpp_decode(
+    llm: Any, prompt: Sequence[int], new_tokens: int, clock: Clock = time.perf_counter
+) -> PeerTiming:
     """llama.cpp's decode on one prompt: the first generated token closes the prefill; the clock then runs over
     the next `new_tokens - 1` tokens (each one eval of the previous token plus a greedy sample)."""
     llm.reset()  # no prefix reuse from the previous run: every run evaluates its whole prompt
-    tokens: Iterator[int] = llm.generate(list(prompt), top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                         repeat_penalty=1.0, reset=True)  # fmt: skip
+    tokens: Iterator[int] = llm.generate(
+        list(prompt), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True
+    )
     p0 = clock()
     next(tokens)  # the prompt's eval and the first token: the prefill
     t0 = clock()
@@ -286,8 +294,17 @@ class LlamaCppBatchedPeer:
     """llama.cpp's batched decode (see the module docstring) on the model a `llama_cpp.Llama` loaded: one context per
     batch size, made when a cell of that size first runs and freed when another size comes (or at `close`)."""
 
-    def __init__(self, llm: Any, gguf: Path, n_threads: int, seq_tokens: int, *, shares_model: bool = False,
-                 n_batch: int = LLAMACPP_N_BATCH, label: str = "llama.cpp batched") -> None:  # fmt: skip
+    def __init__(
+        self,
+        llm: Any,
+        gguf: Path,
+        n_threads: int,
+        seq_tokens: int,
+        *,
+        shares_model: bool = False,
+        n_batch: int = LLAMACPP_N_BATCH,
+        label: str = "llama.cpp batched",
+    ) -> None:
         """`llm`: a llama_cpp.Llama whose model (its public `model` handle) this peer reads; `seq_tokens`: KV cells
         each sequence needs (the longest prompt + new tokens); `shares_model`: another peer already counts the
         file's bytes in the memory split."""
@@ -310,9 +327,11 @@ class LlamaCppBatchedPeer:
 
     @property
     def info(self) -> str:
-        return (f"{llamacpp_build()}; C API batched decode, n_batch = n_ubatch = {self.n_batch}, n_threads "
-                f"{self.n_threads}, {self.seq_tokens} KV cells per sequence, kv_unified off, the library's default "
-                "context settings otherwise (flash attention: auto; KV cache: f16)")
+        return (
+            f"{llamacpp_build()}; C API batched decode, n_batch = n_ubatch = {self.n_batch}, n_threads "
+            f"{self.n_threads}, {self.seq_tokens} KV cells per sequence, kv_unified off, the library's default "
+            "context settings otherwise (flash attention: auto; KV cache: f16)"
+        )
 
     def skip_reason(self, batch: int) -> str | None:
         return None
@@ -330,8 +349,7 @@ class LlamaCppBatchedPeer:
         p.kv_unified = False
         ctx = lc.llama_init_from_model(self.llm.model, p)
         if not ctx:
-            raise RuntimeError(f"llama.cpp could not make a context for {n_seq} sequences of {self.seq_tokens} "
-                               "tokens")  # fmt: skip
+            raise RuntimeError(f"llama.cpp could not make a context for {n_seq} sequences of {self.seq_tokens} tokens")
         self._ctx, self._n_seq, self._warm = ctx, n_seq, False
         need = max(self.n_batch, n_seq)
         if need > self._batch_cap:
@@ -368,20 +386,23 @@ class LlamaCppBatchedPeer:
         logits = np.ctypeslib.as_array(self._lc.llama_get_logits_ith(ctx, i), shape=(self.n_vocab,))
         return int(logits.argmax())
 
-    def generate(self, prompts: list[list[int]], new_tokens: int, clock: Clock = time.perf_counter
-                 ) -> tuple[PeerTiming, list[list[int]]]:  # fmt: skip
+    def generate(
+        self, prompts: list[list[int]], new_tokens: int, clock: Clock = time.perf_counter
+    ) -> tuple[PeerTiming, list[list[int]]]:
         """One timed run (see the module docstring) and the greedy tokens of every sequence."""
         n_seq = len(prompts)
         ctx = self._context(n_seq)
         if max(len(p) for p in prompts) + new_tokens > self.seq_tokens:
-            raise ValueError(f"a prompt of {max(len(p) for p in prompts)} tokens and {new_tokens} new ones do not fit "
-                             f"the {self.seq_tokens} KV cells per sequence")  # fmt: skip
+            raise ValueError(
+                f"a prompt of {max(len(p) for p in prompts)} tokens and {new_tokens} new ones do not fit "
+                f"the {self.seq_tokens} KV cells per sequence"
+            )
         self._lc.llama_memory_clear(self._lc.llama_get_memory(ctx), True)
         entries = [(tok, pos, s, pos == len(p) - 1) for s, p in enumerate(prompts) for pos, tok in enumerate(p)]
         out: list[list[int]] = [[] for _ in prompts]
         p0 = clock()
         for start in range(0, len(entries), self.n_batch):
-            chunk = entries[start:start + self.n_batch]
+            chunk = entries[start : start + self.n_batch]
             self._decode(ctx, chunk)
             for i, (_, _, s, wants) in enumerate(chunk):
                 if wants:
@@ -418,8 +439,15 @@ def load_llamacpp_peers(model_dir: Path, kinds: Sequence[str], seq_tokens: int, 
         return [SkippedPeer(labels[k], f"{model_dir} was not prepared from a GGUF") for k in kinds]
     n_ctx = seq_tokens + 16
     try:
-        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                              n_batch=min(n_ctx, 2048), logits_all=False, verbose=False)  # fmt: skip
+        llm = llama_cpp.Llama(
+            model_path=str(gguf),
+            n_ctx=n_ctx,
+            n_threads=n_threads,
+            n_threads_batch=n_threads,
+            n_batch=min(n_ctx, 2048),
+            logits_all=False,
+            verbose=False,
+        )
     except Exception as exc:  # an optional peer: an architecture or build it cannot load costs its column only
         why = f"llama.cpp could not load {gguf.name}: {type(exc).__name__}: {exc}"
         return [SkippedPeer(labels[k], why) for k in kinds]

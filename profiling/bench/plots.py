@@ -16,9 +16,22 @@ from .stats import Summary
 
 # A fixed, colour-blind-safe cycle (Okabe-Ito) with enough entries for every start-up phase.
 COLORS = (
-    "#0072B2", "#E69F00", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442", "#000000",
-    "#999999", "#8C564B", "#17BECF", "#BCBD22", "#7F7F7F", "#AEC7E8", "#FFBB78",
-)  # fmt: skip
+    "#0072B2",
+    "#E69F00",
+    "#009E73",
+    "#D55E00",
+    "#CC79A7",
+    "#56B4E9",
+    "#F0E442",
+    "#000000",
+    "#999999",
+    "#8C564B",
+    "#17BECF",
+    "#BCBD22",
+    "#7F7F7F",
+    "#AEC7E8",
+    "#FFBB78",
+)
 
 
 def _figure(width: float, height: float) -> Any:
@@ -69,8 +82,9 @@ def plot_latency_vs_batch(
             n_text = f"n={ns[0]}" if len(ns) == 1 else f"n={ns[0]}-{ns[-1]}"
             color = COLORS[j % len(COLORS)]
             if any(s.n > 1 for _, s in pts):
-                ax.errorbar(xs, medians, yerr=[lows, highs], marker="o", capsize=3, label=f"{label} ({n_text})",
-                            color=color)  # fmt: skip
+                ax.errorbar(
+                    xs, medians, yerr=[lows, highs], marker="o", capsize=3, label=f"{label} ({n_text})", color=color
+                )
             else:
                 ax.plot(xs, medians, marker="o", label=f"{label} (n=1)", color=color)
         ax.set_xscale("log", base=2)
@@ -126,9 +140,14 @@ def plot_ranking(
                 ax.text(max(e[1], e[3]), y, f"  {e[4]}", va="center", ha="left", fontsize=7, color="#B00000")
         spread = [(y, e) for y, e in zip(ys, ranked) if e[3] > e[2]]
         if spread:
-            ax.errorbar([e[1] for _, e in spread], [y for y, _ in spread],
-                        xerr=[[e[1] - e[2] for _, e in spread], [e[3] - e[1] for _, e in spread]],
-                        fmt="none", ecolor="black", capsize=3)  # fmt: skip
+            ax.errorbar(
+                [e[1] for _, e in spread],
+                [y for y, _ in spread],
+                xerr=[[e[1] - e[2] for _, e in spread], [e[3] - e[1] for _, e in spread]],
+                fmt="none",
+                ecolor="black",
+                capsize=3,
+            )
         ax.set_yticks(ys, [e[0] for e in ranked], fontsize=8)
         log_x = _spans_decades([v for e in ranked for v in (e[2], e[3])])
         if log_x:
@@ -199,13 +218,23 @@ def plot_phase_stack(
             if not any(heights):
                 continue
             colour, hatch = phase_style(j)
-            bars = ax.bar(xs, heights, bottom=bottoms, label=phase, color=colour, hatch=hatch, width=0.7,
-                          edgecolor="white", linewidth=0.5)  # fmt: skip
+            bars = ax.bar(
+                xs,
+                heights,
+                bottom=bottoms,
+                label=phase,
+                color=colour,
+                hatch=hatch,
+                width=0.7,
+                edgecolor="white",
+                linewidth=0.5,
+            )
             drawn.setdefault(phase, bars)
             for x, b, h in zip(xs, bottoms, heights):
                 if h >= 0.06 * scale:
-                    ax.text(x, b + h / 2, f"{h:.2f}", ha="center", va="center", fontsize=6, color="white",
-                            fontweight="bold")  # fmt: skip
+                    ax.text(
+                        x, b + h / 2, f"{h:.2f}", ha="center", va="center", fontsize=6, color="white", fontweight="bold"
+                    )
             bottoms = [b + h for b, h in zip(bottoms, heights)]
         if totals is not None:
             ts = [totals[i] for i in idx]
@@ -219,8 +248,7 @@ def plot_phase_stack(
                 ax.text(x, max(t, top) + 0.02 * scale, f"{t:.2f} s", ha="center", va="bottom", fontsize=7)
         ax.set_ylim(0, 1.12 * max([scale, *bottoms]))
         crowded = len(idx) > 6
-        ax.set_xticks(xs, [columns[i] for i in idx], rotation=30 if crowded else 0,
-                      ha="right" if crowded else "center")  # fmt: skip
+        ax.set_xticks(xs, [columns[i] for i in idx], rotation=30 if crowded else 0, ha="right" if crowded else "center")
         ax.set_xlabel(xlabel)
         ax.set_ylabel("seconds")
         if panel:
@@ -247,7 +275,9 @@ def plot_kv_capacity(
 
     fig = _figure(11.0, 4.6)
     fig.suptitle(_wrapped(f"{title}\nmarker: median over runs; error bars: min–max over runs", 10.0), fontsize=9)
-    for p, (ylabel, pick) in enumerate((("KV token capacity (tokens)", 1), ("max concurrent full-length sequences", 2))):
+    for p, (ylabel, pick) in enumerate(
+        (("KV token capacity (tokens)", 1), ("max concurrent full-length sequences", 2))
+    ):
         ax = fig.add_subplot(1, 2, p + 1)
         lengths: set[int] = set()
         for j, (label, points) in enumerate(series.items()):
@@ -258,11 +288,23 @@ def plot_kv_capacity(
             med = [statistics.median(v) for _, v in pts]
             err = [[m - min(v) for m, (_, v) in zip(med, pts)], [max(v) - m for m, (_, v) in zip(med, pts)]]
             runs = sorted({len(v) for _, v in pts})
-            ax.errorbar(xs, med, yerr=err, marker="o", capsize=3, color=phase_style(j)[0],
-                        label=f"{label} (n={'/'.join(map(str, runs))})")  # fmt: skip
+            ax.errorbar(
+                xs,
+                med,
+                yerr=err,
+                marker="o",
+                capsize=3,
+                color=phase_style(j)[0],
+                label=f"{label} (n={'/'.join(map(str, runs))})",
+            )
             for x, m in zip(xs, med):
-                ax.annotate(f"{m:,.0f}" if m >= 100 else f"{m:.2f}", (x, m), textcoords="offset points",
-                            xytext=(4, 5), fontsize=7)  # fmt: skip
+                ax.annotate(
+                    f"{m:,.0f}" if m >= 100 else f"{m:.2f}",
+                    (x, m),
+                    textcoords="offset points",
+                    xytext=(4, 5),
+                    fontsize=7,
+                )
             lengths.update(xs)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log", base=2)
@@ -313,8 +355,7 @@ def plot_latency_vs_load(
     cols = max(1, min(columns or len(panels), len(panels)))
     rows = -(-max(len(panels), 1) // cols)
     fig = _figure(5.0 * cols, 1.2 + 3.8 * rows)
-    fig.suptitle(f"{title}\nmarker: median over runs; error bars: min–max over runs (none where n=1); {n}",
-                 fontsize=9)
+    fig.suptitle(f"{title}\nmarker: median over runs; error bars: min–max over runs (none where n=1); {n}", fontsize=9)
     for i, (panel, series) in enumerate(panels.items()):
         ax = fig.add_subplot(rows, cols, i + 1)
         for j, (label, points) in enumerate(series.items()):
@@ -412,8 +453,15 @@ def plot_trace_lanes(trace: Mapping[str, Any], path: Path, *, title: str) -> Pat
     for row, pid in enumerate(pids):
         for e in (b for b in bars if b["pid"] == pid):
             stage = e["name"].rsplit(".", 1)[-1]
-            ax.barh(row, e["dur"] / 1e6, left=e["ts"] / 1e6, height=0.6, color=COLORS[stages.index(stage) % len(COLORS)],
-                    edgecolor="white", linewidth=0.4)  # fmt: skip
+            ax.barh(
+                row,
+                e["dur"] / 1e6,
+                left=e["ts"] / 1e6,
+                height=0.6,
+                color=COLORS[stages.index(stage) % len(COLORS)],
+                edgecolor="white",
+                linewidth=0.4,
+            )
     ax.set_yticks(list(range(len(pids))), [names[p] for p in pids])
     ax.invert_yaxis()
     ax.set_xlabel("seconds from the first span")
@@ -421,6 +469,10 @@ def plot_trace_lanes(trace: Mapping[str, Any], path: Path, *, title: str) -> Pat
     ax.grid(True, axis="x", alpha=0.3)
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(color=COLORS[i % len(COLORS)], label=s) for i, s in enumerate(stages)], fontsize=7,
-              loc="upper left", bbox_to_anchor=(1.0, 1.0))  # fmt: skip
+    ax.legend(
+        handles=[Patch(color=COLORS[i % len(COLORS)], label=s) for i, s in enumerate(stages)],
+        fontsize=7,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+    )
     return _save(fig, path)

@@ -27,8 +27,13 @@ def flags_from_perplexity(perplexity: Mapping[str, float], reference: float) -> 
 
 
 def quality_dict(perplexity: Mapping[str, float], reference: float) -> dict[str, Any]:
-    return {"reference": REFERENCE, "reference_perplexity": reference, "limit_x": QUALITY_LIMIT,
-            "perplexity": dict(perplexity), "flags": flags_from_perplexity(perplexity, reference)}  # fmt: skip
+    return {
+        "reference": REFERENCE,
+        "reference_perplexity": reference,
+        "limit_x": QUALITY_LIMIT,
+        "perplexity": dict(perplexity),
+        "flags": flags_from_perplexity(perplexity, reference),
+    }
 
 
 def load_flags(path: Path | None) -> dict[str, str]:
@@ -43,5 +48,8 @@ def flag_note(flags: Mapping[str, str]) -> str:
     """The sentence under a table that carries flags."""
     if not flags:
         return ""
-    return (f"⚠ marks a scheme whose perplexity is more than {QUALITY_LIMIT:g}x bf16's (accuracy report): "
-            + "; ".join(f"{k}: {v.removeprefix('⚠ unusable: ')}" for k, v in sorted(flags.items())) + ".")
+    return (
+        f"⚠ marks a scheme whose perplexity is more than {QUALITY_LIMIT:g}x bf16's (accuracy report): "
+        + "; ".join(f"{k}: {v.removeprefix('⚠ unusable: ')}" for k, v in sorted(flags.items()))
+        + "."
+    )

@@ -50,11 +50,16 @@ class ScreenshotsConfig(BaseModel):
 
     model: str = "smollm2"
     out: Path = Field(Path("screenshots"), description="Folder of the pngs, screenshots.json and screenshots.md.")
-    under_load: int = Field(0, ge=0, description="After READY, screenshot the serving view under `glowplug bench "
-                            "serve` with this many clients (0: no page-serving.png).")
+    under_load: int = Field(
+        0,
+        ge=0,
+        description="After READY, screenshot the serving view under `glowplug bench "
+        "serve` with this many clients (0: no page-serving.png).",
+    )
     timeout_s: float = Field(600.0, gt=0, description="Seconds to wait for the server to reach READY.")
-    chromium: str | None = Field(None, description="The chromium binary (default: GLOWPLUG_CHROMIUM, else chromium "
-                                 "on PATH).")
+    chromium: str | None = Field(
+        None, description="The chromium binary (default: GLOWPLUG_CHROMIUM, else chromium on PATH)."
+    )
     serve_args: tuple[str, ...] = Field((), description="More `glowplug serve` flags, e.g. --quantization=int8.")
 
 
@@ -100,8 +105,10 @@ def _browser_or_reason(chromium: str | None) -> tuple[str, Any]:
     try:
         from playwright import sync_api
     except ImportError as e:
-        raise ScreenshotError(f"playwright is not installed ({e}): pip install playwright (the browser used is "
-                              "the system chromium, not Playwright's download)") from e
+        raise ScreenshotError(
+            f"playwright is not installed ({e}): pip install playwright (the browser used is "
+            "the system chromium, not Playwright's download)"
+        ) from e
     return path, sync_api
 
 
@@ -142,11 +149,15 @@ def take_screenshots(cfg: ScreenshotsConfig, stamp: Callable[[str], str]) -> lis
                 # Mid start-up: a stage span is running (after the engine import), ideally with ghosts after it.
                 page.wait_for_function(
                     "document.querySelector('#phase-list li[data-status=running]') || "
-                    "document.body.dataset.state !== 'starting'", timeout=timeout_ms)  # fmt: skip
+                    "document.body.dataset.state !== 'starting'",
+                    timeout=timeout_ms,
+                )
                 try:  # the ghosts of the phases to come appear once the engine import has read the last start
                     page.wait_for_function(
                         "document.querySelector('#phase-list li[data-status=expected]') || "
-                        "document.body.dataset.state !== 'starting'", timeout=10_000)  # fmt: skip
+                        "document.body.dataset.state !== 'starting'",
+                        timeout=10_000,
+                    )
                 except sync_api.TimeoutError:
                     pass  # no earlier start of this config: no ghosts to wait for
                 if page.evaluate("document.body.dataset.state") == "starting":
@@ -159,15 +170,35 @@ def take_screenshots(cfg: ScreenshotsConfig, stamp: Callable[[str], str]) -> lis
             if cfg.under_load:
                 load_out = Path(tempfile.mkdtemp(prefix="glowplug-page-load-"))
                 load = subprocess.Popen(
-                    [*glowplug, "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-                     "--concurrency", str(cfg.under_load), "--num-prompts", str(cfg.under_load * 8),
-                     "--runs", "1", "--input-len", "128", "--output-len", "128", "--out-dir", str(load_out)],
-                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)  # fmt: skip
+                    [
+                        *glowplug,
+                        "bench",
+                        "serve",
+                        "--base-url",
+                        f"http://127.0.0.1:{port}",
+                        "--concurrency",
+                        str(cfg.under_load),
+                        "--num-prompts",
+                        str(cfg.under_load * 8),
+                        "--runs",
+                        "1",
+                        "--input-len",
+                        "128",
+                        "--output-len",
+                        "128",
+                        "--out-dir",
+                        str(load_out),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                )
                 try:
                     # Running requests on the chart: the load has reached the engine, plus a few metrics ticks.
                     page.wait_for_function(
                         "Number((document.querySelector('#chart-requests .now')?.textContent.match("
-                        "/running \\(solid\\) (\\d+)/) || [0, 0])[1]) > 0", timeout=120_000)  # fmt: skip
+                        "/running \\(solid\\) (\\d+)/) || [0, 0])[1]) > 0",
+                        timeout=120_000,
+                    )
                     page.wait_for_timeout(8000)
                     capture(page, "page-serving.png")
                 finally:
@@ -194,16 +225,24 @@ def take_screenshots(cfg: ScreenshotsConfig, stamp: Callable[[str], str]) -> lis
 
 def render_markdown(record: dict[str, Any], header: str) -> str:
     """screenshots.md: the header, then each png with what it shows (or the reason there are none)."""
-    what = {"page-starting.png": "mid start-up: the running phase and the ghosts of the phases to come",
-            "page.png": "READY, 1280 px wide: the phase table and the serving charts",
-            "page-serving.png": "the serving charts under `glowplug bench serve` load",
-            "page-phone.png": "READY at 390 px wide (a phone)"}  # fmt: skip
+    what = {
+        "page-starting.png": "mid start-up: the running phase and the ghosts of the phases to come",
+        "page.png": "READY, 1280 px wide: the phase table and the serving charts",
+        "page-serving.png": "the serving charts under `glowplug bench serve` load",
+        "page-phone.png": "READY at 390 px wide (a phone)",
+    }
     lines = [header]
     if record.get("error"):
         lines += [f"**No screenshots: {record['error']}**", ""]
     for shot in record["files"]:
-        lines += [f"## {shot['file']}", "", f"{what.get(shot['file'], '')}; {shot['width']} px viewport, taken "
-                  f"{shot['date']}.", "", f"![{shot['file']}]({shot['file']})", ""]  # fmt: skip
+        lines += [
+            f"## {shot['file']}",
+            "",
+            f"{what.get(shot['file'], '')}; {shot['width']} px viewport, taken {shot['date']}.",
+            "",
+            f"![{shot['file']}]({shot['file']})",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -214,8 +253,14 @@ def main(cfg: ScreenshotsConfig, argv: list[str] | None = None) -> int:
 
     err = Console(stderr=True)
     state = report_git_state()
-    record: dict[str, Any] = {"command": command_line(argv), "commit": state.commit, "dirty": state.dirty,
-                              "date": _utc_now(), "files": [], "error": None}  # fmt: skip
+    record: dict[str, Any] = {
+        "command": command_line(argv),
+        "commit": state.commit,
+        "dirty": state.dirty,
+        "date": _utc_now(),
+        "files": [],
+        "error": None,
+    }
     try:
         record["files"] = take_screenshots(cfg, lambda date: stamp_text(state.commit, state.dirty, date))
     except ScreenshotError as e:
@@ -238,8 +283,12 @@ def register(subparsers: Any, add_model_flags: Any) -> Any:
 
     from glowplug.base.flags import add_model_argument, resolve_model_argument
 
-    p = subparsers.add_parser("screenshots", help="Screenshots of the live start-up page of a real `glowplug serve`.",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "screenshots",
+        help="Screenshots of the live start-up page of a real `glowplug serve`.",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_argument(p)
     add_model_flags(p, ScreenshotsConfig, exclude={"model"})
 

@@ -88,40 +88,50 @@ class StartupBenchConfig(BenchEngineFields):
         None, ge=1, description="Pairs of warm starts (without, then with export) for the overhead; unset = --runs."
     )
     compare_to: Path | None = Field(
-        None, description="A previous run's startup.json: adds startup_before_after.png, the median phases of its "
+        None,
+        description="A previous run's startup.json: adds startup_before_after.png, the median phases of its "
         "cold and warm starts beside this run's (and this run's bundle start).",
     )
     bundle_isa_cap: IsaLevel | None = Field(
-        None, description="Also one start from the bundle under GLOWPLUG_MAX_CPU_ISA=this level (e.g. avx2), into an "
+        None,
+        description="Also one start from the bundle under GLOWPLUG_MAX_CPU_ISA=this level (e.g. avx2), into an "
         "empty cache dir: which entries it rebuilds, and what their rows say.",
     )
     bundle: bool = Field(
-        True, description="Also make a bundle and run N starts from it, each into an empty cache dir, paired with "
+        True,
+        description="Also make a bundle and run N starts from it, each into an empty cache dir, paired with "
         "the warm starts; and one cold start after a warm one (cache emptied) for its ETA.",
     )
     predict: bool = Field(
-        False, description="Before every start, run `glowplug startup --predict-only` in its cache dir: the report "
+        False,
+        description="Before every start, run `glowplug startup --predict-only` in its cache dir: the report "
         "shows predicted against actual for every start, phase by phase for the first cold and warm ones.",
     )
     seed_profile: Path | None = Field(
-        None, description="A cache dir (or its startup_profile folder) whose recorded starts are copied into each "
+        None,
+        description="A cache dir (or its startup_profile folder) whose recorded starts are copied into each "
         "empty cache dir before its start, so the start-up model is fitted on them (another model's starts).",
     )
     poll_serve: bool = Field(
-        False, description="After the warm starts, one `glowplug serve` in the warm cache dir polled on /startup every "
+        False,
+        description="After the warm starts, one `glowplug serve` in the warm cache dir polled on /startup every "
         "0.2 s until READY: does every poll name a running stage, and is its ETA within 30% of the time left?",
     )
     save_baseline: Path | None = Field(
-        None, description="Write the cold and warm starts' phases (median and spread) to this file: the baseline "
+        None,
+        description="Write the cold and warm starts' phases (median and spread) to this file: the baseline "
         "`glowplug startup --baseline FILE` gates a later start with.",
     )
 
     tensor_parallel_size: int = Field(
-        1, ge=1, description="Ranks per start (--tensor-parallel-size): every rank's spans go into one report, and "
+        1,
+        ge=1,
+        description="Ranks per start (--tensor-parallel-size): every rank's spans go into one report, and "
         "the last warm start's trace is drawn one lane per rank (rank_lanes.png).",
     )
     from_runs: Path | None = Field(
-        None, description="Run nothing: render the report from an earlier run's startup.json (a file, or the folder "
+        None,
+        description="Run nothing: render the report from an earlier run's startup.json (a file, or the folder "
         "holding it: every start's own report is in it, and a run stopped early leaves the starts it finished), or "
         "from the per-start JSON files (cold-N.json, warm-N.json, ...) that older versions left in a folder, e.g. "
         "one made on another machine.",
@@ -132,16 +142,20 @@ class StartupBenchConfig(BenchEngineFields):
     def _has_runs(cls, v: Path | None) -> Path | None:
         # Checked when the flags are read: a wrong folder is a one-line error, not a traceback after the imports.
         if v is not None and runs_source(v) is None:
-            raise ValueError(f"--from-runs {v} is neither a startup.json nor a folder holding one (or cold-N.json / "
-                             "warm-N.json files); pass the --out-dir of an earlier bench startup run")  # fmt: skip
+            raise ValueError(
+                f"--from-runs {v} is neither a startup.json nor a folder holding one (or cold-N.json / "
+                "warm-N.json files); pass the --out-dir of an earlier bench startup run"
+            )
         return v
 
     @field_validator("seed_profile")
     @classmethod
     def _has_profile(cls, v: Path | None) -> Path | None:
         if v is not None and seed_profile_folder(v) is None:
-            raise ValueError(f"--seed-profile {v}: no startup_profile folder there; pass a GLOWPLUG_CACHE_DIR that "
-                             "recorded starts (or its startup_profile folder)")  # fmt: skip
+            raise ValueError(
+                f"--seed-profile {v}: no startup_profile folder there; pass a GLOWPLUG_CACHE_DIR that "
+                "recorded starts (or its startup_profile folder)"
+            )
         return v
 
     @field_validator("compare_to")
@@ -156,8 +170,9 @@ class StartupBenchConfig(BenchEngineFields):
         argv = self.startup_argv(
             quantization=self.quantization, max_model_len=self.max_model_len, max_num_seqs=self.max_num_seqs
         )
-        return argv + (["--tensor-parallel-size", str(self.tensor_parallel_size)] if self.tensor_parallel_size > 1
-                       else [])  # fmt: skip
+        return argv + (
+            ["--tensor-parallel-size", str(self.tensor_parallel_size)] if self.tensor_parallel_size > 1 else []
+        )
 
 
 @dataclass(frozen=True)
@@ -231,8 +246,14 @@ def _make_bundle(cfg: StartupBenchConfig, args: list[str], path: Path, cache: Pa
 
     cmd = [sys.executable, "-m", "glowplug.cli", "bundle", "create", *args, "--out", str(path), "--quiet"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env={**os.environ, CACHE_ENV: str(cache)}, capture_output=True, text=True,
-                          timeout=cfg.timeout_s * 3, check=False)  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        env={**os.environ, CACHE_ENV: str(cache)},
+        capture_output=True,
+        text=True,
+        timeout=cfg.timeout_s * 3,
+        check=False,
+    )
     wall = time.perf_counter() - t0
     model_bytes = sum(f.stat().st_size for f in model_files(str(cfg.model)))
     if proc.returncode != 0 or not path.is_file():
@@ -255,13 +276,20 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
     def run_startup(label: str, start_args: list[str], report: Path, **kw: Any) -> StartupRun:
         prediction = None
         if cfg.predict and not label.startswith("otlp"):  # the tracing pairs time export, not the ETA
-            prediction = run_prediction(start_args, reports / f"predict-{report.name}", cache_dir=kw.get("cache_dir"),
-                                        env=kw.get("env"))  # fmt: skip
+            prediction = run_prediction(
+                start_args, reports / f"predict-{report.name}", cache_dir=kw.get("cache_dir"), env=kw.get("env")
+            )
         run = _run_startup(label, start_args, reports / report.name, **kw)
         run.prediction = prediction
         # A checkpoint after every start: a run stopped early still leaves its finished starts in startup.json.
-        write_json(out / REPORT_JSON, {"partial": True, "config": cfg.model_dump(mode="json"),
-                                       "runs": [*runs_list(runs), run_entry(_mode_of(label), run)]})  # fmt: skip
+        write_json(
+            out / REPORT_JSON,
+            {
+                "partial": True,
+                "config": cfg.model_dump(mode="json"),
+                "runs": [*runs_list(runs), run_entry(_mode_of(label), run)],
+            },
+        )
         return run
 
     try:
@@ -287,31 +315,49 @@ def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None)
                 continue
             say(f"warm start {i}/{cfg.runs} (cache {warm_dir})")
             # Under tensor parallelism the last warm start also writes its trace, which the report draws per rank.
-            lanes = (["--chrome-trace", str(out / LANES_TRACE)] if cfg.tensor_parallel_size > 1 and i == cfg.runs
-                     else [])  # fmt: skip
-            runs["warm"].append(run_startup(f"warm {i}", [*args, *lanes], out / f"warm-{i}.json", cache_dir=warm_dir,
-                                            timeout_s=cfg.timeout_s))  # fmt: skip
+            lanes = ["--chrome-trace", str(out / LANES_TRACE)] if cfg.tensor_parallel_size > 1 and i == cfg.runs else []
+            runs["warm"].append(
+                run_startup(
+                    f"warm {i}", [*args, *lanes], out / f"warm-{i}.json", cache_dir=warm_dir, timeout_s=cfg.timeout_s
+                )
+            )
             if made is not None and made.error is None:
                 fresh = root / f"bundle-{i}"
                 say(f"start from the bundle {i}/{cfg.runs} (empty cache {fresh})")
-                runs["bundle"].append(run_startup(f"bundle {i}", ["--bundle", str(bundle_file), *args],
-                                                  out / f"bundle-{i}.json", cache_dir=fresh, timeout_s=cfg.timeout_s))
+                runs["bundle"].append(
+                    run_startup(
+                        f"bundle {i}",
+                        ["--bundle", str(bundle_file), *args],
+                        out / f"bundle-{i}.json",
+                        cache_dir=fresh,
+                        timeout_s=cfg.timeout_s,
+                    )
+                )
                 shutil.rmtree(fresh, ignore_errors=True)
         if made is not None and made.error is None and cfg.bundle_isa_cap:
             import os
 
             fresh = root / "bundle-capped"
             say(f"start from the bundle under GLOWPLUG_MAX_CPU_ISA={cfg.bundle_isa_cap} (empty cache {fresh})")
-            runs["bundle_isa_capped"].append(run_startup(
-                f"bundle, GLOWPLUG_MAX_CPU_ISA={cfg.bundle_isa_cap}", ["--bundle", str(bundle_file), *args],
-                out / "bundle-isa-capped.json", cache_dir=fresh, timeout_s=cfg.timeout_s,
-                env={**os.environ, "GLOWPLUG_MAX_CPU_ISA": cfg.bundle_isa_cap}))  # fmt: skip
+            runs["bundle_isa_capped"].append(
+                run_startup(
+                    f"bundle, GLOWPLUG_MAX_CPU_ISA={cfg.bundle_isa_cap}",
+                    ["--bundle", str(bundle_file), *args],
+                    out / "bundle-isa-capped.json",
+                    cache_dir=fresh,
+                    timeout_s=cfg.timeout_s,
+                    env={**os.environ, "GLOWPLUG_MAX_CPU_ISA": cfg.bundle_isa_cap},
+                )
+            )
         if cfg.bundle and warm_dir is not None:
             emptied = root / "cold-after-warm"
             shutil.copytree(warm_dir / "startup_profile", emptied / "startup_profile")
             say(f"cold start after a warm one, for its ETA (cache {emptied}: only the start-up profile)")
-            runs["cold_after_warm"].append(run_startup("cold after warm", args, out / "cold-after-warm.json",
-                                                       cache_dir=emptied, timeout_s=cfg.timeout_s))  # fmt: skip
+            runs["cold_after_warm"].append(
+                run_startup(
+                    "cold after warm", args, out / "cold-after-warm.json", cache_dir=emptied, timeout_s=cfg.timeout_s
+                )
+            )
         if cfg.tracing_overhead and warm_dir is not None:
             _tracing_runs(cfg, args, out, warm_dir, runs, say, run_startup)
         polled = None
@@ -336,17 +382,34 @@ def _mode_of(label: str) -> str:
 def run_entry(mode: str, r: StartupRun) -> dict[str, Any]:
     """One start as startup.json holds it: its outcome and its whole --report-out JSON (what the per-start file
     held), so --from-runs can re-render everything from startup.json alone."""
-    return {"mode": mode, "label": r.label, "ok": r.ok, "returncode": r.returncode, "wall_s": r.wall_s,
-            "error": r.error, "phases": r.phases, "reasons": r.reasons, "cache_hits": r.cache_hits(),
-            "report": r.report, "prediction": r.prediction}  # fmt: skip
+    return {
+        "mode": mode,
+        "label": r.label,
+        "ok": r.ok,
+        "returncode": r.returncode,
+        "wall_s": r.wall_s,
+        "error": r.error,
+        "phases": r.phases,
+        "reasons": r.reasons,
+        "cache_hits": r.cache_hits(),
+        "report": r.report,
+        "prediction": r.prediction,
+    }
 
 
 def runs_list(runs: dict[Mode, list[StartupRun]]) -> list[dict[str, Any]]:
     return [run_entry(m, r) for m in (*MODES, *EXTRA_MODES, *TRACING_MODES) for r in runs.get(m, [])]
 
 
-def _tracing_runs(cfg: StartupBenchConfig, args: list[str], out: Path, cache: Path, runs: dict[Mode, list[StartupRun]],
-                  say: Progress, run_startup: Callable[..., StartupRun]) -> None:  # fmt: skip
+def _tracing_runs(
+    cfg: StartupBenchConfig,
+    args: list[str],
+    out: Path,
+    cache: Path,
+    runs: dict[Mode, list[StartupRun]],
+    say: Progress,
+    run_startup: Callable[..., StartupRun],
+) -> None:
     """Alternate warm starts without and with OTLP export to a receiver that decodes every request."""
     import os
 
@@ -354,15 +417,24 @@ def _tracing_runs(cfg: StartupBenchConfig, args: list[str], out: Path, cache: Pa
 
     quiet = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     with OtlpSink() as sink:
-        exporting = {**quiet, "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-                     "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"}  # fmt: skip
+        exporting = {
+            **quiet,
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+        }
         pairs = cfg.tracing_runs or cfg.runs
         for i in range(1, pairs + 1):
             for mode, env in (("otlp_off", quiet), ("otlp_on", exporting)):
                 say(f"{mode} start {i}/{pairs}")
                 before = sink.spans
-                run = run_startup(f"{mode} {i}", args, out / f"{mode}-{i}.json", cache_dir=cache,
-                                  timeout_s=cfg.timeout_s, env={**env, CACHE_ENV: str(cache)})  # fmt: skip
+                run = run_startup(
+                    f"{mode} {i}",
+                    args,
+                    out / f"{mode}-{i}.json",
+                    cache_dir=cache,
+                    timeout_s=cfg.timeout_s,
+                    env={**env, CACHE_ENV: str(cache)},
+                )
                 if mode == "otlp_on" and run.ok and sink.spans == before:
                     run.error = "the OTLP receiver got no spans from this start"
                 runs[mode].append(run)  # type: ignore[index]
@@ -386,8 +458,10 @@ class TracingOverhead:
     @property
     def resolvable(self) -> bool:
         """Whether the runs can place the overhead on one side of the target."""
-        return self.ci_low is not None and self.ci_high is not None and (
-            self.ci_high <= TRACING_TARGET or self.ci_low > TRACING_TARGET
+        return (
+            self.ci_low is not None
+            and self.ci_high is not None
+            and (self.ci_high <= TRACING_TARGET or self.ci_low > TRACING_TARGET)
         )
 
 
@@ -422,8 +496,9 @@ def tracing_overhead(result: StartupBenchResult) -> TracingOverhead | None:
     if not diffs:
         return None
     ci = paired_median_ci(diffs)
-    return TracingOverhead(off.p50, on.p50, off.max - off.min, on.max - on.min, len(diffs),
-                           statistics.median(diffs), *(ci or (None, None)))  # fmt: skip
+    return TracingOverhead(
+        off.p50, on.p50, off.max - off.min, on.max - on.min, len(diffs), statistics.median(diffs), *(ci or (None, None))
+    )
 
 
 # ---------------------------------------------------------------- statistics
@@ -519,9 +594,11 @@ def _floor_notes(result: StartupBenchResult) -> list[str]:
         if not ratios:
             continue
         med = lambda k, attrs=attrs: statistics.median(float(a[k]) for a in attrs)  # noqa: E731
-        out.append(f"{mode}: actual/floor {statistics.median(ratios):.2f}x (floor = "
-                   f"{med(Attr.FLOOR_WEIGHTS_BYTES) / 1e6:.0f} MB at {med(Attr.FLOOR_READ_GBPS):.1f} "
-                   f"GB/s + import torch {med(Attr.FLOOR_IMPORT_TORCH_S):.2f} s)")  # fmt: skip
+        out.append(
+            f"{mode}: actual/floor {statistics.median(ratios):.2f}x (floor = "
+            f"{med(Attr.FLOOR_WEIGHTS_BYTES) / 1e6:.0f} MB at {med(Attr.FLOOR_READ_GBPS):.1f} "
+            f"GB/s + import torch {med(Attr.FLOOR_IMPORT_TORCH_S):.2f} s)"
+        )
     return out
 
 
@@ -547,9 +624,11 @@ def _seed_text(result: StartupBenchResult) -> str:
     from .vllm_startup_rows import comparison_table, definitions_text
 
     table = comparison_table({m: seed_maps(result.runs[m]) for m in modes(result)})
-    return (f"{table}\n\n{definitions_text()} glowplug's columns are this report's starts (median (min–max, n) "
-            "over the starts of each kind); the seed's are vLLM's on a GPU with 4B and 13B models, so compare the "
-            "shape of the start (which rows dominate, how much the total leaves out), not the seconds.")
+    return (
+        f"{table}\n\n{definitions_text()} glowplug's columns are this report's starts (median (min–max, n) "
+        "over the starts of each kind); the seed's are vLLM's on a GPU with 4B and 13B models, so compare the "
+        "shape of the start (which rows dominate, how much the total leaves out), not the seconds."
+    )
 
 
 def _tracing_text(result: StartupBenchResult) -> str:
@@ -560,8 +639,10 @@ def _tracing_text(result: StartupBenchResult) -> str:
         return "Not measured: a warm start with or without export failed (see Runs)."
     t = f"{100 * TRACING_TARGET:.0f}%"
     if overhead.ci_low is None or overhead.ci_high is None:
-        verdict = f"Too few pairs ({overhead.runs}) for an interval, so the runs cannot place it against the {t} " \
-                  "target; use --tracing-runs 3 or more."
+        verdict = (
+            f"Too few pairs ({overhead.runs}) for an interval, so the runs cannot place it against the {t} "
+            "target; use --tracing-runs 3 or more."
+        )
     else:
         ci = f"95% interval {100 * overhead.ci_low:+.2f}% to {100 * overhead.ci_high:+.2f}%"
         if overhead.ci_high <= TRACING_TARGET:
@@ -569,17 +650,26 @@ def _tracing_text(result: StartupBenchResult) -> str:
         elif overhead.ci_low > TRACING_TARGET:
             verdict = f"The {ci} lies above the {t} target: **over target**."
         else:
-            verdict = f"The {ci} contains the {t} target, so these runs cannot tell; more pairs (--tracing-runs) " \
-                      "narrow it."
+            verdict = (
+                f"The {ci} contains the {t} target, so these runs cannot tell; more pairs (--tracing-runs) narrow it."
+            )
     table = markdown_table(
         ["Export", "median time to READY (s)", "spread max-min (s)", "runs"],
-        [["none", fmt_num(overhead.off_p50, 3), fmt_num(overhead.off_spread, 3), overhead.runs],
-         ["OTLP/HTTP to a local receiver", fmt_num(overhead.on_p50, 3), fmt_num(overhead.on_spread, 3),
-          overhead.runs]],
-    )  # fmt: skip
-    return (f"Warm starts in {overhead.runs} pairs: a start without span export, then one exporting to a real "
-            f"OTLP/HTTP receiver in the benchmark process. Export adds {100 * overhead.relative:+.2f}% to the time "
-            f"to READY (median over the pairs of (with - without) / without). {verdict}\n\n{table}")  # fmt: skip
+        [
+            ["none", fmt_num(overhead.off_p50, 3), fmt_num(overhead.off_spread, 3), overhead.runs],
+            [
+                "OTLP/HTTP to a local receiver",
+                fmt_num(overhead.on_p50, 3),
+                fmt_num(overhead.on_spread, 3),
+                overhead.runs,
+            ],
+        ],
+    )
+    return (
+        f"Warm starts in {overhead.runs} pairs: a start without span export, then one exporting to a real "
+        f"OTLP/HTTP receiver in the benchmark process. Export adds {100 * overhead.relative:+.2f}% to the time "
+        f"to READY (median over the pairs of (with - without) / without). {verdict}\n\n{table}"
+    )
 
 
 def _runs_table(result: StartupBenchResult) -> str:
@@ -593,10 +683,18 @@ def _runs_table(result: StartupBenchResult) -> str:
             p = run.phases
             hits = run.cache_hits()
             hit_text = ", ".join(f"{k} {'hit' if v else 'miss'}" for k, v in hits.items()) or "no cache rows"
-            rows.append([run.label, fmt_num(p[READY_ROW] or 0, 3), fmt_num(p.get("total_time") or 0, 3),
-                         fmt_num(p.get("unattributed") or 0, 3), hit_text])  # fmt: skip
-    return markdown_table(["Run", "time to READY (s)", "total_time (s)", "unattributed (s)", "Caches"], rows,
-                          ["l", "r", "r", "r", "l"])  # fmt: skip
+            rows.append(
+                [
+                    run.label,
+                    fmt_num(p[READY_ROW] or 0, 3),
+                    fmt_num(p.get("total_time") or 0, 3),
+                    fmt_num(p.get("unattributed") or 0, 3),
+                    hit_text,
+                ]
+            )
+    return markdown_table(
+        ["Run", "time to READY (s)", "total_time (s)", "unattributed (s)", "Caches"], rows, ["l", "r", "r", "r", "l"]
+    )
 
 
 def _ready(run: StartupRun) -> float | None:
@@ -611,16 +709,25 @@ def bundle_figures(result: StartupBenchResult) -> dict[str, Any]:
     ratios = [_ready(b) / _ready(w) for w, b in pairs]  # type: ignore[operator]
     if ratios:
         ordered = sorted(ratios)
-        out.update(pair_ratios=[round(r, 4) for r in ratios], ratio_median=round(ordered[len(ordered) // 2], 4),
-                   ratio_worst=round(ordered[-1], 4), ratio_pass=ordered[-1] <= BUNDLE_START_TARGET)  # fmt: skip
+        out.update(
+            pair_ratios=[round(r, 4) for r in ratios],
+            ratio_median=round(ordered[len(ordered) // 2], 4),
+            ratio_worst=round(ordered[-1], 4),
+            ratio_pass=ordered[-1] <= BUNDLE_START_TARGET,
+        )
     made = result.bundle
     if made is not None and made.error is None:
-        out.update(extra_bytes=made.size - made.model_bytes, size_pass=made.size - made.model_bytes <= BUNDLE_EXTRA_BYTES)
+        out.update(
+            extra_bytes=made.size - made.model_bytes, size_pass=made.size - made.model_bytes <= BUNDLE_EXTRA_BYTES
+        )
         colds = sorted(v for r in result.runs["cold"] if (v := _ready(r)) is not None)
         if colds:
             cold = colds[len(colds) // 2]
-            out.update(cold_median_s=cold, create_over_cold_s=round(made.wall_s - cold, 3),
-                       create_pass=made.wall_s <= cold + BUNDLE_CREATE_EXTRA_S)  # fmt: skip
+            out.update(
+                cold_median_s=cold,
+                create_over_cold_s=round(made.wall_s - cold, 3),
+                create_pass=made.wall_s <= cold + BUNDLE_CREATE_EXTRA_S,
+            )
     return out
 
 
@@ -633,22 +740,38 @@ def _bundle_text(result: StartupBenchResult) -> str:
     f = bundle_figures(result)
     verdict = lambda ok: "**PASS**" if ok else "**FAIL**"  # noqa: E731
     rows: list[list[Cell]] = [
-        ["bundle size over the model as stored", f"{made.size / 1e6:.1f} MB - {made.model_bytes / 1e6:.1f} MB = "
-         f"{f['extra_bytes'] / 1e6:.1f} MB", f"<= {BUNDLE_EXTRA_BYTES / 1e6:.0f} MB", verdict(f["size_pass"])],
-    ]  # fmt: skip
+        [
+            "bundle size over the model as stored",
+            f"{made.size / 1e6:.1f} MB - {made.model_bytes / 1e6:.1f} MB = {f['extra_bytes'] / 1e6:.1f} MB",
+            f"<= {BUNDLE_EXTRA_BYTES / 1e6:.0f} MB",
+            verdict(f["size_pass"]),
+        ],
+    ]
     if "create_pass" in f:
-        rows.append(["`bundle create` (wall, one run) - median cold start",
-                     f"{made.wall_s:.2f} - {f['cold_median_s']:.2f} = {f['create_over_cold_s']:+.2f} s",
-                     f"<= +{BUNDLE_CREATE_EXTRA_S:.0f} s", verdict(f["create_pass"])])  # fmt: skip
+        rows.append(
+            [
+                "`bundle create` (wall, one run) - median cold start",
+                f"{made.wall_s:.2f} - {f['cold_median_s']:.2f} = {f['create_over_cold_s']:+.2f} s",
+                f"<= +{BUNDLE_CREATE_EXTRA_S:.0f} s",
+                verdict(f["create_pass"]),
+            ]
+        )
     if "ratio_worst" in f:
-        rows.append(["start from the bundle / warm start, per pair",
-                     f"median {f['ratio_median']:.3f}x, worst {f['ratio_worst']:.3f}x "
-                     f"({', '.join(f'{r:.3f}' for r in f['pair_ratios'])})",
-                     f"worst <= {BUNDLE_START_TARGET:.1f}x", verdict(f["ratio_pass"])])  # fmt: skip
+        rows.append(
+            [
+                "start from the bundle / warm start, per pair",
+                f"median {f['ratio_median']:.3f}x, worst {f['ratio_worst']:.3f}x "
+                f"({', '.join(f'{r:.3f}' for r in f['pair_ratios'])})",
+                f"worst <= {BUNDLE_START_TARGET:.1f}x",
+                verdict(f["ratio_pass"]),
+            ]
+        )
     table = markdown_table(["Target", "Measured", "Target", "Verdict"], rows, ["l", "l", "l", "l"])
-    text = ("One `glowplug bundle create` with the same flags (a cold and a warm start in a private cache dir, "
-            "then the packing), then each start from the bundle goes into an empty cache dir right after warm "
-            f"start i, and is divided by it.\n\n{table}")
+    text = (
+        "One `glowplug bundle create` with the same flags (a cold and a warm start in a private cache dir, "
+        "then the packing), then each start from the bundle goes into an empty cache dir right after warm "
+        f"start i, and is divided by it.\n\n{table}"
+    )
     capped = result.runs.get("bundle_isa_capped", [])
     if capped:
         text += "\n\n" + _capped_text(capped[0])
@@ -665,8 +788,10 @@ def _capped_text(run: StartupRun) -> str:
         rows.append([row, "hit" if hit else "**rebuilt**", " ".join(str(n) for n in notes)])
     install = run.report.get("notes", {}).get("bundle_install", [""])
     table = markdown_table(["Row", "Cache", "Note"], rows, ["l", "l", "l"])
-    return (f"Start from the bundle, {run.label}, into an empty cache dir: READY in "
-            f"{run.phases.get(READY_ROW) or 0:.2f} s. bundle_install: {' '.join(map(str, install))}\n\n{table}")
+    return (
+        f"Start from the bundle, {run.label}, into an empty cache dir: READY in "
+        f"{run.phases.get(READY_ROW) or 0:.2f} s. bundle_install: {' '.join(map(str, install))}\n\n{table}"
+    )
 
 
 def eta_target(kind: str) -> float:
@@ -697,9 +822,17 @@ def eta_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
         if actual is None:
             continue
         err = None if eta is None else float(eta) / actual - 1
-        out.append({"kind": kind, "run": run.label, "eta_s": eta, "actual_s": actual,
-                    "error": None if err is None else round(err, 4), "target": eta_target(kind),
-                    "basis": run.attr(READY_ROW, Attr.ETA_BASIS)})  # fmt: skip
+        out.append(
+            {
+                "kind": kind,
+                "run": run.label,
+                "eta_s": eta,
+                "actual_s": actual,
+                "error": None if err is None else round(err, 4),
+                "target": eta_target(kind),
+                "basis": run.attr(READY_ROW, Attr.ETA_BASIS),
+            }
+        )
     return out
 
 
@@ -717,18 +850,33 @@ def prediction_figures(result: StartupBenchResult) -> list[dict[str, Any]]:
             eta = run.attr(READY_ROW, Attr.ETA_FIRST_READY_S)
             phases = pred.get("phases") or {}
             eta_phases = json.loads(run.attr(READY_ROW, Attr.ETA_PHASES) or "{}")
-            out.append({
-                "run": run.label, "mode": mode, "actual_s": actual, "predicted_s": ready, "first_eta_s": eta,
-                "predict_error": None if actual is None or ready is None else round(ready / actual - 1, 4),
-                "eta_error": None if actual is None or eta is None else round(float(eta) / actual - 1, 4),
-                "error": pred.get("error"), "command_s": pred.get("command_s"),
-                "recorded": sum(1 for p in phases.values() if p.get("kind") == "recorded"),
-                "modelled": sum(1 for p in phases.values() if p.get("kind") == "model"),
-                "phases": {s: {"predicted_s": p.get("seconds"), "kind": p.get("kind"), "basis": p.get("basis"),
-                               "first_eta_s": (eta_phases.get(s) or {}).get("seconds"),
-                               "actual_s": _stage_seconds(run, s)} for s, p in phases.items()},
-                "before_s": pred.get("before_s"), "actual_before_s": run.attr(READY_ROW, Attr.ETA_FIRST_AT_S),
-            })  # fmt: skip
+            out.append(
+                {
+                    "run": run.label,
+                    "mode": mode,
+                    "actual_s": actual,
+                    "predicted_s": ready,
+                    "first_eta_s": eta,
+                    "predict_error": None if actual is None or ready is None else round(ready / actual - 1, 4),
+                    "eta_error": None if actual is None or eta is None else round(float(eta) / actual - 1, 4),
+                    "error": pred.get("error"),
+                    "command_s": pred.get("command_s"),
+                    "recorded": sum(1 for p in phases.values() if p.get("kind") == "recorded"),
+                    "modelled": sum(1 for p in phases.values() if p.get("kind") == "model"),
+                    "phases": {
+                        s: {
+                            "predicted_s": p.get("seconds"),
+                            "kind": p.get("kind"),
+                            "basis": p.get("basis"),
+                            "first_eta_s": (eta_phases.get(s) or {}).get("seconds"),
+                            "actual_s": _stage_seconds(run, s),
+                        }
+                        for s, p in phases.items()
+                    },
+                    "before_s": pred.get("before_s"),
+                    "actual_before_s": run.attr(READY_ROW, Attr.ETA_FIRST_AT_S),
+                }
+            )
     return out
 
 
@@ -739,7 +887,9 @@ def _stage_seconds(run: StartupRun, stage: str) -> float | None:
 
     phases = run.phases
     if stage == "graph_compile":
-        values = [v for k in ("graph_compile_general_shape", "graph_compile_cached") if (v := phases.get(k)) is not None]
+        values = [
+            v for k in ("graph_compile_general_shape", "graph_compile_cached") if (v := phases.get(k)) is not None
+        ]
         return values[0] if values else None
     return phases.get(STAGE_ROWS.get(stage, stage), phases.get(stage))
 
@@ -751,24 +901,53 @@ def _prediction_text(result: StartupBenchResult) -> str:
     rows: list[list[Cell]] = []
     for f in figures:
         if f["error"] is not None or f["actual_s"] is None:
-            rows.append([f["run"], Missing(short(f["error"] or "the start failed")), Missing("-"), Missing("-"),
-                         Missing("-"), Missing("-"), Missing("-")])  # fmt: skip
+            rows.append(
+                [
+                    f["run"],
+                    Missing(short(f["error"] or "the start failed")),
+                    Missing("-"),
+                    Missing("-"),
+                    Missing("-"),
+                    Missing("-"),
+                    Missing("-"),
+                ]
+            )
             continue
         pe = Missing("no process-start figure") if f["predict_error"] is None else f"{100 * f['predict_error']:+.1f}%"
         ee = Missing("no ETA") if f["eta_error"] is None else f"{100 * f['eta_error']:+.1f}%"
-        rows.append([f["run"], Missing("no recorded process start") if f["predicted_s"] is None
-                     else fmt_num(f["predicted_s"], 3), fmt_num(float(f["first_eta_s"]), 3) if f["first_eta_s"]
-                     is not None else Missing("no ETA"), fmt_num(f["actual_s"], 3), pe, ee,
-                     f"{f['recorded']} recorded, {f['modelled']} model"])  # fmt: skip
-    table = markdown_table(["Run", "predicted before start (s)", "first ETA (s)", "time to READY (s)",
-                            "predicted error", "first ETA error", "phases from"], rows,
-                           ["l", "r", "r", "r", "r", "r", "l"])  # fmt: skip
+        rows.append(
+            [
+                f["run"],
+                Missing("no recorded process start") if f["predicted_s"] is None else fmt_num(f["predicted_s"], 3),
+                fmt_num(float(f["first_eta_s"]), 3) if f["first_eta_s"] is not None else Missing("no ETA"),
+                fmt_num(f["actual_s"], 3),
+                pe,
+                ee,
+                f"{f['recorded']} recorded, {f['modelled']} model",
+            ]
+        )
+    table = markdown_table(
+        [
+            "Run",
+            "predicted before start (s)",
+            "first ETA (s)",
+            "time to READY (s)",
+            "predicted error",
+            "first ETA error",
+            "phases from",
+        ],
+        rows,
+        ["l", "r", "r", "r", "r", "r", "l"],
+    )
     times = [f["command_s"] for f in figures if f.get("command_s") is not None]
-    parts = ["Before each start, `glowplug startup --predict-only` in the same cache dir (no torch, no weight read) "
-             "gave the predicted READY (process start + imports from this machine's recorded starts, then the "
-             "stages); the start's own first ETA comes after its imports, with every cache probe. "
-             + (f"`--predict-only` took {min(times):.2f}-{max(times):.2f} s (the whole command)." if times else ""),
-             "", table]
+    parts = [
+        "Before each start, `glowplug startup --predict-only` in the same cache dir (no torch, no weight read) "
+        "gave the predicted READY (process start + imports from this machine's recorded starts, then the "
+        "stages); the start's own first ETA comes after its imports, with every cache probe. "
+        + (f"`--predict-only` took {min(times):.2f}-{max(times):.2f} s (the whole command)." if times else ""),
+        "",
+        table,
+    ]
     for f in figures:
         first = f["run"] in ("cold 1", "warm 1")
         if not first or not f["phases"]:
@@ -776,12 +955,21 @@ def _prediction_text(result: StartupBenchResult) -> str:
         prows: list[list[Cell]] = []
         for stage, p in f["phases"].items():
             actual = p["actual_s"]
-            prows.append([stage, fmt_num(p["predicted_s"], 3) if p["predicted_s"] is not None else Missing("-"),
-                          fmt_num(actual, 3) if actual is not None else Missing("skipped or not in the report"),
-                          p["kind"] or "", short(p["basis"] or "", 160)])  # fmt: skip
-        parts += ["", f"Phase by phase, {f['run']} (predicted before the start against its own time):", "",
-                  markdown_table(["Phase", "predicted (s)", "actual (s)", "from", "basis"], prows,
-                                 ["l", "r", "r", "l", "l"])]  # fmt: skip
+            prows.append(
+                [
+                    stage,
+                    fmt_num(p["predicted_s"], 3) if p["predicted_s"] is not None else Missing("-"),
+                    fmt_num(actual, 3) if actual is not None else Missing("skipped or not in the report"),
+                    p["kind"] or "",
+                    short(p["basis"] or "", 160),
+                ]
+            )
+        parts += [
+            "",
+            f"Phase by phase, {f['run']} (predicted before the start against its own time):",
+            "",
+            markdown_table(["Phase", "predicted (s)", "actual (s)", "from", "basis"], prows, ["l", "r", "r", "l", "l"]),
+        ]
     return "\n".join(parts)
 
 
@@ -797,31 +985,59 @@ def bench_verdicts(result: StartupBenchResult) -> list[Any]:
         target = figures[0]["target"]
         missing = [f for f in figures if f["error"] is None]
         if missing:
-            out.append(Verdict(f"first ETA within {target:.0%} of READY ({kind})", f"{missing[0]['run']}: no ETA",
-                               False))  # fmt: skip
+            out.append(
+                Verdict(f"first ETA within {target:.0%} of READY ({kind})", f"{missing[0]['run']}: no ETA", False)
+            )
             continue
         worst = max(figures, key=lambda f: abs(f["error"]))
-        out.append(Verdict(f"first ETA within {target:.0%} of READY ({kind})",
-                           f"{worst['run']}: {100 * worst['error']:+.1f}% ({float(worst['eta_s']):.2f} s vs "
-                           f"{worst['actual_s']:.2f} s)", abs(worst["error"]) <= target))  # fmt: skip
+        out.append(
+            Verdict(
+                f"first ETA within {target:.0%} of READY ({kind})",
+                f"{worst['run']}: {100 * worst['error']:+.1f}% ({float(worst['eta_s']):.2f} s vs "
+                f"{worst['actual_s']:.2f} s)",
+                abs(worst["error"]) <= target,
+            )
+        )
     if result.bundle is not None and result.bundle.error is None:
         f = bundle_figures(result)
-        out.append(Verdict(f"bundle size over the model as stored <= {BUNDLE_EXTRA_BYTES / 1e6:.0f} MB",
-                           f"{f['extra_bytes'] / 1e6:.1f} MB", f["size_pass"]))  # fmt: skip
+        out.append(
+            Verdict(
+                f"bundle size over the model as stored <= {BUNDLE_EXTRA_BYTES / 1e6:.0f} MB",
+                f"{f['extra_bytes'] / 1e6:.1f} MB",
+                f["size_pass"],
+            )
+        )
         if "create_pass" in f:
-            out.append(Verdict(f"`bundle create` <= median cold start + {BUNDLE_CREATE_EXTRA_S:.0f} s",
-                               f"{f['create_over_cold_s']:+.2f} s", f["create_pass"]))  # fmt: skip
+            out.append(
+                Verdict(
+                    f"`bundle create` <= median cold start + {BUNDLE_CREATE_EXTRA_S:.0f} s",
+                    f"{f['create_over_cold_s']:+.2f} s",
+                    f["create_pass"],
+                )
+            )
         if "ratio_worst" in f:
-            out.append(Verdict(f"start from the bundle / warm start <= {BUNDLE_START_TARGET:.1f}x (worst pair)",
-                               f"worst pair {f['ratio_worst']:.3f}x", f["ratio_pass"]))  # fmt: skip
+            out.append(
+                Verdict(
+                    f"start from the bundle / warm start <= {BUNDLE_START_TARGET:.1f}x (worst pair)",
+                    f"worst pair {f['ratio_worst']:.3f}x",
+                    f["ratio_pass"],
+                )
+            )
     overhead = tracing_overhead(result) if result.config.tracing_overhead else None
     if overhead is not None:
         resolved = overhead.ci_low is not None and overhead.ci_high is not None and overhead.resolvable
-        measured = (f"median {100 * overhead.relative:+.2f}%" + (f", 95% interval {100 * overhead.ci_low:+.2f}% to "
-                    f"{100 * overhead.ci_high:+.2f}%" if overhead.ci_low is not None and overhead.ci_high is not None
-                    else ", too few pairs for an interval"))  # fmt: skip
-        out.append(Verdict(f"OTLP export adds <= {TRACING_TARGET:.0%} to READY", measured,
-                           (overhead.ci_high is not None and overhead.ci_high <= TRACING_TARGET) if resolved else None))
+        measured = f"median {100 * overhead.relative:+.2f}%" + (
+            f", 95% interval {100 * overhead.ci_low:+.2f}% to {100 * overhead.ci_high:+.2f}%"
+            if overhead.ci_low is not None and overhead.ci_high is not None
+            else ", too few pairs for an interval"
+        )
+        out.append(
+            Verdict(
+                f"OTLP export adds <= {TRACING_TARGET:.0%} to READY",
+                measured,
+                (overhead.ci_high is not None and overhead.ci_high <= TRACING_TARGET) if resolved else None,
+            )
+        )
     return out + poll_verdicts(result.poll)
 
 
@@ -836,8 +1052,10 @@ def _ranks_text(result: StartupBenchResult) -> str:
     text = markdown_table(["Phase", f"{last.label}: ranks"], rows) if rows else "The phase table names no ranks."  # type: ignore[arg-type]
     lanes = Path(result.config.out_dir) / "rank_lanes.png"
     if result.config.plots:
-        text += (f"\n\n![each rank's stages]({lanes.name}) each rank's stages in {last.label}, from its Chrome/Perfetto "
-                 f"trace ({LANES_TRACE}: it loads in ui.perfetto.dev, one lane group per rank)")
+        text += (
+            f"\n\n![each rank's stages]({lanes.name}) each rank's stages in {last.label}, from its Chrome/Perfetto "
+            f"trace ({LANES_TRACE}: it loads in ui.perfetto.dev, one lane group per rank)"
+        )
     return text
 
 
@@ -848,16 +1066,35 @@ def _eta_text(result: StartupBenchResult) -> str:
     rows: list[list[Cell]] = []
     for f in figures:
         if f["error"] is None:
-            rows.append([f["kind"], f["run"], Missing(f["basis"] or "no ETA"), fmt_num(f["actual_s"], 3),
-                         Missing("no ETA"), f"within {f['target']:.0%}: FAIL"])  # fmt: skip
+            rows.append(
+                [
+                    f["kind"],
+                    f["run"],
+                    Missing(f["basis"] or "no ETA"),
+                    fmt_num(f["actual_s"], 3),
+                    Missing("no ETA"),
+                    f"within {f['target']:.0%}: FAIL",
+                ]
+            )
             continue
         ok = abs(f["error"]) <= f["target"]
-        rows.append([f["kind"], f["run"], fmt_num(float(f["eta_s"]), 3), fmt_num(f["actual_s"], 3),
-                     f"{100 * f['error']:+.1f}%", f"within {f['target']:.0%}: {'PASS' if ok else 'FAIL'}"])  # fmt: skip
-    table = markdown_table(["Start", "Run", "first ETA (s)", "time to READY (s)", "error", "target"],
-                           rows, ["l", "l", "r", "r", "r", "l"])  # fmt: skip
-    return ("The first ETA is taken as the stages begin (after the bundle's install for a start from a bundle): "
-            f"time so far plus the predicted stages.\n\n{table}")
+        rows.append(
+            [
+                f["kind"],
+                f["run"],
+                fmt_num(float(f["eta_s"]), 3),
+                fmt_num(f["actual_s"], 3),
+                f"{100 * f['error']:+.1f}%",
+                f"within {f['target']:.0%}: {'PASS' if ok else 'FAIL'}",
+            ]
+        )
+    table = markdown_table(
+        ["Start", "Run", "first ETA (s)", "time to READY (s)", "error", "target"], rows, ["l", "l", "r", "r", "r", "l"]
+    )
+    return (
+        "The first ETA is taken as the stages begin (after the bundle's install for a start from a bundle): "
+        f"time so far plus the predicted stages.\n\n{table}"
+    )
 
 
 def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -> str:
@@ -869,8 +1106,10 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
         # The header's machine and versions are the renderer's; the starts' own are in their reports.
         first = next((r for m in (*MODES, *EXTRA_MODES) for r in result.runs.get(m, []) if r.report), None)
         ran = ", ".join(f"{k} {v}" for k, v in ((first.report.get("versions") or {}) if first else {}).items())
-        header += (f"\n- the starts ran elsewhere (their reports, read from `{cfg.from_runs}`, say: {ran or 'nothing'}); "
-                   "the machine and versions above only rendered this page")
+        header += (
+            f"\n- the starts ran elsewhere (their reports, read from `{cfg.from_runs}`, say: {ran or 'nothing'}); "
+            "the machine and versions above only rendered this page"
+        )
     parts = [
         header,
         f"Each start is `glowplug startup {' '.join(cfg.startup_args())}` in a fresh process. {cfg.runs} cold "
@@ -906,19 +1145,32 @@ def render_markdown(result: StartupBenchResult, argv: list[str] | None = None) -
     rows_with_cache = sorted(set().union(*counts.values()))
     hit_rows: list[list[Cell]] = []
     for row in rows_with_cache:
-        hit_rows.append([row, *(f"{h} of {n}" if (h, n) != (0, 0) else Missing("no run")
-                                for h, n in (counts[m].get(row, (0, 0)) for m in modes(result)))])  # fmt: skip
-    hits_table = (markdown_table(["Phase", *(f"{m}: hits" for m in modes(result))], hit_rows) if hit_rows
-                  else "No phase caches.")  # fmt: skip
+        hit_rows.append(
+            [
+                row,
+                *(
+                    f"{h} of {n}" if (h, n) != (0, 0) else Missing("no run")
+                    for h, n in (counts[m].get(row, (0, 0)) for m in modes(result))
+                ),
+            ]
+        )
+    hits_table = (
+        markdown_table(["Phase", *(f"{m}: hits" for m in modes(result))], hit_rows) if hit_rows else "No phase caches."
+    )
     parts += [hits_table, ""]
     parts += ["## Tracing overhead", "", _tracing_text(result), ""]
     parts += ["## Runs", "", _runs_table(result), ""]
     from .verdicts import verdicts_markdown
 
-    parts += ["## Verdicts", "", "Every target of this report on its worst run or pair.", "",
-              verdicts_markdown(bench_verdicts(result)), ""]
-    failed = [r for m in (*MODES, *EXTRA_MODES, *TRACING_MODES) for r in result.runs.get(m, [])
-              if not r.ok]  # fmt: skip
+    parts += [
+        "## Verdicts",
+        "",
+        "Every target of this report on its worst run or pair.",
+        "",
+        verdicts_markdown(bench_verdicts(result)),
+        "",
+    ]
+    failed = [r for m in (*MODES, *EXTRA_MODES, *TRACING_MODES) for r in result.runs.get(m, []) if not r.ok]
     if failed:
         parts += ["Failures in full:", ""] + [f"- {r.label}: {r.error}" for r in failed] + [""]
     return "\n".join(parts)
@@ -966,8 +1218,13 @@ def seed_maps(runs: list[StartupRun]) -> list[dict[str, float | None]]:
     """Each successful start's phases as seed 004's rows (profiling/bench/vllm_startup_rows.py)."""
     from .vllm_startup_rows import default_leaves, map_phases
 
-    return [map_phases(r.phases, [n for n, k in r.report.get("kinds", {}).items() if k == "leaf"]
-                       or default_leaves(r.phases)) for r in runs if r.ok]  # fmt: skip
+    return [
+        map_phases(
+            r.phases, [n for n, k in r.report.get("kinds", {}).items() if k == "leaf"] or default_leaves(r.phases)
+        )
+        for r in runs
+        if r.ok
+    ]
 
 
 def leaf_rows(runs: list[StartupRun]) -> list[str]:
@@ -996,20 +1253,37 @@ def write_reports(result: StartupBenchResult, argv: list[str] | None = None) -> 
         stacks = {row: [r.phases.get(row) for r in ok] for row in leaf_rows(ok)}
         groups = [m for m in modes(result) for r in result.runs[m] if r.ok]
         counts = ", ".join(f"{m} n={groups.count(m)}" for m in dict.fromkeys(groups))
-        title = (f"glowplug start-up, {Path(str(result.config.model)).name}: own time per phase (s), pipeline order, "
-                 f"one bar per start ({counts}); each kind of start in its own panel with its own scale")
+        title = (
+            f"glowplug start-up, {Path(str(result.config.model)).name}: own time per phase (s), pipeline order, "
+            f"one bar per start ({counts}); each kind of start in its own panel with its own scale"
+        )
         ready = [r.phases.get(READY_ROW) or 0.0 for r in ok]
-        written.append(plot_phase_stack([r.label for r in ok], stacks, out / "startup_phases.png", title=title,
-                                        xlabel="start", totals=ready, totals_label="time to READY", groups=groups))
+        written.append(
+            plot_phase_stack(
+                [r.label for r in ok],
+                stacks,
+                out / "startup_phases.png",
+                title=title,
+                xlabel="start",
+                totals=ready,
+                totals_label="time to READY",
+                groups=groups,
+            )
+        )
     trace = out / LANES_TRACE
     if result.config.plots and result.config.tensor_parallel_size > 1 and trace.is_file():
         import json
 
         from .plots import plot_trace_lanes
 
-        written.append(plot_trace_lanes(json.loads(trace.read_text()), out / "rank_lanes.png",
-                                        title=f"the last warm start at --tensor-parallel-size "
-                                        f"{result.config.tensor_parallel_size}: each rank's stages ({LANES_TRACE})"))
+        written.append(
+            plot_trace_lanes(
+                json.loads(trace.read_text()),
+                out / "rank_lanes.png",
+                title=f"the last warm start at --tensor-parallel-size "
+                f"{result.config.tensor_parallel_size}: each rank's stages ({LANES_TRACE})",
+            )
+        )
     if result.config.plots and ok and result.config.compare_to is not None:
         written.append(_before_after_plot(result, result.config.compare_to, out / "startup_before_after.png"))
     return written
@@ -1023,8 +1297,9 @@ def save_baseline(result: StartupBenchResult, path: Path, argv: list[str] | None
 
     by_kind = {m: [r.report for r in result.runs[m] if r.ok] for m in MODES}
     state = git_state()
-    return write_baseline(path, by_kind, command=command_line(argv), machine=machine_summary(),
-                          commit=state.commit or "unknown")  # fmt: skip
+    return write_baseline(
+        path, by_kind, command=command_line(argv), machine=machine_summary(), commit=state.commit or "unknown"
+    )
 
 
 def _before_after_plot(result: StartupBenchResult, before_json: Path, path: Path) -> Path:
@@ -1039,17 +1314,27 @@ def _before_after_plot(result: StartupBenchResult, before_json: Path, path: Path
     columns: list[tuple[str, dict[str, Any]]] = [(f"before {m}", before[m]) for m in ("cold", "warm") if m in before]
     columns += [(f"now {m}", after[m]) for m in modes(result)]
     # cold beside cold, warm beside warm: one panel per kind of start, each on its own scale
-    columns.sort(key=lambda c: list(modes(result)).index(c[0].split(" ", 1)[1]) if c[0].split(" ", 1)[1]
-                 in modes(result) else 99)  # fmt: skip
+    columns.sort(
+        key=lambda c: list(modes(result)).index(c[0].split(" ", 1)[1]) if c[0].split(" ", 1)[1] in modes(result) else 99
+    )
     stacks = {row: [col.get(row, {}).get("p50") for _, col in columns] for row in leaves}
     totals = [col.get(READY_ROW, {}).get("p50") or 0.0 for _, col in columns]
-    title = (f"glowplug start-up, {Path(str(result.config.model)).name}: median own time per phase (s), "
-             f"before ({before_json}) and now")  # fmt: skip
+    title = (
+        f"glowplug start-up, {Path(str(result.config.model)).name}: median own time per phase (s), "
+        f"before ({before_json}) and now"
+    )
     n = {m: sum(r.ok for r in result.runs[m]) for m in modes(result)}
     title += "; now: " + ", ".join(f"{m} n={k}" for m, k in n.items())
-    return plot_phase_stack([name for name, _ in columns], stacks, path, title=title, xlabel="start",
-                            totals=totals, totals_label="time to READY (median)",
-                            groups=[name.split(" ", 1)[1] for name, _ in columns])  # fmt: skip
+    return plot_phase_stack(
+        [name for name, _ in columns],
+        stacks,
+        path,
+        title=title,
+        xlabel="start",
+        totals=totals,
+        totals_label="time to READY (median)",
+        groups=[name.split(" ", 1)[1] for name, _ in columns],
+    )
 
 
 def runs_from_folder(cfg: StartupBenchConfig, source: Path) -> StartupBenchResult:
@@ -1064,9 +1349,14 @@ def runs_from_folder(cfg: StartupBenchConfig, source: Path) -> StartupBenchResul
         return _runs_from_json(cfg, json.loads(found.read_text()), found)
     runs: dict[Mode, list[StartupRun]] = {m: [] for m in (*MODES, *EXTRA_MODES, *TRACING_MODES)}
     kinds: tuple[tuple[Mode, str], ...] = (
-        ("cold", "cold-*.json"), ("warm", "warm-*.json"), ("bundle", "bundle-[0-9]*.json"),
-        ("bundle_isa_capped", "bundle-isa-capped.json"), ("cold_after_warm", "cold-after-warm.json"),
-        ("otlp_off", "otlp_off-*.json"), ("otlp_on", "otlp_on-*.json"))  # fmt: skip
+        ("cold", "cold-*.json"),
+        ("warm", "warm-*.json"),
+        ("bundle", "bundle-[0-9]*.json"),
+        ("bundle_isa_capped", "bundle-isa-capped.json"),
+        ("cold_after_warm", "cold-after-warm.json"),
+        ("otlp_off", "otlp_off-*.json"),
+        ("otlp_on", "otlp_on-*.json"),
+    )
     for mode, pattern in kinds:
         for path in sorted(found.glob(pattern), key=lambda p: (len(p.name), p.name)):
             if mode == "cold" and path.name == "cold-after-warm.json":
@@ -1074,8 +1364,15 @@ def runs_from_folder(cfg: StartupBenchConfig, source: Path) -> StartupBenchResul
             report = json.loads(path.read_text())
             ready = (report.get("phases") or {}).get(READY_ROW)
             label = path.stem.replace("-", " ")
-            runs[mode].append(StartupRun(label, 0 if ready is not None else 1, float(ready or 0.0), report,
-                                         None if ready is not None else "the report has no READY time"))
+            runs[mode].append(
+                StartupRun(
+                    label,
+                    0 if ready is not None else 1,
+                    float(ready or 0.0),
+                    report,
+                    None if ready is not None else "the report has no READY time",
+                )
+            )
     if not runs["cold"] and not runs["warm"]:
         raise ValueError(f"--from-runs {source}: no cold-N.json or warm-N.json there")
     return StartupBenchResult(cfg, runs, None)
@@ -1090,8 +1387,16 @@ def _runs_from_json(cfg: StartupBenchConfig, data: dict[str, Any], path: Path) -
         report = entry.get("report")
         if report is None:  # a startup.json from before the reports were kept: its phases are all there is
             report = {"phases": entry.get("phases") or {}, "reasons": entry.get("reasons") or {}}
-        runs[entry["mode"]].append(StartupRun(entry["label"], int(entry["returncode"]), float(entry["wall_s"]),
-                                              report, entry.get("error"), entry.get("prediction")))  # fmt: skip
+        runs[entry["mode"]].append(
+            StartupRun(
+                entry["label"],
+                int(entry["returncode"]),
+                float(entry["wall_s"]),
+                report,
+                entry.get("error"),
+                entry.get("prediction"),
+            )
+        )
     if not runs["cold"] and not runs["warm"]:
         raise ValueError(f"--from-runs {path}: it holds no cold or warm start")
     b = data.get("bundle")

@@ -53,13 +53,18 @@ class ServePoll:
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"ready_s": self.ready_s, "error": self.error,
-                "polls": [{**asdict(p), "error": p.error} for p in self.polls]}  # fmt: skip
+        return {
+            "ready_s": self.ready_s,
+            "error": self.error,
+            "polls": [{**asdict(p), "error": p.error} for p in self.polls],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ServePoll:
-        polls = [Poll(p["elapsed_s"], p["state"], list(p["running"]), p["eta_s"], p.get("remaining_s"))
-                 for p in data.get("polls", [])]  # fmt: skip
+        polls = [
+            Poll(p["elapsed_s"], p["state"], list(p["running"]), p["eta_s"], p.get("remaining_s"))
+            for p in data.get("polls", [])
+        ]
         return cls(polls, data.get("ready_s"), data.get("error"))
 
     @property
@@ -88,8 +93,9 @@ def poll_serve(serve_args: list[str], cache: Path, timeout_s: float, env: dict[s
     base = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile(prefix="glowplug-bench-poll-", suffix=".log", delete=False)  # noqa: SIM115
     cmd = [sys.executable, "-m", "glowplug.cli", "serve", *serve_args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            env={**(env or os.environ), CACHE_ENV: str(cache)})  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**(env or os.environ), CACHE_ENV: str(cache)}
+    )
     result = ServePoll()
     try:
         deadline = time.monotonic() + timeout_s
@@ -110,8 +116,14 @@ def poll_serve(serve_args: list[str], cache: Path, timeout_s: float, env: dict[s
                     if info["state"] != "ready":
                         result.error = f"the start ended {info['state']}: {info.get('reason')}"
                     break
-                result.polls.append(Poll(float(info["elapsed_s"]), info["state"], list(info.get("running_phases")
-                                                                                        or []), info.get("eta_s")))
+                result.polls.append(
+                    Poll(
+                        float(info["elapsed_s"]),
+                        info["state"],
+                        list(info.get("running_phases") or []),
+                        info.get("eta_s"),
+                    )
+                )
                 time.sleep(max(0.0, POLL_S - (time.monotonic() - t0)))
             else:
                 result.error = f"not READY after {timeout_s:g} s"
@@ -137,13 +149,17 @@ def poll_text(poll: ServePoll | None) -> str:
     if poll.error is not None:
         return f"The polled serve start failed: {poll.error}"
     worst = poll.worst
-    lines = [f"One `glowplug serve` start in the warm cache dir, `GET /startup` every {POLL_S:g} s until READY "
-             f"({poll.ready_s:.3f} s from process creation): {len(poll.polls)} polls while starting, "
-             f"{len(poll.polls) - len(poll.unnamed)} of them naming a running stage."]  # fmt: skip
+    lines = [
+        f"One `glowplug serve` start in the warm cache dir, `GET /startup` every {POLL_S:g} s until READY "
+        f"({poll.ready_s:.3f} s from process creation): {len(poll.polls)} polls while starting, "
+        f"{len(poll.polls) - len(poll.unnamed)} of them naming a running stage."
+    ]
     if worst is not None and worst.error is not None:
-        lines.append(f"Worst ETA error against the time READY was still away: {100 * worst.error:+.1f}% at "
-                     f"{worst.elapsed_s:.2f} s (ETA {worst.eta_s:.2f} s, {worst.remaining_s:.2f} s left; polls "
-                     f"within {NEAR_READY_S:g} s of READY are not judged).")  # fmt: skip
+        lines.append(
+            f"Worst ETA error against the time READY was still away: {100 * worst.error:+.1f}% at "
+            f"{worst.elapsed_s:.2f} s (ETA {worst.eta_s:.2f} s, {worst.remaining_s:.2f} s left; polls "
+            f"within {NEAR_READY_S:g} s of READY are not judged)."
+        )
     rows = ["| elapsed (s) | running | ETA (s) | left (s) | error |", "|--:|:--|--:|--:|--:|"]
     for p in poll.polls:
         err = "-" if p.error is None else f"{100 * p.error:+.1f}%"
@@ -162,10 +178,16 @@ def poll_verdicts(poll: ServePoll | None) -> list[Any]:
         return [Verdict("a polled serve start reaches READY", poll.error, False)]
     worst = poll.worst
     return [
-        Verdict("every /startup poll while starting names a running stage",
-                f"{len(poll.unnamed)} of {len(poll.polls)} polls named none", not poll.unnamed),
-        Verdict(f"every poll's ETA within {ETA_POLL_TARGET:.0%} of the time left to READY",
-                "no poll to judge" if worst is None or worst.error is None else
-                f"worst {100 * worst.error:+.1f}% at {worst.elapsed_s:.2f} s", None if worst is None or worst.error is None
-                else abs(worst.error) <= ETA_POLL_TARGET),
-    ]  # fmt: skip
+        Verdict(
+            "every /startup poll while starting names a running stage",
+            f"{len(poll.unnamed)} of {len(poll.polls)} polls named none",
+            not poll.unnamed,
+        ),
+        Verdict(
+            f"every poll's ETA within {ETA_POLL_TARGET:.0%} of the time left to READY",
+            "no poll to judge"
+            if worst is None or worst.error is None
+            else f"worst {100 * worst.error:+.1f}% at {worst.elapsed_s:.2f} s",
+            None if worst is None or worst.error is None else abs(worst.error) <= ETA_POLL_TARGET,
+        ),
+    ]

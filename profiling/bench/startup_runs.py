@@ -100,8 +100,14 @@ def run_startup(
     return StartupRun(label, proc.returncode, wall, report, error)
 
 
-def run_prediction(startup_args: list[str], report_path: Path, *, cache_dir: Path | None = None,
-                   timeout_s: float = 60.0, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def run_prediction(
+    startup_args: list[str],
+    report_path: Path,
+    *,
+    cache_dir: Path | None = None,
+    timeout_s: float = 60.0,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """`glowplug startup <startup_args> --predict-only --report-out report_path`: the prediction a start would get
     before it starts, with the command's own wall time (`command_s`); {"error": why} when there is none."""
     import json
@@ -110,8 +116,16 @@ def run_prediction(startup_args: list[str], report_path: Path, *, cache_dir: Pat
     if cache_dir is not None:
         child_env[CACHE_ENV] = str(cache_dir)
     report_path.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "glowplug.cli", "startup", *startup_args, "--predict-only", "--report-out",
-           str(report_path)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "glowplug.cli",
+        "startup",
+        *startup_args,
+        "--predict-only",
+        "--report-out",
+        str(report_path),
+    ]
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=child_env, capture_output=True, text=True, timeout=timeout_s, check=False)

@@ -73,8 +73,11 @@ Progress = Callable[[str], None]
 
 
 class Seed004BenchConfig(BenchEngineFields):
-    seed_model: SeedModel = Field("qwen-4b", description="Which of vLLM's reference models this one stands for: its "
-                                  "column is set beside each start, and its lengths are the default sweep.")
+    seed_model: SeedModel = Field(
+        "qwen-4b",
+        description="Which of vLLM's reference models this one stands for: its "
+        "column is set beside each start, and its lengths are the default sweep.",
+    )
     max_model_len: tuple[int, ...] | None = Field(
         None, description="Lengths of the warm starts; unset = the reference's lengths for --seed-model."
     )
@@ -82,18 +85,24 @@ class Seed004BenchConfig(BenchEngineFields):
     quantization: Quantization = Field("none", description="As the reference ran: the checkpoint's bf16 weights.")
     repeats: int = Field(1, ge=1, description="Passes over the lengths (warm starts per length).")
     cache_dir: Path | None = Field(
-        None, description="GLOWPLUG_CACHE_DIR for every start: absent or empty (the cold start needs it empty), "
+        None,
+        description="GLOWPLUG_CACHE_DIR for every start: absent or empty (the cold start needs it empty), "
         "kept afterwards (a later `bench decode` reuses its compile entry); unset = a temporary folder.",
     )
-    probe_bytes: ByteSize = Field(2 << 30, ge=1 << 20, description="Bytes of the weights' files the disk-read probe "
-                                  "reads (e.g. 2GiB).")
-    evict: bool = Field(True, description="Evict the weights' files from the page cache before the probe and "
-                        "before the cold start (--no-evict: read them as the page cache has them).")
+    probe_bytes: ByteSize = Field(
+        2 << 30, ge=1 << 20, description="Bytes of the weights' files the disk-read probe reads (e.g. 2GiB)."
+    )
+    evict: bool = Field(
+        True,
+        description="Evict the weights' files from the page cache before the probe and "
+        "before the cold start (--no-evict: read them as the page cache has them).",
+    )
     timeout_s: float = Field(900.0, gt=0, description="Per start-up.")
     out_dir: Path = Field(Path("bench-seed004"), description="Where seed004.md/.json go.")
     from_runs: Path | None = Field(None, description="Run nothing: render from an earlier run's seed004.json.")
-    decode_json: Path | None = Field(None, description="A `bench decode` JSON on the same model: adds the decode "
-                                     "targets.")
+    decode_json: Path | None = Field(
+        None, description="A `bench decode` JSON on the same model: adds the decode targets."
+    )
 
     @field_validator("from_runs", "decode_json")
     @classmethod
@@ -163,8 +172,13 @@ def gpu_line() -> str | None:
     """`nvidia-smi`'s name, memory and driver of the first GPU, or None without one (no torch import: seconds)."""
     if shutil.which("nvidia-smi") is None:
         return None
-    proc = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    proc = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     line = proc.stdout.strip().splitlines()
     return f"{line[0]} (nvidia-smi: name, memory, driver)" if proc.returncode == 0 and line else None
 
@@ -173,12 +187,21 @@ def gpu_line() -> str | None:
 
 
 def _entry(kind: str, length: int, run: StartupRun) -> dict[str, Any]:
-    return {"kind": kind, "max_model_len": length, "label": run.label, "ok": run.ok, "returncode": run.returncode,
-            "wall_s": run.wall_s, "error": run.error, "report": run.report}  # fmt: skip
+    return {
+        "kind": kind,
+        "max_model_len": length,
+        "label": run.label,
+        "ok": run.ok,
+        "returncode": run.returncode,
+        "wall_s": run.wall_s,
+        "error": run.error,
+        "report": run.report,
+    }
 
 
-def run_seed004(cfg: Seed004BenchConfig, argv: list[str] | None = None, progress: Progress | None = None
-                ) -> dict[str, Any]:  # fmt: skip
+def run_seed004(
+    cfg: Seed004BenchConfig, argv: list[str] | None = None, progress: Progress | None = None
+) -> dict[str, Any]:
     """Probe, cold start, warm sweep; returns what seed004.json holds (written after every start as well)."""
     from glowplug.engine.models.loader import checkpoint_files
     from glowplug.engine.models.store import resolve_model
@@ -190,20 +213,36 @@ def run_seed004(cfg: Seed004BenchConfig, argv: list[str] | None = None, progress
         raise ValueError(f"--cache-dir {cache} is not empty: the cold start needs an empty cache; pass a new folder")
     cache.mkdir(parents=True, exist_ok=True)
     files = checkpoint_files(resolve_model(cfg.model, quiet=True))
-    data: dict[str, Any] = {"partial": True, "config": cfg.model_dump(mode="json"), "argv": argv,
-                            "gpu": gpu_line(), "weights_files": [str(f) for f in files],
-                            "weights_file_bytes": sum(f.stat().st_size for f in files), "runs": []}  # fmt: skip
+    data: dict[str, Any] = {
+        "partial": True,
+        "config": cfg.model_dump(mode="json"),
+        "argv": argv,
+        "gpu": gpu_line(),
+        "weights_files": [str(f) for f in files],
+        "weights_file_bytes": sum(f.stat().st_size for f in files),
+        "runs": [],
+    }
     plan = [("cold", cfg.cold_length())] + [("warm", n) for _ in range(cfg.repeats) for n in cfg.lengths()]
-    say(f"plan: disk-read probe ({cfg.probe_bytes / 2**30:.2f} GiB), then {len(plan)} starts: " +
-        ", ".join(f"{k} {n}" for k, n in plan))  # fmt: skip
+    say(
+        f"plan: disk-read probe ({cfg.probe_bytes / 2**30:.2f} GiB), then {len(plan)} starts: "
+        + ", ".join(f"{k} {n}" for k, n in plan)
+    )
     if cfg.evict:
         evict_from_page_cache(files)
     disk = read_probe(files, cfg.probe_bytes)
     again = read_probe(files, cfg.probe_bytes)
-    data["probe"] = {"bytes": disk.bytes, "disk_s": disk.seconds, "disk_gbps": disk.gbps,
-                     "page_cache_s": again.seconds, "page_cache_gbps": again.gbps, "evicted": cfg.evict}  # fmt: skip
-    say(f"disk-read probe: {disk.gbps:.2f} GB/s{'' if cfg.evict else ' (not evicted)'}; page cache {again.gbps:.2f} "
-        "GB/s")  # fmt: skip
+    data["probe"] = {
+        "bytes": disk.bytes,
+        "disk_s": disk.seconds,
+        "disk_gbps": disk.gbps,
+        "page_cache_s": again.seconds,
+        "page_cache_gbps": again.gbps,
+        "evicted": cfg.evict,
+    }
+    say(
+        f"disk-read probe: {disk.gbps:.2f} GB/s{'' if cfg.evict else ' (not evicted)'}; page cache {again.gbps:.2f} "
+        "GB/s"
+    )
     write_json(out / REPORT_JSON, data)
     try:
         with tempfile.TemporaryDirectory(prefix="glowplug-seed004-reports-") as tmp:
@@ -212,8 +251,9 @@ def run_seed004(cfg: Seed004BenchConfig, argv: list[str] | None = None, progress
                     evict_from_page_cache(files)
                 say(f"{kind} start {i}/{len(plan) - 1} at max-model-len {length} (cache {cache})")
                 args = cfg.startup_argv(quantization=cfg.quantization, max_model_len=length)
-                run = run_startup(f"{kind} {length}", args, Path(tmp) / f"start-{i}.json", cache_dir=cache,
-                                  timeout_s=cfg.timeout_s)  # fmt: skip
+                run = run_startup(
+                    f"{kind} {length}", args, Path(tmp) / f"start-{i}.json", cache_dir=cache, timeout_s=cfg.timeout_s
+                )
                 ready = run.phases.get(ACTUAL)
                 say(f"  READY in {ready:.2f} s" if run.ok and ready is not None else f"  failed: {run.error}")
                 data["runs"].append(_entry(kind, length, run))
@@ -259,8 +299,10 @@ class Start:
 
 
 def starts(data: Mapping[str, Any]) -> list[Start]:
-    return [Start(r["kind"], int(r["max_model_len"]), bool(r["ok"]), r.get("error"), r.get("report") or {})
-            for r in data.get("runs", [])]  # fmt: skip
+    return [
+        Start(r["kind"], int(r["max_model_len"]), bool(r["ok"]), r.get("error"), r.get("report") or {})
+        for r in data.get("runs", [])
+    ]
 
 
 def _median(values: Sequence[float]) -> float | None:
@@ -302,10 +344,20 @@ def start_table(data: Mapping[str, Any]) -> str:
             else:
                 cells.append(_cell([v for s in group if (v := s.seed_rows().get(name)) is not None]))
             if kind == "warm":
-                seed = (seed_values(model, name).get(length) if name in ROW_NAMES else
-                        SEED_004[model].get(length, {}).get(name) if name in RAW_ROWS else None)
-                why = ("the seed does not account for every second" if name == ACCOUNTED else
-                       "not in the seed" if name in (*ROW_NAMES, *RAW_ROWS) else "the seed has no floor")
+                seed = (
+                    seed_values(model, name).get(length)
+                    if name in ROW_NAMES
+                    else SEED_004[model].get(length, {}).get(name)
+                    if name in RAW_ROWS
+                    else None
+                )
+                why = (
+                    "the seed does not account for every second"
+                    if name == ACCOUNTED
+                    else "not in the seed"
+                    if name in (*ROW_NAMES, *RAW_ROWS)
+                    else "the seed has no floor"
+                )
                 cells.append(fmt_num(seed, 2) if seed is not None else Missing(why))
         rows.append(cells)
     return markdown_table(head, rows)
@@ -339,12 +391,21 @@ def start_verdicts(data: Mapping[str, Any]) -> list[Verdict]:
     bound = f"<= {WARM_OVER_FLOOR}x"
     if over_floor:
         length, worst = max(over_floor, key=lambda p: p[1])
-        out.append(Verdict(target, f"{worst:.2f}x (max-model-len {length}; {len(over_floor)} warm starts)", bound,
-                           worst <= WARM_OVER_FLOOR))  # fmt: skip
+        out.append(
+            Verdict(
+                target,
+                f"{worst:.2f}x (max-model-len {length}; {len(over_floor)} warm starts)",
+                bound,
+                worst <= WARM_OVER_FLOOR,
+            )
+        )
     else:
         out.append(_none(target, bound, "no warm start with a floor"))
-    vs_seed = [(s.length, a / seed) for s in warm
-               if (a := s.phases.get(ACTUAL)) and (seed := seed_values(model, ACTUAL).get(s.length))]  # fmt: skip
+    vs_seed = [
+        (s.length, a / seed)
+        for s in warm
+        if (a := s.phases.get(ACTUAL)) and (seed := seed_values(model, ACTUAL).get(s.length))
+    ]
     target = f"warm time to READY / seed {model}'s actual_total_time at the same length, worst length"
     bound = f"<= {WARM_OVER_SEED}x"
     if vs_seed:
@@ -360,22 +421,32 @@ def start_verdicts(data: Mapping[str, Any]) -> list[Verdict]:
             length, worst = max(values, key=lambda p: p[1])
             out.append(Verdict(target, f"{worst:.2f} s (max-model-len {length})", f"<= {limit:g} s", worst <= limit))
         else:
-            why = next((s.report.get("reasons", {}).get(row) for s in warm if s.report.get("reasons", {}).get(row)),
-                       "no warm start")  # fmt: skip
+            why = next(
+                (s.report.get("reasons", {}).get(row) for s in warm if s.report.get("reasons", {}).get(row)),
+                "no warm start",
+            )
             out.append(_none(target, f"<= {limit:g} s", f"did not run: {why}"))
     target = f"cold time to READY / {COLD_OVER_SEED} x seed {model}'s actual_total_time at the cold start's length"
     if cold and (a := cold[0].phases.get(ACTUAL)) and (seed := seed_values(model, ACTUAL).get(cold[0].length)):
-        out.append(Verdict(f"cold time to READY (max-model-len {cold[0].length})",
-                           f"{a:.2f} s (seed {seed:.2f} s)", f"<= {COLD_OVER_SEED * seed:.2f} s "
-                           f"({COLD_OVER_SEED}x the seed)", a <= COLD_OVER_SEED * seed))  # fmt: skip
+        out.append(
+            Verdict(
+                f"cold time to READY (max-model-len {cold[0].length})",
+                f"{a:.2f} s (seed {seed:.2f} s)",
+                f"<= {COLD_OVER_SEED * seed:.2f} s ({COLD_OVER_SEED}x the seed)",
+                a <= COLD_OVER_SEED * seed,
+            )
+        )
     else:
         out.append(_none(target, f"<= {COLD_OVER_SEED}x", "no cold start at a length the seed has"))
     return out
 
 
 def _rows(decode: Sequence[Mapping[str, Any]], **match: Any) -> list[Mapping[str, Any]]:
-    return [r for r in decode if r.get("engine") == "glowplug" and not r.get("skipped")
-            and all(r.get(k) == v for k, v in match.items())]  # fmt: skip
+    return [
+        r
+        for r in decode
+        if r.get("engine") == "glowplug" and not r.get("skipped") and all(r.get(k) == v for k, v in match.items())
+    ]
 
 
 def _tps(row: Mapping[str, Any]) -> float:
@@ -391,40 +462,64 @@ def decode_verdicts(decode: Sequence[Mapping[str, Any]]) -> list[Verdict]:
     share = [s for s in (one[0].get("probe_share") or [])] if one else []
     bound = f">= {DECODE_PROBE_SHARE:.0%}"
     target = "batch-1 bf16 weight traffic / the bandwidth probe (the bandwidth-bound rate)"
-    out.append(Verdict(target, f"{100 * statistics.median(share):.1f}% ({one[0]['model_size_mb']:.0f} MB per step; "
-                       f"max model len {short})", bound, statistics.median(share) >= DECODE_PROBE_SHARE)
-               if share else _none(target, bound, "no batch-1 bf16 cell"))  # fmt: skip
+    out.append(
+        Verdict(
+            target,
+            f"{100 * statistics.median(share):.1f}% ({one[0]['model_size_mb']:.0f} MB per step; max model len {short})",
+            bound,
+            statistics.median(share) >= DECODE_PROBE_SHARE,
+        )
+        if share
+        else _none(target, bound, "no batch-1 bf16 cell")
+    )
     target, bound = "batch-1 bf16 decode / transformers bf16 generate (worst paired run)", f">= {DECODE_VS_HF:g}x"
     peers = (one[0].get("peer_ratios") or {}) if one else {}
     ratios = next((list(v) for k, v in peers.items() if k.startswith("transformers") and v), [])
     if ratios:
-        out.append(Verdict(target, f"{min(ratios):.2f}x (median {statistics.median(ratios):.2f}x, n={len(ratios)})",
-                           bound, min(ratios) >= DECODE_VS_HF))  # fmt: skip
+        out.append(
+            Verdict(
+                target,
+                f"{min(ratios):.2f}x (median {statistics.median(ratios):.2f}x, n={len(ratios)})",
+                bound,
+                min(ratios) >= DECODE_VS_HF,
+            )
+        )
     else:
         out.append(_none(target, bound, "no transformers peer in the batch-1 bf16 cell"))
     q4 = _rows(decode, quantization="int4", batch=1, max_model_len=short)
     target, bound = "int4 batch-1 decode tok/s / bf16 batch-1", f">= {INT4_VS_BF16:g}x"
-    out.append(Verdict(target, f"{_tps(q4[0]) / _tps(one[0]):.2f}x", bound, _tps(q4[0]) / _tps(one[0]) >= INT4_VS_BF16)
-               if q4 and one else _none(target, bound, "no int4 or bf16 batch-1 cell"))  # fmt: skip
+    out.append(
+        Verdict(target, f"{_tps(q4[0]) / _tps(one[0]):.2f}x", bound, _tps(q4[0]) / _tps(one[0]) >= INT4_VS_BF16)
+        if q4 and one
+        else _none(target, bound, "no int4 or bf16 batch-1 cell")
+    )
     for quant in ("none", "int4"):
         b1 = _rows(decode, quantization=quant, batch=1, max_model_len=short)
         b64 = _rows(decode, quantization=quant, batch=64, max_model_len=short)
         label = "bf16" if quant == "none" else quant
         target, bound = f"{label} batch-64 decode tok/s / batch-1", f">= {BATCH64_VS_BATCH1:g}x"
-        out.append(Verdict(target, f"{_tps(b64[0]) / _tps(b1[0]):.1f}x", bound,
-                           _tps(b64[0]) / _tps(b1[0]) >= BATCH64_VS_BATCH1)
-                   if b1 and b64 else _none(target, bound, "no batch-64 and batch-1 cells"))  # fmt: skip
+        out.append(
+            Verdict(
+                target, f"{_tps(b64[0]) / _tps(b1[0]):.1f}x", bound, _tps(b64[0]) / _tps(b1[0]) >= BATCH64_VS_BATCH1
+            )
+            if b1 and b64
+            else _none(target, bound, "no batch-64 and batch-1 cells")
+        )
         long = _rows(decode, quantization=quant, batch=1, max_model_len=lens[-1]) if len(lens) > 1 else []
         target = f"{label} batch-1 step at max model len {lens[-1] if lens else '-'} / at {short}"
         bound = f"<= {MAX_LEN_STEP:.2f}x"
         if long and b1:
             pairs = [a / b for a, b in zip(long[0]["step_ms"], b1[0]["step_ms"])]
             med = statistics.median(pairs)
-            out.append(Verdict(target, f"{med:.3f}x (paired by run, worst {max(pairs):.3f}x)", bound,
-                               med <= MAX_LEN_STEP))  # fmt: skip
+            out.append(
+                Verdict(target, f"{med:.3f}x (paired by run, worst {max(pairs):.3f}x)", bound, med <= MAX_LEN_STEP)
+            )
         else:
-            why = ("fewer than two max model lens" if len(lens) < 2 else
-                   f"no {label} batch-1 cell at max model len {lens[-1] if not long else short}")
+            why = (
+                "fewer than two max model lens"
+                if len(lens) < 2
+                else f"no {label} batch-1 cell at max model len {lens[-1] if not long else short}"
+            )
             out.append(_none(target, bound, why))
     engines: dict[tuple[Any, ...], Mapping[str, Any]] = {}
     for r in _rows(decode):
@@ -432,19 +527,29 @@ def decode_verdicts(decode: Sequence[Mapping[str, Any]]) -> list[Verdict]:
     bound = f"<= {POOL_OVER_ACTIVATIONS}x"
     pools = [(k, r) for k, r in engines.items() if r.get("graph_pool_gb") is not None and r.get("graph_activation_gb")]
     if not pools:
-        out.append(_none("CUDA graph pool / the largest captured batch's activations", bound,
-                         "no engine captured CUDA graphs"))  # fmt: skip
+        out.append(
+            _none("CUDA graph pool / the largest captured batch's activations", bound, "no engine captured CUDA graphs")
+        )
     for (quant, dtype, _kv, max_len), r in pools:
         ratio = r["graph_pool_gb"] / r["graph_activation_gb"]
-        out.append(Verdict(f"CUDA graph pool / activations at batch {r.get('graph_largest_size')} ({quant}, {dtype}, "
-                           f"max model len {max_len})", f"{ratio:.2f}x ({r['graph_pool_gb']:.3f} GB / "
-                           f"{r['graph_activation_gb']:.3f} GB)", bound, ratio <= POOL_OVER_ACTIVATIONS))  # fmt: skip
+        out.append(
+            Verdict(
+                f"CUDA graph pool / activations at batch {r.get('graph_largest_size')} ({quant}, {dtype}, "
+                f"max model len {max_len})",
+                f"{ratio:.2f}x ({r['graph_pool_gb']:.3f} GB / {r['graph_activation_gb']:.3f} GB)",
+                bound,
+                ratio <= POOL_OVER_ACTIVATIONS,
+            )
+        )
     return out
 
 
 def verdict_table(verdicts: Sequence[Verdict]) -> str:
-    return markdown_table(["Target", "Measured", "Bound", "Verdict"],
-                          [[v.target, v.measured, v.bound, v.word] for v in verdicts], ["l", "l", "l", "l"])
+    return markdown_table(
+        ["Target", "Measured", "Bound", "Verdict"],
+        [[v.target, v.measured, v.bound, v.word] for v in verdicts],
+        ["l", "l", "l", "l"],
+    )
 
 
 def pool_table(data: Mapping[str, Any]) -> str:
@@ -458,16 +563,39 @@ def pool_table(data: Mapping[str, Any]) -> str:
         acts = s.attr(Row.GRAPH_CAPTURING, Attr.GRAPH_SIZE_ACTIVATION_BYTES) or []
         if reserved is None:
             why = (s.report.get("reasons") or {}).get(Row.GRAPH_CAPTURING) or "no CUDA graphs: a CPU start"
-            rows.append([f"{s.kind} {s.length}", ", ".join(map(str, sizes)) or "-", Missing(why), Missing(why),
-                         Missing(why), Missing(why)])  # fmt: skip
+            rows.append(
+                [
+                    f"{s.kind} {s.length}",
+                    ", ".join(map(str, sizes)) or "-",
+                    Missing(why),
+                    Missing(why),
+                    Missing(why),
+                    Missing(why),
+                ]
+            )
             continue
         growth = s.attr(Row.GRAPH_CAPTURING, Attr.GRAPH_POOL_BYTES)
-        rows.append([f"{s.kind} {s.length}", ", ".join(map(str, sizes)), fmt_num(reserved / 1e9, 3),
-                     fmt_num(growth / 1e9, 3) if growth is not None else Missing("not recorded"),
-                     fmt_num(acts[-1] / 1e9, 3) if acts else Missing("not recorded"),
-                     f"{reserved / acts[-1]:.2f}x" if acts and acts[-1] else Missing("no activations")])  # fmt: skip
-    return markdown_table(["Start", "captured sizes", "graph pool GB (snapshot)", "reserved growth GB",
-                           "largest size's activations GB", "pool / activations"], rows)  # fmt: skip
+        rows.append(
+            [
+                f"{s.kind} {s.length}",
+                ", ".join(map(str, sizes)),
+                fmt_num(reserved / 1e9, 3),
+                fmt_num(growth / 1e9, 3) if growth is not None else Missing("not recorded"),
+                fmt_num(acts[-1] / 1e9, 3) if acts else Missing("not recorded"),
+                f"{reserved / acts[-1]:.2f}x" if acts and acts[-1] else Missing("no activations"),
+            ]
+        )
+    return markdown_table(
+        [
+            "Start",
+            "captured sizes",
+            "graph pool GB (snapshot)",
+            "reserved growth GB",
+            "largest size's activations GB",
+            "pool / activations",
+        ],
+        rows,
+    )
 
 
 def render_markdown(data: Mapping[str, Any], argv: list[str] | None = None) -> str:
@@ -481,40 +609,63 @@ def render_markdown(data: Mapping[str, Any], argv: list[str] | None = None) -> s
     parts = [report_header(f"Seed 004 at the {model} shape: start-up beside vLLM's, and the targets", argv)]
     ran = data.get("argv")
     if ran != argv:  # rendered from an earlier run: the header above is the renderer's
-        parts.append(f"- the starts ran as: `glowplug {' '.join(ran)}`" if ran else "- the starts' command: not "
-                     "recorded")  # fmt: skip
-    parts += [f"- GPU: {data.get('gpu') or 'none seen (no nvidia-smi): the starts ran on the CPU'}",
-              "- the starts' versions: " + (", ".join(f"{k} {v}" for k, v in versions.items()) or "no start finished"),
-              ""]  # fmt: skip
+        parts.append(
+            f"- the starts ran as: `glowplug {' '.join(ran)}`" if ran else "- the starts' command: not recorded"
+        )
+    parts += [
+        f"- GPU: {data.get('gpu') or 'none seen (no nvidia-smi): the starts ran on the CPU'}",
+        "- the starts' versions: " + (", ".join(f"{k} {v}" for k, v in versions.items()) or "no start finished"),
+        "",
+    ]
     if data.get("partial"):
-        parts += ["**Partial run**: the command stopped before its last start; the tables hold the starts it "
-                  "finished.", ""]  # fmt: skip
+        parts += [
+            "**Partial run**: the command stopped before its last start; the tables hold the starts it finished.",
+            "",
+        ]
     n_warm = sum(1 for s in ok if s.kind == "warm")
-    parts += [f"Model `{cfg['model']}`, `--quantization {cfg['quantization']}`, `--dtype {cfg['dtype']}`. One cold "
-              f"start (empty cache dir, weights evicted from the page cache: {probe.get('evicted')}), then "
-              f"{n_warm} warm start(s) in the cache it filled, each `glowplug startup` in a fresh process. Seconds; a "
-              "cell with n>1 is the median of its starts.", "",
-              "## Start-up beside seed 004", "", start_table(data), "",
-              f"Disk-read probe: {probe.get('bytes', 0) / 2**20:,.0f} MiB of the weights' files at "
-              f"{probe.get('disk_gbps', 0):.2f} GB/s after eviction, {probe.get('page_cache_gbps', 0):.2f} GB/s "
-              "read again from the page cache. The floor row is the weights / the disk rate + the start's own "
-              "`import torch`; each start's own report also has the engine's floor (weights / a RAM read probe).",
-              "", "## Targets", ""]  # fmt: skip
+    parts += [
+        f"Model `{cfg['model']}`, `--quantization {cfg['quantization']}`, `--dtype {cfg['dtype']}`. One cold "
+        f"start (empty cache dir, weights evicted from the page cache: {probe.get('evicted')}), then "
+        f"{n_warm} warm start(s) in the cache it filled, each `glowplug startup` in a fresh process. Seconds; a "
+        "cell with n>1 is the median of its starts.",
+        "",
+        "## Start-up beside seed 004",
+        "",
+        start_table(data),
+        "",
+        f"Disk-read probe: {probe.get('bytes', 0) / 2**20:,.0f} MiB of the weights' files at "
+        f"{probe.get('disk_gbps', 0):.2f} GB/s after eviction, {probe.get('page_cache_gbps', 0):.2f} GB/s "
+        "read again from the page cache. The floor row is the weights / the disk rate + the start's own "
+        "`import torch`; each start's own report also has the engine's floor (weights / a RAM read probe).",
+        "",
+        "## Targets",
+        "",
+    ]
     verdicts = start_verdicts(data)
     decode = data.get("decode")
     parts += [verdict_table(verdicts + (decode_verdicts(decode) if decode else [])), ""]
     if decode:
         cells = sorted({(r["quantization"], int(r["max_model_len"])) for r in _rows(decode)})
-        parts += [f"The decode targets come from `{data.get('decode_source', 'the decode JSON')}`, which holds "
-                  f"{len(_rows(decode))} measured cells: " + ", ".join(f"{q} at max model len {n}" for q, n in cells) +
-                  " (a `bench decode` stopped early keeps the engines it finished).", ""]  # fmt: skip
+        parts += [
+            f"The decode targets come from `{data.get('decode_source', 'the decode JSON')}`, which holds "
+            f"{len(_rows(decode))} measured cells: "
+            + ", ".join(f"{q} at max model len {n}" for q, n in cells)
+            + " (a `bench decode` stopped early keeps the engines it finished).",
+            "",
+        ]
     else:
         parts += ["The decode targets need `--decode-json` (a `glowplug bench decode` JSON on the same model).", ""]
-    parts += ["## CUDA graph pool per start", "", pool_table(data), "",
-              "graph pool GB: the captured graphs' pool after capture, from torch.cuda.memory_snapshot (its "
-              "segments); reserved growth: torch.cuda.memory_reserved after the captures minus before (the pool and "
-              "what the warm-up calls took); activations: the allocator's peak during one uncaptured call of the "
-              "step at the largest size, over what was allocated before it.", ""]  # fmt: skip
+    parts += [
+        "## CUDA graph pool per start",
+        "",
+        pool_table(data),
+        "",
+        "graph pool GB: the captured graphs' pool after capture, from torch.cuda.memory_snapshot (its "
+        "segments); reserved growth: torch.cuda.memory_reserved after the captures minus before (the pool and "
+        "what the warm-up calls took); activations: the allocator's peak during one uncaptured call of the "
+        "step at the largest size, over what was allocated before it.",
+        "",
+    ]
     failed = [s for s in starts(data) if not s.ok]
     if failed:
         parts += ["Starts that failed:", ""] + [f"- {s.kind} {s.length}: {s.error}" for s in failed] + [""]
@@ -522,8 +673,12 @@ def render_markdown(data: Mapping[str, Any], argv: list[str] | None = None) -> s
     parts += [f"- **{r.name}** = {r.how}" for r in SEED_ROWS]
     parts += [f"- **{k}** = {v}" for k, v in DERIVED_HOW.items()]
     parts += [f"- **{r}**: glowplug's row of that name, beside the seed's" for r in RAW_ROWS]
-    parts += ["", "The seed's total_time leaves about 15 s of its wall clock unaccounted (imports, process start, the "
-              "serving front end); glowplug's last mapped row accounts for every second of its wall clock.", ""]
+    parts += [
+        "",
+        "The seed's total_time leaves about 15 s of its wall clock unaccounted (imports, process start, the "
+        "serving front end); glowplug's last mapped row accounts for every second of its wall clock.",
+        "",
+    ]
     return "\n".join(parts)
 
 

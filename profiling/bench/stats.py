@@ -72,9 +72,7 @@ class Summary:
         """The same summary in other units (seconds -> ms); a positive factor keeps the order of the fields."""
         if factor <= 0:
             raise ValueError("scale by a positive factor only")
-        return Summary(
-            self.n, *(getattr(self, f) * factor for f in ("mean", "std", "min", "max", "p50", "p90", "p99"))
-        )
+        return Summary(self.n, *(getattr(self, f) * factor for f in ("mean", "std", "min", "max", "p50", "p90", "p99")))
 
 
 def summarize(values: Iterable[float]) -> Summary:

@@ -34,7 +34,7 @@ def fmt_num(value: float, digits: int = 2) -> str:
 
 
 def fmt_spread(values: Sequence[float], digits: int = 2) -> str:
-    """"median (min–max)" over repeats, or "value (n=1)" for one sample: one sample has no measured spread, and
+    """ "median (min–max)" over repeats, or "value (n=1)" for one sample: one sample has no measured spread, and
     "± 0" or "x (x–x)" would claim one. No unit: the unit belongs in the column header, so a cell never reads
     like "0 (n=1)%"."""
     if not values:

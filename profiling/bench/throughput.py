@@ -7,8 +7,9 @@ A run is one batch of `batch` prompts of `input` tokens, each generating exactly
                       the reference sweep printed 0.00 here for every run: it never measured the prefill
   output throughput   tokens after each sequence's first token / time after the first tokens
                       (`BatchTiming.output_tokens_per_s`, the one decode rate of every glowplug report). The
-                      reference does not state whether it counts the first token; at its lengths (>= 32 tokens a sequence)
-                      the two readings differ by <= 3%, inside its run-to-run spread, so its column name is kept.
+                      reference does not state whether it counts the first token; at its lengths (>= 32 tokens a
+                      sequence) the two readings differ by <= 3%, inside its run-to-run spread, so its column name
+                      is kept.
   e2e output tput     glowplug's own column: output tokens / latency (prefill included)
   overall throughput  (prompt + output tokens) / latency
 Cells are median (min-max) over the n runs. A scheme is compared with `none` only at the same dtype and compile
@@ -60,7 +61,8 @@ class ThroughputBenchConfig(BenchEngineFields):
     warmups: int = Field(0, ge=0, description="Untimed runs before them (start-up already ran a warm-up).")
     quality_from: Path | None = Field(None, description="Accuracy JSON whose >2x-bf16-perplexity formats get flagged.")
     skip_unusable: bool = Field(
-        False, description="Do not time the schemes that --quality-from flags unusable; their rows say why (saves "
+        False,
+        description="Do not time the schemes that --quality-from flags unusable; their rows say why (saves "
         "the time of a format no one should deploy).",
     )
     # Under the working directory, named after the command: never the checkout's reports/ unless asked.
@@ -162,8 +164,9 @@ def _shape_fields(quant: str, shape: Shape) -> dict[str, Any]:
     }
 
 
-def _record(quant: str, shape: Shape, i: int, t: Any, dtype: str | None = None, compile: str | None = None
-            ) -> RunRecord:
+def _record(
+    quant: str, shape: Shape, i: int, t: Any, dtype: str | None = None, compile: str | None = None
+) -> RunRecord:
     figures = {name: getattr(t, name) for name in TIMING_FIELDS}
     return RunRecord(
         run_id=f"{quant}_{shape.name}_run{i}",
@@ -326,15 +329,22 @@ def spread(values: list[float], digits: int = 2) -> Cell:
 
 def baseline_for(s: VariantSummary, ranked: list[VariantSummary]) -> VariantSummary | None:
     """The unquantized run at the same dtype and compile mode as `s` (None when there is none to compare with)."""
-    return next((b for b in ranked if b.quantization == "none" and (b.dtype, b.compile) == (s.dtype, s.compile)),
-                None)  # fmt: skip
+    return next((b for b in ranked if b.quantization == "none" and (b.dtype, b.compile) == (s.dtype, s.compile)), None)
 
 
 def paired_ratios(records: list[RunRecord], config: str, quant: str, base: str = "none") -> list[float]:
     """Output throughput of run i of `quant` over run i of `base` on `config`, for every i both have."""
+
     def by_run(q: str) -> dict[int, float]:
-        return {r.run: r.output_throughput for r in records if r.config == config and r.quantization == q
-                and r.status == "ok" and r.run is not None and r.output_throughput is not None}  # fmt: skip
+        return {
+            r.run: r.output_throughput
+            for r in records
+            if r.config == config
+            and r.quantization == q
+            and r.status == "ok"
+            and r.run is not None
+            and r.output_throughput is not None
+        }
 
     mine, theirs = by_run(quant), by_run(base)
     return [mine[i] / theirs[i] for i in sorted(mine) if i in theirs and theirs[i] > 0]
@@ -371,8 +381,11 @@ def config_table(shapes: list[Shape], summaries: list[VariantSummary]) -> str:
             rows.append([f"`{name}`", batch, inp, out, Missing("not in --configs: not run")])
             continue
         ran = [v for v in summaries if v.config == name and v.runs]
-        status = (f"{len(ran)} scheme(s) x {max(v.runs for v in ran)} run(s)" if ran
-                  else str(Missing(shape.impossible or "no scheme ran (see its table)")))  # fmt: skip
+        status = (
+            f"{len(ran)} scheme(s) x {max(v.runs for v in ran)} run(s)"
+            if ran
+            else str(Missing(shape.impossible or "no scheme ran (see its table)"))
+        )
         if shape.note:
             status += f"; {shape.note}"
         rows.append([f"`{name}`", shape.batch, shape.input_len, shape.output_len, status])
@@ -412,12 +425,15 @@ def render_markdown(
                 why = Missing(s.reason or "not run")
                 rows.append([scheme(s.quantization), why, why, 0, *[why] * len(METRICS)])
                 continue
-            ok = [r for r in records if r.config == shape.name and r.quantization == s.quantization
-                  and r.status == "ok"]  # fmt: skip
+            ok = [
+                r for r in records if r.config == shape.name and r.quantization == s.quantization and r.status == "ok"
+            ]
             stats: list[Cell] = [
-                spread([getattr(r, m) for r in ok], 3 if m == "latency_s" else 2) if m in s.stats
-                else Missing("no decode phase: one output token") for m, _ in METRICS
-            ]  # fmt: skip
+                spread([getattr(r, m) for r in ok], 3 if m == "latency_s" else 2)
+                if m in s.stats
+                else Missing("no decode phase: one output token")
+                for m, _ in METRICS
+            ]
             rows.append([scheme(s.quantization), s.dtype or "?", s.compile or "?", s.runs, *stats])
         head = ["Scheme", "dtype", "compile", "Runs", *(h for _, h in METRICS)]
         parts += [markdown_table(head, rows), "", DEFINITIONS, ""]
@@ -426,23 +442,40 @@ def render_markdown(
         runs = [r for r in records if r.config == shape.name and r.status == "ok"]
         if runs:
             detail: list[list[Cell]] = [
-                [f"`{r.run_id}`", fmt_num(r.latency_s or 0, 3), fmt_num(r.prefill_s or 0, 3),
-                 fmt_num(r.decode_s or 0, 3),
-                 fmt_num(r.output_throughput) if r.output_throughput is not None else Missing("no decode phase"),
-                 fmt_num(r.overall_throughput or 0), fmt_num(r.input_throughput or 0),
-                 fmt_num(r.e2e_output_throughput or 0)]
+                [
+                    f"`{r.run_id}`",
+                    fmt_num(r.latency_s or 0, 3),
+                    fmt_num(r.prefill_s or 0, 3),
+                    fmt_num(r.decode_s or 0, 3),
+                    fmt_num(r.output_throughput) if r.output_throughput is not None else Missing("no decode phase"),
+                    fmt_num(r.overall_throughput or 0),
+                    fmt_num(r.input_throughput or 0),
+                    fmt_num(r.e2e_output_throughput or 0),
+                ]
                 for r in runs
-            ]  # fmt: skip
-            head = ["Run", "Latency (s)", "Prefill (s)", "Decode (s)", "Output (tok/s)", "Overall (tok/s)",
-                    "Input (tok/s)", "E2E Output (tok/s)"]  # fmt: skip
+            ]
+            head = [
+                "Run",
+                "Latency (s)",
+                "Prefill (s)",
+                "Decode (s)",
+                "Output (tok/s)",
+                "Overall (tok/s)",
+                "Input (tok/s)",
+                "E2E Output (tok/s)",
+            ]
             table = markdown_table(head, detail)
             parts += ["<details><summary>Individual runs</summary>", "", table, "", "</details>", ""]
-    parts += ["## Ranking by output throughput", "",
-              "Output Throughput as defined under the tables (tokens after each sequence's first / time after the "
-              "first tokens), median (min–max) over n runs. `vs none`: the paired ratios run i / `none`'s run i "
-              "(each scheme runs on its own engine, one after another), their median and the worst pair, at the "
-              "same dtype and compile mode only. Schemes flagged unusable by the accuracy report are listed after "
-              "the ranked ones and not ranked.", ""]  # fmt: skip
+    parts += [
+        "## Ranking by output throughput",
+        "",
+        "Output Throughput as defined under the tables (tokens after each sequence's first / time after the "
+        "first tokens), median (min–max) over n runs. `vs none`: the paired ratios run i / `none`'s run i "
+        "(each scheme runs on its own engine, one after another), their median and the worst pair, at the "
+        "same dtype and compile mode only. Schemes flagged unusable by the accuracy report are listed after "
+        "the ranked ones and not ranked.",
+        "",
+    ]
     for shape in shapes:
         ranked = ranking(summaries, shape.name, flags)
         parts += [f"### {shape.name} ({shape.title})", ""]
@@ -451,20 +484,27 @@ def render_markdown(
         place = 0
         for s in ranked:
             st = s.stats[RANK_METRIC]
-            values = [r.output_throughput for r in records if r.config == shape.name and r.quantization ==
-                      s.quantization and r.status == "ok" and r.output_throughput is not None]  # fmt: skip
+            values = [
+                r.output_throughput
+                for r in records
+                if r.config == shape.name
+                and r.quantization == s.quantization
+                and r.status == "ok"
+                and r.output_throughput is not None
+            ]
             base = baseline_for(s, ranked)
             vs = ""
             if s.quantization != "none":
                 pairs = paired_ratios(records, shape.name, s.quantization) if base is not None else []
                 if pairs:
                     med = summarize(pairs).p50
-                    vs = (f" ({med:.2f}x vs none, worst pair {min(pairs):.2f}x, {len(pairs)} pairs, at {s.dtype}, "
-                          f"compile {s.compile})")
+                    vs = (
+                        f" ({med:.2f}x vs none, worst pair {min(pairs):.2f}x, {len(pairs)} pairs, at {s.dtype}, "
+                        f"compile {s.compile})"
+                    )
                 else:
                     vs = f" (no `none` run at {s.dtype}, compile {s.compile} to compare with)"
-            text = (f"**{s.quantization}** ({s.dtype}, compile {s.compile}): {fmt_spread(values)} tok/s, "
-                    f"n={st.n}{vs}")
+            text = f"**{s.quantization}** ({s.dtype}, compile {s.compile}): {fmt_spread(values)} tok/s, n={st.n}{vs}"
             if s.quantization in flags:
                 parts.append(f"- not ranked: {text} {flags[s.quantization]}")
             else:
@@ -488,17 +528,21 @@ def write_reports(
     summaries = summarize_runs(shapes, records, cfg.quantization)
     flags = load_flags(cfg.quality_from)
     js = out / JSON_NAME
-    write_json(js, {
-        "partial": False,
-        "config": cfg.model_dump(mode="json"),
-        "definitions": DEFINITIONS,
-        "named_configs": {k: {"batch_size": b, "input_len": i, "output_len": o} for k, (b, i, o) in
-                          NAMED_CONFIGS.items()},
-        "shapes": [asdict(s) for s in shapes],
-        "quality_flags": flags,
-        "runs": [asdict(r) for r in records],  # every run's values (seed 002's "Individual runs")
-        "summaries": [asdict(s) for s in summaries],
-    })  # fmt: skip
+    write_json(
+        js,
+        {
+            "partial": False,
+            "config": cfg.model_dump(mode="json"),
+            "definitions": DEFINITIONS,
+            "named_configs": {
+                k: {"batch_size": b, "input_len": i, "output_len": o} for k, (b, i, o) in NAMED_CONFIGS.items()
+            },
+            "shapes": [asdict(s) for s in shapes],
+            "quality_flags": flags,
+            "runs": [asdict(r) for r in records],  # every run's values (seed 002's "Individual runs")
+            "summaries": [asdict(s) for s in summaries],
+        },
+    )
     written = [md, js]
     if cfg.plots:
         from .plots import plot_ranking
@@ -509,13 +553,16 @@ def write_reports(
             untimed = sorted({v.quantization for v in summaries if not v.stats and v.quantization in flags})
             if untimed:  # left out of the bars: the figure says so, not only the Markdown
                 dtypes.append(f"not timed, unusable: {', '.join(untimed)}")
-            written.append(plot_ranking(
-                groups, out / "ranking.png",
-                xlabel="Output Throughput, tok/s (tokens after each sequence's first / time after the first "
-                "tokens)",
-                title=f"Output throughput per configuration ({'; '.join(dtypes)}); bar: median over n runs, "
-                      "error bar: min–max",
-            ))  # fmt: skip
+            written.append(
+                plot_ranking(
+                    groups,
+                    out / "ranking.png",
+                    xlabel="Output Throughput, tok/s (tokens after each sequence's first / time after the first "
+                    "tokens)",
+                    title=f"Output throughput per configuration ({'; '.join(dtypes)}); bar: median over n runs, "
+                    "error bar: min–max",
+                )
+            )
     return written
 
 

@@ -153,7 +153,6 @@ def build_llm(fields: dict[str, Any]) -> tuple[Any, str | None]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-
 def model_position_limit(model: str, cache_dir: Path | None = None) -> int:
     """The longest max-model-len the model allows (converting the embedded default into the cache if needed)."""
     from glowplug.engine.kv_sizing import model_len_limit

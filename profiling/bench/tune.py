@@ -51,8 +51,12 @@ class TuneMaxModelLenConfig(BenchEngineFields):
     max_num_seqs: int | None = Field(None, ge=1)
     min_concurrency: int | None = Field(None, ge=1, description="Recommend the largest length serving this many.")
     plan: bool = Field(False, description="Predict from one start-up instead of one start-up per length.")
-    repeats: int = Field(3, ge=1, description="Starts per max-model-len in a sweep, as that many passes over the "
-                         "lengths (so drift hits every length alike); cells show the median and min-max, n.")
+    repeats: int = Field(
+        3,
+        ge=1,
+        description="Starts per max-model-len in a sweep, as that many passes over the "
+        "lengths (so drift hits every length alike); cells show the median and min-max, n.",
+    )
     cache_dir: Path | None = Field(None, description="GLOWPLUG_CACHE_DIR for the starts; unset = the environment's.")
     timeout_s: float = Field(900.0, gt=0, description="Per start-up.")
     # Relative to the working directory and named after the command, so running it from a checkout never
@@ -151,8 +155,17 @@ def column_from_runs(length: int, runs: list[StartupRun], block_size: int) -> Co
     blocks = [int(b) for r in ok if (b := r.attr(KV_ROW, Attr.KV_BLOCKS)) is not None]
     reasons = {k: v for r in ok for k, v in r.reasons.items()}
     leaves = tuple(dict.fromkeys(n for r in ok for n in leaf_names(r)))
-    return Column(length, medians, reasons, leaves, int(_median([float(b) for b in blocks])) if blocks else None,
-                  block_size, samples=samples, blocks_samples=blocks, failures=failures)  # fmt: skip
+    return Column(
+        length,
+        medians,
+        reasons,
+        leaves,
+        int(_median([float(b) for b in blocks])) if blocks else None,
+        block_size,
+        samples=samples,
+        blocks_samples=blocks,
+        failures=failures,
+    )
 
 
 def leaf_names(run: StartupRun) -> tuple[str, ...]:
@@ -162,8 +175,9 @@ def leaf_names(run: StartupRun) -> tuple[str, ...]:
 def _start(cfg: TuneMaxModelLenConfig, length: int, tmp: Path, rep: int = 1) -> StartupRun:
     args = cfg.startup_argv(quantization=cfg.quantization, max_model_len=length, max_num_seqs=cfg.max_num_seqs)
     report = tmp / f"startup-{length}-{rep}.json"
-    return run_startup(f"max-model-len {length} run {rep}", args, report, cache_dir=cfg.cache_dir,
-                       timeout_s=cfg.timeout_s)  # fmt: skip
+    return run_startup(
+        f"max-model-len {length} run {rep}", args, report, cache_dir=cfg.cache_dir, timeout_s=cfg.timeout_s
+    )
 
 
 def predict_columns(cfg: TuneMaxModelLenConfig, run: StartupRun, lengths: list[int]) -> tuple[list[Column], int, int]:
@@ -192,8 +206,16 @@ def predict_columns(cfg: TuneMaxModelLenConfig, run: StartupRun, lengths: list[i
             columns.append(Column(length, error=f"start-up would fail in model_prepare: {type(exc).__name__}: {exc}"))
             continue
         columns.append(
-            Column(length, dict(run.phases), dict(run.reasons), leaf_names(run), plan.num_blocks, plan.block_size,
-                   samples=[dict(run.phases)], blocks_samples=[plan.num_blocks])
+            Column(
+                length,
+                dict(run.phases),
+                dict(run.reasons),
+                leaf_names(run),
+                plan.num_blocks,
+                plan.block_size,
+                samples=[dict(run.phases)],
+                blocks_samples=[plan.num_blocks],
+            )
         )
     return columns, budget, per_token
 
@@ -321,8 +343,7 @@ def _cell(column: Column, row: str) -> Cell:
 def render_table(result: TuneResult) -> str:
     ran, _ = phase_rows(result)
     head = ["Metric \\ max-model-len", *(str(c.length) for c in result.columns)]
-    rows: list[list[Cell]] = [[row, *(_cell(c, row) for c in result.columns)]
-                              for row in ("runs (n)", *ran, *KV_ROWS)]  # fmt: skip
+    rows: list[list[Cell]] = [[row, *(_cell(c, row) for c in result.columns)] for row in ("runs (n)", *ran, *KV_ROWS)]
     return markdown_table(head, rows)
 
 
@@ -367,17 +388,29 @@ def render_markdown(result: TuneResult, argv: list[str] | None = None) -> str:
         "at once.",
         "",
     ]
-    parts += ["KV blocks: the cache's blocks after profiling; token capacity = KV blocks x block size "
-              f"({cfg.block_size}): tokens the cache holds at once.", ""]
+    parts += [
+        "KV blocks: the cache's blocks after profiling; token capacity = KV blocks x block size "
+        f"({cfg.block_size}): tokens the cache holds at once.",
+        "",
+    ]
     if result.mode == "sweep" and any(c.ok for c in result.columns):
         from .vllm_startup_rows import definitions_text
 
-        parts += ["## Beside seed 004 (vLLM start-up per max-model-len)", "", seed_table(result), "",
-                  definitions_text(), ""]  # fmt: skip
+        parts += [
+            "## Beside seed 004 (vLLM start-up per max-model-len)",
+            "",
+            seed_table(result),
+            "",
+            definitions_text(),
+            "",
+        ]
     if result.mode == "sweep" and cfg.plots and any(c.ok for c in result.columns):
-        parts += ["![KV capacity against max-model-len](tune_kv_capacity.png) KV capacity (token capacity, and "
-                  "max concurrent full-length sequences) against max-model-len: median over the starts per length, "
-                  "error bars min–max, n in the legend.", ""]  # fmt: skip
+        parts += [
+            "![KV capacity against max-model-len](tune_kv_capacity.png) KV capacity (token capacity, and "
+            "max concurrent full-length sequences) against max-model-len: median over the starts per length, "
+            "error bars min–max, n in the legend.",
+            "",
+        ]
     rec = recommend(result)
     if rec is not None:
         parts += [f"## Recommendation for --min-concurrency {rec.min_concurrency}", "", rec.text, ""]
@@ -407,15 +440,27 @@ def result_dict(result: TuneResult) -> dict[str, Any]:
         "budget_bytes": result.budget_bytes,
         "bytes_per_token": result.bytes_per_token,
         "columns": [
-            {"max_model_len": c.length, "ok": c.ok, "error": c.error, "n": c.n, "failures": c.failures,
-             "phases_median": c.phases, "reasons": c.reasons, "phases_per_run": c.samples,
-             "kv_blocks": c.kv_blocks, "kv_blocks_per_run": c.blocks_samples, "token_capacity": c.token_capacity,
-             "max_concurrency": c.max_concurrency, "seed_004_per_run": seed_maps(c) if c.ok else []}
+            {
+                "max_model_len": c.length,
+                "ok": c.ok,
+                "error": c.error,
+                "n": c.n,
+                "failures": c.failures,
+                "phases_median": c.phases,
+                "reasons": c.reasons,
+                "phases_per_run": c.samples,
+                "kv_blocks": c.kv_blocks,
+                "kv_blocks_per_run": c.blocks_samples,
+                "token_capacity": c.token_capacity,
+                "max_concurrency": c.max_concurrency,
+                "seed_004_per_run": seed_maps(c) if c.ok else [],
+            }
             for c in result.columns
-        ],  # fmt: skip
+        ],
         "start_reports": result.start_reports,
-        "recommendation": None if rec is None else {"max_model_len": rec.length, "exact_bound": rec.exact_bound,
-                                                     "flags": rec.flags, "text": rec.text},  # fmt: skip
+        "recommendation": None
+        if rec is None
+        else {"max_model_len": rec.length, "exact_bound": rec.exact_bound, "flags": rec.flags, "text": rec.text},
     }
 
 
@@ -436,18 +481,32 @@ def write_reports(result: TuneResult, argv: list[str] | None = None) -> list[Pat
         cfg = result.config
         ns = sorted({c.n for c in ok})
         n_text = f"n={'/'.join(map(str, ns))} warm-model starts per length"
-        title = (f"Start-up phases per max-model-len: {Path(cfg.model).name}, quantization {cfg.quantization}, "
-                 f"--dtype {cfg.dtype}; bars: median own time per phase over {n_text}; tick: median time to READY, "
-                 "error bar its min–max")  # fmt: skip
+        title = (
+            f"Start-up phases per max-model-len: {Path(cfg.model).name}, quantization {cfg.quantization}, "
+            f"--dtype {cfg.dtype}; bars: median own time per phase over {n_text}; tick: median time to READY, "
+            "error bar its min–max"
+        )
         ready = [c.values("actual_total_time") for c in ok]
-        written.append(plot_phase_stack([str(c.length) for c in ok], stacks, out / f"{stem}_phases.png",
-                                        title=title, xlabel="max-model-len", totals_label="time to READY (median)",
-                                        totals=[_median(v) if v else 0.0 for v in ready],
-                                        total_spread=[(min(v), max(v)) if v else (0.0, 0.0) for v in ready]))
-        written.append(plot_kv_capacity(
-            {Path(cfg.model).name: kv_points(ok)}, out / f"{stem}_kv_capacity.png",
-            title=f"KV capacity per max-model-len: {Path(cfg.model).name}, quantization {cfg.quantization}, "
-                  f"block size {cfg.block_size}"))  # fmt: skip
+        written.append(
+            plot_phase_stack(
+                [str(c.length) for c in ok],
+                stacks,
+                out / f"{stem}_phases.png",
+                title=title,
+                xlabel="max-model-len",
+                totals_label="time to READY (median)",
+                totals=[_median(v) if v else 0.0 for v in ready],
+                total_spread=[(min(v), max(v)) if v else (0.0, 0.0) for v in ready],
+            )
+        )
+        written.append(
+            plot_kv_capacity(
+                {Path(cfg.model).name: kv_points(ok)},
+                out / f"{stem}_kv_capacity.png",
+                title=f"KV capacity per max-model-len: {Path(cfg.model).name}, quantization {cfg.quantization}, "
+                f"block size {cfg.block_size}",
+            )
+        )
     return written
 
 
@@ -458,8 +517,9 @@ def kv_points(columns: list[Column]) -> list[tuple[int, list[float], list[float]
         if c.block_size is None:
             continue
         per_seq = -(-c.length // c.block_size)
-        out.append((c.length, [float(b * c.block_size) for b in c.blocks_samples],
-                    [b / per_seq for b in c.blocks_samples]))  # fmt: skip
+        out.append(
+            (c.length, [float(b * c.block_size) for b in c.blocks_samples], [b / per_seq for b in c.blocks_samples])
+        )
     return out
 
 

@@ -35,11 +35,18 @@ def verdicts_markdown(verdicts: Sequence[Verdict]) -> str:
     if not verdicts:
         return "No target applies to this run."
     failed = [v for v in verdicts if v.passed is False]
-    head = (f"**FAIL**: {len(failed)} of {len(verdicts)} targets missed" if failed else
-            "**PASS**: every target met" if all(v.passed for v in verdicts) else
-            "**NO VERDICT** on some targets (see below); none missed")  # fmt: skip
-    table = markdown_table(["Target", "Measured (worst pair or run)", "Verdict"],
-                           [[v.target, v.measured, f"**{v.word}**"] for v in verdicts], ["l", "l", "l"])  # fmt: skip
+    head = (
+        f"**FAIL**: {len(failed)} of {len(verdicts)} targets missed"
+        if failed
+        else "**PASS**: every target met"
+        if all(v.passed for v in verdicts)
+        else "**NO VERDICT** on some targets (see below); none missed"
+    )
+    table = markdown_table(
+        ["Target", "Measured (worst pair or run)", "Verdict"],
+        [[v.target, v.measured, f"**{v.word}**"] for v in verdicts],
+        ["l", "l", "l"],
+    )
     return f"{head}\n\n{table}"
 
 

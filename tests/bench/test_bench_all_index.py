@@ -50,19 +50,24 @@ def _fake_run(monkeypatch: pytest.MonkeyPatch, state: GitState, calls: list[dict
     monkeypatch.setattr(machine, "git_state", lambda exclude=None, repo=None: state)
     from glowplug.base.machine import ProbeStats
 
-    monkeypatch.setattr(machine, "measure_probe_stats",
-                        lambda passes=7, size_bytes=None: ProbeStats((12.0, 12.5, 13.0), 1 << 30, 32 << 20))  # fmt: skip
+    monkeypatch.setattr(
+        machine,
+        "measure_probe_stats",
+        lambda passes=7, size_bytes=None: ProbeStats((12.0, 12.5, 13.0), 1 << 30, 32 << 20),
+    )
 
-    def run_step(step: Step, timeout_s: float, log: Path, out: Path, run_env: dict[str, str] | None = None
-                 ) -> StepResult:  # fmt: skip
+    def run_step(
+        step: Step, timeout_s: float, log: Path, out: Path, run_env: dict[str, str] | None = None
+    ) -> StepResult:
         calls.append({"name": step.name, "env": dict(run_env or {})})
         return StepResult(step, 0, 1.0, 0.5)
 
     monkeypatch.setattr(bench_all, "run_step", run_step)
 
 
-def test_dirty_tree_is_refused_unless_allowed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_dirty_tree_is_refused_unless_allowed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     calls: list[dict[str, Any]] = []
     _fake_run(monkeypatch, GitState(COMMIT_A, True), calls)
     out = tmp_path / "out"
@@ -88,13 +93,13 @@ def _hexes(text: str) -> list[str]:
     return re.findall(r"`([0-9a-f]{7,})`", text)
 
 
-def test_index_lists_one_run_and_warns_when_chunks_mix_commits(monkeypatch: pytest.MonkeyPatch,
-                                                               tmp_path: Path) -> None:  # fmt: skip
+def test_index_lists_one_run_and_warns_when_chunks_mix_commits(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     # An older index with a report that a full run must drop.
-    (out / SIDECAR).write_text(json.dumps({"run": {"commit": "f" * 40, "dirty": False}, "entries": {
-        "serve": {"commit": "f" * 40}}}))  # fmt: skip
+    (out / SIDECAR).write_text(
+        json.dumps({"run": {"commit": "f" * 40, "dirty": False}, "entries": {"serve": {"commit": "f" * 40}}})
+    )
     calls: list[dict[str, Any]] = []
     _fake_run(monkeypatch, GitState(COMMIT_A, False), calls)
     bench_all.run_all(BenchAllConfig(out=out, quick=True, skip=("serve",)), ["bench", "all", "--quick"])
@@ -127,11 +132,19 @@ def test_index_lists_one_run_and_warns_when_chunks_mix_commits(monkeypatch: pyte
 
 
 def test_older_sidecar_format_reads_as_a_mixed_index(tmp_path: Path) -> None:
-    (tmp_path / SIDECAR).write_text(json.dumps({
-        "invocations": [{"command": "glowplug bench all", "commit": COMMIT_A, "date": "d1", "probe_gbps": 9.0,
-                         "probe": "p"}],
-        "entries": {"accuracy": {"commit": COMMIT_A}, "serve": {"commit": f"{COMMIT_B} (with uncommitted changes)"}},
-    }))  # fmt: skip
+    (tmp_path / SIDECAR).write_text(
+        json.dumps(
+            {
+                "invocations": [
+                    {"command": "glowplug bench all", "commit": COMMIT_A, "date": "d1", "probe_gbps": 9.0, "probe": "p"}
+                ],
+                "entries": {
+                    "accuracy": {"commit": COMMIT_A},
+                    "serve": {"commit": f"{COMMIT_B} (with uncommitted changes)"},
+                },
+            }
+        )
+    )
     side = bench_all.load_sidecar(tmp_path)
     assert side["run"]["commit"] == COMMIT_A and side["entries"]["accuracy"]["run"] == side["run"]
     assert side["entries"]["serve"]["run"]["commit"] == COMMIT_B and side["entries"]["serve"]["dirty"]
@@ -149,8 +162,9 @@ def test_report_header_prints_the_commit_it_was_handed(monkeypatch: pytest.Monke
     # Run by hand (no run handed one down): the checkout's own HEAD.
     monkeypatch.delenv(COMMIT_ENV)
     machine.report_git_state.cache_clear()
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(machine.__file__).resolve().parent,
-                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=Path(machine.__file__).resolve().parent, capture_output=True, text=True
+    ).stdout.strip()
     line = next(ln for ln in machine.report_header("T", []).splitlines() if ln.startswith("- commit: "))
     assert line.removeprefix("- commit: ").split(" ")[0] == head
     machine.report_git_state.cache_clear()
@@ -162,8 +176,9 @@ def test_screenshots_without_a_browser_fail_with_the_reason_in_the_index(tmp_pat
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
     step = next(s for s in bench_all.plan_steps(BenchAllConfig(out=out, quick=True), ["screenshots"]))
-    env_step = Step(step.name, step.argv, step.outputs, step.what, {"PATH": str(tmp_path / "no-bin"),
-                                                                    "GLOWPLUG_CHROMIUM": ""})  # fmt: skip
+    env_step = Step(
+        step.name, step.argv, step.outputs, step.what, {"PATH": str(tmp_path / "no-bin"), "GLOWPLUG_CHROMIUM": ""}
+    )
     r = bench_all.run_step(env_step, 120, out / "logs" / "screenshots.log", out, GitState(COMMIT_A, False).env())
     assert r.returncode == 2 and r.error is not None and "no chromium found" in r.error
     record = json.loads((out / "screenshots" / "screenshots.json").read_text())
@@ -174,8 +189,9 @@ def test_screenshots_without_a_browser_fail_with_the_reason_in_the_index(tmp_pat
     assert "no chromium found" in next(ln for ln in readme.splitlines() if "screenshots.json" in ln)
 
 
-def test_a_step_without_its_input_is_listed_as_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Path) -> None:  # fmt: skip
+def test_a_step_without_its_input_is_listed_as_skipped_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     calls: list[dict[str, Any]] = []
     _fake_run(monkeypatch, GitState(COMMIT_A, False), calls)
     out = tmp_path / "out"
@@ -196,8 +212,9 @@ def test_a_step_without_its_input_is_listed_as_skipped_with_the_fix(monkeypatch:
     assert step.skip is None and str(gguf) in step.argv
 
 
-def test_the_real_size_steps_run_on_real_model_and_skip_with_the_flag_without(monkeypatch: pytest.MonkeyPatch,
-                                                                               tmp_path: Path) -> None:  # fmt: skip
+def test_the_real_size_steps_run_on_real_model_and_skip_with_the_flag_without(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     """--real-model: startup, tune and decode at a real size run on that file; without it the three are listed as
     skipped with the flag as the fix, and a path that is no file is refused before anything runs."""
     calls: list[dict[str, Any]] = []
@@ -206,9 +223,11 @@ def test_the_real_size_steps_run_on_real_model_and_skip_with_the_flag_without(mo
     real = ("real-decode", "real-tune", "real-startup")
     results = bench_all.run_all(BenchAllConfig(out=out, only=(*real, "real-decode-7b")))
     assert calls == [] and [r.error for r in results] == [
-        "skipped: no real-size model given: pass --real-model PATH", "skipped: no synthetic 7B given: pass "
-        "--synthetic-7b PATH", "skipped: no real-size model given: pass --real-model PATH",
-        "skipped: no real-size model given: pass --real-model PATH"]  # fmt: skip
+        "skipped: no real-size model given: pass --real-model PATH",
+        "skipped: no synthetic 7B given: pass --synthetic-7b PATH",
+        "skipped: no real-size model given: pass --real-model PATH",
+        "skipped: no real-size model given: pass --real-model PATH",
+    ]
     readme = (out / "README.md").read_text()
     for output in ("real/decode.md", "tune-max-model-len/real/tune.md", "real/startup/startup.md"):
         row = next(ln for ln in readme.splitlines() if output in ln)

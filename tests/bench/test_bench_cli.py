@@ -33,18 +33,31 @@ def test_flags_build_the_configs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     # A list flag takes one value per use: repeated, or items separated by commas (base/flags.py).
     cases = {
-        ("bench", "latency", "--batch-size", "1,4", "--quantization", "none", "--quantization", "int8", "--no-plots"):
-            (latency, dict(batch_size=(1, 4), quantization=("none", "int8"), plots=False)),
-        ("bench", "throughput", "--configs", "interactive,base", "m", "--runs", "2"):
-            (throughput, dict(model="m", configs=("interactive", "base"), runs=2)),
-        ("bench", "throughput", "--model", "m"):
-            (throughput, dict(model="m")),
-        ("bench", "startup", "--runs", "2", "--max-model-len", "auto", "--out-dir", "x"):
-            (startup_bench, dict(runs=2, max_model_len="auto", out_dir=Path("x"))),
-        ("tune", "max-model-len", "--max-model-len", "256", "--max-model-len", "1024", "--min-concurrency", "4",
-         "--plan"):
-            (tune, dict(max_model_len=(256, 1024), min_concurrency=4, plan=True)),
-    }  # fmt: skip
+        ("bench", "latency", "--batch-size", "1,4", "--quantization", "none", "--quantization", "int8", "--no-plots"): (
+            latency,
+            dict(batch_size=(1, 4), quantization=("none", "int8"), plots=False),
+        ),
+        ("bench", "throughput", "--configs", "interactive,base", "m", "--runs", "2"): (
+            throughput,
+            dict(model="m", configs=("interactive", "base"), runs=2),
+        ),
+        ("bench", "throughput", "--model", "m"): (throughput, dict(model="m")),
+        ("bench", "startup", "--runs", "2", "--max-model-len", "auto", "--out-dir", "x"): (
+            startup_bench,
+            dict(runs=2, max_model_len="auto", out_dir=Path("x")),
+        ),
+        (
+            "tune",
+            "max-model-len",
+            "--max-model-len",
+            "256",
+            "--max-model-len",
+            "1024",
+            "--min-concurrency",
+            "4",
+            "--plan",
+        ): (tune, dict(max_model_len=(256, 1024), min_concurrency=4, plan=True)),
+    }
     for module in (latency, throughput, startup_bench, tune):
         monkeypatch.setattr(module, "main", fake_main)  # `register` binds `main` when it is called
     p = _parser()

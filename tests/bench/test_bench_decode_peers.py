@@ -19,13 +19,24 @@ from glowplug.profiling.bench.peers import (
     PeerTiming,
     SkippedPeer,
     load_llamacpp_peer,
-    time_llamacpp_decode,  # fmt: skip
+    time_llamacpp_decode,
 )
 
 
 def _row(tps: list[float], batch: int = 1, quant: str = "none") -> DecodeRow:
-    row = DecodeRow("glowplug", "on", "bfloat16", quant, batch, list(tps), [1000 / t for t in tps], [20.0] * len(tps),
-                    50.0, context=64, max_model_len=192)  # fmt: skip
+    row = DecodeRow(
+        "glowplug",
+        "on",
+        "bfloat16",
+        quant,
+        batch,
+        list(tps),
+        [1000 / t for t in tps],
+        [20.0] * len(tps),
+        50.0,
+        context=64,
+        max_model_len=192,
+    )
     row.peak_gb = [1.0 + i * 0.1 for i in range(len(tps))]
     row.run_at = [f"2026112712000{i}" for i in range(len(tps))]
     row.prefill_ms = [5.0] * len(tps)
@@ -43,8 +54,10 @@ def test_peer_column_is_the_median_of_paired_ratios_and_its_worst_pair() -> None
     """glowplug 100, 90, 120 against a peer's 50, 45, 40 in the same runs: ratios 2.0, 2.0, 3.0, so the median is
     2.00x and the worst pair 2.00x; dividing the medians instead would say 100 / 45 = 2.22x."""
     row = _row([100.0, 90.0, 120.0])
-    row.peers = [PeerRuns("transformers float32", [50.0, 45.0, 40.0], [20.0, 22.0, 25.0]),
-                 PeerRuns("llama.cpp", [100.0, 100.0, 100.0], [10.0, 10.0, 10.0])]  # fmt: skip
+    row.peers = [
+        PeerRuns("transformers float32", [50.0, 45.0, 40.0], [20.0, 22.0, 25.0]),
+        PeerRuns("llama.cpp", [100.0, 100.0, 100.0], [10.0, 10.0, 10.0]),
+    ]
     text = render_markdown([row], DecodeBenchConfig(), None)
     assert_no_blank_or_nan(text)
     cols = _table(text)
@@ -59,8 +72,10 @@ def test_a_peer_that_cannot_run_says_why_in_its_column() -> None:
     one.peers = [PeerRuns("llama.cpp", [50.0, 50.0, 50.0], [20.0] * 3)]
     sixteen.peers = [PeerRuns("llama.cpp", skipped="the generator loop decodes one sequence")]
     text = render_markdown([one, sixteen], DecodeBenchConfig(), None)
-    assert _table(text)["vs llama.cpp"] == ["2.00x (worst 2.00x, n=3)", "skipped: the generator loop decodes one "
-                                            "sequence"]  # fmt: skip
+    assert _table(text)["vs llama.cpp"] == [
+        "2.00x (worst 2.00x, n=3)",
+        "skipped: the generator loop decodes one sequence",
+    ]
     assert SkippedPeer("llama.cpp", "no module").skip_reason(1) == "no module"
 
 
@@ -91,8 +106,11 @@ def test_each_repeat_times_glowplug_then_every_peer_after_one_probe(monkeypatch:
     monkeypatch.setattr(decode_mod, "time_engine_decode", fake_engine)
     from glowplug.base.machine import ProbeStats
 
-    monkeypatch.setattr(decode_mod, "measure_probe_stats",
-                        lambda device: calls.append("probe") or ProbeStats((18.0, 20.0, 21.0), 1 << 30))  # fmt: skip
+    monkeypatch.setattr(
+        decode_mod,
+        "measure_probe_stats",
+        lambda device: calls.append("probe") or ProbeStats((18.0, 20.0, 21.0), 1 << 30),
+    )
     cfg = DecodeBenchConfig(repeats=2, prompt_tokens=(64, 512))
     row, prompts = _row([]), [[1, 2, 3]]
     row.peak_gb, row.run_at, row.prefill_ms, row.host_ms = [], [], [], []
@@ -141,8 +159,9 @@ def test_llamacpp_decode_time_leaves_out_the_prompt_and_the_first_token() -> Non
     assert llm.kwargs["temp"] == 0.0 and llm.kwargs["repeat_penalty"] == 1.0  # greedy, no penalty
 
 
-def test_llamacpp_peer_is_skipped_with_a_reason_when_the_module_is_missing(monkeypatch: pytest.MonkeyPatch,
-                                                                            tmp_path: Any) -> None:  # fmt: skip
+def test_llamacpp_peer_is_skipped_with_a_reason_when_the_module_is_missing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import raises ImportError
     peer = load_llamacpp_peer(tmp_path, n_ctx=256, n_threads=2)
     assert isinstance(peer, SkippedPeer)
@@ -193,10 +212,12 @@ def test_seed_003_lines_one_per_run_with_their_own_numbers_and_a_repro() -> None
     text = render_markdown([row], cfg, None)
     lines = [line for line in text.splitlines() if ", tok/s=" in line]
     assert len(lines) == 2
-    pat = re.compile(r"^(\d{14}), tok/s=\s*([\d.]+), mem/s=\s*([\d.]+) GB/s, peak_mem=\s*([\d.]+) GB, "
-                     r"model_size=([\d.]+) GB quant: int4, group: g128, .*kv_quant: False, compile: True, "
-                     r"dtype: torch.bfloat16, device: cpu, batch: 1, context: 64, cache_size: 192 "
-                     r"repro: (.*)$")  # fmt: skip
+    pat = re.compile(
+        r"^(\d{14}), tok/s=\s*([\d.]+), mem/s=\s*([\d.]+) GB/s, peak_mem=\s*([\d.]+) GB, "
+        r"model_size=([\d.]+) GB quant: int4, group: g128, .*kv_quant: False, compile: True, "
+        r"dtype: torch.bfloat16, device: cpu, batch: 1, context: 64, cache_size: 192 "
+        r"repro: (.*)$"
+    )
     got = [pat.match(line) for line in lines]
     assert all(got), lines
     assert [float(m.group(2)) for m in got] == [100.0, 125.0]

@@ -54,10 +54,22 @@ def test_long_context_rows_pair_their_extra_time_with_the_kv_bytes_read() -> Non
     short.context, long_.context = 64, 2048
     short.kv_mb, long_.kv_mb = 1.5, 43.5  # 42 MB more per step
     long_.step_ms = [s + 3.0 for s in short.step_ms]  # 3 ms more each run: 14 GB/s = 70 % of 20 GB/s
-    left = DecodeRow("glowplug", "off", "bfloat16", "none", 64, [], [], [], None, context=8192,
-                     skipped="needs 532480 KV tokens, the cache holds 93200")
-    text = render_markdown([short, long_, left], DecodeBenchConfig(compare_hf=False, prompt_tokens=(64, 2048, 8192)),
-                           None)  # fmt: skip
+    left = DecodeRow(
+        "glowplug",
+        "off",
+        "bfloat16",
+        "none",
+        64,
+        [],
+        [],
+        [],
+        None,
+        context=8192,
+        skipped="needs 532480 KV tokens, the cache holds 93200",
+    )
+    text = render_markdown(
+        [short, long_, left], DecodeBenchConfig(compare_hf=False, prompt_tokens=(64, 2048, 8192)), None
+    )
     assert_no_blank_or_nan(text)
     table = [r for r in markdown_cells(text) if r[0] in ("engine", "glowplug")]
     by_name = {name: [r[i] for r in table[1:]] for i, name in enumerate(table[0])}
@@ -71,10 +83,16 @@ def test_a_max_model_len_shorter_than_the_runs_is_refused_with_the_length_needed
     import pytest
     from pydantic import ValidationError
 
-    with pytest.raises(ValidationError, match=r"64 is shorter than the longest prompt \+ new tokens \(192\); pass at "
-                       r"least 192"):
+    with pytest.raises(
+        ValidationError,
+        match=r"64 is shorter than the longest prompt \+ new tokens \(192\); pass at "
+        r"least 192",
+    ):
         DecodeBenchConfig(max_model_len=(64, 8192), prompt_tokens=(64,), new_tokens=128)
-    assert DecodeBenchConfig(max_model_len=(512, 8192), prompt_tokens=(64,), new_tokens=128).max_model_len == (512, 8192)
+    assert DecodeBenchConfig(max_model_len=(512, 8192), prompt_tokens=(64,), new_tokens=128).max_model_len == (
+        512,
+        8192,
+    )
 
 
 def test_the_long_context_target_gets_a_verdict_on_its_worst_run() -> None:

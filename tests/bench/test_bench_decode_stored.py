@@ -16,7 +16,7 @@ from glowplug.profiling.bench.decode import (
     BATCH16_VS_BATCH1,
     PREFILL_VS_LLAMACPP,
     DecodeBenchConfig,
-    DecodeRow,  # fmt: skip
+    DecodeRow,
     DecodeRun,
     decode_verdicts,
     main,
@@ -46,8 +46,9 @@ def test_the_stored_run_round_trips_through_its_json() -> None:
 
 def test_every_column_and_section_follows_from_the_stored_runs() -> None:
     run = _run()
-    text = render_markdown(run.rows, run.cfg, ["bench", "decode", "--from-json", str(FIXTURE)], run.facts,
-                           from_json=FIXTURE)  # fmt: skip
+    text = render_markdown(
+        run.rows, run.cfg, ["bench", "decode", "--from-json", str(FIXTURE)], run.facts, from_json=FIXTURE
+    )
     assert_no_blank_or_nan(text)
     assert f"Re-rendered from `{FIXTURE}`: the runs were made by `glowplug bench decode smollm2" in text
     cols = _main_table(text)
@@ -80,7 +81,9 @@ def test_every_column_and_section_follows_from_the_stored_runs() -> None:
     # The batch-invariance table, with the batch-16 step it ran at.
     inv = run.facts.invariance[0]
     b16 = _cell(run.rows, inv.compile, 16, 64)
-    line = next(ln for ln in text.splitlines() if ln.startswith(f"| {inv.compile} | {inv.dtype} | auto |") and "/8" in ln)
+    line = next(
+        ln for ln in text.splitlines() if ln.startswith(f"| {inv.compile} | {inv.dtype} | auto |") and "/8" in ln
+    )
     assert f"| {inv.equal}/8 | {inv.reversed_equal}/8 |" in line and f"{b16.ms:.2f} (context 64)" in line
 
 
@@ -88,8 +91,11 @@ def test_the_verdicts_hold_each_target_to_its_worst_pair() -> None:
     run = _run()
     verdicts = {v.target: v for v in decode_verdicts(run.rows, run.cfg, run.facts)}
     for compile_ in dict.fromkeys(r.compile for r in run.rows):
-        one, sixteen, pp = (_cell(run.rows, compile_, 1, 64), _cell(run.rows, compile_, 16, 64),
-                            _cell(run.rows, compile_, 1, 512))  # fmt: skip
+        one, sixteen, pp = (
+            _cell(run.rows, compile_, 1, 64),
+            _cell(run.rows, compile_, 16, 64),
+            _cell(run.rows, compile_, 1, 512),
+        )
         what = f"{compile_}/{one.dtype}/auto/KV auto"
         for peer in one.peers:
             worst = min(g / p for g, p in zip(one.tokens_per_s, peer.tokens_per_s))
@@ -107,13 +113,17 @@ def test_the_verdicts_hold_each_target_to_its_worst_pair() -> None:
             v = verdicts[f"prefill of 512 tokens >= 2x {peer.label}'s pp512 ({what})"]
             assert f"worst pair {worst:.2f}x" in v.measured and v.passed is (worst >= PREFILL_VS_LLAMACPP)
         shares = [100 * one.mb_per_token / ms / p for ms, p in zip(one.step_ms, one.probe_gbps)]
-        v = next(v for t, v in verdicts.items() if t.startswith(f"batch-1 decode >= 85% of sustained probe / bytes per "
-                                                                  f"token ({what}"))  # fmt: skip
+        v = next(
+            v
+            for t, v in verdicts.items()
+            if t.startswith(f"batch-1 decode >= 85% of sustained probe / bytes per token ({what}")
+        )
         assert v.measured.startswith(f"worst run {min(shares):.1f}%") and v.passed is (min(shares) >= 85)
         assert verdicts[f"batch invariance costs <= 5% of the batch-16 step ({what})"].passed is None
     for inv in run.facts.invariance:
-        v = next(v for t, v in verdicts.items() if t.startswith("batch invariance: 8 prompts") and
-                 f"({inv.compile}/" in t)  # fmt: skip
+        v = next(
+            v for t, v in verdicts.items() if t.startswith("batch invariance: 8 prompts") and f"({inv.compile}/" in t
+        )
         assert v.passed is (inv.equal == inv.reversed_equal == 8)
     # Without --targets only the older targets apply (none of these cells is at 2,048 tokens).
     assert decode_verdicts(run.rows, run.cfg.model_copy(update={"targets": False}), run.facts) == []

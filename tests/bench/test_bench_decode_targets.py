@@ -137,13 +137,17 @@ def test_the_batched_peer_decodes_what_llamacpps_own_loop_decodes() -> None:
     from glowplug.engine.models.store import resolve_model
     from glowplug.profiling.bench.peers import LlamaCppBatchedPeer, LlamaCppPeer, load_llamacpp_peers
 
-    gen, batched = load_llamacpp_peers(resolve_model("smollm2", quiet=True), ["llamacpp", "llamacpp-batched"], 64,
-                                       torch.get_num_threads())  # fmt: skip
+    gen, batched = load_llamacpp_peers(
+        resolve_model("smollm2", quiet=True), ["llamacpp", "llamacpp-batched"], 64, torch.get_num_threads()
+    )
     assert isinstance(gen, LlamaCppPeer) and isinstance(batched, LlamaCppBatchedPeer)
     try:
         prompt = [1, 504, 3120, 282, 4649, 314]
-        own = list(itertools.islice(gen.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                                     repeat_penalty=1.0, reset=True), 10))  # fmt: skip
+        own = list(
+            itertools.islice(
+                gen.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True), 10
+            )
+        )
         timing, tokens = batched.generate([prompt], 10)
         assert tokens == [own]
         assert timing.tokens_per_s > 0 and timing.prefill_ms > 0

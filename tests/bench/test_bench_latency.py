@@ -85,8 +85,9 @@ def test_latency_tables(tiny_model: str, tmp_path: Path) -> None:
 
 def test_engine_that_cannot_start_explains_every_cell(tiny_model: str, tmp_path: Path) -> None:
     # 300 + 8 tokens exceed the tiny model's 256 positions: the engine refuses to start, every cell says so.
-    cfg = LatencyBenchConfig(model=tiny_model, batch_size=(1, 2), sequence_length=300, decode_length=8, runs=1,
-                             out_dir=tmp_path, plots=False)  # fmt: skip
+    cfg = LatencyBenchConfig(
+        model=tiny_model, batch_size=(1, 2), sequence_length=300, decode_length=8, runs=1, out_dir=tmp_path, plots=False
+    )
     result = run_latency_bench(cfg)
     assert all(not c.ok and "exceeds the model's limit of 256" in (c.reason or "") for c in result.cells)
     md = render_markdown(result, ["bench", "latency"])
@@ -100,10 +101,20 @@ def test_single_run_cells_say_n1_and_plot_renders(tmp_path: Path) -> None:
     from glowplug.profiling.bench.latency import LatencyCell, LatencyResult
 
     cfg = LatencyBenchConfig(batch_size=(1, 4), runs=1, sequence_length=16, decode_length=3, out_dir=tmp_path)
-    cells = [LatencyCell("none", 1, prefill_s=[0.010], decode_token_s=[0.002, 0.003], decode_total_s=[0.005],
-                         prefill_tokens_per_s=[1600.0], decode_tokens_per_s=[400.0], prefill_steps=1,
-                         prefill_requests_per_s=[100.0]),
-             LatencyCell("none", 4, reason="KV cache: needs 8 blocks, has 4")]  # fmt: skip
+    cells = [
+        LatencyCell(
+            "none",
+            1,
+            prefill_s=[0.010],
+            decode_token_s=[0.002, 0.003],
+            decode_total_s=[0.005],
+            prefill_tokens_per_s=[1600.0],
+            decode_tokens_per_s=[400.0],
+            prefill_steps=1,
+            prefill_requests_per_s=[100.0],
+        ),
+        LatencyCell("none", 4, reason="KV cache: needs 8 blocks, has 4"),
+    ]
     result = LatencyResult(cfg, cells, {"none": 4}, {"none": ("bfloat16", "off")})
     md = render_markdown(result, ["bench", "latency"])
     assert_no_blank_or_nan(md)
@@ -120,9 +131,19 @@ def test_single_run_cells_say_n1_and_plot_renders(tmp_path: Path) -> None:
 
 def test_latency_per_tensor_parallel_size(tiny_model: str, tmp_path: Path) -> None:
     """Seed 001's layout once per TP size (TGI measured --num-shard 1, 2, 4, 8): both engines really run."""
-    cfg = LatencyBenchConfig(model=tiny_model, batch_size=(1, 2), sequence_length=16, decode_length=3, runs=1,
-                             warmups=0, dtype="float32", tensor_parallel_size=(1, 2), num_gpu_blocks_override=16,
-                             out_dir=tmp_path / "out", plots=False)  # fmt: skip
+    cfg = LatencyBenchConfig(
+        model=tiny_model,
+        batch_size=(1, 2),
+        sequence_length=16,
+        decode_length=3,
+        runs=1,
+        warmups=0,
+        dtype="float32",
+        tensor_parallel_size=(1, 2),
+        num_gpu_blocks_override=16,
+        out_dir=tmp_path / "out",
+        plots=False,
+    )
     result = run_latency_bench(cfg)
     assert {(c.tensor_parallel_size, c.batch) for c in result.cells if c.ok} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     assert result.resolved["none, TP 2"][1] == "off"  # tensor parallel runs the decode step eagerly
@@ -142,8 +163,15 @@ def test_seed_001_columns_on_a_hand_made_timing(monkeypatch: pytest.MonkeyPatch,
     from glowplug.profiling.bench import latency, timing
     from glowplug.profiling.bench.latency import LatencyCell, LatencyResult
 
-    fake = timing.BatchTiming(batch=4, prompt_tokens=4 * 1024, generated_tokens=4 * 8, prefill_s=0.5,
-                              decode_s=0.7, prefill_steps=1, decode_step_s=(0.1,) * 7)  # fmt: skip
+    fake = timing.BatchTiming(
+        batch=4,
+        prompt_tokens=4 * 1024,
+        generated_tokens=4 * 8,
+        prefill_s=0.5,
+        decode_s=0.7,
+        prefill_steps=1,
+        decode_step_s=(0.1,) * 7,
+    )
     monkeypatch.setattr(timing, "time_batch", lambda *_args: fake)
     cfg = LatencyBenchConfig(batch_size=(4,), runs=3, warmups=1, out_dir=tmp_path)
     assert (cfg.sequence_length, cfg.decode_length, cfg.runs, cfg.warmups) == (1024, 8, 3, 1)

@@ -91,8 +91,13 @@ def run(llm, guard, sink: Mine) -> None:
 """
     hits = foreign_private_uses(planted, "planted.py")
     text = "\n".join(hits)
-    for expected in ("planted.py:2: from glowplug.profiling.bench.serve.workload import _WORDS",
-                     "planted.py:3: from torch._dynamo import", "planted.py:4: import torch._inductor.config",
-                     "planted.py:17: ._add", "planted.py:18: ._refusal", "planted.py:19: getattr(..., '_engine')"):
+    for expected in (
+        "planted.py:2: from glowplug.profiling.bench.serve.workload import _WORDS",
+        "planted.py:3: from torch._dynamo import",
+        "planted.py:4: import torch._inductor.config",
+        "planted.py:17: ._add",
+        "planted.py:18: ._refusal",
+        "planted.py:19: getattr(..., '_engine')",
+    ):
         assert expected in text, f"{expected!r} not in:\n{text}"
     assert len(hits) == 6, text  # the module's own `_lock` and `_helper` and dunders are not flagged

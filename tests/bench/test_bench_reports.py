@@ -50,8 +50,9 @@ def test_quality_flags_mark_formats_over_twice_bf16_perplexity(tmp_path: Path) -
     assert load_flags(None) == {}
 
 
-def test_bench_all_quick_subset_writes_readme_and_reports(tiny_model: str, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_bench_all_quick_subset_writes_readme_and_reports(
+    tiny_model: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The orchestration on the tiny model: reports land under --out only, in the stated order, and the README names
     each command, the commit, the machine with its probe, and says the run is a --quick smoke test. A second chunk
     (--only) at the same commit adds to the README instead of replacing it."""
@@ -63,8 +64,9 @@ def test_bench_all_quick_subset_writes_readme_and_reports(tiny_model: str, tmp_p
     monkeypatch.setattr(machine, "git_state", lambda exclude=None, repo=None: machine.GitState(commit, False))
 
     out = tmp_path / "out"
-    cfg = BenchAllConfig(model=tiny_model, out=out, quick=True, only=("decode-quantized", "accuracy"),
-                         quantization=("int4",))  # fmt: skip
+    cfg = BenchAllConfig(
+        model=tiny_model, out=out, quick=True, only=("decode-quantized", "accuracy"), quantization=("int4",)
+    )
     steps = plan_steps(cfg)
     assert [s.name for s in steps] == ["accuracy", "decode-quantized"]  # the fixed order, whatever --only said
     assert "--quality-from" in steps[1].argv  # later tables flag formats from the accuracy report
@@ -72,10 +74,12 @@ def test_bench_all_quick_subset_writes_readme_and_reports(tiny_model: str, tmp_p
     assert [s.name for s in full] == list(STEP_NAMES)
     assert all(any(str(out) in a for a in s.argv) for s in full)  # every report writes under --out
     assert [s.name for s in plan_steps(BenchAllConfig(out=out, skip=("accuracy", "serve-fuzz")))] == [
-        n for n in STEP_NAMES if n not in ("accuracy", "serve-fuzz")]  # fmt: skip
+        n for n in STEP_NAMES if n not in ("accuracy", "serve-fuzz")
+    ]
     results = run_all(cfg, ["bench", "all", "--quick"])
-    assert [r.returncode for r in results] == [0, 0], [(out / "logs" / f"{r.step.name}.log").read_text()[-2000:]
-                                                       for r in results]  # fmt: skip
+    assert [r.returncode for r in results] == [0, 0], [
+        (out / "logs" / f"{r.step.name}.log").read_text()[-2000:] for r in results
+    ]
     readme = (out / "README.md").read_text()
     assert "QUICK SMOKE TESTS, NOT MEASUREMENTS" in readme
     assert f"- commit: `{commit}`" in readme and "GB/s" in readme and "`glowplug bench all --quick`" in readme

@@ -37,7 +37,7 @@ def _table(text: str, first_header: str) -> dict[str, dict[str, str]]:
     start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header} |"))
     head = [c.strip() for c in lines[start].strip().strip("|").split(" | ")]
     out = {}
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
@@ -78,8 +78,10 @@ def test_the_start_targets_follow_the_numbers(data: dict[str, Any]) -> None:
     v = verdicts["cold time to READY"]
     assert v.passed == (actual <= bound) and f"{bound:.2f} s" in v.bound
     warm = [r["report"]["phases"] for r in data["runs"] if r["kind"] == "warm"]
-    worst_seed = max(p["actual_total_time"] / SEED_004["qwen-4b"][r["max_model_len"]]["actual_total_time"]
-                     for p, r in zip(warm, [r for r in data["runs"] if r["kind"] == "warm"]))  # fmt: skip
+    worst_seed = max(
+        p["actual_total_time"] / SEED_004["qwen-4b"][r["max_model_len"]]["actual_total_time"]
+        for p, r in zip(warm, [r for r in data["runs"] if r["kind"] == "warm"])
+    )
     v = verdicts["warm time to READY / seed qwen-4b's actual_total_time at the same length"]
     assert v.measured.startswith(f"{worst_seed:.3f}x") and v.passed == (worst_seed <= sb.WARM_OVER_SEED)
     slowest = max(p["graph_capturing"] for p in warm)
@@ -120,8 +122,9 @@ def test_the_decode_targets_come_from_the_decode_report(data: dict[str, Any], de
 
 
 def test_from_runs_renders_and_keeps_the_decode_report(data: dict[str, Any], tmp_path: Path) -> None:
-    cfg = sb.Seed004BenchConfig(from_runs=FIXTURES / "seed004.json", decode_json=FIXTURES / "decode.json",
-                                out_dir=tmp_path)  # fmt: skip
+    cfg = sb.Seed004BenchConfig(
+        from_runs=FIXTURES / "seed004.json", decode_json=FIXTURES / "decode.json", out_dir=tmp_path
+    )
     assert sb.main(cfg, ["bench", "seed004", "--from-runs", "x"]) == 0
     written = json.loads((tmp_path / sb.REPORT_JSON).read_text())
     assert written["runs"] == data["runs"] and written["decode"] == json.loads((FIXTURES / "decode.json").read_text())

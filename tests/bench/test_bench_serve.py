@@ -69,10 +69,20 @@ def test_arrivals_keep_the_mean_rate(arrival: str) -> None:
         assert times[:8] == [0.0] * 8 and times[8] > 0.0
 
 
-def _result(i: int, ttft: float, e2e: float, tokens: int, *, ok: bool = True, error: str | None = None) -> RequestResult:
-    return RequestResult(index=i, sent_at=float(i), ok=ok, error=error, ttft_s=ttft, e2e_s=e2e,
-                         itl_s=[(e2e - ttft) / max(tokens - 1, 1)] * (tokens - 1), prompt_tokens=10,
-                         output_tokens=tokens)  # fmt: skip
+def _result(
+    i: int, ttft: float, e2e: float, tokens: int, *, ok: bool = True, error: str | None = None
+) -> RequestResult:
+    return RequestResult(
+        index=i,
+        sent_at=float(i),
+        ok=ok,
+        error=error,
+        ttft_s=ttft,
+        e2e_s=e2e,
+        itl_s=[(e2e - ttft) / max(tokens - 1, 1)] * (tokens - 1),
+        prompt_tokens=10,
+        output_tokens=tokens,
+    )
 
 
 def test_run_metrics_throughput_goodput_and_errors() -> None:
@@ -111,12 +121,39 @@ def test_flags_are_validated() -> None:
 
 def test_sweep_end_to_end_against_a_started_server(tiny_model: str, tmp_path: Path) -> None:
     out = tmp_path / "serve"
-    code = main([
-        "bench", "serve", tiny_model, "--concurrency", "1,4", "--request-rate", "50", "--arrival", "burst",
-        "--burst-size", "4", "--num-prompts", "6", "--runs", "2", "--input-len", "12", "--output-len", "6",
-        "--max-model-len", "64", "--max-num-seqs", "8", "--num-gpu-blocks-override", "64",
-        "--slo-ttft-ms", "60000", "--out-dir", str(out),
-    ])  # fmt: skip
+    code = main(
+        [
+            "bench",
+            "serve",
+            tiny_model,
+            "--concurrency",
+            "1,4",
+            "--request-rate",
+            "50",
+            "--arrival",
+            "burst",
+            "--burst-size",
+            "4",
+            "--num-prompts",
+            "6",
+            "--runs",
+            "2",
+            "--input-len",
+            "12",
+            "--output-len",
+            "6",
+            "--max-model-len",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--num-gpu-blocks-override",
+            "64",
+            "--slo-ttft-ms",
+            "60000",
+            "--out-dir",
+            str(out),
+        ]
+    )
     assert code == 0
     data = json.loads((out / "serve.json").read_text())
     labels = [p["label"] for p in data["load_points"]]
@@ -143,7 +180,9 @@ def test_efficiency_verdict_reads_the_worst_pair_not_a_median_over_medians() -> 
     from glowplug.profiling.bench.serve.efficiency import EfficiencyResult, OfflineRun, ServerRun
 
     def result(server_tps: list[float], offline_tps: list[float]) -> EfficiencyResult:
-        server = [ServerRun(wall_s=1000 / t, output_tokens=1000, failed=0, steps=10, step_time_s=1.0) for t in server_tps]
+        server = [
+            ServerRun(wall_s=1000 / t, output_tokens=1000, failed=0, steps=10, step_time_s=1.0) for t in server_tps
+        ]
         offline = [OfflineRun(wall_s=1000 / t, output_tokens=1000) for t in offline_tps]
         return EfficiencyResult(8, 16, 16, 8, server, offline)
 
@@ -163,12 +202,40 @@ def test_hostile_mode_end_to_end(tiny_model: str, tmp_path: Path) -> None:
     with the right code, the corpus passes with no 5xx, the pairs run, and the report and JSON are written. The
     timing verdict is not asserted: on a shared CI machine the tiny model's inter-token gaps are noise."""
     out = tmp_path / "serve"
-    main([
-        "bench", "serve", tiny_model, "--compile", "off", "--runs", "2", "--hostile", "--hostile-prompt-mb", "2",
-        "--hostile-streams", "2", "--hostile-refusals", "2", "--hostile-idle-connections", "20",
-        "--hostile-timeouts", "1", "--hostile-hold-chars", "100000", "--hostile-concurrency", "4",
-        "--num-prompts", "8", "--input-len", "12", "--output-len", "6", "--out-dir", str(out),
-    ])  # fmt: skip
+    main(
+        [
+            "bench",
+            "serve",
+            tiny_model,
+            "--compile",
+            "off",
+            "--runs",
+            "2",
+            "--hostile",
+            "--hostile-prompt-mb",
+            "2",
+            "--hostile-streams",
+            "2",
+            "--hostile-refusals",
+            "2",
+            "--hostile-idle-connections",
+            "20",
+            "--hostile-timeouts",
+            "1",
+            "--hostile-hold-chars",
+            "100000",
+            "--hostile-concurrency",
+            "4",
+            "--num-prompts",
+            "8",
+            "--input-len",
+            "12",
+            "--output-len",
+            "6",
+            "--out-dir",
+            str(out),
+        ]
+    )
     data = json.loads((out / "hostile.json").read_text())
     assert data["corpus"]["passed"] and data["corpus"]["server_errors"] == 0
     assert all(set(r["codes"]) == {"context_length_exceeded"} for r in data["refusals"])

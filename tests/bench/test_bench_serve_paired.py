@@ -22,20 +22,36 @@ def _run(
     latency = {"ttft": summarize([ttft_p99_ms]) if ttft_p99_ms is not None else None}
     for metric in ("tpot", "e2e"):
         latency[metric] = summarize([ttft_p99_ms or 1.0])
-    return RunMetrics(duration_s=1.0, sent=4, completed=4, failed=0, errors=errors or {}, prompt_tokens=4,
-                      output_tokens=4, request_throughput=request_throughput, output_throughput=4.0,
-                      total_token_throughput=8.0, goodput=None, latency_ms=latency)  # fmt: skip
+    return RunMetrics(
+        duration_s=1.0,
+        sent=4,
+        completed=4,
+        failed=0,
+        errors=errors or {},
+        prompt_tokens=4,
+        output_tokens=4,
+        request_throughput=request_throughput,
+        output_throughput=4.0,
+        total_token_throughput=8.0,
+        goodput=None,
+        latency_ms=latency,
+    )
 
 
 def _overload(base: list[float | None], over: list[float | None]) -> Any:
     from glowplug.profiling.bench.serve.overload import OverloadResult
 
     return OverloadResult(
-        capacity_rps=10.0, sustainable_rps=8.0, overload_rps=32.0, admission_limit_s=0.05,
+        capacity_rps=10.0,
+        sustainable_rps=8.0,
+        overload_rps=32.0,
+        admission_limit_s=0.05,
         baseline=LoadPoint("rate", 8.0, "poisson", [_run(b) for b in base]),
         overload=LoadPoint("rate", 32.0, "poisson", [_run(o, errors={"http_429": 5}) for o in over]),
-        rejected=15, rejected_without_retry_after=0, other_errors={},
-    )  # fmt: skip
+        rejected=15,
+        rejected_without_retry_after=0,
+        other_errors={},
+    )
 
 
 def test_overload_verdict_reads_the_worst_pair_not_a_ratio_of_medians() -> None:
@@ -105,8 +121,10 @@ def test_latency_figure_x_is_the_concurrency_set_not_the_throughput(
     from glowplug.profiling.bench.serve.report import plot_sweep, sweep_plot_panels
 
     achieved = {1: 0.9, 8: 6.0, 32: 12.0, 64: 10.0}
-    points = [LoadPoint("concurrency", c, None, [_run(10.0 * c + k, request_throughput=rps) for k in range(3)])
-              for c, rps in achieved.items()]  # fmt: skip
+    points = [
+        LoadPoint("concurrency", c, None, [_run(10.0 * c + k, request_throughput=rps) for k in range(3)])
+        for c, rps in achieved.items()
+    ]
     panels, xlabels = sweep_plot_panels(points)
     for name, series in panels.items():
         assert [p[0] for p in series["p99"]] == [1, 8, 32, 64] and "concurrency" in xlabels[name]
@@ -167,8 +185,14 @@ def test_fuzz_strategy_never_asks_for_more_than_the_bound(path: str) -> None:
     raw: list[Any] = []
 
     def collect(into: list[Any], strategy: Any) -> None:
-        @settings(max_examples=25, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=25,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            phases=[Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=strategy)
         def one(case: Any) -> None:
             into.append(case.body)
@@ -207,5 +231,9 @@ def test_fuzz_bound_on_hand_made_bodies() -> None:
     assert cut.apply({"prompt": ["abcdef", "gh", "ijk"], "max_tokens": 1}) == {"prompt": ["abc", "gh"], "max_tokens": 1}
     body = {"prompt": [[1, 2, 3]], "messages": [{"role": "user", "content": "hello"}], "stop": "long stop"}
     # Only prompt and messages are cut; other strings (stop) keep what hypothesis drew.
-    assert cut.apply(body) == {"prompt": [[1, 2]], "messages": [{"role": "use", "content": "hel"}],
-                               "stop": "long stop", "max_tokens": 16}  # fmt: skip
+    assert cut.apply(body) == {
+        "prompt": [[1, 2]],
+        "messages": [{"role": "use", "content": "hel"}],
+        "stop": "long stop",
+        "max_tokens": 16,
+    }

@@ -24,8 +24,9 @@ from glowplug.profiling.bench.startup_bench import (
 def test_cold_then_warm(tiny_model: str, tmp_path: Path) -> None:
     # int8: the quantized weights are the cache whose outcome the table shows (the KV peak is analytic on the CPU,
     # no cache). Eager: the compile rows have tests of their own, and the starts a bundle adds stay cheap.
-    cfg = StartupBenchConfig(model=tiny_model, runs=1, kv_cache_memory=327_680, quantization="int8",
-                             out_dir=tmp_path / "out", compile="off")  # fmt: skip
+    cfg = StartupBenchConfig(
+        model=tiny_model, runs=1, kv_cache_memory=327_680, quantization="int8", out_dir=tmp_path / "out", compile="off"
+    )
     result = run_startup_bench(cfg)
     (cold,), (warm,) = result.runs["cold"], result.runs["warm"]
     assert cold.ok and warm.ok, (cold.error, warm.error)
@@ -61,8 +62,12 @@ def test_cold_then_warm(tiny_model: str, tmp_path: Path) -> None:
     # The ETAs: the first cold start from the start-up model alone, the warm start predicted from the cold one, the
     # bundle start and the cold start after a warm one each from a start of their own kind.
     etas = {f["kind"]: f for f in eta_figures(result)}
-    assert set(etas) == {"cold (first start of the model)", "warm after cold", "from a bundle into an empty cache",
-                         "cold after warm (cache emptied)"}
+    assert set(etas) == {
+        "cold (first start of the model)",
+        "warm after cold",
+        "from a bundle into an empty cache",
+        "cold after warm (cache emptied)",
+    }
     for f in etas.values():
         assert f["eta_s"] is not None and f["error"] == pytest.approx(f["eta_s"] / f["actual_s"] - 1, abs=1e-3)
 

@@ -26,11 +26,23 @@ from glowplug.profiling.bench.tune import render_markdown as tune_markdown
 from glowplug.profiling.bench.tune import write_reports as tune_reports
 
 LEAVES = {  # a hand-made phase table: leaf -> seconds (graph_compile_cached did not run)
-    "process_start": 0.1, "imports": 0.9, "model_prepare": 0.7, "tokenizer_init": 0.05, "load_weights": 0.2,
-    "model_init": 0.4, "quantize_weights": 0.01, "native_kernels": 0.25, "dynamo_transform_time": 2.5,
-    "graph_compile_general_shape": 12.0, "graph_compile_cached": None, "kv_cache_profiling": 0.01,
-    "kv_cache_init": 0.02, "graph_capturing": 0.05, "warmup": 0.04, "unattributed": 0.03,
-}  # fmt: skip
+    "process_start": 0.1,
+    "imports": 0.9,
+    "model_prepare": 0.7,
+    "tokenizer_init": 0.05,
+    "load_weights": 0.2,
+    "model_init": 0.4,
+    "quantize_weights": 0.01,
+    "native_kernels": 0.25,
+    "dynamo_transform_time": 2.5,
+    "graph_compile_general_shape": 12.0,
+    "graph_compile_cached": None,
+    "kv_cache_profiling": 0.01,
+    "kv_cache_init": 0.02,
+    "graph_capturing": 0.05,
+    "warmup": 0.04,
+    "unattributed": 0.03,
+}
 OVERLAP = 0.06
 
 
@@ -38,11 +50,20 @@ def report(scale: float = 1.0) -> dict[str, Any]:
     """A start-up report as `glowplug startup --report-out` writes it, every leaf times `scale`."""
     leaves = {k: None if v is None else v * scale for k, v in LEAVES.items()}
     ran = [v for v in leaves.values() if v is not None]
-    phases: dict[str, float | None] = {**leaves, "overlap": OVERLAP, "total_time": sum(ran) - 0.13,
-                                       "actual_total_time": sum(ran) - OVERLAP}  # fmt: skip
+    phases: dict[str, float | None] = {
+        **leaves,
+        "overlap": OVERLAP,
+        "total_time": sum(ran) - 0.13,
+        "actual_total_time": sum(ran) - OVERLAP,
+    }
     kinds = {**{k: "leaf" for k in LEAVES}, "overlap": "derived", "total_time": "total", "actual_total_time": "total"}
-    return {"phases": phases, "kinds": kinds, "reasons": {"graph_compile_cached": "cold: nothing cached"},
-            "attributes": {"quantize_weights": {"glowplug.cache_hit": scale < 1}}, "versions": {"glowplug": "t"}}
+    return {
+        "phases": phases,
+        "kinds": kinds,
+        "reasons": {"graph_compile_cached": "cold: nothing cached"},
+        "attributes": {"quantize_weights": {"glowplug.cache_hit": scale < 1}},
+        "versions": {"glowplug": "t"},
+    }
 
 
 def test_seed_rows_are_sums_of_the_phases_they_name() -> None:
@@ -66,16 +87,18 @@ def test_seed_rows_are_sums_of_the_phases_they_name() -> None:
     # The seed's own numbers: its total_time is model_loading + init_engine + tokenizer_init in every column.
     for model, columns in vllm_startup_rows.SEED_004.items():
         for length, c in columns.items():
-            assert c["total_time"] == pytest.approx(c["model_loading"] + c["init_engine"] + c["tokenizer_init"],
-                                                    abs=0.02), (model, length)  # fmt: skip
+            assert c["total_time"] == pytest.approx(
+                c["model_loading"] + c["init_engine"] + c["tokenizer_init"], abs=0.02
+            ), (model, length)
             assert c["torch.compile"] == c["dynamo_transform_time"]
     assert vllm_startup_rows.seed_values("qwen-4b", vllm_startup_rows.UNACCOUNTED)[1024] == pytest.approx(65.65 - 51.12)
 
 
 def bench_result(tmp_path: Path, plots_on: bool = False) -> StartupBenchResult:
     cfg = StartupBenchConfig(model="smollm2", runs=3, out_dir=tmp_path / "out", plots=plots_on)
-    runs: dict[str, list[StartupRun]] = {m: [] for m in ("cold", "warm", "bundle", "bundle_isa_capped",
-                                                         "cold_after_warm", "otlp_off", "otlp_on")}  # fmt: skip
+    runs: dict[str, list[StartupRun]] = {
+        m: [] for m in ("cold", "warm", "bundle", "bundle_isa_capped", "cold_after_warm", "otlp_off", "otlp_on")
+    }
     for i, s in enumerate((1.0, 1.1, 0.9), 1):
         runs["cold"].append(StartupRun(f"cold {i}", 0, 20.0, report(s)))
         runs["warm"].append(StartupRun(f"warm {i}", 0, 2.0, report(0.1 * s)))
@@ -154,11 +177,12 @@ def tune_runs(length: int, scales: tuple[float, ...], blocks: int) -> list[Start
     return out
 
 
-def test_tune_cells_are_median_and_spread_over_three_starts(tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_tune_cells_are_median_and_spread_over_three_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     failed = StartupRun("max-model-len 256 run 4", 1, 1.0, {}, "boom")
-    columns = [column_from_runs(256, [*tune_runs(256, (1.0, 1.2, 0.8), 40), failed], 16),
-               column_from_runs(512, tune_runs(512, (1.0, 1.1, 1.3), 40), 16)]  # fmt: skip
+    columns = [
+        column_from_runs(256, [*tune_runs(256, (1.0, 1.2, 0.8), 40), failed], 16),
+        column_from_runs(512, tune_runs(512, (1.0, 1.1, 1.3), 40), 16),
+    ]
     c = columns[0]
     assert c.n == 3 and len(c.failures) == 1 and c.ok
     imports = [0.09 * s for s in (1.0, 1.2, 0.8)]
@@ -198,8 +222,13 @@ def test_tune_cells_are_median_and_spread_over_three_starts(tmp_path: Path,
     assert "n=3" in kw["title"]
     ((label, points),) = seen["kv"].items()
     assert [(n, caps, conc) for n, caps, conc in points] == [
-        (c["max_model_len"], [b * 16.0 for b in c["kv_blocks_per_run"]],
-         [b / (c["max_model_len"] // 16) for b in c["kv_blocks_per_run"]]) for c in data["columns"]]  # fmt: skip
+        (
+            c["max_model_len"],
+            [b * 16.0 for b in c["kv_blocks_per_run"]],
+            [b / (c["max_model_len"] // 16) for b in c["kv_blocks_per_run"]],
+        )
+        for c in data["columns"]
+    ]
 
 
 def test_tune_sweep_runs_each_length_repeats_times_in_passes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -220,8 +249,9 @@ def test_tune_sweep_runs_each_length_repeats_times_in_passes(monkeypatch: pytest
 
 
 def test_plot_kv_capacity_and_stack_render(tmp_path: Path) -> None:
-    path = plots.plot_kv_capacity({"a": [(256, [640.0] * 3, [2.5] * 3), (512, [640.0, 620.0, 650.0], [1.2, 1.3])]},
-                                  tmp_path / "kv.png", title="t")  # fmt: skip
+    path = plots.plot_kv_capacity(
+        {"a": [(256, [640.0] * 3, [2.5] * 3), (512, [640.0, 620.0, 650.0], [1.2, 1.3])]}, tmp_path / "kv.png", title="t"
+    )
     assert path.read_bytes()[:4] == b"\x89PNG"
     colours = {plots.phase_style(i) for i in range(20)}
     assert len(colours) == 20  # every phase of a 20-row stack looks different
@@ -238,24 +268,39 @@ def test_a_missed_eta_target_is_a_fail_verdict_and_a_fail_in_the_bench_all_index
     for run in [*result.runs["cold"], *result.runs["warm"]]:
         actual = run.report["phases"]["actual_total_time"]
         eta = actual * (1.8 if run.label == "warm 1" else 1.05)  # the first warm start's ETA 80% off
-        run.report["attributes"]["actual_total_time"] = {"glowplug.eta.first_ready_s": eta,
-                                                         "glowplug.eta.basis": "recorded"}  # fmt: skip
+        run.report["attributes"]["actual_total_time"] = {
+            "glowplug.eta.first_ready_s": eta,
+            "glowplug.eta.basis": "recorded",
+        }
     write_reports(result)
     text = (tmp_path / "out" / "startup.md").read_text()
-    verdicts = text[text.index("## Verdicts"):]
+    verdicts = text[text.index("## Verdicts") :]
     assert "**FAIL**" in verdicts and "warm after cold" in verdicts and "warm 1: +80.0%" in verdicts
     assert "warm after warm" in verdicts  # the other kind, within its target
     assert failed_targets(tmp_path / "out" / "startup.md") == ["first ETA within 20% of READY (warm after cold)"]
 
     out = tmp_path / "all"
     (out / "logs").mkdir(parents=True)
-    step = bench_all.Step("startup", ["bench", "startup", "--from-runs", str(tmp_path / "out" / "startup.json"),
-                                      "--no-plots", "--out-dir", str(out / "startup")], ["startup/startup.md"],
-                          "cold and warm starts")  # fmt: skip
+    step = bench_all.Step(
+        "startup",
+        [
+            "bench",
+            "startup",
+            "--from-runs",
+            str(tmp_path / "out" / "startup.json"),
+            "--no-plots",
+            "--out-dir",
+            str(out / "startup"),
+        ],
+        ["startup/startup.md"],
+        "cold and warm starts",
+    )
     r = bench_all.run_step(step, 300, out / "logs" / "startup.log", out, GitState("a" * 40, False).env())
     assert r.returncode == 0 and r.error is not None and r.error.startswith("FAIL: first ETA within 20%")
     run = {"command": "c", "commit": "a" * 40, "dirty": False, "date": "d", "machine": "m", "probe_gbps": None}
-    readme = bench_all.render_readme(bench_all.BenchAllConfig(out=out), {"run": run, "entries": {
-        "startup": bench_all.entry_of(r, False, "now", run)}})  # fmt: skip
+    readme = bench_all.render_readme(
+        bench_all.BenchAllConfig(out=out),
+        {"run": run, "entries": {"startup": bench_all.entry_of(r, False, "now", run)}},
+    )
     row = next(ln for ln in readme.splitlines() if "startup/startup.md" in ln)
     assert "FAIL: first ETA within 20% of READY (warm after cold)" in row and "| ok |" not in row

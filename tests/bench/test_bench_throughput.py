@@ -97,12 +97,20 @@ def test_throughput_runs(tiny_model: str, tmp_path: Path, monkeypatch: pytest.Mo
     assert data["partial"] is False and [r["run_id"] for r in data["runs"]] == [r.run_id for r in records]
 
 
-def _synthetic(quant: str, i: int, prefill_s: float, decode_s: float, dtype: str = "bfloat16",
-               config: str = "prefill_bound") -> RunRecord:
+def _synthetic(
+    quant: str, i: int, prefill_s: float, decode_s: float, dtype: str = "bfloat16", config: str = "prefill_bound"
+) -> RunRecord:
     from glowplug.profiling.bench.throughput import _record
 
-    t = BatchTiming(batch=1, prompt_tokens=2048, generated_tokens=32, prefill_s=prefill_s, decode_s=decode_s,
-                    prefill_steps=1, decode_step_s=())  # fmt: skip
+    t = BatchTiming(
+        batch=1,
+        prompt_tokens=2048,
+        generated_tokens=32,
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        prefill_steps=1,
+        decode_step_s=(),
+    )
     return _record(quant, Shape(config, 1, 2048, 32), i, t, dtype, "off")
 
 
@@ -121,21 +129,32 @@ def test_output_throughput_counts_only_tokens_after_the_first() -> None:
 
 def test_batch_timing_definitions_on_a_hand_made_batch() -> None:
     """Batch 4 x 8 new tokens, 7 decode steps of 0.2 s: 4 x 7 = 28 tokens in 1.4 s = 20 tok/s, never 32 / 1.4."""
-    t = BatchTiming(batch=4, prompt_tokens=4 * 1024, generated_tokens=32, prefill_s=0.5, decode_s=1.4,
-                    prefill_steps=1, decode_step_s=(0.2,) * 7)  # fmt: skip
+    t = BatchTiming(
+        batch=4,
+        prompt_tokens=4 * 1024,
+        generated_tokens=32,
+        prefill_s=0.5,
+        decode_s=1.4,
+        prefill_steps=1,
+        decode_step_s=(0.2,) * 7,
+    )
     assert t.decode_tokens == 28
     assert t.output_tokens_per_s == pytest.approx(20.0)
     assert t.prefill_requests_per_s == pytest.approx(8.0)  # seed 001: batch / prefill
     assert t.prefill_tokens_per_s == pytest.approx(8192.0)  # glowplug: batch x 1024 / prefill
-    one = BatchTiming(batch=2, prompt_tokens=8, generated_tokens=2, prefill_s=0.1, decode_s=0.0, prefill_steps=1,
-                      decode_step_s=())  # fmt: skip
+    one = BatchTiming(
+        batch=2, prompt_tokens=8, generated_tokens=2, prefill_s=0.1, decode_s=0.0, prefill_steps=1, decode_step_s=()
+    )
     assert one.output_tokens_per_s is None
 
 
 def test_single_run_is_marked_n1_and_ratios_are_paired(tmp_path: Path) -> None:
     shapes = [Shape("prefill_bound", 1, 2048, 32)]
-    records = [_synthetic("none", 1, 4.0, 2.0), _synthetic("int8", 1, 3.0, 1.0),
-               _synthetic("int4", 1, 3.0, 1.0, dtype="float32")]  # fmt: skip
+    records = [
+        _synthetic("none", 1, 4.0, 2.0),
+        _synthetic("int8", 1, 3.0, 1.0),
+        _synthetic("int4", 1, 3.0, 1.0, dtype="float32"),
+    ]
     cfg = ThroughputBenchConfig(quantization=("none", "int8", "int4"), configs=("prefill_bound",), runs=1)
     md = render_markdown(cfg, shapes, records, ["bench", "throughput"])
     assert "± 0.00" not in md and "15.50 (n=1)" in md
@@ -143,15 +162,18 @@ def test_single_run_is_marked_n1_and_ratios_are_paired(tmp_path: Path) -> None:
     assert "Output Throughput: tokens after each sequence's first token / time after the first tokens" in md
     assert "glowplug E2E Output Throughput (tok/s)" in md
     # quantization is compared with none at the same dtype and compile mode, never across dtypes
-    assert ("1. **int8** (bfloat16, compile off): 31.00 (n=1) tok/s, n=1 (2.00x vs none, worst pair 2.00x, 1 pairs"
-            in md)  # fmt: skip
+    assert "1. **int8** (bfloat16, compile off): 31.00 (n=1) tok/s, n=1 (2.00x vs none, worst pair 2.00x, 1 pairs" in md
     assert "**int4** (float32, compile off): 31.00 (n=1) tok/s, n=1 (no `none` run at float32, compile off" in md
 
 
 def test_paired_ratios_take_run_i_over_run_i() -> None:
     # none: 15.5, 31.0, 10.33 tok/s; int8: 31.0 each -> pairs 2.0, 1.0, 3.0 (not the ratio of the medians)
-    records = [_synthetic("none", 1, 1.0, 2.0), _synthetic("none", 2, 1.0, 1.0), _synthetic("none", 3, 1.0, 3.0),
-               *(_synthetic("int8", i, 1.0, 1.0) for i in (1, 2, 3))]  # fmt: skip
+    records = [
+        _synthetic("none", 1, 1.0, 2.0),
+        _synthetic("none", 2, 1.0, 1.0),
+        _synthetic("none", 3, 1.0, 3.0),
+        *(_synthetic("int8", i, 1.0, 1.0) for i in (1, 2, 3)),
+    ]
     assert paired_ratios(records, "prefill_bound", "int8") == pytest.approx([2.0, 1.0, 3.0])
     cfg = ThroughputBenchConfig(quantization=("none", "int8"), configs=("prefill_bound",), runs=3)
     md = render_markdown(cfg, [Shape("prefill_bound", 1, 2048, 32)], records, None)
@@ -161,27 +183,39 @@ def test_paired_ratios_take_run_i_over_run_i() -> None:
 
 def _accuracy(tmp_path: Path) -> Path:
     path = tmp_path / "accuracy.json"
-    path.write_text(json.dumps({"reference_perplexity": 10.0,
-                                "perplexity": {"none": 10.0, "int8": 10.4, "int2": 4.55e7}}))  # fmt: skip
+    path.write_text(
+        json.dumps({"reference_perplexity": 10.0, "perplexity": {"none": 10.0, "int8": 10.4, "int2": 4.55e7}})
+    )
     return path
 
 
 def test_unusable_scheme_is_flagged_in_the_ranking_and_its_plot(tmp_path: Path) -> None:
     """int2 is the fastest here but has 4.55e6x bf16's perplexity: it is drawn hatched with its label, and listed
     after the usable schemes, not ranked first."""
-    records = [_synthetic(q, i, 1.0, d, config="interactive") for q, d in (("none", 2.0), ("int8", 1.0),
-               ("int2", 0.5)) for i in (1, 2, 3)]  # fmt: skip
+    records = [
+        _synthetic(q, i, 1.0, d, config="interactive")
+        for q, d in (("none", 2.0), ("int8", 1.0), ("int2", 0.5))
+        for i in (1, 2, 3)
+    ]
     shapes = [Shape("interactive", 1, 2048, 32)]
-    cfg = ThroughputBenchConfig(quantization=("none", "int8", "int2"), configs=("interactive",), runs=3,
-                                quality_from=_accuracy(tmp_path), out_dir=tmp_path / "out")  # fmt: skip
+    cfg = ThroughputBenchConfig(
+        quantization=("none", "int8", "int2"),
+        configs=("interactive",),
+        runs=3,
+        quality_from=_accuracy(tmp_path),
+        out_dir=tmp_path / "out",
+    )
     summaries = summarize_runs(shapes, records, cfg.quantization)
     from glowplug.profiling.bench.quality import load_flags
 
     flags = load_flags(cfg.quality_from)
     assert [s.quantization for s in ranking(summaries, "interactive", flags)] == ["int8", "none", "int2"]
     bars = ranking_plot_groups(shapes, summaries, flags)["interactive (batch_size=1, input_len=2048, output_len=32)"]
-    assert [(b[0], b[4]) for b in bars] == [("int8 (n=3)", None), ("none (n=3)", None),
-                                            ("int2 (n=3)", "unusable: perplexity > 2x bf16")]  # fmt: skip
+    assert [(b[0], b[4]) for b in bars] == [
+        ("int8 (n=3)", None),
+        ("none (n=3)", None),
+        ("int2 (n=3)", "unusable: perplexity > 2x bf16"),
+    ]
     assert bars[2][1] == pytest.approx(62.0)  # median 31 tokens / 0.5 s
     md = render_markdown(cfg, shapes, records, None)
     assert "1. **int8**" in md and "2. **none**" in md and "- not ranked: **int2**" in md
@@ -197,8 +231,12 @@ def test_config_table_lists_all_seven_configurations() -> None:
     argv = plan_steps(BenchAllConfig(), ["throughput"])[0].argv
     assert set(argv[argv.index("--configs") + 1].split(",")) == set(NAMED_CONFIGS)
     shapes = resolve_shapes(("interactive",), 8192)
-    md = render_markdown(ThroughputBenchConfig(configs=("interactive",), runs=1), shapes,
-                         [_synthetic("none", 1, 1.0, 1.0, config="interactive")], None)  # fmt: skip
+    md = render_markdown(
+        ThroughputBenchConfig(configs=("interactive",), runs=1),
+        shapes,
+        [_synthetic("none", 1, 1.0, 1.0, config="interactive")],
+        None,
+    )
     assert_no_blank_or_nan(md)
     rows = {r[0]: r for r in markdown_cells(md) if len(r) == 5 and r[0].startswith("`")}
     assert set(rows) == {f"`{n}`" for n in NAMED_CONFIGS}
@@ -217,13 +255,21 @@ def test_skip_unusable_says_why_in_every_row(tmp_path: Path, monkeypatch: pytest
 
     monkeypatch.setattr(timing, "build_llm", build)
     monkeypatch.setattr(timing, "model_position_limit", lambda *_a, **_k: 8192)
-    cfg = ThroughputBenchConfig(quantization=("none", "int2"), configs=("interactive", "base"), runs=3,
-                                quality_from=_accuracy(tmp_path), skip_unusable=True, out_dir=tmp_path / "o")  # fmt: skip
+    cfg = ThroughputBenchConfig(
+        quantization=("none", "int2"),
+        configs=("interactive", "base"),
+        runs=3,
+        quality_from=_accuracy(tmp_path),
+        skip_unusable=True,
+        out_dir=tmp_path / "o",
+    )
     shapes, records = run_throughput_bench(cfg)
     assert built == ["none"]
     reasons = {r.run_id: r.reason for r in records if r.quantization == "int2"}
     assert set(reasons) == {"int2_interactive", "int2_base"}
-    assert all(r and r.startswith("not timed (--skip-unusable): unusable: perplexity 4.55e+07") for r in reasons.values())
+    assert all(
+        r and r.startswith("not timed (--skip-unusable): unusable: perplexity 4.55e+07") for r in reasons.values()
+    )
     md = render_markdown(cfg, shapes, records, None)
     assert_no_blank_or_nan(md)
     assert "n/a (not timed (--skip-unusable): unusable: perplexity 4.55e+07" in md

@@ -70,8 +70,18 @@ def test_plan_writes_only_under_its_own_folder_in_the_cwd(
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    argv = ["tune", "max-model-len", tiny_model, "--plan", "--max-model-len", "128,256",
-            "--kv-cache-memory", str(BUDGET), "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    argv = [
+        "tune",
+        "max-model-len",
+        tiny_model,
+        "--plan",
+        "--max-model-len",
+        "128,256",
+        "--kv-cache-memory",
+        str(BUDGET),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     assert main(argv) == 0
     written = sorted(str(p.relative_to(cwd)) for p in cwd.rglob("*") if p.is_file())
     assert written and all(p.startswith("tune-max-model-len/") for p in written), written

@@ -16,9 +16,12 @@ import pytest
 from glowplug.base.machine import ISA_LEVELS, IsaCapError, cpu_isa_level, isa_choice, level_at_least
 
 REPO = Path(__file__).resolve().parents[2]
-KERNEL_TESTS = ["tests/kernels/test_kernels_native.py", "tests/kernels/test_native_attention.py",
-                "tests/kernels/test_native_gguf.py",
-                "tests/kernels/test_native_rows.py"]  # fmt: skip
+KERNEL_TESTS = [
+    "tests/kernels/test_kernels_native.py",
+    "tests/kernels/test_native_attention.py",
+    "tests/kernels/test_native_gguf.py",
+    "tests/kernels/test_native_rows.py",
+]
 AVX2 = frozenset({"avx2", "fma", "f16c", "sse4_2"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni"}
 
@@ -54,19 +57,33 @@ def test_the_cap_lowers_the_level_and_a_bad_cap_names_the_levels(monkeypatch: py
 
 def test_a_bad_cap_fails_the_start_before_any_work(tmp_path: Path) -> None:
     env = {**os.environ, "GLOWPLUG_MAX_CPU_ISA": "avx3", "GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")}
-    proc = subprocess.run([sys.executable, "-m", "glowplug.cli", "startup", "smollm2"], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path, env=env)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "glowplug.cli", "startup", "smollm2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "GLOWPLUG_MAX_CPU_ISA='avx3' is not an ISA level" in proc.stderr
     assert not (tmp_path / "cache" / "model").exists(), "nothing was prepared"
 
 
 def _load_in_child(env: dict[str, str]) -> dict[str, object]:
-    script = ("import json, sys; from pathlib import Path; from glowplug.kernels.native import load_native; "
-              "b = load_native(Path(sys.argv[1])); print(json.dumps({'available': b.available, 'level': b.level, "
-              "'reason': b.reason, 'why': b.level_reason, 'background': b.background, 'hit': b.cache_hit}))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", script, env["GLOWPLUG_CACHE_DIR"]], capture_output=True, text=True,
-                         env=env, timeout=600, check=True)  # fmt: skip
+    script = (
+        "import json, sys; from pathlib import Path; from glowplug.kernels.native import load_native; "
+        "b = load_native(Path(sys.argv[1])); print(json.dumps({'available': b.available, 'level': b.level, "
+        "'reason': b.reason, 'why': b.level_reason, 'background': b.background, 'hit': b.cache_hit}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, env["GLOWPLUG_CACHE_DIR"]],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=True,
+    )
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
@@ -81,8 +98,13 @@ def test_a_lower_stored_variant_runs_now_and_the_right_one_is_not_waited_for(tmp
         pytest.skip("this CPU's level is the portable one")
     prebuilt = tmp_path / "prebuilt"
     build_variant(prebuilt, "portable")
-    env = {**os.environ, "GLOWPLUG_NATIVE_PREBUILT": str(prebuilt), "GLOWPLUG_CACHE_DIR": str(tmp_path / "cache"),
-           "GLOWPLUG_MAX_CPU_ISA": "avx2", "GLOWPLUG_NATIVE_BACKGROUND_BUILD": "0"}  # fmt: skip
+    env = {
+        **os.environ,
+        "GLOWPLUG_NATIVE_PREBUILT": str(prebuilt),
+        "GLOWPLUG_CACHE_DIR": str(tmp_path / "cache"),
+        "GLOWPLUG_MAX_CPU_ISA": "avx2",
+        "GLOWPLUG_NATIVE_BACKGROUND_BUILD": "0",
+    }
     got = _load_in_child(env)
     assert got["available"] and got["level"] == "portable" and got["reason"] == "prebuilt" and got["hit"]
     assert got["why"] == "portable: the best variant stored (avx2 is not built yet)"
@@ -115,16 +137,27 @@ def test_every_op_at_every_level_matches_its_reference(level: str, tmp_path: Pat
     tails) run again in a process capped at `level`, which must load that level's variant."""
     if level not in _runnable_levels():
         pytest.skip(f"this CPU runs up to {cpu_isa_level()}, not {level}")
-    env = {**os.environ, "GLOWPLUG_MAX_CPU_ISA": level, "GLOWPLUG_CACHE_DIR": str(tmp_path / "cache"),
-           "GLOWPLUG_EXPECT_ISA_LEVEL": level}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
-                          capture_output=True, text=True, cwd=REPO, env=env, timeout=1200)  # fmt: skip
+    env = {
+        **os.environ,
+        "GLOWPLUG_MAX_CPU_ISA": level,
+        "GLOWPLUG_CACHE_DIR": str(tmp_path / "cache"),
+        "GLOWPLUG_EXPECT_ISA_LEVEL": level,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and " skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-1500:]
 
 
-@pytest.mark.skipif(shutil.which("aarch64-linux-gnu-g++") is None,
-                    reason="no aarch64 cross compiler (Debian's g++-aarch64-linux-gnu)")
+@pytest.mark.skipif(
+    shutil.which("aarch64-linux-gnu-g++") is None, reason="no aarch64 cross compiler (Debian's g++-aarch64-linux-gnu)"
+)
 def test_the_portable_variant_compiles_for_aarch64(tmp_path: Path) -> None:
     from glowplug.kernels.native import compile_command
 
@@ -162,8 +195,14 @@ def test_a_capped_start_runs_the_capped_variant_with_the_same_tokens(tiny_dir, t
     runs = {}
     for level in ("", cap):
         env = {**base, "GLOWPLUG_MAX_CPU_ISA": level} if level else base
-        proc = subprocess.run([sys.executable, "-c", _GENERATE, str(model)], capture_output=True, text=True,
-                              env=env, cwd=tmp_path, timeout=900)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", _GENERATE, str(model)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tmp_path,
+            timeout=900,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs[level] = json.loads(proc.stdout.strip().splitlines()[-1])
     top, capped = runs[""], runs[cap]
@@ -182,8 +221,10 @@ def test_dtype_auto_follows_the_level(monkeypatch: pytest.MonkeyPatch, tiny_dir)
     from glowplug.engine.models.arch import load_arch
 
     arch = load_arch(tiny_dir("llama"))
-    bf16_arch, fp32_arch = arch.model_copy(update={"torch_dtype": "bfloat16"}), arch.model_copy(
-        update={"torch_dtype": "float32"})  # fmt: skip
+    bf16_arch, fp32_arch = (
+        arch.model_copy(update={"torch_dtype": "bfloat16"}),
+        arch.model_copy(update={"torch_dtype": "float32"}),
+    )
     top = cpu_isa_level()
     for cap, compiled, want in [("avx2", True, "bfloat16"), ("avx2", False, "float32"), ("portable", True, "float32")]:
         if not level_at_least(top, cap):

@@ -54,8 +54,9 @@ def test_unpreparable_rule_falls_back() -> None:
 
 
 def test_table_json_round_trip_and_nearest_m() -> None:
-    table = D.DispatchTable(measured={D.shape_key("cpu", "int4", 64, 64, 256): [(1, "aten_int4"),
-                                                                               (64, "dequant_bf16")]})
+    table = D.DispatchTable(
+        measured={D.shape_key("cpu", "int4", 64, 64, 256): [(1, "aten_int4"), (64, "dequant_bf16")]}
+    )
     again = D.DispatchTable.from_json(table.to_json())
     assert again.rules == table.rules and again.measured == table.measured
 
@@ -63,8 +64,13 @@ def test_table_json_round_trip_and_nearest_m() -> None:
         first: str = again.lookup("cpu", "int4", 64, 64, 256, m)[0]
         return first
 
-    assert [lookup(m) for m in (1, 7, 9, 64, 1000)] == ["aten_int4", "aten_int4", "dequant_bf16",
-                                                         "dequant_bf16", "dequant_bf16"]
+    assert [lookup(m) for m in (1, 7, 9, 64, 1000)] == [
+        "aten_int4",
+        "aten_int4",
+        "dequant_bf16",
+        "dequant_bf16",
+        "dequant_bf16",
+    ]
     bad = json.loads(table.to_json())
     bad["version"] = 999
     with pytest.raises(ValueError, match="version"):
@@ -115,8 +121,13 @@ def test_calibration_caches_json_and_reuses_it(tmp_path: Path, monkeypatch: pyte
 
 
 def test_bench_rows_and_markdown() -> None:
-    rows = bench_kernels([(64, 256)], ms=(1, 16), formats=("bf16", "int8", "int4-g64", "int2-g128", "w8a8"),
-                         repeats=2, stream_bytes=1 << 20)
+    rows = bench_kernels(
+        [(64, 256)],
+        ms=(1, 16),
+        formats=("bf16", "int8", "int4-g64", "int2-g128", "w8a8"),
+        repeats=2,
+        stream_bytes=1 << 20,
+    )
     formats = {r["format"] for r in rows}
     assert formats == {"bf16", "int8", "int4-g64", "int2-g128", "w8a8"}
     for fmt in formats:

@@ -13,8 +13,13 @@ from glowplug.kernels import reference as R
 
 # ------------------------------------------------------------------------------------------------ packing
 @settings(max_examples=60, deadline=None)
-@given(bits=st.sampled_from([2, 4]), n=st.integers(1, 9), groups=st.integers(1, 4),
-       group_size=st.sampled_from([32, 64, 128, 256]), seed=st.integers(0, 2**31 - 1))
+@given(
+    bits=st.sampled_from([2, 4]),
+    n=st.integers(1, 9),
+    groups=st.integers(1, 4),
+    group_size=st.sampled_from([32, 64, 128, 256]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_pack_unpack_round_trip(bits: int, n: int, groups: int, group_size: int, seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (n, groups * group_size), generator=gen, dtype=torch.uint8)
@@ -51,8 +56,12 @@ def _group_bound(scales: torch.Tensor, k: int) -> torch.Tensor:
 
 
 @settings(max_examples=25, deadline=None)
-@given(group=st.sampled_from([None, 32, 64, 128, 256]), n=st.integers(1, 8), seed=st.integers(0, 2**31 - 1),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+@given(
+    group=st.sampled_from([None, 32, 64, 128, 256]),
+    n=st.integers(1, 8),
+    seed=st.integers(0, 2**31 - 1),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
 def test_int8_rtn_error_within_half_step(group: int | None, n: int, seed: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, 256, generator=gen) * 0.05).to(dtype)

@@ -55,9 +55,12 @@ def test_forward_matches_reference_any_leading_dims(spec: str, x_dtype: torch.dt
 def test_meta_construction_then_assign_load(spec: str) -> None:
     w = _packed(spec)
     by_spec: dict[str, tuple[type[QuantLinear], dict[str, Any]]] = {
-        "int8": (Int8Linear, {"group_size": None}), "int8-g32": (Int8Linear, {"group_size": 32}),
-        "int4-g64": (Int4Linear, {"group_size": 64}), "int4s-g32": (Int4Linear, {"group_size": 32, "symmetric": True}),
-        "int2-g128": (Int2Linear, {"group_size": 128}), "w8a8": (W8A8Linear, {}),
+        "int8": (Int8Linear, {"group_size": None}),
+        "int8-g32": (Int8Linear, {"group_size": 32}),
+        "int4-g64": (Int4Linear, {"group_size": 64}),
+        "int4s-g32": (Int4Linear, {"group_size": 32, "symmetric": True}),
+        "int2-g128": (Int2Linear, {"group_size": 128}),
+        "w8a8": (W8A8Linear, {}),
     }
     cls, kwargs = by_spec[spec]
     mod = cls(K, N, bias=True, device="meta", **kwargs)

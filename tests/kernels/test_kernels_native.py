@@ -35,8 +35,6 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).abs().max() / want.float().abs().max())
 
 
-
-
 @pytest.mark.parametrize("m", BATCHES)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_dense_blocked_matches_reference(native: Path, m: int, n: int, k: int) -> None:
@@ -127,8 +125,9 @@ def test_a_damaged_library_is_rebuilt(tmp_path: Path) -> None:
     env = {**os.environ, "GLOWPLUG_NATIVE_PREBUILT": str(tmp_path / "no-prebuilt")}
 
     def run() -> list[str]:
-        out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True,
-                             env=env)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, check=True, env=env
+        )
         return out.stdout.strip().splitlines()[-1].split()  # the last line: store events may log before it
 
     available, hit, path = run()

@@ -96,10 +96,18 @@ def _dequantized_model(model_q: nn.Module) -> TinyLM:
     return ref
 
 
-@pytest.mark.parametrize(("scheme", "group_size", "tol"), [
-    ("none", None, 1e-6), ("int8", None, 0.03), ("int8", 64, 0.03), ("int4", None, 0.15), ("int4", 32, 0.12),
-    ("int2", None, 0.9), ("w8a8", None, 0.05),
-])
+@pytest.mark.parametrize(
+    ("scheme", "group_size", "tol"),
+    [
+        ("none", None, 1e-6),
+        ("int8", None, 0.03),
+        ("int8", 64, 0.03),
+        ("int4", None, 0.15),
+        ("int4", 32, 0.12),
+        ("int2", None, 0.9),
+        ("w8a8", None, 0.05),
+    ],
+)
 def test_quantize_convert_load_forward(scheme: str, group_size: int | None, tol: float) -> None:
     model = _float_model()
     sd = model.state_dict()
@@ -107,8 +115,13 @@ def test_quantize_convert_load_forward(scheme: str, group_size: int | None, tol:
     qsd = s.quantize_state_dict(sd, group_size=group_size, skip=lambda name: False)
 
     # Untouched entries are passed through as the same tensors.
-    for key in ("embed_tokens.weight", "norm.weight", "lm_head.weight", "layers.0.self_attn.q_proj.bias",
-                "layers.1.input_layernorm.bias"):
+    for key in (
+        "embed_tokens.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "layers.0.self_attn.q_proj.bias",
+        "layers.1.input_layernorm.bias",
+    ):
         assert qsd[key] is sd[key]
     if scheme != "none":
         assert "layers.0.mlp.down_proj.weight" not in qsd and "layers.0.mlp.down_proj.qweight" in qsd
@@ -201,12 +214,14 @@ def test_bits_per_weight_and_weight_bytes() -> None:
     sd = model.state_dict()
     s = get_scheme("int4")
     qsd = s.quantize_state_dict(sd, group_size=128, skip=lambda n: False)
-    n_weights = sum(sd[f"{name}.weight"].numel() for name, m in model.named_modules()
-                    if name.rsplit(".", 1)[-1] in LINEAR_NAMES)
+    n_weights = sum(
+        sd[f"{name}.weight"].numel() for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in LINEAR_NAMES
+    )
     assert s.weight_bytes(qsd, only_linear=True) * 8 == pytest.approx(n_weights * 4.5)
     assert s.weight_bytes(qsd) == sum(t.numel() * t.element_size() for t in qsd.values())
-    w = Int4Weight(qsd["layers.0.mlp.up_proj.qweight"], qsd["layers.0.mlp.up_proj.scales"],
-                   qsd["layers.0.mlp.up_proj.zeros"], 128)
+    w = Int4Weight(
+        qsd["layers.0.mlp.up_proj.qweight"], qsd["layers.0.mlp.up_proj.scales"], qsd["layers.0.mlp.up_proj.zeros"], 128
+    )
     assert w.shape == (I, H)
 
 
@@ -223,9 +238,14 @@ class OddShapes(nn.Module):
         return out
 
 
-@pytest.mark.parametrize(("scheme", "expected"), [("int4", {"q_proj": 32, "down_proj": 128}),
-                                                  ("int2", {"q_proj": 32, "down_proj": 128}),
-                                                  ("int8", {"q_proj": 32, "down_proj": 128})])
+@pytest.mark.parametrize(
+    ("scheme", "expected"),
+    [
+        ("int4", {"q_proj": 32, "down_proj": 128}),
+        ("int2", {"q_proj": 32, "down_proj": 128}),
+        ("int8", {"q_proj": 32, "down_proj": 128}),
+    ],
+)
 def test_group_size_falls_back_per_layer_when_k_is_not_a_multiple(scheme: str, expected: dict[str, int]) -> None:
     torch.manual_seed(0)
     model = OddShapes().eval()

@@ -26,8 +26,9 @@ _CASES = load_cases(_SCRIPT, "glowplug_triton_cases")
 @pytest.fixture(scope="module")
 def triton_results() -> dict[str, dict[str, Any]]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(_SCRIPT)], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, str(_SCRIPT)], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, f"triton case runner failed:\n{proc.stderr[-4000:]}"
     results: dict[str, dict[str, Any]] = json.loads(proc.stdout.strip().splitlines()[-1])
     return results

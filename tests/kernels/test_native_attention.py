@@ -21,33 +21,52 @@ def native(native_build) -> None:  # type: ignore[no-untyped-def]
 
 
 def _filled_cache(dtype: torch.dtype, int8: bool, g: torch.Generator) -> KVCache:
-    cache = KVCache(num_layers=1, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                    dtype=dtype, int8=int8)  # fmt: skip
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=BLOCKS,
+        block_size=BLOCK,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        int8=int8,
+    )
     slots = BLOCKS * BLOCK
-    cache[0].store(torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
-                   torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g).to(dtype), torch.arange(slots))  # fmt: skip
+    cache[0].store(
+        torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
+        torch.randn(slots, KV_HEADS, HEAD_DIM, generator=g).to(dtype),
+        torch.arange(slots),
+    )
     return cache
 
 
-def _packed(g: torch.Generator, width: int, contexts: list[int] = CONTEXTS, block: int = BLOCK,
-            blocks: int = BLOCKS) -> torch.Tensor:  # fmt: skip
+def _packed(
+    g: torch.Generator, width: int, contexts: list[int] = CONTEXTS, block: int = BLOCK, blocks: int = BLOCKS
+) -> torch.Tensor:
     """One row per context length, each with its own shuffled blocks (block 0 left as the scratch block)."""
     table = torch.randperm(blocks - 1, generator=g) + 1
     packed = torch.zeros(len(contexts), DECODE_COLS + width, dtype=torch.long)
     for b, ctx in enumerate(contexts):
         packed[b, CONTEXT], packed[b, POSITION] = ctx, ctx - 1
-        packed[b, DECODE_COLS:] = table[b * width:(b + 1) * width]
+        packed[b, DECODE_COLS:] = table[b * width : (b + 1) * width]
         packed[b, SLOT] = packed[b, DECODE_COLS + (ctx - 1) // block] * block + (ctx - 1) % block
     return packed
 
 
-@pytest.mark.parametrize(("dtype", "int8"), [(torch.float32, False), (torch.bfloat16, False),
-                                             (torch.bfloat16, True), (torch.float32, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("dtype", "int8"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, True)]
+)
 def test_native_decode_attention_matches_torch_path(native: None, dtype: torch.dtype, int8: bool) -> None:
     g = torch.Generator().manual_seed(7 + int8)
     ref_cache = _filled_cache(dtype, int8, g)
-    got_cache = KVCache(num_layers=1, num_blocks=BLOCKS, block_size=BLOCK, num_kv_heads=KV_HEADS,
-                        head_dim=HEAD_DIM, dtype=dtype, int8=int8)  # fmt: skip
+    got_cache = KVCache(
+        num_layers=1,
+        num_blocks=BLOCKS,
+        block_size=BLOCK,
+        num_kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        int8=int8,
+    )
     for src, dst in zip(ref_cache.tensors(), got_cache.tensors()):
         dst.copy_(src)
     packed = _packed(g, width=11)
@@ -82,8 +101,17 @@ def test_native_decode_attention_rejects_a_bad_cache(native: None) -> None:
 def test_native_decode_attention_tiles_match_torch_path(native: None, contexts: list[int], head_dim: int) -> None:
     block, blocks, width = 16, 400, 20  # every row its own blocks
     g = torch.Generator().manual_seed(len(contexts) + head_dim)
-    caches = [KVCache(num_layers=1, num_blocks=blocks, block_size=block, num_kv_heads=KV_HEADS, head_dim=head_dim,
-                      dtype=torch.bfloat16) for _ in range(2)]  # fmt: skip
+    caches = [
+        KVCache(
+            num_layers=1,
+            num_blocks=blocks,
+            block_size=block,
+            num_kv_heads=KV_HEADS,
+            head_dim=head_dim,
+            dtype=torch.bfloat16,
+        )
+        for _ in range(2)
+    ]
     slots = blocks * block
     kv = [torch.randn(slots, KV_HEADS, head_dim, generator=g).bfloat16() for _ in range(2)]
     for cache in caches:
@@ -107,9 +135,15 @@ def test_native_decode_attention_tiles_match_torch_path(native: None, contexts: 
 )
 @pytest.mark.parametrize(
     ("contexts", "heads", "kv_heads"),
-    [([1], 9, 3), ([17], 9, 3), ([2048], 9, 3), ([0, 1, 300, 0, 17, 1000, 33, 16], 9, 3), ([777, 5], 8, 1),
-     ([129, 64, 0], 4, 4)],
-)  # fmt: skip
+    [
+        ([1], 9, 3),
+        ([17], 9, 3),
+        ([2048], 9, 3),
+        ([0, 1, 300, 0, 17, 1000, 33, 16], 9, 3),
+        ([777, 5], 8, 1),
+        ([129, 64, 0], 4, 4),
+    ],
+)
 def test_native_decode_attention_split_matches_torch_path(
     native: None, threads: int, dtype: torch.dtype, int8: bool, contexts: list[int], heads: int, kv_heads: int
 ) -> None:
@@ -117,8 +151,15 @@ def test_native_decode_attention_split_matches_torch_path(
     width = max(-(-c // block) for c in contexts) + 1
     blocks = len(contexts) * width + 1
     g = torch.Generator().manual_seed(sum(contexts) + heads + int8)
-    cache = KVCache(num_layers=1, num_blocks=blocks, block_size=block, num_kv_heads=kv_heads, head_dim=HEAD_DIM,
-                    dtype=dtype, int8=int8)  # fmt: skip
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=blocks,
+        block_size=block,
+        num_kv_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        int8=int8,
+    )
     slots = blocks * block
     # a few large scores, so the pieces' maxima differ and the combine's rescaling matters
     keys = torch.randn(slots, kv_heads, HEAD_DIM, generator=g) * (1 + 3 * torch.rand(slots, 1, 1, generator=g))
@@ -129,9 +170,13 @@ def test_native_decode_attention_split_matches_torch_path(
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = torch.ops.glowplug_native.decode_attention_int8(q, cache[0].k, cache[0].v, cache[0].k_scale,
-                                                              cache[0].v_scale, packed, HEAD_DIM**-0.5) if int8 else \
-            torch.ops.glowplug_native.decode_attention(q, cache[0].k, cache[0].v, packed, HEAD_DIM**-0.5)  # fmt: skip
+        got = (
+            torch.ops.glowplug_native.decode_attention_int8(
+                q, cache[0].k, cache[0].v, cache[0].k_scale, cache[0].v_scale, packed, HEAD_DIM**-0.5
+            )
+            if int8
+            else torch.ops.glowplug_native.decode_attention(q, cache[0].k, cache[0].v, packed, HEAD_DIM**-0.5)
+        )
     finally:
         torch.set_num_threads(saved)
     # the reference: the torch path's reads, without its store (the new token is already in the cache here)
@@ -172,14 +217,29 @@ WINDOW_CASES = [
 ]
 
 
-def _window_case(contexts: list[int], window: int, block: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 int8: bool, g: torch.Generator) -> tuple[KVCache, torch.Tensor]:  # fmt: skip
+def _window_case(
+    contexts: list[int],
+    window: int,
+    block: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    int8: bool,
+    g: torch.Generator,
+) -> tuple[KVCache, torch.Tensor]:
     """A cache with a few large keys (so the online softmax's maxima move) and one row per context, each on its own
     shuffled blocks."""
     width = max(-(-c // block) for c in contexts) + 1
     blocks = len(contexts) * width + 1
-    cache = KVCache(num_layers=1, num_blocks=blocks, block_size=block, num_kv_heads=kv_heads, head_dim=head_dim,
-                    dtype=dtype, int8=int8)  # fmt: skip
+    cache = KVCache(
+        num_layers=1,
+        num_blocks=blocks,
+        block_size=block,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        int8=int8,
+    )
     slots = blocks * block
     keys = torch.randn(slots, kv_heads, head_dim, generator=g) * (1 + 3 * torch.rand(slots, 1, 1, generator=g))
     cache[0].store(keys.to(dtype), torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype), torch.arange(slots))
@@ -188,15 +248,17 @@ def _window_case(contexts: list[int], window: int, block: int, kv_heads: int, he
     return cache, packed
 
 
-def _native(q: torch.Tensor, cache: KVCache, packed: torch.Tensor, scale: float, window: int,
-            threads: int) -> torch.Tensor:  # fmt: skip
+def _native(
+    q: torch.Tensor, cache: KVCache, packed: torch.Tensor, scale: float, window: int, threads: int
+) -> torch.Tensor:
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         c = cache[0]
         if c.k_scale is not None and c.v_scale is not None:
-            out: torch.Tensor = torch.ops.glowplug_native.decode_attention_int8(q, c.k, c.v, c.k_scale, c.v_scale,
-                                                                                packed, scale, window)  # fmt: skip
+            out: torch.Tensor = torch.ops.glowplug_native.decode_attention_int8(
+                q, c.k, c.v, c.k_scale, c.v_scale, packed, scale, window
+            )
         else:
             out = torch.ops.glowplug_native.decode_attention(q, c.k, c.v, packed, scale, window)
         return out
@@ -216,7 +278,7 @@ def _poison_before_windows(cache: KVCache, packed: torch.Tensor, window: int) ->
         lo = ctx - window if 0 < window < ctx else 0
         for pos in range(lo):
             blk, off = int(packed[b, DECODE_COLS + pos // block]), pos % block
-            for t in ((c.k_scale, c.v_scale) if c.k_scale is not None else (c.k, c.v)):
+            for t in (c.k_scale, c.v_scale) if c.k_scale is not None else (c.k, c.v):
                 assert t is not None
                 t[blk, off] = float("nan")
         for i in range(lo // block):  # every block wholly before the window
@@ -230,9 +292,17 @@ def _poison_before_windows(cache: KVCache, packed: torch.Tensor, window: int) ->
 )
 @pytest.mark.parametrize(("contexts", "window", "block", "heads", "kv_heads", "head_dim"), WINDOW_CASES)
 def test_native_window_matches_the_reference_and_reads_nothing_before_it(
-    native: None, threads: int, dtype: torch.dtype, int8: bool, contexts: list[int], window: int, block: int,
-    heads: int, kv_heads: int, head_dim: int,
-) -> None:  # fmt: skip
+    native: None,
+    threads: int,
+    dtype: torch.dtype,
+    int8: bool,
+    contexts: list[int],
+    window: int,
+    block: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> None:
     from glowplug.kernels.reference import paged_decode_attention_reference
 
     g = torch.Generator().manual_seed(sum(contexts) + window + block + int8)
@@ -261,21 +331,33 @@ def test_native_window_matches_the_reference_and_reads_nothing_before_it(
     assert float((got.float() - want.to(dtype).float()).abs().max()) < tol
 
 
-@pytest.mark.parametrize(
-    ("dtype", "int8"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
-)
+@pytest.mark.parametrize(("dtype", "int8"), [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
 @pytest.mark.parametrize(("contexts", "window", "block", "heads", "kv_heads", "head_dim"), WINDOW_CASES[:4])
 def test_native_window_matches_the_torch_path(
-    native: None, dtype: torch.dtype, int8: bool, contexts: list[int], window: int, block: int, heads: int,
-    kv_heads: int, head_dim: int,
-) -> None:  # fmt: skip
+    native: None,
+    dtype: torch.dtype,
+    int8: bool,
+    contexts: list[int],
+    window: int,
+    block: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+) -> None:
     """engine/attention.decode_attention with a window, native against its torch path (which masks instead), the new
     tokens' write included."""
     g = torch.Generator().manual_seed(window + head_dim + int8)
     contexts = [max(c, 1) for c in contexts]  # the torch path writes every row's new token
     ref_cache, packed = _window_case(contexts, window, block, kv_heads, head_dim, dtype, int8, g)
-    got_cache = KVCache(num_layers=1, num_blocks=ref_cache[0].k.shape[0], block_size=block, num_kv_heads=kv_heads,
-                        head_dim=head_dim, dtype=dtype, int8=int8)  # fmt: skip
+    got_cache = KVCache(
+        num_layers=1,
+        num_blocks=ref_cache[0].k.shape[0],
+        block_size=block,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        int8=int8,
+    )
     for src, dst in zip(ref_cache.tensors(), got_cache.tensors()):
         dst.copy_(src)
     q = torch.randn(len(contexts), heads, head_dim, generator=g).to(dtype)

@@ -81,8 +81,10 @@ def test_bf16_logits_sample_as_their_fp32_copy(native: None) -> None:
 
     def seqs() -> list[Sequence]:
         return [
-            cast(Sequence, SimpleNamespace(params=p, prompt_token_ids=[1, 7, 42], output_token_ids=[42, 9, 9],
-                                           sample_key=100 + i))  # fmt: skip
+            cast(
+                Sequence,
+                SimpleNamespace(params=p, prompt_token_ids=[1, 7, 42], output_token_ids=[42, 9, 9], sample_key=100 + i),
+            )
             for i, p in enumerate(kinds)
         ]
 

@@ -32,8 +32,9 @@ _TRACE_IDS = [c for c in _CASES.case_ids() if c.startswith("trace-")]
 @pytest.fixture(scope="module")
 def results() -> dict[str, dict[str, Any]]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(_SCRIPT)], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, str(_SCRIPT)], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert proc.returncode == 0, f"triton op case runner failed:\n{proc.stderr[-4000:]}"
     out: dict[str, dict[str, Any]] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
@@ -110,8 +111,12 @@ def test_cuda_native_kernels_stage_says_why_not(monkeypatch: pytest.MonkeyPatch)
     layers = [QuantLinear.from_packed(F.quantize(torch.randn(8, 64), "int4-g32")) for _ in range(3)]
 
     def run(model: torch.nn.Module) -> Any:
-        ctx = SimpleNamespace(config=SimpleNamespace(compile_enabled=lambda: True), model=model, device="cuda",
-                              need=lambda value, *_: value)  # fmt: skip
+        ctx = SimpleNamespace(
+            config=SimpleNamespace(compile_enabled=lambda: True),
+            model=model,
+            device="cuda",
+            need=lambda value, *_: value,
+        )
         return NativeKernels().run(ctx)  # type: ignore[arg-type]
 
     report = run(torch.nn.Sequential(*layers, DenseLinear(8, 8)))

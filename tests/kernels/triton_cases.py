@@ -14,8 +14,13 @@ import traceback
 
 # (format spec, N, K): N=72 leaves a partial BLOCK_N tile, K=192 runs several BLOCK_K iterations.
 SHAPES: tuple[tuple[str, int, int], ...] = (
-    ("int8", 72, 192), ("int8-g64", 72, 192), ("int4-g64", 72, 192), ("int4s-g32", 72, 192),
-    ("int4-g128", 40, 256), ("int2-g128", 40, 256), ("w8a8", 72, 192),
+    ("int8", 72, 192),
+    ("int8-g64", 72, 192),
+    ("int4-g64", 72, 192),
+    ("int4s-g32", 72, 192),
+    ("int4-g128", 40, 256),
+    ("int2-g128", 40, 256),
+    ("w8a8", 72, 192),
 )
 MS: tuple[int, ...] = (1, 3, 17)
 KERNELS: tuple[str, ...] = ("gemv", "gemm")
@@ -53,18 +58,24 @@ def main() -> int:
                 try:
                     y = getattr(ops, kern)(x, st, BLOCKS[kern])
                     diff = (y.float() - ref).abs()
-                    results[cid] = {"max_rel": float(diff.max() / ref.abs().max()),
-                                    "fro_rel": float((y.float() - ref).norm() / ref.norm()),
-                                    "dtype": str(y.dtype), "shape": list(y.shape)}
+                    results[cid] = {
+                        "max_rel": float(diff.max() / ref.abs().max()),
+                        "fro_rel": float((y.float() - ref).norm() / ref.norm()),
+                        "dtype": str(y.dtype),
+                        "shape": list(y.shape),
+                    }
                 except Exception:  # noqa: BLE001 - reported per case so one broken kernel does not hide the others
                     results[cid] = {"error": traceback.format_exc()}
     # The dispatcher's triton entries wrap the same launchers and accept CPU tensors under the interpreter.
     w = F.quantize(torch.randn(64, 128) * 0.05, "int4-g32")
     x = torch.randn(2, 128)
     path = kernel_paths()["triton_gemv"]
-    results["dispatch-entry"] = {"supports": bool(path.supports(w)),
-                                 "max_rel": float((path.run(x, path.prepare(w), None) - R.linear(x, w)).abs().max()
-                                                  / R.linear(x, w).abs().max())}
+    results["dispatch-entry"] = {
+        "supports": bool(path.supports(w)),
+        "max_rel": float(
+            (path.run(x, path.prepare(w), None) - R.linear(x, w)).abs().max() / R.linear(x, w).abs().max()
+        ),
+    }
     print(json.dumps(results))
     return 0
 

@@ -19,8 +19,12 @@ from typing import Any
 # (format spec, N, K): N = 72 leaves a partial tile of the production BLOCK_N (64) and K a partial BLOCK_K tile
 # (GEMV 128, GEMM 64: 160 = 128 + 32 = 2 * 64 + 32, 200 = 128 + 72 = 3 * 64 + 8) after one or more full ones.
 SHAPES: tuple[tuple[str, int, int], ...] = (
-    ("int8", 72, 200), ("int8-g32", 72, 160), ("int4-g32", 72, 160), ("int4s-g32", 72, 160),
-    ("int2-g32", 72, 160), ("w8a8", 72, 200),
+    ("int8", 72, 200),
+    ("int8-g32", 72, 160),
+    ("int4-g32", 72, 160),
+    ("int4s-g32", 72, 160),
+    ("int2-g32", 72, 160),
+    ("w8a8", 72, 200),
 )
 # Both sides of ops.GEMV_MAX_M (8): the op takes GEMV up to it and GEMM beyond, inside one graph.
 MS: tuple[int, ...] = (1, 8, 9, 17)
@@ -39,12 +43,21 @@ def _weight(spec: str, n: int, k: int, device: str) -> Any:
 
     gen = torch.Generator().manual_seed(n * k + len(spec))
     w = torch.randn(n, k, generator=gen) * 0.05
-    packed = (F.quantize_w8a8(w, torch.rand(k, generator=gen) + 0.5) if spec == "w8a8"  # smoothing: the 1/s path
-              else F.quantize(w, spec))  # fmt: skip
+    packed = (
+        F.quantize_w8a8(w, torch.rand(k, generator=gen) + 0.5)
+        if spec == "w8a8"  # smoothing: the 1/s path
+        else F.quantize(w, spec)
+    )
     if device == "cpu":
         return packed
-    return dataclasses.replace(packed, **{f.name: getattr(packed, f.name).to(device) for f in dataclasses.fields(packed)
-                                          if isinstance(getattr(packed, f.name), torch.Tensor)})  # fmt: skip
+    return dataclasses.replace(
+        packed,
+        **{
+            f.name: getattr(packed, f.name).to(device)
+            for f in dataclasses.fields(packed)
+            if isinstance(getattr(packed, f.name), torch.Tensor)
+        },
+    )
 
 
 def _rel(y: Any, ref: Any) -> dict[str, float]:
@@ -72,8 +85,12 @@ def op_cases(device: str) -> dict[str, dict[str, Any]]:
                 x = torch.randn(m, k, generator=gen).to(device)
                 y = graph_ops.linear(x, op, tensors)
                 launcher = ops.gemv if m <= ops.GEMV_MAX_M else ops.gemm
-                out[cid] = {**_rel(y, R.linear(x, w)), "dtype": str(y.dtype), "shape": list(y.shape),
-                            "as_launcher": bool(torch.equal(y, launcher(x, st)))}  # fmt: skip
+                out[cid] = {
+                    **_rel(y, R.linear(x, w)),
+                    "dtype": str(y.dtype),
+                    "shape": list(y.shape),
+                    "as_launcher": bool(torch.equal(y, launcher(x, st))),
+                }
             except Exception:  # noqa: BLE001 - reported per case so one broken op does not hide the others
                 out[cid] = {"error": traceback.format_exc()}
     return out
@@ -104,8 +121,13 @@ def trace_cases(device: str) -> dict[str, dict[str, Any]]:
 
             compiled = torch.compile(mod, backend=count, dynamic=True, fullgraph=True)
             gen = torch.Generator().manual_seed(n)
-            res: dict[str, Any] = {"switched": switch.switched, "kernel": mod.kernel is DecodeKernel.TRITON,
-                                   "nbytes": switch.nbytes, "equal_eager": [], "max_rel": 0.0}  # fmt: skip
+            res: dict[str, Any] = {
+                "switched": switch.switched,
+                "kernel": mod.kernel is DecodeKernel.TRITON,
+                "nbytes": switch.nbytes,
+                "equal_eager": [],
+                "max_rel": 0.0,
+            }
             for m in TRACE_MS:
                 x = torch.randn(m, k, generator=gen).to(device)
                 with torch.inference_mode():
@@ -117,9 +139,13 @@ def trace_cases(device: str) -> dict[str, dict[str, Any]]:
             g = graphs[0].graph
             calls = [str(nd.target) for nd in g.nodes if nd.op in ("call_function", "call_method")]
             ops_nodes = [nd for nd in g.nodes if "glowplug_triton" in str(nd.target)]
-            res.update(graphs=len(graphs), calls=calls, triton_nodes=len(ops_nodes),
-                       symbolic=[not isinstance(nd.meta["example_value"].shape[0], int) for nd in ops_nodes],
-                       fake_dtype=[str(nd.meta["example_value"].dtype) for nd in ops_nodes])  # fmt: skip
+            res.update(
+                graphs=len(graphs),
+                calls=calls,
+                triton_nodes=len(ops_nodes),
+                symbolic=[not isinstance(nd.meta["example_value"].shape[0], int) for nd in ops_nodes],
+                fake_dtype=[str(nd.meta["example_value"].dtype) for nd in ops_nodes],
+            )
             out[cid] = res
         except Exception:  # noqa: BLE001
             out[cid] = {"error": traceback.format_exc()}
@@ -181,8 +207,11 @@ def bf16_case(device: str) -> dict[str, Any]:
     for m in (1, 17):
         x = torch.randn(m, 160).to(device).bfloat16()
         y = graph_ops.linear(x, op, tensors)
-        res[f"M{m}"] = {"dtype": str(y.dtype), "fake": str(graph_ops._wq_fake(x, *tensors, *op.ints).dtype),  # noqa: SLF001
-                        **_rel(y, R.linear(x, w))}  # fmt: skip
+        res[f"M{m}"] = {
+            "dtype": str(y.dtype),
+            "fake": str(graph_ops._wq_fake(x, *tensors, *op.ints).dtype),  # noqa: SLF001
+            **_rel(y, R.linear(x, w)),
+        }
     return res
 
 
@@ -196,10 +225,12 @@ def skipped_reason_case() -> dict[str, Any]:
     from glowplug.engine.stages.dynamo_transform import skipped_reason
     from glowplug.kernels.modules import DenseLinear, QuantLinear, enable_triton_decode
 
-    model = torch.nn.Sequential(QuantLinear.from_packed(_weight("int4-g32", 72, 160, "cpu")),
-                                QuantLinear.from_packed(_weight("w8a8", 72, 200, "cpu")), DenseLinear(8, 8))
-    ctx = SimpleNamespace(config=SimpleNamespace(compile_enabled=lambda: True), model=model, device="cpu",
-                          native=None)  # fmt: skip
+    model = torch.nn.Sequential(
+        QuantLinear.from_packed(_weight("int4-g32", 72, 160, "cpu")),
+        QuantLinear.from_packed(_weight("w8a8", 72, 200, "cpu")),
+        DenseLinear(8, 8),
+    )
+    ctx = SimpleNamespace(config=SimpleNamespace(compile_enabled=lambda: True), model=model, device="cpu", native=None)
     before = skipped_reason(ctx, None)  # type: ignore[arg-type]
     counts = enable_triton_decode(model)
     return {"before": before, "after": skipped_reason(ctx, None), "counts": counts}  # type: ignore[arg-type]
@@ -229,13 +260,20 @@ def stage_case() -> dict[str, Any]:
     from glowplug.engine.stages.native_kernels import NativeKernels
     from glowplug.kernels.modules import DecodeKernel, DenseLinear, QuantLinear
 
-    model = torch.nn.Sequential(QuantLinear.from_packed(_weight("int4-g32", 72, 160, "cpu")),
-                                QuantLinear.from_packed(_weight("w8a8", 72, 200, "cpu")), DenseLinear(8, 8))
-    ctx = SimpleNamespace(config=SimpleNamespace(compile_enabled=lambda: True), model=model, device="cuda",
-                          need=lambda value, *_: value)  # fmt: skip
+    model = torch.nn.Sequential(
+        QuantLinear.from_packed(_weight("int4-g32", 72, 160, "cpu")),
+        QuantLinear.from_packed(_weight("w8a8", 72, 200, "cpu")),
+        DenseLinear(8, 8),
+    )
+    ctx = SimpleNamespace(
+        config=SimpleNamespace(compile_enabled=lambda: True), model=model, device="cuda", need=lambda value, *_: value
+    )
     report = NativeKernels().run(ctx)  # type: ignore[arg-type]
-    return {"skipped": report.skipped_reason, "attributes": dict(report.attributes),
-            "kernels": [m.kernel is DecodeKernel.TRITON for m in model if isinstance(m, QuantLinear)]}
+    return {
+        "skipped": report.skipped_reason,
+        "attributes": dict(report.attributes),
+        "kernels": [m.kernel is DecodeKernel.TRITON for m in model if isinstance(m, QuantLinear)],
+    }
 
 
 def decode_step_case(tmp: Path) -> dict[str, Any]:
@@ -257,8 +295,14 @@ def decode_step_case(tmp: Path) -> dict[str, Any]:
     model = build_engine(cfg, cache_dir=tmp / "cache").engine.model
     counts = enable_triton_decode(model)
     arch = model.arch
-    cache = KVCache(num_layers=arch.num_hidden_layers, num_blocks=6, block_size=16,
-                    num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, dtype=torch.float32)  # fmt: skip
+    cache = KVCache(
+        num_layers=arch.num_hidden_layers,
+        num_blocks=6,
+        block_size=16,
+        num_kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        dtype=torch.float32,
+    )
     graphs: list[torch.fx.GraphModule] = []
 
     def count(gm: torch.fx.GraphModule, example: list[torch.Tensor]) -> Any:
@@ -286,8 +330,11 @@ def main() -> int:
         print("TRITON_INTERPRET=1 must be set before launching this script", file=sys.stderr)
         return 2
     results: dict[str, Any] = {**op_cases("cpu"), **trace_cases("cpu")}
-    for name, fn in (("bf16-out", lambda: bf16_case("cpu")), ("skipped-reason", skipped_reason_case),
-                     ("stage", stage_case)):
+    for name, fn in (
+        ("bf16-out", lambda: bf16_case("cpu")),
+        ("skipped-reason", skipped_reason_case),
+        ("stage", stage_case),
+    ):
         try:
             results[name] = fn()
         except Exception:  # noqa: BLE001

@@ -32,8 +32,16 @@ PROMPT = "The capital of France is"
 
 # ------------------------------------------------------------------------------------------------ units
 def _runner_seq(i: int, params: SamplingParams) -> RunnerSeq:
-    return RunnerSeq(seq_id=i, request_id=f"r{i}", prompt_token_ids=[1], output_token_ids=[], params=params,
-                     sample_key=i + 1, block_table=[], num_computed_tokens=1)  # fmt: skip
+    return RunnerSeq(
+        seq_id=i,
+        request_id=f"r{i}",
+        prompt_token_ids=[1],
+        output_token_ids=[],
+        params=params,
+        sample_key=i + 1,
+        block_table=[],
+        num_computed_tokens=1,
+    )
 
 
 def test_logit_bias_moves_only_its_rows() -> None:
@@ -65,8 +73,13 @@ def test_logit_bias_moves_only_its_rows() -> None:
 def test_logit_bias_validation_names_the_problem() -> None:
     assert SamplingParams(logit_bias={"12": -100, "3": 0.5}).logit_bias == {12: -100.0, 3: 0.5}
     assert SamplingParams(logit_bias={}).logit_bias is None
-    for bad, words in (({"x": 1}, "not a token id"), ({"-1": 1}, "not a token id"), ({"1": 100.5}, "outside"),
-                       ({"1": "5"}, "not a number"), ({"1": True}, "not a number")):  # fmt: skip
+    for bad, words in (
+        ({"x": 1}, "not a token id"),
+        ({"-1": 1}, "not a token id"),
+        ({"1": 100.5}, "outside"),
+        ({"1": "5"}, "not a number"),
+        ({"1": True}, "not a number"),
+    ):
         with pytest.raises(ValueError, match=words):
             SamplingParams(logit_bias=bad)
 
@@ -114,17 +127,24 @@ def test_logit_bias_bans_and_forces_tokens(server: ThreadServer, client: openai.
     # Every token the free run wrote, banned: none of them comes back, and the first choice changes.
     banned = {_token_id(server, t) for t in set(said)}
     bias = {str(t): -100 for t in banned}
-    held = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, logprobs=0, logit_bias=bias,
-                                     **GREEDY)  # fmt: skip
+    held = client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=8, logprobs=0, logit_bias=bias, **GREEDY
+    )
     again = held.choices[0].logprobs.tokens  # type: ignore[union-attr]
     assert len(again) == 8 and not set(again) & set(said), (said, again)
     # +100 on one token: greedy writes nothing else, on both endpoints.
     banana = _token_id(server, " banana")
-    forced = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, logit_bias={str(banana): 100},
-                                       **GREEDY)  # fmt: skip
+    forced = client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=6, logit_bias={str(banana): 100}, **GREEDY
+    )
     assert forced.choices[0].text == " banana" * 6
-    chat = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
-                                          max_tokens=4, logit_bias={str(banana): 100}, **GREEDY)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="smollm2",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        logit_bias={str(banana): 100},
+        **GREEDY,
+    )
     assert chat.choices[0].message.content == " banana" * 4
 
 
@@ -133,8 +153,10 @@ def test_logit_bias_bans_and_forces_tokens(server: ThreadServer, client: openai.
     [({"99999999": 5}, "outside the vocabulary"), ({"abc": 5}, "not a token id"), ({"5": -101}, "outside [-100")],
 )
 def test_bad_logit_bias_is_400_naming_it(server: ThreadServer, bias: dict[str, Any], words: str) -> None:
-    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": [
-            {"role": "user", "content": "x"}]})):  # fmt: skip
+    for path, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+    ):
         r = _post(server, path, {**body, "max_tokens": 2, "logit_bias": bias})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
@@ -146,8 +168,7 @@ def test_echo_puts_the_prompt_first(server: ThreadServer, client: openai.OpenAI)
     plain = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, **GREEDY)
     echoed = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, echo=True, **GREEDY)
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
-    streamed = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, echo=True, stream=True,
-                                         **GREEDY)  # fmt: skip
+    streamed = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, echo=True, stream=True, **GREEDY)
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
     # Token-id prompts are echoed as their text; each prompt's completions get their own prompt.
     prompts = [_post(server, "/tokenize", {"prompt": p}).json()["tokens"] for p in ("Hello world", PROMPT)]
@@ -177,11 +198,13 @@ def test_tokenize_detokenize_health_version(server: ThreadServer, client: openai
     done = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=1)  # type: ignore[arg-type]
     assert done.usage is not None and chat["count"] == done.usage.prompt_tokens
     assert chat["token_strs"][0] == "<|im_start|>" and len(chat["token_strs"]) == chat["count"]
-    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": messages},
-                                                           "prompt"),
-                              ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
-                              ("/detokenize", {"tokens": "1"}, "tokens"),
-                              ("/tokenize", {"model": "other", "prompt": "a"}, "model")):  # fmt: skip
+    for path, body, param in (
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+        ("/detokenize", {"tokens": [1, 10**9]}, "tokens[1]"),
+        ("/detokenize", {"tokens": "1"}, "tokens"),
+        ("/tokenize", {"model": "other", "prompt": "a"}, "model"),
+    ):
         r = _post(server, path, body)
         assert r.status_code in (400, 404) and r.json()["error"]["param"] == param, (path, body, r.text)
     assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200
@@ -192,17 +215,25 @@ def test_tokenize_detokenize_health_version(server: ThreadServer, client: openai
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-            "type": "array", "uniqueItems": True}}}}, "response_format.json_schema.schema", "uniqueItems"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}},
+                }
+            },
+            "response_format.json_schema.schema",
+            "uniqueItems",
+        ),
         ({"guided_json": {"type": "integer", "minimum": 5, "maximum": 3}}, "guided_json", "Unsatisfiable"),
         ({"guided_json": {"type": "string", "format": "no-such-format"}}, "guided_json", "no-such-format"),
         ({"guided_grammar": 'start: a\na: a "x"'}, "guided_grammar", "matches no output"),
     ],
-)  # fmt: skip
-def test_constraints_that_cannot_work_are_400s(server: ThreadServer, body: dict[str, Any], param: str,
-                                               words: str) -> None:  # fmt: skip
-    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4,
-                                               **body})  # fmt: skip
+)
+def test_constraints_that_cannot_work_are_400s(
+    server: ThreadServer, body: dict[str, Any], param: str, words: str
+) -> None:
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
@@ -211,9 +242,13 @@ def test_constraints_that_cannot_work_are_400s(server: ThreadServer, body: dict[
 def test_unmatchable_grammar_streamed_is_an_error_naming_it(client: openai.OpenAI) -> None:
     # Streamed, the response has begun (200) when the engine refuses: the error event names the field.
     with pytest.raises(openai.APIError) as info:
-        for _ in client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "x"}],
-                                                max_tokens=4, stream=True,
-                                                extra_body={"guided_grammar": 'start: b\nb: b "y"'}):  # fmt: skip
+        for _ in client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=4,
+            stream=True,
+            extra_body={"guided_grammar": 'start: b\nb: b "y"'},
+        ):
             pass
     assert "guided_grammar: the grammar matches no output" in str(info.value)
 
@@ -221,9 +256,16 @@ def test_unmatchable_grammar_streamed_is_an_error_naming_it(client: openai.OpenA
 @pytest.mark.slow
 def test_length_mid_object_streamed_is_length(client: openai.OpenAI) -> None:
     schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
-    chunks = list(client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": "A name as JSON"}], max_tokens=3, stream=True,
-        extra_body={"guided_json": schema}, **GREEDY))  # type: ignore[call-overload]  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "A name as JSON"}],
+            max_tokens=3,
+            stream=True,
+            extra_body={"guided_json": schema},
+            **GREEDY,
+        )
+    )  # type: ignore[call-overload]
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     assert '{"name": "'.startswith(text) or text.startswith('{"name": "')

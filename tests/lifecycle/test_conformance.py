@@ -107,8 +107,9 @@ def test_every_400_has_the_client_shape(server: ThreadServer, route: str, body: 
 def test_429_has_the_client_shape_and_retry_after(tiny_model: Path) -> None:
     # One sequence at a time and room for one waiting request: a third concurrent request is turned away.
     # Paced steps: the holders must still run when the third request comes, however fast this machine decodes.
-    srv = ThreadServer(engine_config(tiny_model, max_num_seqs=1), ServeConfig(port=0, max_queue=1),
-                       engine_factory=paced_engine(0.01)).start()  # fmt: skip
+    srv = ThreadServer(
+        engine_config(tiny_model, max_num_seqs=1), ServeConfig(port=0, max_queue=1), engine_factory=paced_engine(0.01)
+    ).start()
     try:
         srv.wait_ready()
         body = {"prompt": "hold", "max_tokens": 900, "ignore_eos": True, "stream": True}

@@ -31,8 +31,11 @@ class Served:
         self.port = free_port()
         self.log_path = tmp / f"serve-{self.port}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([sys.executable, "-m", "glowplug.cli", "serve", str(model), "--port",
-                                      str(self.port), *FAST, *args], stdout=self._log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "glowplug.cli", "serve", str(model), "--port", str(self.port), *FAST, *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         self.base_url = f"http://127.0.0.1:{self.port}"
 
     def core(self, timeout: float = 30.0) -> psutil.Process:
@@ -74,9 +77,13 @@ class Stream(threading.Thread):
     def run(self) -> None:
         try:
             stream = self.served.client().completions.create(
-                model="tiny", prompt="The scheduler", max_tokens=self.max_tokens, stream=True,
-                extra_body={"ignore_eos": True}, logprobs=0,
-            )  # fmt: skip
+                model="tiny",
+                prompt="The scheduler",
+                max_tokens=self.max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                logprobs=0,
+            )
             for chunk in stream:
                 if chunk.choices and chunk.choices[0].logprobs is not None:
                     self.tokens += len(chunk.choices[0].logprobs.tokens or [])
@@ -110,8 +117,9 @@ def _ready_status(base_url: str) -> tuple[int, dict[str, Any]]:
     return resp.status_code, resp.json()
 
 
-def test_core_killed_mid_stream_ends_streams_with_an_error_and_the_server_exits_1(tiny_model: Path,
-                                                                                  tmp_path: Path) -> None:  # fmt: skip
+def test_core_killed_mid_stream_ends_streams_with_an_error_and_the_server_exits_1(
+    tiny_model: Path, tmp_path: Path
+) -> None:
     srv = Served(tiny_model, tmp_path, "--failed-exit-delay", "5")
     try:
         wait_ready(srv.base_url, timeout=180)
@@ -183,7 +191,9 @@ def test_a_restarted_core_serves_again_and_dies_with_its_server(tiny_model: Path
         info = httpx.get(srv.base_url + "/startup", timeout=5).json()
         assert info["state"] == "ready" and info["timeline"]["trace_id"] != trace  # a new start, a new trace
         assert {"core_process_start", "core_imports", "warmup"} <= {p["name"] for p in info["phases"]}
-        out = srv.client().completions.create(model="tiny", prompt="again", max_tokens=4, extra_body={"ignore_eos": True})
+        out = srv.client().completions.create(
+            model="tiny", prompt="again", max_tokens=4, extra_body={"ignore_eos": True}
+        )
         assert out.usage is not None and out.usage.completion_tokens == 4
         second = srv.core()
         assert second.pid != first.pid

@@ -47,8 +47,14 @@ def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> 
             wait_ready(srv.base_url, timeout=90)
 
             def reader(i: int, max_tokens: int) -> StreamReader:
-                body = {"prompt": f"stream {i}", "max_tokens": max_tokens, "ignore_eos": True, "logprobs": 0,
-                        "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+                body = {
+                    "prompt": f"stream {i}",
+                    "max_tokens": max_tokens,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
                 return StreamReader(srv.base_url, body)
 
             long_readers = [reader(i, LONG_TOKENS) for i in range(0, STREAMS, 2)]
@@ -84,7 +90,9 @@ def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> 
                 deadline = time.monotonic() + DRAIN_S / 2
                 while time.monotonic() < deadline:
                     try:
-                        statuses.append(http.post("/v1/completions", json={"prompt": "late", "max_tokens": 2}).status_code)
+                        statuses.append(
+                            http.post("/v1/completions", json={"prompt": "late", "max_tokens": 2}).status_code
+                        )
                     except httpx.TransportError:
                         break
                     time.sleep(0.05)
@@ -121,12 +129,12 @@ def test_sigterm_with_32_streams_in_flight(long_model: Path, tmp_path: Path) -> 
             assert attrs[DrainAttr.FINISHED] + attrs[DrainAttr.ABORTED] == attrs[DrainAttr.IN_FLIGHT]
             assert attrs[DrainAttr.CLEAN] is False and attrs[DrainAttr.TIMEOUT_S] == DRAIN_S
             # The figures behind the issue note (shown with `pytest -s`).
-            print(f"SIGTERM with {len(in_flight)} streams in flight: drain span in_flight={attrs[DrainAttr.IN_FLIGHT]} "
-                  f"finished={attrs[DrainAttr.FINISHED]} (short streams of {short_tokens} tokens at {rate:.0f} tok/s) "
-                  f"aborted={attrs[DrainAttr.ABORTED]}; {len(statuses)} late "
-                  f"requests, last status {statuses[-1]}; exit {code} {exited_after:.2f} s after the signal "
-                  f"(limit {DRAIN_S + 2.0:g} s)")  # fmt: skip
+            print(
+                f"SIGTERM with {len(in_flight)} streams in flight: drain span in_flight={attrs[DrainAttr.IN_FLIGHT]} "
+                f"finished={attrs[DrainAttr.FINISHED]} (short streams of {short_tokens} tokens at {rate:.0f} tok/s) "
+                f"aborted={attrs[DrainAttr.ABORTED]}; {len(statuses)} late "
+                f"requests, last status {statuses[-1]}; exit {code} {exited_after:.2f} s after the signal "
+                f"(limit {DRAIN_S + 2.0:g} s)"
+            )
         finally:
             srv.kill()
-
-

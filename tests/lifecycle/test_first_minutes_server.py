@@ -42,15 +42,33 @@ def test_cli_and_server_give_the_same_text_by_default(server: ThreadServer, tiny
         card = http.get("/v1/models").json()["data"][0]
     served = body["choices"][0]["text"]
     proc = subprocess.run(
-        [sys.executable, "-m", "glowplug.cli", "generate", str(tiny_model), PROMPT, "--max-tokens", "8",
-         "--ignore-eos", "--compile", "off", "--num-gpu-blocks-override", "512"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "glowplug.cli",
+            "generate",
+            str(tiny_model),
+            PROMPT,
+            "--max-tokens",
+            "8",
+            "--ignore-eos",
+            "--compile",
+            "off",
+            "--num-gpu-blocks-override",
+            "512",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     generated = proc.stdout.rsplit("\n(finish_reason=", 1)[0]
     assert generated == PROMPT + served, (generated, served)
     # Both took the same default and said where it came from: /v1/models, and the CLI's start-up lines.
-    assert card["sampling_defaults"] == {**GLOWPLUG_SAMPLING_DEFAULTS, "source": sampling_defaults(str(tiny_model)).source}
+    assert card["sampling_defaults"] == {
+        **GLOWPLUG_SAMPLING_DEFAULTS,
+        "source": sampling_defaults(str(tiny_model)).source,
+    }
     assert "the model has no generation config" in card["sampling_defaults"]["source"]
     assert "glowplug: sampling: temperature 0 (greedy), from glowplug default (greedy)" in proc.stderr
 
@@ -58,8 +76,9 @@ def test_cli_and_server_give_the_same_text_by_default(server: ThreadServer, tiny
 def test_a_generation_config_sets_the_defaults(tmp_path: Path) -> None:
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "generation_config.json").write_text(json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9,
-                                                              "bos_token_id": 1}))  # fmt: skip
+    (folder / "generation_config.json").write_text(
+        json.dumps({"do_sample": True, "temperature": 0.6, "top_p": 0.9, "bos_token_id": 1})
+    )
     got = sampling_defaults(str(folder))
     assert got.values == {"temperature": 0.6, "top_p": 0.9} and got.source.endswith("generation_config.json")
     assert got.describe() == f"temperature 0.6, top p 0.9, from {folder / 'generation_config.json'}"

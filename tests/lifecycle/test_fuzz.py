@@ -51,7 +51,9 @@ def test_openapi_document_is_precise(server: ThreadServer) -> None:
 
 def test_fuzz_no_server_errors_no_schema_violations(server: ThreadServer) -> None:
     result = run_fuzz(server.base_url, CI_CASES, timeout=60)
-    report = {f"{op.method} {op.path}": (op.cases, op.statuses, op.failures, op.examples[:2]) for op in result.operations}
+    report = {
+        f"{op.method} {op.path}": (op.cases, op.statuses, op.failures, op.examples[:2]) for op in result.operations
+    }
     for op in result.operations:
         assert op.server_errors == 0, report
         assert op.violations == 0, report

@@ -53,11 +53,18 @@ def server(tiny_model: Path) -> Iterator[ThreadServer]:
 def _target(srv: ThreadServer) -> Target:
     cfg = srv.serve_cfg
     return Target(
-        host="127.0.0.1", port=int(srv.server.bound_port), model="tiny", api_key=KEY,
-        max_body_bytes=cfg.max_body_bytes, max_json_depth=cfg.max_json_depth, max_json_values=cfg.max_json_values,
-        body_read_timeout=cfg.body_read_timeout, header_read_timeout=cfg.header_read_timeout,
-        max_model_len=srv.service.engine_info.max_model_len, idle_connections=300,
-    )  # fmt: skip
+        host="127.0.0.1",
+        port=int(srv.server.bound_port),
+        model="tiny",
+        api_key=KEY,
+        max_body_bytes=cfg.max_body_bytes,
+        max_json_depth=cfg.max_json_depth,
+        max_json_values=cfg.max_json_values,
+        body_read_timeout=cfg.body_read_timeout,
+        header_read_timeout=cfg.header_read_timeout,
+        max_model_len=srv.service.engine_info.max_model_len,
+        idle_connections=300,
+    )
 
 
 def test_openai_client_with_the_right_key_a_wrong_key_and_none(server: ThreadServer) -> None:
@@ -86,8 +93,9 @@ def test_openai_client_with_the_right_key_a_wrong_key_and_none(server: ThreadSer
     assert doc["paths"]["/tokenize"]["post"]["security"] == [{"bearer": []}]
     tokenize = httpx.post(server.base_url + "/tokenize", json={"prompt": "hello"}, timeout=30)
     assert tokenize.status_code == 401 and tokenize.json()["error"]["code"] == "invalid_api_key"
-    keyed = httpx.post(server.base_url + "/tokenize", json={"prompt": "hello"}, timeout=30,
-                       headers={"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    keyed = httpx.post(
+        server.base_url + "/tokenize", json={"prompt": "hello"}, timeout=30, headers={"Authorization": f"Bearer {KEY}"}
+    )
     assert keyed.status_code == 200 and keyed.json()["count"] >= 1
     # Probes, metrics, /startup and the page stay open; the key is echoed by none of them.
     for path in ("/health/live", "/health/ready", "/metrics", "/startup", "/"):
@@ -117,8 +125,10 @@ def test_the_corpus_ends_in_4xx_or_a_clean_close_and_a_healthy_server(server: Th
 
 
 def _run_corpus_and_check(server: ThreadServer, logs: io.StringIO, stdlib: _Records) -> None:
-    before = {stage: metric(server.base_url, Metric.CLIENT_DISCONNECTS + "_total", stage=stage)
-              for stage in ("body", "response")}  # fmt: skip
+    before = {
+        stage: metric(server.base_url, Metric.CLIENT_DISCONNECTS + "_total", stage=stage)
+        for stage in ("body", "response")
+    }
     result = run_corpus(_target(server))
     failed = [(c.name, c.expected, c.outcome, c.ready_after, c.normal_after) for c in result.cases if not c.passed]
     assert not failed, failed
@@ -135,8 +145,15 @@ def _run_corpus_and_check(server: ThreadServer, logs: io.StringIO, stdlib: _Reco
     assert metric(base, Metric.CLIENT_DISCONNECTS + "_total", stage="body") >= before["body"] + 2
     assert metric(base, Metric.CLIENT_DISCONNECTS + "_total", stage="response") >= before["response"] + 2
     assert metric(base, Metric.CONNECTIONS_TIMED_OUT + "_total") >= 300 + 2
-    for reason in ("body_too_large", "body_timeout", "json_too_deep", "invalid_unicode", "unauthorized",
-                   "head_too_large", "too_many_values"):  # fmt: skip
+    for reason in (
+        "body_too_large",
+        "body_timeout",
+        "json_too_deep",
+        "invalid_unicode",
+        "unauthorized",
+        "head_too_large",
+        "too_many_values",
+    ):
         assert metric(base, Metric.REQUEST_REJECTED + "_total", reason=reason) >= 1, reason
 
     # No traceback and no error line anywhere: a client's fault is an info line on its request's access log.

@@ -65,7 +65,11 @@ def test_ready_503_with_phase_then_200_and_queue_bound(tiny_model: Path) -> None
             assert ready.status_code == 503
             body = ready.json()
             assert {k: body[k] for k in ("status", "phase", "reason", "running_phases")} == {
-                "status": "starting", "phase": HOLD, "reason": None, "running_phases": [HOLD]}
+                "status": "starting",
+                "phase": HOLD,
+                "reason": None,
+                "running_phases": [HOLD],
+            }
             assert body["eta_s"] is not None and body["eta_s"] > 0
             assert int(ready.headers["retry-after"]) >= 1
             assert http.get("/health/live").status_code == 200
@@ -164,8 +168,9 @@ def test_failed_start_is_reported(tmp_path: Path) -> None:
 def test_drain_timeout_aborts_the_rest(tiny_model: Path) -> None:
     # Paced steps: the stream must outlast the 0.5 s drain however fast this machine decodes (unpaced, the tiny
     # model's 256 positions can all be decoded inside it).
-    srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0, drain_timeout=0.5),
-                       engine_factory=paced_engine(0.01)).start()  # fmt: skip
+    srv = ThreadServer(
+        engine_config(tiny_model), ServeConfig(port=0, drain_timeout=0.5), engine_factory=paced_engine(0.01)
+    ).start()
     srv.wait_ready()
     body = {"prompt": "go on", "max_tokens": 1000, "ignore_eos": True, "stream": True, "temperature": 0.0}
     stopper = threading.Thread(target=srv.stop, daemon=True)

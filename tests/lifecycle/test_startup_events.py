@@ -184,8 +184,9 @@ def test_a_restarted_server_starts_a_new_log(tiny_model: Path) -> None:
         assert hello["data"]["boot_id"] != old[0]["id"].split(":")[0]
         assert logged[0]["id"] == f"{hello['data']['boot_id']}:1" and logged[0]["data"]["state"] == "starting"
         # A core process of its own: its start and its imports are phases too.
-        assert sorted(e["data"]["stage"] for e in logged if e["event"] == "phase_end") == sorted([*PIPELINE,
-                                                                                                  *CORE_ROWS])
+        assert sorted(e["data"]["stage"] for e in logged if e["event"] == "phase_end") == sorted(
+            [*PIPELINE, *CORE_ROWS]
+        )
     finally:
         second.stop()
 

@@ -38,8 +38,13 @@ print(json.dumps({"torch": "torch" in sys.modules, "predicted": progress.predict
 
 def test_the_server_predicts_ready_before_the_core_without_torch(tiny_model: Path) -> None:
     config = engine_config(tiny_model, max_num_seqs=3)
-    out = subprocess.run([sys.executable, "-c", _EARLY, config.model_dump_json()], capture_output=True, text=True,
-                         timeout=120, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _EARLY, config.model_dump_json()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["torch"] is False, "the API server imported torch to predict the start"
     assert got["predicted"] is not None and got["predicted"] > 0

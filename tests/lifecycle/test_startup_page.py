@@ -186,9 +186,7 @@ def test_page_reconnects_to_a_restarted_server(page: Any, tiny_model: Path) -> N
             f"document.body.dataset.boot !== {old_boot!r} && document.body.dataset.state === 'starting'",
             timeout=WAIT_MS,
         )
-        page.wait_for_function(
-            "document.getElementById('current-phase').textContent === 'model_init'", timeout=WAIT_MS
-        )
+        page.wait_for_function("document.getElementById('current-phase').textContent === 'model_init'", timeout=WAIT_MS)
         assert page.locator("#table-section").is_hidden()
         pacing.release("model_init")
         page.wait_for_function("document.body.dataset.state === 'ready'", timeout=WAIT_MS)
@@ -214,7 +212,11 @@ def test_polling_fallback_and_serving_charts(page: Any, tiny_model: Path) -> Non
         client = srv.client()
         for i in range(3):
             out = client.completions.create(
-                model=client.models.list().data[0].id, prompt=f"charts {i}", max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True}
+                model=client.models.list().data[0].id,
+                prompt=f"charts {i}",
+                max_tokens=8,
+                temperature=0.0,
+                extra_body={"ignore_eos": True},
             )
             assert out.usage.completion_tokens == 8
         # Each chart states its latest values in text; TTFT and TPOT percentiles appear once requests finished.

@@ -56,10 +56,14 @@ TIME = {
     "function": {
         "name": "get_time",
         "description": "The local time in a time zone.",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}},
-                       "required": ["zone"], "additionalProperties": False},
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 12}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
     },
-}  # fmt: skip
+}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
@@ -125,8 +129,10 @@ def test_bitmask_apply_matches_the_masked_fill_reference(dtype: torch.dtype) -> 
 
 
 def test_streamed_tool_calls_reassemble_to_the_whole_parse() -> None:
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
-            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris {x}"}}\n</tool_call>')
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Paris {x}"}}\n</tool_call>'
+    )
     whole = ToolCallParser()
     whole.feed(text)
     whole.finish()
@@ -156,8 +162,13 @@ def test_streamed_tool_calls_reassemble_to_the_whole_parse() -> None:
         assert [args[i] for i in sorted(args)] == [c.arguments for c in whole.calls]
 
 
-@pytest.mark.parametrize("text", ['```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```',
-                                  ' {"name": "get_time", "parameters": {"zone": "UTC"}}'])  # fmt: skip
+@pytest.mark.parametrize(
+    "text",
+    [
+        '```json\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n```',
+        ' {"name": "get_time", "parameters": {"zone": "UTC"}}',
+    ],
+)
 def test_a_reply_of_one_json_call_is_a_call(text: str) -> None:
     for pieces in ([text], [text[:5], text[5:9], text[9:]]):
         parser = ToolCallParser(["get_time"])
@@ -195,17 +206,24 @@ def smol() -> Iterator[openai.OpenAI]:
 def test_json_schema_output_validates(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     messages = [{"role": "user", "content": "Invent a person and describe them as JSON."}]
-    chat = client.chat.completions.create(model="smol", messages=messages, response_format=fmt, max_tokens=120,
-                                          **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+    chat = client.chat.completions.create(
+        model="smol", messages=messages, response_format=fmt, max_tokens=120, **GREEDY
+    )  # type: ignore[arg-type]
     assert chat.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(chat.choices[0].message.content or ""), PERSON)
     # The completions endpoint takes the same field, and vLLM's guided_* names are another way to ask.
-    comp = client.completions.create(model="smol", prompt="A person as JSON:", max_tokens=120,
-                                     extra_body={"guided_json": PERSON}, **GREEDY)  # fmt: skip
+    comp = client.completions.create(
+        model="smol", prompt="A person as JSON:", max_tokens=120, extra_body={"guided_json": PERSON}, **GREEDY
+    )
     jsonschema.validate(json.loads(comp.choices[0].text), PERSON)
-    choice = client.completions.create(model="smol", prompt="Is the sky blue? Answer:", max_tokens=8,
-                                       extra_body={"guided_choice": ["yes", "no"]},
-                                       temperature=1.0, seed=3)  # fmt: skip
+    choice = client.completions.create(
+        model="smol",
+        prompt="Is the sky blue? Answer:",
+        max_tokens=8,
+        extra_body={"guided_choice": ["yes", "no"]},
+        temperature=1.0,
+        seed=3,
+    )
     assert choice.choices[0].text in ("yes", "no") and choice.choices[0].finish_reason == "stop"
 
 
@@ -216,15 +234,13 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
         population: int = pydantic.Field(ge=0, le=10**9)
 
     messages = [{"role": "user", "content": "Describe Paris."}]
-    out = client.chat.completions.parse(model="smol", response_format=City, max_tokens=80, messages=messages,
-                                        **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+    out = client.chat.completions.parse(model="smol", response_format=City, max_tokens=80, messages=messages, **GREEDY)  # type: ignore[arg-type]
     assert isinstance(out.choices[0].message.parsed, City)
 
 
 def test_length_mid_object_is_length_not_an_error(client: openai.OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    out = client.chat.completions.create(model="smol", messages=ASK, max_tokens=4, **GREEDY,
-                                         response_format=fmt)  # type: ignore[arg-type]  # fmt: skip
+    out = client.chat.completions.create(model="smol", messages=ASK, max_tokens=4, **GREEDY, response_format=fmt)  # type: ignore[arg-type]
     assert out.choices[0].finish_reason == "length"
     assert '{"name": "'.startswith(out.choices[0].message.content or "-")
 
@@ -240,9 +256,15 @@ def _check_calls(calls: Any, names: set[str]) -> None:
 @pytest.mark.slow
 def test_required_tool_choice_on_the_default_model(smol: openai.OpenAI) -> None:
     # One call (parallel_tool_calls false): the grammar ends the reply after it.
-    req = smol.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                       parallel_tool_calls=False, max_tokens=48,
-                                       **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+    req = smol.chat.completions.create(
+        model="smol",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=48,
+        **GREEDY,
+    )  # type: ignore[arg-type]
     assert req.choices[0].finish_reason == "tool_calls"
     calls = req.choices[0].message.tool_calls
     _check_calls(calls, {"get_weather", "get_time"})
@@ -251,24 +273,30 @@ def test_required_tool_choice_on_the_default_model(smol: openai.OpenAI) -> None:
 
 def test_named_tool_choice(client: openai.OpenAI) -> None:
     named = {"type": "function", "function": {"name": "get_time"}}
-    one = client.chat.completions.create(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice=named,
-                                         max_tokens=100, **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+    one = client.chat.completions.create(
+        model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice=named, max_tokens=100, **GREEDY
+    )  # type: ignore[arg-type]
     calls = one.choices[0].message.tool_calls
     _check_calls(calls, {"get_time"})
     assert calls is not None and len(calls) == 1 and one.choices[0].finish_reason == "tool_calls"
     # The call and its result go back through the template, and the model answers in text.
-    follow = [*ASK, {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
-              {"role": "tool", "tool_call_id": calls[0].id, "content": "14:05"}]  # fmt: skip
-    back = client.chat.completions.create(model="smol", messages=follow, tools=[WEATHER, TIME], tool_choice="none",
-                                          max_tokens=4, **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+    follow = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [c.model_dump() for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0].id, "content": "14:05"},
+    ]
+    back = client.chat.completions.create(
+        model="smol", messages=follow, tools=[WEATHER, TIME], tool_choice="none", max_tokens=4, **GREEDY
+    )  # type: ignore[arg-type]
     assert back.choices[0].message.tool_calls is None and back.choices[0].finish_reason in ("stop", "length")
     alone = client.chat.completions.create(model="smol", messages=ASK, max_tokens=1, **GREEDY)  # type: ignore[arg-type]
     assert back.usage is not None and alone.usage is not None and back.usage.prompt_tokens > alone.usage.prompt_tokens
 
 
 def test_streamed_tool_calls_match_the_whole_response(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = dict(model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
-                                  max_tokens=100, **GREEDY)  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=100, **GREEDY
+    )
     whole = client.chat.completions.create(**kwargs)
     calls: dict[int, dict[str, str]] = {}
     finish = None
@@ -281,8 +309,9 @@ def test_streamed_tool_calls_match_the_whole_response(client: openai.OpenAI) -> 
                 calls[d.index] = {"name": d.function.name, "arguments": d.function.arguments or ""}
             elif d.function and d.function.arguments:
                 calls[d.index]["arguments"] += d.function.arguments
-    expected = [{"name": c.function.name, "arguments": c.function.arguments}
-                for c in whole.choices[0].message.tool_calls or ()]  # fmt: skip
+    expected = [
+        {"name": c.function.name, "arguments": c.function.arguments} for c in whole.choices[0].message.tool_calls or ()
+    ]
     assert [calls[i] for i in sorted(calls)] == expected and expected
     assert finish == "tool_calls"
 
@@ -290,20 +319,30 @@ def test_streamed_tool_calls_match_the_whole_response(client: openai.OpenAI) -> 
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
-         "response_format.json_schema.schema", "strin"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-         "response_format.json_schema", "required"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
+            "response_format.json_schema.schema",
+            "strin",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "response_format.json_schema",
+            "required",
+        ),
         ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "guided_regex", "only one"),
         ({"guided_regex": "a("}, "guided_regex", "regex"),
-        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
-         "not one of the tools"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "not one of the tools",
+        ),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ],
-)  # fmt: skip
+)
 def test_bad_constraints_are_400s(server: ThreadServer, body: dict[str, Any], param: str, words: str) -> None:
-    r = httpx.post(server.base_url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body},
-                   timeout=30)  # fmt: skip
+    r = httpx.post(
+        server.base_url + "/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **body}, timeout=30
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
@@ -319,16 +358,27 @@ def test_auto_tool_call_on_qwen(qwen_gguf: Path) -> None:
         srv.wait_ready(timeout=300)
         client = srv.client(timeout=300)
         out = client.chat.completions.create(
-            model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=48,
-            **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+            model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=48, **GREEDY
+        )  # type: ignore[arg-type]
         # Forced calls: the grammar asks for Qwen's own <tool_call> tokens, which a matcher does not take as text.
         # One call: under greedy decoding the 1.5B follows a call with another one rather than end its turn.
         required = client.chat.completions.create(
-            model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=64,
-            parallel_tool_calls=False, **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+            model="qwen",
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            max_tokens=64,
+            parallel_tool_calls=False,
+            **GREEDY,
+        )  # type: ignore[arg-type]
         named = client.chat.completions.create(
-            model="qwen", messages=ASK, tools=[WEATHER, TIME], max_tokens=64,
-            tool_choice={"type": "function", "function": {"name": "get_time"}}, **GREEDY)  # type: ignore[arg-type]  # fmt: skip
+            model="qwen",
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            max_tokens=64,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+            **GREEDY,
+        )  # type: ignore[arg-type]
     finally:
         srv.stop()
     assert out.choices[0].finish_reason == "tool_calls", out.choices[0]

@@ -90,13 +90,16 @@ def test_depth_scan_on_real_bodies() -> None:
     assert nesting_exceeds(b'{"a": [[1]]}', 2) == 7
     assert nesting_exceeds(b"[" * 1000 + b"]" * 1000, 128) == 128
     # Brackets inside strings, escaped quotes and escaped backslashes.
-    body = json.dumps({"prompt": "[[[[\"[[[\\" * 100, "x": [[1]]}).encode()
+    body = json.dumps({"prompt": '[[[["[[[\\' * 100, "x": [[1]]}).encode()
     assert nesting_exceeds(body, 3) is None and nesting_exceeds(body, 2) is not None
     assert json.loads(body)["x"] == [[1]]
 
 
-@given(st.recursive(st.none() | st.integers() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c),
-                    max_leaves=30))  # fmt: skip
+@given(
+    st.recursive(
+        st.none() | st.integers() | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c), max_leaves=30
+    )
+)
 @settings(max_examples=200, deadline=None)
 def test_depth_scan_agrees_with_the_parsed_depth(value: object) -> None:
     def depth(v: object) -> int:
@@ -151,13 +154,29 @@ def test_transport_flags_come_from_the_schema() -> None:
     parser = argparse.ArgumentParser()
     add_serve_flags(parser)
     args = parser.parse_args(
-        ["--max-body-bytes", "1024", "--max-json-depth", "16", "--body-read-timeout", "2.5",
-         "--header-read-timeout", "0", "--api-key", "sk-flag", "--max-json-values", "4096"]
-    )  # fmt: skip
+        [
+            "--max-body-bytes",
+            "1024",
+            "--max-json-depth",
+            "16",
+            "--body-read-timeout",
+            "2.5",
+            "--header-read-timeout",
+            "0",
+            "--api-key",
+            "sk-flag",
+            "--max-json-values",
+            "4096",
+        ]
+    )
     cfg = serve_config_from_args(args)
     assert cfg.max_json_values == 4096
     assert (cfg.max_body_bytes, cfg.max_json_depth, cfg.body_read_timeout, cfg.header_read_timeout) == (
-        1024, 16, 2.5, 0.0)  # fmt: skip
+        1024,
+        16,
+        2.5,
+        0.0,
+    )
     assert cfg.api_key is not None and cfg.api_key.get_secret_value() == "sk-flag"
     defaults = ServeConfig()
     assert defaults.max_body_bytes == 16 << 20 and defaults.max_json_depth == 128 and defaults.api_key is None
@@ -182,16 +201,24 @@ def test_api_key_from_the_environment_and_never_echoed(monkeypatch: pytest.Monke
 
 
 _JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(), lambda c: st.lists(c, max_size=3) |
-    st.dictionaries(st.sampled_from(["prompt", "x", "model"]) | st.text(max_size=4), c, max_size=3), max_leaves=12,
-)  # fmt: skip
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda c: (
+        st.lists(c, max_size=3)
+        | st.dictionaries(st.sampled_from(["prompt", "x", "model"]) | st.text(max_size=4), c, max_size=3)
+    ),
+    max_leaves=12,
+)
 
 
-@given(st.dictionaries(st.sampled_from(["prompt", "model", "x", "stop"]) | st.text(max_size=6), _JSON_VALUES,
-                       max_size=4), st.booleans(), st.booleans())  # fmt: skip
+@given(
+    st.dictionaries(st.sampled_from(["prompt", "model", "x", "stop"]) | st.text(max_size=6), _JSON_VALUES, max_size=4),
+    st.booleans(),
+    st.booleans(),
+)
 @settings(max_examples=300, deadline=None)
-def test_the_raw_prompt_is_found_and_its_length_bounded(body: dict[str, object], ascii_only: bool,
-                                                          pretty: bool) -> None:  # fmt: skip
+def test_the_raw_prompt_is_found_and_its_length_bounded(
+    body: dict[str, object], ascii_only: bool, pretty: bool
+) -> None:
     raw = json.dumps(body, ensure_ascii=ascii_only, indent=2 if pretty else None).encode()
     span = json_limits.top_level_string(raw, b"prompt")
     prompt = body.get("prompt")

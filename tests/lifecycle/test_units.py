@@ -178,9 +178,16 @@ def test_tokens_finished_for_a_client_that_left_are_counted_once() -> None:
     async def scenario() -> tuple[list[int], list[str]]:
         undelivered: list[int] = []
         aborted: list[str] = []
-        gen = Generation(request_ids=["queued", "late", "running"], prompt_lengths=[2, 2, 2], received_at=0.0,
-                         ticket=Ticket(3, lambda _n, _t: None), abort=aborted.append, observe=lambda *_a: None,
-                         on_close=lambda _g: None, undelivered=undelivered.append)  # fmt: skip
+        gen = Generation(
+            request_ids=["queued", "late", "running"],
+            prompt_lengths=[2, 2, 2],
+            received_at=0.0,
+            ticket=Ticket(3, lambda _n, _t: None),
+            abort=aborted.append,
+            observe=lambda *_a: None,
+            on_close=lambda _g: None,
+            undelivered=undelivered.append,
+        )
         gen.sink(finished("queued", 7))  # arrived, never read: the client left first
         gen.close()
         gen.sink(finished("late", 5))  # the engine finished it before the abort reached it

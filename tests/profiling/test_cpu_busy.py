@@ -26,7 +26,9 @@ def test_another_process_counts_and_our_own_work_does_not() -> None:
     start = cpu_busy.sample()
     _burn(BURN_S)
     own = cpu_busy.others_cores(start)
-    child = subprocess.Popen([sys.executable, "-c", f"import time\nend=time.monotonic()+{BURN_S}\nwhile time.monotonic()<end: pass"])
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"import time\nend=time.monotonic()+{BURN_S}\nwhile time.monotonic()<end: pass"]
+    )
     start = cpu_busy.sample()
     child.wait()
     other = cpu_busy.others_cores(start)

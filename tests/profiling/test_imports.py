@@ -8,13 +8,15 @@ from glowplug.profiling.imports import measure_import_costs, parse_importtime, t
 
 
 def test_parse_sums_self_time_per_top_level_package() -> None:
-    text = "\n".join([
-        "import time: self [us] | cumulative | imported package",
-        "import time:       100 |        100 |     email.charset",
-        "import time:       250 |        350 |   email",
-        "import time:      1000 |       1000 | json",
-        "unrelated line",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            "import time: self [us] | cumulative | imported package",
+            "import time:       100 |        100 |     email.charset",
+            "import time:       250 |        350 |   email",
+            "import time:      1000 |       1000 | json",
+            "unrelated line",
+        ]
+    )
     costs = parse_importtime(text)
     assert [(c.package, round(c.self_s * 1e6)) for c in costs] == [("json", 1000), ("email", 350)]
     assert top_note(costs, 1).endswith("json 0.001 s") and "of 0.001 s" in top_note(costs, 1)

@@ -60,8 +60,9 @@ def test_independent_stages_overlap_and_spans_nest_under_the_startup_span(tracin
     assert stages["kv_cache_init"].start_time >= max(model.end_time, tok.end_time)
     # Measured outside the runner: the sequential sum would be 0.64 s; the wall time is the critical path.
     assert 0.43 < wall < 0.62
-    own = sum(table.seconds(r) for r in ("model_prepare", "tokenizer_init", "load_weights", "model_init",
-                                         "kv_cache_init"))  # fmt: skip
+    own = sum(
+        table.seconds(r) for r in ("model_prepare", "tokenizer_init", "load_weights", "model_init", "kv_cache_init")
+    )
     overlap = table.seconds(Row.OVERLAP)
     assert overlap == pytest.approx(0.2, abs=0.05)  # the tokenizer's time, hidden behind weights + model
     assert own - overlap == pytest.approx(wall, abs=0.03)
@@ -79,8 +80,13 @@ def test_chrome_trace_has_one_lane_per_thread(tracing: Tracing) -> None:
     names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
     root = next(e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"] == STARTUP_SPAN)
     assert names[root["tid"]] == "startup"
-    threaded = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e["name"].startswith(STARTUP_SPAN + ".")
-                and e["args"].get(Attr.THREAD_NAME) not in (None, root["args"][Attr.THREAD_NAME])]  # fmt: skip
+    threaded = [
+        e
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X"
+        and e["name"].startswith(STARTUP_SPAN + ".")
+        and e["args"].get(Attr.THREAD_NAME) not in (None, root["args"][Attr.THREAD_NAME])
+    ]
     assert threaded
     for event in threaded:
         assert names[event["tid"]] == event["args"][Attr.THREAD_NAME]
@@ -139,8 +145,9 @@ def _heavy_pipeline() -> list[Declared]:
 
 
 @pytest.mark.parametrize("cores", [1, 8])
-def test_few_cores_run_cpu_bound_stages_one_after_another_and_say_so(tracing: Tracing, monkeypatch: pytest.MonkeyPatch,
-                                                                      cores: int) -> None:  # fmt: skip
+def test_few_cores_run_cpu_bound_stages_one_after_another_and_say_so(
+    tracing: Tracing, monkeypatch: pytest.MonkeyPatch, cores: int
+) -> None:
     import glowplug.engine.stages.schedule as base
 
     monkeypatch.setattr(base, "usable_cores", lambda: cores)
@@ -151,7 +158,8 @@ def test_few_cores_run_cpu_bound_stages_one_after_another_and_say_so(tracing: Tr
     assert root.attributes[Attr.USABLE_CORES] == cores
     if cores < base.SERIAL_CPU_BOUND_BELOW_CORES:
         assert root.attributes[Attr.STAGE_CONCURRENCY] == (
-            "1 usable core (under 2): CPU-bound stages run one after another (graph_compile -> kv_cache_profiling)")
+            "1 usable core (under 2): CPU-bound stages run one after another (graph_compile -> kv_cache_profiling)"
+        )
         assert profile.start_time >= compile_.end_time
         # The extra wait is a dependency like any other (the critical path sees it), and the span says why.
         assert list(profile.attributes[Attr.WAITS_FOR]) == ["model_init", "graph_compile"]

@@ -291,8 +291,15 @@ def test_a_slow_row_says_what_it_did_with_its_time() -> None:
 
     load = work_note("load_weights", {Attr.BYTES_READ: 1_120_000_000}, 10.0)
     assert load == "read 1.120 GB at 0.112 GB/s"
-    native = work_note("native_kernels", {Attr.CACHE_HIT: True, Attr.CACHE_KEY: "abc",
-                                          "glowplug.native_quantized_layers": 196,
-                                          "glowplug.native_attention_layers": 28}, 4.5)  # fmt: skip
+    native = work_note(
+        "native_kernels",
+        {
+            Attr.CACHE_HIT: True,
+            Attr.CACHE_KEY: "abc",
+            "glowplug.native_quantized_layers": 196,
+            "glowplug.native_attention_layers": 28,
+        },
+        4.5,
+    )
     assert native == "switched 196 quantized, 28 attention layers to native kernels; loaded cache entry abc"
     assert work_note("warmup", {}, 2.0) == "this stage reports no breakdown of its time"

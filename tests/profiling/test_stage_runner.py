@@ -128,4 +128,3 @@ def test_given_parent_is_used_and_left_open(tracing: Tracing) -> None:
     for name in ("process_start", "imports", "tokenizer_init"):
         assert spans[f"glowplug.startup.{name}"].parent.span_id == root_id  # type: ignore[attr-defined]
     assert spans[STARTUP_SPAN].start_time == marks.process_start_ns  # type: ignore[attr-defined]
-

@@ -171,6 +171,9 @@ def make_client(
     on every request (an API key)."""
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     return httpx.AsyncClient(
-        base_url=base_url, timeout=httpx.Timeout(timeout, connect=30.0), limits=limits, trust_env=False,
+        base_url=base_url,
+        timeout=httpx.Timeout(timeout, connect=30.0),
+        limits=limits,
+        trust_env=False,
         headers=headers,
-    )  # fmt: skip
+    )

@@ -35,8 +35,9 @@ class ServeBenchConfig(BenchEngineFields):
     request_rate: tuple[float, ...] = Field(
         (), description="Open-loop load points in requests/s (run after the concurrency points)."
     )
-    arrival: Arrival = Field("poisson", description="Open-loop arrivals: poisson, burst (groups of --burst-size) "
-                             "or constant.")  # fmt: skip
+    arrival: Arrival = Field(
+        "poisson", description="Open-loop arrivals: poisson, burst (groups of --burst-size) or constant."
+    )
     burst_size: int = Field(8, ge=1, description="Requests per burst with --arrival burst.")
     num_prompts: int = Field(64, ge=1, description="Requests per load point and run.")
     max_duration: float = Field(600.0, gt=0, description="Seconds a load point may run before it stops sending.")
@@ -88,8 +89,11 @@ class ServeBenchConfig(BenchEngineFields):
     fuzz_max_prompt_items: int = Field(
         4, ge=1, description="--fuzz: lists under the generated prompt and messages are cut to this many items."
     )
-    hostile: bool = Field(False, description="Hostile input: a large prompt refused under load, the tokenizer's "
-                          "hold on other threads, the hostile corpus, and the limits' cost on throughput.")
+    hostile: bool = Field(
+        False,
+        description="Hostile input: a large prompt refused under load, the tokenizer's "
+        "hold on other threads, the hostile corpus, and the limits' cost on throughput.",
+    )
     hostile_prompt_mb: float = Field(20.0, gt=0, description="Size of the prompt refused under load, in MB.")
     hostile_refusals: int = Field(3, ge=1, description="Large prompts sent in a row per run.")
     hostile_streams: int = Field(4, ge=1, description="Streams generating while the large prompt is refused.")
@@ -100,17 +104,23 @@ class ServeBenchConfig(BenchEngineFields):
     hostile_idle_connections: int = Field(300, ge=1, description="Idle connections opened at once by the corpus.")
     hostile_concurrency: int = Field(16, ge=1, description="Closed-loop clients of the limits' cost pairs.")
     hostile_timeouts: float | None = Field(
-        None, gt=0, description="--body-read-timeout and --header-read-timeout of the server with the limits "
+        None,
+        gt=0,
+        description="--body-read-timeout and --header-read-timeout of the server with the limits "
         "(default: the server's, 60 s and 20 s); the corpus's slow cases last that long.",
     )
-    structured: bool = Field(False, description="Structured outputs and tool calls: TPOT of 8 constrained rows in a "
-                             "batch of 16, a grammar's extra TTFT, llguidance's own times, and the validity of "
-                             "generated objects and tool calls (with --real-model).")  # fmt: skip
+    structured: bool = Field(
+        False,
+        description="Structured outputs and tool calls: TPOT of 8 constrained rows in a "
+        "batch of 16, a grammar's extra TTFT, llguidance's own times, and the validity of "
+        "generated objects and tool calls (with --real-model).",
+    )
     structured_data: Path | None = Field(
         None, description="--structured: the schemas, prompts and tools (JSON; default: the packaged set)."
     )
     real_model: Path | None = Field(
-        None, description="--structured: a GGUF whose server (--quantization auto) also generates the objects and "
+        None,
+        description="--structured: a GGUF whose server (--quantization auto) also generates the objects and "
         "the tool calls.",
     )
     structured_real_only: bool = Field(
@@ -156,5 +166,7 @@ class ServeBenchConfig(BenchEngineFields):
     @property
     def modes(self) -> tuple[str, ...]:
         """The modes asked for; the sweep when none is."""
-        chosen = tuple(m for m in ("soak", "efficiency", "overload", "fuzz", "hostile", "structured") if getattr(self, m))
+        chosen = tuple(
+            m for m in ("soak", "efficiency", "overload", "fuzz", "hostile", "structured") if getattr(self, m)
+        )
         return chosen or ("sweep",)

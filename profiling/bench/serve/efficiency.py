@@ -107,8 +107,9 @@ class EfficiencyResult:
 
     @property
     def passed(self) -> bool:
-        return (self.ratio >= TARGET_MEDIAN and self.worst_ratio >= TARGET_WORST
-                and all(r.failed == 0 for r in self.server))  # fmt: skip
+        return (
+            self.ratio >= TARGET_MEDIAN and self.worst_ratio >= TARGET_WORST and all(r.failed == 0 for r in self.server)
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -131,8 +132,14 @@ def _server_run(cfg: ServeBenchConfig, base_url: str, bodies: list[dict[str, Any
     before = scrape(base_url)
     t0 = time.perf_counter()
     c0 = time.process_time()
-    results = run_closed(base_url, api_path(cfg.endpoint), bodies, cfg.efficiency_concurrency,
-                         max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+    results = run_closed(
+        base_url,
+        api_path(cfg.endpoint),
+        bodies,
+        cfg.efficiency_concurrency,
+        max_duration=cfg.max_duration,
+        timeout=cfg.request_timeout,
+    )
     client_cpu = time.process_time() - c0
     wall = time.perf_counter() - t0
     after = scrape(base_url)
@@ -172,7 +179,9 @@ def _offline_run(llm: Any, prompts: list[str], params: Any) -> OfflineRun:
     return OfflineRun(wall, tokens, steps, busy)
 
 
-def run_efficiency(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Callable[[str], None]) -> EfficiencyResult:
+def run_efficiency(
+    cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Callable[[str], None]
+) -> EfficiencyResult:
     import gc
 
     from glowplug.engine.config import EngineConfig
@@ -180,8 +189,10 @@ def run_efficiency(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: 
     from glowplug.engine.sampling_params import SamplingParams
 
     if cfg.endpoint != "completions" or cfg.dataset is not None or cfg.len_distribution != "fixed":
-        raise ValueError("--efficiency runs the synthetic set of fixed lengths on /v1/completions (LLM.generate "
-                         "takes one SamplingParams); drop --dataset/--endpoint chat/--len-distribution")  # fmt: skip
+        raise ValueError(
+            "--efficiency runs the synthetic set of fixed lengths on /v1/completions (LLM.generate "
+            "takes one SamplingParams); drop --dataset/--endpoint chat/--len-distribution"
+        )
     count = max(cfg.num_prompts, cfg.efficiency_concurrency)
     specs = build_requests(cfg, tokenizer, count, seed=0)
     prompts = [s.prompt or "" for s in specs]
@@ -191,14 +202,22 @@ def run_efficiency(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: 
     with server_for(cfg) as (base_url, _pid):
         model = cfg.served_model_name or served_model(base_url)
         bodies = [request_body(s, model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos) for s in specs]
-        run_closed(base_url, api_path(cfg.endpoint), bodies[: min(len(bodies), 4)], 4, max_duration=cfg.max_duration,
-                   timeout=cfg.request_timeout)  # warm-up  # fmt: skip
+        run_closed(
+            base_url,
+            api_path(cfg.endpoint),
+            bodies[: min(len(bodies), 4)],
+            4,
+            max_duration=cfg.max_duration,
+            timeout=cfg.request_timeout,
+        )  # warm-up
         say("efficiency: building the offline engine (the server waits, idle)")
         llm = LLM(config=EngineConfig.from_flat(**engine_fields(cfg)))
         llm.generate(prompts[:4], params)  # warm-up, like the server's
         for i in range(cfg.runs):
-            say(f"efficiency: pair {i + 1}/{cfg.runs}: server ({len(bodies)} requests, concurrency "
-                f"{cfg.efficiency_concurrency}), then offline (LLM.generate)")  # fmt: skip
+            say(
+                f"efficiency: pair {i + 1}/{cfg.runs}: server ({len(bodies)} requests, concurrency "
+                f"{cfg.efficiency_concurrency}), then offline (LLM.generate)"
+            )
             server.append(_server_run(cfg, base_url, bodies))
             offline.append(_offline_run(llm, prompts, params))
     del llm
@@ -221,43 +240,55 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
         ["Server / offline, per pair", ", ".join(f"{x:.3f}" for x in r.pair_ratios), "(each pair's denominator)"],
         ["Wall time (s)", spread([s.wall_s for s in r.server]), spread([o.wall_s for o in r.offline])],
         ["Engine steps", spread([s.steps for s in r.server]), spread([o.steps for o in r.offline])],
-        ["Mean step (ms)", spread(server_step) if server_step else "no step recorded",
-         spread(offline_step) if offline_step else "no step recorded"],
-        ["Engine busy, % (step time / wall)", spread([b * 100 for b in server_busy]),
-         spread([b * 100 for b in offline_busy])],
-        ["CPU cores busy: API server / engine core", " / ".join(
-            fmt_spread([getattr(s, f) / s.wall_s for s in r.server], 2) for f in ("server_cpu_s", "core_cpu_s")),
-         "(one process)"],
+        [
+            "Mean step (ms)",
+            spread(server_step) if server_step else "no step recorded",
+            spread(offline_step) if offline_step else "no step recorded",
+        ],
+        [
+            "Engine busy, % (step time / wall)",
+            spread([b * 100 for b in server_busy]),
+            spread([b * 100 for b in offline_busy]),
+        ],
+        [
+            "CPU cores busy: API server / engine core",
+            " / ".join(
+                fmt_spread([getattr(s, f) / s.wall_s for s in r.server], 2) for f in ("server_cpu_s", "core_cpu_s")
+            ),
+            "(one process)",
+        ],
     ]
     verdict = "PASS" if r.passed else "FAIL"
-    return "\n".join([
-        head,
-        f"- request set: {r.requests} synthetic prompts of {r.input_len} tokens, {r.output_len} output tokens each "
-        f"(EOS ignored), greedy; server: streaming /v1/completions at concurrency {r.concurrency}; offline: "
-        "LLM.generate over the same prompts, right after each server run (one pair per run); medians over runs "
-        "(min–max)",
-        f"- **server / offline output-token throughput, paired by run: median {r.ratio:.3f}, worst pair "
-        f"{r.worst_ratio:.3f}** (targets: median >= {TARGET_MEDIAN}, worst pair >= {TARGET_WORST}): **{verdict}**",
-        f"- ceiling from the load generator's own CPU: median {statistics.median(s.ceiling for s in r.server):.3f} "
-        f"(per run {', '.join(f'{s.ceiling:.3f}' for s in r.server)}): this process used "
-        f"{statistics.median(s.client_cpu_s / s.wall_s for s in r.server):.2f} of the {r.server[0].cores} cores "
-        "during each server run, time the offline run has for the engine",
-        "",
-        markdown_table(["", "Server (HTTP)", "Offline (LLM.generate)"], rows),
-        "",
-        f"Definitions (n = {len(r.server)} pairs): output tokens/s = output tokens / wall time of one run; "
-        "server / "
-        "offline = server run i's tokens/s over offline run i's, the offline run made right after it on the same "
-        "requests; the verdict needs the median of those ratios and the worst one within their targets. Engine "
-        "steps and mean step: the server's `glowplug_engine_step_duration_seconds` count and sum over the run; "
-        "offline, a clock around each step of the same run. Busy = step time / wall time.",
-        "",
-        "Mean step: a server step slower than the offline one means the engine core lost time to the API server "
-        "(CPU); server busy below the offline busy means it sat idle between steps waiting for work. "
-        "CPU cores busy: each process's CPU seconds over the run (its /metrics) / wall time: an API server far "
-        "below the core is not what limits the throughput.",
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            head,
+            f"- request set: {r.requests} synthetic prompts of {r.input_len} tokens, {r.output_len} output tokens each "
+            f"(EOS ignored), greedy; server: streaming /v1/completions at concurrency {r.concurrency}; offline: "
+            "LLM.generate over the same prompts, right after each server run (one pair per run); medians over runs "
+            "(min–max)",
+            f"- **server / offline output-token throughput, paired by run: median {r.ratio:.3f}, worst pair "
+            f"{r.worst_ratio:.3f}** (targets: median >= {TARGET_MEDIAN}, worst pair >= {TARGET_WORST}): **{verdict}**",
+            f"- ceiling from the load generator's own CPU: median {statistics.median(s.ceiling for s in r.server):.3f} "
+            f"(per run {', '.join(f'{s.ceiling:.3f}' for s in r.server)}): this process used "
+            f"{statistics.median(s.client_cpu_s / s.wall_s for s in r.server):.2f} of the {r.server[0].cores} cores "
+            "during each server run, time the offline run has for the engine",
+            "",
+            markdown_table(["", "Server (HTTP)", "Offline (LLM.generate)"], rows),
+            "",
+            f"Definitions (n = {len(r.server)} pairs): output tokens/s = output tokens / wall time of one run; "
+            "server / "
+            "offline = server run i's tokens/s over offline run i's, the offline run made right after it on the same "
+            "requests; the verdict needs the median of those ratios and the worst one within their targets. Engine "
+            "steps and mean step: the server's `glowplug_engine_step_duration_seconds` count and sum over the run; "
+            "offline, a clock around each step of the same run. Busy = step time / wall time.",
+            "",
+            "Mean step: a server step slower than the offline one means the engine core lost time to the API server "
+            "(CPU); server busy below the offline busy means it sat idle between steps waiting for work. "
+            "CPU cores busy: each process's CPU seconds over the run (its /metrics) / wall time: an API server far "
+            "below the core is not what limits the throughput.",
+            "",
+        ]
+    )
 
 
 def efficiency_mode(

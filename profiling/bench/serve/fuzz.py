@@ -77,9 +77,11 @@ class FuzzBound:
         return out
 
     def describe(self) -> str:
-        return (f"max_tokens and max_completion_tokens capped at {self.max_tokens} (set to it when absent or null), "
-                f"n and best_of capped at {self.max_n}; under prompt and messages, strings cut to "
-                f"{self.max_prompt_chars} characters and lists to {self.max_prompt_items} items")  # fmt: skip
+        return (
+            f"max_tokens and max_completion_tokens capped at {self.max_tokens} (set to it when absent or null), "
+            f"n and best_of capped at {self.max_n}; under prompt and messages, strings cut to "
+            f"{self.max_prompt_chars} characters and lists to {self.max_prompt_items} items"
+        )
 
 
 def bounded_strategy(operation: Any, bound: FuzzBound | None) -> Any:
@@ -150,8 +152,13 @@ def _checks() -> list[Any]:
         status_code_conformance,
     )
 
-    return [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-            response_schema_conformance]  # fmt: skip
+    return [
+        not_a_server_error,
+        status_code_conformance,
+        content_type_conformance,
+        response_headers_conformance,
+        response_schema_conformance,
+    ]
 
 
 def fuzz_operation(
@@ -166,8 +173,14 @@ def fuzz_operation(
     failures: Counter[str] = Counter()
     checks = _checks()
 
-    @settings(max_examples=cases, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=cases,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=bounded_strategy(operation, bound))
     def one(case: Any) -> None:
         response = case.call(base_url=base_url, timeout=timeout)
@@ -215,10 +228,15 @@ def render_fuzz(r: FuzzResult, head: str) -> str:
     from glowplug.profiling.bench.tables import markdown_table
 
     rows = [
-        [f"`{op.method} {op.path}`", op.cases, ", ".join(f"{s}: {n}" for s, n in op.statuses.items()),
-         op.server_errors, ", ".join(f"{k}: {v}" for k, v in op.failures.items()) or "0"]
+        [
+            f"`{op.method} {op.path}`",
+            op.cases,
+            ", ".join(f"{s}: {n}" for s, n in op.statuses.items()),
+            op.server_errors,
+            ", ".join(f"{k}: {v}" for k, v in op.failures.items()) or "0",
+        ]
         for op in r.operations
-    ]  # fmt: skip
+    ]
     parts = [
         head,
         f"- schemathesis (positive cases from `GET /openapi.json`), up to {r.cases_per_endpoint} cases per generation "
@@ -241,9 +259,7 @@ def render_fuzz(r: FuzzResult, head: str) -> str:
     return "\n".join(parts)
 
 
-def fuzz_mode(
-    cfg: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
-) -> tuple[bool, list[Path]]:
+def fuzz_mode(cfg: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any) -> tuple[bool, list[Path]]:
     from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
     from glowplug.profiling.bench.machine import report_header
 

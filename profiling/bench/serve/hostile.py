@@ -156,8 +156,12 @@ def measure_check_cost(tokenizer: Any, body: dict[str, Any]) -> CheckCost:
     raw = json.dumps(body).encode()
     cfg = ServeConfig(api_key="sk-" + "x" * 40)
     guard = TransportGuard(lambda *_a: None, limits=TransportLimits.from_config(cfg), metrics=ServiceMetrics())
-    scope = {"type": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "headers": [(b"authorization", b"Bearer sk-" + b"x" * 40), (b"content-length", str(len(raw)).encode())]}
+    scope = {
+        "type": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "headers": [(b"authorization", b"Bearer sk-" + b"x" * 40), (b"content-length", str(len(raw)).encode())],
+    }
 
     def checked() -> object:
         buf = BodyBuffer(None)
@@ -177,7 +181,7 @@ def measure_check_cost(tokenizer: Any, body: dict[str, Any]) -> CheckCost:
         key_us=_per_call_us(lambda: guard.refusal(scope)),
         tokenize_us=_per_call_us(lambda: tokenizer.encode_bounded(prompt, limit=10**9)),
         tokenize_plain_us=_per_call_us(lambda: tokenizer.encode(prompt)),
-    )  # fmt: skip
+    )
 
 
 # ---------------------------------------------------------------- 2. a large prompt refused under load
@@ -227,8 +231,12 @@ class RefusalRun:
 
     @property
     def passed(self) -> bool:
-        return (self.refused and self.ready_p99_ms <= READY_P99_TARGET_MS and self.itl_ratio <= ITL_RATIO_TARGET
-                and self.rss_ratio <= RSS_RATIO_TARGET)  # fmt: skip
+        return (
+            self.refused
+            and self.ready_p99_ms <= READY_P99_TARGET_MS
+            and self.itl_ratio <= ITL_RATIO_TARGET
+            and self.rss_ratio <= RSS_RATIO_TARGET
+        )
 
 
 class _Streams:
@@ -238,8 +246,9 @@ class _Streams:
         self.chunks: list[list[float]] = [[] for _ in range(n)]
         self.errors: list[str] = []
         self.stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(base_url, body, i, headers), daemon=True)
-                         for i in range(n)]  # fmt: skip
+        self._threads = [
+            threading.Thread(target=self._run, args=(base_url, body, i, headers), daemon=True) for i in range(n)
+        ]
 
     def _run(self, base_url: str, body: dict[str, Any], i: int, headers: dict[str, str]) -> None:
         try:
@@ -340,8 +349,15 @@ class HostileBody:
         return round(len(self.data) / 2**20, 2)
 
 
-def refusal_run(cfg: ServeBenchConfig, base_url: str, pid: int | None, key: str, stream_body: dict[str, Any],
-                bodies: list[HostileBody], say: Progress) -> RefusalRun:  # fmt: skip
+def refusal_run(
+    cfg: ServeBenchConfig,
+    base_url: str,
+    pid: int | None,
+    key: str,
+    stream_body: dict[str, Any],
+    bodies: list[HostileBody],
+    say: Progress,
+) -> RefusalRun:
     """Streams and probes running; a quiet window; then each body `hostile_refusals` times (in turn), 0.5 s apart."""
     auth = {"Authorization": f"Bearer {key}"}
     sent: list[HostileBody] = [b for _ in range(cfg.hostile_refusals) for b in bodies]
@@ -399,8 +415,9 @@ def hostile_bodies(model: str, prompt_mb: float, max_body_bytes: int) -> list[Ho
     bodies = []
     big = request_body_bytes(model, "hello world " * int(prompt_mb * 1e6 / 12))
     over = max_body_bytes and len(big) > max_body_bytes
-    bodies.append(HostileBody(big, 413, "request_too_large") if over else
-                  HostileBody(big, 400, "context_length_exceeded"))  # fmt: skip
+    bodies.append(
+        HostileBody(big, 413, "request_too_large") if over else HostileBody(big, 400, "context_length_exceeded")
+    )
     if over:
         fill = request_body_bytes(model, "hello world " * ((max_body_bytes - 256) // 12))
         bodies.append(HostileBody(fill, 400, "context_length_exceeded"))
@@ -426,8 +443,14 @@ class CostPair:
         return self.with_limits_tps / self.without_tps
 
 
-def _throughput(base_url: str, path: str, bodies: list[dict[str, Any]], concurrency: int, timeout: float,
-                headers: dict[str, str] | None) -> tuple[float, float, list[str]]:  # fmt: skip
+def _throughput(
+    base_url: str,
+    path: str,
+    bodies: list[dict[str, Any]],
+    concurrency: int,
+    timeout: float,
+    headers: dict[str, str] | None,
+) -> tuple[float, float, list[str]]:
     """(output tokens/s, wall seconds, the error kind of each failed request) of one closed-loop run."""
     t0 = time.perf_counter()
     results = run_closed(base_url, path, bodies, concurrency, max_duration=600, timeout=timeout, headers=headers)
@@ -469,10 +492,12 @@ class HostileResult:
         """Every large prompt refused with the right code, and the worst run within each target (the inter-token
         ratio is paired within a run: its during and quiet windows are the same streams of that run). NaN, for no
         samples in any run, meets none."""
-        return (all(r.refused for r in self.refusals)
-                and self.worst(lambda r: r.ready_p99_ms) <= READY_P99_TARGET_MS
-                and self.worst(lambda r: r.itl_ratio) <= ITL_RATIO_TARGET
-                and self.worst(lambda r: r.rss_ratio) <= RSS_RATIO_TARGET)  # fmt: skip
+        return (
+            all(r.refused for r in self.refusals)
+            and self.worst(lambda r: r.ready_p99_ms) <= READY_P99_TARGET_MS
+            and self.worst(lambda r: r.itl_ratio) <= ITL_RATIO_TARGET
+            and self.worst(lambda r: r.rss_ratio) <= RSS_RATIO_TARGET
+        )
 
     @property
     def passed(self) -> bool:
@@ -485,10 +510,17 @@ class HostileResult:
             "streams": self.streams,
             "refusals_per_run": self.refusals_per_run,
             "holds": [asdict(h) for h in self.holds],
-            "refusals": [{**asdict(r), "rss_growth_each_mb": [_finite(g) for g in r.rss_growth_each_mb],
-                          "ready_p99_ms": _finite(r.ready_p99_ms), "itl_ratio": _finite(r.itl_ratio),
-                          "rss_ratio": _finite(r.rss_ratio), "passed": r.passed}
-                         for r in self.refusals],  # fmt: skip
+            "refusals": [
+                {
+                    **asdict(r),
+                    "rss_growth_each_mb": [_finite(g) for g in r.rss_growth_each_mb],
+                    "ready_p99_ms": _finite(r.ready_p99_ms),
+                    "itl_ratio": _finite(r.itl_ratio),
+                    "rss_ratio": _finite(r.rss_ratio),
+                    "passed": r.passed,
+                }
+                for r in self.refusals
+            ],
             "corpus": self.corpus.as_dict(),
             "pairs": [{**asdict(p), "ratio": p.ratio} for p in self.pairs],
             "concurrency": self.concurrency,
@@ -517,10 +549,14 @@ def run_hostile(cfg: ServeBenchConfig, tokenizer: Any, say: Progress) -> Hostile
     say(f"hostile: tokenizer hold measured ({cfg.runs} runs of {cfg.hostile_hold_chars:,} characters)")
     key = "sk-bench-" + secrets.token_hex(16)
     specs = build_requests(cfg, tokenizer, max(cfg.num_prompts, 2), seed=0)
-    cost = measure_check_cost(tokenizer, request_body(specs[0], cfg.model, temperature=cfg.temperature,
-                                                      ignore_eos=cfg.ignore_eos))  # fmt: skip
-    timeouts = {} if cfg.hostile_timeouts is None else {
-        "body_read_timeout": cfg.hostile_timeouts, "header_read_timeout": cfg.hostile_timeouts}  # fmt: skip
+    cost = measure_check_cost(
+        tokenizer, request_body(specs[0], cfg.model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos)
+    )
+    timeouts = (
+        {}
+        if cfg.hostile_timeouts is None
+        else {"body_read_timeout": cfg.hostile_timeouts, "header_read_timeout": cfg.hostile_timeouts}
+    )
     # The key reaches the server through the environment, never its command line (which `ps` shows).
     with _server(cfg, {_API_KEY_ENV: key}, **timeouts, **_NO_WAIT_LIMIT) as (base_url, pid):
         model = cfg.served_model_name or served_model(base_url, {"Authorization": f"Bearer {key}"})
@@ -530,14 +566,21 @@ def run_hostile(cfg: ServeBenchConfig, tokenizer: Any, say: Progress) -> Hostile
         # As long as the context allows: the streams must outlast a run (they are hung up at its end).
         context = _max_model_len(base_url, key)
         longest = context - cfg.input_len - 16 if context is not None else cfg.hostile_stream_tokens
-        stream_body = {**request_body(specs[0], model, temperature=cfg.temperature, ignore_eos=True),
-                       "max_tokens": max(16, min(cfg.hostile_stream_tokens, longest))}  # fmt: skip
+        stream_body = {
+            **request_body(specs[0], model, temperature=cfg.temperature, ignore_eos=True),
+            "max_tokens": max(16, min(cfg.hostile_stream_tokens, longest)),
+        }
         stream_body.pop("stream_options", None)
         # One untimed refusal of each first: the first large body also pays one-time costs (the worker threads that
         # parse and tokenize, their malloc arenas), which are not what a refusal costs.
         for body in bodies:
-            httpx.post(base_url + "/v1/completions", content=body.data, timeout=600, trust_env=False,
-                       headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"})  # fmt: skip
+            httpx.post(
+                base_url + "/v1/completions",
+                content=body.data,
+                timeout=600,
+                trust_env=False,
+                headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+            )
         refusals = []
         for r in range(cfg.runs):
             say(f"hostile: refusal run {r + 1}/{cfg.runs}")
@@ -545,22 +588,34 @@ def run_hostile(cfg: ServeBenchConfig, tokenizer: Any, say: Progress) -> Hostile
             loads.append(os.getloadavg()[0])
         del bodies
         target = _target(cfg, base_url, model, key, cfg.hostile_timeouts, context or 0)
-        say(f"hostile: corpus ({target.body_read_timeout:g} s body and {target.header_read_timeout:g} s head timeouts"
-            " make the slow cases take that long)")  # fmt: skip
+        say(
+            f"hostile: corpus ({target.body_read_timeout:g} s body and {target.header_read_timeout:g} s head timeouts"
+            " make the slow cases take that long)"
+        )
         corpus = run_corpus(target, say)
         loads.append(os.getloadavg()[0])
         bodies = [request_body(s, model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos) for s in specs]
         path = api_path(cfg.endpoint)
         with _server(cfg, {_API_KEY_ENV: ""}, **_LIMITS_OFF, **_NO_WAIT_LIMIT) as (plain_url, _plain_pid):
             pairs = _cost_pairs(cfg, base_url, plain_url, key, path, bodies, say, loads)
-    return HostileResult(cfg.hostile_prompt_mb, cfg.hostile_streams, cfg.hostile_refusals, holds, refusals, corpus, pairs,
-                         cfg.hostile_concurrency, len(bodies),
-                         (target.body_read_timeout, target.header_read_timeout), cost, loads)  # fmt: skip
+    return HostileResult(
+        cfg.hostile_prompt_mb,
+        cfg.hostile_streams,
+        cfg.hostile_refusals,
+        holds,
+        refusals,
+        corpus,
+        pairs,
+        cfg.hostile_concurrency,
+        len(bodies),
+        (target.body_read_timeout, target.header_read_timeout),
+        cost,
+        loads,
+    )
 
 
 def _max_model_len(base_url: str, key: str) -> int | None:
-    resp = httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10,
-                     trust_env=False)  # fmt: skip
+    resp = httpx.get(base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10, trust_env=False)
     value = resp.json()["data"][0].get("max_model_len")
     return int(value) if value is not None else None
 
@@ -571,23 +626,38 @@ def request_body_bytes(model: str, prompt: str) -> bytes:
     return json.dumps({"model": model, "prompt": prompt, "max_tokens": 16}).encode()
 
 
-def _target(cfg: ServeBenchConfig, base_url: str, model: str, key: str, timeouts: float | None,
-            max_model_len: int) -> Target:  # fmt: skip
+def _target(
+    cfg: ServeBenchConfig, base_url: str, model: str, key: str, timeouts: float | None, max_model_len: int
+) -> Target:
     from glowplug.lifecycle.config import ServeConfig
 
     defaults = ServeConfig()
     port = int(base_url.rsplit(":", 1)[1])
     return Target(
-        host="127.0.0.1", port=port, model=model, api_key=key, max_body_bytes=defaults.max_body_bytes,
-        max_json_depth=defaults.max_json_depth, max_json_values=defaults.max_json_values,
+        host="127.0.0.1",
+        port=port,
+        model=model,
+        api_key=key,
+        max_body_bytes=defaults.max_body_bytes,
+        max_json_depth=defaults.max_json_depth,
+        max_json_values=defaults.max_json_values,
         body_read_timeout=timeouts if timeouts is not None else defaults.body_read_timeout,
         header_read_timeout=timeouts if timeouts is not None else defaults.header_read_timeout,
-        max_model_len=max_model_len, idle_connections=cfg.hostile_idle_connections,
-    )  # fmt: skip
+        max_model_len=max_model_len,
+        idle_connections=cfg.hostile_idle_connections,
+    )
 
 
-def _cost_pairs(cfg: ServeBenchConfig, limited: str, plain: str, key: str, path: str,
-                bodies: list[dict[str, Any]], say: Progress, loads: list[float]) -> list[CostPair]:  # fmt: skip
+def _cost_pairs(
+    cfg: ServeBenchConfig,
+    limited: str,
+    plain: str,
+    key: str,
+    path: str,
+    bodies: list[dict[str, Any]],
+    say: Progress,
+    loads: list[float],
+) -> list[CostPair]:
     auth = {"Authorization": f"Bearer {key}"}
     conc = cfg.hostile_concurrency
     for url, headers in ((limited, auth), (plain, None)):  # warm-up: first requests compile and fill caches
@@ -606,10 +676,17 @@ def _cost_pairs(cfg: ServeBenchConfig, limited: str, plain: str, key: str, path:
             for kind in bad:
                 label = f"{'limits' if url == limited else 'no limits'}: {kind}"
                 errors[label] = errors.get(label, 0) + 1
-        pair = CostPair(tokens[limited] / seconds[limited], tokens[plain] / seconds[plain],
-                        "limits first" if first_limited else "no limits first", sum(errors.values()), errors)  # fmt: skip
-        say(f"hostile: cost pair {i + 1}/{cfg.runs}: {pair.with_limits_tps:.1f} / {pair.without_tps:.1f} tokens/s "
-            f"= {pair.ratio:.3f}")  # fmt: skip
+        pair = CostPair(
+            tokens[limited] / seconds[limited],
+            tokens[plain] / seconds[plain],
+            "limits first" if first_limited else "no limits first",
+            sum(errors.values()),
+            errors,
+        )
+        say(
+            f"hostile: cost pair {i + 1}/{cfg.runs}: {pair.with_limits_tps:.1f} / {pair.without_tps:.1f} tokens/s "
+            f"= {pair.ratio:.3f}"
+        )
         loads.append(os.getloadavg()[0])
         pairs.append(pair)
     return pairs
@@ -643,29 +720,46 @@ def render_hostile(r: HostileResult, head: str) -> str:
         want = next(f"{s} {c}" for x in ref[:1] for i in x.of_size(mb) for s, c in [x.expected[i]])
         rows += [
             [f"{mb:g} MiB body: status and code of every refusal", ", ".join(got), want, "—"],
-            row(f"{mb:g} MiB body: time to refusal, median per run (s)",
-                [statistics.median(x.refusal_s[i] for i in x.of_size(mb)) for x in ref], digits=2),
-            row(f"{mb:g} MiB body: RSS growth / body size", [x.rss_ratio_of(mb) for x in ref],
-                f"<= {RSS_RATIO_TARGET:g}", 2),
-        ]  # fmt: skip
+            row(
+                f"{mb:g} MiB body: time to refusal, median per run (s)",
+                [statistics.median(x.refusal_s[i] for i in x.of_size(mb)) for x in ref],
+                digits=2,
+            ),
+            row(
+                f"{mb:g} MiB body: RSS growth / body size",
+                [x.rss_ratio_of(mb) for x in ref],
+                f"<= {RSS_RATIO_TARGET:g}",
+                2,
+            ),
+        ]
     rows += [
         row("/health/ready p99 during refusals (ms)", [x.ready_p99_ms for x in ref], f"<= {READY_P99_TARGET_MS:g}"),
         row("/health/ready p99 in the quiet window (ms)", [_p(x.ready_quiet_ms, 99) for x in ref]),
         row("Inter-token p99 during refusals (ms)", [_p(x.itl_during_ms, 99) for x in ref]),
         row("Inter-token p99 in the quiet window (ms)", [_p(x.itl_quiet_ms, 99) for x in ref]),
         row("Inter-token p99, during / quiet", [x.itl_ratio for x in ref], f"<= {ITL_RATIO_TARGET:g}", 2),
-        row("Inter-token p99, during / quiet, all runs' gaps pooled", [_p(pooled_during, 99) / _p(pooled_quiet, 99)],
-            f"<= {ITL_RATIO_TARGET:g}", 2),
+        row(
+            "Inter-token p99, during / quiet, all runs' gaps pooled",
+            [_p(pooled_during, 99) / _p(pooled_quiet, 99)],
+            f"<= {ITL_RATIO_TARGET:g}",
+            2,
+        ),
         row("RSS 0.5-1 s after the last refusal, over quiet (MiB)", [x.rss_after_mb - x.rss_quiet_mb for x in ref]),
         ["Probes during refusals (count)", spread([float(len(x.ready_during_ms)) for x in ref], 0), "—", "—"],
         ["Inter-token gaps during refusals (count)", spread([float(len(x.itl_during_ms)) for x in ref], 0), "—", "—"],
-    ]  # fmt: skip
+    ]
     hold_rows = [
-        ["`encode` (whole text, GIL held)", spread([h.whole_s * 1000 for h in r.holds]),
-         spread([h.whole_late_ms for h in r.holds])],
-        ["`encode_bounded` (pieces, GIL released)", spread([h.bounded_s * 1000 for h in r.holds]),
-         spread([h.bounded_late_ms for h in r.holds])],
-    ]  # fmt: skip
+        [
+            "`encode` (whole text, GIL held)",
+            spread([h.whole_s * 1000 for h in r.holds]),
+            spread([h.whole_late_ms for h in r.holds]),
+        ],
+        [
+            "`encode_bounded` (pieces, GIL released)",
+            spread([h.bounded_s * 1000 for h in r.holds]),
+            spread([h.bounded_late_ms for h in r.holds]),
+        ],
+    ]
     groups: dict[str, list[Any]] = {}
     for c in r.corpus.cases:
         groups.setdefault(c.group, []).append(c)
@@ -674,18 +768,33 @@ def render_hostile(r: HostileResult, head: str) -> str:
         outcomes: dict[str, int] = {}
         for c in cases:
             o = c.outcome
-            key = str(o.status) if o.status is not None else ("clean close" if o.closed else "reset" if o.reset else "?")
+            key = (
+                str(o.status) if o.status is not None else ("clean close" if o.closed else "reset" if o.reset else "?")
+            )
             outcomes[key] = outcomes.get(key, 0) + 1
-        corpus_rows.append([
-            group, len(cases), ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())),
-            sum(1 for c in cases if c.outcome.status is not None and c.outcome.status >= 500),
-            sum(1 for c in cases if c.ready_after and c.normal_after), sum(1 for c in cases if c.passed),
-        ])  # fmt: skip
+        corpus_rows.append(
+            [
+                group,
+                len(cases),
+                ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items())),
+                sum(1 for c in cases if c.outcome.status is not None and c.outcome.status >= 500),
+                sum(1 for c in cases if c.ready_after and c.normal_after),
+                sum(1 for c in cases if c.passed),
+            ]
+        )
     ratios = [p.ratio for p in r.pairs]
     worst = min(r.pairs, key=lambda p: p.ratio) if r.pairs else None
-    pair_rows = [[i + 1, p.order, fmt_num(p.with_limits_tps, 1), fmt_num(p.without_tps, 1), fmt_num(p.ratio, 3),
-                  ", ".join(f"{k} {v}" for k, v in sorted(p.errors.items())) or "0"]
-                 for i, p in enumerate(r.pairs)]  # fmt: skip
+    pair_rows = [
+        [
+            i + 1,
+            p.order,
+            fmt_num(p.with_limits_tps, 1),
+            fmt_num(p.without_tps, 1),
+            fmt_num(p.ratio, 3),
+            ", ".join(f"{k} {v}" for k, v in sorted(p.errors.items())) or "0",
+        ]
+        for i, p in enumerate(r.pairs)
+    ]
     failed_cases = [c for c in r.corpus.cases if not c.passed]
     verdict = "PASS" if r.passed else "FAIL"
     from glowplug.lifecycle.config import ServeConfig
@@ -702,7 +811,7 @@ def render_hostile(r: HostileResult, head: str) -> str:
         "",
         "## A large prompt refused under load",
         "",
-        f"- /v1/completions bodies of {bodies} (`\"hello world \" * n`: the {r.prompt_mb:g} MB prompt, and, when "
+        f'- /v1/completions bodies of {bodies} (`"hello world " * n`: the {r.prompt_mb:g} MB prompt, and, when '
         "the body limit refuses that from its Content-Length, the largest prompt the limit lets through, which is "
         f"read and refused from its length), each sent {r.refusals_per_run} times per run, in turn, while "
         f"{r.streams} streams generate; server: default limits (`--max-body-bytes` {defaults.max_body_bytes:,}, "
@@ -720,7 +829,7 @@ def render_hostile(r: HostileResult, head: str) -> str:
         "",
         "## The tokenizer's hold on other threads",
         "",
-        f"- {r.holds[0].chars:,} characters of `\"hello world \"`, tokenized in this process while a 10 ms timer runs "
+        f'- {r.holds[0].chars:,} characters of `"hello world "`, tokenized in this process while a 10 ms timer runs '
         "on another thread; the timer's worst lateness is how long the tokenizer kept every other thread "
         "(the event loop, the engine loop) from running",
         "",
@@ -754,16 +863,29 @@ def render_hostile(r: HostileResult, head: str) -> str:
         f"- the machine's 1-minute load average over this run: {min(r.loads):.1f}–{max(r.loads):.1f} on "
         f"{os.cpu_count()} cores (other work shared it: the spread of the pairs is that noise)"
     )
-    parts += ["", markdown_table(["Pair", "Order", "With limits (tokens/s)", "Without (tokens/s)", "Ratio",
-                                  "Failed requests"], pair_rows), ""]  # fmt: skip
+    parts += [
+        "",
+        markdown_table(
+            ["Pair", "Order", "With limits (tokens/s)", "Without (tokens/s)", "Ratio", "Failed requests"], pair_rows
+        ),
+        "",
+    ]
     c = r.cost
     cost_rows = [
-        ["Read, scan (depth, elements), strict UTF-8, parse, Unicode check, validate", fmt_num(c.parse_us, 1),
-         fmt_num(c.parse_plain_us, 1), fmt_num(c.parse_us - c.parse_plain_us, 1)],
+        [
+            "Read, scan (depth, elements), strict UTF-8, parse, Unicode check, validate",
+            fmt_num(c.parse_us, 1),
+            fmt_num(c.parse_plain_us, 1),
+            fmt_num(c.parse_us - c.parse_plain_us, 1),
+        ],
         ["API key (SHA-256, compare_digest)", fmt_num(c.key_us, 1), "0", fmt_num(c.key_us, 1)],
-        ["Tokenize: `encode_bounded` against `encode`", fmt_num(c.tokenize_us, 1), fmt_num(c.tokenize_plain_us, 1),
-         fmt_num(c.tokenize_us - c.tokenize_plain_us, 1)],
-    ]  # fmt: skip
+        [
+            "Tokenize: `encode_bounded` against `encode`",
+            fmt_num(c.tokenize_us, 1),
+            fmt_num(c.tokenize_plain_us, 1),
+            fmt_num(c.tokenize_us - c.tokenize_plain_us, 1),
+        ],
+    ]
     parts += [
         f"What the checks cost one normal request, measured in this process, where no machine noise hides it (a "
         f"{c.body_bytes:,}-byte body of this run's requests; microseconds per request, median of 5 rounds):",

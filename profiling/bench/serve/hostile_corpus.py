@@ -210,8 +210,9 @@ class Raw:
         self.sock.close()
 
 
-def head(t: Target, path: str, length: int | None, *, chunked: bool = False, auth: bool = True,
-         extra: str = "") -> bytes:  # fmt: skip
+def head(
+    t: Target, path: str, length: int | None, *, chunked: bool = False, auth: bool = True, extra: str = ""
+) -> bytes:
     lines = [f"POST {path} HTTP/1.1", f"Host: {t.host}:{t.port}", "Content-Type: application/json"]
     if auth:
         lines += [f"{k}: {v}" for k, v in t.auth().items()]
@@ -224,8 +225,7 @@ def head(t: Target, path: str, length: int | None, *, chunked: bool = False, aut
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
-def post(t: Target, path: str, body: bytes, *, auth: bool = True, timeout: float = 60.0,
-         extra: str = "") -> Outcome:  # fmt: skip
+def post(t: Target, path: str, body: bytes, *, auth: bool = True, timeout: float = 60.0, extra: str = "") -> Outcome:
     conn = Raw(t, timeout)
     try:
         conn.send(head(t, path, len(body), auth=auth, extra=extra) + body)
@@ -498,8 +498,10 @@ def _idle_connections(t: Target) -> Outcome:
                 reset += 1
             except TimeoutError:
                 pass
-        note = (f"{len(conns)} idle: a request meanwhile got {served.status} in {served.seconds * 1000:.0f} ms, "
-                f"/health/ready {ready.status}; {closed} closed cleanly, {reset} reset")  # fmt: skip
+        note = (
+            f"{len(conns)} idle: a request meanwhile got {served.status} in {served.seconds * 1000:.0f} ms, "
+            f"/health/ready {ready.status}; {closed} closed cleanly, {reset} reset"
+        )
         ok = served.status == 200 and ready.status == 200 and closed == len(conns)
         return Outcome(status=None, closed=ok, reset=reset > 0, seconds=time.monotonic() - t0, note=note)
     finally:
@@ -521,8 +523,13 @@ def _auth(kind: str) -> Callable[[Target], Outcome]:
         if kind == "missing":
             return post(t, "/v1/completions", completion(t, prompt="hi"), auth=False)
         if kind == "wrong":
-            return post(t, "/v1/completions", completion(t, prompt="hi"), auth=False,
-                        extra="Authorization: Bearer wrong-" + (t.api_key or ""))  # fmt: skip
+            return post(
+                t,
+                "/v1/completions",
+                completion(t, prompt="hi"),
+                auth=False,
+                extra="Authorization: Bearer wrong-" + (t.api_key or ""),
+            )
         if kind == "basic":
             return get(t, "/v1/models", auth=False, extra="Authorization: Basic dXNlcjpwYXNz")
         # A large unauthenticated body: refused from the head, never read.
@@ -549,10 +556,20 @@ def corpus(t: Target) -> list[Case]:
         Case("body over the limit (chunked)", "sizes", _over_limit_chunked, 413, "request_too_large"),
         Case("prompt as large as the body limit allows", "sizes", _prompt_cannot_fit, 400, "context_length_exceeded"),
         # Small bodies, parsed inline: refused by the characters bound (tiny models) or while tokenizing (pieces).
-        Case("200,000-character prompt", "sizes", _prompt_of("hello world ", lambda t: 200_000), 400,
-             "context_length_exceeded"),
-        Case("prompt over max-model-len in tokens, not in characters", "sizes",
-             _prompt_of("hello world ", lambda t: 12 * t.max_model_len), 400, "context_length_exceeded"),
+        Case(
+            "200,000-character prompt",
+            "sizes",
+            _prompt_of("hello world ", lambda t: 200_000),
+            400,
+            "context_length_exceeded",
+        ),
+        Case(
+            "prompt over max-model-len in tokens, not in characters",
+            "sizes",
+            _prompt_of("hello world ", lambda t: 12 * t.max_model_len),
+            400,
+            "context_length_exceeded",
+        ),
         Case("64 KiB request header", "sizes", _huge_header, "4xx|closed"),
         Case("1,000 levels in an unknown field", "depths", _deep("unknown", 1000), 400, "json_too_deep"),
         Case("1,000 levels as the prompt", "depths", _deep("prompt", 1000), 400, "json_too_deep"),
@@ -608,10 +625,18 @@ class CorpusResult:
             "passed": self.passed,
             "server_errors": self.server_errors,
             "cases": [
-                {"name": c.name, "group": c.group, "expected": c.expected, "passed": c.passed, "ok": c.ok,
-                 "ready_after": c.ready_after, "normal_after": c.normal_after, **c.outcome.__dict__}
+                {
+                    "name": c.name,
+                    "group": c.group,
+                    "expected": c.expected,
+                    "passed": c.passed,
+                    "ok": c.ok,
+                    "ready_after": c.ready_after,
+                    "normal_after": c.normal_after,
+                    **c.outcome.__dict__,
+                }
                 for c in self.cases
-            ],  # fmt: skip
+            ],
         }
 
 
@@ -627,6 +652,8 @@ def run_corpus(t: Target, progress: Callable[[str], None] | None = None, only: s
         normal = post(t, "/v1/completions", completion(t, prompt="a normal request")).status == 200
         expected = f"{case.expect}" + (f" {case.code}" if case.code else "")
         result.cases.append(CaseResult(case.name, case.group, expected, out, case.judge(out), ready, normal))
-        say(f"hostile: {case.name}: {out.status or ('closed' if out.closed else 'reset' if out.reset else '?')} "
-            f"({'ok' if result.cases[-1].passed else 'FAIL'})")  # fmt: skip
+        say(
+            f"hostile: {case.name}: {out.status or ('closed' if out.closed else 'reset' if out.reset else '?')} "
+            f"({'ok' if result.cases[-1].passed else 'FAIL'})"
+        )
     return result

@@ -99,34 +99,56 @@ def _rate_run(
     """One open-loop run (Poisson, or --arrival), with its raw results (their Retry-After headers are read)."""
     specs = build_requests(cfg, tokenizer, count, seed=seed)
     offsets = arrival_times(count, rate, cfg.arrival, cfg.burst_size, seed=seed)
-    results = run_open(base_url, api_path(cfg.endpoint), bodies_for(cfg, specs, model), offsets,
-                       max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+    results = run_open(
+        base_url,
+        api_path(cfg.endpoint),
+        bodies_for(cfg, specs, model),
+        offsets,
+        max_duration=cfg.max_duration,
+        timeout=cfg.request_timeout,
+    )
     return run_metrics(results, Slo(cfg.slo_ttft_ms, cfg.slo_tpot_ms)), results
 
 
 def _warm_admission(cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str) -> None:
     # The server learns its finish rate, which its expected-wait admission needs.
     warm = build_requests(cfg, tokenizer, cfg.max_num_seqs, seed=20_000)
-    run_closed(base_url, api_path(cfg.endpoint), bodies_for(cfg, warm, model), cfg.max_num_seqs,
-               max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+    run_closed(
+        base_url,
+        api_path(cfg.endpoint),
+        bodies_for(cfg, warm, model),
+        cfg.max_num_seqs,
+        max_duration=cfg.max_duration,
+        timeout=cfg.request_timeout,
+    )
 
 
 def _pairs(
-    cfg: ServeBenchConfig, tokenizer: Any, model: str, base_a: str, base_b: str, sustainable: float,
+    cfg: ServeBenchConfig,
+    tokenizer: Any,
+    model: str,
+    base_a: str,
+    base_b: str,
+    sustainable: float,
     say: Callable[[str], None],
-) -> tuple[LoadPoint, LoadPoint, list[Any]]:  # fmt: skip
+) -> tuple[LoadPoint, LoadPoint, list[Any]]:
     rate = sustainable * cfg.overload_factor
     count = round(cfg.num_prompts * cfg.overload_factor)  # the same duration as the baseline
     base_runs, over_runs, raw = [], [], []
     for i in range(cfg.runs):
-        say(f"overload: pair {i + 1}/{cfg.runs}: {sustainable:.3g} req/s ({cfg.num_prompts} requests), then "
-            f"{rate:.3g} req/s ({count} requests)")  # fmt: skip
+        say(
+            f"overload: pair {i + 1}/{cfg.runs}: {sustainable:.3g} req/s ({cfg.num_prompts} requests), then "
+            f"{rate:.3g} req/s ({count} requests)"
+        )
         base_runs.append(_rate_run(cfg, base_a, tokenizer, model, sustainable, cfg.num_prompts, i)[0])
         metrics, results = _rate_run(cfg, base_b, tokenizer, model, rate, count, i)
         over_runs.append(metrics)
         raw += results
-    return (LoadPoint("rate", sustainable, cfg.arrival, base_runs), LoadPoint("rate", rate, cfg.arrival, over_runs),
-            raw)  # fmt: skip
+    return (
+        LoadPoint("rate", sustainable, cfg.arrival, base_runs),
+        LoadPoint("rate", rate, cfg.arrival, over_runs),
+        raw,
+    )
 
 
 def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Callable[[str], None]) -> OverloadResult:
@@ -164,10 +186,16 @@ def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Ca
         if not r.ok and r.error != "http_429":
             other[r.error or "unknown"] = other.get(r.error or "unknown", 0) + 1
     return OverloadResult(
-        capacity_rps=capacity, sustainable_rps=sustainable, overload_rps=sustainable * cfg.overload_factor,
-        admission_limit_s=limit, baseline=baseline, overload=overload, rejected=len(rejected),
-        rejected_without_retry_after=sum(1 for r in rejected if not r.retry_after), other_errors=other,
-    )  # fmt: skip
+        capacity_rps=capacity,
+        sustainable_rps=sustainable,
+        overload_rps=sustainable * cfg.overload_factor,
+        admission_limit_s=limit,
+        baseline=baseline,
+        overload=overload,
+        rejected=len(rejected),
+        rejected_without_retry_after=sum(1 for r in rejected if not r.retry_after),
+        other_errors=other,
+    )
 
 
 def render_overload(r: OverloadResult, head: str) -> str:
@@ -176,10 +204,16 @@ def render_overload(r: OverloadResult, head: str) -> str:
     from .report import spread_cell
 
     def row(name: str, p: LoadPoint, rate: float) -> list[Any]:
-        return [name, f"{rate:.3g}", sum(x.sent for x in p.runs), sum(x.completed for x in p.runs),
-                ", ".join(f"{k}: {v}" for k, v in p.errors().items()) or "0",
-                *(spread_cell(p.spread(f"ttft_{s}"), 1) for s in ("p50", "p90", "p99")),
-                spread_cell(p.spread("tpot_p99"), 1), spread_cell(p.spread("output_throughput"), 1)]  # fmt: skip
+        return [
+            name,
+            f"{rate:.3g}",
+            sum(x.sent for x in p.runs),
+            sum(x.completed for x in p.runs),
+            ", ".join(f"{k}: {v}" for k, v in p.errors().items()) or "0",
+            *(spread_cell(p.spread(f"ttft_{s}"), 1) for s in ("p50", "p90", "p99")),
+            spread_cell(p.spread("tpot_p99"), 1),
+            spread_cell(p.spread("output_throughput"), 1),
+        ]
 
     def p99(m: RunMetrics) -> str:
         v = m.figure("ttft_p99")
@@ -188,45 +222,64 @@ def render_overload(r: OverloadResult, head: str) -> str:
     cap = f"{r.capacity_rps:.3g} req/s" if r.capacity_rps is not None else "not measured (--sustainable-rate given)"
     limit = f"{r.admission_limit_s:.3f} s" if r.admission_limit_s is not None else "the running server's own"
     rows = [row("sustainable", r.baseline, r.sustainable_rps), row("overload (admitted)", r.overload, r.overload_rps)]
+
     def ratio(x: float) -> str:
         return fmt_num(x, 2) if x == x else "no value (a run completed no request)"
 
-    pair_rows = [[i + 1, p99(b), p99(o), o.errors.get("http_429", 0), ratio(x)]
-                 for i, (b, o, x) in enumerate(zip(r.baseline.runs, r.overload.runs, r.pair_ratios))]  # fmt: skip
+    pair_rows = [
+        [i + 1, p99(b), p99(o), o.errors.get("http_429", 0), ratio(x)]
+        for i, (b, o, x) in enumerate(zip(r.baseline.runs, r.overload.runs, r.pair_ratios))
+    ]
     n = len(r.pair_ratios)
-    return "\n".join([
-        head,
-        f"- capacity: {cap}; sustainable rate {r.sustainable_rps:.3g} req/s; overload {r.overload_rps:.3g} req/s",
-        f"- admission limit (--max-queue-wait): {limit}",
-        f"- 429 answers: {r.rejected} ({r.rejected_without_retry_after} without Retry-After); other failures: "
-        f"{r.other_errors or 0}",
-        f"- **p99 TTFT of admitted requests / p99 TTFT at the sustainable rate, paired by run (n = {n}): median "
-        f"{ratio(r.ttft_ratio)}, worst pair {ratio(r.worst_ratio)}** (limit {TTFT_RATIO_LIMIT} on the worst pair): "
-        f"**{'PASS' if r.passed else 'FAIL'}**",
-        "",
-        "## Pairs",
-        "",
-        markdown_table(["Pair", "Sustainable TTFT p99 (ms)", "Overload, admitted TTFT p99 (ms)", "429s",
-                        "Ratio"], pair_rows),  # fmt: skip
-        "",
-        "Pair i: the sustainable-rate run on the server with the default admission, then, right after it, the "
-        "overload run on the server with the admission limit; ratio = the second's TTFT p99 (admitted requests) / "
-        "the first's. The verdict needs every 429 with Retry-After, no other failure, and the worst (largest) "
-        f"ratio <= {TTFT_RATIO_LIMIT:g}.",
-        "",
-        "## Phases",
-        "",
-        markdown_table(["Phase", "Offered req/s", "Sent", "Completed", "Failed (by type)", "TTFT p50 (ms)",
-                        "TTFT p90 (ms)", "TTFT p99 (ms)", "TPOT p99 (ms)", "Output tok/s"], rows),  # fmt: skip
-        "",
-        f"Each cell: median over the {n} runs (min–max). TTFT: request sent -> first output chunk, "
-        "percentiles over "
-        "one run's completed requests; TPOT: (E2E - TTFT) / (output tokens - 1); output tok/s over the run's wall "
-        "time. Sent and Completed are totals over runs.",
-        "",
-        "![TTFT p99 per pair and the paired ratios against the limit](overload.png)",
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            head,
+            f"- capacity: {cap}; sustainable rate {r.sustainable_rps:.3g} req/s; overload {r.overload_rps:.3g} req/s",
+            f"- admission limit (--max-queue-wait): {limit}",
+            f"- 429 answers: {r.rejected} ({r.rejected_without_retry_after} without Retry-After); other failures: "
+            f"{r.other_errors or 0}",
+            f"- **p99 TTFT of admitted requests / p99 TTFT at the sustainable rate, paired by run (n = {n}): median "
+            f"{ratio(r.ttft_ratio)}, worst pair {ratio(r.worst_ratio)}** (limit {TTFT_RATIO_LIMIT} on the worst pair): "
+            f"**{'PASS' if r.passed else 'FAIL'}**",
+            "",
+            "## Pairs",
+            "",
+            markdown_table(
+                ["Pair", "Sustainable TTFT p99 (ms)", "Overload, admitted TTFT p99 (ms)", "429s", "Ratio"], pair_rows
+            ),
+            "",
+            "Pair i: the sustainable-rate run on the server with the default admission, then, right after it, the "
+            "overload run on the server with the admission limit; ratio = the second's TTFT p99 (admitted requests) / "
+            "the first's. The verdict needs every 429 with Retry-After, no other failure, and the worst (largest) "
+            f"ratio <= {TTFT_RATIO_LIMIT:g}.",
+            "",
+            "## Phases",
+            "",
+            markdown_table(
+                [
+                    "Phase",
+                    "Offered req/s",
+                    "Sent",
+                    "Completed",
+                    "Failed (by type)",
+                    "TTFT p50 (ms)",
+                    "TTFT p90 (ms)",
+                    "TTFT p99 (ms)",
+                    "TPOT p99 (ms)",
+                    "Output tok/s",
+                ],
+                rows,
+            ),
+            "",
+            f"Each cell: median over the {n} runs (min–max). TTFT: request sent -> first output chunk, "
+            "percentiles over "
+            "one run's completed requests; TPOT: (E2E - TTFT) / (output tokens - 1); output tok/s over the run's wall "
+            "time. Sent and Completed are totals over runs.",
+            "",
+            "![TTFT p99 per pair and the paired ratios against the limit](overload.png)",
+            "",
+        ]
+    )
 
 
 def plot_overload(r: OverloadResult, cfg: ServeBenchConfig, path: Path) -> Path:
@@ -235,9 +288,11 @@ def plot_overload(r: OverloadResult, cfg: ServeBenchConfig, path: Path) -> Path:
     def p99s(p: LoadPoint) -> list[float | None]:
         return [m.figure("ttft_p99") for m in p.runs]
 
-    title = (f"glowplug under overload: {cfg.model}, --dtype {cfg.dtype}, {cfg.input_len} prompt / {cfg.output_len} "
-             f"output tokens; sustainable {r.sustainable_rps:.3g} req/s, overload {r.overload_rps:.3g} req/s "
-             f"({cfg.overload_factor:g}x)")  # fmt: skip
+    title = (
+        f"glowplug under overload: {cfg.model}, --dtype {cfg.dtype}, {cfg.input_len} prompt / {cfg.output_len} "
+        f"output tokens; sustainable {r.sustainable_rps:.3g} req/s, overload {r.overload_rps:.3g} req/s "
+        f"({cfg.overload_factor:g}x)"
+    )
     return plot_overload_pairs(
         {"sustainable rate": p99s(r.baseline), "overload, admitted": p99s(r.overload)},
         r.pair_ratios,

@@ -67,7 +67,9 @@ LATENCY_TITLES = {
 }
 
 
-def workload_lines(cfg: ServeBenchConfig, lengths: dict[str, float], model: str, base_url: str, started: bool) -> list[str]:
+def workload_lines(
+    cfg: ServeBenchConfig, lengths: dict[str, float], model: str, base_url: str, started: bool
+) -> list[str]:
     source = f"`{cfg.dataset}`" if cfg.dataset else f"synthetic ({cfg.len_distribution}"
     if cfg.dataset is None:
         source += f", ±{cfg.range_ratio:g})" if cfg.len_distribution == "uniform" else ")"
@@ -85,7 +87,8 @@ def workload_lines(cfg: ServeBenchConfig, lengths: dict[str, float], model: str,
         f"(min {lengths['prompt_tokens_min']:.0f}, max {lengths['prompt_tokens_max']:.0f}); output tokens mean "
         f"{lengths['output_tokens_mean']:.0f} (min {lengths['output_tokens_min']:.0f}, "
         f"max {lengths['output_tokens_max']:.0f})",
-        f"- engine: max-num-seqs {cfg.max_num_seqs}" + (f", max-model-len {cfg.max_model_len}" if cfg.max_model_len else "")
+        f"- engine: max-num-seqs {cfg.max_num_seqs}"
+        + (f", max-model-len {cfg.max_model_len}" if cfg.max_model_len else "")
         + ("" if started else " (of the started server; ignored with --base-url)"),
         f"- goodput SLO: {', '.join(slo)}" if slo else "- goodput: no SLO given (--slo-ttft-ms, --slo-tpot-ms)",
         f"- each cell: median over {cfg.runs} run(s) (min–max over runs); percentiles: {PERCENTILE_METHOD}",
@@ -95,15 +98,24 @@ def workload_lines(cfg: ServeBenchConfig, lengths: dict[str, float], model: str,
 
 
 def render_sweep(cfg: ServeBenchConfig, points: Sequence[LoadPoint], head: str, workload: list[str]) -> str:
-    parts = [head, *workload, "", "## Throughput", "", throughput_table(points, cfg.slo_ttft_ms is not None
-             or cfg.slo_tpot_ms is not None), ""]  # fmt: skip
+    parts = [
+        head,
+        *workload,
+        "",
+        "## Throughput",
+        "",
+        throughput_table(points, cfg.slo_ttft_ms is not None or cfg.slo_tpot_ms is not None),
+        "",
+    ]
     for metric, title in LATENCY_TITLES.items():
         parts += [f"## {title}", "", latency_table(points, metric), ""]
     parts += ["![latency vs load](serve_latency.png)", ""]
     return "\n".join(parts)
 
 
-def sweep_json(cfg: ServeBenchConfig, points: Sequence[LoadPoint], lengths: dict[str, float], model: str) -> dict[str, Any]:
+def sweep_json(
+    cfg: ServeBenchConfig, points: Sequence[LoadPoint], lengths: dict[str, float], model: str
+) -> dict[str, Any]:
     return {
         "config": cfg.model_dump(mode="json"),
         "model": model,
@@ -119,8 +131,14 @@ def sweep_plot_panels(
     """(panels, x label per panel) for the latency-vs-load figure. x is the load the sweep set: the concurrency of a
     closed-loop point, the offered rate of an open-loop one (never the achieved req/s, which folds back once the
     server saturates); the two kinds get separate panels, since they set different variables."""
-    kinds = [(k, xl) for k, xl in (("concurrency", "concurrency (clients in flight, as set)"),
-                                   ("rate", "offered requests/s (as set)")) if any(p.kind == k for p in points)]
+    kinds = [
+        (k, xl)
+        for k, xl in (
+            ("concurrency", "concurrency (clients in flight, as set)"),
+            ("rate", "offered requests/s (as set)"),
+        )
+        if any(p.kind == k for p in points)
+    ]
     panels: dict[str, dict[str, list[tuple[float, float, float, float, str, int]]]] = {}
     xlabels: dict[str, str] = {}
     for kind, xlabel in kinds:
@@ -128,8 +146,11 @@ def sweep_plot_panels(
             name = LATENCY_TITLES[metric] + (", closed loop" if kind == "concurrency" else ", open loop")
             series: dict[str, list[tuple[float, float, float, float, str, int]]] = {}
             for stat in ("p50", "p99"):
-                series[stat] = [(p.value, y.median, y.min, y.max, p.label, y.runs) for p in points
-                                if p.kind == kind and (y := p.spread(f"{metric}_{stat}")) is not None]  # fmt: skip
+                series[stat] = [
+                    (p.value, y.median, y.min, y.max, p.label, y.runs)
+                    for p in points
+                    if p.kind == kind and (y := p.spread(f"{metric}_{stat}")) is not None
+                ]
             panels[name] = series
             xlabels[name] = xlabel
     return panels, xlabels
@@ -139,6 +160,8 @@ def plot_sweep(cfg: ServeBenchConfig, points: Sequence[LoadPoint], path: Path) -
     from glowplug.profiling.bench.plots import plot_latency_vs_load
 
     panels, xlabels = sweep_plot_panels(points)
-    title = (f"glowplug serve latency vs load: {cfg.model}, --dtype {cfg.dtype}, --compile {cfg.compile}, "
-             f"{cfg.input_len} prompt / {cfg.output_len} output tokens ({cfg.len_distribution})")
+    title = (
+        f"glowplug serve latency vs load: {cfg.model}, --dtype {cfg.dtype}, --compile {cfg.compile}, "
+        f"{cfg.input_len} prompt / {cfg.output_len} output tokens ({cfg.len_distribution})"
+    )
     return plot_latency_vs_load(panels, path, xlabel=xlabels, title=title, columns=3)

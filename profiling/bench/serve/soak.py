@@ -171,8 +171,9 @@ async def _settle(client: httpx.AsyncClient, timeout: float) -> dict[str, float]
     deadline = time.monotonic() + timeout
     while True:
         m = await _scrape(client)
-        idle = all(m.get(k, 0.0) == 0.0 for k in (Metric.REQUESTS_RUNNING, Metric.REQUESTS_WAITING,
-                                                    Metric.KV_USED_BLOCKS))  # fmt: skip
+        idle = all(
+            m.get(k, 0.0) == 0.0 for k in (Metric.REQUESTS_RUNNING, Metric.REQUESTS_WAITING, Metric.KV_USED_BLOCKS)
+        )
         if idle or time.monotonic() > deadline:
             return m
         await asyncio.sleep(0.1)
@@ -272,16 +273,26 @@ def _evaluate(
     # the end (its usage then never counts on the client's side), so the usages alone can fall short of it.
     completed = delta(f"{Metric.COMPLETED_GENERATION_TOKENS}_total")
     rss_end = _rss(after)
-    idle = {k: after.get(k, 0.0) for k in (Metric.KV_USED_BLOCKS, Metric.REQUESTS_RUNNING,
-                                           Metric.REQUESTS_WAITING)}  # fmt: skip
+    idle = {k: after.get(k, 0.0) for k in (Metric.KV_USED_BLOCKS, Metric.REQUESTS_RUNNING, Metric.REQUESTS_WAITING)}
     result = SoakResult(
-        plan=plan, wall_s=wall, requests=len(results), finished=len(finished), hung_up=len(hung),
-        errors=dict(errors), by_kind=dict(Counter(k for k, _ in results)), usage_tokens=usage,
-        streamed_mismatches=mismatches[:20], counter_delta=counter, aborted_delta=aborted,
-        rss_first_wave=rss_first, rss_end=rss_end, idle_metrics=idle,
-        rss_first_wave_load=rss_loads[0], rss_end_load=rss_loads[1],
+        plan=plan,
+        wall_s=wall,
+        requests=len(results),
+        finished=len(finished),
+        hung_up=len(hung),
+        errors=dict(errors),
+        by_kind=dict(Counter(k for k, _ in results)),
+        usage_tokens=usage,
+        streamed_mismatches=mismatches[:20],
+        counter_delta=counter,
+        aborted_delta=aborted,
+        rss_first_wave=rss_first,
+        rss_end=rss_end,
+        idle_metrics=idle,
+        rss_first_wave_load=rss_loads[0],
+        rss_end_load=rss_loads[1],
         results=[r for _, r in results],
-    )  # fmt: skip
+    )
     checks = [
         Check("errors", str(sum(errors.values())), "0", not errors),
         Check("finished streams with tokens != usage", str(len(mismatches)), "0", not mismatches and bool(finished)),
@@ -297,8 +308,12 @@ def _evaluate(
             f"<= completed tokens {completed:.0f}, and = them when no client hung up",
             usage <= completed and (bool(plan.hangup_clients) or usage == completed),
         ),
-        Check("hung-up clients' requests", str(len(hung)), ">= 1" if plan.hangup_clients else "0",
-              bool(hung) if plan.hangup_clients else not hung),  # fmt: skip
+        Check(
+            "hung-up clients' requests",
+            str(len(hung)),
+            ">= 1" if plan.hangup_clients else "0",
+            bool(hung) if plan.hangup_clients else not hung,
+        ),
     ]
     checks += [Check(k.removeprefix("glowplug_"), f"{v:.0f}", "0", v == 0.0) for k, v in idle.items()]
     if rss_first is None or rss_end is None:
@@ -325,23 +340,25 @@ def render_soak(result: SoakResult, head: str, latency_table: str) -> str:
     p = result.plan
     rows = [[c.name, c.value, c.limit, "pass" if c.passed else "FAIL"] for c in result.checks]
     kinds = ", ".join(f"{k}: {v}" for k, v in sorted(result.by_kind.items()))
-    return "\n".join([
-        head,
-        f"- {p.streams} concurrent streams for {p.duration_s:g} s ({result.wall_s:.1f} s with the last requests), "
-        f"{p.hangup_clients} of them hanging up after {p.hangup_after_chunks[0]}-{p.hangup_after_chunks[1]} chunks",
-        f"- {result.requests} requests: {result.finished} finished, {result.hung_up} hung up on purpose; "
-        f"mix: {kinds}",
-        f"- verdict: **{'PASS' if result.passed else 'FAIL'}**",
-        "",
-        "## Checks (server /metrics once idle)",
-        "",
-        markdown_table(["Check", "Value", "Limit", "Result"], rows),
-        "",
-        "## Latency of the finished requests",
-        "",
-        latency_table,
-        "",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            head,
+            f"- {p.streams} concurrent streams for {p.duration_s:g} s ({result.wall_s:.1f} s with the last requests), "
+            f"{p.hangup_clients} of them hanging up after {p.hangup_after_chunks[0]}-{p.hangup_after_chunks[1]} chunks",
+            f"- {result.requests} requests: {result.finished} finished, {result.hung_up} hung up on purpose; "
+            f"mix: {kinds}",
+            f"- verdict: **{'PASS' if result.passed else 'FAIL'}**",
+            "",
+            "## Checks (server /metrics once idle)",
+            "",
+            markdown_table(["Check", "Value", "Limit", "Result"], rows),
+            "",
+            "## Latency of the finished requests",
+            "",
+            latency_table,
+            "",
+        ]
+    )
 
 
 def soak_mode(
@@ -361,16 +378,21 @@ def soak_mode(
         if room < 32:
             raise ValueError(f"the soak needs a max-model-len of at least 192 (the server has {room + 160})")
         plan = SoakPlan(
-            streams=cfg.soak_streams, duration_s=cfg.soak_duration, hangup_fraction=cfg.hangup_fraction,
-            max_tokens=(16, min(64, room)), hangup_max_tokens=min(512, room),
-            model=cfg.served_model_name or served_model(base_url), request_timeout=cfg.request_timeout,
-        )  # fmt: skip
+            streams=cfg.soak_streams,
+            duration_s=cfg.soak_duration,
+            hangup_fraction=cfg.hangup_fraction,
+            max_tokens=(16, min(64, room)),
+            hangup_max_tokens=min(512, room),
+            model=cfg.served_model_name or served_model(base_url),
+            request_timeout=cfg.request_timeout,
+        )
         result = run_soak(base_url, plan, say)
     point = LoadPoint("concurrency", plan.streams, None, [run_metrics(result.results)])
     text = render_soak(result, report_header("Serving soak", argv), latency_table_all(point, latency_table))
     (out / "soak.md").write_text(text)
-    write_json(out / "soak.json", {"config": cfg.model_dump(mode="json"), **result.as_dict(),
-                                   "metrics": point.as_dict()})  # fmt: skip
+    write_json(
+        out / "soak.json", {"config": cfg.model_dump(mode="json"), **result.as_dict(), "metrics": point.as_dict()}
+    )
     print(text)
     return result.passed, [out / "soak.md", out / "soak.json"]
 

@@ -52,15 +52,29 @@ def load_data(path: Path = DATA) -> dict[str, Any]:
     return dict(json.loads(path.read_text()))
 
 
-def _chat_body(model: str, system: str, prompt: str, max_tokens: int, schema: dict[str, Any] | None,
-               name: str = "answer", **extra: Any) -> dict[str, Any]:  # fmt: skip
+def _chat_body(
+    model: str,
+    system: str,
+    prompt: str,
+    max_tokens: int,
+    schema: dict[str, Any] | None,
+    name: str = "answer",
+    **extra: Any,
+) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": model, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+        "model": model,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
         "stream_options": {"include_usage": True},
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": prompt}], **extra,
-    }  # fmt: skip
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": prompt}],
+        **extra,
+    }
     if schema is not None:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": name, "schema": schema, "strict": True},
+        }
     return body
 
 
@@ -77,18 +91,30 @@ class BatchRun:
 def _batch(base_url: str, bodies: list[dict[str, Any]], constrained: bool, timeout: float) -> BatchRun:
     results = run_closed(base_url, CHAT, bodies, len(bodies), max_duration=timeout, timeout=timeout)
     tpots = [r.tpot_s * 1e3 for r in results if r.ok and r.tpot_s is not None]
-    return BatchRun(constrained, statistics.fmean(tpots) if tpots else float("nan"), tpots,
-                    [r.output_tokens or 0 for r in results], sum(1 for r in results if not r.ok))  # fmt: skip
+    return BatchRun(
+        constrained,
+        statistics.fmean(tpots) if tpots else float("nan"),
+        tpots,
+        [r.output_tokens or 0 for r in results],
+        sum(1 for r in results if not r.ok),
+    )
 
 
-def run_tpot_pairs(cfg: ServeBenchConfig, base_url: str, model: str, data: dict[str, Any],
-                   say: Say) -> list[tuple[BatchRun, BatchRun]]:  # fmt: skip
+def run_tpot_pairs(
+    cfg: ServeBenchConfig, base_url: str, model: str, data: dict[str, Any], say: Say
+) -> list[tuple[BatchRun, BatchRun]]:
     """Pairs of (unconstrained batch, constrained batch): 16 streams each, 8 of the second constrained."""
     spec, system, tokens = data["tpot"], data["system"], cfg.structured_tpot_tokens
     extra = {"ignore_eos": True}
-    plain = [_chat_body(model, system, f"{spec['prompt']} (batch row {i})", tokens, None, **extra) for i in range(BATCH)]
-    mixed = [_chat_body(model, system, f"{spec['prompt']} (batch row {i})", tokens,
-                        spec["schema"] if i % 2 == 0 else None, **extra) for i in range(BATCH)]  # fmt: skip
+    plain = [
+        _chat_body(model, system, f"{spec['prompt']} (batch row {i})", tokens, None, **extra) for i in range(BATCH)
+    ]
+    mixed = [
+        _chat_body(
+            model, system, f"{spec['prompt']} (batch row {i})", tokens, spec["schema"] if i % 2 == 0 else None, **extra
+        )
+        for i in range(BATCH)
+    ]
     _batch(base_url, mixed, True, cfg.request_timeout)  # warm-up: the schema parsed, both batch shapes run
     _batch(base_url, plain, False, cfg.request_timeout)
     pairs = []
@@ -96,8 +122,10 @@ def run_tpot_pairs(cfg: ServeBenchConfig, base_url: str, model: str, data: dict[
         order = [(plain, False), (mixed, True)] if i % 2 == 0 else [(mixed, True), (plain, False)]
         runs = {c: _batch(base_url, b, c, cfg.request_timeout) for b, c in order}
         pairs.append((runs[False], runs[True]))
-        say(f"structured: TPOT pair {i + 1}/{cfg.runs}: unconstrained {runs[False].tpot_ms:.1f} ms, "
-            f"8 of 16 constrained {runs[True].tpot_ms:.1f} ms")  # fmt: skip
+        say(
+            f"structured: TPOT pair {i + 1}/{cfg.runs}: unconstrained {runs[False].tpot_ms:.1f} ms, "
+            f"8 of 16 constrained {runs[True].tpot_ms:.1f} ms"
+        )
     return pairs
 
 
@@ -124,8 +152,9 @@ def _ttft_ms(base_url: str, body: dict[str, Any], timeout: float) -> float:
     return r.ttft_s * 1e3
 
 
-def run_ttft_trials(cfg: ServeBenchConfig, base_url: str, model: str, data: dict[str, Any],
-                    say: Say) -> list[TTFTTrial]:  # fmt: skip
+def run_ttft_trials(
+    cfg: ServeBenchConfig, base_url: str, model: str, data: dict[str, Any], say: Say
+) -> list[TTFTTrial]:
     """Per trial: the prompt unconstrained, then with a schema the server has never seen, then that schema again
     (one token each: the first token is what TTFT times)."""
     spec, system = data["ttft"], data["system"]
@@ -144,8 +173,12 @@ def run_ttft_trials(cfg: ServeBenchConfig, base_url: str, model: str, data: dict
         new = _ttft_ms(base_url, _chat_body(model, system, spec["prompt"], 1, schema), cfg.request_timeout)
         repeat = _ttft_ms(base_url, _chat_body(model, system, spec["prompt"], 1, schema), cfg.request_timeout)
         trials.append(TTFTTrial(plain, new, repeat))
-    say("structured: TTFT extra, new schema (ms): " + ", ".join(f"{t.extra_new_ms:.1f}" for t in trials)
-        + "; repeated: " + ", ".join(f"{t.extra_repeat_ms:.1f}" for t in trials))  # fmt: skip
+    say(
+        "structured: TTFT extra, new schema (ms): "
+        + ", ".join(f"{t.extra_new_ms:.1f}" for t in trials)
+        + "; repeated: "
+        + ", ".join(f"{t.extra_repeat_ms:.1f}" for t in trials)
+    )
     return trials
 
 
@@ -175,8 +208,9 @@ def _parallel(jobs: list[Callable[[], Any]], width: int) -> list[Any]:
         return list(pool.map(lambda job: job(), jobs))
 
 
-def run_objects(base_url: str, model: str, data: dict[str, Any], count: int, max_tokens: int, timeout: float,
-                say: Say) -> ObjectResults:  # fmt: skip
+def run_objects(
+    base_url: str, model: str, data: dict[str, Any], count: int, max_tokens: int, timeout: float, say: Say
+) -> ObjectResults:
     """`count` objects spread over the schemas (seeded sampling at temperature 0.7, so the repeats differ), each
     parsed and validated against its schema."""
     import jsonschema
@@ -187,11 +221,16 @@ def run_objects(base_url: str, model: str, data: dict[str, Any], count: int, max
     def one(i: int) -> tuple[str, bool, str, str]:
         spec = schemas[i % len(schemas)]
         reply = client.chat.completions.create(
-            model=model, max_tokens=max_tokens, temperature=0.7, seed=i,
+            model=model,
+            max_tokens=max_tokens,
+            temperature=0.7,
+            seed=i,
             messages=[{"role": "system", "content": data["system"]}, {"role": "user", "content": spec["prompt"]}],
-            response_format={"type": "json_schema",
-                             "json_schema": {"name": spec["name"], "schema": spec["schema"], "strict": True}},
-        )  # fmt: skip
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": spec["name"], "schema": spec["schema"], "strict": True},
+            },
+        )
         text = reply.choices[0].message.content or ""
         try:
             jsonschema.validate(json.loads(text), spec["schema"])
@@ -228,8 +267,16 @@ class ToolResults:
         return self.with_call == self.prompts and not self.invalid
 
 
-def run_tools(base_url: str, model: str, data: dict[str, Any], choice: str, prompts: list[dict[str, Any]],
-              max_tokens: int, timeout: float, say: Say) -> ToolResults:  # fmt: skip
+def run_tools(
+    base_url: str,
+    model: str,
+    data: dict[str, Any],
+    choice: str,
+    prompts: list[dict[str, Any]],
+    max_tokens: int,
+    timeout: float,
+    say: Say,
+) -> ToolResults:
     import jsonschema
 
     client = _openai(base_url, timeout)
@@ -239,9 +286,13 @@ def run_tools(base_url: str, model: str, data: dict[str, Any], choice: str, prom
     def one(p: dict[str, Any]) -> list[tuple[bool, dict[str, Any]]]:
         tool_choice: Any = choice if choice != "named" else {"type": "function", "function": {"name": p["tool"]}}
         reply = client.chat.completions.create(
-            model=model, max_tokens=max_tokens, temperature=0.0, tools=tools, tool_choice=tool_choice,
+            model=model,
+            max_tokens=max_tokens,
+            temperature=0.0,
+            tools=tools,
+            tool_choice=tool_choice,
             messages=[{"role": "user", "content": p["prompt"]}],
-        )  # fmt: skip
+        )
         calls = reply.choices[0].message.tool_calls or []
         checked = []
         for call in calls:
@@ -258,16 +309,24 @@ def run_tools(base_url: str, model: str, data: dict[str, Any], choice: str, prom
         return checked
 
     per_prompt = _parallel([lambda p=p: one(p) for p in prompts], BATCH)
-    out = ToolResults(choice, len(prompts), sum(1 for c in per_prompt if c and all(ok for ok, _ in c)),
-                      sum(ok for c in per_prompt for ok, _ in c))  # fmt: skip
+    out = ToolResults(
+        choice,
+        len(prompts),
+        sum(1 for c in per_prompt if c and all(ok for ok, _ in c)),
+        sum(ok for c in per_prompt for ok, _ in c),
+    )
     out.invalid = [info for c in per_prompt for ok, info in c if not ok]
-    say(f"structured: tool_choice {choice}: {out.with_call}/{out.prompts} prompts with a valid call, "
-        f"{len(out.invalid)} invalid calls")  # fmt: skip
+    say(
+        f"structured: tool_choice {choice}: {out.with_call}/{out.prompts} prompts with a valid call, "
+        f"{len(out.invalid)} invalid calls"
+    )
     return out
 
 
 # ------------------------------------------------------------------------------------------------ llguidance's own
-def library_costs(tokenizer: Any, vocab_size: int, data: dict[str, Any], walks: list[tuple[str, str]]) -> dict[str, Any]:
+def library_costs(
+    tokenizer: Any, vocab_size: int, data: dict[str, Any], walks: list[tuple[str, str]]
+) -> dict[str, Any]:
     """llguidance's own times in this process for `tokenizer`: the tokenizer view, each schema's matcher (its
     grammar as the server builds it: engine/structured.json_schema_grammar), and the mask of every token while a
     matcher walks the generated objects `walks` ((schema name, text))."""
@@ -300,9 +359,16 @@ def library_costs(tokenizer: Any, vocab_size: int, data: dict[str, Any], walks: 
     return {
         "tokenizer_view_s": view_s,
         "matcher_ms": {"median": statistics.median(compile_ms), "max": max(compile_ms), "n": len(compile_ms)},
-        "mask_ms": {"p50": mask_ms[len(mask_ms) // 2], "mean": statistics.fmean(mask_ms),
-                    "p99": mask_ms[int(len(mask_ms) * 0.99)], "max": mask_ms[-1], "n": len(mask_ms)} if mask_ms else {},
-    }  # fmt: skip
+        "mask_ms": {
+            "p50": mask_ms[len(mask_ms) // 2],
+            "mean": statistics.fmean(mask_ms),
+            "p99": mask_ms[int(len(mask_ms) * 0.99)],
+            "max": mask_ms[-1],
+            "n": len(mask_ms),
+        }
+        if mask_ms
+        else {},
+    }
 
 
 # ------------------------------------------------------------------------------------------------ the mode
@@ -314,8 +380,13 @@ def _server(cfg: ServeBenchConfig, server_for: Any, model: Path | None) -> Itera
             yield base_url, cfg.served_model_name or served_model(base_url)
         return
     # A 1.5B model's queue of 16 tool requests waits longer than the default admission allows (429): let it wait.
-    real = cfg.model_copy(update={"model": str(model), "quantization": "auto",
-                                  "max_queue_wait": max(cfg.max_queue_wait or 0.0, cfg.request_timeout)})
+    real = cfg.model_copy(
+        update={
+            "model": str(model),
+            "quantization": "auto",
+            "max_queue_wait": max(cfg.max_queue_wait or 0.0, cfg.request_timeout),
+        }
+    )
     with StartedServer(real) as srv:
         yield srv.base_url, served_model(srv.base_url)
 
@@ -331,8 +402,9 @@ def _spread(values: list[float], digits: int = 3) -> str:
     return fmt_spread(values, digits)
 
 
-def structured_mode(cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Say,
-                    server_for: Any) -> tuple[bool, list[Path]]:  # fmt: skip
+def structured_mode(
+    cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Say, server_for: Any
+) -> tuple[bool, list[Path]]:
     from glowplug.profiling.bench.cli_support import prepare_out_dir
 
     data = load_data(cfg.structured_data or DATA)
@@ -344,8 +416,9 @@ def structured_mode(cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | Non
     with _server(cfg, server_for, None) as (base_url, model):
         ttft = run_ttft_trials(cfg, base_url, model, data, say)
         pairs = run_tpot_pairs(cfg, base_url, model, data, say)
-        objects = run_objects(base_url, model, data, cfg.structured_objects, cfg.structured_max_tokens,
-                              cfg.request_timeout, say)  # fmt: skip
+        objects = run_objects(
+            base_url, model, data, cfg.structured_objects, cfg.structured_max_tokens, cfg.request_timeout, say
+        )
     vocab = _vocab_size(cfg.model)
     lib = library_costs(tokenizer, vocab, data, objects.texts)
     cost = (ttft, pairs, objects, lib, vocab, load_start)
@@ -357,8 +430,15 @@ def structured_mode(cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | Non
     return _write(cfg, argv, data, out, cost, real, say), [md, out / "structured.json"]
 
 
-def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], out: Path, cost: tuple[Any, ...],
-           real: dict[str, Any], say: Say) -> bool:  # fmt: skip
+def _write(
+    cfg: ServeBenchConfig,
+    argv: list[str] | None,
+    data: dict[str, Any],
+    out: Path,
+    cost: tuple[Any, ...],
+    real: dict[str, Any],
+    say: Say,
+) -> bool:
     """Write structured.{md,json} and the verdicts; True when every target passed."""
     from glowplug.profiling.bench.cli_support import write_json
     from glowplug.profiling.bench.machine import report_git_state, report_header
@@ -373,34 +453,61 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
     new = [t.extra_new_ms for t in ttft]
     rep = [t.extra_repeat_ms for t in ttft]
     verdicts = [
-        Verdict(f"TPOT, 8 of 16 constrained / 16 unconstrained <= {TPOT_TARGET} (worst of {len(pairs)} pairs)",
-                f"worst {max(ratios):.3f}, median {statistics.median(ratios):.3f}",
-                max(ratios) <= TPOT_TARGET and failed_streams == 0),
-        Verdict(f"extra TTFT, new schema <= {TTFT_NEW_TARGET_MS:g} ms (worst of {len(new)} trials)",
-                f"worst {max(new):.1f} ms, median {statistics.median(new):.1f} ms", max(new) <= TTFT_NEW_TARGET_MS),
-        Verdict(f"extra TTFT, repeated schema <= {TTFT_REPEAT_TARGET_MS:g} ms (worst of {len(rep)} trials)",
-                f"worst {max(rep):.1f} ms, median {statistics.median(rep):.1f} ms",
-                max(rep) <= TTFT_REPEAT_TARGET_MS),
-        Verdict(f"{objects.requested} objects over {len(data['schemas'])} schemas parse and validate ({objects.model})",
-                f"{objects.valid}/{objects.requested}", objects.passed),
-    ]  # fmt: skip
+        Verdict(
+            f"TPOT, 8 of 16 constrained / 16 unconstrained <= {TPOT_TARGET} (worst of {len(pairs)} pairs)",
+            f"worst {max(ratios):.3f}, median {statistics.median(ratios):.3f}",
+            max(ratios) <= TPOT_TARGET and failed_streams == 0,
+        ),
+        Verdict(
+            f"extra TTFT, new schema <= {TTFT_NEW_TARGET_MS:g} ms (worst of {len(new)} trials)",
+            f"worst {max(new):.1f} ms, median {statistics.median(new):.1f} ms",
+            max(new) <= TTFT_NEW_TARGET_MS,
+        ),
+        Verdict(
+            f"extra TTFT, repeated schema <= {TTFT_REPEAT_TARGET_MS:g} ms (worst of {len(rep)} trials)",
+            f"worst {max(rep):.1f} ms, median {statistics.median(rep):.1f} ms",
+            max(rep) <= TTFT_REPEAT_TARGET_MS,
+        ),
+        Verdict(
+            f"{objects.requested} objects over {len(data['schemas'])} schemas parse and validate ({objects.model})",
+            f"{objects.valid}/{objects.requested}",
+            objects.passed,
+        ),
+    ]
     if real:
         verdicts += _real_verdicts(data, real)
     passed = all(v.passed for v in verdicts)
 
-    pair_rows = [[str(i + 1), f"{u.tpot_ms:.1f}", f"{c.tpot_ms:.1f}", f"{r:.3f}",
-                  f"{statistics.fmean(c.stream_tpot_ms[::2]) if c.stream_tpot_ms else float('nan'):.1f}"]
-                 for i, ((u, c), r) in enumerate(zip(pairs, ratios))]  # fmt: skip
-    ttft_rows = [[str(i + 1), f"{t.plain_ms:.1f}", f"{t.new_ms:.1f}", f"{t.repeat_ms:.1f}", f"{t.extra_new_ms:.1f}",
-                  f"{t.extra_repeat_ms:.1f}"] for i, t in enumerate(ttft)]  # fmt: skip
+    pair_rows = [
+        [
+            str(i + 1),
+            f"{u.tpot_ms:.1f}",
+            f"{c.tpot_ms:.1f}",
+            f"{r:.3f}",
+            f"{statistics.fmean(c.stream_tpot_ms[::2]) if c.stream_tpot_ms else float('nan'):.1f}",
+        ]
+        for i, ((u, c), r) in enumerate(zip(pairs, ratios))
+    ]
+    ttft_rows = [
+        [
+            str(i + 1),
+            f"{t.plain_ms:.1f}",
+            f"{t.new_ms:.1f}",
+            f"{t.repeat_ms:.1f}",
+            f"{t.extra_new_ms:.1f}",
+            f"{t.extra_repeat_ms:.1f}",
+        ]
+        for i, t in enumerate(ttft)
+    ]
     mask = lib["mask_ms"]
     lines = [
         report_header("Structured outputs and tool calls: cost in the batch, validity", argv),
         f"- load average (1 / 5 / 15 min) at start: {load_start}; at end: {load_end} (the machine is shared; "
-        f"{os.cpu_count()} cores; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, inherited by the servers)",
+        f"{os.cpu_count()} cores; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, "
+        "inherited by the servers)",
         f"- model: {objects.model} (server flags as `bench serve`: --quantization {cfg.quantization}, "
-        f"--max-num-seqs {cfg.max_num_seqs})" + (f"; real model: {cfg.real_model.name} (--quantization auto)"
-                                                  if cfg.real_model else ""),
+        f"--max-num-seqs {cfg.max_num_seqs})"
+        + (f"; real model: {cfg.real_model.name} (--quantization auto)" if cfg.real_model else ""),
         "",
         "## Verdicts",
         "",
@@ -412,8 +519,10 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
         "objects with an integer, an enum and a boolean, cannot end sooner), greedy, chat; TPOT = the mean over the "
         "batch's streams of (last token - first token) / (tokens - 1). Pairs interleaved, the order alternating.",
         "",
-        markdown_table(["pair", "unconstrained TPOT (ms)", "8 constrained TPOT (ms)", "ratio",
-                        "constrained rows' own TPOT (ms)"], pair_rows),  # fmt: skip
+        markdown_table(
+            ["pair", "unconstrained TPOT (ms)", "8 constrained TPOT (ms)", "ratio", "constrained rows' own TPOT (ms)"],
+            pair_rows,
+        ),
         "",
         f"Ratio: median {statistics.median(ratios):.3f}, spread {min(ratios):.3f}–{max(ratios):.3f}, worst pair "
         f"{max(ratios):.3f}.",
@@ -425,8 +534,17 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
         "the unconstrained TTFT of the same trial. The tokenizer's grammar view was built at start (the phase "
         "table's grammar_init row), so no request here pays it.",
         "",
-        markdown_table(["trial", "unconstrained (ms)", "new schema (ms)", "repeated (ms)", "extra, new (ms)",
-                        "extra, repeated (ms)"], ttft_rows),  # fmt: skip
+        markdown_table(
+            [
+                "trial",
+                "unconstrained (ms)",
+                "new schema (ms)",
+                "repeated (ms)",
+                "extra, new (ms)",
+                "extra, repeated (ms)",
+            ],
+            ttft_rows,
+        ),
         "",
         f"Extra TTFT (ms), new schema: {_spread(new, 1)}, worst {max(new):.1f}; repeated: {_spread(rep, 1)}, worst "
         f"{max(rep):.1f} (median (min–max)).",
@@ -436,9 +554,12 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
         f"- tokenizer view ({vocab:,} tokens): {lib['tokenizer_view_s']:.2f} s",
         f"- a schema's matcher (parse + compile), over the {lib['matcher_ms']['n']} schemas: median "
         f"{lib['matcher_ms']['median']:.2f} ms, max {lib['matcher_ms']['max']:.2f} ms",
-        (f"- mask per token, walking the {len(objects.texts)} valid generated objects ({mask['n']} masks): p50 "
-         f"{mask['p50']:.3f} ms, mean {mask['mean']:.3f} ms, p99 {mask['p99']:.3f} ms, max {mask['max']:.2f} ms"
-         if mask else "- mask per token: no valid object to walk"),
+        (
+            f"- mask per token, walking the {len(objects.texts)} valid generated objects ({mask['n']} masks): p50 "
+            f"{mask['p50']:.3f} ms, mean {mask['mean']:.3f} ms, p99 {mask['p99']:.3f} ms, max {mask['max']:.2f} ms"
+            if mask
+            else "- mask per token: no valid object to walk"
+        ),
         "",
         "## Validity",
         "",
@@ -447,26 +568,42 @@ def _write(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], 
     if real:
         lines += _tools_md(cfg, data, real)
     else:
-        lines.append("The real model's part (objects and tool calls) is not in this report: " + (
-            f"{cfg.real_model.name} was still running when it was written." if cfg.real_model else
-            "give --real-model PATH."))
+        lines.append(
+            "The real model's part (objects and tool calls) is not in this report: "
+            + (
+                f"{cfg.real_model.name} was still running when it was written."
+                if cfg.real_model
+                else "give --real-model PATH."
+            )
+        )
     lines.append("")
     text = "\n".join(lines)
     md = out / "structured.md"
     md.write_text(text)
     write_verdicts(md, verdicts)
-    write_json(out / "structured.json", {
-        "command": argv, "commit": report_git_state().describe(), "config": cfg.model_dump(mode="json"), "load_average": {"start": load_start, "end": load_end},
-        "tpot_pairs": [{"unconstrained": asdict(u), "constrained": asdict(c), "ratio": r}
-                       for (u, c), r in zip(pairs, ratios)],
-        "ttft_trials": [{**asdict(t), "extra_new_ms": t.extra_new_ms, "extra_repeat_ms": t.extra_repeat_ms}
-                        for t in ttft],
-        "library": lib,
-        "objects": _objects_json(objects),
-        "real": {k: (_objects_json(v) if isinstance(v, ObjectResults) else {**asdict(v), "passed": v.passed})
-                 for k, v in real.items()},
-        "verdicts": [asdict(v) for v in verdicts], "passed": passed,
-    })  # fmt: skip
+    write_json(
+        out / "structured.json",
+        {
+            "command": argv,
+            "commit": report_git_state().describe(),
+            "config": cfg.model_dump(mode="json"),
+            "load_average": {"start": load_start, "end": load_end},
+            "tpot_pairs": [
+                {"unconstrained": asdict(u), "constrained": asdict(c), "ratio": r} for (u, c), r in zip(pairs, ratios)
+            ],
+            "ttft_trials": [
+                {**asdict(t), "extra_new_ms": t.extra_new_ms, "extra_repeat_ms": t.extra_repeat_ms} for t in ttft
+            ],
+            "library": lib,
+            "objects": _objects_json(objects),
+            "real": {
+                k: (_objects_json(v) if isinstance(v, ObjectResults) else {**asdict(v), "passed": v.passed})
+                for k, v in real.items()
+            },
+            "verdicts": [asdict(v) for v in verdicts],
+            "passed": passed,
+        },
+    )
     print(text)
     say(f"structured: wrote {md}")
     return passed
@@ -479,11 +616,13 @@ def _run_real(cfg: ServeBenchConfig, data: dict[str, Any], say: Say, server_for:
     forced = prompts[:: max(1, len(prompts) // cfg.structured_forced_prompts)][: cfg.structured_forced_prompts]
     real: dict[str, Any] = {}
     with _server(cfg, server_for, cfg.real_model) as (base_url, rmodel):
-        real["objects"] = run_objects(base_url, rmodel, data, cfg.structured_objects, cfg.structured_max_tokens,
-                                      cfg.request_timeout, say)  # fmt: skip
+        real["objects"] = run_objects(
+            base_url, rmodel, data, cfg.structured_objects, cfg.structured_max_tokens, cfg.request_timeout, say
+        )
         for choice, chosen in (("auto", prompts), ("required", forced), ("named", forced)):
-            real[choice] = run_tools(base_url, rmodel, data, choice, chosen, cfg.structured_tool_tokens,
-                                     cfg.request_timeout, say)  # fmt: skip
+            real[choice] = run_tools(
+                base_url, rmodel, data, choice, chosen, cfg.structured_tool_tokens, cfg.request_timeout, say
+            )
     return real
 
 
@@ -491,34 +630,62 @@ def _real_verdicts(data: dict[str, Any], real: dict[str, Any]) -> list[Any]:
     from glowplug.profiling.bench.verdicts import Verdict
 
     ro: ObjectResults = real["objects"]
-    out = [Verdict(f"{ro.requested} objects over {len(data['schemas'])} schemas parse and validate ({ro.model})",
-                   f"{ro.valid}/{ro.requested}", ro.passed)]  # fmt: skip
+    out = [
+        Verdict(
+            f"{ro.requested} objects over {len(data['schemas'])} schemas parse and validate ({ro.model})",
+            f"{ro.valid}/{ro.requested}",
+            ro.passed,
+        )
+    ]
     auto: ToolResults = real["auto"]
-    out.append(Verdict(f"tool_choice auto, {auto.prompts} prompts: every emitted call names an offered tool with "
-                       "validating arguments", f"{auto.valid_calls}/{auto.calls} calls valid; {auto.with_call}/"
-                       f"{auto.prompts} prompts produced a call", auto.passed))  # fmt: skip
+    out.append(
+        Verdict(
+            f"tool_choice auto, {auto.prompts} prompts: every emitted call names an offered tool with "
+            "validating arguments",
+            f"{auto.valid_calls}/{auto.calls} calls valid; {auto.with_call}/{auto.prompts} prompts produced a call",
+            auto.passed,
+        )
+    )
     for key in ("required", "named"):
         t: ToolResults = real[key]
-        out.append(Verdict(f"tool_choice {key}: a valid call for every prompt (100%)", f"{t.with_call}/{t.prompts}",
-                           t.passed))  # fmt: skip
+        out.append(
+            Verdict(f"tool_choice {key}: a valid call for every prompt (100%)", f"{t.with_call}/{t.prompts}", t.passed)
+        )
     return out
 
 
 def _tools_md(cfg: ServeBenchConfig, data: dict[str, Any], real: dict[str, Any]) -> list[str]:
-    lines = [_objects_md(real["objects"]), "", "Tool calls (" + real["objects"].model + "): "
-             f"{len(data['tools'])} tools; auto over all {real['auto'].prompts} prompts, required and named over "
-             f"{real['required'].prompts} of them; max_tokens {cfg.structured_tool_tokens}, greedy.", ""]  # fmt: skip
+    lines = [
+        _objects_md(real["objects"]),
+        "",
+        "Tool calls (" + real["objects"].model + "): "
+        f"{len(data['tools'])} tools; auto over all {real['auto'].prompts} prompts, required and named over "
+        f"{real['required'].prompts} of them; max_tokens {cfg.structured_tool_tokens}, greedy.",
+        "",
+    ]
     for key in ("auto", "required", "named"):
         t = real[key]
-        lines.append(f"- {key}: {t.with_call}/{t.prompts} prompts produced a valid call; {t.valid_calls} valid "
-                     f"calls, {len(t.invalid)} invalid" + (": " + "; ".join(
-                         f"{i['name']}({i['arguments']}): {i.get('why', '')}" for i in t.invalid[:5])
-                         if t.invalid else ""))  # fmt: skip
+        lines.append(
+            f"- {key}: {t.with_call}/{t.prompts} prompts produced a valid call; {t.valid_calls} valid "
+            f"calls, {len(t.invalid)} invalid"
+            + (
+                ": " + "; ".join(f"{i['name']}({i['arguments']}): {i.get('why', '')}" for i in t.invalid[:5])
+                if t.invalid
+                else ""
+            )
+        )
     return lines
 
 
-def _real_only(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, Any], out: Path, load_start: str,
-               say: Say, server_for: Any) -> tuple[bool, list[Path]]:  # fmt: skip
+def _real_only(
+    cfg: ServeBenchConfig,
+    argv: list[str] | None,
+    data: dict[str, Any],
+    out: Path,
+    load_start: str,
+    say: Say,
+    server_for: Any,
+) -> tuple[bool, list[Path]]:
     """--structured-real-only: the real model's objects and tool calls alone -> structured_real.{md,json}."""
     from glowplug.profiling.bench.cli_support import write_json
     from glowplug.profiling.bench.machine import report_git_state, report_header
@@ -529,22 +696,40 @@ def _real_only(cfg: ServeBenchConfig, argv: list[str] | None, data: dict[str, An
     real = _run_real(cfg, data, say, server_for)
     verdicts = _real_verdicts(data, real)
     load_end = _load()
-    text = "\n".join([
-        report_header("Structured outputs and tool calls on a real model: validity", argv),
-        f"- load average (1 / 5 / 15 min) at start: {load_start}; at end: {load_end} (the machine is shared; "
-        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, inherited by the server)",
-        "", "## Verdicts", "", verdicts_markdown(verdicts), "", "## Validity", "", *_tools_md(cfg, data, real), "",
-    ])  # fmt: skip
+    text = "\n".join(
+        [
+            report_header("Structured outputs and tool calls on a real model: validity", argv),
+            f"- load average (1 / 5 / 15 min) at start: {load_start}; at end: {load_end} (the machine is shared; "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, inherited by the server)",
+            "",
+            "## Verdicts",
+            "",
+            verdicts_markdown(verdicts),
+            "",
+            "## Validity",
+            "",
+            *_tools_md(cfg, data, real),
+            "",
+        ]
+    )
     md = out / "structured_real.md"
     md.write_text(text)
     write_verdicts(md, verdicts)
-    write_json(out / "structured_real.json", {
-        "command": argv, "commit": report_git_state().describe(), "config": cfg.model_dump(mode="json"),
-        "load_average": {"start": load_start, "end": load_end},
-        "real": {k: (_objects_json(v) if isinstance(v, ObjectResults) else {**asdict(v), "passed": v.passed})
-                 for k, v in real.items()},
-        "verdicts": [asdict(v) for v in verdicts], "passed": all(v.passed for v in verdicts),
-    })  # fmt: skip
+    write_json(
+        out / "structured_real.json",
+        {
+            "command": argv,
+            "commit": report_git_state().describe(),
+            "config": cfg.model_dump(mode="json"),
+            "load_average": {"start": load_start, "end": load_end},
+            "real": {
+                k: (_objects_json(v) if isinstance(v, ObjectResults) else {**asdict(v), "passed": v.passed})
+                for k, v in real.items()
+            },
+            "verdicts": [asdict(v) for v in verdicts],
+            "passed": all(v.passed for v in verdicts),
+        },
+    )
     print(text)
     return all(v.passed for v in verdicts), [md, out / "structured_real.json"]
 
@@ -555,8 +740,14 @@ def _objects_md(r: ObjectResults) -> str:
 
 
 def _objects_json(r: ObjectResults) -> dict[str, Any]:
-    return {"model": r.model, "requested": r.requested, "valid": r.valid, "failures": r.failures,
-            "wall_s": r.wall_s, "passed": r.passed}  # fmt: skip
+    return {
+        "model": r.model,
+        "requested": r.requested,
+        "valid": r.valid,
+        "failures": r.failures,
+        "wall_s": r.wall_s,
+        "passed": r.passed,
+    }
 
 
 def _vocab_size(model: str) -> int:

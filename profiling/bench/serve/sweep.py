@@ -26,8 +26,14 @@ def bodies_for(cfg: ServeBenchConfig, specs: list[RequestSpec], model: str | Non
 def warm_up(cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | None) -> None:
     if cfg.warmup_requests:
         specs = build_requests(cfg, tokenizer, cfg.warmup_requests, seed=10_000)
-        run_closed(base_url, api_path(cfg.endpoint), bodies_for(cfg, specs, model), cfg.warmup_requests,
-                   max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+        run_closed(
+            base_url,
+            api_path(cfg.endpoint),
+            bodies_for(cfg, specs, model),
+            cfg.warmup_requests,
+            max_duration=cfg.max_duration,
+            timeout=cfg.request_timeout,
+        )
 
 
 def concurrency_point(
@@ -39,8 +45,14 @@ def concurrency_point(
     for run in range(cfg.runs):
         say(f"concurrency {concurrency}: run {run + 1}/{cfg.runs} ({count} requests)")
         specs = build_requests(cfg, tokenizer, count, seed=run)
-        results = run_closed(base_url, api_path(cfg.endpoint), bodies_for(cfg, specs, model), concurrency,
-                             max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+        results = run_closed(
+            base_url,
+            api_path(cfg.endpoint),
+            bodies_for(cfg, specs, model),
+            concurrency,
+            max_duration=cfg.max_duration,
+            timeout=cfg.request_timeout,
+        )
         runs.append(run_metrics(results, slo))
     return LoadPoint("concurrency", concurrency, None, runs)
 
@@ -63,14 +75,22 @@ def rate_point(
         say(f"{rate:g} req/s ({cfg.arrival}): run {run + 1}/{cfg.runs} ({count} requests)")
         specs = build_requests(cfg, tokenizer, count, seed=run)
         offsets = arrival_times(count, rate, cfg.arrival, cfg.burst_size, seed=run)
-        results = run_open(base_url, api_path(cfg.endpoint), bodies_for(cfg, specs, model), offsets,
-                           max_duration=cfg.max_duration, timeout=cfg.request_timeout)  # fmt: skip
+        results = run_open(
+            base_url,
+            api_path(cfg.endpoint),
+            bodies_for(cfg, specs, model),
+            offsets,
+            max_duration=cfg.max_duration,
+            timeout=cfg.request_timeout,
+        )
         runs.append(run_metrics(results, slo))
         raw.append(results)
     return LoadPoint("rate", rate, cfg.arrival, runs), raw
 
 
-def run_sweep(cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | None, say: Progress) -> list[LoadPoint]:
+def run_sweep(
+    cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | None, say: Progress
+) -> list[LoadPoint]:
     warm_up(cfg, base_url, tokenizer, model)
     points = [concurrency_point(cfg, base_url, tokenizer, model, c, say) for c in cfg.concurrency]
     points += [rate_point(cfg, base_url, tokenizer, model, r, say)[0] for r in cfg.request_rate]

@@ -116,8 +116,11 @@ def load_jsonl(cfg: ServeBenchConfig, path: Path, tokenizer: Any, count: int, se
         else:
             prompt = str(row["prompt"])
             if cfg.endpoint == "chat":
-                specs.append(RequestSpec(i, None, [{"role": "user", "content": prompt}], n_out,
-                                         len(tokenizer(prompt)["input_ids"])))  # fmt: skip
+                specs.append(
+                    RequestSpec(
+                        i, None, [{"role": "user", "content": prompt}], n_out, len(tokenizer(prompt)["input_ids"])
+                    )
+                )
             else:
                 specs.append(RequestSpec(i, prompt, None, n_out, len(tokenizer(prompt)["input_ids"])))
     return specs
