@@ -260,6 +260,7 @@ def test_hooks_at_ready_keep_the_stage_contract() -> None:
         "record_profile",
         "seal_compile_cache",
         "phase_table",
+        "prepare_grammar",
         "serve_steps",
     ]
     written = {slot for hook in hooks for slot in declarations(hook)[1]}

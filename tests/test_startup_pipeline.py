@@ -57,8 +57,9 @@ def test_span_tree_order_parentage_and_attributes(tiny_dir, tmp_path: Path) -> N
 
 
 def test_grammar_view_is_built_at_start_and_skipped_when_off(tiny_dir, tmp_path: Path) -> None:
-    """grammar_init builds the tokenizer's grammar view as its own row beside the weights (no request pays it; the
-    row says why it is not cached); a constrained request then decodes valid JSON. Off, the row is skipped with the
+    """grammar_init makes the grammar backend as its own row beside the weights (the row says why it is not
+    cached), and its tokenizer view is built from READY on, in the background; a constrained request then decodes
+    valid JSON. Off, the row is skipped with the
     flag as its reason and a constrained request is refused naming the flag."""
     from glowplug.engine.sampling_params import SamplingParams
     from glowplug.engine.structured import json_schema_grammar
@@ -69,7 +70,9 @@ def test_grammar_view_is_built_at_start_and_skipped_when_off(tiny_dir, tmp_path:
     row = on.phase_table["grammar_init"]
     assert row.seconds is not None and row.seconds > 0 and any("cannot be serialized" in n for n in row.notes)
     backend = on.engine.core.grammar
-    assert backend is not None and backend.init_s is not None  # built at start, before any request
+    assert backend is not None
+    backend.prepare()  # waits for the build the READY hook started, if it has not finished
+    assert backend.init_s is not None
     schema = {
         "type": "object",
         "properties": {"ok": {"type": "boolean"}},

@@ -1,4 +1,5 @@
-"""Build the tokenizer's grammar view (llguidance's), so that the first constrained request does not pay for it."""
+"""The grammar backend of constrained decoding, its tokenizer view built from READY on in the background (the
+`prepare_grammar` hook at READY), so that neither the start nor the first constrained request waits for all of it."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ from .context import EngineContext
 from .protocol import StageReport
 
 # Why the row has no cache: the view is a Rust object llguidance cannot write out or read back.
-NOT_CACHED = "not cached: llguidance's tokenizer view cannot be serialized, so every start builds it"
+NOT_CACHED = (
+    "not cached: llguidance's tokenizer view cannot be serialized, so every start builds it, in the background from "
+    "READY on"
+)
 
 
 class GrammarInit:
-    """The grammar backend (engine/structured.py) with its tokenizer view built: a walk over every token's bytes,
-    0.5 s at a 49k vocabulary and ~1.8 s at 151k. It needs only the tokenizer and the architecture, so it runs on
-    its own thread beside the weight and compile stages (llguidance holds the GIL while it builds the view, so it
-    delays those stages' Python by about as long; their native work goes on). `--no-structured-outputs` skips it,
-    and the engine then refuses constrained requests."""
+    """The grammar backend (engine/structured.py). Its tokenizer view (a walk over every token's bytes, 0.5 s at a
+    49k vocabulary and ~1.8 s at 151k, with the GIL held all along) is built by the `prepare_grammar` hook right
+    after READY on a thread of its own: built beside the other stages it held up their Python by as long, which
+    made a warm start seconds slower; a constrained request that comes before it is done waits for the rest.
+    `--no-structured-outputs` skips it, and the engine then refuses constrained requests."""
 
     name = "grammar_init"
     needs: tuple[str, ...] = ("tokenizer", "arch", "model_dir")
@@ -34,6 +38,5 @@ class GrammarInit:
         backend = GrammarBackend(
             tokenizer_json(tokenizer), arch.vocab_size, sorted(eos_token_ids(tokenizer, arch, model_dir))
         )
-        backend.prepare()
         ctx.grammar = backend
         return StageReport(attributes={Attr.VOCAB_SIZE: arch.vocab_size, Attr.ROW_NOTE: NOT_CACHED})

@@ -82,7 +82,7 @@ class ReadyContext(StartupContext):
 def ready_hooks(config: EngineConfig | None = None) -> list[Stage]:
     """The hooks at READY, in the order they run; with `config` asking for tensor parallelism, serve_steps last."""
     parallel: list[Stage] = [ServeSteps()] if config is not None and config.tensor_parallel_size > 1 else []
-    return [MeasureFloor(), RecordProfile(), SealCompileCache(), PhaseTableAtReady(), *parallel]
+    return [MeasureFloor(), RecordProfile(), SealCompileCache(), PhaseTableAtReady(), PrepareGrammar(), *parallel]
 
 
 FLOOR_PROBE_BYTES = 256 << 20  # larger than the caches, small enough to add ~0.1 s after READY
@@ -299,4 +299,22 @@ class ServeSteps:
             lambda b: group.send_step(step_payload(b.input_ids, b.positions, b.meta, b.sample_rows))
         )
         group.serving = True
+        return StageReport()
+
+
+class PrepareGrammar:
+    """After READY: the grammar backend's tokenizer view (GrammarBackend.prepare) built on a thread of its own, so
+    that the start does not wait for it (engine/stages/grammar_init.py says why); a constrained request that comes
+    first waits on the backend's lock for the rest of the build."""
+
+    name = "prepare_grammar"
+    needs: tuple[str, ...] = ()
+    provides: tuple[str, ...] = ()
+
+    def run(self, ctx: ReadyContext) -> StageReport:
+        import threading
+
+        backend = ctx.engine.core.grammar if ctx.engine is not None else None
+        if backend is not None:
+            threading.Thread(target=backend.prepare, name="glowplug-grammar-prepare", daemon=True).start()
         return StageReport()
