@@ -29,9 +29,10 @@ class DecodeCache:
     """The decodes that are pure functions of token ids, for one tokenizer and one skip_special_tokens setting
     (the engine keeps one per setting and hands it to every detokenizer)."""
 
-    __slots__ = ("pieces", "follows", "anchors")
+    __slots__ = ("skip_special_tokens", "pieces", "follows", "anchors")
 
-    def __init__(self) -> None:
+    def __init__(self, skip_special_tokens: bool) -> None:
+        self.skip_special_tokens = skip_special_tokens
         self.pieces: dict[int, str] = {}
         # token -> its context-free continuation, or "" when it has none (context-dependent, empty, or not clean).
         self.follows: dict[int, str] = {}
@@ -82,7 +83,13 @@ class IncrementalDetokenizer:
         cache: DecodeCache | None = None,
     ) -> None:
         """`cache`: the decode cache to use, shared by every detokenizer of this tokenizer with the same
-        skip_special_tokens (a private one if not given)."""
+        skip_special_tokens (a private one if not given). A cache learned under the other setting is refused: its
+        texts would keep (or drop) the special tokens this sequence drops (or keeps)."""
+        if cache is not None and cache.skip_special_tokens != skip_special_tokens:
+            raise ValueError(
+                f"this DecodeCache holds texts decoded with skip_special_tokens={cache.skip_special_tokens}, but the"
+                f" detokenizer decodes with skip_special_tokens={skip_special_tokens}; keep one cache per setting"
+            )
         self.tokenizer = tokenizer
         self.tokens: list[int] = list(prompt_token_ids)
         self.prefix_offset = max(len(self.tokens) - _CONTEXT_TOKENS, 0)
@@ -90,7 +97,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self._stop_reach = max((len(s) for s in stop), default=0)  # longest stop string
-        self._cache = DecodeCache() if cache is None else cache
+        self._cache = DecodeCache(skip_special_tokens) if cache is None else cache
         self._pieces = self._cache.pieces
         self._follows = self._cache.follows
         # decode(ids, skip_special_tokens), positionally: glowplug's Tokenizer hands out its backend's method (no

@@ -165,7 +165,7 @@ class OutputProcessor:
         # here, before it heard so: work nobody receives (counted, as the server's metrics must add up).
         self.discarded = 0
         # Single-token decodes, one cache per skip_special_tokens setting, shared by every detokenizer.
-        self._decode_caches = {True: DecodeCache(), False: DecodeCache()}
+        self._decode_caches = {skip: DecodeCache(skip) for skip in (True, False)}
 
     def __len__(self) -> int:
         return len(self._requests)

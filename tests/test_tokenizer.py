@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -357,7 +358,7 @@ def _metaspace_tokenizer():
     return tok
 
 
-_SHARED: dict[str, object] = {}
+_SHARED: dict[object, Any] = {}
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -374,8 +375,10 @@ def test_incremental_text_equals_one_decode_with_a_shared_cache(
     from glowplug.engine.detokenizer import DecodeCache
 
     if which not in _SHARED:
-        _SHARED[which] = (load_tokenizer(tiny) if which == "tiny" else _metaspace_tokenizer(), DecodeCache())
-    tok, cache = _SHARED[which]  # type: ignore[misc]
+        _SHARED[which] = load_tokenizer(tiny) if which == "tiny" else _metaspace_tokenizer()
+    if (which, skip) not in _SHARED:  # one cache per tokenizer and skip_special_tokens, as the engine keeps them
+        _SHARED[(which, skip)] = DecodeCache(skip)
+    tok, cache = _SHARED[which], _SHARED[(which, skip)]
     encode = (lambda t: tok(t)["input_ids"]) if which == "tiny" else (lambda t: tok.encode(t).ids)
     decode = tok.decode_list if which == "tiny" else tok.decode
     prompt = encode("Hello there")
@@ -392,3 +395,15 @@ def test_incremental_text_equals_one_decode_with_a_shared_cache(
         whole, head = decode(prompt + ids, skip), decode(prompt, skip)
         assert whole.startswith(head)
         assert detok.output_text == streamed == whole[len(head) :]
+
+
+def test_a_cache_learned_under_the_other_skip_setting_is_refused() -> None:
+    """The metaspace tokenizer's byte tokens are special: with skip_special_tokens they decode to nothing, without
+    it to their byte. A cache learned one way would stream the other way's text, so it is refused by name."""
+    from glowplug.engine.detokenizer import DecodeCache
+
+    tok = _metaspace_tokenizer()
+    byte = tok.token_to_id("<0x01>")
+    assert tok.decode([byte], skip_special_tokens=True) != tok.decode([byte], skip_special_tokens=False)
+    with pytest.raises(ValueError, match="skip_special_tokens=False.*keep one cache per setting"):
+        IncrementalDetokenizer(tok, [], skip_special_tokens=True, cache=DecodeCache(False))
