@@ -897,15 +897,15 @@ def render_hostile(r: HostileResult, head: str) -> str:
 
 
 def hostile_mode(
-    cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Progress
+    cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Progress, server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    """The hostile mode (`server_for` is unused: each measurement starts its own server with its own limits)."""
+    from glowplug.profiling.bench.cli_support import prepare_out_dir
     from glowplug.profiling.bench.machine import report_header
+
+    from .report import write_mode_report
 
     out = prepare_out_dir(cfg.out_dir)
     result = run_hostile(cfg, tokenizer, say)
     text = render_hostile(result, report_header("Hostile input at the transport", argv))
-    (out / "hostile.md").write_text(text)
-    write_json(out / "hostile.json", {"config": cfg.model_dump(mode="json"), **result.as_dict()})
-    print(text)
-    return result.passed, [out / "hostile.md", out / "hostile.json"]
+    return result.passed, write_mode_report(cfg, out, "hostile", text, result.as_dict())
