@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -239,13 +239,38 @@ class RefusalRun:
         )
 
 
-class _Streams:
+_B = TypeVar("_B", bound="_Background")
+
+
+class _Background:
+    """Daemon threads that run from `with` entry until `stop` is set on exit (then joined, at most `join_s` each)."""
+
+    join_s = 30.0
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self: _B) -> _B:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(self.join_s)
+
+
+class _Streams(_Background):
     """`n` streams generating until `stop`; each chunk's arrival time is kept (the gaps are the inter-token times)."""
 
+    join_s = 60.0
+
     def __init__(self, base_url: str, body: dict[str, Any], n: int, headers: dict[str, str]) -> None:
+        super().__init__()
         self.chunks: list[list[float]] = [[] for _ in range(n)]
         self.errors: list[str] = []
-        self.stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(base_url, body, i, headers), daemon=True) for i in range(n)
         ]
@@ -266,16 +291,6 @@ class _Streams:
             if not self.stop.is_set():
                 self.errors.append(f"stream {i}: {type(exc).__name__}: {exc}")
 
-    def __enter__(self) -> _Streams:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(60)
-
     def started(self) -> bool:
         return all(self.chunks)
 
@@ -284,13 +299,13 @@ class _Streams:
         return [(b - a) * 1000 for c in self.chunks for a, b in zip(c, c[1:]) if _overlaps(a, b, windows)]
 
 
-class _Sampler:
+class _Sampler(_Background):
     """Background samples of /health/ready latency and of the server's RSS."""
 
     def __init__(self, base_url: str, pid: int | None) -> None:
+        super().__init__()
         self.probes: list[tuple[float, float]] = []  # (start, end)
         self.rss: list[tuple[float, float]] = []  # (time, MiB)
-        self.stop = threading.Event()
         self._threads = [threading.Thread(target=self._probe, args=(base_url,), daemon=True)]
         if pid is not None:
             self._threads.append(threading.Thread(target=self._sample_rss, args=(pid,), daemon=True))
@@ -311,16 +326,6 @@ class _Sampler:
         while not self.stop.is_set():
             self.rss.append((time.perf_counter(), proc.memory_info().rss / 2**20))
             time.sleep(_RSS_INTERVAL_S)
-
-    def __enter__(self) -> _Sampler:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(30)
 
     def latencies(self, windows: list[tuple[float, float]]) -> list[float]:
         return [(b - a) * 1000 for a, b in self.probes if _overlaps(a, b, windows)]
