@@ -72,7 +72,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from .cli_support import check_path
 
 STEP_NAMES: tuple[str, ...] = (
     "accuracy",
@@ -109,6 +111,17 @@ STEP_NAMES: tuple[str, ...] = (
 SIDECAR = "bench-all.json"  # every report's last outcome in DIR; README.md is rendered from it
 
 
+# The GGUF flags of the reports a run lists as skipped without them: what the path must name, and which reports.
+GGUF_FLAGS = {
+    "gemma3_gguf": ("a Gemma 3 .gguf file", "the Gemma reports are"),
+    "synthetic_7b": ("the synthetic 7B .gguf (scripts/synthetic_gguf.py writes one)", "real-decode-7b is"),
+    "real_model": (
+        "a .gguf file (`glowplug models fetch qwen2.5-coder-1.5b` prints one)",
+        "the real-size reports are",
+    ),
+}
+
+
 class BenchAllConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", protected_namespaces=())
 
@@ -143,36 +156,16 @@ class BenchAllConfig(BaseModel):
         "index and every report then say DIRTY RUN.",
     )
 
-    @field_validator("gemma3_gguf")
+    @field_validator(*GGUF_FLAGS)
     @classmethod
-    def _gguf_is_a_file(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_file():
-            raise ValueError(
-                f"no file at {v}: give the path of a Gemma 3 .gguf file, or leave --gemma3-gguf out "
-                "(the Gemma reports are then listed as skipped)"
-            )
-        return v
-
-    @field_validator("synthetic_7b")
-    @classmethod
-    def _synthetic_7b_is_a_file(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_file():
-            raise ValueError(
-                f"no file at {v}: give the path of the synthetic 7B .gguf (scripts/synthetic_gguf.py "
-                "writes one), or leave --synthetic-7b out (real-decode-7b is then listed as skipped)"
-            )
-        return v
-
-    @field_validator("real_model")
-    @classmethod
-    def _real_model_is_a_file(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_file():
-            raise ValueError(
-                f"no file at {v}: give the path of a .gguf file (`glowplug models fetch "
-                "qwen2.5-coder-1.5b` prints one), or leave --real-model out (the real-size reports are "
-                "then listed as skipped)"
-            )
-        return v
+    def _gguf_is_a_file(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        what, skipped = GGUF_FLAGS[str(info.field_name)]
+        flag = str(info.field_name).replace("_", "-")
+        return check_path(
+            v,
+            Path.is_file,
+            f"no file at {{v}}: give the path of {what}, or leave --{flag} out ({skipped} then listed as skipped)",
+        )
 
     def steps(self) -> list[str]:
         """The selected reports, in the fixed order (an unknown name fails: a typo must not silently skip one)."""
@@ -201,6 +194,43 @@ def _items(values: list[str]) -> str:
     return ",".join(values)
 
 
+Flag = str | bool | None  # a flag's value for _argv: the value, True for a bare flag, False or None for none
+# `bench decode`'s flags in the order every decode report's command line gives them.
+DECODE_FLAGS = (
+    "dtype",
+    "quantization",
+    "group_size",
+    "kv_cache_dtype",
+    "batch_sizes",
+    "cells",
+    "compile",
+    "repeats",
+    "new_tokens",
+    "prompt_tokens",
+    "max_model_len",
+    "no_compare_hf",
+    "peers",
+    "peer_contexts",
+    "invariance",
+    "targets",
+    "quality_from",
+    "out",
+)
+
+
+def _argv(head: list[str], **flags: Flag) -> list[str]:
+    """A command line after `glowplug`: `head`, then each flag in the order given (`out_dir=` is --out-dir). A value
+    follows its flag, True is the bare flag, and False or None leaves the flag out (one a --quick run drops)."""
+    argv = list(head)
+    for name, value in flags.items():
+        if value is None or value is False:
+            continue
+        argv.append("--" + name.replace("_", "-"))
+        if value is not True:
+            argv.append(value)
+    return argv
+
+
 def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step]:
     """The commands of the selected reports (`names`, default: cfg.steps()), with the repeats and sizes of a full
     or a --quick run."""
@@ -213,683 +243,434 @@ def plan_steps(cfg: BenchAllConfig, names: list[str] | None = None) -> list[Step
     with_auto = schemes if "auto" in schemes else ["auto", *schemes]
     # The flags come from accuracy.json when this run makes it, or when an earlier chunk already did.
     has_accuracy = "accuracy" in cfg.steps() or (o / "accuracy.json").is_file()
-    quality = ["--quality-from", str(o / "accuracy.json")] if has_accuracy else []
-    serve_dir = str(o / "serve")
-    # Every serve report: one bf16 server started by the benchmark, the same request shape unless a mode needs less.
-    serve_common = [
-        "bench",
-        "serve",
-        m,
-        "--dtype",
-        "bfloat16",
-        "--runs",
-        reps_of(q),
-        "--input-len",
-        "16" if q else "128",
-        "--output-len",
-        "4" if q else "64",
-    ]
+    quality = str(o / "accuracy.json") if has_accuracy else None
     reps = reps_of(q)
     real = str(cfg.real_model or "REAL_MODEL_GGUF")
     real_skip = None if cfg.real_model else "no real-size model given: pass --real-model PATH"
-    steps = {
-        "accuracy": Step(
+    gemma = str(cfg.gemma3_gguf or "GEMMA3_GGUF")
+    gemma_skip = None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH"
+    # The ISA caps of the capped decode reports: glowplug's, torch's and oneDNN's together make it run what such a
+    # CPU runs (the transformers peer too).
+    avx2 = {"GLOWPLUG_MAX_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    portable = {"GLOWPLUG_MAX_CPU_ISA": "portable", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    both_llamacpp = "llamacpp,llamacpp-batched"
+    # The decode reports' shared settings: the quick or full prompt and output lengths most of them time; the KV
+    # grid (both KV dtypes with and without int4 weights, batch 1); the real-size targets' engine (the default
+    # config) against both llama.cpp peers.
+    short: dict[str, Flag] = {"new_tokens": "8" if q else "32", "prompt_tokens": "16" if q else "64"}
+    kv_grid: dict[str, Flag] = {
+        "dtype": "bfloat16",
+        "quantization": "none,int4",
+        "kv_cache_dtype": "auto,int8",
+        "batch_sizes": "1",
+        "no_compare_hf": True,
+        "quality_from": quality,
+    }
+    real_grid: dict[str, Flag] = {
+        "quantization": "auto",
+        "compile": "off" if q else "on",
+        "no_compare_hf": True,
+        "peers": both_llamacpp,
+        "targets": not q,
+    }
+
+    def decode(
+        name: str,
+        what: str,
+        *,
+        model: str = m,
+        out: str = "",
+        env: dict[str, str] | None = None,
+        skip: str | None = None,
+        **flags: Flag,
+    ) -> Step:
+        """A `bench decode` report (`name`.md unless `out`): its flags in DECODE_FLAGS' order, every run repeated."""
+        given = {**flags, "repeats": reps, "out": str(o / (out or f"{name}.md"))}
+        if set(given) - set(DECODE_FLAGS):
+            raise ValueError(f"{name}: decode flags {sorted(set(given) - set(DECODE_FLAGS))} not in DECODE_FLAGS")
+        argv = _argv(["bench", "decode", model], **{f: given[f] for f in DECODE_FLAGS if f in given})
+        return Step(name, argv, [out or f"{name}.md"], what, env=env or {}, skip=skip)
+
+    # The reports run per scheme (none and every --quantization scheme) in bf16.
+    per_scheme: dict[str, Flag] = {"dtype": "bfloat16", "quantization": _items(["none", *schemes])}
+
+    def plan_or_repeats(quick_len: str) -> dict[str, Flag]:
+        """A max-model-len sweep's size: a --quick run plans one length and times nothing; a full one repeats."""
+        return {"max_model_len": quick_len if q else None, "plan": q, "repeats": None if q else reps}
+
+    def tune(name: str, what: str, model: str, sub: str, skip: str | None = None, **flags: Flag) -> Step:
+        """A `tune max-model-len` report in tune-max-model-len/`sub`: its plan (--plan) or its sweep."""
+        folder = o / "tune-max-model-len" / sub
+        argv = _argv(["tune", "max-model-len", model], **flags, min_concurrency="8", no_plots=q, out_dir=str(folder))
+        report = "tune-plan.md" if "--plan" in argv else "tune.md"
+        return Step(name, argv, [str(Path("tune-max-model-len", sub, report))], what, skip=skip)
+
+    # The cold and warm starts alone (no bundle, no tracing-overhead pairs): the TP and second-model reports.
+    starts: dict[str, Flag] = {"runs": reps, "no_bundle": True, "no_tracing_overhead": True}
+
+    def startup(name: str, what: str, model: str, sub: str, skip: str | None = None, **flags: Flag) -> Step:
+        """A `bench startup` report in `sub`."""
+        argv = _argv(["bench", "startup", model], **flags, **_startup_out(o / sub))
+        return Step(name, argv, [f"{sub}/startup.md"], what, skip=skip)
+
+    # Every serve report: one bf16 server started by the benchmark, the same request shape unless a mode needs less,
+    # each report in the one serve folder.
+    serve_shape: dict[str, Flag] = {
+        "dtype": "bfloat16",
+        "runs": reps,
+        "input_len": "16" if q else "128",
+        "output_len": "4" if q else "64",
+    }
+
+    def serve(name: str, what: str, **mode: Flag) -> Step:
+        """A `bench serve` report (serve/<its mode>.md): the common flags, then the mode's."""
+        argv = _argv(["bench", "serve", m], **serve_shape, **mode, out_dir=str(o / "serve"))
+        return Step(name, argv, [f"serve/{name.split('-')[-1]}.md"], what)
+
+    steps = [
+        Step(
             "accuracy",
-            [
-                "bench",
-                "accuracy",
-                m,
-                "--quantization",
-                _items(with_auto),
-                *(["--window", "64", "--continuation-tokens", "0"] if q else []),
-                "--out",
-                str(o / "accuracy.md"),
-            ],
+            _argv(
+                ["bench", "accuracy", m],
+                quantization=_items(with_auto),
+                window="64" if q else None,
+                continuation_tokens="0" if q else None,
+                out=str(o / "accuracy.md"),
+            ),
             ["accuracy.md"],
             "perplexity, KL and top-1 agreement of each scheme vs bf16",
         ),
-        "kernels": Step(
+        Step(
             "kernels",
-            [
-                "bench",
-                "kernels",
-                m,
-                "--repeats",
-                "3" if q else "10",
-                *([] if q else ["--isa-levels", "portable,avx2,avx512"]),
-                *(["--ms", "1", "--formats", "bf16,int4-g32,int2-g128"] if q else []),
-                *quality,
-                "--out",
-                str(o / "kernels.md"),
-            ],
+            _argv(
+                ["bench", "kernels", m],
+                repeats="3" if q else "10",
+                isa_levels=None if q else "portable,avx2,avx512",
+                ms="1" if q else None,
+                formats="bf16,int4-g32,int2-g128" if q else None,
+                quality_from=quality,
+                out=str(o / "kernels.md"),
+            ),
             ["kernels.md"],
             "every quantized linear path and native kernel per M; calibrates dispatch",
         ),
         # The peers (transformers fp32 and bf16, llama.cpp on the same GGUF when llama-cpp-python is installed) are
         # timed right after each glowplug run, on the same prompts: every ratio is a pair from one moment.
-        "decode": Step(
+        Step(
             "decode",
-            [
-                "bench",
-                "decode",
-                m,
-                "--batch-sizes",
-                "1" if q else "1,8,32",
-                "--dtype",
-                "float32,bfloat16",
-                "--compile",
-                "off" if q else "on,off",
-                "--repeats",
-                reps,
-                "--new-tokens",
-                "8" if q else "32",
-                "--prompt-tokens",
-                "16" if q else "64",
-                "--hf-dtype",
-                "float32" if q else "float32,bfloat16",
-                "--peers",
-                "llamacpp",
-                "--out",
-                str(o / "decode.md"),
-            ],
+            _argv(
+                ["bench", "decode", m],
+                batch_sizes="1" if q else "1,8,32",
+                dtype="float32,bfloat16",
+                compile="off" if q else "on,off",
+                repeats=reps,
+                new_tokens="8" if q else "32",
+                prompt_tokens="16" if q else "64",
+                hf_dtype="float32" if q else "float32,bfloat16",
+                peers="llamacpp",
+                out=str(o / "decode.md"),
+            ),
             ["decode.md"],
             "decode tok/s vs transformers (fp32, bf16) and llama.cpp, paired run by run",
         ),
         # Seed 000's grid: group size 128 (for the formats that take one), batch 1 and 16, a 2048-token context
         # beside a short one.
-        "decode-quantized": Step(
+        decode(
             "decode-quantized",
-            [
-                "bench",
-                "decode",
-                m,
-                "--dtype",
-                "bfloat16",
-                "--quantization",
-                _items(["none", *with_auto]),
-                "--group-size",
-                "128",
-                "--batch-sizes",
-                "1" if q else "1,16",
-                "--compile",
-                "off" if q else "on",
-                "--repeats",
-                reps,
-                "--new-tokens",
-                "8" if q else "32",
-                "--prompt-tokens",
-                "16" if q else "64,2048",
-                "--no-compare-hf",
-                *quality,
-                "--out",
-                str(o / "decode-quantized.md"),
-            ],
-            ["decode-quantized.md"],
             "seed 000: decode and prefill per format, batch and context, group 128",
+            dtype="bfloat16",
+            quantization=_items(["none", *with_auto]),
+            group_size="128",
+            batch_sizes="1" if q else "1,16",
+            compile="off" if q else "on",
+            new_tokens="8" if q else "32",
+            prompt_tokens="16" if q else "64,2048",
+            no_compare_hf=True,
+            quality_from=quality,
         ),
-        "decode-kv": Step(
+        # Seed 003's KV-quant grid at batch 1: per-run lines and the cache-size sweep (the same runs with the cache
+        # sized for 2112 and for 8192 tokens); then the same grid at contexts up to 8,192 tokens.
+        decode(
             "decode-kv",
-            [
-                "bench",
-                "decode",
-                m,
-                "--dtype",
-                "bfloat16",
-                "--quantization",
-                "none,int4",
-                "--kv-cache-dtype",
-                "auto,int8",
-                "--batch-sizes",
-                "1",
-                "--compile",
-                "off" if q else "on,off",
-                "--repeats",
-                reps,
-                "--new-tokens",
-                "8" if q else "64",
-                "--prompt-tokens",
-                "16" if q else "512,2048",
-                # seed 003's cache-size sweep: the same runs with the cache sized for 2112 and for 8192 tokens
-                "--max-model-len",
-                "32,1024" if q else "2112,8192",
-                "--no-compare-hf",
-                *quality,
-                "--out",
-                str(o / "decode-kv.md"),
-            ],
-            ["decode-kv.md"],
             "seed 003: per-run lines, tok/s, GB/s, KV-quant, context and cache-size sweeps",
+            **kv_grid,
+            compile="off" if q else "on,off",
+            new_tokens="8" if q else "64",
+            prompt_tokens="16" if q else "512,2048",
+            max_model_len="32,1024" if q else "2112,8192",
         ),
-        "decode-context": Step(
+        decode(
             "decode-context",
-            [
-                "bench",
-                "decode",
-                m,
-                "--dtype",
-                "bfloat16",
-                "--quantization",
-                "none,int4",
-                "--kv-cache-dtype",
-                "auto,int8",
-                "--batch-sizes",
-                "1",
-                "--compile",
-                "on",
-                "--repeats",
-                reps,
-                "--new-tokens",
-                "8" if q else "32",
-                "--prompt-tokens",
-                "16,64" if q else "64,512,2048,8064",
-                "--no-compare-hf",
-                *quality,
-                "--out",
-                str(o / "decode-context.md"),
-            ],
-            ["decode-context.md"],
             "issue 34: the decode step at contexts up to 8,192 tokens, KV bytes against time",
+            **kv_grid,
+            compile="on",
+            new_tokens="8" if q else "32",
+            prompt_tokens="16,64" if q else "64,512,2048,8064",
         ),
-        # The engine's default (auto: each tensor as the GGUF stores it) against none and int4; the README's
-        # batch-1 figure for auto comes from here.
-        "decode-auto": Step(
+        # The engine's default (auto: each tensor as the GGUF stores it) against none and int4, and llama.cpp on the
+        # same GGUF blocks, paired with every run (its generator loop at batch 1, its batched API at every batch):
+        # what a CPU user compares against; the batch-invariance check per engine. The README's batch-1 figure for
+        # auto comes from here.
+        decode(
             "decode-auto",
-            [
-                "bench",
-                "decode",
-                m,
-                "--dtype",
-                "bfloat16",
-                "--quantization",
-                "none,auto,int4",
-                "--batch-sizes",
-                "1" if q else "1,16",
-                "--compile",
-                "off" if q else "on",
-                "--repeats",
-                reps,
-                "--new-tokens",
-                "8" if q else "32",
-                "--prompt-tokens",
-                "16" if q else "64",
-                "--no-compare-hf",
-                # llama.cpp on the same GGUF blocks, paired with every run (its generator loop at batch 1, its batched
-                # API at every batch): what a CPU user compares against; the batch-invariance check per engine
-                "--peers",
-                "llamacpp,llamacpp-batched",
-                *([] if q else ["--invariance"]),
-                "--out",
-                str(o / "decode-auto.md"),
-            ],
-            ["decode-auto.md"],
             "the engine's default quantization (auto) against none, int4 and llama.cpp; batch invariance per format",
+            dtype="bfloat16",
+            quantization="none,auto,int4",
+            batch_sizes="1" if q else "1,16",
+            compile="off" if q else "on",
+            **short,
+            no_compare_hf=True,
+            peers=both_llamacpp,
+            invariance=not q,
         ),
-        # The avx2 and portable levels on this machine: glowplug's, torch's and oneDNN's caps together make it run
-        # what such a CPU runs (the transformers peer too).
-        "decode-isa": Step(
+        # The avx2 and portable levels on this machine, under the ISA caps above (auto is bfloat16 at the avx2
+        # level, engine/config_check.py; int4 runs in the first dtype).
+        decode(
             "decode-isa",
-            [
-                # auto is bfloat16 at this level (engine/config_check.py); int4 runs in the first dtype
-                "bench",
-                "decode",
-                m,
-                "--dtype",
-                "bfloat16,float32",
-                "--quantization",
-                "none,int4",
-                "--batch-sizes",
-                "1" if q else "1,16",
-                "--compile",
-                "on",
-                "--repeats",
-                reps,
-                "--new-tokens",
-                "8" if q else "32",
-                "--prompt-tokens",
-                "16" if q else "64",
-                *quality,
-                "--out",
-                str(o / "decode-isa.md"),
-            ],
-            ["decode-isa.md"],
             "issue 34: decode at the avx2 level (capped), every dtype, vs transformers fp32",
-            env={"GLOWPLUG_MAX_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+            env=avx2,
+            dtype="bfloat16,float32",
+            quantization="none,int4",
+            batch_sizes="1" if q else "1,16",
+            compile="on",
+            **short,
+            quality_from=quality,
         ),
-        "decode-portable": Step(
+        decode(
             "decode-portable",
-            [
-                "bench",
-                "decode",
-                m,
-                "--dtype",
-                "auto",
-                "--batch-sizes",
-                "1",
-                "--compile",
-                "on",
-                "--repeats",
-                reps,
-                "--new-tokens",
-                "8" if q else "32",
-                "--prompt-tokens",
-                "16" if q else "64",
-                "--no-compare-hf",
-                "--out",
-                str(o / "decode-portable.md"),
-            ],
-            ["decode-portable.md"],
             "issue 34: decode at the portable level (capped): the speed any CPU gets",
-            env={"GLOWPLUG_MAX_CPU_ISA": "portable", "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+            env=portable,
+            dtype="auto",
+            batch_sizes="1",
+            compile="on",
+            **short,
+            no_compare_hf=True,
         ),
         # The real-size targets under the engine's default config, against llama.cpp on the same file (its
         # generator loop and its batched API, interleaved run by run): batch 1, 4, 16 and 32 at a 64-token prompt,
         # a 512-token prompt (pp512 and decode after it), the 2,048-token context, and the batch-invariance check.
-        "real-decode": Step(
+        decode(
             "real-decode",
-            [
-                "bench",
-                "decode",
-                real,
-                "--quantization",
-                "auto",
-                "--cells",
-                "1x16,4x16" if q else "1x64,4x64,16x64,32x64,1x512,1x2048",
-                "--compile",
-                "off" if q else "on",
-                "--repeats",
-                reps,
-                "--new-tokens",
-                "8" if q else "128",
-                "--no-compare-hf",
-                "--peers",
-                "llamacpp,llamacpp-batched",
-                "--peer-contexts",
-                "16" if q else "64,512",
-                *([] if q else ["--invariance", "--targets"]),
-                "--out",
-                str(o / "real" / "decode.md"),
-            ],
-            ["real/decode.md"],
             "a real-size model (--real-model): the decode, batch, prefill, long-context and "
             "invariance targets against llama.cpp on the same file",
+            model=real,
+            out="real/decode.md",
             skip=real_skip,
+            **real_grid,
+            cells="1x16,4x16" if q else "1x64,4x64,16x64,32x64,1x512,1x2048",
+            new_tokens="8" if q else "128",
+            peer_contexts="16" if q else "64,512",
+            invariance=not q,
         ),
         # The synthetic 7B (the real Qwen2.5-7B's tensors, random weights): its batch-1 targets.
-        "real-decode-7b": Step(
+        decode(
             "real-decode-7b",
-            [
-                "bench",
-                "decode",
-                str(cfg.synthetic_7b or "SYNTHETIC_7B_GGUF"),
-                "--quantization",
-                "auto",
-                "--cells",
-                "1x16" if q else "1x64",
-                "--compile",
-                "off" if q else "on",
-                "--repeats",
-                reps,
-                "--new-tokens",
-                "8" if q else "64",
-                "--no-compare-hf",
-                "--peers",
-                "llamacpp,llamacpp-batched",
-                *([] if q else ["--targets"]),
-                "--out",
-                str(o / "real" / "decode-7b.md"),
-            ],
-            ["real/decode-7b.md"],
             "the synthetic 7B (--synthetic-7b): batch-1 decode against the probe and llama.cpp on the same file",
+            model=str(cfg.synthetic_7b or "SYNTHETIC_7B_GGUF"),
+            out="real/decode-7b.md",
             skip=None if cfg.synthetic_7b else "no synthetic 7B given: pass --synthetic-7b PATH",
+            **real_grid,
+            cells="1x16" if q else "1x64",
+            new_tokens="8" if q else "64",
         ),
-        "throughput": Step(
+        Step(
             "throughput",
-            [
+            _argv(
                 # All seven of seed 002's configurations; a scheme accuracy.json marks unusable is listed, not timed.
-                "bench",
-                "throughput",
-                m,
-                "--dtype",
-                "bfloat16",
-                "--quantization",
-                _items(["none", *schemes]),
-                "--configs",
-                "interactive"
+                ["bench", "throughput", m],
+                **per_scheme,
+                configs="interactive"
                 if q
                 else "interactive,decode_bound,prefill_bound,long_context,medium_batch,base,high_concurrency",
-                "--runs",
-                reps,
-                "--warmups",
-                "0",
-                *quality,
-                *([] if q else ["--skip-unusable"]),
-                *(["--no-plots"] if q else []),
-                "--out-dir",
-                str(o / "throughput"),
-            ],
+                runs=reps,
+                warmups="0",
+                quality_from=quality,
+                skip_unusable=not q,
+                no_plots=q,
+                out_dir=str(o / "throughput"),
+            ),
             ["throughput/summary.md"],
             "seed 002: named configurations x schemes, Output Throughput w/o prefill",
         ),
-        "latency": Step(
+        Step(
             "latency",
-            [
+            _argv(
                 # Seed 001's grid (sequence 1024, decode 8, 10 runs, 1 warm-up) at the batch sizes of its list that
                 # fit this machine's minutes (1, 2, 4; batch 8 would double the report's time).
-                "bench",
-                "latency",
-                m,
-                "--dtype",
-                "bfloat16",
-                "--quantization",
-                _items(["none", *schemes]),
-                "--batch-size",
-                "1" if q else "1,2,4",
-                "--sequence-length",
-                "16" if q else "1024",
-                "--decode-length",
-                "4" if q else "8",
-                "--runs",
-                reps if q else "10",
-                "--warmups",
-                "0" if q else "1",
-                *(["--no-plots"] if q else []),
-                "--out-dir",
-                str(o / "latency"),
-            ],
+                ["bench", "latency", m],
+                **per_scheme,
+                batch_size="1" if q else "1,2,4",
+                sequence_length="16" if q else "1024",
+                decode_length="4" if q else "8",
+                runs=reps if q else "10",
+                warmups="0" if q else "1",
+                no_plots=q,
+                out_dir=str(o / "latency"),
+            ),
             ["latency/latency.md"],
             "seed 001: TGI latency and throughput tables per quantization",
         ),
         # Tensor parallel over gloo on this CPU: what the TP machinery costs a step, against TP=1 in the same run.
-        "latency-tp": Step(
+        Step(
             "latency-tp",
-            [
-                "bench",
-                "latency",
-                m,
-                "--dtype",
-                "bfloat16",
-                "--quantization",
-                "none",
-                "--tensor-parallel-size",
-                "1,3",
-                "--batch-size",
-                "1" if q else "1,4",
-                "--sequence-length",
-                "16" if q else "256",
-                "--decode-length",
-                "4" if q else "16",
-                "--runs",
-                reps,
-                "--warmups",
-                "0" if q else "1",
-                *(["--no-plots"] if q else []),
-                "--out-dir",
-                str(o / "latency" / "tp"),
-            ],
+            _argv(
+                ["bench", "latency", m],
+                dtype="bfloat16",
+                quantization="none",
+                tensor_parallel_size="1,3",
+                batch_size="1" if q else "1,4",
+                sequence_length="16" if q else "256",
+                decode_length="4" if q else "16",
+                runs=reps,
+                warmups="0" if q else "1",
+                no_plots=q,
+                out_dir=str(o / "latency" / "tp"),
+            ),
             ["latency/tp/latency.md"],
             "tensor parallel (TP=3 over gloo) against TP=1: prefill and decode latency",
         ),
-        "tune": Step(
-            "tune",
-            [
-                "tune",
-                "max-model-len",
-                m,
-                *(["--max-model-len", "128", "--plan"] if q else ["--repeats", reps]),
-                "--min-concurrency",
-                "8",
-                *(["--no-plots"] if q else []),
-                "--out-dir",
-                str(o / "tune-max-model-len"),
-            ],
-            ["tune-max-model-len/" + ("tune-plan.md" if q else "tune.md")],
-            "start-up phases and KV capacity per max-model-len",
-        ),
+        tune("tune", "start-up phases and KV capacity per max-model-len", m, "", **plan_or_repeats("128")),
         # Seed 004 sweeps two models; ours are the default model and Gemma 3 (compile off, as gemma-startup: its
         # Inductor compile of a 262k-vocabulary head would be a minute per start on 2 cores).
-        "tune-gemma": Step(
+        tune(
             "tune-gemma",
-            [
-                "tune",
-                "max-model-len",
-                str(cfg.gemma3_gguf or "GEMMA3_GGUF"),
-                "--quantization",
-                "auto",
-                "--compile",
-                "off",
-                *(["--max-model-len", "256", "--repeats", "1"] if q else ["--repeats", reps]),
-                "--min-concurrency",
-                "8",
-                *(["--no-plots"] if q else []),
-                "--out-dir",
-                str(o / "tune-max-model-len" / "gemma"),
-            ],
-            ["tune-max-model-len/gemma/tune.md"],
             "the same sweep on Gemma 3 270m (Q4_K_M GGUF)",
-            skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH",
+            gemma,
+            "gemma",
+            skip=gemma_skip,
+            quantization="auto",
+            compile="off",
+            max_model_len="256" if q else None,
+            repeats="1" if q else reps,
         ),
         # The same sweep at a real size, where the KV pool competes with weights of a GB and more (the default
         # compile: what a user of that model starts with).
-        "real-tune": Step(
+        tune(
             "real-tune",
-            [
-                "tune",
-                "max-model-len",
-                real,
-                *(["--max-model-len", "256", "--plan"] if q else ["--repeats", reps]),
-                "--min-concurrency",
-                "8",
-                *(["--no-plots"] if q else []),
-                "--out-dir",
-                str(o / "tune-max-model-len" / "real"),
-            ],
-            ["tune-max-model-len/real/" + ("tune-plan.md" if q else "tune.md")],
             "the same sweep on a real-size model (--real-model)",
+            real,
+            "real",
             skip=real_skip,
+            **plan_or_repeats("256"),
         ),
         # 80 pairs: a 1% tracing-overhead target on a ~2 s warm start is ~20 ms, inside the noise of 10 pairs.
         # --predict: the prediction made before each start against it; --poll-serve: a serve start's /startup
         # polled every 0.2 s (every poll names a running stage, its ETA within 30% of the time left).
-        "startup": Step(
+        startup(
             "startup",
-            [
-                "bench",
-                "startup",
-                m,
-                "--runs",
-                reps,
-                "--tracing-runs",
-                "2" if q else "80",
-                *([] if q else ["--bundle-isa-cap", "avx2"]),
-                "--predict",
-                "--poll-serve",
-                *_startup_out(o / "startup"),
-            ],
-            ["startup/startup.md"],
             "cold and warm starts: per-phase statistics and time to READY",
+            m,
+            "startup",
+            runs=reps,
+            tracing_runs="2" if q else "80",
+            bundle_isa_cap=None if q else "avx2",
+            predict=True,
+            poll_serve=True,
         ),
-        "startup-tp1": Step(
-            "startup-tp1",
-            [
-                "bench",
-                "startup",
-                m,
-                "--runs",
-                reps,
-                "--no-bundle",
-                "--no-tracing-overhead",
-                *_startup_out(o / "startup-tp" / "tp1"),
-            ],
-            ["startup-tp/tp1/startup.md"],
-            "cold and warm starts at TP=1, the baseline of startup-tp3",
+        startup(
+            "startup-tp1", "cold and warm starts at TP=1, the baseline of startup-tp3", m, "startup-tp/tp1", **starts
         ),
-        "startup-tp3": Step(
+        startup(
             "startup-tp3",
-            [
-                "bench",
-                "startup",
-                m,
-                "--tensor-parallel-size",
-                "3",
-                "--runs",
-                reps,
-                "--no-bundle",
-                "--no-tracing-overhead",
-                *_startup_out(o / "startup-tp" / "tp3"),
-            ],
-            ["startup-tp/tp3/startup.md"],
             "cold and warm starts at TP=3: per-rank phases, distributed_init",
+            m,
+            "startup-tp/tp3",
+            tensor_parallel_size="3",
+            **starts,
         ),
         # The second model: Gemma 3 (sliding-window layers, SentencePiece vocabulary), compile off as its report
         # measures preparation, not Inductor.
-        "gemma-startup": Step(
+        startup(
             "gemma-startup",
-            [
-                "bench",
-                "startup",
-                str(cfg.gemma3_gguf or "GEMMA3_GGUF"),
-                "--compile",
-                "off",
-                "--runs",
-                reps,
-                "--no-bundle",
-                "--no-tracing-overhead",
-                "--predict",
-                *_startup_out(o / "gemma-startup"),
-            ],
-            ["gemma-startup/startup.md"],
             "Gemma 3 270m (Q4_K_M GGUF): cold and warm starts",
-            skip=None if cfg.gemma3_gguf else "no Gemma 3 GGUF given: pass --gemma3-gguf PATH",
+            gemma,
+            "gemma-startup",
+            skip=gemma_skip,
+            compile="off",
+            **starts,
+            predict=True,
         ),
         # Cold, warm and bundle starts at a real size, each against its floor (the tracing-overhead pairs are the
         # default model's: 80 starts of a GB-sized model would take the run's hours).
-        "real-startup": Step(
+        startup(
             "real-startup",
-            ["bench", "startup", real, "--runs", reps, "--no-tracing-overhead", *_startup_out(o / "real" / "startup")],
-            ["real/startup/startup.md"],
             "a real-size model (--real-model): cold, warm and bundle starts",
+            real,
+            "real/startup",
             skip=real_skip,
+            runs=reps,
+            no_tracing_overhead=True,
         ),
         # After startup: the page's ghosts and ETA come from the earlier starts of the same config. 16 clients put
         # visible traffic on the serving charts; the load is stopped once its screenshot is taken.
-        "screenshots": Step(
+        Step(
             "screenshots",
-            ["bench", "screenshots", m, "--under-load", "2" if q else "16", "--out", str(o / "screenshots")],
+            _argv(["bench", "screenshots", m], under_load="2" if q else "16", out=str(o / "screenshots")),
             [f"screenshots/{n}" for n in ("page.png", "page-phone.png", "page-serving.png", "screenshots.json")],
             "the live start-up page (starting, READY, phone, under load), stamped with the commit",
         ),
-        "cache-verify": Step(
+        Step(
             "cache-verify",
-            ["bench", "cache-verify", m, "--out", str(o / "cache-verify.md")],
+            _argv(["bench", "cache-verify", m], out=str(o / "cache-verify.md")),
             ["cache-verify.md"],
             "cost of verifying a warm cache hit, quick vs full",
         ),
         # The issue's loads (1, 8, 32, 64); 64 prompts, so that concurrency 64 has that many in flight. About 5
         # minutes on 2 cores: concurrency 1 dominates (64 requests one after another).
-        "serve": Step(
+        serve(
             "serve",
-            [
-                *serve_common,
-                "--concurrency",
-                "1,2" if q else "1,8,32,64",
-                "--num-prompts",
-                "2" if q else "64",
-                "--out-dir",
-                serve_dir,
-            ],
-            ["serve/serve.md"],
             "HTTP sweep: TTFT, TPOT, ITL, E2E percentiles, throughput per load",
+            concurrency="1,2" if q else "1,8,32,64",
+            num_prompts="2" if q else "64",
         ),
-        "serve-efficiency": Step(
+        # Concurrency = the request count: the offline side runs them as one batch, so the server must be offered
+        # the same batch, else the ratio measures batch size rather than serving overhead.
+        serve(
             "serve-efficiency",
-            [
-                # Concurrency = the request count: the offline side runs them as one batch, so the server must be
-                # offered the same batch, else the ratio measures batch size rather than serving overhead.
-                *serve_common,
-                "--efficiency",
-                "--efficiency-concurrency",
-                "2" if q else "32",
-                "--num-prompts",
-                "2" if q else "32",
-                "--out-dir",
-                serve_dir,
-            ],
-            ["serve/efficiency.md"],
             "server vs offline (LLM.generate) token throughput on one request set",
+            efficiency=True,
+            efficiency_concurrency="2" if q else "32",
+            num_prompts="2" if q else "32",
         ),
-        "serve-overload": Step(
+        serve(
             "serve-overload",
-            [
-                *serve_common,
-                "--overload",
-                "--max-num-seqs",
-                "2" if q else "8",
-                "--num-prompts",
-                "4" if q else "16",
-                "--out-dir",
-                serve_dir,
-            ],
-            ["serve/overload.md"],
             "capacity, sustainable rate, 4x overload: 429s and admitted p99 TTFT",
+            overload=True,
+            max_num_seqs="2" if q else "8",
+            num_prompts="4" if q else "16",
         ),
         # The server's own max-model-len; each generated case's work is bounded instead (max_tokens <= 16, n <= 2,
         # prompt strings <= 64 characters and lists <= 4 items): unbounded cases asked for thousands of tokens.
-        "serve-fuzz": Step(
+        serve(
             "serve-fuzz",
-            [
-                *serve_common,
-                "--fuzz",
-                "--fuzz-cases",
-                "5" if q else "500",
-                "--fuzz-max-tokens",
-                "16",
-                "--fuzz-max-n",
-                "2",
-                "--out-dir",
-                serve_dir,
-            ],
-            ["serve/fuzz.md"],
             "schemathesis over the OpenAPI document: 5xx and schema violations",
+            fuzz=True,
+            fuzz_cases="5" if q else "500",
+            fuzz_max_tokens="16",
+            fuzz_max_n="2",
         ),
-        "serve-soak": Step(
+        serve(
             "serve-soak",
-            [
-                *serve_common,
-                "--soak",
-                "--soak-duration",
-                "10" if q else "120",
-                "--soak-streams",
-                "2" if q else "64",
-                "--hangup-fraction",
-                "0.1",
-                "--max-num-seqs",
-                "4" if q else "128",
-                "--out-dir",
-                serve_dir,
-            ],
-            ["serve/soak.md"],
             "mixed streams with hang-ups; leaks, counters and RSS checked after",
+            soak=True,
+            soak_duration="10" if q else "120",
+            soak_streams="2" if q else "64",
+            hangup_fraction="0.1",
+            max_num_seqs="4" if q else "128",
         ),
         # The server's own default max-model-len (the issue's setting); the corpus runs with the default limits, so
         # its slow cases take the default 60 s body and 20 s head timeouts.
         # 32 requests per run of the cost pairs: each pair is four runs (A B B A), and three pairs must fit.
-        "serve-hostile": Step(
+        serve(
             "serve-hostile",
-            [
-                *serve_common,
-                "--hostile",
-                "--hostile-prompt-mb",
-                "2" if q else "20",
-                "--num-prompts",
-                "8" if q else "32",
-                "--out-dir",
-                serve_dir,
-            ],
-            ["serve/hostile.md"],
             "a large prompt refused under load, the hostile corpus, the limits' cost on throughput",
+            hostile=True,
+            hostile_prompt_mb="2" if q else "20",
+            num_prompts="8" if q else "32",
         ),
-    }
-    return [steps[name] for name in (cfg.steps() if names is None else names)]
+    ]
+    by_name = {s.name: s for s in steps}
+    return [by_name[name] for name in (cfg.steps() if names is None else names)]
 
 
 def reps_of(quick: bool) -> str:
@@ -897,12 +678,11 @@ def reps_of(quick: bool) -> str:
     return "1" if quick else "3"
 
 
-def _startup_out(folder: Path) -> list[str]:
+def _startup_out(folder: Path) -> dict[str, str]:
     """`bench startup` is being moved from --out-dir to --out: pass whichever flag its config has today."""
     from .startup_bench import StartupBenchConfig
 
-    flag = "--out" if "out" in StartupBenchConfig.model_fields else "--out-dir"
-    return [flag, str(folder)]
+    return {"out" if "out" in StartupBenchConfig.model_fields else "out_dir": str(folder)}
 
 
 @dataclass

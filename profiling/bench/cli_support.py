@@ -84,6 +84,15 @@ def quantization_label(quant: str) -> str:
     return "No Quantization" if quant == "none" else f"Quantization: {quant}"
 
 
+def check_path(v: Path | None, ok: Callable[[Path], object], problem: str) -> Path | None:
+    """A path flag's check, for its config's validator: `v` as given when absent or `ok(v)` holds, else ValueError
+    with `problem` ({v}: the path). A wrong path is then a one-line error when the flags are read, not a traceback
+    after the imports or the runs."""
+    if v is not None and not ok(v):
+        raise ValueError(problem.format(v=v))
+    return v
+
+
 def write_json(path: Path, data: Mapping[str, Any] | list[Any]) -> None:
     path.write_text(json.dumps(data, indent=2, default=str) + "\n")
 

@@ -895,20 +895,7 @@ def render_markdown(
             for lb in labels
         )
         gbps = fmt_spread([r.mb_per_token / ms for ms in r.step_ms], 1) if r.mb_per_token is not None else "-"
-        base = next(
-            (
-                b
-                for b in measured
-                if b.quantization == "none"
-                and b.dtype == r.dtype
-                and b.compile == r.compile
-                and b.kv_cache_dtype == r.kv_cache_dtype
-                and b.batch == r.batch
-                and b.context == r.context
-                and b.max_model_len == r.max_model_len
-            ),
-            None,
-        )
+        base = next((b for b in measured if b.quantization == "none" and _same_cell(b, r, but="quantization")), None)
         vs_bf16 = _paired(r.tokens_per_s, base.tokens_per_s) if base is not None and r.quantization != "none" else "-"
         prefill = fmt_spread(r.prefill_ms, 1) if r.prefill_ms else "-"
         pp_tps = fmt_spread(r.prefill_tps, 1) if r.prefill_tps else "-"
@@ -1021,19 +1008,7 @@ def _invariance_table(facts: RunFacts, rows: list[DecodeRow]) -> list[str]:
         "|---|---|---|---|---:|---:|---:|---|---:|",
     ]
     for inv in facts.invariance:
-        b16 = next(
-            (
-                r
-                for r in rows
-                if r.batch == 16
-                and r.compile == inv.compile
-                and r.dtype == inv.dtype
-                and r.quantization == inv.quantization
-                and r.kv_cache_dtype == inv.kv_cache_dtype
-                and r.max_model_len == inv.max_model_len
-            ),
-            None,
-        )
+        b16 = next((r for r in rows if r.batch == 16 and _engine_key(r) == _engine_key(inv)), None)
         differ = "; ".join(f"`{p}`" for p in inv.differ) or "none"
         out.append(
             f"| {inv.compile} | {inv.dtype} | {inv.quantization} | {inv.kv_cache_dtype} | {inv.max_model_len} "
@@ -1063,21 +1038,7 @@ def _max_len_table(rows: list[DecodeRow]) -> list[str]:
     for r in rows:
         if r.engine != "glowplug" or r.max_model_len == lens[0]:
             continue
-        base = next(
-            (
-                b
-                for b in rows
-                if b.engine == "glowplug"
-                and b.max_model_len == lens[0]
-                and b.compile == r.compile
-                and b.dtype == r.dtype
-                and b.quantization == r.quantization
-                and b.kv_cache_dtype == r.kv_cache_dtype
-                and b.batch == r.batch
-                and b.context == r.context
-            ),
-            None,
-        )
+        base = _at_max_len(r, rows, lens[0])
         if base is None:
             continue
         pairs = [a / b for a, b in zip(r.step_ms, base.step_ms)]
@@ -1092,10 +1053,10 @@ def _max_len_table(rows: list[DecodeRow]) -> list[str]:
 def _graph_pool_table(rows: list[DecodeRow]) -> list[str]:
     """Per engine (configuration and max model len) that captured CUDA graphs: its graph pool after capture against
     the largest captured size's activations (the target: at most 1.5x)."""
-    seen: dict[tuple[str, str, str, str, int], DecodeRow] = {}
+    seen: dict[tuple[Any, ...], DecodeRow] = {}
     for r in rows:
         if r.graph_pool_gb is not None:
-            seen.setdefault((r.compile, r.dtype, r.quantization, r.kv_cache_dtype, r.max_model_len), r)
+            seen.setdefault(_engine_key(r), r)
     if not seen:
         return []
     out = [
@@ -1122,28 +1083,47 @@ LONG_CONTEXT_SHARE = 70.0  # ... the extra KV bytes read at >= 70% of the probe
 MAX_LEN_RATIO = 1.05  # issue 38: a step's time at the longest max model len within 5% of the shortest's
 
 
-def _kv_shares(r: DecodeRow, rows: list[DecodeRow]) -> list[float] | None:
-    """Per run, the extra KV bytes over the shortest context as a % of the run's probe (see _long_context)."""
+# What one engine is (its configuration and max model len), and what makes one of its cells: two rows that agree on
+# every field of a cell measured the same thing, so a comparison varies one field and holds the others.
+ENGINE_FIELDS = ("compile", "dtype", "quantization", "kv_cache_dtype", "max_model_len")
+CELL_FIELDS = (*ENGINE_FIELDS, "batch", "context")
+
+
+def _engine_key(r: Any) -> tuple[Any, ...]:
+    """The engine a row (or a batch-invariance check) ran on: its ENGINE_FIELDS."""
+    return tuple(getattr(r, f) for f in ENGINE_FIELDS)
+
+
+def _same_cell(a: DecodeRow, b: DecodeRow, *, but: str) -> bool:
+    """Whether two rows agree on every cell field except `but` (the one the comparison varies)."""
+    return all(getattr(a, f) == getattr(b, f) for f in CELL_FIELDS if f != but)
+
+
+def _at_max_len(r: DecodeRow, rows: list[DecodeRow], max_model_len: int) -> DecodeRow | None:
+    """glowplug's row of r's cell at another max model len, if the run has one."""
+    return next(
+        (
+            b
+            for b in rows
+            if b.engine == "glowplug" and b.max_model_len == max_model_len and _same_cell(b, r, but="max_model_len")
+        ),
+        None,
+    )
+
+
+def _kv_extra(r: DecodeRow, rows: list[DecodeRow]) -> tuple[list[float], list[float]] | None:
+    """Per run, r's ms / step over the same cell's at the shortest context, and the extra KV bytes it reads over
+    that extra time as a % of the run's probe (the long-context target); None for a peer's row, a row without
+    KV bytes, or the shortest context itself."""
     if r.engine != "glowplug" or r.kv_mb is None:
         return None
-    same = [
-        b
-        for b in rows
-        if b.engine == r.engine
-        and b.compile == r.compile
-        and b.dtype == r.dtype
-        and b.quantization == r.quantization
-        and b.kv_cache_dtype == r.kv_cache_dtype
-        and b.batch == r.batch
-        and b.max_model_len == r.max_model_len
-        and b.kv_mb is not None
-    ]
+    same = [b for b in rows if b.engine == r.engine and b.kv_mb is not None and _same_cell(b, r, but="context")]
     short = min(same, key=lambda b: b.context)
     if short is r or short.kv_mb is None:
         return None
     extra = [a - b for a, b in zip(r.step_ms, short.step_ms)]
     kv_gb = (r.kv_mb - short.kv_mb) * r.batch / 1e3
-    return [100 * kv_gb / (e / 1e3) / p for e, p in zip(extra, r.probe_gbps) if e > 0]
+    return extra, [100 * kv_gb / (e / 1e3) / p for e, p in zip(extra, r.probe_gbps) if e > 0]
 
 
 # The real-size targets (--targets), each held on its worst pair or run.
@@ -1156,12 +1136,15 @@ PREFILL_VS_LLAMACPP = 2.0  # a 512-token prompt's prefill over llama.cpp's pp512
 INVARIANCE_COST = 5.0  # batch invariance may cost at most 5% of the batch-16 step
 
 
-def _engine_key(r: DecodeRow) -> tuple[str, str, str, str, int]:
-    return (r.compile, r.dtype, r.quantization, r.kv_cache_dtype, r.max_model_len)
+def _ratio_verdict(target: str, ratio: Any, least: float, pairs: str, a: str, b: str, missing: str = "no runs") -> Any:
+    """A target held on the worst of paired ratios (`ratio`: a peers.PairedRatio, None without a pair): a over b,
+    both medians quoted, met when the worst pair is at least `least`."""
+    from .verdicts import Verdict
 
-
-def _pair_text(what: str, ratio: Any, a: str, b: str) -> str:
-    return f"{a} vs {b} (medians); {what} median {ratio.median:.2f}x, worst pair {ratio.worst:.2f}x (n={ratio.n})"
+    if ratio is None:
+        return Verdict(target, missing, None)
+    text = f"{a} vs {b} (medians); {pairs} median {ratio.median:.2f}x, worst pair {ratio.worst:.2f}x (n={ratio.n})"
+    return Verdict(target, text, ratio.worst >= least)
 
 
 def real_size_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig, facts: RunFacts) -> list[Any]:
@@ -1187,14 +1170,20 @@ def real_size_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig, facts: Run
             for p in one.peers:
                 if not p.label.startswith("llama.cpp"):
                     continue
-                ratio = paired_ratio(one.tokens_per_s, p)
                 target = f"batch-1 decode >= {BATCH1_VS_LLAMACPP:g}x {p.label} ({what}, context {base})"
-                text = (
-                    _pair_text("pairs", ratio, f"{one.tps:.1f} tok/s", f"{statistics.median(p.tokens_per_s):.1f}")
-                    if ratio is not None
-                    else p.skipped or "no runs"
+                peer_tps = f"{statistics.median(p.tokens_per_s):.1f}" if p.tokens_per_s else ""
+                ratio = paired_ratio(one.tokens_per_s, p)
+                out.append(
+                    _ratio_verdict(
+                        target,
+                        ratio,
+                        BATCH1_VS_LLAMACPP,
+                        "pairs",
+                        f"{one.tps:.1f} tok/s",
+                        peer_tps,
+                        p.skipped or "no runs",
+                    )
                 )
-                out.append(Verdict(target, text, None if ratio is None else ratio.worst >= BATCH1_VS_LLAMACPP))
             shares = [100 * x for x in one.shares]
             target = (
                 f"batch-1 decode >= {BATCH1_PROBE_SHARE:g}% of sustained probe / bytes per token ({what}, "
@@ -1213,12 +1202,8 @@ def real_size_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig, facts: Run
             ratio = pair_ratios(b16.tokens_per_s, one.tokens_per_s)
             target = f"batch-16 aggregate decode >= {BATCH16_VS_BATCH1:g}x glowplug's batch 1 ({what}, context {base})"
             out.append(
-                Verdict(
-                    target,
-                    _pair_text("runs paired in order", ratio, f"{b16.tps:.1f} tok/s", f"{one.tps:.1f}")
-                    if ratio
-                    else "no runs",
-                    None if ratio is None else ratio.worst >= BATCH16_VS_BATCH1,
+                _ratio_verdict(
+                    target, ratio, BATCH16_VS_BATCH1, "runs paired in order", f"{b16.tps:.1f} tok/s", f"{one.tps:.1f}"
                 )
             )
         if b16 is not None:
@@ -1227,14 +1212,9 @@ def real_size_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig, facts: Run
                     continue
                 ratio = paired_ratio(b16.tokens_per_s, p)
                 target = f"batch-16 aggregate decode >= {BATCH16_VS_LLAMACPP:g}x {p.label} at 16 sequences ({what})"
+                peer_tps = f"{statistics.median(p.tokens_per_s):.1f}" if p.tokens_per_s else ""
                 out.append(
-                    Verdict(
-                        target,
-                        _pair_text("pairs", ratio, f"{b16.tps:.1f} tok/s", f"{statistics.median(p.tokens_per_s):.1f}")
-                        if ratio
-                        else "no runs",
-                        None if ratio is None else ratio.worst >= BATCH16_VS_LLAMACPP,
-                    )
+                    _ratio_verdict(target, ratio, BATCH16_VS_LLAMACPP, "pairs", f"{b16.tps:.1f} tok/s", peer_tps)
                 )
             out.append(
                 Verdict(
@@ -1253,11 +1233,7 @@ def real_size_verdicts(rows: list[DecodeRow], cfg: DecodeBenchConfig, facts: Run
                 peer = statistics.median(PREFILL_CONTEXT / (ms / 1e3) for ms in p.prefill_ms) if p.prefill_ms else 0.0
                 target = f"prefill of {PREFILL_CONTEXT} tokens >= {PREFILL_VS_LLAMACPP:g}x {p.label}'s pp512 ({what})"
                 out.append(
-                    Verdict(
-                        target,
-                        _pair_text("pairs", ratio, f"{glow:.1f} tok/s", f"{peer:.1f}") if ratio else "no runs",
-                        None if ratio is None else ratio.worst >= PREFILL_VS_LLAMACPP,
-                    )
+                    _ratio_verdict(target, ratio, PREFILL_VS_LLAMACPP, "pairs", f"{glow:.1f} tok/s", f"{peer:.1f}")
                 )
     for inv in facts.invariance:
         what = f"{inv.compile}/{inv.dtype}/{inv.quantization}/KV {inv.kv_cache_dtype}"
@@ -1287,9 +1263,10 @@ def decode_verdicts(
     for r in measured:
         if r.context != LONG_CONTEXT:
             continue
-        shares = _kv_shares(r, measured)
-        if shares is None:
+        kv = _kv_extra(r, measured)
+        if kv is None:
             continue
+        shares = kv[1]
         what = f"{r.compile}/{r.dtype}/{r.quantization}/KV {r.kv_cache_dtype}, batch {r.batch}"
         worst = min(shares) if shares else None
         out.append(
@@ -1304,20 +1281,7 @@ def decode_verdicts(
         for r in measured:
             if r.max_model_len != lens[-1]:
                 continue
-            base = next(
-                (
-                    b
-                    for b in measured
-                    if b.max_model_len == lens[0]
-                    and b.compile == r.compile
-                    and b.dtype == r.dtype
-                    and b.quantization == r.quantization
-                    and b.kv_cache_dtype == r.kv_cache_dtype
-                    and b.batch == r.batch
-                    and b.context == r.context
-                ),
-                None,
-            )
+            base = _at_max_len(r, measured, lens[0])
             if base is None:
                 continue
             worst = max(a / b for a, b in zip(r.step_ms, base.step_ms))
@@ -1338,27 +1302,10 @@ def _long_context(r: DecodeRow, rows: list[DecodeRow]) -> tuple[str, str]:
     least 70%)."""
     from .tables import fmt_spread
 
-    if r.engine != "glowplug" or r.kv_mb is None:
+    kv = _kv_extra(r, rows)
+    if kv is None:
         return "-", "-"
-    same = [
-        b
-        for b in rows
-        if b.engine == r.engine
-        and b.compile == r.compile
-        and b.dtype == r.dtype
-        and b.quantization == r.quantization
-        and b.kv_cache_dtype == r.kv_cache_dtype
-        and b.batch == r.batch
-        and b.max_model_len == r.max_model_len
-        and b.kv_mb is not None
-    ]
-    short = min(same, key=lambda b: b.context)
-    if short is r:
-        return "-", "-"
-    assert short.kv_mb is not None
-    extra = [a - b for a, b in zip(r.step_ms, short.step_ms)]
-    kv_gb = (r.kv_mb - short.kv_mb) * r.batch / 1e3
-    shares = [100 * kv_gb / (e / 1e3) / p for e, p in zip(extra, r.probe_gbps) if e > 0]
+    extra, shares = kv
     return fmt_spread(extra, 2), (fmt_spread(shares, 1) if shares else "-")
 
 

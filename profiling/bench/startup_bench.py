@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from glowplug.engine.config import Quantization
 from glowplug.profiling.names import Attr
 
-from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
+from .cli_support import AddModelFlags, BenchEngineFields, add_command, check_path, prepare_out_dir, write_json
 from .startup_poll import ServePoll, poll_serve, poll_text, poll_verdicts
 from .startup_runs import CACHE_ENV, READY_ROW, StartupRun, failure_reason, run_prediction, short
 from .startup_runs import run_startup as _run_startup
@@ -68,6 +68,25 @@ ETA_TARGET = 0.25
 ETA_COLD_TARGET = 0.30
 ETA_FIRST_WARM_TARGET = 0.20
 Progress = Callable[[str], None]
+
+
+# Each path flag: what must hold of the path, and the problem and its fix when it does not.
+_PATH_CHECKS: dict[str, tuple[Callable[[Path], object], str]] = {
+    "from_runs": (
+        lambda v: runs_source(v) is not None,
+        "--from-runs {v} is neither a startup.json nor a folder holding one (or cold-N.json / warm-N.json files); "
+        "pass the --out-dir of an earlier bench startup run",
+    ),
+    "seed_profile": (
+        lambda v: seed_profile_folder(v) is not None,
+        "--seed-profile {v}: no startup_profile folder there; pass a GLOWPLUG_CACHE_DIR that recorded starts (or its "
+        "startup_profile folder)",
+    ),
+    "compare_to": (
+        Path.is_file,
+        "--compare-to {v} is not a file; pass the startup.json of an earlier bench startup run",
+    ),
+}
 
 
 class StartupBenchConfig(BenchEngineFields):
@@ -137,34 +156,12 @@ class StartupBenchConfig(BenchEngineFields):
         "one made on another machine.",
     )
 
-    @field_validator("from_runs")
+    @field_validator("from_runs", "seed_profile", "compare_to")
     @classmethod
-    def _has_runs(cls, v: Path | None) -> Path | None:
-        # Checked when the flags are read: a wrong folder is a one-line error, not a traceback after the imports.
-        if v is not None and runs_source(v) is None:
-            raise ValueError(
-                f"--from-runs {v} is neither a startup.json nor a folder holding one (or cold-N.json / "
-                "warm-N.json files); pass the --out-dir of an earlier bench startup run"
-            )
-        return v
-
-    @field_validator("seed_profile")
-    @classmethod
-    def _has_profile(cls, v: Path | None) -> Path | None:
-        if v is not None and seed_profile_folder(v) is None:
-            raise ValueError(
-                f"--seed-profile {v}: no startup_profile folder there; pass a GLOWPLUG_CACHE_DIR that "
-                "recorded starts (or its startup_profile folder)"
-            )
-        return v
-
-    @field_validator("compare_to")
-    @classmethod
-    def _readable(cls, v: Path | None) -> Path | None:
-        # Checked before the runs, not after them: the plot is drawn once every start is done.
-        if v is not None and not v.is_file():
-            raise ValueError(f"--compare-to {v} is not a file; pass the startup.json of an earlier bench startup run")
-        return v
+    def _path_holds(cls, v: Path | None, info: ValidationInfo) -> Path | None:
+        # Checked when the flags are read, not after the runs (the --compare-to plot is drawn once every start is done).
+        ok, problem = _PATH_CHECKS[str(info.field_name)]
+        return check_path(v, ok, problem)
 
     def startup_args(self) -> list[str]:
         argv = self.startup_argv(

@@ -45,7 +45,7 @@ from glowplug.base.units import ByteSize
 from glowplug.engine.config import Quantization
 from glowplug.profiling.names import Attr, Row
 
-from .cli_support import AddModelFlags, BenchEngineFields, add_command, prepare_out_dir, write_json
+from .cli_support import AddModelFlags, BenchEngineFields, add_command, check_path, prepare_out_dir, write_json
 from .startup_runs import StartupRun, run_startup
 from .tables import Cell, Missing, fmt_num, markdown_table
 from .vllm_startup_rows import ACCOUNTED, ACTUAL, DERIVED_HOW, ROW_NAMES, SEED_004, SEED_ROWS, map_phases, seed_values
@@ -107,9 +107,7 @@ class Seed004BenchConfig(BenchEngineFields):
     @field_validator("from_runs", "decode_json")
     @classmethod
     def _readable(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_file():
-            raise ValueError(f"{v} is not a file; pass the JSON an earlier run wrote")
-        return v
+        return check_path(v, Path.is_file, "{v} is not a file; pass the JSON an earlier run wrote")
 
     @model_validator(mode="after")
     def _lengths(self) -> Seed004BenchConfig:

@@ -29,8 +29,8 @@ from glowplug.profiling.names import Metric
 
 from .client import request_body
 from .config import ServeBenchConfig
-from .load import api_path, run_closed
 from .server import engine_fields, scrape, served_model
+from .sweep import send_closed
 from .workload import build_requests
 
 TARGET_MEDIAN = 0.95  # median of the per-pair ratios
@@ -132,14 +132,7 @@ def _server_run(cfg: ServeBenchConfig, base_url: str, bodies: list[dict[str, Any
     before = scrape(base_url)
     t0 = time.perf_counter()
     c0 = time.process_time()
-    results = run_closed(
-        base_url,
-        api_path(cfg.endpoint),
-        bodies,
-        cfg.efficiency_concurrency,
-        max_duration=cfg.max_duration,
-        timeout=cfg.request_timeout,
-    )
+    results = send_closed(cfg, base_url, bodies, cfg.efficiency_concurrency)
     client_cpu = time.process_time() - c0
     wall = time.perf_counter() - t0
     after = scrape(base_url)
@@ -202,14 +195,7 @@ def run_efficiency(
     with server_for(cfg) as (base_url, _pid):
         model = cfg.served_model_name or served_model(base_url)
         bodies = [request_body(s, model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos) for s in specs]
-        run_closed(
-            base_url,
-            api_path(cfg.endpoint),
-            bodies[: min(len(bodies), 4)],
-            4,
-            max_duration=cfg.max_duration,
-            timeout=cfg.request_timeout,
-        )  # warm-up
+        send_closed(cfg, base_url, bodies[: min(len(bodies), 4)], 4)  # warm-up
         say("efficiency: building the offline engine (the server waits, idle)")
         llm = LLM(config=EngineConfig.from_flat(**engine_fields(cfg)))
         llm.generate(prompts[:4], params)  # warm-up, like the server's
@@ -294,13 +280,12 @@ def render_efficiency(r: EfficiencyResult, head: str) -> str:
 def efficiency_mode(
     cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.cli_support import prepare_out_dir
     from glowplug.profiling.bench.machine import report_header
+
+    from .report import write_mode_report
 
     out = prepare_out_dir(cfg.out_dir)
     result = run_efficiency(cfg, tokenizer, server_for, say)
     text = render_efficiency(result, report_header("Serving efficiency: HTTP server vs offline", argv))
-    (out / "efficiency.md").write_text(text)
-    write_json(out / "efficiency.json", {"config": cfg.model_dump(mode="json"), **result.as_dict()})
-    print(text)
-    return result.passed, [out / "efficiency.md", out / "efficiency.json"]
+    return result.passed, write_mode_report(cfg, out, "efficiency", text, result.as_dict())

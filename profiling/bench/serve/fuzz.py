@@ -259,16 +259,18 @@ def render_fuzz(r: FuzzResult, head: str) -> str:
     return "\n".join(parts)
 
 
-def fuzz_mode(cfg: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any) -> tuple[bool, list[Path]]:
-    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+def fuzz_mode(
+    cfg: Any, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
+) -> tuple[bool, list[Path]]:
+    """The fuzz mode (the tokenizer is unused: schemathesis writes the requests)."""
+    from glowplug.profiling.bench.cli_support import prepare_out_dir
     from glowplug.profiling.bench.machine import report_header
+
+    from .report import write_mode_report
 
     out = prepare_out_dir(cfg.out_dir)
     with server_for(cfg) as (base_url, _pid):
         bound = FuzzBound(cfg.fuzz_max_tokens, cfg.fuzz_max_n, cfg.fuzz_max_prompt_chars, cfg.fuzz_max_prompt_items)
         result = run_fuzz(base_url, cfg.fuzz_cases, timeout=cfg.request_timeout, progress=say, bound=bound)
     text = render_fuzz(result, report_header("Fuzzing the HTTP API (schemathesis)", argv))
-    (out / "fuzz.md").write_text(text)
-    write_json(out / "fuzz.json", {"config": cfg.model_dump(mode="json"), **result.as_dict()})
-    print(text)
-    return result.passed, [out / "fuzz.md", out / "fuzz.json"]
+    return result.passed, write_mode_report(cfg, out, "fuzz", text, result.as_dict())

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -239,13 +239,38 @@ class RefusalRun:
         )
 
 
-class _Streams:
+_B = TypeVar("_B", bound="_Background")
+
+
+class _Background:
+    """Daemon threads that run from `with` entry until `stop` is set on exit (then joined, at most `join_s` each)."""
+
+    join_s = 30.0
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self: _B) -> _B:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop.set()
+        for t in self._threads:
+            t.join(self.join_s)
+
+
+class _Streams(_Background):
     """`n` streams generating until `stop`; each chunk's arrival time is kept (the gaps are the inter-token times)."""
 
+    join_s = 60.0
+
     def __init__(self, base_url: str, body: dict[str, Any], n: int, headers: dict[str, str]) -> None:
+        super().__init__()
         self.chunks: list[list[float]] = [[] for _ in range(n)]
         self.errors: list[str] = []
-        self.stop = threading.Event()
         self._threads = [
             threading.Thread(target=self._run, args=(base_url, body, i, headers), daemon=True) for i in range(n)
         ]
@@ -266,16 +291,6 @@ class _Streams:
             if not self.stop.is_set():
                 self.errors.append(f"stream {i}: {type(exc).__name__}: {exc}")
 
-    def __enter__(self) -> _Streams:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(60)
-
     def started(self) -> bool:
         return all(self.chunks)
 
@@ -284,13 +299,13 @@ class _Streams:
         return [(b - a) * 1000 for c in self.chunks for a, b in zip(c, c[1:]) if _overlaps(a, b, windows)]
 
 
-class _Sampler:
+class _Sampler(_Background):
     """Background samples of /health/ready latency and of the server's RSS."""
 
     def __init__(self, base_url: str, pid: int | None) -> None:
+        super().__init__()
         self.probes: list[tuple[float, float]] = []  # (start, end)
         self.rss: list[tuple[float, float]] = []  # (time, MiB)
-        self.stop = threading.Event()
         self._threads = [threading.Thread(target=self._probe, args=(base_url,), daemon=True)]
         if pid is not None:
             self._threads.append(threading.Thread(target=self._sample_rss, args=(pid,), daemon=True))
@@ -311,16 +326,6 @@ class _Sampler:
         while not self.stop.is_set():
             self.rss.append((time.perf_counter(), proc.memory_info().rss / 2**20))
             time.sleep(_RSS_INTERVAL_S)
-
-    def __enter__(self) -> _Sampler:
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(30)
 
     def latencies(self, windows: list[tuple[float, float]]) -> list[float]:
         return [(b - a) * 1000 for a, b in self.probes if _overlaps(a, b, windows)]
@@ -897,15 +902,15 @@ def render_hostile(r: HostileResult, head: str) -> str:
 
 
 def hostile_mode(
-    cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Progress
+    cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Progress, server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    """The hostile mode (`server_for` is unused: each measurement starts its own server with its own limits)."""
+    from glowplug.profiling.bench.cli_support import prepare_out_dir
     from glowplug.profiling.bench.machine import report_header
+
+    from .report import write_mode_report
 
     out = prepare_out_dir(cfg.out_dir)
     result = run_hostile(cfg, tokenizer, say)
     text = render_hostile(result, report_header("Hostile input at the transport", argv))
-    (out / "hostile.md").write_text(text)
-    write_json(out / "hostile.json", {"config": cfg.model_dump(mode="json"), **result.as_dict()})
-    print(text)
-    return result.passed, [out / "hostile.md", out / "hostile.json"]
+    return result.passed, write_mode_report(cfg, out, "hostile", text, result.as_dict())

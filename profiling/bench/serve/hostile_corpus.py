@@ -258,25 +258,23 @@ def chat(t: Target, content: str, **fields: Any) -> bytes:
 # ---------------------------------------------------------------- the cases
 
 
-def _over_limit_declared(t: Target) -> Outcome:
+def _declared(t: Target, n: int) -> Outcome:
+    """A body of `n` bytes, declared by Content-Length and sent until the server answers."""
     conn = Raw(t)
     try:
-        n = t.max_body_bytes + 1
         conn.send_body(head(t, "/v1/completions", n), n, prefix=b'{"prompt": "hi", "pad": "')
         return conn.response()
     finally:
         conn.close()
+
+
+def _over_limit_declared(t: Target) -> Outcome:
+    return _declared(t, t.max_body_bytes + 1)
 
 
 def _huge_declared(t: Target) -> Outcome:
     # 100 MB declared; the server must answer without reading it (the client stops when the answer comes).
-    conn = Raw(t)
-    try:
-        n = 100_000_000
-        conn.send_body(head(t, "/v1/completions", n), n, prefix=b'{"prompt": "hi", "pad": "')
-        return conn.response()
-    finally:
-        conn.close()
+    return _declared(t, 100_000_000)
 
 
 def _over_limit_chunked(t: Target) -> Outcome:

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from .config import ServeBenchConfig
-from .load import api_path, run_closed, run_open
-from .results import LoadPoint, RunMetrics, Slo, run_metrics
+from .results import LoadPoint, RunMetrics
 from .server import served_model
-from .sweep import bodies_for, concurrency_point
-from .workload import arrival_times, build_requests
+from .sweep import bodies_for, concurrency_point, rate_run, send_closed
+from .workload import build_requests
 
 TTFT_RATIO_LIMIT = 2.0
 
@@ -93,34 +92,10 @@ class OverloadResult:
         }
 
 
-def _rate_run(
-    cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str, rate: float, count: int, seed: int
-) -> tuple[RunMetrics, list[Any]]:
-    """One open-loop run (Poisson, or --arrival), with its raw results (their Retry-After headers are read)."""
-    specs = build_requests(cfg, tokenizer, count, seed=seed)
-    offsets = arrival_times(count, rate, cfg.arrival, cfg.burst_size, seed=seed)
-    results = run_open(
-        base_url,
-        api_path(cfg.endpoint),
-        bodies_for(cfg, specs, model),
-        offsets,
-        max_duration=cfg.max_duration,
-        timeout=cfg.request_timeout,
-    )
-    return run_metrics(results, Slo(cfg.slo_ttft_ms, cfg.slo_tpot_ms)), results
-
-
 def _warm_admission(cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str) -> None:
     # The server learns its finish rate, which its expected-wait admission needs.
     warm = build_requests(cfg, tokenizer, cfg.max_num_seqs, seed=20_000)
-    run_closed(
-        base_url,
-        api_path(cfg.endpoint),
-        bodies_for(cfg, warm, model),
-        cfg.max_num_seqs,
-        max_duration=cfg.max_duration,
-        timeout=cfg.request_timeout,
-    )
+    send_closed(cfg, base_url, bodies_for(cfg, warm, model), cfg.max_num_seqs)
 
 
 def _pairs(
@@ -140,8 +115,8 @@ def _pairs(
             f"overload: pair {i + 1}/{cfg.runs}: {sustainable:.3g} req/s ({cfg.num_prompts} requests), then "
             f"{rate:.3g} req/s ({count} requests)"
         )
-        base_runs.append(_rate_run(cfg, base_a, tokenizer, model, sustainable, cfg.num_prompts, i)[0])
-        metrics, results = _rate_run(cfg, base_b, tokenizer, model, rate, count, i)
+        base_runs.append(rate_run(cfg, base_a, tokenizer, model, sustainable, cfg.num_prompts, i)[0])
+        metrics, results = rate_run(cfg, base_b, tokenizer, model, rate, count, i)
         over_runs.append(metrics)
         raw += results
     return (
@@ -171,7 +146,7 @@ def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Ca
             limit = cfg.max_queue_wait
             if limit is None:
                 say(f"overload: calibration run at {sustainable:.3g} req/s (sets the admission limit)")
-                calib, _ = _rate_run(cfg, base_url, tokenizer, model, sustainable, cfg.num_prompts, 30_000)
+                calib, _ = rate_run(cfg, base_url, tokenizer, model, sustainable, cfg.num_prompts, 30_000)
                 p99 = calib.figure("ttft_p99")
                 # Half the baseline p99: the other half is left for the prefill and the error of the wait estimate.
                 limit = p99 / 2e3 if p99 else None
@@ -306,16 +281,15 @@ def plot_overload(r: OverloadResult, cfg: ServeBenchConfig, path: Path) -> Path:
 def overload_mode(
     cfg: ServeBenchConfig, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.cli_support import prepare_out_dir
     from glowplug.profiling.bench.machine import report_header
+
+    from .report import write_mode_report
 
     out = prepare_out_dir(cfg.out_dir)
     result = run_overload(cfg, tokenizer, server_for, say)
     text = render_overload(result, report_header("Serving under overload: admission control", argv))
-    (out / "overload.md").write_text(text)
-    write_json(out / "overload.json", {"config": cfg.model_dump(mode="json"), **result.as_dict()})
-    written = [out / "overload.md", out / "overload.json"]
+    written = write_mode_report(cfg, out, "overload", text, result.as_dict())
     if cfg.plots:
         written.append(plot_overload(result, cfg, out / "overload.png"))
-    print(text)
     return result.passed, written

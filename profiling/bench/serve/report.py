@@ -16,6 +16,18 @@ from .config import ServeBenchConfig
 from .results import LoadPoint, Spread
 
 
+def write_mode_report(cfg: ServeBenchConfig, out: Path, name: str, text: str, fields: dict[str, Any]) -> list[Path]:
+    """A checked mode's report in `out`: `name`.md (the text, also printed) and `name`.json (the config, then the
+    result's `fields`); the files written."""
+    from glowplug.profiling.bench.cli_support import write_json
+
+    md, js = out / f"{name}.md", out / f"{name}.json"
+    md.write_text(text)
+    write_json(js, {"config": cfg.model_dump(mode="json"), **fields})
+    print(text)
+    return [md, js]
+
+
 def spread_cell(s: Spread | None, digits: int = 1, why: str = "no completed request") -> Cell:
     if s is None:
         return Missing(why)

@@ -364,10 +364,10 @@ def render_soak(result: SoakResult, head: str, latency_table: str) -> str:
 def soak_mode(
     cfg: Any, tokenizer: Any, argv: list[str] | None, say: Callable[[str], None], server_for: Any
 ) -> tuple[bool, list[Path]]:
-    from glowplug.profiling.bench.cli_support import prepare_out_dir, write_json
+    from glowplug.profiling.bench.cli_support import prepare_out_dir
     from glowplug.profiling.bench.machine import report_header
 
-    from .report import latency_table
+    from .report import latency_table, write_mode_report
     from .results import LoadPoint, run_metrics
     from .server import served_model
 
@@ -389,12 +389,7 @@ def soak_mode(
         result = run_soak(base_url, plan, say)
     point = LoadPoint("concurrency", plan.streams, None, [run_metrics(result.results)])
     text = render_soak(result, report_header("Serving soak", argv), latency_table_all(point, latency_table))
-    (out / "soak.md").write_text(text)
-    write_json(
-        out / "soak.json", {"config": cfg.model_dump(mode="json"), **result.as_dict(), "metrics": point.as_dict()}
-    )
-    print(text)
-    return result.passed, [out / "soak.md", out / "soak.json"]
+    return result.passed, write_mode_report(cfg, out, "soak", text, {**result.as_dict(), "metrics": point.as_dict()})
 
 
 def _max_model_len(base_url: str) -> int:

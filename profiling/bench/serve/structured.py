@@ -440,10 +440,9 @@ def _write(
     say: Say,
 ) -> bool:
     """Write structured.{md,json} and the verdicts; True when every target passed."""
-    from glowplug.profiling.bench.cli_support import write_json
-    from glowplug.profiling.bench.machine import report_git_state, report_header
+    from glowplug.profiling.bench.machine import report_header
     from glowplug.profiling.bench.tables import markdown_table
-    from glowplug.profiling.bench.verdicts import Verdict, verdicts_markdown, write_verdicts
+    from glowplug.profiling.bench.verdicts import Verdict, verdicts_markdown
 
     ttft, pairs, objects, lib, vocab, load_start = cost
     load_end = _load()
@@ -578,16 +577,12 @@ def _write(
         )
     lines.append("")
     text = "\n".join(lines)
-    md = out / "structured.md"
-    md.write_text(text)
-    write_verdicts(md, verdicts)
-    write_json(
-        out / "structured.json",
+    md = _write_report(
+        out / "structured.md",
+        text,
+        verdicts,
         {
-            "command": argv,
-            "commit": report_git_state().describe(),
-            "config": cfg.model_dump(mode="json"),
-            "load_average": {"start": load_start, "end": load_end},
+            **_run_json(argv, cfg, load_start, load_end),
             "tpot_pairs": [
                 {"unconstrained": asdict(u), "constrained": asdict(c), "ratio": r} for (u, c), r in zip(pairs, ratios)
             ],
@@ -596,15 +591,11 @@ def _write(
             ],
             "library": lib,
             "objects": _objects_json(objects),
-            "real": {
-                k: (_objects_json(v) if isinstance(v, ObjectResults) else {**asdict(v), "passed": v.passed})
-                for k, v in real.items()
-            },
+            "real": _real_json(real),
             "verdicts": [asdict(v) for v in verdicts],
             "passed": passed,
         },
     )
-    print(text)
     say(f"structured: wrote {md}")
     return passed
 
@@ -687,9 +678,8 @@ def _real_only(
     server_for: Any,
 ) -> tuple[bool, list[Path]]:
     """--structured-real-only: the real model's objects and tool calls alone -> structured_real.{md,json}."""
-    from glowplug.profiling.bench.cli_support import write_json
-    from glowplug.profiling.bench.machine import report_git_state, report_header
-    from glowplug.profiling.bench.verdicts import verdicts_markdown, write_verdicts
+    from glowplug.profiling.bench.machine import report_header
+    from glowplug.profiling.bench.verdicts import verdicts_markdown
 
     if cfg.real_model is None:
         raise ValueError("--structured-real-only needs --real-model PATH")
@@ -712,26 +702,50 @@ def _real_only(
             "",
         ]
     )
-    md = out / "structured_real.md"
-    md.write_text(text)
-    write_verdicts(md, verdicts)
-    write_json(
-        out / "structured_real.json",
+    md = _write_report(
+        out / "structured_real.md",
+        text,
+        verdicts,
         {
-            "command": argv,
-            "commit": report_git_state().describe(),
-            "config": cfg.model_dump(mode="json"),
-            "load_average": {"start": load_start, "end": load_end},
-            "real": {
-                k: (_objects_json(v) if isinstance(v, ObjectResults) else {**asdict(v), "passed": v.passed})
-                for k, v in real.items()
-            },
+            **_run_json(argv, cfg, load_start, load_end),
+            "real": _real_json(real),
             "verdicts": [asdict(v) for v in verdicts],
             "passed": all(v.passed for v in verdicts),
         },
     )
+    return all(v.passed for v in verdicts), [md, md.with_suffix(".json")]
+
+
+def _run_json(argv: list[str] | None, cfg: ServeBenchConfig, load_start: str, load_end: str) -> dict[str, Any]:
+    """What a structured report's JSON opens with: the command, commit, config and the load around the run."""
+    from glowplug.profiling.bench.machine import report_git_state
+
+    return {
+        "command": argv,
+        "commit": report_git_state().describe(),
+        "config": cfg.model_dump(mode="json"),
+        "load_average": {"start": load_start, "end": load_end},
+    }
+
+
+def _real_json(real: dict[str, Any]) -> dict[str, Any]:
+    """The real model's results: its objects, and each tool-call check with its verdict."""
+    return {
+        k: (_objects_json(v) if isinstance(v, ObjectResults) else {**asdict(v), "passed": v.passed})
+        for k, v in real.items()
+    }
+
+
+def _write_report(md: Path, text: str, verdicts: list[Any], data: dict[str, Any]) -> Path:
+    """The report `md` (the text, also printed), its verdicts sidecar and its JSON beside it (`data`)."""
+    from glowplug.profiling.bench.cli_support import write_json
+    from glowplug.profiling.bench.verdicts import write_verdicts
+
+    md.write_text(text)
+    write_verdicts(md, verdicts)
+    write_json(md.with_suffix(".json"), data)
     print(text)
-    return all(v.passed for v in verdicts), [md, out / "structured_real.json"]
+    return md
 
 
 def _objects_md(r: ObjectResults) -> str:

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .client import request_body
+from .client import RequestResult, request_body
 from .config import ServeBenchConfig
 from .load import api_path, run_closed, run_open
-from .results import LoadPoint, Slo, run_metrics
+from .results import LoadPoint, RunMetrics, Slo, run_metrics
 from .workload import RequestSpec, arrival_times, build_requests
 
 Progress = Callable[[str], None]
@@ -23,17 +23,24 @@ def bodies_for(cfg: ServeBenchConfig, specs: list[RequestSpec], model: str | Non
     return [request_body(s, model, temperature=cfg.temperature, ignore_eos=cfg.ignore_eos) for s in specs]
 
 
+def send_closed(
+    cfg: ServeBenchConfig, base_url: str, bodies: list[dict[str, Any]], concurrency: int
+) -> list[RequestResult]:
+    """`bodies` sent by `concurrency` clients in a closed loop to the config's endpoint, within its time limits."""
+    return run_closed(
+        base_url,
+        api_path(cfg.endpoint),
+        bodies,
+        concurrency,
+        max_duration=cfg.max_duration,
+        timeout=cfg.request_timeout,
+    )
+
+
 def warm_up(cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | None) -> None:
     if cfg.warmup_requests:
         specs = build_requests(cfg, tokenizer, cfg.warmup_requests, seed=10_000)
-        run_closed(
-            base_url,
-            api_path(cfg.endpoint),
-            bodies_for(cfg, specs, model),
-            cfg.warmup_requests,
-            max_duration=cfg.max_duration,
-            timeout=cfg.request_timeout,
-        )
+        send_closed(cfg, base_url, bodies_for(cfg, specs, model), cfg.warmup_requests)
 
 
 def concurrency_point(
@@ -45,16 +52,26 @@ def concurrency_point(
     for run in range(cfg.runs):
         say(f"concurrency {concurrency}: run {run + 1}/{cfg.runs} ({count} requests)")
         specs = build_requests(cfg, tokenizer, count, seed=run)
-        results = run_closed(
-            base_url,
-            api_path(cfg.endpoint),
-            bodies_for(cfg, specs, model),
-            concurrency,
-            max_duration=cfg.max_duration,
-            timeout=cfg.request_timeout,
-        )
-        runs.append(run_metrics(results, slo))
+        runs.append(run_metrics(send_closed(cfg, base_url, bodies_for(cfg, specs, model), concurrency), slo))
     return LoadPoint("concurrency", concurrency, None, runs)
+
+
+def rate_run(
+    cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | None, rate: float, count: int, seed: int
+) -> tuple[RunMetrics, list[RequestResult]]:
+    """One open-loop run (Poisson, or --arrival) of `count` requests at `rate`, with its raw results (the overload
+    mode reads their Retry-After headers)."""
+    specs = build_requests(cfg, tokenizer, count, seed=seed)
+    offsets = arrival_times(count, rate, cfg.arrival, cfg.burst_size, seed=seed)
+    results = run_open(
+        base_url,
+        api_path(cfg.endpoint),
+        bodies_for(cfg, specs, model),
+        offsets,
+        max_duration=cfg.max_duration,
+        timeout=cfg.request_timeout,
+    )
+    return run_metrics(results, Slo(cfg.slo_ttft_ms, cfg.slo_tpot_ms)), results
 
 
 def rate_point(
@@ -69,21 +86,11 @@ def rate_point(
 ) -> tuple[LoadPoint, list[list[Any]]]:
     """One open-loop point; also returns each run's raw results (the overload mode reads their Retry-After)."""
     count = count or cfg.num_prompts
-    slo = Slo(cfg.slo_ttft_ms, cfg.slo_tpot_ms)
     runs, raw = [], []
     for run in range(cfg.runs):
         say(f"{rate:g} req/s ({cfg.arrival}): run {run + 1}/{cfg.runs} ({count} requests)")
-        specs = build_requests(cfg, tokenizer, count, seed=run)
-        offsets = arrival_times(count, rate, cfg.arrival, cfg.burst_size, seed=run)
-        results = run_open(
-            base_url,
-            api_path(cfg.endpoint),
-            bodies_for(cfg, specs, model),
-            offsets,
-            max_duration=cfg.max_duration,
-            timeout=cfg.request_timeout,
-        )
-        runs.append(run_metrics(results, slo))
+        metrics, results = rate_run(cfg, base_url, tokenizer, model, rate, count, run)
+        runs.append(metrics)
         raw.append(results)
     return LoadPoint("rate", rate, cfg.arrival, runs), raw
 
