@@ -156,15 +156,7 @@ def _quant_linear(led: _Ledger, s: _Shapes, layer: QuantLinear, m: int) -> int:
             y = led.new(m * n * BF16)  # out[:, :n] + out[:, n:2n]
             led.free(whole)
     led.free(xb)
-    if out_dtype != s.dtype:  # _finish: y.to(x.dtype)
-        cast = led.new(m * n * s.itemsize)
-        led.free(y)
-        y = cast
-    if layer.bias is not None:
-        biased = led.new(m * n * s.itemsize)
-        led.free(y)
-        y = biased
-    return y
+    return _cast_and_bias(led, s, y, m * n, cast=out_dtype != s.dtype, bias=layer.bias is not None)  # _finish
 
 
 def _gguf_linear(led: _Ledger, s: _Shapes, layer: GGUFLinear, m: int) -> int:
@@ -175,14 +167,17 @@ def _gguf_linear(led: _Ledger, s: _Shapes, layer: GGUFLinear, m: int) -> int:
     xf = 0 if takes else led.new(m * k * FP32)  # x2.float()
     y = led.new(m * n * (s.itemsize if takes else FP32))
     led.free(xf)
-    if not takes:
-        cast = led.new(m * n * s.itemsize)
-        led.free(y)
-        y = cast
-    if layer.bias is not None:
-        biased = led.new(m * n * s.itemsize)
-        led.free(y)
-        y = biased
+    return _cast_and_bias(led, s, y, m * n, cast=not takes, bias=layer.bias is not None)
+
+
+def _cast_and_bias(led: _Ledger, s: _Shapes, y: int, numel: int, *, cast: bool, bias: bool) -> int:
+    """The quantized linears' last steps: y.to(x.dtype) when the op returned another dtype, then the bias add; each
+    a new tensor of `numel` elements in x's dtype that replaces y."""
+    for step in (cast, bias):
+        if step:
+            out = led.new(numel * s.itemsize)
+            led.free(y)
+            y = out
     return y
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .chat_template import ChatTemplate
-from .models.arch import ModelArch, ModelError
+from .models.arch import ModelArch, ModelError, model_file
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 
@@ -307,12 +307,12 @@ def _chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
 def load_tokenizer(model_dir: Path) -> Tokenizer:
     from tokenizers import Tokenizer as Backend
 
-    path = model_dir / "tokenizer.json"
-    if not path.is_file():
-        raise ModelError(
-            f"{path}: tokenizer.json is missing. glowplug reads the fast-tokenizer file; save the tokenizer with "
-            f"transformers' save_pretrained() (it writes tokenizer.json) or copy it from the original checkpoint."
-        )
+    path = model_file(
+        model_dir,
+        "tokenizer.json",
+        "glowplug reads the fast-tokenizer file; save the tokenizer with transformers' save_pretrained() (it writes "
+        "tokenizer.json) or copy it from the original checkpoint.",
+    )
     try:
         backend = Backend.from_file(str(path))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception for a malformed file

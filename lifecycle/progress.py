@@ -184,25 +184,13 @@ class Progress:
     def planned(self, plan: Planned) -> None:
         """The core's plan (after its imports, or once a bundle is installed): it replaces the early one."""
         self._take_plan(plan.basis, plan.estimate)
-        estimate = plan.estimate if plan.estimate is not None and plan.estimate.seconds else None
         display = self._display
         if display is not None:
-            shown: tuple[Any, ...] = (
-                (None, True, plan.basis)
-                if estimate is None
-                else (
-                    estimate.seconds,
-                    estimate.same_config,
-                    estimate.basis,
-                    estimate.total_s,
-                    estimate.remaining_s,
-                    estimate.qualifiers(),
-                )
-            )
             if not self._planned and self._marks is not None:
-                display.imports_done((plan.imports_done_ns - self._marks.main_entry_ns) / 1e9, *shown)
+                imports_s = (plan.imports_done_ns - self._marks.main_entry_ns) / 1e9
+                display.imports_done(imports_s, plan.estimate, plan.basis)
             else:
-                display.plan_known(*shown)
+                display.plan_known(plan.estimate, plan.basis)
         self._planned = True
 
     def _take_plan(self, basis: str | None, estimate: PhaseEstimate | None) -> None:

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from typing import TextIO
+from typing import Protocol, TextIO
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
@@ -54,6 +54,32 @@ STAGE_LABELS: Mapping[str, str] = {
 PREFIX = "glowplug: "
 # (finished stages, running stage -> seconds elapsed) -> seconds until READY (engine PhaseEstimate.remaining_s).
 Remaining = Callable[[Collection[str], Mapping[str, float]], float]
+
+
+class Estimate(Protocol):
+    """What the progress lines read of a start-up estimate (engine/start_estimate.py PhaseEstimate)."""
+
+    @property
+    def seconds(self) -> Mapping[str, float]:
+        """Seconds per stage (see eta_phrase)."""
+
+    @property
+    def same_config(self) -> bool:
+        """Whether every stage's seconds come from a start of this config."""
+
+    @property
+    def basis(self) -> str:
+        """Where the seconds come from, in words."""
+
+    @property
+    def total_s(self) -> float:
+        """The stages' predicted wall time."""
+
+    def remaining_s(self, finished: Collection[str], running: Mapping[str, float]) -> float:
+        """Seconds to READY from the stages finished and running (Remaining), for the later lines."""
+
+    def qualifiers(self) -> Mapping[str, str]:
+        """Per stage, the words saying where its estimate comes from (see eta_phrase)."""
 
 
 def stage_label(stage: str) -> str:
@@ -167,40 +193,30 @@ class StartupProgress(SpanProcessor):
         """A line of context between the stages (the sampling defaults of `generate`)."""
         self._say(text, "dim")
 
-    def imports_done(
-        self,
-        seconds: float,
-        estimate: Mapping[str, float] | None,
-        same_config: bool,
-        basis: str | None = None,
-        total_s: float | None = None,
-        remaining: Remaining | None = None,
-        qualifiers: Mapping[str, str] | None = None,
-    ) -> None:
-        """The imports' time and what the stages should take (`estimate`: seconds per stage, see eta_phrase;
-        `basis`: where it comes from, in words; `total_s`: their predicted wall time, else their sum; `remaining`:
-        seconds to READY from the stages finished and running, for the later lines; `qualifiers`: per stage, where
-        its estimate comes from, see eta_phrase)."""
+    def imports_done(self, seconds: float, estimate: Estimate | None, basis: str | None = None) -> None:
+        """The imports' time and what the stages should take (see plan_known)."""
         with self._lock:
             self._running.pop("imports", None)
-            self._remaining = remaining
-            self._qualifiers = dict(qualifiers or {})
-        self._say(f"imports done in {_seconds(seconds)}; {self._expect(estimate, same_config, basis, total_s)}", "dim")
+        self._say(f"imports done in {_seconds(seconds)}; {self._take(estimate, basis)}", "dim")
 
-    def plan_known(
-        self,
-        estimate: Mapping[str, float] | None,
-        same_config: bool,
-        basis: str | None = None,
-        total_s: float | None = None,
-        remaining: Remaining | None = None,
-        qualifiers: Mapping[str, str] | None = None,
-    ) -> None:
-        """An estimate made after the imports line (a start from a bundle plans once the bundle is installed)."""
+    def plan_known(self, estimate: Estimate | None, basis: str | None = None) -> None:
+        """What the stages should take, once known after the imports line (a start from a bundle plans once the
+        bundle is installed). `estimate`: the plan's, its seconds per stage shown and followed by the later lines;
+        None or empty when there is none, and then `basis` says why in words."""
+        self._say(self._take(estimate, basis), "dim")
+
+    def _take(self, estimate: Estimate | None, basis: str | None) -> str:
+        """Keep `estimate` for the stage lines; the words for what the stages should take."""
+        if estimate is None or not estimate.seconds:
+            remaining, qualifiers = None, {}
+            expect = self._expect(None, True, basis, None)
+        else:
+            remaining, qualifiers = estimate.remaining_s, dict(estimate.qualifiers())
+            expect = self._expect(estimate.seconds, estimate.same_config, estimate.basis, estimate.total_s)
         with self._lock:
             self._remaining = remaining
-            self._qualifiers = dict(qualifiers or {})
-        self._say(f"{self._expect(estimate, same_config, basis, total_s)}", "dim")
+            self._qualifiers = qualifiers
+        return expect
 
     def ready_in(self) -> float | None:
         """Seconds until READY as the estimate sees the stages now; None without one."""
@@ -254,30 +270,19 @@ class StartupProgress(SpanProcessor):
     # ------------------------------------------------------------ SpanProcessor (on the stage's thread)
 
     def on_start(self, span: Span, parent_context: Context | None = None) -> None:
-        stage = stage_from_span_name(span.name)
-        if stage is None or stage in PRE_MAIN:
-            return
-        with self._lock:
-            if self._closed:
-                return
-            self._running[stage] = time.perf_counter()
-        if self._live is None:
+        booked = self._book(span.name, started=True)
+        if booked is not None and self._live is None:
+            stage, running = booked
             eta = eta_phrase(stage, self._estimate, self._same_config, self._qualifiers)
-            with self._lock:
-                others = [s for s in self._running if s != stage]
+            others = [s for s in running if s != stage]
             also = f"; also running: {', '.join(others)}" if others else ""
             self._say(f"{stage}: {stage_label(stage)}..." + (f" ({eta})" if eta else "") + also)
 
     def on_end(self, span: ReadableSpan) -> None:
-        stage = stage_from_span_name(span.name)
-        if stage is None or stage in PRE_MAIN:
+        booked = self._book(span.name, started=False)
+        if booked is None:
             return
-        with self._lock:
-            if self._closed:
-                return
-            self._running.pop(stage, None)
-            self._finished.add(stage)
-            still = list(self._running)
+        stage, still = booked
         phase = span_phase(span)
         if phase.outcome == "failed":
             return  # the command prints the failure itself, as one line with the cause and the fix
@@ -291,6 +296,22 @@ class StartupProgress(SpanProcessor):
             self._say(f"{stage}: skipped ({note}){after}", "dim")
         else:
             self._say(f"{stage}: done in {took}" + (f" ({note})" if note else "") + after, "green")
+
+    def _book(self, span_name: str, *, started: bool) -> tuple[str, list[str]] | None:
+        """Record that a stage started or ended: the stage and the stages running now; None for a span that is no
+        stage's (the pre-main phases, the root, foreign spans) or once the display is closed."""
+        stage = stage_from_span_name(span_name)
+        if stage is None or stage in PRE_MAIN:
+            return None
+        with self._lock:
+            if self._closed:
+                return None
+            if started:
+                self._running[stage] = time.perf_counter()
+            else:
+                self._running.pop(stage, None)
+                self._finished.add(stage)
+            return stage, list(self._running)
 
     def shutdown(self) -> None:
         self.close()

@@ -181,12 +181,8 @@ class ArtifactStore:
         """Move a damaged entry (or file) aside, report it (unless the caller reports a batch), and return the
         one-line reason."""
         dest = self.root / QUARANTINE / f"{spec.name}-{path.name}-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        unusable = refusal(self.root, path.parent)
-        if unusable is not None:  # nothing to try on a read-only dir
-            action = "left in place (the cache dir is unusable); not using it"
-            if report:
-                report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=reason, action=action)
-            return f"{spec.name} {path.name}: {reason}"
+        if refusal(self.root, path.parent) is not None:  # nothing to try on a read-only dir
+            return self.leave_in_place(spec, path, reason, report=report)
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.rename(path, dest)
@@ -199,6 +195,14 @@ class ArtifactStore:
             except OSError as exc:
                 action = f"left in place (cannot move or remove it: {exc.strerror}); not using it"
         if report:
+            report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=reason, action=action)
+        return f"{spec.name} {path.name}: {reason}"
+
+    def leave_in_place(self, spec: CacheSpec, path: Path, reason: str, *, report: bool = True) -> str:
+        """A damaged entry (or file) that stays where it is, unused, because the cache dir cannot be written:
+        reported (unless the caller reports a batch), and its one-line reason returned, as `quarantine` does."""
+        if report:
+            action = "left in place (the cache dir is unusable); not using it"
             report_event(Event.CACHE_CORRUPT, cache=spec.name, path=path, reason=reason, action=action)
         return f"{spec.name} {path.name}: {reason}"
 
@@ -390,14 +394,7 @@ class ArtifactStore:
         problem = problem or self.write_problem(spec)
         if problem is not None:
             if bad is not None:  # cannot move it aside; say so and do without it
-                report_event(
-                    Event.CACHE_CORRUPT,
-                    cache=spec.name,
-                    path=path,
-                    reason=bad,
-                    action="left in place (the cache dir is unusable); not using it",
-                )
-                corrupt.append(f"{spec.name} {key}: {bad}")
+                corrupt.append(self.leave_in_place(spec, path, bad))
             message = self.bypass(spec, problem)
             return Fetched(build(None), key, False, None, f"cache dir unusable: {problem.problem}", corrupt, message)
         try:
@@ -439,14 +436,7 @@ class ArtifactStore:
                     if bad is not None:
                         corrupt.append(self.quarantine(spec, path, bad))
             else:
-                report_event(
-                    Event.CACHE_CORRUPT,
-                    cache=spec.name,
-                    path=path,
-                    reason=bad,
-                    action="left in place (the cache dir is unusable); not using it",
-                )
-                corrupt.append(f"{spec.name} {key}: {bad}")
+                corrupt.append(self.leave_in_place(spec, path, bad))
         reason = f"entry was damaged ({bad})" if bad else self.explain(spec, key, factors, group)
         return Fetched(None, key, False, None, reason, corrupt)
 

@@ -139,13 +139,7 @@ def _linked(
     if bad:
         more = f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""
         reason = f"{len(bad)} damaged: {bad[0]}{more}"
-        report_event(
-            Event.CACHE_CORRUPT,
-            cache=spec.name,
-            path=stored,
-            reason=reason,
-            action="left in place (the cache dir is unusable); not using it",
-        )
+        store.leave_in_place(spec, stored, reason)
         ws.healed.append(f"{spec.name}: {reason}")
         ws.bypassed = True  # what was left out is rebuilt and cannot be stored: a miss on a read-only dir
         store.bypass(spec, problem)

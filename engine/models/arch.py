@@ -28,6 +28,14 @@ class ModelError(ValueError):
     """A problem with a model folder or checkpoint; the message names the file and the fix."""
 
 
+def model_file(model_dir: Path, name: str, fix: str) -> Path:
+    """`model_dir / name`, which the model needs: ModelError saying it is missing, and `fix`, when it is not a file."""
+    path = model_dir / name
+    if not path.is_file():
+        raise ModelError(f"{path}: {name} is missing. {fix}")
+    return path
+
+
 class RopeScaling(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
@@ -225,12 +233,12 @@ def parse_hf_config(cfg: dict[str, Any], path: Path) -> ModelArch:
 
 
 def load_arch(model_dir: Path) -> ModelArch:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ModelError(
-            f"{path}: config.json is missing. A model folder needs config.json, *.safetensors and tokenizer "
-            f"files; re-export it with save_pretrained() or pass the right folder."
-        )
+    path = model_file(
+        model_dir,
+        "config.json",
+        "A model folder needs config.json, *.safetensors and tokenizer files; re-export it with save_pretrained() "
+        "or pass the right folder.",
+    )
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

@@ -3,12 +3,14 @@ stage named beside it, and read only by the stages that declare it in `needs`)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
+from glowplug.base.artifacts import ArtifactStore, CacheSpec, Fetched
 from glowplug.engine.compile import CompiledDecode, LoadedDecode, TracedDecode
 from glowplug.engine.compile_cache import CompileCache, StoredReplay
 from glowplug.engine.compile_replay import ReplayDecode
@@ -19,6 +21,7 @@ from glowplug.engine.llm_engine import LLMEngine
 from glowplug.engine.model_runner import ModelRunner
 from glowplug.engine.models.arch import ModelArch
 from glowplug.engine.models.llama import DecoderLM
+from glowplug.engine.models.store import model_group
 from glowplug.engine.parallel import TPShard, launch_rank
 from glowplug.kernels.gguf import GGUFRows
 
@@ -26,6 +29,9 @@ from .protocol import StartupContext
 
 if TYPE_CHECKING:
     from glowplug.engine.models.gguf_auto import LayerFormats
+
+
+T = TypeVar("T")
 
 
 class StageOrderError(RuntimeError):
@@ -124,6 +130,14 @@ class EngineContext(StartupContext):
             if block is not None:
                 return block, f"matches the source GGUF's {block}-weight blocks"
         return None, "scheme default"
+
+    def fetch_entry(
+        self, spec: CacheSpec, factors: dict[str, Any], *, build: Callable[[Path | None], T], load: Callable[[Path], T]
+    ) -> Fetched[T]:
+        """A stage's entry for this model (ArtifactStore.fetch, filed under the model's group, so `cache ls` and a
+        miss's explanation see it with the model's other entries): loaded when stored, else built and stored."""
+        store = ArtifactStore(self.cache_root)
+        return store.fetch(spec, factors, group=model_group(self.config.model), build=build, load=load)
 
     def tp_shard(self) -> TPShard:
         """This rank's place in the tensor-parallel group (engine/parallel.py): from the config and the rank the

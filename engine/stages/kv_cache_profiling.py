@@ -35,7 +35,6 @@ from glowplug.engine.attention import AttentionMetadata
 from glowplug.engine.config import EngineConfig
 from glowplug.engine.kv_sizing import plan_kv_cache
 from glowplug.engine.models.arch import ModelArch
-from glowplug.engine.models.store import model_group
 from glowplug.engine.parallel import tp_factors
 from glowplug.engine.start_estimate import HIT, MISS
 from glowplug.profiling.memory import LiveTensorPeak, PeakMemory
@@ -170,10 +169,9 @@ class KVCacheProfiling:
                 (folder / PROFILE).write_text(profile.model_dump_json())
             return profile
 
-        fetched = ArtifactStore(ctx.cache_root).fetch(
+        fetched = ctx.fetch_entry(
             KV_PROFILE,
             profile_factors(ctx),
-            group=model_group(ctx.config.model),
             build=build,
             load=lambda folder: KVProfile.model_validate_json((folder / PROFILE).read_text()),
         )

@@ -8,16 +8,17 @@ only the layers whose GGUF type has no exact layout are quantized here, each to 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from glowplug.base.artifacts import ArtifactStore
+from glowplug.base.artifacts import ArtifactStore, Fetched
 from glowplug.base.artifacts.caches import QUANT, file_stamps, source_digest
 from glowplug.engine.models.loader import checkpoint_files
-from glowplug.engine.models.store import gguf_table, model_group
+from glowplug.engine.models.store import gguf_table
 from glowplug.engine.parallel import tp_factors
 from glowplug.engine.start_estimate import HIT, MISS
 from glowplug.profiling.names import Attr
@@ -50,6 +51,35 @@ def quant_factors(ctx: EngineContext) -> dict[str, Any]:
         # start): which ones, and to what, is what the entry holds.
         factors["requantized"] = sorted(f"{m} {s}" for m, s in formats.requantize().items())
     return factors
+
+
+def _fetch_quantized(
+    ctx: EngineContext, quantize: Callable[[], dict[str, torch.Tensor]]
+) -> Fetched[dict[str, torch.Tensor]]:
+    """The tensors `quantize` adds to the checkpoint, from the quant cache: computed and stored on a miss."""
+
+    def build(folder: Path | None) -> dict[str, torch.Tensor]:
+        added = quantize()
+        if folder is not None:
+            save_file(added, str(folder / QUANTIZED))
+        return added
+
+    def load(folder: Path) -> dict[str, torch.Tensor]:
+        return load_file(str(folder / QUANTIZED))
+
+    return ctx.fetch_entry(QUANT, quant_factors(ctx), build=build, load=load)
+
+
+def _swap_in(
+    ctx: EngineContext, sd: dict[str, torch.Tensor], added: dict[str, torch.Tensor], replaced: Collection[str]
+) -> dict[str, torch.Tensor]:
+    """`sd` with the float weights of the `replaced` modules swapped for the quantized tensors `added`: the state
+    dict (and weight bytes) the later stages get."""
+    merged = {k: v for k, v in sd.items() if not (k.endswith(".weight") and k[: -len(".weight")] in replaced)}
+    merged.update(added)
+    ctx.state_dict = merged
+    ctx.weights_bytes = sum(t.nbytes for t in merged.values())
+    return merged
 
 
 class QuantizeWeights:
@@ -112,27 +142,13 @@ class QuantizeWeights:
                 }
             )
 
-        def build(folder: Path | None) -> dict[str, torch.Tensor]:
+        def quantize() -> dict[str, torch.Tensor]:
             # Quantize from fp32 so the result does not depend on the serving dtype's rounding.
             merged = scheme.quantize_state_dict(sd, group_size=group_size, quantize_head=head)
-            added = {k: v.contiguous() for k, v in merged.items() if k not in sd}
-            if folder is not None:
-                save_file(added, str(folder / QUANTIZED))
-            return added
+            return {k: v.contiguous() for k, v in merged.items() if k not in sd}
 
-        fetched = ArtifactStore(ctx.cache_root).fetch(
-            QUANT,
-            quant_factors(ctx),
-            group=model_group(ctx.config.model),
-            build=build,
-            load=lambda folder: load_file(str(folder / QUANTIZED)),
-        )
-        added = fetched.value
-        replaced = {k.rsplit(".", 1)[0] for k in added}
-        merged = {k: v for k, v in sd.items() if not (k.endswith(".weight") and k[: -len(".weight")] in replaced)}
-        merged.update(added)
-        ctx.state_dict = merged
-        ctx.weights_bytes = sum(t.nbytes for t in merged.values())
+        fetched = _fetch_quantized(ctx, quantize)
+        merged = _swap_in(ctx, sd, fetched.value, {k.rsplit(".", 1)[0] for k in fetched.value})
         attrs: dict[str, object] = {Attr.QUANTIZATION: q.quantization, **fetched.attributes()}
         attrs[Attr.QUANTIZED_BYTES] = scheme.weight_bytes(merged, only_linear=True)
         attrs[Attr.BITS_PER_WEIGHT] = round(scheme.bits_per_weight(group_size), 3)
@@ -154,34 +170,23 @@ class QuantizeWeights:
             # A tied head: its quantized copy is made from the embedding matrix (which stays for the lookup).
             sd = {**sd, f"{HEAD}.weight": sd[EMBEDDING]}
 
-        def build(folder: Path | None) -> dict[str, torch.Tensor]:
+        def quantize() -> dict[str, torch.Tensor]:
             added: dict[str, torch.Tensor] = {}
             for name in sorted(set(targets.values())):
                 # Quantized from fp32 (load_weights loaded these in fp32), as the explicit schemes do.
                 part = {f"{m}.weight": sd[f"{m}.weight"] for m, s in targets.items() if s == name}
                 quantized = get_scheme(name).quantize_state_dict(part, group_size=AUTO_GROUP, quantize_head=True)
                 added.update({k: v.contiguous() for k, v in quantized.items() if k not in part})
-            if folder is not None:
-                save_file(added, str(folder / QUANTIZED))
             return added
 
         attrs: dict[str, object] = {Attr.QUANTIZATION: "auto"}
         if targets:
-            fetched = ArtifactStore(ctx.cache_root).fetch(
-                QUANT,
-                quant_factors(ctx),
-                group=model_group(ctx.config.model),
-                build=build,
-                load=lambda folder: load_file(str(folder / QUANTIZED)),
-            )
+            fetched = _fetch_quantized(ctx, quantize)
             added = fetched.value
             attrs.update(fetched.attributes())
         else:
             added = {}  # every quantized layer came repacked from the GGUF's blocks: nothing to quantize or cache
-        merged = {k: v for k, v in sd.items() if not (k.endswith(".weight") and k[: -len(".weight")] in targets)}
-        merged.update(added)
-        ctx.state_dict = merged
-        ctx.weights_bytes = sum(t.nbytes for t in merged.values())
+        merged = _swap_in(ctx, sd, added, targets)
         counts = formats.counts()
         attrs.update(
             {
