@@ -1,6 +1,7 @@
 """Qwen2.5-Coder-1.5B-Instruct Q4_K_M, the official file as users download it (`glowplug models fetch
 qwen2.5-coder-1.5b`; skipped, naming that command, until it is fetched): de-quantized in fp32 its greedy tokens are
-transformers' reading the same file, and the default start (`--quantization auto`) reaches READY and decodes."""
+transformers' reading the same file. (Its default start, `--quantization auto`, serves in
+tests/lifecycle/test_qwen_server.py.)"""
 
 from __future__ import annotations
 
@@ -38,12 +39,3 @@ def test_none_fp32_greedy_tokens_equal_transformers(qwen_gguf: Path) -> None:
     with torch.inference_mode():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
     assert got == out[0, len(ids) :].tolist()
-
-
-def test_the_default_start_reaches_ready_and_decodes(qwen_gguf: Path) -> None:
-    from glowplug.engine.llm import LLM
-
-    llm = LLM(str(qwen_gguf), **SMALL)
-    assert llm.config.quant.quantization == "auto"
-    text = llm.generate([PROMPT], GREEDY)[0].outputs[0]
-    assert len(text.token_ids) == GREEDY.max_tokens

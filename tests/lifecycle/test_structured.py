@@ -21,6 +21,7 @@ import pydantic
 import pytest
 import torch
 from lifecycle_harness import ThreadServer, engine_config
+from tool_specs import ASK, TIME, WEATHER, check_calls
 
 from glowplug.engine.sampler import apply_token_bitmask
 from glowplug.lifecycle.config import ServeConfig
@@ -38,33 +39,6 @@ PERSON = {
     "required": ["name", "age", "role", "tags"],
     "additionalProperties": False,
 }
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The local time in a time zone.",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 12}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
-ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 
 # ------------------------------------------------------------------------------------------------ units
@@ -245,14 +219,6 @@ def test_length_mid_object_is_length_not_an_error(client: openai.OpenAI) -> None
     assert '{"name": "'.startswith(out.choices[0].message.content or "-")
 
 
-def _check_calls(calls: Any, names: set[str]) -> None:
-    assert calls, "no tool calls"
-    specs = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
-    for call in calls:
-        assert call.function.name in names and call.id.startswith("call_")
-        jsonschema.validate(json.loads(call.function.arguments), specs[call.function.name])
-
-
 @pytest.mark.slow
 def test_required_tool_choice_on_the_default_model(smol: openai.OpenAI) -> None:
     # One call (parallel_tool_calls false): the grammar ends the reply after it.
@@ -267,7 +233,7 @@ def test_required_tool_choice_on_the_default_model(smol: openai.OpenAI) -> None:
     )  # type: ignore[arg-type]
     assert req.choices[0].finish_reason == "tool_calls"
     calls = req.choices[0].message.tool_calls
-    _check_calls(calls, {"get_weather", "get_time"})
+    check_calls(calls, {"get_weather", "get_time"})
     assert calls is not None and calls[0].function.name == "get_weather"
 
 
@@ -277,7 +243,7 @@ def test_named_tool_choice(client: openai.OpenAI) -> None:
         model="smol", messages=ASK, tools=[WEATHER, TIME], tool_choice=named, max_tokens=100, **GREEDY
     )  # type: ignore[arg-type]
     calls = one.choices[0].message.tool_calls
-    _check_calls(calls, {"get_time"})
+    check_calls(calls, {"get_time"})
     assert calls is not None and len(calls) == 1 and one.choices[0].finish_reason == "tool_calls"
     # The call and its result go back through the template, and the model answers in text.
     follow = [
@@ -346,44 +312,3 @@ def test_bad_constraints_are_400s(server: ThreadServer, body: dict[str, Any], pa
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and words in err["message"], err
-
-
-@pytest.mark.slow
-def test_auto_tool_call_on_qwen(qwen_gguf: Path) -> None:
-    """Qwen2.5's own template renders the tools; with tool_choice "auto" the model decides to call one (the Coder
-    model writes `<tool_call>` or a fenced JSON object: the parser reads both)."""
-    config = engine_config(qwen_gguf, compile="off", max_model_len=2048)
-    srv = ThreadServer(config, ServeConfig(port=0, served_model_name="qwen")).start()
-    try:
-        srv.wait_ready(timeout=300)
-        client = srv.client(timeout=300)
-        out = client.chat.completions.create(
-            model="qwen", messages=ASK, tools=[WEATHER, TIME], tool_choice="auto", max_tokens=48, **GREEDY
-        )  # type: ignore[arg-type]
-        # Forced calls: the grammar asks for Qwen's own <tool_call> tokens, which a matcher does not take as text.
-        # One call: under greedy decoding the 1.5B follows a call with another one rather than end its turn.
-        required = client.chat.completions.create(
-            model="qwen",
-            messages=ASK,
-            tools=[WEATHER, TIME],
-            tool_choice="required",
-            max_tokens=64,
-            parallel_tool_calls=False,
-            **GREEDY,
-        )  # type: ignore[arg-type]
-        named = client.chat.completions.create(
-            model="qwen",
-            messages=ASK,
-            tools=[WEATHER, TIME],
-            max_tokens=64,
-            tool_choice={"type": "function", "function": {"name": "get_time"}},
-            **GREEDY,
-        )  # type: ignore[arg-type]
-    finally:
-        srv.stop()
-    assert out.choices[0].finish_reason == "tool_calls", out.choices[0]
-    _check_calls(out.choices[0].message.tool_calls, {"get_weather"})
-    assert required.choices[0].finish_reason == "tool_calls", required.choices[0]
-    _check_calls(required.choices[0].message.tool_calls, {"get_weather", "get_time"})
-    assert named.choices[0].finish_reason == "tool_calls", named.choices[0]
-    _check_calls(named.choices[0].message.tool_calls, {"get_time"})
