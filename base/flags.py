@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal, NoReturn
 
-import tomllib
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
@@ -267,6 +266,8 @@ def resolve_model_argument(args: argparse.Namespace) -> None:
 
 def load_config_file(path: Path) -> dict[str, Any]:
     """A flat JSON or TOML file of the same field names as the flags."""
+    import tomllib  # here, not at the top: only a --config file needs it, every command line imports this module
+
     if not path.is_file():
         raise FlagError(f"--config {path}: file not found")
     try:

@@ -13,7 +13,6 @@ that cannot be mapped) the answer is None: unknown, never a guess.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 from collections.abc import Iterable
@@ -49,13 +48,25 @@ class Residency:
         return Residency(self.total + other.total, self.resident + other.resident)
 
 
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
+def _load(name: str | None) -> ctypes.CDLL | None:
+    """The library `name` (None: the process's own symbols) when it has mincore."""
     try:
         lib = ctypes.CDLL(name, use_errno=True)
     except OSError:
         return None
-    if not hasattr(lib, "mincore"):
+    return lib if hasattr(lib, "mincore") else None
+
+
+def _libc() -> ctypes.CDLL | None:
+    """The C library's mmap, munmap and mincore. The process's own symbols first (dlopen(NULL): libc is linked
+    into every CPython on the systems with mincore), since find_library runs `ldconfig -p`, tens of milliseconds
+    at every import."""
+    lib = _load(None)
+    if lib is None:
+        from ctypes.util import find_library
+
+        lib = _load(find_library("c"))
+    if lib is None:
         return None
     lib.mmap.restype = ctypes.c_void_p
     lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]

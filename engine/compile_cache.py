@@ -43,6 +43,7 @@ from glowplug.base.errors import one_line
 from glowplug.profiling.names import Event
 
 from .compile import CompiledDecode, InductorSettings, LoadedDecode
+from .compile_index import SOURCE_PACKAGES, config_factors, device_label
 from .compile_replay import PLAN_FILE, ReplayDecode, ReplayPlan, ReplayUnavailable
 from .config import EngineConfig
 from .models.arch import ModelArch
@@ -54,22 +55,6 @@ T = TypeVar("T")
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
 ARTIFACT = "decode.aot"
 _INDUCTOR_SKIP = ("locks/",)  # Inductor's lock files: not artifacts
-
-
-def device_label(device: str) -> str:
-    """The device as compiled code depends on it: on the CPU, the CPU model (Inductor builds with -march=native); on
-    a GPU, its name, compute capability and torch's CUDA version (base.machine.GpuFacts)."""
-    if device.startswith("cuda"):
-        from glowplug.base.machine import gpu_facts
-
-        return gpu_facts(device).label()
-    if device != "cpu":
-        return device
-    from glowplug.base.machine import cpu_model
-
-    # Inductor picks its vector ISA by the CPU, capped by ATEN_CPU_CAPABILITY: a capped start compiles other code.
-    capped = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    return f"cpu/{cpu_model()}" + (f"/aten_cpu_capability={capped}" if capped else "")
 
 
 def compile_factors(
@@ -95,16 +80,9 @@ def compile_factors(
         "inductor": dataclasses.asdict(settings),
         "model_config": arch.model_dump(mode="json"),
         "dtype": str(dtype).removeprefix("torch."),
-        "engine_config": {
-            "quant": {
-                "quantization": config.quant.quantization,
-                "group_size": config.quant.group_size,
-                "quantize_lm_head": config.quant.quantize_lm_head,
-            },
-            "cache": {"kv_cache_dtype": config.cache.kv_cache_dtype, "block_size": config.cache.block_size},
-        },
+        "engine_config": config_factors(config),
         "torch": torch.__version__,
-        "glowplug_source": source_digest(["", "engine", "kernels"]),
+        "glowplug_source": source_digest(SOURCE_PACKAGES),
         "device": device_label(device),
         **tp_factors(config.tensor_parallel_size),
     }

@@ -5,7 +5,9 @@ start on this machine (what the start-up model is fitted on), and a plan made fr
 A live start plans in engine/startup.py (`plan_start`), after its imports, with every stage's cache probe; a
 prediction made before starting cannot run the probes (they compute their keys with torch) and reads the cache
 states from the store instead (`predicted_pattern`): an entry a recorded start of this config used is a hit while
-it is still there with its recorded sizes, and a cache no start of this model ever filled is a miss.
+it is still there with its recorded sizes, and a cache no start of this model ever filled is a miss. The compile
+cache, whose key changes with the glowplug source and torch, is told by comparing the factors known before a start
+with its stored entries' (engine/compile_index.py); the basis is one of the plan's notes.
 """
 
 from __future__ import annotations
@@ -22,9 +24,20 @@ from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import STARTUP_PROFILE, by_name
 from glowplug.base.artifacts.manifest import read_manifest
 
+from .compile_index import forecast
 from .config import EngineConfig
 from .models.store import model_group
-from .start_estimate import HIT, MISS, PAGE_CACHE, UNKNOWN, PhaseEstimate, fit_records, page_cache_state, predict
+from .start_estimate import (
+    COMPILE,
+    HIT,
+    MISS,
+    PAGE_CACHE,
+    UNKNOWN,
+    PhaseEstimate,
+    fit_records,
+    page_cache_state,
+    predict,
+)
 from .start_inputs import StartInputs, gather_inputs
 from .start_record import StartRecord, parse_profile
 
@@ -54,6 +67,9 @@ DEFAULT_CACHES: dict[str, tuple[str, ...]] = {
     "dynamo_transform": ("compile",),
     "graph_compile": ("compile",),
     "kv_cache_profiling": ("kv_profile",),
+    # start_estimate.RUNS_COMPILED: their first run of the compiled step costs more right after a fresh compile.
+    "graph_capture": ("compile",),
+    "warmup": ("compile",),
 }
 # Caches whose entries belong to one model (the others, such as the native kernels, serve every model).
 PER_MODEL = ("model", "quant", "compile", "kv_profile")
@@ -221,16 +237,21 @@ def predicted_pattern(
         template = next((r for e in entries if e.group == group for r in e.records if r.pattern is not None), None)
     if template is None:
         template = next((r for e in entries for r in e.records if r.pattern is not None), None)
-    caches = (
-        [c for c in (template.pattern or {}) if c != PAGE_CACHE]
-        if template is not None
-        else ["model", "compile"]
-        if config.compile_enabled()
-        else ["model"]
-    )
+    caches = [c for c in (template.pattern or {}) if c != PAGE_CACHE] if template is not None else ["model"]
+    if config.compile_enabled() and COMPILE not in caches:
+        caches.append(COMPILE)
     pattern: dict[str, str] = {}
     found: dict[str, Path] = {}
     for cache in caches:
+        if cache == COMPILE:
+            if not config.compile_enabled():
+                continue
+            told = forecast(config, store, device)
+            pattern[cache] = told.state
+            if told.entry is not None:
+                found[cache] = told.entry
+            how.append(told.basis)
+            continue
         spec = by_name(cache)
         key = next((r.entries[cache] for r in mine if r.entries and cache in r.entries), None)
         if key is not None:

@@ -15,7 +15,6 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +64,8 @@ REGRESSED = 3
 def version_text() -> str:
     """`glowplug 0.1.0 (torch 2.13.0+cpu, python 3.11.9)`, from package metadata: no torch import."""
 
+    from importlib import metadata
+
     def version(name: str) -> str:
         try:
             return metadata.version(name)
@@ -72,6 +73,23 @@ def version_text() -> str:
             return "not installed"
 
     return f"glowplug {version('glowplug')} (torch {version('torch')}, python {sys.version.split()[0]})"
+
+
+# The top-level commands: a command line naming one builds only its parser (build_parser).
+COMMANDS = ("generate", "startup", "serve", "bench", "tune", "bundle", "cache", "kernels", "models")
+
+
+class _VersionAction(argparse.Action):
+    """`--version`: the text is read from package metadata when asked for, not each time the parser is built
+    (importlib.metadata costs every command tens of milliseconds)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+        self.help = "show program's version number and exit"
+
+    def __call__(self, parser: argparse.ArgumentParser, *_args: Any, **_kwargs: Any) -> None:
+        print(version_text())
+        parser.exit()
 
 
 def _engine_parent() -> argparse.ArgumentParser:
@@ -628,17 +646,68 @@ def _add_bench_commands(bench: argparse.ArgumentParser, tune_parser: argparse.Ar
 
 
 def build_parser(command: str | None = None) -> CommandParser:
-    """The CLI. `command` (the first word of the command line) skips building the bench and tune commands'
-    flags when another command runs: they import every benchmark's config, a visible share of `glowplug startup`'s
-    imports row. None builds everything (help, docs, tests)."""
+    """The CLI. `command` (the first word of the command line), when it names a command, builds that command
+    alone: the others' flags import their configs (every benchmark's, the server's, the sampling schema), a visible
+    share of `glowplug startup`'s imports row and most of `startup --predict-only`'s second. None, or a word that
+    names no command, builds everything (help, docs, tests, and the error that lists the commands)."""
     parser = CommandParser(
         prog="glowplug", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--version", action="version", version=version_text())
+    parser.add_argument("--version", action=_VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    only = command if command in COMMANDS else None
+
+    def wanted(name: str) -> bool:
+        return only is None or only == name
+
     engine = _engine_parent()
     output = _output_parent()
+    if wanted("generate"):
+        _add_generate(sub, engine, output)
+    if wanted("startup"):
+        _add_startup(sub, engine, output)
+    if wanted("serve"):
+        from glowplug.lifecycle.config import add_serve_flags
 
+        srv = sub.add_parser(
+            "serve",
+            parents=[engine, output],
+            help="OpenAI-compatible HTTP server (http://127.0.0.1:8000/v1 by default).",
+        )
+        add_model_argument(srv)
+        add_serve_flags(srv.add_argument_group("serving (one flag per ServeConfig field)"))
+        srv.set_defaults(func=cmd_serve)
+    if wanted("bench") or wanted("tune"):
+        bench = sub.add_parser(
+            "bench", help="Benchmarks; reports go where --out/--out-dir says (default: ./<command>/)."
+        )
+        tune = sub.add_parser("tune", help="Tune start-up settings (max-model-len sweeps).")
+        _add_bench_commands(bench, tune)
+    if wanted("bundle"):
+        from glowplug import bundle_cli
+
+        bundle_cli.register(sub, engine, engine_config, output)
+    if wanted("cache"):
+        from glowplug import cache_cli
+
+        cache_cli.register(sub)
+    if wanted("kernels"):
+        from glowplug import kernels_cli
+
+        kernels_cli.register(sub)
+    if wanted("models"):
+        models = sub.add_parser("models", help="Manage model files.")
+        msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
+        prep = msub.add_parser("prepare", help="Convert a GGUF model (the embedded default) into the cache now.")
+        add_model_argument(prep)
+        prep.set_defaults(func=cmd_models_prepare)
+        from glowplug import model_fetch
+
+        model_fetch.register(msub)
+    return parser
+
+
+def _add_generate(sub: Any, engine: argparse.ArgumentParser, output: argparse.ArgumentParser) -> None:
     gen = sub.add_parser(
         "generate",
         parents=[engine, _sampling_parent(), output],
@@ -652,6 +721,8 @@ def build_parser(command: str | None = None) -> CommandParser:
     gen.add_argument("--chat", action="store_true", help="Wrap each prompt in the model's chat template.")
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_startup(sub: Any, engine: argparse.ArgumentParser, output: argparse.ArgumentParser) -> None:
     start = sub.add_parser(
         "startup",
         parents=[engine, output],
@@ -688,36 +759,6 @@ def build_parser(command: str | None = None) -> CommandParser:
     )
     start.set_defaults(func=cmd_startup)
 
-    from glowplug.lifecycle.config import add_serve_flags
-
-    srv = sub.add_parser(
-        "serve", parents=[engine, output], help="OpenAI-compatible HTTP server (http://127.0.0.1:8000/v1 by default)."
-    )
-    add_model_argument(srv)
-    add_serve_flags(srv.add_argument_group("serving (one flag per ServeConfig field)"))
-    srv.set_defaults(func=cmd_serve)
-
-    bench = sub.add_parser("bench", help="Benchmarks; reports go where --out/--out-dir says (default: ./<command>/).")
-    tune = sub.add_parser("tune", help="Tune start-up settings (max-model-len sweeps).")
-    if command in (None, "bench", "tune"):  # their flags come from the benchmarks' configs: imported only for them
-        _add_bench_commands(bench, tune)
-
-    from glowplug import bundle_cli, cache_cli, kernels_cli
-
-    bundle_cli.register(sub, engine, engine_config, output)
-    cache_cli.register(sub)
-    kernels_cli.register(sub)
-
-    models = sub.add_parser("models", help="Manage model files.")
-    msub = models.add_subparsers(dest="models_command", required=True, metavar="ACTION")
-    prep = msub.add_parser("prepare", help="Convert a GGUF model (the embedded default) into the cache now.")
-    add_model_argument(prep)
-    prep.set_defaults(func=cmd_models_prepare)
-    from glowplug import model_fetch
-
-    model_fetch.register(msub)
-    return parser
-
 
 def _say(line: str) -> None:
     print(f"glowplug: {line}", file=sys.stderr, flush=True)
@@ -741,6 +782,19 @@ def _first_line(exc: BaseException) -> str:
 
 def run_command(args: argparse.Namespace) -> int:
     """Run the parsed command; every failure becomes one line and an exit status (see the module docstring)."""
+    verbose = bool(getattr(args, "verbose", False))
+    try:
+        resolve_model_argument(args)
+        return args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        return _failure(exc, verbose)
+
+
+def _failure(exc: Exception, verbose: bool) -> int:
+    """The exit status and line of a failed command (re-raises what is not ours to explain). The error types are
+    imported here, once something failed: the stage protocol's module (OpenTelemetry) is not needed to succeed."""
     from pydantic import ValidationError
 
     from glowplug.base.artifacts import CacheDirUnusable
@@ -749,11 +803,7 @@ def run_command(args: argparse.Namespace) -> int:
     from glowplug.engine.models.arch import ModelError
     from glowplug.engine.stages.protocol import StartupFailed
 
-    verbose = bool(getattr(args, "verbose", False))
-    try:
-        resolve_model_argument(args)
-        return args.func(args)
-    except StartupFailed as exc:
+    if isinstance(exc, StartupFailed):
         if isinstance(exc.cause, ConfigError):  # a setting the model cannot take, found in model_prepare
             return _fail(SETTING_ERROR, f"error: {exc.cause}", exc, verbose)
         hint = "" if verbose or isinstance(exc.cause, (ModelError, CacheDirUnusable)) else " (--verbose: traceback)"
@@ -763,14 +813,11 @@ def run_command(args: argparse.Namespace) -> int:
             exc,
             verbose,
         )
-    except ValidationError as exc:
+    if isinstance(exc, ValidationError):
         return _fail(SETTING_ERROR, f"invalid setting:\n{explain(exc)}", exc, verbose)
-    except (ConfigError, FlagError, ModelError, CacheDirUnusable, MissingExtra) as exc:
+    if isinstance(exc, (ConfigError, FlagError, ModelError, CacheDirUnusable, MissingExtra, ValueError)):
         return _fail(SETTING_ERROR, f"error: {exc}", exc, verbose)
-    except ValueError as exc:
-        return _fail(SETTING_ERROR, f"error: {exc}", exc, verbose)
-    except KeyboardInterrupt:
-        return 130
+    raise exc
 
 
 def main(argv: list[str] | None = None) -> int:

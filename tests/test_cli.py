@@ -100,6 +100,33 @@ def test_other_commands_do_not_build_the_benchmark_flags() -> None:
     assert "max-model-len" in _run("tune", "--help").stdout
 
 
+def test_predict_only_imports_nothing_it_does_not_use(tmp_path) -> None:
+    """`glowplug startup --predict-only` answers within a second: no torch, no server or benchmark modules, no
+    other command's flags, and none of what only a failure or a cache write needs (structlog, OpenTelemetry,
+    filelock, importlib.metadata). The prediction itself is still printed."""
+    heavy = (
+        "torch",
+        "transformers",
+        "fastapi",
+        "uvicorn",
+        "structlog",
+        "opentelemetry",
+        "filelock",
+        "glowplug.lifecycle.config",
+        "glowplug.engine.sampling_params",
+        "glowplug.cache_cli",
+        "glowplug.engine.stages.protocol",
+    )
+    code = (
+        "import sys; from glowplug import cli; rc = cli.main(['startup', '--predict-only']); "
+        f"print('LOADED', sorted(m for m in {heavy!r} if m in sys.modules)); sys.exit(rc)"
+    )
+    env = {**os.environ, "GLOWPLUG_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "LOADED []" in proc.stdout and "READY" in proc.stdout, proc.stdout
+
+
 def _subparsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     """Every command path of the CLI (`bench startup`, `models fetch`, ...), leaves and groups alike."""
     found = [path]

@@ -167,3 +167,36 @@ def test_another_shapes_first_start_from_the_model_fitted_on_the_tiny_models_sta
     assert all(p["kind"] == "model" and p["basis"].startswith("model (fitted") for p in phases.values())
     error = qwen_start[Attr.ETA_FIRST_READY_S] / qwen_start["actual"] - 1
     assert abs(error) <= COLD_ETA_TARGET, (qwen_start[Attr.ETA_FIRST_READY_S], qwen_start["actual"])
+
+
+def _predict(model: Path, cache: Path, out: Path, *flags: str) -> dict[str, Any]:
+    proc = _glowplug(["startup", str(model), *flags, "--predict-only", "--report-out", str(out)], cache)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+def test_predict_only_tells_the_compile_hit_from_the_stored_entries(tiny_dir, tmp_path: Path) -> None:
+    """Before a start, the compile cache's hit or miss is the start's own: after one compiled start of the tiny
+    model, another config of it that compiles the same step (a different --max-num-seqs: the profile has no start
+    of that config) is predicted a hit, and its real start hits; a graph-shaping change (int8 KV cache) is a miss
+    naming the change; an empty cache dir is a miss."""
+    model, cache = tiny_dir("llama"), tmp_path / "cache"
+    empty = _predict(model, tmp_path / "empty", tmp_path / "empty.json", "--compile", "on")
+    assert empty["pattern"]["compile"] == "miss"
+    assert any(n.startswith("compile: miss, no compiled step") for n in empty["notes"]), empty["notes"]
+
+    first = _glowplug(["startup", str(model), "--compile", "on", "--quiet"], cache)
+    assert first.returncode == 0, first.stderr[-2000:]
+    other = ("--compile", "on", "--max-num-seqs", "4")
+    told = _predict(model, cache, tmp_path / "hit.json", *other)
+    assert told["pattern"]["compile"] == "hit", told["notes"]
+    assert any(n.startswith("compile: hit, stored entry") for n in told["notes"]), told["notes"]
+    changed = _predict(model, cache, tmp_path / "int8.json", *other, "--kv-cache-dtype", "int8")
+    assert changed["pattern"]["compile"] == "miss"
+    assert any("kv_cache_dtype 'auto' -> 'int8'" in n for n in changed["notes"]), changed["notes"]
+
+    report = tmp_path / "second.json"
+    second = _glowplug(["startup", str(model), *other, "--quiet", "--report-out", str(report)], cache)
+    assert second.returncode == 0, second.stderr[-2000:]
+    pattern = json.loads(report.read_text())["attributes"]["actual_total_time"][Attr.CACHE_PATTERN]
+    assert "compile=hit" in pattern, pattern

@@ -7,13 +7,9 @@ import errno
 import os
 import tempfile
 from pathlib import Path
-
-import structlog
-from opentelemetry import trace
+from typing import Any
 
 from glowplug.profiling.names import Attr, Event
-
-log = structlog.get_logger("glowplug.artifacts")
 
 DEFAULT_CACHE_DIR = "~/.cache/glowplug"
 
@@ -38,12 +34,22 @@ class CacheDirUnusable(OSError):
         return str(self.args[0])
 
 
+def log() -> Any:
+    """The artifacts' logger. structlog and OpenTelemetry are imported when a store first reports something, not
+    with the store: `glowplug startup --predict-only` and `glowplug cache ls` read the store and must stay fast."""
+    import structlog
+
+    return structlog.get_logger("glowplug.artifacts")
+
+
 def report_event(event: str, *, cache: str, path: Path, reason: str, action: str) -> None:
     """Put a cache event on the current span (the running stage's) and log it."""
+    from opentelemetry import trace
+
     attrs = {Attr.CACHE_NAME: cache, Attr.CACHE_PATH: str(path), Attr.CACHE_REASON: reason, Attr.CACHE_ACTION: action}
     trace.get_current_span().add_event(event, attrs)
     if event == Event.CACHE_CORRUPT:
-        log.warning(f"{cache} cache entry is damaged: {reason}; {action}", path=str(path), cache=cache)
+        log().warning(f"{cache} cache entry is damaged: {reason}; {action}", path=str(path), cache=cache)
 
 
 def warn_once(problem: CacheDirUnusable, bypassing: list[str]) -> None:
@@ -51,7 +57,7 @@ def warn_once(problem: CacheDirUnusable, bypassing: list[str]) -> None:
     if str(problem) in _WARNED:
         return
     _WARNED.add(str(problem))
-    log.warning(
+    log().warning(
         f"{problem}. Meanwhile glowplug runs without caching ({', '.join(bypassing)}: recomputed on every start)"
     )
 

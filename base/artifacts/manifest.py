@@ -12,10 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import struct
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,6 +68,8 @@ class Manifest(BaseModel):
 
 
 def package_version(name: str) -> str:
+    from importlib import metadata  # imported by a writer: importlib.metadata costs a reader tens of ms
+
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -77,7 +77,9 @@ def package_version(name: str) -> str:
 
 
 def producer() -> Producer:
-    # Package metadata, not `import torch`: `glowplug cache ls` must stay fast.
+    # Package metadata, not `import torch`: `glowplug cache ls` must stay fast. `platform` for a writer alone too.
+    import platform
+
     return Producer(
         glowplug=package_version("glowplug"),
         torch=package_version("torch"),

@@ -36,15 +36,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import structlog
-from filelock import FileLock, Timeout
-
 from glowplug.profiling.names import Attr, Event
 
 from .cachedir import (
     CacheDirUnusable,
     cache_dir_from_env,
     classify,
+    log,
     read_problem,
     refusal,
     report_event,
@@ -68,7 +66,6 @@ from .manifest import (
 )
 
 T = TypeVar("T")
-log = structlog.get_logger("glowplug.artifacts")
 __all__ = ["ArtifactStore", "CacheDirUnusable", "CacheSpec", "Fetched", "probes_seen"]
 
 # The probes made in the current context, when someone listens (`probes_seen`): (cache, entry folder, would hit).
@@ -166,11 +163,13 @@ class ArtifactStore:
 
     @contextmanager
     def lock(self, spec: CacheSpec, key: str) -> Iterator[None]:
+        from filelock import FileLock, Timeout  # only a writer locks: a reader of the store need not import it
+
         lock = FileLock(str(self.folder(spec) / LOCKS / f"{key}.lock"))
         try:
             lock.acquire(timeout=2)
         except Timeout:
-            log.info(f"waiting for another glowplug process to finish {spec.name} entry {key}")
+            log().info(f"waiting for another glowplug process to finish {spec.name} entry {key}")
             lock.acquire()
         try:
             yield
