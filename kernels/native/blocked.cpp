@@ -390,7 +390,6 @@ void dense_block(const uint16_t* wb, int64_t K, const uint16_t* x, int64_t m0, i
 // ---------------------------------------------------------------------------------------------- int4 / int2
 // A block is [K / KC chunks of 64 bytes][G x 16 fp16 scales][G x 16 fp16 mins], KC = 8 (int4) or 16 (int2) codes of
 // each row per chunk; w = q * scale + min.
-
 template <int BITS, int MB, int NA>
 void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, const float* xsum, int64_t m0,
                 int64_t nb, int64_t N, const OutWriter& out) {
