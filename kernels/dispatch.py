@@ -332,7 +332,7 @@ def time_us(fn: Callable[[], Any], repeats: int = 10, warmup: int = 2, budget_s:
     The minimum, not a mean or median, because the machines are shared: preemption only ever adds time (whole
     4 ms scheduler ticks when one of the two OpenMP threads is descheduled), so the minimum tracks the
     kernel's own cost while the median tracks the neighbours' load. Weights rotate through uncached copies
-    (see measure_paths), so the minimum is not a warm-cache artefact. Reports show the median and spread of
+    (see measure_path_samples), so the minimum is not a warm-cache artefact. Reports show the median and spread of
     `time_samples_us` instead: a reader needs to see how stable a figure is, not only its best case."""
     return min(time_samples_us(fn, repeats, warmup, budget_s))
 
@@ -371,20 +371,6 @@ def measure_path_samples(
                 continue
             out[m][name] = time_samples_us(_rotating(dispatcher, name, x, runtimes), repeats=repeats)
     return out
-
-
-def measure_paths(
-    dispatcher: Dispatcher,
-    w: PackedWeight,
-    ms: Sequence[int],
-    *,
-    repeats: int = 10,
-    stream_bytes: int = 96 << 20,
-    seed: int = 0,
-) -> dict[int, dict[str, float]]:
-    """µs of every valid path of w at each M: the fastest call (see time_us), which calibration ranks by."""
-    samples = measure_path_samples(dispatcher, w, ms, repeats=repeats, stream_bytes=stream_bytes, seed=seed)
-    return {m: {name: min(v) for name, v in per_path.items()} for m, per_path in samples.items()}
 
 
 def _rotating(dispatcher: Dispatcher, name: str, x: Tensor, runtimes: list[Runtime]) -> Callable[[], Tensor]:
@@ -454,7 +440,9 @@ def calibrate(
         # Calibrate what the layer will really hold: e.g. "int4-g128" on K=576 is a g64 layer.
         for spec in dict.fromkeys(fit_spec(s, k) for s in formats):
             w = quantize(weight, spec)
-            timings = measure_paths(dispatcher, w, ms, repeats=repeats, stream_bytes=stream_bytes)
+            samples = measure_path_samples(dispatcher, w, ms, repeats=repeats, stream_bytes=stream_bytes)
+            # the fastest call of each path (see time_us) is what calibration ranks by
+            timings = {m: {name: min(v) for name, v in per_path.items()} for m, per_path in samples.items()}
             key = shape_key("cpu", w.kind, getattr(w, "group_size", None), n, k)
             table.measured[key] = [(m, min(t, key=t.__getitem__)) for m, t in timings.items() if t]
             table.meta["timings_us"][key] = {str(m): {p: round(v, 1) for p, v in t.items()} for m, t in timings.items()}

@@ -18,25 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from glowplug.base.ggml import (  # noqa: F401 - the type table, re-exported for the kernels' users
-    BF16,
-    BLOCKS,
-    F16,
-    F32,
-    FLOATS,
-    IN_PLACE,
-    Q2_K,
-    Q3_K,
-    Q4_0,
-    Q4_1,
-    Q4_K,
-    Q5_0,
-    Q5_1,
-    Q5_K,
-    Q6_K,
-    Q8_0,
-    TYPE_NAMES,
-)
+from glowplug.base.ggml import BLOCKS, FLOATS, IN_PLACE, TYPE_NAMES
 
 from .modules import DenseLinear, NativeSwitch
 

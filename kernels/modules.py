@@ -205,8 +205,13 @@ class QuantLinear(nn.Module):
         # graph (engine/stages/dynamo_transform.py). None: a traced graph has static shapes and plans for its own M.
         self.trace_m: int | None = None
         self.register_load_state_dict_post_hook(_after_load)  # type: ignore[no-untyped-call]
+        self._register_weights(device)
 
     # -- subclass interface -------------------------------------------------------------------------------
+    def _register_weights(self, device: torch.device | str | None) -> None:
+        """Register the format's buffers when the layer's shape alone sets them (W8A8); a format whose buffers also
+        take a group size registers them in its own __init__, after this one."""
+
     def packed(self) -> PackedWeight:
         raise NotImplementedError
 
@@ -572,20 +577,11 @@ class W8A8Linear(QuantLinear):
 
     smooth: Tensor
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = False,
-        *,
-        device: torch.device | str | None = None,
-        bias_dtype: torch.dtype = torch.float32,
-        dispatcher: Dispatcher | None = None,
-    ) -> None:
-        super().__init__(in_features, out_features, bias, device=device, bias_dtype=bias_dtype, dispatcher=dispatcher)
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32, device=device))
-        self.register_buffer("smooth", torch.ones(in_features, dtype=torch.float32, device=device))
+    def _register_weights(self, device: torch.device | str | None) -> None:
+        n, k = self.out_features, self.in_features
+        self.register_buffer("qweight", torch.zeros(n, k, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.ones(n, dtype=torch.float32, device=device))
+        self.register_buffer("smooth", torch.ones(k, dtype=torch.float32, device=device))
 
     def packed(self) -> W8A8Weight:
         return W8A8Weight(self.qweight, self.scales, self.smooth)

@@ -81,6 +81,10 @@ class QuantScheme:
     def make_module(self, linear: nn.Linear, group_size: int | None, dispatcher: Dispatcher | None) -> QuantLinear:
         raise NotImplementedError
 
+    def _converts(self, name: str, *, quantize_head: bool, skip: SkipFn) -> bool:
+        """Whether the projection `name` takes this format (a target, not skipped); NoQuant converts none."""
+        return is_target_module(name, quantize_head=quantize_head) and not skip(name)
+
     # -- public API ----------------------------------------------------------------------------------------
     def resolve_group_size(self, group_size: int | None) -> int | None:
         if group_size is None:
@@ -110,12 +114,7 @@ class QuantScheme:
         out: dict[str, Tensor] = {}
         for key, tensor in sd.items():
             module = key[: -len(".weight")] if key.endswith(".weight") else None
-            if (
-                module is None
-                or tensor.ndim != 2
-                or not is_target_module(module, quantize_head=quantize_head)
-                or skip(module)
-            ):
+            if module is None or tensor.ndim != 2 or not self._converts(module, quantize_head=quantize_head, skip=skip):
                 out[key] = tensor
                 continue
             packed = self.quantize_weight(tensor, self.layer_group_size(int(tensor.shape[1]), gs), module)
@@ -139,7 +138,7 @@ class QuantScheme:
         targets = [
             (name, mod)
             for name, mod in model.named_modules()
-            if isinstance(mod, nn.Linear) and is_target_module(name, quantize_head=quantize_head) and not skip(name)
+            if isinstance(mod, nn.Linear) and self._converts(name, quantize_head=quantize_head, skip=skip)
         ]
         for name, linear in targets:
             layer_gs = self.layer_group_size(linear.in_features, gs)
@@ -176,6 +175,9 @@ class QuantScheme:
 
 
 class NoQuant(QuantScheme):
+    """The model as it is: every state dict passes through and no module is swapped (the base methods, with
+    `_converts` false); a group size is refused."""
+
     name = "none"
     bits = 16
 
@@ -184,28 +186,8 @@ class NoQuant(QuantScheme):
             raise ValueError("group_size does not apply to quantization 'none'")
         return None
 
-    def quantize_state_dict(
-        self,
-        sd: Mapping[str, Tensor],
-        *,
-        group_size: int | None = None,
-        skip: SkipFn | None = None,
-        quantize_head: bool = False,
-    ) -> dict[str, Tensor]:
-        self.resolve_group_size(group_size)
-        return dict(sd)
-
-    def convert_for_runtime(
-        self,
-        model: nn.Module,
-        *,
-        group_size: int | None = None,
-        skip: SkipFn | None = None,
-        dispatcher: Dispatcher | None = None,
-        quantize_head: bool = False,
-    ) -> nn.Module:
-        self.resolve_group_size(group_size)
-        return model
+    def _converts(self, name: str, *, quantize_head: bool, skip: SkipFn) -> bool:
+        return False
 
 
 def _module_kwargs(linear: nn.Linear, dispatcher: Dispatcher | None) -> dict[str, Any]:

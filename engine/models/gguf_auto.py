@@ -36,23 +36,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
 
-from glowplug.base.ggml import (
-    BF16,
-    F16,
-    F32,
-    IN_PLACE,
-    Q2_K,
-    Q3_K,
-    Q4_0,
-    Q4_1,
-    Q4_K,
-    Q5_0,
-    Q5_1,
-    Q5_K,
-    Q6_K,
-    Q8_0,
-    TYPE_NAMES,
-)
+from glowplug.base import ggml
 from glowplug.kernels.gguf import fits
 
 from .gguf_tensors import TensorEntry, TensorTable, hf_name
@@ -64,22 +48,25 @@ How = Literal["in place", "repacked", "re-quantized", "as stored", "de-quantized
 # weights; re-quantized layers take the same so a fused layer's parts and its kernels agree.
 AUTO_GROUP = 32
 _SCHEME_OF: dict[int, Scheme] = {
-    Q4_0: "int4",
-    Q4_1: "int4",
-    Q4_K: "int4",
-    Q2_K: "int4",
-    Q3_K: "int4",
-    Q5_0: "int8",
-    Q5_1: "int8",
-    Q5_K: "int8",
-    Q6_K: "int8",
-    Q8_0: "int8",
-    F32: "none",
-    F16: "none",
-    BF16: "none",
+    ggml.Q4_0: "int4",
+    ggml.Q4_1: "int4",
+    ggml.Q4_K: "int4",
+    ggml.Q2_K: "int4",
+    ggml.Q3_K: "int4",
+    ggml.Q5_0: "int8",
+    ggml.Q5_1: "int8",
+    ggml.Q5_K: "int8",
+    ggml.Q6_K: "int8",
+    ggml.Q8_0: "int8",
+    ggml.F32: "none",
+    ggml.F16: "none",
+    ggml.BF16: "none",
 }
 # Types whose blocks are taken as they are into the scheme's g32 layout (gguf_tensors.repack_int4/int8).
-_EXACT: dict[Scheme, frozenset[int]] = {"int4": frozenset({Q4_0, Q4_1, Q4_K}), "int8": frozenset({Q8_0, Q5_0})}
+_EXACT: dict[Scheme, frozenset[int]] = {
+    "int4": frozenset({ggml.Q4_0, ggml.Q4_1, ggml.Q4_K}),
+    "int8": frozenset({ggml.Q8_0, ggml.Q5_0}),
+}
 _WIDTH: dict[Scheme, int] = {"gguf": 0, "int4": 1, "int8": 2, "none": 3}
 # The layer classes of one decoder layer: (class name in the row note, model module suffix, checkpoint parts).
 _CLASSES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
@@ -262,9 +249,9 @@ def _layer(module: str, kind: str, found: list[tuple[str, TensorEntry]], in_plac
     """The format of one (possibly fused) layer from its parts' types: in place when allowed and every part has a
     kernel there (some part quantized: an all-float layer runs dense as stored)."""
     names = tuple(n for n, _ in found)
-    sources = tuple(TYPE_NAMES[e.type] for _, e in found)
+    sources = tuple(ggml.TYPE_NAMES[e.type] for _, e in found)
     size = sum(e.shape[0] * e.shape[1] for _, e in found)
-    if in_place and all(fits(e.type, e.shape[1]) for _, e in found) and any(e.type in IN_PLACE for _, e in found):
+    if in_place and all(fits(e.type, e.shape[1]) for _, e in found) and any(e.type in ggml.IN_PLACE for _, e in found):
         return LayerFormat(module, kind, "gguf", names, sources, "in place", size)
     schemes = [_SCHEME_OF[e.type] for _, e in found]
     scheme = max(schemes, key=_WIDTH.__getitem__)
@@ -279,7 +266,7 @@ def _layer(module: str, kind: str, found: list[tuple[str, TensorEntry]], in_plac
         return LayerFormat(module, kind, scheme, names, sources, "repacked", size)
     if mixed:
         why = "the widest of its fused parts"
-    elif scheme == "int4" and any(e.type in (Q2_K, Q3_K) for _, e in found):
+    elif scheme == "int4" and any(e.type in (ggml.Q2_K, ggml.Q3_K) for _, e in found):
         why = "no 2/3-bit kernel"
     else:
         why = ""
@@ -313,7 +300,7 @@ def plan_layers(table: TensorTable, quantize_head: bool, in_place: bool = False)
         in_place
         and embedding is not None
         and len(embedding.shape) == 2
-        and embedding.type in IN_PLACE
+        and embedding.type in ggml.IN_PLACE
         and fits(embedding.type, embedding.shape[1])
     )
     return LayerFormats(tuple(layers), len(indices), embedding_in_place)
@@ -327,9 +314,9 @@ def _tied_head(embedding: TensorEntry, quantize_head: bool, in_place: bool = Fal
     Q8_0 embedding) and would have to be stored (a 21 MB cache entry for SmolLM2, the whole of a bundle's
     margin); the exact int8 head costs no store and reads about as fast (the int8 GEMV runs nearer the memory
     bound than the int4 one: reports/decode-batches.md)."""
-    source = (f"{TYPE_NAMES[embedding.type]} (tied embedding)",)
+    source = (f"{ggml.TYPE_NAMES[embedding.type]} (tied embedding)",)
     size = embedding.shape[0] * embedding.shape[1]
-    if in_place and quantize_head and embedding.type in IN_PLACE and fits(embedding.type, embedding.shape[1]):
+    if in_place and quantize_head and embedding.type in ggml.IN_PLACE and fits(embedding.type, embedding.shape[1]):
         return LayerFormat(HEAD, "lm_head", "gguf", (EMBEDDING,), source, "in place", size, "the embedding's blocks")
     scheme = _SCHEME_OF[embedding.type] if quantize_head else "none"
     if scheme == "none":
@@ -346,5 +333,5 @@ def _tied_head(embedding: TensorEntry, quantize_head: bool, in_place: bool = Fal
         )
     if embedding.type in _EXACT[scheme]:
         return LayerFormat(HEAD, "lm_head", scheme, (EMBEDDING,), source, "repacked", size, "the embedding's blocks")
-    why = "no 2/3-bit kernel" if embedding.type in (Q2_K, Q3_K) else ""
+    why = "no 2/3-bit kernel" if embedding.type in (ggml.Q2_K, ggml.Q3_K) else ""
     return LayerFormat(HEAD, "lm_head", scheme, (EMBEDDING,), source, "re-quantized", size, why)

@@ -81,6 +81,17 @@ int64_t int8_block_bytes(const Tensor& x, const Tensor& wp, int64_t N, int64_t g
   return block_bytes;
 }
 
+// The frame every op shares: y [M, N] in x's dtype = run(M, K, N, x's bf16 data, the packed weight as W, y's writer,
+// args...), where `run` is the op's body for this build's ISA level.
+template <class W, class Run, class... Args>
+Tensor run_blocked(const Tensor& x, const Tensor& wp, int64_t N, Run run, Args... args) {
+  const int64_t M = x.size(0), K = x.size(1);
+  Tensor y = torch::stable::new_empty(x, {M, N});
+  const OutWriter out{y.mutable_data_ptr(), true, N};
+  run(M, K, N, static_cast<const uint16_t*>(x.const_data_ptr()), static_cast<const W*>(wp.const_data_ptr()), out, args...);
+  return y;
+}
+
 #if defined(__AVX2__)
 // ------------------------------------------------------------------------------- int4, integer dot products
 // For int4 weights every x86 level from AVX2 up multiplies in integers, with the activations taken to int8 per
@@ -286,11 +297,9 @@ void int4_q8_block(const uint8_t* blk, int64_t K, int64_t gs, const int8_t* xq, 
 }
 #endif
 
-// y [M, N] = x [M, K] times the int4 blocked weight wp, through int4_q8_block, kQ8Rows activation rows per pass.
-Tensor int4_q8_blocked(const uint16_t* xp, const Tensor& wp, int64_t M, int64_t K, int64_t N, int64_t gs,
-                       int64_t block_bytes, Tensor y) {
-  OutWriter out{y.mutable_data_ptr(), true, N};
-  const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
+// y [M, N] = x [M, K] times the int4 blocked weight w, through int4_q8_block, kQ8Rows activation rows per pass.
+void int4_q8_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint8_t* w, const OutWriter& out,
+                 int64_t gs, int64_t block_bytes) {
   const int64_t G = K / gs;
   const Q8Rows xq = quantize_x8(xp, M, K, gs);
   torch::stable::parallel_for(0, (N + 15) / 16, 1, [&](int64_t b0, int64_t b1) {
@@ -314,7 +323,6 @@ Tensor int4_q8_blocked(const uint16_t* xp, const Tensor& wp, int64_t M, int64_t 
 #undef CALL
       }
   });
-  return y;
 }
 #endif
 
@@ -732,14 +740,7 @@ void for_decoded_blocks(int64_t M, int64_t K, int64_t NB, const uint16_t* x, int
   });
 }
 
-Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
-  const int64_t K = x.size(1), M = x.size(0);
-  STD_TORCH_CHECK(K % 2 == 0, "dense_blocked: K must be even");
-  check_blocked(x, wp, N, K, K * 32, "dense_blocked");
-  Tensor y = torch::stable::new_empty(x, {M, N});
-  OutWriter out{y.mutable_data_ptr(), true, N};
-  const uint16_t* w = static_cast<const uint16_t*>(wp.const_data_ptr());
-  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+void dense_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint16_t* w, const OutWriter& out) {
 #ifdef GLOWPLUG_AMX
   if (use_amx(M, K, amx::kMinRowsDense)) {
     const std::vector<uint16_t> xpad = padded_x(xp, M, K);
@@ -753,7 +754,7 @@ Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
           },
           [&out, nb, N](int64_t m, __m512 v) { store16(out, m, nb * 16, N, v); });
     });
-    return y;
+    return;
   }
 #endif
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
@@ -761,16 +762,10 @@ Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
     GLOWPLUG_MB_SWITCH(mb, CALL)
 #undef CALL
   });
-  return y;
 }
 
-Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_size) {
-  const int64_t K = x.size(1), M = x.size(0);
-  const int64_t block_bytes = intn_block_bytes(x, wp, N, bits, group_size);
-  Tensor y = torch::stable::new_empty(x, {M, N});
-  OutWriter out{y.mutable_data_ptr(), true, N};
-  const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
-  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+void intn_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint8_t* w, const OutWriter& out,
+              int64_t bits, int64_t group_size, int64_t block_bytes) {
 #ifdef GLOWPLUG_AMX
   if (use_amx(M, K, amx::kMinRowsIntN) && group_size % 32 == 0) {
     const std::vector<uint16_t> xpad = padded_x(xp, M, K);
@@ -795,12 +790,12 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
       run(std::integral_constant<int, 4>{});
     else
       run(std::integral_constant<int, 2>{});
-    return y;
+    return;
   }
 #endif
   // int4 below the AMX batches: integer dot products on int8 activations (the int4 section above). Measured against
   // the bf16 kernels below at SmolLM2's shapes (2-core EPYC): equal at batch 1, 15-35% faster from 8 rows on.
-  if (bits == 4) return int4_q8_blocked(xp, wp, M, K, N, group_size, block_bytes, y);
+  if (bits == 4) return int4_q8_run(M, K, N, xp, w, out, group_size, block_bytes);
   // int2 (the bf16-decode kernels below; int4 no longer takes them outside AMX)
   const std::vector<float> xs = group_sums(xp, M, K, group_size);
   const float* xsum = xs.data();
@@ -816,16 +811,10 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
 #undef CALL
     }
   }, kWideRows);
-  return y;
 }
 
-Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
-  const int64_t K = x.size(1), M = x.size(0);
-  const int64_t block_bytes = int8_block_bytes(x, wp, N, group_size);
-  Tensor y = torch::stable::new_empty(x, {M, N});
-  OutWriter out{y.mutable_data_ptr(), true, N};
-  const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
-  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+void int8_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint8_t* w, const OutWriter& out,
+              int64_t group_size, int64_t block_bytes) {
 #ifdef GLOWPLUG_AMX
   if (M <= 16 && group_size == K && K % 64 == 0 && use_amx(M, K, amx::kMinRowsInt8)) {
     const X24 xd = x24_digits(xp, M, K);
@@ -843,7 +832,7 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
         store16(out, m, nb * 16, N, _mm512_mul_ps(v, _mm512_mul_ps(ws, _mm512_set1_ps(xd.scale[r]))));
       }
     });
-    return y;
+    return;
   }
   if (use_amx(M, K, amx::kMinRowsInt8)) {
     const std::vector<uint16_t> xpad = padded_x(xp, M, K);
@@ -863,7 +852,7 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
           },
           [&out, nb, N, s](int64_t m, __m512 v) { store16(out, m, nb * 16, N, _mm512_mul_ps(v, s)); });
     });
-    return y;
+    return;
   }
 #endif
   if (M >= kDecodedRowsInt8) {
@@ -873,7 +862,7 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
       for (int64_t t = 0; t < K / 32; ++t) int8_dequant<kPackedAhead>(blk, K, group_size, t, wb);
       return grouped ? nullptr : reinterpret_cast<const float*>(blk + K * 16);
     });
-    return y;
+    return;
   }
   const X16 xd = x16_digits(xp, M, K);
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
@@ -881,7 +870,6 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
     GLOWPLUG_MB_SWITCH(mb, CALL)
 #undef CALL
   });
-  return y;
 }
 
 #else  // no AVX512-BF16 / VNNI: the portable kernels
@@ -1063,33 +1051,21 @@ void int8_block(const uint8_t* blk, int64_t K, int64_t gs, const float* xs, cons
 
 
 
-Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
-  const int64_t K = x.size(1), M = x.size(0);
-  STD_TORCH_CHECK(K % 2 == 0, "dense_blocked: K must be even");
-  check_blocked(x, wp, N, K, K * 32, "dense_blocked");
-  Tensor y = torch::stable::new_empty(x, {M, N});
-  OutWriter out{y.mutable_data_ptr(), true, N};
-  const uint16_t* w = static_cast<const uint16_t*>(wp.const_data_ptr());
-  const std::vector<float> xf = scaled_x<16>(static_cast<const uint16_t*>(x.const_data_ptr()), M, K);
+void dense_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint16_t* w, const OutWriter& out) {
+  const std::vector<float> xf = scaled_x<16>(xp, M, K);
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
 #define CALL(MB_) dense_block<MB_>(w + nb * K * 16, K, xf.data() + m0 * K, m0, nb, N, out)
     GLOWPLUG_PORT_SWITCH(mb, CALL)
 #undef CALL
   });
-  return y;
 }
 
-Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_size) {
-  const int64_t K = x.size(1), M = x.size(0);
-  const int64_t block_bytes = intn_block_bytes(x, wp, N, bits, group_size);
-  Tensor y = torch::stable::new_empty(x, {M, N});
-  OutWriter out{y.mutable_data_ptr(), true, N};
-  const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
-  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
-  const int64_t G = K / group_size;
+void intn_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint8_t* w, const OutWriter& out,
+              int64_t bits, int64_t group_size, int64_t block_bytes) {
 #if defined(__AVX2__)
-  if (bits == 4) return int4_q8_blocked(xp, wp, M, K, N, group_size, block_bytes, y);
+  if (bits == 4) return int4_q8_run(M, K, N, xp, w, out, group_size, block_bytes);
 #endif
+  const int64_t G = K / group_size;
   const std::vector<float> xsum = group_sums(xp, M, K, group_size);
   const std::vector<float> xs = bits == 4 ? scaled_x<4>(xp, M, K) : scaled_x<2>(xp, M, K);
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
@@ -1105,16 +1081,10 @@ Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_
 #undef CALL
     }
   });
-  return y;
 }
 
-Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
-  const int64_t K = x.size(1), M = x.size(0);
-  const int64_t block_bytes = int8_block_bytes(x, wp, N, group_size);
-  Tensor y = torch::stable::new_empty(x, {M, N});
-  OutWriter out{y.mutable_data_ptr(), true, N};
-  const uint8_t* w = static_cast<const uint8_t*>(wp.const_data_ptr());
-  const uint16_t* xp = static_cast<const uint16_t*>(x.const_data_ptr());
+void int8_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint8_t* w, const OutWriter& out,
+              int64_t group_size, int64_t block_bytes) {
   const int64_t G = K / group_size;
   const std::vector<float> xsum = group_sums(xp, M, K, group_size);
   const std::vector<float> xs = scaled_x<8>(xp, M, K);
@@ -1123,11 +1093,27 @@ Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
     GLOWPLUG_PORT_SWITCH(mb, CALL)
 #undef CALL
   });
-  return y;
 }
 
 #undef GLOWPLUG_PORT_SWITCH
 #endif
+
+// The ops: their argument checks, then this build's body in the shared frame.
+Tensor dense_blocked(Tensor x, Tensor wp, int64_t N) {
+  const int64_t K = x.size(1);
+  STD_TORCH_CHECK(K % 2 == 0, "dense_blocked: K must be even");
+  check_blocked(x, wp, N, K, K * 32, "dense_blocked");
+  return run_blocked<uint16_t>(x, wp, N, dense_run);
+}
+
+Tensor intn_blocked(Tensor x, Tensor wp, int64_t N, int64_t bits, int64_t group_size) {
+  const int64_t block_bytes = intn_block_bytes(x, wp, N, bits, group_size);
+  return run_blocked<uint8_t>(x, wp, N, intn_run, bits, group_size, block_bytes);
+}
+
+Tensor int8_blocked(Tensor x, Tensor wp, int64_t N, int64_t group_size) {
+  return run_blocked<uint8_t>(x, wp, N, int8_run, group_size, int8_block_bytes(x, wp, N, group_size));
+}
 
 }  // namespace
 }  // namespace glowplug

@@ -240,9 +240,15 @@ def _from_packed(
     scale: float,
     window: int | None,
 ) -> Tensor:
+    """The op's body (its schema is read from these hints): the launcher on the step's packed input."""
     return paged_decode_attention(
         q, k_cache, v_cache, k_scale, v_scale, packed[:, PACKED_TABLE:], packed[:, PACKED_CONTEXT], scale, window
     )
+
+
+def _fake(q: Tensor, *_operands: object, **_named: object) -> Tensor:
+    """The op's fake kernel: the output has q's shape and dtype, whatever the other operands."""
+    return q.new_empty(q.shape)
 
 
 _REGISTER = threading.Lock()
@@ -258,30 +264,6 @@ def register_op() -> object:
 
 @functools.cache
 def _register_op() -> object:
-    @torch.library.custom_op(OP_NAME, mutates_args=())
-    def paged_decode_attention_op(
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        k_scale: Tensor | None,
-        v_scale: Tensor | None,
-        packed: Tensor,
-        scale: float,
-        window: int | None,
-    ) -> Tensor:
-        return _from_packed(q, k_cache, v_cache, k_scale, v_scale, packed, scale, window)
-
-    @paged_decode_attention_op.register_fake
-    def _fake(
-        q: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        k_scale: Tensor | None,
-        v_scale: Tensor | None,
-        packed: Tensor,
-        scale: float,
-        window: int | None,
-    ) -> Tensor:
-        return q.new_empty(q.shape)
-
+    op = torch.library.custom_op(OP_NAME, mutates_args=())(_from_packed)
+    op.register_fake(_fake)
     return getattr(torch.ops, NAMESPACE).paged_decode_attention

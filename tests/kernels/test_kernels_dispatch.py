@@ -102,7 +102,7 @@ def test_calibration_caches_json_and_reuses_it(tmp_path: Path, monkeypatch: pyte
     def boom(*a: object, **k: object) -> None:
         raise AssertionError("re-benchmarked despite a cache hit")
 
-    monkeypatch.setattr(D, "measure_paths", boom)
+    monkeypatch.setattr(D, "measure_path_samples", boom)
     again = D.calibrate(shapes, tmp_path, **kwargs)
     assert again.measured == table.measured
 
