@@ -26,5 +26,8 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 # The native kernels, one variant per ISA level, built now so that no start waits for a compiler (a start picks
 # the level of its CPU, or GLOWPLUG_MAX_CPU_ISA's). Without a compiler this fails loudly, and starts still run: on
 # the stock torch kernels, with the reason on the native_kernels row.
+# The package's bytecode, as pip writes it for an installed wheel: an editable install otherwise compiles every
+# module at each start's import wherever bytecode is not written (PYTHONDONTWRITEBYTECODE, a read-only checkout).
+"$VENV/bin/python" -m compileall -q -j 0 glowplug base kernels engine lifecycle profiling >/dev/null
 "$VENV/bin/glowplug" kernels build || echo "glowplug: the native kernels did not all build (see above); starts fall back" >&2
 echo "glowplug: environment ready in $VENV"

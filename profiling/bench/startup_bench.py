@@ -261,6 +261,11 @@ def _make_bundle(cfg: StartupBenchConfig, args: list[str], path: Path, cache: Pa
 def run_startup_bench(cfg: StartupBenchConfig, progress: Progress | None = None) -> StartupBenchResult:
     say = progress or (lambda _msg: None)
     out = prepare_out_dir(cfg.out_dir)
+    from .machine import compile_package_bytecode
+
+    compiled = compile_package_bytecode()
+    if compiled:
+        say(f"byte-compiled {compiled} of the package's modules first, as an installed wheel has them")
     root = Path(tempfile.mkdtemp(prefix="glowplug-startup-bench-"))
     args = cfg.startup_args()
     runs: dict[Mode, list[StartupRun]] = {m: [] for m in (*MODES, *EXTRA_MODES, *TRACING_MODES)}
