@@ -21,7 +21,7 @@ from typing import Any
 
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import COMPILE, source_digest
-from glowplug.base.artifacts.manifest import Manifest, describe_changes, read_manifest
+from glowplug.base.artifacts.manifest import Manifest, describe_changes
 
 from .config import EngineConfig
 from .models.store import model_group
@@ -100,21 +100,7 @@ class CompileForecast:
 
 def model_entries(store: ArtifactStore, group: str) -> list[tuple[Path, Manifest, float]]:
     """The compile entries of one model (cache group) with sound files, the most recently used first."""
-    folder = store.folder(COMPILE)
-    out: list[tuple[Path, Manifest, float]] = []
-    if not folder.is_dir():
-        return out
-    for entry in folder.iterdir():
-        if entry.name.startswith(".") or not entry.is_dir():
-            continue
-        try:
-            m = read_manifest(entry)
-            used = (entry / "manifest.json").stat().st_mtime
-        except (ValueError, OSError):
-            continue
-        if m.group == group and store.present(COMPILE, entry.name):
-            out.append((entry, m, used))
-    return sorted(out, key=lambda e: e[2], reverse=True)
+    return [e for e in store.entries(COMPILE, group) if store.present(COMPILE, e[0].name)]
 
 
 def forecast(config: EngineConfig, store: ArtifactStore, device: str) -> CompileForecast:

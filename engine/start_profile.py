@@ -22,7 +22,6 @@ from typing import Any
 
 from glowplug.base.artifacts import ArtifactStore
 from glowplug.base.artifacts.caches import STARTUP_PROFILE, by_name
-from glowplug.base.artifacts.manifest import read_manifest
 
 from .compile_index import forecast
 from .config import EngineConfig
@@ -127,21 +126,13 @@ class ProfileEntry:
 
 def profile_entries(store: ArtifactStore) -> list[ProfileEntry]:
     """Every config's recorded starts in this cache dir, the most recently used first."""
-    folder = store.folder(STARTUP_PROFILE)
     out: list[ProfileEntry] = []
-    if not folder.is_dir():
-        return out
-    for entry in folder.iterdir():
-        if entry.name.startswith(".") or not entry.is_dir():
-            continue
+    for entry, m, used in store.entries(STARTUP_PROFILE):
         try:
-            m = read_manifest(entry)
-            out.append(
-                ProfileEntry(entry.name, m.group, read_records(entry), (entry / "manifest.json").stat().st_mtime)
-            )
+            out.append(ProfileEntry(entry.name, m.group, read_records(entry), used))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-    return sorted(out, key=lambda e: e.used, reverse=True)
+    return out
 
 
 def machine_records(entries: Sequence[ProfileEntry], machine: str | None = None) -> list[StartRecord]:

@@ -318,23 +318,28 @@ class ArtifactStore:
                 return False
         return True
 
-    def latest(self, spec: CacheSpec, group: str, *, exclude: str | None = None) -> Manifest | None:
-        """The most recently used readable entry of `spec` for `group` (the same model), if any."""
-        best: tuple[float, Manifest] | None = None
+    def entries(self, spec: CacheSpec, group: str | None = None) -> list[tuple[Path, Manifest, float]]:
+        """The entries of `spec` whose manifest reads (of model `group`, if given) as (folder, manifest, last use),
+        the most recently used first. Their files are not checked: `present` does that."""
         folder = self.folder(spec)
+        out: list[tuple[Path, Manifest, float]] = []
         if not folder.is_dir():
-            return None
+            return out
         for entry in folder.iterdir():
-            if entry.name.startswith(".") or entry.name == exclude or not entry.is_dir():
+            if entry.name.startswith(".") or not entry.is_dir():
                 continue
             try:
                 m = read_manifest(entry)
                 used = (entry / "manifest.json").stat().st_mtime
             except (ValueError, OSError):
                 continue
-            if m.cache == spec.name and m.group == group and (best is None or used > best[0]):
-                best = (used, m)
-        return best[1] if best else None
+            if m.cache == spec.name and (group is None or m.group == group):
+                out.append((entry, m, used))
+        return sorted(out, key=lambda e: e[2], reverse=True)
+
+    def latest(self, spec: CacheSpec, group: str, *, exclude: str | None = None) -> Manifest | None:
+        """The most recently used readable entry of `spec` for `group` (the same model), if any."""
+        return next((m for entry, m, _ in self.entries(spec, group) if entry.name != exclude), None)
 
     def explain(self, spec: CacheSpec, key: str, factors: dict[str, Any], group: str) -> str:
         """Why `key` is not in the cache: what changed since the last entry for the same model (old -> new)."""
