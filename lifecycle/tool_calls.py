@@ -54,7 +54,9 @@ def tool_grammar(tools: Sequence[dict[str, Any]], parallel: bool, tags: tuple[in
     CLOSE where the vocabulary has each as one token (tag_token_ids): the grammar then asks for those tokens, since
     a matcher does not take a special token as the text it spells; without them, the tags as text."""
     schema = json.dumps(call_schema(tools))
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    # After a call a model may write the newline that would separate another one and then end its turn: the
+    # newline alone must not force another call (greedy decoding would then call again and again).
+    start = 'start: call ("\\n" call)* "\\n"?' if parallel else "start: call"
     opening, closing = (f"<[{tags[0]}]>", f"<[{tags[1]}]>") if tags else (f'"{OPEN}"', f'"{CLOSE}"')
     return lark_grammar(f'{start}\ncall: {opening} "\\n" %json {schema} "\\n" {closing}\n')
 
