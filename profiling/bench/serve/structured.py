@@ -165,7 +165,8 @@ def run_ttft_trials(
         schema["properties"][f"note_{stamp}_{i}"] = {"type": "string", "maxLength": 8}
         return schema
 
-    _ttft_ms(base_url, _chat_body(model, system, spec["prompt"], 1, fresh(-1)), cfg.request_timeout)  # warm-up
+    for warm in (None, fresh(-1)):  # a warm-up request of each kind
+        _ttft_ms(base_url, _chat_body(model, system, spec["prompt"], 1, warm), cfg.request_timeout)
     trials = []
     for i in range(max(cfg.runs, cfg.structured_ttft_trials)):
         schema = fresh(i)
@@ -414,8 +415,10 @@ def structured_mode(
     if cfg.structured_real_only:
         return _real_only(cfg, argv, data, out, load_start, say, server_for)
     with _server(cfg, server_for, None) as (base_url, model):
-        ttft = run_ttft_trials(cfg, base_url, model, data, say)
+        # The TPOT pairs first: by their end the work a server starts at READY (committing its KV pool, building
+        # the tokenizer's grammar view) is over, and would otherwise land on the first trials' TTFT.
         pairs = run_tpot_pairs(cfg, base_url, model, data, say)
+        ttft = run_ttft_trials(cfg, base_url, model, data, say)
         objects = run_objects(
             base_url, model, data, cfg.structured_objects, cfg.structured_max_tokens, cfg.request_timeout, say
         )
@@ -530,8 +533,9 @@ def _write(
         "",
         "Per trial, one prompt three times, one token each: unconstrained, then with a json_schema the server has not "
         "seen (a property named by the trial makes it new), then the same schema again. Extra = constrained TTFT - "
-        "the unconstrained TTFT of the same trial. The tokenizer's grammar view was built at start (the phase "
-        "table's grammar_init row), so no request here pays it.",
+        "the unconstrained TTFT of the same trial. The trials run after the TPOT pairs, once the work the server "
+        "starts at READY (its KV pool's commit, the tokenizer's grammar view) is over, after one warm-up request of "
+        "each kind, so no request here pays them.",
         "",
         markdown_table(
             [
