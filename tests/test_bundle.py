@@ -253,3 +253,34 @@ def test_a_damaged_header_is_refused(made: Path, tmp_path: Path) -> None:
     with pytest.raises(NotABundle, match="fails its checksum"):
         read_header(_write(tmp_path / "h.glowplug", members))
     assert members[1][0].name == HEADER_SUM and members[0][0].name == HEADER
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False])
+def test_a_member_is_copied_and_hashed_with_or_without_the_kernel_copy(
+    kernel_copy: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A range of the bundle lands byte for byte with hashlib's sha256 of it, whether the file system copies in the
+    kernel or not (EXDEV: the copy goes through a buffer); a range the file does not hold is EOFError."""
+    import errno
+
+    from glowplug.base.artifacts import bundle as bundle_mod
+
+    if not kernel_copy:
+
+        def no_kernel_copy(*_args: Any) -> int:
+            raise OSError(errno.EXDEV, "cross-device")
+
+        monkeypatch.setattr(bundle_mod.os, "copy_file_range", no_kernel_copy)
+    data = os.urandom(3 * (1 << 22) + 12345)  # several read chunks and a tail
+    src = tmp_path / "b.tar"
+    src.write_bytes(data)
+    offset, size = 512, len(data) - 1000
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        got = bundle_mod._copy_hashing(fd, offset, size, tmp_path / "out")
+        assert (tmp_path / "out").read_bytes() == data[offset : offset + size]
+        assert got == (size, hashlib.sha256(data[offset : offset + size]).hexdigest())
+        with pytest.raises(EOFError, match="the bundle ends"):
+            bundle_mod._copy_hashing(fd, offset, len(data), tmp_path / "cut")
+    finally:
+        os.close(fd)
