@@ -26,9 +26,9 @@ class StartRecord:
     inputs: what was known before it (start_inputs), for the model's fit; deps: the pipeline's waits (stage -> the
     stages it waited for); entries: cache -> the entry key it used (a later prediction without torch checks that
     they are still there); machine: where it ran (the fit takes this machine's starts only); model: the model's
-    cache group; before_s: process creation -> the first stage (None in library use); imports_s: its imports row
-    (the engine's imports, torch first); probe_gbps: the read probe measured right after it. Every field after
-    `wall_s` is None in records from before they were kept.
+    cache group; before_s: process creation -> the first stage (None in library use); imports_s: main entry -> the
+    first stage (the engine's imports, torch first, then the plan); probe_gbps: the read probe measured right
+    after it. Every field after `wall_s` is None in records from before they were kept.
     """
 
     stages: dict[str, float]

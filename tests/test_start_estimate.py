@@ -195,7 +195,8 @@ def _startup(model: Path, cache: Path, report: Path) -> dict[str, Any]:
     )
     assert proc.returncode == 0, proc.stderr
     data = json.loads(report.read_text())
-    return {"actual": data["actual_total_time"], **data["attributes"]["actual_total_time"]}
+    rows = {k: data["phases"][k] for k in ("process_start", "imports")}
+    return {"actual": data["actual_total_time"], "rows": rows, **data["attributes"]["actual_total_time"]}
 
 
 def test_cold_warm_warm_then_emptied_cold_each_first_eta_from_its_own_kind(tiny_dir, tmp_path: Path) -> None:
@@ -235,6 +236,12 @@ def test_cold_warm_warm_then_emptied_cold_each_first_eta_from_its_own_kind(tiny_
     assert again[Attr.ETA_BASIS] == "from the last cold start of this config"
     cold_record = StartRecord.from_json(records[MISS])
     warm_record = StartRecord.from_json(records[HIT])
+    # What a server waits for after starting a core: the imports row and the plan up to the first stage, within
+    # the time from process creation to that stage (the table's process_start row comes before the imports).
+    imports_s, before_s = warm_record.imports_s, warm_record.before_s
+    assert imports_s is not None and before_s is not None
+    assert warm2["rows"]["imports"] <= imports_s < before_s
+    assert before_s - imports_s == pytest.approx(warm2["rows"]["process_start"], abs=0.05)
     # The stages' part of the ETA is the cold start's (its wall time), not the warm start's.
     assert again[Attr.ETA_FIRST_STAGES_S] == pytest.approx(cold_record.wall_s, abs=1e-5)
     assert cold_record.stages["kv_cache_profiling"] != warm_record.stages["kv_cache_profiling"]

@@ -133,9 +133,9 @@ def _record_phase_durations(
     ctx: ReadyContext,
     results: list[StageResult],
     plan: StartPlan,
-    marks: ProcessMarks | None,
     before_s: float | None,
     probe_gbps: float | None,
+    imports_s: float | None,
 ) -> None:
     """Add this start to the config's start-up profile: its seconds per stage with its pattern, inputs and waits,
     keeping the latest start of each other pattern (start_record.profile_json)."""
@@ -154,9 +154,7 @@ def _record_phase_durations(
         model_group(ctx.config.model),
         before_s,
         probe_gbps,
-        (marks.imports_done_ns - marks.main_entry_ns) / 1e9
-        if marks is not None and marks.imports_done_ns is not None
-        else None,
+        imports_s,
     )
     store = ArtifactStore(ctx.cache_root)
     try:
@@ -197,14 +195,18 @@ class RecordProfile:
         before_s = (
             (ctx.clock.wall_ns(min(begun)) - marks.process_start_ns) / 1e9 if marks is not None and begun else None
         )
+        # Main entry -> the first stage of any kind (the imports, then the plan): what a server waits for after it
+        # starts a core, before the core's first stage.
+        first = [r.start_ns for r in results if r.start_ns]
+        imports_s = (ctx.clock.wall_ns(min(first)) - marks.main_entry_ns) / 1e9 if marks is not None and first else None
         with trace.use_span(ctx.root, end_on_exit=False):
             _record_phase_durations(
                 ctx,
                 [r for r in results if r.name != BundleInstall.name],
                 ctx.plan,
-                marks,
                 before_s,
                 floor.read_gbps if floor is not None else None,
+                imports_s,
             )
         return StageReport()
 
