@@ -243,3 +243,28 @@ def test_hostile_mode_end_to_end(tiny_model: str, tmp_path: Path) -> None:
     assert all(h["bounded_late_ms"] < h["whole_late_ms"] for h in data["holds"])
     text = (out / "hostile.md").read_text()
     assert "glowplug bench serve" in text and "## The hostile corpus" in text and "with / without limits" in text
+
+
+def test_sweep_points_send_prompts_no_other_point_sent(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No prompt's first KV block (16 tokens, the prefix cache's key) is sent twice in one sweep: a point that
+    replayed an earlier point's prompts would find them cached and compute far less than the point it is set
+    beside. The sends are recorded instead of made."""
+    from glowplug.profiling.bench.serve import sweep
+
+    sent: list[str] = []
+
+    def record(base_url: str, path: str, bodies: list[dict], *args: object, **kwargs: object) -> list:
+        sent.extend(b["prompt"] for b in bodies)
+        return []
+
+    monkeypatch.setattr(sweep, "run_closed", record)
+    monkeypatch.setattr(sweep, "run_open", record)
+    monkeypatch.setattr(sweep, "run_metrics", lambda results, slo: None)
+    cfg = ServeBenchConfig(
+        concurrency=[1, 8, 32, 64], request_rate=[2.0], runs=2, num_prompts=64, input_len=32, warmup_requests=0
+    )
+    points = sweep.run_sweep(cfg, "http://127.0.0.1:1", tokenizer, None, lambda _: None)
+    assert len(points) == 5
+    assert len(sent) == 2 * (64 + 64 + 64 + 128 + 64)
+    blocks = [tuple(tokenizer(p, add_special_tokens=False)["input_ids"][:16]) for p in sent]
+    assert len(set(blocks)) == len(blocks)

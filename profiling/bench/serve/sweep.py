@@ -1,8 +1,10 @@
 """The load-point sweep: each concurrency (closed loop), then each request rate (open loop), `runs` times each.
 
 A concurrency point sends max(num_prompts, 2 x concurrency) requests, so that the server spends most of the run at
-that concurrency rather than ramping up and down. Each run uses a fresh request set (seeded by the run number), so
-runs do not replay each other's prompts into the prefix cache.
+that concurrency rather than ramping up and down. Each run of each point uses a fresh request set (seeded by the
+point's place in the sweep and the run number), so neither runs nor points replay each other's prompts into the
+prefix cache: a point that found an earlier point's prompts cached would compute one block of each, and a larger
+point's extra requests whole prompts, so points would differ in prompt work, not only in load.
 """
 
 from __future__ import annotations
@@ -44,14 +46,22 @@ def warm_up(cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | N
 
 
 def concurrency_point(
-    cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | None, concurrency: int, say: Progress
+    cfg: ServeBenchConfig,
+    base_url: str,
+    tokenizer: Any,
+    model: str | None,
+    concurrency: int,
+    say: Progress,
+    *,
+    seed_base: int = 0,
 ) -> LoadPoint:
+    """`seed_base`: run i sends the request set of seed seed_base + i (run_sweep gives each point its own range)."""
     count = max(cfg.num_prompts, 2 * concurrency)
     slo = Slo(cfg.slo_ttft_ms, cfg.slo_tpot_ms)
     runs = []
     for run in range(cfg.runs):
         say(f"concurrency {concurrency}: run {run + 1}/{cfg.runs} ({count} requests)")
-        specs = build_requests(cfg, tokenizer, count, seed=run)
+        specs = build_requests(cfg, tokenizer, count, seed=seed_base + run)
         runs.append(run_metrics(send_closed(cfg, base_url, bodies_for(cfg, specs, model), concurrency), slo))
     return LoadPoint("concurrency", concurrency, None, runs)
 
@@ -83,13 +93,15 @@ def rate_point(
     say: Progress,
     *,
     count: int | None = None,
+    seed_base: int = 0,
 ) -> tuple[LoadPoint, list[list[Any]]]:
-    """One open-loop point; also returns each run's raw results (the overload mode reads their Retry-After)."""
+    """One open-loop point; also returns each run's raw results (the overload mode reads their Retry-After).
+    `seed_base`: as in `concurrency_point`."""
     count = count or cfg.num_prompts
     runs, raw = [], []
     for run in range(cfg.runs):
         say(f"{rate:g} req/s ({cfg.arrival}): run {run + 1}/{cfg.runs} ({count} requests)")
-        metrics, results = rate_run(cfg, base_url, tokenizer, model, rate, count, run)
+        metrics, results = rate_run(cfg, base_url, tokenizer, model, rate, count, seed_base + run)
         runs.append(metrics)
         raw.append(results)
     return LoadPoint("rate", rate, cfg.arrival, runs), raw
@@ -98,7 +110,15 @@ def rate_point(
 def run_sweep(
     cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str | None, say: Progress
 ) -> list[LoadPoint]:
+    """Every point of the sweep, in order; point k's runs use seeds k x runs, k x runs + 1, ... (module docstring)."""
     warm_up(cfg, base_url, tokenizer, model)
-    points = [concurrency_point(cfg, base_url, tokenizer, model, c, say) for c in cfg.concurrency]
-    points += [rate_point(cfg, base_url, tokenizer, model, r, say)[0] for r in cfg.request_rate]
+    points = [
+        concurrency_point(cfg, base_url, tokenizer, model, c, say, seed_base=k * cfg.runs)
+        for k, c in enumerate(cfg.concurrency)
+    ]
+    first_rate = len(cfg.concurrency)
+    points += [
+        rate_point(cfg, base_url, tokenizer, model, r, say, seed_base=(first_rate + k) * cfg.runs)[0]
+        for k, r in enumerate(cfg.request_rate)
+    ]
     return points
