@@ -1,8 +1,8 @@
 """What admission control knows about the engine: when its sequence slots free up, and what prompt work costs.
 
-A new request waits for two things before its first token: a free sequence slot, and the prompts admitted ahead of
-it being computed. Both are read from what the engine core reports after every step (engine/core_proc.py), not
-from a rate the server infers:
+A new request waits for three things before its first token: a free sequence slot, the prompts admitted ahead of
+it being computed, and its own prompt. All are read from what the engine core reports after every step
+(engine/core_proc.py), not from a rate the server infers:
 
 - The slot wait. The core names, for every running sequence, the tokens it has generated and its max_tokens. How
   many steps each has left is taken from the output lengths of the requests that finished lately: a high quantile
@@ -10,12 +10,13 @@ from a rate the server infers:
   finished length is past it). The k-th slot frees after the k-th shortest of those, at the measured time of a
   decode step; requests queued ahead take the slots in turn. A rate of finished requests cannot stand in for this:
   it is unknown (and was read as "no wait") after a quiet spell, and the slots free in bursts, not at a rate.
-- The prompt work ahead: the prompt tokens admitted ahead of it plus the core's own prompt backlog, at the cost the
-  recent steps' prompt parts took. A prompt part costs a fixed part (an eager pass over every layer, and attention
-  over the cached prefix) plus a part per new token, both fitted with the Theil-Sen estimator (the median of the
-  slopes between pairs of steps, then the median intercept), which shrugs off the slow steps right after READY and
-  any stall. A single per-token ratio does not fit: a 10-token chunk after a cached prefix costs as much as 100
-  fresh tokens. A decode step's time is fitted the same way against its number of rows.
+- The prompt work: the prompt tokens admitted ahead of it, the core's own prompt backlog and its own prompt, at the
+  cost the recent steps' prompt parts took. A prompt part costs a fixed part (an eager pass over every layer, and
+  attention over the cached prefix) plus a part per new token, both fitted with the Theil-Sen estimator (the median
+  of the slopes between pairs of steps, then the median intercept), which shrugs off the slow steps right after
+  READY and any stall. A single per-token ratio does not fit: a 10-token chunk after a cached prefix costs as much
+  as 100 fresh tokens (until enough steps were seen for the line, it stands in: an overestimate). A decode step's
+  time is fitted the same way against its number of rows.
 
 The core client hands the reports here on the event loop, where admission also runs, so nothing here needs a lock.
 """
@@ -41,11 +42,15 @@ if TYPE_CHECKING:
     from .core_client import StepReport
     from .metrics import ServiceMetrics
 
-# The prompt-part and decode-step costs are fitted to this many recent steps, and to none before this many: the
-# first steps after READY run beside the KV pool's commit and build oneDNN's first primitives, and read many times
-# slower; the median needs a few more normal steps than slow ones.
+# The prompt-part and decode-step costs are fitted to this many recent steps. The first step after READY runs beside
+# the KV pool's commit and builds oneDNN's first primitives, and reads many times slower: from _MIN_COST_SAMPLES
+# steps on, the median cost per unit (which one slow step cannot move, and which overestimates a short chunk after a
+# cached prefix rather than under one), and from _FIT_SAMPLES on the Theil-Sen line. Waiting for the line alone
+# would leave the first requests of a burst priced at nothing: a server warmed up with one batch has seen one or two
+# prompt steps.
 _COST_SAMPLES = 31
-_MIN_COST_SAMPLES = 8
+_MIN_COST_SAMPLES = 3
+_FIT_SAMPLES = 8
 # Output lengths of this many recently finished sequences say how long the running ones still run.
 _LENGTH_SAMPLES = 256
 # Which quantile of those lengths a running sequence is assumed to reach: the wait is meant as a bound on what an
@@ -84,8 +89,11 @@ class StepCost:
         """None until _MIN_COST_SAMPLES steps were seen."""
         if self._stale:
             self._stale = False
-            if len(self._samples) >= _MIN_COST_SAMPLES:
-                self._fit = theil_sen(list(self._samples))
+            samples = list(self._samples)
+            if len(samples) >= _FIT_SAMPLES:
+                self._fit = theil_sen(samples)
+            elif len(samples) >= _MIN_COST_SAMPLES:
+                self._fit = CostFit(0.0, statistics.median(t / n for n, t in samples))
         return self._fit
 
     def seconds(self, size: int) -> float | None:
@@ -192,8 +200,8 @@ def slot_wait_s(*, ahead_seqs: int, free_slots: int, running_left_s: list[float]
 
 
 def expected_wait_s(*, slot_wait_s: float | None, prompt_wait_s: float | None) -> float | None:
-    """Seconds until a new request's own prompt starts computing; None when nothing is known yet. An unknown term
-    counts as none: the other is still a lower bound worth checking."""
+    """Seconds until a new request's first token: the slot wait, then the prompt work (its own included); None when
+    nothing is known yet. An unknown term counts as none: the other is still a lower bound worth checking."""
     if slot_wait_s is None and prompt_wait_s is None:
         return None
     return (slot_wait_s or 0.0) + (prompt_wait_s or 0.0)
@@ -215,12 +223,14 @@ class Admission:
 
     A request holds one slot per prompt from arrival until the core first schedules it (or it ends), so
     `max_queue` bounds the work that is accepted but not started, including requests waiting for READY. On top of
-    that count, admission is by expected wait (`max_queue_wait`), checked twice, on arrival and once the prompt is
-    tokenized: the wait for a sequence slot (from the running sequences the core reports, the lengths sequences
-    have been running to and the measured decode step) plus the prompt tokens admitted ahead of it and the core's
-    own prompt backlog (at the measured prompt cost). A request whose expected wait exceeds the limit gets 429 with
-    that wait as Retry-After, so the requests that are admitted keep their time to first token under overload
-    instead of queueing without bound. What is not known yet (a fresh server, before its first steps) counts as no
+    that count, admission is by the expected wait for the first token (`max_queue_wait`), checked twice, on arrival
+    and once the prompt is tokenized: the wait for a sequence slot (from the running sequences the core reports,
+    the lengths sequences have been running to and the measured decode step) plus the prompt tokens admitted ahead
+    of it, the core's own prompt backlog and, once known, its own prompt (at the measured prompt cost). A request
+    whose expected wait exceeds the limit gets 429 with that wait as Retry-After, so the requests that are admitted
+    keep their time to first token under overload instead of queueing without bound. A request that finds a free
+    slot and no prompt work ahead is always admitted: nothing it could wait for would make it faster, and refusing
+    it would leave the engine idle. What is not known yet (a fresh server, before its first steps) counts as no
     wait.
     """
 
@@ -244,6 +254,7 @@ class Admission:
         self._queued = 0
         self._queued_prompt_tokens = 0  # of the admitted requests not yet scheduled whose prompts are tokenized
         self._wait_basis = ""  # what the last expected wait was made of, for the 429 message
+        self._nothing_ahead = True  # the last expected wait found a free slot and no prompt work ahead
 
     # ------------------------------------------------------------ what the core reports
 
@@ -276,10 +287,10 @@ class Admission:
         eta = self._eta_s(snap)
         return max(1, math.ceil(eta)) if eta is not None else 1
 
-    def expected_wait_s(self, count: int) -> float | None:
-        """Seconds a new request of `count` more prompts would wait for its own prompt to start computing; None when
-        unknown. The prompts already admitted and not yet scheduled are ahead of it, and so are the core's
-        preempted sequences waiting to resume."""
+    def expected_wait_s(self, count: int, own_tokens: int = 0) -> float | None:
+        """Seconds a new request of `count` more prompts (`own_tokens` prompt tokens, once tokenized) would wait for
+        its first token; None when unknown. The prompts already admitted and not yet scheduled are ahead of it, and
+        so are the core's preempted sequences waiting to resume."""
         load = self._load()
         if load is None:
             return None
@@ -297,22 +308,23 @@ class Admission:
                     ahead_seqs=ahead, free_slots=free, running_left_s=[n * step for n in left], run_s=run * step
                 )
         ahead_tokens = self._queued_prompt_tokens + load.prefill_backlog
-        prompt_wait = self.prefill_cost.seconds(ahead_tokens)
+        prompt_wait = self.prefill_cost.seconds(ahead_tokens + own_tokens)
+        self._nothing_ahead = ahead <= free and ahead_tokens == 0
         self._wait_basis = (
             f"{ahead} sequences for {free} free slots"
             + ("" if slot_wait is None else f" ({slot_wait:.2f} s)")
-            + f", {ahead_tokens} prompt tokens ahead"
+            + f", {ahead_tokens} prompt tokens ahead and {own_tokens} of its own"
             + ("" if prompt_wait is None else f" ({prompt_wait:.2f} s)")
         )
         return expected_wait_s(slot_wait_s=slot_wait, prompt_wait_s=prompt_wait)
 
     def _over_wait_limit(self, wait: float | None) -> Rejected | None:
         limit = self._cfg.max_queue_wait
-        if wait is None or limit is None or wait <= limit:
+        if wait is None or limit is None or wait <= limit or self._nothing_ahead:
             return None
         return Rejected(
             429,
-            f"the server is busy: a new request would wait about {wait:.1f} s for the engine "
+            f"the server is busy: a new request would wait about {wait:.1f} s for its first token "
             f"({self._wait_basis}; max-queue-wait {limit:g} s); retry later",
             "queue_wait",
             retry_after=max(1, math.ceil(wait)),
@@ -345,12 +357,12 @@ class Admission:
         return Ticket(count, self._release)
 
     def admit_prompts(self, ticket: Ticket, lengths: list[int]) -> None:
-        """The second admission check, once the prompts are tokenized: the prompt tokens admitted ahead must be
-        computed within the wait limit. Raises Rejected (429) and gives the ticket back, or holds the tokens on it
-        until the core schedules them."""
+        """The second admission check, once the prompts are tokenized: the prompt tokens admitted ahead and its own
+        must be computed within the wait limit. Raises Rejected (429) and gives the ticket back, or holds the tokens
+        on it until the core schedules them."""
         if self._cfg.max_queue_wait is not None:
-            # The ticket's own slots are already in `_queued`.
-            rejection = self._over_wait_limit(self.expected_wait_s(0))
+            # The ticket's own slots are already in `_queued`, its tokens not yet in `_queued_prompt_tokens`.
+            rejection = self._over_wait_limit(self.expected_wait_s(0, sum(lengths[: ticket.held])))
             if rejection is not None:
                 ticket.release_all()
                 raise self.reject(rejection)

@@ -1,7 +1,7 @@
 """Admission by expected wait: with every engine slot busy, a request whose expected wait (until a running sequence
 ends, from what the core reports) exceeds --max-queue-wait is answered 429 queue_wait with Retry-After; with a free
-slot, or without the limit, the same request is admitted. A real server (tiny model) and the official client; no timing is asserted
-beyond "the long streams are still running when the probe is sent"."""
+slot, or without the limit, the same request is admitted. A real server (tiny model) and the official client; no
+timing is asserted beyond "the long streams are still running when the probe is sent"."""
 
 from __future__ import annotations
 

@@ -32,10 +32,12 @@ def test_prefill_cost_separates_the_fixed_part_from_the_per_token_part() -> None
 def test_prefill_cost_shrugs_off_slow_steps_and_waits_for_enough_of_them() -> None:
     cost = StepCost()
     cost.observe(4.5, 488)  # the first step after READY, beside the KV pool's commit
-    for n in (100, 200, 300, 400, 500, 600):
+    cost.observe(0.030 + 0.0005 * 100, 100)
+    assert cost.fit is None and cost.seconds(100) is None  # 2 steps: one of them may be that slow first one
+    cost.observe(0.030 + 0.0005 * 200, 200)
+    assert cost.seconds(200) == pytest.approx(0.130, rel=0.3)  # the median of three already sets it aside
+    for n in (300, 400, 500, 600, 700):
         cost.observe(0.030 + 0.0005 * n, n)
-    assert cost.fit is None and cost.seconds(100) is None  # 7 steps: too few to trust
-    cost.observe(0.030 + 0.0005 * 700, 700)
     cost.observe(2.0, 64)  # a stall
     assert cost.fit is not None
     assert cost.fit.per_s == pytest.approx(0.0005, rel=0.05) and cost.fit.fixed_s == pytest.approx(0.030, rel=0.2)
