@@ -5,11 +5,11 @@ it being computed, and its own prompt. All are read from what the engine core re
 (engine/core_proc.py), not from a rate the server infers:
 
 - The slot wait. The core names, for every running sequence, the tokens it has generated and its max_tokens. How
-  many steps each has left is taken from the output lengths of the requests that finished lately: a high quantile
-  of the lengths past what it has generated so far, never past its max_tokens (and max_tokens itself while no
-  finished length is past it). The k-th slot frees after the k-th shortest of those, at the measured time of a
-  decode step; requests queued ahead take the slots in turn. A rate of finished requests cannot stand in for this:
-  it is unknown (and was read as "no wait") after a quiet spell, and the slots free in bursts, not at a rate.
+  many steps each has left is taken from the sequences that finished lately (OutputLengths): where one that has
+  run that far stops by itself, at a high quantile, or its max_tokens when that comes first or the finished ones do
+  not say. The k-th slot frees after the k-th shortest of those, at the measured time of a decode step; requests
+  queued ahead take the slots in turn. A rate of finished requests cannot stand in for this: it is unknown after a
+  quiet spell, and the slots free in bursts, not at a rate.
 - The prompt work: the prompt tokens admitted ahead of it, the core's own prompt backlog and its own prompt, at the
   cost the recent steps' prompt parts took. A prompt part costs a fixed part (an eager pass over every layer, and
   attention over the cached prefix) plus a part per new token, both fitted with the Theil-Sen estimator (the median
