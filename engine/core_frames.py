@@ -118,6 +118,11 @@ class CoreLoad(msgspec.Struct, array_like=True, gc=False):
     kv_blocks: int
     num_prompt_tokens: int
     num_generated_tokens: int
+    # Per running sequence, in the same order: tokens generated so far, and its max_tokens (how long admission
+    # expects the slots to stay taken).
+    generated: list[int] = msgspec.field(default_factory=list)
+    max_tokens: list[int] = msgspec.field(default_factory=list)
+    resumed_seqs: int = 0  # preempted sequences waiting to run again (ahead of every new request)
 
 
 class Ready(msgspec.Struct, tag=True, array_like=True, gc=False):

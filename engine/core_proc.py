@@ -284,6 +284,9 @@ def load_of(core: EngineCore) -> CoreLoad:
         stats.kv_blocks,
         core.num_prompt_tokens,
         core.num_generated_tokens,
+        [len(s.output_token_ids) for s in running],
+        [s.params.max_tokens for s in running],
+        sum(1 for s in sched.waiting if s.first_scheduled_time is not None),
     )
 
 
@@ -384,7 +387,11 @@ class CoreLoop:
 
         core = self.core
         self._first_sent = core.last_first_scheduled
-        self.channel.send(StepOutputs(updates, core.last_first_scheduled, core.last_schedule_time, partial=True))
+        # With the state after the schedule: the server gives back the admission slots of the requests scheduled
+        # here now, and must count them as running from then on, not a step later.
+        self.channel.send(
+            StepOutputs(updates, core.last_first_scheduled, core.last_schedule_time, load_of(core), partial=True)
+        )
 
     def _step(self) -> None:
         from .core_frames import StepOutputs

@@ -44,7 +44,7 @@ class ServeConfig(BaseModel):
         30.0,
         ge=0.0,
         description="Admission by expected wait: answer 429 (Retry-After: the expected wait) when a new request "
-        "would wait longer than this many seconds for the engine to take it (set it from your TTFT SLO); "
+        "would wait longer than this many seconds for its first token (set it from your TTFT SLO); "
         "unset = admit up to --max-queue only.",
     )
     drain_timeout: float = Field(

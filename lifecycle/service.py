@@ -160,7 +160,7 @@ class Service:
             old.set()
 
     def _step_done(self, report: StepReport) -> None:
-        self.admission.observe_step(report.prefill_s, report.prefill_tokens)
+        self.admission.observe_step(report)
 
     async def wait_ready(self, timeout: float) -> EngineInfo:
         """Wait (at most `timeout` s) until READY; Rejected(503) on timeout, failure or drain."""
@@ -238,8 +238,8 @@ class Service:
         return gen
 
     def _observe(self, finish_reason: str, out: RequestOutput | None, received_at: float) -> None:
-        self.admission.note_finished()
         if out is not None and finish_reason in ("stop", "length"):
+            self.admission.note_finished([(len(c.token_ids), c.finish_reason != "length") for c in out.outputs])
             self.metrics.completed_generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
         m = out.metrics if out is not None else None
         if m is None:

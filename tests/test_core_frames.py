@@ -60,7 +60,7 @@ record = st.builds(
     st.lists(st.tuples(text, attrs, ints), max_size=2),
     attrs,
 )
-load = st.builds(cf.CoreLoad, *[small] * 9)
+load = st.builds(cf.CoreLoad, *[small] * 9, st.lists(small, max_size=4), st.lists(small, max_size=4), small)
 row = st.builds(
     PhaseRow,
     text,

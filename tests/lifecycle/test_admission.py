@@ -1,7 +1,7 @@
-"""Admission by expected wait: with every engine slot busy, a request whose expected wait (requests ahead / recent
-finish rate) exceeds --max-queue-wait is answered 429 queue_wait with Retry-After; with a free slot, or without the
-limit, the same request is admitted. A real server (tiny model) and the official client; no timing is asserted
-beyond "the long streams are still running when the probe is sent"."""
+"""Admission by expected wait: with every engine slot busy, a request whose expected wait (until a running sequence
+ends, from what the core reports) exceeds --max-queue-wait is answered 429 queue_wait with Retry-After; with a free
+slot, or without the limit, the same request is admitted. A real server (tiny model) and the official client; no
+timing is asserted beyond "the long streams are still running when the probe is sent"."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _busy_server(tiny_model: Path, limit: float | None) -> ThreadServer:
     ).start()
     srv.wait_ready()
     client = srv.client()
-    # A few finished requests: the server now knows its finish rate, so the expected wait is known.
+    # A few finished requests: the server now knows its decode step time, so the expected wait is known.
     for i in range(6):
         client.completions.create(model=srv.service.model_name, prompt=f"warm {i}", max_tokens=4)
     return srv
