@@ -3,7 +3,7 @@
 1. server A (the default admission): capacity, a request throughput at a closed loop of max-num-seqs clients
    (skipped with --sustainable-rate); sustainable rate = --sustainable-load x capacity
 2. one calibration run at the sustainable rate on A: the admission limit (--max-queue-wait) of server B is half its
-   TTFT p99 (or the value given); B starts (A stays up, idle) and is warmed up so it knows its finish rate
+   TTFT p99 (or the value given); B starts (A stays up, idle) and is warmed up so it knows its step and prompt costs
 3. --runs pairs, back to back: Poisson arrivals at the sustainable rate on A (the baseline), then at
    --overload-factor x that rate on B for as long (the overload). Pair i's ratio is B's admitted TTFT p99 over A's
    TTFT p99 of the same pair, so both halves of a pair see the same machine state.
@@ -93,7 +93,7 @@ class OverloadResult:
 
 
 def _warm_admission(cfg: ServeBenchConfig, base_url: str, tokenizer: Any, model: str) -> None:
-    # The server learns its finish rate, which its expected-wait admission needs.
+    # The server measures its decode step and prompt costs, which its expected-wait admission needs.
     warm = build_requests(cfg, tokenizer, cfg.max_num_seqs, seed=20_000)
     send_closed(cfg, base_url, bodies_for(cfg, warm, model), cfg.max_num_seqs)
 
