@@ -267,9 +267,17 @@ class PromptScan:
     def _real_quotes(self, chunk: np.ndarray) -> np.ndarray:
         """Offsets in `chunk` of its quotes not escaped by a backslash run (carried over from the bytes before)."""
         n = len(chunk)
+        quotes = np.flatnonzero(chunk == _QUOTE)
+        if len(quotes) == 0:
+            # Most of a long string: one pass, and the backslash run at the end looked at only when there is one.
+            if chunk[-1] == _BACKSLASH:
+                plain = np.flatnonzero(chunk != _BACKSLASH)
+                self._backslashes = self._backslashes + n if len(plain) == 0 else n - 1 - int(plain[-1])
+            else:
+                self._backslashes = 0
+            return quotes
         positions = np.arange(n, dtype=np.int32)
         last_plain = np.maximum.accumulate(np.where(chunk == _BACKSLASH, np.int32(-1), positions))
-        quotes = np.flatnonzero(chunk == _QUOTE)
         before = np.where(quotes > 0, last_plain[np.maximum(quotes - 1, 0)], -1)
         run = np.where(before >= 0, quotes - 1 - before, quotes + self._backslashes)
         tail = int(last_plain[-1])

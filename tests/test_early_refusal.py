@@ -18,7 +18,22 @@ from glowplug.lifecycle.json_limits import PromptScan
 
 # Pieces that reach the bound (the widest tokens: a newline and 80 spaces, 80 '#'), multi-byte characters, and
 # the bytes JSON escapes (quotes, backslashes, control and line-separator characters).
-_PIECES = ["\n" + " " * 80, "#" * 80, "=" * 65, " ", "\n", "hello", " world", "é", "🚀", "中文", '"', "\\", "\t", "\u2028"]
+_PIECES = [
+    "\n" + " " * 80,
+    "#" * 80,
+    "=" * 65,
+    " ",
+    "\n",
+    "hello",
+    " world",
+    "é",
+    "🚀",
+    "中文",
+    '"',
+    "\\",
+    "\t",
+    "\u2028",
+]
 
 
 @pytest.fixture(scope="module")
@@ -46,4 +61,3 @@ def test_the_bound_from_a_body_prefix_never_passes_the_real_token_count(
     for cut in [*cuts, len(raw)]:
         end = min(len(raw), end + cut)
         assert math.ceil(scan.feed(raw[:end]) / longest) <= tokens
-

@@ -21,9 +21,9 @@ import openai
 import pytest
 from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
 
+from glowplug.engine.tokenizer import max_token_chars
 from glowplug.lifecycle.config import ServeConfig
 from glowplug.lifecycle.state import EngineState
-from glowplug.engine.tokenizer import max_token_chars
 from glowplug.profiling.bench.serve.hostile_corpus import Raw, Target, head, run_corpus
 from glowplug.profiling.logs import configure_logging
 from glowplug.profiling.names import Metric

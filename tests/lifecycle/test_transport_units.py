@@ -282,3 +282,18 @@ def test_the_prompt_scan_on_bodies_that_arrive_in_pieces() -> None:
     # The prompt one level down, or as a value of another key, is not the prompt.
     for other in (b'{"x": {"prompt": "' + b"a" * 100, b'{"x": "prompt", "y": "' + b"a" * 100):
         assert json_limits.PromptScan(b"prompt").feed(other) == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_the_prompt_scan_carries_backslash_runs_across_pieces(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(json_limits, "_CHUNK", chunk)
+    for k in range(7):
+        prompt = "\\" * k + '"' + "ab" * 200 + "\\" * k  # a bound above 0 for every k
+        raw = json.dumps({"x": ['\\"', "\\"], "prompt": prompt, "y": "z"}).encode()
+        span = json_limits.top_level_string(raw, b"prompt")
+        assert span is not None
+        for step in (1, 4, 7):
+            scan = json_limits.PromptScan(b"prompt")
+            for end in range(step, len(raw) + step, step):
+                scan.feed(raw[:end])
+            assert scan.chars == json_limits.min_chars(raw, *span) > 0, (k, step)
