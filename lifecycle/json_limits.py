@@ -216,3 +216,111 @@ def min_chars(body: Buffer, start: int, end: int) -> int:
     seg = np.frombuffer(body, dtype=np.uint8)[start:end]
     leading = len(seg) - _count(seg, lambda chunk: (chunk & 0xC0) == 0x80)
     return max(0, leading - 6 * _count(seg, lambda chunk: chunk == _BACKSLASH))
+
+
+class PromptScan:
+    """Follows a body as it arrives, for a lower bound on the characters of the top-level string value of `key`
+    received so far: so that a prompt too long to fit can be refused before the rest of its body is read.
+
+    `feed(body)` scans the bytes added since the last call (the body so far, which only grows) with numpy, carrying
+    the state of the scan (inside a string or not, the backslash run at the end, the nesting depth) from one call
+    to the next; only the strings' quotes are looked at one by one. The first value of `key` counts (a body with
+    duplicate keys has no defined meaning, RFC 8259 section 4). The scan gives up, and the bound stays 0, on a body
+    of more than _MAX_STRINGS strings before the value, or with more than 256 bytes between the key and its value:
+    such bodies are read whole and checked after (`top_level_string`)."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+        self._seen = 0  # bytes scanned
+        self._backslashes = 0  # length of the backslash run that ends the scanned bytes
+        self._open: int | None = None  # first byte of the string being read (None: outside strings)
+        self._depth = 0  # nesting depth at `_outside`, outside strings
+        self._outside = 0  # first byte after the last string (the non-string bytes from here are not counted yet)
+        self._key_end: int | None = None  # the byte after the closing quote of `key` at depth 1, last string read
+        self._strings = 0
+        self._value: int | None = None  # where the value's characters are counted up to (None: not in the value)
+        self._leading = 0  # bytes of the value that start a UTF-8 character
+        self._escapes = 0  # backslashes in the value
+        self._stopped = False
+
+    @property
+    def chars(self) -> int:
+        """The lower bound so far: every character starts with a byte that is not a UTF-8 continuation byte, and an
+        escape (at most 12 bytes with up to 2 backslashes) stands for at least one (as `min_chars`)."""
+        return max(0, self._leading - 6 * self._escapes)
+
+    def feed(self, body: Buffer) -> int:
+        """Scan what `body` holds past the bytes scanned before; the bound (`chars`) after it."""
+        if self._stopped or len(body) <= self._seen:
+            return self.chars
+        data = np.frombuffer(body, dtype=np.uint8)
+        base = self._seen
+        for start, chunk in _chunks(data[base:]):
+            self._scan(data, base + start, chunk)
+            self._seen = base + start + len(chunk)
+            if self._stopped:
+                break
+        if self._value is not None and not self._stopped:
+            self._count_value(data, len(data))
+        return self.chars
+
+    def _real_quotes(self, chunk: np.ndarray) -> np.ndarray:
+        """Offsets in `chunk` of its quotes not escaped by a backslash run (carried over from the bytes before)."""
+        n = len(chunk)
+        quotes = np.flatnonzero(chunk == _QUOTE)
+        if len(quotes) == 0:
+            # Most of a long string: one pass, and the backslash run at the end looked at only when there is one.
+            if chunk[-1] == _BACKSLASH:
+                plain = np.flatnonzero(chunk != _BACKSLASH)
+                self._backslashes = self._backslashes + n if len(plain) == 0 else n - 1 - int(plain[-1])
+            else:
+                self._backslashes = 0
+            return quotes
+        positions = np.arange(n, dtype=np.int32)
+        last_plain = np.maximum.accumulate(np.where(chunk == _BACKSLASH, np.int32(-1), positions))
+        before = np.where(quotes > 0, last_plain[np.maximum(quotes - 1, 0)], -1)
+        run = np.where(before >= 0, quotes - 1 - before, quotes + self._backslashes)
+        tail = int(last_plain[-1])
+        self._backslashes = self._backslashes + n if tail < 0 else n - 1 - tail
+        return quotes[(run & 1) == 0]
+
+    def _count_value(self, data: np.ndarray, end: int) -> None:
+        assert self._value is not None
+        seg = data[self._value : end]
+        self._leading += len(seg) - _count(seg, lambda chunk: (chunk & 0xC0) == 0x80)
+        self._escapes += _count(seg, lambda chunk: chunk == _BACKSLASH)
+        self._value = end
+
+    def _scan(self, data: np.ndarray, offset: int, chunk: np.ndarray) -> None:
+        for at in self._real_quotes(chunk):
+            q = offset + int(at)
+            if self._open is None:
+                self._opening(data, q)
+            else:
+                self._closing(data, q)
+            if self._stopped:
+                return
+
+    def _opening(self, data: np.ndarray, q: int) -> None:
+        between = data[self._outside : q]
+        self._depth += _count(between, _is_opener) - _count(between, _is_closer)
+        self._open = q + 1
+        if self._key_end is not None and self._depth == 1 and q - self._key_end <= 256:
+            if bytes(data[self._key_end : q]).strip(_WHITESPACE) == b":":
+                self._value = q + 1
+        self._key_end = None
+
+    def _closing(self, data: np.ndarray, q: int) -> None:
+        assert self._open is not None
+        if self._value is not None:
+            self._count_value(data, q)
+            self._stopped = True  # the whole value is in: its bound is final
+            return
+        self._strings += 1
+        if self._strings > _MAX_STRINGS:
+            self._stopped = True
+            return
+        opened, self._open = self._open, None
+        self._outside = q + 1
+        is_key = self._depth == 1 and q - opened == len(self._key) and bytes(data[opened:q]) == self._key
+        self._key_end = q + 1 if is_key else None

@@ -8,9 +8,9 @@ engine requests; `Generation.close()` in the response's `finally` makes that hol
 disconnect is noted on the access-log line and counted by stage (never logged as an error).
 
 No request stalls the others: a prompt whose length in characters already proves it longer than max-model-len is
-refused before tokenizing (in a large completions body, before parsing), and the rest is tokenized in bounded
-pieces with the GIL released (engine/tokenizer.py, `encode_bounded`), stopping once the count passes
-max-model-len.
+refused before tokenizing (in a large completions body, while the body arrives, as soon as the part of the prompt
+received proves it: the rest is dropped unread), and the rest is tokenized in bounded pieces with the GIL released
+(engine/tokenizer.py, `encode_bounded`), stopping once the count passes max-model-len.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from glowplug.engine.tokenizer import (
 
 from .errors import ApiError, bad_request
 from .generation import Ended, Generation, PromptEvent
-from .json_limits import min_chars, top_level_string
+from .json_limits import PromptScan, min_chars, top_level_string
 from .metrics import DisconnectStage, RejectReason
 from .observe import RequestTrace, access_fields, request_id
 from .protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -58,8 +58,10 @@ from .service import EngineInfo, Rejected, Service
 from .tool_calls import ParseEvents, ToolCallParser, tag_token_ids
 from .transport import (
     BodyBuffer,
+    BodyWatch,
     ClientDisconnected,
     TransportLimits,
+    content_length,
     note_disconnect,
     read_body,
 )
@@ -474,6 +476,16 @@ async def _prepare(
     return service.generate(prompts, params, ticket, received_at=received, on_close=on_close), info, params
 
 
+def _chars_refusal(chars: int, longest: int, info: EngineInfo) -> ApiError | None:
+    """The context_length_exceeded 400 for a prompt of at least `chars` characters when that many cannot fit
+    (no token covers more than `longest` of them); None when they might."""
+    at_least = math.ceil(chars / longest)
+    if at_least <= info.max_model_len:
+        return None
+    basis = f"it is at least {chars:,} characters and no token of this tokenizer covers more than {longest}"
+    return _refuse_long("prompt", PromptTooLong(at_least, info.max_model_len, chars, basis), info)
+
+
 def _refuse_raw_prompt(raw: BodyBuffer, info: EngineInfo) -> None:
     """Refuse a completions prompt too long to fit from the body's bytes, before parsing: parsed, it would be held
     twice (the body, and the string json.loads makes of it). Its bytes bound its characters from below
@@ -487,10 +499,37 @@ def _refuse_raw_prompt(raw: BodyBuffer, info: EngineInfo) -> None:
         chars = min_chars(view, *span) if span is not None else 0
     finally:
         view.release()
-    at_least = math.ceil(chars / longest)
-    if at_least > info.max_model_len:
-        basis = f"it is at least {chars:,} characters and no token of this tokenizer covers more than {longest}"
-        raise _refuse_long("prompt", PromptTooLong(at_least, info.max_model_len, chars, basis), info)
+    refusal = _chars_refusal(chars, longest, info)
+    if refusal is not None:
+        raise refusal
+
+
+async def _prompt_watch(
+    scope: Scope, model: type[CompletionRequest] | type[ChatCompletionRequest], info: EngineInfo | None
+) -> BodyWatch | None:
+    """For a completions body large enough to hold a prompt that cannot fit: a watch that refuses it as soon as the
+    part of its prompt already received proves that (`PromptScan`), so the rest of the body is never read, copied
+    or scanned (a 16 MiB prompt is refused after its first few hundred KB). None for every other body."""
+    if model is not CompletionRequest or info is None:
+        return None
+    declared = content_length(scope)
+    if declared is not None and declared <= _THREAD_PARSE_BYTES:
+        return None
+    # Off the loop: the first call reads the vocabulary (tens of ms); later ones return the cached value.
+    longest = await asyncio.to_thread(max_token_chars, info.tokenizer)
+    if longest is None or (declared is not None and declared <= longest * info.max_model_len):
+        return None  # a prompt the body can hold may fit: it is read, parsed and tokenized (in bounded pieces)
+    scan = PromptScan(b"prompt")
+
+    def watch(body: BodyBuffer) -> ApiError | None:
+        view = body.view()
+        try:
+            chars = scan.feed(view)
+        finally:
+            view.release()
+        return _chars_refusal(chars, longest, info)
+
+    return watch
 
 
 def _parse_large(
@@ -516,7 +555,8 @@ async def _read_request(
     service: Service,
 ) -> CompletionRequest | ChatCompletionRequest:
     """Read the body within its limits and parse it into `model` (ApiError or ClientDisconnected otherwise)."""
-    raw = await read_body(request.scope, request.receive, limits, service.metrics)
+    watch = await _prompt_watch(request.scope, model, service.engine_info)
+    raw = await read_body(request.scope, request.receive, limits, service.metrics, watch)
     if len(raw) > _THREAD_PARSE_BYTES:
         # Before READY there is no tokenizer to bound the prompt with; it is then checked after tokenizing.
         return await asyncio.to_thread(

@@ -10,14 +10,16 @@ Order of the checks on a request, each before any work the next would cost:
      is set (401, compared in constant time);
   3. a Content-Length over --max-body-bytes gets 413 before one body byte is read;
   4. `read_body` reads the body against the same limit (chunked bodies have no Content-Length) and against
-     --body-read-timeout for the whole body (408);
+     --body-read-timeout for the whole body (408); a route's watch may refuse it as it arrives (a completions
+     prompt already too long to fit: 400, before the rest is read);
   5. protocol.py parses it: nesting depth (400) and element count (413) before parsing, strict UTF-8, whole
      Unicode characters (400).
-413 and 408 (and a 401 whose body was not read) close the connection: draining a body the server refuses would
-cost what the limit is there to avoid. They close it lingering, as Apache and nginx do: the response goes out with
-a FIN, and what the client still sends is read and dropped for up to LINGER_S seconds before the socket closes.
-Closing at once, with unread bytes in the socket, would send a RST, and a client still writing its body (most
-HTTP clients read the response only after sending it all) would get "connection reset" instead of the 413.
+413 and 408 (and a 401 whose body was not read, and a watch's refusal before the body's end) close the connection:
+draining a body the server refuses would cost what the limit is there to avoid. They close it lingering, as Apache
+and nginx do: the response goes out with a FIN, and what the client still sends is read and dropped for up to
+LINGER_S seconds before the socket closes. Closing at once, with unread bytes in the socket, would send a RST, and a
+client still writing its body (most HTTP clients read the response only after sending it all) would get
+"connection reset" instead of the 413.
 
 A client that disconnects is not a server error: it is noted once on the request's access-log line (info level,
 with its request id, no traceback) and counted in glowplug_client_disconnects{stage}.
@@ -60,6 +62,11 @@ MAP_BODY_BYTES = 1 << 20
 # The largest request head (request line and headers): h11's own limit, which it applies only to a head still
 # arriving; one that came in a single read (up to 256 KiB) would pass it.
 MAX_HEAD_BYTES = 16 * 1024
+
+
+# Looks at a body as it arrives (the whole of it so far, after each piece): an ApiError refuses it there, before the
+# rest is read; None reads on.
+BodyWatch = Callable[["BodyBuffer"], ApiError | None]
 
 
 class ClientDisconnected(Exception):
@@ -189,16 +196,25 @@ def _buffer_for(scope: Scope, limit: int | None) -> BodyBuffer:
     return BodyBuffer(limit)  # chunked: reserved at the limit (address space only), or a bytearray without one
 
 
-async def read_body(scope: Scope, receive: Receive, limits: TransportLimits, metrics: ServiceMetrics) -> BodyBuffer:
-    """The whole request body, read against the size limit and the read deadline.
+async def read_body(
+    scope: Scope,
+    receive: Receive,
+    limits: TransportLimits,
+    metrics: ServiceMetrics,
+    watch: BodyWatch | None = None,
+) -> BodyBuffer:
+    """The whole request body, read against the size limit and the read deadline; `watch`, when given, sees the
+    body after each piece that arrives and may refuse it there (its ApiError is raised, with `Connection: close`
+    while the client still owes body bytes: they are dropped unread, see the module doc).
 
-    Raises ApiError 413 / 408 (counted as rejections) or ClientDisconnected (the buffer released in every case)."""
+    Raises ApiError 413 / 408 (counted as rejections), the watch's ApiError, or ClientDisconnected (the buffer
+    released in every case)."""
     limit = limits.max_body_bytes
     started = scope.get("state", {}).get(RECEIVED_AT, time.monotonic())
     deadline = started + limits.body_read_timeout if limits.body_read_timeout is not None else None
     body = _buffer_for(scope, limit)
     try:
-        await _fill(body, receive, limits, metrics, deadline)
+        await _fill(body, receive, limits, metrics, deadline, watch)
     except BaseException:
         body.release()
         raise
@@ -206,7 +222,12 @@ async def read_body(scope: Scope, receive: Receive, limits: TransportLimits, met
 
 
 async def _fill(
-    body: BodyBuffer, receive: Receive, limits: TransportLimits, metrics: ServiceMetrics, deadline: float | None
+    body: BodyBuffer,
+    receive: Receive,
+    limits: TransportLimits,
+    metrics: ServiceMetrics,
+    deadline: float | None,
+    watch: BodyWatch | None,
 ) -> None:
     limit = limits.max_body_bytes
     while True:
@@ -231,7 +252,14 @@ async def _fill(
             metrics.rejected.labels(reason=RejectReason.BODY_TOO_LARGE).inc()
             raise too_large(limit)
         body.append(chunk)
-        if not message.get("more_body", False):
+        more = bool(message.get("more_body", False))
+        if watch is not None and chunk:
+            refusal = watch(body)
+            if refusal is not None:
+                if more:
+                    refusal.headers.update(_CLOSE)
+                raise refusal
+        if not more:
             return
 
 

@@ -10,6 +10,7 @@ The limits are small here (a 4 MiB body, 1 s timeouts) so that the corpus runs i
 from __future__ import annotations
 
 import io
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -20,9 +21,10 @@ import openai
 import pytest
 from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
 
+from glowplug.engine.tokenizer import max_token_chars
 from glowplug.lifecycle.config import ServeConfig
 from glowplug.lifecycle.state import EngineState
-from glowplug.profiling.bench.serve.hostile_corpus import Target, run_corpus
+from glowplug.profiling.bench.serve.hostile_corpus import Raw, Target, head, run_corpus
 from glowplug.profiling.logs import configure_logging
 from glowplug.profiling.names import Metric
 
@@ -164,3 +166,49 @@ def _run_corpus_and_check(server: ThreadServer, logs: io.StringIO, stdlib: _Reco
     assert KEY not in text and not [r for r in stdlib.records if KEY in r.getMessage()]
     disconnects = [line for line in text.splitlines() if '"client_disconnected"' in line]
     assert disconnects and all('"level": "info"' in line and '"request_id"' in line for line in disconnects)
+
+
+def test_a_prompt_proven_too_long_is_refused_before_the_rest_of_its_body(server: ThreadServer) -> None:
+    """Against the served tokenizer: a prompt at the characters bound is tokenized and answered; one character
+    past it is refused while its body arrives (the client has sent a few KB of a 3 MiB body), and the server stays
+    READY."""
+    info = server.service.engine_info
+    longest, limit = max_token_chars(info.tokenizer), info.max_model_len
+    assert longest is not None
+    vocab = info.tokenizer.backend.get_vocab(with_added_tokens=True)
+    widest = info.tokenizer.decode([vocab[max(vocab, key=len)]])  # a token that covers `longest` characters
+    assert len(widest) == longest
+    # Padding after the prompt makes the body large enough to be watched as it arrives.
+    pad = "a" * (3 << 20)
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def complete(prompt: str) -> httpx.Response:
+        body = {"model": "tiny", "max_tokens": 4, "temperature": 0.0, "prompt": prompt, "x": pad}
+        with server.http() as http:
+            return http.post("/v1/completions", json=body, headers=auth)
+
+    # Each copy of the widest token is one token: `limit - 4` of them and 4 more tokens fill the context exactly.
+    fits = complete(widest * (limit - 4))
+    assert fits.status_code == 200, fits.text
+    assert fits.json()["usage"]["prompt_tokens"] == limit - 4
+    # `limit` of them are exactly at the characters bound: not refused by it, but tokenized and refused by their
+    # counted tokens and max_tokens.
+    counted = complete(widest * limit)
+    assert counted.status_code == 400 and counted.json()["error"]["code"] == "context_length_exceeded"
+    assert f"prompt tokens ({limit}) + max_tokens (4)" in counted.json()["error"]["message"]
+    # One character more proves it too long: refused before the client sends the rest of its body.
+    t = _target(server)
+    whole = json.dumps({"model": "tiny", "max_tokens": 4, "prompt": "b" * (limit * longest + 1), "x": pad}).encode()
+    sent = whole.index(b'"x"')
+    conn = Raw(t, timeout=10)
+    try:
+        conn.send(head(t, "/v1/completions", len(whole)) + whole[:sent])
+        out = conn.response()
+        assert (out.status, out.code) == (400, "context_length_exceeded"), out
+        assert f"at least {limit * longest + 1:,} characters" in out.note, out.note
+        assert conn.wait_closed(5.0).closed  # the rest is not waited for: the connection closes
+    finally:
+        conn.close()
+    assert server.service.snapshot().state is EngineState.READY
+    again = complete("hello")
+    assert again.status_code == 200, again.text

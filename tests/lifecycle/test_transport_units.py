@@ -237,3 +237,63 @@ def test_min_chars_is_exact_for_plain_text() -> None:
     # A body of many strings is not walked (it is parsed as it is).
     many = json.dumps({"prompt": "p", "x": ["s"] * 5000}).encode()
     assert json_limits.top_level_string(many, b"prompt") is None
+
+
+@given(
+    st.dictionaries(st.sampled_from(["prompt", "model", "x", "stop"]) | st.text(max_size=6), _JSON_VALUES, max_size=4),
+    st.booleans(),
+    st.booleans(),
+    st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30),
+    st.sampled_from([3, 16, 1 << 18]),
+)
+@settings(max_examples=400, deadline=None)
+def test_the_prompt_scan_bounds_every_prefix_and_ends_at_the_whole_prompts_bound(
+    body: dict[str, object], ascii_only: bool, pretty: bool, cuts: list[int], chunk: int
+) -> None:
+    """Fed the body piece by piece (as it arrives), the scan's bound never passes the prompt's real length in
+    characters, and once the body is in it is the bound read from the whole body (0 when the prompt is no
+    string)."""
+    raw = json.dumps(body, ensure_ascii=ascii_only, indent=2 if pretty else None).encode()
+    prompt = body.get("prompt")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(json_limits, "_CHUNK", chunk)
+        scan = json_limits.PromptScan(b"prompt")
+        end = 0
+        for cut in cuts:
+            end = min(len(raw), end + cut)
+            bound = scan.feed(memoryview(raw)[:end])
+            assert bound <= (len(prompt) if isinstance(prompt, str) else 0)
+        final = scan.feed(raw)
+    span = json_limits.top_level_string(raw, b"prompt")
+    assert final == (json_limits.min_chars(raw, *span) if span is not None else 0)
+
+
+def test_the_prompt_scan_on_bodies_that_arrive_in_pieces() -> None:
+    head = b'{"model": "m", "stop": ["\\"", "x"], "prompt": "'
+    scan = json_limits.PromptScan(b"prompt")
+    assert scan.feed(head) == 0
+    body = head + "héllo wörld ".encode() * 10_000
+    assert scan.feed(body[: len(head) + 6]) == 5  # "héllo": 6 bytes
+    assert scan.feed(body) == 120_000  # characters, not bytes
+    # An escaped quote does not end the prompt; the real one does, and nothing after it counts.
+    body += b'\\" and more", "max_tokens": 5, "x": "' + b"y" * 1000
+    assert scan.feed(body) == 120_000 + len(b'\\" and more') - 6  # an escape counts as one character at least
+    assert scan.feed(body + b'"}') == scan.chars
+    # The prompt one level down, or as a value of another key, is not the prompt.
+    for other in (b'{"x": {"prompt": "' + b"a" * 100, b'{"x": "prompt", "y": "' + b"a" * 100):
+        assert json_limits.PromptScan(b"prompt").feed(other) == 0
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_the_prompt_scan_carries_backslash_runs_across_pieces(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(json_limits, "_CHUNK", chunk)
+    for k in range(7):
+        prompt = "\\" * k + '"' + "ab" * 200 + "\\" * k  # a bound above 0 for every k
+        raw = json.dumps({"x": ['\\"', "\\"], "prompt": prompt, "y": "z"}).encode()
+        span = json_limits.top_level_string(raw, b"prompt")
+        assert span is not None
+        for step in (1, 4, 7):
+            scan = json_limits.PromptScan(b"prompt")
+            for end in range(step, len(raw) + step, step):
+                scan.feed(raw[:end])
+            assert scan.chars == json_limits.min_chars(raw, *span) > 0, (k, step)
