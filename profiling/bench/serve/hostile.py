@@ -44,7 +44,7 @@ from .workload import build_requests
 Progress = Callable[[str], None]
 
 READY_P99_TARGET_MS = 100.0
-ITL_RATIO_TARGET = 2.0
+ITL_RATIO_TARGET = 1.5
 RSS_RATIO_TARGET = 2.0
 _PROBE_INTERVAL_S = 0.010
 _RSS_INTERVAL_S = 0.005
