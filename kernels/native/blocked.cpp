@@ -199,49 +199,86 @@ inline void store_rows16(const OutWriter& out, int64_t m, int64_t n0, int64_t N,
   for (int64_t i = 0; i < n; ++i) out.put(m, n0 + i, a[i]);
 }
 
+// The vector operations of int4_q8_block on an N-block's 16 rows, per ISA level: Q8Sums holds their int32 sums,
+// Q8Totals their fp32 totals, Q8Chunk a chunk's codes as bytes (lo: codes 0,4,1,5 of each row; hi: 2,6,3,7),
+// Q8Group a group's fp16 scales and mins in fp32.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kQ8Rows = 8;  // accumulators per pass: 8 of the 32 registers, and 8 totals
 
 // One register holds a whole chunk (the block's 16 rows); vpdpbusd adds the four byte products of each lane.
-template <int MB>
-void int4_q8_block(const uint8_t* blk, int64_t K, int64_t gs, const int8_t* xq, const float* xd, const float* xs,
-                   int64_t m0, int64_t nb, int64_t N, const OutWriter& out) {
-  const int64_t G = K / gs, chunks_per_group = gs / 8;
-  const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + K * 8);
-  const uint16_t* mins = scales + G * 16;
+struct Q8Sums {
+  __m512i v;
+  static Q8Sums zero() { return {_mm512_setzero_si512()}; }
+};
+struct Q8Totals {
+  __m512 v;
+  static Q8Totals zero() { return {_mm512_setzero_ps()}; }
+};
+struct Q8Chunk {
+  __m512i lo, hi;
+};
+struct Q8Group {
+  __m512 scale, min;
+};
+
+GLOWPLUG_VINLINE Q8Chunk q8_chunk(const uint8_t* chunk) {
   const __m512i mask = _mm512_set1_epi8(0x0f);
-  __m512 tot[MB];
-  _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) tot[m] = _mm512_setzero_ps();
-  const uint8_t* chunk = blk;
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i acc[MB];
-    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_si512();
-    for (int64_t c = 0; c < chunks_per_group; ++c, chunk += 64) {
-      prefetch<kPackedAhead>(chunk);
-      prefetch<kL2Ahead, kHintT1>(chunk);
-      const __m512i w = _mm512_loadu_si512(chunk);
-      const __m512i lo = _mm512_and_si512(w, mask), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), mask);
-      const int64_t k0 = (g * chunks_per_group + c) * 8;
-      _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) {
-        acc[m] = _mm512_dpbusd_epi32(acc[m], lo, _mm512_set1_epi32(load_i32(xq + m * K + k0)));
-        acc[m] = _mm512_dpbusd_epi32(acc[m], hi, _mm512_set1_epi32(load_i32(xq + m * K + k0 + 4)));
-      }
-    }
-    const __m512 sc = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 16)));
-    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * 16)));
-    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) {
-      const __m512 d = _mm512_set1_ps(xd[m * G + g]), sx = _mm512_set1_ps(xs[m * G + g]);
-      tot[m] = _mm512_fmadd_ps(_mm512_mul_ps(sc, d), _mm512_cvtepi32_ps(acc[m]), _mm512_fmadd_ps(mn, sx, tot[m]));
-    }
-  }
-  _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) {
-    alignas(64) float a[16];
-    _mm512_store_ps(a, tot[m]);
-    store_rows16(out, m0 + m, nb * 16, N, a);
-  }
+  const __m512i w = _mm512_loadu_si512(chunk);
+  const __m512i lo = _mm512_and_si512(w, mask), hi = _mm512_and_si512(_mm512_srli_epi32(w, 4), mask);
+  return {lo, hi};
+}
+
+// acc += the chunk's codes times one row's 8 int8 activations xq[at..at + 7] (stored permuted: see kQ8Order).
+GLOWPLUG_VINLINE Q8Sums q8_madd(Q8Sums acc, const Q8Chunk& w, const int8_t* xq, int64_t at) {
+  acc.v = _mm512_dpbusd_epi32(acc.v, w.lo, _mm512_set1_epi32(load_i32(xq + at)));
+  acc.v = _mm512_dpbusd_epi32(acc.v, w.hi, _mm512_set1_epi32(load_i32(xq + at + 4)));
+  return acc;
+}
+
+GLOWPLUG_VINLINE Q8Group q8_group(const uint16_t* scales, const uint16_t* mins, int64_t at) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at))),
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + at)))};
+}
+
+// tot + scale * d * acc + min * sx: one row's group, d = xd[at] its activations' step, sx = xs[at] their sum.
+GLOWPLUG_VINLINE Q8Totals q8_add_group(Q8Totals tot, const Q8Group& f, Q8Sums acc, const float* xd, const float* xs,
+                                       int64_t at) {
+  const __m512 d = _mm512_set1_ps(xd[at]), sx = _mm512_set1_ps(xs[at]);
+  return {_mm512_fmadd_ps(_mm512_mul_ps(f.scale, d), _mm512_cvtepi32_ps(acc.v), _mm512_fmadd_ps(f.min, sx, tot.v))};
+}
+
+GLOWPLUG_VINLINE void q8_store(const OutWriter& out, int64_t m, int64_t n0, int64_t N, Q8Totals tot) {
+  alignas(64) float a[16];
+  _mm512_store_ps(a, tot.v);
+  store_rows16(out, m, n0, N, a);
 }
 #else
 constexpr int kQ8Rows = 4;  // 8 accumulators of the 16 registers, 4 decoded halves, 2 broadcasts
+
+// A chunk is two registers of 8 rows each.
+struct Q8Sums {
+  __m256i v[2];
+  static Q8Sums zero() { return {{_mm256_setzero_si256(), _mm256_setzero_si256()}}; }
+};
+struct Q8Totals {
+  __m256 v[2];
+  static Q8Totals zero() { return {{_mm256_setzero_ps(), _mm256_setzero_ps()}}; }
+};
+struct Q8Chunk {
+  __m256i lo[2], hi[2];
+};
+struct Q8Group {
+  __m256 scale[2], min[2];
+};
+
+GLOWPLUG_VINLINE Q8Chunk q8_chunk(const uint8_t* chunk) {
+  const __m256i mask = _mm256_set1_epi8(0x0f);
+  const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
+  const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
+  const __m256i lo0 = _mm256_and_si256(w0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), mask);
+  const __m256i lo1 = _mm256_and_si256(w1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), mask);
+  return {{lo0, lo1}, {hi0, hi1}};
+}
 
 // acc (8 rows' 32-bit sums) += a chunk half's codes (lo: codes 0,4,1,5; hi: 2,6,3,7) times the row's activations.
 GLOWPLUG_VINLINE __m256i madd_q8(__m256i acc, __m256i lo, __m256i hi, __m256i a, __m256i b) {
@@ -249,53 +286,65 @@ GLOWPLUG_VINLINE __m256i madd_q8(__m256i acc, __m256i lo, __m256i hi, __m256i a,
   return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
 }
 
-// A chunk is two registers of 8 rows each.
+// acc += the chunk's codes times one row's 8 int8 activations xq[at..at + 7] (stored permuted: see kQ8Order).
+GLOWPLUG_VINLINE Q8Sums q8_madd(Q8Sums acc, const Q8Chunk& w, const int8_t* xq, int64_t at) {
+  const __m256i a = _mm256_set1_epi32(load_i32(xq + at));
+  const __m256i b = _mm256_set1_epi32(load_i32(xq + at + 4));
+  acc.v[0] = madd_q8(acc.v[0], w.lo[0], w.hi[0], a, b);
+  acc.v[1] = madd_q8(acc.v[1], w.lo[1], w.hi[1], a, b);
+  return acc;
+}
+
+GLOWPLUG_VINLINE Q8Group q8_group(const uint16_t* scales, const uint16_t* mins, int64_t at) {
+  return {{_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + at))),
+           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + at + 8)))},
+          {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + at))),
+           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + at + 8)))}};
+}
+
+// tot + scale * d * acc + min * sx: one row's group, d = xd[at] its activations' step, sx = xs[at] their sum.
+GLOWPLUG_VINLINE Q8Totals q8_add_group(Q8Totals tot, const Q8Group& f, Q8Sums acc, const float* xd, const float* xs,
+                                       int64_t at) {
+  const __m256 d = _mm256_set1_ps(xd[at]), sx = _mm256_set1_ps(xs[at]);
+  tot.v[0] = _mm256_fmadd_ps(_mm256_mul_ps(f.scale[0], d), _mm256_cvtepi32_ps(acc.v[0]), _mm256_fmadd_ps(f.min[0], sx, tot.v[0]));
+  tot.v[1] = _mm256_fmadd_ps(_mm256_mul_ps(f.scale[1], d), _mm256_cvtepi32_ps(acc.v[1]), _mm256_fmadd_ps(f.min[1], sx, tot.v[1]));
+  return tot;
+}
+
+GLOWPLUG_VINLINE void q8_store(const OutWriter& out, int64_t m, int64_t n0, int64_t N, Q8Totals tot) {
+  alignas(32) float a[16];
+  _mm256_store_ps(a, tot.v[0]);
+  _mm256_store_ps(a + 8, tot.v[1]);
+  store_rows16(out, m, n0, N, a);
+}
+#endif
+
+// MB activation rows (from m0) times one N-block: per group, the integer sums of codes times int8 activations, then
+// y += scale * dx * sum(q xq) + min * dx * sum(xq). xq, xd, xs: quantize_x8's rows from m0.
 template <int MB>
 void int4_q8_block(const uint8_t* blk, int64_t K, int64_t gs, const int8_t* xq, const float* xd, const float* xs,
                    int64_t m0, int64_t nb, int64_t N, const OutWriter& out) {
   const int64_t G = K / gs, chunks_per_group = gs / 8;
   const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + K * 8);
   const uint16_t* mins = scales + G * 16;
-  const __m256i mask = _mm256_set1_epi8(0x0f);
-  __m256 tot[MB][2];
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m][0] = tot[m][1] = _mm256_setzero_ps();
+  Q8Totals tot[MB];
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] = Q8Totals::zero();
   const uint8_t* chunk = blk;
   for (int64_t g = 0; g < G; ++g) {
-    __m256i acc[MB][2];
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    Q8Sums acc[MB];
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) acc[m] = Q8Sums::zero();
     for (int64_t c = 0; c < chunks_per_group; ++c, chunk += 64) {
       prefetch<kPackedAhead>(chunk);
       prefetch<kL2Ahead, kHintT1>(chunk);
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + 32));
-      const __m256i lo0 = _mm256_and_si256(w0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(w0, 4), mask);
-      const __m256i lo1 = _mm256_and_si256(w1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(w1, 4), mask);
+      const Q8Chunk w = q8_chunk(chunk);
       const int64_t k0 = (g * chunks_per_group + c) * 8;
-      _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
-        const __m256i a = _mm256_set1_epi32(load_i32(xq + m * K + k0));
-        const __m256i b = _mm256_set1_epi32(load_i32(xq + m * K + k0 + 4));
-        acc[m][0] = madd_q8(acc[m][0], lo0, hi0, a, b);
-        acc[m][1] = madd_q8(acc[m][1], lo1, hi1, a, b);
-      }
+      _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) acc[m] = q8_madd(acc[m], w, xq, m * K + k0);
     }
-    const __m256 s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * 16)));
-    const __m256 s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scales + g * 16 + 8)));
-    const __m256 n0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g * 16)));
-    const __m256 n1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mins + g * 16 + 8)));
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
-      const __m256 d = _mm256_set1_ps(xd[m * G + g]), sx = _mm256_set1_ps(xs[m * G + g]);
-      tot[m][0] = _mm256_fmadd_ps(_mm256_mul_ps(s0, d), _mm256_cvtepi32_ps(acc[m][0]), _mm256_fmadd_ps(n0, sx, tot[m][0]));
-      tot[m][1] = _mm256_fmadd_ps(_mm256_mul_ps(s1, d), _mm256_cvtepi32_ps(acc[m][1]), _mm256_fmadd_ps(n1, sx, tot[m][1]));
-    }
+    const Q8Group f = q8_group(scales, mins, g * 16);
+    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] = q8_add_group(tot[m], f, acc[m], xd, xs, m * G + g);
   }
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
-    alignas(32) float a[16];
-    _mm256_store_ps(a, tot[m][0]);
-    _mm256_store_ps(a + 8, tot[m][1]);
-    store_rows16(out, m0 + m, nb * 16, N, a);
-  }
+  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) q8_store(out, m0 + m, nb * 16, N, tot[m]);
 }
-#endif
 
 // y [M, N] = x [M, K] times the int4 blocked weight w, through int4_q8_block, kQ8Rows activation rows per pass.
 void int4_q8_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint8_t* w, const OutWriter& out,
@@ -390,9 +439,33 @@ void dense_block(const uint16_t* wb, int64_t K, const uint16_t* x, int64_t m0, i
 // ---------------------------------------------------------------------------------------------- int4 / int2
 // A block is [K / KC chunks of 64 bytes][G x 16 fp16 scales][G x 16 fp16 mins], KC = 8 (int4) or 16 (int2) codes of
 // each row per chunk; w = q * scale + min.
+//
+// Rows per pass: up to 8 with the running totals in registers, NA accumulators per row; 9 to 16 (NA = 1) with one
+// accumulator per row (up to 16 independent vdpbf16ps chains) and the totals in L1 (`RowTotals`), which 16
+// accumulators leave no registers for (their update is three memory operations per row and group, against gs / 2
+// multiply-adds). Why the wide pass: at 16 rows two passes of 8 each decoded every chunk, each with only 8 dependent
+// chains, and came out ~20% behind the dense bf16 kernel on the same shapes. Single-threaded with the weights
+// streamed from memory (int4-g128, SmolLM2's shapes), one wide pass took 15-30% less time than two 8-row passes at
+// 12 to 32 rows, and at 16 rows matched or beat dense bf16. It stays exact (codes times activations, scaled per
+// group), unlike decoding the block to bf16 first, which measured no faster here at 16 rows or more.
+template <int MB, bool IN_L1 = (MB > 8)>
+struct RowTotals {  // in registers
+  __m512 v[MB];
+  GLOWPLUG_VINLINE RowTotals() { _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) v[m] = _mm512_setzero_ps(); }
+  GLOWPLUG_VINLINE __m512 get(int m) const { return v[m]; }
+  GLOWPLUG_VINLINE void set(int m, __m512 t) { v[m] = t; }
+};
+template <int MB>
+struct RowTotals<MB, true> {  // in L1
+  alignas(64) float v[MB][16] = {};
+  GLOWPLUG_VINLINE __m512 get(int m) const { return _mm512_load_ps(v[m]); }
+  GLOWPLUG_VINLINE void set(int m, __m512 t) { _mm512_store_ps(v[m], t); }
+};
+
 template <int BITS, int MB, int NA>
 void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, const float* xsum, int64_t m0,
                 int64_t nb, int64_t N, const OutWriter& out) {
+  static_assert(MB <= 8 || NA == 1, "from 9 rows on, one accumulator per row");
   constexpr int PLANES = 16 / BITS, KC = 2 * PLANES;
   const int64_t G = K / gs, chunks_per_group = gs / KC;
   const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + K * BITS * 2);
@@ -400,12 +473,11 @@ void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, co
   const __m512i mask = _mm512_set1_epi16((1 << BITS) - 1);
   const __m512i expo = _mm512_set1_epi16(0x4300);
   const __m512 c128 = _mm512_set1_ps(128.f);
-  __m512 tot[MB];
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] = _mm512_setzero_ps();
+  RowTotals<MB> tot;
   const uint8_t* chunk = blk;
   for (int64_t g = 0; g < G; ++g) {
     __m512 acc[MB][NA];
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) _Pragma("GCC unroll 4") for (int a = 0; a < NA; ++a)
+    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) _Pragma("GCC unroll 4") for (int a = 0; a < NA; ++a)
       acc[m][a] = _mm512_setzero_ps();
     for (int64_t c = 0; c < chunks_per_group; ++c, chunk += 64) {
       prefetch<kPackedAhead>(chunk);
@@ -416,68 +488,21 @@ void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, co
         const __m512i sh = p == 0 ? v : _mm512_srli_epi16(v, BITS * p);
         // (sh & mask) | expo in one ternary-logic op; the top plane has no higher bits to clear
         const __m512i w = p == PLANES - 1 ? _mm512_or_si512(sh, expo) : _mm512_ternarylogic_epi32(sh, mask, expo, 0xEA);
-        _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m)
+        _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m)
           acc[m][p % NA] = dp(acc[m][p % NA], w, bcast_pair(x + (m0 + m) * K + k0 + 2 * p));
       }
     }
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 16)));
     const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * 16)));
     const __m512 adj = _mm512_fnmadd_ps(c128, s, mn);  // min - 128 * scale: takes the 128 offset back
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) {
+    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) {
       __m512 a = acc[m][0];
       _Pragma("GCC unroll 4") for (int i = 1; i < NA; ++i) a = _mm512_add_ps(a, acc[m][i]);
-      tot[m] = _mm512_fmadd_ps(a, s, tot[m]);
-      tot[m] = _mm512_fmadd_ps(adj, _mm512_set1_ps(xsum[(m0 + m) * G + g]), tot[m]);
+      const __m512 t = _mm512_fmadd_ps(a, s, tot.get(m));
+      tot.set(m, _mm512_fmadd_ps(adj, _mm512_set1_ps(xsum[(m0 + m) * G + g]), t));
     }
   }
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, tot[m]);
-}
-
-// The same product for 9 to 16 rows per pass, each chunk decoded once for all of them: one accumulator per row (up
-// to 16 independent vdpbf16ps chains), and the running totals in L1 rather than registers, which 16 accumulators
-// leave no room for (their update is three memory operations per row and group, against gs / 2 multiply-adds). Why:
-// at 16 rows intn_block ran two passes of 8, each decoding every chunk and each with only 8 dependent chains, and
-// came out ~20% behind the dense bf16 kernel on the same shapes. Single-threaded with the weights streamed from
-// memory (int4-g128, SmolLM2's shapes), this kernel took 15-30% less time than two 8-row passes at 12 to 32 rows,
-// and at 16 rows matched or beat dense bf16. It stays exact (codes times activations, scaled per group), unlike
-// decoding the block to bf16 first, which measured no faster here at 16 rows or more.
-template <int BITS, int MB>
-void intn_block_wide(const uint8_t* blk, int64_t K, int64_t gs, const uint16_t* x, const float* xsum, int64_t m0,
-                     int64_t nb, int64_t N, const OutWriter& out) {
-  constexpr int PLANES = 16 / BITS, KC = 2 * PLANES;
-  const int64_t G = K / gs, chunks_per_group = gs / KC;
-  const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + K * BITS * 2);
-  const uint16_t* mins = scales + G * 16;
-  const __m512i mask = _mm512_set1_epi16((1 << BITS) - 1);
-  const __m512i expo = _mm512_set1_epi16(0x4300);
-  const __m512 c128 = _mm512_set1_ps(128.f);
-  alignas(64) float tot[MB][16] = {};
-  const uint8_t* chunk = blk;
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 acc[MB];
-    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks_per_group; ++c, chunk += 64) {
-      prefetch<kPackedAhead>(chunk);
-      prefetch<kL2Ahead, _MM_HINT_T1>(chunk);
-      const __m512i v = _mm512_loadu_si512(chunk);
-      const int64_t k0 = (g * chunks_per_group + c) * KC;
-      _Pragma("GCC unroll 16") for (int p = 0; p < PLANES; ++p) {
-        const __m512i sh = p == 0 ? v : _mm512_srli_epi16(v, BITS * p);
-        const __m512i w = p == PLANES - 1 ? _mm512_or_si512(sh, expo) : _mm512_ternarylogic_epi32(sh, mask, expo, 0xEA);
-        _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m)
-          acc[m] = dp(acc[m], w, bcast_pair(x + (m0 + m) * K + k0 + 2 * p));
-      }
-    }
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * 16)));
-    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * 16)));
-    const __m512 adj = _mm512_fnmadd_ps(c128, s, mn);
-    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) {
-      __m512 t = _mm512_fmadd_ps(acc[m], s, _mm512_load_ps(tot[m]));
-      t = _mm512_fmadd_ps(adj, _mm512_set1_ps(xsum[(m0 + m) * G + g]), t);
-      _mm512_store_ps(tot[m], t);
-    }
-  }
-  _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, _mm512_load_ps(tot[m]));
+  _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, tot.get(m));
 }
 
 // -------------------------------------------------------------------------------------------------------- int8
@@ -652,7 +677,7 @@ void for_blocks(int64_t M, int64_t NB, const F& block, int64_t rows = 8) {
   });
 }
 
-// Rows per pass of the int2 kernel (intn_block_wide's 16 accumulators from 9 rows on; int4 takes the integer section).
+// Rows per pass of the int2 kernel (intn_block's 16 accumulators from 9 rows on; int4 takes the integer section).
 constexpr int64_t kWideRows = 16;
 #define GLOWPLUG_WIDE_SWITCH(mb, CALL) \
   switch (mb) {                        \
@@ -802,7 +827,7 @@ void intn_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint8_t
   for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
     const uint8_t* blk = w + nb * block_bytes;
     if (mb > 8) {
-#define CALL(MB_) intn_block_wide<2, MB_>(blk, K, group_size, xp, xsum, m0, nb, N, out)
+#define CALL(MB_) intn_block<2, MB_, 1>(blk, K, group_size, xp, xsum, m0, nb, N, out)
       GLOWPLUG_WIDE_SWITCH(mb, CALL)
 #undef CALL
     } else {
@@ -997,16 +1022,20 @@ void dense_block(const uint16_t* wb, int64_t K, const float* xf, int64_t m0, int
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, a0[m] + a1[m]);
 }
 
-// ---------------------------------------------------------------------------------------------- int4 / int2
-// Layout as above: [K / KC chunks of 64 bytes][G x 16 fp16 scales][G x 16 fp16 mins]. xs: scaled_x<BITS> from row
-// m0; xsum: group_sums from row m0.
+// ---------------------------------------------------------------------------------------- int4 / int2 / int8
+// Layout as above: [K / KC chunks of 64 bytes] (K * BITS * 2 bytes of codes), then per group the 16 rows' factors:
+//   int4/int2  KC = 32 / BITS; [G x 16 fp16 scales][G x 16 fp16 mins], w = q * scale + min.
+//   int8       KC = 4, word j holds row j's bytes u = q + 128 at k0..k0 + 3; [G x 16 fp32 scales],
+//              w = (u - 128) * scale.
+// xs: scaled_x<BITS> from row m0; xsum: group_sums from row m0.
 template <int BITS, int MB>
-void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const float* xs, const float* xsum, int64_t m0, int64_t nb,
-                int64_t N, const OutWriter& out) {
-  constexpr int KC = 32 / BITS;
+void packed_block(const uint8_t* blk, int64_t K, int64_t gs, const float* xs, const float* xsum, int64_t m0,
+                  int64_t nb, int64_t N, const OutWriter& out) {
+  constexpr int KC = BITS == 8 ? 4 : 32 / BITS;
   const int64_t G = K / gs, chunks_per_group = gs / KC;
-  const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + K * BITS * 2);
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(blk + K * BITS * 2);  // int4/int2: fp16, then the mins
   const uint16_t* mins = scales + G * 16;
+  const float* scales32 = reinterpret_cast<const float*>(blk + K * BITS * 2);  // int8: fp32
   F16 tot[MB];
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] = vsplat(0.f);
   const uint8_t* chunk = blk;
@@ -1018,38 +1047,32 @@ void intn_block(const uint8_t* blk, int64_t K, int64_t gs, const float* xs, cons
       prefetch<kL2Ahead, kHintT1>(chunk);
       madd_codes<BITS, KC, MB>(acc, vload<U16>(chunk), xs, K, (g * chunks_per_group + c) * KC);
     }
-    const F16 s = vload_f16(scales + g * 16), mn = vload_f16(mins + g * 16);
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] += s * acc[m] + mn * xsum[m * G + g];
-  }
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, tot[m]);
-}
-
-// -------------------------------------------------------------------------------------------------------- int8
-// Layout as above: [K / 4 chunks of 64 bytes][G x 16 fp32 scales]; word j of a chunk holds row j's bytes
-// u = q + 128 at k0..k0 + 3.
-template <int MB>
-void int8_block(const uint8_t* blk, int64_t K, int64_t gs, const float* xs, const float* xsum, int64_t m0, int64_t nb,
-                int64_t N, const OutWriter& out) {
-  const int64_t G = K / gs, chunks_per_group = gs / 4;
-  const float* scales = reinterpret_cast<const float*>(blk + K * 16);
-  F16 tot[MB];
-  _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] = vsplat(0.f);
-  const uint8_t* chunk = blk;
-  for (int64_t g = 0; g < G; ++g) {
-    F16 acc[MB];
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) acc[m] = vsplat(0.f);
-    for (int64_t c = 0; c < chunks_per_group; ++c, chunk += 64) {
-      prefetch<kPackedAhead>(chunk);
-      prefetch<kL2Ahead, kHintT1>(chunk);
-      madd_codes<8, 4, MB>(acc, vload<U16>(chunk), xs, K, (g * chunks_per_group + c) * 4);
+    if constexpr (BITS == 8) {
+      const F16 s = vload<F16>(scales32 + g * 16);
+      _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] += s * (acc[m] - 128.f * xsum[m * G + g]);
+    } else {
+      const F16 s = vload_f16(scales + g * 16), mn = vload_f16(mins + g * 16);
+      _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] += s * acc[m] + mn * xsum[m * G + g];
     }
-    const F16 s = vload<F16>(scales + g * 16);
-    _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) tot[m] += s * (acc[m] - 128.f * xsum[m * G + g]);
   }
   _Pragma("GCC unroll 8") for (int m = 0; m < MB; ++m) store16(out, m0 + m, nb * 16, N, tot[m]);
 }
 
-
+// y = x times a packed weight of BITS bits through packed_block, kPortRows activation rows per pass.
+template <int BITS>
+void packed_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint8_t* w, const OutWriter& out,
+                int64_t group_size, int64_t block_bytes) {
+  const int64_t G = K / group_size;
+  const std::vector<float> xsum = group_sums(xp, M, K, group_size);
+  const std::vector<float> xs = scaled_x<BITS>(xp, M, K);
+  for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
+    const uint8_t* blk = w + nb * block_bytes;
+    const float *xr = xs.data() + m0 * K, *sr = xsum.data() + m0 * G;
+#define CALL(MB_) packed_block<BITS, MB_>(blk, K, group_size, xr, sr, m0, nb, N, out)
+    GLOWPLUG_PORT_SWITCH(mb, CALL)
+#undef CALL
+  });
+}
 
 void dense_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint16_t* w, const OutWriter& out) {
   const std::vector<float> xf = scaled_x<16>(xp, M, K);
@@ -1065,34 +1088,13 @@ void intn_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint8_t
 #if defined(__AVX2__)
   if (bits == 4) return int4_q8_run(M, K, N, xp, w, out, group_size, block_bytes);
 #endif
-  const int64_t G = K / group_size;
-  const std::vector<float> xsum = group_sums(xp, M, K, group_size);
-  const std::vector<float> xs = bits == 4 ? scaled_x<4>(xp, M, K) : scaled_x<2>(xp, M, K);
-  for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
-    const uint8_t* blk = w + nb * block_bytes;
-    const float *xr = xs.data() + m0 * K, *sr = xsum.data() + m0 * G;
-    if (bits == 4) {
-#define CALL(MB_) intn_block<4, MB_>(blk, K, group_size, xr, sr, m0, nb, N, out)
-      GLOWPLUG_PORT_SWITCH(mb, CALL)
-#undef CALL
-    } else {
-#define CALL(MB_) intn_block<2, MB_>(blk, K, group_size, xr, sr, m0, nb, N, out)
-      GLOWPLUG_PORT_SWITCH(mb, CALL)
-#undef CALL
-    }
-  });
+  if (bits == 4) return packed_run<4>(M, K, N, xp, w, out, group_size, block_bytes);
+  packed_run<2>(M, K, N, xp, w, out, group_size, block_bytes);
 }
 
 void int8_run(int64_t M, int64_t K, int64_t N, const uint16_t* xp, const uint8_t* w, const OutWriter& out,
               int64_t group_size, int64_t block_bytes) {
-  const int64_t G = K / group_size;
-  const std::vector<float> xsum = group_sums(xp, M, K, group_size);
-  const std::vector<float> xs = scaled_x<8>(xp, M, K);
-  for_blocks(M, (N + 15) / 16, [&](int64_t mb, int64_t m0, int64_t nb) {
-#define CALL(MB_) int8_block<MB_>(w + nb * block_bytes, K, group_size, xs.data() + m0 * K, xsum.data() + m0 * G, m0, nb, N, out)
-    GLOWPLUG_PORT_SWITCH(mb, CALL)
-#undef CALL
-  });
+  packed_run<8>(M, K, N, xp, w, out, group_size, block_bytes);
 }
 
 #undef GLOWPLUG_PORT_SWITCH

@@ -175,6 +175,30 @@ def _w8a8(x: Tensor, st: TritonW8A8, use_dot: bool, blocks: dict[str, int]) -> T
     return y
 
 
+def _wq(x: Tensor, st: TritonWeight, use_dot: bool, blocks: dict[str, int]) -> Tensor:
+    """The weight-only kernel on contiguous x: the GEMV form (grid: N tiles, rows) or the tl.dot one (grid: M tiles,
+    N tiles)."""
+    k = _kernels()
+    y = _out(x, st.n)
+    m = x.shape[0]
+    if use_dot:
+        grid = (_cdiv(m, blocks["BLOCK_M"]), _cdiv(st.n, blocks["BLOCK_N"]))
+    else:
+        grid = (_cdiv(st.n, blocks["BLOCK_N"]), m)
+    # The interpreter computes tl.dot exactly in fp32 whatever is asked; on a GPU, fp32 operands go through TF32.
+    precision = "ieee" if interpreting() else "tf32"
+    k.wq_matmul_kernel[grid](
+        *_wq_args(x, st, y),
+        BITS=st.bits,
+        MID=st.mid,
+        HAS_ZERO=st.zeros is not None,
+        USE_DOT=use_dot,
+        DOT_PRECISION=precision,
+        **blocks,
+    )
+    return y
+
+
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -185,12 +209,7 @@ def gemv(x: Tensor, st: TritonWeight | TritonW8A8, blocks: dict[str, int] | None
     if isinstance(st, TritonW8A8):
         b = {"BLOCK_M": 1, "BLOCK_N": 64, "BLOCK_K": 64, **(blocks or {})}
         return _w8a8(x, st, False, b)
-    k = _kernels()
-    b = {**GEMV_BLOCKS, **(blocks or {})}
-    y = _out(x, st.n)
-    grid = (_cdiv(st.n, b["BLOCK_N"]), x.shape[0])
-    k.wq_gemv_kernel[grid](*_wq_args(x, st, y), BITS=st.bits, MID=st.mid, HAS_ZERO=st.zeros is not None, **b)
-    return y
+    return _wq(x, st, False, {"BLOCK_M": 1, **GEMV_BLOCKS, **(blocks or {})})
 
 
 def gemm(x: Tensor, st: TritonWeight | TritonW8A8, blocks: dict[str, int] | None = None) -> Tensor:
@@ -199,13 +218,4 @@ def gemm(x: Tensor, st: TritonWeight | TritonW8A8, blocks: dict[str, int] | None
     if isinstance(st, TritonW8A8):
         b = {**GEMM_BLOCKS, **(blocks or {})}
         return _w8a8(x, st, True, b)
-    k = _kernels()
-    b = {**GEMM_BLOCKS, **(blocks or {})}
-    y = _out(x, st.n)
-    grid = (_cdiv(x.shape[0], b["BLOCK_M"]), _cdiv(st.n, b["BLOCK_N"]))
-    # The interpreter computes tl.dot exactly in fp32 whatever is asked; on a GPU, fp32 operands go through TF32.
-    precision = "ieee" if interpreting() else "tf32"
-    k.wq_gemm_kernel[grid](
-        *_wq_args(x, st, y), BITS=st.bits, MID=st.mid, HAS_ZERO=st.zeros is not None, DOT_PRECISION=precision, **b
-    )
-    return y
+    return _wq(x, st, True, {**GEMM_BLOCKS, **(blocks or {})})

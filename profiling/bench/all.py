@@ -74,7 +74,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from .cli_support import check_path
+from .cli_support import AddModelFlags, add_command, check_path
 
 STEP_NAMES: tuple[str, ...] = (
     "accuracy",
@@ -1001,25 +1001,18 @@ def main(cfg: BenchAllConfig, argv: list[str] | None = None) -> int:
     return 0 if all(r.returncode == 0 for r in results) else 1
 
 
-def register(subparsers: Any, add_model_flags: Any) -> Any:
-    import argparse
+def _checked_main(cfg: BenchAllConfig, argv: list[str] | None) -> int:
+    cfg.steps()  # an unknown --only name fails before anything runs
+    return main(cfg, argv)
 
-    from glowplug.base.flags import add_model_argument, resolve_model_argument
 
-    p = subparsers.add_parser(
+def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
+    return add_command(
+        subparsers,
         "all",
-        help="Regenerate every report into --out, in a fixed order, with README.md.",
+        help_text="Regenerate every report into --out, in a fixed order, with README.md.",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        config_cls=BenchAllConfig,
+        add_model_flags=add_model_flags,
+        runner=_checked_main,
     )
-    add_model_argument(p)
-    add_model_flags(p, BenchAllConfig, exclude={"model"})
-
-    def handler(args: argparse.Namespace) -> int:
-        resolve_model_argument(args)
-        cfg = BenchAllConfig(**{k: v for k, v in vars(args).items() if k in BenchAllConfig.model_fields})
-        cfg.steps()  # an unknown --only name fails before anything runs
-        return main(cfg, getattr(args, "argv", None))
-
-    p.set_defaults(func=handler)
-    return p

@@ -21,7 +21,7 @@ from glowplug.base.flags import add_model_argument, resolve_model_argument
 from glowplug.base.units import ByteSize
 from glowplug.engine.config import CompileMode, DType
 
-C = TypeVar("C", bound="BenchEngineFields")
+C = TypeVar("C", bound=BaseModel)
 AddModelFlags = Callable[..., list[str]]
 Runner = Callable[[Any, list[str] | None], int]
 
@@ -115,7 +115,7 @@ def add_command(
     *,
     help_text: str,
     description: str | None,
-    config_cls: type[BenchEngineFields],
+    config_cls: type[BaseModel],
     add_model_flags: AddModelFlags,
     runner: Runner,
 ) -> argparse.ArgumentParser:

@@ -32,6 +32,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .cli_support import AddModelFlags, add_command
+
 JSON_NAME = "screenshots.json"
 STAMP_ID = "glowplug-stamp"
 # A plain block appended to <body>: in the flow, so a full-page capture shows it below the page's own footer
@@ -278,24 +280,13 @@ def main(cfg: ScreenshotsConfig, argv: list[str] | None = None) -> int:
     return 0
 
 
-def register(subparsers: Any, add_model_flags: Any) -> Any:
-    import argparse
-
-    from glowplug.base.flags import add_model_argument, resolve_model_argument
-
-    p = subparsers.add_parser(
+def register(subparsers: Any, add_model_flags: AddModelFlags) -> Any:
+    return add_command(
+        subparsers,
         "screenshots",
-        help="Screenshots of the live start-up page of a real `glowplug serve`.",
+        help_text="Screenshots of the live start-up page of a real `glowplug serve`.",
         description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        config_cls=ScreenshotsConfig,
+        add_model_flags=add_model_flags,
+        runner=main,
     )
-    add_model_argument(p)
-    add_model_flags(p, ScreenshotsConfig, exclude={"model"})
-
-    def handler(args: argparse.Namespace) -> int:
-        resolve_model_argument(args)
-        cfg = ScreenshotsConfig(**{k: v for k, v in vars(args).items() if k in ScreenshotsConfig.model_fields})
-        return main(cfg, getattr(args, "argv", None))
-
-    p.set_defaults(func=handler)
-    return p

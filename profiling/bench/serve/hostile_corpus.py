@@ -400,18 +400,27 @@ def _half_body(t: Target) -> Outcome:
         conn.close()
 
 
+# A trickling client's pace: one byte per this many seconds.
+_TRICKLE_INTERVAL_S = 0.05
+
+
+def _trickle(conn: Raw, data: bytes, seconds: float) -> None:
+    """Send `data` one byte per _TRICKLE_INTERVAL_S for at most `seconds`, stopping once the server has answered
+    (or closed) or a send fails."""
+    deadline = time.monotonic() + seconds
+    for i in range(len(data)):
+        if conn.readable() or time.monotonic() > deadline or not conn.send(data[i : i + 1]):
+            break
+        time.sleep(_TRICKLE_INTERVAL_S)
+
+
 def _trickled_body(t: Target) -> Outcome:
     conn = Raw(t, timeout=t.body_read_timeout + 10)
-    interval = 0.05
     try:
         # More bytes than the timeout lets through at this pace: the body cannot be complete in time.
-        body = completion(t, prompt="hi " * int((t.body_read_timeout + 5) / interval / 3 + 100))
+        body = completion(t, prompt="hi " * int((t.body_read_timeout + 5) / _TRICKLE_INTERVAL_S / 3 + 100))
         conn.send(head(t, "/v1/completions", len(body)))
-        deadline = time.monotonic() + t.body_read_timeout + 5
-        for i in range(len(body)):
-            if conn.readable() or time.monotonic() > deadline or not conn.send(body[i : i + 1]):
-                break
-            time.sleep(interval)
+        _trickle(conn, body, t.body_read_timeout + 5)
         return conn.response()
     finally:
         conn.close()
@@ -464,15 +473,10 @@ def _partial_head(t: Target) -> Outcome:
 
 def _trickled_head(t: Target) -> Outcome:
     conn = Raw(t, timeout=t.header_read_timeout + 10)
-    interval = 0.05
     try:
         # More bytes than the timeout lets through at this pace (and never a whole head).
-        text = b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * int((t.header_read_timeout + 5) / interval)
-        deadline = time.monotonic() + t.header_read_timeout + 5
-        for i in range(len(text)):
-            if conn.readable() or time.monotonic() > deadline or not conn.send(text[i : i + 1]):
-                break
-            time.sleep(interval)
+        slow = b"a" * int((t.header_read_timeout + 5) / _TRICKLE_INTERVAL_S)
+        _trickle(conn, b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + slow, t.header_read_timeout + 5)
         return conn.wait_closed(5.0)
     finally:
         conn.close()
