@@ -23,7 +23,10 @@
 //
 // Work split: the weight rows of all segments are cut into one contiguous byte range per thread; each thread runs its
 // rows against all activation rows, in blocks of activation rows that stay in L2 (a prompt re-reads the weights once
-// per block), MR rows at a time so one decoded weight block serves MR rows.
+// per block), MR rows at a time so one decoded weight block serves MR rows. From kGemmMinM activation rows (a
+// prompt) the K-quant segments take a GEMM path instead (AVX2 and up): a panel of weight rows is unpacked once into
+// bytes and 16-bit scale vectors and every activation row runs against it in register tiles, with the same integer
+// lanes and the same fp32 operations per row as the tiles above, so a row's output is the same bits on either path.
 #include "common.h"
 
 #include <memory>
@@ -73,6 +76,7 @@ struct Act {
   std::vector<int8_t> qb;                     // q8b
   std::vector<float> db, sb;                  // q8b: d and d * sum(q) per 32
   std::vector<int8_t> qk;                     // q8k
+  std::vector<int8_t> qki;                    // q8k in the prompt GEMM's pair order (AVX2), else empty
   std::vector<float> dk;                      // q8k: d per 256
   std::vector<int16_t> s16, s32;              // q8k: sum(q) per 16 and per 32
 };
@@ -188,6 +192,7 @@ void quantize_rows(Act& a, const Tensor& x, bool need_b, bool need_k, bool need_
 template <int MR>
 struct Rows {
   const int8_t* qk_[MR];
+  const int8_t* qi_[MR];
   const float* dk_[MR];
   const int16_t* s16_[MR];
   const int16_t* s32_[MR];
@@ -200,6 +205,7 @@ struct Rows {
     for (int r = 0; r < MR; ++r) {
       const int64_t m = m0 + r;
       qk_[r] = a.qk.empty() ? nullptr : a.qk.data() + m * K;
+      qi_[r] = a.qki.empty() ? nullptr : a.qki.data() + m * K;
       dk_[r] = a.dk.empty() ? nullptr : a.dk.data() + m * (K / 256);
       s16_[r] = a.s16.empty() ? nullptr : a.s16.data() + m * (K / 16);
       s32_[r] = a.s32.empty() ? nullptr : a.s32.data() + m * (K / 32);
@@ -210,6 +216,7 @@ struct Rows {
     }
   }
   const int8_t* qk(int r) const { return qk_[r]; }
+  const int8_t* qi(int r) const { return qi_[r]; }
   const float* dk(int r) const { return dk_[r]; }
   const int16_t* s16(int r) const { return s16_[r]; }
   const int16_t* s32(int r) const { return s32_[r]; }
@@ -232,6 +239,11 @@ GLOWPLUG_VINLINE void k_scales(const uint8_t* s, uint8_t* out) {
   const uint32_t w[4] = {sc03, sc47, mn03, mn47};
   std::memcpy(out, w, 16);
 }
+
+// Activation rows from which a call takes the prompt GEMM path (AVX2 and up), and the types it serves; below it the
+// GEMV tiles decode the blocks in registers.
+constexpr int64_t kGemmMinM = 16;
+inline bool gemm_type(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
 
 #if defined(__AVX2__)
 // ------------------------------------------------------------------------------------------------- AVX2
@@ -504,6 +516,269 @@ void float_tile(const uint8_t* const* w, int64_t K, const Rows<MR>& x, float (*r
       }
       res[n][r] = s;
     }
+  }
+}
+
+// ----------------------------------------------------------------------------------- AVX2 prompt GEMM
+// For a prompt's many activation rows, the K-quant rows are unpacked once into a panel (codes as bytes, each chunk's
+// 16-bit scale vector, the per-super-block terms) that every activation row then runs against, instead of decoding
+// each block again for every tile of activation rows. The micro-kernel forms the same 8 integer lanes per
+// (weight row, activation row, super-block) as kq45_tile / q6k_tile: lane l of chunk j is bytes 4l..4l+3 of the
+// 32 weights 32j..32j+31 times their scale (integer sums, exact in any order), and folds them into fp32 with the
+// same fused multiply-adds in the same super-block order, so its outputs are the GEMV path's bit for bit.
+
+// A std::allocator for vectors of floats read and written as aligned 256-bit vectors.
+template <class T>
+struct Aligned32 {
+  using value_type = T;
+  Aligned32() = default;
+  template <class U>
+  Aligned32(const Aligned32<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(32))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(32)); }
+  template <class U>
+  bool operator==(const Aligned32<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const Aligned32<U>&) const { return false; }
+};
+
+// One super-block of one weight row, unpacked, with its chunks taken two at a time: chunk pair t holds chunks j = 2t
+// and j' = 2t + 1 as a[t] (in each 4-byte group g: bytes 4g, 4g+1 of j, then of j') and b[t] (bytes 4g+2, 4g+3 of
+// each), so that maddubs(a, x_a) + maddubs(b, x_b) puts group g of j in 16-bit lane 2g and of j' in 2g+1, and one
+// maddwd by s[t] (lane 2g: j's scale, 2g+1: j''s) gives the same 32-bit lane g as the two chunks' own products.
+struct alignas(32) Unpacked {
+  uint8_t a[4][32], b[4][32];  // codes: Q4_K 0..15, Q5_K 0..31, Q6_K 0..63
+  int16_t s[4][16];            // the pairs' multipliers
+  int16_t e[16];               // Q4/5_K: the 8 mins in both halves; Q6_K: the 16 scales (for the -32 offset)
+  float d, dmin;
+  float pad_[6];
+};
+static_assert(sizeof(Unpacked) == 448, "a panel entry is 14 vectors");
+
+// Chunks j and j' (32 bytes or 16 16-bit lanes each) as the a / b halves of a pair (see Unpacked).
+GLOWPLUG_VINLINE __m256i pair_lo(__m256i j, __m256i j2) {
+  return _mm256_blend_epi16(j, _mm256_slli_epi32(j2, 16), 0xAA);
+}
+GLOWPLUG_VINLINE __m256i pair_hi(__m256i j, __m256i j2) {
+  return _mm256_blend_epi16(_mm256_srli_epi32(j, 16), j2, 0xAA);
+}
+
+// Store chunks 0-7 (codes[j], multipliers mul[j]) of a super-block as its four pairs.
+GLOWPLUG_VINLINE void store_pairs(const __m256i* codes, const __m256i* mul, Unpacked* u) {
+  for (int t = 0; t < 4; ++t) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u->a[t]), pair_lo(codes[2 * t], codes[2 * t + 1]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u->b[t]), pair_hi(codes[2 * t], codes[2 * t + 1]));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(u->s[t]), pair_lo(mul[2 * t], mul[2 * t + 1]));
+  }
+}
+
+template <bool FIVE>
+void unpack_kq45(const uint8_t* b, Unpacked* u) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m1 = _mm256_set1_epi8(0x01);
+  const __m256i sm16 = k_scales16(b + 4);
+  const __m256i sc = _mm256_permute2x128_si256(sm16, sm16, 0x00);
+  __m256i codes[8], mul[8];
+  for (int j = 0; j < 8; ++j) mul[j] = _mm256_shuffle_epi8(sc, load256(kBcast16 + 32 * j));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(u->e), _mm256_permute2x128_si256(sm16, sm16, 0x11));
+  u->d = fp16(b);
+  u->dmin = fp16(b + 2);
+  const __m256i hb = FIVE ? load256(b + 16) : _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i q4 = load256(b + (FIVE ? 48 : 16) + 32 * c);
+    __m256i ql = _mm256_and_si256(q4, m4), qh = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+    if constexpr (FIVE) {
+      ql = _mm256_or_si256(ql, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), m1), 4));
+      qh = _mm256_or_si256(qh, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), m1), 4));
+    }
+    codes[2 * c] = ql;
+    codes[2 * c + 1] = qh;
+  }
+  store_pairs(codes, mul, u);
+}
+
+void unpack_q6k(const uint8_t* b, Unpacked* u) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x03);
+  const __m256i sc16 = _mm256_cvtepi8_epi16(load128(b + 192));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(u->e), sc16);
+  u->d = fp16(b + 208);
+  u->dmin = 0.f;
+  __m256i codes[8], mul[8];
+  for (int h = 0; h < 2; ++h) {
+    const __m256i half = h == 0 ? _mm256_permute2x128_si256(sc16, sc16, 0x00)
+                                : _mm256_permute2x128_si256(sc16, sc16, 0x11);
+    const __m256i hh = load256(b + 128 + 32 * h);
+    for (int qq = 0; qq < 4; ++qq) {
+      const int8_t a0 = static_cast<int8_t>(4 * qq), a1 = static_cast<int8_t>(4 * qq + 1);
+      const int8_t b0 = static_cast<int8_t>(4 * qq + 2), b1 = static_cast<int8_t>(4 * qq + 3);
+      const __m256i mask = _mm256_setr_epi8(a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, a0, a1, b0, b1,
+                                            b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1, b0, b1);
+      mul[4 * h + qq] = _mm256_shuffle_epi8(half, mask);
+      const __m256i lo = load256(b + 64 * h + 32 * (qq & 1));
+      const __m256i nib = qq < 2 ? _mm256_and_si256(lo, m4) : _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+      codes[4 * h + qq] = _mm256_or_si256(nib, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2 * qq), m3), 4));
+    }
+  }
+  store_pairs(codes, mul, u);
+}
+
+// A quantized activation row's bytes in the pairs' order (see Unpacked): per 64 bytes, the a half then the b half.
+void pair_activations(const int8_t* q, int64_t K, int8_t* out) {
+  for (int64_t k = 0; k < K; k += 64) {
+    const __m256i j = load256(q + k), j2 = load256(q + k + 32);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k), pair_lo(j, j2));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k + 32), pair_hi(j, j2));
+  }
+}
+
+// The fp32 lanes of the (weight row, activation row) pairs, carried across the K-blocks of the super-blocks: for
+// weight row n and activation row m, acc[(n * ld + m) * 8 ..] (sum over super-blocks of d * d_x * lane sums) and
+// accm[(n * ld + m) * 4 ..] (Q4/5_K: of dmin * d_x * mins x sums), so two neighbouring activation rows' accm lanes
+// form one vector.
+struct PairAcc {
+  float* acc;
+  float* accm;
+  int64_t ld;
+};
+
+// NR unpacked weight rows (p[n] + i: row n's super-block i) against MR activation rows (rows m0 + r of st) over
+// super-blocks [i0, i1). SIX: Q6_K (the -32 offset; no mins). m0 is even, so rows (m0 + 2t, m0 + 2t + 1) share a
+// vector of mins lanes.
+template <int NR, int MR, bool SIX>
+void kq_micro(const Unpacked* const* p, int64_t i0, int64_t i1, const Rows<MR>& x, const PairAcc& st, int64_t m0) {
+  for (int64_t i = i0; i < i1; ++i) {
+    __m256i sumi[NR][MR];
+    for (int n = 0; n < NR; ++n)
+      for (int r = 0; r < MR; ++r) sumi[n][r] = _mm256_setzero_si256();
+    _Pragma("GCC unroll 4") for (int t = 0; t < 4; ++t) {
+      _Pragma("GCC unroll 4") for (int n = 0; n < NR; ++n) {
+        const __m256i ca = _mm256_load_si256(reinterpret_cast<const __m256i*>(p[n][i].a[t]));
+        const __m256i cb = _mm256_load_si256(reinterpret_cast<const __m256i*>(p[n][i].b[t]));
+        const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(p[n][i].s[t]));
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+          const int8_t* xp = x.qi(r) + i * 256 + 64 * t;
+          // lanes at most 2 * 2 * 63 * 127 in magnitude: no 16-bit overflow
+          const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(ca, load256(xp)),
+                                               _mm256_maddubs_epi16(cb, load256(xp + 32)));
+          sumi[n][r] = _mm256_add_epi32(sumi[n][r], _mm256_madd_epi16(s, p16));
+          // keep each sum in its register pair by pair (left alone, GCC computes all the pairs' products first,
+          // through the stack, and adds them as a tree)
+          asm("" : "+x"(sumi[n][r]));
+        }
+      }
+    }
+    __m256 dx[MR];
+    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) dx[r] = _mm256_broadcast_ss(x.dk(r) + i);
+    _Pragma("GCC unroll 4") for (int n = 0; n < NR; ++n) {
+      const Unpacked& u = p[n][i];
+      const __m256 d = _mm256_set1_ps(u.d);
+      float* acc = st.acc + (n * st.ld + m0) * 8;
+      _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
+        __m256i si = sumi[n][r];
+        if constexpr (SIX) {
+          const __m256i e = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.e));
+          si = _mm256_sub_epi32(si, _mm256_slli_epi32(_mm256_madd_epi16(e, load256(x.s16(r) + i * 16)), 5));
+        }
+        const __m256 prev = i == 0 ? _mm256_setzero_ps() : _mm256_load_ps(acc + 8 * r);  // the lanes start at +0
+        _mm256_store_ps(acc + 8 * r, _mm256_fmadd_ps(_mm256_mul_ps(d, dx[r]), _mm256_cvtepi32_ps(si), prev));
+      }
+      if constexpr (!SIX) {
+        // lanes 0-3: activation row r, 4-7: row r + 1 (each the 4 lanes of kq45_tile's 128-bit mins product)
+        const __m256i mn = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.e));
+        const __m256 dmin = _mm256_set1_ps(u.dmin);
+        float* accm = st.accm + (n * st.ld + m0) * 4;
+        int r = 0;
+        for (; r + 2 <= MR; r += 2) {
+          const __m256i s2 = _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(x.s32(r + 1) + i * 8),
+                                                 reinterpret_cast<const __m128i*>(x.s32(r) + i * 8));
+          const __m256 dx2 = _mm256_blend_ps(dx[r], dx[r + 1], 0xF0);
+          const __m256i prod = _mm256_madd_epi16(mn, s2);
+          const __m256 prev = i == 0 ? _mm256_setzero_ps() : _mm256_load_ps(accm + 4 * r);
+          _mm256_store_ps(accm + 4 * r, _mm256_fmadd_ps(_mm256_mul_ps(dmin, dx2), _mm256_cvtepi32_ps(prod), prev));
+        }
+        if (r < MR) {
+          const __m128i prod = _mm_madd_epi16(_mm256_castsi256_si128(mn), load128(x.s32(r) + i * 8));
+          const __m128 prev = i == 0 ? _mm_setzero_ps() : _mm_load_ps(accm + 4 * r);
+          _mm_store_ps(accm + 4 * r, _mm_fmadd_ps(_mm256_castps256_ps128(_mm256_mul_ps(dmin, dx[r])),
+                                                  _mm_cvtepi32_ps(prod), prev));
+        }
+      }
+    }
+  }
+}
+
+constexpr int kGemmMR = 4;  // activation rows per micro-tile
+constexpr int kGemmNR = 2;  // weight rows per micro-tile
+static_assert(kGemmMR % 2 == 0, "tiles start at even rows (kq_micro pairs the rows' mins lanes)");
+constexpr int64_t kPanelRows = 8;  // weight rows unpacked at once
+constexpr int64_t kPanelBytes = 16 << 10;  // one K-block of the panel: stays in L1 while the activation rows pass
+constexpr int64_t kGemmRows = 128;  // activation rows per pass over the K-blocks: their fp32 lanes stay in L2
+static_assert(kGemmRows % kGemmMR == 0, "a pass holds whole tiles");
+
+// Weight rows [r0, r1) of a K-quant segment against all M activation rows. Per panel of kPanelRows rows: unpack once,
+// then per K-block (super-blocks whose panel slice fits L1) every activation tile against every weight tile, the
+// pairs' fp32 lanes kept in `st` between K-blocks.
+template <class Put>
+void gemm_rows(int64_t type, const uint8_t* base, int64_t stride, int64_t r0, int64_t r1, int64_t K, const Act& a,
+               const Put& put) {
+  const int64_t nsb = K / 256, M = a.M;
+  const int64_t kb = std::max<int64_t>(1, kPanelBytes / (kPanelRows * int64_t(sizeof(Unpacked))));
+  static thread_local std::vector<Unpacked> panel;
+  static thread_local std::vector<float, Aligned32<float>> acc_lanes, accm_lanes;
+  panel.resize(kPanelRows * nsb);
+  const int64_t ld = (M + 1) / 2 * 2;  // even: a pair of rows' mins lanes is one aligned vector
+  acc_lanes.resize(kPanelRows * ld * 8);
+  accm_lanes.resize(kPanelRows * ld * 4);
+  const PairAcc st{acc_lanes.data(), accm_lanes.data(), ld};
+  const int64_t bytes = type == kQ4_K ? 144 : type == kQ5_K ? 176 : 210;
+  const bool six = type == kQ6_K;
+  for (int64_t p0 = r0; p0 < r1; p0 += kPanelRows) {
+    const int64_t nb = std::min(kPanelRows, r1 - p0);
+    for (int64_t n = 0; n < nb; ++n) {
+      const uint8_t* row = base + (p0 + n) * stride;
+      Unpacked* u = panel.data() + n * nsb;
+      for (int64_t i = 0; i < nsb; ++i) {
+        if (type == kQ4_K) unpack_kq45<false>(row + i * bytes, u + i);
+        else if (type == kQ5_K) unpack_kq45<true>(row + i * bytes, u + i);
+        else unpack_q6k(row + i * bytes, u + i);
+      }
+    }
+    for (int64_t mb = 0; mb < M; mb += kGemmRows) {
+      const int64_t me = std::min(M, mb + kGemmRows);
+      for (int64_t i0 = 0; i0 < nsb; i0 += kb) {
+        const int64_t i1 = std::min(nsb, i0 + kb);
+        for (int64_t m = mb; m < me; m += kGemmMR) {
+          auto tiles = [&](auto mr_c) {
+            constexpr int MR = decltype(mr_c)::value;
+            const Rows<MR> x(a, m);
+            int64_t n = 0;
+            for (; n + kGemmNR <= nb; n += kGemmNR) {
+              const Unpacked* w[kGemmNR];
+              for (int t = 0; t < kGemmNR; ++t) w[t] = panel.data() + (n + t) * nsb;
+              const PairAcc at{st.acc + n * ld * 8, st.accm + n * ld * 4, ld};
+              if (six) kq_micro<kGemmNR, MR, true>(w, i0, i1, x, at, m);
+              else kq_micro<kGemmNR, MR, false>(w, i0, i1, x, at, m);
+            }
+            for (; n < nb; ++n) {
+              const Unpacked* w[1] = {panel.data() + n * nsb};
+              const PairAcc at{st.acc + n * ld * 8, st.accm + n * ld * 4, ld};
+              if (six) kq_micro<1, MR, true>(w, i0, i1, x, at, m);
+              else kq_micro<1, MR, false>(w, i0, i1, x, at, m);
+            }
+          };
+          switch (std::min<int64_t>(kGemmMR, me - m)) {
+            case 1: tiles(std::integral_constant<int, 1>{}); break;
+            case 2: tiles(std::integral_constant<int, 2>{}); break;
+            case 3: tiles(std::integral_constant<int, 3>{}); break;
+            default: tiles(std::integral_constant<int, kGemmMR>{}); break;
+          }
+        }
+      }
+    }
+    for (int64_t n = 0; n < nb; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        const float v = hsum(_mm256_load_ps(st.acc + (n * ld + m) * 8));
+        put(m, p0 + n, six ? v : v - hsum128(_mm_load_ps(st.accm + (n * ld + m) * 4)));
+      }
   }
 }
 
@@ -788,24 +1063,47 @@ Tensor gguf_linear(Tensor x, Tensor w0, int64_t t0, Tensor p0, Tensor w1, int64_
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(torch::stable::get_num_threads(),
                                                                   total / (int64_t(64) << 10) + 1));
   const int64_t MB = act_block(M, K);
+#if defined(__AVX2__)
+  const bool gemm = M >= kGemmMinM;
+  act.qki.clear();
+  if (gemm && need_k) {
+    act.qki.resize(M * K);
+    for (int64_t m = 0; m < M; ++m) pair_activations(act.qk.data() + m * K, K, act.qki.data() + m * K);
+  }
+#else
+  const bool gemm = false;
+#endif
   auto work = [&](int64_t part) {
     const int64_t b0 = total * part / threads, b1 = total * (part + 1) / threads;
-    for (int64_t mb = 0; mb < M; mb += MB) {
-      const int64_t me = std::min(M, mb + MB);
+    // fn(segment, r0, r1) for this thread's rows of each segment: those whose first byte falls in [b0, b1)
+    auto each = [&](const auto& fn) {
       int64_t at = 0;
       for (const Segment& s : segs) {
         const int64_t bytes = s.rows * s.row_bytes;
         const int64_t lo = std::max(b0, at), hi = std::min(b1, at + bytes);
-        if (lo < hi) {
-          // rows whose first byte falls in [lo, hi)
-          const int64_t r0 = (lo - at + s.row_bytes - 1) / s.row_bytes, r1 = (hi - at + s.row_bytes - 1) / s.row_bytes;
-          run_rows(s.type, s.data, s.row_stride, r0, r1, K, act, mb, me, [&](int64_t m, int64_t r, float v) {
-            out.put(m, s.col0 + (s.perm ? s.perm[r] : r), v);
-          });
-        }
+        if (lo < hi)
+          fn(s, (lo - at + s.row_bytes - 1) / s.row_bytes, (hi - at + s.row_bytes - 1) / s.row_bytes);
         at += bytes;
       }
+    };
+    for (int64_t mb = 0; mb < M; mb += MB) {
+      const int64_t me = std::min(M, mb + MB);
+      each([&](const Segment& s, int64_t r0, int64_t r1) {
+        if (gemm && gemm_type(s.type)) return;
+        run_rows(s.type, s.data, s.row_stride, r0, r1, K, act, mb, me, [&](int64_t m, int64_t r, float v) {
+          out.put(m, s.col0 + (s.perm ? s.perm[r] : r), v);
+        });
+      });
     }
+#if defined(__AVX2__)
+    if (gemm)
+      each([&](const Segment& s, int64_t r0, int64_t r1) {
+        if (!gemm_type(s.type)) return;
+        gemm_rows(s.type, s.data, s.row_stride, r0, r1, K, act, [&](int64_t m, int64_t r, float v) {
+          out.put(m, s.col0 + (s.perm ? s.perm[r] : r), v);
+        });
+      });
+#endif
   };
   if (threads == 1) {
     work(0);

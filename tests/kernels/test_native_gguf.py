@@ -119,6 +119,38 @@ def test_a_rows_output_does_not_depend_on_the_batch(native: None, ggml_type: int
         assert torch.equal(linear(moved, (rows, ggml_type, None))[3], together[r])
 
 
+KQUANTS = [12, 13, 14]  # Q4_K, Q5_K, Q6_K: a prompt's rows run them through the unpacked-panel GEMM
+
+
+@pytest.mark.parametrize("ggml_type", KQUANTS, ids=lambda t: TYPE_NAMES[t])
+@pytest.mark.parametrize(("m", "n", "k"), [(16, 8, 256), (17, 37, 768), (35, 21, 2304), (64, 301, 1024)])
+def test_prompt_sized_batches_match_the_reference_and_the_single_row_op(
+    native: None, ggml_type: int, m: int, n: int, k: int
+) -> None:
+    """A prompt's rows (a partial activation tile, weight rows that leave a partial panel and tile, super-blocks that
+    leave a partial K-block) against the oracle, and every row bit for bit against the same row computed alone."""
+    rows = stored_rows(ggml_type, n, k, seed=ggml_type * 100 + m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).bfloat16()
+    y = linear(x, (rows, ggml_type, None))
+    check(y, x, [(rows, ggml_type, None)])
+    for r in range(m):
+        assert torch.equal(linear(x[r : r + 1].contiguous(), (rows, ggml_type, None))[0], y[r]), f"row {r}"
+
+
+def test_a_prompt_through_fused_parts_of_gemm_and_gemv_types(native: None) -> None:
+    """A fused layer whose parts take different paths at prompt size (K-quants the GEMM, the others the GEMV tiles),
+    one of them permuted, in fp32: the oracle, and each row as computed alone."""
+    k = 512
+    q, kk, v = stored_rows(12, 40, k, 21), stored_rows(8, 24, k, 22), stored_rows(14, 19, k, 23)
+    perm = torch.randperm(40, generator=torch.Generator().manual_seed(24)).to(torch.int32)
+    parts = [(q, 12, perm), (kk, 8, None), (v, 14, None)]
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(25))
+    y = linear(x, *parts)
+    check(y, x, parts)
+    for r in (0, 4, 20):
+        assert torch.equal(linear(x[r : r + 1].contiguous(), *parts)[0], y[r])
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: TYPE_NAMES[t])
 def test_rows_lookup_matches_the_reference(native: None, ggml_type: int) -> None:
     k = 512
