@@ -145,6 +145,7 @@ class PhaseEstimate:
     before_s: predicted seconds from process creation to the first stage (for a prediction made before starting).
     imports_s: predicted seconds from the main entry to the first stage (the engine's imports, then the plan): a
     server's ETA while its core imports the engine.
+    tail_s: seconds from the last stage's end to READY, counted after every stage (remaining_s).
     """
 
     seconds: dict[str, float]
@@ -159,27 +160,30 @@ class PhaseEstimate:
     contention: float = 1.0
     before_s: float | None = None
     imports_s: float | None = None
+    tail_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        """Predicted wall time of the stages (module docstring), never below the longest stage."""
+        """Predicted wall time of the stages (module docstring), never below the longest stage; then the tail to
+        READY."""
         if not self.seconds:
             return 0.0
         return self.remaining_s((), {})
 
     def remaining_s(self, finished: Collection[str], running: Mapping[str, float]) -> float:
-        """Seconds until the stages are done, given the stages `finished` and those `running` (stage -> seconds
-        elapsed). A running stage has its estimate less what it used, but never less than OVERRUN_SHARE of what it
-        used: one that overruns its estimate keeps the ETA growing with the time it takes. A running or finished
-        stage without an estimate counts as done when finished, and adds its overrun share while running."""
+        """Seconds until READY (the stages, then `tail_s`), given the stages `finished` and those `running`
+        (stage -> seconds elapsed). A running stage has its estimate less what it used, but never less than
+        OVERRUN_SHARE of what it used: one that overruns its estimate keeps the ETA growing with the time it takes.
+        A running or finished stage without an estimate counts as done when finished, and adds its overrun share
+        while running."""
         rest = {s: max(self.seconds.get(s, 0.0) - e, OVERRUN_SHARE * e) for s, e in running.items()}
         left = {s: v for s, v in self.seconds.items() if s not in finished and s not in running}
         longest = max([*rest.values(), *left.values()], default=0.0)
         if self.deps is not None:
             known = {**{s: 0.0 for s in finished}, **rest}
             order = {**{s: 0.0 for s in known}, **left}
-            return max(critical_path(order, self.deps, known) * self.contention, longest)
-        return max((sum(rest.values()) + sum(left.values())) * self.scale, longest)
+            return max(critical_path(order, self.deps, known) * self.contention, longest) + self.tail_s
+        return max((sum(rest.values()) + sum(left.values())) * self.scale, longest) + self.tail_s
 
     def sources_json(self) -> dict[str, dict[str, Any]]:
         return {s: src.to_json() for s, src in self.sources.items()}
@@ -280,6 +284,7 @@ def predict(
                     sources,
                     rec.deps if contention is not None else None,
                     contention or 1.0,
+                    tail_s=rec.tail_s or 0.0,
                 )
     candidates = [(rec, True) for rec in mine] + [(rec, False) for rec in others]
     seconds: dict[str, float] = {}
@@ -324,6 +329,7 @@ def predict(
         scale = longest_rec.scale
         contention = longest_rec.contention or 1.0
     use_deps = waits if waits is not None else next((r.deps for r, _ in candidates if r.deps is not None), None)
+    tail = next((r.tail_s for r, _ in candidates if r.tail_s is not None), 0.0)
     return PhaseEstimate(
         seconds,
         same_config,
@@ -335,4 +341,5 @@ def predict(
         sources,
         use_deps,
         contention,
+        tail_s=tail,
     )

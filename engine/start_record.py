@@ -28,7 +28,8 @@ class StartRecord:
     they are still there); machine: where it ran (the fit takes this machine's starts only); model: the model's
     cache group; before_s: process creation -> the first stage (None in library use); imports_s: main entry -> the
     first stage (the engine's imports, torch first, then the plan); probe_gbps: the read probe measured right
-    after it. Every field after `wall_s` is None in records from before they were kept.
+    after it; tail_s: the last stage's end -> READY (the pipeline's own work after its stages). Every field
+    after `wall_s` is None in records from before they were kept.
     """
 
     stages: dict[str, float]
@@ -42,6 +43,7 @@ class StartRecord:
     before_s: float | None = None
     probe_gbps: float | None = None
     imports_s: float | None = None
+    tail_s: float | None = None
 
     @property
     def scale(self) -> float:
@@ -71,6 +73,7 @@ class StartRecord:
             "before_s": self.before_s,
             "probe_gbps": self.probe_gbps,
             "imports_s": self.imports_s,
+            "tail_s": self.tail_s,
         }
         out.update({k: v for k, v in extra.items() if v is not None})
         return out
@@ -93,6 +96,7 @@ class StartRecord:
             float(data["before_s"]) if data.get("before_s") is not None else None,
             float(data["probe_gbps"]) if data.get("probe_gbps") else None,
             float(data["imports_s"]) if data.get("imports_s") is not None else None,
+            float(data["tail_s"]) if data.get("tail_s") is not None else None,
         )
 
 

@@ -225,6 +225,16 @@ def test_cold_warm_warm_then_emptied_cold_each_first_eta_from_its_own_kind(tiny_
     assert before.estimate.kind == "same_pattern" and before.estimate.before_s is not None
 
     records = {r["pattern"]["kv_profile"]: r for r in _profile_records(cache)}
+    # warm2's own record (the newest): what a server waits for after starting a core is the imports row and the
+    # plan up to the first stage, within process creation -> that stage (the process_start row comes first); and
+    # its stages' wall time and the tail after them add up to the table's time to READY.
+    newest = StartRecord.from_json(_profile_records(cache)[0])
+    imports_s, before_s = newest.imports_s, newest.before_s
+    assert imports_s is not None and before_s is not None
+    assert warm2["rows"]["imports"] <= imports_s < before_s
+    assert before_s - imports_s == pytest.approx(warm2["rows"]["process_start"], abs=0.05)
+    assert newest.wall_s is not None and newest.tail_s is not None
+    assert before_s + newest.wall_s + newest.tail_s == pytest.approx(warm2["actual"], abs=0.01)
     for kept in cache.iterdir():  # empty the cache, keeping only the start-up profile (the ETA's record)
         if kept.name != "startup_profile":
             shutil.rmtree(kept) if kept.is_dir() else kept.unlink()
@@ -236,14 +246,9 @@ def test_cold_warm_warm_then_emptied_cold_each_first_eta_from_its_own_kind(tiny_
     assert again[Attr.ETA_BASIS] == "from the last cold start of this config"
     cold_record = StartRecord.from_json(records[MISS])
     warm_record = StartRecord.from_json(records[HIT])
-    # What a server waits for after starting a core: the imports row and the plan up to the first stage, within
-    # the time from process creation to that stage (the table's process_start row comes before the imports).
-    imports_s, before_s = warm_record.imports_s, warm_record.before_s
-    assert imports_s is not None and before_s is not None
-    assert warm2["rows"]["imports"] <= imports_s < before_s
-    assert before_s - imports_s == pytest.approx(warm2["rows"]["process_start"], abs=0.05)
     # The stages' part of the ETA is the cold start's (its wall time), not the warm start's.
-    assert again[Attr.ETA_FIRST_STAGES_S] == pytest.approx(cold_record.wall_s, abs=1e-5)
+    assert cold_record.wall_s is not None and cold_record.tail_s is not None
+    assert again[Attr.ETA_FIRST_STAGES_S] == pytest.approx(cold_record.wall_s + cold_record.tail_s, abs=1e-5)
     assert cold_record.stages["kv_cache_profiling"] != warm_record.stages["kv_cache_profiling"]
 
 

@@ -127,6 +127,17 @@ def test_same_pattern_uses_the_record_and_its_wall_time() -> None:
     assert est.total_s == pytest.approx(warm.wall_s, rel=1e-6)
 
 
+def test_the_tail_after_the_last_stage_counts_to_ready() -> None:
+    warm = _record("smollm2-warm")
+    assert warm.wall_s is not None
+    tailed = StartRecord.from_json({**warm.to_json(), "tail_s": 0.12})
+    assert StartRecord.from_json(tailed.to_json()).tail_s == pytest.approx(0.12)
+    est = _predict_like(tailed, [tailed], [], [tailed])
+    assert est.total_s == pytest.approx(warm.wall_s + 0.12, rel=1e-6)
+    # Every stage done and READY not yet there: the tail is what is left, not zero.
+    assert est.remaining_s(tuple(est.seconds), {}) == pytest.approx(0.12)
+
+
 def test_fitted_terms_stay_non_negative_and_the_prior_is_the_fit_of_nothing() -> None:
     learned = [StartRecord.from_json(s["record"]) for s in _starts().values()]
     coefficients = fit_records(learned)

@@ -136,6 +136,7 @@ def _record_phase_durations(
     before_s: float | None,
     probe_gbps: float | None,
     imports_s: float | None,
+    tail_s: float | None,
 ) -> None:
     """Add this start to the config's start-up profile: its seconds per stage with its pattern, inputs and waits,
     keeping the latest start of each other pattern (start_record.profile_json)."""
@@ -155,6 +156,7 @@ def _record_phase_durations(
         before_s,
         probe_gbps,
         imports_s,
+        tail_s,
     )
     store = ArtifactStore(ctx.cache_root)
     try:
@@ -199,6 +201,8 @@ class RecordProfile:
         # starts a core, before the core's first stage.
         first = [r.start_ns for r in results if r.start_ns]
         imports_s = (ctx.clock.wall_ns(min(first)) - marks.main_entry_ns) / 1e9 if marks is not None and first else None
+        ends = [r.end_ns for r in results if r.end_ns]
+        tail_s = max(0.0, (ctx.ready_ns - ctx.clock.wall_ns(max(ends))) / 1e9) if ends else None
         with trace.use_span(ctx.root, end_on_exit=False):
             _record_phase_durations(
                 ctx,
@@ -207,6 +211,7 @@ class RecordProfile:
                 before_s,
                 floor.read_gbps if floor is not None else None,
                 imports_s,
+                tail_s,
             )
         return StageReport()
 
