@@ -62,8 +62,10 @@ def _timing_module() -> ModuleType:
     return module
 
 
-def _measure(batches: list[int], new_tokens: int, prompt_tokens: int) -> dict[str, dict[str, float]]:
-    """In the child: build the default engine (bf16, compiled) and time decode steps at each batch size."""
+def _measure(
+    batches: list[int], new_tokens: int, prompt_tokens: int, model: str, quantization: str
+) -> dict[str, dict[str, float]]:
+    """In the child: build the engine (bf16, compiled) and time decode steps at each batch size."""
     from glowplug.engine import model_runner as mr
     from glowplug.engine.config import EngineConfig
     from glowplug.engine.llm import LLM
@@ -82,8 +84,9 @@ def _measure(batches: list[int], new_tokens: int, prompt_tokens: int) -> dict[st
     mr.sample = timed_sample
     llm = LLM(
         config=EngineConfig.from_flat(
-            model="smollm2",
+            model=model,
             dtype="bfloat16",
+            quantization=quantization,
             compile="on",
             max_model_len=prompt_tokens + new_tokens + 16,
             max_num_seqs=max(batches),
@@ -133,12 +136,14 @@ def main() -> None:
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--model", default="smollm2", help="model name or GGUF path")
+    ap.add_argument("--quantization", default="auto")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(b) for b in args.batch_sizes.split(",")]
     if args.child:
-        print(json.dumps(_measure(batches, args.new_tokens, args.prompt_tokens)))
+        print(json.dumps(_measure(batches, args.new_tokens, args.prompt_tokens, args.model, args.quantization)))
         return
     with tempfile.TemporaryDirectory() as tmp:
         shims = {k: _shim(getattr(args, k).resolve(), Path(tmp) / k) for k in ("a", "b")}
@@ -156,6 +161,10 @@ def main() -> None:
                     str(args.new_tokens),
                     "--prompt-tokens",
                     str(args.prompt_tokens),
+                    "--model",
+                    args.model,
+                    "--quantization",
+                    args.quantization,
                 ]
                 res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
                 if res.returncode:
@@ -167,7 +176,7 @@ def main() -> None:
         "",
         f"Command: `python scripts/host_time_ab.py {' '.join(sys.argv[1:])}`",
         "",
-        f"A = `{args.a}`, B = `{args.b}`. smollm2, bf16, compiled step, {args.prompt_tokens}-token prompts, "
+        f"A = `{args.a}`, B = `{args.b}`. {args.model} ({args.quantization}), bf16, compiled step, {args.prompt_tokens}-token prompts, "
         f"{args.new_tokens} new tokens, greedy; per run the median over its decode steps; runs alternate A, B.",
         "Host time = step wall time minus the compiled model call and the sampler (timed by the same wrappers in "
         "both).",
