@@ -28,6 +28,7 @@ from glowplug.profiling.tracing import span_from_record
 from .outputs import SeqUpdate
 from .sampling_params import SamplingParams
 from .start_estimate import PhaseEstimate
+from .tokenizer import TokenizerShape
 
 # ------------------------------------------------------------------------------------------- server -> core
 
@@ -135,6 +136,7 @@ class Ready(msgspec.Struct, tag=True, array_like=True, gc=False):
     load: CoreLoad
     phase_table: PhaseTable | None = None
     pid: int = 0
+    tokenizer_shape: TokenizerShape | None = None  # the core's tokenizer's, for the server's copy
 
 
 class Failed(msgspec.Struct, tag=True, array_like=True, gc=False):

@@ -223,6 +223,7 @@ def _ready(result: Any, channel: CoreChannel, tracing: Any) -> None:
     from glowplug.profiling.names import STARTUP_SPAN
 
     from .core_frames import Ready, SpanEnded, span_to_record
+    from .tokenizer import tokenizer_shape
 
     engine = result.engine
     core = engine.core
@@ -250,6 +251,7 @@ def _ready(result: Any, channel: CoreChannel, tracing: Any) -> None:
             load_of(core),
             table,
             os.getpid(),
+            tokenizer_shape(engine.tokenizer),
         )
     )
     log = structlog.get_logger("glowplug.core")

@@ -133,6 +133,11 @@ class Tokenizer:
             split_exact=_split_exact(spec),
         )
 
+    def adopt_shape(self, shape: TokenizerShape) -> None:
+        """Take the shape another process computed from the same tokenizer files: the server's copy then never
+        computes it on a request (up to ~1 s holding the GIL on a 150 K vocabulary)."""
+        self.__dict__["shape"] = shape
+
     def _encode_nogil(self, texts: list[str]) -> list[Any]:
         # The batch calls release the GIL while Rust works (`encode` holds it throughout: a 2 MB prompt held a
         # 10 ms timer on another thread back by 1.9 s); the fast variant skips computing offsets we never read.
@@ -368,6 +373,11 @@ def encode_chat(
     if limit is not None:
         return encode_bounded(tokenizer, text, limit=limit, add_special_tokens=add_special_tokens)
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def tokenizer_shape(tokenizer: Any) -> TokenizerShape | None:
+    """A glowplug Tokenizer's shape (computed if need be); None for any other tokenizer object."""
+    return tokenizer.shape if isinstance(tokenizer, Tokenizer) else None
 
 
 def max_token_chars(tokenizer: Any) -> int | None:

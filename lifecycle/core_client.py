@@ -415,6 +415,8 @@ class CoreClient:
 
         # The tokenizer this process encodes and decodes with: the core's, loaded from the folder it prepared.
         tokenizer = await asyncio.to_thread(load_tokenizer, Path(frame.model_dir))
+        if frame.tokenizer_shape is not None:
+            tokenizer.adopt_shape(frame.tokenizer_shape)
         self._processor = OutputProcessor(tokenizer)
         self.engine_info = EngineInfo(tokenizer, frame.max_model_len, frame.vocab_size)
         # Baselines: the warm-up ran before serving and is not traffic.

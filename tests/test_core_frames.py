@@ -16,6 +16,7 @@ from glowplug.engine.outputs import ModelRunnerOutput, SeqUpdate, TokenLogprobs
 from glowplug.engine.sampling_params import SamplingParams
 from glowplug.engine.scheduler import NewSeqData, SchedulerOutput
 from glowplug.engine.start_estimate import PhaseEstimate, PhaseSource
+from glowplug.engine.tokenizer import TokenizerShape
 from glowplug.profiling.phases import PhaseRow, PhaseTable
 
 ints = st.integers(-(2**63), 2**63 - 1)
@@ -60,6 +61,7 @@ record = st.builds(
     st.lists(st.tuples(text, attrs, ints), max_size=2),
     attrs,
 )
+shape = st.builds(TokenizerShape, st.none() | st.integers(1, 300), st.booleans())
 load = st.builds(cf.CoreLoad, *[small] * 9, st.lists(small, max_size=4), st.lists(small, max_size=4), small)
 row = st.builds(
     PhaseRow,
@@ -105,7 +107,7 @@ FROM_CORE = [
     st.builds(cf.SpanEnded, record, st.booleans()),
     st.builds(cf.PhaseEntered, text),
     st.builds(cf.Planned, ints, st.none() | text, st.none() | estimate),
-    st.builds(cf.Ready, ints, small, small, text, load, st.none() | table, small),
+    st.builds(cf.Ready, ints, small, small, text, load, st.none() | table, small, st.none() | shape),
     st.builds(cf.Failed, text, st.none() | text, st.booleans()),
     st.builds(
         cf.StepOutputs,

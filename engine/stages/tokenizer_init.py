@@ -17,6 +17,9 @@ class TokenizerInit:
 
     def run(self, ctx: EngineContext) -> StageReport:
         ctx.tokenizer = load_tokenizer(ctx.need(ctx.model_dir, "the model folder", "model_prepare"))
+        # Computed here, beside the weights' load, and sent to the server with READY: its first large prompt would
+        # otherwise pay for it while holding the GIL.
+        ctx.tokenizer.shape  # noqa: B018
         return StageReport(
             attributes={
                 Attr.VOCAB_SIZE: len(ctx.tokenizer),

@@ -2,8 +2,10 @@
 
 1. server A (the default admission): capacity, a request throughput at a closed loop of max-num-seqs clients
    (skipped with --sustainable-rate); sustainable rate = --sustainable-load x capacity
-2. one calibration run at the sustainable rate on A: the admission limit (--max-queue-wait) of server B is half its
-   TTFT p99 (or the value given); B starts (A stays up, idle) and is warmed up so it knows its step and prompt costs
+2. --runs calibration runs at the sustainable rate on A, each its own Poisson draw: the admission limit
+   (--max-queue-wait) of server B is half the median of their TTFT p99s (or the value given). One draw's p99 is
+   nearly its largest TTFT, so a bursty draw alone set the limit up to twice too high; B starts (A stays up,
+   idle) and is warmed up so it knows its step and prompt costs
 3. --runs pairs, back to back: Poisson arrivals at the sustainable rate on A (the baseline), then at
    --overload-factor x that rate on B for as long (the overload). Pair i's ratio is B's admitted TTFT p99 over A's
    TTFT p99 of the same pair, so both halves of a pair see the same machine state.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,7 @@ class OverloadResult:
     rejected: int
     rejected_without_retry_after: int
     other_errors: dict[str, int]
+    calibration_p99_ms: list[float] = field(default_factory=list)  # the runs that set admission_limit_s
 
     @property
     def pair_ratios(self) -> list[float]:
@@ -78,6 +81,7 @@ class OverloadResult:
             "sustainable_rps": self.sustainable_rps,
             "overload_rps": self.overload_rps,
             "admission_limit_s": self.admission_limit_s,
+            "calibration_p99_ms": self.calibration_p99_ms,
             # JSON has no NaN: a pair without a value is null
             "pair_ratios": [r if r == r else None for r in self.pair_ratios],
             "ttft_ratio_median": self.ttft_ratio if self.ttft_ratio == self.ttft_ratio else None,
@@ -129,6 +133,7 @@ def _pairs(
 def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Callable[[str], None]) -> OverloadResult:
     capacity: float | None = None
     limit: float | None = None
+    calibration: list[float] = []
     with server_for(cfg) as (base_url, _pid):
         model = cfg.served_model_name or served_model(base_url)
         if cfg.sustainable_rate is None:
@@ -145,11 +150,14 @@ def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Ca
         else:
             limit = cfg.max_queue_wait
             if limit is None:
-                say(f"overload: calibration run at {sustainable:.3g} req/s (sets the admission limit)")
-                calib, _ = rate_run(cfg, base_url, tokenizer, model, sustainable, cfg.num_prompts, 30_000)
-                p99 = calib.figure("ttft_p99")
+                for k in range(cfg.runs):
+                    say(f"overload: calibration run {k + 1}/{cfg.runs} at {sustainable:.3g} req/s (sets the limit)")
+                    calib, _ = rate_run(cfg, base_url, tokenizer, model, sustainable, cfg.num_prompts, 30_000 + k)
+                    p99 = calib.figure("ttft_p99")
+                    if p99:
+                        calibration.append(p99)
                 # Half the baseline p99: the other half is left for the prefill and the error of the wait estimate.
-                limit = p99 / 2e3 if p99 else None
+                limit = statistics.median(calibration) / 2e3 if calibration else None
             overrides = {"max_queue_wait": limit} if limit is not None else {}
             say(f"overload: starting server B with --max-queue-wait {limit} (server A stays up, idle)")
             with server_for(cfg, **overrides) as (base_b, _pid_b):
@@ -165,6 +173,7 @@ def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Ca
         sustainable_rps=sustainable,
         overload_rps=sustainable * cfg.overload_factor,
         admission_limit_s=limit,
+        calibration_p99_ms=calibration,
         baseline=baseline,
         overload=overload,
         rejected=len(rejected),
@@ -196,6 +205,13 @@ def render_overload(r: OverloadResult, head: str) -> str:
 
     cap = f"{r.capacity_rps:.3g} req/s" if r.capacity_rps is not None else "not measured (--sustainable-rate given)"
     limit = f"{r.admission_limit_s:.3f} s" if r.admission_limit_s is not None else "the running server's own"
+    calib = (
+        " = half the median TTFT p99 of "
+        + f"{len(r.calibration_p99_ms)} calibration runs at the sustainable rate on server A, each its own Poisson "
+        + f"draw ({', '.join(f'{v:.1f}' for v in r.calibration_p99_ms)} ms)"
+        if r.calibration_p99_ms
+        else ""
+    )
     rows = [row("sustainable", r.baseline, r.sustainable_rps), row("overload (admitted)", r.overload, r.overload_rps)]
 
     def ratio(x: float) -> str:
@@ -210,7 +226,7 @@ def render_overload(r: OverloadResult, head: str) -> str:
         [
             head,
             f"- capacity: {cap}; sustainable rate {r.sustainable_rps:.3g} req/s; overload {r.overload_rps:.3g} req/s",
-            f"- admission limit (--max-queue-wait): {limit}",
+            f"- admission limit (--max-queue-wait): {limit}{calib}",
             f"- 429 answers: {r.rejected} ({r.rejected_without_retry_after} without Retry-After); other failures: "
             f"{r.other_errors or 0}",
             f"- **p99 TTFT of admitted requests / p99 TTFT at the sustainable rate, paired by run (n = {n}): median "
