@@ -176,8 +176,9 @@ def main() -> None:
         "",
         f"Command: `python scripts/host_time_ab.py {' '.join(sys.argv[1:])}`",
         "",
-        f"A = `{args.a}`, B = `{args.b}`. {args.model} ({args.quantization}), bf16, compiled step, {args.prompt_tokens}-token prompts, "
-        f"{args.new_tokens} new tokens, greedy; per run the median over its decode steps; runs alternate A, B.",
+        f"A = `{args.a}`, B = `{args.b}`. {args.model} ({args.quantization}), bf16, compiled step, "
+        f"{args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, greedy; per run the median over its "
+        "decode steps; runs alternate A, B.",
         "Host time = step wall time minus the compiled model call and the sampler (timed by the same wrappers in "
         "both).",
         "",

@@ -248,8 +248,6 @@ def test_tokenizer_shape_decides_what_bounded_tokenization_may_assume(tiny: Path
     assert metaspace.max_token_chars is None and not metaspace.split_exact
 
 
-@given(st.lists(st.sampled_from(_PIECES), max_size=120), st.booleans())
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_a_shape_sent_through_the_ready_frame_is_the_one_computed_and_is_not_recomputed(
     tiny: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -259,14 +257,17 @@ def test_a_shape_sent_through_the_ready_frame_is_the_one_computed_and_is_not_rec
     core_side = load_tokenizer(tiny)
     frame = cf.Ready(1, len(core_side), 64, str(tiny), cf.CoreLoad(*[0] * 9), None, 1, tokenizer_shape(core_side))
     got = cf.decode_frame(cf.encode_frame(frame), cf.Ready)
+    expected = core_side.shape
     server_side = load_tokenizer(tiny)
     monkeypatch.setattr(Tokenizer, "shape", property(lambda _self: pytest.fail("the server recomputed the shape")))
     server_side.adopt_shape(got.tokenizer_shape)
-    assert server_side.__dict__["shape"] == core_side.shape
+    assert server_side.__dict__["shape"] == expected
     monkeypatch.undo()
-    assert max_token_chars(server_side) == core_side.shape.max_token_chars is not None
+    assert max_token_chars(server_side) == expected.max_token_chars is not None
 
 
+@given(st.lists(st.sampled_from(_PIECES), max_size=120), st.booleans())
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_bounded_tokenization_gives_the_ids_of_the_whole_text(
     tiny: Path, llama3_like, monkeypatch: pytest.MonkeyPatch, parts: list[str], special: bool
 ) -> None:
