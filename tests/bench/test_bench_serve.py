@@ -268,3 +268,44 @@ def test_sweep_points_send_prompts_no_other_point_sent(tokenizer, monkeypatch: p
     assert len(sent) == 2 * (64 + 64 + 64 + 128 + 64)
     blocks = [tuple(tokenizer(p, add_special_tokens=False)["input_ids"][:16]) for p in sent]
     assert len(set(blocks)) == len(blocks)
+
+
+def test_overload_sends_each_server_a_prompt_once(tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither server is sent a prompt twice (capacity, calibration, warm-up and pair runs): a baseline on prompts
+    the server has cached would be cheaper than the overload run set beside it. A pair's two halves send the same
+    set. The sends are recorded instead of made."""
+    from contextlib import contextmanager
+
+    from glowplug.profiling.bench.serve import overload, sweep
+
+    sent: dict[str, list[str]] = {}
+    runs: list[list[str]] = []
+
+    def record(base_url: str, path: str, bodies: list[dict], *args: object, **kwargs: object) -> list:
+        sent.setdefault(base_url, []).extend(b["prompt"] for b in bodies)
+        runs.append([b["prompt"] for b in bodies])
+        return []
+
+    class _Metrics:
+        errors: dict[str, int] = {}
+
+        def figure(self, name: str) -> float:
+            return 1000.0 if name == "ttft_p99" else 1.0
+
+    @contextmanager
+    def server_for(cfg: object, **overrides: object):  # type: ignore[no-untyped-def]
+        yield ("http://b" if overrides else "http://a"), None
+
+    monkeypatch.setattr(sweep, "run_closed", record)
+    monkeypatch.setattr(sweep, "run_open", record)
+    monkeypatch.setattr(sweep, "run_metrics", lambda results, slo: _Metrics())
+    cfg = ServeBenchConfig(
+        overload=True, runs=2, num_prompts=8, input_len=32, max_num_seqs=4, warmup_requests=0, served_model_name="m"
+    )
+    result = overload.run_overload(cfg, tokenizer, server_for, lambda _: None)
+    assert result.admission_limit_s == 0.5 and result.calibration_p99_ms == [1000.0, 1000.0]
+    for prompts in sent.values():
+        blocks = [tuple(tokenizer(p, add_special_tokens=False)["input_ids"][:16]) for p in prompts]
+        assert len(set(blocks)) == len(blocks)
+    pairs = runs[-4:]  # A's baseline, B's overload; twice
+    assert all(over[: len(base)] == base for base, over in zip(pairs[::2], pairs[1::2], strict=True))

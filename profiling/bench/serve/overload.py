@@ -7,8 +7,9 @@
    nearly its largest TTFT, so a bursty draw alone set the limit up to twice too high; B starts (A stays up,
    idle) and is warmed up so it knows its step and prompt costs
 3. --runs pairs, back to back: Poisson arrivals at the sustainable rate on A (the baseline), then at
-   --overload-factor x that rate on B for as long (the overload). Pair i's ratio is B's admitted TTFT p99 over A's
-   TTFT p99 of the same pair, so both halves of a pair see the same machine state.
+   --overload-factor x that rate on B for as long (the overload), on request sets neither server has seen. Pair
+   i's ratio is B's admitted TTFT p99 over A's TTFT p99 of the same pair, so both halves of a pair see the same
+   machine state.
 Pass: the overloaded server answered some requests 429, every 429 carried Retry-After, nothing else failed, and the
 worst pair's ratio is within 2x. With --base-url both phases of each pair go to that one server, with whatever
 admission limit it was started with.
@@ -29,6 +30,11 @@ from .sweep import bodies_for, concurrency_point, rate_run, send_closed
 from .workload import build_requests
 
 TTFT_RATIO_LIMIT = 2.0
+# Request sets: the capacity runs send seeds 0.., the calibration runs 30_000.., the pairs 40_000.. (both servers the
+# same set, each seeing it for the first time). A set a server has seen before finds its prompts in the prefix
+# cache: pairs that reused the capacity runs' seeds measured server A's baselines on cached prompts.
+_CALIBRATION_SEED = 30_000
+_PAIR_SEED = 40_000
 
 
 @dataclass
@@ -119,8 +125,9 @@ def _pairs(
             f"overload: pair {i + 1}/{cfg.runs}: {sustainable:.3g} req/s ({cfg.num_prompts} requests), then "
             f"{rate:.3g} req/s ({count} requests)"
         )
-        base_runs.append(rate_run(cfg, base_a, tokenizer, model, sustainable, cfg.num_prompts, i)[0])
-        metrics, results = rate_run(cfg, base_b, tokenizer, model, rate, count, i)
+        seed = _PAIR_SEED + i
+        base_runs.append(rate_run(cfg, base_a, tokenizer, model, sustainable, cfg.num_prompts, seed)[0])
+        metrics, results = rate_run(cfg, base_b, tokenizer, model, rate, count, seed)
         over_runs.append(metrics)
         raw += results
     return (
@@ -152,7 +159,8 @@ def run_overload(cfg: ServeBenchConfig, tokenizer: Any, server_for: Any, say: Ca
             if limit is None:
                 for k in range(cfg.runs):
                     say(f"overload: calibration run {k + 1}/{cfg.runs} at {sustainable:.3g} req/s (sets the limit)")
-                    calib, _ = rate_run(cfg, base_url, tokenizer, model, sustainable, cfg.num_prompts, 30_000 + k)
+                    seed = _CALIBRATION_SEED + k
+                    calib, _ = rate_run(cfg, base_url, tokenizer, model, sustainable, cfg.num_prompts, seed)
                     p99 = calib.figure("ttft_p99")
                     if p99:
                         calibration.append(p99)
