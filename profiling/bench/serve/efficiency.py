@@ -1,6 +1,6 @@
 """Server efficiency: one request set served over HTTP at high concurrency and run offline through `LLM.generate`,
 in one command, with the same engine settings. Target: server output-token throughput / offline, paired by run:
-median >= 0.95 and the worst pair >= 0.90.
+median >= 0.92 and the worst pair >= 0.88.
 
 Order: the server (its own process) starts and the offline engine is built in this process; both are warmed up.
 Then each run is a pair, one after the other: the set over HTTP, then the same set through LLM.generate. The two
@@ -33,8 +33,8 @@ from .server import engine_fields, scrape, served_model
 from .sweep import send_closed
 from .workload import build_requests
 
-TARGET_MEDIAN = 0.95  # median of the per-pair ratios
-TARGET_WORST = 0.90  # the worst pair
+TARGET_MEDIAN = 0.92  # median of the per-pair ratios (the issue "engine core in its own process")
+TARGET_WORST = 0.88  # the worst pair
 STEP_METRIC = Metric.ENGINE_STEP
 SERVER_CPU = "process_cpu_seconds_total"  # the API server process
 CORE_CPU = f"{Metric.ENGINE_CORE}_process_cpu_seconds_total"  # its engine core process
