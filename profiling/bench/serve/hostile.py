@@ -48,7 +48,8 @@ ITL_RATIO_TARGET = 1.5
 RSS_RATIO_TARGET = 2.0
 _PROBE_INTERVAL_S = 0.010
 _RSS_INTERVAL_S = 0.005
-_QUIET_S = 4.0  # the quiet window of each run, after every stream has its first token
+_SETTLE_S = 2.0  # after every stream has its first token, before the quiet window: the streams' start is not quiet
+_QUIET_S = 3.5  # the quiet window of each run
 _QUIET_GUARD_S = 0.5  # between the quiet window's end and the first refusal: a gap spanning both is not quiet
 _LIMITS_OFF = {"max_body_bytes": 0, "body_read_timeout": 0, "header_read_timeout": 0}
 # Both servers admit without the expected-wait check (--max-queue-wait 30 s by default): on a loaded machine its
@@ -373,9 +374,9 @@ def refusal_run(
             time.sleep(0.05)
         if not streams.started():
             raise RuntimeError(f"the streams did not start: {streams.errors or 'no first token within 300 s'}")
-        start = time.perf_counter()
-        quiet = (start + 0.5, start + _QUIET_S)
-        time.sleep(_QUIET_S + _QUIET_GUARD_S)
+        start = time.perf_counter() + _SETTLE_S
+        quiet = (start, start + _QUIET_S)
+        time.sleep(_SETTLE_S + _QUIET_S + _QUIET_GUARD_S)
         windows: list[tuple[float, float]] = []
         statuses: list[int] = []
         codes: list[str | None] = []
@@ -827,7 +828,8 @@ def render_hostile(r: HostileResult, head: str) -> str:
         f"both servers of this report run with `--max-queue-wait {_NO_WAIT_LIMIT['max_queue_wait']:g}` (admission, "
         "not a transport limit: on a loaded machine its 429s would fall on one run of a pair and not the other)",
         "- during refusals: probes and inter-token gaps whose interval overlaps a refusal (send to response); quiet: "
-        f"the same streams over {_QUIET_S - 0.5:g} s ending {_QUIET_GUARD_S:g} s before the first (so that no gap "
+        f"the same streams over {_QUIET_S:g} s, from {_SETTLE_S:g} s after every stream's first token (a run's first "
+        f"steps are not quiet: one took 0.42 s) to {_QUIET_GUARD_S:g} s before the first refusal (so that no gap "
         "counts as both); RSS sampled every "
         f"{_RSS_INTERVAL_S * 1000:g} ms, growth = a refusal's peak over the median of the 0.3 s before it; one "
         "untimed refusal of each body before the runs (the first large body also pays for the worker threads and "
