@@ -124,6 +124,7 @@ def _measure(
                 out[str(batch)] = {
                     "host_ms": statistics.median(t.decode_host_s) * 1e3,
                     "step_ms": statistics.median(t.decode_step_s) * 1e3,
+                    "steps": len(t.decode_step_s),
                 }
     return out
 
