@@ -246,6 +246,18 @@ def test_tokenizer_shape_decides_what_bounded_tokenization_may_assume(tiny: Path
     # NFKC can shorten text; Metaspace's pieces are not known to split exactly.
     metaspace = Tokenizer(_backend("metaspace"), {}, None).shape
     assert metaspace.max_token_chars is None and not metaspace.split_exact
+    # The spec the shape reads from the components is the whole file's, where the shape looks.
+    from glowplug.engine.tokenizer import _shape_spec
+
+    for backend in (load_tokenizer(tiny).backend, llama3_like.backend, _backend("wordpiece"), _backend("metaspace")):
+        whole = json.loads(backend.to_str())
+        part = _shape_spec(backend)
+        assert part["model"] == {k: whole["model"].get(k) for k in part["model"]}
+        assert {k: v for k, v in part.items() if k not in ("model", "added_tokens")} == {
+            k: whole.get(k) for k in part if k not in ("model", "added_tokens")
+        }
+        keys = ("content", "lstrip", "rstrip", "single_word")
+        assert part["added_tokens"] == [{k: t[k] for k in keys} for t in whole["added_tokens"]]
 
 
 def test_a_shape_sent_through_the_ready_frame_is_the_one_computed_and_is_not_recomputed(
