@@ -309,3 +309,8 @@ def test_overload_sends_each_server_a_prompt_once(tokenizer, monkeypatch: pytest
         assert len(set(blocks)) == len(blocks)
     pairs = runs[-4:]  # A's baseline, B's overload; twice
     assert all(over[: len(base)] == base for base, over in zip(pairs[::2], pairs[1::2], strict=True))
+    # --base-url: both halves of a pair go to that one server, which must not see a set twice either.
+    sent.clear()
+    overload.run_overload(cfg.model_copy(update={"base_url": "http://a"}), tokenizer, server_for, lambda _: None)
+    blocks = [tuple(tokenizer(p, add_special_tokens=False)["input_ids"][:16]) for p in sent["http://a"]]
+    assert list(sent) == ["http://a"] and len(set(blocks)) == len(blocks)

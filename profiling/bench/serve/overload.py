@@ -36,6 +36,7 @@ TTFT_RATIO_LIMIT = 2.0
 # cache: pairs that reused the capacity runs' seeds measured server A's baselines on cached prompts.
 _CALIBRATION_SEED = 30_000
 _PAIR_SEED = 40_000
+_ONE_SERVER_SEED = 50_000  # the overload halves' sets when both halves go to one server (--base-url)
 
 
 @dataclass
@@ -128,7 +129,8 @@ def _pairs(
         )
         seed = _PAIR_SEED + i
         base_runs.append(rate_run(cfg, base_a, tokenizer, model, sustainable, cfg.num_prompts, seed)[0])
-        metrics, results = rate_run(cfg, base_b, tokenizer, model, rate, count, seed)
+        over_seed = seed if base_b != base_a else _ONE_SERVER_SEED + i  # --base-url: one server sees both halves
+        metrics, results = rate_run(cfg, base_b, tokenizer, model, rate, count, over_seed)
         over_runs.append(metrics)
         raw += results
     return (
