@@ -65,7 +65,7 @@ def test_independent_stages_overlap_and_spans_nest_under_the_startup_span(tracin
     )
     overlap = table.seconds(Row.OVERLAP)
     assert overlap == pytest.approx(0.2, abs=0.05)  # the tokenizer's time, hidden behind weights + model
-    assert own - overlap == pytest.approx(wall, abs=0.03)
+    assert own - overlap == pytest.approx(wall, abs=0.05)
     assert table.seconds(Row.CRITICAL_PATH) == pytest.approx(0.44, abs=0.05)
     assert table[Row.CRITICAL_PATH].reason == "model_prepare -> load_weights -> model_init -> kv_cache_init"
     assert table.actual_total_time <= wall + table.seconds("process_start") + table.seconds("imports") + 0.05

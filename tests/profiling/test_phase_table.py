@@ -48,11 +48,14 @@ def test_rows_add_up_and_match_measured_wall_time(tracing: Tracing) -> None:
     assert table[Row.MODEL_INIT].reason == "not in pipeline"
     # (No "leaves add up to the total" here: unattributed is the residual, so that would be true by construction.
     # The oracles are outside the table: the wall time measured around run_stages, and psutil's process age.)
-    # The stage rows account for the measured wall time of the pipeline within 1%.
+    # The stage rows account for the measured wall time of the pipeline: never more than it, never less than the
+    # stages' own sleeps, and short of it by at most what a preempted runner can lose between stages (10.7 ms seen
+    # on a loaded CI host; 50 ms is still far below one stage).
     stage_rows = [r for r in leaves if r.name not in (Row.PROCESS_START, Row.IMPORTS, Row.UNATTRIBUTED)]
     booked = sum(r.seconds or 0.0 for r in stage_rows)
-    assert booked == pytest.approx(wall, rel=0.01)
-    assert table.seconds(Row.TOTAL_TIME) == pytest.approx(wall, rel=0.01)
+    assert 0.15 * len(stages) <= booked <= wall
+    assert wall - booked < 0.05
+    assert table.seconds(Row.TOTAL_TIME) == pytest.approx(wall, abs=0.05)
     assert table.seconds(Row.LOAD_WEIGHTS) >= 0.15
     assert table.seconds(Row.IMPORTS) >= 0.01
     # actual_total_time runs from the OS's process creation: cross-check against psutil (whole-second boot time).
