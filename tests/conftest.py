@@ -8,9 +8,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
-settings.register_profile("glowplug", deadline=None, max_examples=60, derandomize=True)
+# too_slow: on a loaded machine generating the examples is slow, which says nothing about the code under test.
+settings.register_profile(
+    "glowplug", deadline=None, max_examples=60, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.load_profile("glowplug")
 
 

@@ -18,6 +18,8 @@ for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[
 
 # Long enough for streams that are still running when a test disconnects or sends SIGTERM.
 TINY_CONTEXT = 1024
+# For a subprocess server, which cannot be paced: streams of thousands of tokens that outlast a signal on any machine.
+LONG_CONTEXT = 8192
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +27,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from glowplug.engine.models.tiny import make_tiny_checkpoint
 
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-serve"), "llama", max_position_embeddings=TINY_CONTEXT)
+
+
+@pytest.fixture(scope="session")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from glowplug.engine.models.tiny import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-long"), "llama", max_position_embeddings=LONG_CONTEXT)
 
 
 @pytest.fixture(scope="module", autouse=True)

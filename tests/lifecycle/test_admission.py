@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from lifecycle_harness import ThreadServer, engine_config, metric
+from lifecycle_harness import ThreadServer, engine_config, metric, paced_engine
 
 from glowplug.lifecycle.config import ServeConfig
 
@@ -45,8 +45,11 @@ class Holder(threading.Thread):
 
 
 def _busy_server(tiny_model: Path, limit: float | None) -> ThreadServer:
+    # Paced steps: a 400-token holder lasts at least 4 s, so it is still running when the probe is sent.
     srv = ThreadServer(
-        engine_config(tiny_model, max_num_seqs=SLOTS), ServeConfig(port=0, max_queue=64, max_queue_wait=limit)
+        engine_config(tiny_model, max_num_seqs=SLOTS),
+        ServeConfig(port=0, max_queue=64, max_queue_wait=limit),
+        engine_factory=paced_engine(0.01),
     ).start()
     srv.wait_ready()
     client = srv.client()

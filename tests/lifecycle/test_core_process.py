@@ -22,6 +22,8 @@ import pytest
 from lifecycle_harness import free_port, wait_ready
 
 FAST = ["--compile", "off", "--num-gpu-blocks-override", "512", "--log-format", "json", "--served-model-name", "tiny"]
+# Cut short by the kill: on the long-context model this stream would take about 14 s (900 tokens took under one).
+KILLED_STREAM_TOKENS = 6000
 
 
 class Served:
@@ -118,13 +120,13 @@ def _ready_status(base_url: str) -> tuple[int, dict[str, Any]]:
 
 
 def test_core_killed_mid_stream_ends_streams_with_an_error_and_the_server_exits_1(
-    tiny_model: Path, tmp_path: Path
+    long_model: Path, tmp_path: Path
 ) -> None:
-    srv = Served(tiny_model, tmp_path, "--failed-exit-delay", "5")
+    srv = Served(long_model, tmp_path, "--failed-exit-delay", "5")
     try:
         wait_ready(srv.base_url, timeout=180)
         core = srv.core()
-        stream = Stream(srv, 900)
+        stream = Stream(srv, KILLED_STREAM_TOKENS)
         stream.start()
         assert stream.first.wait(60) and stream.error is None
         core.send_signal(signal.SIGKILL)
@@ -133,12 +135,13 @@ def test_core_killed_mid_stream_ends_streams_with_an_error_and_the_server_exits_
         while status == 200 and time.monotonic() - t0 < 10:
             time.sleep(0.02)
             status, body = _ready_status(srv.base_url)
-        assert status == 503 and time.monotonic() - t0 < 2.0, (status, time.monotonic() - t0)
+        # Within the 5 s exit delay, so that the server is still there to answer.
+        assert status == 503 and time.monotonic() - t0 < 4.0, (status, time.monotonic() - t0)
         assert body["status"] == "failed" and "killed by SIGKILL" in body["reason"], body
         # The open stream ended with an error event: the openai client raises it.
         stream.join(10)
         assert isinstance(stream.error, openai.APIError) and "engine" in str(stream.error), stream.error
-        assert stream.finish is None and 0 < stream.tokens < 900
+        assert stream.finish is None and 0 < stream.tokens < KILLED_STREAM_TOKENS
         # A new request is refused at once, with the reason.
         with pytest.raises(openai.InternalServerError) as info:
             srv.client().completions.create(model="tiny", prompt="hi", max_tokens=2)

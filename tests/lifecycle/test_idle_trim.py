@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lifecycle_harness import ThreadServer, engine_config
@@ -27,22 +28,35 @@ def test_trim_once_per_lull(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(host_memory, "release_free_heap", count)  # the core (a thread here) imports it when due
     monkeypatch.setattr(core_proc, "IDLE_TRIM_S", 0.3)
+    step_ends: list[float] = []  # when each of the core's steps returned: the idle delay counts from the last
+
+    def engine_factory(config: Any, **kwargs: Any) -> Any:
+        result = build_engine(config, **kwargs)
+        real_step = result.engine.core.step
+
+        def step(**kw: Any) -> Any:
+            out = real_step(**kw)
+            step_ends.append(time.monotonic())
+            return out
+
+        result.engine.core.step = step
+        return result
+
     # An engine factory runs the core on a thread of this process, where the patches above apply.
-    srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0), engine_factory=build_engine).start()
+    srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0), engine_factory=engine_factory).start()
     try:
         srv.wait_ready()
         time.sleep(0.6)  # the warm-up steps ran before the loop, so READY alone is no lull
         start = len(trims)
         client = srv.client()
-        done = time.monotonic()
         for i in range(3):  # back to back: no gap of 0.3 s between them
             client.completions.create(model=srv.service.model_name, prompt=f"hello {i}", max_tokens=8)
-            done = time.monotonic()
-        time.sleep(1.2)
-        new = trims[start:]
-        assert len(new) == 1, f"one trim per lull, got {len(new)}"
-        assert new[0] >= done + 0.25  # only after the idle delay
+        deadline = time.monotonic() + 10
+        while len(trims) == start and time.monotonic() < deadline:
+            time.sleep(0.02)
         time.sleep(0.8)
-        assert len(trims) == start + 1  # still idle, no steps since: no second trim
+        new = trims[start:]
+        assert len(new) == 1, f"one trim per lull, got {len(new)}"  # and none since: still idle, no steps
+        assert step_ends and new[0] >= step_ends[-1] + 0.3  # only after the idle delay
     finally:
         srv.stop()

@@ -16,6 +16,9 @@ from otlp_receiver import OtlpHttpReceiver
 from glowplug.profiling.names import REQUEST_SPAN, STARTUP_SPAN, ReqAttr
 
 TRACE_ID, PARENT_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+# A subprocess server cannot be paced: on the long-context model a stream this long lasts about 8 s here (its
+# attention grows with the context), well past the signal; 600 tokens took under a second.
+STREAM_TOKENS = 4000
 
 
 class StreamReader(threading.Thread):
@@ -60,17 +63,23 @@ class StreamReader(threading.Thread):
         ]
 
 
-def test_sigterm_drains_then_exits_zero(tiny_model: Path, tmp_path: Path) -> None:
+def test_sigterm_drains_then_exits_zero(long_model: Path, tmp_path: Path) -> None:
     with OtlpHttpReceiver() as rx:
         env = {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": rx.traces_endpoint}
-        srv = ProcessServer(tiny_model, tmp_path / "server.log", env=env, args=["--drain-timeout", "60"])
+        srv = ProcessServer(long_model, tmp_path / "server.log", env=env, args=["--drain-timeout", "300"])
         try:
-            statuses = wait_ready(srv.base_url, timeout=90)
+            statuses = wait_ready(srv.base_url, timeout=300)
             # The port opens before the engine is up: readiness answers 503 first, then 200 (never the reverse).
             assert 503 in statuses, statuses
             assert statuses[-1] == 200 and 200 not in statuses[:-1]
 
-            body = {"prompt": "The scheduler", "max_tokens": 600, "ignore_eos": True, "logprobs": 0, "stream": True}
+            body = {
+                "prompt": "The scheduler",
+                "max_tokens": STREAM_TOKENS,
+                "ignore_eos": True,
+                "logprobs": 0,
+                "stream": True,
+            }
             stream = StreamReader(srv.base_url, body, {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
             stream.start()
             assert stream.first.wait(30) and stream.error is None
@@ -91,10 +100,10 @@ def test_sigterm_drains_then_exits_zero(tiny_model: Path, tmp_path: Path) -> Non
                 late = http.post("/v1/completions", json={"prompt": "late", "max_tokens": 2})
                 assert late.json()["error"]["code"] == "draining"
 
-            stream.join(60)
+            stream.join(300)
             assert stream.error is None
             assert stream.finish_reasons() == ["length"]
-            assert stream.tokens() == 600 and stream.done_marker
+            assert stream.tokens() == STREAM_TOKENS and stream.done_marker
             assert srv.wait(30) == 0
 
             spans = rx.wait_for_spans(2, timeout_s=10)
@@ -102,7 +111,7 @@ def test_sigterm_drains_then_exits_zero(tiny_model: Path, tmp_path: Path) -> Non
             assert len(requests) == 1
             req = requests[0]
             assert req.parent_span_id == PARENT_ID
-            assert req.attributes[ReqAttr.COMPLETION_TOKENS] == 600
+            assert req.attributes[ReqAttr.COMPLETION_TOKENS] == STREAM_TOKENS
             assert req.attributes[ReqAttr.FINISH_REASON] == "length"
             assert any(s.name == STARTUP_SPAN for s in spans)
         finally:
@@ -111,11 +120,11 @@ def test_sigterm_drains_then_exits_zero(tiny_model: Path, tmp_path: Path) -> Non
     assert "shutdown signal" in events and "drained" in events and "stopped" in events
 
 
-def test_second_signal_exits_at_once(tiny_model: Path, tmp_path: Path) -> None:
-    srv = ProcessServer(tiny_model, tmp_path / "server.log", args=["--drain-timeout", "60"])
+def test_second_signal_exits_at_once(long_model: Path, tmp_path: Path) -> None:
+    srv = ProcessServer(long_model, tmp_path / "server.log", args=["--drain-timeout", "60"])
     try:
-        wait_ready(srv.base_url, timeout=90)
-        body = {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "logprobs": 0, "stream": True}
+        wait_ready(srv.base_url, timeout=300)
+        body = {"prompt": "go", "max_tokens": STREAM_TOKENS, "ignore_eos": True, "logprobs": 0, "stream": True}
         stream = StreamReader(srv.base_url, body)
         stream.start()
         assert stream.first.wait(30)
@@ -126,6 +135,6 @@ def test_second_signal_exits_at_once(tiny_model: Path, tmp_path: Path) -> None:
         assert srv.wait(10) == 128 + signal.SIGINT
         assert time.monotonic() - t0 < 5
         stream.join(10)
-        assert stream.finish_reasons() == [] and stream.tokens() < 1000  # cut off, not drained
+        assert stream.finish_reasons() == [] and stream.tokens() < STREAM_TOKENS  # cut off, not drained
     finally:
         srv.kill()

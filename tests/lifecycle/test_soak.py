@@ -19,7 +19,7 @@ from glowplug.profiling.bench.serve.soak import KINDS, SoakPlan, run_soak
 def test_soak_small_scale(tiny_model: Path, tmp_path: Path) -> None:
     srv = ProcessServer(tiny_model, tmp_path / "server.log", args=["--max-num-seqs", "64"])
     try:
-        wait_ready(srv.base_url, timeout=90)
+        wait_ready(srv.base_url, timeout=300)
         plan = SoakPlan(
             streams=16, duration_s=12.0, hangup_fraction=0.125, max_tokens=(8, 32), hangup_max_tokens=600, seed=1
         )

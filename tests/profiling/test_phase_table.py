@@ -12,6 +12,7 @@ import psutil
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from opentelemetry.trace import format_trace_id
 from rich.console import Console
 from startup_fakes import SleepStage, default_pipeline, run_startup
 
@@ -136,10 +137,15 @@ def test_unknown_stage_gets_its_own_row(tracing: Tracing) -> None:
 
 def test_latest_start_up_is_chosen_unless_a_trace_is_named(tracing: Tracing) -> None:
     first = run_stages([SleepStage("load_weights", 0.03)], StartupContext(None), tracer=tracing.tracer())
-    run_stages([SleepStage("load_weights", 0.0)], StartupContext(None), tracer=tracing.tracer())
+    second = run_stages([SleepStage("load_weights", 0.0)], StartupContext(None), tracer=tracing.tracer())
     spans = tracing.finished_spans()
-    assert build_phase_table(spans).seconds(Row.LOAD_WEIGHTS) < 0.03
+    # Each table is told by its trace and its stage's own time (a 0 s stage's time says nothing on a loaded machine).
+    latest = build_phase_table(spans)
+    assert latest.trace_id == format_trace_id(second[0].span_context.trace_id)
+    assert latest.seconds(Row.LOAD_WEIGHTS) == pytest.approx(second[0].seconds, abs=1e-6)
     older = build_phase_table(spans, trace_id=first[0].span_context.trace_id)
+    assert older.trace_id == format_trace_id(first[0].span_context.trace_id)
+    assert older.seconds(Row.LOAD_WEIGHTS) == pytest.approx(first[0].seconds, abs=1e-6)
     assert older.seconds(Row.LOAD_WEIGHTS) >= 0.03
 
 
@@ -284,7 +290,7 @@ def test_clock_maps_perf_counter_onto_wall_time() -> None:
     clock = Clock()
     a, b = clock.now_ns(), clock.now_ns()
     assert b >= a
-    assert abs(a - time.time_ns()) < 50_000_000
+    assert abs(a - time.time_ns()) < 500_000_000  # a preempted test may read the wall clock late
 
 
 def test_a_slow_row_says_what_it_did_with_its_time() -> None:

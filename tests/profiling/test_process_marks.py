@@ -58,7 +58,7 @@ def test_pre_main_rows_in_a_fresh_process() -> None:
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     phases = data["phases"]
     assert phases["process_start"] >= 0.3 - 0.011  # creation time has one clock tick of resolution
-    assert phases["imports"] == pytest.approx(0.2, abs=0.05)
+    assert 0.2 <= phases["imports"] < 1.0  # the child's sleep, and whatever a loaded machine adds to it
     assert phases["tokenizer_init"] >= 0.05
     assert phases["actual_total_time"] <= elapsed + 0.011
     assert sum(v for k, v in phases.items() if data["kinds"][k] == "leaf" and v is not None) == pytest.approx(

@@ -55,7 +55,7 @@ def test_span_duration_is_the_perf_counter_duration(tracing: Tracing) -> None:
     results = run_stages([SleepStage("load_weights", 0.02)], StartupContext(None), tracer=tracing.tracer())
     span = _by_name(tracing)["glowplug.startup.load_weights"]
     assert span.end_time - span.start_time == round(results[0].seconds * 1e9)  # type: ignore[attr-defined]
-    assert 0.02 <= results[0].seconds < 0.2
+    assert 0.02 <= results[0].seconds < 2.0  # at least the sleep; a loaded machine may add any amount
 
 
 def test_stage_span_is_current_while_the_stage_runs(tracing: Tracing) -> None:
