@@ -24,9 +24,11 @@
 // Work split: the weight rows of all segments are cut into one contiguous byte range per thread; each thread runs its
 // rows against all activation rows, in blocks of activation rows that stay in L2 (a prompt re-reads the weights once
 // per block), MR rows at a time so one decoded weight block serves MR rows. From kGemmMinM activation rows (a
-// prompt) the K-quant segments take a GEMM path instead (AVX2 and up): a panel of weight rows is unpacked once into
-// bytes and 16-bit scale vectors and every activation row runs against it in register tiles, with the same integer
-// lanes and the same fp32 operations per row as the tiles above, so a row's output is the same bits on either path.
+// prompt, or a batch of that many sequences) the quantized segments take a GEMM path instead (AVX2 and up): a panel
+// of weight rows is unpacked once (K-quants: into bytes and 16-bit scale vectors; 32-weight blocks: 8 rows side by
+// side as the lanes of each vector) and every activation row runs against it in register tiles, with the same
+// integer sums and the same fp32 operations per row as the tiles above, so a row's output is the same bits on either
+// path.
 #include "common.h"
 
 #include <memory>
@@ -240,10 +242,15 @@ GLOWPLUG_VINLINE void k_scales(const uint8_t* s, uint8_t* out) {
   std::memcpy(out, w, 16);
 }
 
-// Activation rows from which a call takes the prompt GEMM path (AVX2 and up), and the types it serves; below it the
-// GEMV tiles decode the blocks in registers.
+// Activation rows from which a call takes the prompt GEMM path (AVX2 and up), and the types it serves (every quantized
+// one; the float parts stay on the tiles); below it the GEMV tiles decode the blocks in registers.
 constexpr int64_t kGemmMinM = 16;
-inline bool gemm_type(int64_t t) { return t == kQ4_K || t == kQ5_K || t == kQ6_K; }
+inline bool gemm_type(int64_t t) { return t != kF32 && t != kF16 && t != kBF16; }
+// The 4- and 5-bit 32-weight blocks unpack cheaply enough to gain from 8 rows on; Q8_0 (twice the panel) from 16.
+constexpr int64_t kGemmMinMq32 = 8;
+inline int64_t gemm_min_m(int64_t t) {
+  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 ? kGemmMinMq32 : kGemmMinM;
+}
 
 #if defined(__AVX2__)
 // ------------------------------------------------------------------------------------------------- AVX2
@@ -442,14 +449,40 @@ GLOWPLUG_VINLINE __m256i fifth_bits(const uint8_t* p) {
 
 // The 32-weight blocks. Codes of Q4_x/Q5_x are unsigned (byte j's low nibble is weight j, its high nibble weight
 // j + 16); Q8_0's are signed (multiplied by the sign trick: |q| times x with q's sign).
+template <int64_t T>
+constexpr int64_t q32_bytes() {
+  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+}
+
+// A 32-weight block's codes as 32 bytes in weight order (Q8_0: the signed bytes as stored).
+template <int64_t T>
+GLOWPLUG_VINLINE __m256i q32_codes(const uint8_t* b) {
+  if constexpr (T == kQ8_0) {
+    return load256(b + 2);
+  } else {
+    constexpr int64_t at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;
+    const __m128i nib = load128(b + at);
+    __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), _mm256_set1_epi8(0x0F));
+    if constexpr (T == kQ5_0 || T == kQ5_1) q = _mm256_or_si256(q, fifth_bits(b + (T == kQ5_0 ? 2 : 4)));
+    return q;
+  }
+}
+
+// The block's offset term per unit of s_x: Q4_0 / Q5_0: w = d * (q - 8 or 16); Q4_1 / Q5_1: w = d * q + m; Q8_0:
+// w = d * q (none).
+template <int64_t T>
+GLOWPLUG_VINLINE float q32_off(const uint8_t* b, float d) {
+  return T == kQ4_0 ? -8.f * d : T == kQ5_0 ? -16.f * d : (T == kQ4_1 || T == kQ5_1) ? fp16(b + 2) : 0.f;
+}
+
 template <int64_t T, int NR, int MR>
 void q32_tile(const uint8_t* const* w, int64_t nb, const Rows<MR>& x, float (*res)[MR]) {
-  constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+  constexpr int64_t kBytes = q32_bytes<T>();
   __m256 acc[NR][MR];
   float corr[NR][MR];
   for (int n = 0; n < NR; ++n)
     for (int r = 0; r < MR; ++r) acc[n][r] = _mm256_setzero_ps(), corr[n][r] = 0.f;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0; i < nb; ++i) {
     __m256i q[NR];
     float d[NR], off[NR];
@@ -457,16 +490,8 @@ void q32_tile(const uint8_t* const* w, int64_t nb, const Rows<MR>& x, float (*re
       const uint8_t* b = w[n] + i * kBytes;
       if ((i & 1) == 0) prefetch_w(b + kAhead);
       d[n] = fp16(b);
-      if constexpr (T == kQ8_0) {
-        q[n] = load256(b + 2);
-      } else {
-        constexpr int64_t at = T == kQ4_0 ? 2 : T == kQ4_1 ? 4 : T == kQ5_0 ? 6 : 8;
-        const __m128i nib = load128(b + at);
-        q[n] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(nib, 4), nib), m4);
-        if constexpr (T == kQ5_0 || T == kQ5_1) q[n] = _mm256_or_si256(q[n], fifth_bits(b + (T == kQ5_0 ? 2 : 4)));
-      }
-      // Q4_0 / Q5_0: w = d * (q - 8 or 16); Q4_1 / Q5_1: w = d * q + m; Q8_0: w = d * q (signed)
-      off[n] = T == kQ4_0 ? -8.f * d[n] : T == kQ5_0 ? -16.f * d[n] : (T == kQ4_1 || T == kQ5_1) ? fp16(b + 2) : 0.f;
+      q[n] = q32_codes<T>(b);
+      off[n] = q32_off<T>(b, d[n]);
     }
     _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r) {
       const __m256i xq = load256(x.qb(r) + i * 32);
@@ -782,6 +807,136 @@ void gemm_rows(int64_t type, const uint8_t* base, int64_t stride, int64_t r0, in
   }
 }
 
+
+// The 32-weight blocks at prompt size: a panel of 8 weight rows is unpacked once, per block, into 8 vectors whose
+// 32-bit lane n holds 4 codes of row n (vector g: weights 4g..4g+3), so that one broadcast 4-byte group of an
+// activation row meets all 8 rows in one vpmaddubsw. The integer sums and the fp32 operations per row are q32_tile's
+// (see q32_micro), with the rows as lanes: a tile decodes each block again for every 4 activation rows and scales
+// each (row, activation row) pair's lanes on its own; the panel is decoded once and scales 8 rows per instruction.
+struct alignas(32) Q32Panel {
+  uint8_t c[8][32];  // vector g: lane n = row n's codes 4g..4g+3 (Q8_0: their magnitudes)
+  uint8_t sg[8][32];  // Q8_0: the signed codes, for the sign trick
+  float d[8];
+  float off[8];
+};
+static_assert(sizeof(Q32Panel) == 576, "a panel block is 18 vectors");
+
+// Rows' 32-byte vectors r[0..7] (8 dwords each) transposed: out[g] lane n = r[n] dword g.
+GLOWPLUG_VINLINE void transpose8x8(const __m256i* r, __m256i* out) {
+  __m256i t[8], u[8];
+  for (int j = 0; j < 4; ++j) {
+    t[2 * j] = _mm256_unpacklo_epi32(r[2 * j], r[2 * j + 1]);
+    t[2 * j + 1] = _mm256_unpackhi_epi32(r[2 * j], r[2 * j + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // rows 4h..4h+3
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    out[g] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x20);
+    out[g + 4] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x31);
+  }
+}
+
+// Weight rows rows[0..nr) (nr <= 8; the rest of the panel is zero) of nb blocks into panel[0..nb).
+template <int64_t T>
+void unpack_q32(const uint8_t* const* rows, int64_t nr, int64_t nb, Q32Panel* panel) {
+  constexpr int64_t kBytes = q32_bytes<T>();
+  for (int64_t i = 0; i < nb; ++i) {
+    __m256i r[8], c[8];
+    Q32Panel& u = panel[i];
+    for (int n = 0; n < 8; ++n) {
+      if (n < nr) {
+        const uint8_t* b = rows[n] + i * kBytes;
+        if ((i & 1) == 0) prefetch_w(b + kAhead);
+        r[n] = q32_codes<T>(b);
+        u.d[n] = fp16(b);
+        u.off[n] = q32_off<T>(b, u.d[n]);
+      } else {
+        r[n] = _mm256_setzero_si256();
+        u.d[n] = u.off[n] = 0.f;
+      }
+    }
+    if constexpr (T == kQ8_0) {
+      transpose8x8(r, c);
+      for (int g = 0; g < 8; ++g) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(u.sg[g]), c[g]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(u.c[g]), _mm256_sign_epi8(c[g], c[g]));
+      }
+    } else {
+      transpose8x8(r, c);
+      for (int g = 0; g < 8; ++g) _mm256_store_si256(reinterpret_cast<__m256i*>(u.c[g]), c[g]);
+    }
+  }
+}
+
+// The panel's 8 weight rows against one activation row over all nb blocks: lane n of the result is row n's output.
+// Group g's 32-bit lane n is the integer sum q32_tile's lane g forms for row n, and it is scaled and accumulated with
+// the same operations: 8 fp32 chains (one per group), folded at the end in hsum's order, plus the offset chain.
+template <int64_t T>
+__m256 q32_micro(const Q32Panel* panel, int64_t nb, const int8_t* xq, const float* dx, const float* sx) {
+  __m256 acc[8], corr = _mm256_setzero_ps();
+  for (int g = 0; g < 8; ++g) acc[g] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < nb; ++i) {
+    const Q32Panel& u = panel[i];
+    const __m256 scale = _mm256_mul_ps(_mm256_load_ps(u.d), _mm256_set1_ps(dx[i]));
+    _Pragma("GCC unroll 8") for (int g = 0; g < 8; ++g) {
+      int32_t v;
+      std::memcpy(&v, xq + i * 32 + 4 * g, 4);
+      const __m256i xb = _mm256_set1_epi32(v);
+      const __m256i c = _mm256_load_si256(reinterpret_cast<const __m256i*>(u.c[g]));
+      __m256i p;
+      if constexpr (T == kQ8_0)
+        p = _mm256_maddubs_epi16(c, _mm256_sign_epi8(xb, _mm256_load_si256(reinterpret_cast<const __m256i*>(u.sg[g]))));
+      else
+        p = _mm256_maddubs_epi16(c, xb);
+      acc[g] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, p)), acc[g]);
+    }
+    if constexpr (T != kQ8_0) corr = _mm256_fmadd_ps(_mm256_load_ps(u.off), _mm256_set1_ps(sx[i]), corr);
+  }
+  // hsum's order: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+  const __m256 s0 = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+  const __m256 s1 = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+  return _mm256_add_ps(_mm256_add_ps(s0, s1), corr);
+}
+
+// Weight rows [r0, r1) of a 32-weight-block segment against all M activation rows, a panel of 8 rows at a time.
+template <int64_t T, class Put>
+void gemm_rows_q32(const uint8_t* base, int64_t stride, int64_t r0, int64_t r1, int64_t K, const Act& a,
+                   const Put& put) {
+  const int64_t nb = K / 32, M = a.M;
+  static thread_local std::vector<Q32Panel> panel;
+  panel.resize(nb);
+  for (int64_t p0 = r0; p0 < r1; p0 += 8) {
+    const int64_t nr = std::min<int64_t>(8, r1 - p0);
+    const uint8_t* rows[8];
+    for (int64_t n = 0; n < nr; ++n) rows[n] = base + (p0 + n) * stride;
+    unpack_q32<T>(rows, nr, nb, panel.data());
+    alignas(32) float o[8];
+    for (int64_t m = 0; m < M; ++m) {
+      _mm256_store_ps(o, q32_micro<T>(panel.data(), nb, a.qb.data() + m * K, a.db.data() + m * nb, a.sb.data() + m * nb));
+      for (int64_t n = 0; n < nr; ++n) put(m, p0 + n, o[n]);
+    }
+  }
+}
+
+// The prompt GEMM of one segment: the K-quants' panel GEMM or the 32-weight blocks'.
+template <class Put>
+void gemm_segment(int64_t type, const uint8_t* base, int64_t stride, int64_t r0, int64_t r1, int64_t K, const Act& a,
+                  const Put& put) {
+  switch (type) {
+    case kQ4_0: return gemm_rows_q32<kQ4_0>(base, stride, r0, r1, K, a, put);
+    case kQ4_1: return gemm_rows_q32<kQ4_1>(base, stride, r0, r1, K, a, put);
+    case kQ5_0: return gemm_rows_q32<kQ5_0>(base, stride, r0, r1, K, a, put);
+    case kQ5_1: return gemm_rows_q32<kQ5_1>(base, stride, r0, r1, K, a, put);
+    case kQ8_0: return gemm_rows_q32<kQ8_0>(base, stride, r0, r1, K, a, put);
+    default: return gemm_rows(type, base, stride, r0, r1, K, a, put);
+  }
+}
+
 #else
 // -------------------------------------------------------------------------------------------- portable
 // The same integer sums in plain loops (the compiler vectorizes them for the level's flags).
@@ -1064,14 +1219,14 @@ Tensor gguf_linear(Tensor x, Tensor w0, int64_t t0, Tensor p0, Tensor w1, int64_
                                                                   total / (int64_t(64) << 10) + 1));
   const int64_t MB = act_block(M, K);
 #if defined(__AVX2__)
-  const bool gemm = M >= kGemmMinM;
+  auto on_gemm = [&](int64_t t) { return gemm_type(t) && M >= gemm_min_m(t); };
   act.qki.clear();
-  if (gemm && need_k) {
+  if (need_k && M >= gemm_min_m(kQ4_K)) {
     act.qki.resize(M * K);
     for (int64_t m = 0; m < M; ++m) pair_activations(act.qk.data() + m * K, K, act.qki.data() + m * K);
   }
 #else
-  const bool gemm = false;
+  auto on_gemm = [](int64_t) { return false; };
 #endif
   auto work = [&](int64_t part) {
     const int64_t b0 = total * part / threads, b1 = total * (part + 1) / threads;
@@ -1089,17 +1244,16 @@ Tensor gguf_linear(Tensor x, Tensor w0, int64_t t0, Tensor p0, Tensor w1, int64_
     for (int64_t mb = 0; mb < M; mb += MB) {
       const int64_t me = std::min(M, mb + MB);
       each([&](const Segment& s, int64_t r0, int64_t r1) {
-        if (gemm && gemm_type(s.type)) return;
+        if (on_gemm(s.type)) return;
         run_rows(s.type, s.data, s.row_stride, r0, r1, K, act, mb, me, [&](int64_t m, int64_t r, float v) {
           out.put(m, s.col0 + (s.perm ? s.perm[r] : r), v);
         });
       });
     }
 #if defined(__AVX2__)
-    if (gemm)
-      each([&](const Segment& s, int64_t r0, int64_t r1) {
-        if (!gemm_type(s.type)) return;
-        gemm_rows(s.type, s.data, s.row_stride, r0, r1, K, act, [&](int64_t m, int64_t r, float v) {
+    each([&](const Segment& s, int64_t r0, int64_t r1) {
+        if (!on_gemm(s.type)) return;
+        gemm_segment(s.type, s.data, s.row_stride, r0, r1, K, act, [&](int64_t m, int64_t r, float v) {
           out.put(m, s.col0 + (s.perm ? s.perm[r] : r), v);
         });
       });

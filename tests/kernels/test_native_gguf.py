@@ -119,11 +119,14 @@ def test_a_rows_output_does_not_depend_on_the_batch(native: None, ggml_type: int
         assert torch.equal(linear(moved, (rows, ggml_type, None))[3], together[r])
 
 
-KQUANTS = [12, 13, 14]  # Q4_K, Q5_K, Q6_K: a prompt's rows run them through the unpacked-panel GEMM
+# Every quantized type: a prompt's rows (or a batch's, from 8 rows for the 4- and 5-bit 32-weight blocks, from 16 for
+# the rest) run them through an unpacked-panel GEMM (the K-quants' and the 32-weight blocks' own), whose outputs must
+# be the single-row GEMV tiles' bits.
+QUANTIZED = sorted(IN_PLACE)
 
 
-@pytest.mark.parametrize("ggml_type", KQUANTS, ids=lambda t: TYPE_NAMES[t])
-@pytest.mark.parametrize(("m", "n", "k"), [(16, 8, 256), (17, 37, 768), (35, 21, 2304), (64, 301, 1024)])
+@pytest.mark.parametrize("ggml_type", QUANTIZED, ids=lambda t: TYPE_NAMES[t])
+@pytest.mark.parametrize(("m", "n", "k"), [(8, 19, 512), (16, 8, 256), (17, 37, 768), (35, 21, 2304), (64, 301, 1024)])
 def test_prompt_sized_batches_match_the_reference_and_the_single_row_op(
     native: None, ggml_type: int, m: int, n: int, k: int
 ) -> None:
@@ -138,12 +141,12 @@ def test_prompt_sized_batches_match_the_reference_and_the_single_row_op(
 
 
 def test_a_prompt_through_fused_parts_of_gemm_and_gemv_types(native: None) -> None:
-    """A fused layer whose parts take different paths at prompt size (K-quants the GEMM, the others the GEMV tiles),
-    one of them permuted, in fp32: the oracle, and each row as computed alone."""
+    """A fused layer whose parts take different paths at prompt size (a K-quant and a 32-weight block type their
+    GEMMs, a float part the GEMV tiles), one of them permuted, in fp32: the oracle, and each row as computed alone."""
     k = 512
-    q, kk, v = stored_rows(12, 40, k, 21), stored_rows(8, 24, k, 22), stored_rows(14, 19, k, 23)
+    q, kk, v = stored_rows(12, 40, k, 21), stored_rows(8, 24, k, 22), stored_rows(1, 19, k, 23)
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(24)).to(torch.int32)
-    parts = [(q, 12, perm), (kk, 8, None), (v, 14, None)]
+    parts = [(q, 12, perm), (kk, 8, None), (v, 1, None)]
     x = torch.randn(21, k, generator=torch.Generator().manual_seed(25))
     y = linear(x, *parts)
     check(y, x, parts)
