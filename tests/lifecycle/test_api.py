@@ -318,57 +318,56 @@ def test_metrics_parse_and_count(server: ThreadServer, client: openai.OpenAI) ->
     assert after[("glowplug_engine_state", (("glowplug_engine_state", "ready"),))] == 1
 
 
-def test_disconnect_mid_stream_frees_kv_blocks(tiny_model: Path) -> None:
-    # Its own server with paced steps: the 900 tokens take at least 9 s, so the stream is still running when the
-    # client leaves (unpaced, they took under a second).
+@pytest.fixture
+def paced_server(tiny_model: Path) -> Iterator[ThreadServer]:
+    """A server of its own whose steps take at least 10 ms: a long answer is still generating when its client leaves,
+    however fast this machine decodes the tiny model (unpaced, 900 tokens took under a second)."""
     srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0), engine_factory=paced_engine(0.01)).start()
     try:
         srv.wait_ready()
-        url = srv.base_url
-        aborted_before = metric(url, "glowplug_request_finished_total", finish_reason="abort")
-        generated_before = metric(url, "glowplug_generation_tokens_total")
-        body = {"prompt": "The scheduler", "max_tokens": 900, "stream": True, "ignore_eos": True, "temperature": 0.0}
-        with httpx.Client(base_url=url, timeout=30.0) as http:
-            with http.stream("POST", "/v1/completions", json=body) as resp:
-                assert resp.status_code == 200
-                lines = resp.iter_lines()
-                got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data:")]
-                assert got
-                assert metric(url, "glowplug_kv_cache_used_blocks") > 0
-            # Leaving the block closes the connection: the client is gone.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and metric(url, "glowplug_kv_cache_used_blocks") > 0:
-            time.sleep(0.02)
-        assert metric(url, "glowplug_kv_cache_used_blocks") == 0
-        assert metric(url, "glowplug_kv_cache_usage_ratio") == 0
-        assert metric(url, "glowplug_request_finished_total", finish_reason="abort") == aborted_before + 1
-        assert metric(url, "glowplug_generation_tokens_total") - generated_before < 900
+        yield srv
     finally:
         srv.stop()
 
 
-def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(tiny_model: Path) -> None:
-    # Its own server with paced steps: the answer must still be generating when the client gives up after 0.3 s,
-    # however fast this machine decodes the tiny model's 256 positions.
-    srv = ThreadServer(engine_config(tiny_model), ServeConfig(port=0), engine_factory=paced_engine(0.01)).start()
-    try:
-        srv.wait_ready()
-        url = srv.base_url
-        aborted_before = metric(url, "glowplug_request_finished_total", finish_reason="abort")
-        body = {"prompt": "The scheduler", "max_tokens": 1000, "ignore_eos": True}
-        with httpx.Client(base_url=url, timeout=httpx.Timeout(30.0, read=0.3)) as http:
-            with pytest.raises(httpx.ReadTimeout):
-                http.post("/v1/completions", json=body)  # gives up and closes the connection mid-generation
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and (
-            metric(url, "glowplug_request_finished_total", finish_reason="abort") == aborted_before
-            or metric(url, "glowplug_kv_cache_used_blocks") > 0
-        ):
-            time.sleep(0.02)
-        assert metric(url, "glowplug_request_finished_total", finish_reason="abort") == aborted_before + 1
-        assert metric(url, "glowplug_kv_cache_used_blocks") == 0
-    finally:
-        srv.stop()
+def test_disconnect_mid_stream_frees_kv_blocks(paced_server: ThreadServer) -> None:
+    url = paced_server.base_url
+    aborted_before = metric(url, "glowplug_request_finished_total", finish_reason="abort")
+    generated_before = metric(url, "glowplug_generation_tokens_total")
+    body = {"prompt": "The scheduler", "max_tokens": 900, "stream": True, "ignore_eos": True, "temperature": 0.0}
+    with httpx.Client(base_url=url, timeout=30.0) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [line for line, _ in zip(lines, range(6), strict=False) if line.startswith("data:")]
+            assert got
+            assert metric(url, "glowplug_kv_cache_used_blocks") > 0
+        # Leaving the block closes the connection: the client is gone.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and metric(url, "glowplug_kv_cache_used_blocks") > 0:
+        time.sleep(0.02)
+    assert metric(url, "glowplug_kv_cache_used_blocks") == 0
+    assert metric(url, "glowplug_kv_cache_usage_ratio") == 0
+    assert metric(url, "glowplug_request_finished_total", finish_reason="abort") == aborted_before + 1
+    assert metric(url, "glowplug_generation_tokens_total") - generated_before < 900
+
+
+def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(paced_server: ThreadServer) -> None:
+    # The client gives up after 0.3 s, while the paced answer is still generating.
+    url = paced_server.base_url
+    aborted_before = metric(url, "glowplug_request_finished_total", finish_reason="abort")
+    body = {"prompt": "The scheduler", "max_tokens": 1000, "ignore_eos": True}
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(30.0, read=0.3)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json=body)  # gives up and closes the connection mid-generation
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (
+        metric(url, "glowplug_request_finished_total", finish_reason="abort") == aborted_before
+        or metric(url, "glowplug_kv_cache_used_blocks") > 0
+    ):
+        time.sleep(0.02)
+    assert metric(url, "glowplug_request_finished_total", finish_reason="abort") == aborted_before + 1
+    assert metric(url, "glowplug_kv_cache_used_blocks") == 0
 
 
 def test_request_span_continues_traceparent_and_access_log(server: ThreadServer, tracing: Tracing) -> None:
