@@ -23,7 +23,7 @@
 //
 // Work split: the weight rows of all segments are cut into one contiguous byte range per thread; each thread runs its
 // rows against all activation rows, in blocks of activation rows that stay in L2 (a prompt re-reads the weights once
-// per block), MR rows at a time so one decoded weight block serves MR rows. From kGemmMinM activation rows (a
+// per block), MR rows at a time so one decoded weight block serves MR rows. From a few activation rows (takes_gemm: a
 // prompt, or a batch of that many sequences) the quantized segments take a GEMM path instead (AVX2 and up): a panel
 // of weight rows is unpacked once (K-quants: into bytes and 16-bit scale vectors; 32-weight blocks: 8 rows side by
 // side as the lanes of each vector) and every activation row runs against it in register tiles, with the same
@@ -242,14 +242,19 @@ GLOWPLUG_VINLINE void k_scales(const uint8_t* s, uint8_t* out) {
   std::memcpy(out, w, 16);
 }
 
-// Activation rows from which a call takes the prompt GEMM path (AVX2 and up), and the types it serves (every quantized
-// one; the float parts stay on the tiles); below it the GEMV tiles decode the blocks in registers.
-constexpr int64_t kGemmMinM = 16;
-inline bool gemm_type(int64_t t) { return t != kF32 && t != kF16 && t != kBF16; }
-// The 4- and 5-bit 32-weight blocks unpack cheaply enough to gain from 8 rows on; Q8_0 (twice the panel) from 16.
-constexpr int64_t kGemmMinMq32 = 8;
-inline int64_t gemm_min_m(int64_t t) {
-  return t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 ? kGemmMinMq32 : kGemmMinM;
+// Whether a segment of type t takes the prompt GEMM path (AVX2 and up) for M activation rows; below its threshold,
+// and for the float parts always, the GEMV tiles decode the blocks in registers. The 4- and 5-bit 32-weight blocks
+// unpack cheaply enough to gain from 8 rows on; the K-quants and Q8_0 (twice the panel) from 16.
+constexpr int64_t kGemmMinM = 16, kGemmMinMq32 = 8;
+inline bool takes_gemm(int64_t t, int64_t M) {
+  if (t == kF32 || t == kF16 || t == kBF16) return false;
+  return M >= (t == kQ4_0 || t == kQ4_1 || t == kQ5_0 || t == kQ5_1 ? kGemmMinMq32 : kGemmMinM);
+}
+
+// Bytes of a 32-weight block of type T.
+template <int64_t T>
+constexpr int64_t q32_bytes() {
+  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
 }
 
 #if defined(__AVX2__)
@@ -449,11 +454,6 @@ GLOWPLUG_VINLINE __m256i fifth_bits(const uint8_t* p) {
 
 // The 32-weight blocks. Codes of Q4_x/Q5_x are unsigned (byte j's low nibble is weight j, its high nibble weight
 // j + 16); Q8_0's are signed (multiplied by the sign trick: |q| times x with q's sign).
-template <int64_t T>
-constexpr int64_t q32_bytes() {
-  return T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
-}
-
 // A 32-weight block's codes as 32 bytes in weight order (Q8_0: the signed bytes as stored).
 template <int64_t T>
 GLOWPLUG_VINLINE __m256i q32_codes(const uint8_t* b) {
@@ -807,7 +807,6 @@ void gemm_rows(int64_t type, const uint8_t* base, int64_t stride, int64_t r0, in
   }
 }
 
-
 // The 32-weight blocks at prompt size: a panel of 8 weight rows is unpacked once, per block, into 8 vectors whose
 // 32-bit lane n holds 4 codes of row n (vector g: weights 4g..4g+3), so that one broadcast 4-byte group of an
 // activation row meets all 8 rows in one vpmaddubsw. The integer sums and the fp32 operations per row are q32_tile's
@@ -859,15 +858,13 @@ void unpack_q32(const uint8_t* const* rows, int64_t nr, int64_t nb, Q32Panel* pa
         u.d[n] = u.off[n] = 0.f;
       }
     }
-    if constexpr (T == kQ8_0) {
-      transpose8x8(r, c);
-      for (int g = 0; g < 8; ++g) {
+    transpose8x8(r, c);
+    for (int g = 0; g < 8; ++g) {
+      if constexpr (T == kQ8_0) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(u.sg[g]), c[g]);
-        _mm256_store_si256(reinterpret_cast<__m256i*>(u.c[g]), _mm256_sign_epi8(c[g], c[g]));
+        c[g] = _mm256_sign_epi8(c[g], c[g]);
       }
-    } else {
-      transpose8x8(r, c);
-      for (int g = 0; g < 8; ++g) _mm256_store_si256(reinterpret_cast<__m256i*>(u.c[g]), c[g]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(u.c[g]), c[g]);
     }
   }
 }
@@ -1008,7 +1005,7 @@ void q6k_rows(const uint8_t* w, int64_t nsb, const Rows<MR>& x, float* res) {
 
 template <int64_t T, int MR>
 void q32_rows(const uint8_t* w, int64_t nb, const Rows<MR>& x, float* res) {
-  constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ5_0 ? 22 : T == kQ5_1 ? 24 : 34;
+  constexpr int64_t kBytes = q32_bytes<T>();
   float acc[MR] = {};
   uint8_t codes[32];
   for (int64_t i = 0; i < nb; ++i) {
@@ -1219,9 +1216,9 @@ Tensor gguf_linear(Tensor x, Tensor w0, int64_t t0, Tensor p0, Tensor w1, int64_
                                                                   total / (int64_t(64) << 10) + 1));
   const int64_t MB = act_block(M, K);
 #if defined(__AVX2__)
-  auto on_gemm = [&](int64_t t) { return gemm_type(t) && M >= gemm_min_m(t); };
+  auto on_gemm = [&](int64_t t) { return takes_gemm(t, M); };
   act.qki.clear();
-  if (need_k && M >= gemm_min_m(kQ4_K)) {
+  if (need_k && M >= kGemmMinM) {
     act.qki.resize(M * K);
     for (int64_t m = 0; m < M; ++m) pair_activations(act.qk.data() + m * K, K, act.qki.data() + m * K);
   }
@@ -1252,11 +1249,11 @@ Tensor gguf_linear(Tensor x, Tensor w0, int64_t t0, Tensor p0, Tensor w1, int64_
     }
 #if defined(__AVX2__)
     each([&](const Segment& s, int64_t r0, int64_t r1) {
-        if (!on_gemm(s.type)) return;
-        gemm_segment(s.type, s.data, s.row_stride, r0, r1, K, act, [&](int64_t m, int64_t r, float v) {
-          out.put(m, s.col0 + (s.perm ? s.perm[r] : r), v);
-        });
+      if (!on_gemm(s.type)) return;
+      gemm_segment(s.type, s.data, s.row_stride, r0, r1, K, act, [&](int64_t m, int64_t r, float v) {
+        out.put(m, s.col0 + (s.perm ? s.perm[r] : r), v);
       });
+    });
 #endif
   };
   if (threads == 1) {
